@@ -1,0 +1,29 @@
+"""kvseal: a multi-tenant LLM inference server whose tenants cannot see each other's data."""
+
+from kvseal.errors import (
+    ConfigError,
+    ContextLengthExceeded,
+    InvalidParameter,
+    IsolationViolation,
+    KvsealError,
+    ModelLoadError,
+    RequestAborted,
+    RequestRejected,
+)
+from kvseal.types import FinishReason, RequestOutput, SamplingParams
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "LLM", "ConfigError", "ContextLengthExceeded", "FinishReason", "InvalidParameter", "IsolationViolation",
+    "KvsealError", "ModelLoadError", "RequestAborted", "RequestOutput", "RequestRejected", "SamplingParams",
+]
+
+
+def __getattr__(name: str) -> object:
+    # LLM pulls in torch models and transformers; load it only when asked for.
+    if name == "LLM":
+        from kvseal.llm import LLM
+
+        return LLM
+    raise AttributeError(f"module 'kvseal' has no attribute {name!r}")

@@ -1,0 +1,1 @@
+"""Test-only helpers. Nothing here is reachable from a CLI flag, an env var or EngineArgs."""

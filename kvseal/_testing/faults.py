@@ -1,0 +1,34 @@
+"""Test-only fault switches that deliberately break an isolation guarantee.
+
+Each isolation check must be shown to fail when the thing it guards is broken; tests switch
+a fault on with `inject(...)` and assert that the check catches it. Production code only
+ever asks `is_active(...)`; no flag, environment variable or config field can turn one on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+from collections.abc import Iterator
+
+
+class Fault(enum.Enum):
+    # The incident's path: a prompt's prefill is replaced by a one-token placeholder, yet
+    # the request is treated as if its whole prompt had been computed.
+    PLACEHOLDER_PREFILL = "placeholder_prefill"
+
+
+_active: set[Fault] = set()
+
+
+def is_active(fault: Fault) -> bool:
+    return fault in _active
+
+
+@contextlib.contextmanager
+def inject(fault: Fault) -> Iterator[None]:
+    _active.add(fault)
+    try:
+        yield
+    finally:
+        _active.discard(fault)

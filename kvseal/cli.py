@@ -1,0 +1,168 @@
+"""`kvseal` command line: generate, plan, serve."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+from kvseal.capacity import KvCapacity, bytes_per_element, parse_bytes
+from kvseal.config import DTYPES, EngineArgs
+from kvseal.errors import KvsealError
+
+_DTYPE_ALIASES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16",
+                  "fp16": "float16", "float16": "float16", "half": "float16"}
+
+
+def _dtype(value: str) -> str:
+    if value not in _DTYPE_ALIASES:
+        raise argparse.ArgumentTypeError(f"dtype must be one of {', '.join(_DTYPE_ALIASES)}")
+    return _DTYPE_ALIASES[value]
+
+
+def _max_model_len(value: str) -> int | str:
+    return "auto" if value == "auto" else int(value)
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags that become `EngineArgs` fields (shared by generate and serve)."""
+    d = EngineArgs()
+    parser.add_argument("--model", default=None, help="local model folder or .gguf file (default: SmolLM2-135M)")
+    parser.add_argument("--dtype", type=_dtype, default=d.dtype)
+    parser.add_argument("--max-model-len", type=_max_model_len, default=None, help="integer or 'auto'")
+    parser.add_argument("--kv-cache-tokens", type=int, default=None, help="KV pool size in tokens")
+    parser.add_argument("--kv-cache-memory", default=d.kv_cache_memory, help="KV pool budget when "
+                        "--kv-cache-tokens is not given (e.g. 2GiB)")
+    parser.add_argument("--kv-headroom", type=float, default=d.kv_headroom)
+    parser.add_argument("--page-size", type=int, default=d.page_size)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
+    parser.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+    parser.add_argument("--kv-scrub", choices=("off", "free", "alloc"), default=d.kv_scrub)
+    parser.add_argument("--check-kv", action="store_true", help="checked mode: NaN-poison freed pages and "
+                        "verify every read slot was written by its reader (I4)")
+    parser.add_argument("--seed", type=int, default=d.seed)
+
+
+def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
+    return EngineArgs(
+        model=ns.model, dtype=ns.dtype, max_model_len=ns.max_model_len, kv_cache_tokens=ns.kv_cache_tokens,
+        kv_cache_memory=ns.kv_cache_memory, kv_headroom=ns.kv_headroom, page_size=ns.page_size,
+        max_num_batched_tokens=ns.max_num_batched_tokens, max_num_seqs=ns.max_num_seqs,
+        kv_scrub=ns.kv_scrub, check_kv=ns.check_kv, seed=ns.seed,
+    )
+
+
+def _cmd_generate(ns: argparse.Namespace) -> int:
+    from kvseal.llm import LLM
+    from kvseal.types import SamplingParams
+
+    llm = LLM(**vars(engine_args_from(ns)))
+    params = SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature, seed=ns.sampling_seed)
+    if ns.chat:
+        out = llm.chat([{"role": "user", "content": ns.prompt}], params)[0]
+    else:
+        out = llm.generate(ns.prompt, params)[0]
+    print(out.text)
+    return 0
+
+
+def _cmd_plan(ns: argparse.Namespace) -> int:
+    layers, kv_heads, head_dim, source = _plan_dims(ns)
+    cap = KvCapacity.for_dims(layers, kv_heads, head_dim, bytes_per_element(DTYPES[ns.dtype]), ns.page_size, ns.tp)
+    cap = cap.with_tokens(ns.kv_cache_tokens) if ns.kv_cache_tokens else cap.with_memory(parse_bytes(ns.kv_memory))
+    needed = ns.max_model_len * ns.kv_headroom
+    rows = [
+        ("model", source),
+        ("layers x kv_heads/rank x head_dim", f"{layers} x {cap.num_kv_heads_per_rank} (of {kv_heads}, tp={ns.tp}) x {head_dim}"),
+        ("dtype", f"{ns.dtype} ({cap.element_bytes} bytes)"),
+        ("KV bytes per token", f"2 x {layers} x {cap.num_kv_heads_per_rank} x {head_dim} x {cap.element_bytes} = {cap.bytes_per_token:,}"),
+        ("page", f"{ns.page_size} tokens = {cap.page_bytes:,} bytes"),
+        ("KV memory", f"{cap.kv_memory_bytes:,} bytes" if cap.kv_memory_bytes is not None else "(from --kv-cache-tokens)"),
+        ("pool", f"{cap.num_pages:,} pages = {cap.pool_tokens:,} tokens"),
+        ("max_model_len x headroom", f"{ns.max_model_len:,} x {ns.kv_headroom} = {needed:,.0f} tokens"),
+    ]
+    width = max(len(r[0]) for r in rows)
+    for name, value in rows:
+        print(f"{name:<{width}}  {value}")
+    try:
+        cap.require_fits(ns.max_model_len, ns.kv_headroom)
+    except KvsealError as exc:
+        print(f"REFUSED: {exc}")
+        return 1
+    print(f"OK: the pool holds {cap.pool_tokens / ns.max_model_len:.2f} full-length requests")
+    return 0
+
+
+def _plan_dims(ns: argparse.Namespace) -> tuple[int, int, int, str]:
+    explicit = (ns.num_layers, ns.num_kv_heads, ns.head_dim)
+    if all(v is not None for v in explicit):
+        return ns.num_layers, ns.num_kv_heads, ns.head_dim, "(explicit dimensions)"
+    if ns.model is None:
+        raise KvsealError("plan needs --model (a folder with config.json) or all of --num-layers, "
+                          "--num-kv-heads and --head-dim")
+    from kvseal.config import ModelConfig
+    from kvseal.models.loader import plan_config
+
+    cfg: ModelConfig = plan_config(ns.model)
+    return cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, str(ns.model)
+
+
+def _cmd_serve(ns: argparse.Namespace) -> int:
+    from kvseal.server import serve
+
+    return serve(ns)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvseal", description=__doc__)
+    parser.add_argument("--log-level", default="INFO")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="complete one prompt offline and print the text")
+    add_engine_arguments(gen)
+    gen.add_argument("prompt")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--sampling-seed", type=int, default=None)
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    gen.set_defaults(func=_cmd_generate)
+
+    plan = sub.add_parser("plan", help="print KV capacity arithmetic without loading weights")
+    plan.add_argument("--model", default=None, help="folder with config.json, or a .gguf file")
+    plan.add_argument("--num-layers", type=int)
+    plan.add_argument("--num-kv-heads", type=int)
+    plan.add_argument("--head-dim", type=int)
+    plan.add_argument("--kv-memory", default="2GiB", help="KV cache memory budget per rank (e.g. 64GiB)")
+    plan.add_argument("--kv-cache-tokens", type=int, default=None, help="give the pool in tokens instead")
+    plan.add_argument("--max-model-len", type=int, required=True)
+    plan.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (KV heads are split across them)")
+    plan.add_argument("--dtype", type=_dtype, default="bfloat16")
+    plan.add_argument("--page-size", type=int, default=16)
+    plan.add_argument("--kv-headroom", type=float, default=1.0)
+    plan.set_defaults(func=_cmd_plan)
+
+    serve = sub.add_parser("serve", help="OpenAI-compatible multi-tenant HTTP server")
+    add_engine_arguments(serve)
+    serve.set_defaults(func=_cmd_serve)
+    try:
+        from kvseal.server import add_serve_arguments
+    except ImportError:
+        pass
+    else:
+        add_serve_arguments(serve)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return int(ns.func(ns))
+    except KvsealError as exc:
+        print(f"kvseal: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

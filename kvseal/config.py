@@ -1,0 +1,196 @@
+"""Frozen configuration, one dataclass per layer, validated on construction.
+
+`EngineArgs` is what a user gives (it may say "auto"); `resolve()` turns it into frozen
+`ModelConfig`, `CacheConfig` and `SchedulerConfig` with every "auto" decided, and refuses a
+configuration the server cannot honour (I2).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+from kvseal.capacity import KvCapacity, bytes_per_element, parse_bytes
+from kvseal.errors import ConfigError, ModelLoadError
+
+logger = logging.getLogger("kvseal")
+
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+ScrubMode = Literal["off", "free", "alloc"]
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A Llama-family decoder, normalized once from a Hugging Face config."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    has_qk_norm: bool
+    eos_token_ids: tuple[int, ...]
+    sliding_window: int | None
+    hf_config: Any = field(compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ModelLoadError(
+                f"num_attention_heads={self.num_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_kv_heads}"
+            )
+
+    @classmethod
+    def from_hf(cls, hf: Any) -> ModelConfig:
+        architecture = _architecture_of(hf)
+        num_heads = hf.num_attention_heads
+        eos = hf.eos_token_id
+        window = getattr(hf, "sliding_window", None)
+        if architecture == "Qwen2ForCausalLM" and not getattr(hf, "use_sliding_window", False):
+            window = None
+        return cls(
+            architecture=architecture,
+            vocab_size=hf.vocab_size,
+            hidden_size=hf.hidden_size,
+            intermediate_size=hf.intermediate_size,
+            num_layers=hf.num_hidden_layers,
+            num_heads=num_heads,
+            num_kv_heads=getattr(hf, "num_key_value_heads", None) or num_heads,
+            head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // num_heads,
+            rms_norm_eps=hf.rms_norm_eps,
+            max_position_embeddings=hf.max_position_embeddings,
+            tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+            attention_bias=architecture == "Qwen2ForCausalLM" or bool(getattr(hf, "attention_bias", False)),
+            has_qk_norm=architecture == "Qwen3ForCausalLM",
+            eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]),
+            sliding_window=window,
+            hf_config=hf,
+        )
+
+
+def _architecture_of(hf: Any) -> str:
+    names = list(getattr(hf, "architectures", None) or [])
+    if not names:
+        by_type = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                   "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+        names = [by_type.get(getattr(hf, "model_type", ""), getattr(hf, "model_type", "?"))]
+    for name in names:
+        if name in SUPPORTED_ARCHITECTURES:
+            return name
+    raise ModelLoadError(
+        f"unsupported architecture {names}; kvseal supports {', '.join(SUPPORTED_ARCHITECTURES)}"
+    )
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    page_size: int
+    num_pages: int
+    dtype: torch.dtype
+    kv_scrub: ScrubMode = "off"
+    check_kv: bool = False
+
+    def __post_init__(self) -> None:
+        if self.page_size < 1 or self.num_pages < 1:
+            raise ConfigError(f"page_size ({self.page_size}) and num_pages ({self.num_pages}) must be >= 1")
+        if self.kv_scrub not in ("off", "free", "alloc"):
+            raise ConfigError(f"kv_scrub must be one of off, free, alloc; got {self.kv_scrub!r}")
+
+    @property
+    def kv_cache_tokens(self) -> int:
+        return self.page_size * self.num_pages
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_model_len: int
+    max_num_batched_tokens: int
+    max_num_seqs: int
+
+    def __post_init__(self) -> None:
+        for name in ("max_model_len", "max_num_batched_tokens", "max_num_seqs"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    """What the user asks for. Values may be "auto"/None; `resolve()` decides them."""
+
+    model: str | None = None
+    dtype: str = "float32"
+    max_model_len: int | Literal["auto"] | None = None
+    kv_cache_tokens: int | None = None
+    kv_cache_memory: str | int = "2GiB"
+    kv_headroom: float = 1.0
+    page_size: int = 16
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    kv_scrub: ScrubMode = "off"
+    check_kv: bool = False
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}; got {self.dtype!r}")
+        if self.kv_headroom < 1.0:
+            raise ConfigError(f"kv_headroom must be >= 1.0, got {self.kv_headroom}")
+        if isinstance(self.max_model_len, str) and self.max_model_len != "auto":
+            raise ConfigError(f"max_model_len must be an integer or 'auto'; got {self.max_model_len!r}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    def capacity(self, model: ModelConfig) -> KvCapacity:
+        per_elem = bytes_per_element(self.torch_dtype)
+        base = KvCapacity.for_dims(model.num_layers, model.num_kv_heads, model.head_dim, per_elem, self.page_size)
+        if self.kv_cache_tokens is not None:
+            return base.with_tokens(self.kv_cache_tokens)
+        return base.with_memory(parse_bytes(self.kv_cache_memory))
+
+    def resolve(self, model: ModelConfig) -> tuple[CacheConfig, SchedulerConfig]:
+        """Decide every "auto" and refuse what cannot be honoured (I2)."""
+        capacity = self.capacity(model)
+        max_model_len = self._resolve_max_model_len(model, capacity)
+        if model.sliding_window is not None and max_model_len > model.sliding_window:
+            raise ConfigError(
+                f"the model uses sliding-window attention (window {model.sliding_window}) and kvseal "
+                f"attends over the full context; set max_model_len <= {model.sliding_window}"
+            )
+        capacity.require_fits(max_model_len, self.kv_headroom)
+        cache = CacheConfig(self.page_size, capacity.num_pages, self.torch_dtype, self.kv_scrub, self.check_kv)
+        sched = SchedulerConfig(max_model_len, self.max_num_batched_tokens, self.max_num_seqs)
+        return cache, sched
+
+    def _resolve_max_model_len(self, model: ModelConfig, capacity: KvCapacity) -> int:
+        limit = model.max_position_embeddings
+        if self.max_model_len is None:
+            return limit
+        if self.max_model_len == "auto":
+            fitted = min(limit, int(capacity.pool_tokens / self.kv_headroom))
+            logger.warning("max_model_len=auto: context clamped to %d tokens (model allows %d, pool holds %d)",
+                           fitted, limit, capacity.pool_tokens)
+            return fitted
+        if self.max_model_len > limit:
+            raise ConfigError(
+                f"max_model_len={self.max_model_len} exceeds the model's max_position_embeddings={limit}; "
+                f"set max_model_len <= {limit}"
+            )
+        return int(self.max_model_len)

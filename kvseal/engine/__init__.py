@@ -1,0 +1,1 @@
+"""Engine core: scheduler, batch building, model runner, sampler and the step loop."""

@@ -1,0 +1,149 @@
+"""The engine core: admit, schedule, run one forward, sample, report. One process per role.
+
+`add_request` runs the admission function (I1) before anything exists for the request;
+`step` runs one scheduler step and returns what each touched request produced; `abort`
+ends a queued or running request at once and frees its pages.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvseal.admission import AdmissionLimits, admit
+from kvseal.config import CacheConfig, EngineArgs, ModelConfig, SchedulerConfig
+from kvseal.engine.batch import build_forward_batch
+from kvseal.engine.model_runner import ModelRunner
+from kvseal.engine.output import OutputState
+from kvseal.engine.sampler import sample
+from kvseal.engine.scheduler import Scheduler, SchedulerOutput
+from kvseal.errors import InvalidParameter, IsolationViolation
+from kvseal.kvcache.manager import KVCacheManager
+from kvseal.models.loader import LoadedModel, load_model
+from kvseal.types import DEFAULT_TENANT, FinishReason, Request, RequestOutput, SamplingParams
+
+logger = logging.getLogger("kvseal")
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_pages_used: int
+    num_pages_free: int
+    num_preemptions: int
+
+
+class LLMEngine:
+    def __init__(self, args: EngineArgs, loaded: LoadedModel | None = None) -> None:
+        torch.manual_seed(args.seed)
+        self.loaded = loaded or load_model(args.model, args.torch_dtype)
+        self.model_config: ModelConfig = self.loaded.config
+        self.tokenizer: Any = self.loaded.tokenizer
+        self.cache_config, self.scheduler_config = args.resolve(self.model_config)
+        self.limits = AdmissionLimits(self.scheduler_config.max_model_len, self.cache_config.kv_cache_tokens,
+                                      self.model_config.vocab_size)
+        cfg = self.model_config
+        self.kv = KVCacheManager(self.cache_config, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
+        self.scheduler = Scheduler(self.scheduler_config, self.kv)
+        self.runner = ModelRunner(self.loaded.model.to(args.torch_dtype), self.kv.pool)
+        self._outputs: dict[str, OutputState] = {}
+        self._seed_counter = itertools.count(args.seed * 1_000_003 + 1)
+        self._num_preemptions = 0
+        self._log_config(args)
+
+    def _log_config(self, args: EngineArgs) -> None:
+        c, s = self.cache_config, self.scheduler_config
+        logger.info(
+            "kvseal engine: model=%s arch=%s dtype=%s max_model_len=%d kv_cache_tokens=%d (%d pages x %d) "
+            "kv_bytes_per_token=%d max_num_batched_tokens=%d max_num_seqs=%d kv_scrub=%s check_kv=%s",
+            self.loaded.path, self.model_config.architecture, args.dtype, s.max_model_len, c.kv_cache_tokens,
+            c.num_pages, c.page_size, args.capacity(self.model_config).bytes_per_token,
+            s.max_num_batched_tokens, s.max_num_seqs, c.kv_scrub, c.check_kv,
+        )
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return list(self.tokenizer.encode(prompt, add_special_tokens=True))
+        if not isinstance(prompt, list):
+            raise InvalidParameter("prompt must be a string or a list of token ids", param="prompt")
+        return prompt
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                    tenant: str = DEFAULT_TENANT) -> Request:
+        """Admit (I1) and queue a request; raises RequestRejected before any state exists."""
+        if request_id in self._outputs:
+            raise InvalidParameter(f"request id {request_id!r} is already in use", param="request_id")
+        token_ids = admit(self.tokenize(prompt), params, self.limits)
+        generator = torch.Generator().manual_seed(params.seed if params.seed is not None else next(self._seed_counter))
+        request = Request(request_id, tenant, token_ids, params, generator=generator)
+        self._outputs[request_id] = OutputState(request, self.tokenizer, self.model_config.eos_token_ids)
+        self.scheduler.add(request)
+        return request
+
+    def abort(self, request_id: str, reason: str = "aborted") -> RequestOutput | None:
+        """End a queued or running request now; its pages are free when this returns."""
+        request = self.scheduler.find(request_id)
+        if request is None:
+            return None
+        return self._finish(request, FinishReason.ABORT, error=reason)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    def stats(self) -> EngineStats:
+        return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), self.kv.num_used_pages,
+                           self.kv.num_free_pages, self._num_preemptions)
+
+    def step(self) -> list[RequestOutput]:
+        """One scheduler step and at most one forward. Returns one output per request that
+        produced a token or finished."""
+        plan = self.scheduler.schedule()
+        self._num_preemptions += len(plan.preempted)
+        if not plan.chunks:
+            return []
+        try:
+            batch = build_forward_batch(plan.chunks, self.kv, self.cache_config.check_kv)
+        except IsolationViolation as violation:
+            return [self._isolation_abort(violation)]
+        logits = self.runner.run(batch).logits
+        return self._update(plan, logits)
+
+    def _update(self, plan: SchedulerOutput, logits: torch.Tensor) -> list[RequestOutput]:
+        sampled = [c.request for c in plan.chunks if c.is_last_chunk]
+        for chunk in plan.chunks:
+            chunk.request.num_computed_tokens += chunk.num_new_tokens
+        outputs = []
+        for request, (token, logprobs) in zip(sampled, sample(logits, sampled, self.model_config.eos_token_ids)):
+            state = self._outputs[request.request_id]
+            state.append_token(token)
+            if logprobs is not None:
+                request.output_logprobs.append(logprobs)
+            if request.finish_reason is not None:
+                outputs.append(self._finish(request, request.finish_reason))
+            else:
+                outputs.append(state.report(finished=False))
+        return outputs
+
+    def _finish(self, request: Request, reason: FinishReason, error: str | None = None) -> RequestOutput:
+        self.scheduler.finish(request)
+        request.finish_reason = reason
+        return self._outputs.pop(request.request_id).report(finished=True, error=error)
+
+    def _isolation_abort(self, violation: IsolationViolation) -> RequestOutput:
+        logger.error("isolation check failed, aborting the request: %s", violation)
+        request = self.scheduler.find(violation.request_id)
+        assert request is not None, "an isolation violation names a request the scheduler holds"
+        return self._finish(request, FinishReason.ABORT, error=f"isolation check failed: {violation}")
+
+    def check_integrity(self) -> None:
+        """Invariant checks for tests: page ownership (I3) and queue/page agreement."""
+        self.kv.check_integrity()
+        live = {r.request_id for r in self.scheduler.running}
+        for request in self.scheduler.waiting:
+            assert not self.kv.allocator.owns(request.request_id), f"waiting {request.request_id} holds pages"
+        assert self.kv.allocator.owner_ids() <= live, "pages owned by a request that is not running"

@@ -1,0 +1,82 @@
+"""Per-request output state: incremental detokenization and stop conditions.
+
+Text is decoded incrementally (a few prompt tokens of context, then only new tokens), held
+back while it ends in an incomplete UTF-8 sequence, and, while stop strings are possible,
+held back by (longest stop string - 1) characters so a stream never shows part of a stop
+string that later matches. A matched stop string is cut from the text.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvseal.types import FinishReason, Request, RequestOutput
+
+_CONTEXT_TOKENS = 5
+
+
+class OutputState:
+    def __init__(self, request: Request, tokenizer: Any, eos_token_ids: tuple[int, ...]) -> None:
+        self.request = request
+        self._tokenizer = tokenizer
+        self._eos = set(eos_token_ids)
+        self._ids = request.prompt_token_ids[-_CONTEXT_TOKENS:]
+        self._prefix_offset = 0
+        self._read_offset = len(self._ids)
+        self.text = ""
+        self._num_emitted_chars = 0
+        self._num_reported_tokens = 0
+        self._holdback = max((len(s) for s in request.params.stop), default=1) - 1
+
+    def append_token(self, token: int) -> None:
+        """Record a sampled token; finish the request if it meets a stop condition."""
+        request = self.request
+        request.output_token_ids.append(token)
+        self._ids.append(token)
+        delta = self._decode_delta()
+        self.text += delta
+        if request.num_output_tokens >= request.params.min_tokens:
+            self._check_stop(token, delta)
+        if request.finish_reason is None and request.num_output_tokens >= request.params.max_tokens:
+            request.finish_reason = FinishReason.LENGTH
+
+    def _decode_delta(self) -> str:
+        decode = self._tokenizer.decode
+        prefix = decode(self._ids[self._prefix_offset:self._read_offset], skip_special_tokens=True)
+        full = decode(self._ids[self._prefix_offset:], skip_special_tokens=True)
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return ""
+        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+        return full[len(prefix):]
+
+    def _check_stop(self, token: int, delta: str) -> None:
+        request, params = self.request, self.request.params
+        if token in params.stop_token_ids:
+            request.finish_reason, request.stop_reason = FinishReason.STOP, token
+        elif token in self._eos and not params.ignore_eos:
+            request.finish_reason, request.stop_reason = FinishReason.STOP, None
+        else:
+            self._check_stop_strings(len(delta))
+
+    def _check_stop_strings(self, num_new_chars: int) -> None:
+        for stop in self.request.params.stop:
+            index = self.text.find(stop, max(0, len(self.text) - num_new_chars - len(stop) + 1))
+            if index >= 0:
+                self.text = self.text[:index]
+                self.request.finish_reason, self.request.stop_reason = FinishReason.STOP, stop
+                return
+
+    def report(self, finished: bool, error: str | None = None) -> RequestOutput:
+        """The increment since the previous report (text is held back per the module doc)."""
+        request = self.request
+        visible = len(self.text) if finished else max(self._num_emitted_chars, len(self.text) - self._holdback)
+        new_text = self.text[self._num_emitted_chars:visible]
+        new_tokens = request.output_token_ids[self._num_reported_tokens:]
+        self._num_emitted_chars, self._num_reported_tokens = visible, request.num_output_tokens
+        logprobs = request.output_logprobs if request.params.logprobs is not None else None
+        return RequestOutput(
+            request_id=request.request_id, tenant=request.tenant, prompt_token_ids=request.prompt_token_ids,
+            token_ids=list(request.output_token_ids), text=self.text[:visible], new_token_ids=new_tokens,
+            new_text=new_text, finished=finished, finish_reason=request.finish_reason,
+            stop_reason=request.stop_reason, logprobs=logprobs, error=error,
+        )

@@ -1,0 +1,82 @@
+"""Typed errors. Every message says what was wrong, the limit, and what to do.
+
+`RequestRejected` and its subclasses are the client's fault and map to HTTP 4xx; the
+frontend reads `code`, `param` and `http_status` from them. `ConfigError` and
+`ModelLoadError` stop start-up. A rejected request is terminal: nothing downstream may
+replace, pad, queue or compute it.
+"""
+
+from __future__ import annotations
+
+
+class KvsealError(Exception):
+    """Base of every error kvseal raises on purpose."""
+
+
+class RequestRejected(KvsealError):
+    """A request that must not run; raised before any page, slot or message exists."""
+
+    code: str = "invalid_request"
+    http_status: int = 400
+    error_type: str = "invalid_request_error"
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+class ContextLengthExceeded(RequestRejected):
+    """The prompt, or prompt plus max_tokens, exceeds what the server admits (I1)."""
+
+    code = "context_length_exceeded"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        num_prompt_tokens: int,
+        max_tokens: int,
+        max_model_len: int,
+        kv_cache_tokens: int,
+    ) -> None:
+        super().__init__(message, param="prompt")
+        self.num_prompt_tokens = num_prompt_tokens
+        self.max_tokens = max_tokens
+        self.max_model_len = max_model_len
+        self.kv_cache_tokens = kv_cache_tokens
+
+
+class InvalidParameter(RequestRejected):
+    """A sampling or request parameter has a value kvseal cannot honour."""
+
+    code = "invalid_parameter"
+
+
+class RequestAborted(KvsealError):
+    """A request that was admitted but ended early (client abort, engine failure)."""
+
+    def __init__(self, request_id: str, reason: str) -> None:
+        super().__init__(f"request {request_id} aborted: {reason}")
+        self.request_id = request_id
+        self.reason = reason
+
+
+class ConfigError(KvsealError):
+    """A configuration the server cannot honour (I2); start-up refuses it."""
+
+
+class ModelLoadError(KvsealError):
+    """A model file or folder is missing, corrupt or of an unsupported architecture."""
+
+
+class IsolationViolation(KvsealError):
+    """Checked mode found a request about to read KV it did not write (I3/I4).
+
+    This is never a client error: it means the engine is broken. The forward that would
+    have read the slots is not run, and the request is aborted.
+    """
+
+    def __init__(self, request_id: str, message: str) -> None:
+        super().__init__(message)
+        self.request_id = request_id

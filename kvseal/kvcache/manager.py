@@ -1,0 +1,102 @@
+"""KV cache manager: the allocator and the pool together, in the scheduler's terms.
+
+The scheduler asks for room in tokens; the manager turns that into whole pages, applies the
+scrub policy (I7) at the two moments it can act (hand-out and take-back), and answers the
+checked-mode question "was every slot this request is about to read written by it?" (I4).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kvseal.config import CacheConfig
+from kvseal.errors import IsolationViolation
+from kvseal.kvcache.allocator import PageAllocator
+from kvseal.kvcache.pool import KVPool
+
+
+class KVCacheManager:
+    def __init__(self, config: CacheConfig, num_layers: int, num_kv_heads: int, head_dim: int) -> None:
+        self.config = config
+        self.page_size = config.page_size
+        self.allocator = PageAllocator(config.num_pages)
+        self.pool = KVPool(num_layers, config.num_pages, config.page_size, num_kv_heads, head_dim, config.dtype)
+        if config.check_kv:
+            self.pool.fill(list(range(config.num_pages)), float("nan"))
+
+    @property
+    def num_free_pages(self) -> int:
+        return self.allocator.num_free_pages
+
+    @property
+    def num_used_pages(self) -> int:
+        return self.allocator.num_owned_pages
+
+    def num_pages_for(self, num_tokens: int) -> int:
+        return math.ceil(num_tokens / self.page_size)
+
+    def num_missing_pages(self, request_id: str, num_tokens: int) -> int:
+        return max(0, self.num_pages_for(num_tokens) - len(self.allocator.pages_of(request_id)))
+
+    def can_reserve(self, request_id: str, num_tokens: int) -> bool:
+        return self.allocator.can_allocate(self.num_missing_pages(request_id, num_tokens))
+
+    def reserve(self, request_id: str, tenant: str, num_tokens: int) -> None:
+        """Make the request own enough pages for `num_tokens` tokens."""
+        missing = self.num_missing_pages(request_id, num_tokens)
+        if not self.allocator.owns(request_id):
+            new_pages = self.allocator.allocate(request_id, tenant, missing)
+        else:
+            new_pages = self.allocator.append(request_id, missing)
+        if not new_pages:
+            return
+        generations = [self.allocator.owner_of(p).generation for p in new_pages]  # type: ignore[union-attr]
+        self.pool.hand_out(new_pages, generations)
+        if self.config.kv_scrub == "alloc":
+            self.pool.fill(new_pages, 0.0)
+
+    def free(self, request_id: str) -> list[int]:
+        """Release every page of the request at once, scrubbed or poisoned per config."""
+        pages = self.allocator.free(request_id)
+        if not pages:
+            return pages
+        self.pool.take_back(pages)
+        if self.config.check_kv:
+            self.pool.fill(pages, float("nan"))
+        elif self.config.kv_scrub == "free":
+            self.pool.fill(pages, 0.0)
+        return pages
+
+    def slots(self, request_id: str, start: int, end: int) -> torch.Tensor:
+        """Pool slot of each position in [start, end) of the request: [end - start] int64."""
+        pages = torch.tensor(self.allocator.pages_of(request_id), dtype=torch.int64)
+        positions = torch.arange(start, end, dtype=torch.int64)
+        return pages[positions // self.page_size] * self.page_size + positions % self.page_size
+
+    def num_written_tokens(self, request_id: str) -> int:
+        """How many slots of the request's pages hold KV written in their current ownership."""
+        pages = self.allocator.pages_of(request_id)
+        if not pages:
+            return 0
+        return int(self.pool.written_by_owner(self.slots(request_id, 0, len(pages) * self.page_size)).sum())
+
+    def verify_readable(self, request_id: str, context_slots: torch.Tensor, new_slots: torch.Tensor) -> None:
+        """Checked mode (I4): every context slot must lie in a page the request owns and be
+        written by it, either earlier in this ownership period or by this forward (`new_slots`)."""
+        owned = set(self.allocator.pages_of(request_id))
+        foreign = sorted({p for p in (context_slots // self.page_size).tolist() if p not in owned})
+        if foreign:
+            raise IsolationViolation(request_id, f"request {request_id} would read pages {foreign[:8]} it does not own")
+        written = self.pool.written_by_owner(context_slots) | torch.isin(context_slots, new_slots)
+        if not bool(written.all()):
+            first = int((~written).nonzero()[0])
+            raise IsolationViolation(
+                request_id,
+                f"request {request_id} would read {int((~written).sum())} KV slots it never wrote "
+                f"(first at position {first}); refusing to run the forward",
+            )
+
+    def check_integrity(self) -> None:
+        self.allocator.check_integrity()

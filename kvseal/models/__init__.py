@@ -1,0 +1,6 @@
+"""Llama-family models over the paged KV pool, and their loading from local files."""
+
+from kvseal.models.llama import CausalLM
+from kvseal.models.loader import LoadedModel, default_model_path, load_model
+
+__all__ = ["CausalLM", "LoadedModel", "default_model_path", "load_model"]

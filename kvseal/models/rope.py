@@ -1,0 +1,44 @@
+"""Rotary position embedding, with the frequency schedules of Hugging Face's rope types."""
+
+from __future__ import annotations
+
+import torch
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from kvseal.config import ModelConfig
+
+
+def _rope_parameters(hf: object) -> dict:
+    params = getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {}
+    return dict(params)
+
+
+class RotaryEmbedding:
+    """Rotate-half RoPE (Hugging Face layout). Scaled types reuse transformers' init tables."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        hf = cfg.hf_config
+        params = _rope_parameters(hf)
+        rope_type = params.get("rope_type", params.get("type", "default"))
+        if rope_type == "default":
+            theta = params.get("rope_theta", getattr(hf, "rope_theta", 10000.0))
+            dims = torch.arange(0, cfg.head_dim, 2, dtype=torch.int64, device="cpu").float()
+            self.inv_freq = 1.0 / (theta ** (dims / cfg.head_dim))
+            self.scaling = 1.0
+        else:
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf, torch.device("cpu"))
+            self.inv_freq, self.scaling = inv_freq.float(), float(scaling)
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # positions: [num_tokens] -> cos, sin: [num_tokens, 1, head_dim]
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * self.scaling)[:, None, :], (emb.sin() * self.scaling)[:, None, :]
+
+    @staticmethod
+    def apply(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        # x: [num_tokens, heads, head_dim]
+        cos, sin = cos_sin
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return (x.float() * cos + rotated.float() * sin).to(x.dtype)

@@ -1,0 +1,195 @@
+"""The vocabulary: the names every other module uses for requests, parameters and batches."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from kvseal.errors import InvalidParameter
+
+DEFAULT_TENANT = "default"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, a stop token or a stop string
+    LENGTH = "length"  # max_tokens reached
+    ABORT = "abort"  # ended early; never reported to a client as a success
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """What a request asks of generation. Every field is honoured or rejected, never ignored.
+
+    temperature 0 means greedy. top_k <= 0 and top_p == 1 disable those filters. A seed
+    makes sampling reproducible for this request regardless of what it is batched with.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    logprobs: int | None = None
+    truncate_prompt_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        _require(self.max_tokens >= 1, "max_tokens", f"must be >= 1, got {self.max_tokens}")
+        _require(self.temperature >= 0, "temperature", f"must be >= 0, got {self.temperature}")
+        _require(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
+        _require(self.top_k >= -1, "top_k", f"must be -1 (off) or >= 1, got {self.top_k}")
+        _require(0 <= self.min_tokens <= self.max_tokens, "min_tokens",
+                 f"must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
+        _require(all(isinstance(s, str) and s for s in self.stop), "stop",
+                 "every stop sequence must be a non-empty string")
+        _require(self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs",
+                 f"must be between 0 and 20, got {self.logprobs}")
+        _require(self.truncate_prompt_tokens is None or self.truncate_prompt_tokens >= 1,
+                 "truncate_prompt_tokens", f"must be >= 1, got {self.truncate_prompt_tokens}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+def _require(ok: bool, param: str, message: str) -> None:
+    if not ok:
+        raise InvalidParameter(f"invalid {param}: {message}", param=param)
+
+
+@dataclass
+class Request:
+    """One admitted request as the engine sees it. Owned by exactly one scheduler queue.
+
+    `num_computed_tokens` counts tokens whose KV is in this request's own pages; it is only
+    ever advanced by a forward that wrote them, and reset to 0 on preemption.
+    """
+
+    request_id: str
+    tenant: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0
+    num_preemptions: int = 0
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+    generator: torch.Generator | None = None
+    arrival_s: float = field(default_factory=time.monotonic)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """Log-probability of the sampled token and of the most likely alternatives."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """What one step (or a whole offline generate) reports for one request.
+
+    `new_token_ids` and `new_text` are the increment since the previous report; `token_ids`
+    and `text` the whole output so far. `text` never contains a matched stop string.
+    """
+
+    request_id: str
+    tenant: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+    logprobs: list[TokenLogprobs] | None = None
+    error: str | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """`num_new_tokens` tokens of `request`, starting at its `num_computed_tokens`."""
+
+    request: Request
+    num_new_tokens: int
+
+    @property
+    def start_pos(self) -> int:
+        return self.request.num_computed_tokens
+
+    @property
+    def is_last_chunk(self) -> bool:
+        """True when this chunk reaches the request's last token, so it yields a sample."""
+        return self.start_pos + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass(frozen=True)
+class ForwardBatch:
+    """Everything the model runner needs for one forward; it sees nothing else.
+
+    Tokens of all sequences are flattened. Sequence i owns tokens
+    [query_start[i], query_start[i+1]) at positions [context_len[i] - query_len[i],
+    context_len[i]) and attends to context slots `context_slots[i]` (one pool slot per
+    position, written by this request). `logits_indices` picks the tokens to sample from.
+    """
+
+    input_ids: torch.Tensor  # [num_tokens] int64
+    positions: torch.Tensor  # [num_tokens] int64
+    slot_mapping: torch.Tensor  # [num_tokens] int64: pool slot each new token's KV goes to
+    query_lens: list[int]
+    context_lens: list[int]
+    context_slots: list[torch.Tensor]  # per sequence: [context_len] int64
+    logits_indices: torch.Tensor  # [num_samples] int64 into the flattened tokens
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens)
