@@ -1,0 +1,64 @@
+"""Tiny random-weight models for tests, one per supported architecture, saved like real ones.
+
+Each is a Hugging Face folder (config.json, model.safetensors, tokenizer.json with a chat
+template) so tests exercise the real loading path. Words are "w0".."wN"; token id = N.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    MistralConfig,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen3Config,
+)
+
+VOCAB_SIZE = 512
+EOS_ID, BOS_ID = 1, 2
+CHAT_TEMPLATE = (
+    "{% for m in messages %}w3 {{ m['content'] }} w4 {% endfor %}{% if add_generation_prompt %}w5{% endif %}"
+)
+
+_COMMON = dict(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+               eos_token_id=EOS_ID, bos_token_id=BOS_ID, tie_word_embeddings=False)
+
+CONFIGS = {
+    "llama": lambda: LlamaConfig(**_COMMON),
+    "mistral": lambda: MistralConfig(**_COMMON, sliding_window=None),
+    "qwen2": lambda: Qwen2Config(**_COMMON),
+    "qwen3": lambda: Qwen3Config(**{**_COMMON, "tie_word_embeddings": True}, head_dim=32),
+}
+
+
+def make_tokenizer() -> PreTrainedTokenizerFast:
+    vocab = {f"w{i}": i for i in range(VOCAB_SIZE)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="w1", bos_token="w2", unk_token="w0")
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def make_tiny_model(arch: str, folder: Path, seed: int = 0) -> Path:
+    """Write a random-weight model of `arch` into `folder`; return the folder."""
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(CONFIGS[arch]()).eval()
+    with torch.no_grad():  # larger weights than the init default: sharper, less tie-prone logits
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.08)
+    model.save_pretrained(folder)
+    make_tokenizer().save_pretrained(folder)
+    return folder
+
+
+def words(ids: list[int]) -> str:
+    return " ".join(f"w{i}" for i in ids)
