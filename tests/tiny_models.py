@@ -1,7 +1,7 @@
 """Tiny random-weight models for tests, one per supported architecture, saved like real ones.
 
 Each is a Hugging Face folder (config.json, model.safetensors, tokenizer.json with a chat
-template) so tests exercise the real loading path. Words are "w0".."wN"; token id = N.
+template) so tests exercise the real loading path. Words are "w3".."w511" (token id = N); 0, 1, 2 are <unk>, </s>, <s>.
 """
 
 from __future__ import annotations
@@ -38,11 +38,13 @@ CONFIGS = {
 
 
 def make_tokenizer() -> PreTrainedTokenizerFast:
-    vocab = {f"w{i}": i for i in range(VOCAB_SIZE)}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="w0"))
+    vocab = {f"w{i}": i for i in range(VOCAB_SIZE)} | {"<unk>": 0, "</s>": EOS_ID, "<s>": BOS_ID}
+    for special in ("w0", f"w{EOS_ID}", f"w{BOS_ID}"):
+        del vocab[special]
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="w1", bos_token="w2", unk_token="w0")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", bos_token="<s>", unk_token="<unk>")
     fast.chat_template = CHAT_TEMPLATE
     return fast
 

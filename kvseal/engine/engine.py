@@ -7,7 +7,6 @@ ends a queued or running request at once and frees its pages.
 
 from __future__ import annotations
 
-import itertools
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -52,7 +51,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.scheduler_config, self.kv)
         self.runner = ModelRunner(self.loaded.model.to(args.torch_dtype), self.kv.pool)
         self._outputs: dict[str, OutputState] = {}
-        self._seed_counter = itertools.count(args.seed * 1_000_003 + 1)
+        self._seed_source = torch.Generator().manual_seed(args.seed)  # seeds unseeded requests
         self._num_preemptions = 0
         self._log_config(args)
 
@@ -79,7 +78,8 @@ class LLMEngine:
         if request_id in self._outputs:
             raise InvalidParameter(f"request id {request_id!r} is already in use", param="request_id")
         token_ids = admit(self.tokenize(prompt), params, self.limits)
-        generator = torch.Generator().manual_seed(params.seed if params.seed is not None else next(self._seed_counter))
+        seed = params.seed if params.seed is not None else int(torch.randint(2**62, (1,), generator=self._seed_source))
+        generator = torch.Generator().manual_seed(seed)
         request = Request(request_id, tenant, token_ids, params, generator=generator)
         self._outputs[request_id] = OutputState(request, self.tokenizer, self.model_config.eos_token_ids)
         self.scheduler.add(request)

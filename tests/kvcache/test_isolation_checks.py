@@ -1,0 +1,107 @@
+"""I4 and I7: checked mode catches reads of unwritten slots; scrub modes wipe freed pages.
+
+The fault switch reproduces the incident's placeholder path: a prompt's prefill is replaced
+by one token while the request is counted as fully prefilled. Without checks, the request
+then decodes over whatever the pages held before: another tenant's KV.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from kvseal import FinishReason, SamplingParams
+from kvseal._testing.faults import Fault, inject
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+VICTIM_PROMPT = list(range(10, 40))
+SECRET_A = list(range(300, 330))
+SECRET_B = list(range(400, 430))
+
+
+def _after_secret(llm: Any, secret: list[int], fault: bool) -> Any:
+    llm.generate([secret], GREEDY, tenant="alice")
+    if not fault:
+        return llm.generate([VICTIM_PROMPT], GREEDY, tenant="bob")[0]
+    with inject(Fault.PLACEHOLDER_PREFILL):
+        return llm.generate([VICTIM_PROMPT], GREEDY, tenant="bob")[0]
+
+
+def test_placeholder_fault_leaks_without_checks(make_llm: Callable[..., Any]) -> None:
+    """The fault is real: bob's output depends on what alice sent before him."""
+    out_a = _after_secret(make_llm(), SECRET_A, fault=True)
+    out_b = _after_secret(make_llm(), SECRET_B, fault=True)
+    assert out_a.finish_reason is FinishReason.LENGTH
+    assert out_a.token_ids != out_b.token_ids
+    clean_a = _after_secret(make_llm(), SECRET_A, fault=False)
+    clean_b = _after_secret(make_llm(), SECRET_B, fault=False)
+    assert clean_a.token_ids == clean_b.token_ids
+
+
+def test_checked_mode_catches_the_placeholder_fault(make_llm: Callable[..., Any]) -> None:
+    llm = make_llm(check_kv=True)
+    out = _after_secret(llm, SECRET_A, fault=True)
+    assert out.finish_reason is FinishReason.ABORT
+    assert out.error and "isolation check failed" in out.error and "never wrote" in out.error
+    assert out.token_ids == []
+    llm.engine.check_integrity()
+    assert llm.engine.kv.num_used_pages == 0
+    # The engine keeps serving correctly after refusing the bad forward.
+    assert _after_secret(llm, SECRET_A, fault=False).token_ids == _after_secret(make_llm(), SECRET_B, fault=False).token_ids
+
+
+def test_scrub_free_removes_the_dependency_on_earlier_tenants(make_llm: Callable[..., Any]) -> None:
+    out_a = _after_secret(make_llm(kv_scrub="free"), SECRET_A, fault=True)
+    out_b = _after_secret(make_llm(kv_scrub="free"), SECRET_B, fault=True)
+    assert out_a.token_ids == out_b.token_ids
+
+
+def _pages_after_one_request(llm: Any) -> list[int]:
+    engine = llm.engine
+    engine.add_request("r", SECRET_A, GREEDY, tenant="alice")
+    engine.step()
+    pages = engine.kv.allocator.pages_of("r")
+    while engine.has_unfinished():
+        engine.step()
+    return pages
+
+
+def test_checked_mode_poisons_freed_pages_with_nan(make_llm: Callable[..., Any]) -> None:
+    llm = make_llm(check_kv=True)
+    pages = _pages_after_one_request(llm)
+    for layer in range(len(llm.engine.kv.pool.k)):
+        assert torch.isnan(llm.engine.kv.pool.k[layer][pages]).all()
+        assert torch.isnan(llm.engine.kv.pool.v[layer][pages]).all()
+
+
+def test_scrub_free_zeroes_pages_on_free(make_llm: Callable[..., Any]) -> None:
+    llm = make_llm(kv_scrub="free")
+    pages = _pages_after_one_request(llm)
+    assert (llm.engine.kv.pool.k[0][pages] == 0).all() and (llm.engine.kv.pool.v[1][pages] == 0).all()
+
+
+def test_scrub_alloc_zeroes_pages_when_handed_out(make_llm: Callable[..., Any]) -> None:
+    llm = make_llm(kv_scrub="alloc")
+    pages = _pages_after_one_request(llm)
+    kv = llm.engine.kv
+    assert (kv.pool.k[0][pages] != 0).any(), "with scrub=alloc, data stays until the page is reused"
+    kv.reserve("next", "bob", len(pages) * kv.page_size)
+    assert kv.allocator.pages_of("next") == pages
+    assert (kv.pool.k[0][pages] == 0).all() and (kv.pool.v[0][pages] == 0).all()
+    assert kv.num_written_tokens("next") == 0
+
+
+def test_written_records_follow_ownership(make_llm: Callable[..., Any]) -> None:
+    """A slot written under one owner never counts as written for the next owner."""
+    llm = make_llm()
+    engine = llm.engine
+    engine.add_request("a", SECRET_A, SamplingParams(max_tokens=2, ignore_eos=True), tenant="alice")
+    engine.step()
+    assert engine.kv.num_written_tokens("a") == len(SECRET_A)
+    pages = engine.kv.allocator.pages_of("a")
+    engine.abort("a")
+    engine.kv.reserve("b", "bob", len(SECRET_A))
+    assert engine.kv.allocator.pages_of("b") == pages
+    assert engine.kv.num_written_tokens("b") == 0

@@ -1,0 +1,82 @@
+"""I2: start-up refuses a pool that cannot hold one full-length request; `kvseal plan`."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvseal import ConfigError
+from kvseal.capacity import KvCapacity, parse_bytes
+from kvseal.cli import main
+
+INCIDENT_DIMS = ["--num-layers", "64", "--num-kv-heads", "8", "--head-dim", "128", "--tp", "8", "--dtype", "bf16"]
+
+
+def test_parse_bytes() -> None:
+    assert parse_bytes("64GiB") == 64 * 2**30
+    assert parse_bytes("500MB") == 500 * 10**6
+    assert parse_bytes(1234) == 1234
+    with pytest.raises(ConfigError, match="cannot read"):
+        parse_bytes("lots")
+
+
+def test_capacity_arithmetic() -> None:
+    cap = KvCapacity.for_dims(num_layers=30, num_kv_heads=3, head_dim=64, element_bytes=2, page_size=16)
+    assert cap.bytes_per_token == 2 * 30 * 3 * 64 * 2
+    cap = cap.with_memory(10 * cap.page_bytes + 1)
+    assert (cap.num_pages, cap.pool_tokens) == (10, 160)
+    assert cap.with_tokens(161).num_pages == 11
+
+
+def test_plan_refuses_the_incident_configuration(capsys: pytest.CaptureFixture[str]) -> None:
+    # 681,280 tokens x 32,768 bytes per token (64 layers, 1 KV head per rank, dim 128, bf16).
+    rc = main(["plan", *INCIDENT_DIMS, "--kv-memory", str(681_280 * 32_768), "--max-model-len", "1048576"])
+    out = capsys.readouterr().out
+    assert rc == 1
+    assert "681,280 tokens" in out and "32,768" in out and "REFUSED" in out
+    assert "1048576" in out and "max_model_len=auto" in out
+
+
+def test_plan_accepts_twice_the_context(capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(["plan", *INCIDENT_DIMS, "--kv-memory", "64GiB", "--max-model-len", "1048576", "--kv-headroom", "2"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "2,097,152 tokens" in out and "OK" in out
+
+
+def test_plan_reads_config_json_without_weights(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": 100, "hidden_size": 1024,
+        "intermediate_size": 2048, "num_hidden_layers": 24, "num_attention_heads": 16, "num_key_value_heads": 2,
+        "max_position_embeddings": 32768, "rms_norm_eps": 1e-6,
+    }))
+    rc = main(["plan", "--model", str(tmp_path), "--kv-memory", "1GiB", "--max-model-len", "32768"])
+    out = capsys.readouterr().out
+    assert rc == 0 and f"{2 * 24 * 2 * 64 * 2:,}" in out
+
+
+def test_startup_refuses_small_pool_naming_both_numbers(make_llm: Callable[..., Any]) -> None:
+    with pytest.raises(ConfigError) as info:
+        make_llm(kv_cache_tokens=100, max_model_len=200)
+    message = str(info.value)
+    assert "100 tokens" in message and "200" in message and "bytes per token" in message
+    assert "max_model_len=auto" in message
+
+
+def test_headroom_is_enforced(make_llm: Callable[..., Any]) -> None:
+    with pytest.raises(ConfigError, match="headroom 2.0"):
+        make_llm(kv_cache_tokens=256, max_model_len=200, kv_headroom=2.0)
+
+
+def test_auto_clamps_context_to_pool(make_llm: Callable[..., Any]) -> None:
+    llm = make_llm(kv_cache_tokens=100, max_model_len="auto")
+    assert llm.engine.scheduler_config.max_model_len == 100
+    assert llm.engine.limits.max_prompt_tokens == 100
+
+
+def test_max_model_len_beyond_the_model_is_refused(make_llm: Callable[..., Any]) -> None:
+    with pytest.raises(ConfigError, match="max_position_embeddings=256"):
+        make_llm(kv_cache_tokens=1024, max_model_len=512)
