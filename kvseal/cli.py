@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from kvseal.capacity import KvCapacity, bytes_per_element, parse_bytes
 from kvseal.config import DTYPES, EngineArgs
 from kvseal.errors import KvsealError
+from kvseal.server import add_serve_arguments
 
 _DTYPE_ALIASES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16",
                   "fp16": "float16", "float16": "float16", "half": "float16"}
@@ -144,13 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="OpenAI-compatible multi-tenant HTTP server")
     add_engine_arguments(serve)
+    add_serve_arguments(serve)
     serve.set_defaults(func=_cmd_serve)
-    try:
-        from kvseal.server import add_serve_arguments
-    except ImportError:
-        pass
-    else:
-        add_serve_arguments(serve)
     return parser
 
 

@@ -1,0 +1,41 @@
+"""Between messages and the engine's vocabulary (`kvseal.types`). Pure functions."""
+
+from __future__ import annotations
+
+from kvseal.messages.msgs import RequestOutputMsg, SamplingParamsMsg, TokenLogprobsMsg
+from kvseal.types import RequestOutput, SamplingParams
+
+
+def params_to_msg(params: SamplingParams) -> SamplingParamsMsg:
+    return SamplingParamsMsg(
+        max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
+        seed=params.seed, stop=list(params.stop), stop_token_ids=list(params.stop_token_ids),
+        ignore_eos=params.ignore_eos, min_tokens=params.min_tokens, logprobs=params.logprobs,
+        truncate_prompt_tokens=params.truncate_prompt_tokens,
+    )
+
+
+def params_from_msg(msg: SamplingParamsMsg) -> SamplingParams:
+    """Raises `InvalidParameter` for values SamplingParams refuses (validated again here)."""
+    return SamplingParams(
+        max_tokens=msg.max_tokens, temperature=msg.temperature, top_p=msg.top_p, top_k=msg.top_k,
+        seed=msg.seed, stop=tuple(msg.stop), stop_token_ids=tuple(msg.stop_token_ids),
+        ignore_eos=msg.ignore_eos, min_tokens=msg.min_tokens, logprobs=msg.logprobs,
+        truncate_prompt_tokens=msg.truncate_prompt_tokens,
+    )
+
+
+def output_to_msg(out: RequestOutput, num_pages_reserved: int) -> RequestOutputMsg:
+    """Only the increment: `new_token_ids`, `new_text` and the logprobs of the new tokens."""
+    logprobs = None
+    if out.logprobs is not None:
+        first_new = len(out.token_ids) - len(out.new_token_ids)
+        logprobs = [TokenLogprobsMsg(lp.token_id, lp.logprob, list(lp.top)) for lp in out.logprobs[first_new:]]
+    return RequestOutputMsg(
+        request_id=out.request_id, tenant=out.tenant, new_token_ids=list(out.new_token_ids),
+        new_text=out.new_text, finished=out.finished,
+        finish_reason=out.finish_reason.value if out.finish_reason is not None else None,
+        stop_reason=out.stop_reason, num_prompt_tokens=out.num_prompt_tokens,
+        num_output_tokens=len(out.token_ids), num_pages_reserved=num_pages_reserved,
+        logprobs=logprobs, error=out.error,
+    )

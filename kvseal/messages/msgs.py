@@ -1,0 +1,163 @@
+"""Every message that crosses the frontend/engine process boundary, and nothing else.
+
+Each message is a frozen msgspec Struct tagged with its class name. `ToEngineMsg` and
+`FromEngineMsg` are the explicit registries the codec decodes into: a message not listed
+there cannot be received. A new protocol step is a new message, never a flag on an old one.
+Every request-scoped message names its tenant, so no role ever has to guess it.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class _Msg(msgspec.Struct, frozen=True, tag=True, forbid_unknown_fields=True):
+    pass
+
+
+class SamplingParamsMsg(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """`kvseal.types.SamplingParams`, field for field."""
+
+    max_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int | None
+    stop: list[str]
+    stop_token_ids: list[int]
+    ignore_eos: bool
+    min_tokens: int
+    logprobs: int | None
+    truncate_prompt_tokens: int | None
+
+
+class TokenLogprobsMsg(msgspec.Struct, frozen=True, array_like=True):
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+# ---- frontend -> engine ---------------------------------------------------------------
+
+
+class AddRequestMsg(_Msg):
+    """Run an admitted request. The frontend already ran `admit` (I1); the engine re-checks.
+
+    `cache_namespace` is derived by the server from the authenticated tenant (I5), never from
+    a client field; an engine with a prefix cache keys its entries by it.
+    """
+
+    request_id: str
+    tenant: str
+    cache_namespace: str
+    prompt_token_ids: list[int]
+    params: SamplingParamsMsg
+
+
+# Reasons the frontend gives in `AbortMsg` / `ShutdownMsg`; they come back in the output's `error`.
+ABORT_CLIENT_DISCONNECTED = "client_disconnected"
+ABORT_SERVER_SHUTDOWN = "server_shutdown"
+
+
+class AbortMsg(_Msg):
+    """End a request now and free its pages. Ignored unless `tenant` owns `request_id`."""
+
+    request_id: str
+    tenant: str
+    reason: str
+
+
+class ShutdownMsg(_Msg):
+    """Abort everything still running, report it, send `EngineStoppedMsg` and exit."""
+
+    reason: str
+
+
+# ---- engine -> frontend ---------------------------------------------------------------
+
+
+class EngineReadyMsg(_Msg):
+    """Sent once, when the engine has loaded the model and can take requests.
+
+    The frontend admits requests (I1) with exactly these limits and loads the tokenizer
+    from `tokenizer_path`.
+    """
+
+    pid: int
+    model_name: str
+    model_path: str
+    tokenizer_path: str
+    architecture: str
+    max_model_len: int
+    kv_cache_tokens: int
+    vocab_size: int
+    page_size: int
+    num_pages: int
+
+
+class EngineFailedMsg(_Msg):
+    """The engine cannot start or cannot go on; the process exits after sending it."""
+
+    error_type: str
+    message: str
+
+
+class EngineStoppedMsg(_Msg):
+    """Reply to `ShutdownMsg`: every request has been reported; the process now exits."""
+
+    num_aborted: int
+
+
+class RequestRejectedMsg(_Msg):
+    """The engine's own admission re-check refused the request; nothing was queued."""
+
+    request_id: str
+    tenant: str
+    code: str
+    message: str
+    param: str | None
+    http_status: int
+
+
+class RequestOutputMsg(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What one step produced for one request (increments only).
+
+    A finished output with `finish_reason == "abort"` carries the reason in `error`; it is
+    an error, never a success. `num_pages_reserved` is the most KV pages the request has
+    held so far (for the audit record, I8).
+    """
+
+    request_id: str
+    tenant: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None
+    stop_reason: str | int | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_pages_reserved: int
+    logprobs: list[TokenLogprobsMsg] | None = None
+    error: str | None = None
+
+
+class OutputsMsg(_Msg):
+    """The outputs of one engine loop iteration, in step order."""
+
+    outputs: list[RequestOutputMsg]
+
+
+class EngineStatsMsg(_Msg):
+    """Engine load after an iteration that changed something (for /metrics)."""
+
+    num_running: int
+    num_waiting: int
+    num_pages_used: int
+    num_pages_free: int
+    num_preemptions: int
+
+
+ToEngineMsg = AddRequestMsg | AbortMsg | ShutdownMsg
+FromEngineMsg = (
+    EngineReadyMsg | EngineFailedMsg | EngineStoppedMsg | RequestRejectedMsg | OutputsMsg | EngineStatsMsg
+)

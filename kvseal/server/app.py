@@ -1,0 +1,101 @@
+"""The FastAPI application: routes, and OpenAI-shaped errors for everything else."""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+import kvseal
+from kvseal.server import errors
+from kvseal.server.chat import ChatEndpoint
+from kvseal.server.completions import CompletionsEndpoint
+from kvseal.server.errors import ApiError
+from kvseal.server.openapi import install_openapi
+from kvseal.server.pipeline import handle_generation
+from kvseal.server.state import AppState
+
+logger = logging.getLogger("kvseal.server")
+
+COMPLETIONS = CompletionsEndpoint()
+CHAT = ChatEndpoint()
+
+
+def build_app(state: AppState) -> FastAPI:
+    app = FastAPI(title="kvseal", version=kvseal.__version__, docs_url=None, redoc_url=None)
+    _add_generation_routes(app, state)
+    _add_info_routes(app, state)
+    _add_error_handlers(app)
+    install_openapi(app, {COMPLETIONS.path: COMPLETIONS.body_model, CHAT.path: CHAT.body_model})
+    return app
+
+
+def _add_generation_routes(app: FastAPI, state: AppState) -> None:
+    @app.post(COMPLETIONS.path, response_model=None)
+    async def completions(request: Request) -> Response:
+        return await handle_generation(request, state, COMPLETIONS)
+
+    @app.post(CHAT.path, response_model=None)
+    async def chat_completions(request: Request) -> Response:
+        return await handle_generation(request, state, CHAT)
+
+
+def _add_info_routes(app: FastAPI, state: AppState) -> None:
+    @app.get("/v1/models", response_model=None)
+    async def list_models(request: Request) -> Response:
+        try:
+            state.keys.authenticate(request.headers.get("authorization"))
+        except ApiError as err:
+            return errors.response(err)
+        return JSONResponse({"object": "list", "data": [_model_card(state)]})
+
+    @app.get("/v1/models/{model:path}", response_model=None)
+    async def retrieve_model(model: str, request: Request) -> Response:
+        try:
+            state.keys.authenticate(request.headers.get("authorization"))
+            if model != state.model_name:
+                raise errors.model_not_found(model, state.model_name)
+        except ApiError as err:
+            return errors.response(err)
+        return JSONResponse(_model_card(state))
+
+    @app.get("/health", response_model=None)
+    async def health() -> Response:
+        if state.engine.is_available:
+            return JSONResponse({"status": "ok"})
+        detail = state.engine.failure or "the server is shutting down"
+        return errors.response(errors.engine_unavailable(detail))
+
+    @app.get("/metrics", response_model=None)
+    async def metrics() -> Response:
+        state.metrics.engine_up.set(1 if state.engine.is_available else 0)
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+def _model_card(state: AppState) -> dict[str, object]:
+    return {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "kvseal",
+            "max_model_len": state.engine_info.max_model_len}
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> Response:
+        if exc.status_code == 404:
+            return errors.response(errors.route_not_found(request.url.path))
+        if exc.status_code == 405:
+            return errors.response(errors.method_not_allowed(request.method, request.url.path))
+        return errors.response(ApiError(exc.status_code, str(exc.detail)))
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> Response:
+        return errors.response(ApiError(400, f"Invalid request: {exc.errors()[:3]}", code="invalid_parameter"))
+
+    @app.exception_handler(Exception)
+    async def unexpected_error(request: Request, exc: Exception) -> Response:
+        logger.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+        return errors.response(errors.internal_error())

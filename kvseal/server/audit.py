@@ -1,0 +1,56 @@
+"""The audit log (I8): exactly one JSON line per generation request, whatever its outcome.
+
+Enough to answer "which responses could have been affected" after an incident: who (tenant),
+what (token counts, KV pages reserved), how it ended (finished, rejected and why, aborted
+and why, error) and when. No prompt text unless the operator passes --audit-log-prompts.
+Without --audit-log the lines go to the `kvseal.audit` logger instead of a file.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Literal
+
+import msgspec
+
+Outcome = Literal["finished", "rejected", "aborted", "error"]
+
+logger = logging.getLogger("kvseal.audit")
+
+
+class AuditRecord(msgspec.Struct, frozen=True, omit_defaults=True):
+    request_id: str
+    endpoint: str
+    tenant: str | None
+    outcome: Outcome
+    received_at: float  # Unix time, seconds
+    finished_at: float
+    http_status: int | None = None  # set for refusals; an admitted request answers 200
+    model: str | None = None
+    reason: str | None = None  # rejection code, abort reason or error
+    finish_reason: str | None = None
+    prompt_tokens: int | None = None
+    output_tokens: int | None = None
+    pages_reserved: int | None = None
+    first_token_at: float | None = None
+    user: str | None = None
+    prompt: str | list[int] | list[dict[str, str]] | None = None
+
+
+class AuditLog:
+    def __init__(self, path: str | None, include_prompts: bool) -> None:
+        self.path = path
+        self.include_prompts = include_prompts
+        self._file = open(path, "a", buffering=1, encoding="utf-8") if path is not None else None  # noqa: SIM115
+        self._encoder = msgspec.json.Encoder()
+
+    def write(self, record: AuditRecord) -> None:
+        line = self._encoder.encode(record).decode()
+        if self._file is None:
+            logger.info("%s", line)
+        else:
+            self._file.write(line + "\n")
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()

@@ -1,0 +1,134 @@
+"""One generation request from arrival to its single terminal state.
+
+The call owns the tenant's concurrency slot and the request's audit record. `_finish` runs
+exactly once, whichever comes first: a refusal at the front door, the engine's terminal
+report, or the engine's death. An admitted request the engine ends early is recorded as
+aborted or error, never as finished (I6).
+
+The slot is given back only when both sides are done: the engine has reported the request's
+end (its pages are free) and the HTTP response is complete (or its client gone). So a tenant
+never has more requests open, on either side, than its limit.
+"""
+
+from __future__ import annotations
+
+import time
+
+from kvseal.messages.msgs import (
+    ABORT_CLIENT_DISCONNECTED,
+    ABORT_SERVER_SHUTDOWN,
+    AddRequestMsg,
+    RequestOutputMsg,
+    RequestRejectedMsg,
+)
+from kvseal.server.audit import AuditRecord, Outcome
+from kvseal.server.auth import Tenant
+from kvseal.server.endpoint import AuditPrompt
+from kvseal.server.errors import ApiError
+from kvseal.server.request_handle import EngineGone, RequestEvent, RequestHandle
+from kvseal.server.state import AppState
+
+
+class Call:
+    def __init__(self, state: AppState, endpoint: str, request_id: str) -> None:
+        self.state = state
+        self.endpoint = endpoint
+        self.request_id = request_id
+        self.tenant: Tenant | None = None
+        self.model: str | None = None
+        self.user: str | None = None
+        self.prompt_for_audit: AuditPrompt | None = None
+        self.num_prompt_tokens: int | None = None
+        self.is_done = False
+        self._is_http_done = False
+        self._has_slot = False
+        self._is_submitted = False
+        self._received_at = time.time()
+        self._received_s = time.monotonic()
+        self._first_token_at: float | None = None
+        self._last_token_s: float | None = None
+        self._progress: RequestOutputMsg | None = None  # the latest output, for a request the engine loses
+
+    def take_slot(self, tenant: Tenant) -> None:
+        """Count against the tenant's concurrency limit (raises `ApiError` 429)."""
+        self.state.gate.acquire(tenant)
+        self._has_slot = True
+
+    def submit(self, msg: AddRequestMsg) -> RequestHandle:
+        handle = self.state.engine.submit(msg, self)
+        self._is_submitted = True
+        return handle
+
+    def http_done(self) -> None:
+        """The HTTP side is finished: the response was sent, failed, or its client is gone."""
+        self._is_http_done = True
+        self._release_slot()
+
+    def abort(self, reason: str) -> None:
+        """End the request in the engine if it is still live there; a no-op otherwise."""
+        if self._is_submitted and not self.is_done and self.tenant is not None:
+            self.state.engine.abort(self.request_id, self.tenant.name, reason)
+
+    def abort_on_exit(self) -> None:
+        """For cleanup paths: the HTTP side is gone before the request finished."""
+        self.abort(ABORT_SERVER_SHUTDOWN if self.state.is_draining else ABORT_CLIENT_DISCONNECTED)
+
+    # ---- observer of the engine request (called by the engine client's router) ----
+
+    def on_output(self, out: RequestOutputMsg) -> None:
+        self._progress = out
+        if not out.new_token_ids:
+            return
+        now_s = time.monotonic()
+        if self._last_token_s is None:
+            self._first_token_at = time.time()
+            self.state.metrics.ttft.observe(now_s - self._received_s)
+        else:
+            self.state.metrics.itl.observe(now_s - self._last_token_s)
+        self._last_token_s = now_s
+
+    def on_terminal(self, event: RequestEvent) -> None:
+        if isinstance(event, RequestRejectedMsg):
+            self._finish("rejected", reason=event.code, http_status=event.http_status)
+        elif isinstance(event, EngineGone):
+            self._finish("error", reason=event.message, out=self._progress)
+        elif event.finish_reason == "abort":
+            self._finish("aborted", reason=event.error, out=event)
+        else:
+            self._finish("finished", out=event)
+
+    # ---- refusals before or instead of generation ----
+
+    def reject(self, err: ApiError) -> None:
+        """A refusal answered with `err`; this also ends the HTTP side."""
+        self._finish("rejected" if err.status < 500 else "error", reason=err.reason, http_status=err.status)
+        self.http_done()
+
+    def _finish(self, outcome: Outcome, *, reason: str | None = None, http_status: int | None = None,
+                out: RequestOutputMsg | None = None) -> None:
+        if self.is_done:
+            return
+        self.is_done = True
+        self._release_slot()
+        tenant = self.tenant.name if self.tenant is not None else ""
+        self.state.metrics.record_outcome(tenant, outcome, reason if outcome == "rejected" else None)
+        self.state.audit.write(self._record(outcome, reason, http_status, out))
+
+    def _release_slot(self) -> None:
+        if self._has_slot and self.is_done and self._is_http_done and self.tenant is not None:
+            self._has_slot = False
+            self.state.gate.release(self.tenant)
+
+    def _record(self, outcome: Outcome, reason: str | None, http_status: int | None,
+                out: RequestOutputMsg | None) -> AuditRecord:
+        return AuditRecord(
+            request_id=self.request_id, endpoint=self.endpoint,
+            tenant=self.tenant.name if self.tenant is not None else None, outcome=outcome,
+            http_status=http_status, received_at=self._received_at, finished_at=time.time(), model=self.model,
+            reason=reason, finish_reason=out.finish_reason if out is not None else None,
+            prompt_tokens=out.num_prompt_tokens if out is not None else self.num_prompt_tokens,
+            output_tokens=out.num_output_tokens if out is not None else None,
+            pages_reserved=out.num_pages_reserved if out is not None else None,
+            first_token_at=self._first_token_at, user=self.user,
+            prompt=self.prompt_for_audit if self.state.audit.include_prompts else None,
+        )

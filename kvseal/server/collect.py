@@ -1,0 +1,42 @@
+"""Non-streaming responses: wait for the request to end, then answer once.
+
+While waiting, a task watches the connection: if the client disconnects, the request is
+aborted in the engine (its pages are freed) instead of running to the end for nobody.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+
+from kvseal.messages.msgs import RequestOutputMsg
+from kvseal.server import errors
+from kvseal.server.call import Call
+from kvseal.server.endpoint import Formatter
+from kvseal.server.request_handle import RequestHandle
+from kvseal.server.transcript import Transcript
+
+
+async def respond_when_done(request: Request, call: Call, handle: RequestHandle, fmt: Formatter) -> JSONResponse:
+    watcher = asyncio.create_task(_abort_on_disconnect(request, call))
+    transcript = Transcript()
+    try:
+        async for event in handle.events():
+            err = errors.for_event(event)
+            if err is not None:
+                return errors.response(err, call.request_id)
+            assert isinstance(event, RequestOutputMsg)
+            transcript.add(event)
+        return JSONResponse(fmt.response(transcript), headers={errors.REQUEST_ID_HEADER: call.request_id})
+    finally:
+        watcher.cancel()
+        call.abort_on_exit()
+        call.http_done()
+
+
+async def _abort_on_disconnect(request: Request, call: Call) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    call.abort_on_exit()

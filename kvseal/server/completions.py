@@ -1,0 +1,76 @@
+"""`POST /v1/completions`: prompt in, text out (OpenAI's legacy completions shape)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvseal.admission import AdmissionLimits
+from kvseal.messages.msgs import RequestOutputMsg, TokenLogprobsMsg
+from kvseal.server.auth import Tenant
+from kvseal.server.endpoint import Prepared, ResponseIds
+from kvseal.server.logprobs import completion_logprobs
+from kvseal.server.prompts import PromptEncoder
+from kvseal.server.protocol import CompletionRequest
+from kvseal.server.sampling import build_sampling_params
+from kvseal.server.transcript import Transcript
+
+DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
+
+
+class CompletionsEndpoint:
+    path = "/v1/completions"
+    id_prefix = "cmpl"
+    body_model = CompletionRequest
+
+    async def prepare(self, body: CompletionRequest, prompts: PromptEncoder, tenant: Tenant,
+                      limits: AdmissionLimits) -> Prepared:
+        ids = await prompts.completion_ids(body.prompt)
+        params = build_sampling_params(body, max_tokens=body.max_tokens, default_max_tokens=DEFAULT_MAX_TOKENS,
+                                       logprobs=body.logprobs, tenant=tenant)
+        audit_prompt = body.prompt if isinstance(body.prompt, str) else ids
+        return Prepared(ids, params, audit_prompt)
+
+    def formatter(self, body: CompletionRequest, ids: ResponseIds, prompts: PromptEncoder) -> CompletionFormatter:
+        return CompletionFormatter(ids, body.logprobs is not None, body.include_usage, prompts)
+
+
+class CompletionFormatter:
+    def __init__(self, ids: ResponseIds, with_logprobs: bool, include_usage: bool, prompts: PromptEncoder) -> None:
+        self._ids = ids
+        self._with_logprobs = with_logprobs
+        self._include_usage = include_usage
+        self._prompts = prompts
+        self._text_offset = 0
+
+    def first_chunks(self) -> list[dict[str, Any]]:
+        return []
+
+    def delta_chunk(self, out: RequestOutputMsg) -> dict[str, Any] | None:
+        if not (out.new_text or out.finished or (self._with_logprobs and out.new_token_ids)):
+            return None
+        logprobs = self._logprobs(out.logprobs or [])
+        chunk = self._envelope([_choice(out.new_text, logprobs, out.finish_reason if out.finished else None)])
+        return chunk | {"usage": None} if self._include_usage else chunk
+
+    def usage_chunk(self, transcript: Transcript) -> dict[str, Any]:
+        return self._envelope([]) | {"usage": transcript.usage()}
+
+    def response(self, transcript: Transcript) -> dict[str, Any]:
+        choice = _choice(transcript.text, self._logprobs(transcript.logprobs), transcript.finish_reason)
+        return self._envelope([choice]) | {"usage": transcript.usage()}
+
+    def _logprobs(self, lps: list[TokenLogprobsMsg]) -> dict[str, Any] | None:
+        if not self._with_logprobs:
+            return None
+        result = completion_logprobs(lps, self._prompts.token_text, self._text_offset)
+        self._text_offset += sum(len(t) for t in result["tokens"])
+        return result
+
+    def _envelope(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        ids = self._ids
+        return {"id": ids.request_id, "object": "text_completion", "created": ids.created, "model": ids.model,
+                "choices": choices}
+
+
+def _choice(text: str, logprobs: dict[str, Any] | None, finish_reason: str | None) -> dict[str, Any]:
+    return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}

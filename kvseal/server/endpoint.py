@@ -1,0 +1,55 @@
+"""What the shared generation pipeline needs from each endpoint (completions, chat)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from kvseal.admission import AdmissionLimits
+from kvseal.messages.msgs import RequestOutputMsg
+from kvseal.server.auth import Tenant
+from kvseal.server.prompts import PromptEncoder
+from kvseal.server.protocol import GenerationBody
+from kvseal.server.transcript import Transcript
+from kvseal.types import SamplingParams
+
+AuditPrompt = str | list[int] | list[dict[str, str]]
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A request turned into engine terms, not yet admitted."""
+
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    prompt_for_audit: AuditPrompt
+
+
+@dataclass(frozen=True)
+class ResponseIds:
+    request_id: str
+    model: str
+    created: int
+
+
+class Formatter(Protocol):
+    """Builds one request's response bodies and stream chunks in the endpoint's shape."""
+
+    def first_chunks(self) -> list[dict[str, Any]]: ...
+
+    def delta_chunk(self, out: RequestOutputMsg) -> dict[str, Any] | None: ...
+
+    def usage_chunk(self, transcript: Transcript) -> dict[str, Any]: ...
+
+    def response(self, transcript: Transcript) -> dict[str, Any]: ...
+
+
+class Endpoint(Protocol):
+    path: str
+    id_prefix: str
+    body_model: type[GenerationBody]
+
+    async def prepare(self, body: Any, prompts: PromptEncoder, tenant: Tenant,
+                      limits: AdmissionLimits) -> Prepared: ...
+
+    def formatter(self, body: Any, ids: ResponseIds, prompts: PromptEncoder) -> Formatter: ...

@@ -1,0 +1,117 @@
+"""Errors in OpenAI's shape: `{"error": {"message", "type", "param", "code"}}`.
+
+`ApiError` is the one exception the HTTP layer turns into a response. Every constructor
+below says what was wrong, the limit, and what to do. Engine-side `RequestRejected` values
+keep their own code, param and status.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.responses import JSONResponse
+
+from kvseal.errors import RequestRejected
+from kvseal.messages.msgs import ABORT_SERVER_SHUTDOWN, RequestRejectedMsg
+from kvseal.server.request_handle import EngineGone, RequestEvent
+
+
+@dataclass
+class ApiError(Exception):
+    status: int
+    message: str
+    type: str = "invalid_request_error"
+    code: str | None = None
+    param: str | None = None
+
+    def __str__(self) -> str:
+        return self.message
+
+    @property
+    def reason(self) -> str:
+        """The label for metrics and the audit log."""
+        return self.code or self.type
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+REQUEST_ID_HEADER = "x-request-id"
+
+
+def response(err: ApiError, request_id: str | None = None) -> JSONResponse:
+    headers = {REQUEST_ID_HEADER: request_id} if request_id else None
+    return JSONResponse(err.body(), status_code=err.status, headers=headers)
+
+
+def from_rejected(exc: RequestRejected) -> ApiError:
+    return ApiError(exc.http_status, exc.message, exc.error_type, exc.code, exc.param)
+
+
+def missing_api_key() -> ApiError:
+    return ApiError(401, "You didn't provide an API key. Send it as 'Authorization: Bearer <key>'.",
+                    code="invalid_api_key")
+
+
+def invalid_api_key() -> ApiError:
+    return ApiError(401, "Incorrect API key provided. Use a key from the server's --api-keys file.",
+                    code="invalid_api_key")
+
+
+def model_not_found(model: str, served: str) -> ApiError:
+    return ApiError(404, f"The model '{model}' does not exist. This server serves '{served}'.",
+                    code="model_not_found", param="model")
+
+
+def body_too_large(limit: int) -> ApiError:
+    return ApiError(413, f"The request body is larger than {limit} bytes. Send a smaller request "
+                         f"(the operator sets the limit with --max-body-bytes).", code="request_too_large")
+
+
+def invalid_json(detail: str) -> ApiError:
+    return ApiError(400, f"We could not parse the JSON body of your request ({detail}). Send a JSON object.",
+                    code="invalid_json")
+
+
+def concurrency_limit(tenant: str, limit: int) -> ApiError:
+    return ApiError(429, f"Tenant '{tenant}' already has {limit} requests in flight, its limit. Retry when "
+                         f"one finishes.", type="rate_limit_error", code="rate_limit_exceeded")
+
+
+def engine_unavailable(detail: str) -> ApiError:
+    return ApiError(503, f"The inference engine is unavailable: {detail}. Retry later.",
+                    type="service_unavailable", code="engine_unavailable")
+
+
+def request_aborted(detail: str) -> ApiError:
+    """An admitted request the engine ended early: an error, never a success (I6)."""
+    return ApiError(500, f"The request was aborted by the server: {detail}", type="server_error",
+                    code="request_aborted")
+
+
+def route_not_found(path: str) -> ApiError:
+    return ApiError(404, f"No route {path}. Routes: POST /v1/completions, POST /v1/chat/completions, "
+                         f"GET /v1/models, GET /health, GET /metrics.", code="not_found")
+
+
+def method_not_allowed(method: str, path: str) -> ApiError:
+    return ApiError(405, f"Method {method} is not allowed on {path}.", code="method_not_allowed")
+
+
+def internal_error() -> ApiError:
+    return ApiError(500, "The server failed while handling this request; it has been logged.",
+                    type="server_error", code="internal_error")
+
+
+def for_event(event: RequestEvent) -> ApiError | None:
+    """The error a request event means for the client, or None for a successful output."""
+    if isinstance(event, RequestRejectedMsg):
+        return ApiError(event.http_status, event.message, code=event.code, param=event.param)
+    if isinstance(event, EngineGone):
+        return engine_unavailable(event.message)
+    if event.finish_reason != "abort":
+        return None
+    if event.error == ABORT_SERVER_SHUTDOWN:
+        return engine_unavailable("the server is shutting down")
+    return request_aborted(event.error or "no reason given")

@@ -1,0 +1,127 @@
+"""`kvseal serve`: start the engine process, wait until it is ready, then serve HTTP.
+
+Start-up order: read the keys file and open the audit log (bad ones stop start-up), spawn
+the engine (its configuration errors, I2, stop start-up with their own message), load the
+tokenizer the engine reports, log the resolved configuration, bind, log "ready". Shutdown
+(SIGTERM/SIGINT): refuse new requests with 503, give in-flight ones the grace period, abort
+the rest in the engine, stop the engine, exit 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+
+import uvicorn
+
+from kvseal.config import EngineArgs
+from kvseal.errors import ConfigError
+from kvseal.server.app import build_app
+from kvseal.server.audit import AuditLog
+from kvseal.server.auth import ApiKeyTable
+from kvseal.server.config import ServerConfig
+from kvseal.server.engine_client import EngineClient
+from kvseal.server.metrics import ServerMetrics
+from kvseal.server.prompts import PromptEncoder
+from kvseal.server.state import AppState
+from kvseal.server.uvicorn_server import KvsealServer
+
+logger = logging.getLogger("kvseal.server")
+
+
+def run(ns: argparse.Namespace) -> int:
+    from kvseal.cli import engine_args_from
+
+    config = ServerConfig.from_namespace(ns)
+    keys = ApiKeyTable.load(config.api_keys_path)
+    if keys.is_open and not config.is_loopback:
+        logger.warning("!" * 80)
+        logger.warning("NO API KEYS and bound to %s: anyone who can reach this address can use the server "
+                       "as tenant 'default'. Pass --api-keys FILE, or bind 127.0.0.1.", config.host)
+        logger.warning("!" * 80)
+    audit = _open_audit(config)
+    try:
+        return asyncio.run(_serve(config, engine_args_from(ns), keys, audit))
+    finally:
+        audit.close()
+
+
+def _open_audit(config: ServerConfig) -> AuditLog:
+    try:
+        return AuditLog(config.audit_log_path, config.audit_log_prompts)
+    except OSError as exc:
+        raise ConfigError(f"cannot open the audit log {config.audit_log_path}: {exc}") from exc
+
+
+async def _serve(config: ServerConfig, engine_args: EngineArgs, keys: ApiKeyTable, audit: AuditLog) -> int:
+    metrics = ServerMetrics()
+    engine = EngineClient(engine_args, config.log_level, metrics.record_stats)
+    try:
+        state = await _start(config, engine, keys, metrics, audit)
+        if state is None:
+            return 0  # stopped by a signal before the engine was ready
+        server = KvsealServer(_uvicorn_config(config, state), lambda port: _log_ready(state, port),
+                              lambda: _drain(state))
+        await server.serve()
+        return 0
+    finally:
+        await engine.shutdown()
+
+
+async def _start(config: ServerConfig, engine: EngineClient, keys: ApiKeyTable, metrics: ServerMetrics,
+                 audit: AuditLog) -> AppState | None:
+    """Wait for the engine; a SIGTERM/SIGINT meanwhile stops start-up cleanly (returns None)."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        starting = asyncio.ensure_future(engine.start())
+        stopping = asyncio.ensure_future(stop.wait())
+        await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        stopping.cancel()
+        if not starting.done():
+            logger.info("stopped before the engine was ready")
+            starting.cancel()
+            return None
+        info = starting.result()
+        prompts = await asyncio.to_thread(PromptEncoder.load, info.tokenizer_path)
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+    state = AppState(config, engine, info, prompts, keys, metrics, audit)
+    _log_config(state)
+    return state
+
+
+def _uvicorn_config(config: ServerConfig, state: AppState) -> uvicorn.Config:
+    return uvicorn.Config(build_app(state), host=config.host, port=config.port, loop="asyncio", http="h11",
+                          lifespan="off", log_config=None, log_level=config.log_level.lower(),
+                          timeout_graceful_shutdown=config.shutdown_grace_s)
+
+
+def _log_config(state: AppState) -> None:
+    c, info, limits = state.config, state.engine_info, state.limits
+    tenants = ", ".join(t.name for t in state.keys.tenants)
+    logger.info(
+        "kvseal server: model=%s (%s, %s) max_model_len=%d kv_cache_tokens=%d (%d pages x %d) max_prompt_tokens=%d "
+        "host=%s port=%d api_keys=%s tenants=[%s] audit_log=%s audit_log_prompts=%s max_body_bytes=%d "
+        "shutdown_grace_s=%g engine_pid=%s",
+        state.model_name, info.architecture, info.model_path, info.max_model_len, info.kv_cache_tokens,
+        info.num_pages, info.page_size, limits.max_prompt_tokens, c.host, c.port, c.api_keys_path or "(none)",
+        tenants, c.audit_log_path or "(kvseal.audit logger)", c.audit_log_prompts, c.max_body_bytes,
+        c.shutdown_grace_s, info.pid,
+    )
+
+
+def _log_ready(state: AppState, port: int) -> None:
+    logger.info("kvseal ready: serving %s at http://%s:%d/v1 (engine pid %d)", state.model_name,
+                state.config.host, port, state.engine_info.pid)
+
+
+def _drain(state: AppState) -> None:
+    state.is_draining = True
+    logger.info("shutting down: refusing new requests; %d in flight get up to %g s", state.engine.num_in_flight,
+                state.config.shutdown_grace_s)

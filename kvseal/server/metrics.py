@@ -1,0 +1,44 @@
+"""Prometheus metrics for `/metrics`, in their own registry (one per server)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from kvseal.messages.msgs import EngineStatsMsg
+
+_LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class ServerMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("kvseal_requests", "Generation requests by tenant and outcome",
+                                ["tenant", "outcome"], registry=r)
+        self.rejections = Counter("kvseal_rejections", "Requests refused before generation, by reason",
+                                  ["reason"], registry=r)
+        self.ttft = Histogram("kvseal_time_to_first_token_seconds", "Arrival to first generated token",
+                              buckets=_LATENCY_BUCKETS_S, registry=r)
+        self.itl = Histogram("kvseal_inter_token_latency_seconds", "Time between consecutive generated tokens",
+                             buckets=_LATENCY_BUCKETS_S, registry=r)
+        self.running = Gauge("kvseal_num_requests_running", "Requests the engine is running", registry=r)
+        self.waiting = Gauge("kvseal_num_requests_waiting", "Requests queued in the engine", registry=r)
+        self.pages_used = Gauge("kvseal_kv_pages_used", "KV cache pages owned by requests", registry=r)
+        self.pages_free = Gauge("kvseal_kv_pages_free", "KV cache pages free", registry=r)
+        self.preemptions = Gauge("kvseal_num_preemptions", "Preemptions since the engine started", registry=r)
+        self.engine_up = Gauge("kvseal_engine_up", "1 while the engine process is alive and ready", registry=r)
+
+    def record_outcome(self, tenant: str, outcome: str, rejection_reason: str | None) -> None:
+        self.requests.labels(tenant=tenant, outcome=outcome).inc()
+        if rejection_reason is not None:
+            self.rejections.labels(reason=rejection_reason).inc()
+
+    def record_stats(self, stats: EngineStatsMsg) -> None:
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting)
+        self.pages_used.set(stats.num_pages_used)
+        self.pages_free.set(stats.num_pages_free)
+        self.preemptions.set(stats.num_preemptions)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

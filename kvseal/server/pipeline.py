@@ -1,0 +1,82 @@
+"""The one path every generation request takes, in this order:
+
+draining? (503) → API key → tenant (401) → body within its size (413) → valid body (400) →
+served model (404) → tenant concurrency slot (429) → tokenize → `admit` with the engine's
+limits (I1, 400 `context_length_exceeded`) → engine → stream or JSON.
+
+Nothing is sent to the engine before `admit` accepted the request; a refusal is terminal and
+leaves its audit record. Whatever happens after submission, the request ends in the engine
+too (abort on disconnect or shutdown) before its slot is given back.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from kvseal.admission import admit
+from kvseal.errors import ContextLengthExceeded, RequestRejected
+from kvseal.messages.convert import params_to_msg
+from kvseal.messages.msgs import AddRequestMsg
+from kvseal.server import errors
+from kvseal.server.body import parse_body, read_body
+from kvseal.server.call import Call
+from kvseal.server.collect import respond_when_done
+from kvseal.server.endpoint import Endpoint, ResponseIds
+from kvseal.server.engine_client import EngineUnavailable
+from kvseal.server.errors import ApiError
+from kvseal.server.protocol import GenerationBody
+from kvseal.server.request_handle import RequestHandle
+from kvseal.server.state import AppState
+from kvseal.server.streaming import EventStreamResponse
+
+logger = logging.getLogger("kvseal.server")
+
+async def handle_generation(request: Request, state: AppState, endpoint: Endpoint) -> Response:
+    call = Call(state, endpoint.path, f"{endpoint.id_prefix}-{uuid.uuid4().hex}")
+    try:
+        body, handle = await _admit_and_submit(request, state, endpoint, call)
+    except ApiError as err:
+        return _refuse(call, err)
+    except RequestRejected as exc:
+        if isinstance(exc, ContextLengthExceeded):
+            call.num_prompt_tokens = exc.num_prompt_tokens
+        return _refuse(call, errors.from_rejected(exc))
+    except EngineUnavailable as exc:
+        return _refuse(call, errors.engine_unavailable(str(exc)))
+    except Exception:
+        logger.exception("request %s failed before reaching the engine", call.request_id)
+        return _refuse(call, errors.internal_error())
+    fmt = endpoint.formatter(body, ResponseIds(call.request_id, state.model_name, int(time.time())), state.prompts)
+    if body.stream:
+        return EventStreamResponse(call, handle, fmt, body.include_usage)
+    return await respond_when_done(request, call, handle, fmt)
+
+
+def _refuse(call: Call, err: ApiError) -> JSONResponse:
+    call.reject(err)
+    return errors.response(err, call.request_id)
+
+
+async def _admit_and_submit(request: Request, state: AppState, endpoint: Endpoint,
+                            call: Call) -> tuple[GenerationBody, RequestHandle]:
+    tenant = call.tenant = state.keys.authenticate(request.headers.get("authorization"))
+    if state.is_draining:
+        raise errors.engine_unavailable("the server is shutting down")
+    body = parse_body(endpoint.body_model, await read_body(request, state.config.max_body_bytes))
+    call.model, call.user = body.model, body.user
+    if body.model is not None and body.model != state.model_name:
+        raise errors.model_not_found(body.model, state.model_name)
+    call.take_slot(tenant)
+    prepared = await endpoint.prepare(body, state.prompts, tenant, state.limits)
+    call.prompt_for_audit = prepared.prompt_for_audit
+    call.num_prompt_tokens = len(prepared.prompt_token_ids)
+    prompt_token_ids = admit(prepared.prompt_token_ids, prepared.params, state.limits)  # I1, at the door
+    call.num_prompt_tokens = len(prompt_token_ids)
+    msg = AddRequestMsg(call.request_id, tenant.name, tenant.cache_namespace, prompt_token_ids,
+                        params_to_msg(prepared.params))
+    return body, call.submit(msg)

@@ -1,0 +1,63 @@
+"""The frontend's end of one engine request: an event queue plus its observer.
+
+Events arrive in engine order. Exactly one of them is terminal: a finished
+`RequestOutputMsg` (done or aborted), a `RequestRejectedMsg`, or `EngineGone` when the
+engine process died or stopped first. The observer sees every event as it is routed (so
+the audit record and the tenant slot do not wait for the HTTP side to read them); the
+consumer reads them from `events()`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Protocol
+
+from kvseal.messages.msgs import RequestOutputMsg, RequestRejectedMsg
+
+
+@dataclass(frozen=True)
+class EngineGone:
+    """The engine ended before it reported this request (it died, failed or stopped)."""
+
+    message: str
+
+
+RequestEvent = RequestOutputMsg | RequestRejectedMsg | EngineGone
+
+
+def is_terminal(event: RequestEvent) -> bool:
+    return not isinstance(event, RequestOutputMsg) or event.finished
+
+
+class RequestObserver(Protocol):
+    def on_output(self, out: RequestOutputMsg) -> None: ...
+
+    def on_terminal(self, event: RequestEvent) -> None: ...
+
+
+class RequestHandle:
+    def __init__(self, request_id: str, tenant: str, observer: RequestObserver) -> None:
+        self.request_id = request_id
+        self.tenant = tenant
+        self._observer = observer
+        self._queue: asyncio.Queue[RequestEvent] = asyncio.Queue()
+        self.is_terminal = False
+
+    def deliver(self, event: RequestEvent) -> None:
+        assert not self.is_terminal, f"event for request {self.request_id} after its terminal event"
+        if isinstance(event, RequestOutputMsg):
+            self._observer.on_output(event)
+        if is_terminal(event):
+            self.is_terminal = True
+            self._observer.on_terminal(event)
+        self._queue.put_nowait(event)
+
+    async def events(self) -> AsyncIterator[RequestEvent]:
+        """Every event up to and including the terminal one."""
+        while True:
+            event = await self._queue.get()
+            yield event
+            if is_terminal(event):
+                return

@@ -1,0 +1,40 @@
+"""Everything the HTTP handlers share, built once at start-up."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from kvseal.admission import AdmissionLimits
+from kvseal.messages.msgs import EngineReadyMsg
+from kvseal.server.audit import AuditLog
+from kvseal.server.auth import ApiKeyTable
+from kvseal.server.config import ServerConfig
+from kvseal.server.engine_client import EngineClient
+from kvseal.server.metrics import ServerMetrics
+from kvseal.server.prompts import PromptEncoder
+from kvseal.server.tenant_gate import TenantGate
+
+
+@dataclass
+class AppState:
+    config: ServerConfig
+    engine: EngineClient
+    engine_info: EngineReadyMsg
+    prompts: PromptEncoder
+    keys: ApiKeyTable
+    metrics: ServerMetrics
+    audit: AuditLog
+    gate: TenantGate = field(default_factory=TenantGate)
+    created: int = field(default_factory=lambda: int(time.time()))
+    is_draining: bool = False
+
+    @property
+    def model_name(self) -> str:
+        return self.config.served_model_name or self.engine_info.model_name
+
+    @property
+    def limits(self) -> AdmissionLimits:
+        """The engine's own limits, as it reported them at start-up (I1 uses exactly these)."""
+        info = self.engine_info
+        return AdmissionLimits(info.max_model_len, info.kv_cache_tokens, info.vocab_size)

@@ -1,0 +1,67 @@
+"""Server-sent events in OpenAI's chunk format, ending with `data: [DONE]`.
+
+An error after the stream started (engine gone, request aborted) is sent as one
+`data: {"error": {...}}` event before `[DONE]`: the client sees an error, never a normal
+finish. If the client goes away, the generator is cancelled and the request is aborted in
+the engine, which frees its pages at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from kvseal.messages.msgs import RequestOutputMsg
+from kvseal.server import errors
+from kvseal.server.call import Call
+from kvseal.server.endpoint import Formatter
+from kvseal.server.request_handle import RequestHandle
+from kvseal.server.transcript import Transcript
+
+_encoder = msgspec.json.Encoder()
+DONE = b"data: [DONE]\n\n"
+
+
+def sse(payload: dict[str, Any]) -> bytes:
+    return b"data: " + _encoder.encode(payload) + b"\n\n"
+
+
+class EventStreamResponse(StreamingResponse):
+    """An SSE response that ends its call's HTTP side however the stream ends: completed,
+    cancelled by a disconnect, or never started."""
+
+    def __init__(self, call: Call, handle: RequestHandle, fmt: Formatter, include_usage: bool) -> None:
+        super().__init__(_events(handle, fmt, include_usage), media_type="text/event-stream",
+                         headers={errors.REQUEST_ID_HEADER: call.request_id, "cache-control": "no-cache"})
+        self._call = call
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._call.abort_on_exit()
+            self._call.http_done()
+
+
+async def _events(handle: RequestHandle, fmt: Formatter, include_usage: bool) -> AsyncIterator[bytes]:
+    transcript = Transcript()
+    for chunk in fmt.first_chunks():
+        yield sse(chunk)
+    async for event in handle.events():
+        err = errors.for_event(event)
+        if err is not None:
+            yield sse(err.body())
+            yield DONE
+            return
+        assert isinstance(event, RequestOutputMsg)
+        transcript.add(event)
+        chunk = fmt.delta_chunk(event)
+        if chunk is not None:
+            yield sse(chunk)
+    if include_usage:
+        yield sse(fmt.usage_chunk(transcript))
+    yield DONE

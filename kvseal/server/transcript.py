@@ -1,0 +1,32 @@
+"""What a request has produced so far: text, logprobs, finish reason and token counts."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvseal.messages.msgs import RequestOutputMsg, TokenLogprobsMsg
+
+
+class Transcript:
+    def __init__(self) -> None:
+        self._text_parts: list[str] = []
+        self.logprobs: list[TokenLogprobsMsg] = []
+        self.finish_reason: str | None = None
+        self.num_prompt_tokens = 0
+        self.num_output_tokens = 0
+
+    def add(self, out: RequestOutputMsg) -> None:
+        self._text_parts.append(out.new_text)
+        self.logprobs.extend(out.logprobs or ())
+        self.num_prompt_tokens = out.num_prompt_tokens
+        self.num_output_tokens = out.num_output_tokens
+        if out.finished:
+            self.finish_reason = out.finish_reason
+
+    @property
+    def text(self) -> str:
+        return "".join(self._text_parts)
+
+    def usage(self) -> dict[str, Any]:
+        return {"prompt_tokens": self.num_prompt_tokens, "completion_tokens": self.num_output_tokens,
+                "total_tokens": self.num_prompt_tokens + self.num_output_tokens}

@@ -1,0 +1,39 @@
+"""Fixtures: a tiny model written once, and one shared server with several tenants."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from server_process import KEYS, MAX_BODY_BYTES, ServerProcess, client_for  # noqa: E402
+from tiny_server_model import make_server_model  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def server_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_server_model(tmp_path_factory.mktemp("models") / "tiny-llama")
+
+
+@pytest.fixture(scope="session")
+def server(server_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    proc = ServerProcess(server_model_dir, tmp_path_factory.mktemp("server"), keys=KEYS,
+                         extra_args=["--max-body-bytes", str(MAX_BODY_BYTES)])
+    proc.start()
+    yield proc
+    proc.terminate()
+
+
+@pytest.fixture
+def alice(server: ServerProcess) -> openai.OpenAI:
+    return client_for(server, "key-alice")
+
+
+@pytest.fixture
+def bob(server: ServerProcess) -> openai.OpenAI:
+    return client_for(server, "key-bob")

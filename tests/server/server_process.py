@@ -1,0 +1,145 @@
+"""Run the real `kvseal serve` as a subprocess on a free loopback port, for tests.
+
+Waiting is bounded everywhere: a server that does not become ready, a request that does
+not end, or a process that does not exit fails the test instead of hanging it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+
+READY_DEADLINE_S = 180.0
+WAIT_DEADLINE_S = 60.0
+ENGINE_FLAGS = ["--dtype", "float32", "--kv-cache-tokens", "2048", "--page-size", "4", "--max-model-len", "512",
+                "--max-num-batched-tokens", "256", "--check-kv"]
+MAX_MODEL_LEN = 512
+MAX_BODY_BYTES = 1024 * 1024
+KEYS = {
+    "key-alice": {"tenant": "alice"},
+    "key-bob": {"tenant": "bob"},
+    "key-limited": {"tenant": "limited", "max_concurrent_requests": 1},
+    "key-capped": {"tenant": "capped", "max_tokens": 32},
+    "key-fuzz": {"tenant": "fuzz", "max_tokens": 8},
+}
+
+
+def client_for(server: ServerProcess, key: str) -> openai.OpenAI:
+    """The official client, without its automatic retries (tests want every status as it is)."""
+    return openai.OpenAI(base_url=server.base_url, api_key=key, max_retries=0, timeout=60)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_for(condition: Callable[[], Any], what: str, deadline_s: float = WAIT_DEADLINE_S) -> Any:
+    """Poll `condition` until it returns something truthy; fail after the deadline."""
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        result = condition()
+        if result:
+            return result
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {deadline_s:.0f} s waiting for {what}")
+
+
+class ServerProcess:
+    def __init__(self, model_dir: Path, workdir: Path, *, keys: dict[str, Any] | None = None,
+                 extra_args: list[str] | None = None) -> None:
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.port = free_port()
+        self.audit_path = workdir / "audit.jsonl"
+        self.log_path = workdir / "server.log"
+        args = ["--model", str(model_dir), "--port", str(self.port), "--audit-log", str(self.audit_path),
+                *ENGINE_FLAGS, *(extra_args or [])]
+        if keys is not None:
+            keys_path = workdir / "keys.json"
+            keys_path.write_text(json.dumps(keys))
+            args += ["--api-keys", str(keys_path)]
+        self._args = args
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.model_name = model_dir.name
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def base_url(self) -> str:
+        return f"{self.url}/v1"
+
+    def start(self) -> ServerProcess:
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen([sys.executable, "-m", "kvseal.cli", "serve", *self._args],
+                                         stdout=log, stderr=subprocess.STDOUT)
+        wait_for(self._is_ready, f"the server to be ready (log: {self.log_path})", READY_DEADLINE_S)
+        return self
+
+    def _is_ready(self) -> bool:
+        assert self.proc is not None
+        if self.proc.poll() is not None:
+            raise AssertionError(f"server exited with {self.proc.returncode} during start-up:\n{self.log()}")
+        try:
+            return httpx.get(f"{self.url}/health", timeout=5).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    @property
+    def engine_pid(self) -> int:
+        match = re.search(r"engine pid (\d+)", self.log())
+        assert match, "the ready line names the engine pid"
+        return int(match.group(1))
+
+    def audit_records(self) -> list[dict[str, Any]]:
+        if not self.audit_path.exists():
+            return []
+        return [json.loads(line) for line in self.audit_path.read_text().splitlines() if line]
+
+    def audit_for(self, request_id: str) -> dict[str, Any]:
+        """The one audit record of a request, once written (fails if there are several)."""
+        def find() -> list[dict[str, Any]]:
+            return [r for r in self.audit_records() if r["request_id"] == request_id]
+
+        records = wait_for(find, f"the audit record of {request_id}")
+        assert len(records) == 1, f"{len(records)} audit records for {request_id}"
+        return records[0]
+
+    def metric(self, name: str) -> float:
+        text = httpx.get(f"{self.url}/metrics", timeout=10).text
+        match = re.search(rf"^{re.escape(name)} (\S+)$", text, re.MULTILINE)
+        assert match, f"metric {name} not in /metrics"
+        return float(match.group(1))
+
+    def terminate(self) -> int:
+        """SIGTERM, then the exit status (SIGKILL and fail if it does not exit in time)."""
+        assert self.proc is not None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout=WAIT_DEADLINE_S)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise AssertionError(f"server did not exit within {WAIT_DEADLINE_S} s of SIGTERM") from None
+
+    def kill(self) -> None:
+        """SIGKILL the frontend; its engine notices and exits by itself."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=WAIT_DEADLINE_S)

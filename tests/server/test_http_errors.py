@@ -1,0 +1,171 @@
+"""Every refusal in OpenAI's error shape, with the right status, code and param."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from server_process import MAX_BODY_BYTES, MAX_MODEL_LEN, ServerProcess, client_for, wait_for
+
+ALICE = {"Authorization": "Bearer key-alice"}
+
+
+def post(server: ServerProcess, path: str, body: Any = None, *, content: bytes | None = None,
+         headers: dict[str, str] | None = None) -> httpx.Response:
+    return httpx.post(f"{server.base_url}{path}", json=body, content=content, timeout=60,
+                      headers=ALICE if headers is None else headers)
+
+
+def error_of(response: httpx.Response, status: int) -> dict[str, Any]:
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert set(body) == {"error"}
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    assert body["error"]["message"]
+    return dict(body["error"])
+
+
+def words(n: int) -> str:
+    return " ".join(f"w{10 + i % 400}" for i in range(n))
+
+
+def test_over_long_prompt_is_400_with_the_numbers(server: ServerProcess, alice: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        alice.completions.create(model=server.model_name, prompt=words(MAX_MODEL_LEN + 88), max_tokens=1)
+    assert info.value.status_code == 400
+    assert info.value.code == "context_length_exceeded"
+    assert str(MAX_MODEL_LEN) in info.value.message and str(MAX_MODEL_LEN + 88) in info.value.message
+    err = error_of(post(server, "/completions", {"prompt": words(500), "max_tokens": 100}), 400)
+    assert err["code"] == "context_length_exceeded" and err["param"] == "prompt"
+    assert "600" in err["message"] and "500" in err["message"] and "100" in err["message"]
+
+
+def test_chat_over_long_is_400(server: ServerProcess) -> None:
+    body = {"messages": [{"role": "user", "content": words(MAX_MODEL_LEN)}]}
+    assert error_of(post(server, "/chat/completions", body), 400)["code"] == "context_length_exceeded"
+
+
+def test_explicit_truncation_is_honoured(server: ServerProcess) -> None:
+    body = {"prompt": words(MAX_MODEL_LEN + 50), "max_tokens": 2, "truncate_prompt_tokens": 100}
+    response = post(server, "/completions", body)
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["prompt_tokens"] == 100
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"prompt": "w5", "temperature": 5}, "temperature"),
+    ({"prompt": "w5", "temperature": "hot"}, "temperature"),
+    ({"prompt": "w5", "top_p": 0}, "top_p"),
+    ({"prompt": "w5", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "w5", "max_tokens": 4, "min_tokens": 5}, "min_tokens"),
+    ({"prompt": "w5", "n": 2}, "n"),
+    ({"prompt": "w5", "presence_penalty": 0.5}, "presence_penalty"),
+    ({"prompt": "w5", "echo": True}, "echo"),
+    ({"prompt": "w5", "stop": [""]}, "stop"),
+    ({"prompt": "w5", "logprobs": 21}, "logprobs"),
+    ({"prompt": "w5", "stream_options": {"include_usage": True}}, "stream_options"),
+    ({"prompt": ["w5", "w6"]}, "prompt"),
+    ({"prompt": []}, "prompt"),
+    ({"prompt": [600]}, "prompt"),
+    ({"prompt": 5}, "prompt"),
+    ({}, "prompt"),
+])
+def test_invalid_completion_parameter_is_400_naming_it(server: ServerProcess, body: dict[str, Any], param: str) -> None:
+    err = error_of(post(server, "/completions", body), 400)
+    assert err["param"] == param
+    assert err["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "wizard", "content": "w5"}]}, "messages"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}]}, "messages"),
+    ({"messages": [{"role": "user", "content": "w5"}], "max_tokens": 3, "max_completion_tokens": 4},
+     "max_completion_tokens"),
+    ({"messages": [{"role": "user", "content": "w5"}], "top_logprobs": 2}, "top_logprobs"),
+])
+def test_invalid_chat_parameter_is_400_naming_it(server: ServerProcess, body: dict[str, Any], param: str) -> None:
+    assert error_of(post(server, "/chat/completions", body), 400)["param"] == param
+
+
+@pytest.mark.parametrize("field", ["tools", "response_format", "logit_bias", "suffix", "best_of"])
+def test_unsupported_field_is_rejected_not_ignored(server: ServerProcess, field: str) -> None:
+    err = error_of(post(server, "/completions", {"prompt": "w5", field: None}), 400)
+    assert err["code"] == "unsupported_parameter" and err["param"] == field
+    assert field in err["message"]
+
+
+@pytest.mark.parametrize("content", [b'{"prompt": ', b"[1, 2]", b"null", b"\xff\xfe", b"", b'{"prompt": NaN}'])
+def test_malformed_json_is_400(server: ServerProcess, content: bytes) -> None:
+    err = error_of(post(server, "/completions", content=content, headers=ALICE | {"content-type": "application/json"}),
+                   400)
+    assert err["code"] in ("invalid_json", "invalid_parameter")
+
+
+def test_unknown_model_is_404(server: ServerProcess, alice: openai.OpenAI) -> None:
+    with pytest.raises(openai.NotFoundError) as info:
+        alice.completions.create(model="gpt-17", prompt="w5")
+    assert info.value.code == "model_not_found"
+    with pytest.raises(openai.NotFoundError):
+        alice.models.retrieve("gpt-17")
+
+
+def test_body_over_the_limit_is_413(server: ServerProcess) -> None:
+    big = b'{"prompt": "' + b"w5 " * (MAX_BODY_BYTES // 3 + 10) + b'"}'
+    assert error_of(post(server, "/completions", content=big), 413)["code"] == "request_too_large"
+
+    def chunked() -> Any:  # no content-length: the limit holds while reading
+        yield b'{"prompt": "'
+        for _ in range(MAX_BODY_BYTES // 30_000 + 2):
+            yield b"w5 " * 10_000
+        yield b'"}'
+
+    assert error_of(post(server, "/completions", content=chunked()), 413)["code"] == "request_too_large"
+
+
+@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer nope"}, {"Authorization": "key-alice"},
+                                     {"Authorization": "Basic a2V5LWFsaWNl"}])
+def test_missing_or_unknown_key_is_401(server: ServerProcess, headers: dict[str, str]) -> None:
+    err = error_of(post(server, "/completions", {"prompt": "w5"}, headers=headers), 401)
+    assert err["code"] == "invalid_api_key"
+    assert httpx.get(f"{server.base_url}/models", headers=headers).status_code == 401
+
+
+def test_unauthenticated_malformed_request_is_401_not_400(server: ServerProcess) -> None:
+    assert post(server, "/completions", content=b"{", headers={}).status_code == 401
+
+
+def test_openai_client_sees_authentication_error(server: ServerProcess) -> None:
+    with pytest.raises(openai.AuthenticationError):
+        client_for(server, "wrong").completions.create(model=server.model_name, prompt="w5")
+
+
+def test_tenant_max_tokens_cap(server: ServerProcess) -> None:
+    capped = {"Authorization": "Bearer key-capped"}
+    err = error_of(post(server, "/completions", {"prompt": "w5", "max_tokens": 33}, headers=capped), 400)
+    assert err["param"] == "max_tokens" and "32" in err["message"]
+    chat = post(server, "/chat/completions", {"messages": [{"role": "user", "content": "w5"}], "ignore_eos": True},
+                headers=capped)
+    assert chat.status_code == 200 and chat.json()["usage"]["completion_tokens"] == 32
+
+
+def test_tenant_concurrency_over_limit_is_429(server: ServerProcess) -> None:
+    limited = {"Authorization": "Bearer key-limited"}
+    body = {"prompt": "w5", "max_tokens": MAX_MODEL_LEN - 1, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{server.base_url}/completions", json=body, headers=limited, timeout=60) as first:
+        lines = first.iter_lines()  # keep it: dropping the iterator closes the stream
+        next(lines)  # the first request is now in flight
+        err = error_of(post(server, "/completions", {"prompt": "w5"}, headers=limited), 429)
+        assert err["code"] == "rate_limit_exceeded"
+        with pytest.raises(openai.RateLimitError):
+            client_for(server, "key-limited").completions.create(model=server.model_name, prompt="w5")
+        assert post(server, "/completions", {"prompt": "w5", "max_tokens": 2}).status_code == 200  # other tenant
+    wait_for(lambda: post(server, "/completions", {"prompt": "w5", "max_tokens": 2}, headers=limited).status_code
+             == 200, "the limited tenant's slot to come back")
+
+
+def test_unknown_route_and_method(server: ServerProcess) -> None:
+    assert error_of(httpx.get(f"{server.url}/v1/nothing"), 404)["code"] == "not_found"
+    assert error_of(httpx.get(f"{server.base_url}/completions"), 405)["code"] == "method_not_allowed"

@@ -1,0 +1,140 @@
+"""The official openai client against the real server: completions, chat, streaming, stops."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from server_process import ServerProcess
+
+from kvseal import LLM, SamplingParams
+
+PROMPT = "w10 w11 w12 w13 w14"
+
+
+@pytest.fixture(scope="module")
+def offline(server_model_dir: Path) -> LLM:
+    """The same model through the offline engine: the reference for greedy outputs."""
+    return LLM(str(server_model_dir), dtype="float32", kv_cache_tokens=2048, page_size=4, max_model_len=512)
+
+
+def test_models_and_health(server: ServerProcess, alice: openai.OpenAI) -> None:
+    assert [m.id for m in alice.models.list()] == [server.model_name]
+    assert alice.models.retrieve(server.model_name).id == server.model_name
+    assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
+
+
+def test_completion_equals_offline_engine(server: ServerProcess, alice: openai.OpenAI, offline: LLM) -> None:
+    out = alice.completions.create(model=server.model_name, prompt=PROMPT, max_tokens=12, temperature=0)
+    expected = offline.generate(PROMPT, SamplingParams(max_tokens=12, temperature=0))[0]
+    choice = out.choices[0]
+    assert choice.text == expected.text
+    assert choice.finish_reason == "length"
+    assert out.usage is not None
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (5, 12)
+    assert out.id.startswith("cmpl-") and out.object == "text_completion" and out.model == server.model_name
+
+
+def test_completion_stream_with_usage(server: ServerProcess, alice: openai.OpenAI) -> None:
+    full = alice.completions.create(model=server.model_name, prompt=PROMPT, max_tokens=10, temperature=0)
+    chunks = list(alice.completions.create(model=server.model_name, prompt=PROMPT, max_tokens=10, temperature=0,
+                                           stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == full.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == 10 and chunks[-1].usage.total_tokens == 15
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_stream_ends_with_done(server: ServerProcess) -> None:
+    body = {"model": server.model_name, "prompt": PROMPT, "max_tokens": 3, "stream": True}
+    with httpx.stream("POST", f"{server.base_url}/completions", json=body, timeout=60,
+                      headers={"Authorization": "Bearer key-alice"}) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in response.iter_lines() if line]
+    assert all(e.startswith("data: ") for e in events)
+    assert events[-1] == "data: [DONE]"
+
+
+def test_chat_equals_offline_and_stream(server: ServerProcess, alice: openai.OpenAI, offline: LLM) -> None:
+    messages = [{"role": "system", "content": "w20 w21"}, {"role": "user", "content": "w30 w31 w32"}]
+    out = alice.chat.completions.create(model=server.model_name, messages=messages, max_tokens=8, temperature=0)
+    expected = offline.chat(messages, SamplingParams(max_tokens=8, temperature=0))[0]
+    assert out.choices[0].message.role == "assistant"
+    assert out.choices[0].message.content == expected.text
+    assert out.choices[0].finish_reason == "length"
+    assert out.object == "chat.completion" and out.id.startswith("chatcmpl-")
+    stream = list(alice.chat.completions.create(model=server.model_name, messages=messages, max_tokens=8,
+                                                temperature=0, stream=True,
+                                                stream_options={"include_usage": True}))
+    assert stream[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == expected.text
+    assert stream[-1].usage is not None and stream[-1].usage.completion_tokens == 8
+
+
+def test_chat_text_parts_and_max_completion_tokens(server: ServerProcess, alice: openai.OpenAI) -> None:
+    messages = [{"role": "user", "content": [{"type": "text", "text": "w30 w31 w32"}]}]
+    out = alice.chat.completions.create(model=server.model_name, messages=messages, max_completion_tokens=5,
+                                        temperature=0)
+    assert out.usage is not None and out.usage.completion_tokens == 5
+
+
+def test_stop_string_cuts_the_text(server: ServerProcess, alice: openai.OpenAI) -> None:
+    full = alice.completions.create(model=server.model_name, prompt=PROMPT, max_tokens=12, temperature=0)
+    words = full.choices[0].text.split()
+    stop = words[3]
+    cut = alice.completions.create(model=server.model_name, prompt=PROMPT, max_tokens=12, temperature=0, stop=[stop])
+    assert cut.choices[0].finish_reason == "stop"
+    assert cut.choices[0].text == full.choices[0].text[:full.choices[0].text.index(stop)]
+    streamed = alice.completions.create(model=server.model_name, prompt=PROMPT, max_tokens=12, temperature=0,
+                                        stop=stop, stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == cut.choices[0].text
+
+
+def test_seed_makes_sampling_reproducible(server: ServerProcess, alice: openai.OpenAI) -> None:
+    def sample(seed: int) -> str:
+        out = alice.completions.create(model=server.model_name, prompt=PROMPT, max_tokens=12, temperature=1.0,
+                                       top_p=0.9, seed=seed)
+        return out.choices[0].text
+
+    assert sample(7) == sample(7)
+    assert len({sample(s) for s in range(1, 5)}) > 1
+
+
+def test_vllm_extensions(server: ServerProcess, alice: openai.OpenAI) -> None:
+    out = alice.completions.create(model=server.model_name, prompt=PROMPT, max_tokens=6, temperature=0,
+                                   extra_body={"ignore_eos": True, "min_tokens": 6, "top_k": 5})
+    assert out.usage is not None and out.usage.completion_tokens == 6
+
+
+def test_completion_logprobs(server: ServerProcess, alice: openai.OpenAI) -> None:
+    out = alice.completions.create(model=server.model_name, prompt=PROMPT, max_tokens=5, temperature=0, logprobs=2)
+    lp = out.choices[0].logprobs
+    assert lp is not None and lp.tokens is not None and lp.token_logprobs is not None and lp.top_logprobs is not None
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
+    assert all(v <= 0 for v in lp.token_logprobs)
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert len(top) == 2 and max(top.values()) == pytest.approx(logprob)  # greedy: the best token
+        assert top[token] == pytest.approx(logprob)
+    assert " ".join(lp.tokens) == out.choices[0].text.strip()
+
+
+def test_chat_logprobs(server: ServerProcess, alice: openai.OpenAI) -> None:
+    out = alice.chat.completions.create(model=server.model_name, messages=[{"role": "user", "content": "w40"}],
+                                        max_tokens=4, temperature=0, logprobs=True, top_logprobs=3)
+    content = out.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert content is not None and len(content) == 4
+    for entry in content:
+        assert len(entry.top_logprobs) == 3
+        assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob)
+        assert bytes(entry.bytes or []) == entry.token.encode()
+
+
+def test_prompt_as_token_ids(server: ServerProcess, alice: openai.OpenAI) -> None:
+    by_text = alice.completions.create(model=server.model_name, prompt=PROMPT, max_tokens=4, temperature=0)
+    by_ids = alice.completions.create(model=server.model_name, prompt=[10, 11, 12, 13, 14], max_tokens=4,
+                                      temperature=0)
+    assert by_ids.choices[0].text == by_text.choices[0].text
