@@ -17,6 +17,8 @@ _DTYPE_ALIASES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "
 
 
 def _dtype(value: str) -> str:
+    if value == "auto":
+        return value
     if value not in _DTYPE_ALIASES:
         raise argparse.ArgumentTypeError(f"dtype must be one of {', '.join(_DTYPE_ALIASES)}")
     return _DTYPE_ALIASES[value]

@@ -172,10 +172,10 @@ class ScheduledChunk:
 class ForwardBatch:
     """Everything the model runner needs for one forward; it sees nothing else.
 
-    Tokens of all sequences are flattened. Sequence i owns tokens
-    [query_start[i], query_start[i+1]) at positions [context_len[i] - query_len[i],
-    context_len[i]) and attends to context slots `context_slots[i]` (one pool slot per
-    position, written by this request). `logits_indices` picks the tokens to sample from.
+    Tokens of all sequences are flattened. Sequence i owns the next query_len[i] tokens, at
+    positions [context_len[i] - query_len[i], context_len[i]), and attends to the first
+    context_len[i] slots of the pages in `block_tables[i]` (pages it owns, in position
+    order). `logits_indices` picks the tokens to sample from.
     """
 
     input_ids: torch.Tensor  # [num_tokens] int64
@@ -183,7 +183,7 @@ class ForwardBatch:
     slot_mapping: torch.Tensor  # [num_tokens] int64: pool slot each new token's KV goes to
     query_lens: list[int]
     context_lens: list[int]
-    context_slots: list[torch.Tensor]  # per sequence: [context_len] int64
+    block_tables: list[torch.Tensor]  # per sequence: [ceil(context_len / page_size)] int64 page ids
     logits_indices: torch.Tensor  # [num_samples] int64 into the flattened tokens
 
     @property

@@ -32,7 +32,7 @@ def make_llm(llama_dir: Path) -> Callable[..., Any]:
     from kvseal import LLM
 
     def make(**kwargs: Any) -> Any:
-        defaults: dict[str, Any] = dict(kv_cache_tokens=512, page_size=4, max_num_batched_tokens=32)
+        defaults: dict[str, Any] = dict(kv_cache_tokens=512, page_size=4, max_num_batched_tokens=32, dtype="float32")
         defaults.update(kwargs)
         model = defaults.pop("model", str(llama_dir))
         return LLM(model, **defaults)

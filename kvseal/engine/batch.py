@@ -17,18 +17,21 @@ def build_forward_batch(chunks: list[ScheduledChunk], kv: KVCacheManager, check:
     input_ids: list[int] = []
     positions: list[torch.Tensor] = []
     new_slots: list[torch.Tensor] = []
-    context_slots: list[torch.Tensor] = []
+    block_tables: list[torch.Tensor] = []
+    context_lens: list[int] = []
     query_lens: list[int] = []
     logits_indices: list[int] = []
     for chunk in chunks:
         ids, start, end = _chunk_tokens(chunk)
-        slots = kv.slots(chunk.request.request_id, 0, end)
+        request_id = chunk.request.request_id
+        slots = kv.slots(request_id, 0, end)
         if check:
-            kv.verify_readable(chunk.request.request_id, slots, slots[start:end])
+            kv.verify_readable(request_id, slots, slots[start:end])
         input_ids.extend(ids)
         positions.append(torch.arange(start, end, dtype=torch.int64))
         new_slots.append(slots[start:end])
-        context_slots.append(slots)
+        block_tables.append(kv.block_table(request_id, end))
+        context_lens.append(end)
         query_lens.append(end - start)
         if chunk.is_last_chunk:
             logits_indices.append(len(input_ids) - 1)
@@ -37,8 +40,8 @@ def build_forward_batch(chunks: list[ScheduledChunk], kv: KVCacheManager, check:
         positions=torch.cat(positions),
         slot_mapping=torch.cat(new_slots),
         query_lens=query_lens,
-        context_lens=[int(s.shape[0]) for s in context_slots],
-        context_slots=context_slots,
+        context_lens=context_lens,
+        block_tables=block_tables,
         logits_indices=torch.tensor(logits_indices, dtype=torch.int64),
     )
 

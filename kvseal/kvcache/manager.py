@@ -3,6 +3,10 @@
 The scheduler asks for room in tokens; the manager turns that into whole pages, applies the
 scrub policy (I7) at the two moments it can act (hand-out and take-back), and answers the
 checked-mode question "was every slot this request is about to read written by it?" (I4).
+
+Checked mode poisons pages with NaN while they are free (a read of a page the reader does
+not own shows up as NaN) and zeroes them when handed out; reads of owned-but-unwritten
+slots are caught by the write records before the forward runs.
 """
 
 from __future__ import annotations
@@ -54,7 +58,9 @@ class KVCacheManager:
             return
         generations = [self.allocator.owner_of(p).generation for p in new_pages]  # type: ignore[union-attr]
         self.pool.hand_out(new_pages, generations)
-        if self.config.kv_scrub == "alloc":
+        if self.config.kv_scrub == "alloc" or self.config.check_kv:
+            # Checked mode: zero the NaN poison on hand-out. Attention reads whole pages and
+            # masks the unwritten tail, and a masked NaN would still poison the sum.
             self.pool.fill(new_pages, 0.0)
 
     def free(self, request_id: str) -> list[int]:
@@ -74,6 +80,10 @@ class KVCacheManager:
         pages = torch.tensor(self.allocator.pages_of(request_id), dtype=torch.int64)
         positions = torch.arange(start, end, dtype=torch.int64)
         return pages[positions // self.page_size] * self.page_size + positions % self.page_size
+
+    def block_table(self, request_id: str, num_tokens: int) -> torch.Tensor:
+        """The request's pages covering its first `num_tokens` positions, in order."""
+        return torch.tensor(self.allocator.pages_of(request_id)[: self.num_pages_for(num_tokens)], dtype=torch.int64)
 
     def num_written_tokens(self, request_id: str) -> int:
         """How many slots of the request's pages hold KV written in their current ownership."""

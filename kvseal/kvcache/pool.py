@@ -34,11 +34,9 @@ class KVPool:
         if layer == 0:
             self.slot_generation[slots] = self.page_generation[slots // self.page_size]
 
-    def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Gather K/V at `slots` ([...]) -> two tensors [..., num_kv_heads, head_dim]."""
-        k = self.k[layer].view(self.num_slots, *self.k[layer].shape[2:])
-        v = self.v[layer].view(self.num_slots, *self.v[layer].shape[2:])
-        return k[slots], v[slots]
+    def read_pages(self, layer: int, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Gather whole pages ([...] page ids) -> two tensors [..., page_size, num_kv_heads, head_dim]."""
+        return self.k[layer][pages], self.v[layer][pages]
 
     def hand_out(self, pages: list[int], generations: list[int]) -> None:
         """Record a new ownership period for `pages`; nothing in them counts as written."""

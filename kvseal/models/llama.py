@@ -1,7 +1,9 @@
 """Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over the paged KV pool.
 
-Parameter names match Hugging Face's, so a checkpoint's state dict loads as it is. The model
-sees a `ForwardBatch` and the pool; it never sees requests, tenants or the allocator.
+Parameter names match Hugging Face's, except that q/k/v and gate/up projections are packed
+into one matrix each (fewer, larger matmuls); `PACKED_MODULES` tells the loader how to
+concatenate the checkpoint's tensors. The model sees a `ForwardBatch` and the pool; it never
+sees requests, tenants or the allocator.
 """
 
 from __future__ import annotations
@@ -15,6 +17,10 @@ from kvseal.kvcache.pool import KVPool
 from kvseal.models.attention import AttentionPlan, paged_attention
 from kvseal.models.rope import RotaryEmbedding
 from kvseal.types import ForwardBatch
+
+
+# packed parameter name -> the checkpoint's names, concatenated along the output dimension
+PACKED_MODULES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
 class RMSNorm(nn.Module):
@@ -36,9 +42,8 @@ class Attention(nn.Module):
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         bias = cfg.attention_bias
-        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
+        self.q_size, self.kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
         o_bias = bias and cfg.architecture != "Qwen2ForCausalLM"
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=o_bias)
         if cfg.has_qk_norm:
@@ -50,9 +55,10 @@ class Attention(nn.Module):
                 batch: ForwardBatch, plan: AttentionPlan, pool: KVPool) -> torch.Tensor:
         # x: [num_tokens, hidden]
         n = x.shape[0]
-        q = self.q_proj(x).view(n, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(n, self.num_heads, self.head_dim)
+        k = k.view(n, self.num_kv_heads, self.head_dim)
+        v = v.view(n, self.num_kv_heads, self.head_dim)
         if self.has_qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rope.apply(q, cos_sin), rope.apply(k, cos_sin)
@@ -64,12 +70,12 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -102,7 +108,7 @@ class CausalLM(nn.Module):
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, pool: KVPool) -> torch.Tensor:
         """Run one forward, writing the new tokens' KV; return logits [num_samples, vocab] (fp32)."""
-        plan = AttentionPlan.build(batch)
+        plan = AttentionPlan.build(batch, pool.page_size)
         cos_sin = self.rope.cos_sin(batch.positions)
         h = self.model.embed_tokens(batch.input_ids)
         for layer in self.model.layers:

@@ -24,7 +24,7 @@ import torch
 
 from kvseal.config import ModelConfig
 from kvseal.errors import ModelLoadError
-from kvseal.models.llama import CausalLM
+from kvseal.models.llama import PACKED_MODULES, CausalLM
 
 logger = logging.getLogger("kvseal")
 
@@ -133,20 +133,28 @@ def _build_and_load(config: ModelConfig, folder: Path, dtype: torch.dtype) -> Ca
     with torch.device("meta"):
         module = CausalLM(config)
     state = _read_safetensors(folder)
-    expected = set(module.state_dict())
+    params = [k for k in module.state_dict() if not (config.tie_word_embeddings and k == "lm_head.weight")]
+    expected = {name for key in params for name in _checkpoint_names(key)}
     if config.tie_word_embeddings:
-        expected.discard("lm_head.weight")
         state.pop("lm_head.weight", None)
     missing = sorted(expected - set(state))
     unexpected = sorted(k for k in set(state) - expected if "rotary_emb" not in k)
     if missing or unexpected:
         raise ModelLoadError(f"weights in {folder} do not match {config.architecture}: "
                              f"missing {missing[:5]}, unexpected {unexpected[:5]}")
-    module.load_state_dict({k: v.to(dtype) for k, v in state.items() if k in expected},
-                           strict=False, assign=True)
+    packed = {key: torch.cat([state[n] for n in _checkpoint_names(key)]).to(dtype) for key in params}
+    module.load_state_dict(packed, strict=False, assign=True)
     if config.tie_word_embeddings:
         module.lm_head.weight = module.model.embed_tokens.weight
     return module.eval()
+
+
+def _checkpoint_names(key: str) -> list[str]:
+    """The checkpoint tensor names that make up model parameter `key` (see PACKED_MODULES)."""
+    for packed, parts in PACKED_MODULES.items():
+        if f".{packed}." in key:
+            return [key.replace(f".{packed}.", f".{part}.") for part in parts]
+    return [key]
 
 
 def _read_safetensors(folder: Path) -> dict[str, torch.Tensor]:

@@ -75,7 +75,7 @@ class EngineMachine(RuleBasedStateMachine):
         from kvseal import LLM
 
         self.llm = LLM(str(self.model_dir), kv_cache_tokens=64, max_model_len=64, page_size=4,
-                       max_num_batched_tokens=12, max_num_seqs=4, check_kv=True)
+                       max_num_batched_tokens=12, max_num_seqs=4, check_kv=True, dtype="float32")
         self.engine = self.llm.engine
         self.live: set[str] = set()
         self.finished: dict[str, Any] = {}

@@ -33,10 +33,11 @@ def references(tiny_model_dirs: dict[str, Path]) -> dict[str, list[tuple[list[in
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, logprobs=1)
 
 SCHEDULES = {
-    "batched": dict(kv_cache_tokens=1024, page_size=4, max_num_batched_tokens=2048),
-    "chunked": dict(kv_cache_tokens=1024, page_size=4, max_num_batched_tokens=5),
-    "preempting": dict(kv_cache_tokens=80, page_size=4, max_num_batched_tokens=64, max_model_len=80),
-    "big-pages-checked": dict(kv_cache_tokens=1024, page_size=16, max_num_batched_tokens=24, check_kv=True),
+    "batched": dict(kv_cache_tokens=1024, page_size=4, max_num_batched_tokens=2048, dtype="float32"),
+    "chunked": dict(kv_cache_tokens=1024, page_size=4, max_num_batched_tokens=5, dtype="float32"),
+    "preempting": dict(kv_cache_tokens=80, page_size=4, max_num_batched_tokens=64, max_model_len=80, dtype="float32"),
+    "big-pages-checked": dict(kv_cache_tokens=1024, page_size=16, max_num_batched_tokens=24, check_kv=True,
+                              dtype="float32"),
 }
 
 
@@ -44,7 +45,7 @@ SCHEDULES = {
 @pytest.mark.parametrize("schedule", sorted(SCHEDULES))
 def test_greedy_matches_transformers(arch: str, schedule: str, tiny_model_dirs: dict[str, Path],
                                      references: dict[str, list[tuple[list[int], torch.Tensor]]]) -> None:
-    llm = LLM(str(tiny_model_dirs[arch]), **SCHEDULES[arch and schedule])
+    llm = LLM(str(tiny_model_dirs[arch]), **SCHEDULES[schedule])
     outputs = llm.generate(PROMPTS, GREEDY)
     for out, (ref_ids, ref_logprobs) in zip(outputs, references[arch]):
         assert out.token_ids == ref_ids
@@ -63,7 +64,7 @@ def test_prefill_logits_match_at_every_position(arch: str, tiny_model_dirs: dict
     from kvseal.engine.batch import build_forward_batch
     from kvseal.types import Request, ScheduledChunk
 
-    llm = LLM(str(tiny_model_dirs[arch]), kv_cache_tokens=256, page_size=4)
+    llm = LLM(str(tiny_model_dirs[arch]), kv_cache_tokens=256, page_size=4, dtype="float32")
     engine = llm.engine
     prompt = PROMPTS[2]
     request = Request("r", "t", prompt, SamplingParams(max_tokens=1))
@@ -79,7 +80,7 @@ def test_prefill_logits_match_at_every_position(arch: str, tiny_model_dirs: dict
 
 def test_bfloat16_runs_close_to_float32(tiny_model_dirs: dict[str, Path]) -> None:
     """bf16 weights and KV: outputs are well-formed and mostly agree with float32 greedy."""
-    f32 = LLM(str(tiny_model_dirs["llama"]), kv_cache_tokens=512, page_size=4).generate(PROMPTS, GREEDY)
+    f32 = LLM(str(tiny_model_dirs["llama"]), kv_cache_tokens=512, page_size=4, dtype="float32").generate(PROMPTS, GREEDY)
     bf16 = LLM(str(tiny_model_dirs["llama"]), kv_cache_tokens=512, page_size=4, dtype="bfloat16").generate(PROMPTS, GREEDY)
     agree = sum(a == b for x, y in zip(f32, bf16) for a, b in zip(x.token_ids, y.token_ids))
     assert all(len(o.token_ids) == MAX_TOKENS for o in bf16)

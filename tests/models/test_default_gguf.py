@@ -20,7 +20,7 @@ MAX_TOKENS = 8
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
-    return LLM(kv_cache_tokens=4096, max_model_len=2048)
+    return LLM(kv_cache_tokens=4096, max_model_len=2048, dtype="float32")
 
 
 def test_default_model_greedy_matches_transformers(llm: LLM) -> None:
