@@ -75,13 +75,16 @@ def _cmd_plan(ns: argparse.Namespace) -> int:
     cap = KvCapacity.for_dims(layers, kv_heads, head_dim, bytes_per_element(DTYPES[ns.dtype]), ns.page_size, ns.tp)
     cap = cap.with_tokens(ns.kv_cache_tokens) if ns.kv_cache_tokens else cap.with_memory(parse_bytes(ns.kv_memory))
     needed = ns.max_model_len * ns.kv_headroom
+    per_rank = cap.num_kv_heads_per_rank
+    memory = f"{cap.kv_memory_bytes:,} bytes" if cap.kv_memory_bytes is not None else "(from --kv-cache-tokens)"
     rows = [
         ("model", source),
-        ("layers x kv_heads/rank x head_dim", f"{layers} x {cap.num_kv_heads_per_rank} (of {kv_heads}, tp={ns.tp}) x {head_dim}"),
+        ("layers x kv_heads/rank x head_dim", f"{layers} x {per_rank} (of {kv_heads}, tp={ns.tp}) x {head_dim}"),
         ("dtype", f"{ns.dtype} ({cap.element_bytes} bytes)"),
-        ("KV bytes per token", f"2 x {layers} x {cap.num_kv_heads_per_rank} x {head_dim} x {cap.element_bytes} = {cap.bytes_per_token:,}"),
+        ("KV bytes per token",
+         f"2 x {layers} x {per_rank} x {head_dim} x {cap.element_bytes} = {cap.bytes_per_token:,}"),
         ("page", f"{ns.page_size} tokens = {cap.page_bytes:,} bytes"),
-        ("KV memory", f"{cap.kv_memory_bytes:,} bytes" if cap.kv_memory_bytes is not None else "(from --kv-cache-tokens)"),
+        ("KV memory", memory),
         ("pool", f"{cap.num_pages:,} pages = {cap.pool_tokens:,} tokens"),
         ("max_model_len x headroom", f"{ns.max_model_len:,} x {ns.kv_headroom} = {needed:,.0f} tokens"),
     ]

@@ -13,7 +13,7 @@ from kvseal.errors import InvalidParameter
 DEFAULT_TENANT = "default"
 
 
-class FinishReason(str, enum.Enum):
+class FinishReason(enum.StrEnum):
     STOP = "stop"  # EOS, a stop token or a stop string
     LENGTH = "length"  # max_tokens reached
     ABORT = "abort"  # ended early; never reported to a client as a success

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from kvseal.admission import AdmissionLimits, admit
-from kvseal.config import CacheConfig, EngineArgs, ModelConfig, SchedulerConfig
+from kvseal.config import EngineArgs, ModelConfig
 from kvseal.engine.batch import build_forward_batch
 from kvseal.engine.model_runner import ModelRunner
 from kvseal.engine.output import OutputState

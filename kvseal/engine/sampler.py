@@ -15,7 +15,8 @@ import torch
 from kvseal.types import Request, SamplingParams, TokenLogprobs
 
 
-def sample(logits: torch.Tensor, requests: list[Request], eos_token_ids: tuple[int, ...]) -> list[tuple[int, TokenLogprobs | None]]:
+def sample(logits: torch.Tensor, requests: list[Request],
+           eos_token_ids: tuple[int, ...]) -> list[tuple[int, TokenLogprobs | None]]:
     """logits: [num_requests, vocab] float32, one row per request that reached its last token."""
     results = []
     for row, request in zip(logits, requests):

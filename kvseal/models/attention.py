@@ -28,12 +28,17 @@ class PrefillSpan:
 
 
 @dataclass(frozen=True)
+class DecodeRows:
+    token_idx: torch.Tensor  # [num_decodes] into the flattened tokens
+    pages: torch.Tensor  # [num_decodes, max_pages]
+    mask: torch.Tensor  # [num_decodes, 1, 1, max_pages * page_size] bool: slot < context_len
+
+
+@dataclass(frozen=True)
 class AttentionPlan:
     """Index tensors for one forward, built once and shared by every layer."""
 
-    decode_token_idx: torch.Tensor | None  # [num_decodes]
-    decode_pages: torch.Tensor | None  # [num_decodes, max_pages]
-    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_pages * page_size] bool
+    decode: DecodeRows | None
     prefills: list[PrefillSpan]
 
     @classmethod
@@ -48,12 +53,12 @@ class AttentionPlan:
                 prefills.append(_prefill_span(token_start, query_len, context_len, batch.block_tables[i]))
             token_start += query_len
         if not decode_rows:
-            return cls(None, None, None, prefills)
+            return cls(None, prefills)
         starts = torch.tensor([0, *batch.query_lens]).cumsum(0)
         token_idx = starts[torch.tensor(decode_rows)]
         pages, mask = _padded_pages([batch.block_tables[i] for i in decode_rows],
                                     [batch.context_lens[i] for i in decode_rows], page_size)
-        return cls(token_idx, pages, mask, prefills)
+        return cls(DecodeRows(token_idx, pages, mask), prefills)
 
 
 def _prefill_span(token_start: int, query_len: int, context_len: int, pages: torch.Tensor) -> PrefillSpan:
@@ -64,7 +69,8 @@ def _prefill_span(token_start: int, query_len: int, context_len: int, pages: tor
     return PrefillSpan(token_start, token_start + query_len, pages, context_len, mask)
 
 
-def _padded_pages(rows: list[torch.Tensor], context_lens: list[int], page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _padded_pages(rows: list[torch.Tensor], context_lens: list[int],
+                  page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     max_pages = max(int(r.shape[0]) for r in rows)
     pages = torch.stack([torch.cat([r, r[-1:].expand(max_pages - r.shape[0])]) for r in rows])
     mask = torch.arange(max_pages * page_size)[None, :] < torch.tensor(context_lens)[:, None]
@@ -74,11 +80,12 @@ def _padded_pages(rows: list[torch.Tensor], context_lens: list[int], page_size: 
 def paged_attention(q: torch.Tensor, pool: KVPool, layer: int, plan: AttentionPlan) -> torch.Tensor:
     """q: [num_tokens, num_heads, head_dim] -> [num_tokens, num_heads, head_dim]."""
     out = torch.empty_like(q)
-    if plan.decode_token_idx is not None:
-        k, v = pool.read_pages(layer, plan.decode_pages)  # [B, P, page_size, kv_heads, head_dim]
+    if plan.decode is not None:
+        rows = plan.decode
+        k, v = pool.read_pages(layer, rows.pages)  # [B, P, page_size, kv_heads, head_dim]
         b = k.shape[0]
         k, v = k.view(b, -1, *k.shape[3:]), v.view(b, -1, *v.shape[3:])  # [B, P * page_size, kv_heads, head_dim]
-        out[plan.decode_token_idx] = _decode_attention(q[plan.decode_token_idx], k, v, plan.decode_mask)
+        out[rows.token_idx] = _decode_attention(q[rows.token_idx], k, v, rows.mask)
     for span in plan.prefills:
         k, v = pool.read_pages(layer, span.pages)  # [P, page_size, kv_heads, head_dim]
         k, v = k.flatten(0, 1)[: span.context_len], v.flatten(0, 1)[: span.context_len]

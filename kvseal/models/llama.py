@@ -18,7 +18,6 @@ from kvseal.models.attention import AttentionPlan, paged_attention
 from kvseal.models.rope import RotaryEmbedding
 from kvseal.types import ForwardBatch
 
-
 # packed parameter name -> the checkpoint's names, concatenated along the output dimension
 PACKED_MODULES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
@@ -86,6 +85,12 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
+    def forward(self, h: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], rope: RotaryEmbedding,
+                batch: ForwardBatch, plan: AttentionPlan, pool: KVPool) -> torch.Tensor:
+        # h: [num_tokens, hidden]
+        h = h + self.self_attn(self.input_layernorm(h), cos_sin, rope, batch, plan, pool)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
 
 class DecoderBody(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
@@ -112,7 +117,6 @@ class CausalLM(nn.Module):
         cos_sin = self.rope.cos_sin(batch.positions)
         h = self.model.embed_tokens(batch.input_ids)
         for layer in self.model.layers:
-            h = h + layer.self_attn(layer.input_layernorm(h), cos_sin, self.rope, batch, plan, pool)
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            h = layer(h, cos_sin, self.rope, batch, plan, pool)
         h = self.model.norm(h[batch.logits_indices])
         return self.lm_head(h).float()

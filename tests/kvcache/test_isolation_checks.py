@@ -49,7 +49,8 @@ def test_checked_mode_catches_the_placeholder_fault(make_llm: Callable[..., Any]
     llm.engine.check_integrity()
     assert llm.engine.kv.num_used_pages == 0
     # The engine keeps serving correctly after refusing the bad forward.
-    assert _after_secret(llm, SECRET_A, fault=False).token_ids == _after_secret(make_llm(), SECRET_B, fault=False).token_ids
+    healthy = _after_secret(llm, SECRET_A, fault=False).token_ids
+    assert healthy == _after_secret(make_llm(), SECRET_B, fault=False).token_ids
 
 
 def test_scrub_free_removes_the_dependency_on_earlier_tenants(make_llm: Callable[..., Any]) -> None:

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_models import CONFIGS
 from transformers import AutoModelForCausalLM
 
 from kvseal import LLM, SamplingParams
-from tiny_models import CONFIGS
 
 PROMPTS = [list(range(10, 17)), [40, 41], list(range(100, 160)), [7, 300, 301, 9, 11, 12, 13, 14, 15, 16, 17]]
 MAX_TOKENS = 10
@@ -80,8 +80,9 @@ def test_prefill_logits_match_at_every_position(arch: str, tiny_model_dirs: dict
 
 def test_bfloat16_runs_close_to_float32(tiny_model_dirs: dict[str, Path]) -> None:
     """bf16 weights and KV: outputs are well-formed and mostly agree with float32 greedy."""
-    f32 = LLM(str(tiny_model_dirs["llama"]), kv_cache_tokens=512, page_size=4, dtype="float32").generate(PROMPTS, GREEDY)
-    bf16 = LLM(str(tiny_model_dirs["llama"]), kv_cache_tokens=512, page_size=4, dtype="bfloat16").generate(PROMPTS, GREEDY)
+    model = str(tiny_model_dirs["llama"])
+    f32 = LLM(model, kv_cache_tokens=512, page_size=4, dtype="float32").generate(PROMPTS, GREEDY)
+    bf16 = LLM(model, kv_cache_tokens=512, page_size=4, dtype="bfloat16").generate(PROMPTS, GREEDY)
     agree = sum(a == b for x, y in zip(f32, bf16) for a, b in zip(x.token_ids, y.token_ids))
     assert all(len(o.token_ids) == MAX_TOKENS for o in bf16)
     assert agree >= 0.5 * MAX_TOKENS * len(PROMPTS)
