@@ -1,0 +1,71 @@
+"""Model loading refuses what it cannot load, naming the file and what is supported."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from kvseal import ModelLoadError
+from kvseal.cli import main
+from kvseal.models.loader import load_model, resolve_model_path
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_missing_path_is_named(tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        resolve_model_path(tmp_path / "nope")
+
+
+def test_folder_without_model_files(tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match="no config.json"):
+        resolve_model_path(tmp_path)
+    (tmp_path / "weights.bin").write_bytes(b"x")
+    with pytest.raises(ModelLoadError, match="not a .gguf"):
+        resolve_model_path(tmp_path / "weights.bin")
+
+
+def test_corrupt_weights_name_the_file(llama_dir: Path, tmp_path: Path) -> None:
+    model = _copy(llama_dir, tmp_path / "m")
+    (model / "model.safetensors").write_bytes(b"this is not a safetensors file")
+    with pytest.raises(ModelLoadError, match="model.safetensors"):
+        load_model(str(model), torch.float32)
+
+
+def test_missing_tensor_is_named(llama_dir: Path, tmp_path: Path) -> None:
+    model = _copy(llama_dir, tmp_path / "m")
+    state = load_file(str(model / "model.safetensors"))
+    del state["model.layers.1.self_attn.k_proj.weight"]
+    save_file(state, str(model / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match="model.layers.1.self_attn.k_proj.weight"):
+        load_model(str(model), torch.float32)
+
+
+def test_unsupported_architecture_lists_supported(llama_dir: Path, tmp_path: Path) -> None:
+    model = _copy(llama_dir, tmp_path / "m")
+    config = json.loads((model / "config.json").read_text())
+    config.update(architectures=["GPT2LMHeadModel"], model_type="gpt2")
+    (model / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match="LlamaForCausalLM.*Qwen3ForCausalLM"):
+        load_model(str(model), torch.float32)
+
+
+def test_cli_generate_prints_the_completion(llama_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(["generate", "--model", str(llama_dir), "--dtype", "float32", "--kv-cache-tokens", "512",
+               "--max-tokens", "3", "w10 w11 w12"])
+    out = capsys.readouterr().out.strip()
+    assert rc == 0 and len(out.split()) == 3 and all(w.startswith("w") for w in out.split())
+
+
+def test_cli_generate_rejects_an_over_long_prompt(llama_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(["generate", "--model", str(llama_dir), "--dtype", "float32", "--kv-cache-tokens", "64",
+               "--max-model-len", "64", " ".join(f"w{i}" for i in range(10, 80))])
+    assert rc == 2 and "maximum context length is 64" in capsys.readouterr().err
