@@ -40,7 +40,7 @@ class TokenLogprobsMsg(msgspec.Struct, frozen=True, array_like=True):
 # ---- frontend -> engine ---------------------------------------------------------------
 
 
-class AddRequestMsg(_Msg):
+class AddRequestMsg(_Msg, frozen=True):
     """Run an admitted request. The frontend already ran `admit` (I1); the engine re-checks.
 
     `cache_namespace` is derived by the server from the authenticated tenant (I5), never from
@@ -59,7 +59,7 @@ ABORT_CLIENT_DISCONNECTED = "client_disconnected"
 ABORT_SERVER_SHUTDOWN = "server_shutdown"
 
 
-class AbortMsg(_Msg):
+class AbortMsg(_Msg, frozen=True):
     """End a request now and free its pages. Ignored unless `tenant` owns `request_id`."""
 
     request_id: str
@@ -67,7 +67,7 @@ class AbortMsg(_Msg):
     reason: str
 
 
-class ShutdownMsg(_Msg):
+class ShutdownMsg(_Msg, frozen=True):
     """Abort everything still running, report it, send `EngineStoppedMsg` and exit."""
 
     reason: str
@@ -76,7 +76,7 @@ class ShutdownMsg(_Msg):
 # ---- engine -> frontend ---------------------------------------------------------------
 
 
-class EngineReadyMsg(_Msg):
+class EngineReadyMsg(_Msg, frozen=True):
     """Sent once, when the engine has loaded the model and can take requests.
 
     The frontend admits requests (I1) with exactly these limits and loads the tokenizer
@@ -95,20 +95,20 @@ class EngineReadyMsg(_Msg):
     num_pages: int
 
 
-class EngineFailedMsg(_Msg):
+class EngineFailedMsg(_Msg, frozen=True):
     """The engine cannot start or cannot go on; the process exits after sending it."""
 
     error_type: str
     message: str
 
 
-class EngineStoppedMsg(_Msg):
+class EngineStoppedMsg(_Msg, frozen=True):
     """Reply to `ShutdownMsg`: every request has been reported; the process now exits."""
 
     num_aborted: int
 
 
-class RequestRejectedMsg(_Msg):
+class RequestRejectedMsg(_Msg, frozen=True):
     """The engine's own admission re-check refused the request; nothing was queued."""
 
     request_id: str
@@ -141,13 +141,13 @@ class RequestOutputMsg(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     error: str | None = None
 
 
-class OutputsMsg(_Msg):
+class OutputsMsg(_Msg, frozen=True):
     """The outputs of one engine loop iteration, in step order."""
 
     outputs: list[RequestOutputMsg]
 
 
-class EngineStatsMsg(_Msg):
+class EngineStatsMsg(_Msg, frozen=True):
     """Engine load after an iteration that changed something (for /metrics)."""
 
     num_running: int

@@ -47,7 +47,9 @@ class Formatter(Protocol):
 class Endpoint(Protocol):
     path: str
     id_prefix: str
-    body_model: type[GenerationBody]
+
+    @property
+    def body_model(self) -> type[GenerationBody]: ...
 
     async def prepare(self, body: Any, prompts: PromptEncoder, tenant: Tenant,
                       limits: AdmissionLimits) -> Prepared: ...

@@ -102,6 +102,11 @@ class EngineClient:
         if request_id in self._handles and self.failure is None:
             self._outbox.put_nowait(AbortMsg(request_id, tenant, reason))
 
+    def abort_all(self, reason: str) -> None:
+        """Abort every in-flight request; each still ends with its own terminal output."""
+        for handle in list(self._handles.values()):
+            self.abort(handle.request_id, handle.tenant, reason)
+
     async def shutdown(self, timeout_s: float = 30.0) -> None:
         """Abort what is left in the engine, let it report, and wait for it to exit."""
         self._is_shutting_down = True
@@ -199,5 +204,5 @@ class EngineClient:
         self._exited.set()
 
     async def _drain(self) -> None:
-        while await self._pull.poll(_DRAIN_POLL_MS, zmq.POLLIN):
+        while await self._pull.poll(timeout=_DRAIN_POLL_MS):
             self._receive(await self._pull.recv())

@@ -3,8 +3,9 @@
 Start-up order: read the keys file and open the audit log (bad ones stop start-up), spawn
 the engine (its configuration errors, I2, stop start-up with their own message), load the
 tokenizer the engine reports, log the resolved configuration, bind, log "ready". Shutdown
-(SIGTERM/SIGINT): refuse new requests with 503, give in-flight ones the grace period, abort
-the rest in the engine, stop the engine, exit 0.
+(SIGTERM/SIGINT): refuse new requests with 503, give in-flight ones the grace period, then
+abort the rest in the engine (their clients get an error, never a fake finish), stop the
+engine, exit 0.
 """
 
 from __future__ import annotations
@@ -12,12 +13,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import math
 import signal
 
 import uvicorn
 
 from kvseal.config import EngineArgs
 from kvseal.errors import ConfigError
+from kvseal.messages.msgs import ABORT_SERVER_SHUTDOWN
 from kvseal.server.app import build_app
 from kvseal.server.audit import AuditLog
 from kvseal.server.auth import ApiKeyTable
@@ -29,6 +32,8 @@ from kvseal.server.state import AppState
 from kvseal.server.uvicorn_server import KvsealServer
 
 logger = logging.getLogger("kvseal.server")
+
+ABORT_MARGIN_S = 10.0  # after the grace period: time for aborted requests to send their errors
 
 
 def run(ns: argparse.Namespace) -> int:
@@ -99,7 +104,7 @@ async def _start(config: ServerConfig, engine: EngineClient, keys: ApiKeyTable, 
 def _uvicorn_config(config: ServerConfig, state: AppState) -> uvicorn.Config:
     return uvicorn.Config(build_app(state), host=config.host, port=config.port, loop="asyncio", http="h11",
                           lifespan="off", log_config=None, log_level=config.log_level.lower(),
-                          timeout_graceful_shutdown=config.shutdown_grace_s)
+                          timeout_graceful_shutdown=math.ceil(config.shutdown_grace_s + ABORT_MARGIN_S))
 
 
 def _log_config(state: AppState) -> None:
@@ -125,3 +130,10 @@ def _drain(state: AppState) -> None:
     state.is_draining = True
     logger.info("shutting down: refusing new requests; %d in flight get up to %g s", state.engine.num_in_flight,
                 state.config.shutdown_grace_s)
+    asyncio.get_running_loop().call_later(state.config.shutdown_grace_s, _abort_the_rest, state)
+
+
+def _abort_the_rest(state: AppState) -> None:
+    if state.engine.num_in_flight:
+        logger.warning("grace period over: aborting %d in-flight requests", state.engine.num_in_flight)
+        state.engine.abort_all(ABORT_SERVER_SHUTDOWN)

@@ -11,6 +11,7 @@ too (abort on disconnect or shutdown) before its slot is given back.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
@@ -26,7 +27,7 @@ from kvseal.server import errors
 from kvseal.server.body import parse_body, read_body
 from kvseal.server.call import Call
 from kvseal.server.collect import respond_when_done
-from kvseal.server.endpoint import Endpoint, ResponseIds
+from kvseal.server.endpoint import Endpoint, Formatter, ResponseIds
 from kvseal.server.engine_client import EngineUnavailable
 from kvseal.server.errors import ApiError
 from kvseal.server.protocol import GenerationBody
@@ -36,10 +37,11 @@ from kvseal.server.streaming import EventStreamResponse
 
 logger = logging.getLogger("kvseal.server")
 
+
 async def handle_generation(request: Request, state: AppState, endpoint: Endpoint) -> Response:
     call = Call(state, endpoint.path, f"{endpoint.id_prefix}-{uuid.uuid4().hex}")
     try:
-        body, handle = await _admit_and_submit(request, state, endpoint, call)
+        body, fmt, handle = await _admit_and_submit(request, state, endpoint, call)
     except ApiError as err:
         return _refuse(call, err)
     except RequestRejected as exc:
@@ -48,10 +50,12 @@ async def handle_generation(request: Request, state: AppState, endpoint: Endpoin
         return _refuse(call, errors.from_rejected(exc))
     except EngineUnavailable as exc:
         return _refuse(call, errors.engine_unavailable(str(exc)))
+    except asyncio.CancelledError:  # the server stopped waiting for this request (shutdown)
+        call.reject(errors.engine_unavailable("the server is shutting down"))
+        raise
     except Exception:
         logger.exception("request %s failed before reaching the engine", call.request_id)
         return _refuse(call, errors.internal_error())
-    fmt = endpoint.formatter(body, ResponseIds(call.request_id, state.model_name, int(time.time())), state.prompts)
     if body.stream:
         return EventStreamResponse(call, handle, fmt, body.include_usage)
     return await respond_when_done(request, call, handle, fmt)
@@ -63,7 +67,7 @@ def _refuse(call: Call, err: ApiError) -> JSONResponse:
 
 
 async def _admit_and_submit(request: Request, state: AppState, endpoint: Endpoint,
-                            call: Call) -> tuple[GenerationBody, RequestHandle]:
+                            call: Call) -> tuple[GenerationBody, Formatter, RequestHandle]:
     tenant = call.tenant = state.keys.authenticate(request.headers.get("authorization"))
     if state.is_draining:
         raise errors.engine_unavailable("the server is shutting down")
@@ -77,6 +81,7 @@ async def _admit_and_submit(request: Request, state: AppState, endpoint: Endpoin
     call.num_prompt_tokens = len(prepared.prompt_token_ids)
     prompt_token_ids = admit(prepared.prompt_token_ids, prepared.params, state.limits)  # I1, at the door
     call.num_prompt_tokens = len(prompt_token_ids)
+    fmt = endpoint.formatter(body, ResponseIds(call.request_id, state.model_name, int(time.time())), state.prompts)
     msg = AddRequestMsg(call.request_id, tenant.name, tenant.cache_namespace, prompt_token_ids,
                         params_to_msg(prepared.params))
-    return body, call.submit(msg)
+    return body, fmt, call.submit(msg)  # nothing after this line may fail before the response owns the call

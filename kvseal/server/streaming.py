@@ -59,9 +59,9 @@ async def _events(handle: RequestHandle, fmt: Formatter, include_usage: bool) ->
             return
         assert isinstance(event, RequestOutputMsg)
         transcript.add(event)
-        chunk = fmt.delta_chunk(event)
-        if chunk is not None:
-            yield sse(chunk)
+        delta = fmt.delta_chunk(event)
+        if delta is not None:
+            yield sse(delta)
     if include_usage:
         yield sse(fmt.usage_chunk(transcript))
     yield DONE

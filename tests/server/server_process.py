@@ -20,6 +20,8 @@ from typing import Any
 import httpx
 import openai
 
+from kvseal.models.loader import DEFAULT_MODEL_FILE
+
 READY_DEADLINE_S = 180.0
 WAIT_DEADLINE_S = 60.0
 ENGINE_FLAGS = ["--dtype", "float32", "--kv-cache-tokens", "2048", "--page-size", "4", "--max-model-len", "512",
@@ -58,21 +60,23 @@ def wait_for(condition: Callable[[], Any], what: str, deadline_s: float = WAIT_D
 
 
 class ServerProcess:
-    def __init__(self, model_dir: Path, workdir: Path, *, keys: dict[str, Any] | None = None,
+    def __init__(self, model_dir: Path | None, workdir: Path, *, keys: dict[str, Any] | None = None,
                  extra_args: list[str] | None = None) -> None:
+        """`model_dir` None serves the default model (no --model flag)."""
         workdir.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
         self.audit_path = workdir / "audit.jsonl"
         self.log_path = workdir / "server.log"
-        args = ["--model", str(model_dir), "--port", str(self.port), "--audit-log", str(self.audit_path),
-                *ENGINE_FLAGS, *(extra_args or [])]
+        args = ["--port", str(self.port), "--audit-log", str(self.audit_path), *ENGINE_FLAGS, *(extra_args or [])]
+        if model_dir is not None:
+            args += ["--model", str(model_dir)]
         if keys is not None:
             keys_path = workdir / "keys.json"
             keys_path.write_text(json.dumps(keys))
             args += ["--api-keys", str(keys_path)]
         self._args = args
         self.proc: subprocess.Popen[bytes] | None = None
-        self.model_name = model_dir.name
+        self.model_name = model_dir.name if model_dir is not None else Path(DEFAULT_MODEL_FILE).stem
 
     @property
     def url(self) -> str:

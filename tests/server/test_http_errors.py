@@ -58,6 +58,8 @@ def test_explicit_truncation_is_honoured(server: ServerProcess) -> None:
     ({"prompt": "w5", "temperature": 5}, "temperature"),
     ({"prompt": "w5", "temperature": "hot"}, "temperature"),
     ({"prompt": "w5", "top_p": 0}, "top_p"),
+    ({"prompt": "w5", "top_p": 5e-324}, "top_p"),
+    ({"prompt": "w5", "temperature": 1e-40}, "temperature"),
     ({"prompt": "w5", "max_tokens": 0}, "max_tokens"),
     ({"prompt": "w5", "max_tokens": 4, "min_tokens": 5}, "min_tokens"),
     ({"prompt": "w5", "n": 2}, "n"),

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
 import pytest
 from server_process import ServerProcess
 
-from kvseal import LLM, SamplingParams
+from kvseal.llm import LLM
+from kvseal.types import SamplingParams
 
 PROMPT = "w10 w11 w12 w13 w14"
 
@@ -60,7 +62,7 @@ def test_stream_ends_with_done(server: ServerProcess) -> None:
 
 
 def test_chat_equals_offline_and_stream(server: ServerProcess, alice: openai.OpenAI, offline: LLM) -> None:
-    messages = [{"role": "system", "content": "w20 w21"}, {"role": "user", "content": "w30 w31 w32"}]
+    messages: list[Any] = [{"role": "system", "content": "w20 w21"}, {"role": "user", "content": "w30 w31 w32"}]
     out = alice.chat.completions.create(model=server.model_name, messages=messages, max_tokens=8, temperature=0)
     expected = offline.chat(messages, SamplingParams(max_tokens=8, temperature=0))[0]
     assert out.choices[0].message.role == "assistant"
@@ -76,7 +78,7 @@ def test_chat_equals_offline_and_stream(server: ServerProcess, alice: openai.Ope
 
 
 def test_chat_text_parts_and_max_completion_tokens(server: ServerProcess, alice: openai.OpenAI) -> None:
-    messages = [{"role": "user", "content": [{"type": "text", "text": "w30 w31 w32"}]}]
+    messages: list[Any] = [{"role": "user", "content": [{"type": "text", "text": "w30 w31 w32"}]}]
     out = alice.chat.completions.create(model=server.model_name, messages=messages, max_completion_tokens=5,
                                         temperature=0)
     assert out.usage is not None and out.usage.completion_tokens == 5

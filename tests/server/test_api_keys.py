@@ -1,0 +1,73 @@
+"""The API keys file and the bearer header: strict parsing, keys never echoed."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvseal.errors import ConfigError
+from kvseal.server.auth import ApiKeyTable, Tenant
+from kvseal.server.config import ServerConfig
+from kvseal.server.errors import ApiError
+
+
+def load(tmp_path: Path, content: Any) -> ApiKeyTable:
+    path = tmp_path / "keys.json"
+    path.write_text(content if isinstance(content, str) else json.dumps(content))
+    return ApiKeyTable.load(str(path))
+
+
+def test_keys_map_to_tenants_with_limits(tmp_path: Path) -> None:
+    table = load(tmp_path, {"k1": {"tenant": "a", "max_concurrent_requests": 2}, "k2": {"tenant": "b"},
+                            "k3": {"tenant": "a", "max_concurrent_requests": 2}})
+    assert table.authenticate("Bearer k1") == Tenant("a", max_concurrent_requests=2)
+    assert table.authenticate("bearer  k3 ") == Tenant("a", max_concurrent_requests=2)
+    assert table.authenticate("Bearer k2").name == "b"
+    assert [t.name for t in table.tenants] == ["a", "b"]
+
+
+@pytest.mark.parametrize("header", [None, "", "Bearer", "Bearer ", "Basic k1", "k1", "Bearer k1x", "Bearer K1"])
+def test_bad_authorization_is_401(tmp_path: Path, header: str | None) -> None:
+    table = load(tmp_path, {"k1": {"tenant": "a"}})
+    with pytest.raises(ApiError) as info:
+        table.authenticate(header)
+    assert info.value.status == 401 and info.value.code == "invalid_api_key"
+
+
+@pytest.mark.parametrize("content", [
+    "not json", "[]", {}, {"secret-key-1": "a"}, {"secret-key-1": {"tenant": ""}},
+    {"secret-key-1": {"tenant": "a", "max_tokens": 0}}, {"secret-key-1": {"tenant": "a", "max_tokens": True}},
+    {"secret-key-1": {"tenant": "a", "rate": 1}}, {"secret key": {"tenant": "a"}},
+    {"secret-key-1": {"tenant": "a", "max_tokens": 5}, "secret-key-2": {"tenant": "a"}},
+])
+def test_bad_keys_file_stops_start_up_without_echoing_keys(tmp_path: Path, content: Any) -> None:
+    with pytest.raises(ConfigError) as info:
+        load(tmp_path, content)
+    assert "secret-key" not in str(info.value)
+
+
+def test_missing_keys_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read"):
+        ApiKeyTable.load(str(tmp_path / "absent.json"))
+
+
+def test_without_a_keys_file_everyone_is_default() -> None:
+    table = ApiKeyTable.load(None)
+    assert table.is_open
+    assert table.authenticate(None) == table.authenticate("Bearer anything") == Tenant("default")
+
+
+@pytest.mark.parametrize(("host", "is_loopback"), [("127.0.0.1", True), ("localhost", True), ("::1", True),
+                                                    ("0.0.0.0", False), ("10.1.2.3", False), ("example.org", False)])
+def test_loopback_detection_for_the_open_server_warning(host: str, is_loopback: bool) -> None:
+    assert ServerConfig(host=host).is_loopback is is_loopback
+
+
+def test_server_config_refuses_bad_values() -> None:
+    with pytest.raises(ConfigError, match="port"):
+        ServerConfig(port=70000)
+    with pytest.raises(ConfigError, match="max-body-bytes"):
+        ServerConfig(max_body_bytes=10)

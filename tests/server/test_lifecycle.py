@@ -1,0 +1,141 @@
+"""Process lifecycle: SIGTERM drains and exits 0; a dead engine gives errors and 503, never a hang.
+
+Each test starts its own server without an API keys file (the single tenant `default`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from server_process import WAIT_DEADLINE_S, ServerProcess, client_for, free_port, wait_for
+
+BODY = {"prompt": "w5 w6", "max_tokens": 300, "ignore_eos": True, "stream": True}
+
+
+@pytest.fixture
+def start_server(server_model_dir: Path, tmp_path: Path) -> Iterator[Callable[..., ServerProcess]]:
+    started: list[ServerProcess] = []
+
+    def start(*extra_args: str) -> ServerProcess:
+        started.append(ServerProcess(server_model_dir, tmp_path / str(len(started)), extra_args=list(extra_args)))
+        return started[-1].start()
+
+    yield start
+    for proc in started:
+        proc.kill()
+
+
+def _events(lines: Iterator[str]) -> list[dict]:
+    return [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+
+
+def test_sigterm_lets_in_flight_requests_finish_then_exits_zero(start_server: Callable[..., ServerProcess]) -> None:
+    open_server = start_server("--shutdown-grace-s", "120", "--audit-log-prompts")
+    with httpx.stream("POST", f"{open_server.base_url}/completions", json=BODY, timeout=60) as response:
+        lines = response.iter_lines()
+        next(lines)
+        assert open_server.proc is not None
+        open_server.proc.send_signal(signal.SIGTERM)
+        rest = list(lines)
+        request_id = response.headers["x-request-id"]
+    assert rest[-2:] == ["data: [DONE]", ""]
+    assert json.loads(rest[-4][6:])["choices"][0]["finish_reason"] == "length"
+    assert open_server.terminate() == 0
+    record = open_server.audit_for(request_id)
+    assert record["outcome"] == "finished" and record["tenant"] == "default"
+    assert record["prompt"] == BODY["prompt"]  # --audit-log-prompts
+    log = open_server.log()
+    assert "kvseal ready" in log and "shutting down" in log and "Traceback" not in log
+
+
+def test_sigterm_past_the_grace_period_aborts_with_an_error(start_server: Callable[..., ServerProcess]) -> None:
+    open_server = start_server("--shutdown-grace-s", "0")
+    with httpx.stream("POST", f"{open_server.base_url}/completions", json=BODY | {"max_tokens": 500},
+                      timeout=60) as response:
+        lines = response.iter_lines()
+        next(lines)
+        request_id = response.headers["x-request-id"]
+        assert open_server.proc is not None
+        open_server.proc.send_signal(signal.SIGTERM)
+        rest = list(lines)
+    events = _events(iter(rest))
+    assert events[-1]["error"]["code"] == "engine_unavailable" and "shutting down" in events[-1]["error"]["message"]
+    assert rest[-2:] == ["data: [DONE]", ""]
+    assert not any(c.get("choices", [{}])[0].get("finish_reason") for c in events[:-1])
+    assert open_server.terminate() == 0
+    record = open_server.audit_for(request_id)
+    assert record["outcome"] == "aborted" and record["reason"] == "server_shutdown"
+
+
+def test_engine_death_fails_requests_and_health(start_server: Callable[..., ServerProcess]) -> None:
+    open_server = start_server()
+    client = client_for(open_server, "EMPTY")
+    out = client.completions.create(model=open_server.model_name, prompt="w5", max_tokens=2)
+    assert open_server.audit_for(out.id)["tenant"] == "default"
+    wait_for(lambda: 'kvseal_requests_total{outcome="finished",tenant="default"} 1.0' in
+             httpx.get(f"{open_server.url}/metrics").text, "the request in /metrics")
+    with httpx.stream("POST", f"{open_server.base_url}/completions", json=BODY | {"max_tokens": 500},
+                      timeout=60) as response:
+        lines = response.iter_lines()
+        next(lines)
+        os.kill(open_server.engine_pid, signal.SIGKILL)
+        events = _events(lines)
+        request_id = response.headers["x-request-id"]
+    assert events[-1]["error"]["code"] == "engine_unavailable"
+    assert "exited unexpectedly" in events[-1]["error"]["message"]
+    health = httpx.get(f"{open_server.url}/health", timeout=10)
+    assert health.status_code == 503 and health.json()["error"]["code"] == "engine_unavailable"
+    with pytest.raises(openai.InternalServerError) as info:
+        client.completions.create(model=open_server.model_name, prompt="w5")
+    assert info.value.status_code == 503
+    with pytest.raises(openai.APIError):  # a stream in flight or a new one: an error, never a hang
+        list(client.chat.completions.create(model=open_server.model_name, stream=True,
+                                            messages=[{"role": "user", "content": "w5"}]))
+    assert open_server.audit_for(request_id)["outcome"] == "error"
+    assert open_server.metric("kvseal_engine_up") == 0
+    assert open_server.terminate() == 0
+
+
+
+def test_engine_exits_when_the_frontend_is_killed(start_server: Callable[..., ServerProcess]) -> None:
+    open_server = start_server()
+    engine_pid = open_server.engine_pid
+    open_server.kill()
+
+    def engine_gone() -> bool:
+        try:
+            os.kill(engine_pid, 0)  # signal 0: only asks whether the process exists
+        except ProcessLookupError:
+            return True
+        return False
+
+    wait_for(engine_gone, "the orphaned engine process to exit")
+
+
+def _serve(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "kvseal.cli", "serve", "--port", str(free_port()), *args],
+                          capture_output=True, text=True, timeout=WAIT_DEADLINE_S * 3)
+
+
+def test_a_configuration_the_engine_cannot_honour_stops_start_up(server_model_dir: Path) -> None:
+    done = _serve("--model", str(server_model_dir), "--dtype", "float32", "--max-model-len", "512",
+                  "--kv-cache-tokens", "256", "--page-size", "4")
+    assert done.returncode == 2
+    assert "kvseal: error: ConfigError" in done.stderr and "512" in done.stderr and "256" in done.stderr
+    assert "kvseal ready" not in done.stderr
+
+
+def test_a_bad_keys_file_stops_start_up(server_model_dir: Path, tmp_path: Path) -> None:
+    keys = tmp_path / "keys.json"
+    keys.write_text('{"super-secret": {"tenant": ""}}')
+    done = _serve("--model", str(server_model_dir), "--api-keys", str(keys))
+    assert done.returncode == 2 and "tenant" in done.stderr and "super-secret" not in done.stderr

@@ -1,0 +1,52 @@
+"""Tenants: concurrent tenants get what they get alone; the namespace comes from the server."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+from server_process import ServerProcess
+
+from kvseal.server.auth import Tenant
+
+PROMPTS = {
+    "alice": ["w100 w101 w102", "w7 " * 40, "w300 w301 w302 w303 w304 w305 w306"],
+    "bob": ["w200 w201", "w9 w8 w7 w6 w5 w4 w3", "w450 " * 25],
+}
+
+
+def _complete(client: openai.OpenAI, model: str, prompt: str) -> str:
+    out = client.completions.create(model=model, prompt=prompt, max_tokens=24, temperature=0)
+    assert out.choices[0].finish_reason == "length"
+    return out.choices[0].text
+
+
+def test_concurrent_tenants_get_their_solo_greedy_outputs(server: ServerProcess, alice: openai.OpenAI,
+                                                          bob: openai.OpenAI) -> None:
+    clients = {"alice": alice, "bob": bob}
+    jobs = [(tenant, prompt) for tenant, prompts in PROMPTS.items() for prompt in prompts]
+    alone = {job: _complete(clients[job[0]], server.model_name, job[1]) for job in jobs}
+    with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
+        together = dict(zip(jobs, pool.map(lambda job: _complete(clients[job[0]], server.model_name, job[1]), jobs),
+                            strict=True))
+    assert together == alone
+
+
+def test_concurrent_streams_do_not_mix(server: ServerProcess, alice: openai.OpenAI, bob: openai.OpenAI) -> None:
+    def stream(client: openai.OpenAI, prompt: str) -> str:
+        chunks = client.completions.create(model=server.model_name, prompt=prompt, max_tokens=20, temperature=0,
+                                           stream=True)
+        return "".join(c.choices[0].text for c in chunks)
+
+    jobs = [(alice, "w100 w101 w102"), (bob, "w200 w201"), (alice, "w7 w7 w7"), (bob, "w450 w451")]
+    alone = [stream(c, p) for c, p in jobs]
+    with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
+        together = list(pool.map(lambda job: stream(*job), jobs))
+    assert together == alone
+
+
+def test_cache_namespace_is_derived_from_the_tenant_only() -> None:
+    assert Tenant("alice").cache_namespace == Tenant("alice", max_tokens=5).cache_namespace
+    assert Tenant("alice").cache_namespace != Tenant("bob").cache_namespace
+    assert Tenant("ab").cache_namespace != Tenant("a").cache_namespace  # framed, not just concatenated
+    assert len(Tenant("alice").cache_namespace) == 64
