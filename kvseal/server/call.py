@@ -99,6 +99,11 @@ class Call:
 
     # ---- refusals before or instead of generation ----
 
+    def abandon(self, reason: str) -> None:
+        """The client left before the request reached the engine."""
+        self._finish("aborted", reason=reason)
+        self.http_done()
+
     def reject(self, err: ApiError) -> None:
         """A refusal answered with `err`; this also ends the HTTP side."""
         self._finish("rejected" if err.status < 500 else "error", reason=err.reason, http_status=err.status)

@@ -1,8 +1,8 @@
 """The one path every generation request takes, in this order:
 
-draining? (503) → API key → tenant (401) → body within its size (413) → valid body (400) →
-served model (404) → tenant concurrency slot (429) → tokenize → `admit` with the engine's
-limits (I1, 400 `context_length_exceeded`) → engine → stream or JSON.
+API key → tenant (401) → not shutting down (503) → body within its size (413) → valid body
+(400) → served model (404) → tenant concurrency slot (429) → tokenize → `admit` with the
+engine's limits (I1, 400 `context_length_exceeded`) → engine → stream or JSON.
 
 Nothing is sent to the engine before `admit` accepted the request; a refusal is terminal and
 leaves its audit record. Whatever happens after submission, the request ends in the engine
@@ -16,13 +16,13 @@ import logging
 import time
 import uuid
 
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
 from kvseal.admission import admit
 from kvseal.errors import ContextLengthExceeded, RequestRejected
 from kvseal.messages.convert import params_to_msg
-from kvseal.messages.msgs import AddRequestMsg
+from kvseal.messages.msgs import ABORT_CLIENT_DISCONNECTED, AddRequestMsg
 from kvseal.server import errors
 from kvseal.server.body import parse_body, read_body
 from kvseal.server.call import Call
@@ -50,6 +50,9 @@ async def handle_generation(request: Request, state: AppState, endpoint: Endpoin
         return _refuse(call, errors.from_rejected(exc))
     except EngineUnavailable as exc:
         return _refuse(call, errors.engine_unavailable(str(exc)))
+    except ClientDisconnect:  # gone while sending its body: nothing reached the engine
+        call.abandon(ABORT_CLIENT_DISCONNECTED)
+        return Response(status_code=400)
     except asyncio.CancelledError:  # the server stopped waiting for this request (shutdown)
         call.reject(errors.engine_unavailable("the server is shutting down"))
         raise

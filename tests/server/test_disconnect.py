@@ -40,3 +40,15 @@ def test_non_stream_disconnect_aborts_too(server: ServerProcess) -> None:
     assert record["outcome"] == "aborted" and record["reason"] == "client_disconnected"
     assert record["output_tokens"] < LONG["max_tokens"]
     wait_for(lambda: server.metric("kvseal_kv_pages_used") == 0, "the pages to be free")
+
+
+def test_disconnect_while_sending_the_body_is_recorded_as_aborted(server: ServerProcess) -> None:
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer key-alice\r\n"
+            b"Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n")
+    before = {r["request_id"] for r in server.audit_records()}
+    with socket.create_connection(("127.0.0.1", server.port), timeout=60) as sock:
+        sock.sendall(head + b'{"prompt": "w5')
+    record = wait_for(lambda: [r for r in server.audit_records() if r["request_id"] not in before],
+                      "the audit record")[0]
+    assert (record["tenant"], record["outcome"], record["reason"]) == ("alice", "aborted", "client_disconnected")
+    assert "pages_reserved" not in record
