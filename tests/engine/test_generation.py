@@ -5,8 +5,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from kvseal import FinishReason, SamplingParams
 from tiny_models import EOS_ID, words
+
+from kvseal import FinishReason, SamplingParams
 
 PROMPT = list(range(20, 32))
 OTHERS = [list(range(50, 90)), [7, 8], list(range(120, 133))]
