@@ -16,8 +16,9 @@ class KVPool:
                  head_dim: int, dtype: torch.dtype) -> None:
         self.page_size = page_size
         self.num_pages = num_pages
-        shape = (num_pages, page_size, num_kv_heads, head_dim)
-        # k[layer], v[layer]: [num_pages, page_size, num_kv_heads, head_dim]
+        # Head-major, so that one head's context is contiguous for the attention matmuls.
+        shape = (num_kv_heads, num_pages, page_size, head_dim)
+        # k[layer], v[layer]: [num_kv_heads, num_pages, page_size, head_dim]
         self.k = [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]
         self.page_generation = torch.zeros(num_pages, dtype=torch.int64)
@@ -29,14 +30,15 @@ class KVPool:
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store new tokens' K/V. k, v: [num_tokens, num_kv_heads, head_dim]; slots: [num_tokens]."""
-        self.k[layer].view(self.num_slots, *k.shape[1:])[slots] = k.to(self.k[layer].dtype)
-        self.v[layer].view(self.num_slots, *v.shape[1:])[slots] = v.to(self.v[layer].dtype)
+        num_kv_heads, head_dim = k.shape[1:]
+        self.k[layer].view(num_kv_heads, self.num_slots, head_dim)[:, slots] = k.transpose(0, 1).to(self.k[layer].dtype)
+        self.v[layer].view(num_kv_heads, self.num_slots, head_dim)[:, slots] = v.transpose(0, 1).to(self.v[layer].dtype)
         if layer == 0:
             self.slot_generation[slots] = self.page_generation[slots // self.page_size]
 
     def read_pages(self, layer: int, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Gather whole pages ([...] page ids) -> two tensors [..., page_size, num_kv_heads, head_dim]."""
-        return self.k[layer][pages], self.v[layer][pages]
+        """Gather whole pages ([...] page ids) -> two tensors [num_kv_heads, ..., page_size, head_dim]."""
+        return self.k[layer][:, pages], self.v[layer][:, pages]
 
     def hand_out(self, pages: list[int], generations: list[int]) -> None:
         """Record a new ownership period for `pages`; nothing in them counts as written."""
@@ -52,8 +54,8 @@ class KVPool:
         """Overwrite every slot of `pages` in every layer (scrub with 0, poison with NaN)."""
         index = torch.tensor(pages, dtype=torch.int64)
         for k, v in zip(self.k, self.v):
-            k[index] = value
-            v[index] = value
+            k[:, index] = value
+            v[:, index] = value
 
     def written_by_owner(self, slots: torch.Tensor) -> torch.Tensor:
         """Bool per slot: was it written in its page's current ownership period?"""

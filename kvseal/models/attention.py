@@ -82,34 +82,29 @@ def paged_attention(q: torch.Tensor, pool: KVPool, layer: int, plan: AttentionPl
     out = torch.empty_like(q)
     if plan.decode is not None:
         rows = plan.decode
-        k, v = pool.read_pages(layer, rows.pages)  # [B, P, page_size, kv_heads, head_dim]
-        b = k.shape[0]
-        k, v = k.view(b, -1, *k.shape[3:]), v.view(b, -1, *v.shape[3:])  # [B, P * page_size, kv_heads, head_dim]
+        k, v = pool.read_pages(layer, rows.pages)  # [kv_heads, B, P, page_size, head_dim]
+        k, v = k.flatten(2, 3), v.flatten(2, 3)  # [kv_heads, B, P * page_size, head_dim]
         out[rows.token_idx] = _decode_attention(q[rows.token_idx], k, v, rows.mask)
     for span in plan.prefills:
-        k, v = pool.read_pages(layer, span.pages)  # [P, page_size, kv_heads, head_dim]
-        k, v = k.flatten(0, 1)[: span.context_len], v.flatten(0, 1)[: span.context_len]
+        k, v = pool.read_pages(layer, span.pages)  # [kv_heads, P, page_size, head_dim]
+        k, v = k.flatten(1, 2)[:, : span.context_len], v.flatten(1, 2)[:, : span.context_len]
         qp = q[span.token_start:span.token_end].transpose(0, 1)[None]  # [1, heads, L, head_dim]
-        o = F.scaled_dot_product_attention(qp, k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+        o = F.scaled_dot_product_attention(qp, k[None], v[None],
                                            attn_mask=span.mask, is_causal=span.mask is None, enable_gqa=True)
         out[span.token_start:span.token_end] = o[0].transpose(0, 1)
     return out
 
 
 def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """q: [B, heads, head_dim]; k, v: [B, C, kv_heads, head_dim]; mask: [B, 1, 1, C] -> [B, heads, head_dim].
+    """q: [B, heads, head_dim]; k, v: [kv_heads, B, C, head_dim]; mask: [B, 1, 1, C] -> [B, heads, head_dim].
 
-    float32 uses PyTorch's fused SDPA. For bf16/fp16 the CPU SDPA kernel is several times
-    slower than two batched matmuls with a float32 softmax, so those take the matmul path.
+    Two batched matmuls with a float32 softmax: on CPU this beats PyTorch's SDPA with a mask
+    (several times over in bf16), and the head-major pool makes K and V contiguous per head.
     """
-    if q.dtype == torch.float32:
-        o = F.scaled_dot_product_attention(q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2),
-                                           attn_mask=mask, enable_gqa=True)
-        return o.squeeze(2)
     b, num_heads, head_dim = q.shape
-    num_kv_heads = k.shape[2]
-    qg = q.view(b, num_kv_heads, num_heads // num_kv_heads, head_dim)  # [B, kv_heads, group, head_dim]
-    scores = torch.matmul(qg, k.permute(0, 2, 3, 1)).float() * head_dim**-0.5  # [B, kv_heads, group, C]
-    scores.masked_fill_(~mask, float("-inf"))
+    num_kv_heads = k.shape[0]
+    qg = q.view(b, num_kv_heads, num_heads // num_kv_heads, head_dim).transpose(0, 1)  # [kv_heads, B, group, D]
+    scores = torch.matmul(qg, k.transpose(2, 3)).float() * head_dim**-0.5  # [kv_heads, B, group, C]
+    scores.masked_fill_(~mask.view(1, b, 1, -1), float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(v.dtype)
-    return torch.matmul(probs, v.transpose(1, 2)).reshape(b, num_heads, head_dim)
+    return torch.matmul(probs, v).transpose(0, 1).reshape(b, num_heads, head_dim)

@@ -72,25 +72,29 @@ def _pages_after_one_request(llm: Any) -> list[int]:
 def test_checked_mode_poisons_freed_pages_with_nan(make_llm: Callable[..., Any]) -> None:
     llm = make_llm(check_kv=True)
     pages = _pages_after_one_request(llm)
-    for layer in range(len(llm.engine.kv.pool.k)):
-        assert torch.isnan(llm.engine.kv.pool.k[layer][pages]).all()
-        assert torch.isnan(llm.engine.kv.pool.v[layer][pages]).all()
+    pool = llm.engine.kv.pool
+    for layer in range(len(pool.k)):
+        k, v = pool.read_pages(layer, torch.tensor(pages))
+        assert torch.isnan(k).all() and torch.isnan(v).all()
 
 
 def test_scrub_free_zeroes_pages_on_free(make_llm: Callable[..., Any]) -> None:
     llm = make_llm(kv_scrub="free")
     pages = _pages_after_one_request(llm)
-    assert (llm.engine.kv.pool.k[0][pages] == 0).all() and (llm.engine.kv.pool.v[1][pages] == 0).all()
+    pool = llm.engine.kv.pool
+    assert (pool.read_pages(0, torch.tensor(pages))[0] == 0).all()
+    assert (pool.read_pages(1, torch.tensor(pages))[1] == 0).all()
 
 
 def test_scrub_alloc_zeroes_pages_when_handed_out(make_llm: Callable[..., Any]) -> None:
     llm = make_llm(kv_scrub="alloc")
     pages = _pages_after_one_request(llm)
     kv = llm.engine.kv
-    assert (kv.pool.k[0][pages] != 0).any(), "with scrub=alloc, data stays until the page is reused"
+    assert (kv.pool.read_pages(0, torch.tensor(pages))[0] != 0).any(), "scrub=alloc keeps data until reuse"
     kv.reserve("next", "bob", len(pages) * kv.page_size)
     assert kv.allocator.pages_of("next") == pages
-    assert (kv.pool.k[0][pages] == 0).all() and (kv.pool.v[0][pages] == 0).all()
+    k, v = kv.pool.read_pages(0, torch.tensor(pages))
+    assert (k == 0).all() and (v == 0).all()
     assert kv.num_written_tokens("next") == 0
 
 
