@@ -10,6 +10,7 @@ from typing import Any
 from kvseal.config import EngineArgs
 from kvseal.engine.engine import LLMEngine
 from kvseal.errors import InvalidParameter
+from kvseal.prompting import render_chat
 from kvseal.types import DEFAULT_TENANT, RequestOutput, SamplingParams
 
 Prompt = str | list[int]
@@ -62,12 +63,7 @@ class LLM:
         return self.generate(prompts, sampling_params, tenant)
 
     def apply_chat_template(self, conversation: list[dict[str, str]]) -> list[int]:
-        tokenizer = self.engine.tokenizer
-        if not getattr(tokenizer, "chat_template", None):
-            raise InvalidParameter("this model has no chat template; use generate() with a plain prompt",
-                                   param="messages")
-        ids = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True)
-        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+        return render_chat(self.engine.tokenizer, conversation)
 
     def _run(self, ids: list[str]) -> list[RequestOutput]:
         results: dict[str, RequestOutput] = {}

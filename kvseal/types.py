@@ -11,6 +11,7 @@ import torch
 from kvseal.errors import InvalidParameter
 
 DEFAULT_TENANT = "default"
+SAMPLING_EPS = 1e-5
 
 
 class FinishReason(enum.StrEnum):
@@ -65,7 +66,8 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        """Temperatures below 1e-5 sample greedily: dividing logits by them overflows float32."""
+        return self.temperature < SAMPLING_EPS or self.top_k == 1
 
 
 def _require(ok: bool, param: str, message: str) -> None:
@@ -90,6 +92,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
     num_preemptions: int = 0
+    max_num_pages: int = 0  # most KV pages held at once (audit, I8)
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
     generator: torch.Generator | None = None
@@ -131,6 +134,9 @@ class RequestOutput:
 
     `new_token_ids` and `new_text` are the increment since the previous report; `token_ids`
     and `text` the whole output so far. `text` never contains a matched stop string.
+    `num_pages_reserved` is the most KV pages the request has held so far;
+    `num_kv_tokens_written` (set when finished) how many KV slots were written for it in the
+    pages it held at the end.
     """
 
     request_id: str
@@ -145,6 +151,8 @@ class RequestOutput:
     stop_reason: str | int | None = None
     logprobs: list[TokenLogprobs] | None = None
     error: str | None = None
+    num_pages_reserved: int = 0
+    num_kv_tokens_written: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -23,6 +23,7 @@ from kvseal.engine.scheduler import Scheduler, SchedulerOutput
 from kvseal.errors import InvalidParameter, IsolationViolation
 from kvseal.kvcache.manager import KVCacheManager
 from kvseal.models.loader import LoadedModel, load_model
+from kvseal.prompting import encode_text
 from kvseal.types import DEFAULT_TENANT, FinishReason, Request, RequestOutput, SamplingParams
 
 logger = logging.getLogger("kvseal")
@@ -67,7 +68,7 @@ class LLMEngine:
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
-            return list(self.tokenizer.encode(prompt, add_special_tokens=True))
+            return encode_text(self.tokenizer, prompt)
         if not isinstance(prompt, list):
             raise InvalidParameter("prompt must be a string or a list of token ids", param="prompt")
         return prompt
@@ -94,6 +95,13 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0
+
+    def find(self, request_id: str) -> Request | None:
+        """The queued or running request with this id, if any."""
+        return self.scheduler.find(request_id)
+
+    def unfinished_ids(self) -> list[str]:
+        return [r.request_id for r in (*self.scheduler.running, *self.scheduler.waiting)]
 
     def stats(self) -> EngineStats:
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), self.kv.num_used_pages,
@@ -130,9 +138,11 @@ class LLMEngine:
         return outputs
 
     def _finish(self, request: Request, reason: FinishReason, error: str | None = None) -> RequestOutput:
+        num_written = self.kv.num_written_tokens(request.request_id)
         self.scheduler.finish(request)
         request.finish_reason = reason
-        return self._outputs.pop(request.request_id).report(finished=True, error=error)
+        return self._outputs.pop(request.request_id).report(finished=True, error=error,
+                                                            num_kv_tokens_written=num_written)
 
     def _isolation_abort(self, violation: IsolationViolation) -> RequestOutput:
         logger.error("isolation check failed, aborting the request: %s", violation)

@@ -66,7 +66,7 @@ class OutputState:
                 self.request.finish_reason, self.request.stop_reason = FinishReason.STOP, stop
                 return
 
-    def report(self, finished: bool, error: str | None = None) -> RequestOutput:
+    def report(self, finished: bool, error: str | None = None, num_kv_tokens_written: int = 0) -> RequestOutput:
         """The increment since the previous report (text is held back per the module doc)."""
         request = self.request
         visible = len(self.text) if finished else max(self._num_emitted_chars, len(self.text) - self._holdback)
@@ -79,4 +79,5 @@ class OutputState:
             token_ids=list(request.output_token_ids), text=self.text[:visible], new_token_ids=new_tokens,
             new_text=new_text, finished=finished, finish_reason=request.finish_reason,
             stop_reason=request.stop_reason, logprobs=logprobs, error=error,
+            num_pages_reserved=request.max_num_pages, num_kv_tokens_written=num_kv_tokens_written,
         )

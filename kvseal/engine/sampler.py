@@ -55,7 +55,9 @@ def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     """Keep the smallest set of most likely tokens whose mass reaches top_p (at least one)."""
     sorted_probs, order = probs.sort(descending=True)
     mass_before = sorted_probs.cumsum(-1) - sorted_probs
-    sorted_probs[mass_before >= top_p] = 0.0
+    drop = mass_before >= top_p
+    drop[0] = False  # the most likely token always stays, however small top_p is
+    sorted_probs[drop] = 0.0
     kept = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
     return kept / kept.sum()
 

@@ -59,7 +59,7 @@ class Scheduler:
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if not self._make_room(request, request.num_computed_tokens + num_new, out):
                 break  # the request itself was preempted; everything after it already was
-            self.kv.reserve(request.request_id, request.tenant, request.num_computed_tokens + num_new)
+            self._reserve(request, request.num_computed_tokens + num_new)
             out.chunks.append(ScheduledChunk(request, num_new))
             budget -= num_new
             i += 1
@@ -75,6 +75,10 @@ class Scheduler:
                 return False
         return True
 
+    def _reserve(self, request: Request, num_tokens: int) -> None:
+        self.kv.reserve(request.request_id, request.tenant, num_tokens)
+        request.max_num_pages = max(request.max_num_pages, self.kv.num_pages_for(num_tokens))
+
     def _preempt(self, request: Request) -> None:
         self.kv.free(request.request_id)
         request.num_computed_tokens = 0
@@ -89,7 +93,7 @@ class Scheduler:
             if not self.kv.can_reserve(request.request_id, num_new):
                 return
             self.waiting.popleft()
-            self.kv.reserve(request.request_id, request.tenant, num_new)
+            self._reserve(request, num_new)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             out.chunks.append(ScheduledChunk(request, num_new))

@@ -25,7 +25,7 @@ def params_from_msg(msg: SamplingParamsMsg) -> SamplingParams:
     )
 
 
-def output_to_msg(out: RequestOutput, num_pages_reserved: int) -> RequestOutputMsg:
+def output_to_msg(out: RequestOutput) -> RequestOutputMsg:
     """Only the increment: `new_token_ids`, `new_text` and the logprobs of the new tokens."""
     logprobs = None
     if out.logprobs is not None:
@@ -36,6 +36,7 @@ def output_to_msg(out: RequestOutput, num_pages_reserved: int) -> RequestOutputM
         new_text=out.new_text, finished=out.finished,
         finish_reason=out.finish_reason.value if out.finish_reason is not None else None,
         stop_reason=out.stop_reason, num_prompt_tokens=out.num_prompt_tokens,
-        num_output_tokens=len(out.token_ids), num_pages_reserved=num_pages_reserved,
+        num_output_tokens=len(out.token_ids), num_pages_reserved=out.num_pages_reserved,
+        num_kv_tokens_written=out.num_kv_tokens_written,
         logprobs=logprobs, error=out.error,
     )

@@ -29,7 +29,6 @@ from kvseal.messages.msgs import (
     ShutdownMsg,
     ToEngineMsg,
 )
-from kvseal.messages.page_ledger import PageLedger
 
 logger = logging.getLogger("kvseal.engine")
 
@@ -46,7 +45,6 @@ class EngineLoop:
         self._poller.register(inbox, zmq.POLLIN)
         if parent_fd is not None:
             self._poller.register(parent_fd, zmq.POLLIN)
-        self._ledger = PageLedger(engine)
         self.is_stopped = False
 
     def run(self) -> None:
@@ -100,29 +98,25 @@ class EngineLoop:
                                           exc.http_status))
 
     def _abort(self, msg: AbortMsg) -> None:
-        request = self.engine.scheduler.find(msg.request_id)
+        request = self.engine.find(msg.request_id)
         if request is None or request.tenant != msg.tenant:
             return  # already finished (its final output is on its way) or not this tenant's
         self._send(OutputsMsg([self._abort_one(msg.request_id, msg.reason)]))
 
     def _abort_one(self, request_id: str, reason: str) -> RequestOutputMsg:
-        self._ledger.observe(request_id)
         out = self.engine.abort(request_id, reason)
         assert out is not None, "abort of a request the scheduler holds reports it"
-        return output_to_msg(out, self._ledger.settle(out))
+        return output_to_msg(out)
 
     def _shutdown(self, reason: str) -> None:
-        live = [r.request_id for r in (*self.engine.scheduler.running, *self.engine.scheduler.waiting)]
+        live = self.engine.unfinished_ids()
         if live:
             self._send(OutputsMsg([self._abort_one(request_id, reason) for request_id in live]))
         self._send(EngineStoppedMsg(len(live)))
         self.is_stopped = True
 
     def _step(self) -> None:
-        outputs = self.engine.step()
-        self._ledger.observe_running()
-        msgs = [output_to_msg(o, self._ledger.settle(o) if o.finished else self._ledger.peak(o.request_id))
-                for o in outputs]
+        msgs = [output_to_msg(o) for o in self.engine.step()]
         if msgs:
             self._send(OutputsMsg(msgs))
 

@@ -124,7 +124,8 @@ class RequestOutputMsg(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     A finished output with `finish_reason == "abort"` carries the reason in `error`; it is
     an error, never a success. `num_pages_reserved` is the most KV pages the request has
-    held so far (for the audit record, I8).
+    held so far; `num_kv_tokens_written`, on the finished output, the KV slots written for it
+    (both for the audit record, I8).
     """
 
     request_id: str
@@ -137,6 +138,7 @@ class RequestOutputMsg(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     num_prompt_tokens: int
     num_output_tokens: int
     num_pages_reserved: int
+    num_kv_tokens_written: int = 0
     logprobs: list[TokenLogprobsMsg] | None = None
     error: str | None = None
 

@@ -32,6 +32,7 @@ class AuditRecord(msgspec.Struct, frozen=True, omit_defaults=True):
     prompt_tokens: int | None = None
     output_tokens: int | None = None
     pages_reserved: int | None = None
+    kv_tokens_written: int | None = None  # KV slots written for the request, at its end
     first_token_at: float | None = None
     user: str | None = None
     prompt: str | list[int] | list[dict[str, str]] | None = None

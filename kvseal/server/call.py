@@ -134,6 +134,7 @@ class Call:
             prompt_tokens=out.num_prompt_tokens if out is not None else self.num_prompt_tokens,
             output_tokens=out.num_output_tokens if out is not None else None,
             pages_reserved=out.num_pages_reserved if out is not None else None,
+            kv_tokens_written=out.num_kv_tokens_written if out is not None else None,
             first_token_at=self._first_token_at, user=self.user,
             prompt=self.prompt_for_audit if self.state.audit.include_prompts else None,
         )

@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from kvseal.errors import InvalidParameter
+from kvseal.prompting import encode_text, render_chat
 
 CompletionPrompt = str | list[int] | list[str] | list[list[int]]
 
@@ -35,9 +36,6 @@ class PromptEncoder:
         return await self._run(self._encode, single)
 
     async def chat_ids(self, conversation: list[dict[str, str]]) -> list[int]:
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise InvalidParameter("this model has no chat template; use /v1/completions with a plain prompt",
-                                   param="messages")
         return await self._run(self._apply_chat_template, conversation)
 
     def token_text(self, token_id: int) -> str:
@@ -54,15 +52,10 @@ class PromptEncoder:
         return await asyncio.get_running_loop().run_in_executor(self._worker, fn, arg)
 
     def _encode(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=True))
+        return encode_text(self.tokenizer, text)
 
     def _apply_chat_template(self, conversation: list[dict[str, str]]) -> list[int]:
-        try:
-            ids = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True)
-        except Exception as exc:  # jinja2 errors and raise_exception() calls in templates
-            raise InvalidParameter(f"the model's chat template cannot render these messages: {exc}",
-                                   param="messages") from exc
-        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        return render_chat(self.tokenizer, conversation)
 
 
 def _single_prompt(prompt: CompletionPrompt) -> str | list[int]:

@@ -13,11 +13,6 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 INT32_MAX = 2**31 - 1
-# The engine samples in float32: a top_p or temperature so small that it underflows there
-# (e.g. 5e-324) makes every probability NaN and fails the engine process. Until the sampler
-# guards against that, the door refuses values below these floors (they are greedy anyway).
-MIN_TOP_P = 1e-6
-MIN_SAMPLING_TEMPERATURE = 1e-5
 
 
 class _Body(BaseModel):
@@ -34,7 +29,7 @@ class GenerationBody(_Body):
     model: str | None = None
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     temperature: Annotated[float, Field(ge=0, le=2, allow_inf_nan=False)] | None = None
-    top_p: Annotated[float, Field(ge=MIN_TOP_P, le=1, allow_inf_nan=False)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)] | None = None
     top_k: Annotated[int, Field(ge=-1, le=INT32_MAX)] | None = None
     seed: Annotated[int, Field(ge=0, le=2**63 - 1)] | None = None
     stop: str | Annotated[list[str], Field(max_length=16)] | None = None
@@ -53,13 +48,6 @@ class GenerationBody(_Body):
     def _one_choice(cls, value: int | None) -> int | None:
         if value not in (None, 1):
             raise ValueError("kvseal returns one choice per request; send n=1 or omit it")
-        return value
-
-    @field_validator("temperature")
-    @classmethod
-    def _greedy_or_sampling(cls, value: float | None) -> float | None:
-        if value is not None and 0 < value < MIN_SAMPLING_TEMPERATURE:
-            raise ValueError(f"use 0 for greedy decoding or a temperature >= {MIN_SAMPLING_TEMPERATURE}")
         return value
 
     @field_validator("presence_penalty", "frequency_penalty")

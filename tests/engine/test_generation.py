@@ -100,3 +100,17 @@ def test_text_prompt_round_trip(make_llm: Callable[..., Any]) -> None:
     by_text = llm.generate("w20 w21 w22", SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))[0]
     by_ids = llm.generate([[20, 21, 22]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))[0]
     assert by_text.token_ids == by_ids.token_ids and by_text.text == " " + words(by_ids.token_ids)
+
+
+def test_underflowing_top_p_and_temperature_sample_the_top_token(make_llm: Callable[..., Any]) -> None:
+    llm = make_llm()
+    greedy = llm.generate([PROMPT], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))[0]
+    for params in (SamplingParams(max_tokens=5, top_p=5e-324, ignore_eos=True, seed=1),
+                   SamplingParams(max_tokens=5, temperature=1e-40, ignore_eos=True, seed=1)):
+        assert llm.generate([PROMPT], params)[0].token_ids == greedy.token_ids
+
+
+def test_outputs_report_pages_reserved_and_kv_written(make_llm: Callable[..., Any]) -> None:
+    out = make_llm(page_size=4).generate([PROMPT], SamplingParams(max_tokens=6, ignore_eos=True))[0]
+    # 12 prompt + 5 computed output tokens (the last sampled token is never fed back).
+    assert out.num_kv_tokens_written == 17 and out.num_pages_reserved == 5
