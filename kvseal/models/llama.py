@@ -114,8 +114,8 @@ class CausalLM(nn.Module):
     def forward(self, batch: ForwardBatch, pool: KVPool) -> torch.Tensor:
         """Run one forward, writing the new tokens' KV; return logits [num_samples, vocab] (fp32)."""
         plan = AttentionPlan.build(batch, pool.page_size)
-        cos_sin = self.rope.cos_sin(batch.positions)
         h = self.model.embed_tokens(batch.input_ids)
+        cos_sin = self.rope.cos_sin(batch.positions, h.dtype)
         for layer in self.model.layers:
             h = layer(h, cos_sin, self.rope, batch, plan, pool)
         h = self.model.norm(h[batch.logits_indices])

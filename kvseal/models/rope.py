@@ -29,16 +29,18 @@ class RotaryEmbedding:
             inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf, torch.device("cpu"))
             self.inv_freq, self.scaling = inv_freq.float(), float(scaling)
 
-    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # positions: [num_tokens] -> cos, sin: [num_tokens, 1, head_dim]
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Computed in float32, then cast to the activations' dtype (as transformers does).
+        positions: [num_tokens] -> cos, sin: [num_tokens, 1, head_dim]"""
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        return (emb.cos() * self.scaling)[:, None, :], (emb.sin() * self.scaling)[:, None, :]
+        cos, sin = (emb.cos() * self.scaling).to(dtype), (emb.sin() * self.scaling).to(dtype)
+        return cos[:, None, :], sin[:, None, :]
 
     @staticmethod
     def apply(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        # x: [num_tokens, heads, head_dim]
+        # x: [num_tokens, heads, head_dim], in the dtype cos_sin was made for
         cos, sin = cos_sin
         half = x.shape[-1] // 2
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+        return x * cos + rotated * sin
