@@ -30,15 +30,21 @@ class KVPool:
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store new tokens' K/V. k, v: [num_tokens, num_kv_heads, head_dim]; slots: [num_tokens]."""
+        # index_copy_/index_select along dim 1 are several times faster than advanced indexing there.
         num_kv_heads, head_dim = k.shape[1:]
-        self.k[layer].view(num_kv_heads, self.num_slots, head_dim)[:, slots] = k.transpose(0, 1).to(self.k[layer].dtype)
-        self.v[layer].view(num_kv_heads, self.num_slots, head_dim)[:, slots] = v.transpose(0, 1).to(self.v[layer].dtype)
+        dtype = self.k[layer].dtype
+        self.k[layer].view(num_kv_heads, self.num_slots, head_dim).index_copy_(1, slots, k.transpose(0, 1).to(dtype))
+        self.v[layer].view(num_kv_heads, self.num_slots, head_dim).index_copy_(1, slots, v.transpose(0, 1).to(dtype))
         if layer == 0:
             self.slot_generation[slots] = self.page_generation[slots // self.page_size]
 
     def read_pages(self, layer: int, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Gather whole pages ([...] page ids) -> two tensors [num_kv_heads, ..., page_size, head_dim]."""
-        return self.k[layer][:, pages], self.v[layer][:, pages]
+        shape = (self.k[layer].shape[0], *pages.shape, *self.k[layer].shape[2:])
+        flat = pages.reshape(-1)
+        k = torch.index_select(self.k[layer], 1, flat).view(shape)
+        v = torch.index_select(self.v[layer], 1, flat).view(shape)
+        return k, v
 
     def hand_out(self, pages: list[int], generations: list[int]) -> None:
         """Record a new ownership period for `pages`; nothing in them counts as written."""
@@ -54,8 +60,8 @@ class KVPool:
         """Overwrite every slot of `pages` in every layer (scrub with 0, poison with NaN)."""
         index = torch.tensor(pages, dtype=torch.int64)
         for k, v in zip(self.k, self.v):
-            k[:, index] = value
-            v[:, index] = value
+            k.index_fill_(1, index, value)
+            v.index_fill_(1, index, value)
 
     def written_by_owner(self, slots: torch.Tensor) -> torch.Tensor:
         """Bool per slot: was it written in its page's current ownership period?"""
