@@ -16,6 +16,8 @@ class Fault(enum.Enum):
     # The incident's path: a prompt's prefill is replaced by a one-token placeholder, yet
     # the request is treated as if its whole prompt had been computed.
     PLACEHOLDER_PREFILL = "placeholder_prefill"
+    # A block table that names a page another request owns (an I3 violation).
+    FOREIGN_PAGE = "foreign_page"
 
 
 _active: set[Fault] = set()

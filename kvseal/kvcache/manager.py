@@ -15,6 +15,7 @@ import math
 
 import torch
 
+from kvseal._testing.faults import Fault, is_active
 from kvseal.config import CacheConfig
 from kvseal.errors import IsolationViolation
 from kvseal.kvcache.allocator import PageAllocator
@@ -77,13 +78,23 @@ class KVCacheManager:
 
     def slots(self, request_id: str, start: int, end: int) -> torch.Tensor:
         """Pool slot of each position in [start, end) of the request: [end - start] int64."""
-        pages = torch.tensor(self.allocator.pages_of(request_id), dtype=torch.int64)
+        pages = torch.tensor(self._page_table(request_id), dtype=torch.int64)
         positions = torch.arange(start, end, dtype=torch.int64)
         return pages[positions // self.page_size] * self.page_size + positions % self.page_size
 
     def block_table(self, request_id: str, num_tokens: int) -> torch.Tensor:
         """The request's pages covering its first `num_tokens` positions, in order."""
-        return torch.tensor(self.allocator.pages_of(request_id)[: self.num_pages_for(num_tokens)], dtype=torch.int64)
+        return torch.tensor(self._page_table(request_id)[: self.num_pages_for(num_tokens)], dtype=torch.int64)
+
+    def _page_table(self, request_id: str) -> list[int]:
+        """The request's pages in position order: what its reads and writes go through."""
+        pages = self.allocator.pages_of(request_id)
+        if pages and is_active(Fault.FOREIGN_PAGE):
+            # Test-only: a corrupted block table that names another request's page.
+            foreign = next((p for p in range(self.allocator.num_pages)
+                            if (o := self.allocator.owner_of(p)) is not None and o.request_id != request_id), None)
+            pages[0] = pages[0] if foreign is None else foreign
+        return pages
 
     def num_written_tokens(self, request_id: str) -> int:
         """How many slots of the request's pages hold KV written in their current ownership."""

@@ -7,9 +7,11 @@ then decodes over whatever the pages held before: another tenant's KV.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
+import pytest
 import torch
 
 from kvseal import FinishReason, SamplingParams
@@ -110,3 +112,45 @@ def test_written_records_follow_ownership(make_llm: Callable[..., Any]) -> None:
     engine.kv.reserve("b", "bob", len(SECRET_A))
     assert engine.kv.allocator.pages_of("b") == pages
     assert engine.kv.num_written_tokens("b") == 0
+
+
+def _bob_beside_alice(llm: Any, bob_prompt: list[int], fault: bool) -> Any:
+    """alice is mid-generation (her pages are live) when bob arrives; optionally with the fault."""
+    engine = llm.engine
+    engine.add_request("alice", VICTIM_PROMPT, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
+                       tenant="alice")
+    engine.step()
+    engine.add_request("bob", bob_prompt, GREEDY, tenant="bob")
+    outputs: dict[str, Any] = {}
+    with inject(Fault.FOREIGN_PAGE) if fault else contextlib.nullcontext():
+        while engine.has_unfinished():
+            outputs.update({o.request_id: o for o in engine.step() if o.finished})
+    return outputs
+
+
+def test_foreign_page_fault_leaks_without_checks(make_llm: Callable[..., Any]) -> None:
+    """With bob's block table naming alice's page, bob's prompt reaches alice's output."""
+    alice_a = _bob_beside_alice(make_llm(), SECRET_A, fault=True)["alice"]
+    alice_b = _bob_beside_alice(make_llm(), SECRET_B, fault=True)["alice"]
+    assert alice_a.token_ids != alice_b.token_ids
+    assert (_bob_beside_alice(make_llm(), SECRET_A, fault=False)["alice"].token_ids
+            == _bob_beside_alice(make_llm(), SECRET_B, fault=False)["alice"].token_ids)
+
+
+def test_checked_mode_catches_a_foreign_page(make_llm: Callable[..., Any]) -> None:
+    llm = make_llm(check_kv=True)
+    outputs = _bob_beside_alice(llm, SECRET_A, fault=True)
+    aborted = [o for o in outputs.values() if o.finish_reason is FinishReason.ABORT]
+    assert aborted and all("does not own" in o.error for o in aborted)
+    llm.engine.check_integrity()
+    assert llm.engine.kv.num_used_pages == 0
+
+
+def test_integrity_check_fails_on_a_double_owned_page(make_llm: Callable[..., Any]) -> None:
+    allocator = make_llm().engine.kv.allocator
+    allocator.allocate("a", "alice", 2)
+    allocator.allocate("b", "bob", 1)
+    allocator.check_integrity()
+    allocator._pages["b"].append(allocator.pages_of("a")[0])  # corrupt: page of a also listed for b
+    with pytest.raises(AssertionError, match="two owners"):
+        allocator.check_integrity()
