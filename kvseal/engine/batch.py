@@ -24,12 +24,12 @@ def build_forward_batch(chunks: list[ScheduledChunk], kv: KVCacheManager, check:
     for chunk in chunks:
         ids, start, end = _chunk_tokens(chunk)
         request_id = chunk.request.request_id
-        slots = kv.slots(request_id, 0, end)
+        chunk_slots = kv.slots(request_id, start, end)
         if check:
-            kv.verify_readable(request_id, slots, slots[start:end])
+            kv.verify_readable(request_id, kv.slots(request_id, 0, end), chunk_slots)
         input_ids.extend(ids)
         positions.append(torch.arange(start, end, dtype=torch.int64))
-        new_slots.append(slots[start:end])
+        new_slots.append(chunk_slots)
         block_tables.append(kv.block_table(request_id, end))
         context_lens.append(end)
         query_lens.append(end - start)
