@@ -11,6 +11,8 @@ import torch
 from kvseal.errors import InvalidParameter
 
 DEFAULT_TENANT = "default"
+# `RequestOutput.error_code` of a request ended because an isolation check tripped (I3/I4).
+ISOLATION_CHECK_FAILED = "isolation_check_failed"
 SAMPLING_EPS = 1e-5
 
 
@@ -151,6 +153,7 @@ class RequestOutput:
     stop_reason: str | int | None = None
     logprobs: list[TokenLogprobs] | None = None
     error: str | None = None
+    error_code: str | None = None  # machine-readable cause of an abort, e.g. ISOLATION_CHECK_FAILED
     num_pages_reserved: int = 0
     num_kv_tokens_written: int = 0
 

@@ -18,6 +18,10 @@ class Fault(enum.Enum):
     PLACEHOLDER_PREFILL = "placeholder_prefill"
     # A block table that names a page another request owns (an I3 violation).
     FOREIGN_PAGE = "foreign_page"
+    # Switch off every read-before-write and ownership check (the always-on coverage check and
+    # checked mode), so a test can show that an outer layer (the canary run) catches a leak
+    # the checks would otherwise have stopped first.
+    BYPASS_KV_CHECKS = "bypass_kv_checks"
 
 
 _active: set[Fault] = set()

@@ -38,5 +38,5 @@ def output_to_msg(out: RequestOutput) -> RequestOutputMsg:
         stop_reason=out.stop_reason, num_prompt_tokens=out.num_prompt_tokens,
         num_output_tokens=len(out.token_ids), num_pages_reserved=out.num_pages_reserved,
         num_kv_tokens_written=out.num_kv_tokens_written,
-        logprobs=logprobs, error=out.error,
+        logprobs=logprobs, error=out.error, error_code=out.error_code,
     )

@@ -141,6 +141,7 @@ class RequestOutputMsg(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     num_kv_tokens_written: int = 0
     logprobs: list[TokenLogprobsMsg] | None = None
     error: str | None = None
+    error_code: str | None = None  # e.g. "isolation_check_failed" (kvseal.types.ISOLATION_CHECK_FAILED)
 
 
 class OutputsMsg(_Msg, frozen=True):
