@@ -22,6 +22,9 @@ class Fault(enum.Enum):
     # checked mode), so a test can show that an outer layer (the canary run) catches a leak
     # the checks would otherwise have stopped first.
     BYPASS_KV_CHECKS = "bypass_kv_checks"
+    # Decode accepts a PD commit without verifying it (token count, per-layer coverage), so a
+    # test can show that the canary markers catch what that verification would have stopped.
+    SKIP_HANDOFF_VERIFY = "skip_handoff_verify"
 
 
 _active: set[Fault] = set()

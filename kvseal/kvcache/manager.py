@@ -103,6 +103,25 @@ class KVCacheManager:
             return 0
         return int(self.pool.written_by_owner(self.slots(request_id, 0, len(pages) * self.page_size)).sum())
 
+    def written_prefix(self, request_id: str) -> list[int]:
+        """Per layer, how many leading positions of the request hold KV written in the current
+        ownership of its pages. (Interim: the pool records layer 0 only, so every layer reports
+        layer 0's prefix; the per-layer coverage records replace this.)"""
+        pages = self.allocator.pages_of(request_id)
+        if not pages:
+            return [0] * len(self.pool.k)
+        written = self.pool.written_by_owner(self.slots(request_id, 0, len(pages) * self.page_size))
+        unwritten = (~written).nonzero()
+        prefix = int(unwritten[0]) if unwritten.numel() else int(written.shape[0])
+        return [prefix] * len(self.pool.k)
+
+    def record_written(self, request_id: str, layer: int, start: int, end: int) -> None:
+        """Record that positions [start, end) of `layer` were written into the request's own
+        pages by something other than this engine's forward (a KV transport). Call it only
+        after the data is in the pool."""
+        if layer == 0 and end > start:
+            self.pool.mark_written(self.slots(request_id, start, end))
+
     def verify_readable(self, request_id: str, context_slots: torch.Tensor, new_slots: torch.Tensor) -> None:
         """Checked mode (I4): every context slot must lie in a page the request owns and be
         written by it, either earlier in this ownership period or by this forward (`new_slots`)."""
