@@ -24,6 +24,7 @@ from kvseal.disagg.msgs import (
     encode,
 )
 from kvseal.disagg.node import EngineNode, NodeConfig
+from kvseal.disagg.wire import PeerLinks
 from kvseal.engine.engine import LLMEngine
 from kvseal.messages.convert import params_to_msg
 from kvseal.messages.msgs import OutputsMsg, RequestOutputMsg, RequestRejectedMsg
@@ -93,8 +94,10 @@ class PdPair:
         self.to_prefill = TestFrontend(self.ctx, self.prefill.config.listen)
         self.to_decode = TestFrontend(self.ctx, self.decode.config.listen)
         self.handoffs: dict[str, Handoff] = {}
+        self.rogue = PeerLinks(self.ctx)  # a broken prefill's link to decode, for fault tests
 
     def close(self) -> None:
+        self.rogue.close()
         for s in (self.to_prefill.socket, self.to_decode.socket):
             s.close(linger=0)
         self.prefill.close()
@@ -132,11 +135,12 @@ class PdPair:
             case RequestRejectedMsg():
                 self.handoffs[msg.request_id].rejected = msg
 
-    def reserve(self, prompt: list[int], params: SamplingParams, tenant: str = "alice") -> Handoff:
+    def reserve(self, prompt: list[int], params: SamplingParams, tenant: str = "alice", wait: bool = True) -> Handoff:
         request_id = f"pd-{next(_ids)}"
         handoff = self.handoffs[request_id] = Handoff(request_id)
         self.to_decode.send(ReserveMsg(request_id, tenant, prompt, params_to_msg(params)))
-        self.pump(lambda: handoff.reserved is not None or handoff.refused is not None, "the reservation")
+        if wait:
+            self.pump(lambda: handoff.reserved is not None or handoff.refused is not None, "the reservation")
         return handoff
 
     def prefill_msg(self, handoff: Handoff, prompt: list[int], params: SamplingParams,
@@ -151,6 +155,13 @@ class PdPair:
         if handoff.reserved is not None:
             self.to_prefill.send(self.prefill_msg(handoff, prompt, params, tenant))
             self.wait(handoff)
+        return handoff
+
+    def generate_start(self, prompt: list[int], params: SamplingParams, tenant: str = "alice") -> Handoff:
+        """Hand a request off and return once decode reported its first token."""
+        handoff = self.reserve(prompt, params, tenant)
+        self.to_prefill.send(self.prefill_msg(handoff, prompt, params, tenant))
+        self.pump(lambda: bool(handoff.outputs) or handoff.is_terminal, f"the first token of {handoff.request_id}")
         return handoff
 
     def wait(self, handoff: Handoff) -> None:

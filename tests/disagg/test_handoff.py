@@ -46,3 +46,30 @@ def test_greedy_pd_equals_colocated_token_for_token(pair: PdPair, llama_dir: Pat
         assert handoff.final.finish_reason == "length", handoff.final
         assert handoff.token_ids == tokens
     pair.assert_clean()
+
+
+def test_concurrent_handoffs_equal_colocated(pair: PdPair, llama_dir: Path) -> None:
+    expected = colocated(llama_dir, PROMPTS, GREEDY)
+    handoffs = [pair.reserve(p, GREEDY) for p in PROMPTS]
+    for handoff, prompt in zip(handoffs, PROMPTS):
+        pair.to_prefill.send(pair.prefill_msg(handoff, prompt, GREEDY))
+    for handoff in handoffs:
+        pair.wait(handoff)
+    assert [h.token_ids for h in handoffs] == expected
+    assert pair.decode.loop.stats().num_transfers == len(PROMPTS)
+    pair.assert_clean()
+
+
+def test_seeded_sampling_continues_the_same_random_stream(pair: PdPair, llama_dir: Path) -> None:
+    params = SamplingParams(max_tokens=10, temperature=1.0, top_p=0.9, seed=1234, ignore_eos=True, logprobs=2)
+    expected = colocated(llama_dir, PROMPTS[:3], params)
+    assert [pair.generate(p, params).token_ids for p in PROMPTS[:3]] == expected
+    pair.assert_clean()
+
+
+def test_first_token_that_ends_the_request(pair: PdPair, llama_dir: Path) -> None:
+    params = SamplingParams(max_tokens=1, temperature=0)
+    handoff = pair.generate(PROMPTS[2], params)
+    assert handoff.token_ids == colocated(llama_dir, [PROMPTS[2]], params)[0]
+    assert handoff.final.finished and handoff.final.finish_reason in ("length", "stop")
+    pair.assert_clean()
