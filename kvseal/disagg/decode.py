@@ -18,6 +18,7 @@ from kvseal.disagg.msgs import (
     CommitMsg,
     KVBlockMsg,
     PdMsg,
+    Role,
     ReservedMsg,
     ReserveMsg,
     ReserveRefusedMsg,
@@ -37,7 +38,7 @@ logger = logging.getLogger("kvseal.disagg")
 
 
 class DecodeSteps:
-    role = "decode"
+    role: Role = "decode"
 
     def __init__(self, engine: LLMEngine, receiver: TcpReceiver, replies: Replies, reservation_timeout_s: float,
                  instance_id: str) -> None:

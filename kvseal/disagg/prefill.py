@@ -17,6 +17,7 @@ from kvseal.admission import admit
 from kvseal.disagg.msgs import (
     CommitMsg,
     PdMsg,
+    Role,
     PrefillDoneMsg,
     PrefillMsg,
     PrefillRefusedMsg,
@@ -55,7 +56,7 @@ def first_token_params(params: SamplingParams) -> SamplingParams:
 
 
 class PrefillSteps:
-    role = "prefill"
+    role: Role = "prefill"
 
     def __init__(self, engine: LLMEngine, sender: KVSender, links: PeerLinks, replies: Replies,
                  instance_id: str) -> None:

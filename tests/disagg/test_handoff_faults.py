@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 from pd_harness import Handoff, PdPair, free_port
-from test_handoff import GREEDY, PROMPTS, args, colocated
+from test_handoff import GREEDY, args, colocated
 
 from kvseal import SamplingParams
 from kvseal._testing.faults import Fault, inject
