@@ -18,10 +18,10 @@ from kvseal.disagg.msgs import (
     CommitMsg,
     KVBlockMsg,
     PdMsg,
-    Role,
     ReservedMsg,
     ReserveMsg,
     ReserveRefusedMsg,
+    Role,
     TransferAbortMsg,
 )
 from kvseal.disagg.reservations import Reservation, ReservationTable

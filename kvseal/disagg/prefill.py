@@ -17,10 +17,10 @@ from kvseal.admission import admit
 from kvseal.disagg.msgs import (
     CommitMsg,
     PdMsg,
-    Role,
     PrefillDoneMsg,
     PrefillMsg,
     PrefillRefusedMsg,
+    Role,
     TransferAbortMsg,
     WrittenRangeMsg,
 )
