@@ -25,6 +25,9 @@ class Fault(enum.Enum):
     # Decode accepts a PD commit without verifying it (token count, per-layer coverage), so a
     # test can show that the canary markers catch what that verification would have stopped.
     SKIP_HANDOFF_VERIFY = "skip_handoff_verify"
+    # The PD frontend admits against the largest engine limit instead of the smallest (the
+    # incident's misconfiguration), so a test can show that prefill's own re-check refuses.
+    FRONTEND_LARGEST_LIMIT = "frontend_largest_limit"
 
 
 _active: set[Fault] = set()

@@ -32,7 +32,7 @@ from kvseal.engine.engine import LLMEngine
 from kvseal.errors import RequestRejected
 from kvseal.messages.convert import output_to_msg, params_from_msg
 from kvseal.messages.msgs import AbortMsg, OutputsMsg, RequestOutputMsg, RequestRejectedMsg
-from kvseal.types import RequestOutput, TokenLogprobs
+from kvseal.types import ISOLATION_CHECK_FAILED, RequestOutput, TokenLogprobs
 
 logger = logging.getLogger("kvseal.disagg")
 
@@ -121,7 +121,8 @@ class DecodeSteps:
                          msg.transfer_id, msg.prefill_engine, refusal.message)
             self.counters.failures[refusal.reason] += 1
             self._end_reservation(reservation, refusal.reason,
-                                  f"KV handoff verification failed: {refusal.message}", HANDOFF_FAILED)
+                                  f"isolation check failed: KV handoff verification: {refusal.message}",
+                                  ISOLATION_CHECK_FAILED)
             return
         self._start(reservation, msg)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import secrets
 from dataclasses import dataclass
@@ -9,6 +10,7 @@ from pathlib import Path
 
 import zmq
 
+from kvseal.disagg.args import DEFAULT_RESERVATION_TIMEOUT_S, KV_TRANSPORTS
 from kvseal.disagg.decode import DecodeSteps
 from kvseal.disagg.engine_loop import PdEngineLoop
 from kvseal.disagg.msgs import EngineInfoMsg, Role
@@ -18,9 +20,6 @@ from kvseal.disagg.tcp import TcpReceiver, TcpSender
 from kvseal.disagg.wire import PeerLinks, tcp_endpoint
 from kvseal.engine.engine import LLMEngine
 from kvseal.errors import ConfigError
-
-TRANSPORTS = ("tcp",)
-DEFAULT_RESERVATION_TIMEOUT_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -33,13 +32,17 @@ class NodeConfig:
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode"):
             raise ConfigError(f"--role must be prefill or decode, got {self.role!r}")
-        if self.kv_transport not in TRANSPORTS:
-            raise ConfigError(f"--kv-transport must be one of {', '.join(TRANSPORTS)}, got {self.kv_transport!r}")
+        if self.kv_transport not in KV_TRANSPORTS:
+            raise ConfigError(f"--kv-transport must be one of {', '.join(KV_TRANSPORTS)}, got {self.kv_transport!r}")
         if self.reservation_timeout_s <= 0:
             raise ConfigError(f"--reservation-timeout-s must be > 0, got {self.reservation_timeout_s}")
         host, _, port = self.listen.rpartition(":")
         if not host or not port.isdigit() or not 0 < int(port) < 65536:
             raise ConfigError(f"--listen must be HOST:PORT with a port in 1..65535, got {self.listen!r}")
+
+
+def node_config_from(ns: argparse.Namespace) -> NodeConfig:
+    return NodeConfig(ns.role, ns.listen, ns.kv_transport, ns.reservation_timeout_s)
 
 
 def kv_layout(engine: LLMEngine) -> str:

@@ -20,6 +20,7 @@ from kvseal.disagg.tcp import TcpSender
 from kvseal.disagg.transport import PushPlan
 from kvseal.messages.msgs import AbortMsg
 from kvseal.models.loader import load_model
+from kvseal.types import ISOLATION_CHECK_FAILED
 
 PROMPT = list(range(100, 130))  # 30 tokens: 7.5 pages of 4
 
@@ -43,9 +44,11 @@ def make_pair(llama_dir: Path, loaded: Any) -> Iterator[Any]:
         pair.close()
 
 
-def assert_refused_by_decode(handoff: Handoff, reason_fragment: str) -> None:
+def assert_refused_by_decode(handoff: Handoff, reason_fragment: str, code: str = ISOLATION_CHECK_FAILED) -> None:
+    """Decode ended the request with an error before producing a token. A commit that fails
+    verification is an isolation check tripping; a reservation that expires is not."""
     final = handoff.final
-    assert final.finished and final.finish_reason == "abort" and final.error_code == HANDOFF_FAILED, final
+    assert final.finished and final.finish_reason == "abort" and final.error_code == code, final
     assert reason_fragment in (final.error or ""), final.error
     assert handoff.token_ids == [], "decode produced a token for a refused handoff"
 
@@ -146,7 +149,7 @@ def test_a_forged_commit_does_not_touch_the_reservation(make_pair: Any) -> None:
     rogue_push(pair, handoff, [30, 30])
     rogue_commit(pair, handoff, 30, [30, 30], tenant="mallory")  # another tenant's commit
     pair.pump(lambda: handoff.is_terminal, "the expiry")
-    assert_refused_by_decode(handoff, "no KV arrived")
+    assert_refused_by_decode(handoff, "no KV arrived", HANDOFF_FAILED)
     assert pair.decode.loop.stats().handoff_failures == {"identity_mismatch": 1, "expired": 1}
     pair.assert_clean()
 
@@ -210,7 +213,7 @@ def test_a_reservation_without_commit_expires_and_is_released(make_pair: Any) ->
     handoff = pair.reserve(PROMPT, GREEDY)
     assert pair.decode.engine.kv.num_used_pages == len(handoff.reserved.pages)  # type: ignore[union-attr]
     pair.pump(lambda: handoff.is_terminal, "the expiry")
-    assert_refused_by_decode(handoff, "no KV arrived from prefill")
+    assert_refused_by_decode(handoff, "no KV arrived from prefill", HANDOFF_FAILED)
     assert pair.decode.loop.stats().num_reservations_expired == 1
     pair.assert_clean()
 
