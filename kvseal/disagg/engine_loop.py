@@ -14,7 +14,15 @@ import logging
 import msgspec
 import zmq
 
-from kvseal.disagg.msgs import EngineInfoMsg, HelloMsg, PdMsg, PdStatsMsg, decode
+from kvseal.disagg.msgs import (
+    EngineInfoMsg,
+    HelloMsg,
+    IntegrityCheckMsg,
+    IntegrityReportMsg,
+    PdMsg,
+    PdStatsMsg,
+    decode,
+)
 from kvseal.disagg.role import Replies, RoleSteps
 from kvseal.engine.engine import LLMEngine
 from kvseal.messages.msgs import EngineStatsMsg, ShutdownMsg
@@ -84,6 +92,9 @@ class PdEngineLoop:
                 self.replies.send(sender, self.info)
                 self.replies.send(sender, self.stats())
                 return False
+            case IntegrityCheckMsg():
+                self.replies.send(sender, self.integrity_report())
+                return False
             case ShutdownMsg():
                 self.steps.abort_all(msg.reason)
                 self.is_stopped = True
@@ -109,6 +120,15 @@ class PdEngineLoop:
         stats = self.stats()
         for frontend in self._frontends:
             self.replies.send(frontend, stats)
+
+    def integrity_report(self) -> IntegrityReportMsg:
+        try:
+            self.check_integrity()
+            error = None
+        except AssertionError as exc:
+            error = str(exc) or "integrity check failed"
+        return IntegrityReportMsg(self.info.instance_id, error, self.engine.kv.num_used_pages,
+                                  self.steps.num_reservations(), len(self.engine.unfinished_ids()))
 
     def check_integrity(self) -> None:
         """For tests: the engine's invariants, with the role's held requests (reservations)."""

@@ -23,11 +23,13 @@ import logging
 import secrets
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import cast
 
 import msgspec
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from kvseal._testing.faults import Fault, is_active
 from kvseal.disagg.msgs import (
@@ -62,7 +64,7 @@ from kvseal.server.request_handle import EngineGone, RequestHandle, RequestObser
 logger = logging.getLogger("kvseal.server")
 
 HEARTBEAT_S = 0.5
-DEAD_AFTER_S = 3.0
+DEAD_AFTER_S = 15.0  # a connected engine silent this long is hung (a dead one is noticed at once)
 START_TIMEOUT_S = 600.0
 
 
@@ -72,8 +74,7 @@ class EngineLink:
 
     role: Role
     address: str
-    socket: zmq.asyncio.Socket  # receives
-    sender: zmq.Socket  # the same socket, for sends that fail now instead of in a future
+    socket: zmq.asyncio.Socket
     info: EngineInfoMsg | None = None
     stats: PdStatsMsg | None = None
     last_seen_s: float = 0.0
@@ -86,10 +87,11 @@ class EngineLink:
 
     def send(self, msg: PdMsg) -> None:
         """Queue on the live connection, or raise `EngineUnavailable` (never queue for later)."""
-        try:
-            self.sender.send(encode(msg), zmq.NOBLOCK)
-        except zmq.Again as exc:
-            raise EngineUnavailable(f"the {self.role} engine at {self.address} is not connected") from exc
+        # A NOBLOCK send on an asyncio socket is attempted at once: the future is already done.
+        sent = cast(asyncio.Future[None], self.socket.send(encode(msg), zmq.NOBLOCK))
+        error = sent.exception() if sent.done() else None
+        if error is not None:
+            raise EngineUnavailable(f"the {self.role} engine at {self.address} is not connected ({error})")
 
 
 @dataclass
@@ -103,7 +105,6 @@ class PdRoute:
     transfer_id: str | None = None
     is_aborted: bool = False
     started_decoding: bool = False
-    route_info: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -139,7 +140,7 @@ class PdClient:
         socket.setsockopt(zmq.IMMEDIATE, 1)
         socket.setsockopt(zmq.LINGER, 0)
         socket.connect(tcp_endpoint(address))
-        return EngineLink(role, address, socket, zmq.Socket.shadow(socket.underlying))
+        return EngineLink(role, address, socket)
 
     # ---- the EngineClient interface -------------------------------------------------------
 
@@ -167,6 +168,7 @@ class PdClient:
     async def start(self, timeout_s: float = START_TIMEOUT_S) -> EngineReadyMsg:
         """Wait until every configured engine has introduced itself; check they can work together."""
         self._tasks = [asyncio.create_task(self._receive_loop(link)) for link in self.links]
+        self._tasks += [asyncio.create_task(self._watch_connection(link)) for link in self.links]
         self._tasks.append(asyncio.create_task(self._heartbeat_loop()))
         deadline = time.monotonic() + timeout_s
         while any(link.info is None for link in self.links):
@@ -201,13 +203,8 @@ class PdClient:
         decode_link.send(ReserveMsg(msg.request_id, msg.tenant, msg.prompt_token_ids, msg.params))
         decode_link.num_assigned += 1
         self._routes[msg.request_id] = route
-        route.route_info["decode_engine"] = decode_link.name
+        route.handle.route["decode_engine"] = decode_link.name
         return handle
-
-    def route_of(self, request_id: str) -> dict[str, str]:
-        """The engines and transfer id of a request in flight (for the audit record)."""
-        route = self._routes.get(request_id)
-        return dict(route.route_info) if route is not None else {}
 
     def abort(self, request_id: str, tenant: str, reason: str) -> None:
         route = self._routes.get(request_id)
@@ -313,7 +310,7 @@ class PdClient:
             self._try_send(link, AbortMsg(msg.request_id, msg.tenant, "the request ended before its reservation"))
             return
         route.transfer_id = msg.transfer_id
-        route.route_info["transfer_id"] = msg.transfer_id
+        route.handle.route["transfer_id"] = msg.transfer_id
         self._by_transfer[msg.transfer_id] = route
         try:
             prefill = self._pick("prefill")
@@ -326,7 +323,7 @@ class PdClient:
             return
         prefill.num_assigned += 1
         route.prefill = prefill
-        route.route_info["prefill_engine"] = prefill.name
+        route.handle.route["prefill_engine"] = prefill.name
 
     def _on_output(self, link: EngineLink, out: RequestOutputMsg) -> None:
         route = self._routes.get(out.request_id)
@@ -393,6 +390,21 @@ class PdClient:
                                  link.address, now_s - link.last_seen_s)
                     self._engine_down(link, f"the {link.role} engine at {link.address} stopped answering")
             await asyncio.sleep(HEARTBEAT_S)
+
+    async def _watch_connection(self, link: EngineLink) -> None:
+        """A disconnect (the engine process died or closed) marks the engine down at once."""
+        monitor = link.socket.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        try:
+            while True:
+                event = parse_monitor_message(await monitor.recv_multipart())
+                if event["event"] == zmq.EVENT_DISCONNECTED and link.is_up:
+                    logger.error("the %s engine at %s disconnected: marking it down", link.role, link.address)
+                    self._engine_down(link, f"the {link.role} engine at {link.address} disconnected")
+                elif event["event"] == zmq.EVENT_CONNECTED:
+                    self._try_send(link, HelloMsg(self._frontend_id))
+        finally:
+            link.socket.disable_monitor()
+            monitor.close(linger=0)
 
     def _engine_down(self, link: EngineLink, reason: str) -> None:
         """Fail every request that depends on `link` now; free what other engines hold for them."""

@@ -91,6 +91,21 @@ class PdStatsMsg(_Msg, frozen=True):
     num_reservations_expired: int
 
 
+class IntegrityCheckMsg(_Msg, frozen=True):
+    """Ask an engine to run its invariant checks now (operators and tests; O(pages))."""
+
+
+class IntegrityReportMsg(_Msg, frozen=True):
+    """The answer: `error` is None when every page has one owner, queues and pages agree and
+    only running requests and reservations hold pages."""
+
+    instance_id: str
+    error: str | None
+    num_pages_used: int
+    num_reservations: int
+    num_unfinished: int
+
+
 # ---- frontend -> decode ------------------------------------------------------------------
 
 
@@ -222,7 +237,8 @@ class TransferAbortMsg(_Msg, frozen=True):
 
 
 PdMsg = (
-    HelloMsg | EngineInfoMsg | PdStatsMsg | ReserveMsg | ReservedMsg | ReserveRefusedMsg | PrefillMsg
+    HelloMsg | EngineInfoMsg | PdStatsMsg | IntegrityCheckMsg | IntegrityReportMsg
+    | ReserveMsg | ReservedMsg | ReserveRefusedMsg | PrefillMsg
     | PrefillDoneMsg | PrefillRefusedMsg | KVBlockMsg | CommitMsg | TransferAbortMsg
     | AbortMsg | ShutdownMsg | OutputsMsg | RequestRejectedMsg
 )

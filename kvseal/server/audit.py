@@ -35,6 +35,9 @@ class AuditRecord(msgspec.Struct, frozen=True, omit_defaults=True):
     kv_tokens_written: int | None = None  # KV slots written for the request, at its end
     first_token_at: float | None = None
     user: str | None = None
+    prefill_engine: str | None = None  # PD mode: the engines that handled the request and the KV transfer id
+    decode_engine: str | None = None
+    transfer_id: str | None = None
     prompt: str | list[int] | list[dict[str, str]] | None = None
 
 

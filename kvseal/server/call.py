@@ -48,6 +48,7 @@ class Call:
         self._first_token_at: float | None = None
         self._last_token_s: float | None = None
         self._progress: RequestOutputMsg | None = None  # the latest output, for a request the engine loses
+        self._route: dict[str, str] = {}  # PD mode: the engines and transfer id (filled in as it is routed)
 
     def take_slot(self, tenant: Tenant) -> None:
         """Count against the tenant's concurrency limit (raises `ApiError` 429)."""
@@ -57,6 +58,7 @@ class Call:
     def submit(self, msg: AddRequestMsg) -> RequestHandle:
         handle = self.state.engine.submit(msg, self)
         self._is_submitted = True
+        self._route = handle.route
         return handle
 
     def http_done(self) -> None:
@@ -136,5 +138,7 @@ class Call:
             pages_reserved=out.num_pages_reserved if out is not None else None,
             kv_tokens_written=out.num_kv_tokens_written if out is not None else None,
             first_token_at=self._first_token_at, user=self.user,
+            prefill_engine=self._route.get("prefill_engine"), decode_engine=self._route.get("decode_engine"),
+            transfer_id=self._route.get("transfer_id"),
             prompt=self.prompt_for_audit if self.state.audit.include_prompts else None,
         )
