@@ -22,7 +22,13 @@ from pathlib import Path
 import openai
 import pytest
 from marker_model import make_marker_model, marker_prompt
+from pd_harness import PdPair
 from pd_servers import PdEngine, PdFrontend, assert_engines_clean
+
+from kvseal import SamplingParams
+from kvseal._testing.faults import Fault, inject
+from kvseal.config import EngineArgs
+from kvseal.types import ISOLATION_CHECK_FAILED
 
 KEYS = {"key-alice": {"tenant": "alice"}, "key-bob": {"tenant": "bob"}, "key-mallory": {"tenant": "mallory"}}
 PREFILL_FLAGS = ["--kv-cache-tokens", "256", "--max-model-len", "256"]  # the small prefill pool
@@ -171,30 +177,26 @@ def test_decode_verification_catches_the_placeholder_prefill(
     assert_engines_clean(decode)
 
 
-def test_without_decode_verification_the_marker_check_catches_the_leak(marker_dir: Path, workdir: Path) -> None:
-    """The negative control: with decode's verification switched off too, the placeholder's
-    request decodes over another tenant's KV and answers with that tenant's marker."""
-    decode = PdEngine("decode", marker_dir, workdir, DECODE_FLAGS,
-                      faults="skip_handoff_verify,bypass_kv_checks").start()
-    prefill = PdEngine("prefill", marker_dir, workdir, PREFILL_FLAGS).start()
-    frontend = None
+def test_without_decode_verification_the_marker_check_catches_the_leak(marker_dir: Path) -> None:
+    """The negative control, with both engines in this process (a fault switched on here is on
+    in both, and only prefill runs prompts): with decode's verification switched off too, the
+    placeholder's request decodes over alice's KV and answers with alice's marker."""
+    pair = PdPair(EngineArgs(model=str(marker_dir), kv_cache_tokens=256, max_model_len=256, page_size=4,
+                             dtype="float32"),
+                  EngineArgs(model=str(marker_dir), kv_cache_tokens=1024, max_model_len=1024, page_size=4,
+                             dtype="float32"))
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0)
+    tokenizer = pair.decode.engine.tokenizer
     try:
-        decode.wait_ready()
-        prefill.wait_ready()
-        frontend = frontend_for(prefill, decode, marker_dir, workdir)
-        alice = send(frontend, "alice", 200)  # decode's pages now hold alice's KV
-        assert alice.status == 200
-        prefill.terminate()  # the same prefill address, now with the incident's placeholder path
-        prefill = PdEngine("prefill", marker_dir, workdir, PREFILL_FLAGS,
-                           faults="placeholder_prefill,bypass_kv_checks", port=int(prefill.address.split(":")[1]))
-        prefill.start().wait_ready()
-        frontend.wait_healthy()
-        bob = send(frontend, "bob", 150)
-        assert bob.status == 200
-        assert foreign_markers([alice, bob]) == [("bob", f"w{alice.marker}")] * bob.text.split().count(
-            f"w{alice.marker}") and bob.text.split().count(f"w{alice.marker}") > 0, bob
+        alice = pair.generate(pair.decode.engine.tokenize(marker_prompt(400, 200)), params, tenant="alice")
+        assert tokenizer.decode(alice.token_ids).split() == ["w400"] * MAX_TOKENS
+        bob_prompt = pair.decode.engine.tokenize(marker_prompt(401, 150))
+        with inject(Fault.PLACEHOLDER_PREFILL), inject(Fault.BYPASS_KV_CHECKS):
+            caught = pair.generate(bob_prompt, params, tenant="bob")
+            assert caught.final.error_code == ISOLATION_CHECK_FAILED and caught.token_ids == []
+            with inject(Fault.SKIP_HANDOFF_VERIFY):
+                leaked = pair.generate(bob_prompt, params, tenant="bob")
+        assert leaked.final.finish_reason == "length"
+        assert "w400" in tokenizer.decode(leaked.token_ids).split(), "the marker check sees alice's marker"
     finally:
-        if frontend is not None:
-            frontend.terminate()
-        prefill.terminate()
-        decode.terminate()
+        pair.close()
