@@ -14,7 +14,7 @@ from typing import Any
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).parent.parent / "server"))
+sys.path.insert(0, str(Path(__file__).parent.parent / "server"))  # server_process
 
 from server_process import READY_DEADLINE_S, WAIT_DEADLINE_S, free_port, wait_for  # noqa: E402
 

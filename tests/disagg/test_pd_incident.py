@@ -33,7 +33,7 @@ from kvseal.types import ISOLATION_CHECK_FAILED
 KEYS = {"key-alice": {"tenant": "alice"}, "key-bob": {"tenant": "bob"}, "key-mallory": {"tenant": "mallory"}}
 PREFILL_FLAGS = ["--kv-cache-tokens", "256", "--max-model-len", "256"]  # the small prefill pool
 DECODE_FLAGS = ["--kv-cache-tokens", "1024", "--max-model-len", "1024"]
-MAX_TOKENS = 6
+MAX_TOKENS = 6  # every answer: the marker six times
 _markers = itertools.count(100)
 
 
