@@ -32,19 +32,24 @@ class PeerLink:
         self.socket.setsockopt(zmq.IMMEDIATE, 1)
         self.socket.setsockopt(zmq.LINGER, LINGER_MS)
         self.socket.connect(tcp_endpoint(address))
+        self._is_failing = False  # the last send found no connection: do not wait again until one is back
 
     def send(self, msg: PdMsg, payload: bytes | memoryview | None = None,
              timeout_ms: int = CONNECT_TIMEOUT_MS) -> None:
         """Queue `msg` (and its payload) on the live connection; `TransportError` if there is
-        none within `timeout_ms` (refused, reset, or nobody listening)."""
-        if not self.socket.poll(timeout_ms, zmq.POLLOUT):
+        none within `timeout_ms` (refused, reset, or nobody listening). After one failure the
+        link does not wait again until a connection is back."""
+        if not self.socket.poll(0 if self._is_failing else timeout_ms, zmq.POLLOUT):
+            self._is_failing = True
             raise TransportError(f"cannot reach the engine at {self.address}: no connection within "
                                  f"{timeout_ms} ms (refused, reset or not listening)")
         frames: list[bytes | memoryview] = [encode(msg)] if payload is None else [encode(msg), payload]
         try:
             self.socket.send_multipart(frames, zmq.NOBLOCK, copy=payload is None)
         except zmq.Again as exc:
+            self._is_failing = True
             raise TransportError(f"the connection to {self.address} is gone or full") from exc
+        self._is_failing = False
 
     def close(self) -> None:
         self.socket.close(linger=0)

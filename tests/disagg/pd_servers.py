@@ -9,6 +9,7 @@ import re
 import signal
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,13 @@ import httpx
 sys.path.insert(0, str(Path(__file__).parent.parent / "server"))  # server_process
 
 from server_process import READY_DEADLINE_S, WAIT_DEADLINE_S, free_port, wait_for  # noqa: E402
+
+KEYS = {"key-alice": {"tenant": "alice"}, "key-bob": {"tenant": "bob"}, "key-mallory": {"tenant": "mallory"}}
+# The incident's shape: prefill's pool and limit are smaller than decode's. Small prefill chunks
+# keep a request in prefill for many steps (the kill tests need that window).
+PREFILL_FLAGS = ["--kv-cache-tokens", "256", "--max-model-len", "256", "--max-num-batched-tokens", "8"]
+DECODE_FLAGS = ["--kv-cache-tokens", "1024", "--max-model-len", "1024"]
+
 
 LAUNCHER = str(Path(__file__).parent.parent / "fault_launcher.py")
 ENGINE_FLAGS = ["--dtype", "float32", "--page-size", "4", "--max-num-batched-tokens", "256"]
@@ -164,3 +172,19 @@ def assert_engines_clean(*engines: PdEngine) -> None:
         report = wait_for(drained, f"{engine.name} to drain its pool")
         assert report.error is None, f"{engine.name}: {report.error}"
         assert report.num_reservations == 0
+
+
+@dataclass
+class PdCluster:
+    marker_dir: Path
+    workdir: Path
+    prefill: PdEngine
+    decode: PdEngine
+    frontend: PdFrontend
+
+    def replace_prefill(self, faults: str) -> PdEngine:
+        """Stop the prefill engine and start another at the same address, with `faults`."""
+        self.prefill.terminate()
+        port = int(self.prefill.address.rpartition(":")[2])
+        self.prefill = PdEngine("prefill", self.marker_dir, self.workdir, PREFILL_FLAGS, faults, port=port)
+        return self.prefill.start().wait_ready()

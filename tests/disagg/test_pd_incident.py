@@ -14,25 +14,20 @@ switched off too, the marker check catches the leak). The switches are test-only
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import openai
-import pytest
-from marker_model import make_marker_model, marker_prompt
+from marker_model import marker_prompt
 from pd_harness import PdPair
-from pd_servers import PdEngine, PdFrontend, assert_engines_clean
+from pd_servers import KEYS, PdCluster, PdFrontend, assert_engines_clean
 
 from kvseal import SamplingParams
 from kvseal._testing.faults import Fault, inject
 from kvseal.config import EngineArgs
 from kvseal.types import ISOLATION_CHECK_FAILED
 
-KEYS = {"key-alice": {"tenant": "alice"}, "key-bob": {"tenant": "bob"}, "key-mallory": {"tenant": "mallory"}}
-PREFILL_FLAGS = ["--kv-cache-tokens", "256", "--max-model-len", "256"]  # the small prefill pool
-DECODE_FLAGS = ["--kv-cache-tokens", "1024", "--max-model-len", "1024"]
 MAX_TOKENS = 6  # every answer: the marker six times
 _markers = itertools.count(100)
 
@@ -62,7 +57,7 @@ def send(frontend: PdFrontend, tenant: str, length: int) -> Result:
 
 def traffic(frontend: PdFrontend, oversized: list[int]) -> list[Result]:
     """alice and bob send normal prompts while mallory sends `oversized` ones, all at once."""
-    jobs = [("alice", n) for n in (20, 90, 160, 230)] + [("bob", n) for n in (40, 120, 200)]
+    jobs = [("alice", n) for n in (20, 90, 160, 230)] + [("bob", n) for n in (40, 120, 200)]  # prefill: <= 256
     jobs += [("mallory", n) for n in oversized]
     with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
         return list(pool.map(lambda job: send(frontend, *job), jobs))
@@ -79,30 +74,10 @@ def foreign_markers(results: list[Result]) -> list[tuple[str, str]]:
     return leaks
 
 
-@pytest.fixture(scope="module")
-def marker_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_marker_model(tmp_path_factory.mktemp("models") / "marker")
-
-
-@pytest.fixture(scope="module")
-def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("pd-incident")
-
-
-@pytest.fixture(scope="module")
-def engines(marker_dir: Path, workdir: Path) -> Iterator[tuple[PdEngine, PdEngine]]:
-    prefill = PdEngine("prefill", marker_dir, workdir, PREFILL_FLAGS).start()
-    decode = PdEngine("decode", marker_dir, workdir, DECODE_FLAGS).start()
-    try:
-        yield prefill.wait_ready(), decode.wait_ready()
-    finally:
-        prefill.terminate()
-        decode.terminate()
-
-
-def frontend_for(prefill: PdEngine, decode: PdEngine, marker_dir: Path, workdir: Path,
-                 faults: str = "none") -> PdFrontend:
-    return PdFrontend([prefill], [decode], marker_dir, workdir, KEYS, faults).start().wait_healthy()
+def frontend_for(cluster: PdCluster, faults: str) -> PdFrontend:
+    """A second frontend over the cluster's engines, with `faults` on in it."""
+    return PdFrontend([cluster.prefill], [cluster.decode], cluster.marker_dir, cluster.workdir, KEYS,
+                      faults).start().wait_healthy()
 
 
 def assert_normal_traffic_answered(results: list[Result]) -> None:
@@ -111,37 +86,31 @@ def assert_normal_traffic_answered(results: list[Result]) -> None:
             assert r.status == 200 and r.text.split() == [f"w{r.marker}"] * MAX_TOKENS, r
 
 
-def test_the_incident_prompts_get_400_and_never_reach_an_engine(
-        engines: tuple[PdEngine, PdEngine], marker_dir: Path, workdir: Path) -> None:
-    prefill, decode = engines
-    frontend = frontend_for(prefill, decode, marker_dir, workdir)
-    try:
-        assert "admitting against the smallest" in frontend.log()
-        results = traffic(frontend, oversized=[300, 480, 700])
-        mallory = [r for r in results if r.tenant == "mallory"]
-        assert all(r.status == 400 and r.code == "context_length_exceeded" for r in mallory), mallory
-        assert_normal_traffic_answered(results)
-        assert foreign_markers(results) == []
-        audit = {r["request_id"]: r for r in frontend.audit_records()}
-        for r in mallory:  # refused at the door: no engine, no transfer
-            record = audit[r.request_id]
-            assert record["outcome"] == "rejected" and record["http_status"] == 400
-            assert "transfer_id" not in record and "decode_engine" not in record
-        for r in results:
-            if r.tenant != "mallory":
-                assert {"prefill_engine", "decode_engine", "transfer_id"} <= audit[r.request_id].keys()
-        assert frontend.metric("kvseal_pd_handoff_failures") == 0
-    finally:
-        frontend.terminate()
-    assert_engines_clean(prefill, decode)
+def test_the_incident_prompts_get_400_and_never_reach_an_engine(pd_cluster: PdCluster) -> None:
+    frontend = pd_cluster.frontend
+    assert "admitting against the smallest" in frontend.log()
+    results = traffic(frontend, oversized=[300, 480, 700])
+    mallory = [r for r in results if r.tenant == "mallory"]
+    assert all(r.status == 400 and r.code == "context_length_exceeded" for r in mallory), mallory
+    assert_normal_traffic_answered(results)
+    assert foreign_markers(results) == []
+    audit = {r["request_id"]: r for r in frontend.audit_records()}
+    for r in mallory:  # refused at the door: no engine, no transfer
+        record = audit[r.request_id]
+        assert record["outcome"] == "rejected" and record["http_status"] == 400
+        assert "transfer_id" not in record and "decode_engine" not in record
+    for r in results:
+        if r.tenant != "mallory":
+            assert {"prefill_engine", "decode_engine", "transfer_id"} <= audit[r.request_id].keys()
+    assert frontend.metric("kvseal_pd_handoff_failures") == 0
+    assert_engines_clean(pd_cluster.prefill, pd_cluster.decode)
 
 
-def test_with_the_frontend_check_off_prefill_refuses_and_decode_releases(
-        engines: tuple[PdEngine, PdEngine], marker_dir: Path, workdir: Path) -> None:
-    prefill, decode = engines
-    frontend = frontend_for(prefill, decode, marker_dir, workdir, faults="frontend_largest_limit")
+def test_with_the_frontend_check_off_prefill_refuses_and_decode_releases(pd_cluster: PdCluster) -> None:
+    frontend = frontend_for(pd_cluster, faults="frontend_largest_limit")
     try:
         transfers_before = frontend.metric("kvseal_pd_kv_transfers", role="decode")
+        refused_before = frontend.metric("kvseal_pd_handoff_failures", role="decode", reason="prefill_refused")
         results = traffic(frontend, oversized=[300, 480, 700])
         mallory = [r for r in results if r.tenant == "mallory"]
         assert all(r.status == 400 and r.code == "context_length_exceeded" for r in mallory), mallory
@@ -153,28 +122,31 @@ def test_with_the_frontend_check_off_prefill_refuses_and_decode_releases(
             assert record["outcome"] == "rejected" and record["reason"] == "context_length_exceeded"
             assert record["decode_engine"].startswith("decode-") and record["transfer_id"]
             assert record.get("output_tokens") is None and record.get("first_token_at") is None
-        assert frontend.metric("kvseal_pd_handoff_failures", role="decode", reason="prefill_refused") == 3
+        refused = frontend.metric("kvseal_pd_handoff_failures", role="decode", reason="prefill_refused")
+        assert refused - refused_before == 3
         assert frontend.metric("kvseal_pd_kv_transfers", role="decode") - transfers_before == 7
     finally:
         frontend.terminate()
-    assert_engines_clean(prefill, decode)
+    assert_engines_clean(pd_cluster.prefill, pd_cluster.decode)
 
 
-def test_decode_verification_catches_the_placeholder_prefill(
-        engines: tuple[PdEngine, PdEngine], marker_dir: Path, workdir: Path) -> None:
-    _, decode = engines
-    broken = PdEngine("prefill", marker_dir, workdir, PREFILL_FLAGS,
-                      faults="placeholder_prefill,bypass_kv_checks").start().wait_ready()
-    frontend = frontend_for(broken, decode, marker_dir, workdir)
+def test_decode_verification_catches_the_placeholder_prefill(pd_cluster: PdCluster) -> None:
+    """The incident's placeholder path switched on in prefill (restarted at the same address,
+    picked up by the running frontend): decode refuses every handoff, nobody gets an answer."""
+    frontend = pd_cluster.frontend
+    pd_cluster.replace_prefill("placeholder_prefill,bypass_kv_checks")
     try:
+        frontend.wait_healthy()
+        failures_before = frontend.metric("kvseal_pd_handoff_failures", role="decode", reason="missing_kv")
         results = traffic(frontend, oversized=[])
         assert all(r.status >= 500 and r.text == "" for r in results), results
         assert foreign_markers(results) == []
-        assert frontend.metric("kvseal_pd_handoff_failures", role="decode", reason="missing_kv") == len(results)
+        failures = frontend.metric("kvseal_pd_handoff_failures", role="decode", reason="missing_kv")
+        assert failures - failures_before == len(results)
+        assert_engines_clean(pd_cluster.decode)
     finally:
-        frontend.terminate()
-        broken.terminate()
-    assert_engines_clean(decode)
+        pd_cluster.replace_prefill("none")
+        frontend.wait_healthy()
 
 
 def test_without_decode_verification_the_marker_check_catches_the_leak(marker_dir: Path) -> None:

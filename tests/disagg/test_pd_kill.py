@@ -1,37 +1,16 @@
 """Engines die; the frontend fails their requests with errors in bounded time, the survivors
 release what those requests held, and an engine restarted at the same address is used again
-without restarting the frontend."""
+without restarting the frontend. (Runs on the shared cluster after the incident tests.)"""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 
-import pytest
-from marker_model import make_marker_model
-from pd_servers import PdEngine, PdFrontend, assert_engines_clean
+from pd_servers import PdCluster, assert_engines_clean
 from server_process import wait_for
-from test_pd_incident import KEYS, Result, send
+from test_pd_incident import MAX_TOKENS, Result, send
 
-# Small prefill chunks and long prompts: a request spends many steps in prefill.
-FLAGS = ["--kv-cache-tokens", "8192", "--max-model-len", "2048", "--max-num-batched-tokens", "16"]
-
-
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[PdEngine, PdEngine, PdFrontend]]:
-    workdir = tmp_path_factory.mktemp("pd-kill")
-    model = make_marker_model(tmp_path_factory.mktemp("models") / "marker")
-    prefill = PdEngine("prefill", model, workdir, FLAGS).start()
-    decode = PdEngine("decode", model, workdir, FLAGS).start()
-    prefill.wait_ready()
-    decode.wait_ready()
-    frontend = PdFrontend([prefill], [decode], model, workdir, KEYS).start().wait_healthy()
-    try:
-        yield prefill, decode, frontend
-    finally:
-        frontend.terminate()
-        prefill.terminate()
-        decode.terminate()
+LONG = 240  # tokens: under prefill's limit, 30 prefill steps of 8 tokens each
 
 
 def assert_errors(results: list[Result]) -> None:
@@ -39,35 +18,40 @@ def assert_errors(results: list[Result]) -> None:
     assert results and all(r.status >= 500 and r.text == "" for r in results), results
 
 
-def test_prefill_killed_mid_transfer(setup: tuple[PdEngine, PdEngine, PdFrontend]) -> None:
-    prefill, decode, frontend = setup
-    with ThreadPoolExecutor(max_workers=4) as pool:
-        futures: list[Future[Result]] = [pool.submit(send, frontend, "alice", 1500) for _ in range(4)]
-        wait_for(lambda: frontend.metric("kvseal_pd_reservations", role="decode") >= 3, "decode's reservations")
-        prefill.kill()
-        results = [f.result() for f in futures]
-    assert_errors(results)
-    assert_engines_clean(decode)  # the reservations were released; decode holds nothing
-    assert frontend.health() == 503
-    prefill.start().wait_ready()  # the same address, a new instance
-    frontend.wait_healthy()
-    ok = send(frontend, "bob", 40)
-    assert ok.status == 200 and ok.text.split() == [f"w{ok.marker}"] * 6
-    assert_engines_clean(prefill, decode)
+def assert_serving(cluster: PdCluster) -> None:
+    ok = send(cluster.frontend, "bob", 40)
+    assert ok.status == 200 and ok.text.split() == [f"w{ok.marker}"] * MAX_TOKENS, ok
 
 
-def test_decode_killed(setup: tuple[PdEngine, PdEngine, PdFrontend]) -> None:
-    prefill, decode, frontend = setup
+def kill_during_handoffs(cluster: PdCluster, kill: str) -> list[Result]:
+    """Send four long prompts; kill an engine once decode holds reservations for three."""
+    frontend = cluster.frontend
+    reserved_before = frontend.metric("kvseal_pd_reservations", role="decode")
     with ThreadPoolExecutor(max_workers=4) as pool:
-        futures = [pool.submit(send, frontend, "alice", 1500) for _ in range(4)]
-        wait_for(lambda: frontend.metric("kvseal_pd_reservations", role="decode") >= 3, "decode's reservations")
-        decode.kill()
-        results = [f.result() for f in futures]
+        futures: list[Future[Result]] = [pool.submit(send, frontend, "alice", LONG) for _ in range(4)]
+        wait_for(lambda: frontend.metric("kvseal_pd_reservations", role="decode") - reserved_before >= 3,
+                 "decode's reservations")
+        getattr(cluster, kill).kill()
+        return [f.result() for f in futures]
+
+
+def test_prefill_killed_mid_transfer(pd_cluster: PdCluster) -> None:
+    results = kill_during_handoffs(pd_cluster, "prefill")
     assert_errors(results)
-    assert frontend.health() == 503
-    assert_engines_clean(prefill)  # prefill freed what it held for the dead decode's requests
-    decode.start().wait_ready()
-    frontend.wait_healthy()
-    ok = send(frontend, "bob", 40)
-    assert ok.status == 200 and ok.text.split() == [f"w{ok.marker}"] * 6
-    assert_engines_clean(prefill, decode)
+    assert_engines_clean(pd_cluster.decode)  # its reservations were released; decode holds nothing
+    assert pd_cluster.frontend.health() == 503
+    pd_cluster.prefill.start().wait_ready()  # the same address, a new instance
+    pd_cluster.frontend.wait_healthy()
+    assert_serving(pd_cluster)
+    assert_engines_clean(pd_cluster.prefill, pd_cluster.decode)
+
+
+def test_decode_killed(pd_cluster: PdCluster) -> None:
+    results = kill_during_handoffs(pd_cluster, "decode")
+    assert_errors(results)
+    assert pd_cluster.frontend.health() == 503
+    assert_engines_clean(pd_cluster.prefill)  # prefill freed what it held for the dead decode's requests
+    pd_cluster.decode.start().wait_ready()
+    pd_cluster.frontend.wait_healthy()
+    assert_serving(pd_cluster)
+    assert_engines_clean(pd_cluster.prefill, pd_cluster.decode)
