@@ -36,7 +36,7 @@ from kvseal.disagg.transport import KINDS, PushPlan, staged_pages
 from kvseal.disagg.wire import PeerLinks
 from kvseal.engine.engine import LLMEngine
 from kvseal.messages.convert import params_to_msg
-from kvseal.messages.msgs import OutputsMsg
+from kvseal.messages.msgs import AbortMsg, OutputsMsg
 from kvseal.models.loader import load_model
 from kvseal.types import SamplingParams
 
@@ -123,6 +123,8 @@ def transfer_rate(pair: Pair, prompt: list[int]) -> tuple[float, int]:
             break
     elapsed = time.perf_counter() - start
     links.close()
+    pair.to_decode.send(encode(AbortMsg(r.request_id, "bench", "transfer measured")))  # release the pages
+    pair.pump_until(pair.to_decode, lambda m: isinstance(m, OutputsMsg))
     return num_bytes / elapsed / MiB, num_bytes
 
 
