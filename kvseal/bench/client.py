@@ -5,7 +5,7 @@ is sent; every SSE chunk that carries `choices` is a timestamp: the first one gi
 later one adds an inter-token latency (ITL, one per chunk); the request's latency (E2EL) ends
 at the last such chunk. The output token count is the server's `usage.completion_tokens`
 (asked for with `stream_options.include_usage`), or the number of content chunks when a
-server sends no usage.
+server sends no usage; the input count is `usage.prompt_tokens` when given (as vLLM counts).
 """
 
 from __future__ import annotations
@@ -96,8 +96,9 @@ async def _read_stream(response: httpx.Response, start: float, result: RequestRe
                 result.itl_s.append(now - last)
             last = now
             num_chunks += 1
-        elif data.get("usage"):
-            usage_tokens = int(data["usage"]["completion_tokens"])
+        elif usage := data.get("usage"):
+            usage_tokens = int(usage["completion_tokens"])
+            result.input_len = int(usage.get("prompt_tokens", result.input_len))
     if num_chunks == 0:
         result.error = "the stream ended without any output chunk"
         return
