@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -81,6 +82,7 @@ def config_from(ns: argparse.Namespace) -> ServeBenchConfig:
 def _cmd_serve(ns: argparse.Namespace) -> int:
     from kvseal.bench.metrics import format_summary
 
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request otherwise
     config = config_from(ns)
     if ns.fairness:
         result = _run_fairness(ns, config)
