@@ -12,8 +12,12 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kvseal.errors import KvsealError
+
 if TYPE_CHECKING:
     from kvseal.bench.serve import ServeBenchConfig
+
+_LONG_OPTIONS = ("long_api_key", "long_input_len", "long_output_len", "long_concurrency", "long_max_requests")
 
 
 def add_bench_parser(sub: Any) -> None:
@@ -47,11 +51,11 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
     fair = p.add_argument_group("fairness mode (two tenants)")
     fair.add_argument("--fairness", action="store_true", help="measure --api-key's p99 TTFT alone and while "
                       "--long-api-key sends long prompts")
-    fair.add_argument("--long-api-key", default=None)
-    fair.add_argument("--long-input-len", type=int, default=4096)
-    fair.add_argument("--long-output-len", type=int, default=16)
-    fair.add_argument("--long-concurrency", type=int, default=2)
-    fair.add_argument("--long-max-requests", type=int, default=64)
+    fair.add_argument("--long-api-key", default=None, help="the long tenant's key (required)")
+    fair.add_argument("--long-input-len", type=int, default=None, help="default 4096")
+    fair.add_argument("--long-output-len", type=int, default=None, help="default 16")
+    fair.add_argument("--long-concurrency", type=int, default=None, help="default 2")
+    fair.add_argument("--long-max-requests", type=int, default=None, help="default 64")
     p.set_defaults(func=_cmd_serve)
 
 
@@ -84,6 +88,9 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request otherwise
     config = config_from(ns)
+    given = [name for name in _LONG_OPTIONS if getattr(ns, name) is not None]
+    if given and not ns.fairness:
+        raise KvsealError(f"--{given[0].replace('_', '-')} only applies to the fairness mode; add --fairness")
     if ns.fairness:
         result = _run_fairness(ns, config)
     else:
@@ -102,9 +109,10 @@ def _run_fairness(ns: argparse.Namespace, config: ServeBenchConfig) -> dict[str,
     from kvseal.bench.fairness import LongTenant, bench_fairness
     from kvseal.bench.metrics import format_summary
 
-    long = LongTenant(Endpoint(ns.base_url, ns.model, ns.long_api_key), input_len=ns.long_input_len,
-                      output_len=ns.long_output_len, concurrency=ns.long_concurrency,
-                      max_requests=ns.long_max_requests)
+    overrides = {field: getattr(ns, f"long_{field}") for field in ("input_len", "output_len", "concurrency",
+                                                                     "max_requests")}
+    long = LongTenant(Endpoint(ns.base_url, ns.model, ns.long_api_key),
+                      **{k: v for k, v in overrides.items() if v is not None})
     result = bench_fairness(config, long)
     print(format_summary(result["short_alone"], "Short tenant alone"))
     print(format_summary(result, "Short tenant with long load"))

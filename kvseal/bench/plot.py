@@ -47,11 +47,15 @@ def plot_results(paths: Sequence[Path], out: Path, title: str | None = None) -> 
     if not paths:
         raise KvsealError("plot needs at least one result JSON")
     groups = group_points([load_result(p) for p in paths])
+    concurrencies = sorted({c for points in groups.values() for c in points})
     fig, axes = plt.subplots(1, len(PANELS), figsize=(11, 4.2))
     for ax, (key, ylabel) in zip(axes, PANELS):
         for label, points in sorted(groups.items()):
             _draw(ax, label, points, key)
         ax.set_xscale("log", base=2)
+        ax.set_xticks(concurrencies, [str(c) for c in concurrencies], minor=False)
+        ax.set_xticks([], minor=True)
+        ax.set_ylim(bottom=0)
         ax.set_xlabel("concurrency")
         ax.set_ylabel(ylabel)
         ax.grid(True, alpha=0.3)

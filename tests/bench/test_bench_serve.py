@@ -94,6 +94,12 @@ def test_bad_api_key_fails_with_clear_error(bench_server: ServerProcess, bench_m
     assert "test request" in err and "HTTP 401" in err
 
 
+def test_long_tenant_options_need_fairness_mode(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["bench", "serve", "--base-url", "http://127.0.0.1:9/v1", "--model", "m", "--long-input-len", "64"]
+    assert main(argv) == 2
+    assert "--long-input-len only applies to the fairness mode" in capsys.readouterr().err
+
+
 def test_plot_writes_png(bench_server: ServerProcess, bench_model_dir: Path, tmp_path: Path) -> None:
     paths = []
     for c in (1, 2):
