@@ -1,4 +1,4 @@
-"""`kvseal` command line: generate, plan, serve."""
+"""`kvseal` command line: generate, plan, serve, bench."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
+from kvseal.bench.cli import add_bench_parser
 from kvseal.capacity import KvCapacity, bytes_per_element, parse_bytes
 from kvseal.config import DTYPES, EngineArgs
 from kvseal.errors import KvsealError
@@ -152,6 +153,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_arguments(serve)
     add_serve_arguments(serve)
     serve.set_defaults(func=_cmd_serve)
+
+    add_bench_parser(sub)
     return parser
 
 
