@@ -1,4 +1,4 @@
-"""`kvseal` command line: generate, plan, serve."""
+"""`kvseal` command line: generate, plan, serve, bench."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
+from kvseal.bench.cli import add_bench_parser
 from kvseal.capacity import KvCapacity, bytes_per_element, parse_bytes
 from kvseal.config import DTYPES, EngineArgs
 from kvseal.disagg.args import add_engine_node_arguments, add_pd_serve_arguments
@@ -166,6 +167,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_arguments(engine)
     add_engine_node_arguments(engine)
     engine.set_defaults(func=_cmd_engine)
+
+    add_bench_parser(sub)
     return parser
 
 
