@@ -56,7 +56,7 @@ class DecodeSteps:
     def num_reservations(self) -> int:
         return len(self.table)
 
-    def handle(self, sender: bytes, msg: PdMsg, payload: bytes | None) -> bool:
+    def handle(self, sender: bytes, msg: PdMsg, payload: memoryview | None) -> bool:
         match msg:
             case ReserveMsg():
                 self._reserve(sender, msg)
@@ -97,7 +97,7 @@ class DecodeSteps:
 
     # ---- step 3: KV lands -------------------------------------------------------------
 
-    def _receive(self, msg: KVBlockMsg, payload: bytes | None) -> None:
+    def _receive(self, msg: KVBlockMsg, payload: memoryview | None) -> None:
         why = "missing_payload" if payload is None else self.receiver.deliver(msg, payload)
         if why is not None:
             self.counters.failures[why] += 1

@@ -67,25 +67,26 @@ class PdEngineLoop:
         changed = False
         while not self.is_stopped:
             try:
-                frames = self.router.recv_multipart(zmq.NOBLOCK)
+                frames = self.router.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return changed
             changed = self._on_frames(frames) or changed
         return changed
 
-    def _on_frames(self, frames: list[bytes]) -> bool:
+    def _on_frames(self, frames: list[zmq.Frame]) -> bool:
+        """[sender, header] or [sender, header, payload]; the payload stays in ZMQ's buffer."""
         if len(frames) not in (2, 3):
             logger.error("dropping a message of %d frames", len(frames))
             return False
-        sender, payload = frames[0], frames[2] if len(frames) == 3 else None
+        sender, payload = frames[0].bytes, frames[2].buffer if len(frames) == 3 else None
         try:
-            msg = decode(frames[1])
+            msg = decode(frames[1].bytes)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             logger.error("dropping an undecodable message: %s", exc)
             return False
         return self._dispatch(sender, msg, payload)
 
-    def _dispatch(self, sender: bytes, msg: PdMsg, payload: bytes | None) -> bool:
+    def _dispatch(self, sender: bytes, msg: PdMsg, payload: memoryview | None) -> bool:
         match msg:
             case HelloMsg():
                 self._frontends.add(sender)

@@ -65,23 +65,24 @@ class TcpReceiver:
         self._landed.pop(transfer_id, None)
         return True  # this receiver is the only writer: nothing of the transfer can land now
 
-    def deliver(self, header: KVBlockMsg, payload: bytes) -> str | None:
-        """Write one frame into the reservation's pages. Returns why it was refused, or None."""
+    def deliver(self, header: KVBlockMsg, payload: memoryview) -> str | None:
+        """Write one frame into the reservation's pages. Returns why it was refused, or None.
+        `payload` must be writable (ZMQ's receive buffer): the padding past `end` is zeroed in it."""
         pages = self._pages.get(header.transfer_id)
         if pages is None:
             return "unauthorized_transfer"
         landing = self._landed[header.transfer_id]
-        why = self._check(header, landing, len(payload))
+        why = self._check(header, landing, payload.nbytes)
         if why is not None:
             return why
         page_size = self._pool.page_size
         first, last = header.start // page_size, -(-header.end // page_size)
         num_kv_heads, _, head_dim = self._pool.page_shape()
-        data = torch.frombuffer(bytearray(payload), dtype=self._pool.k[0].dtype)
+        data = torch.frombuffer(payload, dtype=self._pool.k[0].dtype)
         data = data.view(num_kv_heads, last - first, page_size, head_dim)
         data[:, -1, header.end - (last - 1) * page_size:] = 0  # only [start, end) may land
         self._pool.import_pages(header.layer, header.kind, torch.tensor(pages[first:last]), data)
-        landing.add(header.layer, header.kind, header.start, header.end, len(payload))
+        landing.add(header.layer, header.kind, header.start, header.end, payload.nbytes)
         return None
 
     def _check(self, header: KVBlockMsg, landing: Landing, num_bytes: int) -> str | None:
