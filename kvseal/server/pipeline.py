@@ -21,8 +21,6 @@ import uuid
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
-from kvseal._testing.faults import Fault, is_active
-from kvseal.admission import admit
 from kvseal.errors import ContextLengthExceeded, RequestRejected
 from kvseal.messages.convert import params_to_msg
 from kvseal.messages.msgs import ABORT_CLIENT_DISCONNECTED, AddRequestMsg
@@ -33,12 +31,12 @@ from kvseal.server.collect import respond_when_done
 from kvseal.server.endpoint import Endpoint, Formatter, ResponseIds
 from kvseal.server.engine_client import EngineUnavailable
 from kvseal.server.errors import ApiError
+from kvseal.server.front_door import admit_at_the_door
 from kvseal.server.prompts import check_token_list_before_parsing
 from kvseal.server.protocol import GenerationBody
 from kvseal.server.request_handle import RequestHandle
 from kvseal.server.state import AppState
 from kvseal.server.streaming import EventStreamResponse
-from kvseal.types import SamplingParams
 
 logger = logging.getLogger("kvseal.server")
 
@@ -90,7 +88,7 @@ async def _admit_and_submit(request: Request, state: AppState, endpoint: Endpoin
     prepared = await endpoint.prepare(body, state.prompts, tenant, state.limits)
     call.prompt_for_audit = prepared.prompt_for_audit
     call.num_prompt_tokens = len(prepared.prompt_token_ids)
-    prompt_token_ids = _admit_at_the_door(prepared.prompt_token_ids, prepared.params, state)
+    prompt_token_ids = admit_at_the_door(prepared.prompt_token_ids, prepared.params, state.limits)  # I1
     call.num_prompt_tokens = len(prompt_token_ids)
     fmt = endpoint.formatter(body, ResponseIds(call.request_id, state.model_name, int(time.time())), state.prompts)
     msg = AddRequestMsg(call.request_id, tenant.name, tenant.cache_namespace, prompt_token_ids,
@@ -103,10 +101,3 @@ def _require_json(request: Request) -> None:
     content_type = request.headers.get("content-type", "")
     if content_type.partition(";")[0].strip().lower() != "application/json":
         raise errors.unsupported_media_type(content_type)
-
-
-def _admit_at_the_door(prompt_token_ids: list[int], params: SamplingParams, state: AppState) -> list[int]:
-    """I1 at the front door: the engine never receives a request that does not fit."""
-    if is_active(Fault.SKIP_FRONT_DOOR_ADMISSION):
-        return prompt_token_ids
-    return admit(prompt_token_ids, params, state.limits)

@@ -28,9 +28,10 @@ from typing import Any
 
 import msgspec
 
-from kvseal.admission import AdmissionLimits, check_context_length
+from kvseal.admission import AdmissionLimits
 from kvseal.errors import ContextLengthExceeded, InvalidParameter
 from kvseal.prompting import encode_text, render_chat
+from kvseal.server.front_door import check_context, is_checking
 
 logger = logging.getLogger("kvseal.server")
 
@@ -92,7 +93,7 @@ class PromptEncoder:
         single = _single_prompt(prompt)
         if isinstance(single, list):
             if not may_truncate:
-                check_context_length(len(single), 0, limits)
+                check_context(len(single), 0, limits)
             return single
         if not may_truncate:
             self._check_chars(len(single), limits)
@@ -131,7 +132,7 @@ class PromptEncoder:
 
     def _check_chars(self, num_chars: int, limits: AdmissionLimits) -> None:
         limit = limits.max_prompt_tokens
-        if num_chars <= limit * self.max_token_chars:
+        if num_chars <= limit * self.max_token_chars or not is_checking():
             return
         at_least = -(-num_chars // self.max_token_chars)
         raise ContextLengthExceeded(
@@ -185,7 +186,7 @@ def check_token_list_before_parsing(data: bytes, limits: AdmissionLimits) -> Non
         return
     num_ids_at_most = raw.count(b",") + 1  # exact for one list of ints
     if num_ids_at_most > limits.max_prompt_tokens:
-        check_context_length(num_ids_at_most, 0, limits)
+        check_context(num_ids_at_most, 0, limits)
 
 
 def _longest_token_chars(tokenizer: Any) -> int:

@@ -9,9 +9,10 @@ by the tenant's `max_tokens`, as vLLM does. Raises `InvalidParameter` naming the
 
 from __future__ import annotations
 
-from kvseal.admission import AdmissionLimits, check_context_length
+from kvseal.admission import AdmissionLimits
 from kvseal.errors import InvalidParameter
 from kvseal.server.auth import Tenant
+from kvseal.server.front_door import check_context
 from kvseal.server.protocol import GenerationBody
 from kvseal.types import SamplingParams
 
@@ -22,11 +23,11 @@ def build_sampling_params(body: GenerationBody, *, max_tokens: int | None, num_p
     any truncation the request asked for."""
     if body.truncate_prompt_tokens is not None:
         num_prompt_tokens = min(num_prompt_tokens, body.truncate_prompt_tokens)
-    check_context_length(num_prompt_tokens, 1 if max_tokens is None else max_tokens, limits)
+    check_context(num_prompt_tokens, 1 if max_tokens is None else max_tokens, limits)
     if body.stream_options is not None and not body.stream:
         raise InvalidParameter("stream_options is only allowed with stream=true", param="stream_options")
     return SamplingParams(
-        max_tokens=_max_tokens(max_tokens, limits.max_model_len - num_prompt_tokens, tenant),
+        max_tokens=_max_tokens(max_tokens, max(1, limits.max_model_len - num_prompt_tokens), tenant),
         temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p,
         top_k=-1 if body.top_k is None else body.top_k,
