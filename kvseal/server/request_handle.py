@@ -70,12 +70,13 @@ class RequestHandle:
 
     def deliver(self, event: RequestEvent) -> None:
         assert not self.is_terminal, f"event for request {self.request_id} after its terminal event"
+        self._queue.put_nowait(event)  # first: the consumer gets it even if the observer raises
+        if is_terminal(event):
+            self.is_terminal = True
         if isinstance(event, RequestOutputMsg):
             self._observer.on_output(event)
         if is_terminal(event):
-            self.is_terminal = True
             self._observer.on_terminal(event)
-        self._queue.put_nowait(event)
 
     async def events(self) -> AsyncIterator[RequestEvent]:
         """Every event up to and including the terminal one."""
