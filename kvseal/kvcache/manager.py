@@ -169,3 +169,4 @@ class KVCacheManager:
 
     def check_integrity(self) -> None:
         self.allocator.check_integrity()
+        self.records.check_integrity({r: self.allocator.pages_of(r) for r in self.allocator.owner_ids()})

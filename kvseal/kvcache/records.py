@@ -196,6 +196,19 @@ class WriteRecords:
                                   f"layer {layer} holds KV for [0, {have}) and this forward writes "
                                   f"[{start}, {end}): it would read KV slots it never wrote")
 
+    def check_integrity(self, pages_of: dict[str, list[int]]) -> None:
+        """The records agree with the allocator: each owned page names its owner's row, free
+        pages none, and no prefix reaches past the pages its request owns."""
+        holders = {r: p for r, p in pages_of.items() if p}
+        assert set(self._rows) == set(holders), "write records and allocator disagree on who holds pages"
+        expected = torch.full_like(self.page_row, -1)
+        for request_id, pages in holders.items():
+            expected[torch.tensor(pages, dtype=torch.int64)] = self._rows[request_id]
+            owned = len(pages) * self.page_size
+            assert self._num_tokens_owned[request_id] == owned, f"{request_id}: owned positions disagree"
+            assert int(self.prefix[:, self._rows[request_id]].max()) <= owned, f"{request_id}: prefix past its pages"
+        assert torch.equal(expected, self.page_row), "a page's owner row disagrees with the allocator"
+
     # --- checked mode ----------------------------------------------------------------------
 
     def unwritten_slots(self, context_slots: torch.Tensor, new_slots: torch.Tensor) -> torch.Tensor:

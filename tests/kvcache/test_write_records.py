@@ -158,3 +158,13 @@ def test_checked_mode_refuses_a_layer_the_forward_never_wrote() -> None:
     kv.records.slot_generation[2, kv.slots("a", 3, 4)] = -1  # as if layer 2 had skipped position 3
     (violation,) = check_forward(prepare(kv, {"a": (8, 9)}), kv, deep=True)
     assert "1 KV slots it never wrote (first at position 3, layer 2)" in str(violation)
+
+
+def test_integrity_check_fails_when_records_and_allocator_disagree() -> None:
+    kv = make_kv()
+    kv.reserve("a", "alice", 8)
+    kv.reserve("b", "bob", 4)
+    kv.check_integrity()
+    kv.records.page_row[kv.allocator.pages_of("a")[1]] = kv.records._rows["b"]
+    with pytest.raises(AssertionError, match="owner row disagrees"):
+        kv.check_integrity()
