@@ -61,16 +61,16 @@ def build_forward_batch(chunks: list[ScheduledChunk], kv: KVCacheManager) -> Pre
     return PreparedForward(batch, writes)
 
 
-def check_forward(prepared: PreparedForward, kv: KVCacheManager, deep: bool) -> list[IsolationViolation]:
+def check_forward(prepared: PreparedForward, kv: KVCacheManager) -> list[IsolationViolation]:
     """Every reason to refuse a sequence of this batch, at most one per request.
 
-    Always: the O(1)-per-sequence ownership and coverage check. `deep` (checked mode) adds the
-    per-slot, per-layer verification, O(context) per sequence.
+    Always: the O(1)-per-sequence ownership and coverage check. In checked mode
+    (`kv.config.check_kv`) also the per-slot, per-layer verification, O(context) per sequence.
     """
     if is_active(Fault.BYPASS_KV_CHECKS):
         return []  # test-only: a build with every read-before-write and ownership check removed
     violations = kv.check_forward(prepared.writes, prepared.batch)
-    if deep:
+    if kv.config.check_kv:
         refused = {v.request_id for v in violations}
         violations += [v for v in _verify_slots(prepared, kv) if v.request_id not in refused]
     return violations

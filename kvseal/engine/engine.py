@@ -142,7 +142,7 @@ class LLMEngine:
         refused: list[RequestOutput] = []
         while chunks:
             prepared = build_forward_batch(chunks, self.kv)
-            violations = check_forward(prepared, self.kv, deep=self.cache_config.check_kv)
+            violations = check_forward(prepared, self.kv)
             if not violations:
                 return prepared, chunks, refused
             refused += [self._isolation_abort(v) for v in violations]

@@ -189,3 +189,11 @@ def test_integrity_check_fails_on_a_double_owned_page(make_llm: Callable[..., An
     allocator._pages["b"].append(allocator.pages_of("a")[0])  # corrupt: page of a also listed for b
     with pytest.raises(AssertionError, match="two owners"):
         allocator.check_integrity()
+
+
+def test_bypass_switches_off_checked_mode_too(make_llm: Callable[..., Any]) -> None:
+    """BYPASS_KV_CHECKS removes every check, so the outer layers (canary) can be tested."""
+    llm = make_llm(check_kv=True)
+    out = _after_secret(llm, SECRET_A, *PLACEHOLDER_UNCHECKED)
+    assert out.finish_reason is FinishReason.LENGTH and out.error is None
+    assert llm.engine.stats().num_isolation_violations == 0

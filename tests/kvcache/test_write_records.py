@@ -55,16 +55,16 @@ def test_a_forward_is_recorded_per_layer_as_each_layer_writes() -> None:
     kv = make_kv()
     kv.reserve("a", "alice", 9)
     prefill = prepare(kv, {"a": (0, 6)})
-    assert check_forward(prefill, kv, deep=False) == []
+    assert check_forward(prefill, kv) == []
     write_layers(kv, prefill, range(1))  # the forward dies after layer 0
     assert kv.written_prefix("a") == [6, 0, 0]
     assert kv.num_written_tokens("a") == 0
     # The next step would attend to [0, 7) and write only [6, 7): layers 1 and 2 never wrote [0, 6).
-    (violation,) = check_forward(prepare(kv, {"a": (6, 7)}), kv, deep=False)
+    (violation,) = check_forward(prepare(kv, {"a": (6, 7)}), kv)
     assert violation.request_id == "a" and "layer 1 holds KV for [0, 0)" in str(violation)
     write_layers(kv, prefill, range(1, NUM_LAYERS))
     assert kv.written_prefix("a") == [6, 6, 6]
-    assert check_forward(prepare(kv, {"a": (6, 7)}), kv, deep=False) == []
+    assert check_forward(prepare(kv, {"a": (6, 7)}), kv) == []
 
 
 def test_only_the_uncovered_sequence_is_refused() -> None:
@@ -72,7 +72,7 @@ def test_only_the_uncovered_sequence_is_refused() -> None:
     for request_id in ("a", "b"):
         kv.reserve(request_id, request_id, 8)
     write_layers(kv, prepare(kv, {"a": (0, 5)}), range(NUM_LAYERS))
-    refused = check_forward(prepare(kv, {"a": (5, 6), "b": (4, 5)}), kv, deep=False)
+    refused = check_forward(prepare(kv, {"a": (5, 6), "b": (4, 5)}), kv)
     assert [v.request_id for v in refused] == ["b"]
 
 
@@ -84,13 +84,13 @@ def test_a_block_table_naming_a_foreign_page_is_refused() -> None:
     stolen = kv.allocator.pages_of("a")[1]
     tables = [prepared.batch.block_tables[0], torch.tensor([kv.allocator.pages_of("b")[0], stolen])]
     forged = dataclasses.replace(prepared, batch=dataclasses.replace(prepared.batch, block_tables=tables))
-    (violation,) = check_forward(forged, kv, deep=False)
+    (violation,) = check_forward(forged, kv)
     assert violation.request_id == "b" and f"pages [{stolen}] it does not own" in str(violation)
     # A write into a page the request does not own is refused too.
     slots = prepared.batch.slot_mapping.clone()
     slots[8] = stolen * PAGE_SIZE
     forged = dataclasses.replace(prepared, batch=dataclasses.replace(prepared.batch, slot_mapping=slots))
-    assert [v.request_id for v in check_forward(forged, kv, deep=False)] == ["b"]
+    assert [v.request_id for v in check_forward(forged, kv)] == ["b"]
 
 
 def test_records_start_unwritten_in_every_new_ownership_period() -> None:
@@ -102,7 +102,7 @@ def test_records_start_unwritten_in_every_new_ownership_period() -> None:
     assert kv.written_prefix("a") == [0, 0, 0]
     kv.reserve("b", "bob", 8)
     assert kv.allocator.pages_of("b") == pages and kv.written_prefix("b") == [0, 0, 0]
-    assert len(check_forward(prepare(kv, {"b": (7, 8)}), kv, deep=False)) == 1
+    assert len(check_forward(prepare(kv, {"b": (7, 8)}), kv)) == 1
     kv.reserve("a", "alice", 4)  # the same id again: a new ownership period
     assert kv.written_prefix("a") == [0, 0, 0]
 
@@ -131,9 +131,9 @@ def test_transport_writes_cover_a_decode_only_when_every_layer_arrived() -> None
     kv.reserve("a", "alice", 9)
     for layer in range(NUM_LAYERS - 1):
         kv.record_written("a", layer, 0, 8)
-    assert len(check_forward(prepare(kv, {"a": (8, 9)}), kv, deep=False)) == 1
+    assert len(check_forward(prepare(kv, {"a": (8, 9)}), kv)) == 1
     kv.record_written("a", NUM_LAYERS - 1, 0, 8)
-    assert check_forward(prepare(kv, {"a": (8, 9)}), kv, deep=False) == []
+    assert check_forward(prepare(kv, {"a": (8, 9)}), kv) == []
 
 
 def test_checked_mode_verifies_slots_the_records_only_claim() -> None:
@@ -146,7 +146,7 @@ def test_checked_mode_verifies_slots_the_records_only_claim() -> None:
         kv.records.prefix[layer, kv.records._rows["a"]] = 8  # claims [4, 8) that nobody wrote
     decode = prepare(kv, {"a": (8, 9)})
     assert kv.check_forward(decode.writes, decode.batch) == []
-    (violation,) = check_forward(decode, kv, deep=True)
+    (violation,) = check_forward(decode, kv)
     assert "4 KV slots it never wrote (first at position 4, layer 0)" in str(violation)
 
 
@@ -154,9 +154,9 @@ def test_checked_mode_refuses_a_layer_the_forward_never_wrote() -> None:
     kv = make_kv(check_kv=True)
     kv.reserve("a", "alice", 9)
     write_layers(kv, prepare(kv, {"a": (0, 8)}), range(NUM_LAYERS))
-    assert check_forward(prepare(kv, {"a": (8, 9)}), kv, deep=True) == []
+    assert check_forward(prepare(kv, {"a": (8, 9)}), kv) == []
     kv.records.slot_generation[2, kv.slots("a", 3, 4)] = -1  # as if layer 2 had skipped position 3
-    (violation,) = check_forward(prepare(kv, {"a": (8, 9)}), kv, deep=True)
+    (violation,) = check_forward(prepare(kv, {"a": (8, 9)}), kv)
     assert "1 KV slots it never wrote (first at position 3, layer 2)" in str(violation)
 
 
