@@ -154,7 +154,7 @@ class EngineArgs:
     max_num_seqs: int = 256
     kv_scrub: ScrubMode = "off"
     check_kv: bool = False
-    seed: int = 0
+    seed: int = 0  # torch's global seed; unseeded requests draw their own from the OS, never from this
 
     def __post_init__(self) -> None:
         if self.dtype == "auto":
