@@ -22,12 +22,12 @@ class Fault(enum.Enum):
     # checked mode), so a test can show that an outer layer (the canary run) catches a leak
     # the checks would otherwise have stopped first.
     BYPASS_KV_CHECKS = "bypass_kv_checks"
+    # The HTTP frontend skips its own admission call (I1 at the door), so a test can show that
+    # the front-door check is what refuses an over-long prompt, not the engine's re-check.
+    SKIP_FRONT_DOOR_ADMISSION = "skip_front_door_admission"
     # Decode accepts a PD commit without verifying it (token count, per-layer coverage), so a
     # test can show that the canary markers catch what that verification would have stopped.
     SKIP_HANDOFF_VERIFY = "skip_handoff_verify"
-    # The PD frontend admits against the largest engine limit instead of the smallest (the
-    # incident's misconfiguration), so a test can show that prefill's own re-check refuses.
-    FRONTEND_LARGEST_LIMIT = "frontend_largest_limit"
 
 
 _active: set[Fault] = set()

@@ -31,7 +31,6 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from kvseal._testing.faults import Fault, is_active
 from kvseal.disagg.msgs import (
     EngineInfoMsg,
     HelloMsg,
@@ -59,7 +58,14 @@ from kvseal.messages.msgs import (
     RequestRejectedMsg,
 )
 from kvseal.server.engine_client import EngineUnavailable  # the pipeline answers it with 503
-from kvseal.server.request_handle import EngineGone, RequestHandle, RequestObserver, is_terminal
+from kvseal.server.request_handle import (
+    EngineGone,
+    IsolationBreach,
+    RequestEvent,
+    RequestHandle,
+    RequestObserver,
+    is_terminal,
+)
 
 logger = logging.getLogger("kvseal.server")
 
@@ -115,8 +121,6 @@ class PdLimits:
 
 def smallest_limits(infos: list[EngineInfoMsg]) -> PdLimits:
     """I1 with several engines: the smallest of every engine's limits."""
-    if is_active(Fault.FRONTEND_LARGEST_LIMIT):  # test-only: the incident's misconfigured frontend
-        return PdLimits(max(i.max_model_len for i in infos), max(i.kv_cache_tokens for i in infos))
     return PdLimits(min(i.max_model_len for i in infos), min(i.kv_cache_tokens for i in infos))
 
 
@@ -333,7 +337,8 @@ class PdClient:
             logger.error("decode %s reported tenant %r for request %s of tenant %r; failing it closed",
                          link.address, out.tenant[:64], out.request_id, route.handle.tenant)
             self.abort(out.request_id, route.handle.tenant, "isolation_check_failed")
-            self._end(route, EngineGone("frontend tenant check failed"))
+            self._end(route, IsolationBreach(f"frontend tenant check: decode reported tenant '{out.tenant[:64]}' "
+                                             f"for request {out.request_id} of tenant '{route.handle.tenant}'"))
             return
         route.started_decoding = route.started_decoding or bool(out.new_token_ids)
         if is_terminal(out):
@@ -360,7 +365,7 @@ class PdClient:
             route.prefill.num_assigned -= 1
             route.prefill = None
 
-    def _end(self, route: PdRoute, event: RequestOutputMsg | RequestRejectedMsg | EngineGone) -> None:
+    def _end(self, route: PdRoute, event: RequestEvent) -> None:
         request_id = route.handle.request_id
         if self._routes.pop(request_id, None) is None:
             return

@@ -107,7 +107,7 @@ def test_the_incident_prompts_get_400_and_never_reach_an_engine(pd_cluster: PdCl
 
 
 def test_with_the_frontend_check_off_prefill_refuses_and_decode_releases(pd_cluster: PdCluster) -> None:
-    frontend = frontend_for(pd_cluster, faults="frontend_largest_limit")
+    frontend = frontend_for(pd_cluster, faults="skip_front_door_admission")
     try:
         transfers_before = frontend.metric("kvseal_pd_kv_transfers", role="decode")
         refused_before = frontend.metric("kvseal_pd_handoff_failures", role="decode", reason="prefill_refused")
