@@ -1,11 +1,14 @@
-"""Engines die; the frontend fails their requests with errors in bounded time, the survivors
-release what those requests held, and an engine restarted at the same address is used again
-without restarting the frontend. (Runs on the shared cluster after the incident tests.)"""
+"""Clients leave and engines die mid-handoff: the frontend fails the requests with errors in
+bounded time, the engines release what those requests held, and an engine restarted at the
+same address is used again without restarting the frontend. (Runs on the shared cluster,
+after the incident tests.)"""
 
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
 
+import httpx
+from marker_model import marker_prompt
 from pd_servers import PdCluster, assert_engines_clean
 from server_process import wait_for
 from test_pd_incident import MAX_TOKENS, Result, send
@@ -33,6 +36,23 @@ def kill_during_handoffs(cluster: PdCluster, kill: str) -> list[Result]:
                  "decode's reservations")
         getattr(cluster, kill).kill()
         return [f.result() for f in futures]
+
+
+def test_client_disconnect_during_the_handoff(pd_cluster: PdCluster) -> None:
+    """The client leaves while its KV is being computed: both engines end the request and
+    free everything; the audit says aborted."""
+    frontend = pd_cluster.frontend
+    reserved_before = frontend.metric("kvseal_pd_reservations", role="decode")
+    body = {"prompt": marker_prompt(77, LONG), "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True}
+    with httpx.Client(timeout=60) as client, client.stream(
+            "POST", f"{frontend.url}/v1/completions", json=body, headers={"authorization": "Bearer key-alice"}) as r:
+        request_id = r.headers["x-request-id"]
+        wait_for(lambda: frontend.metric("kvseal_pd_reservations", role="decode") > reserved_before,
+                 "decode's reservation")
+    record = wait_for(lambda: next((a for a in frontend.audit_records() if a["request_id"] == request_id), None),
+                      "the audit record")
+    assert record["outcome"] == "aborted" and record.get("output_tokens") in (None, 0), record
+    assert_engines_clean(pd_cluster.prefill, pd_cluster.decode)
 
 
 def test_prefill_killed_mid_transfer(pd_cluster: PdCluster) -> None:
