@@ -61,7 +61,12 @@ class EngineNode:
         self.ctx = ctx or zmq.Context()
         self.router = self.ctx.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.LINGER, 1000)
-        self.router.bind(tcp_endpoint(config.listen))
+        try:
+            self.router.bind(tcp_endpoint(config.listen))
+        except zmq.ZMQError as exc:
+            self.router.close(linger=0)
+            raise ConfigError(f"cannot listen on {config.listen}: {exc}; give --listen an IP address of this "
+                              f"host and a free port") from exc
         self.links = PeerLinks(self.ctx)
         self.instance_id = f"{config.role}-{config.listen}-{secrets.token_hex(4)}"
         replies = Replies(self.router)

@@ -16,8 +16,10 @@ from test_handoff import GREEDY, args, colocated
 from kvseal import SamplingParams
 from kvseal._testing.faults import Fault, inject
 from kvseal.disagg.msgs import HANDOFF_FAILED, CommitMsg, KVBlockMsg, PrefillRefusedMsg, WrittenRangeMsg
+from kvseal.disagg.node import EngineNode, NodeConfig
 from kvseal.disagg.tcp import TcpSender
 from kvseal.disagg.transport import PushPlan
+from kvseal.errors import ConfigError
 from kvseal.messages.msgs import AbortMsg
 from kvseal.models.loader import load_model
 from kvseal.types import ISOLATION_CHECK_FAILED
@@ -278,4 +280,11 @@ def test_transport_error_reaches_the_frontend_and_frees_prefill(make_pair: Any) 
     pair.to_decode.send(AbortMsg(handoff.request_id, "alice", "prefill failed"))  # what the frontend does
     pair.pump(lambda: handoff.is_terminal, "decode's release")
     assert handoff.final.finish_reason == "abort"
+    pair.assert_clean()
+
+
+def test_an_engine_binds_only_its_address_and_refuses_a_taken_one(make_pair: Any) -> None:
+    pair = make_pair()
+    with pytest.raises(ConfigError, match="cannot listen on"):
+        EngineNode(pair.decode.engine, NodeConfig("decode", pair.decode.config.listen), pair.ctx)
     pair.assert_clean()
