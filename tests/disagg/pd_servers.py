@@ -19,7 +19,8 @@ sys.path.insert(0, str(Path(__file__).parent.parent / "server"))  # server_proce
 
 from server_process import READY_DEADLINE_S, WAIT_DEADLINE_S, free_port, wait_for  # noqa: E402
 
-KEYS = {"key-alice": {"tenant": "alice"}, "key-bob": {"tenant": "bob"}, "key-mallory": {"tenant": "mallory"}}
+KEYS = {"key-alice": {"tenant": "alice"}, "key-bob": {"tenant": "bob"}, "key-mallory": {"tenant": "mallory"},
+        "key-ops": {"tenant": "ops", "admin": True}}  # /metrics needs an admin key
 # The incident's shape: prefill's pool and limit are smaller than decode's. Small prefill chunks
 # keep a request in prefill for many steps (the kill tests need that window).
 PREFILL_FLAGS = ["--kv-cache-tokens", "256", "--max-model-len", "256", "--max-num-batched-tokens", "8"]
@@ -127,12 +128,17 @@ class PdFrontend(Proc):
         return [json.loads(line) for line in self.audit_path.read_text().splitlines() if line]
 
     def metrics(self) -> str:
-        return httpx.get(f"{self.url}/metrics", timeout=10).text
+        response = httpx.get(f"{self.url}/metrics", timeout=10, headers={"authorization": "Bearer key-ops"})
+        assert response.status_code == 200, response.text
+        return response.text
 
     def metric(self, name: str, **labels: str) -> float:
-        """Sum of `name` over series whose labels include `labels` (0 when there is none)."""
+        """Sum of `name` over series whose labels include `labels` (0 when there is none yet;
+        the metric family itself must exist)."""
+        text = self.metrics()
+        assert f"# TYPE {name} " in text, f"no metric {name} in /metrics"
         total = 0.0
-        for match in re.finditer(rf"^{re.escape(name)}\{{([^}}]*)\}} (\S+)$", self.metrics(), re.MULTILINE):
+        for match in re.finditer(rf"^{re.escape(name)}\{{([^}}]*)\}} (\S+)$", text, re.MULTILINE):
             found = dict(re.findall(r'(\w+)="([^"]*)"', match.group(1)))
             if all(found.get(k) == v for k, v in labels.items()):
                 total += float(match.group(2))
