@@ -29,6 +29,11 @@ class SamplingParamsMsg(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
     min_tokens: int
     logprobs: int | None
     truncate_prompt_tokens: int | None
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: list[tuple[int, float]] = []
 
 
 class TokenLogprobsMsg(msgspec.Struct, frozen=True, array_like=True):

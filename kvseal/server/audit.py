@@ -35,6 +35,7 @@ class AuditRecord(msgspec.Struct, frozen=True, omit_defaults=True):
     kv_tokens_written: int | None = None  # KV slots written for the request, at its end
     first_token_at: float | None = None
     user: str | None = None
+    features: list[str] | None = None  # optional request fields used (names only, kvseal.server.features)
     prompt: str | list[int] | list[dict[str, str]] | None = None
 
 

@@ -22,8 +22,11 @@ class ServerConfig:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     shutdown_grace_s: float = 30.0
     log_level: str = "INFO"
+    generation_config: str = "auto"  # "auto": the model's generation_config.json; "vllm": neutral defaults
 
     def __post_init__(self) -> None:
+        if self.generation_config not in ("auto", "vllm"):
+            raise ConfigError(f"--generation-config must be 'auto' or 'vllm', got {self.generation_config!r}")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"--port must be in [0, 65535], got {self.port}")
         if self.max_body_bytes < 1024:
@@ -47,6 +50,7 @@ class ServerConfig:
             audit_log_prompts=ns.audit_log_prompts, served_model_name=ns.served_model_name,
             max_body_bytes=ns.max_body_bytes, shutdown_grace_s=ns.shutdown_grace_s,
             log_level=getattr(ns, "log_level", "INFO"),
+            generation_config=getattr(ns, "generation_config", "auto"),
         )
 
 
@@ -68,3 +72,6 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="larger request bodies get HTTP 413")
     parser.add_argument("--shutdown-grace-s", type=float, default=d.shutdown_grace_s,
                         help="on SIGTERM, how long in-flight requests may run before they are aborted")
+    parser.add_argument("--generation-config", choices=("auto", "vllm"), default=d.generation_config,
+                        help="defaults for omitted temperature/top_p/top_k/repetition_penalty: 'auto' takes "
+                             "the model's generation_config.json, 'vllm' neutral values")

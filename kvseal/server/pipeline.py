@@ -26,12 +26,13 @@ from kvseal.messages.msgs import ABORT_CLIENT_DISCONNECTED, AddRequestMsg
 from kvseal.server import errors
 from kvseal.server.body import parse_body, read_body
 from kvseal.server.call import Call
+from kvseal.server.choices import ChoiceGroup
 from kvseal.server.collect import respond_when_done
 from kvseal.server.endpoint import Endpoint, Formatter, ResponseIds
 from kvseal.server.engine_client import EngineUnavailable
 from kvseal.server.errors import ApiError
+from kvseal.server.features import features_used
 from kvseal.server.protocol import GenerationBody
-from kvseal.server.request_handle import RequestHandle
 from kvseal.server.state import AppState
 from kvseal.server.streaming import EventStreamResponse
 
@@ -70,16 +71,16 @@ def _refuse(call: Call, err: ApiError) -> JSONResponse:
 
 
 async def _admit_and_submit(request: Request, state: AppState, endpoint: Endpoint,
-                            call: Call) -> tuple[GenerationBody, Formatter, RequestHandle]:
+                            call: Call) -> tuple[GenerationBody, Formatter, ChoiceGroup]:
     tenant = call.tenant = state.keys.authenticate(request.headers.get("authorization"))
     if state.is_draining:
         raise errors.engine_unavailable("the server is shutting down")
     body = parse_body(endpoint.body_model, await read_body(request, state.config.max_body_bytes))
-    call.model, call.user = body.model, body.user
+    call.model, call.user, call.features = body.model, body.user, features_used(body)
     if body.model is not None and body.model != state.model_name:
         raise errors.model_not_found(body.model, state.model_name)
     call.take_slot(tenant)
-    prepared = await endpoint.prepare(body, state.prompts, tenant, state.limits)
+    prepared = await endpoint.prepare(body, state.prompts, tenant, state.limits, state.defaults)
     call.prompt_for_audit = prepared.prompt_for_audit
     call.num_prompt_tokens = len(prepared.prompt_token_ids)
     prompt_token_ids = admit(prepared.prompt_token_ids, prepared.params, state.limits)  # I1, at the door

@@ -1,9 +1,10 @@
 """Request bodies of the OpenAI API as kvseal accepts them (pydantic, strict, extra="forbid").
 
 A field kvseal does not implement is rejected, never ignored: undeclared fields fail with
-`extra_forbidden`, and declared OpenAI fields that kvseal honours only at their neutral value
-(`n`, the penalties, `echo`) fail for any other value. vLLM's extensions `ignore_eos`,
-`min_tokens`, `top_k` and `truncate_prompt_tokens` are honoured.
+`extra_forbidden`, and `echo` fails for any value but false. OpenAI's `n`,
+`presence_penalty`, `frequency_penalty`, `logit_bias` and vLLM's extensions `ignore_eos`,
+`min_tokens`, `top_k`, `repetition_penalty`, `stop_token_ids` and `truncate_prompt_tokens`
+are honoured.
 """
 
 from __future__ import annotations
@@ -12,7 +13,10 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from kvseal.types import MAX_N
+
 INT32_MAX = 2**31 - 1
+MAX_LOGIT_BIAS = 300  # OpenAI's limit on logit_bias entries
 
 
 class _Body(BaseModel):
@@ -35,27 +39,17 @@ class GenerationBody(_Body):
     stop: str | Annotated[list[str], Field(max_length=16)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    n: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
+    presence_penalty: Annotated[float, Field(ge=-2, le=2, allow_inf_nan=False)] | None = None
+    frequency_penalty: Annotated[float, Field(ge=-2, le=2, allow_inf_nan=False)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0, le=10, allow_inf_nan=False)] | None = None
+    logit_bias: Annotated[dict[str, Annotated[float, Field(ge=-100, le=100, allow_inf_nan=False)]],
+                          Field(max_length=MAX_LOGIT_BIAS)] | None = None
+    stop_token_ids: Annotated[list[Annotated[int, Field(ge=0, le=INT32_MAX)]], Field(max_length=64)] | None = None
     user: Annotated[str, Field(max_length=256)] | None = None
     ignore_eos: bool = False
     min_tokens: Annotated[int, Field(ge=0, le=INT32_MAX)] = 0
     truncate_prompt_tokens: Annotated[int, Field(ge=1, le=INT32_MAX)] | None = None
-
-    @field_validator("n")
-    @classmethod
-    def _one_choice(cls, value: int | None) -> int | None:
-        if value not in (None, 1):
-            raise ValueError("kvseal returns one choice per request; send n=1 or omit it")
-        return value
-
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _no_penalty(cls, value: float | None) -> float | None:
-        if value not in (None, 0):
-            raise ValueError("kvseal does not implement penalties; send 0 or omit it")
-        return value
 
     @property
     def stop_list(self) -> tuple[str, ...]:
