@@ -19,6 +19,7 @@ from kvseal.server.errors import ApiError
 from kvseal.server.openapi import install_openapi
 from kvseal.server.pipeline import handle_generation
 from kvseal.server.state import AppState
+from kvseal.server.tokenize_routes import add_tokenize_routes
 
 logger = logging.getLogger("kvseal.server")
 
@@ -30,6 +31,7 @@ def build_app(state: AppState) -> FastAPI:
     app = FastAPI(title="kvseal", version=kvseal.__version__, docs_url=None, redoc_url=None)
     _add_generation_routes(app, state)
     _add_info_routes(app, state)
+    add_tokenize_routes(app, state)
     _add_error_handlers(app)
     install_openapi(app, {COMPLETIONS.path: COMPLETIONS.body_model, CHAT.path: CHAT.body_model})
     return app

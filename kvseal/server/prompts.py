@@ -38,6 +38,10 @@ class PromptEncoder:
     async def chat_ids(self, conversation: list[dict[str, str]]) -> list[int]:
         return await self._run(self._apply_chat_template, conversation)
 
+    async def decode(self, token_ids: list[int]) -> str:
+        """Token ids back to text (special tokens kept), on the tokenizer thread."""
+        return str(await self._run(self.tokenizer.decode, token_ids))
+
     def token_text(self, token_id: int) -> str:
         """The text of one token, as logprobs report it."""
         text = self._token_texts.get(token_id)
@@ -48,7 +52,7 @@ class PromptEncoder:
     def close(self) -> None:
         self._worker.shutdown(wait=False, cancel_futures=True)
 
-    async def _run(self, fn: Any, arg: Any) -> list[int]:
+    async def _run(self, fn: Any, arg: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._worker, fn, arg)
 
     def _encode(self, text: str) -> list[int]:
