@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -27,6 +28,21 @@ class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """Output constrained by a grammar while sampling: any JSON object, or JSON matching `schema`
+    (a JSON Schema, as JSON text). Compiled with xgrammar (kvseal.structured)."""
+
+    kind: str  # "json_object" | "json_schema"
+    schema: str | None = None
+
+    def __post_init__(self) -> None:
+        _require(self.kind in ("json_object", "json_schema"), "response_format",
+                 f"type must be json_object or json_schema, got {self.kind!r}")
+        _require((self.schema is not None) == (self.kind == "json_schema"), "response_format",
+                 "a json_schema response format needs a schema (and only it has one)")
 
 
 @dataclass(frozen=True)
@@ -56,6 +72,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -125,6 +142,7 @@ class Request:
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
     generator: torch.Generator | None = None
+    grammar: Any = None  # an xgrammar GrammarMatcher when params.structured is set
     arrival_s: float = field(default_factory=time.monotonic)
 
     @property

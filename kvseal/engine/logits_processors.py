@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import torch
 
+from kvseal.structured.matching import apply_grammar_masks
 from kvseal.types import Request
 
 
 def apply_logits_processors(logits: torch.Tensor, requests: list[Request],
                             eos_token_ids: tuple[int, ...]) -> torch.Tensor:
     """logits: [num_requests, vocab] float32. Returns the processed logits (a new tensor if changed)."""
+    logits = apply_grammar_masks(logits, requests)
     logits = _add_logit_bias(logits, requests)
     logits = _ban_early_stop_tokens(logits, requests, eos_token_ids)
     return apply_penalties(logits, requests)

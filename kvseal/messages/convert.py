@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from kvseal.messages.msgs import RequestOutputMsg, SamplingParamsMsg, TokenLogprobsMsg
-from kvseal.types import RequestOutput, SamplingParams
+from kvseal.messages.msgs import RequestOutputMsg, SamplingParamsMsg, StructuredOutputMsg, TokenLogprobsMsg
+from kvseal.types import RequestOutput, SamplingParams, StructuredOutput
 
 
 def params_to_msg(params: SamplingParams) -> SamplingParamsMsg:
@@ -14,6 +14,8 @@ def params_to_msg(params: SamplingParams) -> SamplingParamsMsg:
         truncate_prompt_tokens=params.truncate_prompt_tokens, n=params.n,
         presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
         repetition_penalty=params.repetition_penalty, logit_bias=list(params.logit_bias),
+        structured=None if params.structured is None else StructuredOutputMsg(params.structured.kind,
+                                                                              params.structured.schema),
     )
 
 
@@ -26,6 +28,7 @@ def params_from_msg(msg: SamplingParamsMsg) -> SamplingParams:
         truncate_prompt_tokens=msg.truncate_prompt_tokens, n=msg.n,
         presence_penalty=msg.presence_penalty, frequency_penalty=msg.frequency_penalty,
         repetition_penalty=msg.repetition_penalty, logit_bias=tuple(msg.logit_bias),
+        structured=None if msg.structured is None else StructuredOutput(msg.structured.kind, msg.structured.schema),
     )
 
 

@@ -33,6 +33,7 @@ from kvseal.server.engine_client import EngineUnavailable
 from kvseal.server.errors import ApiError
 from kvseal.server.features import features_used
 from kvseal.server.protocol import GenerationBody
+from kvseal.server.response_format import with_response_format
 from kvseal.server.state import AppState
 from kvseal.server.streaming import EventStreamResponse
 
@@ -83,9 +84,10 @@ async def _admit_and_submit(request: Request, state: AppState, endpoint: Endpoin
     prepared = await endpoint.prepare(body, state.prompts, tenant, state.limits, state.defaults)
     call.prompt_for_audit = prepared.prompt_for_audit
     call.num_prompt_tokens = len(prepared.prompt_token_ids)
-    prompt_token_ids = admit(prepared.prompt_token_ids, prepared.params, state.limits)  # I1, at the door
+    params = await with_response_format(prepared.params, body.response_format)
+    prompt_token_ids = admit(prepared.prompt_token_ids, params, state.limits)  # I1, at the door
     call.num_prompt_tokens = len(prompt_token_ids)
     fmt = endpoint.formatter(body, ResponseIds(call.request_id, state.model_name, int(time.time())), state.prompts)
     msg = AddRequestMsg(call.request_id, tenant.name, tenant.cache_namespace, prompt_token_ids,
-                        params_to_msg(prepared.params))
+                        params_to_msg(params))
     return body, fmt, call.submit(msg)  # nothing after this line may fail before the response owns the call

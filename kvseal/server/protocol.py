@@ -2,14 +2,14 @@
 
 A field kvseal does not implement is rejected, never ignored: undeclared fields fail with
 `extra_forbidden`, and `echo` fails for any value but false. OpenAI's `n`,
-`presence_penalty`, `frequency_penalty`, `logit_bias` and vLLM's extensions `ignore_eos`,
+`presence_penalty`, `frequency_penalty`, `logit_bias`, `response_format` and vLLM's extensions `ignore_eos`,
 `min_tokens`, `top_k`, `repetition_penalty`, `stop_token_ids` and `truncate_prompt_tokens`
 are honoured.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -25,6 +25,20 @@ class _Body(BaseModel):
 
 class StreamOptions(_Body):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(_Body):
+    name: Annotated[str, Field(min_length=1, max_length=64)]
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    """OpenAI's `response_format`: free text, any JSON object, or JSON matching a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class GenerationBody(_Body):
@@ -50,6 +64,7 @@ class GenerationBody(_Body):
     ignore_eos: bool = False
     min_tokens: Annotated[int, Field(ge=0, le=INT32_MAX)] = 0
     truncate_prompt_tokens: Annotated[int, Field(ge=1, le=INT32_MAX)] | None = None
+    response_format: ResponseFormat | None = None
 
     @property
     def stop_list(self) -> tuple[str, ...]:
