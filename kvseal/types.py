@@ -32,17 +32,19 @@ class RequestStatus(enum.Enum):
 
 @dataclass(frozen=True)
 class StructuredOutput:
-    """Output constrained by a grammar while sampling: any JSON object, or JSON matching `schema`
-    (a JSON Schema, as JSON text). Compiled with xgrammar (kvseal.structured)."""
+    """Output constrained by a grammar while sampling: any JSON object, JSON matching `schema`
+    (a JSON Schema, as JSON text), or one Hermes tool call `<tool_call>\n{json}\n</tool_call>`
+    whose JSON matches `schema`. Compiled with xgrammar (kvseal.structured)."""
 
-    kind: str  # "json_object" | "json_schema"
+    kind: str  # "json_object" | "json_schema" | "tool_call"
     schema: str | None = None
 
     def __post_init__(self) -> None:
-        _require(self.kind in ("json_object", "json_schema"), "response_format",
+        _require(self.kind in ("json_object", "json_schema", "tool_call"), "response_format",
                  f"type must be json_object or json_schema, got {self.kind!r}")
-        _require((self.schema is not None) == (self.kind == "json_schema"), "response_format",
-                 "a json_schema response format needs a schema (and only it has one)")
+        _require((self.schema is not None) == (self.kind != "json_object"), "response_format",
+                 f"a {self.kind} grammar needs a schema" if self.kind != "json_object"
+                 else "json_object takes no schema")
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,9 @@
 """A tiny random Llama with a character-level tokenizer, for structured-output tests.
 
 The word-level tokenizer of `tiny_models.py` has no token for "{" or '"', so no grammar
-for JSON can be satisfied with it. Here every printable ASCII character is one token (id =
-3 + its code - 32; 0, 1, 2 are <unk>, </s>, <s>), so any JSON text can be produced.
+for JSON can be satisfied with it. Here newline and every printable ASCII character is one token (id =
+3 + its index in CHARS; 0, 1, 2 are <unk>, </s>, <s>), so any JSON text and Hermes
+tool-call tags (which need a newline) can be produced.
 """
 
 from __future__ import annotations
@@ -13,10 +14,12 @@ import torch
 from tokenizers import Tokenizer, decoders, models
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-CHARS = [chr(c) for c in range(32, 127)]
+CHARS = ["\n"] + [chr(c) for c in range(32, 127)]
 VOCAB_SIZE = 128
-CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
-                 "{% if add_generation_prompt %}<assistant>{% endif %}")
+CHAT_TEMPLATE = ("{% if tools %}<tools>{{ tools | tojson }}{% endif %}"
+                 "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}"
+                 "{% for c in m.get('tool_calls', []) %}<tool_call>{{ c['function'] | tojson }}</tool_call>{% endfor %}"
+                 "{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}")
 
 
 def make_char_tokenizer() -> PreTrainedTokenizerFast:

@@ -149,7 +149,8 @@ class LLMEngine:
             if logprobs is not None:
                 request.output_logprobs.append(logprobs)
             if request.finish_reason is not None:
-                outputs.append(self._finish(request, request.finish_reason))
+                error = str(request.stop_reason) if request.finish_reason is FinishReason.ABORT else None
+                outputs.append(self._finish(request, request.finish_reason, error=error))
             else:
                 outputs.append(state.report(finished=False))
         return outputs

@@ -29,7 +29,7 @@ CHAT = ChatEndpoint()
 
 def build_app(state: AppState) -> FastAPI:
     app = FastAPI(title="kvseal", version=kvseal.__version__, docs_url=None, redoc_url=None)
-    _add_generation_routes(app, state)
+    _add_generation_routes(app, state, ChatEndpoint(state.config.tool_call_parser))
     _add_info_routes(app, state)
     add_tokenize_routes(app, state)
     _add_error_handlers(app)
@@ -37,14 +37,14 @@ def build_app(state: AppState) -> FastAPI:
     return app
 
 
-def _add_generation_routes(app: FastAPI, state: AppState) -> None:
+def _add_generation_routes(app: FastAPI, state: AppState, chat: ChatEndpoint) -> None:
     @app.post(COMPLETIONS.path, response_model=None)
     async def completions(request: Request) -> Response:
         return await handle_generation(request, state, COMPLETIONS)
 
     @app.post(CHAT.path, response_model=None)
     async def chat_completions(request: Request) -> Response:
-        return await handle_generation(request, state, CHAT)
+        return await handle_generation(request, state, chat)
 
 
 def _add_info_routes(app: FastAPI, state: AppState) -> None:

@@ -9,7 +9,7 @@ Without --audit-log the lines go to the `kvseal.audit` logger instead of a file.
 from __future__ import annotations
 
 import logging
-from typing import Literal
+from typing import Any, Literal
 
 import msgspec
 
@@ -36,7 +36,7 @@ class AuditRecord(msgspec.Struct, frozen=True, omit_defaults=True):
     first_token_at: float | None = None
     user: str | None = None
     features: list[str] | None = None  # optional request fields used (names only, kvseal.server.features)
-    prompt: str | list[int] | list[dict[str, str]] | None = None
+    prompt: str | list[int] | list[dict[str, Any]] | None = None
 
 
 class AuditLog:

@@ -14,7 +14,7 @@ from kvseal.server.protocol import GenerationBody
 from kvseal.server.transcript import Transcript
 from kvseal.types import SamplingParams
 
-AuditPrompt = str | list[int] | list[dict[str, str]]
+AuditPrompt = str | list[int] | list[dict[str, Any]]
 
 
 @dataclass(frozen=True)

@@ -35,8 +35,10 @@ class PromptEncoder:
             return single
         return await self._run(self._encode, single)
 
-    async def chat_ids(self, conversation: list[dict[str, str]]) -> list[int]:
-        return await self._run(self._apply_chat_template, conversation)
+    async def chat_ids(self, conversation: list[dict[str, Any]],
+                       tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """`tools` (OpenAI tool definitions) go to the chat template, which renders them."""
+        return await self._run(self._apply_chat_template, (conversation, tools))
 
     async def decode(self, token_ids: list[int]) -> str:
         """Token ids back to text (special tokens kept), on the tokenizer thread."""
@@ -58,8 +60,8 @@ class PromptEncoder:
     def _encode(self, text: str) -> list[int]:
         return encode_text(self.tokenizer, text)
 
-    def _apply_chat_template(self, conversation: list[dict[str, str]]) -> list[int]:
-        return render_chat(self.tokenizer, conversation)
+    def _apply_chat_template(self, args: tuple[list[dict[str, Any]], list[dict[str, Any]] | None]) -> list[int]:
+        return render_chat(self.tokenizer, *args)
 
 
 def _single_prompt(prompt: CompletionPrompt) -> str | list[int]:

@@ -9,6 +9,7 @@ are honoured.
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -95,17 +96,75 @@ class ChatTextPart(_Body):
     text: str
 
 
-class ChatMessage(_Body):
-    role: Literal["system", "user", "assistant"]
-    content: str | list[ChatTextPart]
+class FunctionCall(_Body):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
 
-    def as_template_input(self) -> dict[str, str]:
-        text = self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)
-        return {"role": self.role, "content": text}
+    @field_validator("arguments")
+    @classmethod
+    def _json_text(cls, value: str) -> str:
+        try:
+            json.loads(value)
+        except ValueError:
+            raise ValueError("tool call arguments must be JSON text") from None
+        return value
+
+
+class ToolCall(_Body):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str | list[ChatTextPart] | None
+    tool_calls: list[ToolCall] | None = None  # assistant turns that called tools
+    tool_call_id: str | None = None  # a tool result answers this call
+    name: str | None = None
+
+    def as_template_input(self) -> dict[str, Any]:
+        content = self.content if not isinstance(self.content, list) else "\n".join(p.text for p in self.content)
+        message: dict[str, Any] = {"role": self.role, "content": content or ""}
+        if self.tool_calls:
+            message["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.function.name, "arguments": _json_arguments(c.function.arguments)}} for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
+
+
+def _json_arguments(arguments: str) -> Any:
+    """Chat templates expect arguments as an object; OpenAI sends them as (validated) JSON text."""
+    return json.loads(arguments)
+
+
+class FunctionDef(_Body):
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDef(_Body):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(GenerationBody):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    tools: Annotated[list[ToolDef], Field(max_length=128)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None

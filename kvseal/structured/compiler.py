@@ -60,6 +60,8 @@ class GrammarCompilerPool:
     def _compile(self, spec: StructuredOutput) -> Any:
         compiler = self._get_compiler()
         self.num_compiles += 1
+        if spec.kind == "tool_call":
+            return compiler.compile_grammar(tool_call_grammar(spec.schema or ANY_OBJECT))
         schema = ANY_OBJECT if spec.kind == "json_object" else spec.schema
         return compiler.compile_json_schema(schema, any_whitespace=False, strict_mode=True)
 
@@ -71,6 +73,15 @@ class GrammarCompilerPool:
                                                            stop_token_ids=self._eos_token_ids or None)
             self._compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
         return self._compiler
+
+
+def tool_call_grammar(call_schema: str) -> Any:
+    """Hermes' format: `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>`, JSON per schema."""
+    import xgrammar
+
+    return xgrammar.Grammar.concat(xgrammar.Grammar.from_ebnf('root ::= "<tool_call>\\n"'),
+                                   xgrammar.Grammar.from_json_schema(call_schema, any_whitespace=False),
+                                   xgrammar.Grammar.from_ebnf('root ::= "\\n</tool_call>"'))
 
 
 def compiled_or_raise(future: Future[Any]) -> Any:

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
 import openai
+import pytest
 from pydantic import BaseModel
 from server_process import ServerProcess
 

@@ -8,16 +8,14 @@ the loop (a request waiting for its grammar can still be aborted, and never reac
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Literal
 
 import httpx
 import jsonschema
 import pytest
-from char_model import make_char_model
 from pydantic import BaseModel
-from server_process import KEYS, ServerProcess, client_for
+from server_process import ServerProcess, client_for
 from test_engine_loop import Harness, add
 
 from kvseal.config import EngineArgs
@@ -29,19 +27,6 @@ from kvseal.types import StructuredOutput
 class Verdict(BaseModel):
     ok: bool
     colour: Literal["red", "green", "blue"]
-
-
-@pytest.fixture(scope="module")
-def char_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_char_model(tmp_path_factory.mktemp("char") / "char-llama")
-
-
-@pytest.fixture(scope="module")
-def char_server(char_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    proc = ServerProcess(char_dir, tmp_path_factory.mktemp("char-server"), keys=KEYS)
-    proc.start()
-    yield proc
-    proc.terminate()
 
 
 def test_parse_returns_a_parsed_object(char_server: ServerProcess) -> None:
