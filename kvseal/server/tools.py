@@ -88,6 +88,10 @@ def tool_setup(body: ChatCompletionRequest, parser: str | None) -> ToolSetup:
     if body.response_format is not None and choice not in (None, "none", "auto"):
         raise InvalidParameter("response_format cannot be combined with a required or named tool_choice",
                                param="response_format")
+    if body.parallel_tool_calls is False and choice in (None, "auto"):
+        raise InvalidParameter("parallel_tool_calls=false is only honoured with tool_choice 'required' or a "
+                               "named function (exactly one call); omit it or set it to true",
+                               param="parallel_tool_calls")
     definitions = [t.model_dump(exclude_none=True) for t in body.tools]
     if choice == "none":
         return ToolSetup(definitions, False, None)

@@ -61,9 +61,12 @@ class GrammarCompilerPool:
         compiler = self._get_compiler()
         self.num_compiles += 1
         if spec.kind == "tool_call":
-            return compiler.compile_grammar(tool_call_grammar(spec.schema or ANY_OBJECT))
-        schema = ANY_OBJECT if spec.kind == "json_object" else spec.schema
-        return compiler.compile_json_schema(schema, any_whitespace=False, strict_mode=True)
+            compiled = compiler.compile_grammar(tool_call_grammar(spec.schema or ANY_OBJECT))
+        else:
+            schema = ANY_OBJECT if spec.kind == "json_object" else spec.schema
+            compiled = compiler.compile_json_schema(schema, any_whitespace=False, strict_mode=True)
+        _check_can_start(compiled, self._vocab_size)
+        return compiled
 
     def _get_compiler(self) -> Any:
         if self._compiler is None:
@@ -73,6 +76,17 @@ class GrammarCompilerPool:
                                                            stop_token_ids=self._eos_token_ids or None)
             self._compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
         return self._compiler
+
+
+def _check_can_start(compiled: Any, vocab_size: int) -> None:
+    """Refuse a grammar this vocabulary cannot even begin (e.g. no token spells "{"): the
+    request would have no token to sample. Raises ValueError (a 400 via `compiled_or_raise`)."""
+    import xgrammar
+
+    bitmask = xgrammar.allocate_token_bitmask(1, vocab_size)
+    xgrammar.GrammarMatcher(compiled).fill_next_token_bitmask(bitmask, 0)
+    if not bool(bitmask.any()):
+        raise ValueError("this model's vocabulary has no token that can begin output matching the grammar")
 
 
 def tool_call_grammar(call_schema: str) -> Any:

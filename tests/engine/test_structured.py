@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import jsonschema
 import pytest
@@ -79,3 +80,11 @@ def test_structured_params_round_trip_through_messages(tmp_path: Path) -> None:
     assert params_from_msg(params_to_msg(params)) == params
     with pytest.raises(InvalidParameter):
         StructuredOutput("json_schema")
+
+
+def test_a_grammar_the_vocabulary_cannot_begin_is_refused(make_llm: Any) -> None:
+    """The word-level tiny model has no token that spells "{": a 400, never an aborted request."""
+    llm = make_llm()
+    with pytest.raises(InvalidParameter, match="no token that can begin") as info:
+        llm.generate("w5", SamplingParams(structured=StructuredOutput("json_object")))
+    assert info.value.param == "response_format" and not llm.engine.has_unfinished()
