@@ -10,7 +10,7 @@ Without --audit-log the lines go to the `kvseal.audit` logger instead of a file.
 from __future__ import annotations
 
 import logging
-from typing import Literal
+from typing import Any, Literal
 
 import msgspec
 
@@ -51,7 +51,8 @@ class AuditRecord(msgspec.Struct, frozen=True, omit_defaults=True):
     kv_tokens_written: int | None = None  # KV slots written for the request, at its end
     first_token_at: float | None = None
     user: str | None = None
-    prompt: str | list[int] | list[dict[str, str]] | None = None
+    features: list[str] | None = None  # optional request fields used (names only, kvseal.server.features)
+    prompt: str | list[int] | list[dict[str, Any]] | None = None
 
 
 class AuditLog:
