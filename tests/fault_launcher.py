@@ -23,8 +23,11 @@ def _split_argv(argv: list[str]) -> tuple[list[Fault], list[str]]:
 
 
 _FAULTS, _KVSEAL_ARGV = _split_argv(sys.argv[1:])
-for _fault in _FAULTS:
-    inject(_fault).__enter__()  # on for the life of this process (and of its spawned children)
+# On for the life of this process (and of its spawned children). The context managers are
+# kept: a dropped one is garbage-collected at once, and closing it switches its fault off again.
+_HELD = [inject(_fault) for _fault in _FAULTS]
+for _held in _HELD:
+    _held.__enter__()
 
 
 if __name__ == "__main__":
