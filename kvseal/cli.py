@@ -1,4 +1,4 @@
-"""`kvseal` command line: generate, plan, serve."""
+"""`kvseal` command line: generate, plan, serve, canary."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
+from kvseal.canary import add_canary_arguments, cmd_canary
 from kvseal.capacity import KvCapacity, bytes_per_element, parse_bytes
 from kvseal.config import DTYPES, EngineArgs
 from kvseal.errors import KvsealError
@@ -152,6 +153,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_arguments(serve)
     add_serve_arguments(serve)
     serve.set_defaults(func=_cmd_serve)
+
+    canary = sub.add_parser("canary", help="tenant-isolation canary run against an OpenAI-compatible server")
+    add_canary_arguments(canary)
+    canary.set_defaults(func=cmd_canary)
     return parser
 
 
