@@ -9,11 +9,19 @@ printed as one JSON object.
 
     python bench/offline_throughput.py                   # 64 x 256 prompt tokens, 128 out
     python bench/offline_throughput.py --num-prompts 8   # quicker
+
+`--kv-check-ab N` measures instead what the always-on KV coverage check (I3/I4) costs: one
+process, one engine, a full warm-up, then N pairs of runs of the same workload alternating
+with the check on (A) and with it switched off by the test-only fault BYPASS_KV_CHECKS (B),
+A B B A A B ... so that drift hits both alike. It also times the check itself and the per-layer
+write records inside every A run, which is a steadier figure on a noisy machine.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import json
 import os
 import platform
@@ -26,7 +34,10 @@ from typing import Any
 
 import torch
 
+import kvseal.engine.engine as engine_module
 from kvseal import LLM, SamplingParams
+from kvseal._testing.faults import Fault, inject
+from kvseal.kvcache.records import WriteRecords
 from kvseal.models.loader import default_model_path
 
 WORDS = ("the of and to in is was for on that with as by at from his her it an were are which this be or "
@@ -42,11 +53,12 @@ def make_prompts(tokenizer: Any, num_prompts: int, prompt_len: int, seed: int) -
     return prompts
 
 
-def run_kvseal(llm: LLM, prompts: list[list[int]], output_len: int) -> tuple[float, int]:
+def run_kvseal(llm: LLM, prompts: list[list[int]], output_len: int,
+               clock: Any = time.perf_counter) -> tuple[float, int]:
     params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
-    start = time.perf_counter()
+    start = clock()
     outputs = llm.generate(prompts, params)
-    elapsed = time.perf_counter() - start
+    elapsed = clock() - start
     return elapsed, sum(len(o.token_ids) for o in outputs)
 
 
@@ -110,6 +122,67 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+class _Timed:
+    """Wrap a function and add up the CPU seconds this process spent in it (bench only)."""
+
+    def __init__(self, fn: Any) -> None:
+        self.fn, self.total_s = fn, 0.0
+
+    def __get__(self, obj: Any, objtype: Any = None) -> Any:
+        return functools.partial(self, obj) if obj is not None else self
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        start = time.process_time()
+        try:
+            return self.fn(*args, **kwargs)
+        finally:
+            self.total_s += time.process_time() - start
+
+
+def kv_check_ab(args: argparse.Namespace) -> dict[str, Any]:
+    """Throughput with the always-on KV check (A) vs. BYPASS_KV_CHECKS (B), interleaved.
+
+    Throughput is reported per wall-clock second and per CPU second of this process: on a
+    shared machine the second is far steadier (the wall clock also counts time the process
+    waited for a core)."""
+    max_model_len = args.prompt_len + args.output_len
+    llm = LLM(dtype=args.dtype, max_model_len=max_model_len,
+              kv_cache_tokens=args.num_prompts * max_model_len, max_num_batched_tokens=2048)
+    prompts = make_prompts(llm.get_tokenizer(), args.num_prompts, args.prompt_len, args.seed)
+    check = _Timed(engine_module.check_forward)
+    engine_module.check_forward = check  # type: ignore[assignment]
+    record = _Timed(WriteRecords.on_layer_write)
+    WriteRecords.on_layer_write = record  # type: ignore[method-assign]
+    plan = _Timed(WriteRecords.plan)
+    WriteRecords.plan = plan  # type: ignore[method-assign]
+    run_kvseal(llm, prompts, args.output_len)  # warm-up
+    runs: dict[str, dict[str, list[float]]] = {"check": {"wall": [], "cpu": []}, "bypass": {"wall": [], "cpu": []}}
+    check_share: list[float] = []
+    for i in range(2 * args.kv_check_ab):
+        variant = "check" if i % 4 in (0, 3) else "bypass"  # A B B A A B B A ...
+        check.total_s = record.total_s = plan.total_s = 0.0
+        wall, cpu = time.perf_counter(), time.process_time()
+        with inject(Fault.BYPASS_KV_CHECKS) if variant == "bypass" else contextlib.nullcontext():
+            _, tokens = run_kvseal(llm, prompts, args.output_len)
+        wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+        if variant == "check":
+            check_share.append((check.total_s + record.total_s + plan.total_s) / cpu)
+        runs[variant]["wall"].append(round(tokens / wall, 2))
+        runs[variant]["cpu"].append(round(tokens / cpu, 2))
+        print(f"{variant}: {tokens / wall:.2f} tok/s wall, {tokens / cpu:.2f} tok/s per CPU second",
+              file=sys.stderr, flush=True)
+    med = {v: {clock: statistics.median(r) for clock, r in rs.items()} for v, rs in runs.items()}
+    return {
+        "config": {k: v for k, v in vars(args).items() if k != "engine"},
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, {args.threads} threads, torch {torch.__version__}",
+        "throughput_tok_s": runs, "median_tok_s": med,
+        "ratio_check_over_bypass": {clock: round(med["check"][clock] / med["bypass"][clock], 4)
+                                    for clock in ("wall", "cpu")},
+        "check_and_records_share_of_time": {"median": round(statistics.median(check_share), 5),
+                                            "min": round(min(check_share), 5), "max": round(max(check_share), 5)},
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--num-prompts", type=int, default=64)
@@ -120,9 +193,14 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1, help="alternating runs of each engine")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--engine", choices=["kvseal", "transformers"], help="run one side only (internal)")
+    parser.add_argument("--kv-check-ab", type=int, default=0, metavar="N",
+                        help="instead: N interleaved pairs, always-on KV check vs. BYPASS_KV_CHECKS")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    result = measure(args.engine, args) if args.engine else compare(args)
+    if args.kv_check_ab:
+        result = kv_check_ab(args)
+    else:
+        result = measure(args.engine, args) if args.engine else compare(args)
     print(json.dumps(result, indent=2))
 
 

@@ -7,7 +7,6 @@ from kvseal.errors import (
     IsolationViolation,
     KvsealError,
     ModelLoadError,
-    RequestAborted,
     RequestRejected,
 )
 from kvseal.types import FinishReason, RequestOutput, SamplingParams
@@ -16,7 +15,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "LLM", "ConfigError", "ContextLengthExceeded", "FinishReason", "InvalidParameter", "IsolationViolation",
-    "KvsealError", "ModelLoadError", "RequestAborted", "RequestOutput", "RequestRejected", "SamplingParams",
+    "KvsealError", "ModelLoadError", "RequestOutput", "RequestRejected", "SamplingParams",
 ]
 
 

@@ -19,14 +19,27 @@ _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 
 
 
 def parse_bytes(value: str | int) -> int:
-    """'64GiB' -> 68719476736. Accepts plain integers and SI/IEC suffixes."""
-    if isinstance(value, int):
+    """'64GiB' -> 68719476736. Accepts plain non-negative integers and SI/IEC suffixes."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value < 0:
+            raise ConfigError(f"a size cannot be negative, got {value}; write e.g. 64GiB, 500MB or 1073741824")
         return value
+    if not isinstance(value, str):
+        raise ConfigError(f"cannot read {value!r} as a size; write e.g. 64GiB, 500MB or 1073741824")
     match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", value)
     unit = match.group(2).lower() if match else None
     if match is None or unit not in _UNITS:
         raise ConfigError(f"cannot read {value!r} as a size; write e.g. 64GiB, 500MB or 1073741824")
     return int(float(match.group(1)) * _UNITS[unit])
+
+
+def check_headroom(headroom: float) -> float:
+    """kv_headroom must be a finite number >= 1 (how many full-length requests the pool holds)."""
+    if isinstance(headroom, bool) or not isinstance(headroom, (int, float)) or not math.isfinite(headroom) \
+            or headroom < 1.0:
+        raise ConfigError(f"kv_headroom must be a finite number >= 1.0, got {headroom!r}; it is how many "
+                          f"full-length requests the KV pool must hold, e.g. 1.0 (the default) or 2.0")
+    return float(headroom)
 
 
 def bytes_per_element(dtype: torch.dtype) -> int:
@@ -63,25 +76,38 @@ class KvCapacity:
         return self.num_pages * self.page_size
 
     def with_memory(self, kv_memory_bytes: int) -> KvCapacity:
+        """A pool of as many whole pages as `kv_memory_bytes` holds; at least one, or ConfigError."""
+        if kv_memory_bytes < self.page_bytes:
+            raise ConfigError(
+                f"kv_cache_memory={kv_memory_bytes} bytes holds no KV page: one page of {self.page_size} tokens "
+                f"takes {self.page_bytes} bytes ({self.bytes_per_token} bytes per token). Give the KV cache more "
+                f"memory (e.g. kv_cache_memory=2GiB) or size it in tokens with kv_cache_tokens"
+            )
         return replace(self, num_pages=kv_memory_bytes // self.page_bytes, kv_memory_bytes=kv_memory_bytes)
 
     def with_tokens(self, kv_cache_tokens: int) -> KvCapacity:
-        """A pool of whole pages holding at least `kv_cache_tokens` tokens."""
+        """A pool of whole pages holding at least `kv_cache_tokens` (>= 1) tokens."""
+        if isinstance(kv_cache_tokens, bool) or not isinstance(kv_cache_tokens, int) or kv_cache_tokens < 1:
+            raise ConfigError(
+                f"kv_cache_tokens must be a whole number of tokens >= 1, got {kv_cache_tokens!r}; give at least "
+                f"max_model_len tokens, or leave it unset to size the pool from kv_cache_memory"
+            )
         return replace(self, num_pages=math.ceil(kv_cache_tokens / self.page_size))
 
     def fits(self, max_model_len: int, headroom: float = 1.0) -> bool:
-        return self.pool_tokens >= max_model_len * headroom
+        return self.pool_tokens >= max_model_len * check_headroom(headroom)
 
     def require_fits(self, max_model_len: int, headroom: float = 1.0) -> None:
         """I2: refuse a pool that cannot hold one full-length request (times headroom)."""
         if self.fits(max_model_len, headroom):
             return
         needed = math.ceil(max_model_len * headroom)
+        fitting = int(self.pool_tokens / headroom)
+        lower = f", lower max_model_len to {fitting}, or pass max_model_len=auto to clamp the context to the pool" \
+            if fitting >= 1 else ""
         raise ConfigError(
             f"the KV cache pool holds {self.pool_tokens} tokens but max_model_len is "
             f"{max_model_len} (x headroom {headroom} = {needed} tokens needed) at "
             f"{self.bytes_per_token} bytes per token. Fix: give the KV cache at least "
-            f"{needed * self.bytes_per_token} bytes (kv_cache_tokens >= {needed}), lower "
-            f"max_model_len to {int(self.pool_tokens / headroom)}, or pass max_model_len=auto "
-            f"to clamp the context to the pool."
+            f"{needed * self.bytes_per_token} bytes (kv_cache_tokens >= {needed}){lower}."
         )

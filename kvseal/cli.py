@@ -1,4 +1,4 @@
-"""`kvseal` command line: generate, plan, serve, canary."""
+"""`kvseal` command line: generate, plan, serve, bench, canary."""
 
 from __future__ import annotations
 
@@ -7,54 +7,13 @@ import logging
 import sys
 from collections.abc import Sequence
 
+from kvseal.bench.cli import add_bench_parser
 from kvseal.canary import add_canary_arguments, cmd_canary
 from kvseal.capacity import KvCapacity, bytes_per_element, parse_bytes
-from kvseal.config import DTYPES, EngineArgs
+from kvseal.config import DTYPES
+from kvseal.engine_args import add_engine_arguments, dtype_arg, engine_args_from
 from kvseal.errors import KvsealError
 from kvseal.server import add_serve_arguments
-
-_DTYPE_ALIASES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16",
-                  "fp16": "float16", "float16": "float16", "half": "float16"}
-
-
-def _dtype(value: str) -> str:
-    if value == "auto":
-        return value
-    if value not in _DTYPE_ALIASES:
-        raise argparse.ArgumentTypeError(f"dtype must be one of {', '.join(_DTYPE_ALIASES)}")
-    return _DTYPE_ALIASES[value]
-
-
-def _max_model_len(value: str) -> int | str:
-    return "auto" if value == "auto" else int(value)
-
-
-def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    """Flags that become `EngineArgs` fields (shared by generate and serve)."""
-    d = EngineArgs()
-    parser.add_argument("--model", default=None, help="local model folder or .gguf file (default: SmolLM2-135M)")
-    parser.add_argument("--dtype", type=_dtype, default=d.dtype)
-    parser.add_argument("--max-model-len", type=_max_model_len, default=None, help="integer or 'auto'")
-    parser.add_argument("--kv-cache-tokens", type=int, default=None, help="KV pool size in tokens")
-    parser.add_argument("--kv-cache-memory", default=d.kv_cache_memory, help="KV pool budget when "
-                        "--kv-cache-tokens is not given (e.g. 2GiB)")
-    parser.add_argument("--kv-headroom", type=float, default=d.kv_headroom)
-    parser.add_argument("--page-size", type=int, default=d.page_size)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
-    parser.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
-    parser.add_argument("--kv-scrub", choices=("off", "free", "alloc"), default=d.kv_scrub)
-    parser.add_argument("--check-kv", action="store_true", help="checked mode: NaN-poison freed pages and "
-                        "verify every read slot was written by its reader (I4)")
-    parser.add_argument("--seed", type=int, default=d.seed)
-
-
-def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
-    return EngineArgs(
-        model=ns.model, dtype=ns.dtype, max_model_len=ns.max_model_len, kv_cache_tokens=ns.kv_cache_tokens,
-        kv_cache_memory=ns.kv_cache_memory, kv_headroom=ns.kv_headroom, page_size=ns.page_size,
-        max_num_batched_tokens=ns.max_num_batched_tokens, max_num_seqs=ns.max_num_seqs,
-        kv_scrub=ns.kv_scrub, check_kv=ns.check_kv, seed=ns.seed,
-    )
 
 
 def _cmd_generate(ns: argparse.Namespace) -> int:
@@ -144,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--kv-cache-tokens", type=int, default=None, help="give the pool in tokens instead")
     plan.add_argument("--max-model-len", type=int, required=True)
     plan.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (KV heads are split across them)")
-    plan.add_argument("--dtype", type=_dtype, default="bfloat16")
+    plan.add_argument("--dtype", type=dtype_arg, default="bfloat16")
     plan.add_argument("--page-size", type=int, default=16)
     plan.add_argument("--kv-headroom", type=float, default=1.0)
     plan.set_defaults(func=_cmd_plan)
@@ -153,6 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_arguments(serve)
     add_serve_arguments(serve)
     serve.set_defaults(func=_cmd_serve)
+
+    add_bench_parser(sub)
 
     canary = sub.add_parser("canary", help="tenant-isolation canary run against an OpenAI-compatible server")
     add_canary_arguments(canary)

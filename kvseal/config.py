@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 import torch
 
-from kvseal.capacity import KvCapacity, bytes_per_element, parse_bytes
+from kvseal.capacity import KvCapacity, bytes_per_element, check_headroom, parse_bytes
 from kvseal.errors import ConfigError, ModelLoadError
 
 logger = logging.getLogger("kvseal")
@@ -154,17 +154,25 @@ class EngineArgs:
     max_num_seqs: int = 256
     kv_scrub: ScrubMode = "off"
     check_kv: bool = False
-    seed: int = 0
+    seed: int = 0  # torch's global seed; unseeded requests draw their own from the OS, never from this
 
     def __post_init__(self) -> None:
         if self.dtype == "auto":
             object.__setattr__(self, "dtype", "bfloat16" if cpu_has_native_bf16() else "float32")
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be auto or one of {', '.join(DTYPES)}; got {self.dtype!r}")
-        if self.kv_headroom < 1.0:
-            raise ConfigError(f"kv_headroom must be >= 1.0, got {self.kv_headroom}")
+        object.__setattr__(self, "kv_headroom", check_headroom(self.kv_headroom))
         if isinstance(self.max_model_len, str) and self.max_model_len != "auto":
             raise ConfigError(f"max_model_len must be an integer or 'auto'; got {self.max_model_len!r}")
+        if isinstance(self.max_model_len, int) and self.max_model_len < 1:
+            raise ConfigError(f"max_model_len must be >= 1, got {self.max_model_len}; give the context length "
+                              f"in tokens, or 'auto' to fit it to the KV pool")
+        if self.kv_cache_tokens is not None and (isinstance(self.kv_cache_tokens, bool) or
+                                                 not isinstance(self.kv_cache_tokens, int) or self.kv_cache_tokens < 1):
+            raise ConfigError(f"kv_cache_tokens must be a whole number of tokens >= 1, got {self.kv_cache_tokens!r}; "
+                              f"give at least max_model_len tokens, or leave it unset to size the pool from "
+                              f"kv_cache_memory")
+        parse_bytes(self.kv_cache_memory)  # a malformed or negative size fails here, by name
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -197,6 +205,9 @@ class EngineArgs:
             return limit
         if self.max_model_len == "auto":
             fitted = min(limit, int(capacity.pool_tokens / self.kv_headroom))
+            if fitted < 1:
+                raise ConfigError(f"max_model_len=auto: a pool of {capacity.pool_tokens} tokens at kv_headroom "
+                                  f"{self.kv_headroom} fits no context; give the KV cache more memory or tokens")
             logger.warning("max_model_len=auto: context clamped to %d tokens (model allows %d, pool holds %d)",
                            fitted, limit, capacity.pool_tokens)
             return fitted

@@ -53,15 +53,6 @@ class InvalidParameter(RequestRejected):
     code = "invalid_parameter"
 
 
-class RequestAborted(KvsealError):
-    """A request that was admitted but ended early (client abort, engine failure)."""
-
-    def __init__(self, request_id: str, reason: str) -> None:
-        super().__init__(f"request {request_id} aborted: {reason}")
-        self.request_id = request_id
-        self.reason = reason
-
-
 class ConfigError(KvsealError):
     """A configuration the server cannot honour (I2); start-up refuses it."""
 
@@ -71,10 +62,13 @@ class ModelLoadError(KvsealError):
 
 
 class IsolationViolation(KvsealError):
-    """Checked mode found a request about to read KV it did not write (I3/I4).
+    """A request was about to read or write KV it may not (I3/I4): a page it does not own,
+    or positions no write of its own covers. Raised by the checks before every forward and
+    by `KVCacheManager.record_written` for a write that is not contiguous growth.
 
-    This is never a client error: it means the engine is broken. The forward that would
-    have read the slots is not run, and the request is aborted.
+    This is never a client error: it means the engine (or a transport) is broken. The
+    forward that would have read the slots is not run for that request, and it is aborted
+    with error_code ISOLATION_CHECK_FAILED.
     """
 
     def __init__(self, request_id: str, message: str) -> None:

@@ -116,10 +116,6 @@ class Request:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
-    @property
-    def is_finished(self) -> bool:
-        return self.status is RequestStatus.FINISHED
-
 
 @dataclass(frozen=True)
 class TokenLogprobs:
@@ -200,7 +196,3 @@ class ForwardBatch:
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
-
-    @property
-    def num_seqs(self) -> int:
-        return len(self.query_lens)

@@ -24,10 +24,10 @@ def _split_argv(argv: list[str]) -> tuple[list[Fault], list[str]]:
 
 _FAULTS, _KVSEAL_ARGV = _split_argv(sys.argv[1:])
 # On for the life of this process (and of its spawned children). The context managers are
-# kept: a dropped one is garbage-collected at once, and closing it switches its fault off again.
-_HELD = [inject(_fault) for _fault in _FAULTS]
-for _held in _HELD:
-    _held.__enter__()
+# kept: a dropped one is garbage-collected at once, and closing it switches its fault off.
+_INJECTED = [inject(fault) for fault in _FAULTS]
+for _injected in _INJECTED:
+    _injected.__enter__()
 
 
 if __name__ == "__main__":

@@ -80,3 +80,44 @@ def test_auto_clamps_context_to_pool(make_llm: Callable[..., Any]) -> None:
 def test_max_model_len_beyond_the_model_is_refused(make_llm: Callable[..., Any]) -> None:
     with pytest.raises(ConfigError, match="max_position_embeddings=256"):
         make_llm(kv_cache_tokens=1024, max_model_len=512)
+
+
+@pytest.mark.parametrize(("kwargs", "names"), [
+    (dict(kv_headroom=float("nan")), ["kv_headroom", "nan"]),
+    (dict(kv_headroom=float("inf")), ["kv_headroom", "inf"]),
+    (dict(kv_headroom=0.5), ["kv_headroom", "0.5"]),
+    (dict(kv_cache_tokens=-5), ["kv_cache_tokens", "-5"]),
+    (dict(kv_cache_tokens=0), ["kv_cache_tokens", "got 0"]),
+    (dict(kv_cache_tokens=None, kv_cache_memory=-1), ["negative", "-1"]),
+    (dict(kv_cache_tokens=None, kv_cache_memory="-5GiB"), ["'-5GiB'"]),
+    (dict(kv_cache_tokens=None, kv_cache_memory=100), ["kv_cache_memory=100 bytes holds no KV page"]),
+    (dict(max_model_len=0), ["max_model_len", "got 0"]),
+    (dict(max_model_len=-3), ["max_model_len", "got -3"]),
+])
+def test_bad_sizes_are_clear_config_errors(make_llm: Callable[..., Any], kwargs: dict[str, Any],
+                                           names: list[str]) -> None:
+    """Never a raw ValueError/OverflowError, never advice to lower max_model_len to 0."""
+    with pytest.raises(ConfigError) as info:
+        make_llm(**kwargs)
+    message = str(info.value)
+    assert all(name in message for name in names), message
+    assert "max_model_len to 0" not in message
+
+
+def test_a_pool_smaller_than_the_headroom_gives_no_zero_advice() -> None:
+    cap = KvCapacity.for_dims(num_layers=2, num_kv_heads=1, head_dim=4, element_bytes=2, page_size=4).with_tokens(4)
+    with pytest.raises(ConfigError) as info:
+        cap.require_fits(8, headroom=5.0)
+    assert "lower max_model_len" not in str(info.value) and "kv_cache_tokens >= 40" in str(info.value)
+    with pytest.raises(ConfigError, match="kv_headroom must be a finite number"):
+        cap.require_fits(8, headroom=float("inf"))
+
+
+@pytest.mark.parametrize("argv", [["--kv-headroom", "nan"], ["--kv-headroom", "inf"], ["--kv-cache-tokens", "-5"]])
+def test_plan_reports_bad_values_without_a_traceback(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(["plan", *INCIDENT_DIMS, "--kv-memory", "64GiB", "--max-model-len", "1024", *argv])
+    captured = capsys.readouterr()
+    said = captured.out + captured.err
+    assert rc in (1, 2) and ("kvseal: error:" in said or "REFUSED:" in said)
+    assert argv[0].removeprefix("--").replace("-", "_") in said and argv[1] in said
+    assert "max_model_len to 0" not in said and "Traceback" not in said

@@ -22,6 +22,9 @@ class Fault(enum.Enum):
     # checked mode), so a test can show that an outer layer (the canary run) catches a leak
     # the checks would otherwise have stopped first.
     BYPASS_KV_CHECKS = "bypass_kv_checks"
+    # The HTTP frontend skips its own admission call (I1 at the door), so a test can show that
+    # the front-door check is what refuses an over-long prompt, not the engine's re-check.
+    SKIP_FRONT_DOOR_ADMISSION = "skip_front_door_admission"
 
 
 _active: set[Fault] = set()

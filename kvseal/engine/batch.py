@@ -1,41 +1,54 @@
-"""Turn a scheduler's chunks into the model runner's `ForwardBatch`.
+"""Turn a scheduler's chunks into the model runner's `ForwardBatch`, and check it first.
 
-This is where checked mode (I4) looks at every request before the forward: each context slot
-it will attend to must lie in its own pages and be written by it, before or in this forward.
+`check_forward` runs before every forward, in every configuration: each sequence may read
+and write only pages it owns (I3), and every position it attends to must be written, in every
+layer, by it, earlier in this ownership period or by this very forward (I4). Checked mode adds
+the per-slot verification. A sequence that fails is refused; the rest of the batch may run.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from kvseal._testing.faults import Fault, is_active
+from kvseal.errors import IsolationViolation
 from kvseal.kvcache.manager import KVCacheManager
+from kvseal.kvcache.records import ForwardWrites
 from kvseal.types import ForwardBatch, ScheduledChunk
 
 
-def build_forward_batch(chunks: list[ScheduledChunk], kv: KVCacheManager, check: bool) -> ForwardBatch:
+@dataclass(frozen=True)
+class PreparedForward:
+    """A batch and what it will write (the write records advance as the forward runs)."""
+
+    batch: ForwardBatch
+    writes: ForwardWrites
+
+
+def build_forward_batch(chunks: list[ScheduledChunk], kv: KVCacheManager) -> PreparedForward:
     input_ids: list[int] = []
     positions: list[torch.Tensor] = []
     new_slots: list[torch.Tensor] = []
     block_tables: list[torch.Tensor] = []
+    starts: list[int] = []
     context_lens: list[int] = []
     query_lens: list[int] = []
     logits_indices: list[int] = []
     for chunk in chunks:
         ids, start, end = _chunk_tokens(chunk)
         request_id = chunk.request.request_id
-        chunk_slots = kv.slots(request_id, start, end)
-        if check:
-            kv.verify_readable(request_id, kv.slots(request_id, 0, end), chunk_slots)
         input_ids.extend(ids)
         positions.append(torch.arange(start, end, dtype=torch.int64))
-        new_slots.append(chunk_slots)
+        new_slots.append(kv.slots(request_id, start, end))
         block_tables.append(kv.block_table(request_id, end))
+        starts.append(start)
         context_lens.append(end)
         query_lens.append(end - start)
         if chunk.is_last_chunk:
             logits_indices.append(len(input_ids) - 1)
-    return ForwardBatch(
+    batch = ForwardBatch(
         input_ids=torch.tensor(input_ids, dtype=torch.int64),
         positions=torch.cat(positions),
         slot_mapping=torch.cat(new_slots),
@@ -44,6 +57,35 @@ def build_forward_batch(chunks: list[ScheduledChunk], kv: KVCacheManager, check:
         block_tables=block_tables,
         logits_indices=torch.tensor(logits_indices, dtype=torch.int64),
     )
+    writes = kv.plan_writes([c.request.request_id for c in chunks], starts, context_lens)
+    return PreparedForward(batch, writes)
+
+
+def check_forward(prepared: PreparedForward, kv: KVCacheManager) -> list[IsolationViolation]:
+    """Every reason to refuse a sequence of this batch, at most one per request.
+
+    Always: the O(1)-per-sequence ownership and coverage check. In checked mode
+    (`kv.config.check_kv`) also the per-slot, per-layer verification, O(context) per sequence.
+    """
+    if is_active(Fault.BYPASS_KV_CHECKS):
+        return []  # test-only: a build with every read-before-write and ownership check removed
+    violations = kv.check_forward(prepared.writes, prepared.batch)
+    if kv.config.check_kv:
+        refused = {v.request_id for v in violations}
+        violations += [v for v in _verify_slots(prepared, kv) if v.request_id not in refused]
+    return violations
+
+
+def _verify_slots(prepared: PreparedForward, kv: KVCacheManager) -> list[IsolationViolation]:
+    batch, writes = prepared.batch, prepared.writes
+    violations = []
+    new_slots = batch.slot_mapping.split(batch.query_lens)
+    for request_id, end, slots in zip(writes.request_ids, batch.context_lens, new_slots):
+        try:
+            kv.verify_readable(request_id, kv.slots(request_id, 0, end), slots)
+        except IsolationViolation as violation:
+            violations.append(violation)
+    return violations
 
 
 def _chunk_tokens(chunk: ScheduledChunk) -> tuple[list[int], int, int]:

@@ -3,11 +3,16 @@
 `add_request` runs the admission function (I1) before anything exists for the request;
 `step` runs one scheduler step and returns what each touched request produced; `abort`
 ends a queued or running request at once and frees its pages.
+
+Before every forward the batch is checked (I3, I4; `engine/batch.py`). A sequence that fails
+is ended with FinishReason.ABORT and error_code ISOLATION_CHECK_FAILED, its pages are freed,
+and the batch is built again without it: the other requests of the step still run.
 """
 
 from __future__ import annotations
 
 import logging
+import secrets
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,16 +20,24 @@ import torch
 
 from kvseal.admission import AdmissionLimits, admit
 from kvseal.config import EngineArgs, ModelConfig
-from kvseal.engine.batch import build_forward_batch
+from kvseal.engine.batch import PreparedForward, build_forward_batch, check_forward
 from kvseal.engine.model_runner import ModelRunner
 from kvseal.engine.output import OutputState
 from kvseal.engine.sampler import sample
-from kvseal.engine.scheduler import Scheduler, SchedulerOutput
+from kvseal.engine.scheduler import Scheduler
 from kvseal.errors import InvalidParameter, IsolationViolation
 from kvseal.kvcache.manager import KVCacheManager
 from kvseal.models.loader import LoadedModel, load_model
 from kvseal.prompting import encode_text
-from kvseal.types import DEFAULT_TENANT, FinishReason, Request, RequestOutput, SamplingParams
+from kvseal.types import (
+    DEFAULT_TENANT,
+    ISOLATION_CHECK_FAILED,
+    FinishReason,
+    Request,
+    RequestOutput,
+    SamplingParams,
+    ScheduledChunk,
+)
 
 logger = logging.getLogger("kvseal")
 
@@ -36,6 +49,7 @@ class EngineStats:
     num_pages_used: int
     num_pages_free: int
     num_preemptions: int
+    num_isolation_violations: int  # requests ended because an isolation check refused their forward
 
 
 class LLMEngine:
@@ -52,8 +66,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.scheduler_config, self.kv)
         self.runner = ModelRunner(self.loaded.model.to(args.torch_dtype), self.kv.pool)
         self._outputs: dict[str, OutputState] = {}
-        self._seed_source = torch.Generator().manual_seed(args.seed)  # seeds unseeded requests
         self._num_preemptions = 0
+        self._num_isolation_violations = 0
         self._log_config(args)
 
     def _log_config(self, args: EngineArgs) -> None:
@@ -79,7 +93,9 @@ class LLMEngine:
         if request_id in self._outputs:
             raise InvalidParameter(f"request id {request_id!r} is already in use", param="request_id")
         token_ids = admit(self.tokenize(prompt), params, self.limits)
-        seed = params.seed if params.seed is not None else int(torch.randint(2**62, (1,), generator=self._seed_source))
+        # Unseeded requests draw from the OS's random source: no tenant can predict or
+        # replay another's samples from the engine seed and arrival order.
+        seed = params.seed if params.seed is not None else secrets.randbits(63)
         generator = torch.Generator().manual_seed(seed)
         request = Request(request_id, tenant, token_ids, params, generator=generator)
         self._outputs[request_id] = OutputState(request, self.tokenizer, self.model_config.eos_token_ids)
@@ -105,25 +121,38 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), self.kv.num_used_pages,
-                           self.kv.num_free_pages, self._num_preemptions)
+                           self.kv.num_free_pages, self._num_preemptions, self._num_isolation_violations)
 
     def step(self) -> list[RequestOutput]:
         """One scheduler step and at most one forward. Returns one output per request that
-        produced a token or finished."""
+        produced a token or finished (including requests an isolation check ended)."""
         plan = self.scheduler.schedule()
         self._num_preemptions += len(plan.preempted)
-        if not plan.chunks:
-            return []
-        try:
-            batch = build_forward_batch(plan.chunks, self.kv, self.cache_config.check_kv)
-        except IsolationViolation as violation:
-            return [self._isolation_abort(violation)]
-        logits = self.runner.run(batch).logits
-        return self._update(plan, logits)
+        prepared, chunks, refused = self._checked_forward(plan.chunks)
+        if prepared is None:
+            return refused
+        with self.kv.recording(prepared.writes):
+            logits = self.runner.run(prepared.batch).logits
+        return refused + self._update(chunks, logits)
 
-    def _update(self, plan: SchedulerOutput, logits: torch.Tensor) -> list[RequestOutput]:
-        sampled = [c.request for c in plan.chunks if c.is_last_chunk]
-        for chunk in plan.chunks:
+    def _checked_forward(self, chunks: list[ScheduledChunk]
+                         ) -> tuple[PreparedForward | None, list[ScheduledChunk], list[RequestOutput]]:
+        """Build the batch and check it; drop every refused sequence (its request is aborted)
+        and build again until what is left passes. Returns (batch or None, its chunks, aborts)."""
+        refused: list[RequestOutput] = []
+        while chunks:
+            prepared = build_forward_batch(chunks, self.kv)
+            violations = check_forward(prepared, self.kv)
+            if not violations:
+                return prepared, chunks, refused
+            refused += [self._isolation_abort(v) for v in violations]
+            dropped = {v.request_id for v in violations}
+            chunks = [c for c in chunks if c.request.request_id not in dropped]
+        return None, [], refused
+
+    def _update(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> list[RequestOutput]:
+        sampled = [c.request for c in chunks if c.is_last_chunk]
+        for chunk in chunks:
             chunk.request.num_computed_tokens += chunk.num_new_tokens
         outputs = []
         for request, (token, logprobs) in zip(sampled, sample(logits, sampled, self.model_config.eos_token_ids)):
@@ -137,18 +166,22 @@ class LLMEngine:
                 outputs.append(state.report(finished=False))
         return outputs
 
-    def _finish(self, request: Request, reason: FinishReason, error: str | None = None) -> RequestOutput:
+    def _finish(self, request: Request, reason: FinishReason, error: str | None = None,
+                error_code: str | None = None) -> RequestOutput:
         num_written = self.kv.num_written_tokens(request.request_id)
         self.scheduler.finish(request)
         request.finish_reason = reason
-        return self._outputs.pop(request.request_id).report(finished=True, error=error,
+        return self._outputs.pop(request.request_id).report(finished=True, error=error, error_code=error_code,
                                                             num_kv_tokens_written=num_written)
 
     def _isolation_abort(self, violation: IsolationViolation) -> RequestOutput:
-        logger.error("isolation check failed, aborting the request: %s", violation)
         request = self.scheduler.find(violation.request_id)
         assert request is not None, "an isolation violation names a request the scheduler holds"
-        return self._finish(request, FinishReason.ABORT, error=f"isolation check failed: {violation}")
+        logger.error("isolation check failed, aborting request %s (tenant %s): %s",
+                     request.request_id, request.tenant, violation)
+        self._num_isolation_violations += 1
+        return self._finish(request, FinishReason.ABORT, error=f"isolation check failed: {violation}",
+                            error_code=ISOLATION_CHECK_FAILED)
 
     def check_integrity(self) -> None:
         """Invariant checks for tests: page ownership (I3) and queue/page agreement."""

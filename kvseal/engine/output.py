@@ -66,7 +66,8 @@ class OutputState:
                 self.request.finish_reason, self.request.stop_reason = FinishReason.STOP, stop
                 return
 
-    def report(self, finished: bool, error: str | None = None, num_kv_tokens_written: int = 0) -> RequestOutput:
+    def report(self, finished: bool, error: str | None = None, error_code: str | None = None,
+               num_kv_tokens_written: int = 0) -> RequestOutput:
         """The increment since the previous report (text is held back per the module doc)."""
         request = self.request
         visible = len(self.text) if finished else max(self._num_emitted_chars, len(self.text) - self._holdback)
@@ -78,6 +79,6 @@ class OutputState:
             request_id=request.request_id, tenant=request.tenant, prompt_token_ids=request.prompt_token_ids,
             token_ids=list(request.output_token_ids), text=self.text[:visible], new_token_ids=new_tokens,
             new_text=new_text, finished=finished, finish_reason=request.finish_reason,
-            stop_reason=request.stop_reason, logprobs=logprobs, error=error,
+            stop_reason=request.stop_reason, logprobs=logprobs, error=error, error_code=error_code,
             num_pages_reserved=request.max_num_pages, num_kv_tokens_written=num_kv_tokens_written,
         )

@@ -1,7 +1,7 @@
 """Token sampling: greedy, temperature, top-k, top-p, per-request generators.
 
 Determinism: each request samples with its own `torch.Generator` (seeded from its `seed`, or
-from the engine seed and arrival order), so its random draws do not depend on what it is
+from the OS random source when it has none), so its random draws do not depend on what it is
 batched with. Greedy and seeded outputs are therefore reproducible across batch
 compositions, preemption and chunking, up to floating-point differences in the logits
 themselves (different batch shapes may sum in a different order; on CPU in float32 we have

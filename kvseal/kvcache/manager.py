@@ -1,16 +1,22 @@
 """KV cache manager: the allocator and the pool together, in the scheduler's terms.
 
 The scheduler asks for room in tokens; the manager turns that into whole pages, applies the
-scrub policy (I7) at the two moments it can act (hand-out and take-back), and answers the
-checked-mode question "was every slot this request is about to read written by it?" (I4).
+scrub policy (I7) at the two moments it can act (hand-out and take-back), and keeps the write
+records (`records.py`) that answer, before every forward and in every configuration, "does
+each sequence read and write only its own pages, and is every position it attends to
+written, per layer, by it?" (I3, I4).
 
-Checked mode poisons pages with NaN while they are free (a read of a page the reader does
-not own shows up as NaN) and zeroes them when handed out; reads of owned-but-unwritten
-slots are caught by the write records before the forward runs.
+Checked mode goes deeper: it poisons pages with NaN while they are free (a read of a page the
+reader does not own shows up as NaN), zeroes them when handed out, and verifies every context
+slot of every layer against per-slot records before the forward runs.
+
+Writes that do not come from this engine's forward (KV arriving through a transport) are
+reported with `record_written`; `written_prefix` tells what is covered.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -20,6 +26,8 @@ from kvseal.config import CacheConfig
 from kvseal.errors import IsolationViolation
 from kvseal.kvcache.allocator import PageAllocator
 from kvseal.kvcache.pool import KVPool
+from kvseal.kvcache.records import ForwardWrites, WriteRecords
+from kvseal.types import ForwardBatch
 
 
 class KVCacheManager:
@@ -27,7 +35,10 @@ class KVCacheManager:
         self.config = config
         self.page_size = config.page_size
         self.allocator = PageAllocator(config.num_pages)
-        self.pool = KVPool(num_layers, config.num_pages, config.page_size, num_kv_heads, head_dim, config.dtype)
+        self.num_layers = num_layers
+        self.records = WriteRecords(num_layers, config.num_pages, config.page_size, track_slots=config.check_kv)
+        self.pool = KVPool(num_layers, config.num_pages, config.page_size, num_kv_heads, head_dim, config.dtype,
+                           observer=self.records)
         if config.check_kv:
             self.pool.fill(list(range(config.num_pages)), float("nan"))
 
@@ -58,7 +69,7 @@ class KVCacheManager:
         if not new_pages:
             return
         generations = [self.allocator.owner_of(p).generation for p in new_pages]  # type: ignore[union-attr]
-        self.pool.hand_out(new_pages, generations)
+        self.records.hand_out(request_id, new_pages, generations)
         if self.config.kv_scrub == "alloc" or self.config.check_kv:
             # Checked mode: zero the NaN poison on hand-out. Attention reads whole pages and
             # masks the unwritten tail, and a masked NaN would still poison the sum.
@@ -67,9 +78,9 @@ class KVCacheManager:
     def free(self, request_id: str) -> list[int]:
         """Release every page of the request at once, scrubbed or poisoned per config."""
         pages = self.allocator.free(request_id)
+        self.records.take_back(request_id, pages)
         if not pages:
             return pages
-        self.pool.take_back(pages)
         if self.config.check_kv:
             self.pool.fill(pages, float("nan"))
         elif self.config.kv_scrub == "free":
@@ -97,27 +108,65 @@ class KVCacheManager:
         return pages
 
     def num_written_tokens(self, request_id: str) -> int:
-        """How many slots of the request's pages hold KV written in their current ownership."""
-        pages = self.allocator.pages_of(request_id)
-        if not pages:
-            return 0
-        return int(self.pool.written_by_owner(self.slots(request_id, 0, len(pages) * self.page_size)).sum())
+        """How many leading positions of the request hold KV written, in every layer, in the
+        current ownership of its pages."""
+        return min(self.written_prefix(request_id))
+
+    def written_prefix(self, request_id: str) -> list[int]:
+        """Per layer, how many leading positions of the request hold KV written in the current
+        ownership of its pages (all 0 for a request that owns no pages).
+
+        Written means: by a forward of this engine (recorded as each layer's write happens) or
+        reported through `record_written`. A request's prefix starts at 0 when it gets its
+        first pages and is forgotten when they are freed (finish, abort, preemption).
+        """
+        return self.records.written_prefix(request_id)
+
+    def record_written(self, request_id: str, layer: int, start: int, end: int) -> None:
+        """Record that KV for positions [start, end) of `layer` was written into the request's
+        own pages by something other than this engine's forward (a KV transport).
+
+        Only contiguous growth is accepted: `start` must equal `written_prefix(request_id)[layer]`
+        and `end` must lie within the pages the request owns. Anything else (unknown request,
+        a gap, a rewrite, an empty range, no such layer) raises `IsolationViolation`, and the
+        caller must abort the request. Call it only after the data is in the pool.
+        """
+        slots = self.slots(request_id, start, end) if self.records.track_slots and end > start else None
+        self.records.record(request_id, layer, start, end, slots)
+
+    def plan_writes(self, request_ids: list[str], starts: list[int], ends: list[int]) -> ForwardWrites:
+        """What a forward will write: positions [starts[i], ends[i]) of request_ids[i]."""
+        return self.records.plan(request_ids, starts, ends)
+
+    def check_forward(self, writes: ForwardWrites, batch: ForwardBatch) -> list[IsolationViolation]:
+        """The always-on check (I3, I4), O(1) per sequence plus one gather over the batch's
+        pages: one violation per sequence that names a page it does not own or would attend
+        to a position that no layer-complete write covers. The batch must not run as is."""
+        refused = self.records.check_forward(writes, batch)
+        return [IsolationViolation(writes.request_ids[i], why) for i, why in sorted(refused.items())]
+
+    def recording(self, writes: ForwardWrites) -> contextlib.AbstractContextManager[None]:
+        """Run the forward that performs `writes` inside this: each layer's pool write then
+        advances that layer's written prefixes."""
+        return self.records.recording(writes)
 
     def verify_readable(self, request_id: str, context_slots: torch.Tensor, new_slots: torch.Tensor) -> None:
-        """Checked mode (I4): every context slot must lie in a page the request owns and be
-        written by it, either earlier in this ownership period or by this forward (`new_slots`)."""
+        """Checked mode (I3, I4), per slot: every context slot must lie in a page the allocator
+        says the request owns and, in every layer, be written by it, either earlier in this
+        ownership period or by this forward (`new_slots`). Raises IsolationViolation."""
         owned = set(self.allocator.pages_of(request_id))
         foreign = sorted({p for p in (context_slots // self.page_size).tolist() if p not in owned})
         if foreign:
             raise IsolationViolation(request_id, f"request {request_id} would read pages {foreign[:8]} it does not own")
-        written = self.pool.written_by_owner(context_slots) | torch.isin(context_slots, new_slots)
-        if not bool(written.all()):
-            first = int((~written).nonzero()[0])
+        unwritten = self.records.unwritten_slots(context_slots, new_slots)  # [num_layers, num_context]
+        if bool(unwritten.any()):
+            layer, first = (int(x) for x in unwritten.nonzero()[0])
             raise IsolationViolation(
                 request_id,
-                f"request {request_id} would read {int((~written).sum())} KV slots it never wrote "
-                f"(first at position {first}); refusing to run the forward",
+                f"request {request_id} would read {int(unwritten.any(0).sum())} KV slots it never wrote "
+                f"(first at position {first}, layer {layer}); refusing to run the forward",
             )
 
     def check_integrity(self) -> None:
         self.allocator.check_integrity()
+        self.records.check_integrity({r: self.allocator.pages_of(r) for r in self.allocator.owner_ids()})

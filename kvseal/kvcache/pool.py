@@ -1,19 +1,24 @@
-"""The paged KV pool: per-layer K and V tensors plus a record of who wrote each slot.
+"""The paged KV pool: per-layer K and V tensors.
 
-Slot s lives in page s // page_size at offset s % page_size. `slot_generation[s]` is the
-generation of the page's ownership period in which slot s was last written (-1: not written
-since the page was last handed out). A slot may be read by a request only when that value
-equals the page's current generation, i.e. the current owner wrote it (I4).
+Slot s lives in page s // page_size at offset s % page_size. The pool keeps no records of
+who wrote what; after each layer's write it tells its observer (the KV manager's write
+records, `kvcache/records.py`), so the records advance exactly when a write happened.
 """
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
+
+
+class LayerWriteObserver(Protocol):
+    def on_layer_write(self, layer: int, slots: torch.Tensor) -> None: ...
 
 
 class KVPool:
     def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype) -> None:
+                 head_dim: int, dtype: torch.dtype, observer: LayerWriteObserver | None = None) -> None:
         self.page_size = page_size
         self.num_pages = num_pages
         # Head-major, so that one head's context is contiguous for the attention matmuls.
@@ -21,8 +26,7 @@ class KVPool:
         # k[layer], v[layer]: [num_kv_heads, num_pages, page_size, head_dim]
         self.k = [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]
-        self.page_generation = torch.zeros(num_pages, dtype=torch.int64)
-        self.slot_generation = torch.full((num_pages * page_size,), -1, dtype=torch.int64)
+        self.observer = observer
 
     @property
     def num_slots(self) -> int:
@@ -35,8 +39,8 @@ class KVPool:
         dtype = self.k[layer].dtype
         self.k[layer].view(num_kv_heads, self.num_slots, head_dim).index_copy_(1, slots, k.transpose(0, 1).to(dtype))
         self.v[layer].view(num_kv_heads, self.num_slots, head_dim).index_copy_(1, slots, v.transpose(0, 1).to(dtype))
-        if layer == 0:
-            self.slot_generation[slots] = self.page_generation[slots // self.page_size]
+        if self.observer is not None:
+            self.observer.on_layer_write(layer, slots)
 
     def read_pages(self, layer: int, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Gather whole pages ([...] page ids) -> two tensors [num_kv_heads, ..., page_size, head_dim]."""
@@ -46,27 +50,9 @@ class KVPool:
         v = torch.index_select(self.v[layer], 1, flat).view(shape)
         return k, v
 
-    def hand_out(self, pages: list[int], generations: list[int]) -> None:
-        """Record a new ownership period for `pages`; nothing in them counts as written."""
-        index = torch.tensor(pages, dtype=torch.int64)
-        self.page_generation[index] = torch.tensor(generations, dtype=torch.int64)
-        self._forget_writes(index)
-
-    def take_back(self, pages: list[int]) -> None:
-        index = torch.tensor(pages, dtype=torch.int64)
-        self._forget_writes(index)
-
     def fill(self, pages: list[int], value: float) -> None:
         """Overwrite every slot of `pages` in every layer (scrub with 0, poison with NaN)."""
         index = torch.tensor(pages, dtype=torch.int64)
         for k, v in zip(self.k, self.v):
             k.index_fill_(1, index, value)
             v.index_fill_(1, index, value)
-
-    def written_by_owner(self, slots: torch.Tensor) -> torch.Tensor:
-        """Bool per slot: was it written in its page's current ownership period?"""
-        return self.slot_generation[slots] == self.page_generation[slots // self.page_size]
-
-    def _forget_writes(self, pages: torch.Tensor) -> None:
-        offsets = torch.arange(self.page_size, dtype=torch.int64)
-        self.slot_generation[(pages[:, None] * self.page_size + offsets).reshape(-1)] = -1

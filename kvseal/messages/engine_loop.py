@@ -122,7 +122,8 @@ class EngineLoop:
 
     def _stats(self) -> EngineStatsMsg:
         s = self.engine.stats()
-        return EngineStatsMsg(s.num_running, s.num_waiting, s.num_pages_used, s.num_pages_free, s.num_preemptions)
+        return EngineStatsMsg(s.num_running, s.num_waiting, s.num_pages_used, s.num_pages_free, s.num_preemptions,
+                              s.num_isolation_violations)
 
     def _send(self, msg: FromEngineMsg) -> None:
         self._outbox.send(encode(msg))

@@ -158,6 +158,7 @@ class EngineStatsMsg(_Msg, frozen=True):
     num_pages_used: int
     num_pages_free: int
     num_preemptions: int
+    num_isolation_violations: int = 0  # requests an isolation check (I3/I4) ended
 
 
 ToEngineMsg = AddRequestMsg | AbortMsg | ShutdownMsg

@@ -13,6 +13,7 @@ from starlette.responses import JSONResponse, Response
 
 import kvseal
 from kvseal.server import errors
+from kvseal.server.audit import clip
 from kvseal.server.chat import ChatEndpoint
 from kvseal.server.completions import CompletionsEndpoint
 from kvseal.server.errors import ApiError
@@ -66,14 +67,20 @@ def _add_info_routes(app: FastAPI, state: AppState) -> None:
 
     @app.get("/health", response_model=None)
     async def health() -> Response:
-        if state.engine.is_available:
+        if state.engine.is_available and not state.is_draining:
             return JSONResponse({"status": "ok"})
         detail = state.engine.failure or "the server is shutting down"
         return errors.response(errors.engine_unavailable(detail))
 
     @app.get("/metrics", response_model=None)
-    async def metrics() -> Response:
+    async def metrics(request: Request) -> Response:
+        try:
+            state.keys.authenticate_admin(request.headers.get("authorization"))  # it lists every tenant
+        except ApiError as err:
+            return errors.response(err)
         state.metrics.engine_up.set(1 if state.engine.is_available else 0)
+        if state.engine.failure is not None:
+            state.metrics.reset_engine_gauges()
         return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
@@ -86,10 +93,10 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> Response:
         if exc.status_code == 404:
-            return errors.response(errors.route_not_found(request.url.path))
+            return errors.response(errors.route_not_found(clip(request.url.path)))
         if exc.status_code == 405:
             return errors.response(errors.method_not_allowed(request.method, request.url.path))
-        return errors.response(ApiError(exc.status_code, str(exc.detail)))
+        return errors.response(ApiError(exc.status_code, clip(str(exc.detail))))
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> Response:
@@ -97,5 +104,5 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def unexpected_error(request: Request, exc: Exception) -> Response:
-        logger.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+        logger.error("unhandled error on %s %s", request.method, clip(request.url.path), exc_info=exc)
         return errors.response(errors.internal_error())

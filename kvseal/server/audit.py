@@ -1,8 +1,9 @@
 """The audit log (I8): exactly one JSON line per generation request, whatever its outcome.
 
 Enough to answer "which responses could have been affected" after an incident: who (tenant),
-what (token counts, KV pages reserved), how it ended (finished, rejected and why, aborted
-and why, error) and when. No prompt text unless the operator passes --audit-log-prompts.
+what (token counts, KV pages reserved), how it ended (finished, rejected and by whom, aborted
+and why, error, isolation_violation and which check) and when. Client-controlled strings
+(model, user, reasons) are clipped to `MAX_LOGGED_CHARS`. No prompt text unless the operator passes --audit-log-prompts.
 Without --audit-log the lines go to the `kvseal.audit` logger instead of a file.
 """
 
@@ -13,7 +14,21 @@ from typing import Literal
 
 import msgspec
 
-Outcome = Literal["finished", "rejected", "aborted", "error"]
+Outcome = Literal["finished", "rejected", "aborted", "error", "isolation_violation"]
+RejectedBy = Literal["frontend", "engine"]  # which admission check refused the request (I1)
+
+MAX_LOGGED_CHARS = 256  # every client-controlled string is clipped to this before it is logged
+
+
+def clip(text: str) -> str:
+    """`text`, cut to `MAX_LOGGED_CHARS` (with a marker saying how long it was)."""
+    if len(text) <= MAX_LOGGED_CHARS:
+        return text
+    return f"{text[:MAX_LOGGED_CHARS]}...[{len(text)} chars]"
+
+
+def clip_optional(text: str | None) -> str | None:
+    return None if text is None else clip(text)
 
 logger = logging.getLogger("kvseal.audit")
 
@@ -27,7 +42,8 @@ class AuditRecord(msgspec.Struct, frozen=True, omit_defaults=True):
     finished_at: float
     http_status: int | None = None  # set for refusals; an admitted request answers 200
     model: str | None = None
-    reason: str | None = None  # rejection code, abort reason or error
+    reason: str | None = None  # rejection code, abort reason, error or isolation check
+    rejected_by: RejectedBy | None = None  # for outcome "rejected" at admission: the frontend or the engine
     finish_reason: str | None = None
     prompt_tokens: int | None = None
     output_tokens: int | None = None

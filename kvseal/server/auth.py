@@ -1,8 +1,9 @@
 """API keys → tenants, and the tenant-derived prefix-cache namespace (I5).
 
 The keys file is JSON: `{"KEY": {"tenant": "NAME", "max_concurrent_requests": N,
-"max_tokens": N}}` (limits optional). Keys are held only as SHA-256 digests and never
-logged. Without a keys file every request runs as the single tenant `default`.
+"max_tokens": N, "admin": true}}` (limits and admin optional). Keys are held only as SHA-256
+digests and never logged. Without a keys file every request runs as the single tenant
+`default` and the operator routes (`/metrics`) are open; with one, they need an admin key.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from kvseal.errors import ConfigError
 from kvseal.server import errors
 from kvseal.types import DEFAULT_TENANT
 
-_FIELDS = {"tenant", "max_concurrent_requests", "max_tokens"}
+_FIELDS = {"tenant", "max_concurrent_requests", "max_tokens", "admin"}
 
 
 @dataclass(frozen=True)
@@ -36,8 +37,10 @@ class Tenant:
 class ApiKeyTable:
     """Authenticates `Authorization: Bearer KEY`; open (one tenant) when built without keys."""
 
-    def __init__(self, tenants_by_digest: dict[bytes, Tenant] | None = None) -> None:
+    def __init__(self, tenants_by_digest: dict[bytes, Tenant] | None = None,
+                 admin_digests: frozenset[bytes] = frozenset()) -> None:
         self._by_digest = tenants_by_digest
+        self._admin_digests = admin_digests
         self._open_tenant = Tenant(DEFAULT_TENANT)
 
     @property
@@ -58,31 +61,46 @@ class ApiKeyTable:
             raw = json.loads(Path(path).read_text())
         except (OSError, ValueError) as exc:
             raise ConfigError(f"cannot read the API keys file {path}: {exc}") from exc
-        return cls(_parse_keys(raw, path))
+        return cls(*_parse_keys(raw, path))
 
     def authenticate(self, authorization: str | None) -> Tenant:
         """The caller's tenant, or an `ApiError` 401."""
         if self._by_digest is None:
             return self._open_tenant
-        scheme, _, key = (authorization or "").strip().partition(" ")
-        if scheme.lower() != "bearer" or not key.strip():
-            raise errors.missing_api_key()
-        tenant = self._by_digest.get(_digest(key.strip()))
+        tenant = self._by_digest.get(_bearer_digest(authorization))
         if tenant is None:
             raise errors.invalid_api_key()
         return tenant
+
+    def authenticate_admin(self, authorization: str | None) -> None:
+        """Pass an admin key (or anyone, without a keys file); else `ApiError` 401, or 403 for a
+        valid key without `"admin": true`."""
+        if self._by_digest is None:
+            return
+        self.authenticate(authorization)
+        if _bearer_digest(authorization) not in self._admin_digests:
+            raise errors.admin_required()
+
+
+def _bearer_digest(authorization: str | None) -> bytes:
+    """The digest of the `Authorization: Bearer KEY` key, or `ApiError` 401 without one."""
+    scheme, _, key = (authorization or "").strip().partition(" ")
+    if scheme.lower() != "bearer" or not key.strip():
+        raise errors.missing_api_key()
+    return _digest(key.strip())
 
 
 def _digest(key: str) -> bytes:
     return hashlib.sha256(key.encode()).digest()
 
 
-def _parse_keys(raw: Any, path: str) -> dict[bytes, Tenant]:
+def _parse_keys(raw: Any, path: str) -> tuple[dict[bytes, Tenant], frozenset[bytes]]:
     if not isinstance(raw, dict) or not raw:
         raise ConfigError(f"{path} must be a non-empty JSON object mapping each API key to "
                           f'{{"tenant": NAME, ...}}')
     by_digest: dict[bytes, Tenant] = {}
     by_name: dict[str, Tenant] = {}
+    admins: set[bytes] = set()
     for index, (key, entry) in enumerate(raw.items()):
         where = f"{path}, entry {index + 1}"  # never the key itself: it is a secret
         if not key.strip() or key != key.strip() or " " in key:
@@ -92,7 +110,16 @@ def _parse_keys(raw: Any, path: str) -> dict[bytes, Tenant]:
             raise ConfigError(f"{where}: tenant '{tenant.name}' appears with different limits; give every "
                               f"key of a tenant the same limits")
         by_digest[_digest(key)] = tenant
-    return by_digest
+        if _is_admin(entry, where):
+            admins.add(_digest(key))
+    return by_digest, frozenset(admins)
+
+
+def _is_admin(entry: dict[str, Any], where: str) -> bool:
+    value = entry.get("admin", False)
+    if not isinstance(value, bool):
+        raise ConfigError(f'{where}: "admin" must be true or false, got {value!r}')
+    return value
 
 
 def _parse_entry(entry: Any, where: str) -> Tenant:

@@ -1,7 +1,8 @@
-"""The request body: read it within its size limit (413) and parse it into a model (400)."""
+"""The request body: read it within its size (413) and time (408) limits, parse it (400)."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
@@ -13,11 +14,20 @@ from kvseal.server.errors import ApiError
 Body = TypeVar("Body", bound=BaseModel)
 
 
-async def read_body(request: Request, max_bytes: int) -> bytes:
-    """The whole body, or `ApiError` 413 as soon as it exceeds `max_bytes` (read no further)."""
+async def read_body(request: Request, max_bytes: int, timeout_s: float) -> bytes:
+    """The whole body, or `ApiError` 413 as soon as it exceeds `max_bytes` (read no further),
+    or 408 when it has not all arrived `timeout_s` after the headers (a slow client)."""
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > max_bytes:
         raise errors.body_too_large(max_bytes)
+    try:
+        async with asyncio.timeout(timeout_s):
+            return await _read_within(request, max_bytes)
+    except TimeoutError:
+        raise errors.body_timeout(timeout_s) from None
+
+
+async def _read_within(request: Request, max_bytes: int) -> bytes:
     chunks: list[bytes] = []
     size = 0
     async for chunk in request.stream():

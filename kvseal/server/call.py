@@ -12,6 +12,7 @@ never has more requests open, on either side, than its limit.
 
 from __future__ import annotations
 
+import logging
 import time
 
 from kvseal.messages.msgs import (
@@ -21,12 +22,14 @@ from kvseal.messages.msgs import (
     RequestOutputMsg,
     RequestRejectedMsg,
 )
-from kvseal.server.audit import AuditRecord, Outcome
+from kvseal.server.audit import AuditRecord, Outcome, RejectedBy, clip, clip_optional
 from kvseal.server.auth import Tenant
 from kvseal.server.endpoint import AuditPrompt
 from kvseal.server.errors import ApiError
-from kvseal.server.request_handle import EngineGone, RequestEvent, RequestHandle
+from kvseal.server.request_handle import EngineGone, IsolationBreach, RequestEvent, RequestHandle, isolation_failure
 from kvseal.server.state import AppState
+
+logger = logging.getLogger("kvseal.server")
 
 
 class Call:
@@ -88,14 +91,27 @@ class Call:
         self._last_token_s = now_s
 
     def on_terminal(self, event: RequestEvent) -> None:
-        if isinstance(event, RequestRejectedMsg):
-            self._finish("rejected", reason=event.code, http_status=event.http_status)
+        breach = isolation_failure(event)
+        if breach is not None:
+            self._isolation_violation(breach, event if isinstance(event, RequestOutputMsg) else self._progress)
+        elif isinstance(event, IsolationBreach):
+            raise AssertionError("isolation_failure() names every IsolationBreach")
+        elif isinstance(event, RequestRejectedMsg):
+            self._finish("rejected", reason=event.code, http_status=event.http_status, rejected_by="engine")
         elif isinstance(event, EngineGone):
             self._finish("error", reason=event.message, out=self._progress)
         elif event.finish_reason == "abort":
             self._finish("aborted", reason=event.error, out=event)
         else:
             self._finish("finished", out=event)
+
+    def _isolation_violation(self, reason: str, out: RequestOutputMsg | None) -> None:
+        """An isolation check tripped: 500 to the client, counted, audited and logged as an incident."""
+        tenant = self.tenant.name if self.tenant is not None else ""
+        logger.error("ISOLATION VIOLATION: request %s of tenant '%s' was failed closed: %s", self.request_id,
+                     clip(tenant), clip(reason))
+        self.state.metrics.isolation_violations.inc()
+        self._finish("isolation_violation", reason=reason, http_status=500, out=out)
 
     # ---- refusals before or instead of generation ----
 
@@ -106,18 +122,19 @@ class Call:
 
     def reject(self, err: ApiError) -> None:
         """A refusal answered with `err`; this also ends the HTTP side."""
-        self._finish("rejected" if err.status < 500 else "error", reason=err.reason, http_status=err.status)
+        self._finish("rejected" if err.status < 500 else "error", reason=err.reason, http_status=err.status,
+                     rejected_by="frontend" if err.status < 500 else None)
         self.http_done()
 
     def _finish(self, outcome: Outcome, *, reason: str | None = None, http_status: int | None = None,
-                out: RequestOutputMsg | None = None) -> None:
+                out: RequestOutputMsg | None = None, rejected_by: RejectedBy | None = None) -> None:
         if self.is_done:
             return
         self.is_done = True
         self._release_slot()
         tenant = self.tenant.name if self.tenant is not None else ""
         self.state.metrics.record_outcome(tenant, outcome, reason if outcome == "rejected" else None)
-        self.state.audit.write(self._record(outcome, reason, http_status, out))
+        self.state.audit.write(self._record(outcome, reason, http_status, out, rejected_by))
 
     def _release_slot(self) -> None:
         if self._has_slot and self.is_done and self._is_http_done and self.tenant is not None:
@@ -125,16 +142,17 @@ class Call:
             self.state.gate.release(self.tenant)
 
     def _record(self, outcome: Outcome, reason: str | None, http_status: int | None,
-                out: RequestOutputMsg | None) -> AuditRecord:
+                out: RequestOutputMsg | None, rejected_by: RejectedBy | None) -> AuditRecord:
         return AuditRecord(
             request_id=self.request_id, endpoint=self.endpoint,
             tenant=self.tenant.name if self.tenant is not None else None, outcome=outcome,
-            http_status=http_status, received_at=self._received_at, finished_at=time.time(), model=self.model,
-            reason=reason, finish_reason=out.finish_reason if out is not None else None,
+            http_status=http_status, received_at=self._received_at, finished_at=time.time(),
+            model=clip_optional(self.model), reason=clip_optional(reason), rejected_by=rejected_by,
+            finish_reason=out.finish_reason if out is not None else None,
             prompt_tokens=out.num_prompt_tokens if out is not None else self.num_prompt_tokens,
             output_tokens=out.num_output_tokens if out is not None else None,
             pages_reserved=out.num_pages_reserved if out is not None else None,
             kv_tokens_written=out.num_kv_tokens_written if out is not None else None,
-            first_token_at=self._first_token_at, user=self.user,
+            first_token_at=self._first_token_at, user=clip_optional(self.user),
             prompt=self.prompt_for_audit if self.state.audit.include_prompts else None,
         )

@@ -1,8 +1,7 @@
 """`POST /v1/chat/completions`: messages in, an assistant message out.
 
 The conversation is rendered with the model's own chat template, exactly as the offline
-`LLM.chat` does. Without `max_tokens`, a chat answer may use the rest of the context window
-(capped by the tenant's `max_tokens`).
+`LLM.chat` does.
 """
 
 from __future__ import annotations
@@ -29,11 +28,9 @@ class ChatEndpoint:
     async def prepare(self, body: ChatCompletionRequest, prompts: PromptEncoder, tenant: Tenant,
                       limits: AdmissionLimits) -> Prepared:
         conversation = [m.as_template_input() for m in body.messages]
-        ids = await prompts.chat_ids(conversation)
-        num_prompt_tokens = min(len(ids), body.truncate_prompt_tokens or len(ids))
-        params = build_sampling_params(body, max_tokens=_asked_max_tokens(body),
-                                       default_max_tokens=limits.max_model_len - num_prompt_tokens,
-                                       logprobs=_logprobs(body), tenant=tenant)
+        ids = await prompts.chat_ids(conversation, tenant.name, limits, body.truncate_prompt_tokens is not None)
+        params = build_sampling_params(body, max_tokens=_asked_max_tokens(body), num_prompt_tokens=len(ids),
+                                       limits=limits, logprobs=_logprobs(body), tenant=tenant)
         return Prepared(ids, params, conversation)
 
     def formatter(self, body: ChatCompletionRequest, ids: ResponseIds, prompts: PromptEncoder) -> ChatFormatter:
@@ -84,7 +81,9 @@ class ChatFormatter:
         return chunk | {"usage": None} if self._include_usage else chunk
 
     def _logprobs(self, lps: list[TokenLogprobsMsg]) -> dict[str, Any] | None:
-        return chat_logprobs(lps, self._prompts.token_text) if self._with_logprobs else None
+        if not self._with_logprobs:
+            return None
+        return chat_logprobs(lps, self._prompts.token_text, self._prompts.token_bytes)
 
     def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         ids = self._ids

@@ -8,13 +8,11 @@ from kvseal.admission import AdmissionLimits
 from kvseal.messages.msgs import RequestOutputMsg, TokenLogprobsMsg
 from kvseal.server.auth import Tenant
 from kvseal.server.endpoint import Prepared, ResponseIds
-from kvseal.server.logprobs import completion_logprobs
+from kvseal.server.logprobs import TextOffsets, completion_logprobs
 from kvseal.server.prompts import PromptEncoder
 from kvseal.server.protocol import CompletionRequest
 from kvseal.server.sampling import build_sampling_params
 from kvseal.server.transcript import Transcript
-
-DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
 
 
 class CompletionsEndpoint:
@@ -24,8 +22,8 @@ class CompletionsEndpoint:
 
     async def prepare(self, body: CompletionRequest, prompts: PromptEncoder, tenant: Tenant,
                       limits: AdmissionLimits) -> Prepared:
-        ids = await prompts.completion_ids(body.prompt)
-        params = build_sampling_params(body, max_tokens=body.max_tokens, default_max_tokens=DEFAULT_MAX_TOKENS,
+        ids = await prompts.completion_ids(body.prompt, tenant.name, limits, body.truncate_prompt_tokens is not None)
+        params = build_sampling_params(body, max_tokens=body.max_tokens, num_prompt_tokens=len(ids), limits=limits,
                                        logprobs=body.logprobs, tenant=tenant)
         audit_prompt = body.prompt if isinstance(body.prompt, str) else ids
         return Prepared(ids, params, audit_prompt)
@@ -40,7 +38,7 @@ class CompletionFormatter:
         self._with_logprobs = with_logprobs
         self._include_usage = include_usage
         self._prompts = prompts
-        self._text_offset = 0
+        self._offsets = TextOffsets(prompts.token_bytes)
 
     def first_chunks(self) -> list[dict[str, Any]]:
         return []
@@ -62,9 +60,7 @@ class CompletionFormatter:
     def _logprobs(self, lps: list[TokenLogprobsMsg]) -> dict[str, Any] | None:
         if not self._with_logprobs:
             return None
-        result = completion_logprobs(lps, self._prompts.token_text, self._text_offset)
-        self._text_offset += sum(len(t) for t in result["tokens"])
-        return result
+        return completion_logprobs(lps, self._prompts.token_text, self._offsets)
 
     def _envelope(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
         ids = self._ids

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import math
 from dataclasses import dataclass
 
 from kvseal.errors import ConfigError
@@ -21,6 +22,8 @@ class ServerConfig:
     served_model_name: str | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     shutdown_grace_s: float = 30.0
+    header_timeout_s: float = 15.0
+    body_timeout_s: float = 60.0
     log_level: str = "INFO"
 
     def __post_init__(self) -> None:
@@ -28,8 +31,11 @@ class ServerConfig:
             raise ConfigError(f"--port must be in [0, 65535], got {self.port}")
         if self.max_body_bytes < 1024:
             raise ConfigError(f"--max-body-bytes must be >= 1024, got {self.max_body_bytes}")
-        if self.shutdown_grace_s < 0:
-            raise ConfigError(f"--shutdown-grace-s must be >= 0, got {self.shutdown_grace_s}")
+        if not 0 <= self.shutdown_grace_s < math.inf:
+            raise ConfigError(f"--shutdown-grace-s must be a number >= 0, got {self.shutdown_grace_s}")
+        for flag, value in (("--header-timeout-s", self.header_timeout_s), ("--body-timeout-s", self.body_timeout_s)):
+            if not 0 < value < math.inf:
+                raise ConfigError(f"{flag} must be a number of seconds > 0, got {value}")
 
     @property
     def is_loopback(self) -> bool:
@@ -46,18 +52,20 @@ class ServerConfig:
             host=ns.host, port=ns.port, api_keys_path=ns.api_keys, audit_log_path=ns.audit_log,
             audit_log_prompts=ns.audit_log_prompts, served_model_name=ns.served_model_name,
             max_body_bytes=ns.max_body_bytes, shutdown_grace_s=ns.shutdown_grace_s,
+            header_timeout_s=ns.header_timeout_s, body_timeout_s=ns.body_timeout_s,
             log_level=getattr(ns, "log_level", "INFO"),
         )
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
-    """The frontend's flags (engine flags come from `kvseal.cli.add_engine_arguments`)."""
+    """The frontend's flags (engine flags come from `kvseal.engine_args.add_engine_arguments`)."""
     d = ServerConfig()
     parser.add_argument("--host", default=d.host, help="address to bind (default: loopback only)")
     parser.add_argument("--port", type=int, default=d.port)
     parser.add_argument("--api-keys", default=None, metavar="FILE",
-                        help='JSON file {"KEY": {"tenant": NAME, "max_concurrent_requests": N, "max_tokens": N}}; '
-                             "without it every request runs as tenant 'default'")
+                        help='JSON file {"KEY": {"tenant": NAME, "max_concurrent_requests": N, "max_tokens": N, '
+                             '"admin": BOOL}}; without it every request runs as tenant \'default\' and /metrics '
+                             "is open; with it /metrics needs an admin key")
     parser.add_argument("--audit-log", default=None, metavar="FILE",
                         help="append one JSON line per request here (default: the 'kvseal.audit' logger)")
     parser.add_argument("--audit-log-prompts", action="store_true",
@@ -68,3 +76,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="larger request bodies get HTTP 413")
     parser.add_argument("--shutdown-grace-s", type=float, default=d.shutdown_grace_s,
                         help="on SIGTERM, how long in-flight requests may run before they are aborted")
+    parser.add_argument("--header-timeout-s", type=float, default=d.header_timeout_s,
+                        help="close a connection whose request headers have not all arrived in this time")
+    parser.add_argument("--body-timeout-s", type=float, default=d.body_timeout_s,
+                        help="answer 408 when a request body has not all arrived this long after its headers")

@@ -5,6 +5,13 @@ task owns the outgoing socket, so `submit` and `abort` never block or await (the
 to call from cleanup code running under cancellation). When the process ends for any
 reason other than a requested shutdown, every in-flight request gets `EngineGone` at once
 and new submissions raise `EngineUnavailable`: nothing waits on a dead engine.
+
+The receive loop fails closed. Every output names its tenant; one that does not match its
+request's tenant ends that request with `IsolationBreach` (and is aborted in the engine),
+never reaching the client. Any exception while routing, auditing or counting is a frontend
+bug that could leave requests waiting forever: it is logged at CRITICAL, every in-flight
+request is aborted in the engine and fails with an error, and the client stays unavailable
+(/health 503) until restarted.
 """
 
 from __future__ import annotations
@@ -30,12 +37,19 @@ from kvseal.messages.msgs import (
     EngineStoppedMsg,
     FromEngineMsg,
     OutputsMsg,
+    RequestOutputMsg,
     RequestRejectedMsg,
     ShutdownMsg,
     ToEngineMsg,
 )
 from kvseal.server.engine_process import EngineProcess
-from kvseal.server.request_handle import EngineGone, RequestEvent, RequestHandle, RequestObserver, is_terminal
+from kvseal.server.request_handle import (
+    EngineGone,
+    IsolationBreach,
+    RequestHandle,
+    RequestObserver,
+    is_terminal,
+)
 
 logger = logging.getLogger("kvseal.server")
 
@@ -134,7 +148,19 @@ class EngineClient:
 
     async def _receive_loop(self) -> None:
         while True:
-            self._receive(await self._pull.recv())
+            data = await self._pull.recv()
+            try:
+                self._receive(data)
+            except Exception as exc:
+                self._receive_failed(exc)
+                return
+
+    def _receive_failed(self, exc: Exception) -> None:
+        """Fail closed: nothing may wait on outputs this loop will never route."""
+        logger.critical("the frontend's engine receive loop failed; aborting and failing every in-flight "
+                        "request and refusing new ones until the server is restarted", exc_info=exc)
+        self.abort_all(ABORT_SERVER_SHUTDOWN)
+        self._fail(f"the frontend failed while routing engine outputs ({type(exc).__name__})")
 
     async def _send_loop(self) -> None:
         while True:
@@ -166,15 +192,25 @@ class EngineClient:
             case EngineStoppedMsg():
                 logger.info("engine stopped; %d requests were aborted", msg.num_aborted)
 
-    def _route(self, event: RequestEvent) -> None:
-        assert not isinstance(event, EngineGone)
+    def _route(self, event: RequestOutputMsg | RequestRejectedMsg) -> None:
         handle = self._handles.get(event.request_id)
         if handle is None:
             logger.warning("engine reported request %s, which has no handle", event.request_id)
             return
+        if event.tenant != handle.tenant:
+            self._tenant_mismatch(handle, event.tenant)
+            return
         if is_terminal(event):
             del self._handles[event.request_id]
         handle.deliver(event)
+
+    def _tenant_mismatch(self, handle: RequestHandle, reported: str) -> None:
+        """An output for this request id names another tenant: drop it, end the request, fail closed."""
+        message = (f"frontend tenant check: the engine reported tenant '{reported[:64]}' for request "
+                   f"{handle.request_id} of tenant '{handle.tenant}'")
+        self.abort(handle.request_id, handle.tenant, "isolation_check_failed")
+        del self._handles[handle.request_id]
+        handle.deliver(IsolationBreach(message))
 
     def _fail(self, message: str) -> None:
         if self.failure is None:
@@ -186,9 +222,13 @@ class EngineClient:
         self._fail_handles(message)
 
     def _fail_handles(self, message: str) -> None:
+        """Every handle gets its terminal event, even if delivering one of them raises."""
         handles, self._handles = list(self._handles.values()), {}
         for handle in handles:
-            handle.deliver(EngineGone(message))
+            try:
+                handle.deliver(EngineGone(message))
+            except Exception:
+                logger.exception("failing request %s raised; it was failed anyway", handle.request_id)
 
     def _on_process_exit(self) -> None:
         asyncio.get_running_loop().remove_reader(self._process.sentinel)

@@ -13,8 +13,9 @@ from typing import Any
 from starlette.responses import JSONResponse
 
 from kvseal.errors import RequestRejected
-from kvseal.messages.msgs import ABORT_SERVER_SHUTDOWN, RequestRejectedMsg
-from kvseal.server.request_handle import EngineGone, RequestEvent
+from kvseal.messages.msgs import ABORT_SERVER_SHUTDOWN, RequestOutputMsg, RequestRejectedMsg
+from kvseal.server.request_handle import EngineGone, RequestEvent, isolation_failure
+from kvseal.types import ISOLATION_CHECK_FAILED
 
 
 @dataclass
@@ -59,14 +60,29 @@ def invalid_api_key() -> ApiError:
                     code="invalid_api_key")
 
 
+def admin_required() -> ApiError:
+    return ApiError(403, "This route needs an admin API key (an entry with \"admin\": true in the server's "
+                         "--api-keys file).", type="permission_error", code="admin_key_required")
+
+
+def unsupported_media_type(content_type: str) -> ApiError:
+    return ApiError(415, f"Unsupported Content-Type '{content_type[:64]}': send the body as JSON with "
+                         f"'Content-Type: application/json'.", code="unsupported_media_type")
+
+
 def model_not_found(model: str, served: str) -> ApiError:
-    return ApiError(404, f"The model '{model}' does not exist. This server serves '{served}'.",
+    return ApiError(404, f"The model '{model[:256]}' does not exist. This server serves '{served}'.",
                     code="model_not_found", param="model")
 
 
 def body_too_large(limit: int) -> ApiError:
     return ApiError(413, f"The request body is larger than {limit} bytes. Send a smaller request "
                          f"(the operator sets the limit with --max-body-bytes).", code="request_too_large")
+
+
+def body_timeout(timeout_s: float) -> ApiError:
+    return ApiError(408, f"The request body did not arrive within {timeout_s:g} s. Send the whole body at once "
+                         f"(the operator sets the limit with --body-timeout-s).", code="request_timeout")
 
 
 def invalid_json(detail: str) -> ApiError:
@@ -90,6 +106,14 @@ def request_aborted(detail: str) -> ApiError:
                     code="request_aborted")
 
 
+def isolation_check_failed() -> ApiError:
+    """The server refused to answer because an isolation check tripped; never the client's fault.
+    The details stay in the server's log and audit record, not in the response."""
+    return ApiError(500, "The server stopped this request because an isolation check failed; no output was "
+                         "returned. The operator has been alerted (audit outcome isolation_violation).",
+                    type="server_error", code=ISOLATION_CHECK_FAILED)
+
+
 def route_not_found(path: str) -> ApiError:
     return ApiError(404, f"No route {path}. Routes: POST /v1/completions, POST /v1/chat/completions, "
                          f"GET /v1/models, GET /health, GET /metrics.", code="not_found")
@@ -110,6 +134,9 @@ def for_event(event: RequestEvent) -> ApiError | None:
         return ApiError(event.http_status, event.message, code=event.code, param=event.param)
     if isinstance(event, EngineGone):
         return engine_unavailable(event.message)
+    if isolation_failure(event) is not None:
+        return isolation_check_failed()
+    assert isinstance(event, RequestOutputMsg)
     if event.finish_reason != "abort":
         return None
     if event.error == ABORT_SERVER_SHUTDOWN:

@@ -3,9 +3,12 @@
 Start-up order: read the keys file and open the audit log (bad ones stop start-up), spawn
 the engine (its configuration errors, I2, stop start-up with their own message), load the
 tokenizer the engine reports, log the resolved configuration, bind, log "ready". Shutdown
-(SIGTERM/SIGINT): refuse new requests with 503, give in-flight ones the grace period, then
-abort the rest in the engine (their clients get an error, never a fake finish), stop the
-engine, exit 0.
+(SIGTERM/SIGINT): refuse new requests with 503 (the listener stays open, so new connections
+get that answer), give in-flight ones the grace period, then abort the rest in the engine
+(their clients get an error, never a fake finish), stop the engine, exit 0. The engine
+process ignores SIGTERM and SIGINT and stops only on the frontend's `ShutdownMsg`, so a
+signal to the whole process group (systemd, `kill -TERM -PGID`, `tini -g`) drains the same
+way as one to the frontend alone.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import signal
 import uvicorn
 
 from kvseal.config import EngineArgs
+from kvseal.engine_args import engine_args_from
 from kvseal.errors import ConfigError
 from kvseal.messages.msgs import ABORT_SERVER_SHUTDOWN
 from kvseal.server.app import build_app
@@ -29,16 +33,15 @@ from kvseal.server.engine_client import EngineClient
 from kvseal.server.metrics import ServerMetrics
 from kvseal.server.prompts import PromptEncoder
 from kvseal.server.state import AppState
-from kvseal.server.uvicorn_server import KvsealServer
+from kvseal.server.uvicorn_server import KvsealServer, h11_protocol_with_header_timeout
 
 logger = logging.getLogger("kvseal.server")
 
 ABORT_MARGIN_S = 10.0  # after the grace period: time for aborted requests to send their errors
+_DRAIN_POLL_S = 0.05
 
 
 def run(ns: argparse.Namespace) -> int:
-    from kvseal.cli import engine_args_from
-
     config = ServerConfig.from_namespace(ns)
     keys = ApiKeyTable.load(config.api_keys_path)
     if keys.is_open and not config.is_loopback:
@@ -69,7 +72,10 @@ async def _serve(config: ServerConfig, engine_args: EngineArgs, keys: ApiKeyTabl
             return 0  # stopped by a signal before the engine was ready
         server = KvsealServer(_uvicorn_config(config, state), lambda port: _log_ready(state, port),
                               lambda: _drain(state))
-        await server.serve()
+        try:
+            await server.serve()
+        finally:
+            state.prompts.close()
         return 0
     finally:
         await engine.shutdown()
@@ -102,9 +108,10 @@ async def _start(config: ServerConfig, engine: EngineClient, keys: ApiKeyTable, 
 
 
 def _uvicorn_config(config: ServerConfig, state: AppState) -> uvicorn.Config:
-    return uvicorn.Config(build_app(state), host=config.host, port=config.port, loop="asyncio", http="h11",
+    http = h11_protocol_with_header_timeout(config.header_timeout_s)
+    return uvicorn.Config(build_app(state), host=config.host, port=config.port, loop="asyncio", http=http,
                           lifespan="off", log_config=None, log_level=config.log_level.lower(),
-                          timeout_graceful_shutdown=math.ceil(config.shutdown_grace_s + ABORT_MARGIN_S))
+                          timeout_graceful_shutdown=math.ceil(ABORT_MARGIN_S))  # after _drain
 
 
 def _log_config(state: AppState) -> None:
@@ -113,11 +120,11 @@ def _log_config(state: AppState) -> None:
     logger.info(
         "kvseal server: model=%s (%s, %s) max_model_len=%d kv_cache_tokens=%d (%d pages x %d) max_prompt_tokens=%d "
         "host=%s port=%d api_keys=%s tenants=[%s] audit_log=%s audit_log_prompts=%s max_body_bytes=%d "
-        "shutdown_grace_s=%g engine_pid=%s",
+        "shutdown_grace_s=%g header_timeout_s=%g body_timeout_s=%g engine_pid=%s",
         state.model_name, info.architecture, info.model_path, info.max_model_len, info.kv_cache_tokens,
         info.num_pages, info.page_size, limits.max_prompt_tokens, c.host, c.port, c.api_keys_path or "(none)",
         tenants, c.audit_log_path or "(kvseal.audit logger)", c.audit_log_prompts, c.max_body_bytes,
-        c.shutdown_grace_s, info.pid,
+        c.shutdown_grace_s, c.header_timeout_s, c.body_timeout_s, info.pid,
     )
 
 
@@ -126,14 +133,23 @@ def _log_ready(state: AppState, port: int) -> None:
                 state.config.host, port, state.engine_info.pid)
 
 
-def _drain(state: AppState) -> None:
+async def _drain(state: AppState) -> None:
+    """Refuse new requests (503) and wait until the engine has ended every in-flight one: by
+    itself within the grace period, or aborted after it (then at most `ABORT_MARGIN_S` more)."""
     state.is_draining = True
     logger.info("shutting down: refusing new requests; %d in flight get up to %g s", state.engine.num_in_flight,
                 state.config.shutdown_grace_s)
-    asyncio.get_running_loop().call_later(state.config.shutdown_grace_s, _abort_the_rest, state)
+    if await _until_idle(state, state.config.shutdown_grace_s):
+        return
+    logger.warning("grace period over: aborting %d in-flight requests", state.engine.num_in_flight)
+    state.engine.abort_all(ABORT_SERVER_SHUTDOWN)
+    await _until_idle(state, ABORT_MARGIN_S)
 
 
-def _abort_the_rest(state: AppState) -> None:
-    if state.engine.num_in_flight:
-        logger.warning("grace period over: aborting %d in-flight requests", state.engine.num_in_flight)
-        state.engine.abort_all(ABORT_SERVER_SHUTDOWN)
+async def _until_idle(state: AppState, timeout_s: float) -> bool:
+    """Whether the engine has no request in flight within `timeout_s` (bounded polling)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while state.engine.num_in_flight and loop.time() < deadline:
+        await asyncio.sleep(_DRAIN_POLL_S)
+    return not state.engine.num_in_flight

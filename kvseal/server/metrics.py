@@ -17,6 +17,9 @@ class ServerMetrics:
                                 ["tenant", "outcome"], registry=r)
         self.rejections = Counter("kvseal_rejections", "Requests refused before generation, by reason",
                                   ["reason"], registry=r)
+        self.isolation_violations = Counter(
+            "kvseal_isolation_violations", "Requests failed closed because an isolation check tripped (engine or "
+            "frontend); any non-zero value is an incident", registry=r)
         self.ttft = Histogram("kvseal_time_to_first_token_seconds", "Arrival to first generated token",
                               buckets=_LATENCY_BUCKETS_S, registry=r)
         self.itl = Histogram("kvseal_inter_token_latency_seconds", "Time between consecutive generated tokens",
@@ -39,6 +42,11 @@ class ServerMetrics:
         self.pages_used.set(stats.num_pages_used)
         self.pages_free.set(stats.num_pages_free)
         self.preemptions.set(stats.num_preemptions)
+
+    def reset_engine_gauges(self) -> None:
+        """The engine is gone: its last load figures are stale, report zero."""
+        for gauge in (self.running, self.waiting, self.pages_used, self.pages_free, self.preemptions):
+            gauge.set(0)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

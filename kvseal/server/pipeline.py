@@ -1,8 +1,10 @@
 """The one path every generation request takes, in this order:
 
-API key → tenant (401) → not shutting down (503) → body within its size (413) → valid body
-(400) → served model (404) → tenant concurrency slot (429) → tokenize → `admit` with the
-engine's limits (I1, 400 `context_length_exceeded`) → engine → stream or JSON.
+API key → tenant (401) → not shutting down (503) → JSON content type (415) → body within
+its size (413) and time (408) → a token-id list that cannot fit (400, pre-scanned before the
+full parse) → valid body (400) → served model (404) → tenant concurrency slot (429) → a
+prompt that cannot fit (400, before tokenizing) → tokenize (fair across tenants) → `admit`
+with the engine's limits (I1, 400 `context_length_exceeded`) → engine → stream or JSON.
 
 Nothing is sent to the engine before `admit` accepted the request; a refusal is terminal and
 leaves its audit record. Whatever happens after submission, the request ends in the engine
@@ -19,7 +21,6 @@ import uuid
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
-from kvseal.admission import admit
 from kvseal.errors import ContextLengthExceeded, RequestRejected
 from kvseal.messages.convert import params_to_msg
 from kvseal.messages.msgs import ABORT_CLIENT_DISCONNECTED, AddRequestMsg
@@ -30,6 +31,8 @@ from kvseal.server.collect import respond_when_done
 from kvseal.server.endpoint import Endpoint, Formatter, ResponseIds
 from kvseal.server.engine_client import EngineUnavailable
 from kvseal.server.errors import ApiError
+from kvseal.server.front_door import admit_at_the_door
+from kvseal.server.prompts import check_token_list_before_parsing
 from kvseal.server.protocol import GenerationBody
 from kvseal.server.request_handle import RequestHandle
 from kvseal.server.state import AppState
@@ -74,7 +77,10 @@ async def _admit_and_submit(request: Request, state: AppState, endpoint: Endpoin
     tenant = call.tenant = state.keys.authenticate(request.headers.get("authorization"))
     if state.is_draining:
         raise errors.engine_unavailable("the server is shutting down")
-    body = parse_body(endpoint.body_model, await read_body(request, state.config.max_body_bytes))
+    _require_json(request)
+    data = await read_body(request, state.config.max_body_bytes, state.config.body_timeout_s)
+    check_token_list_before_parsing(data, state.limits)
+    body = parse_body(endpoint.body_model, data)
     call.model, call.user = body.model, body.user
     if body.model is not None and body.model != state.model_name:
         raise errors.model_not_found(body.model, state.model_name)
@@ -82,9 +88,16 @@ async def _admit_and_submit(request: Request, state: AppState, endpoint: Endpoin
     prepared = await endpoint.prepare(body, state.prompts, tenant, state.limits)
     call.prompt_for_audit = prepared.prompt_for_audit
     call.num_prompt_tokens = len(prepared.prompt_token_ids)
-    prompt_token_ids = admit(prepared.prompt_token_ids, prepared.params, state.limits)  # I1, at the door
+    prompt_token_ids = admit_at_the_door(prepared.prompt_token_ids, prepared.params, state.limits)  # I1
     call.num_prompt_tokens = len(prompt_token_ids)
     fmt = endpoint.formatter(body, ResponseIds(call.request_id, state.model_name, int(time.time())), state.prompts)
     msg = AddRequestMsg(call.request_id, tenant.name, tenant.cache_namespace, prompt_token_ids,
                         params_to_msg(prepared.params))
     return body, fmt, call.submit(msg)  # nothing after this line may fail before the response owns the call
+
+
+def _require_json(request: Request) -> None:
+    """Only JSON bodies: a form or text/plain POST (no CORS preflight) is refused with 415."""
+    content_type = request.headers.get("content-type", "")
+    if content_type.partition(";")[0].strip().lower() != "application/json":
+        raise errors.unsupported_media_type(content_type)

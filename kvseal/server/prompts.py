@@ -1,26 +1,83 @@
 """Prompts to token ids with the model's own tokenizer and chat template (for I1 at the door).
 
 The frontend tokenizes exactly as the engine does (`LLMEngine.tokenize`, `LLM.chat`), so the
-count it admits is the count the engine re-checks. Tokenization runs on one worker thread:
-off the event loop, and never concurrently (fast tokenizers are not safe for that).
+count it admits is the count the engine re-checks.
+
+Tokenization is bounded and fair:
+- A prompt that cannot fit is refused before it is tokenized (unless the request asked for
+  truncation): a token covers at most `max_token_chars` characters, so a text with more than
+  `max_prompt_tokens * max_token_chars` characters besides whitespace has too many tokens, and a token-id list
+  longer than `max_prompt_tokens` is too long as it is. Big bodies are pre-scanned for an
+  over-long token-id list before the full JSON parse (which holds the GIL while it builds
+  every int).
+- Tokenization runs on one worker thread (off the event loop, never concurrently: fast
+  tokenizers are not safe for that), fed by per-tenant queues served round-robin. A tenant
+  with a long queue delays another tenant's prompt by at most the one job already running.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import re
+from collections import deque
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
-from kvseal.errors import InvalidParameter
+import msgspec
+
+from kvseal.admission import AdmissionLimits
+from kvseal.errors import ContextLengthExceeded, InvalidParameter
 from kvseal.prompting import encode_text, render_chat
+from kvseal.server.front_door import check_context, is_checking
+
+logger = logging.getLogger("kvseal.server")
 
 CompletionPrompt = str | list[int] | list[str] | list[list[int]]
+PRESCAN_BODY_BYTES = 64 * 1024  # bodies at least this big are pre-scanned for long token-id lists
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+@dataclass
+class _Job:
+    fn: Callable[[Any], list[int]]
+    arg: Any
+    done: asyncio.Future[list[int]]
+
+
+class _FairQueue:
+    """Jobs per tenant; `get` takes the next tenant in line and sends it to the back."""
+
+    def __init__(self) -> None:
+        self._by_tenant: dict[str, deque[_Job]] = {}  # insertion order is the line
+        self._has_jobs = asyncio.Event()
+
+    def put(self, tenant: str, job: _Job) -> None:
+        self._by_tenant.setdefault(tenant, deque()).append(job)
+        self._has_jobs.set()
+
+    async def get(self) -> _Job:
+        while not self._by_tenant:
+            self._has_jobs.clear()
+            await self._has_jobs.wait()
+        tenant = next(iter(self._by_tenant))
+        jobs = self._by_tenant.pop(tenant)
+        job = jobs.popleft()
+        if jobs:
+            self._by_tenant[tenant] = jobs
+        return job
 
 
 class PromptEncoder:
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
+        self.max_token_chars = _longest_token_chars(tokenizer)
+        self._byte_decoder = _byte_level_decoder(tokenizer)
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvseal-tokenizer")
+        self._queue: _FairQueue | None = None
+        self._serving: asyncio.Task[None] | None = None
         self._token_texts: dict[int, str] = {}
 
     @classmethod
@@ -29,14 +86,24 @@ class PromptEncoder:
 
         return cls(AutoTokenizer.from_pretrained(tokenizer_path, local_files_only=True))
 
-    async def completion_ids(self, prompt: CompletionPrompt) -> list[int]:
+    async def completion_ids(self, prompt: CompletionPrompt, tenant: str, limits: AdmissionLimits,
+                             may_truncate: bool) -> list[int]:
+        """Token ids of a completions prompt; `ContextLengthExceeded` before tokenizing one that
+        cannot fit (unless `may_truncate`)."""
         single = _single_prompt(prompt)
         if isinstance(single, list):
+            if not may_truncate:
+                check_context(len(single), 0, limits)
             return single
-        return await self._run(self._encode, single)
+        if not may_truncate:
+            self._check_chars(_num_visible_chars(single), limits)
+        return await self._run(tenant, self._encode, single)
 
-    async def chat_ids(self, conversation: list[dict[str, str]]) -> list[int]:
-        return await self._run(self._apply_chat_template, conversation)
+    async def chat_ids(self, conversation: list[dict[str, str]], tenant: str, limits: AdmissionLimits,
+                       may_truncate: bool) -> list[int]:
+        if not may_truncate:  # the template only adds tokens around the contents
+            self._check_chars(sum(_num_visible_chars(m["content"]) for m in conversation), limits)
+        return await self._run(tenant, self._apply_chat_template, conversation)
 
     def token_text(self, token_id: int) -> str:
         """The text of one token, as logprobs report it."""
@@ -45,17 +112,121 @@ class PromptEncoder:
             text = self._token_texts[token_id] = str(self.tokenizer.decode([token_id]))
         return text
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The token's own bytes: for byte-level BPE a token may hold part of a UTF-8
+        character, so joining the bytes of a text's tokens rebuilds the text's UTF-8."""
+        piece = self.tokenizer.convert_ids_to_tokens(token_id)
+        if isinstance(piece, str):
+            if self._byte_decoder is not None and all(c in self._byte_decoder for c in piece):
+                return bytes(self._byte_decoder[c] for c in piece)
+            fallback = _BYTE_FALLBACK.fullmatch(piece)  # SentencePiece byte fallback, e.g. <0xF0>
+            if fallback is not None:
+                return bytes([int(fallback.group(1), 16)])
+        return self.token_text(token_id).encode("utf-8")
+
     def close(self) -> None:
+        """Stop the tokenizer worker; jobs still queued are cancelled."""
+        if self._serving is not None:
+            self._serving.cancel()
         self._worker.shutdown(wait=False, cancel_futures=True)
 
-    async def _run(self, fn: Any, arg: Any) -> list[int]:
-        return await asyncio.get_running_loop().run_in_executor(self._worker, fn, arg)
+    def _check_chars(self, num_chars: int, limits: AdmissionLimits) -> None:
+        limit = limits.max_prompt_tokens
+        if num_chars <= limit * self.max_token_chars or not is_checking():
+            return
+        at_least = -(-num_chars // self.max_token_chars)
+        raise ContextLengthExceeded(
+            f"Your prompt has {num_chars} characters besides spaces and a token of this model covers at most "
+            f"{self.max_token_chars}, so it has at least {at_least} tokens; prompts may have at most {limit} "
+            f"tokens. Shorten the prompt, or set truncate_prompt_tokens.",
+            num_prompt_tokens=at_least, max_tokens=0, max_model_len=limits.max_model_len,
+            kv_cache_tokens=limits.kv_cache_tokens)
+
+    async def _run(self, tenant: str, fn: Callable[[Any], list[int]], arg: Any) -> list[int]:
+        if self._queue is None:
+            self._queue = _FairQueue()
+            self._serving = asyncio.create_task(self._serve(self._queue))
+        job = _Job(fn, arg, asyncio.get_running_loop().create_future())
+        self._queue.put(tenant, job)
+        return await job.done
+
+    async def _serve(self, queue: _FairQueue) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            job = await queue.get()
+            if job.done.done():  # its request was cancelled while it waited
+                continue
+            try:
+                result = await loop.run_in_executor(self._worker, job.fn, job.arg)
+            except Exception as exc:  # InvalidParameter from a template, or a tokenizer failure
+                if not job.done.done():
+                    job.done.set_exception(exc)
+                continue
+            if not job.done.done():
+                job.done.set_result(result)
 
     def _encode(self, text: str) -> list[int]:
         return encode_text(self.tokenizer, text)
 
     def _apply_chat_template(self, conversation: list[dict[str, str]]) -> list[int]:
         return render_chat(self.tokenizer, conversation)
+
+
+def check_token_list_before_parsing(data: bytes, limits: AdmissionLimits) -> None:
+    """Refuse a big body whose `prompt` is a token-id list longer than the prompt limit, from
+    a scan that builds no ints (`ContextLengthExceeded`); anything else is left to the parser."""
+    if len(data) < PRESCAN_BODY_BYTES:
+        return
+    try:
+        fields = msgspec.json.decode(data, type=dict[str, msgspec.Raw])
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return  # the full parse reports it
+    raw = bytes(fields.get("prompt", b""))
+    if "truncate_prompt_tokens" in fields or not raw.startswith(b"[") or b'"' in raw:
+        return
+    num_ids_at_most = raw.count(b",") + 1  # exact for one list of ints
+    if num_ids_at_most > limits.max_prompt_tokens:
+        check_context(num_ids_at_most, 0, limits)
+
+
+def _num_visible_chars(text: str) -> int:
+    """Characters other than spaces, tabs and newlines: some tokenizers drop those, none drops
+    the others, so every one of them is covered by a token (C-speed counting, no per-char loop)."""
+    return len(text) - text.count(" ") - text.count("\n") - text.count("\t")
+
+
+def _longest_token_chars(tokenizer: Any) -> int:
+    """The most characters of text one token can stand for (computed once, at start-up).
+
+    A piece's length bounds the characters it decodes to (byte-level BPE: one piece character
+    per byte). Prompts are measured without spaces, tabs and newlines, which whitespace-
+    splitting tokenizers drop; byte-level BPE and SentencePiece drop no character at all.
+    """
+    longest = 1
+    for piece in tokenizer.get_vocab():
+        longest = max(longest, len(piece))
+    for added in getattr(tokenizer, "all_special_tokens", []):
+        longest = max(longest, len(added))
+    return longest
+
+
+def _byte_level_decoder(tokenizer: Any) -> dict[str, int] | None:
+    """GPT-2's printable-character → byte map, when the tokenizer is byte-level BPE."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or type(backend.decoder).__name__ != "ByteLevel":
+        return None
+    return {char: byte for byte, char in _byte_level_alphabet().items()}
+
+
+def _byte_level_alphabet() -> dict[int, str]:
+    """GPT-2's byte → printable character map: printable Latin-1 bytes stand for themselves,
+    the other bytes (controls, space, ...) for the characters from U+0100 on, in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    alphabet = {byte: chr(byte) for byte in printable}
+    others = (byte for byte in range(256) if byte not in alphabet)
+    for index, byte in enumerate(others):
+        alphabet[byte] = chr(256 + index)
+    return alphabet
 
 
 def _single_prompt(prompt: CompletionPrompt) -> str | list[int]:

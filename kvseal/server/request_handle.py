@@ -1,10 +1,11 @@
 """The frontend's end of one engine request: an event queue plus its observer.
 
 Events arrive in engine order. Exactly one of them is terminal: a finished
-`RequestOutputMsg` (done or aborted), a `RequestRejectedMsg`, or `EngineGone` when the
-engine process died or stopped first. The observer sees every event as it is routed (so
-the audit record and the tenant slot do not wait for the HTTP side to read them); the
-consumer reads them from `events()`.
+`RequestOutputMsg` (done or aborted), a `RequestRejectedMsg`, `EngineGone` when the
+engine process died or stopped first, or `IsolationBreach` when the frontend itself
+caught an isolation failure (an output carrying another tenant's name). The observer
+sees every event as it is routed (so the audit record and the tenant slot do not wait for
+the HTTP side to read them); the consumer reads them from `events()`.
 """
 
 from __future__ import annotations
@@ -15,6 +16,10 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from kvseal.messages.msgs import RequestOutputMsg, RequestRejectedMsg
+from kvseal.types import ISOLATION_CHECK_FAILED
+
+# The engine's abort text in checked mode before it set `error_code` (kept so both are recognised).
+_ISOLATION_ERROR_PREFIX = "isolation check failed"
 
 
 @dataclass(frozen=True)
@@ -24,7 +29,25 @@ class EngineGone:
     message: str
 
 
-RequestEvent = RequestOutputMsg | RequestRejectedMsg | EngineGone
+@dataclass(frozen=True)
+class IsolationBreach:
+    """The frontend failed the request closed: something it received breaks isolation."""
+
+    message: str
+
+
+RequestEvent = RequestOutputMsg | RequestRejectedMsg | EngineGone | IsolationBreach
+
+
+def isolation_failure(event: RequestEvent) -> str | None:
+    """The reason, when `event` ends its request because an isolation check tripped."""
+    if isinstance(event, IsolationBreach):
+        return event.message
+    if not isinstance(event, RequestOutputMsg) or event.finish_reason != "abort":
+        return None
+    if event.error_code == ISOLATION_CHECK_FAILED or (event.error or "").startswith(_ISOLATION_ERROR_PREFIX):
+        return event.error or ISOLATION_CHECK_FAILED
+    return None
 
 
 def is_terminal(event: RequestEvent) -> bool:
@@ -47,12 +70,13 @@ class RequestHandle:
 
     def deliver(self, event: RequestEvent) -> None:
         assert not self.is_terminal, f"event for request {self.request_id} after its terminal event"
+        self._queue.put_nowait(event)  # first: the consumer gets it even if the observer raises
+        if is_terminal(event):
+            self.is_terminal = True
         if isinstance(event, RequestOutputMsg):
             self._observer.on_output(event)
         if is_terminal(event):
-            self.is_terminal = True
             self._observer.on_terminal(event)
-        self._queue.put_nowait(event)
 
     async def events(self) -> AsyncIterator[RequestEvent]:
         """Every event up to and including the terminal one."""

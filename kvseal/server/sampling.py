@@ -1,23 +1,33 @@
 """Request body → `SamplingParams`, applying the tenant's max_tokens cap.
 
-Raises `InvalidParameter` naming the field; `SamplingParams` itself validates every value.
+The prompt is checked against the context first, so an over-long prompt always gets
+`context_length_exceeded` (never an error about a parameter derived from it). An omitted
+`max_tokens` is the rest of the context window (`max_model_len` − prompt tokens), capped
+by the tenant's `max_tokens`, as vLLM does. Raises `InvalidParameter` naming the field;
+`SamplingParams` itself validates every value.
 """
 
 from __future__ import annotations
 
+from kvseal.admission import AdmissionLimits
 from kvseal.errors import InvalidParameter
 from kvseal.server.auth import Tenant
+from kvseal.server.front_door import check_context
 from kvseal.server.protocol import GenerationBody
 from kvseal.types import SamplingParams
 
 
-def build_sampling_params(body: GenerationBody, *, max_tokens: int | None, default_max_tokens: int,
-                          logprobs: int | None, tenant: Tenant) -> SamplingParams:
-    """`max_tokens` is what the client asked for (None: `default_max_tokens`, capped for the tenant)."""
+def build_sampling_params(body: GenerationBody, *, max_tokens: int | None, num_prompt_tokens: int,
+                          limits: AdmissionLimits, logprobs: int | None, tenant: Tenant) -> SamplingParams:
+    """`max_tokens` is what the client asked for; `num_prompt_tokens` counts the prompt before
+    any truncation the request asked for."""
+    if body.truncate_prompt_tokens is not None:
+        num_prompt_tokens = min(num_prompt_tokens, body.truncate_prompt_tokens)
+    check_context(num_prompt_tokens, 1 if max_tokens is None else max_tokens, limits)
     if body.stream_options is not None and not body.stream:
         raise InvalidParameter("stream_options is only allowed with stream=true", param="stream_options")
     return SamplingParams(
-        max_tokens=_max_tokens(max_tokens, default_max_tokens, tenant),
+        max_tokens=_max_tokens(max_tokens, max(1, limits.max_model_len - num_prompt_tokens), tenant),
         temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p,
         top_k=-1 if body.top_k is None else body.top_k,
@@ -30,10 +40,10 @@ def build_sampling_params(body: GenerationBody, *, max_tokens: int | None, defau
     )
 
 
-def _max_tokens(asked: int | None, default: int, tenant: Tenant) -> int:
+def _max_tokens(asked: int | None, remaining: int, tenant: Tenant) -> int:
     cap = tenant.max_tokens
     if asked is None:
-        return max(1, default if cap is None else min(default, cap))
+        return remaining if cap is None else min(remaining, cap)
     if cap is not None and asked > cap:
         raise InvalidParameter(f"max_tokens={asked} exceeds the limit of tenant '{tenant.name}', {cap}; "
                                f"ask for at most {cap} tokens", param="max_tokens")

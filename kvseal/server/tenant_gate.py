@@ -16,9 +16,6 @@ class TenantGate:
     def __init__(self) -> None:
         self._in_flight: Counter[str] = Counter()
 
-    def in_flight(self, tenant: Tenant) -> int:
-        return self._in_flight[tenant.name]
-
     def acquire(self, tenant: Tenant) -> None:
         """Take a slot or raise an `ApiError` 429."""
         limit = tenant.max_concurrent_requests

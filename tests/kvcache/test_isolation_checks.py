@@ -1,14 +1,17 @@
-"""I4 and I7: checked mode catches reads of unwritten slots; scrub modes wipe freed pages.
+"""I3, I4 and I7: the always-on check and checked mode refuse reads of unwritten or foreign
+KV; scrub modes wipe freed pages.
 
-The fault switch reproduces the incident's placeholder path: a prompt's prefill is replaced
-by one token while the request is counted as fully prefilled. Without checks, the request
-then decodes over whatever the pages held before: another tenant's KV.
+The fault switch PLACEHOLDER_PREFILL reproduces the incident's placeholder path: a prompt's
+prefill is replaced by one token while the request is counted as fully prefilled. With the
+checks bypassed (BYPASS_KV_CHECKS), the request then decodes over whatever the pages held
+before: another tenant's KV. FOREIGN_PAGE makes a block table name another request's page.
+Both are caught in the default configuration (no --check-kv, no scrub).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -16,6 +19,7 @@ import torch
 
 from kvseal import FinishReason, SamplingParams
 from kvseal._testing.faults import Fault, inject
+from kvseal.types import ISOLATION_CHECK_FAILED
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 VICTIM_PROMPT = list(range(10, 40))
@@ -23,41 +27,66 @@ SECRET_A = list(range(300, 330))
 SECRET_B = list(range(400, 430))
 
 
-def _after_secret(llm: Any, secret: list[int], fault: bool) -> Any:
+@contextlib.contextmanager
+def _faults(*faults: Fault) -> Iterator[None]:
+    with contextlib.ExitStack() as stack:
+        for fault in faults:
+            stack.enter_context(inject(fault))
+        yield
+
+
+def _after_secret(llm: Any, secret: list[int], *faults: Fault) -> Any:
+    """alice sends a secret and finishes; then bob's prompt runs, with `faults` switched on."""
     llm.generate([secret], GREEDY, tenant="alice")
-    if not fault:
+    with _faults(*faults):
         return llm.generate([VICTIM_PROMPT], GREEDY, tenant="bob")[0]
-    with inject(Fault.PLACEHOLDER_PREFILL):
-        return llm.generate([VICTIM_PROMPT], GREEDY, tenant="bob")[0]
+
+
+PLACEHOLDER_UNCHECKED = (Fault.PLACEHOLDER_PREFILL, Fault.BYPASS_KV_CHECKS)
 
 
 def test_placeholder_fault_leaks_without_checks(make_llm: Callable[..., Any]) -> None:
-    """The fault is real: bob's output depends on what alice sent before him."""
-    out_a = _after_secret(make_llm(), SECRET_A, fault=True)
-    out_b = _after_secret(make_llm(), SECRET_B, fault=True)
+    """The fault is real: with the checks bypassed, bob's output depends on what alice sent."""
+    out_a = _after_secret(make_llm(), SECRET_A, *PLACEHOLDER_UNCHECKED)
+    out_b = _after_secret(make_llm(), SECRET_B, *PLACEHOLDER_UNCHECKED)
     assert out_a.finish_reason is FinishReason.LENGTH
     assert out_a.token_ids != out_b.token_ids
-    clean_a = _after_secret(make_llm(), SECRET_A, fault=False)
-    clean_b = _after_secret(make_llm(), SECRET_B, fault=False)
+    clean_a = _after_secret(make_llm(), SECRET_A)
+    clean_b = _after_secret(make_llm(), SECRET_B)
     assert clean_a.token_ids == clean_b.token_ids
+
+
+def _assert_refused_and_recovered(llm: Any, out: Any, make_llm: Callable[..., Any]) -> None:
+    assert out.finish_reason is FinishReason.ABORT and out.error_code == ISOLATION_CHECK_FAILED
+    assert out.error and "isolation check failed" in out.error and "never wrote" in out.error
+    assert out.token_ids == []
+    assert llm.engine.stats().num_isolation_violations == 1
+    llm.engine.check_integrity()
+    assert llm.engine.kv.num_used_pages == 0
+    # The engine keeps serving correctly after refusing the bad forward.
+    healthy = _after_secret(llm, SECRET_A).token_ids
+    assert healthy == _after_secret(make_llm(), SECRET_B).token_ids
+
+
+def test_default_config_catches_the_placeholder_fault(make_llm: Callable[..., Any]) -> None:
+    """No --check-kv, no scrub: the always-on coverage check refuses the forward."""
+    llm = make_llm()
+    assert not llm.engine.cache_config.check_kv and llm.engine.cache_config.kv_scrub == "off"
+    out = _after_secret(llm, SECRET_A, Fault.PLACEHOLDER_PREFILL)
+    assert "layer 0 holds KV for [0, 0)" in out.error
+    _assert_refused_and_recovered(llm, out, make_llm)
 
 
 def test_checked_mode_catches_the_placeholder_fault(make_llm: Callable[..., Any]) -> None:
     llm = make_llm(check_kv=True)
-    out = _after_secret(llm, SECRET_A, fault=True)
-    assert out.finish_reason is FinishReason.ABORT
-    assert out.error and "isolation check failed" in out.error and "never wrote" in out.error
-    assert out.token_ids == []
-    llm.engine.check_integrity()
-    assert llm.engine.kv.num_used_pages == 0
-    # The engine keeps serving correctly after refusing the bad forward.
-    healthy = _after_secret(llm, SECRET_A, fault=False).token_ids
-    assert healthy == _after_secret(make_llm(), SECRET_B, fault=False).token_ids
+    out = _after_secret(llm, SECRET_A, Fault.PLACEHOLDER_PREFILL)
+    _assert_refused_and_recovered(llm, out, make_llm)
 
 
 def test_scrub_free_removes_the_dependency_on_earlier_tenants(make_llm: Callable[..., Any]) -> None:
-    out_a = _after_secret(make_llm(kv_scrub="free"), SECRET_A, fault=True)
-    out_b = _after_secret(make_llm(kv_scrub="free"), SECRET_B, fault=True)
+    out_a = _after_secret(make_llm(kv_scrub="free"), SECRET_A, *PLACEHOLDER_UNCHECKED)
+    out_b = _after_secret(make_llm(kv_scrub="free"), SECRET_B, *PLACEHOLDER_UNCHECKED)
+    assert out_a.finish_reason is FinishReason.LENGTH
     assert out_a.token_ids == out_b.token_ids
 
 
@@ -114,34 +143,40 @@ def test_written_records_follow_ownership(make_llm: Callable[..., Any]) -> None:
     assert engine.kv.num_written_tokens("b") == 0
 
 
-def _bob_beside_alice(llm: Any, bob_prompt: list[int], fault: bool) -> Any:
-    """alice is mid-generation (her pages are live) when bob arrives; optionally with the fault."""
+def _bob_beside_alice(llm: Any, bob_prompt: list[int], *faults: Fault) -> Any:
+    """alice is mid-generation (her pages are live) when bob arrives; `faults` on from then."""
     engine = llm.engine
     engine.add_request("alice", VICTIM_PROMPT, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
                        tenant="alice")
     engine.step()
     engine.add_request("bob", bob_prompt, GREEDY, tenant="bob")
     outputs: dict[str, Any] = {}
-    with inject(Fault.FOREIGN_PAGE) if fault else contextlib.nullcontext():
+    with _faults(*faults):
         while engine.has_unfinished():
             outputs.update({o.request_id: o for o in engine.step() if o.finished})
     return outputs
 
 
+FOREIGN_UNCHECKED = (Fault.FOREIGN_PAGE, Fault.BYPASS_KV_CHECKS)
+
+
 def test_foreign_page_fault_leaks_without_checks(make_llm: Callable[..., Any]) -> None:
     """With bob's block table naming alice's page, bob's prompt reaches alice's output."""
-    alice_a = _bob_beside_alice(make_llm(), SECRET_A, fault=True)["alice"]
-    alice_b = _bob_beside_alice(make_llm(), SECRET_B, fault=True)["alice"]
+    alice_a = _bob_beside_alice(make_llm(), SECRET_A, *FOREIGN_UNCHECKED)["alice"]
+    alice_b = _bob_beside_alice(make_llm(), SECRET_B, *FOREIGN_UNCHECKED)["alice"]
+    assert alice_a.finish_reason is FinishReason.LENGTH
     assert alice_a.token_ids != alice_b.token_ids
-    assert (_bob_beside_alice(make_llm(), SECRET_A, fault=False)["alice"].token_ids
-            == _bob_beside_alice(make_llm(), SECRET_B, fault=False)["alice"].token_ids)
+    assert (_bob_beside_alice(make_llm(), SECRET_A)["alice"].token_ids
+            == _bob_beside_alice(make_llm(), SECRET_B)["alice"].token_ids)
 
 
-def test_checked_mode_catches_a_foreign_page(make_llm: Callable[..., Any]) -> None:
-    llm = make_llm(check_kv=True)
-    outputs = _bob_beside_alice(llm, SECRET_A, fault=True)
+@pytest.mark.parametrize("check_kv", [False, True], ids=["default", "checked"])
+def test_a_foreign_page_is_refused(make_llm: Callable[..., Any], check_kv: bool) -> None:
+    llm = make_llm(check_kv=check_kv)
+    outputs = _bob_beside_alice(llm, SECRET_A, Fault.FOREIGN_PAGE)
     aborted = [o for o in outputs.values() if o.finish_reason is FinishReason.ABORT]
-    assert aborted and all("does not own" in o.error for o in aborted)
+    assert aborted and all("does not own" in o.error and o.error_code == ISOLATION_CHECK_FAILED for o in aborted)
+    assert llm.engine.stats().num_isolation_violations == len(aborted)
     llm.engine.check_integrity()
     assert llm.engine.kv.num_used_pages == 0
 
@@ -154,3 +189,11 @@ def test_integrity_check_fails_on_a_double_owned_page(make_llm: Callable[..., An
     allocator._pages["b"].append(allocator.pages_of("a")[0])  # corrupt: page of a also listed for b
     with pytest.raises(AssertionError, match="two owners"):
         allocator.check_integrity()
+
+
+def test_bypass_switches_off_checked_mode_too(make_llm: Callable[..., Any]) -> None:
+    """BYPASS_KV_CHECKS removes every check, so the outer layers (canary) can be tested."""
+    llm = make_llm(check_kv=True)
+    out = _after_secret(llm, SECRET_A, *PLACEHOLDER_UNCHECKED)
+    assert out.finish_reason is FinishReason.LENGTH and out.error is None
+    assert llm.engine.stats().num_isolation_violations == 0

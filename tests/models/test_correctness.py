@@ -61,7 +61,7 @@ def test_greedy_matches_transformers(arch: str, schedule: str, tiny_model_dirs: 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_prefill_logits_match_at_every_position(arch: str, tiny_model_dirs: dict[str, Path]) -> None:
     """Full-sequence logits from one forward over the paged pool equal transformers' forward."""
-    from kvseal.engine.batch import build_forward_batch
+    from kvseal.engine.batch import build_forward_batch, check_forward
     from kvseal.types import Request, ScheduledChunk
 
     llm = LLM(str(tiny_model_dirs[arch]), kv_cache_tokens=256, page_size=4, dtype="float32")
@@ -69,9 +69,12 @@ def test_prefill_logits_match_at_every_position(arch: str, tiny_model_dirs: dict
     prompt = PROMPTS[2]
     request = Request("r", "t", prompt, SamplingParams(max_tokens=1))
     engine.kv.reserve("r", "t", len(prompt))
-    batch = build_forward_batch([ScheduledChunk(request, len(prompt))], engine.kv, check=True)
-    batch = type(batch)(**{**batch.__dict__, "logits_indices": torch.arange(len(prompt))})
-    ours = engine.runner.run(batch).logits
+    prepared = build_forward_batch([ScheduledChunk(request, len(prompt))], engine.kv)
+    assert check_forward(prepared, engine.kv) == []
+    batch = type(prepared.batch)(**{**prepared.batch.__dict__, "logits_indices": torch.arange(len(prompt))})
+    with engine.kv.recording(prepared.writes):
+        ours = engine.runner.run(batch).logits
+    assert engine.kv.written_prefix("r") == [len(prompt)] * engine.model_config.num_layers
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dirs[arch], dtype=torch.float32).eval()
     with torch.no_grad():
         theirs = model(torch.tensor([prompt])).logits[0]

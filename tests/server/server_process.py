@@ -25,7 +25,10 @@ from kvseal.models.loader import DEFAULT_MODEL_FILE
 READY_DEADLINE_S = 180.0
 WAIT_DEADLINE_S = 60.0
 ENGINE_FLAGS = ["--dtype", "float32", "--kv-cache-tokens", "2048", "--page-size", "4", "--max-model-len", "512",
-                "--max-num-batched-tokens", "256", "--check-kv"]
+                "--max-num-batched-tokens", "256"]
+# The isolation tests run in both: the default configuration (what operators run) and checked mode.
+ISOLATION_MODES = {"default": [], "check_kv": ["--check-kv"]}
+FAULT_LAUNCHER = Path(__file__).parent.parent / "fault_launcher.py"
 MAX_MODEL_LEN = 512
 MAX_BODY_BYTES = 1024 * 1024
 KEYS = {
@@ -34,6 +37,7 @@ KEYS = {
     "key-limited": {"tenant": "limited", "max_concurrent_requests": 1},
     "key-capped": {"tenant": "capped", "max_tokens": 32},
     "key-fuzz": {"tenant": "fuzz", "max_tokens": 8},
+    "key-ops": {"tenant": "ops", "admin": True},
 }
 
 
@@ -61,8 +65,11 @@ def wait_for(condition: Callable[[], Any], what: str, deadline_s: float = WAIT_D
 
 class ServerProcess:
     def __init__(self, model_dir: Path | None, workdir: Path, *, keys: dict[str, Any] | None = None,
-                 extra_args: list[str] | None = None) -> None:
-        """`model_dir` None serves the default model (no --model flag)."""
+                 extra_args: list[str] | None = None, faults: list[str] | None = None,
+                 own_process_group: bool = False) -> None:
+        """`model_dir` None serves the default model (no --model flag). `faults` runs it through
+        tests/fault_launcher.py with those fault switches on (in the engine process too);
+        `own_process_group` starts it as the leader of a new process group (engine included)."""
         workdir.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
         self.audit_path = workdir / "audit.jsonl"
@@ -75,6 +82,9 @@ class ServerProcess:
             keys_path.write_text(json.dumps(keys))
             args += ["--api-keys", str(keys_path)]
         self._args = args
+        self._faults = faults
+        self._own_process_group = own_process_group
+        self.admin_key = next((k for k, v in (keys or {}).items() if v.get("admin")), None)
         self.proc: subprocess.Popen[bytes] | None = None
         self.model_name = model_dir.name if model_dir is not None else Path(DEFAULT_MODEL_FILE).stem
 
@@ -87,9 +97,10 @@ class ServerProcess:
         return f"{self.url}/v1"
 
     def start(self) -> ServerProcess:
+        entry = ["-m", "kvseal.cli"] if self._faults is None else [str(FAULT_LAUNCHER), ",".join(self._faults), "--"]
         with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen([sys.executable, "-m", "kvseal.cli", "serve", *self._args],
-                                         stdout=log, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen([sys.executable, *entry, "serve", *self._args], stdout=log,
+                                         stderr=subprocess.STDOUT, start_new_session=self._own_process_group)
         wait_for(self._is_ready, f"the server to be ready (log: {self.log_path})", READY_DEADLINE_S)
         return self
 
@@ -125,8 +136,14 @@ class ServerProcess:
         assert len(records) == 1, f"{len(records)} audit records for {request_id}"
         return records[0]
 
+    def metrics_text(self) -> str:
+        headers = {"Authorization": f"Bearer {self.admin_key}"} if self.admin_key else None
+        response = httpx.get(f"{self.url}/metrics", headers=headers, timeout=10)
+        assert response.status_code == 200, response.text
+        return response.text
+
     def metric(self, name: str) -> float:
-        text = httpx.get(f"{self.url}/metrics", timeout=10).text
+        text = self.metrics_text()
         match = re.search(rf"^{re.escape(name)} (\S+)$", text, re.MULTILINE)
         assert match, f"metric {name} not in /metrics"
         return float(match.group(1))

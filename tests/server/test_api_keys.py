@@ -71,3 +71,16 @@ def test_server_config_refuses_bad_values() -> None:
         ServerConfig(port=70000)
     with pytest.raises(ConfigError, match="max-body-bytes"):
         ServerConfig(max_body_bytes=10)
+
+
+def test_admin_keys_gate_the_operator_routes(tmp_path: Path) -> None:
+    table = load(tmp_path, {"k-ops": {"tenant": "ops", "admin": True}, "k-a": {"tenant": "a", "admin": False},
+                            "k-b": {"tenant": "b"}})
+    table.authenticate_admin("Bearer k-ops")
+    for header, status in ((None, 401), ("Bearer nope", 401), ("Bearer k-a", 403), ("Bearer k-b", 403)):
+        with pytest.raises(ApiError) as info:
+            table.authenticate_admin(header)
+        assert info.value.status == status
+    ApiKeyTable().authenticate_admin(None)  # without a keys file the routes stay open
+    with pytest.raises(ConfigError, match="admin"):
+        load(tmp_path, {"k": {"tenant": "a", "admin": "yes"}})

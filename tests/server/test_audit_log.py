@@ -59,5 +59,11 @@ def test_no_prompt_text_by_default(server: ServerProcess) -> None:
 
 
 def test_request_ids_are_unique(server: ServerProcess) -> None:
+    sent = [_send(server, {"prompt": SECRET_PROMPT, "max_tokens": 1}) for _ in range(3)]
+    sent += [_send(server, {"prompt": SECRET_PROMPT, "temperature": -1}),
+             _stream(server, {"prompt": "w5", "max_tokens": 1})]
+    assert len(set(sent)) == len(sent)
+    for request_id in sent:
+        server.audit_for(request_id)  # exactly one record each
     ids = [r["request_id"] for r in server.audit_records()]
-    assert len(ids) == len(set(ids))
+    assert len(ids) == len(set(ids)) >= len(sent)

@@ -10,6 +10,7 @@ import pytest
 from server_process import MAX_BODY_BYTES, MAX_MODEL_LEN, ServerProcess, client_for, wait_for
 
 ALICE = {"Authorization": "Bearer key-alice"}
+JSON = {"content-type": "application/json"}
 
 
 def post(server: ServerProcess, path: str, body: Any = None, *, content: bytes | None = None,
@@ -121,7 +122,7 @@ def test_unknown_model_is_404(server: ServerProcess, alice: openai.OpenAI) -> No
 
 def test_body_over_the_limit_is_413(server: ServerProcess) -> None:
     big = b'{"prompt": "' + b"w5 " * (MAX_BODY_BYTES // 3 + 10) + b'"}'
-    assert error_of(post(server, "/completions", content=big), 413)["code"] == "request_too_large"
+    assert error_of(post(server, "/completions", content=big, headers=ALICE | JSON), 413)["code"] == "request_too_large"
 
     def chunked() -> Any:  # no content-length: the limit holds while reading
         yield b'{"prompt": "'
@@ -129,7 +130,8 @@ def test_body_over_the_limit_is_413(server: ServerProcess) -> None:
             yield b"w5 " * 10_000
         yield b'"}'
 
-    assert error_of(post(server, "/completions", content=chunked()), 413)["code"] == "request_too_large"
+    err = error_of(post(server, "/completions", content=chunked(), headers=ALICE | JSON), 413)
+    assert err["code"] == "request_too_large"
 
 
 @pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer nope"}, {"Authorization": "key-alice"},

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from server_process import ServerProcess
 
-FUZZ_HEADERS = {"Authorization": "Bearer key-fuzz"}
+FUZZ_HEADERS = {"Authorization": "Bearer key-fuzz", "content-type": "application/json"}
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -25,8 +26,9 @@ BODY = {"prompt": "w5 w6", "max_tokens": 300, "ignore_eos": True, "stream": True
 def start_server(server_model_dir: Path, tmp_path: Path) -> Iterator[Callable[..., ServerProcess]]:
     started: list[ServerProcess] = []
 
-    def start(*extra_args: str) -> ServerProcess:
-        started.append(ServerProcess(server_model_dir, tmp_path / str(len(started)), extra_args=list(extra_args)))
+    def start(*extra_args: str, own_process_group: bool = False) -> ServerProcess:
+        started.append(ServerProcess(server_model_dir, tmp_path / str(len(started)), extra_args=list(extra_args),
+                                     own_process_group=own_process_group))
         return started[-1].start()
 
     yield start
@@ -102,8 +104,52 @@ def test_engine_death_fails_requests_and_health(start_server: Callable[..., Serv
                                             messages=[{"role": "user", "content": "w5"}]))
     assert open_server.audit_for(request_id)["outcome"] == "error"
     assert open_server.metric("kvseal_engine_up") == 0
+    for stale in ("kvseal_kv_pages_used", "kvseal_kv_pages_free", "kvseal_num_requests_running"):
+        assert open_server.metric(stale) == 0, stale  # the dead engine's last figures are not reported
     assert open_server.terminate() == 0
 
+
+
+def test_sigterm_to_the_whole_process_group_drains_too(start_server: Callable[..., ServerProcess]) -> None:
+    """systemd's KillMode=control-group, `kill -TERM -PGID`, `tini -g`: the engine gets SIGTERM
+    too, ignores it, and the frontend drains as usual; meanwhile new connections get 503."""
+    group_server = start_server("--shutdown-grace-s", "120", own_process_group=True)
+    assert group_server.proc is not None
+    with httpx.stream("POST", f"{group_server.base_url}/completions", json=BODY, timeout=60) as response:
+        lines = response.iter_lines()
+        next(lines)
+        os.killpg(group_server.proc.pid, signal.SIGTERM)
+        refused = wait_for(lambda: _status_while_draining(group_server), "a 503 while draining")
+        rest = list(lines)
+        request_id = response.headers["x-request-id"]
+    assert refused == 503
+    assert rest[-2:] == ["data: [DONE]", ""]
+    assert json.loads(rest[-4][6:])["choices"][0]["finish_reason"] == "length"
+    assert group_server.terminate() == 0
+    assert group_server.audit_for(request_id)["outcome"] == "finished"
+    assert "exited unexpectedly" not in group_server.log()
+
+
+def _status_while_draining(server: ServerProcess) -> int | None:
+    """A new connection's answer once draining began (None before: health still says 200)."""
+    response = httpx.post(f"{server.base_url}/completions", json={"prompt": "w5", "max_tokens": 1}, timeout=30)
+    if response.status_code == 200:
+        return None
+    assert response.json()["error"]["code"] == "engine_unavailable"
+    return response.status_code
+
+
+def test_slow_clients_are_timed_out(start_server: Callable[..., ServerProcess]) -> None:
+    slow_server = start_server("--header-timeout-s", "1", "--body-timeout-s", "1")
+    with socket.create_connection(("127.0.0.1", slow_server.port), timeout=WAIT_DEADLINE_S) as partial_headers:
+        partial_headers.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+        assert partial_headers.recv(1024) == b""  # closed by the server, not by this test's deadline
+    with socket.create_connection(("127.0.0.1", slow_server.port), timeout=WAIT_DEADLINE_S) as partial_body:
+        partial_body.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
+                             b"content-length: 100\r\n\r\n{\"prompt\": ")
+        answer = partial_body.recv(4096)
+    assert answer.startswith(b"HTTP/1.1 408") and b"request_timeout" in answer
+    assert httpx.get(f"{slow_server.url}/health", timeout=10).status_code == 200
 
 
 def test_engine_exits_when_the_frontend_is_killed(start_server: Callable[..., ServerProcess]) -> None:

@@ -1,11 +1,17 @@
-"""Tenants: concurrent tenants get what they get alone; the namespace comes from the server."""
+"""Tenants: concurrent tenants get what they get alone; the namespace comes from the server.
+
+The concurrency tests run in the default configuration (the shared server) and in checked mode.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import openai
-from server_process import ServerProcess
+import pytest
+from server_process import ISOLATION_MODES, KEYS, ServerProcess, client_for
 
 from kvseal.server.auth import Tenant
 
@@ -15,15 +21,27 @@ PROMPTS = {
 }
 
 
+@pytest.fixture(scope="module", params=list(ISOLATION_MODES))
+def mode_server(request: pytest.FixtureRequest, server: ServerProcess, server_model_dir: Path,
+                tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    if not ISOLATION_MODES[request.param]:
+        yield server  # the shared server runs the default configuration
+        return
+    proc = ServerProcess(server_model_dir, tmp_path_factory.mktemp(request.param), keys=KEYS,
+                         extra_args=ISOLATION_MODES[request.param]).start()
+    yield proc
+    proc.terminate()
+
+
 def _complete(client: openai.OpenAI, model: str, prompt: str) -> str:
     out = client.completions.create(model=model, prompt=prompt, max_tokens=24, temperature=0)
     assert out.choices[0].finish_reason == "length"
     return out.choices[0].text
 
 
-def test_concurrent_tenants_get_their_solo_greedy_outputs(server: ServerProcess, alice: openai.OpenAI,
-                                                          bob: openai.OpenAI) -> None:
-    clients = {"alice": alice, "bob": bob}
+def test_concurrent_tenants_get_their_solo_greedy_outputs(mode_server: ServerProcess) -> None:
+    server = mode_server
+    clients = {"alice": client_for(server, "key-alice"), "bob": client_for(server, "key-bob")}
     jobs = [(tenant, prompt) for tenant, prompts in PROMPTS.items() for prompt in prompts]
     alone = {job: _complete(clients[job[0]], server.model_name, job[1]) for job in jobs}
     with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
@@ -32,7 +50,10 @@ def test_concurrent_tenants_get_their_solo_greedy_outputs(server: ServerProcess,
     assert together == alone
 
 
-def test_concurrent_streams_do_not_mix(server: ServerProcess, alice: openai.OpenAI, bob: openai.OpenAI) -> None:
+def test_concurrent_streams_do_not_mix(mode_server: ServerProcess) -> None:
+    server = mode_server
+    alice, bob = client_for(server, "key-alice"), client_for(server, "key-bob")
+
     def stream(client: openai.OpenAI, prompt: str) -> str:
         chunks = client.completions.create(model=server.model_name, prompt=prompt, max_tokens=20, temperature=0,
                                            stream=True)

@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# kvseal vs vLLM-CPU side by side: the same weights, the same workload, one server at a time.
+#
+# Usage: bench/peers/compare.sh OUT_DIR
+# Env:   SERVERS        servers in order (default "kvseal vllm-best"; also vllm-default)
+#        CONCURRENCIES  (default "1 8 32")   REPEATS (default 2)
+#        INPUT_LEN / OUTPUT_LEN (default 256 / 128)
+#        PROMPTS_PER_CONCURRENCY  prompts per run = this x concurrency, at least 16 (default 6)
+#        PORT (default 18200), VENV_VLLM (see start_vllm.sh), KV_MEMORY (default 2GiB; kvseal's
+#        pool and, in GiB, VLLM_CPU_KVCACHE_SPACE), DTYPE (default bfloat16),
+#        MAX_MODEL_LEN (default 2048), PAGE_SIZE (default 16)
+#
+# Writes OUT_DIR/model (the exported weights), OUT_DIR/<server>-c<C>-r<R>.json (one result per
+# run, with the server's peak RSS), OUT_DIR/<server>.log, OUT_DIR/kvseal_plan.txt,
+# OUT_DIR/plot.png and OUT_DIR/summary.md (ratios to vllm-best, pool vs plan).
+# Each server first runs one unrecorded warm-up (kernels are compiled per shape on first use).
+set -euo pipefail
+source "$(dirname "$0")/lib.sh"
+
+OUT="$(mkdir -p "$1" && cd "$1" && pwd)"
+SERVERS="${SERVERS:-kvseal vllm-best}"
+CONCURRENCIES="${CONCURRENCIES:-1 8 32}"
+REPEATS="${REPEATS:-2}"
+INPUT_LEN="${INPUT_LEN:-256}"; OUTPUT_LEN="${OUTPUT_LEN:-128}"
+PORT="${PORT:-18200}"
+export KV_MEMORY="${KV_MEMORY:-2GiB}" DTYPE="${DTYPE:-bfloat16}" MAX_MODEL_LEN="${MAX_MODEL_LEN:-2048}"
+export PAGE_SIZE="${PAGE_SIZE:-16}" SERVED_NAME=smollm2
+export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-${KV_MEMORY%GiB}}"
+
+MODEL_DIR="$OUT/model"
+python "$PEERS_DIR/export_model.py" "$MODEL_DIR" --dtype "$DTYPE"
+kvseal plan --model "$MODEL_DIR" --kv-memory "$KV_MEMORY" --max-model-len "$MAX_MODEL_LEN" --dtype "$DTYPE" \
+  --page-size "$PAGE_SIZE" | tee "$OUT/kvseal_plan.txt"
+
+bench() {  # bench PID LABEL CONCURRENCY NUM_PROMPTS SEED [RESULT_JSON]
+  local args=(--base-url "http://127.0.0.1:$PORT/v1" --model smollm2 --tokenizer "$MODEL_DIR"
+              --concurrency "$3" --num-prompts "$4" --input-len "$INPUT_LEN" --output-len "$OUTPUT_LEN"
+              --seed "$5" --server-pid "$1" --label "$2")
+  if [[ $# -ge 6 ]]; then args+=(--result-json "$6"); fi
+  kvseal bench serve "${args[@]}"
+}
+
+for server in $SERVERS; do
+  echo "=== $server ==="
+  pid=$(start_server "$server" "$MODEL_DIR" "$PORT" "$OUT/$server.log")
+  trap 'stop_server '"$pid" EXIT
+  wait_ready "$pid" "$PORT" | tee "$OUT/$server-startup.txt"
+  bench "$pid" "$server" 8 16 999 >/dev/null   # warm-up, not recorded
+  for rep in $(seq "$REPEATS"); do
+    for c in $CONCURRENCIES; do
+      n=$(( c * ${PROMPTS_PER_CONCURRENCY:-6} )); (( n < 16 )) && n=16
+      bench "$pid" "$server" "$c" "$n" "$rep" "$OUT/$server-c$c-r$rep.json"
+    done
+  done
+  stop_server "$pid"
+  trap - EXIT
+done
+
+kvseal bench plot "$OUT"/*-c*-r*.json -o "$OUT/plot.png" --title "kvseal vs vLLM-CPU, ${INPUT_LEN} in / ${OUTPUT_LEN} out"
+python "$PEERS_DIR/summarize.py" "$OUT" | tee "$OUT/summary.md"

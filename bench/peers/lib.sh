@@ -1,0 +1,41 @@
+# Shared helpers of the peers scripts (sourced). Servers run in their own process group
+# (setsid), bind 127.0.0.1 only, and are stopped by that group's id; every wait is bounded.
+
+PEERS_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+READY_TIMEOUT_S="${READY_TIMEOUT_S:-600}"
+
+# start_server NAME MODEL_DIR PORT LOG -> prints the server's pid (also its process group id)
+start_server() {
+  local name="$1" model_dir="$2" port="$3" log="$4"
+  case "$name" in
+    kvseal) setsid "$PEERS_DIR/start_kvseal.sh" "$model_dir" "$port" >"$log" 2>&1 & ;;
+    vllm-best) setsid "$PEERS_DIR/start_vllm.sh" "$model_dir" "$port" best >"$log" 2>&1 & ;;
+    vllm-default) setsid "$PEERS_DIR/start_vllm.sh" "$model_dir" "$port" default >"$log" 2>&1 & ;;
+    *) echo "unknown server $name (kvseal, vllm-best, vllm-default)" >&2; return 2 ;;
+  esac
+  echo $!
+}
+
+# wait_ready PID PORT: poll /health until 200; fail if the server exits or READY_TIMEOUT_S passes
+wait_ready() {
+  local pid="$1" port="$2" start=$SECONDS
+  while (( SECONDS - start < READY_TIMEOUT_S )); do
+    if ! kill -0 "$pid" 2>/dev/null; then echo "server $pid exited during start-up" >&2; return 1; fi
+    if curl -sf -o /dev/null "http://127.0.0.1:$port/health"; then
+      echo "ready after $(( SECONDS - start )) s"; return 0
+    fi
+    sleep 2
+  done
+  echo "server $pid not ready after $READY_TIMEOUT_S s" >&2; return 1
+}
+
+# stop_server PID: SIGTERM to its process group, SIGKILL after 60 s
+stop_server() {
+  local pid="$1" i
+  kill -TERM -- "-$pid" 2>/dev/null || return 0
+  for i in $(seq 60); do
+    kill -0 "$pid" 2>/dev/null || return 0
+    sleep 1
+  done
+  kill -KILL -- "-$pid" 2>/dev/null || true
+}

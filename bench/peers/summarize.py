@@ -1,0 +1,82 @@
+"""Summarize a compare.sh output folder as Markdown: per server and concurrency, the range over
+repetitions of output throughput, mean / p99 TTFT, TPOT and peak server RSS; kvseal's median
+output throughput and p99 TTFT as ratios to vllm-best's; kvseal's KV pool against `kvseal plan`.
+
+Usage: python bench/peers/summarize.py OUT_DIR
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import statistics
+import sys
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+BASELINE = "vllm-best"
+
+
+def load(out: Path) -> dict[str, dict[int, list[dict[str, Any]]]]:
+    runs: dict[str, dict[int, list[dict[str, Any]]]] = defaultdict(lambda: defaultdict(list))
+    for path in sorted(out.glob("*-c*-r*.json")):
+        r = json.loads(path.read_text())
+        runs[r["label"]][int(r["max_concurrency"])].append(r)
+    return runs
+
+
+def span(values: list[float], fmt: str = "{:.1f}") -> str:
+    lo, hi = min(values), max(values)
+    return fmt.format(lo) if lo == hi else f"{fmt.format(lo)}–{fmt.format(hi)}"
+
+
+def table(runs: dict[str, dict[int, list[dict[str, Any]]]]) -> list[str]:
+    lines = ["| server | concurrency | runs | output tok/s | TTFT mean / p99 (ms) | TPOT mean (ms) | peak RSS (MiB) |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for label, points in sorted(runs.items()):
+        for c, rs in sorted(points.items()):
+            rss = [r["peak_rss_bytes"] / 2**20 for r in rs if r.get("peak_rss_bytes")]
+            lines.append(f"| {label} | {c} | {len(rs)} | {span([r['output_throughput'] for r in rs])} | "
+                         f"{span([r['mean_ttft_ms'] for r in rs], '{:.0f}')} / "
+                         f"{span([r['p99_ttft_ms'] for r in rs], '{:.0f}')} | "
+                         f"{span([r['mean_tpot_ms'] for r in rs])} | {span(rss, '{:.0f}') if rss else 'n/a'} |")
+    return lines
+
+
+def ratios(runs: dict[str, dict[int, list[dict[str, Any]]]]) -> list[str]:
+    if "kvseal" not in runs or BASELINE not in runs:
+        return []
+    lines = ["", f"| concurrency | kvseal / {BASELINE} output tok/s (medians) | p99 TTFT kvseal / {BASELINE} |",
+             "|---:|---:|---:|"]
+    for c in sorted(set(runs["kvseal"]) & set(runs[BASELINE])):
+        ours, theirs = runs["kvseal"][c], runs[BASELINE][c]
+        tput = statistics.median(r["output_throughput"] for r in ours) / statistics.median(
+            r["output_throughput"] for r in theirs)
+        ttft = statistics.median(r["p99_ttft_ms"] for r in ours) / statistics.median(r["p99_ttft_ms"] for r in theirs)
+        lines.append(f"| {c} | {tput:.2f}x | {ttft:.2f}x |")
+    return lines
+
+
+def pool_check(out: Path, runs: dict[str, dict[int, list[dict[str, Any]]]]) -> list[str]:
+    plan = out / "kvseal_plan.txt"
+    kvseal_runs = [r for points in runs.get("kvseal", {}).values() for r in points]
+    pools = {r["kv_pages_total"] for r in kvseal_runs if r.get("kv_pages_total")}
+    match = re.search(r"^pool\s+([\d,]+) pages", plan.read_text(), re.MULTILINE) if plan.exists() else None
+    if not match or not pools:
+        return ["", "KV pool vs plan: not available (no kvseal_plan.txt or no kvseal /metrics)"]
+    planned = int(match.group(1).replace(",", ""))
+    verdict = "matches" if pools == {planned} else "DIFFERS from"
+    return ["", f"KV pool: the server reported {', '.join(map(str, sorted(pools)))} pages; "
+                f"`kvseal plan` says {planned} pages: {verdict} the plan."]
+
+
+def main() -> int:
+    out = Path(sys.argv[1])
+    runs = load(out)
+    print("\n".join(table(runs) + ratios(runs) + pool_check(out, runs)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,57 @@
+"""Random prompts of an exact token length, sent as token ids.
+
+Token-id prompts make the input length exact on every server that accepts them (`prompt` as a
+list of ints in `/v1/completions`: kvseal and vLLM both do), instead of text whose re-encoding
+may drift by a token or two. Ids are drawn uniformly from the model's vocabulary without its
+special tokens, so no prompt contains BOS/EOS or a chat marker.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvseal.errors import KvsealError
+
+
+@dataclass(frozen=True)
+class BenchRequest:
+    prompt_token_ids: list[int]
+    output_len: int
+
+    @property
+    def input_len(self) -> int:
+        return len(self.prompt_token_ids)
+
+
+def load_tokenizer(path: str | None) -> Any:
+    """The tokenizer at `path`, or the default model's (its converted HF folder, made once)."""
+    from transformers import AutoTokenizer
+
+    if path is None:
+        from kvseal.models.loader import convert_gguf, default_model_path
+
+        path = str(convert_gguf(default_model_path()))
+    if not Path(path).exists():
+        raise KvsealError(f"tokenizer path {path} does not exist; pass --tokenizer with a local model folder")
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
+def prompt_vocab(tokenizer: Any) -> list[int]:
+    """Token ids a random prompt may use: the whole vocabulary less the special tokens."""
+    special = set(tokenizer.all_special_ids)
+    ids = [i for i in range(len(tokenizer)) if i not in special]
+    if not ids:
+        raise KvsealError("the tokenizer has no ordinary tokens to build random prompts from")
+    return ids
+
+
+def random_requests(vocab: list[int], num_prompts: int, input_len: int, output_len: int,
+                    rng: random.Random) -> list[BenchRequest]:
+    """`num_prompts` prompts of exactly `input_len` ids, each asking for exactly `output_len` tokens."""
+    if num_prompts < 1 or input_len < 1 or output_len < 1:
+        raise KvsealError(f"num_prompts, input_len and output_len must be >= 1 "
+                          f"(got {num_prompts}, {input_len}, {output_len})")
+    return [BenchRequest([rng.choice(vocab) for _ in range(input_len)], output_len) for _ in range(num_prompts)]

@@ -1,0 +1,53 @@
+"""The engine's command-line flags and their `EngineArgs` (shared by `generate` and `serve`).
+
+Kept apart from `kvseal.cli` so the server imports the engine's arguments without the CLI.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from kvseal.config import EngineArgs
+
+_DTYPE_ALIASES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16",
+                  "fp16": "float16", "float16": "float16", "half": "float16"}
+
+
+def dtype_arg(value: str) -> str:
+    if value == "auto":
+        return value
+    if value not in _DTYPE_ALIASES:
+        raise argparse.ArgumentTypeError(f"dtype must be one of {', '.join(_DTYPE_ALIASES)}")
+    return _DTYPE_ALIASES[value]
+
+
+def _max_model_len(value: str) -> int | str:
+    return "auto" if value == "auto" else int(value)
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags that become `EngineArgs` fields (shared by generate and serve)."""
+    d = EngineArgs()
+    parser.add_argument("--model", default=None, help="local model folder or .gguf file (default: SmolLM2-135M)")
+    parser.add_argument("--dtype", type=dtype_arg, default=d.dtype)
+    parser.add_argument("--max-model-len", type=_max_model_len, default=None, help="integer or 'auto'")
+    parser.add_argument("--kv-cache-tokens", type=int, default=None, help="KV pool size in tokens")
+    parser.add_argument("--kv-cache-memory", default=d.kv_cache_memory, help="KV pool budget when "
+                        "--kv-cache-tokens is not given (e.g. 2GiB)")
+    parser.add_argument("--kv-headroom", type=float, default=d.kv_headroom)
+    parser.add_argument("--page-size", type=int, default=d.page_size)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
+    parser.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+    parser.add_argument("--kv-scrub", choices=("off", "free", "alloc"), default=d.kv_scrub)
+    parser.add_argument("--check-kv", action="store_true", help="checked mode: NaN-poison freed pages and "
+                        "verify every read slot was written by its reader (I4)")
+    parser.add_argument("--seed", type=int, default=d.seed)
+
+
+def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
+    return EngineArgs(
+        model=ns.model, dtype=ns.dtype, max_model_len=ns.max_model_len, kv_cache_tokens=ns.kv_cache_tokens,
+        kv_cache_memory=ns.kv_cache_memory, kv_headroom=ns.kv_headroom, page_size=ns.page_size,
+        max_num_batched_tokens=ns.max_num_batched_tokens, max_num_seqs=ns.max_num_seqs,
+        kv_scrub=ns.kv_scrub, check_kv=ns.check_kv, seed=ns.seed,
+    )

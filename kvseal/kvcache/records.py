@@ -1,0 +1,218 @@
+"""Write records (I3, I4): which pages each request owns, and how much of its KV is written.
+
+Always on, at O(1) cost per sequence per step:
+
+- `page_row[page]`: the record row of the request that owns the page (-1: free). One gather
+  over a batch's block tables and slot mapping answers "does every page a sequence reads or
+  writes belong to it?" (I3).
+- `prefix[layer, row]`: how many leading positions of that request hold KV written for that
+  layer in the current ownership of its pages (I4). It only ever grows contiguously, and only
+  when a write happened: the pool reports each layer's write of a forward as it happens
+  (`on_layer_write`), a transport reports its writes through `record`. A forward that stopped
+  after layer 0 therefore leaves layers 1.. behind. A row starts at 0 when the request gets
+  its first page and is dropped when its pages are taken back (free, preemption).
+
+Checked mode (`--check-kv`) adds per-slot, per-layer records for the deeper verification:
+`slot_generation[layer, slot]` is the page generation under which the slot was last written
+(-1: not since the page was handed out); a slot counts as written by the current owner only
+when that equals `page_generation[page]`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from kvseal.errors import IsolationViolation
+from kvseal.types import ForwardBatch
+
+
+@dataclass(frozen=True)
+class ForwardWrites:
+    """What one forward writes: sequence i writes positions [starts[i], ends[i]) of
+    `request_ids[i]`, whose record row is rows[i] (-1: the request holds no pages)."""
+
+    request_ids: list[str]
+    rows: torch.Tensor  # [num_seqs] int64
+    starts: torch.Tensor  # [num_seqs] int64
+    ends: torch.Tensor  # [num_seqs] int64
+
+
+class WriteRecords:
+    def __init__(self, num_layers: int, num_pages: int, page_size: int, track_slots: bool) -> None:
+        self.num_layers = num_layers
+        self.page_size = page_size
+        self.prefix = torch.zeros(num_layers, 8, dtype=torch.int64)  # [num_layers, num_rows]; grows
+        self.page_row = torch.full((num_pages,), -1, dtype=torch.int64)
+        self._rows: dict[str, int] = {}
+        self._num_tokens_owned: dict[str, int] = {}
+        self._free_rows: list[int] = list(range(7, -1, -1))
+        self._forward: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, next prefix [L, S])
+        self.track_slots = track_slots
+        self.page_generation = torch.zeros(num_pages if track_slots else 0, dtype=torch.int64)
+        self.slot_generation = torch.full((num_layers, num_pages * page_size if track_slots else 0), -1,
+                                          dtype=torch.int64)
+
+    # --- ownership periods ---------------------------------------------------------------
+
+    def hand_out(self, request_id: str, pages: list[int], generations: list[int]) -> None:
+        """`pages` now belong to `request_id` (appended at the end of its position order);
+        nothing in them counts as written. The request's first pages start its row at 0."""
+        row = self._rows.get(request_id)
+        if row is None:
+            row = self._rows[request_id] = self._new_row()
+        self._num_tokens_owned[request_id] = self._num_tokens_owned.get(request_id, 0) + len(pages) * self.page_size
+        index = torch.tensor(pages, dtype=torch.int64)
+        self.page_row[index] = row
+        if self.track_slots:
+            self.page_generation[index] = torch.tensor(generations, dtype=torch.int64)
+            self._forget_slots(index)
+
+    def take_back(self, request_id: str, pages: list[int]) -> None:
+        """Every page of the request is returned: its ownership period, and its row, end."""
+        index = torch.tensor(pages, dtype=torch.int64)
+        self.page_row[index] = -1
+        if self.track_slots:
+            self._forget_slots(index)
+        self._num_tokens_owned.pop(request_id, None)
+        row = self._rows.pop(request_id, None)
+        if row is not None:
+            self.prefix[:, row] = 0
+            self._free_rows.append(row)
+
+    def _new_row(self) -> int:
+        if not self._free_rows:
+            num_rows = self.prefix.shape[1]
+            self.prefix = torch.cat([self.prefix, torch.zeros_like(self.prefix)], dim=1)
+            self._free_rows = list(range(2 * num_rows - 1, num_rows - 1, -1))
+        return self._free_rows.pop()
+
+    def _forget_slots(self, pages: torch.Tensor) -> None:
+        offsets = torch.arange(self.page_size, dtype=torch.int64)
+        self.slot_generation[:, (pages[:, None] * self.page_size + offsets).reshape(-1)] = -1
+
+    # --- what was written ----------------------------------------------------------------
+
+    def written_prefix(self, request_id: str) -> list[int]:
+        """Per layer, how many leading positions of the request are written (0 if it owns nothing)."""
+        row = self._rows.get(request_id)
+        return [0] * self.num_layers if row is None else self.prefix[:, row].tolist()
+
+    def record(self, request_id: str, layer: int, start: int, end: int, slots: torch.Tensor | None) -> None:
+        """Contiguous growth of one layer's prefix: [start, end) was written, start == prefix.
+
+        Raises IsolationViolation for anything else (unknown request, a gap, a rewrite, an
+        empty range, a range past the pages it owns, no such layer). `slots` are the pool
+        slots of [start, end), needed in checked mode only.
+        """
+        row = self._rows.get(request_id)
+        if row is None:
+            raise IsolationViolation(request_id, f"request {request_id} owns no KV pages; cannot record a write")
+        if not 0 <= layer < self.num_layers:
+            raise IsolationViolation(request_id, f"layer {layer} does not exist (the model has {self.num_layers})")
+        written, owned = int(self.prefix[layer, row]), self._num_tokens_owned[request_id]
+        if start != written or not start < end <= owned:
+            raise IsolationViolation(
+                request_id,
+                f"request {request_id}: a write of positions [{start}, {end}) in layer {layer} is not contiguous "
+                f"growth of its written prefix [0, {written}) within the {owned} positions it owns",
+            )
+        self.prefix[layer, row] = end
+        if self.track_slots and slots is not None:
+            self.slot_generation[layer, slots] = self.page_generation[slots // self.page_size]
+
+    def plan(self, request_ids: list[str], starts: list[int], ends: list[int]) -> ForwardWrites:
+        rows = torch.tensor([self._rows.get(r, -1) for r in request_ids], dtype=torch.int64)
+        return ForwardWrites(request_ids, rows, torch.tensor(starts, dtype=torch.int64),
+                             torch.tensor(ends, dtype=torch.int64))
+
+    @contextlib.contextmanager
+    def recording(self, writes: ForwardWrites) -> Iterator[None]:
+        """While one forward runs, each layer's pool write advances that layer's prefixes.
+
+        A sequence's prefix grows to `end` only if it already reached `start` (the write is
+        contiguous); otherwise it stays, so records never claim more than was written.
+        """
+        known = writes.rows >= 0
+        rows, starts, ends = writes.rows[known], writes.starts[known], writes.ends[known]
+        current = self.prefix.index_select(1, rows)  # [num_layers, num_seqs]
+        self._forward = rows, torch.where(current >= starts, torch.maximum(current, ends), current)
+        try:
+            yield
+        finally:
+            self._forward = None
+
+    def on_layer_write(self, layer: int, slots: torch.Tensor) -> None:
+        """Called by the pool after it stored `slots` of `layer` (slots: [num_tokens])."""
+        if self._forward is not None:
+            rows, next_prefix = self._forward
+            self.prefix[layer].index_copy_(0, rows, next_prefix[layer])
+        if self.track_slots:
+            self.slot_generation[layer, slots] = self.page_generation[slots // self.page_size]
+
+    # --- the always-on check ---------------------------------------------------------------
+
+    def check_forward(self, writes: ForwardWrites, batch: ForwardBatch) -> dict[int, str]:
+        """I3 + I4 for a whole batch, vectorized. Returns {sequence index: why it is refused}.
+
+        A sequence is refused if it holds no pages, if its block table or its new tokens'
+        slots name a page it does not own, or if some layer's written prefix does not reach
+        the first position this forward writes (then [prefix, start) would be read unwritten).
+        """
+        refused: dict[int, str] = {}
+        for i in (writes.rows < 0).nonzero().flatten().tolist():
+            refused[i] = f"request {writes.request_ids[i]} holds no KV pages"
+        self._check_pages(writes, batch, refused)
+        self._check_coverage(writes, refused)
+        return refused
+
+    def _check_pages(self, writes: ForwardWrites, batch: ForwardBatch, refused: dict[int, str]) -> None:
+        seq_ids = torch.arange(len(writes.request_ids))
+        num_pages = torch.tensor([int(t.shape[0]) for t in batch.block_tables], dtype=torch.int64)
+        pages = torch.cat([*batch.block_tables, batch.slot_mapping // self.page_size])
+        seq_of_page = torch.cat([seq_ids.repeat_interleave(num_pages),
+                                 seq_ids.repeat_interleave(torch.tensor(batch.query_lens, dtype=torch.int64))])
+        foreign = self.page_row[pages] != writes.rows[seq_of_page]
+        if not bool(foreign.any()):
+            return
+        for i in seq_of_page[foreign].unique().tolist():
+            named = sorted(set(pages[foreign & (seq_of_page == i)].tolist()))
+            refused.setdefault(i, f"request {writes.request_ids[i]} would read or write pages {named[:8]} "
+                                  f"it does not own")
+
+    def _check_coverage(self, writes: ForwardWrites, refused: dict[int, str]) -> None:
+        written = self.prefix.index_select(1, writes.rows.clamp(min=0))  # [num_layers, num_seqs]
+        short = written < writes.starts
+        uncovered = short.any(0)
+        if not bool(uncovered.any()):
+            return
+        for i in uncovered.nonzero().flatten().tolist():
+            layer = int(short[:, i].nonzero()[0])
+            start, end, have = int(writes.starts[i]), int(writes.ends[i]), int(written[layer, i])
+            refused.setdefault(i, f"request {writes.request_ids[i]} would attend to positions [0, {end}) but "
+                                  f"layer {layer} holds KV for [0, {have}) and this forward writes "
+                                  f"[{start}, {end}): it would read KV slots it never wrote")
+
+    def check_integrity(self, pages_of: dict[str, list[int]]) -> None:
+        """The records agree with the allocator: each owned page names its owner's row, free
+        pages none, and no prefix reaches past the pages its request owns."""
+        holders = {r: p for r, p in pages_of.items() if p}
+        assert set(self._rows) == set(holders), "write records and allocator disagree on who holds pages"
+        expected = torch.full_like(self.page_row, -1)
+        for request_id, pages in holders.items():
+            expected[torch.tensor(pages, dtype=torch.int64)] = self._rows[request_id]
+            owned = len(pages) * self.page_size
+            assert self._num_tokens_owned[request_id] == owned, f"{request_id}: owned positions disagree"
+            assert int(self.prefix[:, self._rows[request_id]].max()) <= owned, f"{request_id}: prefix past its pages"
+        assert torch.equal(expected, self.page_row), "a page's owner row disagrees with the allocator"
+
+    # --- checked mode ----------------------------------------------------------------------
+
+    def unwritten_slots(self, context_slots: torch.Tensor, new_slots: torch.Tensor) -> torch.Tensor:
+        """Checked mode: [num_layers, num_context] bool, True where a context slot was neither
+        written in its page's current ownership period nor is written by this forward."""
+        owner_wrote = self.slot_generation[:, context_slots] == self.page_generation[context_slots // self.page_size]
+        return ~(owner_wrote | torch.isin(context_slots, new_slots))

@@ -1,0 +1,148 @@
+"""The frontend's receive side fails closed, in-process with real parts (no engine process):
+crafted engine messages go through the real codec, `EngineClient` routing, `Call`, audit log
+and metrics.
+
+- An output naming another tenant than its request's never reaches the client: the request
+  ends with `isolation_check_failed`, counted and audited as an isolation violation, and is
+  aborted in the engine.
+- An exception while routing, auditing or counting fails every in-flight request with an
+  error, makes the client unavailable (/health 503) and is logged at CRITICAL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import zmq
+from starlette.testclient import TestClient
+from tiny_models import make_tokenizer
+
+from kvseal.config import EngineArgs
+from kvseal.messages.codec import encode
+from kvseal.messages.convert import params_to_msg
+from kvseal.messages.msgs import AbortMsg, AddRequestMsg, EngineReadyMsg, OutputsMsg, RequestOutputMsg
+from kvseal.server import errors
+from kvseal.server.app import build_app
+from kvseal.server.audit import AuditLog
+from kvseal.server.auth import ApiKeyTable, Tenant
+from kvseal.server.call import Call
+from kvseal.server.config import ServerConfig
+from kvseal.server.engine_client import EngineClient
+from kvseal.server.metrics import ServerMetrics
+from kvseal.server.prompts import PromptEncoder
+from kvseal.server.request_handle import EngineGone, IsolationBreach, RequestEvent, RequestHandle
+from kvseal.server.state import AppState
+from kvseal.types import SamplingParams
+
+READY = EngineReadyMsg(pid=1, model_name="tiny", model_path="/m", tokenizer_path="/m", architecture="llama",
+                       max_model_len=64, kv_cache_tokens=256, vocab_size=512, page_size=4, num_pages=64)
+ALICE = Tenant("alice")
+
+
+async def _ready_state(tmp_path: Path) -> AppState:
+    """An AppState around an EngineClient whose engine has 'said ready' (no process started)."""
+    metrics = ServerMetrics()
+    engine = EngineClient(EngineArgs(), "INFO", metrics.record_stats)
+    engine._ready = asyncio.get_running_loop().create_future()
+    engine._ready.set_result(READY)
+    return AppState(ServerConfig(), engine, READY, PromptEncoder(make_tokenizer()), ApiKeyTable(), metrics,
+                    AuditLog(str(tmp_path / "audit.jsonl"), include_prompts=False))
+
+
+def _close(state: AppState) -> None:
+    state.engine._push.close(linger=0)
+    state.engine._pull.close(linger=0)
+    state.engine._process.cleanup()
+    state.audit.close()
+
+
+def _submit(state: AppState, request_id: str) -> RequestHandle:
+    call = Call(state, "/v1/completions", request_id)
+    call.tenant = ALICE
+    call.take_slot(ALICE)
+    call.http_done()
+    params = params_to_msg(SamplingParams(max_tokens=4))
+    return call.submit(AddRequestMsg(request_id, ALICE.name, ALICE.cache_namespace, [5, 6], params))
+
+
+def _output(request_id: str, tenant: str, finished: bool) -> RequestOutputMsg:
+    return RequestOutputMsg(request_id=request_id, tenant=tenant, new_token_ids=[7], new_text=" w7", finished=finished,
+                            finish_reason="length" if finished else None, stop_reason=None, num_prompt_tokens=2,
+                            num_output_tokens=1, num_pages_reserved=1)
+
+
+async def _events(handle: RequestHandle) -> list[RequestEvent]:
+    async def collect(events: AsyncIterator[RequestEvent]) -> list[RequestEvent]:
+        return [event async for event in events]
+
+    return await asyncio.wait_for(collect(handle.events()), timeout=10)
+
+
+def _audit(tmp_path: Path) -> dict[str, dict]:
+    lines = (tmp_path / "audit.jsonl").read_text().splitlines()
+    return {r["request_id"]: r for r in map(json.loads, lines)}
+
+
+def test_an_output_naming_another_tenant_fails_its_request_closed(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        state = await _ready_state(tmp_path)
+        try:
+            handle = _submit(state, "cmpl-1")
+            bystander = _submit(state, "cmpl-2")
+            state.engine._receive(encode(OutputsMsg([_output("cmpl-1", "bob", finished=False)])))
+            events = await _events(handle)
+            assert len(events) == 1 and isinstance(events[0], IsolationBreach)
+            err = errors.for_event(events[0])
+            assert err is not None and (err.status, err.code) == (500, "isolation_check_failed")
+            assert "w7" not in err.message  # the foreign output never reaches the client
+            record = _audit(tmp_path)["cmpl-1"]
+            assert record["outcome"] == "isolation_violation" and "tenant 'bob'" in record["reason"]
+            assert state.metrics.isolation_violations._value.get() == 1
+            sent = [state.engine._outbox.get_nowait() for _ in range(state.engine._outbox.qsize())]
+            assert AbortMsg("cmpl-1", "alice", "isolation_check_failed") in sent
+            # The engine and other requests go on.
+            assert state.engine.is_available and state.engine.num_in_flight == 1
+            state.engine._receive(encode(OutputsMsg([_output("cmpl-2", "alice", finished=True)])))
+            assert [type(e) for e in await _events(bystander)] == [RequestOutputMsg]
+        finally:
+            _close(state)
+
+    asyncio.run(scenario())
+
+
+def test_a_failure_while_routing_fails_every_request_and_health(tmp_path: Path,
+                                                                 caplog: pytest.LogCaptureFixture) -> None:
+    async def scenario() -> AppState:
+        state = await _ready_state(tmp_path)
+        engine = state.engine
+        first, second = _submit(state, "cmpl-1"), _submit(state, "cmpl-2")
+        engine._pull.bind(engine._process.addresses.from_engine)
+        receiving = asyncio.create_task(engine._receive_loop())
+        state.audit._file.close()  # type: ignore[union-attr]  # auditing now raises (think: disk gone)
+        push = zmq.Context.instance().socket(zmq.PUSH)
+        push.connect(engine._process.addresses.from_engine)
+        try:
+            push.send(encode(OutputsMsg([_output("cmpl-1", "alice", finished=False)])))
+            push.send(encode(OutputsMsg([_output("cmpl-1", "alice", finished=True)])))
+            await asyncio.wait_for(receiving, timeout=10)  # the loop ends, loudly, instead of dying silently
+            assert isinstance((await _events(first))[-1], RequestOutputMsg | EngineGone)
+            assert [type(e) for e in await _events(second)] == [EngineGone]
+            assert not engine.is_available and engine.failure and "routing engine outputs" in engine.failure
+            assert engine.num_in_flight == 0
+        finally:
+            push.close(linger=0)
+            _close(state)
+        return state
+
+    with caplog.at_level(logging.CRITICAL, logger="kvseal.server"):
+        state = asyncio.run(scenario())
+    assert any(r.levelno == logging.CRITICAL and "receive loop failed" in r.message for r in caplog.records)
+    with TestClient(build_app(state)) as client:
+        health = client.get("/health")
+    assert health.status_code == 503 and health.json()["error"]["code"] == "engine_unavailable"
+
