@@ -1,4 +1,4 @@
-"""`kvseal` command line: generate, plan, serve, bench."""
+"""`kvseal` command line: generate, plan, serve, bench, canary."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import sys
 from collections.abc import Sequence
 
 from kvseal.bench.cli import add_bench_parser
+from kvseal.canary import add_canary_arguments, cmd_canary
 from kvseal.capacity import KvCapacity, bytes_per_element, parse_bytes
 from kvseal.config import DTYPES
 from kvseal.engine_args import add_engine_arguments, dtype_arg, engine_args_from
@@ -113,6 +114,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(func=_cmd_serve)
 
     add_bench_parser(sub)
+
+    canary = sub.add_parser("canary", help="tenant-isolation canary run against an OpenAI-compatible server")
+    add_canary_arguments(canary)
+    canary.set_defaults(func=cmd_canary)
     return parser
 
 
