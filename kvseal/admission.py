@@ -38,6 +38,7 @@ def admit(prompt_token_ids: list[int], params: SamplingParams, limits: Admission
     if not ids:
         raise InvalidParameter("the prompt is empty: send at least one token", param="prompt")
     _check_token_ids(ids, limits.vocab_size)
+    _check_param_token_ids(params, limits.vocab_size)
     check_context_length(len(ids), params.max_tokens, limits)
     return ids
 
@@ -75,3 +76,12 @@ def _check_token_ids(ids: list[int], vocab_size: int) -> None:
         raise InvalidParameter(
             f"prompt token id {bad!r} is outside the vocabulary [0, {vocab_size})", param="prompt"
         )
+
+
+def _check_param_token_ids(params: SamplingParams, vocab_size: int) -> None:
+    """Token ids in sampling parameters index the logits, so they must be in the vocabulary."""
+    for param, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", [t for t, _ in params.logit_bias])):
+        bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise InvalidParameter(f"{param} names token id {bad}, outside the vocabulary [0, {vocab_size})",
+                                   param=param)

@@ -1,4 +1,4 @@
-"""`kvseal` command line: generate, plan, serve, bench."""
+"""`kvseal` command line: generate, plan, serve, bench, canary."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import sys
 from collections.abc import Sequence
 
 from kvseal.bench.cli import add_bench_parser
+from kvseal.canary import add_canary_arguments, cmd_canary
 from kvseal.capacity import KvCapacity, bytes_per_element, parse_bytes
 from kvseal.config import DTYPES
 from kvseal.disagg.args import add_engine_node_arguments, add_pd_serve_arguments
@@ -127,6 +128,10 @@ def build_parser() -> argparse.ArgumentParser:
     engine.set_defaults(func=_cmd_engine)
 
     add_bench_parser(sub)
+
+    canary = sub.add_parser("canary", help="tenant-isolation canary run against an OpenAI-compatible server")
+    add_canary_arguments(canary)
+    canary.set_defaults(func=cmd_canary)
     return parser
 
 

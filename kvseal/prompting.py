@@ -16,14 +16,16 @@ def encode_text(tokenizer: Any, text: str) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=True))
 
 
-def render_chat(tokenizer: Any, conversation: list[dict[str, Any]]) -> list[int]:
-    """Apply the model's chat template with the generation prompt; raise `InvalidParameter`
-    (param "messages") when the model has no template or the template refuses the messages."""
+def render_chat(tokenizer: Any, conversation: list[dict[str, Any]],
+                tools: list[dict[str, Any]] | None = None) -> list[int]:
+    """Apply the model's chat template with the generation prompt (and `tools`, OpenAI tool
+    definitions, for templates that render them); raise `InvalidParameter` (param "messages")
+    when the model has no template or the template refuses the messages."""
     if not getattr(tokenizer, "chat_template", None):
         raise InvalidParameter("this model has no chat template; send a plain-text prompt instead",
                                param="messages")
     try:
-        ids = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True)
+        ids = tokenizer.apply_chat_template(conversation, tools=tools, add_generation_prompt=True, tokenize=True)
     except Exception as exc:  # jinja2 errors and raise_exception() calls in templates
         raise InvalidParameter(f"the model's chat template cannot render these messages: {exc}",
                                param="messages") from exc

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -14,6 +15,7 @@ DEFAULT_TENANT = "default"
 # `RequestOutput.error_code` of a request ended because an isolation check tripped (I3/I4).
 ISOLATION_CHECK_FAILED = "isolation_check_failed"
 SAMPLING_EPS = 1e-5
+MAX_N = 16  # most choices one request may ask for
 
 
 class FinishReason(enum.StrEnum):
@@ -29,11 +31,31 @@ class RequestStatus(enum.Enum):
 
 
 @dataclass(frozen=True)
+class StructuredOutput:
+    """Output constrained by a grammar while sampling: any JSON object, JSON matching `schema`
+    (a JSON Schema, as JSON text), or one Hermes tool call `<tool_call>\n{json}\n</tool_call>`
+    whose JSON matches `schema`. Compiled with xgrammar (kvseal.structured)."""
+
+    kind: str  # "json_object" | "json_schema" | "tool_call"
+    schema: str | None = None
+
+    def __post_init__(self) -> None:
+        _require(self.kind in ("json_object", "json_schema", "tool_call"), "response_format",
+                 f"type must be json_object or json_schema, got {self.kind!r}")
+        _require((self.schema is not None) == (self.kind != "json_object"), "response_format",
+                 f"a {self.kind} grammar needs a schema" if self.kind != "json_object"
+                 else "json_object takes no schema")
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """What a request asks of generation. Every field is honoured or rejected, never ignored.
 
     temperature 0 means greedy. top_k <= 0 and top_p == 1 disable those filters. A seed
     makes sampling reproducible for this request regardless of what it is batched with.
+    presence/frequency penalties follow OpenAI (output tokens only), repetition_penalty
+    follows vLLM/transformers (prompt and output tokens); `logit_bias` is (token id, bias)
+    pairs added to the logits. `n` choices are generated from one prompt.
     """
 
     max_tokens: int = 16
@@ -47,12 +69,20 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None
     truncate_prompt_tokens: int | None = None
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        object.__setattr__(self, "logit_bias", tuple((int(t), float(b)) for t, b in bias))
         _require(self.max_tokens >= 1, "max_tokens", f"must be >= 1, got {self.max_tokens}")
         _require(self.temperature >= 0, "temperature", f"must be >= 0, got {self.temperature}")
         _require(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
@@ -65,6 +95,22 @@ class SamplingParams:
                  f"must be between 0 and 20, got {self.logprobs}")
         _require(self.truncate_prompt_tokens is None or self.truncate_prompt_tokens >= 1,
                  "truncate_prompt_tokens", f"must be >= 1, got {self.truncate_prompt_tokens}")
+        self._check_penalties()
+
+    def _check_penalties(self) -> None:
+        _require(1 <= self.n <= MAX_N, "n", f"must be between 1 and {MAX_N}, got {self.n}")
+        for name, value in (("presence_penalty", self.presence_penalty),
+                            ("frequency_penalty", self.frequency_penalty)):
+            _require(-2 <= value <= 2, name, f"must be between -2 and 2, got {value}")
+        _require(0 < self.repetition_penalty <= 10, "repetition_penalty",
+                 f"must be in (0, 10], got {self.repetition_penalty}")
+        _require(all(-100 <= b <= 100 for _, b in self.logit_bias), "logit_bias",
+                 "every bias must be between -100 and 100")
+        _require(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", "token ids must be >= 0")
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
     @property
     def is_greedy(self) -> bool:
@@ -98,6 +144,7 @@ class Request:
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
     generator: torch.Generator | None = None
+    grammar: Any = None  # an xgrammar GrammarMatcher when params.structured is set
     arrival_s: float = field(default_factory=time.monotonic)
 
     @property

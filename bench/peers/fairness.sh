@@ -24,7 +24,8 @@ MODEL_DIR="$OUT/model"
 
 if [[ "$SERVER" == kvseal ]]; then
   # two tenants, one key each; start_kvseal.sh passes EXTRA_ARGS on to `kvseal serve`
-  echo '{"key-short": {"tenant": "short"}, "key-long": {"tenant": "long"}}' >"$OUT/keys.json"
+  echo '{"key-short": {"tenant": "short"}, "key-long": {"tenant": "long"},
+        "key-ops": {"tenant": "ops", "admin": true}}' >"$OUT/keys.json"
   export EXTRA_ARGS="--api-keys $OUT/keys.json"
 fi
 
@@ -36,4 +37,4 @@ kvseal bench serve --base-url "http://127.0.0.1:$PORT/v1" --model smollm2 --toke
   --long-input-len "${LONG_INPUT_LEN:-4096}" --long-output-len "${LONG_OUTPUT_LEN:-16}" \
   --long-concurrency "${LONG_CONCURRENCY:-2}" --num-prompts "${NUM_PROMPTS:-64}" \
   --concurrency "${CONCURRENCY:-4}" --input-len "${INPUT_LEN:-256}" --output-len "${OUTPUT_LEN:-32}" \
-  --server-pid "$pid" --label "$SERVER" --result-json "$OUT/fairness-$SERVER.json"
+  --server-pid "$pid" --admin-key key-ops --label "$SERVER" --result-json "$OUT/fairness-$SERVER.json"

@@ -45,6 +45,8 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
     p.add_argument("--server-pid", type=int, default=None,
                    help="record the peak resident memory of this process and its children")
+    p.add_argument("--admin-key", default=None,
+                   help="key for kvseal's /metrics (needed for the KV pool figures when the server has --api-keys)")
     p.add_argument("--label", default=None, help="server name stored in the result (plot legend)")
     p.add_argument("--result-json", type=Path, default=None)
     p.add_argument("--no-progress", action="store_true")
@@ -78,7 +80,7 @@ def config_from(ns: argparse.Namespace) -> ServeBenchConfig:
     return ServeBenchConfig(
         endpoint=Endpoint(ns.base_url, ns.model, ns.api_key), shape=shape, num_prompts=ns.num_prompts,
         input_len=ns.input_len, output_len=ns.output_len, seed=ns.seed, tokenizer=ns.tokenizer,
-        server_pid=ns.server_pid, request_timeout_s=ns.request_timeout, label=ns.label,
+        server_pid=ns.server_pid, admin_key=ns.admin_key, request_timeout_s=ns.request_timeout, label=ns.label,
         progress=not ns.no_progress,
     )
 

@@ -80,7 +80,7 @@ async def _measure(config: ServeBenchConfig, long: LongTenant, short: list[Bench
         await check_server(http, config.endpoint, short[0])
         alone = await run_requests(http, config.endpoint, short[1:n + 1], config.shape, rng,
                                    progress=config.progress, description="short tenant alone")
-        sampler = ServerSampler(http, config.endpoint.base_url, config.server_pid)
+        sampler = ServerSampler(http, config.endpoint.base_url, config.server_pid, config.admin_key)
         sampling = asyncio.create_task(sampler.run())
         load = _LongLoad(http, long, longs)
         loading = asyncio.create_task(load.run())

@@ -65,10 +65,12 @@ def metrics_url(base_url: str) -> str:
     return root + "/metrics"
 
 
-async def kv_pages(http: httpx.AsyncClient, url: str) -> tuple[int, int] | None:
-    """(pages used, pages total) from kvseal's gauges, or None where the server has none."""
+async def kv_pages(http: httpx.AsyncClient, url: str, admin_key: str | None = None) -> tuple[int, int] | None:
+    """(pages used, pages total) from kvseal's gauges, or None where the server has none (or
+    refuses /metrics: kvseal with --api-keys wants an admin key there)."""
+    headers = {"authorization": f"Bearer {admin_key}"} if admin_key is not None else None
     try:
-        text = (await http.get(url)).text
+        text = (await http.get(url, headers=headers)).text
     except httpx.HTTPError:
         return None
     used, free = _PAGES_USED.search(text), _PAGES_FREE.search(text)
@@ -88,9 +90,11 @@ class ServerSample:
 class ServerSampler:
     """Samples until `stop()`; `sample` holds the peaks so far."""
 
-    def __init__(self, http: httpx.AsyncClient, base_url: str, server_pid: int | None, interval_s: float = 0.5):
+    def __init__(self, http: httpx.AsyncClient, base_url: str, server_pid: int | None, admin_key: str | None = None,
+                 interval_s: float = 0.5):
         self.sample = ServerSample()
         self._http, self._url, self._pid, self._interval_s = http, metrics_url(base_url), server_pid, interval_s
+        self._admin_key = admin_key
         self._stopped = asyncio.Event()
 
     async def run(self) -> None:
@@ -111,7 +115,7 @@ class ServerSampler:
         if self._pid is not None:
             rss = await asyncio.to_thread(tree_rss_bytes, self._pid)
             s.peak_rss_bytes = max(s.peak_rss_bytes or 0, rss)
-        pages = await kv_pages(self._http, self._url)
+        pages = await kv_pages(self._http, self._url, self._admin_key)
         if pages is not None:
             s.peak_kv_pages_used = max(s.peak_kv_pages_used or 0, pages[0])
             s.kv_pages_total = pages[1]

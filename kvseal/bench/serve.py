@@ -26,6 +26,7 @@ class ServeBenchConfig:
     seed: int = 0
     tokenizer: str | None = None
     server_pid: int | None = None
+    admin_key: str | None = None  # for /metrics on a kvseal server with --api-keys
     request_timeout_s: float = 600.0
     label: str | None = None
     progress: bool = True
@@ -75,7 +76,7 @@ async def _measure(config: ServeBenchConfig, test_request: BenchRequest, request
                    rng: random.Random) -> tuple[RunOutcome, ServerSample]:
     async with http_client(config.max_connections + 1, config.request_timeout_s) as http:
         await check_server(http, config.endpoint, test_request)
-        sampler = ServerSampler(http, config.endpoint.base_url, config.server_pid)
+        sampler = ServerSampler(http, config.endpoint.base_url, config.server_pid, config.admin_key)
         sampling = asyncio.create_task(sampler.run())
         try:
             outcome = await run_requests(http, config.endpoint, requests, config.shape, rng,

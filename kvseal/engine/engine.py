@@ -30,6 +30,8 @@ from kvseal.errors import InvalidParameter, IsolationViolation
 from kvseal.kvcache.manager import KVCacheManager
 from kvseal.models.loader import LoadedModel, load_model
 from kvseal.prompting import encode_text
+from kvseal.structured.compiler import GrammarCompilerPool
+from kvseal.structured.matching import new_matcher
 from kvseal.types import (
     DEFAULT_TENANT,
     ISOLATION_CHECK_FAILED,
@@ -70,6 +72,7 @@ class LLMEngine:
         self._outputs: dict[str, OutputState] = {}
         self._num_preemptions = 0
         self._num_isolation_violations = 0
+        self._grammars: GrammarCompilerPool | None = None
         # Called with a finishing request while it still owns its pages (finish_reason set);
         # the prefill role exports the request's KV here. None: nothing to do.
         self.before_free: Callable[[Request], None] | None = None
@@ -92,9 +95,20 @@ class LLMEngine:
             raise InvalidParameter("prompt must be a string or a list of token ids", param="prompt")
         return prompt
 
+    @property
+    def grammars(self) -> GrammarCompilerPool:
+        """The structured-output compiler (built at first use; most deployments never need it)."""
+        if self._grammars is None:
+            self._grammars = GrammarCompilerPool(self.tokenizer, self.model_config.vocab_size,
+                                                 self.model_config.eos_token_ids)
+        return self._grammars
+
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    tenant: str = DEFAULT_TENANT) -> Request:
-        """Admit (I1) and queue a request; raises RequestRejected before any state exists."""
+                    tenant: str = DEFAULT_TENANT, compiled_grammar: Any = None) -> Request:
+        """Admit (I1) and queue a request; raises RequestRejected before any state exists.
+
+        A structured-output request takes its `compiled_grammar` from the caller (the engine
+        loop compiles off the loop); without one it is compiled here, blocking (offline API)."""
         if request_id in self._outputs:
             raise InvalidParameter(f"request id {request_id!r} is already in use", param="request_id")
         token_ids = admit(self.tokenize(prompt), params, self.limits)
@@ -103,6 +117,9 @@ class LLMEngine:
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         generator = torch.Generator().manual_seed(seed)
         request = Request(request_id, tenant, token_ids, params, generator=generator)
+        if params.structured is not None:
+            request.grammar = new_matcher(compiled_grammar if compiled_grammar is not None
+                                          else self.grammars.compile_now(tenant, params.structured))
         self._outputs[request_id] = OutputState(request, self.tokenizer, self.model_config.eos_token_ids)
         self.scheduler.add(request)
         return request
@@ -191,7 +208,8 @@ class LLMEngine:
             if logprobs is not None:
                 request.output_logprobs.append(logprobs)
             if request.finish_reason is not None:
-                outputs.append(self._finish(request, request.finish_reason))
+                error = str(request.stop_reason) if request.finish_reason is FinishReason.ABORT else None
+                outputs.append(self._finish(request, request.finish_reason, error=error))
             else:
                 outputs.append(state.report(finished=False))
         return outputs

@@ -3,16 +3,19 @@
 Text is decoded incrementally (a few prompt tokens of context, then only new tokens), held
 back while it ends in an incomplete UTF-8 sequence, and, while stop strings are possible,
 held back by (longest stop string - 1) characters so a stream never shows part of a stop
-string that later matches. A matched stop string is cut from the text.
+string that later matches. A matched stop string is cut from the text. A request with a grammar (structured output)
+finishes when its grammar is complete.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from kvseal.structured.matching import accept_token, is_complete
 from kvseal.types import FinishReason, Request, RequestOutput
 
 _CONTEXT_TOKENS = 5
+GRAMMAR_REFUSED_TOKEN = "grammar_refused_token"
 
 
 class OutputState:
@@ -35,10 +38,23 @@ class OutputState:
         self._ids.append(token)
         delta = self._decode_delta()
         self.text += delta
+        if request.grammar is not None and self._check_grammar(token):
+            return
         if request.num_output_tokens >= request.params.min_tokens:
             self._check_stop(token, delta)
         if request.finish_reason is None and request.num_output_tokens >= request.params.max_tokens:
             request.finish_reason = FinishReason.LENGTH
+
+    def _check_grammar(self, token: int) -> bool:
+        """Advance the grammar; True if that ended the request (complete, or a refused token)."""
+        request = self.request
+        if not accept_token(request, token):  # the mask allows only accepted tokens: an engine bug
+            request.finish_reason, request.stop_reason = FinishReason.ABORT, GRAMMAR_REFUSED_TOKEN
+            return True
+        if is_complete(request):
+            request.finish_reason, request.stop_reason = FinishReason.STOP, None
+            return True
+        return False
 
     def _decode_delta(self) -> str:
         decode = self._tokenizer.decode

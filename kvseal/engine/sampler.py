@@ -1,71 +1,95 @@
-"""Token sampling: greedy, temperature, top-k, top-p, per-request generators.
+"""Token sampling for a whole batch: logits processors, greedy, temperature, top-k, top-p.
+
+Everything is tensor arithmetic over [num_requests, vocab]; per-request values (temperature,
+top_k, top_p, penalties, biases) are gathered into per-row tensors. The only per-row Python
+work is drawing each random row's noise from its own generator.
 
 Determinism: each request samples with its own `torch.Generator` (seeded from its `seed`, or
-from the OS random source when it has none), so its random draws do not depend on what it is
-batched with. Greedy and seeded outputs are therefore reproducible across batch
-compositions, preemption and chunking, up to floating-point differences in the logits
-themselves (different batch shapes may sum in a different order; on CPU in float32 we have
-not seen a token flip in the tests, but a near-tie can in principle break either way).
+from the OS random source when it has none). A random row is chosen by the exponential race
+(argmax of probs / q with q ~ Exp(1) drawn from the request's generator), which samples
+exactly from `probs` and consumes the same random numbers whatever the batch holds. Greedy
+and seeded outputs are therefore reproducible across batch compositions, preemption and
+chunking, up to floating-point differences in the logits themselves (different batch shapes
+may sum in a different order; on CPU in float32 we have not seen a token flip in the tests,
+but a near-tie can in principle break either way).
+
+Logprobs are those of the processed logits (after logit_bias, the min_tokens ban and the
+penalties), before temperature, top-k and top-p.
 """
 
 from __future__ import annotations
 
 import torch
 
-from kvseal.types import Request, SamplingParams, TokenLogprobs
+from kvseal.engine.logits_processors import apply_logits_processors
+from kvseal.types import Request, TokenLogprobs
 
 
 def sample(logits: torch.Tensor, requests: list[Request],
            eos_token_ids: tuple[int, ...]) -> list[tuple[int, TokenLogprobs | None]]:
     """logits: [num_requests, vocab] float32, one row per request that reached its last token."""
-    results = []
-    for row, request in zip(logits, requests):
-        params = request.params
-        row = _ban_early_stop_tokens(row, request, eos_token_ids)
-        token = int(row.argmax()) if params.is_greedy else _draw(row, params, request.generator)
-        results.append((token, _logprobs(row, token, params.logprobs)))
+    logits = apply_logits_processors(logits, requests, eos_token_ids)
+    tokens = _choose(logits, requests)
+    return list(zip(tokens.tolist(), _logprobs(logits, tokens, requests)))
+
+
+def _choose(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    """[num_requests] int64: argmax for greedy rows, a draw from the filtered distribution otherwise."""
+    greedy = torch.tensor([r.params.is_greedy for r in requests])
+    tokens = logits.argmax(dim=-1)
+    if bool(greedy.all()):
+        return tokens
+    temperature = torch.tensor([1.0 if r.params.is_greedy else r.params.temperature for r in requests],
+                               dtype=logits.dtype)
+    scaled = _top_k(logits / temperature[:, None], requests)
+    probs = _top_p(torch.softmax(scaled, dim=-1), requests)
+    noise = torch.ones_like(probs)  # greedy rows: any positive value, their draw is discarded
+    for row, request in enumerate(requests):
+        if not request.params.is_greedy:
+            noise[row].exponential_(generator=request.generator)
+    noise.clamp_(min=torch.finfo(noise.dtype).tiny)  # a zero draw would divide by zero
+    drawn = (probs / noise).argmax(dim=-1)
+    return torch.where(greedy, tokens, drawn)
+
+
+def _top_k(scaled: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    """Keep, per row, the logits at least as large as the row's k-th largest."""
+    vocab_size = scaled.shape[-1]
+    top_k = torch.tensor([min(r.params.top_k, vocab_size) if r.params.top_k > 0 else vocab_size for r in requests])
+    if bool((top_k == vocab_size).all()):
+        return scaled
+    kth = scaled.sort(dim=-1, descending=True).values.gather(1, (top_k - 1)[:, None])  # [B, 1]
+    return scaled.masked_fill(scaled < kth, float("-inf"))
+
+
+def _top_p(probs: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    """Per row, keep the smallest set of most likely tokens whose mass reaches top_p (at least
+    one). The result is not renormalized: the exponential race does not need it."""
+    top_p = torch.tensor([r.params.top_p for r in requests], dtype=probs.dtype)
+    if bool((top_p >= 1).all()):
+        return probs
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    drop = mass_before >= top_p[:, None]
+    drop[:, 0] = False  # the most likely token always stays, however small top_p is
+    sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+    return torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+
+
+def _logprobs(logits: torch.Tensor, tokens: torch.Tensor, requests: list[Request]) -> list[TokenLogprobs | None]:
+    wanted = [r.params.logprobs for r in requests]
+    if all(n is None for n in wanted):
+        return [None] * len(requests)
+    logprobs = torch.log_softmax(logits, dim=-1)  # [B, V]
+    chosen = logprobs.gather(1, tokens[:, None])[:, 0].tolist()
+    max_top = max(n or 0 for n in wanted)
+    top = torch.topk(logprobs, max_top) if max_top > 0 else None
+    results: list[TokenLogprobs | None] = []
+    for row, num_top in enumerate(wanted):
+        if num_top is None:
+            results.append(None)
+            continue
+        pairs = () if top is None or num_top == 0 else tuple(
+            zip(top.indices[row, :num_top].tolist(), top.values[row, :num_top].tolist()))
+        results.append(TokenLogprobs(int(tokens[row]), chosen[row], pairs))
     return results
-
-
-def _ban_early_stop_tokens(row: torch.Tensor, request: Request, eos_token_ids: tuple[int, ...]) -> torch.Tensor:
-    """min_tokens: stop tokens cannot be sampled before that many tokens were produced."""
-    params = request.params
-    if request.num_output_tokens >= params.min_tokens:
-        return row
-    banned = list(params.stop_token_ids) + ([] if params.ignore_eos else list(eos_token_ids))
-    if not banned:
-        return row
-    row = row.clone()
-    row[torch.tensor(banned, dtype=torch.int64)] = float("-inf")
-    return row
-
-
-def _draw(row: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    scaled = row / params.temperature
-    if params.top_k > 0:
-        kth = torch.topk(scaled, min(params.top_k, scaled.shape[-1])).values[-1]
-        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-    probs = torch.softmax(scaled, dim=-1)
-    if params.top_p < 1.0:
-        probs = _top_p(probs, params.top_p)
-    return int(torch.multinomial(probs, 1, generator=generator))
-
-
-def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Keep the smallest set of most likely tokens whose mass reaches top_p (at least one)."""
-    sorted_probs, order = probs.sort(descending=True)
-    mass_before = sorted_probs.cumsum(-1) - sorted_probs
-    drop = mass_before >= top_p
-    drop[0] = False  # the most likely token always stays, however small top_p is
-    sorted_probs[drop] = 0.0
-    kept = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
-    return kept / kept.sum()
-
-
-def _logprobs(row: torch.Tensor, token: int, num_top: int | None) -> TokenLogprobs | None:
-    if num_top is None:
-        return None
-    logprobs = torch.log_softmax(row, dim=-1)
-    top = torch.topk(logprobs, num_top) if num_top > 0 else None
-    pairs = tuple(zip(top.indices.tolist(), top.values.tolist())) if top is not None else ()
-    return TokenLogprobs(token, float(logprobs[token]), pairs)

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from kvseal.messages.msgs import RequestOutputMsg, SamplingParamsMsg, TokenLogprobsMsg
-from kvseal.types import RequestOutput, SamplingParams
+from kvseal.messages.msgs import RequestOutputMsg, SamplingParamsMsg, StructuredOutputMsg, TokenLogprobsMsg
+from kvseal.types import RequestOutput, SamplingParams, StructuredOutput
 
 
 def params_to_msg(params: SamplingParams) -> SamplingParamsMsg:
@@ -11,7 +11,11 @@ def params_to_msg(params: SamplingParams) -> SamplingParamsMsg:
         max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
         seed=params.seed, stop=list(params.stop), stop_token_ids=list(params.stop_token_ids),
         ignore_eos=params.ignore_eos, min_tokens=params.min_tokens, logprobs=params.logprobs,
-        truncate_prompt_tokens=params.truncate_prompt_tokens,
+        truncate_prompt_tokens=params.truncate_prompt_tokens, n=params.n,
+        presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
+        repetition_penalty=params.repetition_penalty, logit_bias=list(params.logit_bias),
+        structured=None if params.structured is None else StructuredOutputMsg(params.structured.kind,
+                                                                              params.structured.schema),
     )
 
 
@@ -21,7 +25,10 @@ def params_from_msg(msg: SamplingParamsMsg) -> SamplingParams:
         max_tokens=msg.max_tokens, temperature=msg.temperature, top_p=msg.top_p, top_k=msg.top_k,
         seed=msg.seed, stop=tuple(msg.stop), stop_token_ids=tuple(msg.stop_token_ids),
         ignore_eos=msg.ignore_eos, min_tokens=msg.min_tokens, logprobs=msg.logprobs,
-        truncate_prompt_tokens=msg.truncate_prompt_tokens,
+        truncate_prompt_tokens=msg.truncate_prompt_tokens, n=msg.n,
+        presence_penalty=msg.presence_penalty, frequency_penalty=msg.frequency_penalty,
+        repetition_penalty=msg.repetition_penalty, logit_bias=tuple(msg.logit_bias),
+        structured=None if msg.structured is None else StructuredOutput(msg.structured.kind, msg.structured.schema),
     )
 
 

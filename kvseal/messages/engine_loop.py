@@ -10,6 +10,8 @@ exception is an engine bug; it propagates and the process reports it and exits.
 from __future__ import annotations
 
 import logging
+from concurrent.futures import Future
+from typing import Any
 
 import zmq
 
@@ -29,10 +31,13 @@ from kvseal.messages.msgs import (
     ShutdownMsg,
     ToEngineMsg,
 )
+from kvseal.structured.compiler import compiled_or_raise
+from kvseal.types import SamplingParams
 
 logger = logging.getLogger("kvseal.engine")
 
 IDLE_POLL_MS = 1000  # how long an idle loop sleeps in poll before re-checking its parent
+GRAMMAR_POLL_MS = 5  # how often a loop with only grammars compiling checks on them
 
 
 class EngineLoop:
@@ -46,6 +51,8 @@ class EngineLoop:
         if parent_fd is not None:
             self._poller.register(parent_fd, zmq.POLLIN)
         self.is_stopped = False
+        # structured-output requests whose grammar compiles on the worker thread (not yet in the engine)
+        self._compiling: dict[str, tuple[AddRequestMsg, SamplingParams, Future[Any]]] = {}
 
     def run(self) -> None:
         while self.run_once():
@@ -53,7 +60,7 @@ class EngineLoop:
 
     def run_once(self, idle_poll_ms: int = IDLE_POLL_MS) -> bool:
         """One iteration. Returns False once the loop has stopped (shutdown or parent gone)."""
-        events = dict(self._poller.poll(0 if self.engine.has_unfinished() else idle_poll_ms))
+        events = dict(self._poller.poll(self._poll_ms(idle_poll_ms)))
         if self._parent_fd is not None and self._parent_fd in events:
             logger.error("the frontend process is gone; aborting every request and exiting")
             self._shutdown("frontend process exited")
@@ -61,12 +68,18 @@ class EngineLoop:
         changed = self._drain_inbox()
         if self.is_stopped:
             return False
+        changed |= self._add_compiled()
         if self.engine.has_unfinished():
             self._step()
             changed = True
         if changed:
             self._send(self._stats())
         return True
+
+    def _poll_ms(self, idle_poll_ms: int) -> int:
+        if self.engine.has_unfinished():
+            return 0
+        return GRAMMAR_POLL_MS if self._compiling else idle_poll_ms
 
     def _drain_inbox(self) -> bool:
         changed = False
@@ -91,13 +104,34 @@ class EngineLoop:
     def _add(self, msg: AddRequestMsg) -> None:
         try:
             params = params_from_msg(msg.params)
+            if params.structured is not None:  # compiled off the loop; added once it is ready
+                future = self.engine.grammars.compile(msg.tenant, params.structured)
+                self._compiling[msg.request_id] = (msg, params, future)
+                return
             self.engine.add_request(msg.request_id, msg.prompt_token_ids, params, msg.tenant)
         except RequestRejected as exc:
-            logger.warning("engine re-check rejected request %s: %s", msg.request_id, exc.message)
-            self._send(RequestRejectedMsg(msg.request_id, msg.tenant, exc.code, exc.message, exc.param,
-                                          exc.http_status))
+            self._reject(msg, exc)
+
+    def _add_compiled(self) -> bool:
+        ready = [rid for rid, (_, _, future) in self._compiling.items() if future.done()]
+        for request_id in ready:
+            msg, params, future = self._compiling.pop(request_id)
+            try:
+                self.engine.add_request(msg.request_id, msg.prompt_token_ids, params, msg.tenant,
+                                        compiled_grammar=compiled_or_raise(future))
+            except RequestRejected as exc:
+                self._reject(msg, exc)
+        return bool(ready)
+
+    def _reject(self, msg: AddRequestMsg, exc: RequestRejected) -> None:
+        logger.warning("engine re-check rejected request %s: %s", msg.request_id, exc.message)
+        self._send(RequestRejectedMsg(msg.request_id, msg.tenant, exc.code, exc.message, exc.param, exc.http_status))
 
     def _abort(self, msg: AbortMsg) -> None:
+        compiling = self._compiling.get(msg.request_id)
+        if compiling is not None and compiling[0].tenant == msg.tenant:
+            self._send(OutputsMsg([self._abort_compiling(msg.request_id, msg.reason)]))
+            return
         request = self.engine.find(msg.request_id)
         if request is None or request.tenant != msg.tenant:
             return  # already finished (its final output is on its way) or not this tenant's
@@ -108,11 +142,19 @@ class EngineLoop:
         assert out is not None, "abort of a request the scheduler holds reports it"
         return output_to_msg(out)
 
+    def _abort_compiling(self, request_id: str, reason: str) -> RequestOutputMsg:
+        """End a request still waiting for its grammar: it never reached the engine."""
+        msg, _, _ = self._compiling.pop(request_id)
+        return RequestOutputMsg(request_id, msg.tenant, [], "", True, "abort", None, len(msg.prompt_token_ids), 0,
+                                0, error=reason)
+
     def _shutdown(self, reason: str) -> None:
         live = self.engine.unfinished_ids()
-        if live:
-            self._send(OutputsMsg([self._abort_one(request_id, reason) for request_id in live]))
-        self._send(EngineStoppedMsg(len(live)))
+        outputs = [self._abort_one(request_id, reason) for request_id in live]
+        outputs += [self._abort_compiling(request_id, reason) for request_id in list(self._compiling)]
+        if outputs:
+            self._send(OutputsMsg(outputs))
+        self._send(EngineStoppedMsg(len(outputs)))
         self.is_stopped = True
 
     def _step(self) -> None:

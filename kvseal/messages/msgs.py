@@ -15,6 +15,13 @@ class _Msg(msgspec.Struct, frozen=True, tag=True, forbid_unknown_fields=True):
     pass
 
 
+class StructuredOutputMsg(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """`kvseal.types.StructuredOutput`."""
+
+    kind: str
+    schema: str | None = None
+
+
 class SamplingParamsMsg(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """`kvseal.types.SamplingParams`, field for field."""
 
@@ -29,6 +36,12 @@ class SamplingParamsMsg(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
     min_tokens: int
     logprobs: int | None
     truncate_prompt_tokens: int | None
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: list[tuple[int, float]] = []
+    structured: StructuredOutputMsg | None = None
 
 
 class TokenLogprobsMsg(msgspec.Struct, frozen=True, array_like=True):

@@ -20,6 +20,7 @@ from kvseal.server.errors import ApiError
 from kvseal.server.openapi import install_openapi
 from kvseal.server.pipeline import handle_generation
 from kvseal.server.state import AppState
+from kvseal.server.tokenize_routes import add_tokenize_routes
 
 logger = logging.getLogger("kvseal.server")
 
@@ -29,21 +30,22 @@ CHAT = ChatEndpoint()
 
 def build_app(state: AppState) -> FastAPI:
     app = FastAPI(title="kvseal", version=kvseal.__version__, docs_url=None, redoc_url=None)
-    _add_generation_routes(app, state)
+    _add_generation_routes(app, state, ChatEndpoint(state.config.tool_call_parser))
     _add_info_routes(app, state)
+    add_tokenize_routes(app, state)
     _add_error_handlers(app)
     install_openapi(app, {COMPLETIONS.path: COMPLETIONS.body_model, CHAT.path: CHAT.body_model})
     return app
 
 
-def _add_generation_routes(app: FastAPI, state: AppState) -> None:
+def _add_generation_routes(app: FastAPI, state: AppState, chat: ChatEndpoint) -> None:
     @app.post(COMPLETIONS.path, response_model=None)
     async def completions(request: Request) -> Response:
         return await handle_generation(request, state, COMPLETIONS)
 
     @app.post(CHAT.path, response_model=None)
     async def chat_completions(request: Request) -> Response:
-        return await handle_generation(request, state, CHAT)
+        return await handle_generation(request, state, chat)
 
 
 def _add_info_routes(app: FastAPI, state: AppState) -> None:

@@ -10,7 +10,7 @@ Without --audit-log the lines go to the `kvseal.audit` logger instead of a file.
 from __future__ import annotations
 
 import logging
-from typing import Literal
+from typing import Any, Literal
 
 import msgspec
 
@@ -51,10 +51,11 @@ class AuditRecord(msgspec.Struct, frozen=True, omit_defaults=True):
     kv_tokens_written: int | None = None  # KV slots written for the request, at its end
     first_token_at: float | None = None
     user: str | None = None
+    features: list[str] | None = None  # optional request fields used (names only, kvseal.server.features)
     prefill_engine: str | None = None  # PD mode: the engines that handled the request and the KV transfer id
     decode_engine: str | None = None
     transfer_id: str | None = None
-    prompt: str | list[int] | list[dict[str, str]] | None = None
+    prompt: str | list[int] | list[dict[str, Any]] | None = None
 
 
 class AuditLog:

@@ -63,3 +63,10 @@ def _to_api_error(exc: ValidationError) -> ApiError:
 
 def _path(problem: Any) -> str:
     return ".".join(str(part) for part in problem["loc"])
+
+
+def require_json(request: Request) -> None:
+    """Only JSON bodies: a form or text/plain POST (no CORS preflight) is refused with 415."""
+    content_type = request.headers.get("content-type", "")
+    if content_type.partition(";")[0].strip().lower() != "application/json":
+        raise errors.unsupported_media_type(content_type)

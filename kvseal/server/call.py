@@ -24,9 +24,10 @@ from kvseal.messages.msgs import (
 )
 from kvseal.server.audit import AuditRecord, Outcome, RejectedBy, clip, clip_optional
 from kvseal.server.auth import Tenant
+from kvseal.server.choices import ChoiceGroup, choice_msgs
 from kvseal.server.endpoint import AuditPrompt
 from kvseal.server.errors import ApiError
-from kvseal.server.request_handle import EngineGone, IsolationBreach, RequestEvent, RequestHandle, isolation_failure
+from kvseal.server.request_handle import EngineGone, IsolationBreach, RequestEvent, isolation_failure
 from kvseal.server.state import AppState
 
 logger = logging.getLogger("kvseal.server")
@@ -42,6 +43,8 @@ class Call:
         self.user: str | None = None
         self.prompt_for_audit: AuditPrompt | None = None
         self.num_prompt_tokens: int | None = None
+        self.engine_ids: list[str] = []  # one engine request per choice
+        self.features: list[str] | None = None  # names of the optional fields the request used
         self.is_done = False
         self._is_http_done = False
         self._has_slot = False
@@ -58,11 +61,17 @@ class Call:
         self.state.gate.acquire(tenant)
         self._has_slot = True
 
-    def submit(self, msg: AddRequestMsg) -> RequestHandle:
-        handle = self.state.engine.submit(msg, self)
+    def submit(self, msg: AddRequestMsg) -> ChoiceGroup:
+        """Submit one engine request per choice (`n`); the group reports to this call."""
+        msgs = choice_msgs(msg)
+        group = ChoiceGroup(self.request_id, len(msgs), self)
+        for index, choice in enumerate(msgs):
+            handle = self.state.engine.submit(choice, group.observer_for(index))
+            self.engine_ids.append(choice.request_id)
+            if index == 0:
+                self._route = handle.route  # PD mode: the first choice's engines and transfer id (audit)
         self._is_submitted = True
-        self._route = handle.route
-        return handle
+        return group
 
     def http_done(self) -> None:
         """The HTTP side is finished: the response was sent, failed, or its client is gone."""
@@ -72,7 +81,8 @@ class Call:
     def abort(self, reason: str) -> None:
         """End the request in the engine if it is still live there; a no-op otherwise."""
         if self._is_submitted and not self.is_done and self.tenant is not None:
-            self.state.engine.abort(self.request_id, self.tenant.name, reason)
+            for engine_id in self.engine_ids:
+                self.state.engine.abort(engine_id, self.tenant.name, reason)
 
     def abort_on_exit(self) -> None:
         """For cleanup paths: the HTTP side is gone before the request finished."""
@@ -155,7 +165,7 @@ class Call:
             output_tokens=out.num_output_tokens if out is not None else None,
             pages_reserved=out.num_pages_reserved if out is not None else None,
             kv_tokens_written=out.num_kv_tokens_written if out is not None else None,
-            first_token_at=self._first_token_at, user=clip_optional(self.user),
+            first_token_at=self._first_token_at, user=clip_optional(self.user), features=self.features,
             prefill_engine=self._route.get("prefill_engine"), decode_engine=self._route.get("decode_engine"),
             transfer_id=self._route.get("transfer_id"),
             prompt=self.prompt_for_audit if self.state.audit.include_prompts else None,

@@ -6,6 +6,7 @@ The conversation is rendered with the model's own chat template, exactly as the 
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from kvseal.admission import AdmissionLimits
@@ -13,11 +14,13 @@ from kvseal.errors import InvalidParameter
 from kvseal.messages.msgs import RequestOutputMsg, TokenLogprobsMsg
 from kvseal.server.auth import Tenant
 from kvseal.server.endpoint import Prepared, ResponseIds
+from kvseal.server.generation_defaults import GenerationDefaults
 from kvseal.server.logprobs import chat_logprobs
 from kvseal.server.prompts import PromptEncoder
-from kvseal.server.protocol import ChatCompletionRequest
+from kvseal.server.protocol import ChatCompletionRequest, NamedToolChoice
 from kvseal.server.sampling import build_sampling_params
-from kvseal.server.transcript import Transcript
+from kvseal.server.tools import HermesToolParser, ParsedToolCall, ToolCallStream, tool_setup
+from kvseal.server.transcript import Transcript, usage
 
 
 class ChatEndpoint:
@@ -25,16 +28,26 @@ class ChatEndpoint:
     id_prefix = "chatcmpl"
     body_model = ChatCompletionRequest
 
+    def __init__(self, tool_call_parser: str | None = None) -> None:
+        self.tool_call_parser = tool_call_parser  # "hermes" or None (requests with tools are refused)
+
     async def prepare(self, body: ChatCompletionRequest, prompts: PromptEncoder, tenant: Tenant,
-                      limits: AdmissionLimits) -> Prepared:
+                      limits: AdmissionLimits, defaults: GenerationDefaults) -> Prepared:
+        tools = tool_setup(body, self.tool_call_parser)
         conversation = [m.as_template_input() for m in body.messages]
-        ids = await prompts.chat_ids(conversation, tenant.name, limits, body.truncate_prompt_tokens is not None)
+        ids = await prompts.chat_ids(conversation, tenant.name, limits, body.truncate_prompt_tokens is not None,
+                                     tools.definitions)
         params = build_sampling_params(body, max_tokens=_asked_max_tokens(body), num_prompt_tokens=len(ids),
-                                       limits=limits, logprobs=_logprobs(body), tenant=tenant)
+                                       limits=limits, logprobs=_logprobs(body), tenant=tenant, defaults=defaults)
+        if tools.grammar is not None:
+            params = dataclasses.replace(params, structured=tools.grammar)
         return Prepared(ids, params, conversation)
 
     def formatter(self, body: ChatCompletionRequest, ids: ResponseIds, prompts: PromptEncoder) -> ChatFormatter:
-        return ChatFormatter(ids, body.logprobs, body.include_usage, prompts)
+        parses_calls = bool(body.tools) and body.tool_choice != "none" and self.tool_call_parser is not None
+        is_named = isinstance(body.tool_choice, NamedToolChoice)
+        return ChatFormatter(ids, body.logprobs, body.include_usage, prompts, body.n or 1,
+                             HermesToolParser() if parses_calls else None, is_named)
 
 
 def _asked_max_tokens(body: ChatCompletionRequest) -> int | None:
@@ -51,32 +64,69 @@ def _logprobs(body: ChatCompletionRequest) -> int | None:
 
 
 class ChatFormatter:
-    def __init__(self, ids: ResponseIds, with_logprobs: bool, include_usage: bool, prompts: PromptEncoder) -> None:
+    def __init__(self, ids: ResponseIds, with_logprobs: bool, include_usage: bool, prompts: PromptEncoder,
+                 num_choices: int = 1, tool_parser: HermesToolParser | None = None,
+                 is_named_tool: bool = False) -> None:
         self._ids = ids
         self._with_logprobs = with_logprobs
         self._include_usage = include_usage
         self._prompts = prompts
+        self._num_choices = num_choices
+        self._tool_parser = tool_parser
+        self._is_named_tool = is_named_tool  # OpenAI ends a forced call with "stop", an auto one with "tool_calls"
+        self._tool_streams: dict[int, ToolCallStream] = {}
 
     def first_chunks(self) -> list[dict[str, Any]]:
-        return [self._chunk({"role": "assistant", "content": ""}, None, None)]
+        return [self._chunk(i, {"role": "assistant", "content": ""}, None, None) for i in range(self._num_choices)]
 
-    def delta_chunk(self, out: RequestOutputMsg) -> dict[str, Any] | None:
+    def delta_chunks(self, index: int, out: RequestOutputMsg) -> list[dict[str, Any]]:
+        if self._tool_parser is not None:
+            return self._tool_delta_chunks(index, out)
         if not (out.new_text or out.finished or (self._with_logprobs and out.new_token_ids)):
-            return None
+            return []
         delta = {"content": out.new_text} if out.new_text else {}
-        return self._chunk(delta, self._logprobs(out.logprobs or []), out.finish_reason if out.finished else None)
+        logprobs = self._logprobs(out.logprobs or [])
+        return [self._chunk(index, delta, logprobs, out.finish_reason if out.finished else None)]
 
-    def usage_chunk(self, transcript: Transcript) -> dict[str, Any]:
-        return self._envelope("chat.completion.chunk", []) | {"usage": transcript.usage()}
+    def _tool_delta_chunks(self, index: int, out: RequestOutputMsg) -> list[dict[str, Any]]:
+        assert self._tool_parser is not None
+        stream = self._tool_streams.setdefault(index, ToolCallStream(self._tool_parser))
+        content = stream.content_delta(out.new_text)
+        logprobs = self._logprobs(out.logprobs or []) if out.new_token_ids else None
+        chunks = [self._chunk(index, {"content": content}, logprobs, None)] if content or logprobs else []
+        if not out.finished:
+            return chunks
+        rest, calls = stream.finish()
+        if rest:
+            chunks.append(self._chunk(index, {"content": rest}, None, None))
+        if calls:
+            deltas = [call.as_openai(i) for i, call in enumerate(calls)]
+            chunks.append(self._chunk(index, {"tool_calls": deltas}, None, None))
+        return [*chunks, self._chunk(index, {}, None, self._finish_reason(out.finish_reason, bool(calls)))]
 
-    def response(self, transcript: Transcript) -> dict[str, Any]:
-        choice = {"index": 0, "message": {"role": "assistant", "content": transcript.text},
-                  "logprobs": self._logprobs(transcript.logprobs), "finish_reason": transcript.finish_reason}
-        return self._envelope("chat.completion", [choice]) | {"usage": transcript.usage()}
+    def usage_chunk(self, transcripts: list[Transcript]) -> dict[str, Any]:
+        return self._envelope("chat.completion.chunk", []) | {"usage": usage(transcripts)}
 
-    def _chunk(self, delta: dict[str, Any], logprobs: dict[str, Any] | None,
+    def response(self, transcripts: list[Transcript]) -> dict[str, Any]:
+        choices = [self._choice(i, t) for i, t in enumerate(transcripts)]
+        return self._envelope("chat.completion", choices) | {"usage": usage(transcripts)}
+
+    def _choice(self, index: int, transcript: Transcript) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": "assistant", "content": transcript.text}
+        calls: list[ParsedToolCall] = []
+        if self._tool_parser is not None:
+            message["content"], calls = self._tool_parser.parse(transcript.text)
+            if calls:
+                message["tool_calls"] = [call.as_openai() for call in calls]
+        return {"index": index, "message": message, "logprobs": self._logprobs(transcript.logprobs),
+                "finish_reason": self._finish_reason(transcript.finish_reason, bool(calls))}
+
+    def _finish_reason(self, reason: str | None, has_calls: bool) -> str | None:
+        return "tool_calls" if has_calls and reason == "stop" and not self._is_named_tool else reason
+
+    def _chunk(self, index: int, delta: dict[str, Any], logprobs: dict[str, Any] | None,
                finish_reason: str | None) -> dict[str, Any]:
-        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         chunk = self._envelope("chat.completion.chunk", [choice])
         return chunk | {"usage": None} if self._include_usage else chunk
 

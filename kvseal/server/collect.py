@@ -14,22 +14,22 @@ from starlette.responses import JSONResponse
 from kvseal.messages.msgs import RequestOutputMsg
 from kvseal.server import errors
 from kvseal.server.call import Call
+from kvseal.server.choices import ChoiceGroup
 from kvseal.server.endpoint import Formatter
-from kvseal.server.request_handle import RequestHandle
 from kvseal.server.transcript import Transcript
 
 
-async def respond_when_done(request: Request, call: Call, handle: RequestHandle, fmt: Formatter) -> JSONResponse:
+async def respond_when_done(request: Request, call: Call, group: ChoiceGroup, fmt: Formatter) -> JSONResponse:
     watcher = asyncio.create_task(_abort_on_disconnect(request, call))
-    transcript = Transcript()
+    transcripts = [Transcript() for _ in range(group.num_choices)]
     try:
-        async for event in handle.events():
+        async for index, event in group.events():
             err = errors.for_event(event)
             if err is not None:
                 return errors.response(err, call.request_id)
             assert isinstance(event, RequestOutputMsg)
-            transcript.add(event)
-        return JSONResponse(fmt.response(transcript), headers={errors.REQUEST_ID_HEADER: call.request_id})
+            transcripts[index].add(event)
+        return JSONResponse(fmt.response(transcripts), headers={errors.REQUEST_ID_HEADER: call.request_id})
     finally:
         watcher.cancel()
         call.abort_on_exit()

@@ -25,8 +25,14 @@ class ServerConfig:
     header_timeout_s: float = 15.0
     body_timeout_s: float = 60.0
     log_level: str = "INFO"
+    generation_config: str = "auto"  # "auto": the model's generation_config.json; "vllm": neutral defaults
+    tool_call_parser: str | None = None  # "hermes": parse <tool_call> blocks; None: requests with tools get 400
 
     def __post_init__(self) -> None:
+        if self.tool_call_parser not in (None, "hermes"):
+            raise ConfigError(f"--tool-call-parser must be 'hermes', got {self.tool_call_parser!r}")
+        if self.generation_config not in ("auto", "vllm"):
+            raise ConfigError(f"--generation-config must be 'auto' or 'vllm', got {self.generation_config!r}")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"--port must be in [0, 65535], got {self.port}")
         if self.max_body_bytes < 1024:
@@ -54,6 +60,8 @@ class ServerConfig:
             max_body_bytes=ns.max_body_bytes, shutdown_grace_s=ns.shutdown_grace_s,
             header_timeout_s=ns.header_timeout_s, body_timeout_s=ns.body_timeout_s,
             log_level=getattr(ns, "log_level", "INFO"),
+            generation_config=getattr(ns, "generation_config", "auto"),
+            tool_call_parser=getattr(ns, "tool_call_parser", None),
         )
 
 
@@ -80,3 +88,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="close a connection whose request headers have not all arrived in this time")
     parser.add_argument("--body-timeout-s", type=float, default=d.body_timeout_s,
                         help="answer 408 when a request body has not all arrived this long after its headers")
+    parser.add_argument("--generation-config", choices=("auto", "vllm"), default=d.generation_config,
+                        help="defaults for omitted temperature/top_p/top_k/repetition_penalty: 'auto' takes "
+                             "the model's generation_config.json, 'vllm' neutral values")
+    parser.add_argument("--tool-call-parser", choices=("hermes",), default=None,
+                        help="parse tool calls from the output in this format (Hermes/Qwen <tool_call> blocks); "
+                             "without it, requests with tools are refused")

@@ -8,12 +8,13 @@ from typing import Any, Protocol
 from kvseal.admission import AdmissionLimits
 from kvseal.messages.msgs import RequestOutputMsg
 from kvseal.server.auth import Tenant
+from kvseal.server.generation_defaults import GenerationDefaults
 from kvseal.server.prompts import PromptEncoder
 from kvseal.server.protocol import GenerationBody
 from kvseal.server.transcript import Transcript
 from kvseal.types import SamplingParams
 
-AuditPrompt = str | list[int] | list[dict[str, str]]
+AuditPrompt = str | list[int] | list[dict[str, Any]]
 
 
 @dataclass(frozen=True)
@@ -37,11 +38,11 @@ class Formatter(Protocol):
 
     def first_chunks(self) -> list[dict[str, Any]]: ...
 
-    def delta_chunk(self, out: RequestOutputMsg) -> dict[str, Any] | None: ...
+    def delta_chunks(self, index: int, out: RequestOutputMsg) -> list[dict[str, Any]]: ...
 
-    def usage_chunk(self, transcript: Transcript) -> dict[str, Any]: ...
+    def usage_chunk(self, transcripts: list[Transcript]) -> dict[str, Any]: ...
 
-    def response(self, transcript: Transcript) -> dict[str, Any]: ...
+    def response(self, transcripts: list[Transcript]) -> dict[str, Any]: ...
 
 
 class Endpoint(Protocol):
@@ -52,6 +53,6 @@ class Endpoint(Protocol):
     def body_model(self) -> type[GenerationBody]: ...
 
     async def prepare(self, body: Any, prompts: PromptEncoder, tenant: Tenant,
-                      limits: AdmissionLimits) -> Prepared: ...
+                      limits: AdmissionLimits, defaults: GenerationDefaults) -> Prepared: ...
 
     def formatter(self, body: Any, ids: ResponseIds, prompts: PromptEncoder) -> Formatter: ...

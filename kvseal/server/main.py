@@ -18,6 +18,7 @@ import asyncio
 import logging
 import math
 import signal
+from pathlib import Path
 
 import uvicorn
 
@@ -31,6 +32,7 @@ from kvseal.server.audit import AuditLog
 from kvseal.server.auth import ApiKeyTable
 from kvseal.server.config import ServerConfig
 from kvseal.server.engine_client import EngineClient
+from kvseal.server.generation_defaults import GenerationDefaults
 from kvseal.server.metrics import ServerMetrics
 from kvseal.server.prompts import PromptEncoder
 from kvseal.server.state import AppState
@@ -123,9 +125,15 @@ async def _start(config: ServerConfig, engine: EngineClient, keys: ApiKeyTable, 
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
-    state = AppState(config, engine, info, prompts, keys, metrics, audit)
+    defaults = GenerationDefaults.load(config.generation_config, _model_dir(info.model_path))
+    state = AppState(config, engine, info, prompts, keys, metrics, audit, defaults=defaults)
     _log_config(state)
     return state
+
+
+def _model_dir(model_path: str) -> Path | None:
+    path = Path(model_path)
+    return path if path.is_dir() else None
 
 
 def _uvicorn_config(config: ServerConfig, state: AppState) -> uvicorn.Config:
@@ -147,6 +155,8 @@ def _log_config(state: AppState) -> None:
         tenants, c.audit_log_path or "(kvseal.audit logger)", c.audit_log_prompts, c.max_body_bytes,
         c.shutdown_grace_s, c.header_timeout_s, c.body_timeout_s, info.pid,
     )
+    logger.info("sampling defaults for omitted fields (--generation-config %s): %s", c.generation_config,
+                state.defaults.describe())
 
 
 def _log_ready(state: AppState, port: int) -> None:

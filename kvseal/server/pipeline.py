@@ -25,16 +25,18 @@ from kvseal.errors import ContextLengthExceeded, RequestRejected
 from kvseal.messages.convert import params_to_msg
 from kvseal.messages.msgs import ABORT_CLIENT_DISCONNECTED, AddRequestMsg
 from kvseal.server import errors
-from kvseal.server.body import parse_body, read_body
+from kvseal.server.body import parse_body, read_body, require_json
 from kvseal.server.call import Call
+from kvseal.server.choices import ChoiceGroup
 from kvseal.server.collect import respond_when_done
 from kvseal.server.endpoint import Endpoint, Formatter, ResponseIds
 from kvseal.server.engine_client import EngineUnavailable
 from kvseal.server.errors import ApiError
+from kvseal.server.features import features_used
 from kvseal.server.front_door import admit_at_the_door
 from kvseal.server.prompts import check_token_list_before_parsing
 from kvseal.server.protocol import GenerationBody
-from kvseal.server.request_handle import RequestHandle
+from kvseal.server.response_format import with_response_format
 from kvseal.server.state import AppState
 from kvseal.server.streaming import EventStreamResponse
 
@@ -73,31 +75,25 @@ def _refuse(call: Call, err: ApiError) -> JSONResponse:
 
 
 async def _admit_and_submit(request: Request, state: AppState, endpoint: Endpoint,
-                            call: Call) -> tuple[GenerationBody, Formatter, RequestHandle]:
+                            call: Call) -> tuple[GenerationBody, Formatter, ChoiceGroup]:
     tenant = call.tenant = state.keys.authenticate(request.headers.get("authorization"))
     if state.is_draining:
         raise errors.engine_unavailable("the server is shutting down")
-    _require_json(request)
+    require_json(request)
     data = await read_body(request, state.config.max_body_bytes, state.config.body_timeout_s)
     check_token_list_before_parsing(data, state.limits)
     body = parse_body(endpoint.body_model, data)
-    call.model, call.user = body.model, body.user
+    call.model, call.user, call.features = body.model, body.user, features_used(body)
     if body.model is not None and body.model != state.model_name:
         raise errors.model_not_found(body.model, state.model_name)
     call.take_slot(tenant)
-    prepared = await endpoint.prepare(body, state.prompts, tenant, state.limits)
+    prepared = await endpoint.prepare(body, state.prompts, tenant, state.limits, state.defaults)
     call.prompt_for_audit = prepared.prompt_for_audit
     call.num_prompt_tokens = len(prepared.prompt_token_ids)
     prompt_token_ids = admit_at_the_door(prepared.prompt_token_ids, prepared.params, state.limits)  # I1
+    params = await with_response_format(prepared.params, body.response_format)
     call.num_prompt_tokens = len(prompt_token_ids)
     fmt = endpoint.formatter(body, ResponseIds(call.request_id, state.model_name, int(time.time())), state.prompts)
     msg = AddRequestMsg(call.request_id, tenant.name, tenant.cache_namespace, prompt_token_ids,
-                        params_to_msg(prepared.params))
+                        params_to_msg(params))
     return body, fmt, call.submit(msg)  # nothing after this line may fail before the response owns the call
-
-
-def _require_json(request: Request) -> None:
-    """Only JSON bodies: a form or text/plain POST (no CORS preflight) is refused with 415."""
-    content_type = request.headers.get("content-type", "")
-    if content_type.partition(";")[0].strip().lower() != "application/json":
-        raise errors.unsupported_media_type(content_type)

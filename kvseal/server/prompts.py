@@ -99,11 +99,16 @@ class PromptEncoder:
             self._check_chars(_num_visible_chars(single), limits)
         return await self._run(tenant, self._encode, single)
 
-    async def chat_ids(self, conversation: list[dict[str, str]], tenant: str, limits: AdmissionLimits,
-                       may_truncate: bool) -> list[int]:
+    async def chat_ids(self, conversation: list[dict[str, Any]], tenant: str, limits: AdmissionLimits,
+                       may_truncate: bool, tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """`tools` (OpenAI tool definitions) go to the chat template, which renders them."""
         if not may_truncate:  # the template only adds tokens around the contents
-            self._check_chars(sum(_num_visible_chars(m["content"]) for m in conversation), limits)
-        return await self._run(tenant, self._apply_chat_template, conversation)
+            self._check_chars(sum(_num_visible_chars(_text_of(m)) for m in conversation), limits)
+        return await self._run(tenant, self._apply_chat_template, (conversation, tools))
+
+    async def decode(self, token_ids: list[int], tenant: str) -> str:
+        """Token ids back to text (special tokens kept), on the tokenizer thread."""
+        return str(await self._run(tenant, self.tokenizer.decode, token_ids))
 
     def token_text(self, token_id: int) -> str:
         """The text of one token, as logprobs report it."""
@@ -142,7 +147,7 @@ class PromptEncoder:
             num_prompt_tokens=at_least, max_tokens=0, max_model_len=limits.max_model_len,
             kv_cache_tokens=limits.kv_cache_tokens)
 
-    async def _run(self, tenant: str, fn: Callable[[Any], list[int]], arg: Any) -> list[int]:
+    async def _run(self, tenant: str, fn: Callable[[Any], Any], arg: Any) -> Any:
         if self._queue is None:
             self._queue = _FairQueue()
             self._serving = asyncio.create_task(self._serve(self._queue))
@@ -168,8 +173,8 @@ class PromptEncoder:
     def _encode(self, text: str) -> list[int]:
         return encode_text(self.tokenizer, text)
 
-    def _apply_chat_template(self, conversation: list[dict[str, str]]) -> list[int]:
-        return render_chat(self.tokenizer, conversation)
+    def _apply_chat_template(self, args: tuple[list[dict[str, Any]], list[dict[str, Any]] | None]) -> list[int]:
+        return render_chat(self.tokenizer, *args)
 
 
 def check_token_list_before_parsing(data: bytes, limits: AdmissionLimits) -> None:
@@ -187,6 +192,13 @@ def check_token_list_before_parsing(data: bytes, limits: AdmissionLimits) -> Non
     num_ids_at_most = raw.count(b",") + 1  # exact for one list of ints
     if num_ids_at_most > limits.max_prompt_tokens:
         check_context(num_ids_at_most, 0, limits)
+
+
+def _text_of(message: dict[str, Any]) -> str:
+    """A message's text content ("" for one without, e.g. an assistant turn of tool calls).
+    Counting less text only weakens the pre-check's lower bound; it never refuses more."""
+    content = message.get("content")
+    return content if isinstance(content, str) else ""
 
 
 def _num_visible_chars(text: str) -> int:

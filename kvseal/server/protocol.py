@@ -1,18 +1,23 @@
 """Request bodies of the OpenAI API as kvseal accepts them (pydantic, strict, extra="forbid").
 
 A field kvseal does not implement is rejected, never ignored: undeclared fields fail with
-`extra_forbidden`, and declared OpenAI fields that kvseal honours only at their neutral value
-(`n`, the penalties, `echo`) fail for any other value. vLLM's extensions `ignore_eos`,
-`min_tokens`, `top_k` and `truncate_prompt_tokens` are honoured.
+`extra_forbidden`, and `echo` fails for any value but false. OpenAI's `n`,
+`presence_penalty`, `frequency_penalty`, `logit_bias`, `response_format` and vLLM's extensions `ignore_eos`,
+`min_tokens`, `top_k`, `repetition_penalty`, `stop_token_ids` and `truncate_prompt_tokens`
+are honoured.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+import json
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from kvseal.types import MAX_N
+
 INT32_MAX = 2**31 - 1
+MAX_LOGIT_BIAS = 300  # OpenAI's limit on logit_bias entries
 
 
 class _Body(BaseModel):
@@ -21,6 +26,20 @@ class _Body(BaseModel):
 
 class StreamOptions(_Body):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(_Body):
+    name: Annotated[str, Field(min_length=1, max_length=64)]
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    """OpenAI's `response_format`: free text, any JSON object, or JSON matching a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class GenerationBody(_Body):
@@ -35,27 +54,18 @@ class GenerationBody(_Body):
     stop: str | Annotated[list[str], Field(max_length=16)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    n: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
+    presence_penalty: Annotated[float, Field(ge=-2, le=2, allow_inf_nan=False)] | None = None
+    frequency_penalty: Annotated[float, Field(ge=-2, le=2, allow_inf_nan=False)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0, le=10, allow_inf_nan=False)] | None = None
+    logit_bias: Annotated[dict[str, Annotated[float, Field(ge=-100, le=100, allow_inf_nan=False)]],
+                          Field(max_length=MAX_LOGIT_BIAS)] | None = None
+    stop_token_ids: Annotated[list[Annotated[int, Field(ge=0, le=INT32_MAX)]], Field(max_length=64)] | None = None
     user: Annotated[str, Field(max_length=256)] | None = None
     ignore_eos: bool = False
     min_tokens: Annotated[int, Field(ge=0, le=INT32_MAX)] = 0
     truncate_prompt_tokens: Annotated[int, Field(ge=1, le=INT32_MAX)] | None = None
-
-    @field_validator("n")
-    @classmethod
-    def _one_choice(cls, value: int | None) -> int | None:
-        if value not in (None, 1):
-            raise ValueError("kvseal returns one choice per request; send n=1 or omit it")
-        return value
-
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _no_penalty(cls, value: float | None) -> float | None:
-        if value not in (None, 0):
-            raise ValueError("kvseal does not implement penalties; send 0 or omit it")
-        return value
+    response_format: ResponseFormat | None = None
 
     @property
     def stop_list(self) -> tuple[str, ...]:
@@ -86,17 +96,75 @@ class ChatTextPart(_Body):
     text: str
 
 
-class ChatMessage(_Body):
-    role: Literal["system", "user", "assistant"]
-    content: str | list[ChatTextPart]
+class FunctionCall(_Body):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
 
-    def as_template_input(self) -> dict[str, str]:
-        text = self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)
-        return {"role": self.role, "content": text}
+    @field_validator("arguments")
+    @classmethod
+    def _json_text(cls, value: str) -> str:
+        try:
+            json.loads(value)
+        except ValueError:
+            raise ValueError("tool call arguments must be JSON text") from None
+        return value
+
+
+class ToolCall(_Body):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str | list[ChatTextPart] | None
+    tool_calls: list[ToolCall] | None = None  # assistant turns that called tools
+    tool_call_id: str | None = None  # a tool result answers this call
+    name: str | None = None
+
+    def as_template_input(self) -> dict[str, Any]:
+        content = self.content if not isinstance(self.content, list) else "\n".join(p.text for p in self.content)
+        message: dict[str, Any] = {"role": self.role, "content": content or ""}
+        if self.tool_calls:
+            message["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.function.name, "arguments": _json_arguments(c.function.arguments)}} for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
+
+
+def _json_arguments(arguments: str) -> Any:
+    """Chat templates expect arguments as an object; OpenAI sends them as (validated) JSON text."""
+    return json.loads(arguments)
+
+
+class FunctionDef(_Body):
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDef(_Body):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(GenerationBody):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    tools: Annotated[list[ToolDef], Field(max_length=128)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None

@@ -1,4 +1,5 @@
-"""Request body → `SamplingParams`, applying the tenant's max_tokens cap.
+"""Request body → `SamplingParams`, applying the tenant's max_tokens cap and the model's
+generation defaults (for the fields the request omits).
 
 The prompt is checked against the context first, so an over-long prompt always gets
 `context_length_exceeded` (never an error about a parameter derived from it). An omitted
@@ -13,14 +14,18 @@ from kvseal.admission import AdmissionLimits
 from kvseal.errors import InvalidParameter
 from kvseal.server.auth import Tenant
 from kvseal.server.front_door import check_context
+from kvseal.server.generation_defaults import GenerationDefaults
 from kvseal.server.protocol import GenerationBody
 from kvseal.types import SamplingParams
 
+NEUTRAL = GenerationDefaults()
+
 
 def build_sampling_params(body: GenerationBody, *, max_tokens: int | None, num_prompt_tokens: int,
-                          limits: AdmissionLimits, logprobs: int | None, tenant: Tenant) -> SamplingParams:
+                          limits: AdmissionLimits, logprobs: int | None, tenant: Tenant,
+                          defaults: GenerationDefaults = NEUTRAL) -> SamplingParams:
     """`max_tokens` is what the client asked for; `num_prompt_tokens` counts the prompt before
-    any truncation the request asked for."""
+    any truncation the request asked for; `defaults` fill the sampling fields it omitted."""
     if body.truncate_prompt_tokens is not None:
         num_prompt_tokens = min(num_prompt_tokens, body.truncate_prompt_tokens)
     check_context(num_prompt_tokens, 1 if max_tokens is None else max_tokens, limits)
@@ -28,16 +33,33 @@ def build_sampling_params(body: GenerationBody, *, max_tokens: int | None, num_p
         raise InvalidParameter("stream_options is only allowed with stream=true", param="stream_options")
     return SamplingParams(
         max_tokens=_max_tokens(max_tokens, max(1, limits.max_model_len - num_prompt_tokens), tenant),
-        temperature=1.0 if body.temperature is None else body.temperature,
-        top_p=1.0 if body.top_p is None else body.top_p,
-        top_k=-1 if body.top_k is None else body.top_k,
+        temperature=defaults.temperature if body.temperature is None else body.temperature,
+        top_p=defaults.top_p if body.top_p is None else body.top_p,
+        top_k=defaults.top_k if body.top_k is None else body.top_k,
         seed=body.seed,
         stop=body.stop_list,
+        stop_token_ids=tuple(body.stop_token_ids or ()),
         ignore_eos=body.ignore_eos,
         min_tokens=body.min_tokens,
         logprobs=logprobs,
         truncate_prompt_tokens=body.truncate_prompt_tokens,
+        n=body.n or 1,
+        presence_penalty=body.presence_penalty or 0.0,
+        frequency_penalty=body.frequency_penalty or 0.0,
+        repetition_penalty=defaults.repetition_penalty if body.repetition_penalty is None else body.repetition_penalty,
+        logit_bias=_logit_bias(body.logit_bias),
     )
+
+
+def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+    """OpenAI sends token ids as JSON object keys (strings); each must be a decimal integer."""
+    pairs = []
+    for key, value in (bias or {}).items():
+        if not key.isdecimal():
+            raise InvalidParameter(f"logit_bias keys must be token ids (decimal integers), got {key!r}",
+                                   param="logit_bias")
+        pairs.append((int(key), value))
+    return tuple(pairs)
 
 
 def _max_tokens(asked: int | None, remaining: int, tenant: Tenant) -> int:

@@ -11,6 +11,7 @@ from kvseal.server.audit import AuditLog
 from kvseal.server.auth import ApiKeyTable
 from kvseal.server.config import ServerConfig
 from kvseal.server.engine_client import EngineClient
+from kvseal.server.generation_defaults import GenerationDefaults
 from kvseal.server.metrics import ServerMetrics
 from kvseal.server.prompts import PromptEncoder
 from kvseal.server.tenant_gate import TenantGate
@@ -26,6 +27,7 @@ class AppState:
     metrics: ServerMetrics
     audit: AuditLog
     gate: TenantGate = field(default_factory=TenantGate)
+    defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
     created: int = field(default_factory=lambda: int(time.time()))
     is_draining: bool = False
 

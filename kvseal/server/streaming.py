@@ -18,8 +18,8 @@ from starlette.types import Receive, Scope, Send
 from kvseal.messages.msgs import RequestOutputMsg
 from kvseal.server import errors
 from kvseal.server.call import Call
+from kvseal.server.choices import ChoiceGroup
 from kvseal.server.endpoint import Formatter
-from kvseal.server.request_handle import RequestHandle
 from kvseal.server.transcript import Transcript
 
 _encoder = msgspec.json.Encoder()
@@ -34,8 +34,8 @@ class EventStreamResponse(StreamingResponse):
     """An SSE response that ends its call's HTTP side however the stream ends: completed,
     cancelled by a disconnect, or never started."""
 
-    def __init__(self, call: Call, handle: RequestHandle, fmt: Formatter, include_usage: bool) -> None:
-        super().__init__(_events(handle, fmt, include_usage), media_type="text/event-stream",
+    def __init__(self, call: Call, group: ChoiceGroup, fmt: Formatter, include_usage: bool) -> None:
+        super().__init__(_events(group, fmt, include_usage), media_type="text/event-stream",
                          headers={errors.REQUEST_ID_HEADER: call.request_id, "cache-control": "no-cache"})
         self._call = call
 
@@ -47,21 +47,20 @@ class EventStreamResponse(StreamingResponse):
             self._call.http_done()
 
 
-async def _events(handle: RequestHandle, fmt: Formatter, include_usage: bool) -> AsyncIterator[bytes]:
-    transcript = Transcript()
+async def _events(group: ChoiceGroup, fmt: Formatter, include_usage: bool) -> AsyncIterator[bytes]:
+    transcripts = [Transcript() for _ in range(group.num_choices)]
     for chunk in fmt.first_chunks():
         yield sse(chunk)
-    async for event in handle.events():
+    async for index, event in group.events():
         err = errors.for_event(event)
         if err is not None:
             yield sse(err.body())
             yield DONE
             return
         assert isinstance(event, RequestOutputMsg)
-        transcript.add(event)
-        delta = fmt.delta_chunk(event)
-        if delta is not None:
+        transcripts[index].add(event)
+        for delta in fmt.delta_chunks(index, event):
             yield sse(delta)
     if include_usage:
-        yield sse(fmt.usage_chunk(transcript))
+        yield sse(fmt.usage_chunk(transcripts))
     yield DONE

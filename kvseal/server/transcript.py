@@ -27,6 +27,10 @@ class Transcript:
     def text(self) -> str:
         return "".join(self._text_parts)
 
-    def usage(self) -> dict[str, Any]:
-        return {"prompt_tokens": self.num_prompt_tokens, "completion_tokens": self.num_output_tokens,
-                "total_tokens": self.num_prompt_tokens + self.num_output_tokens}
+
+
+def usage(transcripts: list[Transcript]) -> dict[str, Any]:
+    """OpenAI's usage for n choices: the prompt counted once, completion tokens summed."""
+    num_prompt = transcripts[0].num_prompt_tokens
+    num_output = sum(t.num_output_tokens for t in transcripts)
+    return {"prompt_tokens": num_prompt, "completion_tokens": num_output, "total_tokens": num_prompt + num_output}

@@ -13,7 +13,8 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "server"))
 from server_process import ServerProcess  # noqa: E402
 from tiny_server_model import make_server_model  # noqa: E402
 
-BENCH_KEYS = {"key-short": {"tenant": "short"}, "key-long": {"tenant": "long"}}
+BENCH_KEYS = {"key-short": {"tenant": "short"}, "key-long": {"tenant": "long"},
+              "key-ops": {"tenant": "ops", "admin": True}}
 
 
 @pytest.fixture(scope="session")

@@ -49,7 +49,7 @@ def test_server_memory_and_kv_pool_match_plan(bench_server: ServerProcess, bench
                                               capsys: pytest.CaptureFixture[str]) -> None:
     assert bench_server.proc is not None
     result = run_bench(bench_server, bench_model_dir, tmp_path / "mem.json", "--concurrency", "2",
-                       "--server-pid", str(bench_server.proc.pid))
+                       "--server-pid", str(bench_server.proc.pid), "--admin-key", "key-ops")
     assert result["peak_rss_bytes"] > 0 and result["server_pid"] == bench_server.proc.pid
     assert 0 < result["peak_kv_pages_used"] <= result["kv_pages_total"]
     capsys.readouterr()

@@ -11,6 +11,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+from char_model import make_char_model  # noqa: E402
 from server_process import KEYS, MAX_BODY_BYTES, ServerProcess, client_for  # noqa: E402
 from tiny_server_model import make_server_model  # noqa: E402
 
@@ -37,3 +38,18 @@ def alice(server: ServerProcess) -> openai.OpenAI:
 @pytest.fixture
 def bob(server: ServerProcess) -> openai.OpenAI:
     return client_for(server, "key-bob")
+
+
+@pytest.fixture(scope="session")
+def char_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A character-level tiny model: JSON and tool calls can be spelled with its tokens."""
+    return make_char_model(tmp_path_factory.mktemp("char") / "char-llama")
+
+
+@pytest.fixture(scope="session")
+def char_server(char_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    proc = ServerProcess(char_dir, tmp_path_factory.mktemp("char-server"), keys=KEYS,
+                         extra_args=["--tool-call-parser", "hermes", "--max-model-len", "1024"])
+    proc.start()
+    yield proc
+    proc.terminate()

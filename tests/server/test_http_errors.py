@@ -68,8 +68,16 @@ def test_underflowing_sampling_values_are_served(server: ServerProcess, extreme:
     ({"prompt": "w5", "top_p": 0}, "top_p"),
     ({"prompt": "w5", "max_tokens": 0}, "max_tokens"),
     ({"prompt": "w5", "max_tokens": 4, "min_tokens": 5}, "min_tokens"),
-    ({"prompt": "w5", "n": 2}, "n"),
-    ({"prompt": "w5", "presence_penalty": 0.5}, "presence_penalty"),
+    ({"prompt": "w5", "n": 0}, "n"),
+    ({"prompt": "w5", "n": 17}, "n"),
+    ({"prompt": "w5", "presence_penalty": 2.5}, "presence_penalty"),
+    ({"prompt": "w5", "frequency_penalty": -3}, "frequency_penalty"),
+    ({"prompt": "w5", "repetition_penalty": 0}, "repetition_penalty"),
+    ({"prompt": "w5", "logit_bias": {"w5": 1}}, "logit_bias"),
+    ({"prompt": "w5", "logit_bias": {"5": 101}}, "logit_bias"),
+    ({"prompt": "w5", "logit_bias": {"600": 1}}, "logit_bias"),
+    ({"prompt": "w5", "stop_token_ids": [600]}, "stop_token_ids"),
+    ({"prompt": "w5", "stop_token_ids": "5"}, "stop_token_ids"),
     ({"prompt": "w5", "echo": True}, "echo"),
     ({"prompt": "w5", "stop": [""]}, "stop"),
     ({"prompt": "w5", "logprobs": 21}, "logprobs"),
@@ -98,7 +106,7 @@ def test_invalid_chat_parameter_is_400_naming_it(server: ServerProcess, body: di
     assert error_of(post(server, "/chat/completions", body), 400)["param"] == param
 
 
-@pytest.mark.parametrize("field", ["tools", "response_format", "logit_bias", "suffix", "best_of"])
+@pytest.mark.parametrize("field", ["tools", "suffix", "best_of"])
 def test_unsupported_field_is_rejected_not_ignored(server: ServerProcess, field: str) -> None:
     err = error_of(post(server, "/completions", {"prompt": "w5", field: None}), 400)
     assert err["code"] == "unsupported_parameter" and err["param"] == field

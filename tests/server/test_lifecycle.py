@@ -147,9 +147,29 @@ def test_slow_clients_are_timed_out(start_server: Callable[..., ServerProcess]) 
     with socket.create_connection(("127.0.0.1", slow_server.port), timeout=WAIT_DEADLINE_S) as partial_body:
         partial_body.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
                              b"content-length: 100\r\n\r\n{\"prompt\": ")
-        answer = partial_body.recv(4096)
+        answer = _read_http_response(partial_body)
     assert answer.startswith(b"HTTP/1.1 408") and b"request_timeout" in answer
     assert httpx.get(f"{slow_server.url}/health", timeout=10).status_code == 200
+
+
+def _read_http_response(sock: socket.socket) -> bytes:
+    """One whole HTTP response (headers and a content-length body), however it is split into
+    segments; bounded by the socket's timeout."""
+    data = b""
+    while b"\r\n\r\n" not in data or len(data.partition(b"\r\n\r\n")[2]) < _content_length(data):
+        chunk = sock.recv(4096)
+        if not chunk:
+            break
+        data += chunk
+    return data
+
+
+def _content_length(data: bytes) -> int:
+    for line in data.partition(b"\r\n\r\n")[0].split(b"\r\n"):
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            return int(value)
+    return 0
 
 
 def test_engine_exits_when_the_frontend_is_killed(start_server: Callable[..., ServerProcess]) -> None:

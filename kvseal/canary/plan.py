@@ -1,0 +1,104 @@
+"""The workload plan: every request of a run, decided up front from the seed.
+
+Each request belongs to one tenant and carries its own marker. Its prompt puts the marker at
+the very start (so it sits in the request's first KV page) and ends with the marker repeated,
+which any language model continues: a server that serves stale or foreign KV gives the model
+every reason to repeat another request's marker. A fraction of requests is oversized (more
+words than the context limit: every tokenizer makes at least one token of a space-separated
+word), a fraction of streams is dropped mid-way, and the rest mix both endpoints, streaming
+and not.
+"""
+
+from __future__ import annotations
+
+import enum
+import random
+from dataclasses import dataclass
+
+from kvseal.canary.config import CanaryConfig
+from kvseal.canary.markers import Marker, MarkerFactory
+from kvseal.errors import ConfigError
+
+FILLER_WORDS = ("the", "river", "quiet", "garden", "over", "morning", "paper", "a", "bridge", "under", "simple",
+                "window", "blue", "open", "story", "across", "little", "table", "warm", "evening")
+MAX_FILLER_WORDS = 12
+REPEATS = 3
+OVERSIZE_MARGIN_WORDS = 64
+
+
+class Endpoint(enum.Enum):
+    COMPLETIONS = "completions"
+    CHAT = "chat"
+
+    @property
+    def path(self) -> str:
+        return "/v1/completions" if self is Endpoint.COMPLETIONS else "/v1/chat/completions"
+
+
+@dataclass(frozen=True)
+class PlannedRequest:
+    request_id: str  # the canary's own id ("c000042"); the server's id is recorded separately
+    tenant: str
+    key_index: int
+    endpoint: Endpoint
+    is_stream: bool
+    is_oversized: bool
+    abort_after_chunks: int | None  # drop the stream after this many content chunks
+    marker: Marker
+    prompt: str
+    max_tokens: int
+
+
+def tenant_name(key_index: int) -> str:
+    return f"tenant-{key_index}"
+
+
+def prompt_for(marker: Marker, filler: list[str]) -> str:
+    body = f"{marker.text} is my code. {' '.join(filler)}. Repeat my code: "
+    return body + (marker.text + " ") * REPEATS
+
+
+def max_prompt_chars() -> int:
+    """An upper bound on a normal prompt's length in characters (and so in tokens)."""
+    longest = max(len(w) for w in FILLER_WORDS)
+    return len(prompt_for(Marker("X" * 12, "", ""), ["x" * longest] * MAX_FILLER_WORDS))
+
+
+def build_plan(config: CanaryConfig, max_context: int) -> list[PlannedRequest]:
+    """The run's requests in send order. Refuses a context too small for a normal prompt."""
+    need = max_prompt_chars() + config.max_tokens
+    if need > max_context:
+        raise ConfigError(f"the server's context limit {max_context} is below what a canary prompt needs "
+                          f"({need} tokens with --max-tokens {config.max_tokens}); lower --max-tokens or check "
+                          f"--max-context")
+    rng = random.Random(config.seed)
+    markers = MarkerFactory(rng)
+    kinds = _kinds(config, rng)
+    return [_request(i, kind, config, max_context, rng, markers) for i, kind in enumerate(kinds)]
+
+
+def _kinds(config: CanaryConfig, rng: random.Random) -> list[str]:
+    num_oversized = round(config.num_requests * config.oversized_fraction)
+    num_aborted = round(config.num_requests * config.abort_fraction)
+    kinds = ["oversized"] * num_oversized + ["abort"] * num_aborted
+    kinds += ["normal"] * (config.num_requests - len(kinds))
+    rng.shuffle(kinds)
+    return kinds
+
+
+def _request(index: int, kind: str, config: CanaryConfig, max_context: int, rng: random.Random,
+             markers: MarkerFactory) -> PlannedRequest:
+    key_index = index % config.num_tenants
+    request_id = f"c{index:06d}"
+    marker = markers.new(request_id, tenant_name(key_index))
+    if kind == "oversized":
+        words = [rng.choice(FILLER_WORDS) for _ in range(max_context + OVERSIZE_MARGIN_WORDS)]
+        prompt = prompt_for(marker, words)
+    else:
+        prompt = prompt_for(marker, [rng.choice(FILLER_WORDS) for _ in range(rng.randint(0, MAX_FILLER_WORDS))])
+    is_stream = kind == "abort" or rng.random() < 0.5
+    abort_after = rng.randint(1, max(1, config.max_tokens // 2)) if kind == "abort" else None
+    return PlannedRequest(request_id=request_id, tenant=tenant_name(key_index), key_index=key_index,
+                          endpoint=rng.choice(list(Endpoint)), is_stream=is_stream,
+                          is_oversized=kind == "oversized", abort_after_chunks=abort_after, marker=marker,
+                          prompt=prompt, max_tokens=config.max_tokens)

@@ -1,0 +1,189 @@
+"""Findings, verdict, summary table and JSON report of one canary run.
+
+The run fails on any foreign marker in a response (a leak), any oversized prompt answered
+2xx, any 5xx (or error event inside a stream), any request without a complete answer
+(transport error, truncated stream), and, where the server reports them, any isolation check
+it tripped or pages still owned after the run drained.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvseal.canary.markers import MarkerIndex
+from kvseal.canary.runner import Outcome, RequestResult
+
+MAX_LISTED = 50  # errors listed in the JSON report (all are counted)
+
+
+@dataclass(frozen=True)
+class Leak:
+    request_id: str
+    server_request_id: str | None
+    tenant: str
+    foreign_request_id: str
+    foreign_tenant: str
+    matched: str
+    is_full: bool
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@dataclass
+class Findings:
+    results: list[RequestResult]
+    leaks: list[Leak] = field(default_factory=list)
+    same_tenant_crossings: list[Leak] = field(default_factory=list)
+    # Completed responses that repeated their own marker: the run's power. A model that never
+    # repeats its own marker would not repeat a foreign one either, and then zero leaks means little.
+    num_own_echoes: int = 0
+
+    @property
+    def outcomes(self) -> Counter[str]:
+        return Counter(r.outcome.value for r in self.results)
+
+    @property
+    def oversized(self) -> dict[str, int]:
+        counts = {"4xx": 0, "2xx": 0, "5xx": 0, "other": 0}
+        for r in self.results:
+            if r.request.is_oversized:
+                counts[_status_class(r.status)] += 1
+        return counts
+
+    @property
+    def server_errors(self) -> list[RequestResult]:
+        return [r for r in self.results if r.outcome is Outcome.SERVER_ERROR]
+
+    @property
+    def unanswered(self) -> list[RequestResult]:
+        return [r for r in self.results if r.outcome in (Outcome.TRANSPORT_ERROR, Outcome.INCOMPLETE)]
+
+
+def _status_class(status: int | None) -> str:
+    if status is None:
+        return "other"
+    return {2: "2xx", 4: "4xx", 5: "5xx"}.get(status // 100, "other")
+
+
+def analyse(results: list[RequestResult]) -> Findings:
+    """Check every response for every other request's marker."""
+    index = MarkerIndex(r.request.marker for r in results)
+    findings = Findings(results)
+    for r in results:
+        for seen in index.find(r.text):
+            if seen.marker.request_id == r.request.request_id:
+                findings.num_own_echoes += r.outcome is Outcome.OK
+                continue
+            leak = Leak(r.request.request_id, r.server_request_id, r.request.tenant, seen.marker.request_id,
+                        seen.marker.tenant, seen.matched, seen.is_full)
+            target = findings.leaks if seen.marker.tenant != r.request.tenant else findings.same_tenant_crossings
+            target.append(leak)
+    return findings
+
+
+def verdict(findings: Findings, evidence: dict[str, Any]) -> list[str]:
+    """Reasons the run failed; empty means it passed."""
+    reasons = []
+    if findings.leaks:
+        tenants = sorted({(leak.foreign_tenant, leak.tenant) for leak in findings.leaks})
+        reasons.append(f"{len(findings.leaks)} foreign markers in responses (from -> to: "
+                       f"{', '.join(f'{a} -> {b}' for a, b in tenants[:8])})")
+    if findings.oversized["2xx"]:
+        reasons.append(f"{findings.oversized['2xx']} oversized prompts answered 2xx")
+    if findings.server_errors:
+        reasons.append(f"{len(findings.server_errors)} requests answered 5xx or an error event")
+    if findings.unanswered:
+        reasons.append(f"{len(findings.unanswered)} requests without a complete answer (transport error or "
+                       f"truncated stream)")
+    reasons += _evidence_reasons(evidence)
+    return reasons
+
+
+def _evidence_reasons(evidence: dict[str, Any]) -> list[str]:
+    if not evidence.get("available"):
+        return []
+    reasons = []
+    violations = evidence.get("isolation_violations")
+    if isinstance(violations, float) and violations > 0:
+        reasons.append(f"the server tripped {violations:.0f} isolation checks")
+    alloc = evidence.get("allocator_after_run")
+    if isinstance(alloc, dict) and not alloc["is_idle"]:
+        reasons.append(f"after the run the server still reports {alloc['pages_used']:.0f} pages used and "
+                       f"{alloc['pages_free']:.0f} free (of {alloc['pages_total_before']} before the run)")
+    return reasons
+
+
+def build_report(findings: Findings, evidence: dict[str, Any], run: dict[str, Any]) -> dict[str, Any]:
+    reasons = verdict(findings, evidence)
+    return {
+        "verdict": {"passed": not reasons, "reasons": reasons},
+        "run": run,
+        "requests_by_outcome": dict(sorted(findings.outcomes.items())),
+        "oversized_prompts": findings.oversized,
+        "own_marker_echoes": {"responses": findings.num_own_echoes, "of_completed": findings.outcomes["ok"]},
+        "leaks": [leak.as_dict() for leak in findings.leaks],
+        "same_tenant_crossings": [leak.as_dict() for leak in findings.same_tenant_crossings],
+        "server_errors": [_error_row(r) for r in findings.server_errors[:MAX_LISTED]],
+        "unanswered": [_error_row(r) for r in findings.unanswered[:MAX_LISTED]],
+        "server_evidence": evidence,
+    }
+
+
+def _error_row(r: RequestResult) -> dict[str, Any]:
+    return {"request_id": r.request.request_id, "server_request_id": r.server_request_id, "tenant": r.request.tenant,
+            "status": r.status, "error": r.error}
+
+
+def write_report(report: dict[str, Any], path: str) -> None:
+    Path(path).write_text(json.dumps(report, indent=2) + "\n")
+
+
+def summary_table(report: dict[str, Any]) -> str:
+    """The human-readable summary printed at the end of a run."""
+    rows: list[tuple[str, str]] = [("requests", str(report["run"]["num_requests"]))]
+    rows += [(f"  {name}", str(n)) for name, n in report["requests_by_outcome"].items()]
+    over = report["oversized_prompts"]
+    rows.append(("oversized answered 4xx / 2xx / 5xx / other",
+                 f"{over['4xx']} / {over['2xx']} / {over['5xx']} / {over['other']}"))
+    echo = report["own_marker_echoes"]
+    rows.append(("completed responses repeating their own marker", f"{echo['responses']} of {echo['of_completed']}"))
+    rows.append(("5xx or stream errors", str(len(report["server_errors"]))))
+    rows.append(("foreign markers (leaks)", str(len(report["leaks"]))))
+    rows += [(f"  {lk['request_id']} ({lk['tenant']}, server id {lk['server_request_id']})",
+              f"holds {lk['foreign_request_id']}'s marker ({lk['foreign_tenant']}): {lk['matched']}")
+             for lk in report["leaks"][:10]]
+    rows.append(("same-tenant cross-request markers", str(len(report["same_tenant_crossings"]))))
+    rows += _evidence_rows(report["server_evidence"])
+    verdict_row = "PASS" if report["verdict"]["passed"] else "FAIL: " + "; ".join(report["verdict"]["reasons"])
+    rows.append(("verdict", verdict_row))
+    width = max(len(name) for name, _ in rows)
+    return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
+
+
+def _evidence_rows(evidence: dict[str, Any]) -> list[tuple[str, str]]:
+    if not evidence.get("available"):
+        return [("server evidence", f"unavailable: {evidence.get('reason')}")]
+    alloc = evidence["allocator_after_run"]
+    alloc_text = alloc if isinstance(alloc, str) else (
+        f"{alloc['pages_used']:.0f} used, {alloc['pages_free']:.0f} free (before the run: "
+        f"{alloc['pages_total_before']} in all)")
+    return [
+        ("server: requests by outcome (audit)", _fmt(evidence["requests_by_outcome"])),
+        ("server: rejections by reason", _fmt(evidence["rejections_by_reason"])),
+        ("server: isolation checks tripped", _fmt(evidence["isolation_violations"])),
+        ("server: pages scrubbed", _fmt(evidence["pages_scrubbed"])),
+        ("server: allocator after the run", alloc_text),
+    ]
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, dict):
+        return ", ".join(f"{k}={v:.0f}" for k, v in value.items()) or "none"
+    if isinstance(value, float):
+        return f"{value:.0f}"
+    return str(value)

@@ -1,0 +1,158 @@
+"""The async runner: sends the plan with bounded concurrency and records what came back.
+
+Every request ends in exactly one `Outcome`. Nothing is retried: a status is evidence as it
+is. Streams are read chunk by chunk and joined, so a marker split across chunks is still
+found; a planned abort closes the connection after its chunk count.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from kvseal.canary.plan import Endpoint, PlannedRequest
+
+REQUEST_ID_HEADER = "x-request-id"
+
+
+class Outcome(enum.Enum):
+    OK = "ok"  # 2xx, complete
+    ABORTED = "aborted"  # the canary dropped the stream as planned
+    REJECTED = "rejected"  # 4xx
+    SERVER_ERROR = "server_error"  # 5xx, or an error event inside a 2xx stream
+    INCOMPLETE = "incomplete"  # a 2xx stream that ended without [DONE]
+    TRANSPORT_ERROR = "transport_error"  # no HTTP answer: refused, reset, timed out
+
+
+@dataclass(frozen=True)
+class RequestResult:
+    request: PlannedRequest
+    outcome: Outcome
+    status: int | None
+    text: str  # everything the server generated for this request (joined stream chunks)
+    server_request_id: str | None
+    error: str | None
+    duration_s: float
+
+
+@dataclass(frozen=True)
+class Target:
+    root_url: str
+    model: str
+    keys: tuple[str, ...]
+    timeout_s: float
+
+
+async def run_plan(plan: list[PlannedRequest], target: Target, concurrency: int,
+                   on_result: Callable[[RequestResult], None]) -> list[RequestResult]:
+    """Run every planned request, at most `concurrency` at a time; results in plan order."""
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    timeout = httpx.Timeout(target.timeout_s, connect=min(30.0, target.timeout_s))
+    gate = asyncio.Semaphore(concurrency)
+    async with httpx.AsyncClient(base_url=target.root_url, limits=limits, timeout=timeout) as client:
+        async def one(req: PlannedRequest) -> RequestResult:
+            async with gate:
+                result = await _send(client, target, req)
+            on_result(result)
+            return result
+
+        return list(await asyncio.gather(*(one(r) for r in plan)))
+
+
+def request_body(req: PlannedRequest, model: str) -> dict[str, Any]:
+    body: dict[str, Any] = {"model": model, "max_tokens": req.max_tokens, "temperature": 0, "stream": req.is_stream}
+    if req.endpoint is Endpoint.COMPLETIONS:
+        body["prompt"] = req.prompt
+    else:
+        body["messages"] = [{"role": "user", "content": req.prompt}]
+    return body
+
+
+async def _send(client: httpx.AsyncClient, target: Target, req: PlannedRequest) -> RequestResult:
+    started = time.monotonic()
+    headers = {"authorization": f"Bearer {target.keys[req.key_index]}"}
+    body = request_body(req, target.model)
+    try:
+        if req.is_stream:
+            outcome, status, text, server_id, error = await _stream(client, req, body, headers)
+        else:
+            outcome, status, text, server_id, error = await _unary(client, req, body, headers)
+    except httpx.HTTPError as exc:
+        error = f"{type(exc).__name__}: {exc}"
+        outcome, status, text, server_id = Outcome.TRANSPORT_ERROR, None, "", None
+    return RequestResult(req, outcome, status, text, server_id, error, time.monotonic() - started)
+
+
+_Answer = tuple[Outcome, int | None, str, str | None, str | None]
+
+
+async def _unary(client: httpx.AsyncClient, req: PlannedRequest, body: dict[str, Any],
+                 headers: dict[str, str]) -> _Answer:
+    resp = await client.post(req.endpoint.path, json=body, headers=headers)
+    server_id = resp.headers.get(REQUEST_ID_HEADER)
+    if resp.status_code >= 300:
+        return _status_outcome(resp.status_code), resp.status_code, "", server_id, _error_text(resp.text)
+    try:
+        payload = resp.json()
+        text = "".join(_choice_text(c, req.endpoint) for c in payload.get("choices", []))
+    except (ValueError, AttributeError, TypeError) as exc:
+        return Outcome.INCOMPLETE, resp.status_code, resp.text, server_id, f"unparseable body: {exc}"
+    return Outcome.OK, resp.status_code, text, server_id or payload.get("id"), None
+
+
+async def _stream(client: httpx.AsyncClient, req: PlannedRequest, body: dict[str, Any],
+                  headers: dict[str, str]) -> _Answer:
+    async with client.stream("POST", req.endpoint.path, json=body, headers=headers) as resp:
+        server_id = resp.headers.get(REQUEST_ID_HEADER)
+        if resp.status_code >= 300:
+            raw = (await resp.aread()).decode(errors="replace")
+            return _status_outcome(resp.status_code), resp.status_code, "", server_id, _error_text(raw)
+        pieces: list[str] = []
+        num_chunks = 0
+        async for line in resp.aiter_lines():
+            if not line.startswith("data:"):
+                continue
+            data = line[len("data:"):].strip()
+            if data == "[DONE]":
+                return Outcome.OK, resp.status_code, "".join(pieces), server_id, None
+            try:
+                event = json.loads(data)
+            except ValueError:
+                bad = f"unparseable event: {data[:200]}"
+                return Outcome.INCOMPLETE, resp.status_code, "".join(pieces), server_id, bad
+            if "error" in event:
+                return Outcome.SERVER_ERROR, resp.status_code, "".join(pieces), server_id, _error_text(data)
+            server_id = server_id or event.get("id")
+            piece = "".join(_choice_text(c, req.endpoint) for c in event.get("choices", []))
+            pieces.append(piece)
+            num_chunks += bool(piece)
+            if req.abort_after_chunks is not None and num_chunks >= req.abort_after_chunks:
+                return Outcome.ABORTED, resp.status_code, "".join(pieces), server_id, None
+        return Outcome.INCOMPLETE, resp.status_code, "".join(pieces), server_id, "stream ended without [DONE]"
+
+
+def _choice_text(choice: dict[str, Any], endpoint: Endpoint) -> str:
+    if endpoint is Endpoint.COMPLETIONS:
+        return str(choice.get("text") or "")
+    message = choice.get("message") or choice.get("delta") or {}
+    return str(message.get("content") or "")
+
+
+def _status_outcome(status: int) -> Outcome:
+    return Outcome.SERVER_ERROR if status >= 500 else Outcome.REJECTED
+
+
+def _error_text(raw: str) -> str:
+    """`code: message` from an OpenAI-format error body, else the raw text (shortened)."""
+    try:
+        err = json.loads(raw)["error"]
+        return f"{err.get('code') or err.get('type')}: {err.get('message')}"[:500]
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return raw[:500]

@@ -1,0 +1,88 @@
+"""Per-request changes to the logits before sampling, applied to the whole batch at once.
+
+Order (vLLM's): grammar mask, logit_bias, the min_tokens ban on stop tokens, then the
+penalties: repetition (prompt and output tokens, as transformers' and vLLM's
+`repetition_penalty`: a positive logit is divided by it, a negative one multiplied),
+frequency (minus `frequency_penalty` x the token's count in the output) and presence (minus
+`presence_penalty` once the token appears in the output), OpenAI's definitions.
+
+Every step builds a few [num_requests, vocab] tensors with one scatter each; nothing loops
+over the vocabulary or does tensor arithmetic per row in Python. A batch whose requests ask
+for none of these features is returned unchanged (no copy).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvseal.structured.matching import apply_grammar_masks
+from kvseal.types import Request
+
+
+def apply_logits_processors(logits: torch.Tensor, requests: list[Request],
+                            eos_token_ids: tuple[int, ...]) -> torch.Tensor:
+    """logits: [num_requests, vocab] float32. Returns the processed logits (a new tensor if changed)."""
+    logits = apply_grammar_masks(logits, requests)
+    logits = _add_logit_bias(logits, requests)
+    logits = _ban_early_stop_tokens(logits, requests, eos_token_ids)
+    return apply_penalties(logits, requests)
+
+
+def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    if not any(r.params.has_penalties for r in requests):
+        return logits
+    vocab_size = logits.shape[-1]
+    output_counts = token_counts([r.output_token_ids for r in requests], vocab_size)  # [B, V]
+    logits = logits.clone()
+    repetition = torch.tensor([r.params.repetition_penalty for r in requests], dtype=logits.dtype)
+    if bool((repetition != 1).any()):
+        seen = (token_counts([r.prompt_token_ids for r in requests], vocab_size) > 0) | (output_counts > 0)
+        penalty = torch.where(seen, repetition[:, None], torch.ones_like(logits))
+        logits = torch.where(logits > 0, logits / penalty, logits * penalty)
+    frequency = torch.tensor([r.params.frequency_penalty for r in requests], dtype=logits.dtype)
+    presence = torch.tensor([r.params.presence_penalty for r in requests], dtype=logits.dtype)
+    logits -= frequency[:, None] * output_counts
+    logits -= presence[:, None] * (output_counts > 0).to(logits.dtype)
+    return logits
+
+
+def token_counts(sequences: list[list[int]], vocab_size: int) -> torch.Tensor:
+    """[len(sequences), vocab_size] float32: how often each token occurs in each sequence."""
+    max_len = max((len(s) for s in sequences), default=0)
+    padded = torch.full((len(sequences), max_len), vocab_size, dtype=torch.int64)  # vocab_size: padding column
+    for row, seq in enumerate(sequences):
+        if seq:
+            padded[row, :len(seq)] = torch.tensor(seq, dtype=torch.int64)
+    counts = torch.zeros(len(sequences), vocab_size + 1)
+    counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=counts.dtype))
+    return counts[:, :vocab_size]
+
+
+def _add_logit_bias(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    rows, tokens, biases = [], [], []
+    for row, request in enumerate(requests):
+        for token, bias in request.params.logit_bias:
+            rows.append(row)
+            tokens.append(token)
+            biases.append(bias)
+    if not rows:
+        return logits
+    index = (torch.tensor(rows), torch.tensor(tokens))
+    return logits.index_put(index, torch.tensor(biases, dtype=logits.dtype), accumulate=True)
+
+
+def _ban_early_stop_tokens(logits: torch.Tensor, requests: list[Request],
+                           eos_token_ids: tuple[int, ...]) -> torch.Tensor:
+    """min_tokens: stop tokens cannot be sampled before that many tokens were produced."""
+    rows, tokens = [], []
+    for row, request in enumerate(requests):
+        params = request.params
+        if request.num_output_tokens >= params.min_tokens:
+            continue
+        banned = list(params.stop_token_ids) + ([] if params.ignore_eos else list(eos_token_ids))
+        rows.extend([row] * len(banned))
+        tokens.extend(banned)
+    if not rows:
+        return logits
+    index = (torch.tensor(rows), torch.tensor(tokens))
+    return logits.index_put(index, torch.tensor(float("-inf"), dtype=logits.dtype))

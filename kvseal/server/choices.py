@@ -1,0 +1,98 @@
+"""`n` choices from one prompt: one engine request per choice, one request for the call.
+
+Each choice is its own engine request (id `<request id>-<i>` when n > 1, the request id
+itself when n == 1), so the prompt's KV is computed once per choice: kvseal has no prefix
+cache to share it read-only yet. Choice i of a seeded request uses seed + i, so the request
+is reproducible and its choices differ.
+
+The group observes every choice's handle and is the call's single view of them: it forwards
+progress, and reports one terminal event when the last choice has ended (a failure wins over
+a success; output tokens and KV pages are summed for the audit record, I8); the call's
+latency metrics follow choice 0. `events()` yields
+every choice's outputs, tagged with the choice index, in arrival order, up to the last
+terminal one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import msgspec
+
+from kvseal.messages.msgs import AddRequestMsg, RequestOutputMsg, SamplingParamsMsg
+from kvseal.server.request_handle import RequestEvent, RequestObserver, is_terminal
+
+ChoiceEvent = tuple[int, RequestEvent]
+
+
+def choice_msgs(msg: AddRequestMsg) -> list[AddRequestMsg]:
+    """The engine requests for the choices of `msg` (just `msg` when it asks for one)."""
+    n = msg.params.n
+    if n == 1:
+        return [msg]
+    return [msgspec.structs.replace(msg, request_id=f"{msg.request_id}-{i}", params=_choice_params(msg, i))
+            for i in range(n)]
+
+
+def _choice_params(msg: AddRequestMsg, index: int) -> SamplingParamsMsg:
+    seed = msg.params.seed
+    return msgspec.structs.replace(msg.params, n=1, seed=None if seed is None else (seed + index) % 2**63)
+
+
+class ChoiceGroup:
+    def __init__(self, request_id: str, num_choices: int, observer: RequestObserver) -> None:
+        self.request_id = request_id
+        self.num_choices = num_choices
+        self._observer = observer
+        self._queue: asyncio.Queue[ChoiceEvent] = asyncio.Queue()
+        self._terminal: dict[int, RequestEvent] = {}
+
+    def observer_for(self, index: int) -> RequestObserver:
+        return _ChoiceObserver(self, index)
+
+    async def events(self) -> AsyncIterator[ChoiceEvent]:
+        """Every choice's events, up to and including the last choice's terminal one."""
+        num_ended = 0
+        while num_ended < self.num_choices:
+            index, event = await self._queue.get()
+            num_ended += is_terminal(event)
+            yield index, event
+
+    def _on_output(self, index: int, out: RequestOutputMsg) -> None:
+        if index == 0:  # the call's latency metrics follow one stream, not n interleaved ones
+            self._observer.on_output(out)
+        if not out.finished:
+            self._queue.put_nowait((index, out))
+
+    def _on_terminal(self, index: int, event: RequestEvent) -> None:
+        self._terminal[index] = event
+        self._queue.put_nowait((index, event))
+        if len(self._terminal) == self.num_choices:
+            self._observer.on_terminal(self._merged())
+
+    def _merged(self) -> RequestEvent:
+        events = [self._terminal[i] for i in range(self.num_choices)]
+        if self.num_choices == 1:
+            return events[0]
+        failed = next((e for e in events if not isinstance(e, RequestOutputMsg) or e.finish_reason == "abort"), None)
+        outputs = [e for e in events if isinstance(e, RequestOutputMsg)]
+        if failed is not None and not isinstance(failed, RequestOutputMsg):
+            return failed
+        last = failed if failed is not None else outputs[-1]
+        return msgspec.structs.replace(
+            last, request_id=self.request_id, num_output_tokens=sum(o.num_output_tokens for o in outputs),
+            num_pages_reserved=sum(o.num_pages_reserved for o in outputs),
+            num_kv_tokens_written=sum(o.num_kv_tokens_written for o in outputs))
+
+
+class _ChoiceObserver:
+    def __init__(self, group: ChoiceGroup, index: int) -> None:
+        self._group = group
+        self._index = index
+
+    def on_output(self, out: RequestOutputMsg) -> None:
+        self._group._on_output(self._index, out)
+
+    def on_terminal(self, event: RequestEvent) -> None:
+        self._group._on_terminal(self._index, event)

@@ -1,0 +1,18 @@
+"""Which optional features a request used, by name, for the audit log (I8). Never their content."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel
+
+# Request fields whose presence the audit log records (a field sent at all counts as used).
+FEATURE_FIELDS = (
+    "n", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "stop", "stop_token_ids",
+    "seed", "logprobs", "top_logprobs", "min_tokens", "ignore_eos", "truncate_prompt_tokens", "response_format",
+    "tools", "tool_choice", "stream",
+)
+
+
+def features_used(body: BaseModel) -> list[str]:
+    """The names of the feature fields `body` set explicitly, in `FEATURE_FIELDS` order."""
+    sent = body.model_fields_set
+    return [name for name in FEATURE_FIELDS if name in sent]

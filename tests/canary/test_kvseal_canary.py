@@ -1,0 +1,90 @@
+"""The canary against a real kvseal server: a clean run passes; each fault must fail it.
+
+The model is `copy_model.py`'s hand-built copier, which repeats whatever its context holds
+one marker-period back, so a response shows exactly whose KV the request attended to (a
+random-weight model would never repeat a marker and the run could not fail). With page size
+256 a whole canary request lives in its first KV page, the page FOREIGN_PAGE swaps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from kvseal_server import KvsealServer
+
+from kvseal.server import auth
+
+NUM_TENANTS = 8
+CANARY_KEYS = [f"canary-key-{i}" for i in range(NUM_TENANTS)]
+ADMIN_KEY = "canary-admin-key"
+# Until the frontend's admin keys exist, /metrics is open and read without a key.
+HAS_ADMIN_KEYS = "admin" in getattr(auth, "_FIELDS", set())
+RunCanary = Callable[..., tuple[int, dict[str, Any]]]
+
+
+def _server_keys() -> dict[str, dict[str, object]]:
+    keys: dict[str, dict[str, object]] = {k: {"tenant": f"t{i}"} for i, k in enumerate(CANARY_KEYS)}
+    if HAS_ADMIN_KEYS:
+        keys[ADMIN_KEY] = {"tenant": "ops", "admin": True}
+    return keys
+
+
+def _admin_flags() -> list[str]:
+    return ["--admin-key", ADMIN_KEY] if HAS_ADMIN_KEYS else []
+
+
+def test_clean_server_passes(copy_model_dir: Path, tmp_path: Path, run_canary: RunCanary) -> None:
+    """(d) 8 tenants x 25 requests, checks and scrub off: zero leaks, evidence consistent."""
+    with KvsealServer(copy_model_dir, tmp_path, _server_keys()) as server:
+        status, report = run_canary(server.url, CANARY_KEYS, "--requests", "200", "--max-tokens", "16",
+                                    "--seed", "1", *_admin_flags())
+    assert status == 0, report["verdict"]
+    assert report["leaks"] == [] and report["same_tenant_crossings"] == []
+    assert report["oversized_prompts"] == {"4xx": 10, "2xx": 0, "5xx": 0, "other": 0}
+    outcomes = report["requests_by_outcome"]
+    assert outcomes == {"aborted": 10, "ok": 180, "rejected": 10}
+    # The run had power: every completed response repeated its own marker.
+    assert report["own_marker_echoes"] == {"responses": 180, "of_completed": 180}
+    evidence = report["server_evidence"]
+    assert evidence["available"], evidence
+    assert evidence["rejections_by_reason"] == {"context_length_exceeded": 10.0}
+    assert sum(evidence["requests_by_outcome"].values()) == 200
+    assert evidence["allocator_after_run"]["pages_used"] == 0 and evidence["allocator_after_run"]["is_idle"]
+
+
+def test_placeholder_fault_fails_the_run(copy_model_dir: Path, tmp_path: Path, run_canary: RunCanary) -> None:
+    """(b) The incident's path with the default isolation flags (no --check-kv, no scrub). A token
+    budget of 256 splits some prompts into chunks whose later parts are computed for real (as in
+    the incident, where only some prompts took the placeholder path), so the pool holds real
+    markers that placeholder requests then read. The run must fail: by foreign markers while
+    the engine leaks silently, by 500 isolation_check_failed once it checks coverage itself."""
+    with KvsealServer(copy_model_dir, tmp_path, _server_keys(), faults=["placeholder_prefill"],
+                      extra_args=["--max-num-batched-tokens", "256"]) as server:
+        status, report = run_canary(server.url, CANARY_KEYS, "--requests", "64", "--seed", "2", *_admin_flags())
+    assert status == 1
+    caught_by_engine = [e for e in report["server_errors"] if "isolation_check_failed" in str(e["error"])]
+    assert report["leaks"] or caught_by_engine, report["verdict"]
+    _assert_leaks_well_formed(report)
+
+
+def test_foreign_page_without_checks_is_caught_by_markers(copy_model_dir: Path, tmp_path: Path,
+                                                          run_canary: RunCanary) -> None:
+    """(c) A block table naming another request's page, checks bypassed, scrub off: only the
+    canary stands between this and a silent leak, and it must report it by markers."""
+    with KvsealServer(copy_model_dir, tmp_path, _server_keys(), faults=["foreign_page", "bypass_kv_checks"],
+                      extra_args=["--kv-scrub", "off"]) as server:
+        status, report = run_canary(server.url, CANARY_KEYS, "--requests", "48", "--seed", "3", *_admin_flags())
+    assert status == 1
+    assert report["leaks"], report["verdict"]
+    assert any("foreign markers" in reason for reason in report["verdict"]["reasons"])
+    _assert_leaks_well_formed(report)
+
+
+def _assert_leaks_well_formed(report: dict[str, Any]) -> None:
+    for leak in report["leaks"]:
+        assert leak["tenant"] != leak["foreign_tenant"]
+        assert leak["request_id"] != leak["foreign_request_id"]
+        assert leak["server_request_id"]
+        assert len(leak["matched"]) >= 10

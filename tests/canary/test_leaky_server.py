@@ -1,0 +1,45 @@
+"""Negative control (a): a server that hands one tenant another tenant's prompt is caught,
+with the right request ids and both tenants; the same server without leaks passes."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from kvseal_server import free_port
+from leaky_server import LeakyServer
+
+KEYS = [f"leaky-key-{i}" for i in range(4)]
+FLAGS = ["--requests", "60", "--concurrency", "4", "--seed", "3"]
+
+
+def test_leaky_server_is_caught(run_canary: Callable[..., tuple[int, dict[str, Any]]]) -> None:
+    with LeakyServer(free_port(), leak_every=7) as server:
+        # No planned aborts here: a stream dropped before the leaked marker arrives would hide it.
+        status, report = run_canary(f"{server.url}/v1", KEYS, *FLAGS, "--abort-fraction", "0")
+        truth = dict(server.log.leaks)
+    assert status == 1
+    assert not report["verdict"]["passed"]
+    assert truth, "the leaky server leaked at least once"
+    # Every leak the server committed is reported, and nothing else.
+    reported = {leak["server_request_id"]: leak for leak in report["leaks"]}
+    assert set(reported) == set(truth)
+    for server_id, (victim_key, source_key) in truth.items():
+        leak = reported[server_id]
+        assert leak["tenant"] == f"tenant-{KEYS.index(victim_key)}"
+        assert leak["foreign_tenant"] == f"tenant-{KEYS.index(source_key)}"
+        assert leak["foreign_request_id"] != leak["request_id"]
+        assert leak["is_full"], "lower case and spaces do not hide a whole marker"
+    assert any("foreign markers" in reason for reason in report["verdict"]["reasons"])
+
+
+def test_same_server_without_leaks_passes(run_canary: Callable[..., tuple[int, dict[str, Any]]]) -> None:
+    """A server that is not kvseal: no evidence (reported as unavailable, not a failure)."""
+    with LeakyServer(free_port(), leak_every=0) as server:
+        status, report = run_canary(server.url, KEYS, *FLAGS)
+    assert status == 0, report["verdict"]
+    assert report["leaks"] == []
+    assert report["oversized_prompts"]["4xx"] == 3 and report["oversized_prompts"]["2xx"] == 0
+    assert report["requests_by_outcome"] == {"aborted": 3, "ok": 54, "rejected": 3}
+    assert report["server_evidence"] == {"available": False, "reason": "GET /metrics answered 404"}
+    assert report["run"]["model"] == "leaky-model" and report["run"]["max_context"] == 2048

@@ -1,0 +1,90 @@
+"""Structured output offline: grammar-constrained JSON, schema errors, the per-tenant cache."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+from char_model import make_char_model
+
+from kvseal import LLM, SamplingParams
+from kvseal.errors import InvalidParameter
+from kvseal.structured.compiler import GrammarCompilerPool
+from kvseal.structured.schema import check_schema
+from kvseal.types import StructuredOutput
+
+SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "colour": {"enum": ["red", "green", "blue"]},
+                                           "n": {"type": "integer", "minimum": 0, "maximum": 9}},
+          "required": ["ok", "colour", "n"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def char_llm(tmp_path_factory: pytest.TempPathFactory) -> LLM:
+    folder = make_char_model(tmp_path_factory.mktemp("char") / "char-llama")
+    return LLM(str(folder), kv_cache_tokens=1024, page_size=4, dtype="float32")
+
+
+def test_json_schema_outputs_validate_in_a_mixed_batch(char_llm: LLM) -> None:
+    spec = StructuredOutput("json_schema", json.dumps(SCHEMA))
+    params = [SamplingParams(max_tokens=60, temperature=t, seed=s, structured=spec)
+              for t, s in [(0.0, None), (1.0, 1), (1.5, 2), (2.0, 3)]]
+    free = SamplingParams(max_tokens=20, temperature=1.0, seed=4, ignore_eos=True)
+    outputs = char_llm.generate(["hi", "hello", "x", "{", "free"], [*params, free])
+    for out in outputs[:-1]:
+        assert out.finish_reason.value == "stop", out.text
+        jsonschema.validate(json.loads(out.text), SCHEMA)
+    assert len(outputs[-1].token_ids) == 20, "a request without a grammar in the same batch is unconstrained"
+    char_llm.engine.check_integrity()
+
+
+def test_json_object_output_is_an_object(char_llm: LLM) -> None:
+    spec = StructuredOutput("json_object")
+    for seed in range(3):
+        out = char_llm.generate("w", SamplingParams(max_tokens=200, temperature=0.7, seed=seed, structured=spec))[0]
+        if out.finish_reason.value == "stop":
+            assert isinstance(json.loads(out.text), dict)
+        else:  # cut by max_tokens: every token so far was allowed, so it is a prefix of an object
+            assert out.text.startswith("{")
+
+
+@pytest.mark.parametrize(("schema", "problem"), [
+    ('{"type": "objectx"}', "objectx"),
+    ('{"type": "object", "properties": 5}', "properties"),
+])
+def test_invalid_schema_is_a_typed_error_naming_the_problem(schema: str, problem: str, char_llm: LLM) -> None:
+    with pytest.raises(InvalidParameter, match=problem) as info:
+        check_schema(schema)
+    assert info.value.param == "response_format"
+    with pytest.raises(InvalidParameter, match=problem):
+        char_llm.generate("x", SamplingParams(structured=StructuredOutput("json_schema", schema)))
+    assert not char_llm.engine.has_unfinished()
+
+
+def test_grammar_cache_is_per_tenant(char_llm: LLM) -> None:
+    pool = GrammarCompilerPool(char_llm.get_tokenizer(), 128, (1,))
+    spec = StructuredOutput("json_schema", json.dumps(SCHEMA))
+    first = pool.compile_now("alice", spec)
+    assert pool.num_compiles == 1
+    assert pool.compile_now("alice", spec) is first and pool.num_compiles == 1, "same tenant: a hit"
+    assert pool.compile_now("bob", spec) is not first and pool.num_compiles == 2, "another tenant: a miss"
+    pool.close()
+
+
+def test_structured_params_round_trip_through_messages(tmp_path: Path) -> None:
+    from kvseal.messages.convert import params_from_msg, params_to_msg
+
+    params = SamplingParams(structured=StructuredOutput("json_schema", "{}"), n=2, logit_bias={3: 1.0})
+    assert params_from_msg(params_to_msg(params)) == params
+    with pytest.raises(InvalidParameter):
+        StructuredOutput("json_schema")
+
+
+def test_a_grammar_the_vocabulary_cannot_begin_is_refused(make_llm: Any) -> None:
+    """The word-level tiny model has no token that spells "{": a 400, never an aborted request."""
+    llm = make_llm()
+    with pytest.raises(InvalidParameter, match="no token that can begin") as info:
+        llm.generate("w5", SamplingParams(structured=StructuredOutput("json_object")))
+    assert info.value.param == "response_format" and not llm.engine.has_unfinished()

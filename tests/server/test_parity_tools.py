@@ -1,0 +1,137 @@
+"""Tools and tool_choice on chat completions (Hermes parser, `--tool-call-parser hermes`).
+
+The character-level tiny model's chat template renders the tools and past tool calls; a
+named or required tool_choice is enforced with the grammar, so even random weights produce a
+call whose arguments validate against the tool's parameters.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+import jsonschema
+import openai
+import pytest
+from server_process import ServerProcess, client_for
+
+from kvseal.server.tools import HermesToolParser, ToolCallStream
+
+WEATHER = {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}, "celsius": {"type": "boolean"}},
+           "required": ["city", "celsius"], "additionalProperties": False}
+TIME = {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
+        "additionalProperties": False}
+TOOLS: list[Any] = [
+    {"type": "function", "function": {"name": "get_weather", "description": "weather", "parameters": WEATHER}},
+    {"type": "function", "function": {"name": "get_time", "parameters": TIME}},
+]
+PARAMS = {"get_weather": WEATHER, "get_time": TIME}
+MESSAGES: list[Any] = [{"role": "user", "content": "weather?"}]
+
+
+@pytest.fixture
+def client(char_server: ServerProcess) -> openai.OpenAI:
+    return client_for(char_server, "key-alice")
+
+
+def _validate(call: Any) -> None:
+    jsonschema.validate(json.loads(call.function.arguments), PARAMS[call.function.name])
+
+
+def test_named_tool_choice_yields_a_valid_call(char_server: ServerProcess, client: openai.OpenAI) -> None:
+    for seed in range(3):
+        out = client.chat.completions.create(
+            model=char_server.model_name, messages=MESSAGES, tools=TOOLS, max_tokens=100, temperature=1.0,
+            seed=seed, tool_choice={"type": "function", "function": {"name": "get_time"}})
+        message = out.choices[0].message
+        assert message.tool_calls is not None and len(message.tool_calls) == 1
+        call = message.tool_calls[0]
+        assert call.function.name == "get_time" and call.id.startswith("call_") and call.type == "function"
+        _validate(call)
+        assert out.choices[0].finish_reason == "stop"
+
+
+def test_required_tool_choice_calls_one_of_the_tools(char_server: ServerProcess, client: openai.OpenAI) -> None:
+    out = client.chat.completions.create(model=char_server.model_name, messages=MESSAGES, tools=TOOLS, n=3,
+                                         max_tokens=100, temperature=1.0, seed=1, tool_choice="required")
+    for choice in out.choices:
+        assert choice.message.tool_calls is not None and choice.finish_reason == "tool_calls"
+        _validate(choice.message.tool_calls[0])
+
+
+def test_streamed_tool_call_deltas_accumulate_to_a_call(char_server: ServerProcess, client: openai.OpenAI) -> None:
+    calls: dict[int, dict[str, str]] = {}
+    finish = None
+    for chunk in client.chat.completions.create(
+            model=char_server.model_name, messages=MESSAGES, tools=TOOLS, max_tokens=100, temperature=0.5, seed=2,
+            tool_choice={"type": "function", "function": {"name": "get_weather"}}, stream=True):
+        for choice in chunk.choices:
+            assert not choice.delta.content or "<tool_call>" not in choice.delta.content
+            for delta in choice.delta.tool_calls or []:
+                entry = calls.setdefault(delta.index, {"name": "", "arguments": ""})
+                entry["name"] += delta.function.name or "" if delta.function else ""
+                entry["arguments"] += delta.function.arguments or "" if delta.function else ""
+            finish = choice.finish_reason or finish
+    assert list(calls) == [0] and calls[0]["name"] == "get_weather" and finish == "stop"
+    jsonschema.validate(json.loads(calls[0]["arguments"]), WEATHER)
+
+
+def test_tool_results_in_the_history(char_server: ServerProcess, client: openai.OpenAI) -> None:
+    history = [*MESSAGES,
+               {"role": "assistant", "content": None, "tool_calls": [
+                   {"id": "call_1", "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Oslo", "celsius": true}'}}]},
+               {"role": "tool", "tool_call_id": "call_1", "content": "-3"}]
+    out = client.chat.completions.create(model=char_server.model_name, messages=history, tools=TOOLS,
+                                         max_tokens=4, temperature=0, tool_choice="none")
+    assert out.choices[0].message.tool_calls is None and out.choices[0].finish_reason == "length"
+    tokens = httpx.post(f"{char_server.url}/tokenize", headers={"Authorization": "Bearer key-alice"},
+                        json={"messages": history, "return_token_strs": True}, timeout=30).json()
+    rendered = "".join(tokens["token_strs"])
+    assert '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo", "celsius": true}}</tool_call>' in rendered
+    assert rendered.endswith("<tool>-3<assistant>")
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools"),
+    ({"tools": TOOLS, "parallel_tool_calls": False}, "parallel_tool_calls"),
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
+    ({"messages": [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{not json"}}]}]}, "messages"),
+])
+def test_bad_tool_requests_are_400(char_server: ServerProcess, body: dict[str, Any], param: str) -> None:
+    response = httpx.post(f"{char_server.base_url}/chat/completions", headers={"Authorization": "Bearer key-alice"},
+                          json={"messages": MESSAGES, "max_tokens": 2} | body, timeout=30)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
+
+
+def test_tools_need_the_parser_flag(server: ServerProcess) -> None:
+    response = httpx.post(f"{server.base_url}/chat/completions", headers={"Authorization": "Bearer key-alice"},
+                          json={"messages": MESSAGES, "tools": TOOLS}, timeout=30)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "tools"
+    assert "--tool-call-parser" in response.json()["error"]["message"]
+
+
+def test_hermes_parser() -> None:
+    parser = HermesToolParser()
+    text = 'Let me check.<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>'
+    content, calls = parser.parse(text)
+    assert content == "Let me check." and [(c.name, json.loads(c.arguments)) for c in calls] == [("f", {"a": 1})]
+    assert parser.parse("no calls") == ("no calls", [])
+    broken = "<tool_call>{oops}</tool_call>"
+    assert parser.parse(broken) == (broken, []), "a block that is not a call stays text"
+
+
+def test_tool_call_stream_holds_back_a_partial_tag() -> None:
+    stream = ToolCallStream(HermesToolParser())
+    assert stream.content_delta("Hi <tool") == "Hi "
+    assert stream.content_delta('_call>\n{"name": "f", "arguments": {}}\n</tool_call>') == ""
+    rest, calls = stream.finish()
+    assert rest == "" and [c.name for c in calls] == ["f"]
+    plain = ToolCallStream(HermesToolParser())
+    assert plain.content_delta("a <") == "a "
+    assert plain.finish() == ("<", [])
