@@ -17,8 +17,12 @@ LONG = 240  # tokens: under prefill's limit, 30 prefill steps of 8 tokens each
 
 
 def assert_errors(results: list[Result]) -> None:
-    """Every request ended with an error status: never 200 with a finish reason."""
-    assert results and all(r.status >= 500 and r.text == "" for r in results), results
+    """Requests caught by the kill ended with an error status (never 200 with a finish reason);
+    any that finished before it got their complete, own answer."""
+    assert any(r.status >= 500 for r in results), results
+    for r in results:
+        assert (r.status >= 500 and r.text == "") or (
+            r.status == 200 and r.text.split() == [f"w{r.marker}"] * MAX_TOKENS), r
 
 
 def assert_serving(cluster: PdCluster) -> None:
@@ -27,12 +31,13 @@ def assert_serving(cluster: PdCluster) -> None:
 
 
 def kill_during_handoffs(cluster: PdCluster, kill: str) -> list[Result]:
-    """Send four long prompts; kill an engine once decode holds reservations for three."""
+    """Send six long prompts (prefill works through them one after another); kill an engine
+    while decode holds a reservation waiting for prefill's KV."""
     frontend = cluster.frontend
     reserved_before = frontend.metric("kvseal_pd_reservations", role="decode")
-    with ThreadPoolExecutor(max_workers=4) as pool:
-        futures: list[Future[Result]] = [pool.submit(send, frontend, "alice", LONG) for _ in range(4)]
-        wait_for(lambda: frontend.metric("kvseal_pd_reservations", role="decode") - reserved_before >= 3,
+    with ThreadPoolExecutor(max_workers=6) as pool:
+        futures: list[Future[Result]] = [pool.submit(send, frontend, "alice", LONG) for _ in range(6)]
+        wait_for(lambda: frontend.metric("kvseal_pd_reservations", role="decode") - reserved_before >= 1,
                  "decode's reservations")
         getattr(cluster, kill).kill()
         return [f.result() for f in futures]
@@ -42,13 +47,10 @@ def test_client_disconnect_during_the_handoff(pd_cluster: PdCluster) -> None:
     """The client leaves while its KV is being computed: both engines end the request and
     free everything; the audit says aborted."""
     frontend = pd_cluster.frontend
-    reserved_before = frontend.metric("kvseal_pd_reservations", role="decode")
     body = {"prompt": marker_prompt(77, LONG), "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True}
     with httpx.Client(timeout=60) as client, client.stream(
             "POST", f"{frontend.url}/v1/completions", json=body, headers={"authorization": "Bearer key-alice"}) as r:
-        request_id = r.headers["x-request-id"]
-        wait_for(lambda: frontend.metric("kvseal_pd_reservations", role="decode") > reserved_before,
-                 "decode's reservation")
+        request_id = r.headers["x-request-id"]  # submitted; prefill needs 30 steps: leave now
     record = wait_for(lambda: next((a for a in frontend.audit_records() if a["request_id"] == request_id), None),
                       "the audit record")
     assert record["outcome"] == "aborted" and record.get("output_tokens") in (None, 0), record
