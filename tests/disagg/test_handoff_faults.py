@@ -22,7 +22,7 @@ from kvseal.disagg.transport import PushPlan
 from kvseal.errors import ConfigError
 from kvseal.messages.msgs import AbortMsg
 from kvseal.models.loader import load_model
-from kvseal.types import ISOLATION_CHECK_FAILED
+from kvseal.types import ISOLATION_CHECK_FAILED, StructuredOutput
 
 PROMPT = list(range(100, 130))  # 30 tokens: 7.5 pages of 4
 
@@ -287,4 +287,14 @@ def test_an_engine_binds_only_its_address_and_refuses_a_taken_one(make_pair: Any
     pair = make_pair()
     with pytest.raises(ConfigError, match="cannot listen on"):
         EngineNode(pair.decode.engine, NodeConfig("decode", pair.decode.config.listen), pair.ctx)
+    pair.assert_clean()
+
+
+def test_structured_output_is_refused_in_pd_until_grammars_travel(make_pair: Any) -> None:
+    """Decode would continue without the grammar prefill sampled under: refuse, do not half-honour."""
+    pair = make_pair()
+    params = SamplingParams(max_tokens=4, temperature=0, structured=StructuredOutput("json_object"))
+    handoff = pair.reserve(PROMPT, params)
+    assert handoff.refused is not None and handoff.refused.http_status == 400
+    assert handoff.refused.param == "response_format" and "disaggregation" in handoff.refused.message
     pair.assert_clean()
