@@ -11,6 +11,7 @@ from kvseal.bench.cli import add_bench_parser
 from kvseal.canary import add_canary_arguments, cmd_canary
 from kvseal.capacity import KvCapacity, bytes_per_element, parse_bytes
 from kvseal.config import DTYPES
+from kvseal.disagg.args import add_engine_node_arguments, add_pd_serve_arguments
 from kvseal.engine_args import add_engine_arguments, dtype_arg, engine_args_from
 from kvseal.errors import KvsealError
 from kvseal.server import add_serve_arguments
@@ -80,6 +81,13 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
     return serve(ns)
 
 
+def _cmd_engine(ns: argparse.Namespace) -> int:
+    from kvseal.disagg.engine_main import serve_engine
+    from kvseal.disagg.node import node_config_from
+
+    return serve_engine(engine_args_from(ns), node_config_from(ns))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvseal", description=__doc__)
     parser.add_argument("--log-level", default="INFO")
@@ -111,7 +119,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="OpenAI-compatible multi-tenant HTTP server")
     add_engine_arguments(serve)
     add_serve_arguments(serve)
+    add_pd_serve_arguments(serve)
     serve.set_defaults(func=_cmd_serve)
+
+    engine = sub.add_parser("engine", help="one prefill or decode engine for a PD frontend (kvseal serve --prefill)")
+    add_engine_arguments(engine)
+    add_engine_node_arguments(engine)
+    engine.set_defaults(func=_cmd_engine)
 
     add_bench_parser(sub)
 

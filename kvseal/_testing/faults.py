@@ -25,6 +25,9 @@ class Fault(enum.Enum):
     # The HTTP frontend skips its own admission call (I1 at the door), so a test can show that
     # the front-door check is what refuses an over-long prompt, not the engine's re-check.
     SKIP_FRONT_DOOR_ADMISSION = "skip_front_door_admission"
+    # Decode accepts a PD commit without verifying it (token count, per-layer coverage), so a
+    # test can show that the canary markers catch what that verification would have stopped.
+    SKIP_HANDOFF_VERIFY = "skip_handoff_verify"
 
 
 _active: set[Fault] = set()

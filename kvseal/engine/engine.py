@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +40,7 @@ from kvseal.types import (
     RequestOutput,
     SamplingParams,
     ScheduledChunk,
+    TokenLogprobs,
 )
 
 logger = logging.getLogger("kvseal")
@@ -71,6 +73,9 @@ class LLMEngine:
         self._num_preemptions = 0
         self._num_isolation_violations = 0
         self._grammars: GrammarCompilerPool | None = None
+        # Called with a finishing request while it still owns its pages (finish_reason set);
+        # the prefill role exports the request's KV here. None: nothing to do.
+        self.before_free: Callable[[Request], None] | None = None
         self._log_config(args)
 
     def _log_config(self, args: EngineArgs) -> None:
@@ -118,6 +123,31 @@ class LLMEngine:
         self._outputs[request_id] = OutputState(request, self.tokenizer, self.model_config.eos_token_ids)
         self.scheduler.add(request)
         return request
+
+    def add_prefilled(self, request_id: str, tenant: str, prompt_token_ids: list[int], params: SamplingParams,
+                      first_token: int, first_logprobs: TokenLogprobs | None,
+                      generator_state: torch.Tensor) -> RequestOutput:
+        """Run a request whose prompt KV is already in pages it owns, written and recorded in
+        every layer (a verified PD handoff), and whose first token was sampled elsewhere.
+
+        The caller has admitted it (I1) and verified the KV (I4); the engine only continues it.
+        Returns the report of the first token (finished if that token ends the request).
+        """
+        if request_id in self._outputs:
+            raise InvalidParameter(f"request id {request_id!r} is already in use", param="request_id")
+        generator = torch.Generator()
+        generator.set_state(generator_state)
+        request = Request(request_id, tenant, list(prompt_token_ids), params, generator=generator,
+                          num_computed_tokens=len(prompt_token_ids),
+                          max_num_pages=len(self.kv.allocator.pages_of(request_id)))
+        state = self._outputs[request_id] = OutputState(request, self.tokenizer, self.model_config.eos_token_ids)
+        self.scheduler.add_running(request)
+        state.append_token(first_token)
+        if first_logprobs is not None:
+            request.output_logprobs.append(first_logprobs)
+        if request.finish_reason is not None:
+            return self._finish(request, request.finish_reason)
+        return state.report(finished=False)
 
     def abort(self, request_id: str, reason: str = "aborted") -> RequestOutput | None:
         """End a queued or running request now; its pages are free when this returns."""
@@ -187,8 +217,10 @@ class LLMEngine:
     def _finish(self, request: Request, reason: FinishReason, error: str | None = None,
                 error_code: str | None = None) -> RequestOutput:
         num_written = self.kv.num_written_tokens(request.request_id)
-        self.scheduler.finish(request)
         request.finish_reason = reason
+        if self.before_free is not None:
+            self.before_free(request)
+        self.scheduler.finish(request)
         return self._outputs.pop(request.request_id).report(finished=True, error=error, error_code=error_code,
                                                             num_kv_tokens_written=num_written)
 
@@ -201,10 +233,12 @@ class LLMEngine:
         return self._finish(request, FinishReason.ABORT, error=f"isolation check failed: {violation}",
                             error_code=ISOLATION_CHECK_FAILED)
 
-    def check_integrity(self) -> None:
-        """Invariant checks for tests: page ownership (I3) and queue/page agreement."""
+    def check_integrity(self, held: Collection[str] = ()) -> None:
+        """Invariant checks for tests: page ownership (I3) and queue/page agreement.
+
+        `held`: ids that may own pages without running (a decode engine's reservations)."""
         self.kv.check_integrity()
-        live = {r.request_id for r in self.scheduler.running}
+        live = {r.request_id for r in self.scheduler.running} | set(held)
         for request in self.scheduler.waiting:
             assert not self.kv.allocator.owns(request.request_id), f"waiting {request.request_id} holds pages"
         assert self.kv.allocator.owner_ids() <= live, "pages owned by a request that is not running"

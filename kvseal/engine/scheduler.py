@@ -41,6 +41,12 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         self.waiting.append(request)
 
+    def add_running(self, request: Request) -> None:
+        """Take over a request that already owns pages holding its computed KV (a PD handoff).
+        It runs from its next token on, like any running request (and may be preempted)."""
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)

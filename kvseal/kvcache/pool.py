@@ -50,6 +50,23 @@ class KVPool:
         v = torch.index_select(self.v[layer], 1, flat).view(shape)
         return k, v
 
+    def export_pages(self, layer: int, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Stage K and V of `pages` ([n] page ids) of one layer into two contiguous buffers
+        [num_kv_heads, n, page_size, head_dim]: one descriptor each for a transport."""
+        return (torch.index_select(self.k[layer], 1, pages).contiguous(),
+                torch.index_select(self.v[layer], 1, pages).contiguous())
+
+    def import_pages(self, layer: int, kind: str, pages: torch.Tensor, data: torch.Tensor) -> None:
+        """Write a staged buffer [num_kv_heads, n, page_size, head_dim] into `pages` of one layer
+        (K for kind "k", V for "v"). Records nothing: the caller does, once every write landed."""
+        target = self.k[layer] if kind == "k" else self.v[layer]
+        target.index_copy_(1, pages, data.to(target.dtype))
+
+    def page_shape(self) -> tuple[int, int, int]:
+        """(num_kv_heads, page_size, head_dim) of one page of one layer."""
+        num_kv_heads, _, page_size, head_dim = self.k[0].shape
+        return num_kv_heads, page_size, head_dim
+
     def fill(self, pages: list[int], value: float) -> None:
         """Overwrite every slot of `pages` in every layer (scrub with 0, poison with NaN)."""
         index = torch.tensor(pages, dtype=torch.int64)

@@ -52,6 +52,9 @@ class AuditRecord(msgspec.Struct, frozen=True, omit_defaults=True):
     first_token_at: float | None = None
     user: str | None = None
     features: list[str] | None = None  # optional request fields used (names only, kvseal.server.features)
+    prefill_engine: str | None = None  # PD mode: the engines that handled the request and the KV transfer id
+    decode_engine: str | None = None
+    transfer_id: str | None = None
     prompt: str | list[int] | list[dict[str, Any]] | None = None
 
 

@@ -54,6 +54,7 @@ class Call:
         self._first_token_at: float | None = None
         self._last_token_s: float | None = None
         self._progress: RequestOutputMsg | None = None  # the latest output, for a request the engine loses
+        self._route: dict[str, str] = {}  # PD mode: the engines and transfer id (filled in as it is routed)
 
     def take_slot(self, tenant: Tenant) -> None:
         """Count against the tenant's concurrency limit (raises `ApiError` 429)."""
@@ -65,8 +66,10 @@ class Call:
         msgs = choice_msgs(msg)
         group = ChoiceGroup(self.request_id, len(msgs), self)
         for index, choice in enumerate(msgs):
-            self.state.engine.submit(choice, group.observer_for(index))
+            handle = self.state.engine.submit(choice, group.observer_for(index))
             self.engine_ids.append(choice.request_id)
+            if index == 0:
+                self._route = handle.route  # PD mode: the first choice's engines and transfer id (audit)
         self._is_submitted = True
         return group
 
@@ -163,5 +166,7 @@ class Call:
             pages_reserved=out.num_pages_reserved if out is not None else None,
             kv_tokens_written=out.num_kv_tokens_written if out is not None else None,
             first_token_at=self._first_token_at, user=clip_optional(self.user), features=self.features,
+            prefill_engine=self._route.get("prefill_engine"), decode_engine=self._route.get("decode_engine"),
+            transfer_id=self._route.get("transfer_id"),
             prompt=self.prompt_for_audit if self.state.audit.include_prompts else None,
         )

@@ -23,6 +23,7 @@ from pathlib import Path
 import uvicorn
 
 from kvseal.config import EngineArgs
+from kvseal.disagg.serve import PdTopology, start_pd_backend
 from kvseal.engine_args import engine_args_from
 from kvseal.errors import ConfigError
 from kvseal.messages.msgs import ABORT_SERVER_SHUTDOWN
@@ -53,6 +54,9 @@ def run(ns: argparse.Namespace) -> int:
         logger.warning("!" * 80)
     audit = _open_audit(config)
     try:
+        topology = PdTopology.from_namespace(ns)
+        if topology is not None:
+            return asyncio.run(_serve_pd(config, engine_args_from(ns), keys, audit, topology, ns))
         return asyncio.run(_serve(config, engine_args_from(ns), keys, audit))
     finally:
         audit.close()
@@ -81,6 +85,23 @@ async def _serve(config: ServerConfig, engine_args: EngineArgs, keys: ApiKeyTabl
         return 0
     finally:
         await engine.shutdown()
+
+
+async def _serve_pd(config: ServerConfig, engine_args: EngineArgs, keys: ApiKeyTable, audit: AuditLog,
+                    topology: PdTopology, ns: argparse.Namespace) -> int:
+    """PD mode: the same server over prefill and decode engines (kvseal.disagg)."""
+    metrics = ServerMetrics()
+    backend = start_pd_backend(topology, engine_args, ns, metrics.registry)
+    try:
+        state = await _start(config, backend.client, keys, metrics, audit)  # type: ignore[arg-type]
+        if state is None:
+            return 0
+        server = KvsealServer(_uvicorn_config(config, state), lambda port: _log_ready(state, port),
+                              lambda: _drain(state))
+        await server.serve()
+        return 0
+    finally:
+        await backend.shutdown()
 
 
 async def _start(config: ServerConfig, engine: EngineClient, keys: ApiKeyTable, metrics: ServerMetrics,

@@ -67,6 +67,7 @@ class RequestHandle:
         self._observer = observer
         self._queue: asyncio.Queue[RequestEvent] = asyncio.Queue()
         self.is_terminal = False
+        self.route: dict[str, str] = {}  # PD mode: prefill_engine, decode_engine, transfer_id (audit)
 
     def deliver(self, event: RequestEvent) -> None:
         assert not self.is_terminal, f"event for request {self.request_id} after its terminal event"

@@ -1,0 +1,33 @@
+"""Command-line flags of prefill/decode disaggregation (cheap to import: no torch, no zmq)."""
+
+from __future__ import annotations
+
+import argparse
+
+DEFAULT_RESERVATION_TIMEOUT_S = 30.0
+KV_TRANSPORTS = ("tcp",)
+
+
+def add_engine_node_arguments(parser: argparse.ArgumentParser) -> None:
+    """`kvseal engine`: the role, the one address it binds, the KV transport."""
+    parser.add_argument("--role", choices=("prefill", "decode"), required=True)
+    parser.add_argument("--listen", required=True, metavar="HOST:PORT",
+                        help="the only address this engine binds (frontends and peer engines connect here)")
+    parser.add_argument("--kv-transport", choices=KV_TRANSPORTS, default="tcp",
+                        help="how prompt KV moves from prefill to decode")
+    parser.add_argument("--reservation-timeout-s", type=float, default=DEFAULT_RESERVATION_TIMEOUT_S,
+                        help="decode: release a reservation that saw no commit after this long")
+
+
+def add_pd_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    """`kvseal serve` in PD mode: against running engines, or one of each started here."""
+    parser.add_argument("--prefill", default=None, metavar="HOST:PORT[,HOST:PORT...]",
+                        help="prefill engines to use (with --decode); the frontend loads no weights")
+    parser.add_argument("--decode", default=None, metavar="HOST:PORT[,HOST:PORT...]",
+                        help="decode engines to use (with --prefill)")
+    parser.add_argument("--pd", action="store_true",
+                        help="start one prefill and one decode engine on this host, and the frontend")
+    parser.add_argument("--kv-transport", choices=KV_TRANSPORTS, default="tcp",
+                        help="with --pd: how prompt KV moves from prefill to decode")
+    parser.add_argument("--reservation-timeout-s", type=float, default=DEFAULT_RESERVATION_TIMEOUT_S,
+                        help="with --pd: decode releases a reservation that saw no commit after this long")

@@ -1,0 +1,217 @@
+"""The decode role's steps: reserve, receive, verify, then run like any engine (DESIGN.md §3).
+
+Nothing of a handed-off request runs before `verify_commit` accepted it. Every way a
+reservation can end (commit refused, prefill's abort, the frontend's abort, expiry) releases
+its pages under the reservation table's rule and reports one terminal, non-success output.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from kvseal._testing.faults import Fault, is_active
+from kvseal.admission import admit
+from kvseal.disagg.msgs import (
+    HANDOFF_FAILED,
+    CommitMsg,
+    KVBlockMsg,
+    PdMsg,
+    ReservedMsg,
+    ReserveMsg,
+    ReserveRefusedMsg,
+    Role,
+    TransferAbortMsg,
+)
+from kvseal.disagg.reservations import Reservation, ReservationTable
+from kvseal.disagg.role import HandoffCounters, Replies, aborted_output
+from kvseal.disagg.tcp import TcpReceiver
+from kvseal.disagg.verify import Expected, verify_commit
+from kvseal.engine.engine import LLMEngine
+from kvseal.errors import InvalidParameter, RequestRejected
+from kvseal.messages.convert import output_to_msg, params_from_msg
+from kvseal.messages.msgs import AbortMsg, OutputsMsg, RequestOutputMsg, RequestRejectedMsg
+from kvseal.types import ISOLATION_CHECK_FAILED, RequestOutput, TokenLogprobs
+
+logger = logging.getLogger("kvseal.disagg")
+
+
+class DecodeSteps:
+    role: Role = "decode"
+
+    def __init__(self, engine: LLMEngine, receiver: TcpReceiver, replies: Replies, reservation_timeout_s: float,
+                 instance_id: str) -> None:
+        self.engine = engine
+        self.receiver = receiver
+        self.table = ReservationTable(engine.kv, receiver, reservation_timeout_s)
+        self.replies = replies
+        self.instance_id = instance_id
+        self.counters = HandoffCounters()
+        self._frontend_of: dict[str, bytes] = {}  # running handed-off request -> who gets its outputs
+
+    def held(self) -> set[str]:
+        return self.table.request_ids()
+
+    def num_reservations(self) -> int:
+        return len(self.table)
+
+    def handle(self, sender: bytes, msg: PdMsg, payload: memoryview | None) -> bool:
+        match msg:
+            case ReserveMsg():
+                self._reserve(sender, msg)
+            case KVBlockMsg():
+                self._receive(msg, payload)
+            case CommitMsg():
+                self._commit(msg)
+            case TransferAbortMsg():
+                self._transfer_abort(msg)
+            case AbortMsg():
+                self._abort(msg)
+            case _:
+                return False
+        return True
+
+    # ---- step 1: reserve --------------------------------------------------------------
+
+    def _reserve(self, frontend: bytes, msg: ReserveMsg) -> None:
+        try:
+            params = params_from_msg(msg.params)
+            prompt = admit(msg.prompt_token_ids, params, self.engine.limits)  # I1, decode's own limits
+            if self.table.has_request(msg.request_id) or self.engine.find(msg.request_id) is not None:
+                raise RequestRejected(f"request id {msg.request_id!r} is already in use on this decode engine")
+            if params.structured is not None:
+                raise InvalidParameter("structured output (response_format json_schema/json_object, tool "
+                                       "grammars) is not supported with prefill/decode disaggregation yet; "
+                                       "use a colocated server", param="response_format")
+        except RequestRejected as exc:
+            logger.warning("decode re-check refused request %s: %s", msg.request_id, exc.message)
+            self.replies.send(frontend, ReserveRefusedMsg(msg.request_id, msg.tenant, exc.code, exc.message,
+                                                          exc.param, exc.http_status))
+            return
+        self.table.add(Reservation(msg.request_id, msg.tenant, prompt, params, frontend))
+        self._place_waiting()
+
+    def _place_waiting(self) -> bool:
+        placed = self.table.place_waiting()
+        for r in placed:
+            self.replies.send(r.frontend, ReservedMsg(r.request_id, r.tenant, r.transfer_id, list(r.pages),
+                                                      self.engine.kv.page_size, self.receiver.address))
+        return bool(placed)
+
+    # ---- step 3: KV lands -------------------------------------------------------------
+
+    def _receive(self, msg: KVBlockMsg, payload: memoryview | None) -> None:
+        why = "missing_payload" if payload is None else self.receiver.deliver(msg, payload)
+        if why is not None:
+            self.counters.failures[why] += 1
+            logger.warning("refused a KV frame for transfer %s: %s", msg.transfer_id, why)
+
+    # ---- step 4: verify the commit, then run ------------------------------------------
+
+    def _commit(self, msg: CommitMsg) -> None:
+        reservation = self.table.by_transfer(msg.transfer_id)
+        if reservation is None or reservation.request_id != msg.request_id or reservation.tenant != msg.tenant:
+            self.counters.failures["unknown_transfer" if reservation is None else "identity_mismatch"] += 1
+            logger.error("refused a commit for transfer %s (request %s): no matching reservation",
+                         msg.transfer_id, msg.request_id)
+            return  # a forged or stale commit: the reservation, if any, is not touched
+        expected = Expected(reservation.transfer_id, reservation.request_id, reservation.tenant,
+                            reservation.num_prompt_tokens, self.engine.model_config.num_layers)
+        refusal = None if is_active(Fault.SKIP_HANDOFF_VERIFY) else verify_commit(
+            expected, msg, self.receiver.landed(msg.transfer_id))
+        if refusal is not None:
+            logger.error("handoff of request %s (transfer %s from %s) refused: %s", msg.request_id,
+                         msg.transfer_id, msg.prefill_engine, refusal.message)
+            self.counters.failures[refusal.reason] += 1
+            self._end_reservation(reservation, refusal.reason,
+                                  f"isolation check failed: KV handoff verification: {refusal.message}",
+                                  ISOLATION_CHECK_FAILED)
+            return
+        self._start(reservation, msg)
+
+    def _start(self, reservation: Reservation, msg: CommitMsg) -> None:
+        landing = self.receiver.landed(msg.transfer_id)
+        kv, request_id = self.engine.kv, reservation.request_id
+        for layer in range(self.engine.model_config.num_layers):
+            kv.record_written(request_id, layer, 0, reservation.num_prompt_tokens)
+        self.table.take(reservation)
+        self.counters.num_transfers += 1
+        self.counters.num_transfer_bytes += landing.num_bytes if landing is not None else 0
+        logprobs = None if msg.first_logprobs is None else TokenLogprobs(
+            msg.first_logprobs.token_id, msg.first_logprobs.logprob, tuple(msg.first_logprobs.top))
+        generator_state = torch.frombuffer(bytearray(msg.generator_state), dtype=torch.uint8)
+        first = self.engine.add_prefilled(request_id, reservation.tenant, reservation.prompt_token_ids,
+                                          reservation.params, msg.first_token, logprobs, generator_state)
+        logger.info("handoff of request %s verified: transfer %s from prefill %s to decode %s",
+                    request_id, msg.transfer_id, msg.prefill_engine, self.instance_id)
+        self._frontend_of[request_id] = reservation.frontend
+        self.on_outputs([first])
+
+    # ---- every other end of a reservation ---------------------------------------------
+
+    def _transfer_abort(self, msg: TransferAbortMsg) -> None:
+        reservation = self.table.by_transfer(msg.transfer_id)
+        if reservation is None or reservation.request_id != msg.request_id or reservation.tenant != msg.tenant:
+            return  # nothing of that transfer is live here
+        self.counters.failures["prefill_refused"] += 1
+        if self.table.release(reservation, "prefill_refused"):
+            self.replies.send(reservation.frontend, RequestRejectedMsg(msg.request_id, msg.tenant, msg.code,
+                                                                       msg.message, msg.param, msg.http_status))
+
+    def _abort(self, msg: AbortMsg) -> None:
+        reservation = self.table.by_request(msg.request_id)
+        if reservation is not None and reservation.tenant == msg.tenant:
+            self.counters.failures["aborted"] += 1
+            self._end_reservation(reservation, "aborted", msg.reason, None)
+            return
+        request = self.engine.find(msg.request_id)
+        if request is not None and request.tenant == msg.tenant:
+            out = self.engine.abort(msg.request_id, msg.reason)
+            if out is not None:
+                self.on_outputs([out])
+
+    def _end_reservation(self, reservation: Reservation, reason: str, error: str, error_code: str | None) -> None:
+        if self.table.release(reservation, reason):
+            self._report_end(reservation, error, error_code)
+
+    def _report_end(self, reservation: Reservation, error: str, error_code: str | None) -> None:
+        out = aborted_output(reservation.request_id, reservation.tenant, reservation.num_prompt_tokens,
+                             len(reservation.pages), error, error_code)
+        self.replies.send(reservation.frontend, OutputsMsg([out]))
+
+    def tick(self) -> bool:
+        changed = False
+        for reservation in self.table.expired():
+            self.counters.num_reservations_expired += 1
+            self.counters.failures["expired"] += 1
+            logger.error("reservation of request %s (transfer %s) saw no commit within %g s; releasing it",
+                         reservation.request_id, reservation.transfer_id, self.table.timeout_s)
+            self._end_reservation(reservation, "expired",
+                                  f"no KV arrived from prefill within {self.table.timeout_s:g} s", HANDOFF_FAILED)
+            changed = True
+        for reservation in self.table.retry_releases():
+            self._report_end(reservation, reservation.release_reason or "released", HANDOFF_FAILED)
+            changed = True
+        return self._place_waiting() or changed
+
+    def abort_all(self, reason: str) -> None:
+        for request_id in list(self.table.request_ids()):
+            reservation = self.table.by_request(request_id)
+            if reservation is not None:
+                self._end_reservation(reservation, "aborted", reason, None)
+        outputs = [o for o in (self.engine.abort(rid, reason) for rid in self.engine.unfinished_ids()) if o]
+        self.on_outputs(outputs)
+
+    # ---- outputs of running handed-off requests -----------------------------------------
+
+    def on_outputs(self, outputs: list[RequestOutput]) -> None:
+        by_frontend: dict[bytes, list[RequestOutputMsg]] = {}
+        for out in outputs:
+            frontend = self._frontend_of.get(out.request_id)
+            if out.finished:
+                self._frontend_of.pop(out.request_id, None)
+            if frontend is not None:
+                by_frontend.setdefault(frontend, []).append(output_to_msg(out))
+        for frontend, msgs in by_frontend.items():
+            self.replies.send(frontend, OutputsMsg(msgs))

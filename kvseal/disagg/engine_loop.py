@@ -1,0 +1,136 @@
+"""The networked engine's loop, the same for every role: receive, step, report.
+
+One iteration: read every waiting frame from the ROUTER (liveness and shutdown here, the
+rest to the role's `handle`), run one engine step if anything is unfinished and give its
+outputs to the role, let the role check its deadlines, and send stats to the frontends
+that asked (`HelloMsg`) when something changed. An undecodable frame is dropped and logged;
+it never reaches the engine.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import msgspec
+import zmq
+
+from kvseal.disagg.msgs import (
+    EngineInfoMsg,
+    HelloMsg,
+    IntegrityCheckMsg,
+    IntegrityReportMsg,
+    PdMsg,
+    PdStatsMsg,
+    decode,
+)
+from kvseal.disagg.role import Replies, RoleSteps
+from kvseal.engine.engine import LLMEngine
+from kvseal.messages.msgs import EngineStatsMsg, ShutdownMsg
+
+logger = logging.getLogger("kvseal.disagg")
+
+IDLE_POLL_MS = 50  # an idle engine still runs the role's deadlines this often
+
+
+class PdEngineLoop:
+    def __init__(self, engine: LLMEngine, steps: RoleSteps, router: zmq.Socket, replies: Replies,
+                 info: EngineInfoMsg) -> None:
+        self.engine = engine
+        self.steps = steps
+        self.router = router
+        self.replies = replies
+        self.info = info
+        self._frontends: set[bytes] = set()
+        self.is_stopped = False
+
+    def run(self) -> None:
+        while self.run_once():
+            pass
+
+    def run_once(self, idle_poll_ms: int = IDLE_POLL_MS) -> bool:
+        """One iteration; False once a `ShutdownMsg` stopped the loop."""
+        busy = self.engine.has_unfinished()
+        changed = False
+        if self.router.poll(0 if busy else idle_poll_ms, zmq.POLLIN):
+            changed = self._drain()
+        if self.is_stopped:
+            return False
+        if self.engine.has_unfinished():
+            self.steps.on_outputs(self.engine.step())
+            changed = True
+        changed = self.steps.tick() or changed
+        if changed:
+            self._broadcast_stats()
+        return True
+
+    def _drain(self) -> bool:
+        changed = False
+        while not self.is_stopped:
+            try:
+                frames = self.router.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return changed
+            changed = self._on_frames(frames) or changed
+        return changed
+
+    def _on_frames(self, frames: list[zmq.Frame]) -> bool:
+        """[sender, header] or [sender, header, payload]; the payload stays in ZMQ's buffer."""
+        if len(frames) not in (2, 3):
+            logger.error("dropping a message of %d frames", len(frames))
+            return False
+        sender, payload = frames[0].bytes, frames[2].buffer if len(frames) == 3 else None
+        try:
+            msg = decode(frames[1].bytes)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            logger.error("dropping an undecodable message: %s", exc)
+            return False
+        return self._dispatch(sender, msg, payload)
+
+    def _dispatch(self, sender: bytes, msg: PdMsg, payload: memoryview | None) -> bool:
+        match msg:
+            case HelloMsg():
+                self._frontends.add(sender)
+                self.replies.send(sender, self.info)
+                self.replies.send(sender, self.stats())
+                return False
+            case IntegrityCheckMsg():
+                self.replies.send(sender, self.integrity_report())
+                return False
+            case ShutdownMsg():
+                self.steps.abort_all(msg.reason)
+                self.is_stopped = True
+                return True
+        if not self.steps.handle(sender, msg, payload):
+            logger.error("a %s engine does not take %s; dropped", self.steps.role, type(msg).__name__)
+            return False
+        return True
+
+    def stats(self) -> PdStatsMsg:
+        s, c = self.engine.stats(), self.steps.counters
+        return PdStatsMsg(
+            instance_id=self.info.instance_id, role=self.steps.role,
+            engine=EngineStatsMsg(s.num_running, s.num_waiting, s.num_pages_used, s.num_pages_free,
+                                  s.num_preemptions),
+            num_pages_total=self.engine.cache_config.num_pages, num_reservations=self.steps.num_reservations(),
+            num_transfers=c.num_transfers, num_transfer_bytes=c.num_transfer_bytes,
+            transfer_s_total=c.transfer_s_total, handoff_failures=dict(c.failures),
+            num_reservations_expired=c.num_reservations_expired,
+        )
+
+    def _broadcast_stats(self) -> None:
+        stats = self.stats()
+        for frontend in self._frontends:
+            self.replies.send(frontend, stats)
+
+    def integrity_report(self) -> IntegrityReportMsg:
+        try:
+            self.check_integrity()
+            error = None
+        except AssertionError as exc:
+            error = str(exc) or "integrity check failed"
+        return IntegrityReportMsg(self.info.instance_id, error, self.engine.kv.num_used_pages,
+                                  self.steps.num_reservations(), len(self.engine.unfinished_ids()))
+
+    def check_integrity(self) -> None:
+        """For tests: the engine's invariants, with the role's held requests (reservations)."""
+        self.engine.check_integrity(self.steps.held())

@@ -1,0 +1,55 @@
+"""`kvseal engine --role prefill|decode --listen HOST:PORT`: one networked engine.
+
+It loads the model, binds exactly `--listen`, logs "ready", and serves frontends and peer
+engines until SIGTERM/SIGINT (or, when started by `kvseal serve --pd`, until its parent
+exits): then it aborts what it holds (reservations are released under the usual rule) and
+exits 0. A configuration it cannot honour (I2) stops it with exit status 2 before it binds.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import signal
+from collections.abc import Callable
+from types import FrameType
+
+from kvseal.config import EngineArgs
+from kvseal.disagg.node import EngineNode, NodeConfig
+from kvseal.engine.engine import LLMEngine
+from kvseal.messages.msgs import ABORT_SERVER_SHUTDOWN
+
+logger = logging.getLogger("kvseal.disagg")
+
+
+def serve_engine(args: EngineArgs, config: NodeConfig, should_stop: Callable[[], bool] = lambda: False) -> int:
+    """Run one engine node until a signal or `should_stop()`; returns the exit status."""
+    stop = {"signal": 0}
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        stop["signal"] = signum
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    node = EngineNode(LLMEngine(args), config)
+    logger.info("kvseal engine ready: role=%s listening on %s (instance %s, kv transport %s, reservation "
+                "timeout %g s)", config.role, config.listen, node.instance_id, config.kv_transport,
+                config.reservation_timeout_s)
+    try:
+        while not stop["signal"] and not should_stop() and node.loop.run_once():
+            pass
+        if not node.loop.is_stopped:
+            node.steps.abort_all(ABORT_SERVER_SHUTDOWN)
+    finally:
+        node.close()
+        node.ctx.term()
+    logger.info("kvseal engine (%s) stopped", config.role)
+    return 0
+
+
+def run_engine_process(args: EngineArgs, config: NodeConfig, log_level: str) -> None:
+    """Spawn entry point for `kvseal serve --pd`: exits when its parent does."""
+    logging.basicConfig(level=log_level.upper(),
+                        format=f"%(asctime)s %(levelname)s %(name)s[{config.role}]: %(message)s")
+    parent = multiprocessing.parent_process()
+    raise SystemExit(serve_engine(args, config, lambda: parent is not None and not parent.is_alive()))

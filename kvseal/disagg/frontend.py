@@ -1,0 +1,426 @@
+"""The PD frontend's engine client: the same small interface as the colocated `EngineClient`
+(`start`, `submit`, `abort`, `abort_all`, `is_available`, `failure`, `num_in_flight`,
+`shutdown`), over running prefill and decode engines.
+
+Per request: ReserveMsg to the least-loaded decode engine; on `ReservedMsg`, PrefillMsg to
+the least-loaded prefill engine; then decode's outputs (first token only after decode
+verified the handoff) go to the request's handle. Every path ends the handle exactly once.
+
+Admission (I1) uses the smallest `max_model_len` and pool of every engine (each reports them
+in `EngineInfoMsg`); start-up warns when they differ and refuses engines whose KV layout or
+model differ. Liveness: the client says `HelloMsg` to every engine every `HEARTBEAT_S`; an
+engine silent for `DEAD_AFTER_S` is down: its requests fail at once (a decode engine's with
+`EngineGone`; a prefill engine's are also aborted at their decode engine, which releases the
+reservation), and `/health` answers 503 while a role has no engine up. An engine that answers
+again, restarted at the same address or not, is used again without restarting the frontend.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import cast
+
+import msgspec
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
+from kvseal.disagg.msgs import (
+    EngineInfoMsg,
+    HelloMsg,
+    PdMsg,
+    PdStatsMsg,
+    PrefillDoneMsg,
+    PrefillMsg,
+    PrefillRefusedMsg,
+    ReservedMsg,
+    ReserveMsg,
+    ReserveRefusedMsg,
+    Role,
+    decode,
+    encode,
+)
+from kvseal.disagg.prefill import TRANSFER_FAILED
+from kvseal.disagg.wire import tcp_endpoint
+from kvseal.errors import ConfigError
+from kvseal.messages.msgs import (
+    AbortMsg,
+    AddRequestMsg,
+    EngineReadyMsg,
+    OutputsMsg,
+    RequestOutputMsg,
+    RequestRejectedMsg,
+)
+from kvseal.server.engine_client import EngineUnavailable  # the pipeline answers it with 503
+from kvseal.server.request_handle import (
+    EngineGone,
+    IsolationBreach,
+    RequestEvent,
+    RequestHandle,
+    RequestObserver,
+    is_terminal,
+)
+
+logger = logging.getLogger("kvseal.server")
+
+HEARTBEAT_S = 0.5
+DEAD_AFTER_S = 15.0  # a connected engine silent this long is hung (a dead one is noticed at once)
+START_TIMEOUT_S = 600.0
+
+
+@dataclass
+class EngineLink:
+    """The frontend's DEALER to one engine, and what it knows about that engine."""
+
+    role: Role
+    address: str
+    socket: zmq.asyncio.Socket
+    info: EngineInfoMsg | None = None
+    stats: PdStatsMsg | None = None
+    last_seen_s: float = 0.0
+    is_up: bool = False
+    num_assigned: int = 0
+
+    @property
+    def name(self) -> str:
+        return self.info.instance_id if self.info is not None else self.address
+
+    def send(self, msg: PdMsg) -> None:
+        """Queue on the live connection, or raise `EngineUnavailable` (never queue for later)."""
+        # A NOBLOCK send on an asyncio socket is attempted at once: the future is already done.
+        sent = cast(asyncio.Future[None], self.socket.send(encode(msg), zmq.NOBLOCK))
+        error = sent.exception() if sent.done() else None
+        if error is not None:
+            raise EngineUnavailable(f"the {self.role} engine at {self.address} is not connected ({error})")
+
+
+@dataclass
+class PdRoute:
+    """Where one request is: its engines, transfer id and stage (for routing and the audit)."""
+
+    handle: RequestHandle
+    msg: AddRequestMsg
+    decode: EngineLink
+    prefill: EngineLink | None = None
+    transfer_id: str | None = None
+    is_aborted: bool = False
+    started_decoding: bool = False
+
+
+@dataclass(frozen=True)
+class PdLimits:
+    max_model_len: int
+    kv_cache_tokens: int
+
+
+def smallest_limits(infos: list[EngineInfoMsg]) -> PdLimits:
+    """I1 with several engines: the smallest of every engine's limits."""
+    return PdLimits(min(i.max_model_len for i in infos), min(i.kv_cache_tokens for i in infos))
+
+
+class PdClient:
+    def __init__(self, prefill: list[str], decode: list[str], tokenizer_path: str,
+                 on_stats: Callable[[EngineLink], None] = lambda link: None) -> None:
+        self._ctx = zmq.asyncio.Context()
+        self._frontend_id = secrets.token_hex(4)
+        self.links = [self._link("prefill", a) for a in prefill] + [self._link("decode", a) for a in decode]
+        self._tokenizer_path = tokenizer_path
+        self._on_stats = on_stats
+        self._routes: dict[str, PdRoute] = {}
+        self._by_transfer: dict[str, PdRoute] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+        self._round_robin = itertools.count()
+        self._is_shutting_down = False
+        self._layout: str | None = None
+
+    def _link(self, role: Role, address: str) -> EngineLink:
+        socket = self._ctx.socket(zmq.DEALER)
+        socket.setsockopt(zmq.IMMEDIATE, 1)
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.connect(tcp_endpoint(address))
+        return EngineLink(role, address, socket)
+
+    # ---- the EngineClient interface -------------------------------------------------------
+
+    @property
+    def pid(self) -> int | None:
+        return next((link.info.pid for link in self.links if link.info is not None and link.role == "decode"), None)
+
+    @property
+    def is_available(self) -> bool:
+        return self.failure is None
+
+    @property
+    def failure(self) -> str | None:
+        if self._is_shutting_down:
+            return "the server is shutting down"
+        for role in ("prefill", "decode"):
+            if not any(link.is_up for link in self.links if link.role == role):
+                return f"no {role} engine is reachable"
+        return None
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._routes)
+
+    async def start(self, timeout_s: float = START_TIMEOUT_S) -> EngineReadyMsg:
+        """Wait until every configured engine has introduced itself; check they can work together."""
+        self._tasks = [asyncio.create_task(self._receive_loop(link)) for link in self.links]
+        self._tasks += [asyncio.create_task(self._watch_connection(link)) for link in self.links]
+        self._tasks.append(asyncio.create_task(self._heartbeat_loop()))
+        deadline = time.monotonic() + timeout_s
+        while any(link.info is None for link in self.links):
+            if time.monotonic() > deadline:
+                missing = [link.address for link in self.links if link.info is None]
+                raise ConfigError(f"no answer within {timeout_s:g} s from the engines at {', '.join(missing)}; "
+                                  f"start them with `kvseal engine --role ... --listen HOST:PORT`")
+            await asyncio.sleep(0.05)
+        return self._ready_msg()
+
+    def _ready_msg(self) -> EngineReadyMsg:
+        infos = [link.info for link in self.links if link.info is not None]
+        limits = smallest_limits(infos)
+        if len({(i.max_model_len, i.kv_cache_tokens) for i in infos}) > 1:
+            logger.warning("the engines' limits differ (%s); admitting against the smallest: max_model_len=%d "
+                           "kv_cache_tokens=%d", ", ".join(f"{i.role}@{i.address}: max_model_len="
+                                                           f"{i.max_model_len} kv_cache_tokens={i.kv_cache_tokens}"
+                                                           for i in infos),
+                           limits.max_model_len, limits.kv_cache_tokens)
+        first = next(i for i in infos if i.role == "decode")
+        return EngineReadyMsg(
+            pid=first.pid, model_name=first.model_name, model_path=first.model_path,
+            tokenizer_path=self._tokenizer_path, architecture=first.architecture,
+            max_model_len=limits.max_model_len, kv_cache_tokens=limits.kv_cache_tokens, vocab_size=first.vocab_size,
+            page_size=first.page_size, num_pages=min(i.num_pages for i in infos),
+        )
+
+    def submit(self, msg: AddRequestMsg, observer: RequestObserver) -> RequestHandle:
+        decode_link = self._pick("decode")
+        handle = RequestHandle(msg.request_id, msg.tenant, observer)
+        route = PdRoute(handle, msg, decode_link)
+        decode_link.send(ReserveMsg(msg.request_id, msg.tenant, msg.prompt_token_ids, msg.params))
+        decode_link.num_assigned += 1
+        self._routes[msg.request_id] = route
+        route.handle.route["decode_engine"] = decode_link.name
+        return handle
+
+    def abort(self, request_id: str, tenant: str, reason: str) -> None:
+        route = self._routes.get(request_id)
+        if route is None or route.handle.tenant != tenant:
+            return
+        route.is_aborted = True
+        for link in (route.decode, route.prefill):
+            if link is not None and link.is_up:
+                self._try_send(link, AbortMsg(request_id, tenant, reason))
+
+    def abort_all(self, reason: str) -> None:
+        for route in list(self._routes.values()):
+            self.abort(route.handle.request_id, route.handle.tenant, reason)
+
+    async def shutdown(self, timeout_s: float = 10.0) -> None:
+        self._is_shutting_down = True
+        self.abort_all("server_shutdown")
+        deadline = time.monotonic() + timeout_s
+        while self._routes and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        for route in list(self._routes.values()):
+            self._end(route, EngineGone("the server is shutting down"))
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for link in self.links:
+            link.socket.close(linger=0)
+        self._ctx.term()
+
+    # ---- routing ----------------------------------------------------------------------------
+
+    def _pick(self, role: Role) -> EngineLink:
+        """The least-loaded engine of `role` that is up (ties: round robin)."""
+        if self._is_shutting_down:
+            raise EngineUnavailable("the server is shutting down")
+        up = [link for link in self.links if link.role == role and link.is_up]
+        if not up:
+            raise EngineUnavailable(f"no {role} engine is reachable")
+        turn = next(self._round_robin)
+        return min(up, key=lambda link: (link.num_assigned, (up.index(link) - turn) % len(up)))
+
+    async def _receive_loop(self, link: EngineLink) -> None:
+        while True:
+            data = await link.socket.recv()
+            try:
+                msg = decode(data)
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                logger.error("dropping an undecodable message from %s: %s", link.address, exc)
+                continue
+            try:
+                self._on_msg(link, msg)
+            except Exception:  # a frontend bug: fail closed, nothing may wait forever
+                logger.critical("routing a message from %s failed; failing every request", link.address,
+                                exc_info=True)
+                for route in list(self._routes.values()):
+                    self._end(route, EngineGone("the frontend failed while routing engine messages"))
+
+    def _on_msg(self, link: EngineLink, msg: PdMsg) -> None:
+        link.last_seen_s = time.monotonic()
+        match msg:
+            case EngineInfoMsg():
+                self._on_info(link, msg)
+            case PdStatsMsg():
+                link.stats = msg
+                self._on_stats(link)
+            case ReservedMsg():
+                self._on_reserved(link, msg)
+            case ReserveRefusedMsg():
+                self._on_terminal(link, RequestRejectedMsg(msg.request_id, msg.tenant, msg.code, msg.message,
+                                                           msg.param, msg.http_status))
+            case OutputsMsg():
+                for out in msg.outputs:
+                    self._on_output(link, out)
+            case RequestRejectedMsg():
+                self._on_terminal(link, msg)
+            case PrefillDoneMsg() | PrefillRefusedMsg():
+                self._on_prefill_result(link, msg)
+            case _:
+                logger.error("unexpected %s from %s; dropped", type(msg).__name__, link.address)
+
+    def _on_info(self, link: EngineLink, info: EngineInfoMsg) -> None:
+        if info.role != link.role:
+            logger.error("the engine at %s is a %s engine, configured as %s; not using it", link.address,
+                         info.role, link.role)
+            return
+        if self._layout is None:
+            self._layout = info.kv_layout
+        if info.kv_layout != self._layout:
+            logger.error("the engine at %s has KV layout %s, the others %s; not using it", link.address,
+                         info.kv_layout, self._layout)
+            return
+        if link.info is not None and link.info.instance_id != info.instance_id:
+            logger.warning("the %s engine at %s restarted (%s -> %s)", link.role, link.address,
+                           link.info.instance_id, info.instance_id)
+            self._engine_down(link, f"the {link.role} engine at {link.address} restarted")
+        if not link.is_up:
+            logger.info("%s engine %s is up at %s", link.role, info.instance_id, link.address)
+        link.info, link.is_up = info, True
+
+    def _on_reserved(self, link: EngineLink, msg: ReservedMsg) -> None:
+        route = self._routes.get(msg.request_id)
+        if route is None or route.decode is not link or route.is_aborted:
+            self._try_send(link, AbortMsg(msg.request_id, msg.tenant, "the request ended before its reservation"))
+            return
+        route.transfer_id = msg.transfer_id
+        route.handle.route["transfer_id"] = msg.transfer_id
+        self._by_transfer[msg.transfer_id] = route
+        try:
+            prefill = self._pick("prefill")
+            p = route.msg
+            prefill.send(PrefillMsg(p.request_id, p.tenant, p.prompt_token_ids, p.params, msg.transfer_id,
+                                    link.address, link.name, msg.kv_address, msg.pages))
+        except EngineUnavailable as exc:
+            self._try_send(link, AbortMsg(msg.request_id, msg.tenant, str(exc)))
+            self._end(route, EngineGone(str(exc)))
+            return
+        prefill.num_assigned += 1
+        route.prefill = prefill
+        route.handle.route["prefill_engine"] = prefill.name
+
+    def _on_output(self, link: EngineLink, out: RequestOutputMsg) -> None:
+        route = self._routes.get(out.request_id)
+        if route is None or route.decode is not link:
+            return  # a request this frontend already ended (its engine was declared down)
+        if out.tenant != route.handle.tenant:
+            logger.error("decode %s reported tenant %r for request %s of tenant %r; failing it closed",
+                         link.address, out.tenant[:64], out.request_id, route.handle.tenant)
+            self.abort(out.request_id, route.handle.tenant, "isolation_check_failed")
+            self._end(route, IsolationBreach(f"frontend tenant check: decode reported tenant '{out.tenant[:64]}' "
+                                             f"for request {out.request_id} of tenant '{route.handle.tenant}'"))
+            return
+        route.started_decoding = route.started_decoding or bool(out.new_token_ids)
+        if is_terminal(out):
+            self._end(route, out)
+        else:
+            route.handle.deliver(out)
+
+    def _on_terminal(self, link: EngineLink, event: RequestRejectedMsg) -> None:
+        route = self._routes.get(event.request_id)
+        if route is not None and route.decode is link and event.tenant == route.handle.tenant:
+            self._end(route, event)
+
+    def _on_prefill_result(self, link: EngineLink, msg: PrefillDoneMsg | PrefillRefusedMsg) -> None:
+        route = self._by_transfer.get(msg.transfer_id)
+        if route is None or route.prefill is not link:
+            return
+        self._release_prefill(route)
+        if isinstance(msg, PrefillRefusedMsg) and msg.code == TRANSFER_FAILED:
+            # Decode may never have heard of it: end the reservation there too.
+            self._try_send(route.decode, AbortMsg(route.handle.request_id, route.handle.tenant, msg.message))
+
+    def _release_prefill(self, route: PdRoute) -> None:
+        if route.prefill is not None:
+            route.prefill.num_assigned -= 1
+            route.prefill = None
+
+    def _end(self, route: PdRoute, event: RequestEvent) -> None:
+        request_id = route.handle.request_id
+        if self._routes.pop(request_id, None) is None:
+            return
+        route.decode.num_assigned -= 1
+        if route.transfer_id is not None:
+            self._by_transfer.pop(route.transfer_id, None)
+        self._release_prefill(route)
+        route.handle.deliver(event)
+
+    @staticmethod
+    def _try_send(link: EngineLink, msg: PdMsg) -> None:
+        try:
+            link.send(msg)
+        except EngineUnavailable:
+            pass  # that engine is down: it holds nothing of this request any more
+
+    # ---- liveness -----------------------------------------------------------------------------
+
+    async def _heartbeat_loop(self) -> None:
+        hello = HelloMsg(self._frontend_id)
+        while True:
+            now_s = time.monotonic()
+            for link in self.links:
+                self._try_send(link, hello)
+                if link.is_up and now_s - link.last_seen_s > DEAD_AFTER_S:
+                    logger.error("the %s engine at %s has not answered for %.1f s: marking it down", link.role,
+                                 link.address, now_s - link.last_seen_s)
+                    self._engine_down(link, f"the {link.role} engine at {link.address} stopped answering")
+            await asyncio.sleep(HEARTBEAT_S)
+
+    async def _watch_connection(self, link: EngineLink) -> None:
+        """A disconnect (the engine process died or closed) marks the engine down at once."""
+        monitor = link.socket.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        try:
+            while True:
+                event = parse_monitor_message(await monitor.recv_multipart())
+                if event["event"] == zmq.EVENT_DISCONNECTED and link.is_up:
+                    logger.error("the %s engine at %s disconnected: marking it down", link.role, link.address)
+                    self._engine_down(link, f"the {link.role} engine at {link.address} disconnected")
+                elif event["event"] == zmq.EVENT_CONNECTED:
+                    self._try_send(link, HelloMsg(self._frontend_id))
+        finally:
+            link.socket.disable_monitor()
+            monitor.close(linger=0)
+
+    def _engine_down(self, link: EngineLink, reason: str) -> None:
+        """Fail every request that depends on `link` now; free what other engines hold for them."""
+        link.is_up = False
+        link.stats = None
+        self._on_stats(link)
+        for route in list(self._routes.values()):
+            if route.decode is link:
+                if route.prefill is not None:
+                    self._try_send(route.prefill, AbortMsg(route.handle.request_id, route.handle.tenant, reason))
+                self._end(route, EngineGone(reason))
+            elif route.prefill is link and not route.started_decoding:
+                self._try_send(route.decode, AbortMsg(route.handle.request_id, route.handle.tenant, reason))
+                self._end(route, EngineGone(reason))

@@ -1,0 +1,256 @@
+"""Every message of prefill/decode disaggregation, one per protocol step (DESIGN.md §3).
+
+They travel over ZMQ (a DEALER per peer, a ROUTER per engine) as msgpack, decoded only into
+`PdMsg`, the one registry. The colocated engine's messages that mean the same thing in PD
+mode (abort, outputs, rejection, stats) are reused rather than copied.
+
+The handoff, in order:
+
+    frontend -> decode    ReserveMsg          decode re-admits (I1), holds pages "receiving"
+    decode   -> frontend  ReservedMsg | ReserveRefusedMsg
+    frontend -> prefill   PrefillMsg          names the transfer id and decode's pages
+    prefill  -> decode    KVBlockMsg ...      the TCP transport's data (other transports: theirs)
+    prefill  -> decode    CommitMsg | TransferAbortMsg
+    prefill  -> frontend  PrefillDoneMsg | PrefillRefusedMsg
+    decode   -> frontend  OutputsMsg (first token only after verification) | RequestRejectedMsg
+
+A transfer id is decode's random capability for one reservation: decode accepts KV, commits
+and aborts only under a live reservation's id, and only for the pages it reserved.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+from kvseal.messages.msgs import (
+    AbortMsg,
+    EngineStatsMsg,
+    OutputsMsg,
+    RequestRejectedMsg,
+    SamplingParamsMsg,
+    ShutdownMsg,
+    TokenLogprobsMsg,
+)
+
+Role = Literal["prefill", "decode"]
+KVKind = Literal["k", "v"]
+
+# `RequestOutputMsg.error_code` of a request whose KV handoff failed or was refused.
+HANDOFF_FAILED = "kv_handoff_failed"
+
+
+class _Msg(msgspec.Struct, frozen=True, tag=True, forbid_unknown_fields=True):
+    pass
+
+
+# ---- discovery and liveness --------------------------------------------------------------
+
+
+class HelloMsg(_Msg, frozen=True):
+    """A frontend asks an engine who it is; the engine answers `EngineInfoMsg`. Sent again
+    periodically, so a restarted engine is found without restarting the frontend."""
+
+    frontend_id: str
+
+
+class EngineInfoMsg(_Msg, frozen=True):
+    """An engine's role, identity and limits. The frontend admits against the smallest
+    `max_model_len`/`kv_cache_tokens` of all engines (I1) and refuses peers whose KV layout
+    differs. `instance_id` changes on every start, so a restart is recognised."""
+
+    role: Role
+    address: str
+    instance_id: str
+    pid: int
+    model_name: str
+    model_path: str
+    architecture: str
+    max_model_len: int
+    kv_cache_tokens: int
+    vocab_size: int
+    page_size: int
+    num_pages: int
+    kv_layout: str  # layers x kv_heads x head_dim x dtype x page layout: must match across peers
+    kv_transport: str
+
+
+class PdStatsMsg(_Msg, frozen=True):
+    """An engine's counters, sent after each change and in answer to every `HelloMsg`."""
+
+    instance_id: str
+    role: Role
+    engine: EngineStatsMsg
+    num_pages_total: int
+    num_reservations: int
+    num_transfers: int
+    num_transfer_bytes: int
+    transfer_s_total: float
+    handoff_failures: dict[str, int]
+    num_reservations_expired: int
+
+
+class IntegrityCheckMsg(_Msg, frozen=True):
+    """Ask an engine to run its invariant checks now (operators and tests; O(pages))."""
+
+
+class IntegrityReportMsg(_Msg, frozen=True):
+    """The answer: `error` is None when every page has one owner, queues and pages agree and
+    only running requests and reservations hold pages."""
+
+    instance_id: str
+    error: str | None
+    num_pages_used: int
+    num_reservations: int
+    num_unfinished: int
+
+
+# ---- frontend -> decode ------------------------------------------------------------------
+
+
+class ReserveMsg(_Msg, frozen=True):
+    """Reserve decode pages for `prompt_token_ids` plus the first output token."""
+
+    request_id: str
+    tenant: str
+    prompt_token_ids: list[int]
+    params: SamplingParamsMsg
+
+
+class ReservedMsg(_Msg, frozen=True):
+    """Pages are held "receiving" for this transfer: never preempted, never given to anyone else."""
+
+    request_id: str
+    tenant: str
+    transfer_id: str
+    pages: list[int]  # decode's pages, in position order
+    page_size: int
+    kv_address: str  # where the transport delivers KV for this decode engine
+
+
+class ReserveRefusedMsg(_Msg, frozen=True):
+    """Decode's admission re-check (I1) refused the request; nothing was reserved."""
+
+    request_id: str
+    tenant: str
+    code: str
+    message: str
+    param: str | None
+    http_status: int
+
+
+# ---- frontend -> prefill -----------------------------------------------------------------
+
+
+class PrefillMsg(_Msg, frozen=True):
+    """Compute the prompt's KV and first token, and hand them to decode's reservation."""
+
+    request_id: str
+    tenant: str
+    prompt_token_ids: list[int]
+    params: SamplingParamsMsg
+    transfer_id: str
+    decode_address: str  # decode's control address (commit / abort go there)
+    decode_engine: str  # decode's instance id, for the audit trail
+    kv_address: str
+    pages: list[int]  # decode's reserved pages, in position order
+
+
+class PrefillDoneMsg(_Msg, frozen=True):
+    """Prefill pushed the KV and sent the commit; its own pages are free again."""
+
+    request_id: str
+    transfer_id: str
+    prefill_engine: str
+    num_tokens: int
+    num_bytes: int
+    transfer_s: float
+
+
+class PrefillRefusedMsg(_Msg, frozen=True):
+    """Prefill did not hand off (its admission re-check refused, it was aborted, or the
+    transport failed). It sent `TransferAbortMsg` to decode; its own pages are free."""
+
+    request_id: str
+    transfer_id: str
+    prefill_engine: str
+    code: str
+    message: str
+
+
+# ---- prefill -> decode -------------------------------------------------------------------
+
+
+class KVBlockMsg(_Msg, frozen=True):
+    """Header of one TCP-transport frame: K or V of one layer for positions [start, end) of
+    the request follows as raw bytes, staged contiguously as whole pages
+    (`[num_kv_heads, num_pages, page_size, head_dim]`, zeros past `end`). `start` is
+    page-aligned. The destination pages are decode's own reservation: the sender names
+    positions, never decode's page ids, so it cannot address anything else."""
+
+    transfer_id: str
+    layer: int
+    kind: KVKind
+    start: int
+    end: int
+
+
+class WrittenRangeMsg(msgspec.Struct, frozen=True, array_like=True):
+    """Positions [start, end) of the request, in `layer`, whose K and V prefill wrote."""
+
+    layer: int
+    start: int
+    end: int
+
+
+class CommitMsg(_Msg, frozen=True):
+    """Prefill's claim: these positions of every layer were written for this transfer, and
+    this is the first sampled token. Decode verifies every word before it runs a step."""
+
+    transfer_id: str
+    request_id: str
+    tenant: str
+    num_tokens: int
+    written: list[WrittenRangeMsg]
+    first_token: int
+    first_logprobs: TokenLogprobsMsg | None
+    generator_state: bytes  # the request's sampler state after the first token
+    prefill_engine: str
+
+
+class TransferAbortMsg(_Msg, frozen=True):
+    """Prefill will write nothing more for this transfer and the request must not run.
+
+    Sent after prefill's last write: once decode has it, no write of the transfer can still
+    land. The refusal travels on to the client as decode's `RequestRejectedMsg`.
+    """
+
+    transfer_id: str
+    request_id: str
+    tenant: str
+    code: str
+    message: str
+    param: str | None
+    http_status: int
+    prefill_engine: str
+
+
+PdMsg = (
+    HelloMsg | EngineInfoMsg | PdStatsMsg | IntegrityCheckMsg | IntegrityReportMsg
+    | ReserveMsg | ReservedMsg | ReserveRefusedMsg | PrefillMsg
+    | PrefillDoneMsg | PrefillRefusedMsg | KVBlockMsg | CommitMsg | TransferAbortMsg
+    | AbortMsg | ShutdownMsg | OutputsMsg | RequestRejectedMsg
+)
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(PdMsg)
+
+
+def encode(msg: PdMsg) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode(data: bytes) -> PdMsg:
+    """Raise `msgspec.DecodeError`/`ValidationError` for anything not in `PdMsg`."""
+    return _decoder.decode(data)

@@ -1,0 +1,94 @@
+"""Assemble one networked engine of a role: ROUTER on `--listen`, transport, role steps, loop."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+
+import zmq
+
+from kvseal.disagg.args import DEFAULT_RESERVATION_TIMEOUT_S, KV_TRANSPORTS
+from kvseal.disagg.decode import DecodeSteps
+from kvseal.disagg.engine_loop import PdEngineLoop
+from kvseal.disagg.msgs import EngineInfoMsg, Role
+from kvseal.disagg.prefill import PrefillSteps
+from kvseal.disagg.role import Replies, RoleSteps
+from kvseal.disagg.tcp import TcpReceiver, TcpSender
+from kvseal.disagg.wire import PeerLinks, tcp_endpoint
+from kvseal.engine.engine import LLMEngine
+from kvseal.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    role: Role
+    listen: str  # HOST:PORT, bound exactly
+    kv_transport: str = "tcp"
+    reservation_timeout_s: float = DEFAULT_RESERVATION_TIMEOUT_S
+
+    def __post_init__(self) -> None:
+        if self.role not in ("prefill", "decode"):
+            raise ConfigError(f"--role must be prefill or decode, got {self.role!r}")
+        if self.kv_transport not in KV_TRANSPORTS:
+            raise ConfigError(f"--kv-transport must be one of {', '.join(KV_TRANSPORTS)}, got {self.kv_transport!r}")
+        if self.reservation_timeout_s <= 0:
+            raise ConfigError(f"--reservation-timeout-s must be > 0, got {self.reservation_timeout_s}")
+        host, _, port = self.listen.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ConfigError(f"--listen must be HOST:PORT with a port in 1..65535, got {self.listen!r}")
+
+
+def node_config_from(ns: argparse.Namespace) -> NodeConfig:
+    return NodeConfig(ns.role, ns.listen, ns.kv_transport, ns.reservation_timeout_s)
+
+
+def kv_layout(engine: LLMEngine) -> str:
+    """What must match between a prefill and a decode engine for KV to move between them."""
+    m, c = engine.model_config, engine.cache_config
+    return (f"{m.architecture}/layers={m.num_layers}/kv_heads={m.num_kv_heads}/head_dim={m.head_dim}/"
+            f"dtype={str(c.dtype).removeprefix('torch.')}/page_size={c.page_size}/head-major")
+
+
+class EngineNode:
+    """One engine of one role on the network; `loop.run()` serves until `ShutdownMsg`."""
+
+    def __init__(self, engine: LLMEngine, config: NodeConfig, ctx: zmq.Context | None = None) -> None:
+        self.engine = engine
+        self.config = config
+        self.ctx = ctx or zmq.Context()
+        self.router = self.ctx.socket(zmq.ROUTER)
+        self.router.setsockopt(zmq.LINGER, 1000)
+        try:
+            self.router.bind(tcp_endpoint(config.listen))
+        except zmq.ZMQError as exc:
+            self.router.close(linger=0)
+            raise ConfigError(f"cannot listen on {config.listen}: {exc}; give --listen an IP address of this "
+                              f"host and a free port") from exc
+        self.links = PeerLinks(self.ctx)
+        self.instance_id = f"{config.role}-{config.listen}-{secrets.token_hex(4)}"
+        replies = Replies(self.router)
+        self.steps = self._steps(replies)
+        self.loop = PdEngineLoop(engine, self.steps, self.router, replies, self._info())
+
+    def _steps(self, replies: Replies) -> RoleSteps:
+        if self.config.role == "decode":
+            receiver = TcpReceiver(self.engine.kv.pool, self.engine.model_config.num_layers, self.config.listen)
+            return DecodeSteps(self.engine, receiver, replies, self.config.reservation_timeout_s, self.instance_id)
+        return PrefillSteps(self.engine, TcpSender(self.links), self.links, replies, self.instance_id)
+
+    def _info(self) -> EngineInfoMsg:
+        e = self.engine
+        return EngineInfoMsg(
+            role=self.config.role, address=self.config.listen, instance_id=self.instance_id, pid=os.getpid(),
+            model_name=e.loaded.name, model_path=str(Path(e.loaded.path)), architecture=e.model_config.architecture,
+            max_model_len=e.limits.max_model_len, kv_cache_tokens=e.limits.kv_cache_tokens,
+            vocab_size=e.limits.vocab_size, page_size=e.cache_config.page_size, num_pages=e.cache_config.num_pages,
+            kv_layout=kv_layout(e), kv_transport=self.config.kv_transport,
+        )
+
+    def close(self) -> None:
+        self.links.close()
+        self.router.close(linger=0)

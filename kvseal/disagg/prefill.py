@@ -1,0 +1,170 @@
+"""The prefill role's steps: re-admit, compute the prompt's KV and first token, push, commit.
+
+A request prefill refuses is terminal here too: nothing is computed, and decode is told with
+`TransferAbortMsg` so it releases the reservation (the incident's engine instead computed a
+one-token placeholder and transferred it). What is pushed and committed comes from prefill's
+own write records (`written_prefix`), never from what the scheduler believes it computed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass
+
+from kvseal.admission import admit
+from kvseal.disagg.msgs import (
+    CommitMsg,
+    PdMsg,
+    PrefillDoneMsg,
+    PrefillMsg,
+    PrefillRefusedMsg,
+    Role,
+    TransferAbortMsg,
+    WrittenRangeMsg,
+)
+from kvseal.disagg.role import HandoffCounters, Replies
+from kvseal.disagg.transport import KVSender, PushPlan, TransportError
+from kvseal.disagg.wire import PeerLinks
+from kvseal.engine.engine import LLMEngine
+from kvseal.errors import RequestRejected
+from kvseal.messages.convert import params_from_msg
+from kvseal.messages.msgs import AbortMsg, TokenLogprobsMsg
+from kvseal.types import FinishReason, Request, RequestOutput, SamplingParams
+
+logger = logging.getLogger("kvseal.disagg")
+
+TRANSFER_FAILED = "kv_transfer_failed"
+
+
+@dataclass
+class Job:
+    """One handoff in progress on this prefill engine."""
+
+    msg: PrefillMsg
+    frontend: bytes
+    started_s: float
+    result: PrefillDoneMsg | PrefillRefusedMsg | None = None
+
+
+def first_token_params(params: SamplingParams) -> SamplingParams:
+    """What prefill samples with: exactly the request's first draw (min_tokens and stop-token
+    bans apply as they would to the first token), then it stops; decode continues."""
+    return dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1), stop=(),
+                               truncate_prompt_tokens=None)
+
+
+class PrefillSteps:
+    role: Role = "prefill"
+
+    def __init__(self, engine: LLMEngine, sender: KVSender, links: PeerLinks, replies: Replies,
+                 instance_id: str) -> None:
+        self.engine = engine
+        self.sender = sender
+        self.links = links
+        self.replies = replies
+        self.instance_id = instance_id
+        self.counters = HandoffCounters()
+        self._jobs: dict[str, Job] = {}
+        engine.before_free = self._hand_off
+
+    def held(self) -> set[str]:
+        return set()
+
+    def num_reservations(self) -> int:
+        return 0
+
+    def handle(self, sender: bytes, msg: PdMsg, payload: memoryview | None) -> bool:
+        match msg:
+            case PrefillMsg():
+                self._prefill(sender, msg)
+            case AbortMsg():
+                request = self.engine.find(msg.request_id)
+                if request is not None and request.tenant == msg.tenant:
+                    self.on_outputs([out for out in [self.engine.abort(msg.request_id, msg.reason)] if out])
+            case _:
+                return False
+        return True
+
+    def _prefill(self, frontend: bytes, msg: PrefillMsg) -> None:
+        job = Job(msg, frontend, time.monotonic())
+        try:
+            params = params_from_msg(msg.params)
+            prompt = admit(msg.prompt_token_ids, params, self.engine.limits)  # I1, prefill's own limits
+            self.engine.add_request(msg.request_id, prompt, first_token_params(params), msg.tenant)
+        except RequestRejected as exc:
+            logger.warning("prefill re-check refused request %s: %s", msg.request_id, exc.message)
+            self._refuse(job, exc.code, exc.message, exc.param, exc.http_status)
+            self._report(job)
+            return
+        self._jobs[msg.request_id] = job
+
+    def _hand_off(self, request: Request) -> None:
+        """The engine's `before_free` hook: the request still owns its pages here."""
+        job = self._jobs.get(request.request_id)
+        if job is None:
+            return
+        if request.finish_reason is FinishReason.ABORT:
+            self._refuse(job, "request_aborted", "prefill did not complete the request", None, 500)
+            return
+        try:
+            num_bytes = self._push(job, request)
+        except TransportError as exc:
+            logger.error("KV transfer of request %s to %s failed: %s", request.request_id, job.msg.kv_address, exc)
+            self.counters.failures["transport_error"] += 1
+            self._refuse(job, TRANSFER_FAILED, f"the KV transfer to decode failed: {exc}", None, 502)
+            return
+        elapsed_s = time.monotonic() - job.started_s
+        self.counters.num_transfers += 1
+        self.counters.num_transfer_bytes += num_bytes
+        self.counters.transfer_s_total += elapsed_s
+        job.result = PrefillDoneMsg(request.request_id, job.msg.transfer_id, self.instance_id,
+                                    request.num_computed_tokens, num_bytes, elapsed_s)
+
+    def _push(self, job: Job, request: Request) -> int:
+        kv, msg = self.engine.kv, job.msg
+        written = kv.written_prefix(request.request_id)
+        plan = PushPlan(msg.transfer_id, kv.allocator.pages_of(request.request_id), written, msg.kv_address,
+                        list(msg.pages))
+        num_bytes = self.sender.push(plan, kv.pool)
+        first = request.output_logprobs[0] if request.output_logprobs else None
+        assert request.generator is not None, "every engine request samples with its own generator"
+        commit = CommitMsg(
+            transfer_id=msg.transfer_id, request_id=request.request_id, tenant=request.tenant,
+            num_tokens=request.num_computed_tokens,
+            written=[WrittenRangeMsg(layer, 0, end) for layer, end in enumerate(written)],
+            first_token=request.output_token_ids[0],
+            first_logprobs=None if first is None else TokenLogprobsMsg(first.token_id, first.logprob, list(first.top)),
+            generator_state=request.generator.get_state().numpy().tobytes(), prefill_engine=self.instance_id,
+        )
+        self.links.get(msg.decode_address).send(commit)
+        return num_bytes
+
+    def _refuse(self, job: Job, code: str, message: str, param: str | None, http_status: int) -> None:
+        """Tell decode to release the reservation (best effort: it also expires), and the frontend."""
+        msg = job.msg
+        self.counters.failures[code] += 1
+        abort = TransferAbortMsg(msg.transfer_id, msg.request_id, msg.tenant, code, message, param, http_status,
+                                 self.instance_id)
+        try:
+            self.links.get(msg.decode_address).send(abort)
+        except TransportError as exc:
+            logger.error("could not tell decode %s to release transfer %s: %s", msg.decode_address,
+                         msg.transfer_id, exc)
+        job.result = PrefillRefusedMsg(msg.request_id, msg.transfer_id, self.instance_id, code, message)
+
+    def on_outputs(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            if out.finished and out.request_id in self._jobs:
+                self._report(self._jobs.pop(out.request_id))
+
+    def _report(self, job: Job) -> None:
+        assert job.result is not None, "a finished prefill job has its result"
+        self.replies.send(job.frontend, job.result)
+
+    def tick(self) -> bool:
+        return False
+
+    def abort_all(self, reason: str) -> None:
+        self.on_outputs([o for o in (self.engine.abort(rid, reason) for rid in self.engine.unfinished_ids()) if o])

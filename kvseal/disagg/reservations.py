@@ -1,0 +1,131 @@
+"""Decode's reservation table: pages in the "receiving" state (DESIGN.md §3, steps 1, 4, 5).
+
+A reservation owns its pages in the allocator under its request id and tenant, but is not a
+running request: the scheduler never sees it, so it is never preempted and its pages are
+never handed to anyone else. It leaves the table only by
+
+- `take` (the commit verified: the pages pass to the running request), or
+- `release` (abort, refusal, failed verification, cancellation, expiry), which frees the
+  pages only once the receiver confirms no write of the transfer can still land; until then
+  the reservation stays, marked releasing, and `retry_releases` asks again.
+
+A reservation that sees no commit before its deadline is expired under the same rule.
+Reservations that cannot get pages yet wait in FIFO order (they hold nothing while waiting).
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from kvseal.disagg.transport import KVReceiver
+from kvseal.kvcache.manager import KVCacheManager
+from kvseal.types import SamplingParams
+
+
+@dataclass
+class Reservation:
+    request_id: str
+    tenant: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    frontend: bytes  # who asked (a ROUTER identity): replies and outputs go there
+    transfer_id: str = ""
+    pages: tuple[int, ...] = ()
+    deadline_s: float = 0.0
+    release_reason: str | None = None  # set once releasing: waiting for the receiver's confirmation
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus the first output token, which decode's first step writes."""
+        return len(self.prompt_token_ids) + 1
+
+
+class ReservationTable:
+    def __init__(self, kv: KVCacheManager, receiver: KVReceiver, timeout_s: float) -> None:
+        self.kv = kv
+        self.receiver = receiver
+        self.timeout_s = timeout_s
+        self._by_transfer: dict[str, Reservation] = {}
+        self._by_request: dict[str, Reservation] = {}
+        self._waiting: deque[Reservation] = deque()
+        self.num_expired = 0
+
+    def __len__(self) -> int:
+        return len(self._by_transfer)
+
+    def request_ids(self) -> set[str]:
+        """Requests whose pages the table holds (for the engine's integrity check)."""
+        return {r.request_id for r in self._by_transfer.values()}
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._by_request
+
+    def add(self, reservation: Reservation) -> None:
+        """Queue a reservation; `place_waiting` gives it pages when there are enough."""
+        self._by_request[reservation.request_id] = reservation
+        self._waiting.append(reservation)
+
+    def place_waiting(self, now_s: float | None = None) -> list[Reservation]:
+        """Give pages to waiting reservations, oldest first, while they fit. Returns those placed."""
+        placed = []
+        while self._waiting and self.kv.can_reserve(self._waiting[0].request_id, self._waiting[0].num_tokens):
+            reservation = self._waiting.popleft()
+            self._place(reservation, time.monotonic() if now_s is None else now_s)
+            placed.append(reservation)
+        return placed
+
+    def _place(self, reservation: Reservation, now_s: float) -> None:
+        self.kv.reserve(reservation.request_id, reservation.tenant, reservation.num_tokens)
+        reservation.transfer_id = secrets.token_hex(16)
+        reservation.pages = tuple(self.kv.allocator.pages_of(reservation.request_id))
+        reservation.deadline_s = now_s + self.timeout_s
+        self.receiver.authorize(reservation.transfer_id, list(reservation.pages))
+        self._by_transfer[reservation.transfer_id] = reservation
+
+    def by_transfer(self, transfer_id: str) -> Reservation | None:
+        reservation = self._by_transfer.get(transfer_id)
+        return reservation if reservation is not None and reservation.release_reason is None else None
+
+    def by_request(self, request_id: str) -> Reservation | None:
+        return self._by_request.get(request_id)
+
+    def take(self, reservation: Reservation) -> None:
+        """The commit verified: the pages now belong to the running request. The receiver
+        forgets the transfer (its last write landed before the commit)."""
+        confirmed = self.receiver.cancel(reservation.transfer_id)
+        assert confirmed, "a committed transfer has no write in flight"
+        self._forget(reservation)
+
+    def release(self, reservation: Reservation, reason: str) -> bool:
+        """End the reservation; free its pages once no write can land. True if freed now."""
+        if reservation in self._waiting:
+            self._waiting.remove(reservation)
+            self._forget(reservation)
+            return True
+        reservation.release_reason = reservation.release_reason or reason
+        if not self.receiver.cancel(reservation.transfer_id):
+            return False
+        self.kv.free(reservation.request_id)
+        self._forget(reservation)
+        return True
+
+    def retry_releases(self) -> list[Reservation]:
+        """Free the pages of releasing reservations whose transfers are now confirmed over."""
+        releasing = [r for r in self._by_transfer.values() if r.release_reason is not None]
+        return [r for r in releasing if self.release(r, r.release_reason or "")]
+
+    def expired(self, now_s: float | None = None) -> list[Reservation]:
+        """Live reservations past their deadline with no commit (the caller releases them)."""
+        now_s = time.monotonic() if now_s is None else now_s
+        return [r for r in self._by_transfer.values() if r.release_reason is None and r.deadline_s <= now_s]
+
+    def _forget(self, reservation: Reservation) -> None:
+        self._by_transfer.pop(reservation.transfer_id, None)
+        self._by_request.pop(reservation.request_id, None)

@@ -1,0 +1,70 @@
+"""What a role is: a few step functions the shared engine loop calls (no `if role ==` there).
+
+`handle` takes one received message, `on_outputs` the outputs of one engine step, `tick` runs
+once per loop iteration (deadlines), `held` names requests that own pages without running.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import zmq
+
+from kvseal.disagg.msgs import PdMsg, Role, encode
+from kvseal.messages.msgs import RequestOutputMsg
+from kvseal.types import RequestOutput
+
+
+@dataclass
+class HandoffCounters:
+    """Per-engine handoff counters, reported in `PdStatsMsg` (the frontend exports them)."""
+
+    num_transfers: int = 0
+    num_transfer_bytes: int = 0
+    transfer_s_total: float = 0.0
+    failures: Counter[str] = field(default_factory=Counter)
+    num_reservations_expired: int = 0
+
+
+class Replies:
+    """Sends to frontends through the engine's ROUTER, by the identity they connected with."""
+
+    def __init__(self, router: zmq.Socket) -> None:
+        self._router = router
+
+    def send(self, frontend: bytes, msg: PdMsg) -> None:
+        try:
+            self._router.send_multipart([frontend, encode(msg)], zmq.NOBLOCK)
+        except zmq.Again:
+            pass  # that frontend is gone or not reading: it fails the request on its side
+
+
+class RoleSteps(Protocol):
+    role: Role
+    counters: HandoffCounters
+
+    def handle(self, sender: bytes, msg: PdMsg, payload: memoryview | None) -> bool:
+        """Act on one message; False if this role does not take that message."""
+        ...
+
+    def on_outputs(self, outputs: list[RequestOutput]) -> None: ...
+
+    def tick(self) -> bool:
+        """Deadlines and retries; True if anything changed."""
+        ...
+
+    def held(self) -> set[str]: ...
+
+    def num_reservations(self) -> int: ...
+
+    def abort_all(self, reason: str) -> None: ...
+
+
+def aborted_output(request_id: str, tenant: str, num_prompt_tokens: int, num_pages: int, error: str,
+                   error_code: str | None) -> RequestOutputMsg:
+    """The terminal report of a request that ends before it ran (never a success)."""
+    return RequestOutputMsg(request_id=request_id, tenant=tenant, new_token_ids=[], new_text="", finished=True,
+                            finish_reason="abort", stop_reason=None, num_prompt_tokens=num_prompt_tokens,
+                            num_output_tokens=0, num_pages_reserved=num_pages, error=error, error_code=error_code)

@@ -1,0 +1,157 @@
+"""`kvseal serve` in PD mode: the frontend over prefill and decode engines.
+
+`--prefill A[,B] --decode C[,D]` uses running engines; `--pd` first starts one prefill and one
+decode engine on loopback ports of this host (multiprocessing "spawn", so they exit with the
+frontend) and stops them on the way out. The frontend loads no weights, only the tokenizer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import multiprocessing
+import socket
+from dataclasses import dataclass
+from multiprocessing.process import BaseProcess
+from pathlib import Path
+
+from prometheus_client import CollectorRegistry, Gauge
+
+from kvseal.config import EngineArgs
+from kvseal.disagg.engine_main import run_engine_process
+from kvseal.disagg.frontend import EngineLink, PdClient
+from kvseal.disagg.node import NodeConfig
+from kvseal.errors import ConfigError
+from kvseal.models.loader import convert_gguf, resolve_model_path
+
+logger = logging.getLogger("kvseal.server")
+
+STOP_TIMEOUT_S = 30.0
+
+
+@dataclass(frozen=True)
+class PdTopology:
+    prefill: tuple[str, ...]
+    decode: tuple[str, ...]
+    spawn: bool  # --pd: start one of each here
+
+    @classmethod
+    def from_namespace(cls, ns: argparse.Namespace) -> PdTopology | None:
+        """None for colocated serving (no PD flag given)."""
+        if ns.pd:
+            if ns.prefill or ns.decode:
+                raise ConfigError("--pd starts its own engines; do not combine it with --prefill/--decode")
+            return cls((f"127.0.0.1:{_free_port()}",), (f"127.0.0.1:{_free_port()}",), True)
+        if not ns.prefill and not ns.decode:
+            return None
+        if not ns.prefill or not ns.decode:
+            raise ConfigError("PD serving needs both --prefill HOST:PORT[,...] and --decode HOST:PORT[,...]")
+        return cls(_addresses(ns.prefill, "--prefill"), _addresses(ns.decode, "--decode"), False)
+
+
+def _addresses(value: str, flag: str) -> tuple[str, ...]:
+    addresses = tuple(a.strip() for a in value.split(",") if a.strip())
+    for address in addresses:
+        host, _, port = address.rpartition(":")
+        if not host or not port.isdigit():
+            raise ConfigError(f"{flag} takes HOST:PORT[,HOST:PORT...]; {address!r} is not HOST:PORT")
+    if len(set(addresses)) != len(addresses):
+        raise ConfigError(f"{flag} lists an address twice: {value}")
+    return addresses
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def tokenizer_folder(model: str | None) -> str:
+    """The folder whose tokenizer the frontend loads (a GGUF is converted once, as engines do)."""
+    path = resolve_model_path(model)
+    return str(convert_gguf(path) if path.suffix == ".gguf" else Path(path))
+
+
+class PdMetrics:
+    """Per-engine handoff metrics for /metrics, from each engine's `PdStatsMsg`."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        labels = ["role", "engine"]
+        r = registry
+        self.up = Gauge("kvseal_pd_engine_up", "1 while the engine answers", ["role", "address"], registry=r)
+        self.transfers = Gauge("kvseal_pd_kv_transfers", "KV handoffs completed", labels, registry=r)
+        self.bytes = Gauge("kvseal_pd_kv_transfer_bytes", "KV bytes moved by handoffs", labels, registry=r)
+        self.seconds = Gauge("kvseal_pd_kv_transfer_seconds", "Prefill admission to commit, summed over "
+                             "handoffs (divide by transfers for the mean)", labels, registry=r)
+        self.failures = Gauge("kvseal_pd_handoff_failures", "Handoffs that failed or were refused, by reason",
+                              [*labels, "reason"], registry=r)
+        self.expired = Gauge("kvseal_pd_reservations_expired", "Decode reservations released for lack of a "
+                             "commit", labels, registry=r)
+        self.reservations = Gauge("kvseal_pd_reservations", "Decode pages held for transfers, in reservations",
+                                  labels, registry=r)
+        self.pages_used = Gauge("kvseal_pd_kv_pages_used", "KV pages owned", labels, registry=r)
+
+    def record(self, link: EngineLink) -> None:
+        self.up.labels(role=link.role, address=link.address).set(1 if link.is_up else 0)
+        stats = link.stats
+        if stats is None:
+            return
+        labels = dict(role=stats.role, engine=stats.instance_id)
+        self.transfers.labels(**labels).set(stats.num_transfers)
+        self.bytes.labels(**labels).set(stats.num_transfer_bytes)
+        self.seconds.labels(**labels).set(stats.transfer_s_total)
+        self.expired.labels(**labels).set(stats.num_reservations_expired)
+        self.reservations.labels(**labels).set(stats.num_reservations)
+        self.pages_used.labels(**labels).set(stats.engine.num_pages_used)
+        for reason, count in stats.handoff_failures.items():
+            self.failures.labels(**labels, reason=reason).set(count)
+
+
+class SpawnedEngines:
+    """`--pd`: one prefill and one decode engine, children of the frontend process."""
+
+    def __init__(self, topology: PdTopology, args: EngineArgs, ns: argparse.Namespace) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        configs = [NodeConfig("prefill", topology.prefill[0], ns.kv_transport, ns.reservation_timeout_s),
+                   NodeConfig("decode", topology.decode[0], ns.kv_transport, ns.reservation_timeout_s)]
+        log_level = getattr(ns, "log_level", "INFO")
+        self.processes: list[BaseProcess] = [
+            ctx.Process(target=run_engine_process, args=(args, config, log_level), name=f"kvseal-{config.role}",
+                        daemon=False)
+            for config in configs]
+        for process in self.processes:
+            process.start()
+        logger.info("--pd: started prefill engine (pid %s) at %s and decode engine (pid %s) at %s",
+                    self.processes[0].pid, topology.prefill[0], self.processes[1].pid, topology.decode[0])
+
+    def stop(self) -> None:
+        for process in self.processes:
+            if process.is_alive():
+                process.terminate()
+        for process in self.processes:
+            process.join(STOP_TIMEOUT_S)
+            if process.is_alive():
+                logger.error("engine %s did not stop within %g s; killing it", process.pid, STOP_TIMEOUT_S)
+                process.kill()
+                process.join()
+
+
+@dataclass
+class PdBackend:
+    client: PdClient
+    spawned: SpawnedEngines | None
+
+    async def shutdown(self) -> None:
+        await self.client.shutdown()
+        if self.spawned is not None:
+            self.spawned.stop()
+
+
+def start_pd_backend(topology: PdTopology, args: EngineArgs, ns: argparse.Namespace,
+                     registry: CollectorRegistry) -> PdBackend:
+    """Build the PD client (and, for --pd, its engines); `client.start()` waits for them."""
+    metrics = PdMetrics(registry)
+    spawned = SpawnedEngines(topology, args, ns) if topology.spawn else None
+    client = PdClient(list(topology.prefill), list(topology.decode), tokenizer_folder(args.model), metrics.record)
+    return PdBackend(client, spawned)
+

@@ -1,0 +1,64 @@
+"""Decode's verification of a commit, before it schedules a single step (I4, DESIGN.md §3.4).
+
+A commit is accepted only if, word for word: it names a live reservation's transfer id; its
+request id and tenant are the reservation's; its token count is the prompt length; and for
+every layer, for K and for V, the receiver's own landing records cover every prompt position
+of the reserved pages, and say exactly what the commit claims. Anything else is refused
+with a reason (a metrics label) and a message for the client and the log.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvseal.disagg.msgs import CommitMsg
+from kvseal.disagg.transport import KINDS, Landing
+
+
+@dataclass(frozen=True)
+class Refusal:
+    reason: str  # short label: metrics and audit
+    message: str
+
+
+@dataclass(frozen=True)
+class Expected:
+    """What decode reserved: the facts a commit is checked against."""
+
+    transfer_id: str
+    request_id: str
+    tenant: str
+    num_prompt_tokens: int
+    num_layers: int
+
+
+def verify_commit(expected: Expected, commit: CommitMsg, landing: Landing | None) -> Refusal | None:
+    """None when the handoff may run; otherwise why not."""
+    if commit.transfer_id != expected.transfer_id or landing is None:
+        return Refusal("unknown_transfer", f"commit names transfer {commit.transfer_id}, which decode never "
+                                           f"reserved or already released")
+    if commit.request_id != expected.request_id or commit.tenant != expected.tenant:
+        return Refusal("identity_mismatch", f"commit for request {commit.request_id} of tenant {commit.tenant!r} "
+                                            f"does not match the reservation ({expected.request_id}, "
+                                            f"{expected.tenant!r})")
+    if commit.num_tokens != expected.num_prompt_tokens:
+        return Refusal("token_count_mismatch", f"commit names {commit.num_tokens} tokens; the prompt has "
+                                               f"{expected.num_prompt_tokens}")
+    return _check_coverage(expected, commit, landing)
+
+
+def _check_coverage(expected: Expected, commit: CommitMsg, landing: Landing) -> Refusal | None:
+    claimed = {r.layer: (r.start, r.end) for r in commit.written}
+    for layer in range(expected.num_layers):
+        for kind in KINDS:
+            covered = landing.covered_prefix(layer, kind)
+            if covered < expected.num_prompt_tokens:
+                return Refusal("missing_kv", f"layer {layer} {kind.upper()}: only positions [0, {covered}) of "
+                                             f"{expected.num_prompt_tokens} arrived for this transfer")
+        if claimed.get(layer) != (0, expected.num_prompt_tokens):
+            return Refusal("claim_mismatch", f"layer {layer}: the commit claims {claimed.get(layer)} written, "
+                                             f"the prompt is [0, {expected.num_prompt_tokens})")
+    if len(claimed) != expected.num_layers or len(commit.written) != expected.num_layers:
+        return Refusal("claim_mismatch", f"the commit lists {len(commit.written)} layer ranges; the model has "
+                                         f"{expected.num_layers} layers")
+    return None

@@ -1,0 +1,73 @@
+"""The ZMQ wiring of a networked engine: its ROUTER at `--listen`, and DEALER links to peers.
+
+Every engine binds exactly one ROUTER, on the address it was given; frontends and peer
+engines connect DEALERs to it. Frames are `[header]` or `[header, payload]`, the header a
+`PdMsg`. Links use ZMQ_IMMEDIATE: a message is queued only on a live connection, so nothing
+sent to a dead or restarted engine is delivered later to a stranger; `send` waits a bounded
+time for the connection and raises `TransportError` instead.
+"""
+
+from __future__ import annotations
+
+import zmq
+
+from kvseal.disagg.msgs import PdMsg, encode
+from kvseal.disagg.transport import TransportError
+
+CONNECT_TIMEOUT_MS = 3_000
+LINGER_MS = 1_000
+
+
+def tcp_endpoint(address: str) -> str:
+    """"HOST:PORT" -> "tcp://HOST:PORT" (ZMQ's form); already-prefixed endpoints pass through."""
+    return address if "://" in address else f"tcp://{address}"
+
+
+class PeerLink:
+    """One DEALER to one engine, in send order: KV frames, then the commit or abort."""
+
+    def __init__(self, ctx: zmq.Context, address: str) -> None:
+        self.address = address
+        self.socket = ctx.socket(zmq.DEALER)
+        self.socket.setsockopt(zmq.IMMEDIATE, 1)
+        self.socket.setsockopt(zmq.LINGER, LINGER_MS)
+        self.socket.connect(tcp_endpoint(address))
+        self._is_failing = False  # the last send found no connection: do not wait again until one is back
+
+    def send(self, msg: PdMsg, payload: bytes | memoryview | None = None,
+             timeout_ms: int = CONNECT_TIMEOUT_MS) -> None:
+        """Queue `msg` (and its payload) on the live connection; `TransportError` if there is
+        none within `timeout_ms` (refused, reset, or nobody listening). After one failure the
+        link does not wait again until a connection is back."""
+        if not self.socket.poll(0 if self._is_failing else timeout_ms, zmq.POLLOUT):
+            self._is_failing = True
+            raise TransportError(f"cannot reach the engine at {self.address}: no connection within "
+                                 f"{timeout_ms} ms (refused, reset or not listening)")
+        frames: list[bytes | memoryview] = [encode(msg)] if payload is None else [encode(msg), payload]
+        try:
+            self.socket.send_multipart(frames, zmq.NOBLOCK, copy=payload is None)
+        except zmq.Again as exc:
+            self._is_failing = True
+            raise TransportError(f"the connection to {self.address} is gone or full") from exc
+        self._is_failing = False
+
+    def close(self) -> None:
+        self.socket.close(linger=0)
+
+
+class PeerLinks:
+    """Links to peer engines by address, created on first use."""
+
+    def __init__(self, ctx: zmq.Context) -> None:
+        self._ctx = ctx
+        self._links: dict[str, PeerLink] = {}
+
+    def get(self, address: str) -> PeerLink:
+        if address not in self._links:
+            self._links[address] = PeerLink(self._ctx, address)
+        return self._links[address]
+
+    def close(self) -> None:
+        for link in self._links.values():
+            link.close()
+        self._links.clear()

@@ -1,0 +1,39 @@
+"""Fixtures for the PD tests: the marker model, and one set of real PD processes (a prefill
+engine with a small pool, a decode engine with a large one, a frontend) shared by the process
+tests, which leave it healthy when they restart what they killed."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from marker_model import make_marker_model  # noqa: E402
+from pd_servers import DECODE_FLAGS, KEYS, PREFILL_FLAGS, PdCluster, PdEngine, PdFrontend  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def marker_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_marker_model(tmp_path_factory.mktemp("models") / "marker")
+
+
+@pytest.fixture(scope="session")
+def pd_cluster(marker_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[PdCluster]:
+    workdir = tmp_path_factory.mktemp("pd-cluster")
+    prefill = PdEngine("prefill", marker_dir, workdir, PREFILL_FLAGS).start()
+    decode = PdEngine("decode", marker_dir, workdir, DECODE_FLAGS).start()
+    prefill.wait_ready()
+    decode.wait_ready()
+    frontend = PdFrontend([prefill], [decode], marker_dir, workdir, KEYS).start()
+    cluster = PdCluster(marker_dir, workdir, prefill, decode, frontend)
+    try:
+        frontend.wait_healthy()
+        yield cluster
+    finally:
+        cluster.frontend.terminate()
+        cluster.prefill.terminate()
+        cluster.decode.terminate()

@@ -1,0 +1,176 @@
+"""Two real engines (prefill, decode) in this process over loopback TCP, and a hand-driven
+frontend: what the PD frontend does, one message at a time, so every step can be broken."""
+
+from __future__ import annotations
+
+import itertools
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+
+from kvseal.config import EngineArgs
+from kvseal.disagg.msgs import (
+    PdMsg,
+    PrefillDoneMsg,
+    PrefillMsg,
+    PrefillRefusedMsg,
+    ReservedMsg,
+    ReserveMsg,
+    ReserveRefusedMsg,
+    decode,
+    encode,
+)
+from kvseal.disagg.node import EngineNode, NodeConfig
+from kvseal.disagg.wire import PeerLinks
+from kvseal.engine.engine import LLMEngine
+from kvseal.messages.convert import params_to_msg
+from kvseal.messages.msgs import OutputsMsg, RequestOutputMsg, RequestRejectedMsg
+from kvseal.types import SamplingParams
+
+MAX_ITERATIONS = 2000
+_ids = itertools.count()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class TestFrontend:
+    """A DEALER to one engine; collects everything the engine sends back."""
+
+    def __init__(self, ctx: zmq.Context, address: str) -> None:
+        self.socket = ctx.socket(zmq.DEALER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.connect(f"tcp://{address}")
+        self.received: list[PdMsg] = []
+
+    def send(self, msg: PdMsg) -> None:
+        self.socket.send(encode(msg))
+
+    def collect(self) -> None:
+        while self.socket.poll(0):
+            self.received.append(decode(self.socket.recv()))
+
+
+@dataclass
+class Handoff:
+    """Everything the frontend saw for one request."""
+
+    request_id: str
+    reserved: ReservedMsg | None = None
+    refused: ReserveRefusedMsg | None = None
+    prefill_result: PrefillDoneMsg | PrefillRefusedMsg | None = None
+    outputs: list[RequestOutputMsg] = field(default_factory=list)
+    rejected: RequestRejectedMsg | None = None
+
+    @property
+    def is_terminal(self) -> bool:
+        return (self.refused is not None or self.rejected is not None
+                or any(o.finished for o in self.outputs))
+
+    @property
+    def token_ids(self) -> list[int]:
+        return [t for o in self.outputs for t in o.new_token_ids]
+
+    @property
+    def final(self) -> RequestOutputMsg:
+        return self.outputs[-1]
+
+
+class PdPair:
+    def __init__(self, prefill_args: EngineArgs, decode_args: EngineArgs, reservation_timeout_s: float = 30.0,
+                 loaded: Any = None) -> None:
+        self.ctx = zmq.Context()
+        self.prefill = EngineNode(LLMEngine(prefill_args, loaded),
+                                  NodeConfig("prefill", f"127.0.0.1:{free_port()}"), self.ctx)
+        self.decode = EngineNode(LLMEngine(decode_args, loaded),
+                                 NodeConfig("decode", f"127.0.0.1:{free_port()}",
+                                            reservation_timeout_s=reservation_timeout_s), self.ctx)
+        self.to_prefill = TestFrontend(self.ctx, self.prefill.config.listen)
+        self.to_decode = TestFrontend(self.ctx, self.decode.config.listen)
+        self.handoffs: dict[str, Handoff] = {}
+        self.rogue = PeerLinks(self.ctx)  # a broken prefill's link to decode, for fault tests
+
+    def close(self) -> None:
+        self.rogue.close()
+        for s in (self.to_prefill.socket, self.to_decode.socket):
+            s.close(linger=0)
+        self.prefill.close()
+        self.decode.close()
+        self.ctx.term()
+
+    def pump(self, until: Callable[[], bool], what: str, max_iterations: int = MAX_ITERATIONS) -> None:
+        """Run both loops (and route replies) until `until()`; fail after a bounded number of turns."""
+        for _ in range(max_iterations):
+            self.prefill.loop.run_once(idle_poll_ms=1)
+            self.decode.loop.run_once(idle_poll_ms=1)
+            self._route()
+            if until():
+                return
+        raise AssertionError(f"gave up waiting for {what} after {max_iterations} iterations")
+
+    def _route(self) -> None:
+        for frontend in (self.to_prefill, self.to_decode):
+            frontend.collect()
+            for msg in frontend.received:
+                self._on(msg)
+            frontend.received.clear()
+
+    def _on(self, msg: PdMsg) -> None:
+        match msg:
+            case ReservedMsg():
+                self.handoffs[msg.request_id].reserved = msg
+            case ReserveRefusedMsg():
+                self.handoffs[msg.request_id].refused = msg
+            case PrefillDoneMsg() | PrefillRefusedMsg():
+                self.handoffs[msg.request_id].prefill_result = msg
+            case OutputsMsg():
+                for out in msg.outputs:
+                    self.handoffs[out.request_id].outputs.append(out)
+            case RequestRejectedMsg():
+                self.handoffs[msg.request_id].rejected = msg
+
+    def reserve(self, prompt: list[int], params: SamplingParams, tenant: str = "alice", wait: bool = True) -> Handoff:
+        request_id = f"pd-{next(_ids)}"
+        handoff = self.handoffs[request_id] = Handoff(request_id)
+        self.to_decode.send(ReserveMsg(request_id, tenant, prompt, params_to_msg(params)))
+        if wait:
+            self.pump(lambda: handoff.reserved is not None or handoff.refused is not None, "the reservation")
+        return handoff
+
+    def prefill_msg(self, handoff: Handoff, prompt: list[int], params: SamplingParams,
+                    tenant: str = "alice") -> PrefillMsg:
+        r = handoff.reserved
+        assert r is not None
+        return PrefillMsg(handoff.request_id, tenant, prompt, params_to_msg(params), r.transfer_id,
+                          self.decode.config.listen, self.decode.instance_id, r.kv_address, r.pages)
+
+    def generate(self, prompt: list[int], params: SamplingParams, tenant: str = "alice") -> Handoff:
+        handoff = self.reserve(prompt, params, tenant)
+        if handoff.reserved is not None:
+            self.to_prefill.send(self.prefill_msg(handoff, prompt, params, tenant))
+            self.wait(handoff)
+        return handoff
+
+    def generate_start(self, prompt: list[int], params: SamplingParams, tenant: str = "alice") -> Handoff:
+        """Hand a request off and return once decode reported its first token."""
+        handoff = self.reserve(prompt, params, tenant)
+        self.to_prefill.send(self.prefill_msg(handoff, prompt, params, tenant))
+        self.pump(lambda: bool(handoff.outputs) or handoff.is_terminal, f"the first token of {handoff.request_id}")
+        return handoff
+
+    def wait(self, handoff: Handoff) -> None:
+        self.pump(lambda: handoff.is_terminal and (handoff.refused is not None or handoff.prefill_result is not None),
+                  f"the end of {handoff.request_id}")
+
+    def assert_clean(self) -> None:
+        """Both engines' invariants hold and every page is free again."""
+        for node in (self.prefill, self.decode):
+            node.loop.check_integrity()
+            assert node.engine.kv.num_used_pages == 0, f"{node.config.role} still holds pages"
+            assert not node.steps.held()

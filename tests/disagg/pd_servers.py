@@ -1,0 +1,196 @@
+"""Real PD processes for tests: `kvseal engine --role ...` and `kvseal serve --prefill --decode`,
+each run through `tests/fault_launcher.py` (so a test can switch faults on in one of them),
+on free loopback ports. Every wait is bounded; processes are stopped by PID."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).parent.parent / "server"))  # server_process
+
+from server_process import READY_DEADLINE_S, WAIT_DEADLINE_S, free_port, wait_for  # noqa: E402
+
+KEYS = {"key-alice": {"tenant": "alice"}, "key-bob": {"tenant": "bob"}, "key-mallory": {"tenant": "mallory"},
+        "key-ops": {"tenant": "ops", "admin": True}}  # /metrics needs an admin key
+# The incident's shape: prefill's pool and limit are smaller than decode's. Small prefill chunks
+# keep a request in prefill for many steps (the kill tests need that window).
+PREFILL_FLAGS = ["--kv-cache-tokens", "256", "--max-model-len", "256", "--max-num-batched-tokens", "8"]
+DECODE_FLAGS = ["--kv-cache-tokens", "1024", "--max-model-len", "1024"]
+
+
+LAUNCHER = str(Path(__file__).parent.parent / "fault_launcher.py")
+ENGINE_FLAGS = ["--dtype", "float32", "--page-size", "4", "--max-num-batched-tokens", "256"]
+
+
+class Proc:
+    def __init__(self, name: str, args: list[str], workdir: Path, faults: str = "none") -> None:
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.name = name
+        self.log_path = workdir / f"{name}.log"
+        self.argv = [sys.executable, LAUNCHER, faults, "--", *args]
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> Proc:
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT)
+        return self
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def assert_running(self) -> None:
+        assert self.proc is not None
+        if self.proc.poll() is not None:
+            raise AssertionError(f"{self.name} exited with {self.proc.returncode}:\n{self.log()[-4000:]}")
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=WAIT_DEADLINE_S)
+
+    def terminate(self) -> int:
+        assert self.proc is not None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout=WAIT_DEADLINE_S)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise AssertionError(f"{self.name} did not exit within {WAIT_DEADLINE_S} s of SIGTERM") from None
+
+
+class PdEngine(Proc):
+    def __init__(self, role: str, model_dir: Path, workdir: Path, flags: list[str], faults: str = "none",
+                 port: int | None = None) -> None:
+        self.role = role
+        self.address = f"127.0.0.1:{port or free_port()}"
+        super().__init__(f"{role}-{self.address.rpartition(':')[2]}",
+                         ["engine", "--role", role, "--listen", self.address, "--model", str(model_dir),
+                          *ENGINE_FLAGS, *flags], workdir, faults)
+
+    def wait_ready(self) -> PdEngine:
+        def ready() -> bool:
+            self.assert_running()
+            return "kvseal engine ready" in self.log()
+        wait_for(ready, f"{self.name} to be ready (log {self.log_path})", READY_DEADLINE_S)
+        return self
+
+    def restart(self) -> PdEngine:
+        """Kill and start again at the same address (a new instance)."""
+        self.kill()
+        return self.start()
+
+
+class PdFrontend(Proc):
+    def __init__(self, prefill: list[PdEngine], decode: list[PdEngine], model_dir: Path, workdir: Path,
+                 keys: dict[str, Any], faults: str = "none", extra: list[str] | None = None) -> None:
+        self.port = free_port()
+        self.audit_path = workdir / f"audit-{self.port}.jsonl"
+        keys_path = workdir / "keys.json"
+        keys_path.parent.mkdir(parents=True, exist_ok=True)
+        keys_path.write_text(json.dumps(keys))
+        super().__init__(f"frontend-{self.port}",
+                         ["serve", "--prefill", ",".join(e.address for e in prefill),
+                          "--decode", ",".join(e.address for e in decode), "--model", str(model_dir),
+                          "--port", str(self.port), "--audit-log", str(self.audit_path), "--api-keys",
+                          str(keys_path), *(extra or [])], workdir, faults)
+        self.model_name = model_dir.name
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def health(self) -> int:
+        try:
+            return httpx.get(f"{self.url}/health", timeout=5).status_code
+        except httpx.TransportError:
+            return 0
+
+    def wait_healthy(self, status: int = 200) -> PdFrontend:
+        def check() -> bool:
+            self.assert_running()
+            return self.health() == status
+        wait_for(check, f"{self.name} /health to answer {status}", READY_DEADLINE_S)
+        return self
+
+    def audit_records(self) -> list[dict[str, Any]]:
+        if not self.audit_path.exists():
+            return []
+        return [json.loads(line) for line in self.audit_path.read_text().splitlines() if line]
+
+    def metrics(self) -> str:
+        response = httpx.get(f"{self.url}/metrics", timeout=10, headers={"authorization": "Bearer key-ops"})
+        assert response.status_code == 200, response.text
+        return response.text
+
+    def metric(self, name: str, **labels: str) -> float:
+        """Sum of `name` over series whose labels include `labels` (0 when there is none yet;
+        the metric family itself must exist)."""
+        text = self.metrics()
+        assert f"# TYPE {name} " in text, f"no metric {name} in /metrics"
+        total = 0.0
+        for match in re.finditer(rf"^{re.escape(name)}\{{([^}}]*)\}} (\S+)$", text, re.MULTILINE):
+            found = dict(re.findall(r'(\w+)="([^"]*)"', match.group(1)))
+            if all(found.get(k) == v for k, v in labels.items()):
+                total += float(match.group(2))
+        return total
+
+
+def engine_integrity(address: str) -> Any:
+    """Ask a running engine for its `IntegrityReportMsg` over a DEALER of our own."""
+    import zmq
+
+    from kvseal.disagg.msgs import IntegrityCheckMsg, IntegrityReportMsg, decode, encode
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(f"tcp://{address}")
+        sock.send(encode(IntegrityCheckMsg()))
+        for _ in range(200):
+            if not sock.poll(int(WAIT_DEADLINE_S * 1000 / 200)):
+                continue
+            msg = decode(sock.recv())
+            if isinstance(msg, IntegrityReportMsg):
+                return msg
+        raise AssertionError(f"no integrity report from {address}")
+    finally:
+        sock.close()
+        ctx.term()
+
+
+def assert_engines_clean(*engines: PdEngine) -> None:
+    """Each engine's invariants hold and its pool has drained back to all free."""
+    for engine in engines:
+        def drained(engine: PdEngine = engine) -> Any:
+            report = engine_integrity(engine.address)
+            return report if report.num_pages_used == 0 and report.num_unfinished == 0 else None
+        report = wait_for(drained, f"{engine.name} to drain its pool")
+        assert report.error is None, f"{engine.name}: {report.error}"
+        assert report.num_reservations == 0
+
+
+@dataclass
+class PdCluster:
+    marker_dir: Path
+    workdir: Path
+    prefill: PdEngine
+    decode: PdEngine
+    frontend: PdFrontend
+
+    def replace_prefill(self, faults: str) -> PdEngine:
+        """Stop the prefill engine and start another at the same address, with `faults`."""
+        self.prefill.terminate()
+        port = int(self.prefill.address.rpartition(":")[2])
+        self.prefill = PdEngine("prefill", self.marker_dir, self.workdir, PREFILL_FLAGS, faults, port=port)
+        return self.prefill.start().wait_ready()

@@ -1,0 +1,300 @@
+"""Every way the handoff can go wrong ends in an error for the client, never in a decode step
+over KV this request's transfer did not write, and leaves both engines clean (I1, I4, I6)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from pd_harness import Handoff, PdPair, free_port
+from test_handoff import GREEDY, args, colocated
+
+from kvseal import SamplingParams
+from kvseal._testing.faults import Fault, inject
+from kvseal.disagg.msgs import HANDOFF_FAILED, CommitMsg, KVBlockMsg, PrefillRefusedMsg, WrittenRangeMsg
+from kvseal.disagg.node import EngineNode, NodeConfig
+from kvseal.disagg.tcp import TcpSender
+from kvseal.disagg.transport import PushPlan
+from kvseal.errors import ConfigError
+from kvseal.messages.msgs import AbortMsg
+from kvseal.models.loader import load_model
+from kvseal.types import ISOLATION_CHECK_FAILED, StructuredOutput
+
+PROMPT = list(range(100, 130))  # 30 tokens: 7.5 pages of 4
+
+
+@pytest.fixture(scope="module")
+def loaded(llama_dir: Path) -> Any:
+    return load_model(str(llama_dir), args(llama_dir).torch_dtype)
+
+
+@pytest.fixture
+def make_pair(llama_dir: Path, loaded: Any) -> Iterator[Any]:
+    pairs: list[PdPair] = []
+
+    def make(prefill: dict[str, Any] | None = None, decode: dict[str, Any] | None = None, **kw: Any) -> PdPair:
+        pairs.append(PdPair(args(llama_dir, **(prefill or {})), args(llama_dir, **(decode or {})), loaded=loaded,
+                            **kw))
+        return pairs[-1]
+
+    yield make
+    for pair in pairs:
+        pair.close()
+
+
+def assert_refused_by_decode(handoff: Handoff, reason_fragment: str, code: str = ISOLATION_CHECK_FAILED) -> None:
+    """Decode ended the request with an error before producing a token. A commit that fails
+    verification is an isolation check tripping; a reservation that expires is not."""
+    final = handoff.final
+    assert final.finished and final.finish_reason == "abort" and final.error_code == code, final
+    assert reason_fragment in (final.error or ""), final.error
+    assert handoff.token_ids == [], "decode produced a token for a refused handoff"
+
+
+# ---- the incident's misconfiguration: prefill's limit is smaller than decode's -------------
+
+def test_prefill_refuses_what_its_pool_cannot_hold_and_decode_releases(make_pair: Any) -> None:
+    pair = make_pair(prefill=dict(kv_cache_tokens=64, max_model_len=64))
+    handoff = pair.generate(list(range(10, 110)), GREEDY)  # 100 tokens: decode admits, prefill cannot
+    assert handoff.reserved is not None, "decode's larger limit admits it"
+    assert handoff.rejected is not None and handoff.rejected.http_status == 400
+    assert handoff.rejected.code == "context_length_exceeded"
+    assert isinstance(handoff.prefill_result, PrefillRefusedMsg)
+    assert handoff.outputs == [] and pair.decode.engine.stats().num_running == 0
+    assert pair.decode.loop.stats().handoff_failures == {"prefill_refused": 1}
+    pair.assert_clean()
+
+
+def test_decode_refuses_what_its_own_limit_cannot_hold(make_pair: Any) -> None:
+    pair = make_pair(decode=dict(kv_cache_tokens=64, max_model_len=64))
+    handoff = pair.reserve(list(range(10, 110)), GREEDY)
+    assert handoff.refused is not None and handoff.refused.code == "context_length_exceeded"
+    assert handoff.reserved is None
+    pair.assert_clean()
+
+
+# ---- commits that do not match what landed --------------------------------------------------
+
+def rogue_push(pair: PdPair, handoff: Handoff, written: list[int]) -> int:
+    """Push KV for `written[layer]` leading positions from prefill's pool, as a broken prefill would."""
+    r = handoff.reserved
+    assert r is not None
+    plan = PushPlan(r.transfer_id, list(range(len(r.pages))), written, r.kv_address, r.pages)
+    return TcpSender(pair.rogue).push(plan, pair.prefill.engine.kv.pool)
+
+
+def rogue_commit(pair: PdPair, handoff: Handoff, num_tokens: int, written: list[int],
+                 tenant: str = "alice") -> None:
+    r = handoff.reserved
+    assert r is not None
+    pair.rogue.get(pair.decode.config.listen).send(CommitMsg(
+        r.transfer_id, handoff.request_id, tenant, num_tokens,
+        [WrittenRangeMsg(layer, 0, end) for layer, end in enumerate(written)], 5, None,
+        torch.Generator().get_state().numpy().tobytes(), "rogue"))
+
+
+def page_bytes(pair: PdPair, num_pages: int) -> bytes:
+    """K of `num_pages` pages of layer 0 of prefill's pool, staged as the TCP transport sends it."""
+    staged = pair.prefill.engine.kv.pool.export_pages(0, torch.arange(num_pages))[0]
+    return staged.view(torch.uint8).numpy().tobytes()
+
+
+NUM_LAYERS = 2
+
+
+@pytest.mark.parametrize(("pushed", "claimed_tokens", "claimed", "reason"), [
+    ([30, 30], 29, [30, 30], "the prompt has 30"),  # fewer tokens than reserved
+    ([30, 0], 30, [30, 30], "layer 1 K: only positions [0, 0)"),  # one layer never written
+    ([30, 17], 30, [30, 30], "layer 1 K: only positions [0, 17)"),  # one layer partly written
+    ([30, 30], 30, [30, 12], "layer 1: the commit claims (0, 12)"),  # claim disagrees with what landed
+    ([30, 30], 30, [30], "layer 1: the commit claims None"),  # a layer missing from the claim
+    ([30, 30], 30, [30, 30, 30], "3 layer ranges"),  # a layer the model does not have
+])
+def test_decode_refuses_a_commit_that_does_not_match_what_landed(
+        make_pair: Any, pushed: list[int], claimed_tokens: int, claimed: list[int], reason: str) -> None:
+    pair = make_pair()
+    handoff = pair.reserve(PROMPT, GREEDY)
+    rogue_push(pair, handoff, pushed)
+    rogue_commit(pair, handoff, claimed_tokens, claimed)
+    pair.pump(lambda: handoff.is_terminal, "the refusal")
+    assert_refused_by_decode(handoff, reason)
+    pair.assert_clean()
+
+
+def test_v_missing_in_one_layer_is_refused(make_pair: Any) -> None:
+    pair = make_pair()
+    handoff = pair.reserve(PROMPT, GREEDY)
+    rogue_push(pair, handoff, [30, 30])
+    other = pair.reserve(PROMPT, GREEDY)  # this transfer's V frames of layer 0 never arrive
+    link, payload = pair.rogue.get(pair.decode.config.listen), page_bytes(pair, 8)
+    ro = other.reserved
+    assert ro is not None
+    for layer in range(NUM_LAYERS):
+        link.send(KVBlockMsg(ro.transfer_id, layer, "k", 0, 30), payload)
+    link.send(KVBlockMsg(ro.transfer_id, 1, "v", 0, 30), payload)
+    rogue_commit(pair, other, 30, [30, 30])
+    pair.pump(lambda: other.is_terminal, "the refusal")
+    assert_refused_by_decode(other, "layer 0 V: only positions [0, 0)")
+    rogue_commit(pair, handoff, 30, [30, 30])  # the first one was complete: it runs
+    pair.pump(lambda: handoff.is_terminal, "the first request")
+    assert handoff.final.finish_reason == "length"
+    pair.assert_clean()
+
+
+def test_a_forged_commit_does_not_touch_the_reservation(make_pair: Any) -> None:
+    pair = make_pair(reservation_timeout_s=0.5)
+    handoff = pair.reserve(PROMPT, GREEDY)
+    rogue_push(pair, handoff, [30, 30])
+    rogue_commit(pair, handoff, 30, [30, 30], tenant="mallory")  # another tenant's commit
+    pair.pump(lambda: handoff.is_terminal, "the expiry")
+    assert_refused_by_decode(handoff, "no KV arrived", HANDOFF_FAILED)
+    assert pair.decode.loop.stats().handoff_failures == {"identity_mismatch": 1, "expired": 1}
+    pair.assert_clean()
+
+
+# ---- writes decode never authorized ---------------------------------------------------------
+
+def test_decode_refuses_writes_it_did_not_authorize(make_pair: Any, llama_dir: Path) -> None:
+    pair = make_pair()
+    handoff = pair.reserve(PROMPT, GREEDY)
+    r = handoff.reserved
+    assert r is not None
+    page = page_bytes(pair, 8)
+    before = [t.clone() for t in pair.decode.engine.kv.pool.k]
+    link = pair.rogue.get(pair.decode.config.listen)
+    link.send(KVBlockMsg("not-a-transfer", 0, "k", 0, 30), page)  # unknown transfer id
+    link.send(KVBlockMsg(r.transfer_id, 0, "k", 0, 4 * len(r.pages) + 4), page)  # past the reservation
+    link.send(KVBlockMsg(r.transfer_id, 0, "k", 2, 30), page)  # not page-aligned
+    link.send(KVBlockMsg(r.transfer_id, 5, "k", 0, 30), page)  # no such layer
+    link.send(KVBlockMsg(r.transfer_id, 0, "k", 0, 30), page[:-2])  # wrong size
+    pair.pump(lambda: sum(pair.decode.loop.stats().handoff_failures.values()) == 5, "the refusals")
+    assert pair.decode.loop.stats().handoff_failures == {
+        "unauthorized_transfer": 1, "write_outside_reservation": 2, "bad_block_address": 1, "bad_block_size": 1}
+    assert all(torch.equal(a, b) for a, b in zip(before, pair.decode.engine.kv.pool.k)), "a refused write landed"
+    # The reservation is intact and a correct handoff still completes.
+    pair.to_prefill.send(pair.prefill_msg(handoff, PROMPT, GREEDY))
+    pair.wait(handoff)
+    assert handoff.token_ids == colocated(llama_dir, [PROMPT], GREEDY)[0]
+    pair.assert_clean()
+
+
+# ---- the incident's placeholder path, in prefill --------------------------------------------
+
+def _placeholder_victim(pair: PdPair, secret: list[int], skip_verify: bool) -> Handoff:
+    pair.generate(secret, GREEDY, tenant="alice")  # decode's pages now hold alice's KV
+    faults = [Fault.PLACEHOLDER_PREFILL, Fault.BYPASS_KV_CHECKS] + ([Fault.SKIP_HANDOFF_VERIFY] if skip_verify else [])
+    with contextlib.ExitStack() as stack:
+        for fault in faults:
+            stack.enter_context(inject(fault))
+        return pair.generate(PROMPT, GREEDY, tenant="bob")
+
+
+def test_decode_verification_catches_the_placeholder_prefill(make_pair: Any) -> None:
+    pair = make_pair()
+    victim = _placeholder_victim(pair, list(range(300, 340)), skip_verify=False)
+    assert_refused_by_decode(victim, "layer 0 K: only positions [0, 0)")
+    pair.assert_clean()
+
+
+def test_without_decode_verification_the_placeholder_leaks(make_pair: Any) -> None:
+    """The negative control: switch the verification off and bob's answer depends on alice's prompt."""
+    leaked_a = _placeholder_victim(make_pair(), list(range(300, 340)), skip_verify=True)
+    leaked_b = _placeholder_victim(make_pair(), list(range(400, 440)), skip_verify=True)
+    assert leaked_a.final.finish_reason == "length" and leaked_b.final.finish_reason == "length"
+    assert leaked_a.token_ids != leaked_b.token_ids
+
+
+# ---- reservations end only under the release rule ------------------------------------------
+
+def test_a_reservation_without_commit_expires_and_is_released(make_pair: Any) -> None:
+    pair = make_pair(reservation_timeout_s=0.3)
+    handoff = pair.reserve(PROMPT, GREEDY)
+    assert pair.decode.engine.kv.num_used_pages == len(handoff.reserved.pages)  # type: ignore[union-attr]
+    pair.pump(lambda: handoff.is_terminal, "the expiry")
+    assert_refused_by_decode(handoff, "no KV arrived from prefill", HANDOFF_FAILED)
+    assert pair.decode.loop.stats().num_reservations_expired == 1
+    pair.assert_clean()
+
+
+def test_reserved_pages_are_never_preempted(make_pair: Any, llama_dir: Path) -> None:
+    """A running request that needs more pages than are free is preempted itself; the pages of
+    a reservation waiting for its KV are never taken, and both requests still finish correctly."""
+    pair = make_pair(decode=dict(kv_cache_tokens=64, max_model_len=64))  # 16 pages of 4
+    long_params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    a_prompt, b_prompt = list(range(10, 30)), list(range(60, 84))
+    a = pair.generate_start(a_prompt, long_params)
+    b = pair.reserve(b_prompt, GREEDY)  # 7 pages, while a holds 6 and must grow to 15
+    assert b.reserved is not None
+    pair.pump(lambda: pair.decode.engine.stats().num_preemptions > 0, "a's preemption")
+    assert pair.decode.engine.kv.allocator.pages_of(b.request_id) == b.reserved.pages
+    pair.to_prefill.send(pair.prefill_msg(b, b_prompt, GREEDY))
+    pair.wait(b)
+    pair.wait(a)
+    assert b.token_ids == colocated(llama_dir, [b_prompt], GREEDY)[0]
+    assert a.token_ids == colocated(llama_dir, [a_prompt], long_params)[0]
+    pair.assert_clean()
+
+
+def test_a_reservation_waits_for_pages_instead_of_taking_any(make_pair: Any) -> None:
+    pair = make_pair(decode=dict(kv_cache_tokens=64, max_model_len=64))
+    first = pair.reserve(list(range(10, 50)), GREEDY)  # 11 of 16 pages
+    second = pair.reserve(list(range(60, 90)), GREEDY, wait=False)  # needs 8: waits
+    pair.pump(lambda: pair.decode.engine.kv.num_free_pages == 5, "the first reservation")
+    assert second.reserved is None
+    pair.to_prefill.send(pair.prefill_msg(first, list(range(10, 50)), GREEDY))
+    pair.wait(first)
+    pair.pump(lambda: second.reserved is not None, "the second reservation")
+    pair.to_prefill.send(pair.prefill_msg(second, list(range(60, 90)), GREEDY))
+    pair.wait(second)
+    assert first.final.finish_reason == second.final.finish_reason == "length"
+    pair.assert_clean()
+
+
+def test_client_abort_during_the_handoff_cleans_both_sides(make_pair: Any) -> None:
+    pair = make_pair()
+    handoff = pair.reserve(PROMPT, GREEDY)
+    pair.to_prefill.send(pair.prefill_msg(handoff, PROMPT, GREEDY))
+    pair.to_prefill.send(AbortMsg(handoff.request_id, "alice", "client_disconnected"))
+    pair.to_decode.send(AbortMsg(handoff.request_id, "alice", "client_disconnected"))
+    pair.pump(lambda: handoff.is_terminal and handoff.prefill_result is not None, "both sides")
+    assert handoff.final.finish_reason == "abort" or handoff.rejected is not None
+    pair.pump(lambda: pair.decode.engine.kv.num_used_pages == 0 and pair.prefill.engine.kv.num_used_pages == 0,
+              "the pages")
+    pair.assert_clean()
+
+
+def test_transport_error_reaches_the_frontend_and_frees_prefill(make_pair: Any) -> None:
+    pair = make_pair()
+    handoff = pair.reserve(PROMPT, GREEDY)
+    dead = f"127.0.0.1:{free_port()}"  # nothing listens there: connection refused
+    msg = pair.prefill_msg(handoff, PROMPT, GREEDY)
+    pair.to_prefill.send(type(msg)(**{**{f: getattr(msg, f) for f in msg.__struct_fields__},
+                                     "kv_address": dead, "decode_address": dead}))
+    pair.pump(lambda: handoff.prefill_result is not None, "prefill's report")
+    assert isinstance(handoff.prefill_result, PrefillRefusedMsg)
+    assert handoff.prefill_result.code == "kv_transfer_failed"
+    pair.to_decode.send(AbortMsg(handoff.request_id, "alice", "prefill failed"))  # what the frontend does
+    pair.pump(lambda: handoff.is_terminal, "decode's release")
+    assert handoff.final.finish_reason == "abort"
+    pair.assert_clean()
+
+
+def test_an_engine_binds_only_its_address_and_refuses_a_taken_one(make_pair: Any) -> None:
+    pair = make_pair()
+    with pytest.raises(ConfigError, match="cannot listen on"):
+        EngineNode(pair.decode.engine, NodeConfig("decode", pair.decode.config.listen), pair.ctx)
+    pair.assert_clean()
+
+
+def test_structured_output_is_refused_in_pd_until_grammars_travel(make_pair: Any) -> None:
+    """Decode would continue without the grammar prefill sampled under: refuse, do not half-honour."""
+    pair = make_pair()
+    params = SamplingParams(max_tokens=4, temperature=0, structured=StructuredOutput("json_object"))
+    handoff = pair.reserve(PROMPT, params)
+    assert handoff.refused is not None and handoff.refused.http_status == 400
+    assert handoff.refused.param == "response_format" and "disaggregation" in handoff.refused.message
+    pair.assert_clean()

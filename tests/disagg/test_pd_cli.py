@@ -1,0 +1,67 @@
+"""The PD command line: `kvseal serve --pd` runs one engine of each role and the frontend in
+one command and equals colocated generation; bad PD flags are refused before anything starts."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import httpx
+import pytest
+from pd_servers import ENGINE_FLAGS, Proc
+from server_process import READY_DEADLINE_S, free_port, wait_for
+
+from kvseal import LLM, SamplingParams
+from kvseal.cli import main
+
+FLAGS = [*ENGINE_FLAGS, "--kv-cache-tokens", "1024", "--max-model-len", "512"]
+
+
+@pytest.mark.parametrize("argv", [
+    ["serve", "--prefill", "127.0.0.1:9"],  # no --decode
+    ["serve", "--decode", "127.0.0.1:9"],  # no --prefill
+    ["serve", "--pd", "--prefill", "127.0.0.1:9", "--decode", "127.0.0.1:10"],
+    ["serve", "--prefill", "nonsense", "--decode", "127.0.0.1:9"],
+    ["engine", "--role", "decode", "--listen", "127.0.0.1"],  # no port
+    ["engine", "--role", "decode", "--listen", "127.0.0.1:9", "--reservation-timeout-s", "0"],
+])
+def test_bad_pd_flags_are_refused_before_anything_starts(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(argv) == 2
+    assert "kvseal: error:" in capsys.readouterr().err
+
+
+def test_serve_pd_runs_both_roles_and_equals_colocated(tmp_path: Path) -> None:
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent.parent / "server"))
+    from tiny_server_model import make_server_model
+
+    model = make_server_model(tmp_path / "tiny")
+    port = free_port()
+    server = Proc("serve-pd", ["serve", "--pd", "--model", str(model), "--port", str(port), *FLAGS], tmp_path).start()
+    url = f"http://127.0.0.1:{port}"
+
+    def healthy() -> bool:
+        server.assert_running()
+        try:
+            return httpx.get(f"{url}/health", timeout=5).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    try:
+        wait_for(healthy, "serve --pd to be ready", READY_DEADLINE_S)
+        prompt = "w100 w101 w102 w7 w8 w9 w10 w11 w12 w13"
+        body = httpx.post(f"{url}/v1/completions", json={"prompt": prompt, "max_tokens": 12, "temperature": 0},
+                          timeout=60).json()
+        assert body["choices"][0]["finish_reason"] == "length"
+        llm = LLM(str(model), kv_cache_tokens=1024, max_model_len=512, page_size=4, dtype="float32")
+        expected = llm.generate(prompt, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0].text
+        assert body["choices"][0]["text"] == expected
+    finally:
+        assert server.terminate() == 0
+    engine_pids = [int(p) for p in re.findall(r"engine \(pid (\d+)\)", server.log())]
+    assert len(engine_pids) == 2
+    for pid in engine_pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)  # both engines exited with the frontend

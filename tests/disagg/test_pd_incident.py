@@ -1,0 +1,174 @@
+"""The incident, replayed against real PD processes (DESIGN.md §1).
+
+Decode's pool and limit are larger than prefill's; one tenant sends prompts sized between
+the two, mixed into concurrent traffic from other tenants; every prompt repeats its own
+unique marker word, and the served model (`marker_model.py`) answers with the marker that
+dominates the KV it attends to. A foreign marker in any response is a leak.
+
+Both layers are shown to hold and to fail when broken: the frontend admits against the
+smallest limit (and with that check switched off, prefill's re-check refuses and decode
+releases); decode's verification catches the incident's placeholder prefill (and with it
+switched off too, the marker check catches the leak). The switches are test-only faults.
+"""
+
+from __future__ import annotations
+
+import itertools
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import openai
+from marker_model import marker_prompt
+from pd_harness import PdPair
+from pd_servers import KEYS, PdCluster, PdFrontend, assert_engines_clean
+
+from kvseal import SamplingParams
+from kvseal._testing.faults import Fault, inject
+from kvseal.config import EngineArgs
+from kvseal.types import ISOLATION_CHECK_FAILED
+
+MAX_TOKENS = 6  # every answer: the marker six times
+_markers = itertools.count(100)
+
+
+@dataclass
+class Result:
+    tenant: str
+    marker: int
+    status: int
+    text: str
+    code: str | None
+    request_id: str | None
+
+
+def send(frontend: PdFrontend, tenant: str, length: int) -> Result:
+    marker = next(_markers)
+    client = openai.OpenAI(base_url=f"{frontend.url}/v1", api_key=f"key-{tenant}", max_retries=0, timeout=60)
+    try:
+        out = client.completions.create(model=frontend.model_name, prompt=marker_prompt(marker, length),
+                                        max_tokens=MAX_TOKENS, temperature=0)
+        return Result(tenant, marker, 200, out.choices[0].text, out.choices[0].finish_reason, out.id)
+    except openai.APIStatusError as exc:
+        body = exc.body if isinstance(exc.body, dict) else {}
+        return Result(tenant, marker, exc.status_code, "", body.get("code"),
+                      exc.response.headers.get("x-request-id"))
+
+
+def traffic(frontend: PdFrontend, oversized: list[int]) -> list[Result]:
+    """alice and bob send normal prompts while mallory sends `oversized` ones, all at once."""
+    jobs = [("alice", n) for n in (20, 90, 160, 230)] + [("bob", n) for n in (40, 120, 200)]  # prefill: <= 256
+    jobs += [("mallory", n) for n in oversized]
+    with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
+        return list(pool.map(lambda job: send(frontend, *job), jobs))
+
+
+def foreign_markers(results: list[Result]) -> list[tuple[str, str]]:
+    """(tenant, foreign marker) for every response that contains a marker it was not sent."""
+    words = {f"w{r.marker}": r for r in results}
+    leaks = []
+    for r in results:
+        for word in r.text.split():
+            if word in words and word != f"w{r.marker}":
+                leaks.append((r.tenant, word))
+    return leaks
+
+
+def frontend_for(cluster: PdCluster, faults: str) -> PdFrontend:
+    """A second frontend over the cluster's engines, with `faults` on in it."""
+    return PdFrontend([cluster.prefill], [cluster.decode], cluster.marker_dir, cluster.workdir, KEYS,
+                      faults).start().wait_healthy()
+
+
+def assert_normal_traffic_answered(results: list[Result]) -> None:
+    for r in results:
+        if r.tenant != "mallory":
+            assert r.status == 200 and r.text.split() == [f"w{r.marker}"] * MAX_TOKENS, r
+
+
+def test_the_incident_prompts_get_400_and_never_reach_an_engine(pd_cluster: PdCluster) -> None:
+    frontend = pd_cluster.frontend
+    assert "admitting against the smallest" in frontend.log()
+    results = traffic(frontend, oversized=[300, 480, 700])
+    mallory = [r for r in results if r.tenant == "mallory"]
+    assert all(r.status == 400 and r.code == "context_length_exceeded" for r in mallory), mallory
+    assert_normal_traffic_answered(results)
+    assert foreign_markers(results) == []
+    audit = {r["request_id"]: r for r in frontend.audit_records()}
+    for r in mallory:  # refused at the door: no engine, no transfer
+        record = audit[r.request_id]
+        assert record["outcome"] == "rejected" and record["http_status"] == 400
+        assert "transfer_id" not in record and "decode_engine" not in record
+    for r in results:
+        if r.tenant != "mallory":
+            assert {"prefill_engine", "decode_engine", "transfer_id"} <= audit[r.request_id].keys()
+    assert frontend.metric("kvseal_pd_handoff_failures") == 0
+    assert_engines_clean(pd_cluster.prefill, pd_cluster.decode)
+
+
+def test_with_the_frontend_check_off_prefill_refuses_and_decode_releases(pd_cluster: PdCluster) -> None:
+    frontend = frontend_for(pd_cluster, faults="skip_front_door_admission")
+    try:
+        transfers_before = frontend.metric("kvseal_pd_kv_transfers", role="decode")
+        refused_before = frontend.metric("kvseal_pd_handoff_failures", role="decode", reason="prefill_refused")
+        results = traffic(frontend, oversized=[300, 480, 700])
+        mallory = [r for r in results if r.tenant == "mallory"]
+        assert all(r.status == 400 and r.code == "context_length_exceeded" for r in mallory), mallory
+        assert_normal_traffic_answered(results)
+        assert foreign_markers(results) == []
+        audit = {r["request_id"]: r for r in frontend.audit_records()}
+        for r in mallory:  # decode reserved, prefill refused, decode released: never scheduled
+            record = audit[r.request_id]
+            assert record["outcome"] == "rejected" and record["reason"] == "context_length_exceeded"
+            assert record["decode_engine"].startswith("decode-") and record["transfer_id"]
+            assert record.get("output_tokens") is None and record.get("first_token_at") is None
+        refused = frontend.metric("kvseal_pd_handoff_failures", role="decode", reason="prefill_refused")
+        assert refused - refused_before == 3
+        assert frontend.metric("kvseal_pd_kv_transfers", role="decode") - transfers_before == 7
+    finally:
+        frontend.terminate()
+    assert_engines_clean(pd_cluster.prefill, pd_cluster.decode)
+
+
+def test_decode_verification_catches_the_placeholder_prefill(pd_cluster: PdCluster) -> None:
+    """The incident's placeholder path switched on in prefill (restarted at the same address,
+    picked up by the running frontend): decode refuses every handoff, nobody gets an answer."""
+    frontend = pd_cluster.frontend
+    pd_cluster.replace_prefill("placeholder_prefill,bypass_kv_checks")
+    try:
+        frontend.wait_healthy()
+        failures_before = frontend.metric("kvseal_pd_handoff_failures", role="decode", reason="missing_kv")
+        results = traffic(frontend, oversized=[])
+        assert all(r.status >= 500 and r.text == "" for r in results), results
+        assert foreign_markers(results) == []
+        failures = frontend.metric("kvseal_pd_handoff_failures", role="decode", reason="missing_kv")
+        assert failures - failures_before == len(results)
+        assert_engines_clean(pd_cluster.decode)
+    finally:
+        pd_cluster.replace_prefill("none")
+        frontend.wait_healthy()
+
+
+def test_without_decode_verification_the_marker_check_catches_the_leak(marker_dir: Path) -> None:
+    """The negative control, with both engines in this process (a fault switched on here is on
+    in both, and only prefill runs prompts): with decode's verification switched off too, the
+    placeholder's request decodes over alice's KV and answers with alice's marker."""
+    pair = PdPair(EngineArgs(model=str(marker_dir), kv_cache_tokens=256, max_model_len=256, page_size=4,
+                             dtype="float32"),
+                  EngineArgs(model=str(marker_dir), kv_cache_tokens=1024, max_model_len=1024, page_size=4,
+                             dtype="float32"))
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0)
+    tokenizer = pair.decode.engine.tokenizer
+    try:
+        alice = pair.generate(pair.decode.engine.tokenize(marker_prompt(400, 200)), params, tenant="alice")
+        assert tokenizer.decode(alice.token_ids).split() == ["w400"] * MAX_TOKENS
+        bob_prompt = pair.decode.engine.tokenize(marker_prompt(401, 150))
+        with inject(Fault.PLACEHOLDER_PREFILL), inject(Fault.BYPASS_KV_CHECKS):
+            caught = pair.generate(bob_prompt, params, tenant="bob")
+            assert caught.final.error_code == ISOLATION_CHECK_FAILED and caught.token_ids == []
+            with inject(Fault.SKIP_HANDOFF_VERIFY):
+                leaked = pair.generate(bob_prompt, params, tenant="bob")
+        assert leaked.final.finish_reason == "length"
+        assert "w400" in tokenizer.decode(leaked.token_ids).split(), "the marker check sees alice's marker"
+    finally:
+        pair.close()

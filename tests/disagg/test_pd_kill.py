@@ -1,0 +1,79 @@
+"""Clients leave and engines die mid-handoff: the frontend fails the requests with errors in
+bounded time, the engines release what those requests held, and an engine restarted at the
+same address is used again without restarting the frontend. (Runs on the shared cluster,
+after the incident tests.)"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import httpx
+from marker_model import marker_prompt
+from pd_servers import PdCluster, assert_engines_clean
+from server_process import wait_for
+from test_pd_incident import MAX_TOKENS, Result, send
+
+LONG = 240  # tokens: under prefill's limit, 30 prefill steps of 8 tokens each
+
+
+def assert_errors(results: list[Result]) -> None:
+    """Requests caught by the kill ended with an error status (never 200 with a finish reason);
+    any that finished before it got their complete, own answer."""
+    assert any(r.status >= 500 for r in results), results
+    for r in results:
+        assert (r.status >= 500 and r.text == "") or (
+            r.status == 200 and r.text.split() == [f"w{r.marker}"] * MAX_TOKENS), r
+
+
+def assert_serving(cluster: PdCluster) -> None:
+    ok = send(cluster.frontend, "bob", 40)
+    assert ok.status == 200 and ok.text.split() == [f"w{ok.marker}"] * MAX_TOKENS, ok
+
+
+def kill_during_handoffs(cluster: PdCluster, kill: str) -> list[Result]:
+    """Send six long prompts (prefill works through them one after another); kill an engine
+    while decode holds a reservation waiting for prefill's KV."""
+    frontend = cluster.frontend
+    reserved_before = frontend.metric("kvseal_pd_reservations", role="decode")
+    with ThreadPoolExecutor(max_workers=6) as pool:
+        futures: list[Future[Result]] = [pool.submit(send, frontend, "alice", LONG) for _ in range(6)]
+        wait_for(lambda: frontend.metric("kvseal_pd_reservations", role="decode") - reserved_before >= 1,
+                 "decode's reservations")
+        getattr(cluster, kill).kill()
+        return [f.result() for f in futures]
+
+
+def test_client_disconnect_during_the_handoff(pd_cluster: PdCluster) -> None:
+    """The client leaves while its KV is being computed: both engines end the request and
+    free everything; the audit says aborted."""
+    frontend = pd_cluster.frontend
+    body = {"prompt": marker_prompt(77, LONG), "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True}
+    with httpx.Client(timeout=60) as client, client.stream(
+            "POST", f"{frontend.url}/v1/completions", json=body, headers={"authorization": "Bearer key-alice"}) as r:
+        request_id = r.headers["x-request-id"]  # submitted; prefill needs 30 steps: leave now
+    record = wait_for(lambda: next((a for a in frontend.audit_records() if a["request_id"] == request_id), None),
+                      "the audit record")
+    assert record["outcome"] == "aborted" and record.get("output_tokens") in (None, 0), record
+    assert_engines_clean(pd_cluster.prefill, pd_cluster.decode)
+
+
+def test_prefill_killed_mid_transfer(pd_cluster: PdCluster) -> None:
+    results = kill_during_handoffs(pd_cluster, "prefill")
+    assert_errors(results)
+    assert_engines_clean(pd_cluster.decode)  # its reservations were released; decode holds nothing
+    assert pd_cluster.frontend.health() == 503
+    pd_cluster.prefill.start().wait_ready()  # the same address, a new instance
+    pd_cluster.frontend.wait_healthy()
+    assert_serving(pd_cluster)
+    assert_engines_clean(pd_cluster.prefill, pd_cluster.decode)
+
+
+def test_decode_killed(pd_cluster: PdCluster) -> None:
+    results = kill_during_handoffs(pd_cluster, "decode")
+    assert_errors(results)
+    assert pd_cluster.frontend.health() == 503
+    assert_engines_clean(pd_cluster.prefill)  # prefill freed what it held for the dead decode's requests
+    pd_cluster.decode.start().wait_ready()
+    pd_cluster.frontend.wait_healthy()
+    assert_serving(pd_cluster)
+    assert_engines_clean(pd_cluster.prefill, pd_cluster.decode)
