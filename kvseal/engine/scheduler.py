@@ -66,7 +66,8 @@ class Scheduler:
         """Tokens per request id this step: decodes first, the rest shared between tenants."""
         budget = self.config.max_num_batched_tokens
         decodes = [r for r in self.running if num_tokens_left(r) == 1][:budget]
-        prefills = [r for r in self.running if num_tokens_left(r) > 1] + list(self.waiting)
+        has_free_seat = len(self.running) < self.config.max_num_seqs  # else no waiting request can start
+        prefills = [r for r in self.running if num_tokens_left(r) > 1] + (list(self.waiting) if has_free_seat else [])
         plan = {r.request_id: 1 for r in decodes}
         plan.update(share_prefill_budget(prefills, budget - len(decodes), self.config.max_prefill_chunk_tokens))
         return plan

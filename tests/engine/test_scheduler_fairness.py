@@ -223,3 +223,19 @@ def test_engine_flag() -> None:
     assert engine_args_from(parser.parse_args([])).max_prefill_chunk_tokens is None
     args = engine_args_from(parser.parse_args(["--max-prefill-chunk-tokens", "64"]))
     assert args.max_prefill_chunk_tokens == 64
+
+
+def test_waiting_requests_take_no_share_while_every_seat_is_taken(make_engine: Callable[..., Any]) -> None:
+    engine = make_engine(max_num_seqs=1, max_prefill_chunk_tokens=BUDGET)
+    steps = _record_steps(engine)
+    engine.add_request("long", _long_prompt(0), _params(2), tenant="A")
+    engine.add_request("short", [5, 6, 7], _params(2), tenant="B")
+    while _is_prefilling(engine, "long"):
+        engine.step()
+    # From the second step on (the long request holds the only seat) it gets the whole budget.
+    assert steps[0] == [("long", "A", BUDGET - 3)]  # both were waiting: B's 3 tokens were planned too
+    done = BUDGET - 3
+    for chunks in steps[1:]:
+        assert chunks == [("long", "A", min(BUDGET, LONG - done))]
+        done += chunks[0][2]
+    assert _steps_to_first_token(engine, "short") <= 3  # the long request's last token, then the short one
