@@ -25,6 +25,7 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3ForCausalLM",
 )
 ScrubMode = Literal["off", "free", "alloc"]
+DEFAULT_MAX_PREFILL_CHUNK_TOKENS = 512  # a quarter of the default step budget
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -122,11 +123,17 @@ class SchedulerConfig:
     max_model_len: int
     max_num_batched_tokens: int
     max_num_seqs: int
+    max_prefill_chunk_tokens: int  # most prefill tokens one request gets in one step
 
     def __post_init__(self) -> None:
-        for name in ("max_model_len", "max_num_batched_tokens", "max_num_seqs"):
+        for name in ("max_model_len", "max_num_batched_tokens", "max_num_seqs", "max_prefill_chunk_tokens"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_prefill_chunk_tokens > self.max_num_batched_tokens:
+            raise ConfigError(f"max_prefill_chunk_tokens={self.max_prefill_chunk_tokens} exceeds "
+                              f"max_num_batched_tokens={self.max_num_batched_tokens}; a chunk must fit in one "
+                              f"step's budget: set it <= {self.max_num_batched_tokens}, or leave it unset "
+                              f"(512, or the budget if smaller)")
 
 
 def cpu_has_native_bf16() -> bool:
@@ -152,6 +159,7 @@ class EngineArgs:
     page_size: int = 16
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
+    max_prefill_chunk_tokens: int | None = None  # None: 512, or the whole budget if smaller
     kv_scrub: ScrubMode = "off"
     check_kv: bool = False
     seed: int = 0  # torch's global seed; unseeded requests draw their own from the OS, never from this
@@ -172,7 +180,19 @@ class EngineArgs:
             raise ConfigError(f"kv_cache_tokens must be a whole number of tokens >= 1, got {self.kv_cache_tokens!r}; "
                               f"give at least max_model_len tokens, or leave it unset to size the pool from "
                               f"kv_cache_memory")
+        if self.max_prefill_chunk_tokens is not None and (isinstance(self.max_prefill_chunk_tokens, bool) or
+                                                          not isinstance(self.max_prefill_chunk_tokens, int)):
+            raise ConfigError(f"max_prefill_chunk_tokens must be a whole number of tokens, got "
+                              f"{self.max_prefill_chunk_tokens!r}; leave it unset for the default "
+                              f"(512, or the budget if smaller)")
         parse_bytes(self.kv_cache_memory)  # a malformed or negative size fails here, by name
+
+    @property
+    def resolved_max_prefill_chunk_tokens(self) -> int:
+        """The per-request prefill chunk cap: as given, or 512 tokens (the budget if that is smaller)."""
+        if self.max_prefill_chunk_tokens is not None:
+            return self.max_prefill_chunk_tokens
+        return min(DEFAULT_MAX_PREFILL_CHUNK_TOKENS, self.max_num_batched_tokens)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -196,7 +216,8 @@ class EngineArgs:
             )
         capacity.require_fits(max_model_len, self.kv_headroom)
         cache = CacheConfig(self.page_size, capacity.num_pages, self.torch_dtype, self.kv_scrub, self.check_kv)
-        sched = SchedulerConfig(max_model_len, self.max_num_batched_tokens, self.max_num_seqs)
+        sched = SchedulerConfig(max_model_len, self.max_num_batched_tokens, self.max_num_seqs,
+                                self.resolved_max_prefill_chunk_tokens)
         return cache, sched
 
     def _resolve_max_model_len(self, model: ModelConfig, capacity: KvCapacity) -> int:

@@ -37,6 +37,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-headroom", type=float, default=d.kv_headroom)
     parser.add_argument("--page-size", type=int, default=d.page_size)
     parser.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
+    parser.add_argument("--max-prefill-chunk-tokens", type=int, default=None, help="most prefill tokens one "
+                        "request gets per step, so other requests and tenants share the budget "
+                        "(default: 512, or --max-num-batched-tokens if smaller)")
     parser.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
     parser.add_argument("--kv-scrub", choices=("off", "free", "alloc"), default=d.kv_scrub)
     parser.add_argument("--check-kv", action="store_true", help="checked mode: NaN-poison freed pages and "
@@ -49,5 +52,5 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
         model=ns.model, dtype=ns.dtype, max_model_len=ns.max_model_len, kv_cache_tokens=ns.kv_cache_tokens,
         kv_cache_memory=ns.kv_cache_memory, kv_headroom=ns.kv_headroom, page_size=ns.page_size,
         max_num_batched_tokens=ns.max_num_batched_tokens, max_num_seqs=ns.max_num_seqs,
-        kv_scrub=ns.kv_scrub, check_kv=ns.check_kv, seed=ns.seed,
+        max_prefill_chunk_tokens=ns.max_prefill_chunk_tokens, kv_scrub=ns.kv_scrub, check_kv=ns.check_kv, seed=ns.seed,
     )

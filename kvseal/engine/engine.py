@@ -82,10 +82,11 @@ class LLMEngine:
         c, s = self.cache_config, self.scheduler_config
         logger.info(
             "kvseal engine: model=%s arch=%s dtype=%s max_model_len=%d kv_cache_tokens=%d (%d pages x %d) "
-            "kv_bytes_per_token=%d max_num_batched_tokens=%d max_num_seqs=%d kv_scrub=%s check_kv=%s",
+            "kv_bytes_per_token=%d max_num_batched_tokens=%d max_prefill_chunk_tokens=%d max_num_seqs=%d "
+            "kv_scrub=%s check_kv=%s",
             self.loaded.path, self.model_config.architecture, args.dtype, s.max_model_len, c.kv_cache_tokens,
             c.num_pages, c.page_size, args.capacity(self.model_config).bytes_per_token,
-            s.max_num_batched_tokens, s.max_num_seqs, c.kv_scrub, c.check_kv,
+            s.max_num_batched_tokens, s.max_prefill_chunk_tokens, s.max_num_seqs, c.kv_scrub, c.check_kv,
         )
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
