@@ -31,11 +31,12 @@ from kvseal.server.app import build_app
 from kvseal.server.audit import AuditLog
 from kvseal.server.auth import ApiKeyTable, Tenant
 from kvseal.server.call import Call
+from kvseal.server.choices import ChoiceEvent, ChoiceGroup
 from kvseal.server.config import ServerConfig
 from kvseal.server.engine_client import EngineClient
 from kvseal.server.metrics import ServerMetrics
 from kvseal.server.prompts import PromptEncoder
-from kvseal.server.request_handle import EngineGone, IsolationBreach, RequestEvent, RequestHandle
+from kvseal.server.request_handle import EngineGone, IsolationBreach, RequestEvent
 from kvseal.server.state import AppState
 from kvseal.types import SamplingParams
 
@@ -61,7 +62,7 @@ def _close(state: AppState) -> None:
     state.audit.close()
 
 
-def _submit(state: AppState, request_id: str) -> RequestHandle:
+def _submit(state: AppState, request_id: str) -> ChoiceGroup:
     call = Call(state, "/v1/completions", request_id)
     call.tenant = ALICE
     call.take_slot(ALICE)
@@ -76,11 +77,12 @@ def _output(request_id: str, tenant: str, finished: bool) -> RequestOutputMsg:
                             num_output_tokens=1, num_pages_reserved=1)
 
 
-async def _events(handle: RequestHandle) -> list[RequestEvent]:
-    async def collect(events: AsyncIterator[RequestEvent]) -> list[RequestEvent]:
-        return [event async for event in events]
+async def _events(group: ChoiceGroup) -> list[RequestEvent]:
+    """The events of a one-choice request, as its response reads them."""
+    async def collect(events: AsyncIterator[ChoiceEvent]) -> list[RequestEvent]:
+        return [event async for _, event in events]
 
-    return await asyncio.wait_for(collect(handle.events()), timeout=10)
+    return await asyncio.wait_for(collect(group.events()), timeout=10)
 
 
 def _audit(tmp_path: Path) -> dict[str, dict]:
