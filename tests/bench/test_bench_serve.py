@@ -51,7 +51,9 @@ def test_server_memory_and_kv_pool_match_plan(bench_server: ServerProcess, bench
     result = run_bench(bench_server, bench_model_dir, tmp_path / "mem.json", "--concurrency", "2",
                        "--server-pid", str(bench_server.proc.pid), "--admin-key", "key-ops")
     assert result["peak_rss_bytes"] > 0 and result["server_pid"] == bench_server.proc.pid
-    assert 0 < result["peak_kv_pages_used"] <= result["kv_pages_total"]
+    # Sampled every 0.5 s: a fast run may see the pool idle at every sample, so only the range
+    # is certain; a None would mean /metrics was not read (the admin key path).
+    assert result["peak_kv_pages_used"] is not None and 0 <= result["peak_kv_pages_used"] <= result["kv_pages_total"]
     capsys.readouterr()
     flags = dict(zip(ENGINE_FLAGS[::2], ENGINE_FLAGS[1::2]))
     assert main(["plan", "--model", str(bench_model_dir), "--dtype", flags["--dtype"], "--kv-cache-tokens",
