@@ -27,6 +27,7 @@ SUPPORTED_ARCHITECTURES = (
 ScrubMode = Literal["off", "free", "alloc"]
 DEFAULT_MAX_PREFILL_CHUNK_TOKENS = 512  # a quarter of the default step budget
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+QUANTIZATIONS = ("none", "int8")  # weight-only; "int8": per-output-channel int8 linears (kvseal.models.quant)
 
 
 @dataclass(frozen=True)
@@ -152,6 +153,7 @@ class EngineArgs:
 
     model: str | None = None
     dtype: str = "auto"  # bfloat16 where the CPU multiplies bf16 natively, else float32
+    quantization: str = "none"  # one of QUANTIZATIONS; the activations and KV cache stay in `dtype`
     max_model_len: int | Literal["auto"] | None = None
     kv_cache_tokens: int | None = None
     kv_cache_memory: str | int = "2GiB"
@@ -169,6 +171,9 @@ class EngineArgs:
             object.__setattr__(self, "dtype", "bfloat16" if cpu_has_native_bf16() else "float32")
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be auto or one of {', '.join(DTYPES)}; got {self.dtype!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ConfigError(f"quantization must be one of {', '.join(QUANTIZATIONS)}; got {self.quantization!r} "
+                              f"(int8: weight-only, per-output-channel int8 linear layers)")
         object.__setattr__(self, "kv_headroom", check_headroom(self.kv_headroom))
         if isinstance(self.max_model_len, str) and self.max_model_len != "auto":
             raise ConfigError(f"max_model_len must be an integer or 'auto'; got {self.max_model_len!r}")

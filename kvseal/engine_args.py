@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 
-from kvseal.config import EngineArgs
+from kvseal.config import QUANTIZATIONS, EngineArgs
 
 _DTYPE_ALIASES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16",
                   "fp16": "float16", "float16": "float16", "half": "float16"}
@@ -30,6 +30,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     d = EngineArgs()
     parser.add_argument("--model", default=None, help="local model folder or .gguf file (default: SmolLM2-135M)")
     parser.add_argument("--dtype", type=dtype_arg, default=d.dtype)
+    parser.add_argument("--quantization", default=d.quantization, help="weight-only quantization of the linear "
+                        f"layers: {', '.join(QUANTIZATIONS)} (default: none)")
     parser.add_argument("--max-model-len", type=_max_model_len, default=None, help="integer or 'auto'")
     parser.add_argument("--kv-cache-tokens", type=int, default=None, help="KV pool size in tokens")
     parser.add_argument("--kv-cache-memory", default=d.kv_cache_memory, help="KV pool budget when "
@@ -49,7 +51,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
     return EngineArgs(
-        model=ns.model, dtype=ns.dtype, max_model_len=ns.max_model_len, kv_cache_tokens=ns.kv_cache_tokens,
+        model=ns.model, dtype=ns.dtype, quantization=ns.quantization, max_model_len=ns.max_model_len,
+        kv_cache_tokens=ns.kv_cache_tokens,
         kv_cache_memory=ns.kv_cache_memory, kv_headroom=ns.kv_headroom, page_size=ns.page_size,
         max_num_batched_tokens=ns.max_num_batched_tokens, max_num_seqs=ns.max_num_seqs,
         max_prefill_chunk_tokens=ns.max_prefill_chunk_tokens, kv_scrub=ns.kv_scrub, check_kv=ns.check_kv, seed=ns.seed,

@@ -29,6 +29,7 @@ from kvseal.engine.scheduler import Scheduler
 from kvseal.errors import InvalidParameter, IsolationViolation
 from kvseal.kvcache.manager import KVCacheManager
 from kvseal.models.loader import LoadedModel, load_model
+from kvseal.models.quant import quantize_model
 from kvseal.prompting import encode_text
 from kvseal.structured.compiler import GrammarCompilerPool
 from kvseal.structured.matching import new_matcher
@@ -68,7 +69,8 @@ class LLMEngine:
         cfg = self.model_config
         self.kv = KVCacheManager(self.cache_config, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
         self.scheduler = Scheduler(self.scheduler_config, self.kv)
-        self.runner = ModelRunner(self.loaded.model.to(args.torch_dtype), self.kv.pool)
+        model = quantize_model(self.loaded.model.to(args.torch_dtype), args.quantization)
+        self.runner = ModelRunner(model, self.kv.pool)
         self._outputs: dict[str, OutputState] = {}
         self._num_preemptions = 0
         self._num_isolation_violations = 0
