@@ -29,7 +29,7 @@ from kvseal.disagg.role import HandoffCounters, Replies, aborted_output
 from kvseal.disagg.transport import KVReceiver
 from kvseal.disagg.verify import Expected, verify_commit
 from kvseal.engine.engine import LLMEngine
-from kvseal.errors import InvalidParameter, RequestRejected
+from kvseal.errors import RequestRejected
 from kvseal.messages.convert import output_to_msg, params_from_msg
 from kvseal.messages.msgs import AbortMsg, OutputsMsg, RequestOutputMsg, RequestRejectedMsg
 from kvseal.types import ISOLATION_CHECK_FAILED, RequestOutput, TokenLogprobs
@@ -81,10 +81,8 @@ class DecodeSteps:
             prompt = admit(msg.prompt_token_ids, params, self.engine.limits)  # I1, decode's own limits
             if self.table.has_request(msg.request_id) or self.engine.find(msg.request_id) is not None:
                 raise RequestRejected(f"request id {msg.request_id!r} is already in use on this decode engine")
-            if params.structured is not None:
-                raise InvalidParameter("structured output (response_format json_schema/json_object, tool "
-                                       "grammars) is not supported with prefill/decode disaggregation yet; "
-                                       "use a colocated server", param="response_format")
+            if params.structured is not None:  # a bad grammar is a 400 now; `add_prefilled` reuses it (cached)
+                self.engine.grammars.compile_now(msg.tenant, params.structured)
         except RequestRejected as exc:
             logger.warning("decode re-check refused request %s: %s", msg.request_id, exc.message)
             self.replies.send(frontend, ReserveRefusedMsg(msg.request_id, msg.tenant, exc.code, exc.message,

@@ -305,11 +305,10 @@ def test_an_engine_binds_only_its_address_and_refuses_a_taken_one(make_pair: Any
     pair.assert_clean()
 
 
-def test_structured_output_is_refused_in_pd_until_grammars_travel(make_pair: Any) -> None:
-    """Decode would continue without the grammar prefill sampled under: refuse, do not half-honour."""
+def test_an_uncompilable_grammar_is_refused_by_decode_before_it_reserves(make_pair: Any) -> None:
     pair = make_pair()
-    params = SamplingParams(max_tokens=4, temperature=0, structured=StructuredOutput("json_object"))
+    params = SamplingParams(max_tokens=4, temperature=0, structured=StructuredOutput("json_schema", '{"type": 5}'))
     handoff = pair.reserve(PROMPT, params)
-    assert handoff.refused is not None and handoff.refused.http_status == 400
-    assert handoff.refused.param == "response_format" and "disaggregation" in handoff.refused.message
+    assert handoff.refused is not None and handoff.refused.http_status == 400, handoff
+    assert handoff.refused.param == "response_format"
     pair.assert_clean()
