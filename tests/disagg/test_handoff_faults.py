@@ -312,3 +312,29 @@ def test_an_uncompilable_grammar_is_refused_by_decode_before_it_reserves(make_pa
     assert handoff.refused is not None and handoff.refused.http_status == 400, handoff
     assert handoff.refused.param == "response_format"
     pair.assert_clean()
+
+
+def test_a_nixl_write_into_another_reservations_slots_is_refused(llama_dir: Path, loaded: Any) -> None:
+    """NIXL lets a peer write anywhere in decode's registered arena; decode takes a transfer's
+    slots only if every one carries that transfer's tag. A broken prefill writes transfer B's
+    KV into A's slots and names B: decode refuses B's landing (B's own slots are untagged), B's
+    commit is refused, and A, written correctly afterwards, still runs."""
+    pair = PdPair(args(llama_dir), args(llama_dir), loaded=loaded, kv_transport="nixl")
+    try:
+        a, b = pair.reserve(PROMPT, GREEDY), pair.reserve(PROMPT, GREEDY)
+        ra, rb = a.reserved, b.reserved
+        assert ra is not None and rb is not None
+        sender, pool = pair.prefill.transport, pair.prefill.engine.kv.pool
+        src = list(range(len(rb.pages)))
+        sender.push(PushPlan(rb.transfer_id, src, [30, 30], rb.kv_address, ra.pages), pool)  # type: ignore[union-attr]
+        rogue_commit(pair, b, 30, [30, 30])
+        pair.pump(lambda: b.is_terminal, "b's refusal")
+        assert_refused_by_decode(b, "layer 0 K: only positions [0, 0)")
+        assert pair.decode.transport.num_refused == 1  # type: ignore[union-attr]
+        rogue_push(pair, a, [30, 30])
+        rogue_commit(pair, a, 30, [30, 30])
+        pair.pump(lambda: a.is_terminal, "a")
+        assert a.final.finish_reason == "length" and a.final.error is None
+        pair.assert_clean()
+    finally:
+        pair.close()
