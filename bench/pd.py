@@ -35,9 +35,7 @@ import zmq
 from kvseal.config import EngineArgs
 from kvseal.disagg.msgs import PdMsg, PrefillMsg, ReservedMsg, ReserveMsg, decode, encode
 from kvseal.disagg.node import EngineNode, NodeConfig
-from kvseal.disagg.tcp import TcpSender
 from kvseal.disagg.transport import KINDS, PushPlan, staged_pages
-from kvseal.disagg.wire import PeerLinks
 from kvseal.engine.engine import LLMEngine
 from kvseal.messages.convert import params_to_msg
 from kvseal.messages.msgs import AbortMsg, OutputsMsg
@@ -118,10 +116,9 @@ def transfer_rate(pair: Pair, prompt: list[int]) -> tuple[float, int]:
     r = pair.reserve(prompt)
     num_layers = len(pair.prefill.engine.kv.pool.k)
     num_pages = len(r.pages)
-    links = PeerLinks(pair.ctx)
     plan = PushPlan(r.transfer_id, list(range(num_pages)), [len(prompt)] * num_layers, r.kv_address, r.pages)
     receiver = pair.decode.steps.receiver  # type: ignore[attr-defined]
-    sender = TcpSender(links) if pair.kv_transport == "tcp" else pair.prefill.transport
+    sender = pair.prefill.transport  # prefill's own: its link (or NIXL peer) is set up by the warm-up
     start = time.perf_counter()
     num_bytes = sender.push(plan, pair.prefill.engine.kv.pool)  # type: ignore[union-attr]
     receiver.sender_done(r.transfer_id)  # what the commit tells decode
@@ -131,7 +128,6 @@ def transfer_rate(pair: Pair, prompt: list[int]) -> tuple[float, int]:
         if all(landing.covered_prefix(layer, kind) >= len(prompt) for layer in range(num_layers) for kind in KINDS):
             break
     elapsed = time.perf_counter() - start
-    links.close()
     pair.to_decode.send(encode(AbortMsg(r.request_id, "bench", "transfer measured")))  # release the pages
     pair.pump_until(pair.to_decode, lambda m: isinstance(m, OutputsMsg))
     return num_bytes / elapsed / MiB, num_bytes

@@ -115,6 +115,8 @@ def make_agent(name: str, listen_host: str) -> Any:
         from nixl._api import nixl_agent, nixl_agent_config
     except ImportError as exc:
         raise ConfigError(f"--kv-transport nixl needs the nixl package (pip install nixl==1.5.1): {exc}") from exc
+    if "NIXL_LOG_LEVEL" not in os.environ:  # nixl logs every agent's start at INFO, on stdout
+        logging.getLogger("nixl").setLevel(logging.WARNING)
     bindings = sys.modules[nixl_agent.__module__].nixlBind
     make_native = bindings.nixlAgent
 
@@ -349,13 +351,20 @@ class NixlSender:
     def _write(self, staging: torch.Tensor, dest: list[int], peer: NixlPeerMsg, remote: str, note: bytes) -> None:
         registration = self._agent.register_memory(staging)
         local_rows, remote_rows = _runs(staging.data_ptr(), peer.arena_address, peer.slot_bytes, dest)
-        handle = self._agent.initialize_xfer("WRITE", self._agent.get_xfer_descs(local_rows, "DRAM"),
-                                             self._agent.get_xfer_descs(remote_rows, "DRAM"), remote, note)
-        state = self._agent.transfer(handle)
-        deadline = time.monotonic() + self._timeout_s
-        while state == "PROC" and time.monotonic() < deadline:
-            time.sleep(POLL_SLEEP_S)
-            state = self._agent.check_xfer_state(handle)
+        try:
+            handle = self._agent.initialize_xfer("WRITE", self._agent.get_xfer_descs(local_rows, "DRAM"),
+                                                 self._agent.get_xfer_descs(remote_rows, "DRAM"), remote, note)
+        except Exception:
+            self._agent.deregister_memory(registration)  # nothing was posted
+            raise
+        try:
+            state = self._agent.transfer(handle)
+            deadline = time.monotonic() + self._timeout_s
+            while state == "PROC" and time.monotonic() < deadline:
+                time.sleep(POLL_SLEEP_S)
+                state = self._agent.check_xfer_state(handle)
+        except Exception:
+            state = "PROC"  # posted, state unknown: treat as still in flight
         if state == "PROC":
             self._in_flight.append(_InFlight(handle, staging, registration))  # never free what NIXL still reads
             raise TransportError(f"the NIXL write to {peer.agent_name} did not finish within {self._timeout_s:g} s")
@@ -368,7 +377,12 @@ class NixlSender:
         """Release late WRITEs that reached a terminal state."""
         still = []
         for job in self._in_flight:
-            if self._agent.check_xfer_state(job.handle) == "PROC":
+            try:
+                state = self._agent.check_xfer_state(job.handle)
+            except Exception as exc:  # NIXL no longer knows the request: it is over
+                logger.warning("a late NIXL write ended with %s", exc)
+                state = "ERR"
+            if state == "PROC":
                 still.append(job)
             else:
                 self._agent.release_xfer_handle(job.handle)
