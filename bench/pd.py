@@ -43,6 +43,7 @@ from kvseal.models.loader import load_model
 from kvseal.types import SamplingParams
 
 MiB = 1024 * 1024
+PUMP_DEADLINE_S = 1800.0
 PARAMS = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
 
 
@@ -60,7 +61,9 @@ class Pair:
         self.kv_transport = kv_transport
         self.prefill = EngineNode(LLMEngine(args, loaded), NodeConfig("prefill", free_address(), kv_transport),
                                   self.ctx)
-        self.decode = EngineNode(LLMEngine(args, loaded), NodeConfig("decode", free_address(), kv_transport),
+        # A 2,048-token prefill takes a minute on a loaded 2-core host: longer than the default timeout.
+        self.decode = EngineNode(LLMEngine(args, loaded), NodeConfig("decode", free_address(), kv_transport,
+                                                                     reservation_timeout_s=PUMP_DEADLINE_S),
                                  self.ctx)
         self.to_prefill, self.to_decode = self._dealer(self.prefill), self._dealer(self.decode)
         self._ids = iter(range(10**9))
@@ -71,13 +74,15 @@ class Pair:
         return sock
 
     def pump_until(self, sock: zmq.Socket, accept: Callable[[PdMsg], bool]) -> PdMsg:
-        while True:
+        deadline = time.monotonic() + PUMP_DEADLINE_S
+        while time.monotonic() < deadline:
             self.prefill.loop.run_once(idle_poll_ms=0)
             self.decode.loop.run_once(idle_poll_ms=0)
             while sock.poll(0):
                 msg = decode(sock.recv())
                 if accept(msg):
                     return msg
+        raise TimeoutError(f"no answer within {PUMP_DEADLINE_S} s")
 
     def reserve(self, prompt: list[int]) -> ReservedMsg:
         request_id = f"bench-{next(self._ids)}"

@@ -29,6 +29,7 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,7 +38,8 @@ import numpy as np
 import torch
 
 from kvseal.disagg.args import DEFAULT_DRAIN_S
-from kvseal.disagg.transport import KINDS, Landing, PushPlan, TransportError, staged_pages
+from kvseal.disagg.msgs import KVKind
+from kvseal.disagg.transport import KINDS, Landing, PushPlan, TransportError
 from kvseal.errors import ConfigError
 from kvseal.kvcache.pool import KVPool
 
@@ -241,21 +243,35 @@ class NixlReceiver:
             self._refuse(note, "write_outside_reservation")
             return
         num_pages = -(-max(note.ends, default=0) // page_size)
-        slots = self._arena[pages[:num_pages]]  # a private copy: later writes cannot reach it
-        if num_pages and not bool((slots[:, :TAG_BYTES] == tag_of(note.transfer_id)).all()):
+        tagged = self._tagged(pages[:num_pages], note.transfer_id)
+        if not tagged():
             self._refuse(note, "foreign_or_stale_write")
             return
-        body = layout.body(slots)
+        body = layout.body(self._arena)
+        copied: list[tuple[int, KVKind, int, int]] = []
         for layer, end in enumerate(note.ends):
             if end == 0:
                 continue
             used = -(-end // page_size)
-            index = torch.tensor(pages[:used], dtype=torch.int64)
+            slots = torch.tensor(pages[:used], dtype=torch.int64)
+            first = pages[0]
+            in_place = pages[:used] == list(range(first, first + used))  # consecutive slots: read in place
             for kind_index, kind in enumerate(KINDS):
-                data = body[:used, layer, kind_index].transpose(0, 1)  # [kv_heads, used, page_size, head_dim]
+                part = body[first:first + used, layer, kind_index] if in_place else body[slots, layer, kind_index]
+                data = part.transpose(0, 1)  # [kv_heads, used, page_size, head_dim]
                 data[:, -1, end - (used - 1) * page_size:] = 0  # only [0, end) may land
-                self._pool.import_pages(layer, kind, index, data)
-                landing.add(layer, kind, 0, end, data.numel() * data.element_size())
+                self._pool.import_pages(layer, kind, slots, data)
+                copied.append((layer, kind, end, data.numel() * data.element_size()))
+        if not tagged():  # a write landed while we copied: the pages hold a mix; record nothing
+            self._refuse(note, "foreign_or_stale_write")
+            return
+        for layer, kind, end, num_bytes in copied:
+            landing.add(layer, kind, 0, end, num_bytes)
+
+    def _tagged(self, slots: list[int], transfer_id: str) -> Callable[[], bool]:
+        """A check that every one of `slots` carries the transfer's tag (asked before and after copying)."""
+        tag, index = tag_of(transfer_id), torch.tensor(slots, dtype=torch.int64)
+        return lambda: bool((self._arena[index, :TAG_BYTES] == tag).all())
 
     def _refuse(self, note: NixlLandedMsg, why: str) -> None:
         self.num_refused += 1
@@ -285,6 +301,8 @@ class NixlSender:
         self._timeout_s = timeout_s
         self._remotes: dict[str, str] = {}  # decode's agent name -> NIXL's handle name for it
         self._in_flight: list[_InFlight] = []
+        self._staging: torch.Tensor | None = None  # registered once, reused by every push
+        self._staging_registration: Any = None
 
     def push(self, plan: PushPlan, pool: KVPool) -> int:
         """Stage, WRITE and wait for NIXL's completion; the notification names what was written.
@@ -333,30 +351,34 @@ class NixlSender:
             except Exception as exc:
                 logger.warning("could not remove NIXL peer %s: %s", name, exc)
 
-    @staticmethod
-    def _stage(plan: PushPlan, pool: KVPool, layout: SlotLayout, num_pages: int) -> torch.Tensor:
+    def _buffer(self, num_bytes: int) -> torch.Tensor:
+        """The registered staging buffer, grown (and registered again) when a push needs more."""
+        if self._staging is None or self._staging.numel() < num_bytes:
+            if self._staging is not None:
+                self._agent.deregister_memory(self._staging_registration)
+            self._staging = torch.empty(num_bytes, dtype=torch.uint8)
+            self._staging_registration = self._agent.register_memory(self._staging)
+        return self._staging[:num_bytes]
+
+    def _stage(self, plan: PushPlan, pool: KVPool, layout: SlotLayout, num_pages: int) -> torch.Tensor:
         """The request's first `num_pages` pages in slot layout, tagged; zeros where unwritten."""
-        staging = torch.zeros((num_pages, layout.slot_bytes), dtype=torch.uint8)
+        staging = self._buffer(num_pages * layout.slot_bytes).view(num_pages, layout.slot_bytes)
         staging[:, :TAG_BYTES] = tag_of(plan.transfer_id)
         body = layout.body(staging)
         for layer, end in enumerate(plan.written):
-            if end == 0:
-                continue
-            k, v = staged_pages(pool, plan.src_pages, layer, end)
-            used = k.shape[1]
-            body[:used, layer, 0] = k.transpose(0, 1)
-            body[:used, layer, 1] = v.transpose(0, 1)
+            used = -(-end // pool.page_size)
+            if used:
+                index = torch.tensor(plan.src_pages[:used], dtype=torch.int64)
+                for kind_index, source in enumerate((pool.k[layer], pool.v[layer])):  # gathered straight in
+                    torch.index_select(source.transpose(0, 1), 0, index, out=body[:used, layer, kind_index])
+                body[used - 1, layer, :, :, end - (used - 1) * pool.page_size:] = 0  # nothing past `end`
+            body[used:, layer] = 0  # no stale bytes of an earlier push leave this buffer
         return staging
 
     def _write(self, staging: torch.Tensor, dest: list[int], peer: NixlPeerMsg, remote: str, note: bytes) -> None:
-        registration = self._agent.register_memory(staging)
         local_rows, remote_rows = _runs(staging.data_ptr(), peer.arena_address, peer.slot_bytes, dest)
-        try:
-            handle = self._agent.initialize_xfer("WRITE", self._agent.get_xfer_descs(local_rows, "DRAM"),
-                                                 self._agent.get_xfer_descs(remote_rows, "DRAM"), remote, note)
-        except Exception:
-            self._agent.deregister_memory(registration)  # nothing was posted
-            raise
+        handle = self._agent.initialize_xfer("WRITE", self._agent.get_xfer_descs(local_rows, "DRAM"),
+                                             self._agent.get_xfer_descs(remote_rows, "DRAM"), remote, note)
         try:
             state = self._agent.transfer(handle)
             deadline = time.monotonic() + self._timeout_s
@@ -365,11 +387,13 @@ class NixlSender:
                 state = self._agent.check_xfer_state(handle)
         except Exception:
             state = "PROC"  # posted, state unknown: treat as still in flight
-        if state == "PROC":
-            self._in_flight.append(_InFlight(handle, staging, registration))  # never free what NIXL still reads
-            raise TransportError(f"the NIXL write to {peer.agent_name} did not finish within {self._timeout_s:g} s")
+        if state == "PROC":  # never reuse or free what NIXL may still read: the next push gets a new buffer
+            assert self._staging is not None
+            self._in_flight.append(_InFlight(handle, self._staging, self._staging_registration))
+            self._staging, self._staging_registration = None, None
+            raise TransportError(f"the NIXL write to {peer.agent_name} did not reach a terminal state within "
+                                 f"{self._timeout_s:g} s")
         self._agent.release_xfer_handle(handle)
-        self._agent.deregister_memory(registration)
         if state != "DONE":
             raise TransportError(f"the NIXL write to {peer.agent_name} failed (state {state})")
 
@@ -391,6 +415,9 @@ class NixlSender:
 
     def close(self) -> None:
         self._reap()
+        if self._staging is not None:
+            self._agent.deregister_memory(self._staging_registration)
+            self._staging = None
 
 
 def _runs(local_base: int, remote_base: int, slot_bytes: int, dest: list[int]) -> tuple[np.ndarray, np.ndarray]:
