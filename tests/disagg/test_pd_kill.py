@@ -72,6 +72,7 @@ def test_prefill_killed_mid_transfer(pd_cluster: PdCluster) -> None:
     assert_engines_clean(pd_cluster.prefill, pd_cluster.decode)
 
 
+@pytest.mark.parametrize("pd_cluster", ["tcp"], indirect=True)  # nixl's peer-gone case: the restart test below
 def test_decode_killed(pd_cluster: PdCluster) -> None:
     results = kill_during_handoffs(pd_cluster, "decode")
     assert_errors(results)
