@@ -5,13 +5,16 @@ In one process, on the default model (SmolLM2-135M-Instruct GGUF) unless --model
 1. TTFT for --prompt-len-token prompts: a colocated `LLMEngine` (add the request, step until
    the first token) against a prefill and a decode engine over loopback TCP (reserve, prefill,
    push KV, commit, verify, first token at the frontend), alternating, --repeats times each.
-2. KV transfer throughput: the same prompt's KV (every layer, K and V) pushed by the TCP
-   transport into a decode reservation and imported there, against the raw loopback rate of
-   the same bytes in the same frame sizes over a bare ZMQ DEALER->ROUTER pair (no staging, no
-   import), and against one in-process memcpy of those bytes.
+2. KV transfer throughput, per transport: the same prompt's KV (every layer, K and V) pushed
+   into a decode reservation and imported there (stage, move, land, record), against that
+   library's own raw loopback copy of the same bytes in the same run: for tcp, the same frames
+   over a bare ZMQ DEALER->ROUTER pair (no staging, no import); for nixl, one NIXL WRITE of the
+   same number of bytes between two registered buffers, with its notification (no staging, no
+   import); and against one in-process memcpy of those bytes.
 
-    python bench/pd.py                  # 2,048-token prompts, 3 repeats
-    python bench/pd.py --repeats 5 --prompt-len 1024
+    python bench/pd.py                  # 2,048-token prompts, 3 repeats, tcp and nixl
+    python bench/pd.py --repeats 5 --prompt-len 1024 --transports nixl
+    python bench/pd.py --skip-ttft      # transfer throughput only
 """
 
 from __future__ import annotations
@@ -25,15 +28,14 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 import zmq
 
 from kvseal.config import EngineArgs
 from kvseal.disagg.msgs import PdMsg, PrefillMsg, ReservedMsg, ReserveMsg, decode, encode
 from kvseal.disagg.node import EngineNode, NodeConfig
-from kvseal.disagg.tcp import TcpSender
 from kvseal.disagg.transport import KINDS, PushPlan, staged_pages
-from kvseal.disagg.wire import PeerLinks
 from kvseal.engine.engine import LLMEngine
 from kvseal.messages.convert import params_to_msg
 from kvseal.messages.msgs import AbortMsg, OutputsMsg
@@ -41,6 +43,7 @@ from kvseal.models.loader import load_model
 from kvseal.types import SamplingParams
 
 MiB = 1024 * 1024
+PUMP_DEADLINE_S = 1800.0
 PARAMS = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
 
 
@@ -53,10 +56,15 @@ def free_address() -> str:
 class Pair:
     """A prefill and a decode engine in this process, and a frontend's two DEALERs."""
 
-    def __init__(self, args: EngineArgs, loaded: Any) -> None:
+    def __init__(self, args: EngineArgs, loaded: Any, kv_transport: str = "tcp") -> None:
         self.ctx = zmq.Context()
-        self.prefill = EngineNode(LLMEngine(args, loaded), NodeConfig("prefill", free_address()), self.ctx)
-        self.decode = EngineNode(LLMEngine(args, loaded), NodeConfig("decode", free_address()), self.ctx)
+        self.kv_transport = kv_transport
+        self.prefill = EngineNode(LLMEngine(args, loaded), NodeConfig("prefill", free_address(), kv_transport),
+                                  self.ctx)
+        # A 2,048-token prefill takes a minute on a loaded 2-core host: longer than the default timeout.
+        self.decode = EngineNode(LLMEngine(args, loaded), NodeConfig("decode", free_address(), kv_transport,
+                                                                     reservation_timeout_s=PUMP_DEADLINE_S),
+                                 self.ctx)
         self.to_prefill, self.to_decode = self._dealer(self.prefill), self._dealer(self.decode)
         self._ids = iter(range(10**9))
 
@@ -66,13 +74,15 @@ class Pair:
         return sock
 
     def pump_until(self, sock: zmq.Socket, accept: Callable[[PdMsg], bool]) -> PdMsg:
-        while True:
+        deadline = time.monotonic() + PUMP_DEADLINE_S
+        while time.monotonic() < deadline:
             self.prefill.loop.run_once(idle_poll_ms=0)
             self.decode.loop.run_once(idle_poll_ms=0)
             while sock.poll(0):
                 msg = decode(sock.recv())
                 if accept(msg):
                     return msg
+        raise TimeoutError(f"no answer within {PUMP_DEADLINE_S} s")
 
     def reserve(self, prompt: list[int]) -> ReservedMsg:
         request_id = f"bench-{next(self._ids)}"
@@ -111,18 +121,18 @@ def transfer_rate(pair: Pair, prompt: list[int]) -> tuple[float, int]:
     r = pair.reserve(prompt)
     num_layers = len(pair.prefill.engine.kv.pool.k)
     num_pages = len(r.pages)
-    links = PeerLinks(pair.ctx)
     plan = PushPlan(r.transfer_id, list(range(num_pages)), [len(prompt)] * num_layers, r.kv_address, r.pages)
     receiver = pair.decode.steps.receiver  # type: ignore[attr-defined]
+    sender = pair.prefill.transport  # prefill's own: its link (or NIXL peer) is set up by the warm-up
     start = time.perf_counter()
-    num_bytes = TcpSender(links).push(plan, pair.prefill.engine.kv.pool)
+    num_bytes = sender.push(plan, pair.prefill.engine.kv.pool)  # type: ignore[union-attr]
+    receiver.sender_done(r.transfer_id)  # what the commit tells decode
     while True:
         pair.decode.loop.run_once(idle_poll_ms=0)
         landing = receiver.landed(r.transfer_id)
         if all(landing.covered_prefix(layer, kind) >= len(prompt) for layer in range(num_layers) for kind in KINDS):
             break
     elapsed = time.perf_counter() - start
-    links.close()
     pair.to_decode.send(encode(AbortMsg(r.request_id, "bench", "transfer measured")))  # release the pages
     pair.pump_until(pair.to_decode, lambda m: isinstance(m, OutputsMsg))
     return num_bytes / elapsed / MiB, num_bytes
@@ -151,6 +161,37 @@ def raw_zmq_rate(frames: list[bytes]) -> float:
     return total / elapsed / MiB
 
 
+def raw_nixl_rate(num_bytes: int) -> float:
+    """One NIXL WRITE of `num_bytes` between two agents' registered buffers (one descriptor, as
+    a reservation of consecutive pages is), done when the receiver has the notification."""
+    from kvseal.disagg.nixl import make_agent
+
+    sender, receiver = make_agent("bench-raw-sender", "127.0.0.1"), make_agent("bench-raw-receiver", "127.0.0.1")
+    src, dst = torch.empty(num_bytes, dtype=torch.uint8).random_(), torch.zeros(num_bytes, dtype=torch.uint8)
+    regs = sender.register_memory(src), receiver.register_memory(dst)
+    remote = sender.add_remote_agent(receiver.get_agent_metadata())
+    rows = np.array([[src.data_ptr(), num_bytes, 0]], dtype=np.uint64)
+    remote_rows = np.array([[dst.data_ptr(), num_bytes, 0]], dtype=np.uint64)
+    rates = []
+    for n in range(2):  # the first pays for the connection
+        note = f"raw-{n}".encode()
+        start = time.perf_counter()
+        handle = sender.initialize_xfer("WRITE", sender.get_xfer_descs(rows, "DRAM"),
+                                        sender.get_xfer_descs(remote_rows, "DRAM"), remote, note)
+        state = sender.transfer(handle)
+        while state == "PROC":
+            state = sender.check_xfer_state(handle)
+        assert state == "DONE", state
+        while not any(note in msgs for msgs in receiver.get_new_notifs().values()):
+            pass
+        rates.append(num_bytes / (time.perf_counter() - start) / MiB)
+        sender.release_xfer_handle(handle)
+    assert torch.equal(src, dst)
+    sender.deregister_memory(regs[0])
+    receiver.deregister_memory(regs[1])
+    return rates[-1]
+
+
 def memcpy_rate(num_bytes: int) -> float:
     src, dst = torch.empty(num_bytes, dtype=torch.uint8).random_(), torch.empty(num_bytes, dtype=torch.uint8)
     dst.copy_(src)
@@ -175,6 +216,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--prompt-len", type=int, default=2048)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--transports", default="tcp,nixl", help="comma-separated KV transports to measure")
+    parser.add_argument("--skip-ttft", action="store_true", help="measure only the KV transfer throughput")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ns = parser.parse_args()
     if ns.threads is not None:
@@ -182,29 +225,41 @@ def main() -> None:
     args = EngineArgs(model=ns.model, dtype=ns.dtype, max_model_len=ns.prompt_len + 16,
                       kv_cache_tokens=4 * (ns.prompt_len + 16))
     loaded = load_model(args.model, args.torch_dtype)
-    colocated = LLMEngine(args, loaded)
-    pair = Pair(args, loaded)
+    transports = ns.transports.split(",")
+    pairs = {t: Pair(args, loaded, t) for t in transports}
     prompt = [int(t) for t in torch.randint(100, loaded.config.vocab_size - 100, (ns.prompt_len,),
                                             generator=torch.Generator().manual_seed(0))]
-    ttft_colocated(colocated, prompt, -1)  # warm-up: first-use kernel setup on both paths
-    ttft_pd(pair, prompt)
-    colocated_s, pd_s, tcp, raw, copy = [], [], [], [], []
-    for n in range(ns.repeats):
-        colocated_s.append(ttft_colocated(colocated, prompt, n))
-        pd_s.append(ttft_pd(pair, prompt))
-        rate, num_bytes = transfer_rate(pair, prompt)
-        tcp.append(rate)
-        raw.append(raw_zmq_rate(frames_of(pair, ns.prompt_len)))
-        copy.append(memcpy_rate(num_bytes))
-    result = {
+    result: dict[str, Any] = {
         "machine": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
         "model": str(loaded.path), "dtype": args.dtype, "prompt_len": ns.prompt_len, "repeats": ns.repeats,
-        "kv_bytes_per_transfer": num_bytes,
-        "ttft_colocated_s": colocated_s, "ttft_pd_s": pd_s,
-        "ttft_pd_over_colocated": statistics.median(pd_s) / statistics.median(colocated_s),
-        "tcp_transport_mib_s": tcp, "raw_zmq_loopback_mib_s": raw, "memcpy_mib_s": copy,
-        "tcp_over_raw_loopback": statistics.median(tcp) / statistics.median(raw),
     }
+    if not ns.skip_ttft:
+        colocated, pair = LLMEngine(args, loaded), pairs[transports[0]]
+        ttft_colocated(colocated, prompt, -1)  # warm-up: first-use kernel setup on both paths
+        ttft_pd(pair, prompt)
+        colocated_s, pd_s = [], []
+        for n in range(ns.repeats):
+            colocated_s.append(ttft_colocated(colocated, prompt, n))
+            pd_s.append(ttft_pd(pair, prompt))
+        result.update({"ttft_transport": transports[0], "ttft_colocated_s": colocated_s, "ttft_pd_s": pd_s,
+                       "ttft_pd_over_colocated": statistics.median(pd_s) / statistics.median(colocated_s)})
+    for pair in pairs.values():
+        transfer_rate(pair, prompt)  # warm-up: connections, first registrations
+    rates: dict[str, list[float]] = {t: [] for t in transports}
+    raws: dict[str, list[float]] = {t: [] for t in transports}
+    copy = []
+    for _ in range(ns.repeats):
+        for t, pair in pairs.items():
+            rate, num_bytes = transfer_rate(pair, prompt)
+            rates[t].append(rate)
+            raws[t].append(raw_zmq_rate(frames_of(pair, ns.prompt_len)) if t == "tcp" else raw_nixl_rate(num_bytes))
+        copy.append(memcpy_rate(num_bytes))
+    result["kv_bytes_per_transfer"] = num_bytes
+    result["memcpy_mib_s"] = copy
+    for t in transports:
+        result[f"{t}_transport_mib_s"] = rates[t]
+        result[f"{t}_raw_loopback_mib_s"] = raws[t]
+        result[f"{t}_over_raw_loopback"] = statistics.median(rates[t]) / statistics.median(raws[t])
     print(json.dumps(result, indent=2))
 
 

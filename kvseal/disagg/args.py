@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 
 DEFAULT_RESERVATION_TIMEOUT_S = 30.0
-KV_TRANSPORTS = ("tcp",)
+DEFAULT_DRAIN_S = 5.0  # nixl: see NodeConfig.transfer_drain_s
+KV_TRANSPORTS = ("tcp", "nixl")  # nixl: NIXL one-sided WRITEs over UCX (kvseal/disagg/nixl.py)
 
 
 def add_engine_node_arguments(parser: argparse.ArgumentParser) -> None:

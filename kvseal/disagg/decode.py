@@ -26,10 +26,10 @@ from kvseal.disagg.msgs import (
 )
 from kvseal.disagg.reservations import Reservation, ReservationTable
 from kvseal.disagg.role import HandoffCounters, Replies, aborted_output
-from kvseal.disagg.tcp import TcpReceiver
+from kvseal.disagg.transport import KVReceiver
 from kvseal.disagg.verify import Expected, verify_commit
 from kvseal.engine.engine import LLMEngine
-from kvseal.errors import InvalidParameter, RequestRejected
+from kvseal.errors import RequestRejected
 from kvseal.messages.convert import output_to_msg, params_from_msg
 from kvseal.messages.msgs import AbortMsg, OutputsMsg, RequestOutputMsg, RequestRejectedMsg
 from kvseal.types import ISOLATION_CHECK_FAILED, RequestOutput, TokenLogprobs
@@ -40,7 +40,7 @@ logger = logging.getLogger("kvseal.disagg")
 class DecodeSteps:
     role: Role = "decode"
 
-    def __init__(self, engine: LLMEngine, receiver: TcpReceiver, replies: Replies, reservation_timeout_s: float,
+    def __init__(self, engine: LLMEngine, receiver: KVReceiver, replies: Replies, reservation_timeout_s: float,
                  instance_id: str) -> None:
         self.engine = engine
         self.receiver = receiver
@@ -49,6 +49,7 @@ class DecodeSteps:
         self.instance_id = instance_id
         self.counters = HandoffCounters()
         self._frontend_of: dict[str, bytes] = {}  # running handed-off request -> who gets its outputs
+        self._pending_errors: dict[str, str] = {}  # releasing reservation -> the error its client gets
 
     def held(self) -> set[str]:
         return self.table.request_ids()
@@ -80,10 +81,8 @@ class DecodeSteps:
             prompt = admit(msg.prompt_token_ids, params, self.engine.limits)  # I1, decode's own limits
             if self.table.has_request(msg.request_id) or self.engine.find(msg.request_id) is not None:
                 raise RequestRejected(f"request id {msg.request_id!r} is already in use on this decode engine")
-            if params.structured is not None:
-                raise InvalidParameter("structured output (response_format json_schema/json_object, tool "
-                                       "grammars) is not supported with prefill/decode disaggregation yet; "
-                                       "use a colocated server", param="response_format")
+            if params.structured is not None:  # a bad grammar is a 400 now; `add_prefilled` reuses it (cached)
+                self.engine.grammars.compile_now(msg.tenant, params.structured)
         except RequestRejected as exc:
             logger.warning("decode re-check refused request %s: %s", msg.request_id, exc.message)
             self.replies.send(frontend, ReserveRefusedMsg(msg.request_id, msg.tenant, exc.code, exc.message,
@@ -110,6 +109,7 @@ class DecodeSteps:
     # ---- step 4: verify the commit, then run ------------------------------------------
 
     def _commit(self, msg: CommitMsg) -> None:
+        self.receiver.sender_done(msg.transfer_id)  # prefill commits only after its last write ended
         reservation = self.table.by_transfer(msg.transfer_id)
         if reservation is None or reservation.request_id != msg.request_id or reservation.tenant != msg.tenant:
             self.counters.failures["unknown_transfer" if reservation is None else "identity_mismatch"] += 1
@@ -151,6 +151,7 @@ class DecodeSteps:
     # ---- every other end of a reservation ---------------------------------------------
 
     def _transfer_abort(self, msg: TransferAbortMsg) -> None:
+        self.receiver.sender_done(msg.transfer_id)  # prefill aborts only after its last write ended
         reservation = self.table.by_transfer(msg.transfer_id)
         if reservation is None or reservation.request_id != msg.request_id or reservation.tenant != msg.tenant:
             return  # nothing of that transfer is live here
@@ -174,6 +175,8 @@ class DecodeSteps:
     def _end_reservation(self, reservation: Reservation, reason: str, error: str, error_code: str | None) -> None:
         if self.table.release(reservation, reason):
             self._report_end(reservation, error, error_code)
+        else:  # reported once the transport confirms no write can land (`tick`)
+            self._pending_errors[reservation.request_id] = error
 
     def _report_end(self, reservation: Reservation, error: str, error_code: str | None) -> None:
         out = aborted_output(reservation.request_id, reservation.tenant, reservation.num_prompt_tokens,
@@ -191,7 +194,8 @@ class DecodeSteps:
                                   f"no KV arrived from prefill within {self.table.timeout_s:g} s", HANDOFF_FAILED)
             changed = True
         for reservation in self.table.retry_releases():
-            self._report_end(reservation, reservation.release_reason or "released", HANDOFF_FAILED)
+            error = self._pending_errors.pop(reservation.request_id, reservation.release_reason or "released")
+            self._report_end(reservation, error, HANDOFF_FAILED)
             changed = True
         return self._place_waiting() or changed
 

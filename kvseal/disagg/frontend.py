@@ -138,6 +138,9 @@ class PdClient:
         self._round_robin = itertools.count()
         self._is_shutting_down = False
         self._layout: str | None = None
+        self._ready: EngineReadyMsg | None = None
+        # Told the new limits when an engine (re)starts with different ones (the server admits with them).
+        self.on_ready_change: Callable[[EngineReadyMsg], None] | None = None
 
     def _link(self, role: Role, address: str) -> EngineLink:
         socket = self._ctx.socket(zmq.DEALER)
@@ -181,7 +184,8 @@ class PdClient:
                 raise ConfigError(f"no answer within {timeout_s:g} s from the engines at {', '.join(missing)}; "
                                   f"start them with `kvseal engine --role ... --listen HOST:PORT`")
             await asyncio.sleep(0.05)
-        return self._ready_msg()
+        self._ready = self._ready_msg()
+        return self._ready
 
     def _ready_msg(self) -> EngineReadyMsg:
         infos = [link.info for link in self.links if link.info is not None]
@@ -306,7 +310,23 @@ class PdClient:
             self._engine_down(link, f"the {link.role} engine at {link.address} restarted")
         if not link.is_up:
             logger.info("%s engine %s is up at %s", link.role, info.instance_id, link.address)
+        changed = link.info != info
         link.info, link.is_up = info, True
+        if changed:
+            self._refresh_ready()
+
+    def _refresh_ready(self) -> None:
+        """An engine (re)started: admit with the smallest limits of the engines as they are now (I1)."""
+        if self._ready is None or any(link.info is None for link in self.links):
+            return  # still starting: `start` reads them all
+        ready = self._ready_msg()
+        if (ready.max_model_len, ready.kv_cache_tokens) != (self._ready.max_model_len, self._ready.kv_cache_tokens):
+            logger.warning("the engines' limits changed: admitting against max_model_len=%d kv_cache_tokens=%d "
+                           "(was %d, %d)", ready.max_model_len, ready.kv_cache_tokens, self._ready.max_model_len,
+                           self._ready.kv_cache_tokens)
+        self._ready = ready
+        if self.on_ready_change is not None:
+            self.on_ready_change(ready)
 
     def _on_reserved(self, link: EngineLink, msg: ReservedMsg) -> None:
         route = self._routes.get(msg.request_id)

@@ -10,13 +10,14 @@ from pathlib import Path
 
 import zmq
 
-from kvseal.disagg.args import DEFAULT_RESERVATION_TIMEOUT_S, KV_TRANSPORTS
+from kvseal.disagg.args import DEFAULT_DRAIN_S, DEFAULT_RESERVATION_TIMEOUT_S, KV_TRANSPORTS
 from kvseal.disagg.decode import DecodeSteps
 from kvseal.disagg.engine_loop import PdEngineLoop
 from kvseal.disagg.msgs import EngineInfoMsg, Role
 from kvseal.disagg.prefill import PrefillSteps
 from kvseal.disagg.role import Replies, RoleSteps
 from kvseal.disagg.tcp import TcpReceiver, TcpSender
+from kvseal.disagg.transport import KVReceiver, KVSender
 from kvseal.disagg.wire import PeerLinks, tcp_endpoint
 from kvseal.engine.engine import LLMEngine
 from kvseal.errors import ConfigError
@@ -28,12 +29,17 @@ class NodeConfig:
     listen: str  # HOST:PORT, bound exactly
     kv_transport: str = "tcp"
     reservation_timeout_s: float = DEFAULT_RESERVATION_TIMEOUT_S
+    # nixl: how long decode waits, after cancelling a transfer neither NIXL nor prefill confirmed
+    # over, before it releases the pages (NIXL cannot cancel a write in flight)
+    transfer_drain_s: float = DEFAULT_DRAIN_S
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode"):
             raise ConfigError(f"--role must be prefill or decode, got {self.role!r}")
         if self.kv_transport not in KV_TRANSPORTS:
             raise ConfigError(f"--kv-transport must be one of {', '.join(KV_TRANSPORTS)}, got {self.kv_transport!r}")
+        if self.transfer_drain_s < 0:
+            raise ConfigError(f"transfer_drain_s must be >= 0, got {self.transfer_drain_s}")
         if self.reservation_timeout_s <= 0:
             raise ConfigError(f"--reservation-timeout-s must be > 0, got {self.reservation_timeout_s}")
         host, _, port = self.listen.rpartition(":")
@@ -45,11 +51,12 @@ def node_config_from(ns: argparse.Namespace) -> NodeConfig:
     return NodeConfig(ns.role, ns.listen, ns.kv_transport, ns.reservation_timeout_s)
 
 
-def kv_layout(engine: LLMEngine) -> str:
+def kv_layout(engine: LLMEngine, kv_transport: str) -> str:
     """What must match between a prefill and a decode engine for KV to move between them."""
     m, c = engine.model_config, engine.cache_config
     return (f"{m.architecture}/layers={m.num_layers}/kv_heads={m.num_kv_heads}/head_dim={m.head_dim}/"
-            f"dtype={str(c.dtype).removeprefix('torch.')}/page_size={c.page_size}/head-major")
+            f"dtype={str(c.dtype).removeprefix('torch.')}/page_size={c.page_size}/head-major/"
+            f"transport={kv_transport}")
 
 
 class EngineNode:
@@ -75,9 +82,26 @@ class EngineNode:
 
     def _steps(self, replies: Replies) -> RoleSteps:
         if self.config.role == "decode":
-            receiver = TcpReceiver(self.engine.kv.pool, self.engine.model_config.num_layers, self.config.listen)
-            return DecodeSteps(self.engine, receiver, replies, self.config.reservation_timeout_s, self.instance_id)
-        return PrefillSteps(self.engine, TcpSender(self.links), self.links, replies, self.instance_id)
+            self.transport: KVReceiver | KVSender = self._receiver()
+            return DecodeSteps(self.engine, self.transport, replies, self.config.reservation_timeout_s,
+                               self.instance_id)
+        self.transport = self._sender()
+        return PrefillSteps(self.engine, self.transport, self.links, replies, self.instance_id)
+
+    def _receiver(self) -> KVReceiver:
+        pool, host = self.engine.kv.pool, self.config.listen.rpartition(":")[0]
+        if self.config.kv_transport == "nixl":
+            from kvseal.disagg.nixl import NixlReceiver  # imports nixl: only when asked for
+
+            return NixlReceiver(pool, self.instance_id, host, self.config.transfer_drain_s)
+        return TcpReceiver(pool, self.engine.model_config.num_layers, self.config.listen)
+
+    def _sender(self) -> KVSender:
+        if self.config.kv_transport == "nixl":
+            from kvseal.disagg.nixl import NixlSender
+
+            return NixlSender(self.instance_id, self.config.listen.rpartition(":")[0])
+        return TcpSender(self.links)
 
     def _info(self) -> EngineInfoMsg:
         e = self.engine
@@ -86,9 +110,10 @@ class EngineNode:
             model_name=e.loaded.name, model_path=str(Path(e.loaded.path)), architecture=e.model_config.architecture,
             max_model_len=e.limits.max_model_len, kv_cache_tokens=e.limits.kv_cache_tokens,
             vocab_size=e.limits.vocab_size, page_size=e.cache_config.page_size, num_pages=e.cache_config.num_pages,
-            kv_layout=kv_layout(e), kv_transport=self.config.kv_transport,
+            kv_layout=kv_layout(e, self.config.kv_transport), kv_transport=self.config.kv_transport,
         )
 
     def close(self) -> None:
+        self.transport.close()
         self.links.close()
         self.router.close(linger=0)

@@ -38,6 +38,9 @@ class TcpSender:
                 num_bytes += payload.nbytes
         return num_bytes
 
+    def close(self) -> None:
+        pass  # the links belong to the engine node
+
 
 class TcpReceiver:
     name = NAME
@@ -59,6 +62,12 @@ class TcpReceiver:
 
     def landed(self, transfer_id: str) -> Landing | None:
         return self._landed.get(transfer_id)
+
+    def sender_done(self, transfer_id: str) -> None:
+        pass  # frames and the commit share one ordered connection: nothing to wait for
+
+    def close(self) -> None:
+        pass
 
     def cancel(self, transfer_id: str) -> bool:
         self._pages.pop(transfer_id, None)

@@ -21,7 +21,7 @@ from typing import Protocol
 
 import torch
 
-from kvseal.disagg.msgs import KVKind
+from kvseal.disagg.msgs import KVBlockMsg, KVKind
 from kvseal.errors import KvsealError
 from kvseal.kvcache.pool import KVPool
 
@@ -82,18 +82,31 @@ class KVReceiver(Protocol):
         """What landed for an authorized transfer (None for an unknown id)."""
         ...
 
+    def sender_done(self, transfer_id: str) -> None:
+        """Prefill sent its commit or abort, which it does only once its writes are terminal."""
+        ...
+
+    def deliver(self, header: KVBlockMsg, payload: memoryview) -> str | None:
+        """A KV frame on the control channel (the TCP transport's data); why it was refused, or None."""
+        ...
+
     def cancel(self, transfer_id: str) -> bool:
         """Stop accepting writes for `transfer_id` and forget it. True when no write of it can
         land any more (the pages may be released); False: ask again later."""
         ...
+
+    def close(self) -> None: ...
 
 
 class KVSender(Protocol):
     name: str
 
     def push(self, plan: PushPlan, pool: KVPool) -> int:
-        """Move the planned KV; returns the bytes sent. Raises `TransportError`."""
+        """Move the planned KV; returns the bytes sent. Raises `TransportError`. Returns or
+        raises only once no write of the push can still land (prefill commits or aborts next)."""
         ...
+
+    def close(self) -> None: ...
 
 
 def staged_pages(pool: KVPool, src_pages: list[int], layer: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:

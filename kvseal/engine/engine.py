@@ -134,7 +134,8 @@ class LLMEngine:
         every layer (a verified PD handoff), and whose first token was sampled elsewhere.
 
         The caller has admitted it (I1) and verified the KV (I4); the engine only continues it.
-        Returns the report of the first token (finished if that token ends the request).
+        Returns the report of the first token (finished if that token ends the request). A
+        structured-output request's grammar is compiled here and advanced by the first token.
         """
         if request_id in self._outputs:
             raise InvalidParameter(f"request id {request_id!r} is already in use", param="request_id")
@@ -143,6 +144,8 @@ class LLMEngine:
         request = Request(request_id, tenant, list(prompt_token_ids), params, generator=generator,
                           num_computed_tokens=len(prompt_token_ids),
                           max_num_pages=len(self.kv.allocator.pages_of(request_id)))
+        if params.structured is not None:  # the first token was sampled under the same grammar
+            request.grammar = new_matcher(self.grammars.compile_now(tenant, params.structured))
         state = self._outputs[request_id] = OutputState(request, self.tokenizer, self.model_config.eos_token_ids)
         self.scheduler.add_running(request)
         state.append_token(first_token)

@@ -96,6 +96,8 @@ async def _serve_pd(config: ServerConfig, engine_args: EngineArgs, keys: ApiKeyT
         state = await _start(config, backend.client, keys, metrics, audit)  # type: ignore[arg-type]
         if state is None:
             return 0
+        # An engine restarted at the same address may bring other limits: the front door uses them (I1).
+        backend.client.on_ready_change = lambda info: setattr(state, "engine_info", info)
         server = KvsealServer(_uvicorn_config(config, state), lambda port: _log_ready(state, port),
                               lambda: _drain(state))
         await server.serve()

@@ -21,15 +21,20 @@ def marker_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_marker_model(tmp_path_factory.mktemp("models") / "marker")
 
 
-@pytest.fixture(scope="session")
-def pd_cluster(marker_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[PdCluster]:
-    workdir = tmp_path_factory.mktemp("pd-cluster")
-    prefill = PdEngine("prefill", marker_dir, workdir, PREFILL_FLAGS).start()
-    decode = PdEngine("decode", marker_dir, workdir, DECODE_FLAGS).start()
+@pytest.fixture(scope="session", params=["tcp", "nixl"])
+def pd_cluster(marker_dir: Path, tmp_path_factory: pytest.TempPathFactory,
+               request: pytest.FixtureRequest) -> Iterator[PdCluster]:
+    """One cluster per KV transport: every process test runs over the built-in TCP transport
+    and over NIXL (a missing nixl package fails these tests; it never skips them)."""
+    kv_transport: str = request.param
+    workdir = tmp_path_factory.mktemp(f"pd-cluster-{kv_transport}")
+    transport = ["--kv-transport", kv_transport]
+    prefill = PdEngine("prefill", marker_dir, workdir, [*PREFILL_FLAGS, *transport]).start()
+    decode = PdEngine("decode", marker_dir, workdir, [*DECODE_FLAGS, *transport]).start()
     prefill.wait_ready()
     decode.wait_ready()
     frontend = PdFrontend([prefill], [decode], marker_dir, workdir, KEYS).start()
-    cluster = PdCluster(marker_dir, workdir, prefill, decode, frontend)
+    cluster = PdCluster(marker_dir, workdir, prefill, decode, frontend, kv_transport)
     try:
         frontend.wait_healthy()
         yield cluster

@@ -84,13 +84,14 @@ class Handoff:
 
 class PdPair:
     def __init__(self, prefill_args: EngineArgs, decode_args: EngineArgs, reservation_timeout_s: float = 30.0,
-                 loaded: Any = None) -> None:
+                 loaded: Any = None, kv_transport: str = "tcp", transfer_drain_s: float = 5.0) -> None:
         self.ctx = zmq.Context()
         self.prefill = EngineNode(LLMEngine(prefill_args, loaded),
-                                  NodeConfig("prefill", f"127.0.0.1:{free_port()}"), self.ctx)
+                                  NodeConfig("prefill", f"127.0.0.1:{free_port()}", kv_transport), self.ctx)
         self.decode = EngineNode(LLMEngine(decode_args, loaded),
-                                 NodeConfig("decode", f"127.0.0.1:{free_port()}",
-                                            reservation_timeout_s=reservation_timeout_s), self.ctx)
+                                 NodeConfig("decode", f"127.0.0.1:{free_port()}", kv_transport,
+                                            reservation_timeout_s=reservation_timeout_s,
+                                            transfer_drain_s=transfer_drain_s), self.ctx)
         self.to_prefill = TestFrontend(self.ctx, self.prefill.config.listen)
         self.to_decode = TestFrontend(self.ctx, self.decode.config.listen)
         self.handoffs: dict[str, Handoff] = {}

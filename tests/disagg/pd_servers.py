@@ -187,10 +187,13 @@ class PdCluster:
     prefill: PdEngine
     decode: PdEngine
     frontend: PdFrontend
+    kv_transport: str = "tcp"
 
-    def replace_prefill(self, faults: str) -> PdEngine:
-        """Stop the prefill engine and start another at the same address, with `faults`."""
+    def replace_prefill(self, faults: str, flags: list[str] | None = None) -> PdEngine:
+        """Stop the prefill engine and start another at the same address, with `faults` (and
+        `flags` instead of PREFILL_FLAGS)."""
         self.prefill.terminate()
         port = int(self.prefill.address.rpartition(":")[2])
-        self.prefill = PdEngine("prefill", self.marker_dir, self.workdir, PREFILL_FLAGS, faults, port=port)
+        self.prefill = PdEngine("prefill", self.marker_dir, self.workdir,
+                                [*(flags or PREFILL_FLAGS), "--kv-transport", self.kv_transport], faults, port=port)
         return self.prefill.start().wait_ready()

@@ -25,10 +25,10 @@ def args(llama_dir: Path, **kwargs: Any) -> EngineArgs:
     return EngineArgs(**base)
 
 
-@pytest.fixture
-def pair(llama_dir: Path) -> Iterator[PdPair]:
+@pytest.fixture(params=["tcp", "nixl"])
+def pair(llama_dir: Path, request: pytest.FixtureRequest) -> Iterator[PdPair]:
     loaded = load_model(str(llama_dir), args(llama_dir).torch_dtype)
-    pd = PdPair(args(llama_dir), args(llama_dir), loaded=loaded)
+    pd = PdPair(args(llama_dir), args(llama_dir), loaded=loaded, kv_transport=request.param)
     yield pd
     pd.close()
 

@@ -32,13 +32,21 @@ def loaded(llama_dir: Path) -> Any:
     return load_model(str(llama_dir), args(llama_dir).torch_dtype)
 
 
+TRANSPORTS = pytest.mark.parametrize("kv_transport", ["tcp", "nixl"])  # the fault tests both must pass
+
+
 @pytest.fixture
-def make_pair(llama_dir: Path, loaded: Any) -> Iterator[Any]:
+def kv_transport() -> str:
+    return "tcp"  # tests marked TRANSPORTS run over each
+
+
+@pytest.fixture
+def make_pair(llama_dir: Path, loaded: Any, kv_transport: str) -> Iterator[Any]:
     pairs: list[PdPair] = []
 
     def make(prefill: dict[str, Any] | None = None, decode: dict[str, Any] | None = None, **kw: Any) -> PdPair:
         pairs.append(PdPair(args(llama_dir, **(prefill or {})), args(llama_dir, **(decode or {})), loaded=loaded,
-                            **kw))
+                            kv_transport=kv_transport, transfer_drain_s=0.5, **kw))
         return pairs[-1]
 
     yield make
@@ -57,6 +65,7 @@ def assert_refused_by_decode(handoff: Handoff, reason_fragment: str, code: str =
 
 # ---- the incident's misconfiguration: prefill's limit is smaller than decode's -------------
 
+@TRANSPORTS
 def test_prefill_refuses_what_its_pool_cannot_hold_and_decode_releases(make_pair: Any) -> None:
     pair = make_pair(prefill=dict(kv_cache_tokens=64, max_model_len=64))
     handoff = pair.generate(list(range(10, 110)), GREEDY)  # 100 tokens: decode admits, prefill cannot
@@ -84,7 +93,8 @@ def rogue_push(pair: PdPair, handoff: Handoff, written: list[int]) -> int:
     r = handoff.reserved
     assert r is not None
     plan = PushPlan(r.transfer_id, list(range(len(r.pages))), written, r.kv_address, r.pages)
-    return TcpSender(pair.rogue).push(plan, pair.prefill.engine.kv.pool)
+    sender = TcpSender(pair.rogue) if pair.prefill.config.kv_transport == "tcp" else pair.prefill.transport
+    return sender.push(plan, pair.prefill.engine.kv.pool)  # type: ignore[union-attr]
 
 
 def rogue_commit(pair: PdPair, handoff: Handoff, num_tokens: int, written: list[int],
@@ -106,6 +116,7 @@ def page_bytes(pair: PdPair, num_pages: int) -> bytes:
 NUM_LAYERS = 2
 
 
+@TRANSPORTS
 @pytest.mark.parametrize(("pushed", "claimed_tokens", "claimed", "reason"), [
     ([30, 30], 29, [30, 30], "the prompt has 30"),  # fewer tokens than reserved
     ([30, 0], 30, [30, 30], "layer 1 K: only positions [0, 0)"),  # one layer never written
@@ -193,6 +204,7 @@ def _placeholder_victim(pair: PdPair, secret: list[int], skip_verify: bool) -> H
         return pair.generate(PROMPT, GREEDY, tenant="bob")
 
 
+@TRANSPORTS
 def test_decode_verification_catches_the_placeholder_prefill(make_pair: Any) -> None:
     pair = make_pair()
     victim = _placeholder_victim(pair, list(range(300, 340)), skip_verify=False)
@@ -210,6 +222,7 @@ def test_without_decode_verification_the_placeholder_leaks(make_pair: Any) -> No
 
 # ---- reservations end only under the release rule ------------------------------------------
 
+@TRANSPORTS
 def test_a_reservation_without_commit_expires_and_is_released(make_pair: Any) -> None:
     pair = make_pair(reservation_timeout_s=0.3)
     handoff = pair.reserve(PROMPT, GREEDY)
@@ -254,6 +267,7 @@ def test_a_reservation_waits_for_pages_instead_of_taking_any(make_pair: Any) -> 
     pair.assert_clean()
 
 
+@TRANSPORTS
 def test_client_abort_during_the_handoff_cleans_both_sides(make_pair: Any) -> None:
     pair = make_pair()
     handoff = pair.reserve(PROMPT, GREEDY)
@@ -267,6 +281,7 @@ def test_client_abort_during_the_handoff_cleans_both_sides(make_pair: Any) -> No
     pair.assert_clean()
 
 
+@TRANSPORTS
 def test_transport_error_reaches_the_frontend_and_frees_prefill(make_pair: Any) -> None:
     pair = make_pair()
     handoff = pair.reserve(PROMPT, GREEDY)
@@ -290,11 +305,36 @@ def test_an_engine_binds_only_its_address_and_refuses_a_taken_one(make_pair: Any
     pair.assert_clean()
 
 
-def test_structured_output_is_refused_in_pd_until_grammars_travel(make_pair: Any) -> None:
-    """Decode would continue without the grammar prefill sampled under: refuse, do not half-honour."""
+def test_an_uncompilable_grammar_is_refused_by_decode_before_it_reserves(make_pair: Any) -> None:
     pair = make_pair()
-    params = SamplingParams(max_tokens=4, temperature=0, structured=StructuredOutput("json_object"))
+    params = SamplingParams(max_tokens=4, temperature=0, structured=StructuredOutput("json_schema", '{"type": 5}'))
     handoff = pair.reserve(PROMPT, params)
-    assert handoff.refused is not None and handoff.refused.http_status == 400
-    assert handoff.refused.param == "response_format" and "disaggregation" in handoff.refused.message
+    assert handoff.refused is not None and handoff.refused.http_status == 400, handoff
+    assert handoff.refused.param == "response_format"
     pair.assert_clean()
+
+
+def test_a_nixl_write_into_another_reservations_slots_is_refused(llama_dir: Path, loaded: Any) -> None:
+    """NIXL lets a peer write anywhere in decode's registered arena; decode takes a transfer's
+    slots only if every one carries that transfer's tag. A broken prefill writes transfer B's
+    KV into A's slots and names B: decode refuses B's landing (B's own slots are untagged), B's
+    commit is refused, and A, written correctly afterwards, still runs."""
+    pair = PdPair(args(llama_dir), args(llama_dir), loaded=loaded, kv_transport="nixl")
+    try:
+        a, b = pair.reserve(PROMPT, GREEDY), pair.reserve(PROMPT, GREEDY)
+        ra, rb = a.reserved, b.reserved
+        assert ra is not None and rb is not None
+        sender, pool = pair.prefill.transport, pair.prefill.engine.kv.pool
+        src = list(range(len(rb.pages)))
+        sender.push(PushPlan(rb.transfer_id, src, [30, 30], rb.kv_address, ra.pages), pool)  # type: ignore[union-attr]
+        rogue_commit(pair, b, 30, [30, 30])
+        pair.pump(lambda: b.is_terminal, "b's refusal")
+        assert_refused_by_decode(b, "layer 0 K: only positions [0, 0)")
+        assert pair.decode.transport.num_refused == 1  # type: ignore[union-attr]
+        rogue_push(pair, a, [30, 30])
+        rogue_commit(pair, a, 30, [30, 30])
+        pair.pump(lambda: a.is_terminal, "a")
+        assert a.final.finish_reason == "length" and a.final.error is None
+        pair.assert_clean()
+    finally:
+        pair.close()

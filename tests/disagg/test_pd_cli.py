@@ -31,7 +31,8 @@ def test_bad_pd_flags_are_refused_before_anything_starts(argv: list[str], capsys
     assert "kvseal: error:" in capsys.readouterr().err
 
 
-def test_serve_pd_runs_both_roles_and_equals_colocated(tmp_path: Path) -> None:
+@pytest.mark.parametrize("kv_transport", ["tcp", "nixl"])
+def test_serve_pd_runs_both_roles_and_equals_colocated(tmp_path: Path, kv_transport: str) -> None:
     import sys
 
     sys.path.insert(0, str(Path(__file__).parent.parent / "server"))
@@ -39,7 +40,8 @@ def test_serve_pd_runs_both_roles_and_equals_colocated(tmp_path: Path) -> None:
 
     model = make_server_model(tmp_path / "tiny")
     port = free_port()
-    server = Proc("serve-pd", ["serve", "--pd", "--model", str(model), "--port", str(port), *FLAGS], tmp_path).start()
+    argv = ["serve", "--pd", "--model", str(model), "--port", str(port), "--kv-transport", kv_transport, *FLAGS]
+    server = Proc("serve-pd", argv, tmp_path).start()
     url = f"http://127.0.0.1:{port}"
 
     def healthy() -> bool:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import openai
+import pytest
 from marker_model import marker_prompt
 from pd_harness import PdPair
 from pd_servers import KEYS, PdCluster, PdFrontend, assert_engines_clean
@@ -130,6 +131,7 @@ def test_with_the_frontend_check_off_prefill_refuses_and_decode_releases(pd_clus
     assert_engines_clean(pd_cluster.prefill, pd_cluster.decode)
 
 
+@pytest.mark.parametrize("pd_cluster", ["tcp"], indirect=True)  # over nixl: test_handoff_faults.py, in-process
 def test_decode_verification_catches_the_placeholder_prefill(pd_cluster: PdCluster) -> None:
     """The incident's placeholder path switched on in prefill (restarted at the same address,
     picked up by the running frontend): decode refuses every handoff, nobody gets an answer."""
@@ -149,14 +151,15 @@ def test_decode_verification_catches_the_placeholder_prefill(pd_cluster: PdClust
         frontend.wait_healthy()
 
 
-def test_without_decode_verification_the_marker_check_catches_the_leak(marker_dir: Path) -> None:
+@pytest.mark.parametrize("kv_transport", ["tcp", "nixl"])
+def test_without_decode_verification_the_marker_check_catches_the_leak(marker_dir: Path, kv_transport: str) -> None:
     """The negative control, with both engines in this process (a fault switched on here is on
     in both, and only prefill runs prompts): with decode's verification switched off too, the
     placeholder's request decodes over alice's KV and answers with alice's marker."""
     pair = PdPair(EngineArgs(model=str(marker_dir), kv_cache_tokens=256, max_model_len=256, page_size=4,
                              dtype="float32"),
                   EngineArgs(model=str(marker_dir), kv_cache_tokens=1024, max_model_len=1024, page_size=4,
-                             dtype="float32"))
+                             dtype="float32"), kv_transport=kv_transport)
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0)
     tokenizer = pair.decode.engine.tokenizer
     try:

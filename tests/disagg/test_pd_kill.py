@@ -8,8 +8,9 @@ from __future__ import annotations
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import httpx
+import pytest
 from marker_model import marker_prompt
-from pd_servers import PdCluster, assert_engines_clean
+from pd_servers import PREFILL_FLAGS, PdCluster, assert_engines_clean
 from server_process import wait_for
 from test_pd_incident import MAX_TOKENS, Result, send
 
@@ -30,9 +31,10 @@ def assert_serving(cluster: PdCluster) -> None:
     assert ok.status == 200 and ok.text.split() == [f"w{ok.marker}"] * MAX_TOKENS, ok
 
 
-def kill_during_handoffs(cluster: PdCluster, kill: str) -> list[Result]:
+def kill_during_handoffs(cluster: PdCluster, kill: str, restart: bool = False) -> list[Result]:
     """Send six long prompts (prefill works through them one after another); kill an engine
-    while decode holds a reservation waiting for prefill's KV."""
+    while decode holds a reservation waiting for prefill's KV (and start it again at once at
+    the same address, if `restart`)."""
     frontend = cluster.frontend
     reserved_before = frontend.metric("kvseal_pd_reservations", role="decode")
     with ThreadPoolExecutor(max_workers=6) as pool:
@@ -40,6 +42,8 @@ def kill_during_handoffs(cluster: PdCluster, kill: str) -> list[Result]:
         wait_for(lambda: frontend.metric("kvseal_pd_reservations", role="decode") - reserved_before >= 1,
                  "decode's reservations")
         getattr(cluster, kill).kill()
+        if restart:
+            getattr(cluster, kill).start()
         return [f.result() for f in futures]
 
 
@@ -68,6 +72,7 @@ def test_prefill_killed_mid_transfer(pd_cluster: PdCluster) -> None:
     assert_engines_clean(pd_cluster.prefill, pd_cluster.decode)
 
 
+@pytest.mark.parametrize("pd_cluster", ["tcp"], indirect=True)  # nixl's peer-gone case: the restart test below
 def test_decode_killed(pd_cluster: PdCluster) -> None:
     results = kill_during_handoffs(pd_cluster, "decode")
     assert_errors(results)
@@ -76,4 +81,42 @@ def test_decode_killed(pd_cluster: PdCluster) -> None:
     pd_cluster.decode.start().wait_ready()
     pd_cluster.frontend.wait_healthy()
     assert_serving(pd_cluster)
+    assert_engines_clean(pd_cluster.prefill, pd_cluster.decode)
+
+
+def test_decode_restarted_mid_transfer_resets_the_link(pd_cluster: PdCluster) -> None:
+    """Prefill's connection to decode is reset under running handoffs and a new decode instance
+    answers at the same address: the requests end with errors (the new instance knows none of
+    their transfers and takes none of their KV), and nothing is leaked on either engine."""
+    results = kill_during_handoffs(pd_cluster, "decode", restart=True)
+    assert_errors(results)
+    pd_cluster.decode.wait_ready()
+    pd_cluster.frontend.wait_healthy()
+    assert_serving(pd_cluster)
+    assert_engines_clean(pd_cluster.prefill, pd_cluster.decode)
+
+
+@pytest.mark.parametrize("pd_cluster", ["tcp"], indirect=True)  # the limits do not depend on the transport
+def test_the_frontend_rereads_the_limits_of_a_restarted_engine(pd_cluster: PdCluster) -> None:
+    """A prefill engine restarted at the same address with a smaller limit: the frontend admits
+    against it (400 at the door, no engine sees the prompt), and against the larger one again
+    once the engine is back with it, all without restarting the frontend."""
+    frontend = pd_cluster.frontend
+
+    def max_model_len() -> int:
+        response = httpx.get(f"{frontend.url}/v1/models", headers={"authorization": "Bearer key-alice"}, timeout=10)
+        return int(response.json()["data"][0]["max_model_len"])
+
+    small = [flag.replace("256", "128") for flag in PREFILL_FLAGS]
+    try:
+        pd_cluster.replace_prefill("none", small)
+        wait_for(lambda: max_model_len() == 128, "the frontend to admit against the restarted engine's limit")
+        refused = send(frontend, "alice", 200)
+        assert refused.status == 400 and refused.code == "context_length_exceeded", refused
+    finally:
+        pd_cluster.replace_prefill("none")
+    wait_for(lambda: max_model_len() == 256, "the frontend to admit against the restored limit")
+    frontend.wait_healthy()
+    served = send(frontend, "alice", 200)
+    assert served.status == 200 and served.text.split() == [f"w{served.marker}"] * MAX_TOKENS, served
     assert_engines_clean(pd_cluster.prefill, pd_cluster.decode)
