@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent / "peers"))
-from single_stream import LLAMA_CPP_CHILD, default_gguf, prompt_ids, run_child  # noqa: E402
+from single_stream import KVSEAL_CHILD, LLAMA_CPP_CHILD, default_gguf, prompt_ids, run_child  # noqa: E402
 
 # The model's linear shapes (out, in): SmolLM2-135M, hidden 576, 9 q / 3 kv heads of 64, MLP 1536.
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "lm_head": (49152, 576)}
@@ -49,29 +49,6 @@ SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (5
 # Variants of kvseal: name -> (dtype, quantization).
 VARIANTS = {"fp32": ("float32", "none"), "bf16": ("bfloat16", "none"), "int8": ("float32", "int8"),
             "int8-bf16": ("bfloat16", "int8")}
-
-KVSEAL_CHILD = r"""
-import json, sys, time
-import torch
-from kvseal.llm import LLM
-from kvseal.types import SamplingParams
-a = json.loads(sys.argv[1])
-torch.set_num_threads(a["threads"])
-llm = LLM(a["gguf"], dtype=a["dtype"], quantization=a["quantization"],
-          max_model_len=a["prompt_len"] + a["output_len"] + 8)
-def run():
-    # prefill alone (1 token), then the whole generation: decode rate from the difference
-    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-    n = a["output_len"]
-    full = SamplingParams(max_tokens=n, min_tokens=n, temperature=0.0, ignore_eos=True)
-    t0 = time.perf_counter(); llm.generate([a["prompt"]], one); t1 = time.perf_counter()
-    llm.generate([a["prompt"]], full); t2 = time.perf_counter()
-    prefill_s = t1 - t0
-    return prefill_s, (n - 1) / ((t2 - t1) - prefill_s)
-run()
-prefill_s, decode_tok_s = run()
-print(json.dumps({"prefill_s": prefill_s, "decode_tok_s": decode_tok_s}))
-"""
 
 # A fixed text for perplexity (written for this benchmark; plain expository English).
 TEXT = (

@@ -48,7 +48,8 @@ from kvseal.llm import LLM
 from kvseal.types import SamplingParams
 a = json.loads(sys.argv[1])
 torch.set_num_threads(a["threads"])
-llm = LLM(a["gguf"], dtype=a["dtype"], max_model_len=a["prompt_len"] + a["output_len"] + 8)
+llm = LLM(a["gguf"], dtype=a["dtype"], quantization=a.get("quantization", "none"),
+          max_model_len=a["prompt_len"] + a["output_len"] + 8)
 def run():
     # prefill alone (1 token), then the whole generation: decode rate from the difference
     one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
