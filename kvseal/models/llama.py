@@ -62,7 +62,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rope.apply(q, cos_sin), rope.apply(k, cos_sin)
         pool.write(self.layer_idx, batch.slot_mapping, k, v)
-        out = paged_attention(q, pool, self.layer_idx, plan)  # [num_tokens, heads, head_dim]
+        out = paged_attention(q, k, v, pool, self.layer_idx, plan)  # [num_tokens, heads, head_dim]
         return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
 
 
