@@ -46,9 +46,9 @@ class FreshPrefills:
 
 @dataclass(frozen=True)
 class DecodeRows:
-    token_idx: torch.Tensor  # [num_decodes] into the flattened tokens
+    token_idx: torch.Tensor | None  # [num_decodes] into the flattened tokens; None: every token is a decode
     pages: torch.Tensor  # [num_decodes, max_pages]
-    mask: torch.Tensor  # [num_decodes, 1, 1, max_pages * page_size] bool: slot < context_len
+    masked_out: torch.Tensor  # [1, num_decodes, 1, max_pages * page_size] bool: slot >= context_len
 
 
 @dataclass(frozen=True)
@@ -76,11 +76,12 @@ class AttentionPlan:
         fresh = [_fresh_group(length, starts) for length, starts in fresh_starts.items()]
         if not decode_rows:
             return cls(None, prefills, fresh)
-        starts = torch.tensor([0, *batch.query_lens]).cumsum(0)
-        token_idx = starts[torch.tensor(decode_rows)]
-        pages, mask = _padded_pages([batch.block_tables[i] for i in decode_rows],
+        token_idx = None
+        if len(decode_rows) < len(batch.query_lens):
+            token_idx = torch.tensor([0, *batch.query_lens]).cumsum(0)[torch.tensor(decode_rows)]
+        pages, masked_out = _padded_pages([batch.block_tables[i] for i in decode_rows],
                                     [batch.context_lens[i] for i in decode_rows], page_size)
-        return cls(DecodeRows(token_idx, pages, mask), prefills, fresh)
+        return cls(DecodeRows(token_idx, pages, masked_out), prefills, fresh)
 
 
 def _prefill_span(token_start: int, query_len: int, context_len: int, pages: torch.Tensor) -> PrefillSpan:
@@ -98,13 +99,14 @@ def _fresh_group(length: int, starts: list[int]) -> FreshPrefills:
 
 def _padded_pages(rows: list[torch.Tensor], context_lens: list[int],
                   page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row padded with its own last page (never another request's), and the slot mask."""
+    """Each row padded with its own last page (never another request's), and which slots
+    each row must not attend to (past its context)."""
     num_pages = torch.tensor([int(r.shape[0]) for r in rows])
     pages = pad_sequence(rows, batch_first=True, padding_value=-1)  # [B, max_pages]
     last = pages.gather(1, (num_pages - 1)[:, None])
     pages = torch.where(pages < 0, last, pages)
-    mask = torch.arange(pages.shape[1] * page_size)[None, :] < torch.tensor(context_lens)[:, None]
-    return pages, mask[:, None, None, :]
+    masked_out = torch.arange(pages.shape[1] * page_size)[None, :] >= torch.tensor(context_lens)[:, None]
+    return pages, masked_out[None, :, None, :]
 
 
 def paged_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, pool: KVPool, layer: int,
@@ -116,7 +118,10 @@ def paged_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, p
         rows = plan.decode
         k, v = pool.read_pages(layer, rows.pages)  # [kv_heads, B, P, page_size, head_dim]
         k, v = k.flatten(2, 3), v.flatten(2, 3)  # [kv_heads, B, P * page_size, head_dim]
-        out[rows.token_idx] = _decode_attention(q[rows.token_idx], k, v, rows.mask)
+        if rows.token_idx is None:
+            out = _decode_attention(q, k, v, rows.masked_out)
+        else:
+            out[rows.token_idx] = _decode_attention(q[rows.token_idx], k, v, rows.masked_out)
     if plan.fresh and k_new.dtype != pool.k[layer].dtype:  # attend to exactly what the pool holds
         k_new, v_new = (t.to(pool.k[layer].dtype).to(q.dtype) for t in (k_new, v_new))
     for group in plan.fresh:
@@ -146,8 +151,9 @@ def _fresh_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: F
         out[group.token_idx] = o.transpose(1, 2).reshape(-1, heads, head_dim)
 
 
-def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """q: [B, heads, head_dim]; k, v: [kv_heads, B, C, head_dim]; mask: [B, 1, 1, C] -> [B, heads, head_dim].
+def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masked_out: torch.Tensor) -> torch.Tensor:
+    """q: [B, heads, head_dim]; k, v: [kv_heads, B, C, head_dim]; masked_out: [1, B, 1, C]
+    -> [B, heads, head_dim].
 
     Two batched matmuls with a float32 softmax: on CPU this beats PyTorch's SDPA with a mask
     (several times over in bf16), and the head-major pool makes K and V contiguous per head.
@@ -156,6 +162,6 @@ def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
     num_kv_heads = k.shape[0]
     qg = q.view(b, num_kv_heads, num_heads // num_kv_heads, head_dim).transpose(0, 1)  # [kv_heads, B, group, D]
     scores = torch.matmul(qg, k.transpose(2, 3)).float()  # [kv_heads, B, group, C]
-    scores.mul_(head_dim**-0.5).masked_fill_(~mask.view(1, b, 1, -1), float("-inf"))
+    scores.mul_(head_dim**-0.5).masked_fill_(masked_out, float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(v.dtype)
     return torch.matmul(probs, v).transpose(0, 1).reshape(b, num_heads, head_dim)
