@@ -1,10 +1,15 @@
 """Attention over the paged pool, gathering whole pages (contiguous blocks) per sequence.
 
-Decode sequences (one new token each) run as one padded batch; prefill chunks run one at a
-time with a causal mask offset by the tokens already in the cache. Padding never points at
-another request's page: a decode row is padded with its own last page and masked, and slots
-past a sequence's context are masked too, so even a NaN-poisoned pool (checked mode) cannot
-reach the result.
+Decode sequences (one new token each) run as one padded batch; prefill chunks that continue
+a cached prefix run one at a time with a causal mask offset by the tokens already in the
+cache. Padding never points at another request's page: a decode row is padded with its own
+last page and masked, and slots past a sequence's context are masked too, so even a
+NaN-poisoned pool (checked mode) cannot reach the result.
+
+A prefill chunk that starts at position 0 attends only to the tokens it computes itself: it
+uses the K/V of this forward directly (the same values it just wrote to its own pages; the
+pool has the activations' dtype) instead of reading them back, and chunks of equal length
+share one causal SDPA call.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.utils.rnn import pad_sequence
 
 from kvseal.kvcache.pool import KVPool
 from kvseal.types import ForwardBatch
@@ -20,18 +26,29 @@ from kvseal.types import ForwardBatch
 
 @dataclass(frozen=True)
 class PrefillSpan:
+    """A prefill chunk after a cached prefix: reads its whole context from its pages."""
+
     token_start: int
     token_end: int
     pages: torch.Tensor  # [num_pages]
     context_len: int
-    mask: torch.Tensor | None  # [query_len, context_len] bool; None: plain causal (no cached prefix)
+    mask: torch.Tensor  # [query_len, context_len] bool
+
+
+@dataclass(frozen=True)
+class FreshPrefills:
+    """Chunks starting at position 0, all `length` tokens long: one causal SDPA call."""
+
+    length: int
+    token_idx: torch.Tensor | None  # [num_chunks * length] into the flattened tokens; None: one chunk
+    token_start: int  # the first token when there is one chunk
 
 
 @dataclass(frozen=True)
 class DecodeRows:
-    token_idx: torch.Tensor  # [num_decodes] into the flattened tokens
+    token_idx: torch.Tensor | None  # [num_decodes] into the flattened tokens; None: every token is a decode
     pages: torch.Tensor  # [num_decodes, max_pages]
-    mask: torch.Tensor  # [num_decodes, 1, 1, max_pages * page_size] bool: slot < context_len
+    masked_out: torch.Tensor  # [1, num_decodes, 1, max_pages * page_size] bool: slot >= context_len
 
 
 @dataclass(frozen=True)
@@ -40,63 +57,103 @@ class AttentionPlan:
 
     decode: DecodeRows | None
     prefills: list[PrefillSpan]
+    fresh: list[FreshPrefills]
 
     @classmethod
     def build(cls, batch: ForwardBatch, page_size: int) -> AttentionPlan:
         decode_rows: list[int] = []
         prefills: list[PrefillSpan] = []
+        fresh_starts: dict[int, list[int]] = {}  # length -> first token of each chunk
         token_start = 0
         for i, (query_len, context_len) in enumerate(zip(batch.query_lens, batch.context_lens)):
-            if query_len == 1:
+            if query_len == 1 and context_len > 1:
                 decode_rows.append(i)
+            elif query_len == context_len:
+                fresh_starts.setdefault(query_len, []).append(token_start)
             else:
                 prefills.append(_prefill_span(token_start, query_len, context_len, batch.block_tables[i]))
             token_start += query_len
+        fresh = [_fresh_group(length, starts) for length, starts in fresh_starts.items()]
         if not decode_rows:
-            return cls(None, prefills)
-        starts = torch.tensor([0, *batch.query_lens]).cumsum(0)
-        token_idx = starts[torch.tensor(decode_rows)]
-        pages, mask = _padded_pages([batch.block_tables[i] for i in decode_rows],
+            return cls(None, prefills, fresh)
+        token_idx = None
+        if len(decode_rows) < len(batch.query_lens):
+            token_idx = torch.tensor([0, *batch.query_lens]).cumsum(0)[torch.tensor(decode_rows)]
+        pages, masked_out = _padded_pages([batch.block_tables[i] for i in decode_rows],
                                     [batch.context_lens[i] for i in decode_rows], page_size)
-        return cls(DecodeRows(token_idx, pages, mask), prefills)
+        return cls(DecodeRows(token_idx, pages, masked_out), prefills, fresh)
 
 
 def _prefill_span(token_start: int, query_len: int, context_len: int, pages: torch.Tensor) -> PrefillSpan:
-    mask = None
-    if context_len != query_len:
-        q_pos = torch.arange(query_len)[:, None] + (context_len - query_len)
-        mask = torch.arange(context_len)[None, :] <= q_pos
+    q_pos = torch.arange(query_len)[:, None] + (context_len - query_len)
+    mask = torch.arange(context_len)[None, :] <= q_pos
     return PrefillSpan(token_start, token_start + query_len, pages, context_len, mask)
+
+
+def _fresh_group(length: int, starts: list[int]) -> FreshPrefills:
+    if len(starts) == 1:
+        return FreshPrefills(length, None, starts[0])
+    token_idx = (torch.tensor(starts)[:, None] + torch.arange(length)[None, :]).reshape(-1)
+    return FreshPrefills(length, token_idx, starts[0])
 
 
 def _padded_pages(rows: list[torch.Tensor], context_lens: list[int],
                   page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    max_pages = max(int(r.shape[0]) for r in rows)
-    pages = torch.stack([torch.cat([r, r[-1:].expand(max_pages - r.shape[0])]) for r in rows])
-    mask = torch.arange(max_pages * page_size)[None, :] < torch.tensor(context_lens)[:, None]
-    return pages, mask[:, None, None, :]
+    """Each row padded with its own last page (never another request's), and which slots
+    each row must not attend to (past its context)."""
+    num_pages = torch.tensor([int(r.shape[0]) for r in rows])
+    pages = pad_sequence(rows, batch_first=True, padding_value=-1)  # [B, max_pages]
+    last = pages.gather(1, (num_pages - 1)[:, None])
+    pages = torch.where(pages < 0, last, pages)
+    masked_out = torch.arange(pages.shape[1] * page_size)[None, :] >= torch.tensor(context_lens)[:, None]
+    return pages, masked_out[None, :, None, :]
 
 
-def paged_attention(q: torch.Tensor, pool: KVPool, layer: int, plan: AttentionPlan) -> torch.Tensor:
-    """q: [num_tokens, num_heads, head_dim] -> [num_tokens, num_heads, head_dim]."""
+def paged_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, pool: KVPool, layer: int,
+                    plan: AttentionPlan) -> torch.Tensor:
+    """q: [num_tokens, num_heads, head_dim]; k_new, v_new: this forward's K/V as written to the
+    pool, [num_tokens, num_kv_heads, head_dim] -> [num_tokens, num_heads, head_dim]."""
     out = torch.empty_like(q)
     if plan.decode is not None:
         rows = plan.decode
         k, v = pool.read_pages(layer, rows.pages)  # [kv_heads, B, P, page_size, head_dim]
         k, v = k.flatten(2, 3), v.flatten(2, 3)  # [kv_heads, B, P * page_size, head_dim]
-        out[rows.token_idx] = _decode_attention(q[rows.token_idx], k, v, rows.mask)
+        if rows.token_idx is None:
+            out = _decode_attention(q, k, v, rows.masked_out)
+        else:
+            out[rows.token_idx] = _decode_attention(q[rows.token_idx], k, v, rows.masked_out)
+    if plan.fresh and k_new.dtype != pool.k[layer].dtype:  # attend to exactly what the pool holds
+        k_new, v_new = (t.to(pool.k[layer].dtype).to(q.dtype) for t in (k_new, v_new))
+    for group in plan.fresh:
+        _fresh_attention(q, k_new, v_new, group, out)
     for span in plan.prefills:
         k, v = pool.read_pages(layer, span.pages)  # [kv_heads, P, page_size, head_dim]
         k, v = k.flatten(1, 2)[:, : span.context_len], v.flatten(1, 2)[:, : span.context_len]
         qp = q[span.token_start:span.token_end].transpose(0, 1)[None]  # [1, heads, L, head_dim]
-        o = F.scaled_dot_product_attention(qp, k[None], v[None],
-                                           attn_mask=span.mask, is_causal=span.mask is None, enable_gqa=True)
+        o = F.scaled_dot_product_attention(qp, k[None], v[None], attn_mask=span.mask, enable_gqa=True)
         out[span.token_start:span.token_end] = o[0].transpose(0, 1)
     return out
 
 
-def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """q: [B, heads, head_dim]; k, v: [kv_heads, B, C, head_dim]; mask: [B, 1, 1, C] -> [B, heads, head_dim].
+def _fresh_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: FreshPrefills,
+                     out: torch.Tensor) -> None:
+    """Causal attention of chunks that start at position 0 over their own new K/V."""
+    length, heads, head_dim = group.length, q.shape[1], q.shape[2]
+    if group.token_idx is None:
+        span = slice(group.token_start, group.token_start + length)
+        qs, ks, vs = (t[span].transpose(0, 1)[None] for t in (q, k, v))  # [1, heads, L, head_dim]
+    else:
+        qs, ks, vs = (t[group.token_idx].view(-1, length, t.shape[1], head_dim).transpose(1, 2) for t in (q, k, v))
+    o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)  # [n, heads, L, head_dim]
+    if group.token_idx is None:
+        out[group.token_start:group.token_start + length] = o[0].transpose(0, 1)
+    else:
+        out[group.token_idx] = o.transpose(1, 2).reshape(-1, heads, head_dim)
+
+
+def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masked_out: torch.Tensor) -> torch.Tensor:
+    """q: [B, heads, head_dim]; k, v: [kv_heads, B, C, head_dim]; masked_out: [1, B, 1, C]
+    -> [B, heads, head_dim].
 
     Two batched matmuls with a float32 softmax: on CPU this beats PyTorch's SDPA with a mask
     (several times over in bf16), and the head-major pool makes K and V contiguous per head.
@@ -104,7 +161,7 @@ def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
     b, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[0]
     qg = q.view(b, num_kv_heads, num_heads // num_kv_heads, head_dim).transpose(0, 1)  # [kv_heads, B, group, D]
-    scores = torch.matmul(qg, k.transpose(2, 3)).float() * head_dim**-0.5  # [kv_heads, B, group, C]
-    scores.masked_fill_(~mask.view(1, b, 1, -1), float("-inf"))
+    scores = torch.matmul(qg, k.transpose(2, 3)).float()  # [kv_heads, B, group, C]
+    scores.mul_(head_dim**-0.5).masked_fill_(masked_out, float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(v.dtype)
     return torch.matmul(probs, v).transpose(0, 1).reshape(b, num_heads, head_dim)

@@ -29,10 +29,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        # transformers' order: normalize in float32, cast back, then scale by the weight.
+        # torch's fused rms_norm computes exactly that (bit-equal on CPU), in one op.
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        return self.weight * F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -54,15 +55,18 @@ class Attention(nn.Module):
                 batch: ForwardBatch, plan: AttentionPlan, pool: KVPool) -> torch.Tensor:
         # x: [num_tokens, hidden]
         n = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(n, self.num_heads, self.head_dim)
-        k = k.view(n, self.num_kv_heads, self.head_dim)
-        v = v.view(n, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x)
+        v = qkv[:, self.q_size + self.kv_size:].view(n, self.num_kv_heads, self.head_dim)
         if self.has_qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope.apply(q, cos_sin), rope.apply(k, cos_sin)
+            q, k = qkv[:, :self.q_size + self.kv_size].split([self.q_size, self.kv_size], dim=-1)
+            q = self.q_norm(q.view(n, self.num_heads, self.head_dim))
+            k = self.k_norm(k.view(n, self.num_kv_heads, self.head_dim))
+            q, k = rope.apply(q, cos_sin), rope.apply(k, cos_sin)
+        else:  # q and k heads side by side: one RoPE pass for both (it is per head, per position)
+            qk = rope.apply(qkv[:, :self.q_size + self.kv_size].view(n, -1, self.head_dim), cos_sin)
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         pool.write(self.layer_idx, batch.slot_mapping, k, v)
-        out = paged_attention(q, pool, self.layer_idx, plan)  # [num_tokens, heads, head_dim]
+        out = paged_attention(q, k, v, pool, self.layer_idx, plan)  # [num_tokens, heads, head_dim]
         return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
 
 

@@ -89,3 +89,18 @@ def test_bfloat16_runs_close_to_float32(tiny_model_dirs: dict[str, Path]) -> Non
     agree = sum(a == b for x, y in zip(f32, bf16) for a, b in zip(x.token_ids, y.token_ids))
     assert all(len(o.token_ids) == MAX_TOKENS for o in bf16)
     assert agree >= 0.5 * MAX_TOKENS * len(PROMPTS)
+
+
+@pytest.mark.parametrize("arch", sorted(CONFIGS))
+def test_equal_length_prompts_share_one_prefill(arch: str, tiny_model_dirs: dict[str, Path]) -> None:
+    """Prompts of equal length prefilled in one step run as one batched causal attention
+    call over their own new K/V; each still equals transformers alone."""
+    prompts = [list(range(10, 17)), [7, 300, 301, 9, 11, 12, 13], list(range(200, 207))]
+    llm = LLM(str(tiny_model_dirs[arch]), **SCHEDULES["batched"])
+    outputs = llm.generate(prompts, GREEDY)
+    for prompt, out in zip(prompts, outputs):
+        ref_ids, ref_logprobs = reference(tiny_model_dirs[arch], prompt)
+        assert out.token_ids == ref_ids
+        ours = torch.tensor([lp.logprob for lp in out.logprobs])
+        theirs = ref_logprobs[torch.arange(len(ref_ids)), torch.tensor(ref_ids)]
+        torch.testing.assert_close(ours, theirs, atol=LOGPROB_ATOL, rtol=0)

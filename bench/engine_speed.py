@@ -1,0 +1,107 @@
+"""Engine speed at fixed concurrency, offline: output tok/s and TTFT at c = 1, 8, 32.
+
+The engine is driven in-process like a server at concurrency c: c requests are in flight,
+and each one that finishes is replaced by the next until --rounds x c requests have run.
+Prompts are random token ids (--prompt-len), outputs are forced to --output-len tokens
+(min_tokens, ignore_eos, greedy), the same workload `kvseal bench serve` sends. There is no
+HTTP or frontend process: this measures the engine step only.
+
+Compare two trees by running this file with PYTHONPATH pointing at each, back to back,
+alternating (the script imports `kvseal` from whatever PYTHONPATH names first):
+
+    PYTHONPATH=/work/main python bench/engine_speed.py --label main
+    PYTHONPATH=$PWD       python bench/engine_speed.py --label speed
+
+Prints one JSON object per concurrency (output tok/s, mean/p99 TTFT) and the load average.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import time
+from typing import Any
+
+import torch
+
+import kvseal
+from kvseal import LLM, SamplingParams
+
+
+def random_prompts(vocab_size: int, num: int, length: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(100, vocab_size - 100) for _ in range(length)] for _ in range(num)]
+
+
+def run_concurrency(llm: LLM, concurrency: int, num_requests: int, prompt_len: int, output_len: int,
+                    seed: int) -> dict[str, Any]:
+    engine = llm.engine
+    prompts = random_prompts(engine.model_config.vocab_size, num_requests, prompt_len, seed)
+    params = SamplingParams(max_tokens=output_len, min_tokens=output_len, ignore_eos=True, temperature=0)
+    submitted: dict[str, float] = {}
+    first_token: dict[str, float] = {}
+    num_output = 0
+    next_prompt = 0
+    start = time.perf_counter()
+
+    def submit() -> None:
+        nonlocal next_prompt
+        request_id = f"c{concurrency}-{next_prompt}"
+        engine.add_request(request_id, prompts[next_prompt], params)
+        submitted[request_id] = time.perf_counter()
+        next_prompt += 1
+
+    while next_prompt < min(concurrency, num_requests):
+        submit()
+    while engine.has_unfinished():
+        outputs = engine.step()
+        now = time.perf_counter()
+        for out in outputs:
+            if out.new_token_ids and out.request_id not in first_token:
+                first_token[out.request_id] = now
+            if out.finished:
+                num_output += len(out.token_ids)
+                if next_prompt < num_requests:
+                    submit()
+    elapsed = time.perf_counter() - start
+    ttfts = sorted(first_token[r] - submitted[r] for r in submitted)
+    p99 = ttfts[min(len(ttfts) - 1, int(round(0.99 * (len(ttfts) - 1))))]
+    return {"concurrency": concurrency, "requests": num_requests, "output_tokens": num_output,
+            "seconds": round(elapsed, 3), "output_tok_s": round(num_output / elapsed, 2),
+            "mean_ttft_ms": round(1000 * statistics.mean(ttfts), 1), "p99_ttft_ms": round(1000 * p99, 1)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--label", default="")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--rounds", type=int, default=2, help="requests per concurrency = rounds x c")
+    parser.add_argument("--prompt-len", type=int, default=256)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    started = time.perf_counter()
+    max_c = max(args.concurrency)
+    llm = LLM(dtype=args.dtype, max_model_len=args.prompt_len + args.output_len,
+              kv_cache_tokens=max_c * (args.prompt_len + args.output_len), max_num_seqs=max(max_c, 1))
+    load_s = time.perf_counter() - started
+    run_concurrency(llm, min(4, max_c), min(4, max_c), args.prompt_len, 8, args.seed + 1)  # warm-up
+    results = {"label": args.label, "kvseal": os.path.dirname(kvseal.__file__),
+               "dtype": str(llm.engine.runner.pool.k[0].dtype), "threads": torch.get_num_threads(),
+               "load_s": round(load_s, 2), "runs": []}
+    for c in args.concurrency:
+        num = args.rounds * c
+        results["runs"].append(run_concurrency(llm, c, num, args.prompt_len, args.output_len, args.seed))
+    results["loadavg"] = os.getloadavg()
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()
