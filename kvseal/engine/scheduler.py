@@ -75,10 +75,10 @@ class Scheduler:
         """Tokens per request id this step: decodes first, the rest shared between tenants."""
         budget = self.config.max_num_batched_tokens
         decodes = [r for r in self.running if num_tokens_left(r) == 1][:budget]
-        num_free_seats = self.config.max_num_seqs - len(self.running)  # waiting requests that can start
-        starting = list(self.waiting)[:max(0, num_free_seats)]
+        has_free_seat = len(self.running) < self.config.max_num_seqs  # else no waiting request can start
+        starting = list(self.waiting) if has_free_seat else []
         prefills = [r for r in self.running if num_tokens_left(r) > 1] + starting
-        # A starting request's prefix-cache hit is not prefill work: plan only what it computes.
+        # A waiting request's prefix-cache hit is not prefill work: plan only what it computes.
         num_cached = {r.request_id: len(self.kv.match_prefix(r)) * self.kv.page_size for r in starting}
         plan = {r.request_id: 1 for r in decodes}
         plan.update(share_prefill_budget(prefills, budget - len(decodes), self.config.max_prefill_chunk_tokens,
