@@ -171,7 +171,8 @@ class KVCacheManager:
             self.allocator.publish(request_id, key)
 
     def _page_hashes(self, request: Request, num_pages: int) -> list[bytes]:
-        extend_page_hashes(request.page_hashes, request.all_token_ids, self.page_size, num_pages)
+        if len(request.page_hashes) < num_pages:  # all_token_ids copies the tokens: only when needed
+            extend_page_hashes(request.page_hashes, request.all_token_ids, self.page_size, num_pages)
         return request.page_hashes[:num_pages]
 
     def slots(self, request_id: str, start: int, end: int) -> torch.Tensor:

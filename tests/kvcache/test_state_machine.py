@@ -20,7 +20,7 @@ from kvseal import ContextLengthExceeded, SamplingParams
 from kvseal.kvcache.allocator import PageAllocator
 
 SHARED_PREFIXES = [list(range(100, 112)), list(range(120, 141))]
-MACHINE_SETTINGS = settings(max_examples=50, stateful_step_count=30, deadline=None,
+MACHINE_SETTINGS = settings(max_examples=30, stateful_step_count=30, deadline=None,
                             suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 
 
