@@ -132,6 +132,12 @@ def faults(*switches: Fault) -> Iterator[None]:
         yield
 
 
+def progress(name: str, section: dict[str, Any]) -> dict[str, Any]:
+    """Each section on stderr as soon as it is measured (a slow host may stop the run early)."""
+    print(json.dumps({name: section}), file=sys.stderr, flush=True)
+    return section
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default=None, help="model folder or .gguf (default: SmolLM2-135M GGUF)")
@@ -143,14 +149,14 @@ def main() -> None:
     engine_args = dict(dtype=ns.dtype, max_model_len=ns.prefix_tokens + 64,
                        kv_cache_tokens=4 * (ns.prefix_tokens + 64), page_size=16)
     rng = random.Random(0)
-    result = {
-        "prefix_tokens": ns.prefix_tokens, "trials": ns.trials, "model": ns.model or "default (SmolLM2-135M GGUF)",
-        "hit": hit_speedup(ns.model, engine_args, ns.prefix_tokens, ns.trials, rng),
-        "side_channel_namespaced": side_channel(ns.model, engine_args, ns.prefix_tokens, 2 * ns.trials, rng),
-    }
+    result: dict[str, Any] = {"prefix_tokens": ns.prefix_tokens, "trials": ns.trials,
+                              "model": ns.model or "default (SmolLM2-135M GGUF)"}
+    result["hit"] = progress("hit", hit_speedup(ns.model, engine_args, ns.prefix_tokens, ns.trials, rng))
+    result["side_channel_namespaced"] = progress("side_channel_namespaced", side_channel(
+        ns.model, engine_args, ns.prefix_tokens, 2 * ns.trials, rng))
     with faults(Fault.DROP_CACHE_NAMESPACE, Fault.BYPASS_KV_CHECKS):
-        result["side_channel_broken_build"] = side_channel(ns.model, engine_args, ns.prefix_tokens,
-                                                           2 * ns.trials, rng)
+        result["side_channel_broken_build"] = progress("side_channel_broken_build", side_channel(
+            ns.model, engine_args, ns.prefix_tokens, 2 * ns.trials, rng))
     text = json.dumps(result, indent=1)
     print(text)
     if ns.out:
