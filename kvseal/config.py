@@ -107,6 +107,7 @@ class CacheConfig:
     dtype: torch.dtype
     kv_scrub: ScrubMode = "off"
     check_kv: bool = False
+    enable_prefix_caching: bool = True  # per-tenant prefix cache (I5)
 
     def __post_init__(self) -> None:
         if self.page_size < 1 or self.num_pages < 1:
@@ -164,6 +165,7 @@ class EngineArgs:
     max_prefill_chunk_tokens: int | None = None  # None: 512, or the whole budget if smaller
     kv_scrub: ScrubMode = "off"
     check_kv: bool = False
+    enable_prefix_caching: bool = True  # reuse full KV pages of earlier prompts of the same tenant (I5)
     seed: int = 0  # torch's global seed; unseeded requests draw their own from the OS, never from this
 
     def __post_init__(self) -> None:
@@ -220,7 +222,8 @@ class EngineArgs:
                 f"attends over the full context; set max_model_len <= {model.sliding_window}"
             )
         capacity.require_fits(max_model_len, self.kv_headroom)
-        cache = CacheConfig(self.page_size, capacity.num_pages, self.torch_dtype, self.kv_scrub, self.check_kv)
+        cache = CacheConfig(self.page_size, capacity.num_pages, self.torch_dtype, self.kv_scrub, self.check_kv,
+                            self.enable_prefix_caching)
         sched = SchedulerConfig(max_model_len, self.max_num_batched_tokens, self.max_num_seqs,
                                 self.resolved_max_prefill_chunk_tokens)
         return cache, sched

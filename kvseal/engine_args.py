@@ -46,6 +46,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-scrub", choices=("off", "free", "alloc"), default=d.kv_scrub)
     parser.add_argument("--check-kv", action="store_true", help="checked mode: NaN-poison freed pages and "
                         "verify every read slot was written by its reader (I4)")
+    parser.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                        help="turn off the prefix cache (on by default; per tenant, I5): every prompt is "
+                        "prefilled in full")
     parser.add_argument("--seed", type=int, default=d.seed)
 
 
@@ -55,5 +58,6 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
         kv_cache_tokens=ns.kv_cache_tokens,
         kv_cache_memory=ns.kv_cache_memory, kv_headroom=ns.kv_headroom, page_size=ns.page_size,
         max_num_batched_tokens=ns.max_num_batched_tokens, max_num_seqs=ns.max_num_seqs,
-        max_prefill_chunk_tokens=ns.max_prefill_chunk_tokens, kv_scrub=ns.kv_scrub, check_kv=ns.check_kv, seed=ns.seed,
+        max_prefill_chunk_tokens=ns.max_prefill_chunk_tokens, kv_scrub=ns.kv_scrub, check_kv=ns.check_kv,
+        enable_prefix_caching=ns.enable_prefix_caching, seed=ns.seed,
     )

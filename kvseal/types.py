@@ -127,14 +127,19 @@ def _require(ok: bool, param: str, message: str) -> None:
 class Request:
     """One admitted request as the engine sees it. Owned by exactly one scheduler queue.
 
-    `num_computed_tokens` counts tokens whose KV is in this request's own pages; it is only
-    ever advanced by a forward that wrote them, and reset to 0 on preemption.
+    `num_computed_tokens` counts tokens whose KV is in the pages it holds: its own, written by
+    a forward of it, or shared prefix-cache pages of its namespace; it is reset to 0 on
+    preemption. `num_cached_tokens` is how many prompt tokens its first schedule found in
+    the prefix cache (usage, I8); `page_hashes` the chained hashes of its full pages so far.
     """
 
     request_id: str
     tenant: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    cache_namespace: str = ""
+    num_cached_tokens: int = 0
+    page_hashes: list[bytes] = field(default_factory=list)
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprobs] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
@@ -199,6 +204,7 @@ class RequestOutput:
     error_code: str | None = None  # machine-readable cause of an abort, e.g. ISOLATION_CHECK_FAILED
     num_pages_reserved: int = 0
     num_kv_tokens_written: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
     @property
     def num_prompt_tokens(self) -> int:

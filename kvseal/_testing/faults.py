@@ -28,6 +28,10 @@ class Fault(enum.Enum):
     # Decode accepts a PD commit without verifying it (token count, per-layer coverage), so a
     # test can show that the canary markers catch what that verification would have stopped.
     SKIP_HANDOFF_VERIFY = "skip_handoff_verify"
+    # The prefix cache keys pages by their token hash alone, without the tenant's namespace
+    # (I5), so a test can show that the cross-tenant check sees another tenant's hit and that
+    # the ownership check (I3) refuses the foreign page before a forward reads it.
+    DROP_CACHE_NAMESPACE = "drop_cache_namespace"
 
 
 _active: set[Fault] = set()

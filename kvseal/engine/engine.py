@@ -28,6 +28,7 @@ from kvseal.engine.sampler import sample
 from kvseal.engine.scheduler import Scheduler
 from kvseal.errors import InvalidParameter, IsolationViolation
 from kvseal.kvcache.manager import KVCacheManager
+from kvseal.kvcache.prefix_cache import namespace_of
 from kvseal.models.loader import LoadedModel, load_model
 from kvseal.models.quant import quantize_model
 from kvseal.prompting import encode_text
@@ -85,10 +86,11 @@ class LLMEngine:
         logger.info(
             "kvseal engine: model=%s arch=%s dtype=%s max_model_len=%d kv_cache_tokens=%d (%d pages x %d) "
             "kv_bytes_per_token=%d max_num_batched_tokens=%d max_prefill_chunk_tokens=%d max_num_seqs=%d "
-            "kv_scrub=%s check_kv=%s",
+            "kv_scrub=%s check_kv=%s prefix_caching=%s",
             self.loaded.path, self.model_config.architecture, args.dtype, s.max_model_len, c.kv_cache_tokens,
             c.num_pages, c.page_size, args.capacity(self.model_config).bytes_per_token,
             s.max_num_batched_tokens, s.max_prefill_chunk_tokens, s.max_num_seqs, c.kv_scrub, c.check_kv,
+            c.enable_prefix_caching,
         )
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
@@ -107,8 +109,12 @@ class LLMEngine:
         return self._grammars
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    tenant: str = DEFAULT_TENANT, compiled_grammar: Any = None) -> Request:
+                    tenant: str = DEFAULT_TENANT, compiled_grammar: Any = None,
+                    cache_namespace: str | None = None) -> Request:
         """Admit (I1) and queue a request; raises RequestRejected before any state exists.
+
+        `cache_namespace` keys its prefix-cache pages (I5): the server derives it from the
+        authenticated tenant; None derives it here from `tenant` the same way.
 
         A structured-output request takes its `compiled_grammar` from the caller (the engine
         loop compiles off the loop); without one it is compiled here, blocking (offline API)."""
@@ -119,7 +125,8 @@ class LLMEngine:
         # replay another's samples from the engine seed and arrival order.
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         generator = torch.Generator().manual_seed(seed)
-        request = Request(request_id, tenant, token_ids, params, generator=generator)
+        namespace = cache_namespace if cache_namespace is not None else namespace_of(tenant)
+        request = Request(request_id, tenant, token_ids, params, cache_namespace=namespace, generator=generator)
         if params.structured is not None:
             request.grammar = new_matcher(compiled_grammar if compiled_grammar is not None
                                           else self.grammars.compile_now(tenant, params.structured))
@@ -141,7 +148,8 @@ class LLMEngine:
             raise InvalidParameter(f"request id {request_id!r} is already in use", param="request_id")
         generator = torch.Generator()
         generator.set_state(generator_state)
-        request = Request(request_id, tenant, list(prompt_token_ids), params, generator=generator,
+        request = Request(request_id, tenant, list(prompt_token_ids), params, cache_namespace=namespace_of(tenant),
+                          generator=generator,
                           num_computed_tokens=len(prompt_token_ids),
                           max_num_pages=len(self.kv.allocator.pages_of(request_id)))
         if params.structured is not None:  # the first token was sampled under the same grammar
@@ -207,6 +215,7 @@ class LLMEngine:
         sampled = [c.request for c in chunks if c.is_last_chunk]
         for chunk in chunks:
             chunk.request.num_computed_tokens += chunk.num_new_tokens
+            self.kv.publish_written(chunk.request)
         outputs = []
         for request, (token, logprobs) in zip(sampled, sample(logits, sampled, self.model_config.eos_token_ids)):
             state = self._outputs[request.request_id]

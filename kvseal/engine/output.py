@@ -97,4 +97,5 @@ class OutputState:
             new_text=new_text, finished=finished, finish_reason=request.finish_reason,
             stop_reason=request.stop_reason, logprobs=logprobs, error=error, error_code=error_code,
             num_pages_reserved=request.max_num_pages, num_kv_tokens_written=num_kv_tokens_written,
+            num_cached_tokens=request.num_cached_tokens,
         )

@@ -15,7 +15,9 @@ Each step first plans how many tokens every request gets (`_plan`), then walks t
   produced, which it recomputes on resume. Victims come from the tail, which has not been
   scheduled yet in this step.
 - Waiting requests with a planned chunk are admitted first-come first-served while sequence
-  slots and pages last; the first that does not fit stops admission.
+  slots and pages last; the first that does not fit stops admission. An admitted request
+  first takes the prefix-cache pages its tokens begin with (its own tenant's only, I5) and
+  computes from there; a resumed preempted request finds its own published pages the same way.
 
 Because admission (I1) bounds every request by max_model_len and start-up (I2) makes the
 pool at least that large, the oldest request can always run alone: no deadlock. It is never
@@ -26,6 +28,7 @@ inside its tenant, so it gets at least one token in every step that decodes leav
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from kvseal.config import SchedulerConfig
@@ -73,9 +76,13 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         decodes = [r for r in self.running if num_tokens_left(r) == 1][:budget]
         has_free_seat = len(self.running) < self.config.max_num_seqs  # else no waiting request can start
-        prefills = [r for r in self.running if num_tokens_left(r) > 1] + (list(self.waiting) if has_free_seat else [])
+        starting = list(self.waiting) if has_free_seat else []
+        prefills = [r for r in self.running if num_tokens_left(r) > 1] + starting
+        # A waiting request's prefix-cache hit is not prefill work: plan only what it computes.
+        num_cached = {r.request_id: len(self.kv.match_prefix(r)) * self.kv.page_size for r in starting}
         plan = {r.request_id: 1 for r in decodes}
-        plan.update(share_prefill_budget(prefills, budget - len(decodes), self.config.max_prefill_chunk_tokens))
+        plan.update(share_prefill_budget(prefills, budget - len(decodes), self.config.max_prefill_chunk_tokens,
+                                         num_cached))
         return plan
 
     def _schedule_running(self, out: SchedulerOutput, plan: dict[str, int]) -> None:
@@ -101,7 +108,7 @@ class Scheduler:
         return True
 
     def _reserve(self, request: Request, num_tokens: int) -> None:
-        self.kv.reserve(request.request_id, request.tenant, num_tokens)
+        self.kv.reserve(request.request_id, request.tenant, num_tokens, request.cache_namespace)
         request.max_num_pages = max(request.max_num_pages, self.kv.num_pages_for(num_tokens))
 
     def _preempt(self, request: Request) -> None:
@@ -113,11 +120,18 @@ class Scheduler:
 
     def _schedule_waiting(self, out: SchedulerOutput, plan: dict[str, int]) -> None:
         for request in [r for r in self.waiting if plan.get(r.request_id, 0)]:
-            num_new = plan[request.request_id]
-            if len(self.running) >= self.config.max_num_seqs or not self.kv.can_reserve(request.request_id, num_new):
+            if len(self.running) >= self.config.max_num_seqs:
+                return
+            num_cached = self.kv.acquire_prefix(request)
+            num_new = min(plan[request.request_id], request.num_tokens - num_cached)
+            if not self.kv.can_reserve(request.request_id, num_cached + num_new):
+                self.kv.free(request.request_id)  # gives the cached pages back; it holds nothing else
                 return
             self.waiting.remove(request)
-            self._reserve(request, num_new)
+            request.num_computed_tokens = num_cached
+            if request.num_preemptions == 0:
+                request.num_cached_tokens = num_cached
+            self._reserve(request, num_cached + num_new)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             out.chunks.append(ScheduledChunk(request, num_new))
@@ -143,18 +157,21 @@ def num_tokens_left(request: Request) -> int:
     return request.num_tokens - request.num_computed_tokens
 
 
-def share_prefill_budget(requests: list[Request], budget: int, max_chunk_tokens: int) -> dict[str, int]:
+def share_prefill_budget(requests: list[Request], budget: int, max_chunk_tokens: int,
+                         num_cached: Mapping[str, int] | None = None) -> dict[str, int]:
     """Split `budget` tokens between `requests` that want to prefill; returns request id -> tokens.
+    `num_cached`: tokens of a request that a prefix-cache hit will cover (not wanted).
 
     Promises: no request gets more than `max_chunk_tokens` nor more than it has left; the total
     is at most `budget`; tenants get equal shares, and a share a tenant cannot use goes to the
     others; inside a tenant, requests are served in the order given. Tenants are visited in the
     order of their first request, so the first tenant gets any remainder that does not divide.
     """
+    cached = num_cached or {}
     wants: dict[str, list[tuple[str, int]]] = {}
     for request in requests:
         wants.setdefault(request.tenant, []).append(
-            (request.request_id, min(num_tokens_left(request), max_chunk_tokens)))
+            (request.request_id, min(num_tokens_left(request) - cached.get(request.request_id, 0), max_chunk_tokens)))
     shares = _equal_shares({tenant: sum(n for _, n in w) for tenant, w in wants.items()}, budget)
     grants: dict[str, int] = {}
     for tenant, tenant_wants in wants.items():

@@ -12,11 +12,18 @@ slot of every layer against per-slot records before the forward runs.
 
 Writes that do not come from this engine's forward (KV arriving through a transport) are
 reported with `record_written`; `written_prefix` tells what is covered.
+
+Prefix caching (I5, on unless `enable_prefix_caching` is off): `publish_written` hands each
+full page of a request that every layer has written to the cache, keyed by the request's
+namespace and the chained hash of its tokens; `acquire_prefix` starts a new (or preempted)
+request on the cached pages its tokens begin with, shared read-only. Scrub and poison (I7)
+apply when a cached page is evicted, never when it goes into the cache.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 
 import torch
@@ -26,8 +33,9 @@ from kvseal.config import CacheConfig
 from kvseal.errors import IsolationViolation
 from kvseal.kvcache.allocator import PageAllocator
 from kvseal.kvcache.pool import KVPool
+from kvseal.kvcache.prefix_cache import extend_page_hashes, page_key
 from kvseal.kvcache.records import ForwardWrites, WriteRecords
-from kvseal.types import ForwardBatch
+from kvseal.types import ForwardBatch, Request
 
 
 class KVCacheManager:
@@ -48,7 +56,12 @@ class KVCacheManager:
 
     @property
     def num_used_pages(self) -> int:
-        return self.allocator.num_owned_pages
+        """Pages owned by requests or held by the prefix cache with readers."""
+        return self.allocator.num_pages - self.allocator.num_free_pages
+
+    @property
+    def num_cached_pages(self) -> int:
+        return self.allocator.num_cached_pages
 
     def num_pages_for(self, num_tokens: int) -> int:
         return math.ceil(num_tokens / self.page_size)
@@ -59,33 +72,108 @@ class KVCacheManager:
     def can_reserve(self, request_id: str, num_tokens: int) -> bool:
         return self.allocator.can_allocate(self.num_missing_pages(request_id, num_tokens))
 
-    def reserve(self, request_id: str, tenant: str, num_tokens: int) -> None:
-        """Make the request own enough pages for `num_tokens` tokens."""
+    def reserve(self, request_id: str, tenant: str, num_tokens: int, namespace: str = "") -> None:
+        """Make the request hold enough pages for `num_tokens` tokens (evicting least recently
+        used cached pages if the free list is short)."""
         missing = self.num_missing_pages(request_id, num_tokens)
+        self.evict(missing - self.allocator.num_unused_pages)
         if not self.allocator.owns(request_id):
-            new_pages = self.allocator.allocate(request_id, tenant, missing)
+            new_pages = self.allocator.allocate(request_id, tenant, missing, namespace)
         else:
             new_pages = self.allocator.append(request_id, missing)
         if not new_pages:
             return
         generations = [self.allocator.owner_of(p).generation for p in new_pages]  # type: ignore[union-attr]
-        self.records.hand_out(request_id, new_pages, generations)
+        self.records.hand_out(request_id, new_pages, generations, namespace)
         if self.config.kv_scrub == "alloc" or self.config.check_kv:
             # Checked mode: zero the NaN poison on hand-out. Attention reads whole pages and
             # masks the unwritten tail, and a masked NaN would still poison the sum.
             self.pool.fill(new_pages, 0.0)
 
     def free(self, request_id: str) -> list[int]:
-        """Release every page of the request at once, scrubbed or poisoned per config."""
+        """Release every page of the request at once: its own pages scrubbed or poisoned per
+        config, the cached pages it read left in the cache (evictable once no one reads them)."""
         pages = self.allocator.free(request_id)
         self.records.take_back(request_id, pages)
+        self._scrub(pages)
+        return pages
+
+    def evict(self, num_pages: int) -> list[int]:
+        """Evict up to `num_pages` unread cached pages, least recently used first, scrubbed or
+        poisoned per config (I7). Returns them (now free)."""
+        if num_pages <= 0:
+            return []
+        pages = self.allocator.evict(num_pages)
+        if pages:
+            self.records.evict(pages)
+            self._scrub(pages)
+        return pages
+
+    def _scrub(self, pages: list[int]) -> None:
         if not pages:
-            return pages
+            return
         if self.config.check_kv:
             self.pool.fill(pages, float("nan"))
         elif self.config.kv_scrub == "free":
             self.pool.fill(pages, 0.0)
+
+    # --- prefix cache ----------------------------------------------------------------------
+
+    def disable_prefix_caching(self) -> None:
+        """Switch the prefix cache off before any page was published (PD roles)."""
+        assert self.allocator.num_cached_pages == 0, "the prefix cache is switched off before it is used"
+        self.config = dataclasses.replace(self.config, enable_prefix_caching=False)
+
+    def acquire_prefix(self, request: Request) -> int:
+        """Start a request that holds no pages on the cached pages its tokens begin with, in its
+        own namespace; returns how many tokens they cover (a multiple of page_size, 0 with the
+        cache off). At least the last token is always left to compute: it must be sampled from."""
+        assert not self.allocator.owns(request.request_id), "only a request holding no pages starts on the cache"
+        pages = self.match_prefix(request)
+        if not pages:
+            return 0
+        self.allocator.share(request.request_id, request.tenant, request.cache_namespace, pages)
+        self.records.share(request.request_id, request.cache_namespace, len(pages))
+        return len(pages) * self.page_size
+
+    def match_prefix(self, request: Request) -> list[int]:
+        """The cached pages, in order, that the request's leading full pages hit (no side effect)."""
+        if not self.config.enable_prefix_caching:
+            return []
+        max_pages = (request.num_tokens - 1) // self.page_size
+        pages: list[int] = []
+        for page_hash in self._page_hashes(request, max_pages):
+            page = self.allocator.lookup(page_key(request.cache_namespace, page_hash))
+            if page is None:
+                break
+            pages.append(page)
         return pages
+
+    def publish_written(self, request: Request) -> None:
+        """Hand every full own page of the request that is written in every layer to the cache.
+
+        Call it after each forward that computed tokens of the request. A page whose key is
+        already cached (the same prefix computed twice at once) stays the request's own, and
+        so does every later page: a page table is shared pages, then own pages."""
+        request_id = request.request_id
+        num_shared = self.allocator.num_shared_pages_of(request_id)
+        if not self.config.enable_prefix_caching or request.num_computed_tokens < (num_shared + 1) * self.page_size:
+            return
+        num_full = min(self.num_written_tokens(request_id), request.num_computed_tokens) // self.page_size
+        num_full = min(num_full, len(self.allocator.pages_of(request_id)))
+        hashes = self._page_hashes(request, num_full)
+        for index in range(num_shared, num_full):
+            key = page_key(request.cache_namespace, hashes[index])
+            if self.allocator.lookup(key) is not None:
+                return
+            self.records.publish(request_id, self.allocator.own_pages_of(request_id)[0], index,
+                                 request.cache_namespace)
+            self.allocator.publish(request_id, key)
+
+    def _page_hashes(self, request: Request, num_pages: int) -> list[bytes]:
+        if len(request.page_hashes) < num_pages:  # all_token_ids copies the tokens: only when needed
+            extend_page_hashes(request.page_hashes, request.all_token_ids, self.page_size, num_pages)
+        return request.page_hashes[:num_pages]
 
     def slots(self, request_id: str, start: int, end: int) -> torch.Tensor:
         """Pool slot of each position in [start, end) of the request: [end - start] int64."""
@@ -102,7 +190,7 @@ class KVCacheManager:
         pages = self.allocator.pages_of(request_id)
         if pages and is_active(Fault.FOREIGN_PAGE):
             # Test-only: a corrupted block table that names another request's page.
-            foreign = next((p for p in range(self.allocator.num_pages)
+            foreign = next((p for p in range(self.allocator.num_pages)  # an owned page, never a cached one
                             if (o := self.allocator.owner_of(p)) is not None and o.request_id != request_id), None)
             pages[0] = pages[0] if foreign is None else foreign
         return pages
@@ -169,4 +257,7 @@ class KVCacheManager:
 
     def check_integrity(self) -> None:
         self.allocator.check_integrity()
-        self.records.check_integrity({r: self.allocator.pages_of(r) for r in self.allocator.owner_ids()})
+        allocator = self.allocator
+        holders = {r: (allocator.pages_of(r)[:allocator.num_shared_pages_of(r)], allocator.own_pages_of(r))
+                   for r in allocator.owner_ids()}
+        self.records.check_integrity(holders, allocator.cached_namespaces())

@@ -2,15 +2,18 @@
 
 Always on, at O(1) cost per sequence per step:
 
-- `page_row[page]`: the record row of the request that owns the page (-1: free). One gather
-  over a batch's block tables and slot mapping answers "does every page a sequence reads or
-  writes belong to it?" (I3).
+- `page_row[page]`: the record row of the request that owns the page (-1: free, -2: held by
+  the prefix cache). One gather over a batch's block tables and slot mapping answers "does
+  every page a sequence reads or writes belong to it?" (I3). A cached page may be read, never
+  written, and only by a request of its namespace (`page_namespace`, `row_namespace`, I5).
 - `prefix[layer, row]`: how many leading positions of that request hold KV written for that
   layer in the current ownership of its pages (I4). It only ever grows contiguously, and only
   when a write happened: the pool reports each layer's write of a forward as it happens
   (`on_layer_write`), a transport reports its writes through `record`. A forward that stopped
   after layer 0 therefore leaves layers 1.. behind. A row starts at 0 when the request gets
-  its first page and is dropped when its pages are taken back (free, preemption).
+  its first page and is dropped when its pages are taken back (free, preemption). A request
+  that starts on cached pages starts its row at their end in every layer: a page is only
+  published (`publish`) once every layer's prefix covers it.
 
 Checked mode (`--check-kv`) adds per-slot, per-layer records for the deeper verification:
 `slot_generation[layer, slot]` is the page generation under which the slot was last written
@@ -29,6 +32,9 @@ import torch
 from kvseal.errors import IsolationViolation
 from kvseal.types import ForwardBatch
 
+FREE_ROW = -1
+CACHED_ROW = -2  # page_row of a page held by the prefix cache
+
 
 @dataclass(frozen=True)
 class ForwardWrites:
@@ -46,7 +52,10 @@ class WriteRecords:
         self.num_layers = num_layers
         self.page_size = page_size
         self.prefix = torch.zeros(num_layers, 8, dtype=torch.int64)  # [num_layers, num_rows]; grows
-        self.page_row = torch.full((num_pages,), -1, dtype=torch.int64)
+        self.page_row = torch.full((num_pages,), FREE_ROW, dtype=torch.int64)
+        self.page_namespace = torch.full((num_pages,), -1, dtype=torch.int64)  # namespace id of a cached page
+        self.row_namespace = torch.full((8,), -1, dtype=torch.int64)  # [num_rows]; grows with prefix
+        self._namespace_ids: dict[str, int] = {}
         self._rows: dict[str, int] = {}
         self._num_tokens_owned: dict[str, int] = {}
         self._free_rows: list[int] = list(range(7, -1, -1))
@@ -58,12 +67,12 @@ class WriteRecords:
 
     # --- ownership periods ---------------------------------------------------------------
 
-    def hand_out(self, request_id: str, pages: list[int], generations: list[int]) -> None:
+    def hand_out(self, request_id: str, pages: list[int], generations: list[int], namespace: str = "") -> None:
         """`pages` now belong to `request_id` (appended at the end of its position order);
         nothing in them counts as written. The request's first pages start its row at 0."""
         row = self._rows.get(request_id)
         if row is None:
-            row = self._rows[request_id] = self._new_row()
+            row = self._open_row(request_id, namespace)
         self._num_tokens_owned[request_id] = self._num_tokens_owned.get(request_id, 0) + len(pages) * self.page_size
         index = torch.tensor(pages, dtype=torch.int64)
         self.page_row[index] = row
@@ -71,10 +80,42 @@ class WriteRecords:
             self.page_generation[index] = torch.tensor(generations, dtype=torch.int64)
             self._forget_slots(index)
 
-    def take_back(self, request_id: str, pages: list[int]) -> None:
-        """Every page of the request is returned: its ownership period, and its row, end."""
+    def share(self, request_id: str, namespace: str, num_pages: int) -> None:
+        """A request that holds nothing yet starts by reading `num_pages` cached pages: its row
+        starts with them written in every layer (they were published only once complete).
+        Whether the pages really are cached pages of its namespace is checked before every
+        forward (`check_forward`), like every other page it names."""
+        row = self._open_row(request_id, namespace)
+        self._num_tokens_owned[request_id] = num_pages * self.page_size
+        self.prefix[:, row] = num_pages * self.page_size
+
+    def publish(self, request_id: str, page: int, page_index: int, namespace: str) -> None:
+        """The request's own page at position index `page_index` goes to the prefix cache.
+
+        Raises IsolationViolation unless the request owns the page and every layer's written
+        prefix covers it completely: only a complete page may ever be read by another request.
+        """
+        row = self._rows.get(request_id)
+        end = (page_index + 1) * self.page_size
+        if row is None or int(self.page_row[page]) != row or int(self.prefix[:, row].min()) < end:
+            raise IsolationViolation(request_id, f"request {request_id} cannot publish page {page}: it does not "
+                                                 f"own it, or positions [0, {end}) are not written in every layer")
+        self.page_row[page] = CACHED_ROW
+        self.page_namespace[page] = self._namespace_id(namespace)
+
+    def evict(self, pages: list[int]) -> None:
+        """Cached `pages` leave the cache: free, nothing in them counts as written."""
         index = torch.tensor(pages, dtype=torch.int64)
-        self.page_row[index] = -1
+        self.page_row[index] = FREE_ROW
+        self.page_namespace[index] = -1
+        if self.track_slots:
+            self._forget_slots(index)
+
+    def take_back(self, request_id: str, pages: list[int]) -> None:
+        """Every own page of the request is returned: its ownership period, and its row, end.
+        (Cached pages it read stay cached.)"""
+        index = torch.tensor(pages, dtype=torch.int64)
+        self.page_row[index] = FREE_ROW
         if self.track_slots:
             self._forget_slots(index)
         self._num_tokens_owned.pop(request_id, None)
@@ -83,10 +124,20 @@ class WriteRecords:
             self.prefix[:, row] = 0
             self._free_rows.append(row)
 
+    def _open_row(self, request_id: str, namespace: str) -> int:
+        assert request_id not in self._rows, f"request {request_id} already has a record row"
+        row = self._rows[request_id] = self._new_row()
+        self.row_namespace[row] = self._namespace_id(namespace)
+        return row
+
+    def _namespace_id(self, namespace: str) -> int:
+        return self._namespace_ids.setdefault(namespace, len(self._namespace_ids))
+
     def _new_row(self) -> int:
         if not self._free_rows:
             num_rows = self.prefix.shape[1]
             self.prefix = torch.cat([self.prefix, torch.zeros_like(self.prefix)], dim=1)
+            self.row_namespace = torch.cat([self.row_namespace, torch.full_like(self.row_namespace, -1)])
             self._free_rows = list(range(2 * num_rows - 1, num_rows - 1, -1))
         return self._free_rows.pop()
 
@@ -158,8 +209,10 @@ class WriteRecords:
     def check_forward(self, writes: ForwardWrites, batch: ForwardBatch) -> dict[int, str]:
         """I3 + I4 for a whole batch, vectorized. Returns {sequence index: why it is refused}.
 
-        A sequence is refused if it holds no pages, if its block table or its new tokens'
-        slots name a page it does not own, or if some layer's written prefix does not reach
+        A sequence is refused if it holds no pages, if its block table names a page that is
+        neither its own nor a cached page of its namespace, if its new tokens' slots name a
+        page it does not own (a cached page is never written), or if some layer's written
+        prefix does not reach
         the first position this forward writes (then [prefix, start) would be read unwritten).
         """
         refused: dict[int, str] = {}
@@ -175,7 +228,11 @@ class WriteRecords:
         pages = torch.cat([*batch.block_tables, batch.slot_mapping // self.page_size])
         seq_of_page = torch.cat([seq_ids.repeat_interleave(num_pages),
                                  seq_ids.repeat_interleave(torch.tensor(batch.query_lens, dtype=torch.int64))])
-        foreign = self.page_row[pages] != writes.rows[seq_of_page]
+        rows = writes.rows[seq_of_page]
+        is_read = torch.arange(int(pages.shape[0])) < int(num_pages.sum())  # block tables first, then new slots
+        shared = ((self.page_row[pages] == CACHED_ROW) & is_read
+                  & (self.page_namespace[pages] == self.row_namespace[rows.clamp(min=0)]))
+        foreign = (self.page_row[pages] != rows) & ~shared
         if not bool(foreign.any()):
             return
         for i in seq_of_page[foreign].unique().tolist():
@@ -196,18 +253,24 @@ class WriteRecords:
                                   f"layer {layer} holds KV for [0, {have}) and this forward writes "
                                   f"[{start}, {end}): it would read KV slots it never wrote")
 
-    def check_integrity(self, pages_of: dict[str, list[int]]) -> None:
-        """The records agree with the allocator: each owned page names its owner's row, free
-        pages none, and no prefix reaches past the pages its request owns."""
-        holders = {r: p for r, p in pages_of.items() if p}
+    def check_integrity(self, pages_of: dict[str, tuple[list[int], list[int]]], cached: dict[int, str]) -> None:
+        """The records agree with the allocator: each owned page names its owner's row, each
+        cached page the cache and its namespace, free pages none, and no prefix reaches past
+        the pages its request holds. `pages_of`: request id -> (shared pages, own pages)."""
+        holders = {r: p for r, p in pages_of.items() if p[0] or p[1]}
         assert set(self._rows) == set(holders), "write records and allocator disagree on who holds pages"
-        expected = torch.full_like(self.page_row, -1)
-        for request_id, pages in holders.items():
+        expected = torch.full_like(self.page_row, FREE_ROW)
+        expected_namespace = torch.full_like(self.page_namespace, -1)
+        for page, namespace in cached.items():
+            expected[page] = CACHED_ROW
+            expected_namespace[page] = self._namespace_ids.get(namespace, -2)
+        for request_id, (shared, pages) in holders.items():
             expected[torch.tensor(pages, dtype=torch.int64)] = self._rows[request_id]
-            owned = len(pages) * self.page_size
+            owned = (len(shared) + len(pages)) * self.page_size
             assert self._num_tokens_owned[request_id] == owned, f"{request_id}: owned positions disagree"
             assert int(self.prefix[:, self._rows[request_id]].max()) <= owned, f"{request_id}: prefix past its pages"
         assert torch.equal(expected, self.page_row), "a page's owner row disagrees with the allocator"
+        assert torch.equal(expected_namespace, self.page_namespace), "a cached page's namespace disagrees"
 
     # --- checked mode ----------------------------------------------------------------------
 

@@ -44,6 +44,6 @@ def output_to_msg(out: RequestOutput) -> RequestOutputMsg:
         finish_reason=out.finish_reason.value if out.finish_reason is not None else None,
         stop_reason=out.stop_reason, num_prompt_tokens=out.num_prompt_tokens,
         num_output_tokens=len(out.token_ids), num_pages_reserved=out.num_pages_reserved,
-        num_kv_tokens_written=out.num_kv_tokens_written,
+        num_kv_tokens_written=out.num_kv_tokens_written, num_cached_tokens=out.num_cached_tokens,
         logprobs=logprobs, error=out.error, error_code=out.error_code,
     )

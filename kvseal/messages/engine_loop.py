@@ -108,7 +108,8 @@ class EngineLoop:
                 future = self.engine.grammars.compile(msg.tenant, params.structured)
                 self._compiling[msg.request_id] = (msg, params, future)
                 return
-            self.engine.add_request(msg.request_id, msg.prompt_token_ids, params, msg.tenant)
+            self.engine.add_request(msg.request_id, msg.prompt_token_ids, params, msg.tenant,
+                                        cache_namespace=msg.cache_namespace)
         except RequestRejected as exc:
             self._reject(msg, exc)
 
@@ -118,7 +119,8 @@ class EngineLoop:
             msg, params, future = self._compiling.pop(request_id)
             try:
                 self.engine.add_request(msg.request_id, msg.prompt_token_ids, params, msg.tenant,
-                                        compiled_grammar=compiled_or_raise(future))
+                                        compiled_grammar=compiled_or_raise(future),
+                                        cache_namespace=msg.cache_namespace)
             except RequestRejected as exc:
                 self._reject(msg, exc)
         return bool(ready)

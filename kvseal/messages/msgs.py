@@ -155,6 +155,7 @@ class RequestOutputMsg(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     logprobs: list[TokenLogprobsMsg] | None = None
     error: str | None = None
     error_code: str | None = None  # e.g. "isolation_check_failed" (kvseal.types.ISOLATION_CHECK_FAILED)
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (usage.prompt_tokens_details)
 
 
 class OutputsMsg(_Msg, frozen=True):

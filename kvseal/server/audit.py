@@ -49,6 +49,7 @@ class AuditRecord(msgspec.Struct, frozen=True, omit_defaults=True):
     output_tokens: int | None = None
     pages_reserved: int | None = None
     kv_tokens_written: int | None = None  # KV slots written for the request, at its end
+    cached_tokens: int | None = None  # prompt tokens served from its tenant's prefix cache (I5)
     first_token_at: float | None = None
     user: str | None = None
     features: list[str] | None = None  # optional request fields used (names only, kvseal.server.features)

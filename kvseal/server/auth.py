@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from kvseal.errors import ConfigError
+from kvseal.kvcache.prefix_cache import namespace_of
 from kvseal.server import errors
 from kvseal.types import DEFAULT_TENANT
 
@@ -30,8 +31,7 @@ class Tenant:
     @property
     def cache_namespace(self) -> str:
         """Framed hash over the tenant id (I5): derived here, never taken from a client."""
-        framed = b"kvseal-prefix-namespace\x00" + len(self.name).to_bytes(8, "big") + self.name.encode()
-        return hashlib.sha256(framed).hexdigest()
+        return namespace_of(self.name)
 
 
 class ApiKeyTable:

@@ -146,6 +146,8 @@ class Call:
         self._release_slot()
         tenant = self.tenant.name if self.tenant is not None else ""
         self.state.metrics.record_outcome(tenant, outcome, reason if outcome == "rejected" else None)
+        if out is not None:
+            self.state.metrics.record_prefix_cache(tenant, out.num_prompt_tokens, out.num_cached_tokens)
         self.state.audit.write(self._record(outcome, reason, http_status, out, rejected_by))
 
     def _release_slot(self) -> None:
@@ -165,6 +167,7 @@ class Call:
             output_tokens=out.num_output_tokens if out is not None else None,
             pages_reserved=out.num_pages_reserved if out is not None else None,
             kv_tokens_written=out.num_kv_tokens_written if out is not None else None,
+            cached_tokens=out.num_cached_tokens if out is not None else None,
             first_token_at=self._first_token_at, user=clip_optional(self.user), features=self.features,
             prefill_engine=self._route.get("prefill_engine"), decode_engine=self._route.get("decode_engine"),
             transfer_id=self._route.get("transfer_id"),

@@ -83,7 +83,8 @@ class ChoiceGroup:
         return msgspec.structs.replace(
             last, request_id=self.request_id, num_output_tokens=sum(o.num_output_tokens for o in outputs),
             num_pages_reserved=sum(o.num_pages_reserved for o in outputs),
-            num_kv_tokens_written=sum(o.num_kv_tokens_written for o in outputs))
+            num_kv_tokens_written=sum(o.num_kv_tokens_written for o in outputs),
+            num_cached_tokens=outputs[0].num_cached_tokens)
 
 
 class _ChoiceObserver:

@@ -29,12 +29,23 @@ class ServerMetrics:
         self.pages_used = Gauge("kvseal_kv_pages_used", "KV cache pages owned by requests", registry=r)
         self.pages_free = Gauge("kvseal_kv_pages_free", "KV cache pages free", registry=r)
         self.preemptions = Gauge("kvseal_num_preemptions", "Preemptions since the engine started", registry=r)
+        self.prefix_cache_queries = Counter(
+            "kvseal_prefix_cache_queries", "Prompt tokens looked up in the tenant's prefix cache (I5), counted "
+            "in tokens as vLLM does", ["tenant"], registry=r)
+        self.prefix_cache_hits = Counter(
+            "kvseal_prefix_cache_hits", "Prompt tokens served from the tenant's own prefix cache (I5)",
+            ["tenant"], registry=r)
         self.engine_up = Gauge("kvseal_engine_up", "1 while the engine process is alive and ready", registry=r)
 
     def record_outcome(self, tenant: str, outcome: str, rejection_reason: str | None) -> None:
         self.requests.labels(tenant=tenant, outcome=outcome).inc()
         if rejection_reason is not None:
             self.rejections.labels(reason=rejection_reason).inc()
+
+    def record_prefix_cache(self, tenant: str, num_prompt_tokens: int, num_cached_tokens: int) -> None:
+        """One request that reached the engine: its prompt tokens queried, those served from the cache hit."""
+        self.prefix_cache_queries.labels(tenant=tenant).inc(num_prompt_tokens)
+        self.prefix_cache_hits.labels(tenant=tenant).inc(num_cached_tokens)
 
     def record_stats(self, stats: EngineStatsMsg) -> None:
         self.running.set(stats.num_running)

@@ -14,12 +14,14 @@ class Transcript:
         self.finish_reason: str | None = None
         self.num_prompt_tokens = 0
         self.num_output_tokens = 0
+        self.num_cached_tokens = 0
 
     def add(self, out: RequestOutputMsg) -> None:
         self._text_parts.append(out.new_text)
         self.logprobs.extend(out.logprobs or ())
         self.num_prompt_tokens = out.num_prompt_tokens
         self.num_output_tokens = out.num_output_tokens
+        self.num_cached_tokens = out.num_cached_tokens
         if out.finished:
             self.finish_reason = out.finish_reason
 
@@ -30,7 +32,9 @@ class Transcript:
 
 
 def usage(transcripts: list[Transcript]) -> dict[str, Any]:
-    """OpenAI's usage for n choices: the prompt counted once, completion tokens summed."""
+    """OpenAI's usage for n choices: the prompt counted once, completion tokens summed;
+    `prompt_tokens_details.cached_tokens`: prompt tokens the first choice found in the prefix cache."""
     num_prompt = transcripts[0].num_prompt_tokens
     num_output = sum(t.num_output_tokens for t in transcripts)
-    return {"prompt_tokens": num_prompt, "completion_tokens": num_output, "total_tokens": num_prompt + num_output}
+    return {"prompt_tokens": num_prompt, "completion_tokens": num_output, "total_tokens": num_prompt + num_output,
+            "prompt_tokens_details": {"cached_tokens": transcripts[0].num_cached_tokens}}

@@ -101,7 +101,7 @@ def _pages_after_one_request(llm: Any) -> list[int]:
 
 
 def test_checked_mode_poisons_freed_pages_with_nan(make_llm: Callable[..., Any]) -> None:
-    llm = make_llm(check_kv=True)
+    llm = make_llm(check_kv=True, enable_prefix_caching=False)  # cached pages: test_prefix_cache.py
     pages = _pages_after_one_request(llm)
     pool = llm.engine.kv.pool
     for layer in range(len(pool.k)):
@@ -110,7 +110,7 @@ def test_checked_mode_poisons_freed_pages_with_nan(make_llm: Callable[..., Any])
 
 
 def test_scrub_free_zeroes_pages_on_free(make_llm: Callable[..., Any]) -> None:
-    llm = make_llm(kv_scrub="free")
+    llm = make_llm(kv_scrub="free", enable_prefix_caching=False)
     pages = _pages_after_one_request(llm)
     pool = llm.engine.kv.pool
     assert (pool.read_pages(0, torch.tensor(pages))[0] == 0).all()
@@ -118,7 +118,7 @@ def test_scrub_free_zeroes_pages_on_free(make_llm: Callable[..., Any]) -> None:
 
 
 def test_scrub_alloc_zeroes_pages_when_handed_out(make_llm: Callable[..., Any]) -> None:
-    llm = make_llm(kv_scrub="alloc")
+    llm = make_llm(kv_scrub="alloc", enable_prefix_caching=False)
     pages = _pages_after_one_request(llm)
     kv = llm.engine.kv
     assert (kv.pool.read_pages(0, torch.tensor(pages))[0] != 0).any(), "scrub=alloc keeps data until reuse"
@@ -131,7 +131,7 @@ def test_scrub_alloc_zeroes_pages_when_handed_out(make_llm: Callable[..., Any]) 
 
 def test_written_records_follow_ownership(make_llm: Callable[..., Any]) -> None:
     """A slot written under one owner never counts as written for the next owner."""
-    llm = make_llm()
+    llm = make_llm(enable_prefix_caching=False)  # a's full pages would stay cached
     engine = llm.engine
     engine.add_request("a", SECRET_A, SamplingParams(max_tokens=2, ignore_eos=True), tenant="alice")
     engine.step()

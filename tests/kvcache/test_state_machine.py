@@ -1,7 +1,9 @@
 """Hypothesis state machines over the allocator alone and over the whole engine.
 
-After every step: free + owned = total, no page has two owners, waiting requests hold no
-pages, every owner is a running request. After draining: the whole pool is free.
+After every step: free + owned + cached = total, no page has two owners, cached pages' reader
+counts and namespaces agree, waiting requests hold no pages, every holder is a running
+request. Requests of several tenants share prompt prefixes: a prefix-cache hit only ever
+comes from the same tenant's earlier tokens. After draining: the whole pool is allocatable.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invaria
 from kvseal import ContextLengthExceeded, SamplingParams
 from kvseal.kvcache.allocator import PageAllocator
 
-MACHINE_SETTINGS = settings(max_examples=50, stateful_step_count=30, deadline=None,
+SHARED_PREFIXES = [list(range(100, 112)), list(range(120, 141))]
+MACHINE_SETTINGS = settings(max_examples=30, stateful_step_count=30, deadline=None,
                             suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 
 
@@ -35,7 +38,9 @@ class AllocatorMachine(RuleBasedStateMachine):
         request_id = f"r{self.counter}"
         self.counter += 1
         if self.allocator.can_allocate(num_pages):
-            pages = self.allocator.allocate(request_id, f"tenant{self.counter % 3}", num_pages)
+            self.allocator.evict(num_pages - self.allocator.num_unused_pages)
+            tenant = f"tenant{self.counter % 3}"
+            pages = self.allocator.allocate(request_id, tenant, num_pages, namespace=tenant)
             assert len(pages) == num_pages
             self.expected[request_id] = num_pages
         return request_id
@@ -43,6 +48,7 @@ class AllocatorMachine(RuleBasedStateMachine):
     @rule(request_id=requests, num_pages=st.integers(1, 4))
     def append(self, request_id: str, num_pages: int) -> None:
         if self.allocator.can_append(request_id, num_pages):
+            self.allocator.evict(num_pages - self.allocator.num_unused_pages)
             self.allocator.append(request_id, num_pages)
             self.expected[request_id] += num_pages
 
@@ -52,12 +58,36 @@ class AllocatorMachine(RuleBasedStateMachine):
         assert len(freed) == self.expected.pop(request_id, 0)
         assert all(self.allocator.owner_of(p) is None for p in freed)
 
+    @rule(request_id=requests, key=st.integers(0, 5))
+    def publish(self, request_id: str, key: int) -> None:
+        namespace = self.allocator.namespace_of(request_id)
+        if namespace is None or self.expected.get(request_id, 0) == 0:
+            return
+        if self.allocator.publish(request_id, (namespace, bytes([key]))) is not None:
+            self.expected[request_id] -= 1
+
+    @rule(target=requests, tenant=st.integers(0, 2), keys=st.lists(st.integers(0, 5), max_size=3))
+    def share(self, tenant: int, keys: list[int]) -> str:
+        request_id = f"r{self.counter}"
+        self.counter += 1
+        pages = [self.allocator.lookup((f"tenant{tenant}", bytes([k]))) for k in keys]
+        if None not in pages and len(set(pages)) == len(pages):
+            self.allocator.share(request_id, f"tenant{tenant}", f"tenant{tenant}", pages)  # type: ignore[arg-type]
+            self.expected[request_id] = 0
+        return request_id
+
+    @rule(num_pages=st.integers(1, 4))
+    def evict(self, num_pages: int) -> None:
+        before = self.allocator.num_free_pages
+        evicted = self.allocator.evict(num_pages)
+        assert self.allocator.num_free_pages == before and all(self.allocator.cached_page(p) is None for p in evicted)
+
     @invariant()
     def integrity(self) -> None:
         self.allocator.check_integrity()
         assert self.allocator.num_owned_pages == sum(self.expected.values())
         for request_id, n in self.expected.items():
-            pages = self.allocator.pages_of(request_id)
+            pages = self.allocator.own_pages_of(request_id)
             assert len(pages) == n and all(self.allocator.owner_of(p).request_id == request_id for p in pages)
 
 
@@ -80,6 +110,7 @@ class EngineMachine(RuleBasedStateMachine):
         self.live: set[str] = set()
         self.finished: dict[str, Any] = {}
         self.counter = 0
+        self.tokens: dict[str, tuple[str, list[int]]] = {}  # request id -> (tenant, prompt + output so far)
 
     @rule(prompt_len=st.integers(1, 70), max_tokens=st.integers(1, 12), greedy=st.booleans())
     def add(self, prompt_len: int, max_tokens: int, greedy: bool) -> None:
@@ -88,12 +119,35 @@ class EngineMachine(RuleBasedStateMachine):
         params = SamplingParams(max_tokens=max_tokens, temperature=0 if greedy else 1.0, seed=self.counter)
         free_before = self.engine.kv.num_free_pages
         try:
-            self.engine.add_request(request_id, list(range(3, 3 + prompt_len)), params, tenant=f"t{self.counter % 3}")
+            self._add(request_id, list(range(3, 3 + prompt_len)), params, f"t{self.counter % 3}")
         except ContextLengthExceeded:
             assert prompt_len + max_tokens > 64
             assert self.engine.kv.num_free_pages == free_before
             return
+
+    @rule(prefix=st.sampled_from([SHARED_PREFIXES[0], SHARED_PREFIXES[1]]), suffix_len=st.integers(0, 9),
+          tenant=st.integers(0, 2), max_tokens=st.integers(1, 10))
+    def add_sharing(self, prefix: list[int], suffix_len: int, tenant: int, max_tokens: int) -> None:
+        """Prompts that begin with one of a few shared prefixes, from several tenants."""
+        request_id = f"q{self.counter}"
+        self.counter += 1
+        params = SamplingParams(max_tokens=max_tokens, temperature=0)
+        self._add(request_id, prefix + list(range(200, 200 + suffix_len)), params, f"t{tenant}")
+
+    def _add(self, request_id: str, prompt: list[int], params: SamplingParams, tenant: str) -> None:
+        self.engine.add_request(request_id, prompt, params, tenant=tenant)
         self.live.add(request_id)
+        self.tokens[request_id] = (tenant, list(prompt))
+
+    def _check_hit(self, out: Any) -> None:
+        """A hit of c tokens needs an earlier request of the same tenant whose tokens begin alike."""
+        tenant, tokens = self.tokens[out.request_id]
+        tokens.extend(out.new_token_ids)
+        hit = out.num_cached_tokens
+        if hit:
+            head = out.prompt_token_ids[:hit]
+            assert any(t == tenant and other != out.request_id and seen[:hit] == head
+                       for other, (t, seen) in self.tokens.items()), f"{out.request_id}: a hit of another tenant"
 
     @precondition(lambda self: self.live)
     @rule(data=st.data())
@@ -108,6 +162,7 @@ class EngineMachine(RuleBasedStateMachine):
     def step(self) -> None:
         for out in self.engine.step():
             assert out.error is None, out.error
+            self._check_hit(out)
             if out.finished:
                 self.live.discard(out.request_id)
                 assert not self.engine.kv.allocator.owns(out.request_id)

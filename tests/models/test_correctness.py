@@ -58,6 +58,23 @@ def test_greedy_matches_transformers(arch: str, schedule: str, tiny_model_dirs: 
     assert llm.engine.stats().num_pages_used == 0
 
 
+@pytest.mark.parametrize("arch", sorted(CONFIGS))
+def test_greedy_with_prefix_cache_hits_matches_transformers(arch: str, tiny_model_dirs: dict[str, Path],
+                                                             references: dict[str, list[tuple[list[int],
+                                                                                              torch.Tensor]]]) -> None:
+    """The second pass over the same prompts starts each on its own cached pages."""
+    llm = LLM(str(tiny_model_dirs[arch]), **SCHEDULES["chunked"])
+    llm.generate(PROMPTS, GREEDY)
+    outputs = llm.generate(PROMPTS, GREEDY)
+    assert [o.num_cached_tokens for o in outputs] == [(len(p) - 1) // 4 * 4 for p in PROMPTS]
+    for out, (ref_ids, ref_logprobs) in zip(outputs, references[arch]):
+        assert out.token_ids == ref_ids
+        ours = torch.tensor([lp.logprob for lp in out.logprobs])
+        theirs = ref_logprobs[torch.arange(len(ref_ids)), torch.tensor(ref_ids)]
+        torch.testing.assert_close(ours, theirs, atol=LOGPROB_ATOL, rtol=0)
+    llm.engine.check_integrity()
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_prefill_logits_match_at_every_position(arch: str, tiny_model_dirs: dict[str, Path]) -> None:
     """Full-sequence logits from one forward over the paged pool equal transformers' forward."""

@@ -1,0 +1,39 @@
+"""Prefix-cache keys (I5): a full page is named by (namespace, chained hash of its tokens).
+
+The chained hash of page i covers its own tokens and, through the hash of page i - 1, every
+earlier token: equal hashes mean equal whole prefixes, not just equal pages. The namespace
+is derived from the tenant on the server (`namespace_of`), never from a client field, so a
+key of one tenant can never equal a key of another.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+
+from kvseal._testing.faults import Fault, is_active
+
+PageKey = tuple[str, bytes]  # (namespace, chained page hash)
+
+
+def namespace_of(tenant: str) -> str:
+    """Framed hash over the tenant id: the only way a namespace is made."""
+    framed = b"kvseal-prefix-namespace\x00" + len(tenant).to_bytes(8, "big") + tenant.encode()
+    return hashlib.sha256(framed).hexdigest()
+
+
+def page_key(namespace: str, page_hash: bytes) -> PageKey:
+    if is_active(Fault.DROP_CACHE_NAMESPACE):
+        return "", page_hash  # test-only: the namespace is dropped from the key
+    return namespace, page_hash
+
+
+def extend_page_hashes(hashes: list[bytes], token_ids: list[int], page_size: int, num_pages: int) -> None:
+    """Grow `hashes` (the chained hashes of the leading full pages of `token_ids`) in place
+    to cover the first `num_pages` pages. Needs `num_pages * page_size <= len(token_ids)`."""
+    assert num_pages * page_size <= len(token_ids), "only full pages have a hash"
+    parent = hashes[-1] if hashes else b""
+    for i in range(len(hashes), num_pages):
+        tokens = array("q", token_ids[i * page_size:(i + 1) * page_size]).tobytes()
+        parent = hashlib.sha256(len(parent).to_bytes(1, "big") + parent + tokens).digest()
+        hashes.append(parent)
