@@ -25,9 +25,10 @@ def _stream(server: ServerProcess, body: Any) -> str:
 
 def test_one_record_per_request_with_its_outcome(server: ServerProcess) -> None:
     expected = {
-        _send(server, {"prompt": SECRET_PROMPT, "max_tokens": 3}): ("finished", None, "alice"),
-        _stream(server, {"prompt": SECRET_PROMPT, "max_tokens": 3}): ("finished", None, "bob"),
-        _send(server, {"messages": [{"role": "user", "content": SECRET_PROMPT}], "max_tokens": 2},
+        # ignore_eos: the random model's unseeded sampling may draw EOS, and these must run to length
+        _send(server, {"prompt": SECRET_PROMPT, "max_tokens": 3, "ignore_eos": True}): ("finished", None, "alice"),
+        _stream(server, {"prompt": SECRET_PROMPT, "max_tokens": 3, "ignore_eos": True}): ("finished", None, "bob"),
+        _send(server, {"messages": [{"role": "user", "content": SECRET_PROMPT}], "max_tokens": 2, "ignore_eos": True},
               path="/chat/completions"): ("finished", None, "alice"),
         _send(server, {"prompt": "w5 " * (MAX_MODEL_LEN + 1)}): ("rejected", "context_length_exceeded", "alice"),
         _send(server, {"prompt": SECRET_PROMPT, "temperature": -1}): ("rejected", "invalid_parameter", "alice"),
