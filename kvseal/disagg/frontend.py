@@ -208,7 +208,8 @@ class PdClient:
         decode_link = self._pick("decode")
         handle = RequestHandle(msg.request_id, msg.tenant, observer)
         route = PdRoute(handle, msg, decode_link)
-        decode_link.send(ReserveMsg(msg.request_id, msg.tenant, msg.prompt_token_ids, msg.params))
+        decode_link.send(ReserveMsg(msg.request_id, msg.tenant, msg.prompt_token_ids, msg.params,
+                                    msg.cache_namespace))  # the server's namespace of the tenant (I5)
         decode_link.num_assigned += 1
         self._routes[msg.request_id] = route
         route.handle.route["decode_engine"] = decode_link.name
@@ -340,7 +341,8 @@ class PdClient:
             prefill = self._pick("prefill")
             p = route.msg
             prefill.send(PrefillMsg(p.request_id, p.tenant, p.prompt_token_ids, p.params, msg.transfer_id,
-                                    link.address, link.name, msg.kv_address, msg.pages))
+                                    link.address, link.name, msg.kv_address, msg.pages, p.cache_namespace,
+                                    msg.num_cached_tokens))
         except EngineUnavailable as exc:
             self._try_send(link, AbortMsg(msg.request_id, msg.tenant, str(exc)))
             self._end(route, EngineGone(str(exc)))

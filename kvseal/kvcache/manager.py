@@ -23,7 +23,6 @@ apply when a cached page is evicted, never when it goes into the cache.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import math
 
 import torch
@@ -118,11 +117,6 @@ class KVCacheManager:
             self.pool.fill(pages, 0.0)
 
     # --- prefix cache ----------------------------------------------------------------------
-
-    def disable_prefix_caching(self) -> None:
-        """Switch the prefix cache off before any page was published (PD roles)."""
-        assert self.allocator.num_cached_pages == 0, "the prefix cache is switched off before it is used"
-        self.config = dataclasses.replace(self.config, enable_prefix_caching=False)
 
     def acquire_prefix(self, request: Request) -> int:
         """Start a request that holds no pages on the cached pages its tokens begin with, in its
