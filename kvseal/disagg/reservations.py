@@ -85,7 +85,7 @@ class ReservationTable:
     def place_waiting(self, now_s: float | None = None) -> list[Reservation]:
         """Give pages to waiting reservations, oldest first, while they fit. Returns those placed."""
         placed = []
-        while self._waiting and self.kv.can_reserve(self._waiting[0].request_id, self._waiting[0].num_tokens):
+        while self._waiting and self.kv.can_reserve_on_prefix(_probe(self._waiting[0]), self._waiting[0].num_tokens):
             reservation = self._waiting.popleft()
             self._place(reservation, time.monotonic() if now_s is None else now_s)
             placed.append(reservation)
@@ -93,8 +93,7 @@ class ReservationTable:
 
     def _place(self, reservation: Reservation, now_s: float) -> None:
         r = reservation
-        probe = Request(r.request_id, r.tenant, r.prompt_token_ids, r.params, cache_namespace=r.cache_namespace)
-        r.num_cached_tokens = self.kv.acquire_prefix(probe)  # 0 with the cache off; the last token never hits
+        r.num_cached_tokens = self.kv.acquire_prefix(_probe(r))  # 0 with the cache off; the last token never hits
         self.kv.reserve(r.request_id, r.tenant, r.num_tokens, r.cache_namespace)
         r.transfer_id = secrets.token_hex(16)
         r.pages = tuple(self.kv.allocator.pages_of(r.request_id))
@@ -142,3 +141,9 @@ class ReservationTable:
     def _forget(self, reservation: Reservation) -> None:
         self._by_transfer.pop(reservation.transfer_id, None)
         self._by_request.pop(reservation.request_id, None)
+
+
+def _probe(reservation: Reservation) -> Request:
+    """The reservation as the prefix cache sees a new request: its prompt in its namespace."""
+    r = reservation
+    return Request(r.request_id, r.tenant, r.prompt_token_ids, r.params, cache_namespace=r.cache_namespace)

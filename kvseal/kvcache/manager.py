@@ -130,6 +130,14 @@ class KVCacheManager:
         self.records.share(request.request_id, request.cache_namespace, len(pages))
         return len(pages) * self.page_size
 
+    def can_reserve_on_prefix(self, request: Request, num_tokens: int) -> bool:
+        """Whether a request that holds nothing could start on its cache hit (`acquire_prefix`)
+        and then hold `num_tokens` tokens: the hit's pages need no new page, but those no one
+        reads yet stop counting as evictable once it reads them."""
+        hit = self.match_prefix(request)
+        num_unread = sum(1 for page in hit if (c := self.allocator.cached_page(page)) and c.num_readers == 0)
+        return self.allocator.can_allocate(self.num_pages_for(num_tokens) - len(hit) + num_unread)
+
     def match_prefix(self, request: Request) -> list[int]:
         """The cached pages, in order, that the request's leading full pages hit (no side effect)."""
         if not self.config.enable_prefix_caching:

@@ -242,3 +242,23 @@ def test_expiry_and_placeholder_prefill_from_a_hit_leave_integrity_intact(make_p
         pair.wait(victim)
     assert victim.final.error_code == ISOLATION_CHECK_FAILED and victim.token_ids == []
     assert_cache_unread(pair)
+
+
+def test_a_reservation_that_fits_only_with_its_hit_is_placed_at_once(make_pair: Any, llama_dir: Path) -> None:
+    """Pages a reservation's hit covers need no new page: with 5 of 16 pages free, a 43-token
+    reservation (11 pages) whose first 10 pages are cached (read by a running request) is
+    placed while that request still runs, not after it frees its pages."""
+    pair = make_pair(kv_cache_tokens=64, max_model_len=64)
+    longer = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    a_prompt, b_prompt = SYSTEM[:40], SYSTEM[:40] + [9, 9]
+    a = pair.generate_start(a_prompt, longer)
+    assert pair.decode.engine.kv.num_free_pages == 5
+    b = pair.reserve(b_prompt, GREEDY, wait=False)
+    pair.pump(lambda: b.reserved is not None, "b's reservation")
+    assert not a.is_terminal and b.reserved.num_cached_tokens == 40  # type: ignore[union-attr]
+    pair.to_prefill.send(pair.prefill_msg(b, b_prompt, GREEDY))
+    pair.wait(b)
+    pair.wait(a)
+    assert [a.token_ids, b.token_ids] == [cache_off(llama_dir, [a_prompt], longer)[0],
+                                          cache_off(llama_dir, [b_prompt], GREEDY)[0]]
+    assert_cache_unread(pair)
