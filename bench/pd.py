@@ -37,6 +37,7 @@ from kvseal.disagg.msgs import PdMsg, PrefillMsg, ReservedMsg, ReserveMsg, decod
 from kvseal.disagg.node import EngineNode, NodeConfig
 from kvseal.disagg.transport import KINDS, PushPlan, staged_pages
 from kvseal.engine.engine import LLMEngine
+from kvseal.kvcache.prefix_cache import namespace_of
 from kvseal.messages.convert import params_to_msg
 from kvseal.messages.msgs import AbortMsg, OutputsMsg
 from kvseal.models.loader import load_model
@@ -86,7 +87,9 @@ class Pair:
 
     def reserve(self, prompt: list[int]) -> ReservedMsg:
         request_id = f"bench-{next(self._ids)}"
-        self.to_decode.send(encode(ReserveMsg(request_id, "bench", prompt, params_to_msg(PARAMS))))
+        # A namespace of its own per request: no prefix-cache hit, every handoff moves the whole prompt.
+        self.to_decode.send(encode(ReserveMsg(request_id, "bench", prompt, params_to_msg(PARAMS),
+                                              namespace_of(request_id))))
         reserved = self.pump_until(self.to_decode, lambda m: isinstance(m, ReservedMsg))
         assert isinstance(reserved, ReservedMsg)
         return reserved
@@ -95,7 +98,7 @@ class Pair:
         r = self.reserve(prompt)
         self.to_prefill.send(encode(PrefillMsg(r.request_id, "bench", prompt, params_to_msg(PARAMS), r.transfer_id,
                                                self.decode.config.listen, self.decode.instance_id, r.kv_address,
-                                               r.pages)))
+                                               r.pages, namespace_of(r.request_id), r.num_cached_tokens)))
         self.pump_until(self.to_decode, lambda m: isinstance(m, OutputsMsg) and any(
             o.request_id == r.request_id and o.new_token_ids for o in m.outputs))
 

@@ -3,6 +3,11 @@
 Nothing of a handed-off request runs before `verify_commit` accepted it. Every way a
 reservation can end (commit refused, prefill's abort, the frontend's abort, expiry) releases
 its pages under the reservation table's rule and reports one terminal, non-success output.
+
+Prefix cache (I5): a reservation starts on its hit in decode's cache (the tenant's namespace,
+from the frontend), reported as `ReservedMsg.num_cached_tokens`; the transfer and the
+verification cover the prompt from there on, and after a verified commit the newly written
+full pages are published (`add_prefilled`), so the tenant's next request hits them.
 """
 
 from __future__ import annotations
@@ -88,14 +93,15 @@ class DecodeSteps:
             self.replies.send(frontend, ReserveRefusedMsg(msg.request_id, msg.tenant, exc.code, exc.message,
                                                           exc.param, exc.http_status))
             return
-        self.table.add(Reservation(msg.request_id, msg.tenant, prompt, params, frontend))
+        self.table.add(Reservation(msg.request_id, msg.tenant, prompt, params, frontend, msg.cache_namespace))
         self._place_waiting()
 
     def _place_waiting(self) -> bool:
         placed = self.table.place_waiting()
         for r in placed:
             self.replies.send(r.frontend, ReservedMsg(r.request_id, r.tenant, r.transfer_id, list(r.pages),
-                                                      self.engine.kv.page_size, self.receiver.address))
+                                                      self.engine.kv.page_size, self.receiver.address,
+                                                      r.num_cached_tokens))
         return bool(placed)
 
     # ---- step 3: KV lands -------------------------------------------------------------
@@ -117,7 +123,8 @@ class DecodeSteps:
                          msg.transfer_id, msg.request_id)
             return  # a forged or stale commit: the reservation, if any, is not touched
         expected = Expected(reservation.transfer_id, reservation.request_id, reservation.tenant,
-                            reservation.num_prompt_tokens, self.engine.model_config.num_layers)
+                            reservation.num_prompt_tokens, self.engine.model_config.num_layers,
+                            reservation.num_cached_tokens)
         refusal = None if is_active(Fault.SKIP_HANDOFF_VERIFY) else verify_commit(
             expected, msg, self.receiver.landed(msg.transfer_id))
         if refusal is not None:
@@ -133,8 +140,8 @@ class DecodeSteps:
     def _start(self, reservation: Reservation, msg: CommitMsg) -> None:
         landing = self.receiver.landed(msg.transfer_id)
         kv, request_id = self.engine.kv, reservation.request_id
-        for layer in range(self.engine.model_config.num_layers):
-            kv.record_written(request_id, layer, 0, reservation.num_prompt_tokens)
+        for layer in range(self.engine.model_config.num_layers):  # [0, hit) is recorded since the hit
+            kv.record_written(request_id, layer, reservation.num_cached_tokens, reservation.num_prompt_tokens)
         self.table.take(reservation)
         self.counters.num_transfers += 1
         self.counters.num_transfer_bytes += landing.num_bytes if landing is not None else 0
@@ -142,7 +149,8 @@ class DecodeSteps:
             msg.first_logprobs.token_id, msg.first_logprobs.logprob, tuple(msg.first_logprobs.top))
         generator_state = torch.frombuffer(bytearray(msg.generator_state), dtype=torch.uint8)
         first = self.engine.add_prefilled(request_id, reservation.tenant, reservation.prompt_token_ids,
-                                          reservation.params, msg.first_token, logprobs, generator_state)
+                                          reservation.params, msg.first_token, logprobs, generator_state,
+                                          reservation.cache_namespace, reservation.num_cached_tokens)
         logger.info("handoff of request %s verified: transfer %s from prefill %s to decode %s",
                     request_id, msg.transfer_id, msg.prefill_engine, self.instance_id)
         self._frontend_of[request_id] = reservation.frontend

@@ -13,6 +13,11 @@ engine silent for `DEAD_AFTER_S` is down: its requests fail at once (a decode en
 `EngineGone`; a prefill engine's are also aborted at their decode engine, which releases the
 reservation), and `/health` answers 503 while a role has no engine up. An engine that answers
 again, restarted at the same address or not, is used again without restarting the frontend.
+
+Load and pool state: every engine reports `PdStatsMsg` (after changes and in answer to each
+`HelloMsg`); `on_load` gets the sum over the engines that are up, in the colocated engine's
+`EngineStatsMsg` shape, so `/metrics`' `kvseal_kv_pages_used`/`_free` and the request gauges
+mean the same in both modes (the canary's server evidence reads them).
 """
 
 from __future__ import annotations
@@ -53,6 +58,7 @@ from kvseal.messages.msgs import (
     AbortMsg,
     AddRequestMsg,
     EngineReadyMsg,
+    EngineStatsMsg,
     OutputsMsg,
     RequestOutputMsg,
     RequestRejectedMsg,
@@ -141,6 +147,8 @@ class PdClient:
         self._ready: EngineReadyMsg | None = None
         # Told the new limits when an engine (re)starts with different ones (the server admits with them).
         self.on_ready_change: Callable[[EngineReadyMsg], None] | None = None
+        # Told the summed load of the engines that are up whenever one reports or goes down.
+        self.on_load: Callable[[EngineStatsMsg], None] | None = None
 
     def _link(self, role: Role, address: str) -> EngineLink:
         socket = self._ctx.socket(zmq.DEALER)
@@ -208,7 +216,8 @@ class PdClient:
         decode_link = self._pick("decode")
         handle = RequestHandle(msg.request_id, msg.tenant, observer)
         route = PdRoute(handle, msg, decode_link)
-        decode_link.send(ReserveMsg(msg.request_id, msg.tenant, msg.prompt_token_ids, msg.params))
+        decode_link.send(ReserveMsg(msg.request_id, msg.tenant, msg.prompt_token_ids, msg.params,
+                                    msg.cache_namespace))  # the server's namespace of the tenant (I5)
         decode_link.num_assigned += 1
         self._routes[msg.request_id] = route
         route.handle.route["decode_engine"] = decode_link.name
@@ -278,6 +287,7 @@ class PdClient:
             case PdStatsMsg():
                 link.stats = msg
                 self._on_stats(link)
+                self._report_load()
             case ReservedMsg():
                 self._on_reserved(link, msg)
             case ReserveRefusedMsg():
@@ -340,7 +350,8 @@ class PdClient:
             prefill = self._pick("prefill")
             p = route.msg
             prefill.send(PrefillMsg(p.request_id, p.tenant, p.prompt_token_ids, p.params, msg.transfer_id,
-                                    link.address, link.name, msg.kv_address, msg.pages))
+                                    link.address, link.name, msg.kv_address, msg.pages, p.cache_namespace,
+                                    msg.num_cached_tokens))
         except EngineUnavailable as exc:
             self._try_send(link, AbortMsg(msg.request_id, msg.tenant, str(exc)))
             self._end(route, EngineGone(str(exc)))
@@ -395,6 +406,17 @@ class PdClient:
         self._release_prefill(route)
         route.handle.deliver(event)
 
+    def load(self) -> EngineStatsMsg:
+        """The engines' load and pools, summed over those that are up (a down engine's are unknown)."""
+        stats = [link.stats.engine for link in self.links if link.is_up and link.stats is not None]
+        return EngineStatsMsg(sum(s.num_running for s in stats), sum(s.num_waiting for s in stats),
+                              sum(s.num_pages_used for s in stats), sum(s.num_pages_free for s in stats),
+                              sum(s.num_preemptions for s in stats), sum(s.num_isolation_violations for s in stats))
+
+    def _report_load(self) -> None:
+        if self.on_load is not None:
+            self.on_load(self.load())
+
     @staticmethod
     def _try_send(link: EngineLink, msg: PdMsg) -> None:
         try:
@@ -436,6 +458,7 @@ class PdClient:
         link.is_up = False
         link.stats = None
         self._on_stats(link)
+        self._report_load()
         for route in list(self._routes.values()):
             if route.decode is link:
                 if route.prefill is not None:

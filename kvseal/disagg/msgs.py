@@ -110,12 +110,16 @@ class IntegrityReportMsg(_Msg, frozen=True):
 
 
 class ReserveMsg(_Msg, frozen=True):
-    """Reserve decode pages for `prompt_token_ids` plus the first output token."""
+    """Reserve decode pages for `prompt_token_ids` plus the first output token.
+
+    `cache_namespace` is the frontend's `namespace_of(authenticated tenant)` (I5), never a
+    client field: decode looks the prompt's leading full pages up in its prefix cache under it."""
 
     request_id: str
     tenant: str
     prompt_token_ids: list[int]
     params: SamplingParamsMsg
+    cache_namespace: str
 
 
 class ReservedMsg(_Msg, frozen=True):
@@ -124,9 +128,12 @@ class ReservedMsg(_Msg, frozen=True):
     request_id: str
     tenant: str
     transfer_id: str
-    pages: list[int]  # decode's pages, in position order
+    pages: list[int]  # decode's pages, in position order (cached ones first)
     page_size: int
     kv_address: str  # where the transport delivers KV for this decode engine
+    # Positions [0, num_cached_tokens) are read-only pages of decode's prefix cache (a hit in the
+    # request's namespace; page-aligned): nothing may be written there, the transfer starts here.
+    num_cached_tokens: int = 0
 
 
 class ReserveRefusedMsg(_Msg, frozen=True):
@@ -155,6 +162,8 @@ class PrefillMsg(_Msg, frozen=True):
     decode_engine: str  # decode's instance id, for the audit trail
     kv_address: str
     pages: list[int]  # decode's reserved pages, in position order
+    cache_namespace: str  # the authenticated tenant's namespace (I5): prefill's own prefix cache
+    num_cached_tokens: int = 0  # decode already holds [0, this): push from here on (ReservedMsg)
 
 
 class PrefillDoneMsg(_Msg, frozen=True):

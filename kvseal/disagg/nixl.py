@@ -65,8 +65,9 @@ class NixlPeerMsg(msgspec.Struct, frozen=True, tag=True, forbid_unknown_fields=T
 
 
 class NixlLandedMsg(msgspec.Struct, frozen=True, tag=True, forbid_unknown_fields=True):
-    """The WRITE's notification: positions [0, ends[layer]) of K and V of every layer were
-    written into the reservation's slots, in page order. Delivered after every write landed."""
+    """The WRITE's notification: positions [start, ends[layer]) of K and V of every layer were
+    written into the reservation's slots, in page order (`start`: where decode's cache hit
+    ends, known to both from the reservation). Delivered after every write landed."""
 
     transfer_id: str
     ends: list[int]
@@ -174,6 +175,7 @@ class NixlReceiver:
         self._address = encode_address(NixlPeerMsg(agent_name, self._agent.get_agent_metadata(),
                                                    self._arena.data_ptr(), self._layout.slot_bytes, pool.num_pages))
         self._pages: dict[str, list[int]] = {}  # authorized transfers -> their pages, position order
+        self._starts: dict[str, int] = {}  # authorized transfers -> the first position they may write
         self._landed: dict[str, Landing] = {}
         self._notified: set[str] = set()  # the notification arrived: nothing of the transfer can land
         self._finished: set[str] = set()  # the sender said it wrote all it will (commit or abort)
@@ -184,10 +186,11 @@ class NixlReceiver:
     def address(self) -> str:
         return self._address
 
-    def authorize(self, transfer_id: str, pages: list[int]) -> None:
+    def authorize(self, transfer_id: str, pages: list[int], start: int = 0) -> None:
         self._arena[pages, :TAG_BYTES] = 0  # a tag left by an earlier transfer never counts
         self._pages[transfer_id] = list(pages)
-        self._landed[transfer_id] = Landing(len(pages) * self._pool.page_size)
+        self._starts[transfer_id] = start  # [0, start): decode's cache hit, never imported into
+        self._landed[transfer_id] = Landing(start + len(pages) * self._pool.page_size)
 
     def sender_done(self, transfer_id: str) -> None:
         if transfer_id in self._pages or transfer_id in self._cancelling:
@@ -208,6 +211,7 @@ class NixlReceiver:
     def cancel(self, transfer_id: str) -> bool:
         self._poll()
         self._pages.pop(transfer_id, None)  # from now on nothing of it is imported
+        self._starts.pop(transfer_id, None)
         self._landed.pop(transfer_id, None)
         first_s = self._cancelling.setdefault(transfer_id, time.monotonic())
         confirmed = transfer_id in self._notified or transfer_id in self._finished
@@ -242,7 +246,8 @@ class NixlReceiver:
         if len(note.ends) != layout.num_layers or not all(0 <= e <= landing.num_positions for e in note.ends):
             self._refuse(note, "write_outside_reservation")
             return
-        num_pages = -(-max(note.ends, default=0) // page_size)
+        start = self._starts[note.transfer_id]  # `pages` hold positions [start, ...)
+        num_pages = max(0, -(-max(note.ends, default=0) // page_size) - start // page_size)
         tagged = self._tagged(pages[:num_pages], note.transfer_id)
         if not tagged():
             self._refuse(note, "foreign_or_stale_write")
@@ -250,23 +255,23 @@ class NixlReceiver:
         body = layout.body(self._arena)
         copied: list[tuple[int, KVKind, int, int]] = []
         for layer, end in enumerate(note.ends):
-            if end == 0:
+            if end <= start:
                 continue
-            used = -(-end // page_size)
+            used = -(-(end - start) // page_size)
             slots = torch.tensor(pages[:used], dtype=torch.int64)
             first = pages[0]
             in_place = pages[:used] == list(range(first, first + used))  # consecutive slots: read in place
             for kind_index, kind in enumerate(KINDS):
                 part = body[first:first + used, layer, kind_index] if in_place else body[slots, layer, kind_index]
                 data = part.transpose(0, 1)  # [kv_heads, used, page_size, head_dim]
-                data[:, -1, end - (used - 1) * page_size:] = 0  # only [0, end) may land
+                data[:, -1, end - start - (used - 1) * page_size:] = 0  # only [start, end) may land
                 self._pool.import_pages(layer, kind, slots, data)
                 copied.append((layer, kind, end, data.numel() * data.element_size()))
         if not tagged():  # a write landed while we copied: the pages hold a mix; record nothing
             self._refuse(note, "foreign_or_stale_write")
             return
         for layer, kind, end, num_bytes in copied:
-            landing.add(layer, kind, 0, end, num_bytes)
+            landing.add(layer, kind, start, end, num_bytes)
 
     def _tagged(self, slots: list[int], transfer_id: str) -> Callable[[], bool]:
         """A check that every one of `slots` carries the transfer's tag (asked before and after copying)."""
@@ -313,8 +318,9 @@ class NixlSender:
         if peer.slot_bytes != layout.slot_bytes:
             raise TransportError(f"decode's KV slots are {peer.slot_bytes} bytes, ours {layout.slot_bytes}: "
                                  f"the engines' KV layouts differ")
-        num_pages = -(-max(plan.written, default=0) // pool.page_size)
-        dest = plan.dest_pages[:num_pages]
+        first = plan.start // pool.page_size  # decode already holds [0, start): not sent
+        num_pages = max(0, -(-max(plan.written, default=0) // pool.page_size) - first)
+        dest = plan.dest_pages[first:first + num_pages]
         if len(dest) < num_pages or not all(0 <= p < peer.num_slots for p in dest):
             raise TransportError(f"transfer {plan.transfer_id}: decode's reservation does not hold {num_pages} pages")
         note = msgspec.msgpack.encode(NixlLandedMsg(plan.transfer_id, list(plan.written)))
@@ -361,17 +367,18 @@ class NixlSender:
         return self._staging[:num_bytes]
 
     def _stage(self, plan: PushPlan, pool: KVPool, layout: SlotLayout, num_pages: int) -> torch.Tensor:
-        """The request's first `num_pages` pages in slot layout, tagged; zeros where unwritten."""
+        """The request's `num_pages` pages from `plan.start` on in slot layout, tagged; zeros where unwritten."""
         staging = self._buffer(num_pages * layout.slot_bytes).view(num_pages, layout.slot_bytes)
         staging[:, :TAG_BYTES] = tag_of(plan.transfer_id)
         body = layout.body(staging)
+        first = plan.start // pool.page_size
         for layer, end in enumerate(plan.written):
-            used = -(-end // pool.page_size)
+            used = max(0, -(-end // pool.page_size) - first)
             if used:
-                index = torch.tensor(plan.src_pages[:used], dtype=torch.int64)
+                index = torch.tensor(plan.src_pages[first:first + used], dtype=torch.int64)
                 for kind_index, source in enumerate((pool.k[layer], pool.v[layer])):  # gathered straight in
                     torch.index_select(source.transpose(0, 1), 0, index, out=body[:used, layer, kind_index])
-                body[used - 1, layer, :, :, end - (used - 1) * pool.page_size:] = 0  # nothing past `end`
+                body[used - 1, layer, :, :, end - (first + used - 1) * pool.page_size:] = 0  # nothing past `end`
             body[used:, layer] = 0  # no stale bytes of an earlier push leave this buffer
         return staging
 

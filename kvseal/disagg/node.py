@@ -66,11 +66,6 @@ class EngineNode:
     """One engine of one role on the network; `loop.run()` serves until `ShutdownMsg`."""
 
     def __init__(self, engine: LLMEngine, config: NodeConfig, ctx: zmq.Context | None = None) -> None:
-        if engine.kv.config.enable_prefix_caching:
-            # PD roles run without the prefix cache for now: decode's reservations and the
-            # handoff protocol do not yet carry a cache hit (see docs/ARCHITECTURE.md).
-            logger.info("prefix caching is off in the %s role (PD mode does not use it yet)", config.role)
-            engine.kv.disable_prefix_caching()
         self.engine = engine
         self.config = config
         self.ctx = ctx or zmq.Context()

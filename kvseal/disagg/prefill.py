@@ -4,6 +4,10 @@ A request prefill refuses is terminal here too: nothing is computed, and decode 
 `TransferAbortMsg` so it releases the reservation (the incident's engine instead computed a
 one-token placeholder and transferred it). What is pushed and committed comes from prefill's
 own write records (`written_prefix`), never from what the scheduler believes it computed.
+
+Prefix cache: prefill computes the whole prompt (it needs every position to sample the first
+token), starting on its own cache hit in the tenant's namespace where it has one, and pushes
+only positions from decode's hit (`PrefillMsg.num_cached_tokens`) on.
 """
 
 from __future__ import annotations
@@ -92,7 +96,8 @@ class PrefillSteps:
         try:
             params = params_from_msg(msg.params)
             prompt = admit(msg.prompt_token_ids, params, self.engine.limits)  # I1, prefill's own limits
-            self.engine.add_request(msg.request_id, prompt, first_token_params(params), msg.tenant)
+            self.engine.add_request(msg.request_id, prompt, first_token_params(params), msg.tenant,
+                                    cache_namespace=msg.cache_namespace)
         except RequestRejected as exc:
             logger.warning("prefill re-check refused request %s: %s", msg.request_id, exc.message)
             self._refuse(job, exc.code, exc.message, exc.param, exc.http_status)
@@ -125,15 +130,16 @@ class PrefillSteps:
     def _push(self, job: Job, request: Request) -> int:
         kv, msg = self.engine.kv, job.msg
         written = kv.written_prefix(request.request_id)
+        start = msg.num_cached_tokens  # decode holds [0, start) in its own cache: not sent
         plan = PushPlan(msg.transfer_id, kv.allocator.pages_of(request.request_id), written, msg.kv_address,
-                        list(msg.pages))
+                        list(msg.pages), start)
         num_bytes = self.sender.push(plan, kv.pool)
         first = request.output_logprobs[0] if request.output_logprobs else None
         assert request.generator is not None, "every engine request samples with its own generator"
         commit = CommitMsg(
             transfer_id=msg.transfer_id, request_id=request.request_id, tenant=request.tenant,
             num_tokens=request.num_computed_tokens,
-            written=[WrittenRangeMsg(layer, 0, end) for layer, end in enumerate(written)],
+            written=[WrittenRangeMsg(layer, start, end) for layer, end in enumerate(written)],
             first_token=request.output_token_ids[0],
             first_logprobs=None if first is None else TokenLogprobsMsg(first.token_id, first.logprob, list(first.top)),
             generator_state=request.generator.get_state().numpy().tobytes(), prefill_engine=self.instance_id,

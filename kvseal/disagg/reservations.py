@@ -11,6 +11,14 @@ never handed to anyone else. It leaves the table only by
 
 A reservation that sees no commit before its deadline is expired under the same rule.
 Reservations that cannot get pages yet wait in FIFO order (they hold nothing while waiting).
+
+Prefix cache (I5): when a reservation gets its pages it first takes its hit in the prefix
+cache, in the namespace the frontend derived from the authenticated tenant: the cached pages
+holding the prompt's leading full pages, shared read-only (a reader reference each, so they
+cannot be evicted while it holds them). Its own pages follow; the receiver is authorized for
+the own pages only, from the hit's end on, so no transfer can write a cached page. Every way
+out (`take` hands the references to the running request; `release` drops them with the own
+pages in `KVCacheManager.free`) keeps the reference counts exact.
 """
 
 from __future__ import annotations
@@ -22,7 +30,7 @@ from dataclasses import dataclass
 
 from kvseal.disagg.transport import KVReceiver
 from kvseal.kvcache.manager import KVCacheManager
-from kvseal.types import SamplingParams
+from kvseal.types import Request, SamplingParams
 
 
 @dataclass
@@ -32,8 +40,10 @@ class Reservation:
     prompt_token_ids: list[int]
     params: SamplingParams
     frontend: bytes  # who asked (a ROUTER identity): replies and outputs go there
+    cache_namespace: str  # the authenticated tenant's prefix-cache namespace (I5), from the frontend
     transfer_id: str = ""
-    pages: tuple[int, ...] = ()
+    pages: tuple[int, ...] = ()  # the cached (shared) pages first, then the own pages
+    num_cached_tokens: int = 0  # positions [0, this) are the prefix-cache hit (page-aligned)
     deadline_s: float = 0.0
     release_reason: str | None = None  # set once releasing: waiting for the receiver's confirmation
 
@@ -75,19 +85,21 @@ class ReservationTable:
     def place_waiting(self, now_s: float | None = None) -> list[Reservation]:
         """Give pages to waiting reservations, oldest first, while they fit. Returns those placed."""
         placed = []
-        while self._waiting and self.kv.can_reserve(self._waiting[0].request_id, self._waiting[0].num_tokens):
+        while self._waiting and self.kv.can_reserve_on_prefix(_probe(self._waiting[0]), self._waiting[0].num_tokens):
             reservation = self._waiting.popleft()
             self._place(reservation, time.monotonic() if now_s is None else now_s)
             placed.append(reservation)
         return placed
 
     def _place(self, reservation: Reservation, now_s: float) -> None:
-        self.kv.reserve(reservation.request_id, reservation.tenant, reservation.num_tokens)
-        reservation.transfer_id = secrets.token_hex(16)
-        reservation.pages = tuple(self.kv.allocator.pages_of(reservation.request_id))
-        reservation.deadline_s = now_s + self.timeout_s
-        self.receiver.authorize(reservation.transfer_id, list(reservation.pages))
-        self._by_transfer[reservation.transfer_id] = reservation
+        r = reservation
+        r.num_cached_tokens = self.kv.acquire_prefix(_probe(r))  # 0 with the cache off; the last token never hits
+        self.kv.reserve(r.request_id, r.tenant, r.num_tokens, r.cache_namespace)
+        r.transfer_id = secrets.token_hex(16)
+        r.pages = tuple(self.kv.allocator.pages_of(r.request_id))
+        r.deadline_s = now_s + self.timeout_s
+        self.receiver.authorize(r.transfer_id, self.kv.allocator.own_pages_of(r.request_id), r.num_cached_tokens)
+        self._by_transfer[r.transfer_id] = r
 
     def by_transfer(self, transfer_id: str) -> Reservation | None:
         reservation = self._by_transfer.get(transfer_id)
@@ -129,3 +141,9 @@ class ReservationTable:
     def _forget(self, reservation: Reservation) -> None:
         self._by_transfer.pop(reservation.transfer_id, None)
         self._by_request.pop(reservation.request_id, None)
+
+
+def _probe(reservation: Reservation) -> Request:
+    """The reservation as the prefix cache sees a new request: its prompt in its namespace."""
+    r = reservation
+    return Request(r.request_id, r.tenant, r.prompt_token_ids, r.params, cache_namespace=r.cache_namespace)

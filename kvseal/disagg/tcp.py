@@ -29,12 +29,13 @@ class TcpSender:
     def push(self, plan: PushPlan, pool: KVPool) -> int:
         link = self._links.get(plan.kv_address)
         num_bytes = 0
+        first = plan.start // pool.page_size  # decode already holds [0, start): not sent
         for layer, end in enumerate(plan.written):
-            if end == 0:
+            if end <= plan.start:
                 continue
-            for kind, data in zip(KINDS, staged_pages(pool, plan.src_pages, layer, end)):
+            for kind, data in zip(KINDS, staged_pages(pool, plan.src_pages[first:], layer, end - plan.start)):
                 payload = data.view(torch.uint8).numpy().data
-                link.send(KVBlockMsg(plan.transfer_id, layer, kind, 0, end), payload)
+                link.send(KVBlockMsg(plan.transfer_id, layer, kind, plan.start, end), payload)
                 num_bytes += payload.nbytes
         return num_bytes
 
@@ -50,15 +51,17 @@ class TcpReceiver:
         self._num_layers = num_layers
         self._address = address
         self._pages: dict[str, list[int]] = {}
+        self._starts: dict[str, int] = {}  # the first position each transfer may write
         self._landed: dict[str, Landing] = {}
 
     @property
     def address(self) -> str:
         return self._address
 
-    def authorize(self, transfer_id: str, pages: list[int]) -> None:
+    def authorize(self, transfer_id: str, pages: list[int], start: int = 0) -> None:
         self._pages[transfer_id] = list(pages)
-        self._landed[transfer_id] = Landing(len(pages) * self._pool.page_size)
+        self._starts[transfer_id] = start
+        self._landed[transfer_id] = Landing(start + len(pages) * self._pool.page_size)
 
     def landed(self, transfer_id: str) -> Landing | None:
         return self._landed.get(transfer_id)
@@ -71,6 +74,7 @@ class TcpReceiver:
 
     def cancel(self, transfer_id: str) -> bool:
         self._pages.pop(transfer_id, None)
+        self._starts.pop(transfer_id, None)
         self._landed.pop(transfer_id, None)
         return True  # this receiver is the only writer: nothing of the transfer can land now
 
@@ -80,25 +84,26 @@ class TcpReceiver:
         pages = self._pages.get(header.transfer_id)
         if pages is None:
             return "unauthorized_transfer"
-        landing = self._landed[header.transfer_id]
-        why = self._check(header, landing, payload.nbytes)
+        landing, base = self._landed[header.transfer_id], self._starts[header.transfer_id]
+        why = self._check(header, landing, payload.nbytes, base)
         if why is not None:
             return why
         page_size = self._pool.page_size
-        first, last = header.start // page_size, -(-header.end // page_size)
+        first, last = (header.start - base) // page_size, -(-(header.end - base) // page_size)  # in `pages`
         num_kv_heads, _, head_dim = self._pool.page_shape()
         data = torch.frombuffer(payload, dtype=self._pool.k[0].dtype)
         data = data.view(num_kv_heads, last - first, page_size, head_dim)
-        data[:, -1, header.end - (last - 1) * page_size:] = 0  # only [start, end) may land
+        data[:, -1, header.end - base - (last - 1) * page_size:] = 0  # only [start, end) may land
         self._pool.import_pages(header.layer, header.kind, torch.tensor(pages[first:last]), data)
         landing.add(header.layer, header.kind, header.start, header.end, payload.nbytes)
         return None
 
-    def _check(self, header: KVBlockMsg, landing: Landing, num_bytes: int) -> str | None:
+    def _check(self, header: KVBlockMsg, landing: Landing, num_bytes: int, base: int) -> str | None:
         page_size = self._pool.page_size
         if not 0 <= header.layer < self._num_layers or header.kind not in KINDS:
             return "bad_block_address"
-        if header.start % page_size or not 0 <= header.start < header.end <= landing.num_positions:
+        # [0, base) is decode's prefix-cache hit: read-only pages no transfer may write
+        if header.start % page_size or not base <= header.start < header.end <= landing.num_positions:
             return "write_outside_reservation"
         num_kv_heads, _, head_dim = self._pool.page_shape()
         num_pages = -(-header.end // page_size) - header.start // page_size

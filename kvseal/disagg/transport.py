@@ -6,8 +6,9 @@ Two sides, each small:
   refuses every other write; records what actually landed, per (layer, K/V, position range);
   and `cancel(transfer_id)` answers True only once no write of that transfer can still land
   (after which the pages may be released, I6).
-- `KVSender` (prefill) pushes positions [0, n) of each layer of a request's pages, where n is
-  what prefill's own write records say it wrote, never what it believes it computed.
+- `KVSender` (prefill) pushes positions [start, n) of each layer of a request's pages, where n
+  is what prefill's own write records say it wrote, never what it believes it computed, and
+  `start` is where decode's prefix-cache hit ends (decode already holds [0, start)).
 
 Decode trusts neither the sender's claim nor the sender: it compares the commit against its
 receiver's landing records (`verify.py`).
@@ -56,14 +57,19 @@ class Landing:
 
 @dataclass(frozen=True)
 class PushPlan:
-    """One push from prefill: `written[layer]` leading positions of each layer, read from
-    `src_pages` (prefill's pages, position order), into the reservation behind `transfer_id`."""
+    """One push from prefill: positions [start, written[layer]) of each layer, read from
+    `src_pages` (prefill's pages, position order), into the reservation behind `transfer_id`.
+
+    `dest_pages` are decode's pages in position order from position 0; `start` is page-aligned
+    and positions before it are not sent: decode already holds them (its prefix-cache hit, in
+    read-only pages no transfer may write)."""
 
     transfer_id: str
     src_pages: list[int]
     written: list[int]
     kv_address: str
     dest_pages: list[int]
+    start: int = 0
 
 
 class KVReceiver(Protocol):
@@ -74,8 +80,10 @@ class KVReceiver(Protocol):
         """Where senders deliver KV for this engine (sent to prefill in `ReservedMsg`)."""
         ...
 
-    def authorize(self, transfer_id: str, pages: list[int]) -> None:
-        """Accept writes for `transfer_id` into exactly `pages` (position order), nothing else."""
+    def authorize(self, transfer_id: str, pages: list[int], start: int = 0) -> None:
+        """Accept writes for `transfer_id` into exactly `pages`, which hold positions [start, ...)
+        in order (`start` page-aligned: what lies before it is decode's read-only cache hit);
+        refuse everything else, any write before `start` included."""
         ...
 
     def landed(self, transfer_id: str) -> Landing | None:

@@ -3,7 +3,8 @@
 A commit is accepted only if, word for word: it names a live reservation's transfer id; its
 request id and tenant are the reservation's; its token count is the prompt length; and for
 every layer, for K and for V, the receiver's own landing records cover every prompt position
-of the reserved pages, and say exactly what the commit claims. Anything else is refused
+from the end of decode's prefix-cache hit on, nothing landed before it (those are read-only
+cached pages), and the records say exactly what the commit claims. Anything else is refused
 with a reason (a metrics label) and a message for the client and the log.
 """
 
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvseal.disagg.msgs import CommitMsg
+from kvseal.disagg.msgs import CommitMsg, KVKind
 from kvseal.disagg.transport import KINDS, Landing
 
 
@@ -30,6 +31,7 @@ class Expected:
     tenant: str
     num_prompt_tokens: int
     num_layers: int
+    num_cached_tokens: int = 0  # decode's prefix-cache hit: the transfer covers [this, num_prompt_tokens)
 
 
 def verify_commit(expected: Expected, commit: CommitMsg, landing: Landing | None) -> Refusal | None:
@@ -49,16 +51,30 @@ def verify_commit(expected: Expected, commit: CommitMsg, landing: Landing | None
 
 def _check_coverage(expected: Expected, commit: CommitMsg, landing: Landing) -> Refusal | None:
     claimed = {r.layer: (r.start, r.end) for r in commit.written}
+    start, end = expected.num_cached_tokens, expected.num_prompt_tokens
     for layer in range(expected.num_layers):
         for kind in KINDS:
-            covered = landing.covered_prefix(layer, kind)
-            if covered < expected.num_prompt_tokens:
-                return Refusal("missing_kv", f"layer {layer} {kind.upper()}: only positions [0, {covered}) of "
-                                             f"{expected.num_prompt_tokens} arrived for this transfer")
-        if claimed.get(layer) != (0, expected.num_prompt_tokens):
+            if any(s < start for s, _ in landing.ranges.get((layer, kind), [])):
+                return Refusal("write_outside_reservation", f"layer {layer} {kind.upper()}: KV landed before "
+                                                            f"position {start}, in read-only cached pages")
+            covered = covered_from(landing, layer, kind, start)
+            if covered < end:
+                return Refusal("missing_kv", f"layer {layer} {kind.upper()}: only positions [{start}, {covered}) "
+                                             f"of [{start}, {end}) arrived for this transfer")
+        if claimed.get(layer) != (start, end):
             return Refusal("claim_mismatch", f"layer {layer}: the commit claims {claimed.get(layer)} written, "
-                                             f"the prompt is [0, {expected.num_prompt_tokens})")
+                                             f"the transfer is [{start}, {end})")
     if len(claimed) != expected.num_layers or len(commit.written) != expected.num_layers:
         return Refusal("claim_mismatch", f"the commit lists {len(commit.written)} layer ranges; the model has "
                                          f"{expected.num_layers} layers")
     return None
+
+
+def covered_from(landing: Landing, layer: int, kind: KVKind, start: int) -> int:
+    """How far positions from `start` on of `layer`/`kind` landed without a gap (`start` if none)."""
+    covered = start
+    for first, last in sorted(landing.ranges.get((layer, kind), [])):
+        if first > covered:
+            break
+        covered = max(covered, last)
+    return covered

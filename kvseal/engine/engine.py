@@ -136,10 +136,13 @@ class LLMEngine:
 
     def add_prefilled(self, request_id: str, tenant: str, prompt_token_ids: list[int], params: SamplingParams,
                       first_token: int, first_logprobs: TokenLogprobs | None,
-                      generator_state: torch.Tensor) -> RequestOutput:
-        """Run a request whose prompt KV is already in pages it owns, written and recorded in
+                      generator_state: torch.Tensor, cache_namespace: str | None = None,
+                      num_cached_tokens: int = 0) -> RequestOutput:
+        """Run a request whose prompt KV is already in pages it holds, written and recorded in
         every layer (a verified PD handoff), and whose first token was sampled elsewhere.
 
+        Its first `num_cached_tokens` positions are shared prefix-cache pages of `cache_namespace`
+        (None: derived from `tenant`); its own full prompt pages are published to the cache now.
         The caller has admitted it (I1) and verified the KV (I4); the engine only continues it.
         Returns the report of the first token (finished if that token ends the request). A
         structured-output request's grammar is compiled here and advanced by the first token.
@@ -148,10 +151,12 @@ class LLMEngine:
             raise InvalidParameter(f"request id {request_id!r} is already in use", param="request_id")
         generator = torch.Generator()
         generator.set_state(generator_state)
-        request = Request(request_id, tenant, list(prompt_token_ids), params, cache_namespace=namespace_of(tenant),
-                          generator=generator,
+        namespace = cache_namespace if cache_namespace is not None else namespace_of(tenant)
+        request = Request(request_id, tenant, list(prompt_token_ids), params, cache_namespace=namespace,
+                          num_cached_tokens=num_cached_tokens, generator=generator,
                           num_computed_tokens=len(prompt_token_ids),
                           max_num_pages=len(self.kv.allocator.pages_of(request_id)))
+        self.kv.publish_written(request)
         if params.structured is not None:  # the first token was sampled under the same grammar
             request.grammar = new_matcher(self.grammars.compile_now(tenant, params.structured))
         state = self._outputs[request_id] = OutputState(request, self.tokenizer, self.model_config.eos_token_ids)

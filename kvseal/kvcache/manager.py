@@ -23,7 +23,6 @@ apply when a cached page is evicted, never when it goes into the cache.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import math
 
 import torch
@@ -119,11 +118,6 @@ class KVCacheManager:
 
     # --- prefix cache ----------------------------------------------------------------------
 
-    def disable_prefix_caching(self) -> None:
-        """Switch the prefix cache off before any page was published (PD roles)."""
-        assert self.allocator.num_cached_pages == 0, "the prefix cache is switched off before it is used"
-        self.config = dataclasses.replace(self.config, enable_prefix_caching=False)
-
     def acquire_prefix(self, request: Request) -> int:
         """Start a request that holds no pages on the cached pages its tokens begin with, in its
         own namespace; returns how many tokens they cover (a multiple of page_size, 0 with the
@@ -135,6 +129,14 @@ class KVCacheManager:
         self.allocator.share(request.request_id, request.tenant, request.cache_namespace, pages)
         self.records.share(request.request_id, request.cache_namespace, len(pages))
         return len(pages) * self.page_size
+
+    def can_reserve_on_prefix(self, request: Request, num_tokens: int) -> bool:
+        """Whether a request that holds nothing could start on its cache hit (`acquire_prefix`)
+        and then hold `num_tokens` tokens: the hit's pages need no new page, but those no one
+        reads yet stop counting as evictable once it reads them."""
+        hit = self.match_prefix(request)
+        num_unread = sum(1 for page in hit if (c := self.allocator.cached_page(page)) and c.num_readers == 0)
+        return self.allocator.can_allocate(self.num_pages_for(num_tokens) - len(hit) + num_unread)
 
     def match_prefix(self, request: Request) -> list[int]:
         """The cached pages, in order, that the request's leading full pages hit (no side effect)."""

@@ -92,6 +92,7 @@ async def _serve_pd(config: ServerConfig, engine_args: EngineArgs, keys: ApiKeyT
     """PD mode: the same server over prefill and decode engines (kvseal.disagg)."""
     metrics = ServerMetrics()
     backend = start_pd_backend(topology, engine_args, ns, metrics.registry)
+    backend.client.on_load = metrics.record_stats  # the engines' summed pools and load, as colocated
     try:
         state = await _start(config, backend.client, keys, metrics, audit)  # type: ignore[arg-type]
         if state is None:

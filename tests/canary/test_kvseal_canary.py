@@ -88,3 +88,22 @@ def _assert_leaks_well_formed(report: dict[str, Any]) -> None:
         assert leak["request_id"] != leak["foreign_request_id"]
         assert leak["server_request_id"]
         assert len(leak["matched"]) >= 10
+
+
+def test_clean_pd_server_passes_with_its_engines_pools_in_the_evidence(
+        copy_model_dir: Path, tmp_path: Path, run_canary: RunCanary) -> None:
+    """`kvseal serve --pd`: the frontend exports the engines' pools (summed over prefill and
+    decode), so the server evidence reads a real verdict: every page of both pools free again."""
+    with KvsealServer(copy_model_dir, tmp_path, _server_keys(), extra_args=["--pd"]) as server:
+        status, report = run_canary(server.url, CANARY_KEYS, "--requests", "40", "--max-tokens", "8",
+                                    "--seed", "4", *_admin_flags())
+    assert status == 0, report["verdict"]
+    assert report["leaks"] == [] and report["server_errors"] == []
+    evidence = report["server_evidence"]
+    assert evidence["available"], evidence
+    assert evidence["isolation_violations"] == 0
+    assert sum(evidence["requests_by_outcome"].values()) == 40
+    alloc = evidence["allocator_after_run"]
+    num_pages = 2 * 8192 // 256  # --kv-cache-tokens / --page-size, one pool per engine
+    assert alloc == {"pages_used": 0, "pages_free": num_pages, "pages_total": num_pages,
+                     "pages_total_before": num_pages, "is_idle": True}, alloc

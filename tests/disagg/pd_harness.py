@@ -26,6 +26,7 @@ from kvseal.disagg.msgs import (
 from kvseal.disagg.node import EngineNode, NodeConfig
 from kvseal.disagg.wire import PeerLinks
 from kvseal.engine.engine import LLMEngine
+from kvseal.kvcache.prefix_cache import namespace_of
 from kvseal.messages.convert import params_to_msg
 from kvseal.messages.msgs import OutputsMsg, RequestOutputMsg, RequestRejectedMsg
 from kvseal.types import SamplingParams
@@ -139,7 +140,7 @@ class PdPair:
     def reserve(self, prompt: list[int], params: SamplingParams, tenant: str = "alice", wait: bool = True) -> Handoff:
         request_id = f"pd-{next(_ids)}"
         handoff = self.handoffs[request_id] = Handoff(request_id)
-        self.to_decode.send(ReserveMsg(request_id, tenant, prompt, params_to_msg(params)))
+        self.to_decode.send(ReserveMsg(request_id, tenant, prompt, params_to_msg(params), namespace_of(tenant)))
         if wait:
             self.pump(lambda: handoff.reserved is not None or handoff.refused is not None, "the reservation")
         return handoff
@@ -149,7 +150,8 @@ class PdPair:
         r = handoff.reserved
         assert r is not None
         return PrefillMsg(handoff.request_id, tenant, prompt, params_to_msg(params), r.transfer_id,
-                          self.decode.config.listen, self.decode.instance_id, r.kv_address, r.pages)
+                          self.decode.config.listen, self.decode.instance_id, r.kv_address, r.pages,
+                          namespace_of(tenant), r.num_cached_tokens)
 
     def generate(self, prompt: list[int], params: SamplingParams, tenant: str = "alice") -> Handoff:
         handoff = self.reserve(prompt, params, tenant)

@@ -48,18 +48,6 @@ def test_greedy_pd_equals_colocated_token_for_token(pair: PdPair, llama_dir: Pat
     pair.assert_clean()
 
 
-def test_pd_roles_run_without_the_prefix_cache(pair: PdPair, llama_dir: Path) -> None:
-    """PD mode does not use the prefix cache yet: both roles switch it off, and a repeated
-    prompt is prefilled and transferred in full, with the same tokens and no cached tokens."""
-    assert not pair.prefill.engine.kv.config.enable_prefix_caching
-    assert not pair.decode.engine.kv.config.enable_prefix_caching
-    first, second = (pair.generate(PROMPTS[2], GREEDY) for _ in range(2))
-    assert first.token_ids == second.token_ids == colocated(llama_dir, [PROMPTS[2]], GREEDY)[0]
-    assert first.final.num_cached_tokens == second.final.num_cached_tokens == 0
-    assert pair.prefill.engine.kv.num_cached_pages == pair.decode.engine.kv.num_cached_pages == 0
-    pair.assert_clean()
-
-
 def test_concurrent_handoffs_equal_colocated(pair: PdPair, llama_dir: Path) -> None:
     expected = colocated(llama_dir, PROMPTS, GREEDY)
     handoffs = [pair.reserve(p, GREEDY) for p in PROMPTS]

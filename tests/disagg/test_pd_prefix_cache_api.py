@@ -1,0 +1,55 @@
+"""Prefix caching through a real PD deployment (both transports): the same tenant's repeated
+prefix is served from decode's cache and reported in `usage.prompt_tokens_details.cached_tokens`
+and the per-tenant metrics; another tenant's identical prompt is not; both engines stay clean."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+from marker_model import marker_prompt
+from pd_servers import PdCluster, assert_engines_clean
+
+PAGE = 4  # pd_servers.ENGINE_FLAGS
+
+
+def complete(cluster: PdCluster, tenant: str, prompt: str, stream: bool = False) -> dict[str, Any]:
+    body = {"model": cluster.frontend.model_name, "prompt": prompt, "max_tokens": 6, "temperature": 0}
+    headers = {"authorization": f"Bearer key-{tenant}"}
+    url = f"{cluster.frontend.url}/v1/completions"
+    if not stream:
+        response = httpx.post(url, json=body, headers=headers, timeout=60)
+        assert response.status_code == 200, response.text
+        return response.json()  # type: ignore[no-any-return]
+    body |= {"stream": True, "stream_options": {"include_usage": True}}
+    text, usage = "", None
+    with httpx.stream("POST", url, json=body, headers=headers, timeout=60) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                chunk = json.loads(line[6:])
+                text += "".join(c["text"] for c in chunk["choices"])
+                usage = chunk.get("usage") or usage
+    return {"choices": [{"text": text}], "usage": usage}
+
+
+def cached_tokens(body: dict[str, Any]) -> int:
+    return int(body["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+
+def test_pd_reports_the_same_tenants_hit_and_never_another_tenants(pd_cluster: PdCluster) -> None:
+    prompt = marker_prompt(477, 60)
+    hits_before = pd_cluster.frontend.metric("kvseal_prefix_cache_hits_total", tenant="alice")
+    first = complete(pd_cluster, "alice", prompt)
+    second = complete(pd_cluster, "alice", prompt)
+    streamed = complete(pd_cluster, "alice", prompt, stream=True)
+    other = complete(pd_cluster, "bob", prompt)
+    num_prompt = first["usage"]["prompt_tokens"]
+    assert cached_tokens(first) == 0 and cached_tokens(other) == 0
+    assert cached_tokens(second) == cached_tokens(streamed) == (num_prompt - 1) // PAGE * PAGE > 0
+    assert first["choices"][0]["text"] == second["choices"][0]["text"] == streamed["choices"][0]["text"] \
+        == other["choices"][0]["text"] == " w477" * 6
+    assert pd_cluster.frontend.metric("kvseal_prefix_cache_hits_total", tenant="alice") - hits_before \
+        == 2 * cached_tokens(second)
+    assert_engines_clean(pd_cluster.prefill, pd_cluster.decode)
