@@ -39,7 +39,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import msgspec
@@ -460,7 +460,10 @@ class NixlSender:
                     deadline = time.monotonic() + self._timeout_s
                 time.sleep(POLL_SLEEP_S)
                 state = self._state(handle)
-            self._agent.release_xfer_handle(handle)
+            try:
+                self._agent.release_xfer_handle(handle)
+            except Exception as exc:  # terminal already: nothing more can be read; only the handle leaks
+                logger.warning("could not release a finished NIXL write: %s", exc)
             if state != "DONE" and failed is None:
                 failed = f"state {state}"
         return failed
@@ -468,7 +471,7 @@ class NixlSender:
     def _state(self, handle: Any) -> str:
         try:
             return str(self._agent.check_xfer_state(handle))
-        except Exception as exc:  # NIXL reports a failed transfer by raising
+        except Exception as exc:  # NIXL raises for a transfer that failed (terminal)
             logger.warning("a NIXL write ended with %s", exc)
             return "ERR"
 
@@ -504,7 +507,7 @@ class _Writes:
     def __init__(self, agent: Any, remote: str, plan: PushPlan, pool: KVPool, peer: NixlPeerMsg,
                  staging: torch.Tensor, layout: ArenaLayout) -> None:
         self._agent, self._remote, self._plan, self._pool, self._peer = agent, remote, plan, pool, peer
-        self._layout = layout
+        self._layout = replace(layout, num_pages=peer.num_pages)  # decode's arena; ours may hold more or fewer pages
         self._staging_address = staging.data_ptr()
         self._num_pages = max(plan.page_span(layer, pool.page_size)[1] for layer in range(len(plan.written)))
         self.num_bytes = 0

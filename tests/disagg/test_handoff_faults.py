@@ -435,7 +435,7 @@ def test_no_stale_bytes_leave_prefills_pool_over_tcp(make_pair: Any) -> None:
 
 @TRANSPORTS
 def test_only_the_written_positions_land_and_the_tail_is_zero(make_pair: Any) -> None:
-    pair = make_pair()
+    pair = make_pair(decode=dict(kv_cache_tokens=1024))  # decode's pool (and NIXL arena) larger than prefill's
     handoff = pair.reserve(PROMPT, GREEDY)
     r = handoff.reserved
     assert r is not None
