@@ -1,9 +1,9 @@
 """PD benchmark (not a test): TTFT colocated vs PD, and KV transfer throughput vs raw loopback.
 
-In one process, on the default model (SmolLM2-135M-Instruct GGUF) unless --model is given:
+On the default model (SmolLM2-135M-Instruct GGUF) unless --model is given:
 
-1. TTFT for --prompt-len-token prompts: a colocated `LLMEngine` (add the request, step until
-   the first token) against a prefill and a decode engine over loopback TCP (reserve, prefill,
+1. TTFT for --prompt-len-token prompts, in this process: a colocated `LLMEngine` (add the
+   request, step until the first token) against a prefill and a decode engine (reserve, prefill,
    push KV, commit, verify, first token at the frontend), alternating, --repeats times each.
 2. KV transfer throughput, per transport, with prefill's sender in this process and decode's
    receiver in a second one (as in real PD): the prompt's KV (every layer, K and V) pushed from
