@@ -122,7 +122,8 @@ class KVSender(Protocol):
 
     def push(self, plan: PushPlan, pool: KVPool) -> int:
         """Move the planned KV; returns the bytes sent. Raises `TransportError`. Returns or
-        raises only once no write of the push can still land (prefill commits or aborts next)."""
+        raises only once no write of the push can still land and nothing of `pool` is still
+        read for it (prefill commits or aborts next, and may free and reuse the pages)."""
         ...
 
     def close(self) -> None: ...
