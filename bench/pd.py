@@ -1,27 +1,34 @@
 """PD benchmark (not a test): TTFT colocated vs PD, and KV transfer throughput vs raw loopback.
 
-In one process, on the default model (SmolLM2-135M-Instruct GGUF) unless --model is given:
+On the default model (SmolLM2-135M-Instruct GGUF) unless --model is given:
 
-1. TTFT for --prompt-len-token prompts: a colocated `LLMEngine` (add the request, step until
-   the first token) against a prefill and a decode engine over loopback TCP (reserve, prefill,
+1. TTFT for --prompt-len-token prompts, in this process: a colocated `LLMEngine` (add the
+   request, step until the first token) against a prefill and a decode engine (reserve, prefill,
    push KV, commit, verify, first token at the frontend), alternating, --repeats times each.
-2. KV transfer throughput, per transport: the same prompt's KV (every layer, K and V) pushed
-   into a decode reservation and imported there (stage, move, land, record), against that
-   library's own raw loopback copy of the same bytes in the same run: for tcp, the same frames
-   over a bare ZMQ DEALER->ROUTER pair (no staging, no import); for nixl, one NIXL WRITE of the
-   same number of bytes between two registered buffers, with its notification (no staging, no
-   import); and against one in-process memcpy of those bytes.
+2. KV transfer throughput, per transport, with prefill's sender in this process and decode's
+   receiver in a second one (as in real PD): the prompt's KV (every layer, K and V) pushed from
+   prefill's pool into a decode reservation, from the start of `push` until the receiver has
+   it in its pool and recorded (stage, move, land, copy in, record). Against that library's own
+   raw loopback copy of the same bytes between the same two processes in the same run: for
+   tcp, the same number of frames of the same sizes over a bare ZMQ DEALER->ROUTER pair (no
+   staging, no import); for nixl, one NIXL WRITE of the same number of bytes between two
+   registered buffers, done when the receiver has the notification (no staging, no import);
+   and against one in-process memcpy of those bytes.
 
     python bench/pd.py                  # 2,048-token prompts, 3 repeats, tcp and nixl
     python bench/pd.py --repeats 5 --prompt-len 1024 --transports nixl
     python bench/pd.py --skip-ttft      # transfer throughput only
+    python bench/pd.py --skip-ttft --page-order shuffled  # scattered pages on both sides
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
+import os
 import platform
+import random
 import socket
 import statistics
 import time
@@ -33,13 +40,17 @@ import torch
 import zmq
 
 from kvseal.config import EngineArgs
-from kvseal.disagg.msgs import PdMsg, PrefillMsg, ReservedMsg, ReserveMsg, decode, encode
+from kvseal.disagg.msgs import KVBlockMsg, PdMsg, PrefillMsg, ReservedMsg, ReserveMsg, decode, encode
+from kvseal.disagg.nixl import POLL_SLEEP_S, NixlReceiver, NixlSender, make_agent
 from kvseal.disagg.node import EngineNode, NodeConfig
-from kvseal.disagg.transport import KINDS, PushPlan, staged_pages
+from kvseal.disagg.tcp import TcpReceiver, TcpSender
+from kvseal.disagg.transport import KINDS, KVReceiver, KVSender, PushPlan
+from kvseal.disagg.wire import PeerLinks
 from kvseal.engine.engine import LLMEngine
+from kvseal.kvcache.pool import KVPool
 from kvseal.kvcache.prefix_cache import namespace_of
 from kvseal.messages.convert import params_to_msg
-from kvseal.messages.msgs import AbortMsg, OutputsMsg
+from kvseal.messages.msgs import OutputsMsg
 from kvseal.models.loader import load_model
 from kvseal.types import SamplingParams
 
@@ -119,80 +130,206 @@ def ttft_pd(pair: Pair, prompt: list[int]) -> float:
     return time.perf_counter() - start
 
 
-def transfer_rate(pair: Pair, prompt: list[int]) -> tuple[float, int]:
-    """Push a computed-looking prompt's KV from prefill's pool into a decode reservation."""
-    r = pair.reserve(prompt)
-    num_layers = len(pair.prefill.engine.kv.pool.k)
-    num_pages = len(r.pages)
-    plan = PushPlan(r.transfer_id, list(range(num_pages)), [len(prompt)] * num_layers, r.kv_address, r.pages)
-    receiver = pair.decode.steps.receiver  # type: ignore[attr-defined]
-    sender = pair.prefill.transport  # prefill's own: its link (or NIXL peer) is set up by the warm-up
-    start = time.perf_counter()
-    num_bytes = sender.push(plan, pair.prefill.engine.kv.pool)  # type: ignore[union-attr]
-    receiver.sender_done(r.transfer_id)  # what the commit tells decode
-    while True:
-        pair.decode.loop.run_once(idle_poll_ms=0)
-        landing = receiver.landed(r.transfer_id)
-        if all(landing.covered_prefix(layer, kind) >= len(prompt) for layer in range(num_layers) for kind in KINDS):
-            break
-    elapsed = time.perf_counter() - start
-    pair.to_decode.send(encode(AbortMsg(r.request_id, "bench", "transfer measured")))  # release the pages
-    pair.pump_until(pair.to_decode, lambda m: isinstance(m, OutputsMsg))
-    return num_bytes / elapsed / MiB, num_bytes
+# ---- decode's side: a second process ------------------------------------------------------
+
+PoolShape = tuple[int, int, int, int, int, str]  # layers, pages, page_size, kv_heads, head_dim, dtype
 
 
-def raw_zmq_rate(frames: list[bytes]) -> float:
-    """The same frames over a bare DEALER->ROUTER loopback connection, received in full."""
+def decode_process(conn: Any, transport: str, shape: PoolShape) -> None:
+    """Decode's receiver over its own pool, in its own process; serves commands from `conn`:
+    ("authorize", transfer id, pages, num positions) -> "ready", then the time every layer's K
+    and V landed; ("raw_zmq", sizes) and ("raw_nixl", num bytes): the raw loopback receivers."""
+    torch.set_num_threads(1)
+    num_layers, num_pages, page_size, num_kv_heads, head_dim, dtype = shape
+    torch_dtype = getattr(torch, dtype.removeprefix("torch."))
+    pool = KVPool(num_layers, num_pages, page_size, num_kv_heads, head_dim, torch_dtype)
     ctx = zmq.Context()
-    router, dealer = ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER)
-    address = free_address()
-    router.bind(f"tcp://{address}")
-    dealer.connect(f"tcp://{address}")
-    dealer.send(b"hello")
-    router.recv_multipart()
-    total = sum(len(f) for f in frames)
-    start = time.perf_counter()
-    for frame in frames:
-        dealer.send_multipart([b"h", frame], copy=False)
-    received = 0
-    while received < total:
-        received += len(router.recv_multipart()[2])
-    elapsed = time.perf_counter() - start
+    router = ctx.socket(zmq.ROUTER)
+    router.bind("tcp://127.0.0.1:0")
+    address = endpoint(router).removeprefix("tcp://")
+    receiver: KVReceiver = (TcpReceiver(pool, len(pool.k), address) if transport == "tcp"
+                            else NixlReceiver(pool, f"bench-decode-{os.getpid()}", "127.0.0.1"))
+    conn.send(receiver.address)
+    while True:
+        command = conn.recv()
+        if command[0] == "stop":
+            break
+        if command[0] == "authorize":
+            conn.send(receive_transfer(conn, router, receiver, num_layers, *command[1:]))
+        elif command[0] == "raw_zmq":
+            conn.send(raw_zmq_receive(conn, ctx, command[1]))
+        elif command[0] == "raw_nixl":
+            conn.send(raw_nixl_receive(conn, command[1]))
+    receiver.close()
     router.close(0)
-    dealer.close(0)
     ctx.term()
-    return total / elapsed / MiB
 
 
-def raw_nixl_rate(num_bytes: int) -> float:
-    """One NIXL WRITE of `num_bytes` between two agents' registered buffers (one descriptor, as
-    a reservation of consecutive pages is), done when the receiver has the notification."""
-    from kvseal.disagg.nixl import make_agent
+def endpoint(sock: zmq.Socket) -> str:
+    raw = sock.getsockopt(zmq.LAST_ENDPOINT)
+    assert isinstance(raw, bytes)
+    return raw.decode()
 
-    sender, receiver = make_agent("bench-raw-sender", "127.0.0.1"), make_agent("bench-raw-receiver", "127.0.0.1")
-    src, dst = torch.empty(num_bytes, dtype=torch.uint8).random_(), torch.zeros(num_bytes, dtype=torch.uint8)
-    regs = sender.register_memory(src), receiver.register_memory(dst)
-    remote = sender.add_remote_agent(receiver.get_agent_metadata())
-    rows = np.array([[src.data_ptr(), num_bytes, 0]], dtype=np.uint64)
-    remote_rows = np.array([[dst.data_ptr(), num_bytes, 0]], dtype=np.uint64)
-    rates = []
-    for n in range(2):  # the first pays for the connection
-        note = f"raw-{n}".encode()
+
+def receive_transfer(conn: Any, router: zmq.Socket, receiver: KVReceiver, num_layers: int, transfer_id: str,
+                     pages: list[int], num_positions: int) -> float:
+    """What decode's engine loop does for a transfer, until every layer's K and V landed."""
+    receiver.authorize(transfer_id, pages)
+    conn.send("ready")
+
+    def complete() -> bool:
+        landing = receiver.landed(transfer_id)
+        assert landing is not None
+        return all(landing.covered_prefix(layer, kind) >= num_positions
+                   for layer in range(num_layers) for kind in KINDS)
+
+    while not complete():
+        if router.poll(1):
+            while True:
+                try:
+                    frames = router.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+                msg = decode(frames[1].bytes)
+                assert isinstance(msg, KVBlockMsg)
+                assert receiver.deliver(msg, frames[2].buffer) is None
+        elif not isinstance(receiver, TcpReceiver):
+            time.sleep(POLL_SLEEP_S)
+    done_s = time.perf_counter()
+    while not receiver.cancel(transfer_id):
+        time.sleep(POLL_SLEEP_S)
+    return done_s
+
+
+def raw_zmq_receive(conn: Any, ctx: zmq.Context, sizes: list[int]) -> float:
+    router = ctx.socket(zmq.ROUTER)
+    router.bind("tcp://127.0.0.1:0")
+    conn.send(endpoint(router))
+    router.recv_multipart()  # the sender's hello: connected
+    conn.send("ready")
+    total, received = sum(sizes), 0
+    while received < total:
+        if router.poll(1):
+            received += len(router.recv_multipart(copy=False)[2].buffer)
+    done_s = time.perf_counter()
+    router.close(0)
+    return done_s
+
+
+def raw_nixl_receive(conn: Any, num_bytes: int) -> float:
+    agent = make_agent(f"bench-raw-receiver-{random.getrandbits(32)}", "127.0.0.1")
+    dst = torch.zeros(num_bytes, dtype=torch.uint8)
+    registration = agent.register_memory(dst)
+    conn.send((agent.get_agent_metadata(), dst.data_ptr()))
+    note = conn.recv()
+    while not any(note in msgs for msgs in agent.get_new_notifs().values()):
+        time.sleep(POLL_SLEEP_S)
+    done_s = time.perf_counter()
+    agent.deregister_memory(registration)
+    return done_s
+
+
+# ---- prefill's side: this process ----------------------------------------------------------
+
+
+class TransferBench:
+    """Prefill's pool and sender here, decode's receiver in a child process."""
+
+    def __init__(self, transport: str, pool: KVPool, num_positions: int, shuffled: bool) -> None:
+        self.transport, self.pool, self.num_positions = transport, pool, num_positions
+        num_kv_heads, page_size, head_dim = pool.page_shape()
+        shape: PoolShape = (len(pool.k), pool.num_pages, page_size, num_kv_heads, head_dim, str(pool.k[0].dtype))
+        self.conn, child = multiprocessing.get_context("spawn").Pipe()
+        self.process = multiprocessing.get_context("spawn").Process(target=decode_process,
+                                                                    args=(child, transport, shape))
+        self.process.start()
+        self.kv_address = self.conn.recv()
+        self.ctx = zmq.Context()
+        self.links = PeerLinks(self.ctx)
+        self.sender: KVSender = (TcpSender(self.links) if transport == "tcp"
+                                 else NixlSender(f"bench-prefill-{os.getpid()}", "127.0.0.1"))
+        num_pages = -(-num_positions // page_size)
+        self.src_pages, self.dest_pages = list(range(num_pages)), list(range(num_pages))
+        if shuffled:
+            random.Random(1).shuffle(self.src_pages)
+            random.Random(2).shuffle(self.dest_pages)
+        self._ids = iter(range(10**9))
+
+    def transfer(self) -> tuple[float, float, int]:
+        """One push: (MiB/s until decode has it all, MiB/s until `push` returned, bytes)."""
+        transfer_id = f"bench-{next(self._ids)}"
+        self.conn.send(("authorize", transfer_id, self.dest_pages, self.num_positions))
+        assert self.conn.recv() == "ready"
+        plan = PushPlan(transfer_id, self.src_pages, [self.num_positions] * len(self.pool.k), self.kv_address,
+                        self.dest_pages)
         start = time.perf_counter()
-        handle = sender.initialize_xfer("WRITE", sender.get_xfer_descs(rows, "DRAM"),
-                                        sender.get_xfer_descs(remote_rows, "DRAM"), remote, note)
-        state = sender.transfer(handle)
+        num_bytes = self.sender.push(plan, self.pool)
+        pushed_s = time.perf_counter() - start
+        landed_s = self.conn.recv() - start
+        return num_bytes / landed_s / MiB, num_bytes / pushed_s / MiB, num_bytes
+
+    def raw(self, frame_sizes: list[int]) -> float:
+        return self.raw_zmq(frame_sizes) if self.transport == "tcp" else self.raw_nixl(sum(frame_sizes))
+
+    def raw_zmq(self, sizes: list[int]) -> float:
+        """Frames of the same sizes over a bare DEALER->ROUTER pair, received in full by the child."""
+        self.conn.send(("raw_zmq", sizes))
+        dealer = self.ctx.socket(zmq.DEALER)
+        dealer.connect(self.conn.recv())
+        dealer.send(b"hello")
+        assert self.conn.recv() == "ready"
+        frames = [torch.empty(n, dtype=torch.uint8).random_().numpy().data for n in sizes]
+        start = time.perf_counter()
+        for frame in frames:
+            dealer.send_multipart([b"h", frame], copy=False)
+        done_s = self.conn.recv()
+        dealer.close(0)
+        return sum(sizes) / (done_s - start) / MiB
+
+    def raw_nixl(self, num_bytes: int) -> float:
+        """One NIXL WRITE of `num_bytes` into the child's registered buffer (one descriptor, as
+        a reservation of consecutive pages is), done when the child has the notification."""
+        self.conn.send(("raw_nixl", num_bytes))
+        metadata, dst_address = self.conn.recv()
+        agent = self.raw_agent()
+        src = torch.empty(num_bytes, dtype=torch.uint8).random_()
+        registration = agent.register_memory(src)
+        remote = agent.add_remote_agent(metadata)
+        note = f"raw-{random.getrandbits(32)}".encode()
+        rows = np.array([[src.data_ptr(), num_bytes, 0]], dtype=np.uint64)
+        remote_rows = np.array([[dst_address, num_bytes, 0]], dtype=np.uint64)
+        handle = agent.initialize_xfer("WRITE", agent.get_xfer_descs(rows, "DRAM"),
+                                       agent.get_xfer_descs(remote_rows, "DRAM"), remote, note)
+        self.conn.send(note)
+        start = time.perf_counter()
+        state = agent.transfer(handle)
         while state == "PROC":
-            state = sender.check_xfer_state(handle)
+            time.sleep(POLL_SLEEP_S)
+            state = agent.check_xfer_state(handle)
         assert state == "DONE", state
-        while not any(note in msgs for msgs in receiver.get_new_notifs().values()):
-            pass
-        rates.append(num_bytes / (time.perf_counter() - start) / MiB)
-        sender.release_xfer_handle(handle)
-    assert torch.equal(src, dst)
-    sender.deregister_memory(regs[0])
-    receiver.deregister_memory(regs[1])
-    return rates[-1]
+        done_s = self.conn.recv()
+        agent.release_xfer_handle(handle)
+        agent.remove_remote_agent(remote)
+        agent.deregister_memory(registration)
+        return num_bytes / (done_s - start) / MiB
+
+    def raw_agent(self) -> Any:
+        if not hasattr(self, "_raw_agent"):
+            self._raw_agent = make_agent(f"bench-raw-sender-{os.getpid()}", "127.0.0.1")
+        return self._raw_agent
+
+    def frame_sizes(self) -> list[int]:
+        """What the TCP transport sends for this prompt: K and V of every layer, whole pages."""
+        num_kv_heads, page_size, head_dim = self.pool.page_shape()
+        size = num_kv_heads * len(self.src_pages) * page_size * head_dim * self.pool.k[0].element_size()
+        return [size] * (2 * len(self.pool.k))
+
+    def close(self) -> None:
+        self.conn.send(("stop",))
+        self.process.join(30)
+        self.sender.close()
+        self.links.close()
+        self.ctx.term()
 
 
 def memcpy_rate(num_bytes: int) -> float:
@@ -201,16 +338,6 @@ def memcpy_rate(num_bytes: int) -> float:
     start = time.perf_counter()
     dst.copy_(src)
     return num_bytes / (time.perf_counter() - start) / MiB
-
-
-def frames_of(pair: Pair, prompt_len: int) -> list[bytes]:
-    pool = pair.prefill.engine.kv.pool
-    pages = list(range(-(-prompt_len // pool.page_size)))
-    frames = []
-    for layer in range(len(pool.k)):
-        for data in staged_pages(pool, pages, layer, prompt_len):
-            frames.append(data.view(torch.uint8).numpy().tobytes())
-    return frames
 
 
 def main() -> None:
@@ -222,6 +349,8 @@ def main() -> None:
     parser.add_argument("--transports", default="tcp,nixl", help="comma-separated KV transports to measure")
     parser.add_argument("--skip-ttft", action="store_true", help="measure only the KV transfer throughput")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--page-order", choices=("consecutive", "shuffled"), default="consecutive",
+                        help="prefill's and decode's pages for the transfer: consecutive (a fresh pool) or shuffled")
     ns = parser.parse_args()
     if ns.threads is not None:
         torch.set_num_threads(ns.threads)
@@ -229,41 +358,65 @@ def main() -> None:
                       kv_cache_tokens=4 * (ns.prompt_len + 16))
     loaded = load_model(args.model, args.torch_dtype)
     transports = ns.transports.split(",")
-    pairs = {t: Pair(args, loaded, t) for t in transports}
-    prompt = [int(t) for t in torch.randint(100, loaded.config.vocab_size - 100, (ns.prompt_len,),
-                                            generator=torch.Generator().manual_seed(0))]
     result: dict[str, Any] = {
         "machine": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
         "model": str(loaded.path), "dtype": args.dtype, "prompt_len": ns.prompt_len, "repeats": ns.repeats,
+        "page_order": ns.page_order, "load_average_before": os.getloadavg(),
     }
     if not ns.skip_ttft:
-        colocated, pair = LLMEngine(args, loaded), pairs[transports[0]]
-        ttft_colocated(colocated, prompt, -1)  # warm-up: first-use kernel setup on both paths
-        ttft_pd(pair, prompt)
-        colocated_s, pd_s = [], []
-        for n in range(ns.repeats):
-            colocated_s.append(ttft_colocated(colocated, prompt, n))
-            pd_s.append(ttft_pd(pair, prompt))
-        result.update({"ttft_transport": transports[0], "ttft_colocated_s": colocated_s, "ttft_pd_s": pd_s,
-                       "ttft_pd_over_colocated": statistics.median(pd_s) / statistics.median(colocated_s)})
-    for pair in pairs.values():
-        transfer_rate(pair, prompt)  # warm-up: connections, first registrations
-    rates: dict[str, list[float]] = {t: [] for t in transports}
-    raws: dict[str, list[float]] = {t: [] for t in transports}
-    copy = []
-    for _ in range(ns.repeats):
-        for t, pair in pairs.items():
-            rate, num_bytes = transfer_rate(pair, prompt)
-            rates[t].append(rate)
-            raws[t].append(raw_zmq_rate(frames_of(pair, ns.prompt_len)) if t == "tcp" else raw_nixl_rate(num_bytes))
-        copy.append(memcpy_rate(num_bytes))
-    result["kv_bytes_per_transfer"] = num_bytes
-    result["memcpy_mib_s"] = copy
-    for t in transports:
-        result[f"{t}_transport_mib_s"] = rates[t]
-        result[f"{t}_raw_loopback_mib_s"] = raws[t]
-        result[f"{t}_over_raw_loopback"] = statistics.median(rates[t]) / statistics.median(raws[t])
+        result.update(measure_ttft(args, loaded, transports[0], ns.prompt_len, ns.repeats))
+    result.update(measure_transfers(args, loaded, transports, ns.prompt_len, ns.repeats, ns.page_order == "shuffled"))
+    result["load_average_after"] = os.getloadavg()
     print(json.dumps(result, indent=2))
+
+
+def measure_ttft(args: EngineArgs, loaded: Any, transport: str, prompt_len: int, repeats: int) -> dict[str, Any]:
+    prompt = [int(t) for t in torch.randint(100, loaded.config.vocab_size - 100, (prompt_len,),
+                                            generator=torch.Generator().manual_seed(0))]
+    colocated, pair = LLMEngine(args, loaded), Pair(args, loaded, transport)
+    ttft_colocated(colocated, prompt, -1)  # warm-up: first-use kernel setup on both paths
+    ttft_pd(pair, prompt)
+    colocated_s, pd_s = [], []
+    for n in range(repeats):
+        colocated_s.append(ttft_colocated(colocated, prompt, n))
+        pd_s.append(ttft_pd(pair, prompt))
+    return {"ttft_transport": transport, "ttft_colocated_s": colocated_s, "ttft_pd_s": pd_s,
+            "ttft_pd_over_colocated": statistics.median(pd_s) / statistics.median(colocated_s)}
+
+
+def measure_transfers(args: EngineArgs, loaded: Any, transports: list[str], prompt_len: int, repeats: int,
+                      shuffled: bool) -> dict[str, Any]:
+    """Each repeat: per transport, one push and its raw loopback, back to back; one memcpy."""
+    pool = LLMEngine(args, loaded).kv.pool  # prefill's pool, holding random KV
+    for k, v in zip(pool.k, pool.v):
+        k.normal_()
+        v.normal_()
+    benches = {t: TransferBench(t, pool, prompt_len, shuffled) for t in transports}
+    try:
+        for bench in benches.values():  # warm-up: connections, registrations, first-touch buffers
+            bench.transfer()
+            bench.raw(bench.frame_sizes())
+        rates: dict[str, list[float]] = {t: [] for t in transports}
+        pushed: dict[str, list[float]] = {t: [] for t in transports}
+        raws: dict[str, list[float]] = {t: [] for t in transports}
+        copy = []
+        for _ in range(repeats):
+            for t, bench in benches.items():
+                rate, push_rate, num_bytes = bench.transfer()
+                rates[t].append(rate)
+                pushed[t].append(push_rate)
+                raws[t].append(bench.raw(bench.frame_sizes()))
+            copy.append(memcpy_rate(num_bytes))
+    finally:
+        for bench in benches.values():
+            bench.close()
+    result: dict[str, Any] = {"kv_bytes_per_transfer": num_bytes, "memcpy_mib_s": copy}
+    for t in transports:
+        ratios = [r / raw for r, raw in zip(rates[t], raws[t])]
+        result.update({f"{t}_transport_mib_s": rates[t], f"{t}_push_returned_mib_s": pushed[t],
+                       f"{t}_raw_loopback_mib_s": raws[t], f"{t}_ratio_per_repeat": ratios,
+                       f"{t}_over_raw_loopback": statistics.median(rates[t]) / statistics.median(raws[t])})
+    return result
 
 
 if __name__ == "__main__":

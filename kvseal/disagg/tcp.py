@@ -1,43 +1,97 @@
 """The built-in TCP transport: KV as frames on the prefill->decode link, before the commit.
 
-The sender stages each layer's K and V of the written pages into one contiguous buffer each
-and sends it as `[KVBlockMsg, bytes]` on the same ordered connection that carries the commit,
-so by the time decode reads the commit every write of the transfer has landed. The receiver
-runs inside decode's engine loop: it copies a frame into the pool only for an authorized
-transfer, only into that reservation's pages, and records what landed. Because it is the
-only writer and runs on decode's own thread, `cancel` is immediately final.
+Per layer the sender gathers the K and V of the pages holding positions [start, end) into one
+reused staging buffer (one memmove per head and run of consecutive pages, zeros past `end`, so no
+stale bytes leave the pool) and sends K and V as two `[KVBlockMsg, bytes]` messages without a
+further copy: ZMQ reads the staging buffer itself, and the sender overwrites a buffer only
+once ZMQ's tracker says it is done with it. A small ring of buffers lets the gather of the
+next layers run while ZMQ sends the earlier ones. Frames travel on the same ordered connection
+that carries the commit, so by the time decode reads the commit every write of the transfer
+has landed; the pool's pages are never read by ZMQ, so they may be freed as soon as `push`
+returns.
+
+The receiver runs inside decode's engine loop: it copies a frame (straight from ZMQ's receive
+buffer) into the pool only for an authorized transfer, only into that reservation's pages,
+and records what landed. Because it is the only writer and runs on decode's own thread,
+`cancel` is immediately final.
 """
 
 from __future__ import annotations
 
 import torch
+import zmq
 
 from kvseal.disagg.msgs import KVBlockMsg
-from kvseal.disagg.transport import KINDS, Landing, PushPlan, staged_pages
+from kvseal.disagg.transport import KINDS, Landing, PushPlan, TransportError, copy_pages
 from kvseal.disagg.wire import PeerLinks
 from kvseal.kvcache.pool import KVPool
 
 NAME = "tcp"
+NUM_STAGING_BUFFERS = 4  # layers staged ahead of the wire
+SEND_TIMEOUT_S = 30.0  # a staging buffer ZMQ has not released by then: the link is stalled
+
+
+class _Staging:
+    """One reused buffer for a layer's K and V, and the trackers of the frames that read it."""
+
+    def __init__(self) -> None:
+        self.buffer = torch.empty(0, dtype=torch.uint8)
+        self.trackers: list[zmq.MessageTracker] = []
+
+    def take(self, shape: tuple[int, ...], dtype: torch.dtype, timeout_s: float) -> torch.Tensor:
+        """A [2, *shape] tensor (K then V) over this buffer, once ZMQ no longer reads it."""
+        for tracker in self.trackers:
+            try:
+                tracker.wait(timeout_s)
+            except zmq.NotDone as exc:
+                self.buffer, self.trackers = torch.empty(0, dtype=torch.uint8), []  # ZMQ keeps the old one alive
+                raise TransportError(f"ZMQ did not send a KV frame within {timeout_s:g} s: the link is stalled") \
+                    from exc
+        self.trackers = []
+        num_bytes = 2 * torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        if self.buffer.numel() < num_bytes:
+            self.buffer = torch.empty(num_bytes, dtype=torch.uint8)
+        return self.buffer[:num_bytes].view(dtype).view(2, *shape)
 
 
 class TcpSender:
     name = NAME
 
-    def __init__(self, links: PeerLinks) -> None:
+    def __init__(self, links: PeerLinks, timeout_s: float = SEND_TIMEOUT_S) -> None:
         self._links = links
+        self._timeout_s = timeout_s
+        self._staging = [_Staging() for _ in range(NUM_STAGING_BUFFERS)]
+        self._turn = 0
 
     def push(self, plan: PushPlan, pool: KVPool) -> int:
         link = self._links.get(plan.kv_address)
-        num_bytes = 0
-        first = plan.start // pool.page_size  # decode already holds [0, start): not sent
+        page_size, num_bytes = pool.page_size, 0
         for layer, end in enumerate(plan.written):
-            if end <= plan.start:
+            first, last = plan.page_span(layer, page_size)
+            if first == last:
                 continue
-            for kind, data in zip(KINDS, staged_pages(pool, plan.src_pages[first:], layer, end - plan.start)):
+            staged = self._stage(pool, layer, plan.src_pages[first:last], end - first * page_size)
+            staging = self._staging[self._turn]
+            for kind, data in zip(KINDS, staged):
                 payload = data.view(torch.uint8).numpy().data
-                link.send(KVBlockMsg(plan.transfer_id, layer, kind, plan.start, end), payload)
+                tracker = link.send(KVBlockMsg(plan.transfer_id, layer, kind, first * page_size, end), payload)
+                if tracker is not None:
+                    staging.trackers.append(tracker)
                 num_bytes += payload.nbytes
         return num_bytes
+
+    def _stage(self, pool: KVPool, layer: int, pages: list[int], num_positions: int) -> torch.Tensor:
+        """K and V of `pages` of one layer in the next staging buffer, zeroed past `num_positions`.
+        -> [2, num_kv_heads, len(pages), page_size, head_dim]"""
+        self._turn = (self._turn + 1) % len(self._staging)
+        num_kv_heads, page_size, head_dim = pool.page_shape()
+        staged = self._staging[self._turn].take((num_kv_heads, len(pages), page_size, head_dim), pool.k[layer].dtype,
+                                                self._timeout_s)
+        positions = list(range(len(pages)))
+        copy_pages(staged[0], positions, pool.k[layer], pages)
+        copy_pages(staged[1], positions, pool.v[layer], pages)
+        staged[:, :, -1, num_positions - (len(pages) - 1) * page_size:] = 0  # nothing past `end`
+        return staged
 
     def close(self) -> None:
         pass  # the links belong to the engine node
@@ -94,7 +148,8 @@ class TcpReceiver:
         data = torch.frombuffer(payload, dtype=self._pool.k[0].dtype)
         data = data.view(num_kv_heads, last - first, page_size, head_dim)
         data[:, -1, header.end - base - (last - 1) * page_size:] = 0  # only [start, end) may land
-        self._pool.import_pages(header.layer, header.kind, torch.tensor(pages[first:last]), data)
+        target = self._pool.k[header.layer] if header.kind == "k" else self._pool.v[header.layer]
+        copy_pages(target, pages[first:last], data, list(range(last - first)))
         landing.add(header.layer, header.kind, header.start, header.end, payload.nbytes)
         return None
 

@@ -8,7 +8,10 @@ Two sides, each small:
   (after which the pages may be released, I6).
 - `KVSender` (prefill) pushes positions [start, n) of each layer of a request's pages, where n
   is what prefill's own write records say it wrote, never what it believes it computed, and
-  `start` is where decode's prefix-cache hit ends (decode already holds [0, start)).
+  `start` is where decode's prefix-cache hit ends (decode already holds [0, start), page-aligned).
+  What it sends never carries a byte of the pool past n (the last page's tail is zeroed, or
+  never leaves the pool), and a push returns only once nothing it sends is still read from
+  prefill's pool: the request's pages may be freed and reused right after.
 
 Decode trusts neither the sender's claim nor the sender: it compares the commit against its
 receiver's landing records (`verify.py`).
@@ -16,6 +19,7 @@ receiver's landing records (`verify.py`).
 
 from __future__ import annotations
 
+import ctypes
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -62,7 +66,8 @@ class PushPlan:
 
     `dest_pages` are decode's pages in position order from position 0; `start` is page-aligned
     and positions before it are not sent: decode already holds them (its prefix-cache hit, in
-    read-only pages no transfer may write)."""
+    read-only pages no transfer may write).
+    A layer with `written[layer] <= start` sends nothing."""
 
     transfer_id: str
     src_pages: list[int]
@@ -70,6 +75,18 @@ class PushPlan:
     kv_address: str
     dest_pages: list[int]
     start: int = 0
+
+    def __post_init__(self) -> None:
+        if self.start < 0:
+            raise ValueError(f"a push starts at a position >= 0, got {self.start}")
+
+    def page_span(self, layer: int, page_size: int) -> tuple[int, int]:
+        """[first, last) indexes into the page lists that hold layer's positions [start, end)
+        (empty when nothing of the layer is sent)."""
+        end = self.written[layer]
+        if end <= self.start:
+            return 0, 0
+        return self.start // page_size, -(-end // page_size)
 
 
 class KVReceiver(Protocol):
@@ -111,20 +128,56 @@ class KVSender(Protocol):
 
     def push(self, plan: PushPlan, pool: KVPool) -> int:
         """Move the planned KV; returns the bytes sent. Raises `TransportError`. Returns or
-        raises only once no write of the push can still land (prefill commits or aborts next)."""
+        raises only once no write of the push can still land and nothing of `pool` is still
+        read for it (prefill commits or aborts next, and may free and reuse the pages)."""
         ...
 
     def close(self) -> None: ...
 
 
-def staged_pages(pool: KVPool, src_pages: list[int], layer: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of the pages holding positions [0, end) of one layer, contiguous
-    [num_kv_heads, n, page_size, head_dim], zeroed past `end` (no stale bytes leave the pool)."""
-    page_size = pool.page_size
-    num_pages = -(-end // page_size)
-    k, v = pool.export_pages(layer, torch.tensor(src_pages[:num_pages], dtype=torch.int64))
-    tail = end - (num_pages - 1) * page_size
-    if tail < page_size:
-        k[:, -1, tail:] = 0
-        v[:, -1, tail:] = 0
-    return k, v
+def page_runs(pages: list[int]) -> list[tuple[int, int, int]]:
+    """Runs of consecutive page ids: (index into `pages`, first page id, number of pages)."""
+    runs: list[tuple[int, int, int]] = []
+    for index, page in enumerate(pages):
+        if runs and runs[-1][1] + runs[-1][2] == page:
+            offset, first, count = runs[-1]
+            runs[-1] = (offset, first, count + 1)
+        else:
+            runs.append((index, page, 1))
+    return runs
+
+
+def copy_pages(target: torch.Tensor, target_pages: list[int], source: torch.Tensor, source_pages: list[int]) -> None:
+    """target[:, target_pages[i]] = source[:, source_pages[i]], for contiguous tensors of one
+    dtype [num_kv_heads, num_pages, page_size, head_dim] (page counts may differ).
+
+    One memmove per head and run of pages consecutive on both sides, on this thread: torch's
+    own copy splits a copy this size across its intra-op threads, which on a loaded host (more
+    runnable threads than cores) made it 100x slower here. Page ids are checked against both
+    tensors before any byte moves."""
+    assert target.is_contiguous() and source.is_contiguous() and target.dtype == source.dtype
+    assert target.shape[0] == source.shape[0] and target.shape[2:] == source.shape[2:]
+    assert len(target_pages) == len(source_pages)
+    if not target_pages:
+        return
+    num_kv_heads, num_target, num_source = target.shape[0], target.shape[1], source.shape[1]
+    if not (0 <= min(target_pages) and max(target_pages) < num_target
+            and 0 <= min(source_pages) and max(source_pages) < num_source):
+        raise IndexError(f"page ids out of range: target pages < {num_target}, source pages < {num_source}")
+    page_bytes = target[0, 0].numel() * target.element_size()
+    target_ptr, source_ptr = target.data_ptr(), source.data_ptr()
+    for index, count in joint_runs(target_pages, source_pages):
+        for head in range(num_kv_heads):
+            ctypes.memmove(target_ptr + (head * num_target + target_pages[index]) * page_bytes,
+                           source_ptr + (head * num_source + source_pages[index]) * page_bytes, count * page_bytes)
+
+
+def joint_runs(a: list[int], b: list[int]) -> list[tuple[int, int]]:
+    """Runs of indexes over which both `a` and `b` are consecutive ids: (first index, count)."""
+    runs: list[tuple[int, int]] = []
+    for i in range(len(a)):
+        if runs and a[i] == a[i - 1] + 1 and b[i] == b[i - 1] + 1:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((i, 1))
+    return runs

@@ -35,21 +35,24 @@ class PeerLink:
         self._is_failing = False  # the last send found no connection: do not wait again until one is back
 
     def send(self, msg: PdMsg, payload: bytes | memoryview | None = None,
-             timeout_ms: int = CONNECT_TIMEOUT_MS) -> None:
+             timeout_ms: int = CONNECT_TIMEOUT_MS) -> zmq.MessageTracker | None:
         """Queue `msg` (and its payload) on the live connection; `TransportError` if there is
         none within `timeout_ms` (refused, reset, or nobody listening). After one failure the
-        link does not wait again until a connection is back."""
+        link does not wait again until a connection is back. A payload is sent without a copy:
+        ZMQ reads it until the returned tracker is done, so the caller must not overwrite it
+        before then (ZMQ keeps the buffer object alive itself)."""
         if not self.socket.poll(0 if self._is_failing else timeout_ms, zmq.POLLOUT):
             self._is_failing = True
             raise TransportError(f"cannot reach the engine at {self.address}: no connection within "
                                  f"{timeout_ms} ms (refused, reset or not listening)")
         frames: list[bytes | memoryview] = [encode(msg)] if payload is None else [encode(msg), payload]
         try:
-            self.socket.send_multipart(frames, zmq.NOBLOCK, copy=payload is None)
+            tracker = self.socket.send_multipart(frames, zmq.NOBLOCK, copy=payload is None, track=payload is not None)
         except zmq.Again as exc:
             self._is_failing = True
             raise TransportError(f"the connection to {self.address} is gone or full") from exc
         self._is_failing = False
+        return tracker
 
     def close(self) -> None:
         self.socket.close(linger=0)

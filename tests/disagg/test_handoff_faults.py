@@ -10,15 +10,17 @@ from typing import Any
 
 import pytest
 import torch
+import zmq
 from pd_harness import Handoff, PdPair, free_port
 from test_handoff import GREEDY, args, colocated
 
 from kvseal import SamplingParams
 from kvseal._testing.faults import Fault, inject
-from kvseal.disagg.msgs import HANDOFF_FAILED, CommitMsg, KVBlockMsg, PrefillRefusedMsg, WrittenRangeMsg
+from kvseal.disagg.msgs import HANDOFF_FAILED, CommitMsg, KVBlockMsg, PrefillRefusedMsg, WrittenRangeMsg, decode
 from kvseal.disagg.node import EngineNode, NodeConfig
 from kvseal.disagg.tcp import TcpSender
-from kvseal.disagg.transport import PushPlan
+from kvseal.disagg.transport import PushPlan, copy_pages
+from kvseal.disagg.wire import PeerLinks
 from kvseal.errors import ConfigError
 from kvseal.messages.msgs import AbortMsg
 from kvseal.models.loader import load_model
@@ -338,3 +340,168 @@ def test_a_nixl_write_into_another_reservations_slots_is_refused(llama_dir: Path
         pair.assert_clean()
     finally:
         pair.close()
+
+
+# ---- the transports' own guarantees (what leaves prefill's pool, when it may be reused) ---------
+
+STALE = 12345.0  # what an earlier owner left in prefill's pool past the written positions
+
+
+def positions(pool: Any, layer: int, kind: str, pages: list[int]) -> torch.Tensor:
+    """K or V of `pages` (position order) of one layer: [num_kv_heads, len(pages) * page_size, head_dim]."""
+    source = pool.k[layer] if kind == "k" else pool.v[layer]
+    part = source[:, torch.tensor(pages)]
+    return part.reshape(part.shape[0], -1, part.shape[-1]).clone()
+
+
+def prefill_pages_with_stale_tails(pair: PdPair, num_pages: int, num_written: int) -> list[int]:
+    """Prefill pages (reversed, so no two are consecutive in position order) holding random KV,
+    and STALE past `num_written` positions."""
+    pool, page_size = pair.prefill.engine.kv.pool, pair.prefill.engine.kv.pool.page_size
+    pages = list(range(num_pages))[::-1]
+    for tensor in pool.k + pool.v:
+        tensor.normal_()
+        last = tensor[:, pages[-1]]
+        last[num_written - (num_pages - 1) * page_size:] = STALE
+    return pages
+
+
+def push_and_land(pair: PdPair, handoff: Handoff, src: list[int], written: list[int], start: int = 0) -> int:
+    r = handoff.reserved
+    assert r is not None
+    plan = PushPlan(r.transfer_id, src, written, r.kv_address, r.pages, start=start)
+    sender = TcpSender(pair.rogue) if pair.prefill.config.kv_transport == "tcp" else pair.prefill.transport
+    num_bytes = sender.push(plan, pair.prefill.engine.kv.pool)  # type: ignore[union-attr]
+    receiver = pair.decode.transport
+
+    def landed() -> bool:
+        landing = receiver.landed(r.transfer_id)  # type: ignore[union-attr]
+        return landing is not None and all(landing.covered_prefix(layer, kind) >= end or (start and landing.ranges[
+            (layer, kind)] == [(start, end)]) for layer, end in enumerate(written) for kind in ("k", "v"))
+
+    pair.pump(landed, "the landing")
+    return num_bytes
+
+
+@TRANSPORTS
+def test_prefill_may_reuse_its_pages_as_soon_as_push_returns(make_pair: Any) -> None:
+    """Whatever the sender reads from prefill's pool it has read when `push` returns: pages
+    overwritten right after (freed and reused by another request) never change what lands."""
+    pair = make_pair()
+    handoff = pair.reserve(PROMPT, GREEDY)
+    src = prefill_pages_with_stale_tails(pair, 8, 30)
+    pool = pair.prefill.engine.kv.pool
+    sent = {(layer, kind): positions(pool, layer, kind, src)[:, :30] for layer in range(NUM_LAYERS) for kind in "kv"}
+    r = handoff.reserved
+    assert r is not None
+    plan = PushPlan(r.transfer_id, src, [30, 30], r.kv_address, r.pages)
+    sender = TcpSender(pair.rogue) if pair.prefill.config.kv_transport == "tcp" else pair.prefill.transport
+    sender.push(plan, pool)  # type: ignore[union-attr]
+    for tensor in pool.k + pool.v:
+        tensor.fill_(-1.0)  # the pages are reused at once
+    rogue_commit(pair, handoff, 30, [30, 30])
+    pair.pump(lambda: bool(handoff.outputs) or handoff.is_terminal, "the first token")
+    assert handoff.final.error is None, handoff.final
+    decode_pool = pair.decode.engine.kv.pool
+    for (layer, kind), expected in sent.items():
+        assert torch.equal(positions(decode_pool, layer, kind, r.pages)[:, :30], expected), (layer, kind)
+    pair.pump(lambda: handoff.is_terminal, "the end")
+    pair.assert_clean()
+
+
+def test_no_stale_bytes_leave_prefills_pool_over_tcp(make_pair: Any) -> None:
+    """What goes on the wire past the written positions is zeros, not the pool's old content."""
+    pair = make_pair()
+    src = prefill_pages_with_stale_tails(pair, 8, 30)
+    ctx = pair.ctx
+    router = ctx.socket(zmq.ROUTER)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        links = PeerLinks(ctx)
+        plan = PushPlan("t-1", src, [30, 30], f"127.0.0.1:{port}", list(range(8)))
+        num_bytes = TcpSender(links).push(plan, pair.prefill.engine.kv.pool)
+        frames = [router.recv_multipart() for _ in range(2 * NUM_LAYERS)]
+        links.close()
+    finally:
+        router.close(0)
+    assert sum(len(f[2]) for f in frames) == num_bytes
+    for _, header, payload in frames:
+        data = torch.frombuffer(bytearray(payload), dtype=torch.float32)
+        assert not (data == STALE).any(), decode(header)
+        num_kv_heads, _, head_dim = pair.prefill.engine.kv.pool.page_shape()
+        staged = data.view(num_kv_heads, -1, head_dim)  # [num_kv_heads, positions, head_dim]
+        assert torch.count_nonzero(staged[:, 30:]) == 0
+
+
+@TRANSPORTS
+def test_only_the_written_positions_land_and_the_tail_is_zero(make_pair: Any) -> None:
+    pair = make_pair(decode=dict(kv_cache_tokens=1024))  # decode's pool (and NIXL arena) larger than prefill's
+    handoff = pair.reserve(PROMPT, GREEDY)
+    r = handoff.reserved
+    assert r is not None
+    decode_pool = pair.decode.engine.kv.pool
+    decode_pool.fill(r.pages, STALE)  # what decode's pages held before
+    src = prefill_pages_with_stale_tails(pair, 8, 30)
+    push_and_land(pair, handoff, src, [30, 30])
+    for layer in range(NUM_LAYERS):
+        for kind in "kv":
+            got = positions(decode_pool, layer, kind, r.pages)
+            assert torch.equal(got[:, :30], positions(pair.prefill.engine.kv.pool, layer, kind, src)[:, :30])
+            assert torch.count_nonzero(got[:, 30:32]) == 0, "the last page's tail must be zeros"
+    if pair.prefill.config.kv_transport == "nixl":  # nothing stale reached decode's arena either
+        assert not (pair.decode.transport._arena.view(torch.float32) == STALE).any()  # type: ignore[union-attr]
+    pair.to_decode.send(AbortMsg(handoff.request_id, "alice", "done"))
+    pair.pump(lambda: handoff.is_terminal, "the release")
+    pair.assert_clean()
+
+
+@TRANSPORTS
+def test_a_push_from_a_page_aligned_start_sends_only_start_to_end(make_pair: Any) -> None:
+    """PushPlan.start (positions before it are decode's already, e.g. a prefix-cache hit): only
+    [start, end) is sent and lands; decode's earlier positions are untouched."""
+    pair = make_pair()
+    handoff = pair.reserve(PROMPT, GREEDY)
+    r = handoff.reserved
+    assert r is not None
+    decode_pool = pair.decode.engine.kv.pool
+    decode_pool.fill(r.pages, STALE)
+    src = prefill_pages_with_stale_tails(pair, 8, 30)
+    page_size = decode_pool.page_size
+    # as decode authorizes a reservation whose first two pages are its prefix-cache hit
+    pair.decode.transport.authorize(r.transfer_id, list(r.pages[8 // page_size:]), start=8)  # type: ignore[union-attr]
+    num_bytes = push_and_land(pair, handoff, src, [30, 30], start=8)
+    num_kv_heads, _, head_dim = decode_pool.page_shape()
+    payload = NUM_LAYERS * 2 * num_kv_heads * 6 * page_size * head_dim * 4  # pages 2..7, float32
+    # tcp sends exactly the payload; NIXL's slots also carry each page's transfer tag
+    assert num_bytes == payload if pair.prefill.config.kv_transport == "tcp" else payload < num_bytes < 2 * payload
+    landing = pair.decode.transport.landed(r.transfer_id)  # type: ignore[union-attr]
+    assert landing is not None
+    assert dict(landing.ranges) == {(layer, kind): [(8, 30)] for layer in range(NUM_LAYERS) for kind in "kv"}
+    for layer in range(NUM_LAYERS):
+        for kind in "kv":
+            got = positions(decode_pool, layer, kind, r.pages)
+            assert (got[:, :8] == STALE).all(), "positions before start are not decode's to overwrite"
+            assert torch.equal(got[:, 8:30], positions(pair.prefill.engine.kv.pool, layer, kind, src)[:, 8:30])
+            assert torch.count_nonzero(got[:, 30:32]) == 0
+    pair.to_decode.send(AbortMsg(handoff.request_id, "alice", "done"))
+    pair.pump(lambda: handoff.is_terminal, "the release")
+    pair.assert_clean()
+
+
+def test_a_push_plan_refuses_a_negative_start() -> None:
+    with pytest.raises(ValueError, match="start"):
+        PushPlan("t", [0], [4], "127.0.0.1:1", [0], start=-4)
+
+
+def test_copy_pages_checks_page_ids_before_moving_a_byte() -> None:
+    source = torch.arange(2 * 5 * 4 * 3, dtype=torch.float32).view(2, 5, 4, 3)
+    target = torch.zeros(2, 6, 4, 3)
+    copy_pages(target, [5, 0, 1, 3], source, [4, 2, 3, 0])
+    for t, s in zip([5, 0, 1, 3], [4, 2, 3, 0]):
+        assert torch.equal(target[:, t], source[:, s])
+    before = target.clone()
+    with pytest.raises(IndexError):
+        copy_pages(target, [0, 6], source, [0, 1])
+    with pytest.raises(IndexError):
+        copy_pages(target, [0, 1], source, [-1, 1])
+    assert torch.equal(target, before)
