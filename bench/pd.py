@@ -192,7 +192,7 @@ def receive_transfer(conn: Any, router: zmq.Socket, receiver: KVReceiver, num_la
                     break
                 msg = decode(frames[1].bytes)
                 assert isinstance(msg, KVBlockMsg)
-                assert receiver.deliver(msg, frames[2].buffer) is None
+                assert receiver.deliver(msg, [frame.buffer for frame in frames[2:]]) is None
         elif not isinstance(receiver, TcpReceiver):
             time.sleep(POLL_SLEEP_S)
     done_s = time.perf_counter()

@@ -62,7 +62,7 @@ class DecodeSteps:
     def num_reservations(self) -> int:
         return len(self.table)
 
-    def handle(self, sender: bytes, msg: PdMsg, payload: memoryview | None) -> bool:
+    def handle(self, sender: bytes, msg: PdMsg, payload: list[memoryview]) -> bool:
         match msg:
             case ReserveMsg():
                 self._reserve(sender, msg)
@@ -106,8 +106,8 @@ class DecodeSteps:
 
     # ---- step 3: KV lands -------------------------------------------------------------
 
-    def _receive(self, msg: KVBlockMsg, payload: memoryview | None) -> None:
-        why = "missing_payload" if payload is None else self.receiver.deliver(msg, payload)
+    def _receive(self, msg: KVBlockMsg, payload: list[memoryview]) -> None:
+        why = self.receiver.deliver(msg, payload) if payload else "missing_payload"
         if why is not None:
             self.counters.failures[why] += 1
             logger.warning("refused a KV frame for transfer %s: %s", msg.transfer_id, why)

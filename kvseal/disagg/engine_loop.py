@@ -74,11 +74,11 @@ class PdEngineLoop:
         return changed
 
     def _on_frames(self, frames: list[zmq.Frame]) -> bool:
-        """[sender, header] or [sender, header, payload]; the payload stays in ZMQ's buffer."""
-        if len(frames) not in (2, 3):
+        """[sender, header, payload...]; the payload frames stay in ZMQ's buffers."""
+        if len(frames) < 2:
             logger.error("dropping a message of %d frames", len(frames))
             return False
-        sender, payload = frames[0].bytes, frames[2].buffer if len(frames) == 3 else None
+        sender, payload = frames[0].bytes, [frame.buffer for frame in frames[2:]]
         try:
             msg = decode(frames[1].bytes)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
@@ -86,7 +86,7 @@ class PdEngineLoop:
             return False
         return self._dispatch(sender, msg, payload)
 
-    def _dispatch(self, sender: bytes, msg: PdMsg, payload: memoryview | None) -> bool:
+    def _dispatch(self, sender: bytes, msg: PdMsg, payload: list[memoryview]) -> bool:
         match msg:
             case HelloMsg():
                 self._frontends.add(sender)

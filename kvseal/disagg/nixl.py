@@ -196,7 +196,7 @@ class NixlReceiver:
         if transfer_id in self._pages or transfer_id in self._cancelling:
             self._finished.add(transfer_id)
 
-    def deliver(self, header: object, payload: memoryview) -> str | None:
+    def deliver(self, header: object, payload: list[memoryview]) -> str | None:
         return "wrong_transport"  # KV reaches a NIXL decode engine only through NIXL
 
     def landed(self, transfer_id: str) -> Landing | None:

@@ -79,7 +79,7 @@ class PrefillSteps:
     def num_reservations(self) -> int:
         return 0
 
-    def handle(self, sender: bytes, msg: PdMsg, payload: memoryview | None) -> bool:
+    def handle(self, sender: bytes, msg: PdMsg, payload: list[memoryview]) -> bool:
         match msg:
             case PrefillMsg():
                 self._prefill(sender, msg)

@@ -45,7 +45,7 @@ class RoleSteps(Protocol):
     role: Role
     counters: HandoffCounters
 
-    def handle(self, sender: bytes, msg: PdMsg, payload: memoryview | None) -> bool:
+    def handle(self, sender: bytes, msg: PdMsg, payload: list[memoryview]) -> bool:
         """Act on one message; False if this role does not take that message."""
         ...
 

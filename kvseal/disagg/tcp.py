@@ -1,57 +1,39 @@
 """The built-in TCP transport: KV as frames on the prefill->decode link, before the commit.
 
-Per layer the sender gathers the K and V of the pages holding positions [start, end) into one
-reused staging buffer (one memmove per head and run of consecutive pages, zeros past `end`, so no
-stale bytes leave the pool) and sends K and V as two `[KVBlockMsg, bytes]` messages without a
-further copy: ZMQ reads the staging buffer itself, and the sender overwrites a buffer only
-once ZMQ's tracker says it is done with it. A small ring of buffers lets the gather of the
-next layers run while ZMQ sends the earlier ones. Frames travel on the same ordered connection
-that carries the commit, so by the time decode reads the commit every write of the transfer
-has landed; the pool's pages are never read by ZMQ, so they may be freed as soon as `push`
-returns.
+Per layer and per K/V the sender sends one `[KVBlockMsg, frame...]` message whose payload
+frames, in order, are each KV head's pages holding positions [start, end): runs of full pages
+straight out of prefill's pool (ZMQ reads the pool in place, no gather), and the last page,
+when partial, copied into a small staging buffer with zeros past `end` (no stale bytes leave
+the pool). `push` returns only once ZMQ's trackers say it has read every frame, so the
+request's pages may be freed right after. Frames travel on the same ordered connection that
+carries the commit, so by the time decode reads the commit every write of the transfer has
+landed.
 
-The receiver runs inside decode's engine loop: it copies a frame (straight from ZMQ's receive
-buffer) into the pool only for an authorized transfer, only into that reservation's pages,
-and records what landed. Because it is the only writer and runs on decode's own thread,
-`cancel` is immediately final.
+The receiver runs inside decode's engine loop: it copies the frames (straight from ZMQ's
+receive buffers) into the pool only for an authorized transfer, only into that reservation's
+pages, and records what landed. Because it is the only writer and runs on decode's own
+thread, `cancel` is immediately final.
 """
 
 from __future__ import annotations
+
+import time
 
 import torch
 import zmq
 
 from kvseal.disagg.msgs import KVBlockMsg
-from kvseal.disagg.transport import KINDS, Landing, PushPlan, TransportError, copy_pages
+from kvseal.disagg.transport import KINDS, Landing, PushPlan, TransportError, copy_pages, joint_runs
 from kvseal.disagg.wire import PeerLinks
 from kvseal.kvcache.pool import KVPool
 
 NAME = "tcp"
-NUM_STAGING_BUFFERS = 4  # layers staged ahead of the wire
-SEND_TIMEOUT_S = 30.0  # a staging buffer ZMQ has not released by then: the link is stalled
+SEND_TIMEOUT_S = 30.0  # frames ZMQ has not sent by then: the link is stalled
 
 
-class _Staging:
-    """One reused buffer for a layer's K and V, and the trackers of the frames that read it."""
-
-    def __init__(self) -> None:
-        self.buffer = torch.empty(0, dtype=torch.uint8)
-        self.trackers: list[zmq.MessageTracker] = []
-
-    def take(self, shape: tuple[int, ...], dtype: torch.dtype, timeout_s: float) -> torch.Tensor:
-        """A [2, *shape] tensor (K then V) over this buffer, once ZMQ no longer reads it."""
-        for tracker in self.trackers:
-            try:
-                tracker.wait(timeout_s)
-            except zmq.NotDone as exc:
-                self.buffer, self.trackers = torch.empty(0, dtype=torch.uint8), []  # ZMQ keeps the old one alive
-                raise TransportError(f"ZMQ did not send a KV frame within {timeout_s:g} s: the link is stalled") \
-                    from exc
-        self.trackers = []
-        num_bytes = 2 * torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-        if self.buffer.numel() < num_bytes:
-            self.buffer = torch.empty(num_bytes, dtype=torch.uint8)
-        return self.buffer[:num_bytes].view(dtype).view(2, *shape)
+def _bytes_of(t: torch.Tensor) -> memoryview:
+    """A contiguous tensor's memory, for ZMQ to read in place."""
+    return t.view(torch.uint8).numpy().data
 
 
 class TcpSender:
@@ -60,41 +42,61 @@ class TcpSender:
     def __init__(self, links: PeerLinks, timeout_s: float = SEND_TIMEOUT_S) -> None:
         self._links = links
         self._timeout_s = timeout_s
-        self._staging = [_Staging() for _ in range(NUM_STAGING_BUFFERS)]
-        self._turn = 0
 
     def push(self, plan: PushPlan, pool: KVPool) -> int:
         link = self._links.get(plan.kv_address)
         page_size, num_bytes = pool.page_size, 0
+        trackers: list[zmq.MessageTracker] = []
+        tails: list[torch.Tensor] = []  # the staged partial pages: alive until ZMQ sent them
         for layer, end in enumerate(plan.written):
             first, last = plan.page_span(layer, page_size)
             if first == last:
                 continue
-            staged = self._stage(pool, layer, plan.src_pages[first:last], end - first * page_size)
-            staging = self._staging[self._turn]
-            for kind, data in zip(KINDS, staged):
-                payload = data.view(torch.uint8).numpy().data
-                tracker = link.send(KVBlockMsg(plan.transfer_id, layer, kind, first * page_size, end), payload)
+            pages = plan.src_pages[first:last]
+            num_full = len(pages) if end % page_size == 0 else len(pages) - 1
+            for kind, source in zip(KINDS, (pool.k[layer], pool.v[layer])):
+                tail = self._tail(source, pages[-1], end % page_size) if num_full < len(pages) else None
+                frames = _frames(source, pages[:num_full], tail)
+                tracker = link.send(KVBlockMsg(plan.transfer_id, layer, kind, first * page_size, end), frames)
                 if tracker is not None:
-                    staging.trackers.append(tracker)
-                num_bytes += payload.nbytes
+                    trackers.append(tracker)
+                if tail is not None:
+                    tails.append(tail)
+                num_bytes += sum(f.nbytes for f in frames)
+        self._wait(trackers)
         return num_bytes
 
-    def _stage(self, pool: KVPool, layer: int, pages: list[int], num_positions: int) -> torch.Tensor:
-        """K and V of `pages` of one layer in the next staging buffer, zeroed past `num_positions`.
-        -> [2, num_kv_heads, len(pages), page_size, head_dim]"""
-        self._turn = (self._turn + 1) % len(self._staging)
-        num_kv_heads, page_size, head_dim = pool.page_shape()
-        staged = self._staging[self._turn].take((num_kv_heads, len(pages), page_size, head_dim), pool.k[layer].dtype,
-                                                self._timeout_s)
-        positions = list(range(len(pages)))
-        copy_pages(staged[0], positions, pool.k[layer], pages)
-        copy_pages(staged[1], positions, pool.v[layer], pages)
-        staged[:, :, -1, num_positions - (len(pages) - 1) * page_size:] = 0  # nothing past `end`
+    @staticmethod
+    def _tail(source: torch.Tensor, page: int, num_positions: int) -> torch.Tensor:
+        """A copy of one page of every head, zeroed from `num_positions` on. -> [kv_heads, page_size, head_dim]"""
+        staged = source[:, page].clone()
+        staged[:, num_positions:] = 0
         return staged
+
+    def _wait(self, trackers: list[zmq.MessageTracker]) -> None:
+        """Return once ZMQ read every frame (it reads prefill's pool in place until then)."""
+        deadline = time.monotonic() + self._timeout_s
+        for tracker in trackers:
+            try:
+                tracker.wait(max(0.0, deadline - time.monotonic()))
+            except zmq.NotDone as exc:
+                raise TransportError(f"ZMQ did not send the KV frames within {self._timeout_s:g} s: "
+                                     "the link is stalled") from exc
 
     def close(self) -> None:
         pass  # the links belong to the engine node
+
+
+def _frames(source: torch.Tensor, full_pages: list[int], tail: torch.Tensor | None) -> list[memoryview]:
+    """Per KV head, in order: runs of consecutive full pages as views of the pool, then the staged tail page."""
+    runs = joint_runs(full_pages, full_pages)
+    frames: list[memoryview] = []
+    for head in range(source.shape[0]):
+        for index, count in runs:
+            frames.append(_bytes_of(source[head, full_pages[index]:full_pages[index] + count]))
+        if tail is not None:
+            frames.append(_bytes_of(tail[head]))
+    return frames
 
 
 class TcpReceiver:
@@ -132,26 +134,50 @@ class TcpReceiver:
         self._landed.pop(transfer_id, None)
         return True  # this receiver is the only writer: nothing of the transfer can land now
 
-    def deliver(self, header: KVBlockMsg, payload: memoryview) -> str | None:
-        """Write one frame into the reservation's pages. Returns why it was refused, or None.
-        `payload` must be writable (ZMQ's receive buffer): the padding past `end` is zeroed in it."""
+    def deliver(self, header: KVBlockMsg, payload: list[memoryview]) -> str | None:
+        """Write one message's frames into the reservation's pages. Returns why it was refused,
+        or None. The frames hold, in order, each KV head's pages of [start, end), each frame
+        whole pages of one head; only [start, end) lands (the rest of the last page is zeroed)."""
         pages = self._pages.get(header.transfer_id)
         if pages is None:
             return "unauthorized_transfer"
         landing, base = self._landed[header.transfer_id], self._starts[header.transfer_id]
-        why = self._check(header, landing, payload.nbytes, base)
+        num_bytes = sum(frame.nbytes for frame in payload)
+        why = self._check(header, landing, num_bytes, base)
         if why is not None:
             return why
         page_size = self._pool.page_size
         first, last = (header.start - base) // page_size, -(-(header.end - base) // page_size)  # in `pages`
-        num_kv_heads, _, head_dim = self._pool.page_shape()
-        data = torch.frombuffer(payload, dtype=self._pool.k[0].dtype)
-        data = data.view(num_kv_heads, last - first, page_size, head_dim)
-        data[:, -1, header.end - base - (last - 1) * page_size:] = 0  # only [start, end) may land
+        pieces = self._pieces(payload, last - first)
+        if pieces is None:
+            return "bad_block_size"
         target = self._pool.k[header.layer] if header.kind == "k" else self._pool.v[header.layer]
-        copy_pages(target, pages[first:last], data, list(range(last - first)))
-        landing.add(header.layer, header.kind, header.start, header.end, payload.nbytes)
+        frames = [torch.frombuffer(frame, dtype=target.dtype).view(1, -1, page_size, target.shape[3])
+                  for frame in payload]
+        for index, offset, head, page, count in pieces:
+            copy_pages(target[head:head + 1], pages[first + page:first + page + count], frames[index],
+                       list(range(offset, offset + count)))
+        target[:, pages[last - 1], header.end - base - (last - 1) * page_size:] = 0  # only [start, end) lands
+        landing.add(header.layer, header.kind, header.start, header.end, num_bytes)
         return None
+
+    def _pieces(self, payload: list[memoryview], num_pages: int) -> list[tuple[int, int, int, int, int]] | None:
+        """The frames read as one [kv_heads, num_pages, page_size, head_dim] array, cut at head
+        boundaries: (frame, first page in the frame, head, first page, page count) per piece.
+        None unless every frame is whole pages (checked before a byte moves)."""
+        num_kv_heads, page_size, head_dim = self._pool.page_shape()
+        page_bytes = page_size * head_dim * self._pool.k[0].element_size()
+        if any(frame.nbytes == 0 or frame.nbytes % page_bytes for frame in payload):
+            return None
+        pieces, position = [], 0  # position: pages of the whole array consumed so far
+        for index, frame in enumerate(payload):
+            offset, left = 0, frame.nbytes // page_bytes
+            while left:
+                head, page = divmod(position, num_pages)
+                count = min(left, num_pages - page)
+                pieces.append((index, offset, head, page, count))
+                offset, left, position = offset + count, left - count, position + count
+        return pieces if position == num_kv_heads * num_pages else None
 
     def _check(self, header: KVBlockMsg, landing: Landing, num_bytes: int, base: int) -> str | None:
         page_size = self._pool.page_size

@@ -111,8 +111,9 @@ class KVReceiver(Protocol):
         """Prefill sent its commit or abort, which it does only once its writes are terminal."""
         ...
 
-    def deliver(self, header: KVBlockMsg, payload: memoryview) -> str | None:
-        """A KV frame on the control channel (the TCP transport's data); why it was refused, or None."""
+    def deliver(self, header: KVBlockMsg, payload: list[memoryview]) -> str | None:
+        """A KV message's payload frames on the control channel (the TCP transport's data); why
+        it was refused, or None."""
         ...
 
     def cancel(self, transfer_id: str) -> bool:

@@ -1,13 +1,15 @@
 """The ZMQ wiring of a networked engine: its ROUTER at `--listen`, and DEALER links to peers.
 
 Every engine binds exactly one ROUTER, on the address it was given; frontends and peer
-engines connect DEALERs to it. Frames are `[header]` or `[header, payload]`, the header a
-`PdMsg`. Links use ZMQ_IMMEDIATE: a message is queued only on a live connection, so nothing
+engines connect DEALERs to it. Frames are `[header, payload...]`, the header a `PdMsg`, then
+zero or more payload frames. Links use ZMQ_IMMEDIATE: a message is queued only on a live connection, so nothing
 sent to a dead or restarted engine is delivered later to a stranger; `send` waits a bounded
 time for the connection and raises `TransportError` instead.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import zmq
 
@@ -34,20 +36,20 @@ class PeerLink:
         self.socket.connect(tcp_endpoint(address))
         self._is_failing = False  # the last send found no connection: do not wait again until one is back
 
-    def send(self, msg: PdMsg, payload: bytes | memoryview | None = None,
+    def send(self, msg: PdMsg, payload: Sequence[bytes | memoryview] = (),
              timeout_ms: int = CONNECT_TIMEOUT_MS) -> zmq.MessageTracker | None:
-        """Queue `msg` (and its payload) on the live connection; `TransportError` if there is
-        none within `timeout_ms` (refused, reset, or nobody listening). After one failure the
-        link does not wait again until a connection is back. A payload is sent without a copy:
-        ZMQ reads it until the returned tracker is done, so the caller must not overwrite it
-        before then (ZMQ keeps the buffer object alive itself)."""
+        """Queue `msg` (and its payload frames) on the live connection; `TransportError` if
+        there is none within `timeout_ms` (refused, reset, or nobody listening). After one
+        failure the link does not wait again until a connection is back. Payload frames are sent
+        without a copy: ZMQ reads them until the returned tracker is done, so the caller must not
+        overwrite them before then (ZMQ keeps the buffer objects alive itself)."""
         if not self.socket.poll(0 if self._is_failing else timeout_ms, zmq.POLLOUT):
             self._is_failing = True
             raise TransportError(f"cannot reach the engine at {self.address}: no connection within "
                                  f"{timeout_ms} ms (refused, reset or not listening)")
-        frames: list[bytes | memoryview] = [encode(msg)] if payload is None else [encode(msg), payload]
+        frames: list[bytes | memoryview] = [encode(msg), *payload]
         try:
-            tracker = self.socket.send_multipart(frames, zmq.NOBLOCK, copy=payload is None, track=payload is not None)
+            tracker = self.socket.send_multipart(frames, zmq.NOBLOCK, copy=not payload, track=bool(payload))
         except zmq.Again as exc:
             self._is_failing = True
             raise TransportError(f"the connection to {self.address} is gone or full") from exc

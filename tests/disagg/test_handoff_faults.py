@@ -147,8 +147,8 @@ def test_v_missing_in_one_layer_is_refused(make_pair: Any) -> None:
     ro = other.reserved
     assert ro is not None
     for layer in range(NUM_LAYERS):
-        link.send(KVBlockMsg(ro.transfer_id, layer, "k", 0, 30), payload)
-    link.send(KVBlockMsg(ro.transfer_id, 1, "v", 0, 30), payload)
+        link.send(KVBlockMsg(ro.transfer_id, layer, "k", 0, 30), [payload])
+    link.send(KVBlockMsg(ro.transfer_id, 1, "v", 0, 30), [payload])
     rogue_commit(pair, other, 30, [30, 30])
     pair.pump(lambda: other.is_terminal, "the refusal")
     assert_refused_by_decode(other, "layer 0 V: only positions [0, 0)")
@@ -179,14 +179,17 @@ def test_decode_refuses_writes_it_did_not_authorize(make_pair: Any, llama_dir: P
     page = page_bytes(pair, 8)
     before = [t.clone() for t in pair.decode.engine.kv.pool.k]
     link = pair.rogue.get(pair.decode.config.listen)
-    link.send(KVBlockMsg("not-a-transfer", 0, "k", 0, 30), page)  # unknown transfer id
-    link.send(KVBlockMsg(r.transfer_id, 0, "k", 0, 4 * len(r.pages) + 4), page)  # past the reservation
-    link.send(KVBlockMsg(r.transfer_id, 0, "k", 2, 30), page)  # not page-aligned
-    link.send(KVBlockMsg(r.transfer_id, 5, "k", 0, 30), page)  # no such layer
-    link.send(KVBlockMsg(r.transfer_id, 0, "k", 0, 30), page[:-2])  # wrong size
-    pair.pump(lambda: sum(pair.decode.loop.stats().handoff_failures.values()) == 5, "the refusals")
+    link.send(KVBlockMsg("not-a-transfer", 0, "k", 0, 30), [page])  # unknown transfer id
+    link.send(KVBlockMsg(r.transfer_id, 0, "k", 0, 4 * len(r.pages) + 4), [page])  # past the reservation
+    link.send(KVBlockMsg(r.transfer_id, 0, "k", 2, 30), [page])  # not page-aligned
+    link.send(KVBlockMsg(r.transfer_id, 5, "k", 0, 30), [page])  # no such layer
+    link.send(KVBlockMsg(r.transfer_id, 0, "k", 0, 30), [page[:-2]])  # wrong size
+    _, page_size, head_dim = pair.decode.engine.kv.pool.page_shape()
+    half = page_size * head_dim * 4 // 2  # the right total, but frames that cut a page in two (float32)
+    link.send(KVBlockMsg(r.transfer_id, 0, "k", 0, 30), [page[:half], page[half:]])
+    pair.pump(lambda: sum(pair.decode.loop.stats().handoff_failures.values()) == 6, "the refusals")
     assert pair.decode.loop.stats().handoff_failures == {
-        "unauthorized_transfer": 1, "write_outside_reservation": 2, "bad_block_address": 1, "bad_block_size": 1}
+        "unauthorized_transfer": 1, "write_outside_reservation": 2, "bad_block_address": 1, "bad_block_size": 2}
     assert all(torch.equal(a, b) for a, b in zip(before, pair.decode.engine.kv.pool.k)), "a refused write landed"
     # The reservation is intact and a correct handoff still completes.
     pair.to_prefill.send(pair.prefill_msg(handoff, PROMPT, GREEDY))
@@ -424,9 +427,9 @@ def test_no_stale_bytes_leave_prefills_pool_over_tcp(make_pair: Any) -> None:
         links.close()
     finally:
         router.close(0)
-    assert sum(len(f[2]) for f in frames) == num_bytes
-    for _, header, payload in frames:
-        data = torch.frombuffer(bytearray(payload), dtype=torch.float32)
+    assert sum(len(part) for f in frames for part in f[2:]) == num_bytes
+    for _, header, *parts in frames:
+        data = torch.frombuffer(bytearray(b"".join(parts)), dtype=torch.float32)
         assert not (data == STALE).any(), decode(header)
         num_kv_heads, _, head_dim = pair.prefill.engine.kv.pool.page_shape()
         staged = data.view(num_kv_heads, -1, head_dim)  # [num_kv_heads, positions, head_dim]

@@ -166,8 +166,8 @@ def test_a_transfer_never_writes_a_cached_page(make_pair: Any, llama_dir: Path) 
     if pair.prefill.config.kv_transport == "tcp":
         TcpSender(pair.rogue).push(plan, prefill_pool)
         link = pair.rogue.get(pair.decode.config.listen)
-        link.send(KVBlockMsg(r.transfer_id, 0, "k", 0, PAGE), prefill_pool.export_pages(0, torch.arange(1))[0]
-                  .view(torch.uint8).numpy().tobytes())
+        link.send(KVBlockMsg(r.transfer_id, 0, "k", 0, PAGE), [prefill_pool.export_pages(0, torch.arange(1))[0]
+                  .view(torch.uint8).numpy().tobytes()])
         pair.pump(lambda: pair.decode.loop.stats().handoff_failures.get("write_outside_reservation", 0) == 5,
                   "the refusals")  # 2 layers x K/V of the push, and the single frame
     else:
