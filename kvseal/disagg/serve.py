@@ -147,9 +147,9 @@ class SpawnedEngines:
             for config in configs]
         for process in self.processes:
             process.start()
-        logger.info("--pd: started prefill engine (pid %s, %d torch threads) at %s and decode engine (pid %s, %d "
-                    "torch threads) at %s", self.processes[0].pid, prefill_threads, topology.prefill[0],
-                    self.processes[1].pid, decode_threads, topology.decode[0])
+        logger.info("--pd: started prefill engine (pid %s) at %s with %d torch threads and decode engine (pid %s) "
+                    "at %s with %d torch threads", self.processes[0].pid, topology.prefill[0], prefill_threads,
+                    self.processes[1].pid, topology.decode[0], decode_threads)
 
     def stop(self) -> None:
         for process in self.processes:

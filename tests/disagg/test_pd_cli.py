@@ -75,7 +75,7 @@ def test_serve_pd_runs_both_roles_and_equals_colocated(tmp_path: Path, kv_transp
         assert body["choices"][0]["text"] == expected
     finally:
         assert server.terminate() == 0
-    engine_pids = [int(p) for p in re.findall(r"engine \(pid (\d+)", server.log())]
+    engine_pids = [int(p) for p in re.findall(r"engine \(pid (\d+)\)", server.log())]
     assert len(engine_pids) == 2
     # the two engines split the cores (auto) instead of each running one thread per core
     threads = dict(re.findall(r"role=(prefill|decode) .*torch threads (\d+)", server.log()))
