@@ -18,6 +18,9 @@ def add_engine_node_arguments(parser: argparse.ArgumentParser) -> None:
                         help="how prompt KV moves from prefill to decode")
     parser.add_argument("--reservation-timeout-s", type=float, default=DEFAULT_RESERVATION_TIMEOUT_S,
                         help="decode: release a reservation that saw no commit after this long")
+    parser.add_argument("--threads", type=int, default=None, metavar="N",
+                        help="CPU threads torch uses in this engine (default: torch's own, one per core); "
+                             "engines that share a host should split its cores between them")
 
 
 def add_pd_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -32,3 +35,7 @@ def add_pd_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --pd: how prompt KV moves from prefill to decode")
     parser.add_argument("--reservation-timeout-s", type=float, default=DEFAULT_RESERVATION_TIMEOUT_S,
                         help="with --pd: decode releases a reservation that saw no commit after this long")
+    parser.add_argument("--pd-threads", default="auto", metavar="PREFILL,DECODE",
+                        help="with --pd: CPU threads of the prefill and the decode engine; auto (the default) "
+                             "splits this process's cores between them, prefill taking the odd one, at least "
+                             "1 each")

@@ -14,6 +14,8 @@ import signal
 from collections.abc import Callable
 from types import FrameType
 
+import torch
+
 from kvseal.config import EngineArgs
 from kvseal.disagg.node import EngineNode, NodeConfig
 from kvseal.engine.engine import LLMEngine
@@ -31,10 +33,11 @@ def serve_engine(args: EngineArgs, config: NodeConfig, should_stop: Callable[[],
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    use_threads(config.num_threads)
     node = EngineNode(LLMEngine(args), config)
     logger.info("kvseal engine ready: role=%s listening on %s (instance %s, kv transport %s, reservation "
-                "timeout %g s)", config.role, config.listen, node.instance_id, config.kv_transport,
-                config.reservation_timeout_s)
+                "timeout %g s, torch threads %d)", config.role, config.listen, node.instance_id,
+                config.kv_transport, config.reservation_timeout_s, torch.get_num_threads())
     try:
         while not stop["signal"] and not should_stop() and node.loop.run_once():
             pass
@@ -45,6 +48,13 @@ def serve_engine(args: EngineArgs, config: NodeConfig, should_stop: Callable[[],
         node.ctx.term()
     logger.info("kvseal engine (%s) stopped", config.role)
     return 0
+
+
+def use_threads(num_threads: int | None) -> None:
+    """Set torch's intra-op CPU threads for this process before any model work (None: keep
+    torch's default, one per core)."""
+    if num_threads is not None:
+        torch.set_num_threads(num_threads)
 
 
 def run_engine_process(args: EngineArgs, config: NodeConfig, log_level: str) -> None:

@@ -76,7 +76,10 @@ from kvseal.server.request_handle import (
 logger = logging.getLogger("kvseal.server")
 
 HEARTBEAT_S = 0.5
-DEAD_AFTER_S = 15.0  # a connected engine silent this long is hung (a dead one is noticed at once)
+# A connected engine silent this long is hung (a dead one is noticed at once). An engine is
+# silent for the whole of one step, and a full step's budget of prefill tokens on a loaded CPU
+# host takes well over 15 s: this limit must exceed the longest step a healthy engine takes.
+DEAD_AFTER_S = 60.0
 START_TIMEOUT_S = 600.0
 
 

@@ -35,6 +35,10 @@ class NodeConfig:
     # nixl: how long decode waits, after cancelling a transfer neither NIXL nor prefill confirmed
     # over, before it releases the pages (NIXL cannot cancel a write in flight)
     transfer_drain_s: float = DEFAULT_DRAIN_S
+    # torch's CPU threads in this engine; None keeps torch's default (one per core). Two engines
+    # on one host must split the cores: each running one thread per core oversubscribes them,
+    # and torch's OpenMP workers then wait at every op's barrier for a thread that is off-CPU.
+    num_threads: int | None = None
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode"):
@@ -45,13 +49,15 @@ class NodeConfig:
             raise ConfigError(f"transfer_drain_s must be >= 0, got {self.transfer_drain_s}")
         if self.reservation_timeout_s <= 0:
             raise ConfigError(f"--reservation-timeout-s must be > 0, got {self.reservation_timeout_s}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ConfigError(f"--threads must be >= 1, got {self.num_threads}; leave it unset for one per core")
         host, _, port = self.listen.rpartition(":")
         if not host or not port.isdigit() or not 0 < int(port) < 65536:
             raise ConfigError(f"--listen must be HOST:PORT with a port in 1..65535, got {self.listen!r}")
 
 
 def node_config_from(ns: argparse.Namespace) -> NodeConfig:
-    return NodeConfig(ns.role, ns.listen, ns.kv_transport, ns.reservation_timeout_s)
+    return NodeConfig(ns.role, ns.listen, ns.kv_transport, ns.reservation_timeout_s, num_threads=ns.threads)
 
 
 def kv_layout(engine: LLMEngine, kv_transport: str) -> str:

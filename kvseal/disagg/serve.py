@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import logging
 import multiprocessing
+import os
 import socket
 from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
@@ -34,6 +35,7 @@ class PdTopology:
     prefill: tuple[str, ...]
     decode: tuple[str, ...]
     spawn: bool  # --pd: start one of each here
+    spawn_threads: tuple[int, int] = (1, 1)  # --pd: torch threads of the (prefill, decode) engine
 
     @classmethod
     def from_namespace(cls, ns: argparse.Namespace) -> PdTopology | None:
@@ -41,7 +43,11 @@ class PdTopology:
         if ns.pd:
             if ns.prefill or ns.decode:
                 raise ConfigError("--pd starts its own engines; do not combine it with --prefill/--decode")
-            return cls((f"127.0.0.1:{_free_port()}",), (f"127.0.0.1:{_free_port()}",), True)
+            threads = pd_threads(ns.pd_threads, num_usable_cores())
+            return cls((f"127.0.0.1:{_free_port()}",), (f"127.0.0.1:{_free_port()}",), True, threads)
+        if ns.pd_threads != "auto":
+            raise ConfigError("--pd-threads applies only to the engines --pd starts; give each engine you "
+                              "start with `kvseal engine` its own --threads")
         if not ns.prefill and not ns.decode:
             return None
         if not ns.prefill or not ns.decode:
@@ -58,6 +64,23 @@ def _addresses(value: str, flag: str) -> tuple[str, ...]:
     if len(set(addresses)) != len(addresses):
         raise ConfigError(f"{flag} lists an address twice: {value}")
     return addresses
+
+
+def pd_threads(value: str, num_cores: int) -> tuple[int, int]:
+    """`--pd-threads`: (prefill, decode) torch threads. "auto" splits `num_cores` so the two
+    engines never run more threads than there are cores (prefill, the compute-bound role,
+    takes the odd core); on a single core each still gets one."""
+    if value == "auto":
+        return max(1, num_cores - num_cores // 2), max(1, num_cores // 2)
+    parts = value.split(",")
+    if len(parts) != 2 or not all(p.strip().isdigit() and int(p) >= 1 for p in parts):
+        raise ConfigError(f"--pd-threads takes auto or PREFILL,DECODE (two counts >= 1), got {value!r}")
+    return int(parts[0]), int(parts[1])
+
+
+def num_usable_cores() -> int:
+    """The cores this process may run on (its affinity mask, not the machine's count)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def _free_port() -> int:
@@ -112,8 +135,11 @@ class SpawnedEngines:
 
     def __init__(self, topology: PdTopology, args: EngineArgs, ns: argparse.Namespace) -> None:
         ctx = multiprocessing.get_context("spawn")
-        configs = [NodeConfig("prefill", topology.prefill[0], ns.kv_transport, ns.reservation_timeout_s),
-                   NodeConfig("decode", topology.decode[0], ns.kv_transport, ns.reservation_timeout_s)]
+        prefill_threads, decode_threads = topology.spawn_threads
+        configs = [NodeConfig("prefill", topology.prefill[0], ns.kv_transport, ns.reservation_timeout_s,
+                              num_threads=prefill_threads),
+                   NodeConfig("decode", topology.decode[0], ns.kv_transport, ns.reservation_timeout_s,
+                              num_threads=decode_threads)]
         log_level = getattr(ns, "log_level", "INFO")
         self.processes: list[BaseProcess] = [
             ctx.Process(target=run_engine_process, args=(args, config, log_level), name=f"kvseal-{config.role}",
@@ -121,8 +147,9 @@ class SpawnedEngines:
             for config in configs]
         for process in self.processes:
             process.start()
-        logger.info("--pd: started prefill engine (pid %s) at %s and decode engine (pid %s) at %s",
-                    self.processes[0].pid, topology.prefill[0], self.processes[1].pid, topology.decode[0])
+        logger.info("--pd: started prefill engine (pid %s) at %s with %d torch threads and decode engine (pid %s) "
+                    "at %s with %d torch threads", self.processes[0].pid, topology.prefill[0], prefill_threads,
+                    self.processes[1].pid, topology.decode[0], decode_threads)
 
     def stop(self) -> None:
         for process in self.processes:

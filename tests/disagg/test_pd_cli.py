@@ -14,6 +14,7 @@ from server_process import READY_DEADLINE_S, free_port, wait_for
 
 from kvseal import LLM, SamplingParams
 from kvseal.cli import main
+from kvseal.disagg.serve import num_usable_cores, pd_threads
 
 FLAGS = [*ENGINE_FLAGS, "--kv-cache-tokens", "1024", "--max-model-len", "512"]
 
@@ -29,6 +30,18 @@ FLAGS = [*ENGINE_FLAGS, "--kv-cache-tokens", "1024", "--max-model-len", "512"]
 def test_bad_pd_flags_are_refused_before_anything_starts(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     assert main(argv) == 2
     assert "kvseal: error:" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("argv", "flag"), [
+    (["engine", "--role", "decode", "--listen", "127.0.0.1:9", "--threads", "0"], "--threads"),
+    (["serve", "--pd", "--pd-threads", "0,1"], "--pd-threads"),
+    (["serve", "--pd", "--pd-threads", "2"], "--pd-threads"),
+    (["serve", "--prefill", "127.0.0.1:9", "--decode", "127.0.0.1:10", "--pd-threads", "1,1"], "--pd-threads"),
+])
+def test_bad_thread_counts_are_refused_naming_the_flag(argv: list[str], flag: str,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(argv) == 2
+    assert f"kvseal: error: {flag}" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("kv_transport", ["tcp", "nixl"])
@@ -64,6 +77,15 @@ def test_serve_pd_runs_both_roles_and_equals_colocated(tmp_path: Path, kv_transp
         assert server.terminate() == 0
     engine_pids = [int(p) for p in re.findall(r"engine \(pid (\d+)\)", server.log())]
     assert len(engine_pids) == 2
+    # the two engines split the cores (auto) instead of each running one thread per core
+    threads = dict(re.findall(r"role=(prefill|decode) .*torch threads (\d+)", server.log()))
+    assert (int(threads["prefill"]), int(threads["decode"])) == pd_threads("auto", num_usable_cores())
     for pid in engine_pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)  # both engines exited with the frontend
+
+
+@pytest.mark.parametrize(("num_cores", "expected"), [(1, (1, 1)), (2, (1, 1)), (3, (2, 1)), (16, (8, 8))])
+def test_pd_threads_auto_never_oversubscribes(num_cores: int, expected: tuple[int, int]) -> None:
+    assert pd_threads("auto", num_cores) == expected
+    assert pd_threads("3,2", num_cores) == (3, 2)  # explicit counts are taken as given
