@@ -74,6 +74,7 @@ class EngineInfoMsg(_Msg, frozen=True):
     num_pages: int
     kv_layout: str  # layers x kv_heads x head_dim x dtype x page layout: must match across peers
     kv_transport: str
+    kv_scrub_policy: str  # `CacheConfig.scrub_policy` (I7): what overwrites a freed page here
 
 
 class PdStatsMsg(_Msg, frozen=True):
