@@ -54,7 +54,8 @@ class DecodeSteps:
         self.instance_id = instance_id
         self.counters = HandoffCounters()
         self._frontend_of: dict[str, bytes] = {}  # running handed-off request -> who gets its outputs
-        self._pending_errors: dict[str, str] = {}  # releasing reservation -> the error its client gets
+        # releasing reservation -> the error (and code) its client gets once the release completes
+        self._pending_errors: dict[str, tuple[str, str | None]] = {}
 
     def held(self) -> set[str]:
         return self.table.request_ids()
@@ -164,6 +165,9 @@ class DecodeSteps:
         if reservation is None or reservation.request_id != msg.request_id or reservation.tenant != msg.tenant:
             return  # nothing of that transfer is live here
         self.counters.failures["prefill_refused"] += 1
+        if msg.code == ISOLATION_CHECK_FAILED:  # prefill's own check ended it: a failure, not a rejection
+            self._end_reservation(reservation, "prefill_refused", msg.message, ISOLATION_CHECK_FAILED)
+            return
         if self.table.release(reservation, "prefill_refused"):
             self.replies.send(reservation.frontend, RequestRejectedMsg(msg.request_id, msg.tenant, msg.code,
                                                                        msg.message, msg.param, msg.http_status))
@@ -184,7 +188,7 @@ class DecodeSteps:
         if self.table.release(reservation, reason):
             self._report_end(reservation, error, error_code)
         else:  # reported once the transport confirms no write can land (`tick`)
-            self._pending_errors[reservation.request_id] = error
+            self._pending_errors[reservation.request_id] = (error, error_code)
 
     def _report_end(self, reservation: Reservation, error: str, error_code: str | None) -> None:
         out = aborted_output(reservation.request_id, reservation.tenant, reservation.num_prompt_tokens,
@@ -202,8 +206,9 @@ class DecodeSteps:
                                   f"no KV arrived from prefill within {self.table.timeout_s:g} s", HANDOFF_FAILED)
             changed = True
         for reservation in self.table.retry_releases():
-            error = self._pending_errors.pop(reservation.request_id, reservation.release_reason or "released")
-            self._report_end(reservation, error, HANDOFF_FAILED)
+            error, code = self._pending_errors.pop(reservation.request_id,
+                                                   (reservation.release_reason or "released", None))
+            self._report_end(reservation, error, code or HANDOFF_FAILED)
             changed = True
         return self._place_waiting() or changed
 

@@ -217,6 +217,22 @@ def test_decode_verification_catches_the_placeholder_prefill(make_pair: Any) -> 
     pair.assert_clean()
 
 
+@TRANSPORTS
+def test_prefill_own_isolation_check_reaches_the_client_as_such(make_pair: Any) -> None:
+    """With the checks on, prefill's own coverage check refuses the placeholder's forward: decode
+    ends the request with prefill's code (isolation_check_failed), not as a plain abort or rejection."""
+    pair = make_pair()
+    with inject(Fault.PLACEHOLDER_PREFILL):
+        victim = pair.generate(PROMPT, GREEDY, tenant="bob")
+    assert_refused_by_decode(victim, "isolation check failed")
+    assert victim.rejected is None
+    assert isinstance(victim.prefill_result, PrefillRefusedMsg)
+    assert victim.prefill_result.code == ISOLATION_CHECK_FAILED
+    assert pair.prefill.loop.stats().engine.num_isolation_violations == 1, "PD engines report their checks"
+    assert pair.prefill.loop.stats().handoff_failures == {ISOLATION_CHECK_FAILED: 1}
+    pair.assert_clean()
+
+
 def test_without_decode_verification_the_placeholder_leaks(make_pair: Any) -> None:
     """The negative control: switch the verification off and bob's answer depends on alice's prompt."""
     leaked_a = _placeholder_victim(make_pair(), list(range(300, 340)), skip_verify=True)
