@@ -30,7 +30,7 @@ from kvseal.disagg.msgs import (
     TransferAbortMsg,
 )
 from kvseal.disagg.reservations import Reservation, ReservationTable
-from kvseal.disagg.role import HandoffCounters, Replies, aborted_output
+from kvseal.disagg.role import HandoffCounters, Replies, abort_every, abort_owned, aborted_output
 from kvseal.disagg.transport import KVReceiver
 from kvseal.disagg.verify import Expected, verify_commit
 from kvseal.engine.engine import LLMEngine
@@ -178,11 +178,7 @@ class DecodeSteps:
             self.counters.failures["aborted"] += 1
             self._end_reservation(reservation, "aborted", msg.reason, None)
             return
-        request = self.engine.find(msg.request_id)
-        if request is not None and request.tenant == msg.tenant:
-            out = self.engine.abort(msg.request_id, msg.reason)
-            if out is not None:
-                self.on_outputs([out])
+        self.on_outputs(abort_owned(self.engine, msg))
 
     def _end_reservation(self, reservation: Reservation, reason: str, error: str, error_code: str | None) -> None:
         if self.table.release(reservation, reason):
@@ -217,8 +213,7 @@ class DecodeSteps:
             reservation = self.table.by_request(request_id)
             if reservation is not None:
                 self._end_reservation(reservation, "aborted", reason, None)
-        outputs = [o for o in (self.engine.abort(rid, reason) for rid in self.engine.unfinished_ids()) if o]
-        self.on_outputs(outputs)
+        self.on_outputs(abort_every(self.engine, reason))
 
     # ---- outputs of running handed-off requests -----------------------------------------
 

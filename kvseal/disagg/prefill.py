@@ -28,7 +28,7 @@ from kvseal.disagg.msgs import (
     TransferAbortMsg,
     WrittenRangeMsg,
 )
-from kvseal.disagg.role import HandoffCounters, Replies
+from kvseal.disagg.role import HandoffCounters, Replies, abort_every, abort_owned
 from kvseal.disagg.transport import KVSender, PushPlan, TransportError
 from kvseal.disagg.wire import PeerLinks
 from kvseal.engine.engine import LLMEngine
@@ -85,9 +85,7 @@ class PrefillSteps:
             case PrefillMsg():
                 self._prefill(sender, msg)
             case AbortMsg():
-                request = self.engine.find(msg.request_id)
-                if request is not None and request.tenant == msg.tenant:
-                    self.on_outputs([out for out in [self.engine.abort(msg.request_id, msg.reason)] if out])
+                self.on_outputs(abort_owned(self.engine, msg))
             case _:
                 return False
         return True
@@ -182,4 +180,4 @@ class PrefillSteps:
         return False
 
     def abort_all(self, reason: str) -> None:
-        self.on_outputs([o for o in (self.engine.abort(rid, reason) for rid in self.engine.unfinished_ids()) if o])
+        self.on_outputs(abort_every(self.engine, reason))

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-from kvseal_server import free_port
+from processes import free_port
 
 from kvseal.canary.evidence import MetricsSnapshot, Sample, _parse, evidence
 from kvseal.canary.report import _evidence_reasons, _evidence_rows

@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 import torch
 import zmq
-from pd_harness import Handoff, PdPair, free_port
+from pd_harness import Handoff, PdPair
+from processes import free_port
 from test_handoff import GREEDY, args, colocated
 
 from kvseal import SamplingParams

@@ -8,7 +8,7 @@ import asyncio
 from collections.abc import Iterator
 
 import pytest
-from pd_harness import free_port
+from processes import free_port
 
 from kvseal.disagg.frontend import PdClient, scrub_policy
 from kvseal.disagg.msgs import EngineInfoMsg, PdStatsMsg, Role

@@ -22,7 +22,8 @@ import openai
 import pytest
 from marker_model import marker_prompt
 from pd_harness import PdPair
-from pd_servers import KEYS, PREFILL_FLAGS, PdCluster, PdFrontend, assert_engines_clean, wait_for
+from pd_servers import KEYS, PREFILL_FLAGS, PdCluster, PdFrontend, assert_engines_clean
+from processes import wait_for
 
 from kvseal import SamplingParams
 from kvseal._testing.faults import Fault, inject
