@@ -170,7 +170,8 @@ class PrefillSteps:
         if out.error_code == ISOLATION_CHECK_FAILED:
             self._refuse(job, ISOLATION_CHECK_FAILED, out.error or "isolation check failed in prefill", None, 500)
         else:
-            self._refuse(job, REQUEST_ABORTED, f"prefill did not complete the request: {out.error}", None, 500)
+            self._refuse(job, REQUEST_ABORTED, f"prefill did not complete the request: {out.error or 'aborted'}",
+                         None, 500)
 
     def _report(self, job: Job) -> None:
         assert job.result is not None, "a finished prefill job has its result"
