@@ -70,7 +70,11 @@ class ServerProcess(LoggedProcess):
 
     def start(self) -> ServerProcess:
         self.spawn()
-        self.wait_until_healthy(self.url)
+        try:
+            self.wait_until_healthy(self.url)
+        except AssertionError:
+            self.kill()  # one that never became ready is not left running (its engine exits with it)
+            raise
         return self
 
     @property
