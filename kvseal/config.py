@@ -119,6 +119,13 @@ class CacheConfig:
     def kv_cache_tokens(self) -> int:
         return self.page_size * self.num_pages
 
+    @property
+    def scrub_policy(self) -> str:
+        """What overwrites a page between owners (I7): "off" (nothing: the next owner's writes),
+        "free" or "alloc" (zeroed then), or "checked" (`check_kv`: NaN while free, zeroed on
+        hand-out, whatever `kv_scrub` says)."""
+        return "checked" if self.check_kv else self.kv_scrub
+
 
 @dataclass(frozen=True)
 class SchedulerConfig:

@@ -5,6 +5,10 @@ saw during the run (requests by outcome, which equals its audit lines per outcom
 checks tripped; pages scrubbed), gauges after the drain say whether the allocator is back to
 idle (no page still owned, every page free again). Any other OpenAI-compatible server simply
 has no such evidence, and the report says so.
+
+Pages scrubbed is read with the scrub mode the server runs (`kvseal_kv_scrub_mode`): with the
+default `--kv-scrub off` it is 0 by design (a freed page keeps its KV until its next owner
+overwrites it, and the always-on checks are what keep a request from reading it).
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ from prometheus_client.parser import text_string_to_metric_families
 REQUESTS = "kvseal_requests_total"
 REJECTIONS = "kvseal_rejections_total"
 ISOLATION_VIOLATIONS = "kvseal_isolation_violations_total"
+PAGES_SCRUBBED = "kvseal_kv_pages_scrubbed_total"
+SCRUB_MODE = "kvseal_kv_scrub_mode"
 PAGES_USED = "kvseal_kv_pages_used"
 PAGES_FREE = "kvseal_kv_pages_free"
 RUNNING = "kvseal_num_requests_running"
@@ -101,7 +107,8 @@ def evidence(before: MetricsSnapshot, after: MetricsSnapshot) -> dict[str, Any]:
         "requests_by_outcome": _delta_by_label(before, after, REQUESTS, "outcome"),
         "rejections_by_reason": _delta_by_label(before, after, REJECTIONS, "reason"),
         "isolation_violations": _delta(before, after, ISOLATION_VIOLATIONS),
-        "pages_scrubbed": _scrub_delta(before, after),
+        "pages_scrubbed": _delta(before, after, PAGES_SCRUBBED),
+        "scrub_mode": _scrub_mode(after),
         "allocator_after_run": _allocator(before, after),
     }
 
@@ -120,11 +127,10 @@ def _delta_by_label(before: MetricsSnapshot, after: MetricsSnapshot, name: str, 
     return {k: v - old.get(k, 0.0) for k, v in sorted(after.by_label(name, label).items()) if v - old.get(k, 0.0)}
 
 
-def _scrub_delta(before: MetricsSnapshot, after: MetricsSnapshot) -> float | str:
-    names = sorted(n for n in after.names() if n.startswith("kvseal_") and "scrub" in n and n.endswith("_total"))
-    if not names:
-        return "unavailable"
-    return sum(float(_delta(before, after, n)) for n in names)
+def _scrub_mode(after: MetricsSnapshot) -> str:
+    """The `mode` label of the series at 1 (off, free, alloc, checked, or PD roles that differ)."""
+    modes = sorted(mode for mode, value in after.by_label(SCRUB_MODE, "mode").items() if value == 1)
+    return ",".join(modes) if modes else "unavailable"
 
 
 def _allocator(before: MetricsSnapshot, after: MetricsSnapshot) -> dict[str, Any] | str:

@@ -176,9 +176,18 @@ def _evidence_rows(evidence: dict[str, Any]) -> list[tuple[str, str]]:
         ("server: requests by outcome (audit)", _fmt(evidence["requests_by_outcome"])),
         ("server: rejections by reason", _fmt(evidence["rejections_by_reason"])),
         ("server: isolation checks tripped", _fmt(evidence["isolation_violations"])),
-        ("server: pages scrubbed", _fmt(evidence["pages_scrubbed"])),
+        ("server: KV scrub mode", str(evidence.get("scrub_mode", "unavailable"))),
+        ("server: pages scrubbed", _scrubbed_text(evidence)),
         ("server: allocator after the run", alloc_text),
     ]
+
+
+def _scrubbed_text(evidence: dict[str, Any]) -> str:
+    """The count, and why it is 0 where the server scrubs nothing (its default)."""
+    scrubbed = _fmt(evidence["pages_scrubbed"])
+    if evidence.get("scrub_mode") == "off":
+        return f"{scrubbed} (scrub off: a freed page keeps its KV until its next owner overwrites it)"
+    return scrubbed
 
 
 def _fmt(value: Any) -> str:

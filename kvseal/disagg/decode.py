@@ -30,7 +30,7 @@ from kvseal.disagg.msgs import (
     TransferAbortMsg,
 )
 from kvseal.disagg.reservations import Reservation, ReservationTable
-from kvseal.disagg.role import HandoffCounters, Replies, aborted_output
+from kvseal.disagg.role import HandoffCounters, Replies, abort_every, abort_owned, aborted_output
 from kvseal.disagg.transport import KVReceiver
 from kvseal.disagg.verify import Expected, verify_commit
 from kvseal.engine.engine import LLMEngine
@@ -54,7 +54,8 @@ class DecodeSteps:
         self.instance_id = instance_id
         self.counters = HandoffCounters()
         self._frontend_of: dict[str, bytes] = {}  # running handed-off request -> who gets its outputs
-        self._pending_errors: dict[str, str] = {}  # releasing reservation -> the error its client gets
+        # releasing reservation -> the error (and code) its client gets once the release completes
+        self._pending_errors: dict[str, tuple[str, str | None]] = {}
 
     def held(self) -> set[str]:
         return self.table.request_ids()
@@ -164,6 +165,9 @@ class DecodeSteps:
         if reservation is None or reservation.request_id != msg.request_id or reservation.tenant != msg.tenant:
             return  # nothing of that transfer is live here
         self.counters.failures["prefill_refused"] += 1
+        if msg.code == ISOLATION_CHECK_FAILED:  # prefill's own check ended it: a failure, not a rejection
+            self._end_reservation(reservation, "prefill_refused", msg.message, ISOLATION_CHECK_FAILED)
+            return
         if self.table.release(reservation, "prefill_refused"):
             self.replies.send(reservation.frontend, RequestRejectedMsg(msg.request_id, msg.tenant, msg.code,
                                                                        msg.message, msg.param, msg.http_status))
@@ -174,17 +178,13 @@ class DecodeSteps:
             self.counters.failures["aborted"] += 1
             self._end_reservation(reservation, "aborted", msg.reason, None)
             return
-        request = self.engine.find(msg.request_id)
-        if request is not None and request.tenant == msg.tenant:
-            out = self.engine.abort(msg.request_id, msg.reason)
-            if out is not None:
-                self.on_outputs([out])
+        self.on_outputs(abort_owned(self.engine, msg))
 
     def _end_reservation(self, reservation: Reservation, reason: str, error: str, error_code: str | None) -> None:
         if self.table.release(reservation, reason):
             self._report_end(reservation, error, error_code)
         else:  # reported once the transport confirms no write can land (`tick`)
-            self._pending_errors[reservation.request_id] = error
+            self._pending_errors[reservation.request_id] = (error, error_code)
 
     def _report_end(self, reservation: Reservation, error: str, error_code: str | None) -> None:
         out = aborted_output(reservation.request_id, reservation.tenant, reservation.num_prompt_tokens,
@@ -202,8 +202,9 @@ class DecodeSteps:
                                   f"no KV arrived from prefill within {self.table.timeout_s:g} s", HANDOFF_FAILED)
             changed = True
         for reservation in self.table.retry_releases():
-            error = self._pending_errors.pop(reservation.request_id, reservation.release_reason or "released")
-            self._report_end(reservation, error, HANDOFF_FAILED)
+            error, code = self._pending_errors.pop(reservation.request_id,
+                                                   (reservation.release_reason or "released", None))
+            self._report_end(reservation, error, code or HANDOFF_FAILED)
             changed = True
         return self._place_waiting() or changed
 
@@ -212,8 +213,7 @@ class DecodeSteps:
             reservation = self.table.by_request(request_id)
             if reservation is not None:
                 self._end_reservation(reservation, "aborted", reason, None)
-        outputs = [o for o in (self.engine.abort(rid, reason) for rid in self.engine.unfinished_ids()) if o]
-        self.on_outputs(outputs)
+        self.on_outputs(abort_every(self.engine, reason))
 
     # ---- outputs of running handed-off requests -----------------------------------------
 

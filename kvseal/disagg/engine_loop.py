@@ -25,7 +25,8 @@ from kvseal.disagg.msgs import (
 )
 from kvseal.disagg.role import Replies, RoleSteps
 from kvseal.engine.engine import LLMEngine
-from kvseal.messages.msgs import EngineStatsMsg, ShutdownMsg
+from kvseal.messages.convert import stats_to_msg
+from kvseal.messages.msgs import ShutdownMsg
 
 logger = logging.getLogger("kvseal.disagg")
 
@@ -106,11 +107,10 @@ class PdEngineLoop:
         return True
 
     def stats(self) -> PdStatsMsg:
-        s, c = self.engine.stats(), self.steps.counters
+        c = self.steps.counters
         return PdStatsMsg(
             instance_id=self.info.instance_id, role=self.steps.role,
-            engine=EngineStatsMsg(s.num_running, s.num_waiting, s.num_pages_used, s.num_pages_free,
-                                  s.num_preemptions),
+            engine=stats_to_msg(self.engine.stats()),
             num_pages_total=self.engine.cache_config.num_pages, num_reservations=self.steps.num_reservations(),
             num_transfers=c.num_transfers, num_transfer_bytes=c.num_transfer_bytes,
             transfer_s_total=c.transfer_s_total, handoff_failures=dict(c.failures),

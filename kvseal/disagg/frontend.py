@@ -17,7 +17,9 @@ again, restarted at the same address or not, is used again without restarting th
 Load and pool state: every engine reports `PdStatsMsg` (after changes and in answer to each
 `HelloMsg`); `on_load` gets the sum over the engines that are up, in the colocated engine's
 `EngineStatsMsg` shape, so `/metrics`' `kvseal_kv_pages_used`/`_free` and the request gauges
-mean the same in both modes (the canary's server evidence reads them).
+mean the same in both modes (the canary's server evidence reads them). Its pages scrubbed is
+the total over every engine instance this client has heard from (`CumulativeTotal`): it does
+not drop when an engine goes down, nor when one restarts with its count back at 0.
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ from kvseal.messages.msgs import (
     RequestRejectedMsg,
 )
 from kvseal.server.engine_client import EngineUnavailable  # the pipeline answers it with 503
+from kvseal.server.metrics import CumulativeTotal
 from kvseal.server.request_handle import (
     EngineGone,
     IsolationBreach,
@@ -133,6 +136,14 @@ def smallest_limits(infos: list[EngineInfoMsg]) -> PdLimits:
     return PdLimits(min(i.max_model_len for i in infos), min(i.kv_cache_tokens for i in infos))
 
 
+def scrub_policy(infos: list[EngineInfoMsg]) -> str:
+    """The engines' common scrub policy (I7), or each role's where they differ ("decode=off,prefill=free")."""
+    policies = {i.kv_scrub_policy for i in infos}
+    if len(policies) == 1:
+        return policies.pop()
+    return ",".join(sorted({f"{i.role}={i.kv_scrub_policy}" for i in infos}))
+
+
 class PdClient:
     def __init__(self, prefill: list[str], decode: list[str], tokenizer_path: str,
                  on_stats: Callable[[EngineLink], None] = lambda link: None) -> None:
@@ -152,6 +163,7 @@ class PdClient:
         self.on_ready_change: Callable[[EngineReadyMsg], None] | None = None
         # Told the summed load of the engines that are up whenever one reports or goes down.
         self.on_load: Callable[[EngineStatsMsg], None] | None = None
+        self._pages_scrubbed = CumulativeTotal()  # over engine instances (a restart is a new one)
 
     def _link(self, role: Role, address: str) -> EngineLink:
         socket = self._ctx.socket(zmq.DEALER)
@@ -213,6 +225,7 @@ class PdClient:
             tokenizer_path=self._tokenizer_path, architecture=first.architecture,
             max_model_len=limits.max_model_len, kv_cache_tokens=limits.kv_cache_tokens, vocab_size=first.vocab_size,
             page_size=first.page_size, num_pages=min(i.num_pages for i in infos),
+            kv_scrub_policy=scrub_policy(infos),
         )
 
     def submit(self, msg: AddRequestMsg, observer: RequestObserver) -> RequestHandle:
@@ -289,6 +302,7 @@ class PdClient:
                 self._on_info(link, msg)
             case PdStatsMsg():
                 link.stats = msg
+                self._pages_scrubbed.observe(msg.instance_id, msg.engine.num_pages_scrubbed)
                 self._on_stats(link)
                 self._report_load()
             case ReservedMsg():
@@ -414,7 +428,8 @@ class PdClient:
         stats = [link.stats.engine for link in self.links if link.is_up and link.stats is not None]
         return EngineStatsMsg(sum(s.num_running for s in stats), sum(s.num_waiting for s in stats),
                               sum(s.num_pages_used for s in stats), sum(s.num_pages_free for s in stats),
-                              sum(s.num_preemptions for s in stats), sum(s.num_isolation_violations for s in stats))
+                              sum(s.num_preemptions for s in stats), sum(s.num_isolation_violations for s in stats),
+                              self._pages_scrubbed.total)
 
     def _report_load(self) -> None:
         if self.on_load is not None:

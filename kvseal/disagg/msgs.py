@@ -74,6 +74,7 @@ class EngineInfoMsg(_Msg, frozen=True):
     num_pages: int
     kv_layout: str  # layers x kv_heads x head_dim x dtype x page layout: must match across peers
     kv_transport: str
+    kv_scrub_policy: str  # `CacheConfig.scrub_policy` (I7): what overwrites a freed page here
 
 
 class PdStatsMsg(_Msg, frozen=True):
@@ -232,7 +233,9 @@ class TransferAbortMsg(_Msg, frozen=True):
     """Prefill will write nothing more for this transfer and the request must not run.
 
     Sent after prefill's last write: once decode has it, no write of the transfer can still
-    land. The refusal travels on to the client as decode's `RequestRejectedMsg`.
+    land. The refusal travels on to the client as decode's `RequestRejectedMsg`, except an
+    isolation check's (`code` isolation_check_failed), which decode reports as an aborted output
+    with that `error_code`: the client gets 500 isolation_check_failed and the server counts it.
     """
 
     transfer_id: str

@@ -120,6 +120,7 @@ class EngineNode:
             max_model_len=e.limits.max_model_len, kv_cache_tokens=e.limits.kv_cache_tokens,
             vocab_size=e.limits.vocab_size, page_size=e.cache_config.page_size, num_pages=e.cache_config.num_pages,
             kv_layout=kv_layout(e, self.config.kv_transport), kv_transport=self.config.kv_transport,
+            kv_scrub_policy=e.cache_config.scrub_policy,
         )
 
     def close(self) -> None:

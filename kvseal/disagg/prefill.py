@@ -28,18 +28,19 @@ from kvseal.disagg.msgs import (
     TransferAbortMsg,
     WrittenRangeMsg,
 )
-from kvseal.disagg.role import HandoffCounters, Replies
+from kvseal.disagg.role import HandoffCounters, Replies, abort_every, abort_owned
 from kvseal.disagg.transport import KVSender, PushPlan, TransportError
 from kvseal.disagg.wire import PeerLinks
 from kvseal.engine.engine import LLMEngine
 from kvseal.errors import RequestRejected
 from kvseal.messages.convert import params_from_msg
 from kvseal.messages.msgs import AbortMsg, TokenLogprobsMsg
-from kvseal.types import FinishReason, Request, RequestOutput, SamplingParams
+from kvseal.types import ISOLATION_CHECK_FAILED, FinishReason, Request, RequestOutput, SamplingParams
 
 logger = logging.getLogger("kvseal.disagg")
 
 TRANSFER_FAILED = "kv_transfer_failed"
+REQUEST_ABORTED = "request_aborted"  # prefill's engine ended the request for any other reason
 
 
 @dataclass
@@ -84,9 +85,7 @@ class PrefillSteps:
             case PrefillMsg():
                 self._prefill(sender, msg)
             case AbortMsg():
-                request = self.engine.find(msg.request_id)
-                if request is not None and request.tenant == msg.tenant:
-                    self.on_outputs([out for out in [self.engine.abort(msg.request_id, msg.reason)] if out])
+                self.on_outputs(abort_owned(self.engine, msg))
             case _:
                 return False
         return True
@@ -108,11 +107,8 @@ class PrefillSteps:
     def _hand_off(self, request: Request) -> None:
         """The engine's `before_free` hook: the request still owns its pages here."""
         job = self._jobs.get(request.request_id)
-        if job is None:
-            return
-        if request.finish_reason is FinishReason.ABORT:
-            self._refuse(job, "request_aborted", "prefill did not complete the request", None, 500)
-            return
+        if job is None or request.finish_reason is FinishReason.ABORT:
+            return  # nothing is pushed; `on_outputs` refuses it with the cause its output carries
         try:
             num_bytes = self._push(job, request)
         except TransportError as exc:
@@ -163,7 +159,19 @@ class PrefillSteps:
     def on_outputs(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
             if out.finished and out.request_id in self._jobs:
-                self._report(self._jobs.pop(out.request_id))
+                job = self._jobs.pop(out.request_id)
+                if job.result is None:  # ended before its hand-off
+                    self._refuse_aborted(job, out)
+                self._report(job)
+
+    def _refuse_aborted(self, job: Job, out: RequestOutput) -> None:
+        """Prefill's engine aborted the request: decode and the client get the engine's cause,
+        `isolation_check_failed` when prefill's own isolation check refused a forward (I3/I4)."""
+        if out.error_code == ISOLATION_CHECK_FAILED:
+            self._refuse(job, ISOLATION_CHECK_FAILED, out.error or "isolation check failed in prefill", None, 500)
+        else:
+            self._refuse(job, REQUEST_ABORTED, f"prefill did not complete the request: {out.error or 'aborted'}",
+                         None, 500)
 
     def _report(self, job: Job) -> None:
         assert job.result is not None, "a finished prefill job has its result"
@@ -173,4 +181,4 @@ class PrefillSteps:
         return False
 
     def abort_all(self, reason: str) -> None:
-        self.on_outputs([o for o in (self.engine.abort(rid, reason) for rid in self.engine.unfinished_ids()) if o])
+        self.on_outputs(abort_every(self.engine, reason))

@@ -13,7 +13,8 @@ from typing import Protocol
 import zmq
 
 from kvseal.disagg.msgs import PdMsg, Role, encode
-from kvseal.messages.msgs import RequestOutputMsg
+from kvseal.engine.engine import LLMEngine
+from kvseal.messages.msgs import AbortMsg, RequestOutputMsg
 from kvseal.types import RequestOutput
 
 
@@ -68,3 +69,17 @@ def aborted_output(request_id: str, tenant: str, num_prompt_tokens: int, num_pag
     return RequestOutputMsg(request_id=request_id, tenant=tenant, new_token_ids=[], new_text="", finished=True,
                             finish_reason="abort", stop_reason=None, num_prompt_tokens=num_prompt_tokens,
                             num_output_tokens=0, num_pages_reserved=num_pages, error=error, error_code=error_code)
+
+
+def abort_owned(engine: LLMEngine, msg: AbortMsg) -> list[RequestOutput]:
+    """End the engine's request `msg` names, only if `msg.tenant` owns it; its final output (or none)."""
+    request = engine.find(msg.request_id)
+    if request is None or request.tenant != msg.tenant:
+        return []  # already finished (its final output is on its way) or not this tenant's
+    out = engine.abort(msg.request_id, msg.reason)
+    return [out] if out is not None else []
+
+
+def abort_every(engine: LLMEngine, reason: str) -> list[RequestOutput]:
+    """End every queued and running request of the engine; their final outputs."""
+    return [o for o in (engine.abort(rid, reason) for rid in engine.unfinished_ids()) if o is not None]

@@ -56,6 +56,7 @@ class EngineStats:
     num_pages_free: int
     num_preemptions: int
     num_isolation_violations: int  # requests ended because an isolation check refused their forward
+    num_pages_scrubbed: int  # pages the scrub policy overwrote since start-up (KVCacheManager, I7)
 
 
 class LLMEngine:
@@ -187,7 +188,8 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), self.kv.num_used_pages,
-                           self.kv.num_free_pages, self._num_preemptions, self._num_isolation_violations)
+                           self.kv.num_free_pages, self._num_preemptions, self._num_isolation_violations,
+                           self.kv.num_pages_scrubbed)
 
     def step(self) -> list[RequestOutput]:
         """One scheduler step and at most one forward. Returns one output per request that

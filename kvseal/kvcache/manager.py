@@ -10,6 +10,12 @@ Checked mode goes deeper: it poisons pages with NaN while they are free (a read 
 reader does not own shows up as NaN), zeroes them when handed out, and verifies every context
 slot of every layer against per-slot records before the forward runs.
 
+`num_pages_scrubbed` counts every page the policy overwrote since start-up: zeroed on free or
+eviction (`kv_scrub="free"`), zeroed on hand-out (`"alloc"` or checked mode), NaN-poisoned on
+free or eviction (checked mode; a page freed and handed out again counts twice there). With
+`kv_scrub="off"` and checked mode off it stays 0: the next owner overwrites a page's KV. The
+start-up poison of the whole pool is not counted.
+
 Writes that do not come from this engine's forward (KV arriving through a transport) are
 reported with `record_written`; `written_prefix` tells what is covered.
 
@@ -46,6 +52,7 @@ class KVCacheManager:
         self.records = WriteRecords(num_layers, config.num_pages, config.page_size, track_slots=config.check_kv)
         self.pool = KVPool(num_layers, config.num_pages, config.page_size, num_kv_heads, head_dim, config.dtype,
                            observer=self.records)
+        self.num_pages_scrubbed = 0  # pages overwritten by the scrub policy (I7) since start-up
         if config.check_kv:
             self.pool.fill(list(range(config.num_pages)), float("nan"))
 
@@ -88,6 +95,7 @@ class KVCacheManager:
             # Checked mode: zero the NaN poison on hand-out. Attention reads whole pages and
             # masks the unwritten tail, and a masked NaN would still poison the sum.
             self.pool.fill(new_pages, 0.0)
+            self.num_pages_scrubbed += len(new_pages)
 
     def free(self, request_id: str) -> list[int]:
         """Release every page of the request at once: its own pages scrubbed or poisoned per
@@ -115,6 +123,9 @@ class KVCacheManager:
             self.pool.fill(pages, float("nan"))
         elif self.config.kv_scrub == "free":
             self.pool.fill(pages, 0.0)
+        else:
+            return
+        self.num_pages_scrubbed += len(pages)
 
     # --- prefix cache ----------------------------------------------------------------------
 

@@ -2,8 +2,19 @@
 
 from __future__ import annotations
 
-from kvseal.messages.msgs import RequestOutputMsg, SamplingParamsMsg, StructuredOutputMsg, TokenLogprobsMsg
+from typing import TYPE_CHECKING
+
+from kvseal.messages.msgs import (
+    EngineStatsMsg,
+    RequestOutputMsg,
+    SamplingParamsMsg,
+    StructuredOutputMsg,
+    TokenLogprobsMsg,
+)
 from kvseal.types import RequestOutput, SamplingParams, StructuredOutput
+
+if TYPE_CHECKING:  # the engine module loads torch and the models; this one stays light
+    from kvseal.engine.engine import EngineStats
 
 
 def params_to_msg(params: SamplingParams) -> SamplingParamsMsg:
@@ -46,4 +57,13 @@ def output_to_msg(out: RequestOutput) -> RequestOutputMsg:
         num_output_tokens=len(out.token_ids), num_pages_reserved=out.num_pages_reserved,
         num_kv_tokens_written=out.num_kv_tokens_written, num_cached_tokens=out.num_cached_tokens,
         logprobs=logprobs, error=out.error, error_code=out.error_code,
+    )
+
+
+def stats_to_msg(s: EngineStats) -> EngineStatsMsg:
+    """Every engine role reports its stats in this one shape (colocated and PD alike)."""
+    return EngineStatsMsg(
+        num_running=s.num_running, num_waiting=s.num_waiting, num_pages_used=s.num_pages_used,
+        num_pages_free=s.num_pages_free, num_preemptions=s.num_preemptions,
+        num_isolation_violations=s.num_isolation_violations, num_pages_scrubbed=s.num_pages_scrubbed,
     )

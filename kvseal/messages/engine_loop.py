@@ -18,11 +18,10 @@ import zmq
 from kvseal.engine.engine import LLMEngine
 from kvseal.errors import RequestRejected
 from kvseal.messages.codec import decode_to_engine, encode
-from kvseal.messages.convert import output_to_msg, params_from_msg
+from kvseal.messages.convert import output_to_msg, params_from_msg, stats_to_msg
 from kvseal.messages.msgs import (
     AbortMsg,
     AddRequestMsg,
-    EngineStatsMsg,
     EngineStoppedMsg,
     FromEngineMsg,
     OutputsMsg,
@@ -73,7 +72,7 @@ class EngineLoop:
             self._step()
             changed = True
         if changed:
-            self._send(self._stats())
+            self._send(stats_to_msg(self.engine.stats()))
         return True
 
     def _poll_ms(self, idle_poll_ms: int) -> int:
@@ -163,11 +162,6 @@ class EngineLoop:
         msgs = [output_to_msg(o) for o in self.engine.step()]
         if msgs:
             self._send(OutputsMsg(msgs))
-
-    def _stats(self) -> EngineStatsMsg:
-        s = self.engine.stats()
-        return EngineStatsMsg(s.num_running, s.num_waiting, s.num_pages_used, s.num_pages_free, s.num_preemptions,
-                              s.num_isolation_violations)
 
     def _send(self, msg: FromEngineMsg) -> None:
         self._outbox.send(encode(msg))

@@ -96,4 +96,5 @@ def _ready_msg(engine: LLMEngine) -> EngineReadyMsg:
         architecture=engine.model_config.architecture, max_model_len=engine.limits.max_model_len,
         kv_cache_tokens=engine.limits.kv_cache_tokens, vocab_size=engine.limits.vocab_size,
         page_size=engine.cache_config.page_size, num_pages=engine.cache_config.num_pages,
+        kv_scrub_policy=engine.cache_config.scrub_policy,
     )

@@ -106,6 +106,7 @@ class EngineReadyMsg(_Msg, frozen=True):
     vocab_size: int
     page_size: int
     num_pages: int
+    kv_scrub_policy: str  # `CacheConfig.scrub_policy`: off, free, alloc or checked (I7, for /metrics)
 
 
 class EngineFailedMsg(_Msg, frozen=True):
@@ -173,6 +174,7 @@ class EngineStatsMsg(_Msg, frozen=True):
     num_pages_free: int
     num_preemptions: int
     num_isolation_violations: int = 0  # requests an isolation check (I3/I4) ended
+    num_pages_scrubbed: int = 0  # pages the scrub policy (I7) overwrote since the engine started
 
 
 ToEngineMsg = AddRequestMsg | AbortMsg | ShutdownMsg

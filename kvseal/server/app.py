@@ -81,6 +81,7 @@ def _add_info_routes(app: FastAPI, state: AppState) -> None:
         except ApiError as err:
             return errors.response(err)
         state.metrics.engine_up.set(1 if state.engine.is_available else 0)
+        state.metrics.record_scrub_mode(state.engine_info.kv_scrub_policy)  # PD: as the engines run now
         if state.engine.failure is not None:
             state.metrics.reset_engine_gauges()
         return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)

@@ -36,6 +36,14 @@ class ServerMetrics:
             "kvseal_prefix_cache_hits", "Prompt tokens served from the tenant's own prefix cache (I5)",
             ["tenant"], registry=r)
         self.engine_up = Gauge("kvseal_engine_up", "1 while the engine process is alive and ready", registry=r)
+        self.pages_scrubbed = Counter(
+            "kvseal_kv_pages_scrubbed", "KV pages the scrub policy (I7) overwrote: zeroed on free with --kv-scrub "
+            "free, on hand-out with alloc, NaN-poisoned on free and zeroed on hand-out with --check-kv; stays 0 "
+            "with --kv-scrub off (a page's next owner overwrites it)", registry=r)
+        self._pages_scrubbed_seen = CumulativeTotal()
+        self.scrub_mode = Gauge(
+            "kvseal_kv_scrub_mode", "1 for the engines' page scrub policy (I7): off, free, alloc or checked "
+            "(--check-kv); PD engines that differ are listed as role=policy", ["mode"], registry=r)
 
     def record_outcome(self, tenant: str, outcome: str, rejection_reason: str | None) -> None:
         self.requests.labels(tenant=tenant, outcome=outcome).inc()
@@ -53,6 +61,12 @@ class ServerMetrics:
         self.pages_used.set(stats.num_pages_used)
         self.pages_free.set(stats.num_pages_free)
         self.preemptions.set(stats.num_preemptions)
+        self.pages_scrubbed.inc(self._pages_scrubbed_seen.observe("engine", stats.num_pages_scrubbed))
+
+    def record_scrub_mode(self, mode: str) -> None:
+        """The one series at 1 names the engines' scrub policy as they run now."""
+        self.scrub_mode.clear()
+        self.scrub_mode.labels(mode=mode).set(1)
 
     def reset_engine_gauges(self) -> None:
         """The engine is gone: its last load figures are stale, report zero."""
@@ -61,3 +75,23 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class CumulativeTotal:
+    """A total that never goes backwards, over sources that each report a cumulative count.
+
+    A source's count grows while it lives; a source that restarts (a count below its last one)
+    starts again from 0, so all of its new count is new. A source that goes away keeps what it
+    added. Sources are named by the caller (an engine instance id; one per start)."""
+
+    def __init__(self) -> None:
+        self.total = 0
+        self._last: dict[str, int] = {}
+
+    def observe(self, source: str, count: int) -> int:
+        """Take `source`'s latest cumulative count; returns how much the total grew (>= 0)."""
+        last = self._last.get(source, 0)
+        grown = count - last if count >= last else count
+        self._last[source] = count
+        self.total += grown
+        return grown

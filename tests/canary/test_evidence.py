@@ -6,10 +6,10 @@ import json
 from pathlib import Path
 
 import pytest
-from kvseal_server import free_port
+from processes import free_port
 
 from kvseal.canary.evidence import MetricsSnapshot, Sample, _parse, evidence
-from kvseal.canary.report import _evidence_reasons
+from kvseal.canary.report import _evidence_reasons, _evidence_rows
 from kvseal.cli import main
 
 BEFORE = """\
@@ -40,10 +40,30 @@ def test_deltas_and_allocator_state() -> None:
     assert ev["requests_by_outcome"] == {"aborted": 2.0, "finished": 4.0}
     assert ev["rejections_by_reason"] == {"context_length_exceeded": 1.0}
     assert ev["isolation_violations"] == 3.0
-    assert ev["pages_scrubbed"] == "unavailable"
+    assert ev["pages_scrubbed"] == "unavailable" and ev["scrub_mode"] == "unavailable"
     assert ev["allocator_after_run"]["is_idle"] is False
     reasons = _evidence_reasons(ev)
     assert any("3 isolation checks" in r for r in reasons) and any("2 pages used" in r for r in reasons)
+
+
+SCRUB = """\
+# TYPE kvseal_kv_pages_scrubbed counter
+kvseal_kv_pages_scrubbed_total {scrubbed}
+# TYPE kvseal_kv_scrub_mode gauge
+kvseal_kv_scrub_mode{{mode="{mode}"}} 1.0
+"""
+
+
+@pytest.mark.parametrize(("mode", "before", "after", "row"), [
+    ("free", 4.0, 10.0, "6"),
+    ("off", 0.0, 0.0, "0 (scrub off: a freed page keeps its KV until its next owner overwrites it)"),
+])
+def test_pages_scrubbed_is_read_beside_the_scrub_mode(mode: str, before: float, after: float, row: str) -> None:
+    ev = evidence(MetricsSnapshot(_parse(BEFORE + SCRUB.format(scrubbed=before, mode=mode))),
+                  MetricsSnapshot(_parse(AFTER + SCRUB.format(scrubbed=after, mode=mode))))
+    assert ev["pages_scrubbed"] == after - before and ev["scrub_mode"] == mode
+    rows = dict(_evidence_rows(ev))
+    assert rows["server: pages scrubbed"] == row and rows["server: KV scrub mode"] == mode
 
 
 def test_missing_metrics_are_unavailable_not_failures() -> None:

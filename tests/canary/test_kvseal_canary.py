@@ -14,6 +14,7 @@ from typing import Any
 
 from kvseal_server import KvsealServer
 
+from kvseal.canary.evidence import PAGES_SCRUBBED, scrape
 from kvseal.server import auth
 
 NUM_TENANTS = 8
@@ -52,6 +53,26 @@ def test_clean_server_passes(copy_model_dir: Path, tmp_path: Path, run_canary: R
     assert evidence["rejections_by_reason"] == {"context_length_exceeded": 10.0}
     assert sum(evidence["requests_by_outcome"].values()) == 200
     assert evidence["allocator_after_run"]["pages_used"] == 0 and evidence["allocator_after_run"]["is_idle"]
+    # The default scrub mode overwrites nothing: the count is 0 by design, and the report says so.
+    assert evidence["scrub_mode"] == "off" and evidence["pages_scrubbed"] == 0
+
+
+def test_a_scrubbing_server_reports_the_pages_it_scrubbed(copy_model_dir: Path, tmp_path: Path,
+                                                          run_canary: RunCanary) -> None:
+    """With --kv-scrub free, /metrics' counter rises over the run and the canary's evidence has
+    the number (not "unavailable") beside the mode."""
+    admin_key = ADMIN_KEY if HAS_ADMIN_KEYS else None
+    with KvsealServer(copy_model_dir, tmp_path, _server_keys(), extra_args=["--kv-scrub", "free"]) as server:
+        before = scrape(server.url, admin_key)
+        status, report = run_canary(server.url, CANARY_KEYS[:2], "--requests", "16", "--max-tokens", "8",
+                                    "--seed", "2", *_admin_flags())
+        after = scrape(server.url, admin_key)
+    assert status == 0, report["verdict"]
+    evidence = report["server_evidence"]
+    assert evidence["scrub_mode"] == "free"
+    scrubbed = evidence["pages_scrubbed"]
+    assert isinstance(scrubbed, float) and scrubbed > 0, evidence
+    assert before.total(PAGES_SCRUBBED) == 0 and after.total(PAGES_SCRUBBED) == scrubbed
 
 
 def test_placeholder_fault_fails_the_run(copy_model_dir: Path, tmp_path: Path, run_canary: RunCanary) -> None:

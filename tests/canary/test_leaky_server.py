@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from kvseal_server import free_port
 from leaky_server import LeakyServer
+from processes import free_port
 
 KEYS = [f"leaky-key-{i}" for i in range(4)]
 FLAGS = ["--requests", "60", "--concurrency", "4", "--seed", "3"]

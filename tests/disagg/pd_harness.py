@@ -4,12 +4,12 @@ frontend: what the PD frontend does, one message at a time, so every step can be
 from __future__ import annotations
 
 import itertools
-import socket
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
+from processes import free_port
 
 from kvseal.config import EngineArgs
 from kvseal.disagg.msgs import (
@@ -33,12 +33,6 @@ from kvseal.types import SamplingParams
 
 MAX_ITERATIONS = 2000
 _ids = itertools.count()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class TestFrontend:

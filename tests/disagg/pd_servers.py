@@ -6,18 +6,21 @@ from __future__ import annotations
 
 import json
 import re
-import signal
-import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
-
-sys.path.insert(0, str(Path(__file__).parent.parent / "server"))  # server_process
-
-from server_process import READY_DEADLINE_S, WAIT_DEADLINE_S, free_port, wait_for  # noqa: E402
+from processes import (
+    READY_DEADLINE_S,
+    WAIT_DEADLINE_S,
+    LoggedProcess,
+    free_port,
+    health_status,
+    kvseal_argv,
+    read_jsonl,
+    wait_for,
+)
 
 KEYS = {"key-alice": {"tenant": "alice"}, "key-bob": {"tenant": "bob"}, "key-mallory": {"tenant": "mallory"},
         "key-ops": {"tenant": "ops", "admin": True}}  # /metrics needs an admin key
@@ -27,45 +30,17 @@ PREFILL_FLAGS = ["--kv-cache-tokens", "256", "--max-model-len", "256", "--max-nu
 DECODE_FLAGS = ["--kv-cache-tokens", "1024", "--max-model-len", "1024"]
 
 
-LAUNCHER = str(Path(__file__).parent.parent / "fault_launcher.py")
 ENGINE_FLAGS = ["--dtype", "float32", "--page-size", "4", "--max-num-batched-tokens", "256"]
 
 
-class Proc:
+class Proc(LoggedProcess):
     def __init__(self, name: str, args: list[str], workdir: Path, faults: str = "none") -> None:
         workdir.mkdir(parents=True, exist_ok=True)
-        self.name = name
-        self.log_path = workdir / f"{name}.log"
-        self.argv = [sys.executable, LAUNCHER, faults, "--", *args]
-        self.proc: subprocess.Popen[bytes] | None = None
+        super().__init__(name, kvseal_argv(args, [faults]), workdir / f"{name}.log")
 
     def start(self) -> Proc:
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT)
+        self.spawn(append=True)  # a restart keeps the earlier run's log
         return self
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
-
-    def assert_running(self) -> None:
-        assert self.proc is not None
-        if self.proc.poll() is not None:
-            raise AssertionError(f"{self.name} exited with {self.proc.returncode}:\n{self.log()[-4000:]}")
-
-    def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(timeout=WAIT_DEADLINE_S)
-
-    def terminate(self) -> int:
-        assert self.proc is not None
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(timeout=WAIT_DEADLINE_S)
-        except subprocess.TimeoutExpired:
-            self.kill()
-            raise AssertionError(f"{self.name} did not exit within {WAIT_DEADLINE_S} s of SIGTERM") from None
 
 
 class PdEngine(Proc):
@@ -110,22 +85,14 @@ class PdFrontend(Proc):
         return f"http://127.0.0.1:{self.port}"
 
     def health(self) -> int:
-        try:
-            return httpx.get(f"{self.url}/health", timeout=5).status_code
-        except httpx.TransportError:
-            return 0
+        return health_status(self.url)
 
     def wait_healthy(self, status: int = 200) -> PdFrontend:
-        def check() -> bool:
-            self.assert_running()
-            return self.health() == status
-        wait_for(check, f"{self.name} /health to answer {status}", READY_DEADLINE_S)
+        self.wait_until_healthy(self.url, status)
         return self
 
     def audit_records(self) -> list[dict[str, Any]]:
-        if not self.audit_path.exists():
-            return []
-        return [json.loads(line) for line in self.audit_path.read_text().splitlines() if line]
+        return read_jsonl(self.audit_path)
 
     def metrics(self) -> str:
         response = httpx.get(f"{self.url}/metrics", timeout=10, headers={"authorization": "Bearer key-ops"})

@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 import torch
 import zmq
-from pd_harness import Handoff, PdPair, free_port
+from pd_harness import Handoff, PdPair
+from processes import free_port
 from test_handoff import GREEDY, args, colocated
 
 from kvseal import SamplingParams
@@ -214,6 +215,22 @@ def test_decode_verification_catches_the_placeholder_prefill(make_pair: Any) -> 
     pair = make_pair()
     victim = _placeholder_victim(pair, list(range(300, 340)), skip_verify=False)
     assert_refused_by_decode(victim, "layer 0 K: only positions [0, 0)")
+    pair.assert_clean()
+
+
+@TRANSPORTS
+def test_prefill_own_isolation_check_reaches_the_client_as_such(make_pair: Any) -> None:
+    """With the checks on, prefill's own coverage check refuses the placeholder's forward: decode
+    ends the request with prefill's code (isolation_check_failed), not as a plain abort or rejection."""
+    pair = make_pair()
+    with inject(Fault.PLACEHOLDER_PREFILL):
+        victim = pair.generate(PROMPT, GREEDY, tenant="bob")
+    assert_refused_by_decode(victim, "isolation check failed")
+    assert victim.rejected is None
+    assert isinstance(victim.prefill_result, PrefillRefusedMsg)
+    assert victim.prefill_result.code == ISOLATION_CHECK_FAILED
+    assert pair.prefill.loop.stats().engine.num_isolation_violations == 1, "PD engines report their checks"
+    assert pair.prefill.loop.stats().handoff_failures == {ISOLATION_CHECK_FAILED: 1}
     pair.assert_clean()
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 from pd_servers import ENGINE_FLAGS, Proc
-from server_process import READY_DEADLINE_S, free_port, wait_for
+from processes import free_port
 
 from kvseal import LLM, SamplingParams
 from kvseal.cli import main
@@ -56,16 +56,8 @@ def test_serve_pd_runs_both_roles_and_equals_colocated(tmp_path: Path, kv_transp
     argv = ["serve", "--pd", "--model", str(model), "--port", str(port), "--kv-transport", kv_transport, *FLAGS]
     server = Proc("serve-pd", argv, tmp_path).start()
     url = f"http://127.0.0.1:{port}"
-
-    def healthy() -> bool:
-        server.assert_running()
-        try:
-            return httpx.get(f"{url}/health", timeout=5).status_code == 200
-        except httpx.TransportError:
-            return False
-
     try:
-        wait_for(healthy, "serve --pd to be ready", READY_DEADLINE_S)
+        server.wait_until_healthy(url)
         prompt = "w100 w101 w102 w7 w8 w9 w10 w11 w12 w13"
         body = httpx.post(f"{url}/v1/completions", json={"prompt": prompt, "max_tokens": 12, "temperature": 0},
                           timeout=60).json()

@@ -22,10 +22,12 @@ import openai
 import pytest
 from marker_model import marker_prompt
 from pd_harness import PdPair
-from pd_servers import KEYS, PdCluster, PdFrontend, assert_engines_clean
+from pd_servers import KEYS, PREFILL_FLAGS, PdCluster, PdFrontend, assert_engines_clean
+from processes import wait_for
 
 from kvseal import SamplingParams
 from kvseal._testing.faults import Fault, inject
+from kvseal.canary.evidence import ISOLATION_VIOLATIONS, PAGES_SCRUBBED, SCRUB_MODE, MetricsSnapshot, scrape
 from kvseal.config import EngineArgs
 from kvseal.types import ISOLATION_CHECK_FAILED
 
@@ -149,6 +151,32 @@ def test_decode_verification_catches_the_placeholder_prefill(pd_cluster: PdClust
     finally:
         pd_cluster.replace_prefill("none")
         frontend.wait_healthy()
+
+
+@pytest.mark.parametrize("pd_cluster", ["tcp"], indirect=True)  # over nixl: test_handoff_faults.py, in-process
+def test_prefill_own_isolation_check_is_answered_and_counted_as_one(pd_cluster: PdCluster) -> None:
+    """The placeholder path on in prefill with its checks on (and --kv-scrub free there): prefill's
+    own coverage check refuses the forward, so every client gets 500 isolation_check_failed and
+    /metrics counts the violations; the pages prefill freed were scrubbed, and counted."""
+    frontend = pd_cluster.frontend
+    pd_cluster.replace_prefill("placeholder_prefill", flags=[*PREFILL_FLAGS, "--kv-scrub", "free"])
+    try:
+        frontend.wait_healthy()
+        before = scrape(frontend.url, "key-ops")
+        results = [send(frontend, "alice", n) for n in (20, 90)]
+        assert all(r.status == 500 and r.code == ISOLATION_CHECK_FAILED for r in results), results
+        after = wait_for(lambda: _scrubbed_since(frontend, before), "prefill's scrubbed pages in /metrics")
+        assert after.total(ISOLATION_VIOLATIONS) - (before.total(ISOLATION_VIOLATIONS) or 0) == len(results)
+        assert after.by_label(SCRUB_MODE, "mode") == {"decode=off,prefill=free": 1.0}
+        assert_engines_clean(pd_cluster.prefill, pd_cluster.decode)
+    finally:
+        pd_cluster.replace_prefill("none")
+        frontend.wait_healthy()
+
+
+def _scrubbed_since(frontend: PdFrontend, before: MetricsSnapshot) -> MetricsSnapshot | None:
+    after = scrape(frontend.url, "key-ops")
+    return after if (after.total(PAGES_SCRUBBED) or 0) > (before.total(PAGES_SCRUBBED) or 0) else None
 
 
 @pytest.mark.parametrize("kv_transport", ["tcp", "nixl"])

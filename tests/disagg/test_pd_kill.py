@@ -11,7 +11,7 @@ import httpx
 import pytest
 from marker_model import marker_prompt
 from pd_servers import PREFILL_FLAGS, PdCluster, assert_engines_clean
-from server_process import wait_for
+from processes import wait_for
 from test_pd_incident import MAX_TOKENS, Result, send
 
 LONG = 240  # tokens: under prefill's limit, 30 prefill steps of 8 tokens each

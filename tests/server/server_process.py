@@ -8,27 +8,19 @@ from __future__ import annotations
 
 import json
 import re
-import signal
-import socket
-import subprocess
-import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
+from processes import LoggedProcess, free_port, kvseal_argv, read_jsonl, wait_for
 
 from kvseal.models.loader import DEFAULT_MODEL_FILE
 
-READY_DEADLINE_S = 180.0
-WAIT_DEADLINE_S = 60.0
 ENGINE_FLAGS = ["--dtype", "float32", "--kv-cache-tokens", "2048", "--page-size", "4", "--max-model-len", "512",
                 "--max-num-batched-tokens", "256"]
 # The isolation tests run in both: the default configuration (what operators run) and checked mode.
 ISOLATION_MODES = {"default": [], "check_kv": ["--check-kv"]}
-FAULT_LAUNCHER = Path(__file__).parent.parent / "fault_launcher.py"
 MAX_MODEL_LEN = 512
 MAX_BODY_BYTES = 1024 * 1024
 KEYS = {
@@ -46,24 +38,7 @@ def client_for(server: ServerProcess, key: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.base_url, api_key=key, max_retries=0, timeout=60)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def wait_for(condition: Callable[[], Any], what: str, deadline_s: float = WAIT_DEADLINE_S) -> Any:
-    """Poll `condition` until it returns something truthy; fail after the deadline."""
-    end = time.monotonic() + deadline_s
-    while time.monotonic() < end:
-        result = condition()
-        if result:
-            return result
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {deadline_s:.0f} s waiting for {what}")
-
-
-class ServerProcess:
+class ServerProcess(LoggedProcess):
     def __init__(self, model_dir: Path | None, workdir: Path, *, keys: dict[str, Any] | None = None,
                  extra_args: list[str] | None = None, faults: list[str] | None = None,
                  own_process_group: bool = False) -> None:
@@ -73,7 +48,6 @@ class ServerProcess:
         workdir.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
         self.audit_path = workdir / "audit.jsonl"
-        self.log_path = workdir / "server.log"
         args = ["--port", str(self.port), "--audit-log", str(self.audit_path), *ENGINE_FLAGS, *(extra_args or [])]
         if model_dir is not None:
             args += ["--model", str(model_dir)]
@@ -81,11 +55,9 @@ class ServerProcess:
             keys_path = workdir / "keys.json"
             keys_path.write_text(json.dumps(keys))
             args += ["--api-keys", str(keys_path)]
-        self._args = args
-        self._faults = faults
-        self._own_process_group = own_process_group
+        super().__init__("the server", kvseal_argv(["serve", *args], faults), workdir / "server.log",
+                         new_session=own_process_group)
         self.admin_key = next((k for k, v in (keys or {}).items() if v.get("admin")), None)
-        self.proc: subprocess.Popen[bytes] | None = None
         self.model_name = model_dir.name if model_dir is not None else Path(DEFAULT_MODEL_FILE).stem
 
     @property
@@ -97,24 +69,13 @@ class ServerProcess:
         return f"{self.url}/v1"
 
     def start(self) -> ServerProcess:
-        entry = ["-m", "kvseal.cli"] if self._faults is None else [str(FAULT_LAUNCHER), ",".join(self._faults), "--"]
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen([sys.executable, *entry, "serve", *self._args], stdout=log,
-                                         stderr=subprocess.STDOUT, start_new_session=self._own_process_group)
-        wait_for(self._is_ready, f"the server to be ready (log: {self.log_path})", READY_DEADLINE_S)
-        return self
-
-    def _is_ready(self) -> bool:
-        assert self.proc is not None
-        if self.proc.poll() is not None:
-            raise AssertionError(f"server exited with {self.proc.returncode} during start-up:\n{self.log()}")
+        self.spawn()
         try:
-            return httpx.get(f"{self.url}/health", timeout=5).status_code == 200
-        except httpx.TransportError:
-            return False
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
+            self.wait_until_healthy(self.url)
+        except AssertionError:
+            self.kill()  # one that never became ready is not left running (its engine exits with it)
+            raise
+        return self
 
     @property
     def engine_pid(self) -> int:
@@ -123,9 +84,7 @@ class ServerProcess:
         return int(match.group(1))
 
     def audit_records(self) -> list[dict[str, Any]]:
-        if not self.audit_path.exists():
-            return []
-        return [json.loads(line) for line in self.audit_path.read_text().splitlines() if line]
+        return read_jsonl(self.audit_path)
 
     def audit_for(self, request_id: str) -> dict[str, Any]:
         """The one audit record of a request, once written (fails if there are several)."""
@@ -147,20 +106,3 @@ class ServerProcess:
         match = re.search(rf"^{re.escape(name)} (\S+)$", text, re.MULTILINE)
         assert match, f"metric {name} not in /metrics"
         return float(match.group(1))
-
-    def terminate(self) -> int:
-        """SIGTERM, then the exit status (SIGKILL and fail if it does not exit in time)."""
-        assert self.proc is not None
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(timeout=WAIT_DEADLINE_S)
-        except subprocess.TimeoutExpired:
-            self.kill()
-            raise AssertionError(f"server did not exit within {WAIT_DEADLINE_S} s of SIGTERM") from None
-
-    def kill(self) -> None:
-        """SIGKILL the frontend; its engine notices and exits by itself."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(timeout=WAIT_DEADLINE_S)

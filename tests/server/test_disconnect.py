@@ -6,7 +6,8 @@ import json
 import socket
 
 import httpx
-from server_process import MAX_MODEL_LEN, ServerProcess, wait_for
+from processes import wait_for
+from server_process import MAX_MODEL_LEN, ServerProcess
 
 LONG = {"prompt": "w5 w6 w7", "max_tokens": MAX_MODEL_LEN - 3, "ignore_eos": True}
 

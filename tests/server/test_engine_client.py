@@ -41,7 +41,8 @@ from kvseal.server.state import AppState
 from kvseal.types import SamplingParams
 
 READY = EngineReadyMsg(pid=1, model_name="tiny", model_path="/m", tokenizer_path="/m", architecture="llama",
-                       max_model_len=64, kv_cache_tokens=256, vocab_size=512, page_size=4, num_pages=64)
+                       max_model_len=64, kv_cache_tokens=256, vocab_size=512, page_size=4, num_pages=64,
+                       kv_scrub_policy="off")
 ALICE = Tenant("alice")
 
 

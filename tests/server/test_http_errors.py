@@ -7,7 +7,8 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from server_process import MAX_BODY_BYTES, MAX_MODEL_LEN, ServerProcess, client_for, wait_for
+from processes import wait_for
+from server_process import MAX_BODY_BYTES, MAX_MODEL_LEN, ServerProcess, client_for
 
 ALICE = {"Authorization": "Bearer key-alice"}
 JSON = {"content-type": "application/json"}

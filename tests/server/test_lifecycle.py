@@ -17,7 +17,8 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from server_process import WAIT_DEADLINE_S, ServerProcess, client_for, free_port, wait_for
+from processes import WAIT_DEADLINE_S, free_port, wait_for
+from server_process import ServerProcess, client_for
 
 BODY = {"prompt": "w5 w6", "max_tokens": 300, "ignore_eos": True, "stream": True}
 

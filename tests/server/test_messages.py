@@ -29,10 +29,10 @@ OUTPUT = RequestOutputMsg("r1", "alice", [5, 6], " w5 w6", True, "stop", "yz", 3
 TO_ENGINE = [AddRequestMsg("r1", "alice", "ns", [1, 2, 3], params_to_msg(PARAMS)), AbortMsg("r1", "alice", "why"),
              ShutdownMsg("stop")]
 FROM_ENGINE = [
-    EngineReadyMsg(1, "m", "/m", "/m", "LlamaForCausalLM", 512, 2048, 512, 4, 512),
+    EngineReadyMsg(1, "m", "/m", "/m", "LlamaForCausalLM", 512, 2048, 512, 4, 512, "off"),
     EngineFailedMsg("ConfigError", "too small"), EngineStoppedMsg(2),
     RequestRejectedMsg("r1", "alice", "context_length_exceeded", "too long", "prompt", 400),
-    OutputsMsg([OUTPUT]), EngineStatsMsg(1, 2, 3, 4, 5),
+    OutputsMsg([OUTPUT]), EngineStatsMsg(1, 2, 3, 4, 5, 6, 7),
 ]
 
 
