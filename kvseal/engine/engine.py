@@ -61,6 +61,8 @@ class EngineStats:
 class LLMEngine:
     def __init__(self, args: EngineArgs, loaded: LoadedModel | None = None) -> None:
         torch.manual_seed(args.seed)
+        if args.num_threads is not None:
+            torch.set_num_threads(args.num_threads)
         self.loaded = loaded or load_model(args.model, args.torch_dtype)
         self.model_config: ModelConfig = self.loaded.config
         self.tokenizer: Any = self.loaded.tokenizer
@@ -86,11 +88,11 @@ class LLMEngine:
         logger.info(
             "kvseal engine: model=%s arch=%s dtype=%s max_model_len=%d kv_cache_tokens=%d (%d pages x %d) "
             "kv_bytes_per_token=%d max_num_batched_tokens=%d max_prefill_chunk_tokens=%d max_num_seqs=%d "
-            "kv_scrub=%s check_kv=%s prefix_caching=%s",
+            "kv_scrub=%s check_kv=%s prefix_caching=%s torch_threads=%d",
             self.loaded.path, self.model_config.architecture, args.dtype, s.max_model_len, c.kv_cache_tokens,
             c.num_pages, c.page_size, args.capacity(self.model_config).bytes_per_token,
             s.max_num_batched_tokens, s.max_prefill_chunk_tokens, s.max_num_seqs, c.kv_scrub, c.check_kv,
-            c.enable_prefix_caching,
+            c.enable_prefix_caching, torch.get_num_threads(),
         )
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
