@@ -30,6 +30,7 @@ from kvseal.errors import InvalidParameter, IsolationViolation
 from kvseal.kvcache.manager import KVCacheManager
 from kvseal.kvcache.prefix_cache import namespace_of
 from kvseal.models.loader import LoadedModel, load_model
+from kvseal.models.packed import can_pack, pack_model
 from kvseal.models.quant import quantize_model
 from kvseal.prompting import encode_text
 from kvseal.structured.compiler import GrammarCompilerPool
@@ -73,6 +74,8 @@ class LLMEngine:
         self.kv = KVCacheManager(self.cache_config, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
         self.scheduler = Scheduler(self.scheduler_config, self.kv)
         model = quantize_model(self.loaded.model.to(args.torch_dtype), args.quantization)
+        if can_pack(args.torch_dtype, args.quantization):
+            model = pack_model(model)
         self.runner = ModelRunner(model, self.kv.pool)
         self._outputs: dict[str, OutputState] = {}
         self._num_preemptions = 0
