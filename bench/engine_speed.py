@@ -74,6 +74,31 @@ def run_concurrency(llm: LLM, concurrency: int, num_requests: int, prompt_len: i
             "mean_ttft_ms": round(1000 * statistics.mean(ttfts), 1), "p99_ttft_ms": round(1000 * p99, 1)}
 
 
+def bench_linears(rows_list: list[int], repeats: int) -> dict[str, Any]:
+    """nn.Linear against PackedLinear over a SmolLM2-135M-shaped stack (30 layers' q/k/v, o,
+    gate/up, down with distinct weights, so nothing stays in cache, and the lm_head),
+    alternating, best of `repeats`: ms per pass at each row count."""
+    from kvseal.models.packed import PackedLinear  # this tree's; main has no packing
+
+    shapes = [(576, 960), (576, 576), (576, 3072), (1536, 576)] * 30 + [(576, 49152)]
+    plain = [torch.nn.Linear(k, n, bias=False) for k, n in shapes]
+    packed = [PackedLinear(linear) for linear in plain]
+    results = []
+    for rows in rows_list:
+        inputs = [torch.randn(rows, k) for k, _ in shapes]
+        best = {"linear": float("inf"), "packed": float("inf")}
+        for _ in range(repeats):
+            for name, layers in (("linear", plain), ("packed", packed)):
+                start = time.perf_counter()
+                with torch.inference_mode():
+                    for layer, x in zip(layers, inputs):
+                        layer(x)
+                best[name] = min(best[name], 1000 * (time.perf_counter() - start))
+        results.append({"rows": rows, "linear_ms": round(best["linear"], 1), "packed_ms": round(best["packed"], 1),
+                        "speedup": round(best["linear"] / best["packed"], 2)})
+    return {"linears": results, "threads": torch.get_num_threads(), "loadavg": os.getloadavg()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--label", default="")
@@ -84,9 +109,14 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+    parser.add_argument("--linears", type=int, nargs="*", default=None, metavar="ROWS",
+                        help="instead: time nn.Linear against the packed linears at these row counts")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.linears is not None:
+        print(json.dumps(bench_linears(args.linears or [1, 8, 32, 256], repeats=4)))
+        return
     started = time.perf_counter()
     max_c = max(args.concurrency)
     llm = LLM(dtype=args.dtype, max_model_len=args.prompt_len + args.output_len,

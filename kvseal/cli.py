@@ -123,8 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(func=_cmd_serve)
 
     engine = sub.add_parser("engine", help="one prefill or decode engine for a PD frontend (kvseal serve --prefill)")
-    add_engine_arguments(engine)
-    add_engine_node_arguments(engine)
+    add_engine_arguments(engine, with_threads=False)
+    add_engine_node_arguments(engine)  # its --threads sets both the node's and EngineArgs' threads
     engine.set_defaults(func=_cmd_engine)
 
     add_bench_parser(sub)

@@ -174,6 +174,10 @@ class EngineArgs:
     check_kv: bool = False
     enable_prefix_caching: bool = True  # reuse full KV pages of earlier prompts of the same tenant (I5)
     seed: int = 0  # torch's global seed; unseeded requests draw their own from the OS, never from this
+    # torch's intra-op CPU threads in the engine process, set before the model loads; None keeps
+    # torch's default (one per core). A host shared with the frontend or other work may do better
+    # with fewer: OpenMP workers wait at every op's barrier for a thread that is off-CPU.
+    num_threads: int | None = None
 
     def __post_init__(self) -> None:
         if self.dtype == "auto":
@@ -199,6 +203,10 @@ class EngineArgs:
             raise ConfigError(f"max_prefill_chunk_tokens must be a whole number of tokens, got "
                               f"{self.max_prefill_chunk_tokens!r}; leave it unset for the default "
                               f"(512, or the budget if smaller)")
+        if self.num_threads is not None and (isinstance(self.num_threads, bool) or not isinstance(self.num_threads, int)
+                                             or self.num_threads < 1):
+            raise ConfigError(f"--threads (num_threads) must be a whole number >= 1, got {self.num_threads!r}; "
+                              f"leave it unset for torch's default (one per core)")
         parse_bytes(self.kv_cache_memory)  # a malformed or negative size fails here, by name
 
     @property

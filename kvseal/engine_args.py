@@ -25,8 +25,11 @@ def _max_model_len(value: str) -> int | str:
     return "auto" if value == "auto" else int(value)
 
 
-def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    """Flags that become `EngineArgs` fields (shared by generate and serve)."""
+def add_engine_arguments(parser: argparse.ArgumentParser, *, with_threads: bool = True) -> None:
+    """Flags that become `EngineArgs` fields (shared by generate, serve and engine).
+
+    `with_threads` False leaves `--threads` to the caller (`kvseal engine` defines its own,
+    with the same meaning and dest)."""
     d = EngineArgs()
     parser.add_argument("--model", default=None, help="local model folder or .gguf file (default: SmolLM2-135M)")
     parser.add_argument("--dtype", type=dtype_arg, default=d.dtype)
@@ -50,6 +53,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         help="turn off the prefix cache (on by default; per tenant, I5): every prompt is "
                         "prefilled in full")
     parser.add_argument("--seed", type=int, default=d.seed)
+    if with_threads:
+        parser.add_argument("--threads", type=int, default=None, metavar="N",
+                            help="CPU threads torch uses in the engine (default: torch's own, one per core); "
+                                 "on a host shared with other work fewer threads can be much faster")
 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
@@ -59,5 +66,5 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
         kv_cache_memory=ns.kv_cache_memory, kv_headroom=ns.kv_headroom, page_size=ns.page_size,
         max_num_batched_tokens=ns.max_num_batched_tokens, max_num_seqs=ns.max_num_seqs,
         max_prefill_chunk_tokens=ns.max_prefill_chunk_tokens, kv_scrub=ns.kv_scrub, check_kv=ns.check_kv,
-        enable_prefix_caching=ns.enable_prefix_caching, seed=ns.seed,
+        enable_prefix_caching=ns.enable_prefix_caching, seed=ns.seed, num_threads=ns.threads,
     )

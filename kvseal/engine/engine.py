@@ -30,6 +30,7 @@ from kvseal.errors import InvalidParameter, IsolationViolation
 from kvseal.kvcache.manager import KVCacheManager
 from kvseal.kvcache.prefix_cache import namespace_of
 from kvseal.models.loader import LoadedModel, load_model
+from kvseal.models.packed import can_pack, pack_model
 from kvseal.models.quant import quantize_model
 from kvseal.prompting import encode_text
 from kvseal.structured.compiler import GrammarCompilerPool
@@ -62,6 +63,8 @@ class EngineStats:
 class LLMEngine:
     def __init__(self, args: EngineArgs, loaded: LoadedModel | None = None) -> None:
         torch.manual_seed(args.seed)
+        if args.num_threads is not None:
+            torch.set_num_threads(args.num_threads)
         self.loaded = loaded or load_model(args.model, args.torch_dtype)
         self.model_config: ModelConfig = self.loaded.config
         self.tokenizer: Any = self.loaded.tokenizer
@@ -72,6 +75,8 @@ class LLMEngine:
         self.kv = KVCacheManager(self.cache_config, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
         self.scheduler = Scheduler(self.scheduler_config, self.kv)
         model = quantize_model(self.loaded.model.to(args.torch_dtype), args.quantization)
+        if can_pack(args.torch_dtype, args.quantization):
+            model = pack_model(model)
         self.runner = ModelRunner(model, self.kv.pool)
         self._outputs: dict[str, OutputState] = {}
         self._num_preemptions = 0
@@ -87,11 +92,11 @@ class LLMEngine:
         logger.info(
             "kvseal engine: model=%s arch=%s dtype=%s max_model_len=%d kv_cache_tokens=%d (%d pages x %d) "
             "kv_bytes_per_token=%d max_num_batched_tokens=%d max_prefill_chunk_tokens=%d max_num_seqs=%d "
-            "kv_scrub=%s check_kv=%s prefix_caching=%s",
+            "kv_scrub=%s check_kv=%s prefix_caching=%s torch_threads=%d",
             self.loaded.path, self.model_config.architecture, args.dtype, s.max_model_len, c.kv_cache_tokens,
             c.num_pages, c.page_size, args.capacity(self.model_config).bytes_per_token,
             s.max_num_batched_tokens, s.max_prefill_chunk_tokens, s.max_num_seqs, c.kv_scrub, c.check_kv,
-            c.enable_prefix_caching,
+            c.enable_prefix_caching, torch.get_num_threads(),
         )
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:

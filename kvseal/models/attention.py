@@ -47,8 +47,21 @@ class FreshPrefills:
 @dataclass(frozen=True)
 class DecodeRows:
     token_idx: torch.Tensor | None  # [num_decodes] into the flattened tokens; None: every token is a decode
-    pages: torch.Tensor  # [num_decodes, max_pages]
+    pages: torch.Tensor  # [num_decodes * max_pages]: each row's pages, padded with its own last page
     masked_out: torch.Tensor  # [1, num_decodes, 1, max_pages * page_size] bool: slot >= context_len
+    # This forward's gather targets, [num_kv_heads, num_decodes * max_pages, page_size, head_dim]:
+    # every layer overwrites them with its own pages (one layer's attention has finished with
+    # them before the next layer gathers), so a step allocates them once, not once per layer.
+    k_pages: torch.Tensor
+    v_pages: torch.Tensor
+
+    def gather(self, pool: KVPool, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows' pages of `layer` -> k, v: [num_kv_heads, num_decodes, max_pages * page_size, head_dim]."""
+        torch.index_select(pool.k[layer], 1, self.pages, out=self.k_pages)
+        torch.index_select(pool.v[layer], 1, self.pages, out=self.v_pages)
+        num_kv_heads, _, page_size, head_dim = self.k_pages.shape
+        shape = (num_kv_heads, self.masked_out.shape[1], -1, head_dim)
+        return self.k_pages.view(shape), self.v_pages.view(shape)
 
 
 @dataclass(frozen=True)
@@ -60,7 +73,7 @@ class AttentionPlan:
     fresh: list[FreshPrefills]
 
     @classmethod
-    def build(cls, batch: ForwardBatch, page_size: int) -> AttentionPlan:
+    def build(cls, batch: ForwardBatch, pool: KVPool) -> AttentionPlan:
         decode_rows: list[int] = []
         prefills: list[PrefillSpan] = []
         fresh_starts: dict[int, list[int]] = {}  # length -> first token of each chunk
@@ -80,8 +93,11 @@ class AttentionPlan:
         if len(decode_rows) < len(batch.query_lens):
             token_idx = torch.tensor([0, *batch.query_lens]).cumsum(0)[torch.tensor(decode_rows)]
         pages, masked_out = _padded_pages([batch.block_tables[i] for i in decode_rows],
-                                    [batch.context_lens[i] for i in decode_rows], page_size)
-        return cls(DecodeRows(token_idx, pages, masked_out), prefills, fresh)
+                                          [batch.context_lens[i] for i in decode_rows], pool.page_size)
+        num_kv_heads, page_size, head_dim = pool.page_shape()
+        buffer_shape = (num_kv_heads, pages.numel(), page_size, head_dim)
+        k_pages, v_pages = (torch.empty(buffer_shape, dtype=pool.k[0].dtype) for _ in range(2))
+        return cls(DecodeRows(token_idx, pages.reshape(-1), masked_out, k_pages, v_pages), prefills, fresh)
 
 
 def _prefill_span(token_start: int, query_len: int, context_len: int, pages: torch.Tensor) -> PrefillSpan:
@@ -116,8 +132,7 @@ def paged_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, p
     out = torch.empty_like(q)
     if plan.decode is not None:
         rows = plan.decode
-        k, v = pool.read_pages(layer, rows.pages)  # [kv_heads, B, P, page_size, head_dim]
-        k, v = k.flatten(2, 3), v.flatten(2, 3)  # [kv_heads, B, P * page_size, head_dim]
+        k, v = rows.gather(pool, layer)  # [kv_heads, B, P * page_size, head_dim]
         if rows.token_idx is None:
             out = _decode_attention(q, k, v, rows.masked_out)
         else:

@@ -117,7 +117,7 @@ class CausalLM(nn.Module):
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, pool: KVPool) -> torch.Tensor:
         """Run one forward, writing the new tokens' KV; return logits [num_samples, vocab] (fp32)."""
-        plan = AttentionPlan.build(batch, pool.page_size)
+        plan = AttentionPlan.build(batch, pool)
         h = self.model.embed_tokens(batch.input_ids)
         cos_sin = self.rope.cos_sin(batch.positions, h.dtype)
         for layer in self.model.layers:

@@ -55,9 +55,14 @@ def run(ns: argparse.Namespace) -> int:
     audit = _open_audit(config)
     try:
         topology = PdTopology.from_namespace(ns)
+        engine_args = engine_args_from(ns)
         if topology is not None:
-            return asyncio.run(_serve_pd(config, engine_args_from(ns), keys, audit, topology, ns))
-        return asyncio.run(_serve(config, engine_args_from(ns), keys, audit))
+            if engine_args.num_threads is not None:
+                raise ConfigError("--threads sets the colocated engine's CPU threads; with --pd give "
+                                  "--pd-threads PREFILL,DECODE, with --prefill/--decode give each "
+                                  "`kvseal engine` its own --threads")
+            return asyncio.run(_serve_pd(config, engine_args, keys, audit, topology, ns))
+        return asyncio.run(_serve(config, engine_args, keys, audit))
     finally:
         audit.close()
 

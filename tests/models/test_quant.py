@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -13,6 +14,7 @@ from torch import nn
 from kvseal import ConfigError
 from kvseal.cli import main as cli_main
 from kvseal.config import EngineArgs
+from kvseal.models.loader import load_model
 from kvseal.models.quant import Int8Linear, dequantize_int8, quantize_int8, quantize_model
 from kvseal.types import SamplingParams
 
@@ -55,8 +57,8 @@ def test_int8_linear_matches_the_dequantized_reference(compute_dtype: torch.dtyp
     assert torch.equal(quantized(x.reshape(1, rows, 96)).reshape(rows, 40), out)
 
 
-def test_quantize_model_swaps_every_projection_and_is_idempotent(make_llm: Callable[..., Any]) -> None:
-    model = make_llm().engine.runner.model
+def test_quantize_model_swaps_every_projection_and_is_idempotent(llama_dir: Path) -> None:
+    model = load_model(str(llama_dir), torch.float32).model  # as loaded (the engine packs float32 linears)
     reference = {name: m.weight.detach().clone() for name, m in model.named_modules() if isinstance(m, nn.Linear)}
     quantize_model(model, "int8")
     int8 = {name: m for name, m in model.named_modules() if isinstance(m, Int8Linear)}

@@ -1,0 +1,74 @@
+"""float32 linear layers with oneDNN-packed weights (the CPU engine's default in float32).
+
+`F.linear` in float32 calls MKL's sgemm, which repacks the weight into its blocked layout on
+every call; at the small batches of a decode step (1-32 rows) that repacking and its small-M
+kernels dominate. `PackedLinear` packs each weight once, at start-up, into oneDNN's blocked
+layout (`torch.ops.mkldnn._reorder_linear_weight`, the packing Inductor's CPU backend uses
+for frozen linears) and multiplies with `torch.ops.mkldnn._linear_pointwise`. Same inputs,
+outputs and dtype as `nn.Linear`; the sums may round differently in the last bit (another
+sgemm), like any change of BLAS. Measured in docs/BENCHMARKS.md ("Engine speed, round 2").
+
+The packed weight replaces the module's float32 weight (no second copy), except for a
+lm_head tied to the embedding table, which keeps the table for the lookup: that head costs
+one extra copy of the table.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from kvseal.models.llama import CausalLM
+from kvseal.models.quant import LAYER_LINEARS
+
+logger = logging.getLogger("kvseal")
+
+# oneDNN chooses its blocked layout for this many rows; other row counts run with the same
+# packed weight (checked in tests/models/test_packed.py).
+PACK_ROWS = 32
+
+
+def can_pack(dtype: torch.dtype, quantization: str) -> bool:
+    """Packing applies to unquantized float32 models on a torch built with oneDNN."""
+    return dtype == torch.float32 and quantization == "none" and torch.backends.mkldnn.is_available()
+
+
+class PackedLinear(nn.Module):
+    """`nn.Linear` (float32) whose weight is held packed for oneDNN; same inputs and outputs."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        # An opaque oneDNN tensor: kept as a plain attribute, outside the state dict and `.to()`.
+        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), PACK_ROWS)
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [..., in_features] float32 -> [..., out_features]
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, oneDNN-packed"
+
+
+def pack_model(model: CausalLM) -> CausalLM:
+    """Swap every float32 `nn.Linear` of the decoder layers and the lm_head for a
+    `PackedLinear`, in place. Call after the model is in its final dtype; a model that is not
+    float32 or already packed is left as it is."""
+    if model.model.norm.weight.dtype != torch.float32:
+        return model
+    swapped = sum(_swap(getattr(layer, owner_name), attr)
+                  for layer in model.model.layers for owner_name, attr in LAYER_LINEARS)
+    swapped += _swap(model, "lm_head")
+    logger.info("float32 linears: %d hold oneDNN-packed weights", swapped)
+    return model
+
+
+def _swap(owner: nn.Module, attr: str) -> int:
+    linear = getattr(owner, attr)
+    if not isinstance(linear, nn.Linear) or linear.weight.dtype != torch.float32:
+        return 0
+    setattr(owner, attr, PackedLinear(linear))
+    return 1

@@ -1,0 +1,70 @@
+"""oneDNN-packed float32 linears: same results as `nn.Linear` (to the last bits of another
+sgemm) for any row count and leading shape; the float32 engine uses them, other dtypes and
+quantized models do not; a tied lm_head leaves the embedding table in place."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvseal.models.loader import load_model
+from kvseal.models.packed import PackedLinear, can_pack, pack_model
+from kvseal.models.quant import Int8Linear
+from kvseal.types import SamplingParams
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 3, 32, 100, 513])  # below, at and above the packing's row count
+def test_packed_linear_matches_nn_linear(bias: bool, rows: int) -> None:
+    torch.manual_seed(0)
+    linear = nn.Linear(96, 40, bias=bias)
+    packed = PackedLinear(linear)
+    x = torch.randn(rows, 96)
+    expected = F.linear(x, linear.weight, linear.bias)
+    out = packed(x)
+    assert out.dtype == torch.float32 and out.shape == (rows, 40)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(packed(x.reshape(1, rows, 96)).reshape(rows, 40), out, rtol=0, atol=0)
+
+
+def test_pack_model_swaps_every_float32_linear_and_keeps_the_tied_embedding(llama_dir: Path) -> None:
+    model = load_model(str(llama_dir), torch.float32).model
+    linears = {name for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+    embedding = model.model.embed_tokens.weight.detach().clone()
+    pack_model(model)
+    packed = {name for name, m in model.named_modules() if isinstance(m, PackedLinear)}
+    assert packed == linears and not any(isinstance(m, nn.Linear) for m in model.modules())
+    assert torch.equal(model.model.embed_tokens.weight, embedding)
+    again = pack_model(model)  # packing twice is harmless
+    assert {name for name, m in again.named_modules() if isinstance(m, PackedLinear)} == packed
+
+
+def test_only_unquantized_float32_is_packed(make_llm: Callable[..., Any]) -> None:
+    assert can_pack(torch.float32, "none") == torch.backends.mkldnn.is_available()
+    assert not can_pack(torch.bfloat16, "none") and not can_pack(torch.float32, "int8")
+    modules = {dtype: list(make_llm(dtype=dtype).engine.runner.model.modules()) for dtype in ("float32", "bfloat16")}
+    assert any(isinstance(m, PackedLinear) for m in modules["float32"]) == can_pack(torch.float32, "none")
+    assert not any(isinstance(m, PackedLinear) for m in modules["bfloat16"])
+    int8 = list(make_llm(quantization="int8").engine.runner.model.modules())
+    assert any(isinstance(m, Int8Linear) for m in int8) and not any(isinstance(m, PackedLinear) for m in int8)
+
+
+def test_packed_engine_equals_the_unpacked_model(make_llm: Callable[..., Any], llama_dir: Path) -> None:
+    """Greedy tokens and logprobs of the packed engine against the same engine without packing."""
+    prompts = [list(range(20, 32)), list(range(50, 90)), [7, 8]]
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=0)
+    packed = make_llm().generate(prompts, params)
+    unpacked_llm = make_llm()
+    unpacked_llm.engine.runner.model = load_model(str(llama_dir), torch.float32).model
+    unpacked = unpacked_llm.generate(prompts, params)
+    for a, b in zip(packed, unpacked):
+        assert a.token_ids == b.token_ids
+        assert a.logprobs is not None and b.logprobs is not None
+        torch.testing.assert_close(torch.tensor([lp.logprob for lp in a.logprobs]),
+                                   torch.tensor([lp.logprob for lp in b.logprobs]), rtol=0, atol=1e-4)
