@@ -137,7 +137,7 @@ PoolShape = tuple[int, int, int, int, int, str]  # layers, pages, page_size, kv_
 
 def decode_process(conn: Any, transport: str, shape: PoolShape) -> None:
     """Decode's receiver over its own pool, in its own process; serves commands from `conn`:
-    ("authorize", transfer id, pages, num positions) -> "ready", then the time every layer's K
+    ("authorize", transfer id, pages, num positions) -> the transfer's KV address, then the time every layer's K
     and V landed; ("raw_zmq", sizes) and ("raw_nixl", num bytes): the raw loopback receivers."""
     torch.set_num_threads(1)
     num_layers, num_pages, page_size, num_kv_heads, head_dim, dtype = shape
@@ -175,7 +175,7 @@ def receive_transfer(conn: Any, router: zmq.Socket, receiver: KVReceiver, num_la
                      pages: list[int], num_positions: int) -> float:
     """What decode's engine loop does for a transfer, until every layer's K and V landed."""
     receiver.authorize(transfer_id, pages)
-    conn.send("ready")
+    conn.send(receiver.address_for(transfer_id))
 
     def complete() -> bool:
         landing = receiver.landed(transfer_id)
@@ -259,8 +259,8 @@ class TransferBench:
         """One push: (MiB/s until decode has it all, MiB/s until `push` returned, bytes)."""
         transfer_id = f"bench-{next(self._ids)}"
         self.conn.send(("authorize", transfer_id, self.dest_pages, self.num_positions))
-        assert self.conn.recv() == "ready"
-        plan = PushPlan(transfer_id, self.src_pages, [self.num_positions] * len(self.pool.k), self.kv_address,
+        kv_address = self.conn.recv()  # the transfer's own address (NIXL's names its arena pages)
+        plan = PushPlan(transfer_id, self.src_pages, [self.num_positions] * len(self.pool.k), kv_address,
                         self.dest_pages)
         start = time.perf_counter()
         num_bytes = self.sender.push(plan, self.pool)

@@ -100,7 +100,7 @@ class DecodeSteps:
         placed = self.table.place_waiting()
         for r in placed:
             self.replies.send(r.frontend, ReservedMsg(r.request_id, r.tenant, r.transfer_id, list(r.pages),
-                                                      self.engine.kv.page_size, self.receiver.address,
+                                                      self.engine.kv.page_size, self.receiver.address_for(r.transfer_id),
                                                       r.num_cached_tokens))
         return bool(placed)
 

@@ -94,7 +94,12 @@ class KVReceiver(Protocol):
 
     @property
     def address(self) -> str:
-        """Where senders deliver KV for this engine (sent to prefill in `ReservedMsg`)."""
+        """Where senders reach this engine's KV receiver."""
+        ...
+
+    def address_for(self, transfer_id: str) -> str:
+        """Where prefill delivers an authorized transfer's KV (sent to it in `ReservedMsg`): the
+        receiver's address, plus whatever the transport needs to know of this transfer."""
         ...
 
     def authorize(self, transfer_id: str, pages: list[int], start: int = 0) -> None:
