@@ -17,13 +17,16 @@ thread, `cancel` is immediately final.
 
 from __future__ import annotations
 
+import bisect
+import ctypes
 import time
 
+import numpy as np
 import torch
 import zmq
 
 from kvseal.disagg.msgs import KVBlockMsg
-from kvseal.disagg.transport import KINDS, Landing, PushPlan, TransportError, copy_pages, joint_runs
+from kvseal.disagg.transport import KINDS, Landing, PushPlan, TransportError, joint_runs, page_runs
 from kvseal.disagg.wire import PeerLinks
 from kvseal.kvcache.pool import KVPool
 
@@ -107,6 +110,7 @@ class TcpReceiver:
         self._num_layers = num_layers
         self._address = address
         self._pages: dict[str, list[int]] = {}
+        self._runs: dict[str, list[tuple[int, int, int]]] = {}  # page_runs of each transfer's pages
         self._starts: dict[str, int] = {}  # the first position each transfer may write
         self._landed: dict[str, Landing] = {}
 
@@ -118,7 +122,10 @@ class TcpReceiver:
         return self._address  # frames name their transfer in their header
 
     def authorize(self, transfer_id: str, pages: list[int], start: int = 0) -> None:
+        if not all(0 <= page < self._pool.num_pages for page in pages):
+            raise ValueError(f"pages outside the pool of {self._pool.num_pages}: {pages}")
         self._pages[transfer_id] = list(pages)
+        self._runs[transfer_id] = page_runs(pages)
         self._starts[transfer_id] = start
         self._landed[transfer_id] = Landing(start + len(pages) * self._pool.page_size)
 
@@ -133,6 +140,7 @@ class TcpReceiver:
 
     def cancel(self, transfer_id: str) -> bool:
         self._pages.pop(transfer_id, None)
+        self._runs.pop(transfer_id, None)
         self._starts.pop(transfer_id, None)
         self._landed.pop(transfer_id, None)
         return True  # this receiver is the only writer: nothing of the transfer can land now
@@ -155,12 +163,10 @@ class TcpReceiver:
         if pieces is None:
             return "bad_block_size"
         target = self._pool.k[header.layer] if header.kind == "k" else self._pool.v[header.layer]
-        frames = [torch.frombuffer(frame, dtype=target.dtype).view(1, -1, page_size, target.shape[3])
-                  for frame in payload]
-        for index, offset, head, page, count in pieces:
-            copy_pages(target[head:head + 1], pages[first + page:first + page + count], frames[index],
-                       list(range(offset, offset + count)))
-        target[:, pages[last - 1], header.end - base - (last - 1) * page_size:] = 0  # only [start, end) lands
+        _copy_pieces(target, self._runs[header.transfer_id], first, pieces, payload)
+        tail = header.end - base - (last - 1) * page_size
+        if tail < page_size:
+            target[:, pages[last - 1], tail:] = 0  # only [start, end) lands
         landing.add(header.layer, header.kind, header.start, header.end, num_bytes)
         return None
 
@@ -193,3 +199,26 @@ class TcpReceiver:
         num_pages = -(-header.end // page_size) - header.start // page_size
         expected = num_kv_heads * num_pages * page_size * head_dim * self._pool.k[0].element_size()
         return None if num_bytes == expected else "bad_block_size"
+
+
+def _copy_pieces(target: torch.Tensor, runs: list[tuple[int, int, int]], first: int,
+                 pieces: list[tuple[int, int, int, int, int]], payload: list[memoryview]) -> None:
+    """Copy each piece (frame, first page in the frame, head, first page, page count; pages
+    counted from `first` in the reservation) into `target` [kv_heads, num_pages, page_size,
+    head_dim] at the reservation's pages, `runs` (its `page_runs`, ids checked against the pool
+    when authorized): one memmove per piece and run of consecutive pages, straight from ZMQ's
+    buffers, on this thread."""
+    page_bytes = target[0, 0].numel() * target.element_size()
+    head_bytes = target.shape[1] * page_bytes
+    target_ptr = target.data_ptr()
+    sources = [np.frombuffer(frame, dtype=np.uint8).ctypes.data for frame in payload]
+    starts = [index for index, _, _ in runs]
+    for frame, offset, head, page, count in pieces:
+        lo, hi = first + page, first + page + count  # indexes into the reservation's pages
+        source = sources[frame] + (offset - lo) * page_bytes  # page index i is at source + i * page_bytes
+        for index, first_page, run_count in runs[bisect.bisect_right(starts, lo) - 1:]:
+            if index >= hi:
+                break
+            a, b = max(lo, index), min(hi, index + run_count)
+            ctypes.memmove(target_ptr + head * head_bytes + (first_page + a - index) * page_bytes,
+                           source + a * page_bytes, (b - a) * page_bytes)

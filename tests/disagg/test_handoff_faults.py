@@ -19,10 +19,11 @@ from kvseal._testing.faults import Fault, inject
 from kvseal.disagg.msgs import HANDOFF_FAILED, CommitMsg, KVBlockMsg, PrefillRefusedMsg, WrittenRangeMsg, decode
 from kvseal.disagg.nixl import ArenaPages, NixlSender, decode_address
 from kvseal.disagg.node import EngineNode, NodeConfig
-from kvseal.disagg.tcp import TcpSender
+from kvseal.disagg.tcp import TcpReceiver, TcpSender
 from kvseal.disagg.transport import PushPlan, copy_pages
 from kvseal.disagg.wire import PeerLinks
 from kvseal.errors import ConfigError
+from kvseal.kvcache.pool import KVPool
 from kvseal.messages.msgs import AbortMsg
 from kvseal.models.loader import load_model
 from kvseal.types import ISOLATION_CHECK_FAILED, StructuredOutput
@@ -600,6 +601,35 @@ def test_arena_pages_take_the_lowest_run_that_fits_else_the_lowest_free_pages() 
     with pytest.raises(RuntimeError, match="free pages"):
         pages.take(3)
     assert pages.num_free == 2
+
+
+@pytest.mark.parametrize("pages", [[5, 2, 3, 9], [4, 5, 6, 7]])
+def test_tcp_frames_cut_anywhere_land_in_scattered_or_consecutive_pages(pages: list[int]) -> None:
+    """Frames of whole pages cut at any page (across heads too) land at the reservation's pages,
+    whether consecutive or not, positions past `end` zeroed, no other page touched."""
+    pool = KVPool(2, 12, 4, 2, 3, torch.float32)
+    receiver = TcpReceiver(pool, 2, "test")
+    for tensor in pool.k + pool.v:
+        tensor.fill_(STALE)
+    receiver.authorize("t-1", pages)
+    sent = torch.randn(2, 4, 4, 3)  # [kv_heads, pages, page_size, head_dim], the positions in order
+    raw = sent.view(-1).view(torch.uint8)
+    page_bytes = 4 * 3 * 4
+    cuts = [0, 1, 4, 6, 8]  # frames of 1, 3, 2 and 2 pages: the second crosses from head 0 to head 1
+    frames = [memoryview(raw[a * page_bytes:b * page_bytes].numpy().tobytes()) for a, b in zip(cuts, cuts[1:])]
+    assert receiver.deliver(KVBlockMsg("t-1", 1, "v", 0, 14), frames) is None
+    got = pool.v[1][:, pages]
+    assert torch.equal(got.reshape(2, 16, 3)[:, :14], sent.reshape(2, 16, 3)[:, :14])
+    assert torch.count_nonzero(got.reshape(2, 16, 3)[:, 14:]) == 0
+    others = [page for page in range(12) if page not in pages]
+    assert (pool.v[1][:, others] == STALE).all() and all((t == STALE).all() for t in (*pool.k, pool.v[0]))
+    assert receiver.deliver(KVBlockMsg("t-1", 1, "k", 0, 14), frames[:-1]) == "bad_block_size"
+
+
+def test_tcp_receiver_refuses_to_authorize_pages_outside_its_pool() -> None:
+    receiver = TcpReceiver(KVPool(2, 12, 4, 2, 3, torch.float32), 2, "test")
+    with pytest.raises(ValueError, match="outside the pool"):
+        receiver.authorize("t-1", [3, 12])
 
 
 def test_a_push_plan_refuses_a_negative_start() -> None:
