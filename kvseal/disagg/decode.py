@@ -192,6 +192,7 @@ class DecodeSteps:
         self.replies.send(reservation.frontend, OutputsMsg([out]))
 
     def tick(self) -> bool:
+        self.receiver.progress()  # what landed since the last iteration is copied in now, not at the commit
         changed = False
         for reservation in self.table.expired():
             self.counters.num_reservations_expired += 1

@@ -298,6 +298,9 @@ class NixlReceiver:
         self._starts[transfer_id] = start  # [0, start): decode's cache hit, never imported into
         self._landed[transfer_id] = Landing(start + len(pages) * self._pool.page_size)
 
+    def progress(self) -> None:
+        self._poll()  # parts whose notification arrived are copied in while later parts land
+
     def sender_done(self, transfer_id: str) -> None:
         if transfer_id in self._pages or transfer_id in self._cancelling:
             self._finished.add(transfer_id)

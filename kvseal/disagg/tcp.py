@@ -132,6 +132,9 @@ class TcpReceiver:
     def landed(self, transfer_id: str) -> Landing | None:
         return self._landed.get(transfer_id)
 
+    def progress(self) -> None:
+        pass  # frames arrive on the control channel: `deliver` took them in
+
     def sender_done(self, transfer_id: str) -> None:
         pass  # frames and the commit share one ordered connection: nothing to wait for
 

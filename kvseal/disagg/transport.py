@@ -112,6 +112,11 @@ class KVReceiver(Protocol):
         """What landed for an authorized transfer (None for an unknown id)."""
         ...
 
+    def progress(self) -> None:
+        """Take in whatever landed outside the control channel since the last call (decode's
+        loop calls it every iteration); cheap when nothing did."""
+        ...
+
     def sender_done(self, transfer_id: str) -> None:
         """Prefill sent its commit or abort, which it does only once its writes are terminal."""
         ...
