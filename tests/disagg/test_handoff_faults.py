@@ -418,8 +418,10 @@ def test_prefill_may_reuse_its_pages_as_soon_as_push_returns(make_pair: Any) -> 
     pair.assert_clean()
 
 
-def test_no_stale_bytes_leave_prefills_pool_over_tcp(make_pair: Any) -> None:
-    """What goes on the wire past the written positions is zeros, not the pool's old content."""
+@pytest.mark.parametrize("max_frame_runs", [0, 8])
+def test_no_stale_bytes_leave_prefills_pool_over_tcp(make_pair: Any, max_frame_runs: int) -> None:
+    """What goes on the wire past the written positions is zeros, not the pool's old content,
+    whether the pages are sent from the pool in place or gathered first."""
     pair = make_pair()
     src = prefill_pages_with_stale_tails(pair, 8, 30)
     ctx = pair.ctx
@@ -428,13 +430,14 @@ def test_no_stale_bytes_leave_prefills_pool_over_tcp(make_pair: Any) -> None:
     try:
         links = PeerLinks(ctx)
         plan = PushPlan("t-1", src, [30, 30], f"127.0.0.1:{port}", list(range(8)))
-        num_bytes = TcpSender(links).push(plan, pair.prefill.engine.kv.pool)
+        num_bytes = TcpSender(links, max_frame_runs=max_frame_runs).push(plan, pair.prefill.engine.kv.pool)
         frames = [router.recv_multipart() for _ in range(2 * NUM_LAYERS)]
         links.close()
     finally:
         router.close(0)
     assert sum(len(part) for f in frames for part in f[2:]) == num_bytes
     for _, header, *parts in frames:
+        assert len(parts) == (1 if max_frame_runs == 0 else 2 * 8)  # gathered: one frame; else per head and page
         data = torch.frombuffer(bytearray(b"".join(parts)), dtype=torch.float32)
         assert not (data == STALE).any(), decode(header)
         num_kv_heads, _, head_dim = pair.prefill.engine.kv.pool.page_shape()
@@ -560,6 +563,22 @@ def test_nixl_a_fragmented_arena_gives_a_transfer_several_runs_and_it_still_land
         pair.assert_clean()
     finally:
         pair.close()
+
+
+def test_tcp_gathered_pages_land_exactly(make_pair: Any) -> None:
+    """Scattered prefill pages gathered into one frame per message (no runs allowed in place)
+    land as the written positions, zeros after them; twice, through the reused gather buffer."""
+    pair = make_pair()
+    sender = TcpSender(pair.rogue, max_frame_runs=0)
+    for _ in range(2):
+        handoff = pair.reserve(PROMPT, GREEDY)
+        pair.decode.engine.kv.pool.fill(list(handoff.reserved.pages), STALE)  # type: ignore[union-attr]
+        src = prefill_pages_with_stale_tails(pair, 8, 30)
+        push_and_land(pair, handoff, src, [30, 30], sender=sender)
+        assert_landed_exactly(pair, handoff, src, 30)
+        pair.to_decode.send(AbortMsg(handoff.request_id, "alice", "done"))
+        pair.pump(lambda done=handoff: done.is_terminal, "the release")
+    pair.assert_clean()
 
 
 def test_nixl_arena_pages_stay_taken_until_no_write_can_land(llama_dir: Path, loaded: Any) -> None:
