@@ -137,7 +137,7 @@ PoolShape = tuple[int, int, int, int, int, str]  # layers, pages, page_size, kv_
 
 def decode_process(conn: Any, transport: str, shape: PoolShape) -> None:
     """Decode's receiver over its own pool, in its own process; serves commands from `conn`:
-    ("authorize", transfer id, pages, num positions) -> "ready", then the time every layer's K
+    ("authorize", transfer id, pages, num positions) -> the transfer's KV address, then the time every layer's K
     and V landed; ("raw_zmq", sizes) and ("raw_nixl", num bytes): the raw loopback receivers."""
     torch.set_num_threads(1)
     num_layers, num_pages, page_size, num_kv_heads, head_dim, dtype = shape
@@ -155,7 +155,7 @@ def decode_process(conn: Any, transport: str, shape: PoolShape) -> None:
         if command[0] == "stop":
             break
         if command[0] == "authorize":
-            conn.send(receive_transfer(conn, router, receiver, num_layers, *command[1:]))
+            conn.send(receive_transfer(conn, router, receiver, pool, *command[1:]))
         elif command[0] == "raw_zmq":
             conn.send(raw_zmq_receive(conn, ctx, command[1]))
         elif command[0] == "raw_nixl":
@@ -171,20 +171,23 @@ def endpoint(sock: zmq.Socket) -> str:
     return raw.decode()
 
 
-def receive_transfer(conn: Any, router: zmq.Socket, receiver: KVReceiver, num_layers: int, transfer_id: str,
-                     pages: list[int], num_positions: int) -> float:
-    """What decode's engine loop does for a transfer, until every layer's K and V landed."""
+def receive_transfer(conn: Any, router: zmq.Socket, receiver: KVReceiver, pool: KVPool, transfer_id: str,
+                     pages: list[int], num_positions: int) -> tuple[float, float]:
+    """What decode's engine loop does for a transfer, until every layer's K and V landed:
+    (when, CPU seconds this process spent from the authorization on)."""
     receiver.authorize(transfer_id, pages)
-    conn.send("ready")
+    conn.send(receiver.address_for(transfer_id))
+    start_cpu_s, num_layers = time.process_time(), len(pool.k)
+    expected_bytes = num_layers * 2 * len(pages) * pool.k[0][:, 0].numel() * pool.k[0].element_size()
 
-    def complete() -> bool:
+    def complete() -> bool:  # the coverage check runs once all bytes are in (decode runs it once, at the commit)
         landing = receiver.landed(transfer_id)
         assert landing is not None
-        return all(landing.covered_prefix(layer, kind) >= num_positions
-                   for layer in range(num_layers) for kind in KINDS)
+        return landing.num_bytes >= expected_bytes and all(
+            landing.covered_prefix(layer, kind) >= num_positions for layer in range(num_layers) for kind in KINDS)
 
     while not complete():
-        if router.poll(1):
+        if router.poll(1 if isinstance(receiver, TcpReceiver) else 0):
             while True:
                 try:
                     frames = router.recv_multipart(zmq.NOBLOCK, copy=False)
@@ -195,38 +198,40 @@ def receive_transfer(conn: Any, router: zmq.Socket, receiver: KVReceiver, num_la
                 assert receiver.deliver(msg, [frame.buffer for frame in frames[2:]]) is None
         elif not isinstance(receiver, TcpReceiver):
             time.sleep(POLL_SLEEP_S)
-    done_s = time.perf_counter()
+    done_s, cpu_s = time.perf_counter(), time.process_time() - start_cpu_s
     while not receiver.cancel(transfer_id):
         time.sleep(POLL_SLEEP_S)
-    return done_s
+    return done_s, cpu_s
 
 
-def raw_zmq_receive(conn: Any, ctx: zmq.Context, sizes: list[int]) -> float:
+def raw_zmq_receive(conn: Any, ctx: zmq.Context, sizes: list[int]) -> tuple[float, float]:
     router = ctx.socket(zmq.ROUTER)
     router.bind("tcp://127.0.0.1:0")
     conn.send(endpoint(router))
     router.recv_multipart()  # the sender's hello: connected
     conn.send("ready")
+    start_cpu_s = time.process_time()
     total, received = sum(sizes), 0
     while received < total:
         if router.poll(1):
             received += len(router.recv_multipart(copy=False)[2].buffer)
-    done_s = time.perf_counter()
+    done_s, cpu_s = time.perf_counter(), time.process_time() - start_cpu_s
     router.close(0)
-    return done_s
+    return done_s, cpu_s
 
 
-def raw_nixl_receive(conn: Any, num_bytes: int) -> float:
+def raw_nixl_receive(conn: Any, num_bytes: int) -> tuple[float, float]:
     agent = make_agent(f"bench-raw-receiver-{random.getrandbits(32)}", "127.0.0.1")
     dst = torch.zeros(num_bytes, dtype=torch.uint8)
     registration = agent.register_memory(dst)
     conn.send((agent.get_agent_metadata(), dst.data_ptr()))
     note = conn.recv()
+    start_cpu_s = time.process_time()
     while not any(note in msgs for msgs in agent.get_new_notifs().values()):
         time.sleep(POLL_SLEEP_S)
-    done_s = time.perf_counter()
+    done_s, cpu_s = time.perf_counter(), time.process_time() - start_cpu_s
     agent.deregister_memory(registration)
-    return done_s
+    return done_s, cpu_s
 
 
 # ---- prefill's side: this process ----------------------------------------------------------
@@ -255,23 +260,26 @@ class TransferBench:
             random.Random(2).shuffle(self.dest_pages)
         self._ids = iter(range(10**9))
 
-    def transfer(self) -> tuple[float, float, int]:
-        """One push: (MiB/s until decode has it all, MiB/s until `push` returned, bytes)."""
+    def transfer(self) -> tuple[float, float, int, tuple[float, float]]:
+        """One push: (MiB/s until decode has it all, MiB/s until `push` returned, bytes, CPU
+        seconds (prefill's process, decode's process))."""
         transfer_id = f"bench-{next(self._ids)}"
         self.conn.send(("authorize", transfer_id, self.dest_pages, self.num_positions))
-        assert self.conn.recv() == "ready"
-        plan = PushPlan(transfer_id, self.src_pages, [self.num_positions] * len(self.pool.k), self.kv_address,
+        kv_address = self.conn.recv()  # the transfer's own address (NIXL's names its arena pages)
+        plan = PushPlan(transfer_id, self.src_pages, [self.num_positions] * len(self.pool.k), kv_address,
                         self.dest_pages)
-        start = time.perf_counter()
+        start, start_cpu_s = time.perf_counter(), time.process_time()
         num_bytes = self.sender.push(plan, self.pool)
         pushed_s = time.perf_counter() - start
-        landed_s = self.conn.recv() - start
-        return num_bytes / landed_s / MiB, num_bytes / pushed_s / MiB, num_bytes
+        done_s, receiver_cpu_s = self.conn.recv()
+        cpu = (time.process_time() - start_cpu_s, receiver_cpu_s)
+        return num_bytes / (done_s - start) / MiB, num_bytes / pushed_s / MiB, num_bytes, cpu
 
-    def raw(self, frame_sizes: list[int]) -> float:
+    def raw(self, frame_sizes: list[int]) -> tuple[float, tuple[float, float]]:
+        """MiB/s of the raw loopback copy, and CPU seconds (this process, the receiver's)."""
         return self.raw_zmq(frame_sizes) if self.transport == "tcp" else self.raw_nixl(sum(frame_sizes))
 
-    def raw_zmq(self, sizes: list[int]) -> float:
+    def raw_zmq(self, sizes: list[int]) -> tuple[float, tuple[float, float]]:
         """Frames of the same sizes over a bare DEALER->ROUTER pair, received in full by the child."""
         self.conn.send(("raw_zmq", sizes))
         dealer = self.ctx.socket(zmq.DEALER)
@@ -279,14 +287,15 @@ class TransferBench:
         dealer.send(b"hello")
         assert self.conn.recv() == "ready"
         frames = [torch.empty(n, dtype=torch.uint8).random_().numpy().data for n in sizes]
-        start = time.perf_counter()
+        start, start_cpu_s = time.perf_counter(), time.process_time()
         for frame in frames:
             dealer.send_multipart([b"h", frame], copy=False)
-        done_s = self.conn.recv()
+        done_s, receiver_cpu_s = self.conn.recv()
+        cpu = (time.process_time() - start_cpu_s, receiver_cpu_s)
         dealer.close(0)
-        return sum(sizes) / (done_s - start) / MiB
+        return sum(sizes) / (done_s - start) / MiB, cpu
 
-    def raw_nixl(self, num_bytes: int) -> float:
+    def raw_nixl(self, num_bytes: int) -> tuple[float, tuple[float, float]]:
         """One NIXL WRITE of `num_bytes` into the child's registered buffer (one descriptor, as
         a reservation of consecutive pages is), done when the child has the notification."""
         self.conn.send(("raw_nixl", num_bytes))
@@ -301,17 +310,18 @@ class TransferBench:
         handle = agent.initialize_xfer("WRITE", agent.get_xfer_descs(rows, "DRAM"),
                                        agent.get_xfer_descs(remote_rows, "DRAM"), remote, note)
         self.conn.send(note)
-        start = time.perf_counter()
+        start, start_cpu_s = time.perf_counter(), time.process_time()
         state = agent.transfer(handle)
         while state == "PROC":
             time.sleep(POLL_SLEEP_S)
             state = agent.check_xfer_state(handle)
         assert state == "DONE", state
-        done_s = self.conn.recv()
+        done_s, receiver_cpu_s = self.conn.recv()
+        cpu = (time.process_time() - start_cpu_s, receiver_cpu_s)
         agent.release_xfer_handle(handle)
         agent.remove_remote_agent(remote)
         agent.deregister_memory(registration)
-        return num_bytes / (done_s - start) / MiB
+        return num_bytes / (done_s - start) / MiB, cpu
 
     def raw_agent(self) -> Any:
         if not hasattr(self, "_raw_agent"):
@@ -399,13 +409,18 @@ def measure_transfers(args: EngineArgs, loaded: Any, transports: list[str], prom
         rates: dict[str, list[float]] = {t: [] for t in transports}
         pushed: dict[str, list[float]] = {t: [] for t in transports}
         raws: dict[str, list[float]] = {t: [] for t in transports}
+        cpu: dict[str, list[tuple[float, float]]] = {t: [] for t in transports}
+        raw_cpu: dict[str, list[tuple[float, float]]] = {t: [] for t in transports}
         copy = []
         for _ in range(repeats):
             for t, bench in benches.items():
-                rate, push_rate, num_bytes = bench.transfer()
+                rate, push_rate, num_bytes, used = bench.transfer()
                 rates[t].append(rate)
                 pushed[t].append(push_rate)
-                raws[t].append(bench.raw(bench.frame_sizes()))
+                cpu[t].append(used)
+                raw_rate, raw_used = bench.raw(bench.frame_sizes())
+                raws[t].append(raw_rate)
+                raw_cpu[t].append(raw_used)
             copy.append(memcpy_rate(num_bytes))
     finally:
         for bench in benches.values():
@@ -415,7 +430,9 @@ def measure_transfers(args: EngineArgs, loaded: Any, transports: list[str], prom
         ratios = [r / raw for r, raw in zip(rates[t], raws[t])]
         result.update({f"{t}_transport_mib_s": rates[t], f"{t}_push_returned_mib_s": pushed[t],
                        f"{t}_raw_loopback_mib_s": raws[t], f"{t}_ratio_per_repeat": ratios,
-                       f"{t}_over_raw_loopback": statistics.median(rates[t]) / statistics.median(raws[t])})
+                       f"{t}_over_raw_loopback": statistics.median(rates[t]) / statistics.median(raws[t]),
+                       # CPU seconds per copy: (prefill's process, decode's process)
+                       f"{t}_transport_cpu_s": cpu[t], f"{t}_raw_loopback_cpu_s": raw_cpu[t]})
     return result
 
 

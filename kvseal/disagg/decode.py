@@ -100,9 +100,9 @@ class DecodeSteps:
     def _place_waiting(self) -> bool:
         placed = self.table.place_waiting()
         for r in placed:
+            kv_address = self.receiver.address_for(r.transfer_id)
             self.replies.send(r.frontend, ReservedMsg(r.request_id, r.tenant, r.transfer_id, list(r.pages),
-                                                      self.engine.kv.page_size, self.receiver.address,
-                                                      r.num_cached_tokens))
+                                                      self.engine.kv.page_size, kv_address, r.num_cached_tokens))
         return bool(placed)
 
     # ---- step 3: KV lands -------------------------------------------------------------
@@ -192,6 +192,7 @@ class DecodeSteps:
         self.replies.send(reservation.frontend, OutputsMsg([out]))
 
     def tick(self) -> bool:
+        self.receiver.progress()  # what landed since the last iteration is copied in now, not at the commit
         changed = False
         for reservation in self.table.expired():
             self.counters.num_reservations_expired += 1

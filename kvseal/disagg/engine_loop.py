@@ -31,6 +31,9 @@ from kvseal.messages.msgs import ShutdownMsg
 logger = logging.getLogger("kvseal.disagg")
 
 IDLE_POLL_MS = 50  # an idle engine still runs the role's deadlines this often
+# ... and this often while it holds reservations: a transport whose writes land outside the
+# ROUTER (NIXL) is taken in by the role's `tick` while the rest is still on the wire.
+RECEIVING_POLL_MS = 2
 
 
 class PdEngineLoop:
@@ -52,7 +55,8 @@ class PdEngineLoop:
         """One iteration; False once a `ShutdownMsg` stopped the loop."""
         busy = self.engine.has_unfinished()
         changed = False
-        if self.router.poll(0 if busy else idle_poll_ms, zmq.POLLIN):
+        idle_ms = min(idle_poll_ms, RECEIVING_POLL_MS) if self.steps.num_reservations() else idle_poll_ms
+        if self.router.poll(0 if busy else idle_ms, zmq.POLLIN):
             changed = self._drain()
         if self.is_stopped:
             return False

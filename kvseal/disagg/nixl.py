@@ -1,24 +1,42 @@
 """The NIXL transport (`--kv-transport nixl`): prompt KV as one-sided NIXL WRITEs (UCX backend).
 
-Decode never lets a peer write its pool. It registers an *arena* with NIXL instead: one slot
-per pool page, `[tag | layers x (K, V) x kv_heads x page_size x head_dim]`, so one page of
-every layer is one contiguous run and a run of consecutive pages is one descriptor. Prefill
-stages the request's pages in that layout (every slot tagged with the transfer id), writes
-them into the arena slots of decode's reserved pages with one NIXL WRITE, and names the
-transfer and what it wrote (`NixlLandedMsg`) as the WRITE's notification, which NIXL delivers
-only after every write of the request landed. Only then does decode look at the arena: it
-checks every slot's tag, copies the slots into the reservation's pages (zeros past what was
-written) and records what landed; the commit still arrives over the control channel and is
-verified against those records exactly as for the TCP transport.
+Decode never lets a peer write its pool. It registers an *arena* with NIXL instead, laid out
+like the pool: a 64-byte tag per arena page, then per layer, K/V and kv head the arena pages
+`[num_pages, page_size, head_dim]`, so a run of consecutive arena pages of one head is one
+contiguous block. Arena pages are decode's to hand out, apart from its pool pages: each
+authorized transfer gets its own arena pages, the lowest run of free ones that fits when
+there is one (arena pages are held only while a transfer can land, so the arena is rarely
+fragmented even when the pool is), and the transfer's `kv_address` names them. A push is then
+one descriptor per layer, K/V and head whatever decode's pool pages are.
 
-NIXL cannot cancel a write in flight, so `cancel` is True only once no write can land: the
-notification arrived, or prefill said it is finished (its commit or abort, sent only after its
-WRITE reached a terminal state), or, with neither, `drain_s` after the first cancel (a dead
-sender writes nothing; a stale write that lands later in a reused slot fails the tag check).
+Prefill WRITEs the full pages of a request straight from its registered pool when its pages
+form few runs (its own memory: it never sends its agent metadata to anyone, so no peer holds a
+key to it); when they are scattered it first gathers them into a registered staging buffer
+(NIXL's per-descriptor cost on one-page descriptors is far above the gather's). Each layer's
+last, partial page is always staged with zeros past what was written (no stale bytes leave
+the pool), and every arena page written carries the transfer id as its tag. One push is a few
+WRITEs, one per group of layers, each naming what it wrote (`NixlLandedMsg`) in its
+notification, which NIXL delivers only after every write of that WRITE landed: decode copies
+one group from the arena into its pages while the next group is still on the wire. Decode
+looks at the arena only on a notification: it checks the tag of every arena page the
+transfer owns, copies them into the reservation's pages (zeros past what was written) and
+records what landed; the commit still arrives over the control channel and is verified
+against those records exactly as for the TCP transport.
 
-Everything needed to reach a decode engine travels in its `kv_address`
-(`nixl:` + base64 of `NixlPeerMsg`: agent metadata, arena address and slot size), so a
-restarted decode engine (a new agent) is reached through the address its reservations name.
+Prefill's `push` returns only once every WRITE reached a terminal state (NIXL reads the
+request's pages until then, so they must not be freed earlier): past its timeout it drops the
+connection to the peer and keeps waiting (blocking rather than freeing pages under a read).
+
+NIXL cannot cancel a write in flight, so `cancel` is True only once no write can land: every
+notification of the push arrived, or prefill said it is finished (its commit or abort, sent
+only after its WRITEs reached a terminal state), or, with neither, `drain_s` after the first
+cancel (a dead sender writes nothing; a stale write that lands later in a reused arena page
+fails the tag check). The transfer's arena pages are handed out again only then.
+
+Everything needed to reach a decode engine travels in the transfer's `kv_address`
+(`nixl:` + base64 of `NixlPeerMsg`: agent metadata, arena address and layout, the transfer's
+arena pages), so a restarted decode engine (a new agent) is reached through the address its
+reservations name.
 """
 
 from __future__ import annotations
@@ -39,7 +57,7 @@ import torch
 
 from kvseal.disagg.args import DEFAULT_DRAIN_S
 from kvseal.disagg.msgs import KVKind
-from kvseal.disagg.transport import KINDS, Landing, PushPlan, TransportError
+from kvseal.disagg.transport import KINDS, Landing, PushPlan, TransportError, copy_pages, joint_runs, page_runs
 from kvseal.errors import ConfigError
 from kvseal.kvcache.pool import KVPool
 
@@ -47,30 +65,46 @@ logger = logging.getLogger("kvseal.disagg")
 
 NAME = "nixl"
 ADDRESS_PREFIX = "nixl:"
-TAG_BYTES = 64  # per slot: the transfer id that wrote it (also keeps the body 64-byte aligned)
-PUSH_TIMEOUT_S = 30.0  # prefill gives up waiting for its WRITE after this long (TransportError)
+TAG_BYTES = 64  # per arena page: the transfer id that wrote it (also keeps the body 64-byte aligned)
+PUSH_TIMEOUT_S = 30.0  # past this, prefill drops the connection to a peer whose WRITE is not terminal
+NUM_PARTS = 4  # WRITEs per push (groups of layers): decode copies one while the next lands
+# A push reads prefill's pool in place when its full pages, joint with decode's arena pages,
+# form at most this many runs; more, and it gathers them into staging first. Measured on this
+# host: 23,040 one-page descriptors ran at 0.09x of one WRITE of the same bytes.
+MAX_DIRECT_RUNS = 8
 NOTIF_WAIT_S = 5.0  # decode waits this long for the notification of a transfer prefill says is done
 POLL_SLEEP_S = 0.0002
 PROGRESS_DELAY_US = 500  # NIXL's progress thread sleeps this long between polls
 
 
 class NixlPeerMsg(msgspec.Struct, frozen=True, tag=True, forbid_unknown_fields=True):
-    """What a sender needs to write into a decode engine's arena (inside its `kv_address`)."""
+    """What a sender needs to write one transfer into a decode engine's arena (its `kv_address`)."""
 
     agent_name: str
     metadata: bytes  # `nixl_agent.get_agent_metadata()`, taken after the arena was registered
     arena_address: int
-    slot_bytes: int
-    num_slots: int
+    num_pages: int  # arena pages
+    layout: str  # `ArenaLayout.key`: both engines' KV layouts must be the same
+    # The transfer's arena pages, for its page indexes first_page, first_page + 1, ... in
+    # position order, as runs (first arena page, count). Empty: not a transfer's address.
+    first_page: int = 0
+    arena_runs: list[tuple[int, int]] = []
+
+    def arena_pages(self) -> list[int]:
+        return [page for first, count in self.arena_runs for page in range(first, first + count)]
 
 
 class NixlLandedMsg(msgspec.Struct, frozen=True, tag=True, forbid_unknown_fields=True):
-    """The WRITE's notification: positions [start, ends[layer]) of K and V of every layer were
-    written into the reservation's slots, in page order (`start`: where decode's cache hit
-    ends, known to both from the reservation). Delivered after every write landed."""
+    """One WRITE's notification: positions [start, ends[i]) of K and V of layer first_layer + i
+    were written into the transfer's arena pages (position order), with the transfer's tag on
+    each of those pages. Delivered after every write of that WRITE landed; a push is `num_parts`."""
 
     transfer_id: str
+    start: int
+    first_layer: int
     ends: list[int]
+    part: int
+    num_parts: int
 
 
 _peer_decoder = msgspec.msgpack.Decoder(NixlPeerMsg)
@@ -78,29 +112,82 @@ _landed_decoder = msgspec.msgpack.Decoder(NixlLandedMsg)
 
 
 @dataclass(frozen=True)
-class SlotLayout:
-    """One arena slot: a page of every layer, K then V, head-major inside, after a tag."""
+class ArenaLayout:
+    """`num_pages` tags, then the pages: [layers, 2 (K, V), kv_heads, num_pages, page_size, head_dim]."""
 
     num_layers: int
     num_kv_heads: int
     page_size: int
     head_dim: int
     dtype: torch.dtype
+    num_pages: int
 
     @classmethod
-    def of(cls, pool: KVPool) -> SlotLayout:
+    def of(cls, pool: KVPool, num_pages: int | None = None) -> ArenaLayout:
         num_kv_heads, page_size, head_dim = pool.page_shape()
-        return cls(len(pool.k), num_kv_heads, page_size, head_dim, pool.k[0].dtype)
+        return cls(len(pool.k), num_kv_heads, page_size, head_dim, pool.k[0].dtype,
+                   pool.num_pages if num_pages is None else num_pages)
 
     @property
-    def slot_bytes(self) -> int:
-        item = torch.empty((), dtype=self.dtype).element_size()
-        return TAG_BYTES + self.num_layers * 2 * self.num_kv_heads * self.page_size * self.head_dim * item
+    def key(self) -> str:
+        return (f"layers={self.num_layers},kv_heads={self.num_kv_heads},page_size={self.page_size},"
+                f"head_dim={self.head_dim},dtype={self.dtype}")
 
-    def body(self, slots: torch.Tensor) -> torch.Tensor:
-        """uint8 [n, slot_bytes] -> a view [n, layers, 2, kv_heads, page_size, head_dim]."""
-        return slots[:, TAG_BYTES:].view(self.dtype).unflatten(
-            -1, (self.num_layers, 2, self.num_kv_heads, self.page_size, self.head_dim))
+    @property
+    def page_bytes(self) -> int:
+        """One page of one layer, K or V, one head."""
+        return self.page_size * self.head_dim * torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def body_offset(self) -> int:
+        return self.num_pages * TAG_BYTES
+
+    @property
+    def num_bytes(self) -> int:
+        return self.body_offset + self.num_layers * 2 * self.num_kv_heads * self.num_pages * self.page_bytes
+
+    def block_offset(self, layer: int, kind_index: int, head: int, page: int) -> int:
+        """Byte offset of (layer, K/V, head, page) in the arena."""
+        return self.body_offset + (((layer * 2 + kind_index) * self.num_kv_heads + head) * self.num_pages
+                                   + page) * self.page_bytes
+
+    def tags(self, arena: torch.Tensor) -> torch.Tensor:
+        """uint8 [num_bytes] -> [num_pages, TAG_BYTES]"""
+        return arena[:self.body_offset].view(self.num_pages, TAG_BYTES)
+
+    def body(self, arena: torch.Tensor) -> torch.Tensor:
+        """uint8 [num_bytes] -> [layers, 2, kv_heads, num_pages, page_size, head_dim]"""
+        return arena[self.body_offset:].view(self.dtype).view(
+            self.num_layers, 2, self.num_kv_heads, self.num_pages, self.page_size, self.head_dim)
+
+
+class ArenaPages:
+    """Which arena pages are free. A transfer takes the lowest run of free pages that fits (one
+    descriptor per layer, K/V and head), or, when no run fits, the lowest free pages."""
+
+    def __init__(self, num_pages: int) -> None:
+        self._free = np.ones(num_pages, dtype=bool)
+
+    @property
+    def num_free(self) -> int:
+        return int(self._free.sum())
+
+    def take(self, num_pages: int) -> list[int]:
+        edges = np.flatnonzero(np.diff(np.concatenate(([0], self._free.view(np.int8), [0]))))
+        starts, ends = edges[0::2], edges[1::2]
+        fits = np.flatnonzero(ends - starts >= num_pages)
+        if len(fits):
+            pages = list(range(int(starts[fits[0]]), int(starts[fits[0]]) + num_pages))
+        else:
+            pages = np.flatnonzero(self._free)[:num_pages].tolist()
+        if len(pages) < num_pages:  # arena pages = pool pages, held no longer than the pool pages they carry
+            raise RuntimeError(f"the NIXL arena has {len(pages)} free pages, a transfer needs {num_pages}")
+        self._free[pages] = False
+        return pages
+
+    def give_back(self, pages: list[int]) -> None:
+        assert not self._free[pages].any(), "an arena page given back twice"
+        self._free[pages] = True
 
 
 def tag_of(transfer_id: str) -> torch.Tensor:
@@ -167,30 +254,52 @@ class NixlReceiver:
 
     def __init__(self, pool: KVPool, agent_name: str, listen_host: str, drain_s: float = DEFAULT_DRAIN_S) -> None:
         self._pool = pool
-        self._layout = SlotLayout.of(pool)
+        self._layout = ArenaLayout.of(pool)
         self._drain_s = drain_s
         self._agent = make_agent(agent_name, listen_host)
-        self._arena = torch.zeros((pool.num_pages, self._layout.slot_bytes), dtype=torch.uint8)
+        self._arena = torch.zeros(self._layout.num_bytes, dtype=torch.uint8)
+        self._tags, self._body = self._layout.tags(self._arena), self._layout.body(self._arena)
+        self._free = ArenaPages(pool.num_pages)
         self._registration = self._agent.register_memory(self._arena)
-        self._address = encode_address(NixlPeerMsg(agent_name, self._agent.get_agent_metadata(),
-                                                   self._arena.data_ptr(), self._layout.slot_bytes, pool.num_pages))
+        self._peer = NixlPeerMsg(agent_name, self._agent.get_agent_metadata(), self._arena.data_ptr(),
+                                 pool.num_pages, self._layout.key)
         self._pages: dict[str, list[int]] = {}  # authorized transfers -> their pages, position order
         self._starts: dict[str, int] = {}  # authorized transfers -> the first position they may write
+        self._arena_pages: dict[str, list[int]] = {}  # until confirmed over -> arena pages, parallel to pages
         self._landed: dict[str, Landing] = {}
-        self._notified: set[str] = set()  # the notification arrived: nothing of the transfer can land
+        self._parts: dict[str, set[int]] = {}  # the parts whose notification arrived
+        self._notified: set[str] = set()  # every part's notification arrived: nothing of the transfer can land
         self._finished: set[str] = set()  # the sender said it wrote all it will (commit or abort)
         self._cancelling: dict[str, float] = {}  # cancelled, unconfirmed -> when first cancelled
-        self.num_refused = 0
+        self._refused: set[str] = set()  # a WRITE of the transfer was refused: nothing more of it is imported
+        self.num_refused = 0  # transfers refused
 
     @property
     def address(self) -> str:
-        return self._address
+        """The engine's agent and arena, naming no arena pages (no transfer can be written to it)."""
+        return encode_address(self._peer)
+
+    def address_for(self, transfer_id: str) -> str:
+        arena = self._arena_pages.get(transfer_id)
+        if arena is None or transfer_id not in self._pages:
+            return self.address
+        runs = [(first, count) for _, first, count in page_runs(arena)]
+        first_page = self._starts[transfer_id] // self._pool.page_size
+        return encode_address(msgspec.structs.replace(self._peer, first_page=first_page, arena_runs=runs))
 
     def authorize(self, transfer_id: str, pages: list[int], start: int = 0) -> None:
-        self._arena[pages, :TAG_BYTES] = 0  # a tag left by an earlier transfer never counts
+        old = self._arena_pages.pop(transfer_id, None)
+        if old is not None:  # authorized again (a test's changed start): a fresh mapping
+            self._free.give_back(old)
+        arena = self._free.take(len(pages))
+        self._tags[arena] = 0  # a tag left by an earlier transfer never counts
+        self._arena_pages[transfer_id] = arena
         self._pages[transfer_id] = list(pages)
         self._starts[transfer_id] = start  # [0, start): decode's cache hit, never imported into
         self._landed[transfer_id] = Landing(start + len(pages) * self._pool.page_size)
+
+    def progress(self) -> None:
+        self._poll()  # parts whose notification arrived are copied in while later parts land
 
     def sender_done(self, transfer_id: str) -> None:
         if transfer_id in self._pages or transfer_id in self._cancelling:
@@ -204,7 +313,7 @@ class NixlReceiver:
         deadline = time.monotonic() + NOTIF_WAIT_S
         while (transfer_id in self._finished and transfer_id not in self._notified
                and time.monotonic() < deadline):
-            time.sleep(POLL_SLEEP_S)  # the sender saw its WRITE done: the notification is on its way
+            time.sleep(POLL_SLEEP_S)  # the sender saw its WRITEs done: the notifications are on their way
             self._poll()
         return self._landed.get(transfer_id)
 
@@ -222,8 +331,13 @@ class NixlReceiver:
                            "pages (a late write can only reach the arena, where its tag no longer matches)",
                            transfer_id, self._drain_s)
         self._cancelling.pop(transfer_id, None)
+        self._parts.pop(transfer_id, None)
+        self._refused.discard(transfer_id)
         self._notified.discard(transfer_id)
         self._finished.discard(transfer_id)
+        arena = self._arena_pages.pop(transfer_id, None)
+        if arena is not None:  # no write of the transfer can land: its arena pages may carry another
+            self._free.give_back(arena)
         return True
 
     def _poll(self) -> None:
@@ -234,51 +348,70 @@ class NixlReceiver:
                 except (msgspec.DecodeError, msgspec.ValidationError):
                     logger.error("dropping an undecodable NIXL notification from %s", sender)
                     continue
-                if note.transfer_id in self._pages and note.transfer_id not in self._notified:
-                    self._import(note)
-                if note.transfer_id in self._pages or note.transfer_id in self._cancelling:
-                    self._notified.add(note.transfer_id)
+                self._on_note(note)
 
-    def _import(self, note: NixlLandedMsg) -> None:
-        """Copy what the transfer wrote from its arena slots into its pages, and record it."""
-        pages, landing = self._pages[note.transfer_id], self._landed[note.transfer_id]
-        page_size, layout = self._pool.page_size, self._layout
-        if len(note.ends) != layout.num_layers or not all(0 <= e <= landing.num_positions for e in note.ends):
-            self._refuse(note, "write_outside_reservation")
-            return
-        start = self._starts[note.transfer_id]  # `pages` hold positions [start, ...)
-        num_pages = max(0, -(-max(note.ends, default=0) // page_size) - start // page_size)
-        tagged = self._tagged(pages[:num_pages], note.transfer_id)
+    def _on_note(self, note: NixlLandedMsg) -> None:
+        tid = note.transfer_id
+        if tid not in self._pages and tid not in self._cancelling:
+            return  # not (or no longer) a transfer of ours
+        if tid in self._pages and tid not in self._notified and tid not in self._refused:
+            why = self._import(note)
+            if why is not None:
+                self._refuse(note, why)
+        parts = self._parts.setdefault(tid, set())
+        parts.add(note.part)
+        if len(parts) >= note.num_parts:
+            self._notified.add(tid)
+
+    def _import(self, note: NixlLandedMsg) -> str | None:
+        """Copy what one WRITE wrote from the transfer's arena pages into its reservation's
+        pages and record it; why it was refused (nothing recorded), or None."""
+        tid = note.transfer_id
+        pages, arena, landing = self._pages[tid], self._arena_pages[tid], self._landed[tid]
+        why = self._check(note, landing, self._starts[tid])
+        if why is not None:
+            return why
+        page_size = self._pool.page_size
+        base = self._starts[tid] // page_size  # pages[i] holds page index base + i
+        first = note.start // page_size - base
+        spans = [(note.first_layer + i, -(-end // page_size) - base, end)
+                 for i, end in enumerate(note.ends) if end > note.start]
+        if not spans:
+            return None
+        tagged = self._tagged(arena[first:max(last for _, last, _ in spans)], tid)
         if not tagged():
-            self._refuse(note, "foreign_or_stale_write")
-            return
-        body = layout.body(self._arena)
+            return "foreign_or_stale_write"
         copied: list[tuple[int, KVKind, int, int]] = []
-        for layer, end in enumerate(note.ends):
-            if end <= start:
-                continue
-            used = -(-(end - start) // page_size)
-            slots = torch.tensor(pages[:used], dtype=torch.int64)
-            first = pages[0]
-            in_place = pages[:used] == list(range(first, first + used))  # consecutive slots: read in place
-            for kind_index, kind in enumerate(KINDS):
-                part = body[first:first + used, layer, kind_index] if in_place else body[slots, layer, kind_index]
-                data = part.transpose(0, 1)  # [kv_heads, used, page_size, head_dim]
-                data[:, -1, end - start - (used - 1) * page_size:] = 0  # only [start, end) may land
-                self._pool.import_pages(layer, kind, slots, data)
-                copied.append((layer, kind, end, data.numel() * data.element_size()))
+        for layer, last, end in spans:
+            for kind_index, (kind, target) in enumerate(zip(KINDS, (self._pool.k[layer], self._pool.v[layer]))):
+                body = self._body[layer, kind_index]  # [kv_heads, num_pages, page_size, head_dim]
+                body[:, arena[last - 1], end - (base + last - 1) * page_size:] = 0  # only [start, end) may land
+                copy_pages(target, pages[first:last], body, arena[first:last])
+                copied.append((layer, kind, end, (last - first) * body[:, 0].numel() * body.element_size()))
         if not tagged():  # a write landed while we copied: the pages hold a mix; record nothing
-            self._refuse(note, "foreign_or_stale_write")
-            return
+            return "foreign_or_stale_write"
         for layer, kind, end, num_bytes in copied:
-            landing.add(layer, kind, start, end, num_bytes)
+            landing.add(layer, kind, note.start, end, num_bytes)
+        return None
 
-    def _tagged(self, slots: list[int], transfer_id: str) -> Callable[[], bool]:
-        """A check that every one of `slots` carries the transfer's tag (asked before and after copying)."""
-        tag, index = tag_of(transfer_id), torch.tensor(slots, dtype=torch.int64)
-        return lambda: bool((self._arena[index, :TAG_BYTES] == tag).all())
+    def _check(self, note: NixlLandedMsg, landing: Landing, start: int) -> str | None:
+        layout = self._layout
+        if not (0 <= note.first_layer and note.first_layer + len(note.ends) <= layout.num_layers
+                and 0 <= note.part < note.num_parts):
+            return "bad_block_address"
+        # [0, start) is decode's prefix-cache hit: read-only pages no transfer may write
+        if (note.start < start or note.start % layout.page_size
+                or not all(e <= landing.num_positions for e in note.ends)):
+            return "write_outside_reservation"
+        return None
+
+    def _tagged(self, arena_pages: list[int], transfer_id: str) -> Callable[[], bool]:
+        """A check that every one of `arena_pages` carries the transfer's tag (asked before and after copying)."""
+        tag, index = tag_of(transfer_id), torch.tensor(arena_pages, dtype=torch.int64)
+        return lambda: bool((self._tags[index] == tag).all())
 
     def _refuse(self, note: NixlLandedMsg, why: str) -> None:
+        self._refused.add(note.transfer_id)
         self.num_refused += 1
         logger.warning("refused the NIXL write of transfer %s: %s", note.transfer_id, why)
 
@@ -289,55 +422,136 @@ class NixlReceiver:
 # ---- prefill -------------------------------------------------------------------------------
 
 
-@dataclass
-class _InFlight:
-    """A WRITE that did not finish in time: its handle and source stay alive until it does."""
-
-    handle: Any
-    staging: torch.Tensor
-    registration: Any
-
-
 class NixlSender:
     name = NAME
 
-    def __init__(self, agent_name: str, listen_host: str, timeout_s: float = PUSH_TIMEOUT_S) -> None:
+    def __init__(self, agent_name: str, listen_host: str, timeout_s: float = PUSH_TIMEOUT_S,
+                 num_parts: int = NUM_PARTS, max_direct_runs: int = MAX_DIRECT_RUNS) -> None:
         self._agent = make_agent(agent_name, listen_host)
         self._timeout_s = timeout_s
+        self._num_parts = num_parts
+        self._max_direct_runs = max_direct_runs
         self._remotes: dict[str, str] = {}  # decode's agent name -> NIXL's handle name for it
-        self._in_flight: list[_InFlight] = []
-        self._staging: torch.Tensor | None = None  # registered once, reused by every push
+        self._pool: KVPool | None = None  # registered on the first push: the WRITEs read it in place
+        self._pool_registration: Any = None
+        self._staging: torch.Tensor | None = None  # tags, partial and gathered pages; registered, reused
         self._staging_registration: Any = None
+        self.num_staged_pushes = 0  # pushes whose pages were gathered first (scattered pages)
 
     def push(self, plan: PushPlan, pool: KVPool) -> int:
-        """Stage, WRITE and wait for NIXL's completion; the notification names what was written.
-        Returns only once the WRITE is terminal (or raises `TransportError`)."""
-        self._reap()
+        """WRITE the planned pages straight from the pool (scattered pages gathered first, the
+        last page of each layer staged), in a few WRITEs whose notifications name what each
+        wrote. Returns only once every WRITE is terminal (or raises `TransportError`, also only then)."""
         peer = decode_address(plan.kv_address)
-        layout = SlotLayout.of(pool)
-        if peer.slot_bytes != layout.slot_bytes:
-            raise TransportError(f"decode's KV slots are {peer.slot_bytes} bytes, ours {layout.slot_bytes}: "
-                                 f"the engines' KV layouts differ")
-        first = plan.start // pool.page_size  # decode already holds [0, start): not sent
-        num_pages = max(0, -(-max(plan.written, default=0) // pool.page_size) - first)
-        dest = plan.dest_pages[first:first + num_pages]
-        if len(dest) < num_pages or not all(0 <= p < peer.num_slots for p in dest):
-            raise TransportError(f"transfer {plan.transfer_id}: decode's reservation does not hold {num_pages} pages")
-        note = msgspec.msgpack.encode(NixlLandedMsg(plan.transfer_id, list(plan.written)))
+        dest = self._dest(plan, pool, peer)
         remote = self._remote(peer)
+        groups = self._groups(plan)
+        if not groups:  # nothing to write: still say so
+            self._notify(remote, peer, NixlLandedMsg(plan.transfer_id, plan.start, 0, [], 0, 1))
+            return 0
+        self._register(pool)
+        writes = _Writes(plan, pool, peer, dest)
+        gather = len(writes.runs) > self._max_direct_runs
+        self.num_staged_pushes += gather
+        writes.stage(self._buffer(writes.staging_bytes(gather)), gather)
+        handles: list[Any] = []
+        error: Exception | None = None
         try:
-            if num_pages == 0:
-                self._agent.send_notif(remote, note)  # nothing to write: still say so
-                return 0
-            staging = self._stage(plan, pool, layout, num_pages)
-            self._write(staging, dest, peer, remote, note)
-        except TransportError:
-            self._forget(peer)
-            raise
+            for part, (first_layer, ends) in enumerate(groups):
+                note = NixlLandedMsg(plan.transfer_id, plan.start, first_layer, ends, part, len(groups))
+                handles.append(writes.post(self._agent, remote, note))
         except Exception as exc:  # nixl's own exception types (peer gone, connection refused)
+            error = exc
+        failed = self._wait(handles, peer)
+        if error is not None or failed:
             self._forget(peer)
-            raise TransportError(f"NIXL write to {peer.agent_name} failed: {exc}") from exc
-        return staging.numel()
+            raise TransportError(f"NIXL write to {peer.agent_name} failed: {error or failed}") from error
+        return writes.num_bytes
+
+    @staticmethod
+    def _dest(plan: PushPlan, pool: KVPool, peer: NixlPeerMsg) -> list[int]:
+        """Decode's arena pages for the plan's page indexes [start // page_size, last), checked."""
+        if peer.layout != ArenaLayout.of(pool).key:
+            raise TransportError(f"decode's KV layout is {peer.layout}, ours {ArenaLayout.of(pool).key}: "
+                                 f"the engines differ")
+        first = plan.start // pool.page_size
+        last = max((plan.page_span(layer, pool.page_size)[1] for layer in range(len(plan.written))), default=0)
+        if last <= first:
+            return []
+        if first < peer.first_page:
+            raise TransportError(f"transfer {plan.transfer_id}: page {first} is before the reservation's first "
+                                 f"writable page {peer.first_page}")
+        dest = peer.arena_pages()[first - peer.first_page:last - peer.first_page]
+        if len(dest) < last - first or not all(0 <= p < peer.num_pages for p in dest):
+            raise TransportError(f"transfer {plan.transfer_id}: decode's address does not hold {last - first} "
+                                 f"arena pages")
+        return dest
+
+    def _groups(self, plan: PushPlan) -> list[tuple[int, list[int]]]:
+        """Layers in up to `num_parts` contiguous groups that send something: (first layer, ends)."""
+        num_layers = len(plan.written)
+        size = max(1, -(-num_layers // self._num_parts))
+        groups = [(first, plan.written[first:first + size]) for first in range(0, num_layers, size)]
+        return [(first, ends) for first, ends in groups if any(end > plan.start for end in ends)]
+
+    def _notify(self, remote: str, peer: NixlPeerMsg, note: NixlLandedMsg) -> None:
+        try:
+            self._agent.send_notif(remote, msgspec.msgpack.encode(note))
+        except Exception as exc:
+            self._forget(peer)
+            raise TransportError(f"NIXL notification to {peer.agent_name} failed: {exc}") from exc
+
+    def _register(self, pool: KVPool) -> None:
+        """Register the pool once (prefill's own memory: only this agent's WRITEs read it)."""
+        if self._pool is pool:
+            return
+        if self._pool is not None:
+            self._agent.deregister_memory(self._pool_registration)
+        tensors = [t for pair in zip(pool.k, pool.v) for t in pair]
+        self._pool_registration, self._pool = self._agent.register_memory(tensors), pool
+
+    def _buffer(self, num_bytes: int) -> torch.Tensor:
+        """The registered staging buffer, grown (and registered again) when a push needs more."""
+        if self._staging is None or self._staging.numel() < num_bytes:
+            if self._staging is not None:
+                self._agent.deregister_memory(self._staging_registration)
+            self._staging = torch.empty(num_bytes, dtype=torch.uint8)
+            self._staging_registration = self._agent.register_memory(self._staging)
+        return self._staging[:num_bytes]
+
+    def _wait(self, handles: list[Any], peer: NixlPeerMsg) -> str | None:
+        """Wait until every WRITE is terminal and release it; the first failure, or None. Past
+        the timeout, drop the connection (UCX then fails what it still holds) and keep waiting:
+        NIXL reads prefill's pool until a WRITE is terminal, so returning earlier would let
+        the request's pages be reused under a read."""
+        deadline, failed = time.monotonic() + self._timeout_s, None
+        for handle in handles:
+            state = self._state(handle)
+            while state == "PROC":
+                if time.monotonic() > deadline:
+                    logger.error("a NIXL write to %s is not terminal after %g s: dropping the connection and "
+                                 "waiting for it to end", peer.agent_name, self._timeout_s)
+                    self._forget(peer)
+                    deadline = time.monotonic() + self._timeout_s
+                time.sleep(POLL_SLEEP_S)
+                state = self._state(handle)
+            self._release(handle)
+            if state != "DONE" and failed is None:
+                failed = f"state {state}"
+        return failed
+
+    def _state(self, handle: Any) -> str:
+        try:
+            return str(self._agent.check_xfer_state(handle))
+        except Exception as exc:  # NIXL reports a failed transfer by raising
+            logger.warning("a NIXL write ended with %s", exc)
+            return "ERR"
+
+    def _release(self, handle: Any) -> None:
+        try:
+            self._agent.release_xfer_handle(handle)
+        except Exception as exc:  # a failed WRITE's handle may already be gone
+            logger.warning("could not release a finished NIXL write: %s", exc)
 
     def _remote(self, peer: NixlPeerMsg) -> str:
         if peer.agent_name not in self._remotes:
@@ -357,84 +571,126 @@ class NixlSender:
             except Exception as exc:
                 logger.warning("could not remove NIXL peer %s: %s", name, exc)
 
-    def _buffer(self, num_bytes: int) -> torch.Tensor:
-        """The registered staging buffer, grown (and registered again) when a push needs more."""
-        if self._staging is None or self._staging.numel() < num_bytes:
-            if self._staging is not None:
-                self._agent.deregister_memory(self._staging_registration)
-            self._staging = torch.empty(num_bytes, dtype=torch.uint8)
-            self._staging_registration = self._agent.register_memory(self._staging)
-        return self._staging[:num_bytes]
-
-    def _stage(self, plan: PushPlan, pool: KVPool, layout: SlotLayout, num_pages: int) -> torch.Tensor:
-        """The request's `num_pages` pages from `plan.start` on in slot layout, tagged; zeros where unwritten."""
-        staging = self._buffer(num_pages * layout.slot_bytes).view(num_pages, layout.slot_bytes)
-        staging[:, :TAG_BYTES] = tag_of(plan.transfer_id)
-        body = layout.body(staging)
-        first = plan.start // pool.page_size
-        for layer, end in enumerate(plan.written):
-            used = max(0, -(-end // pool.page_size) - first)
-            if used:
-                index = torch.tensor(plan.src_pages[first:first + used], dtype=torch.int64)
-                for kind_index, source in enumerate((pool.k[layer], pool.v[layer])):  # gathered straight in
-                    torch.index_select(source.transpose(0, 1), 0, index, out=body[:used, layer, kind_index])
-                body[used - 1, layer, :, :, end - (first + used - 1) * pool.page_size:] = 0  # nothing past `end`
-            body[used:, layer] = 0  # no stale bytes of an earlier push leave this buffer
-        return staging
-
-    def _write(self, staging: torch.Tensor, dest: list[int], peer: NixlPeerMsg, remote: str, note: bytes) -> None:
-        local_rows, remote_rows = _runs(staging.data_ptr(), peer.arena_address, peer.slot_bytes, dest)
-        handle = self._agent.initialize_xfer("WRITE", self._agent.get_xfer_descs(local_rows, "DRAM"),
-                                             self._agent.get_xfer_descs(remote_rows, "DRAM"), remote, note)
-        try:
-            state = self._agent.transfer(handle)
-            deadline = time.monotonic() + self._timeout_s
-            while state == "PROC" and time.monotonic() < deadline:
-                time.sleep(POLL_SLEEP_S)
-                state = self._agent.check_xfer_state(handle)
-        except Exception:
-            state = "PROC"  # posted, state unknown: treat as still in flight
-        if state == "PROC":  # never reuse or free what NIXL may still read: the next push gets a new buffer
-            assert self._staging is not None
-            self._in_flight.append(_InFlight(handle, self._staging, self._staging_registration))
-            self._staging, self._staging_registration = None, None
-            raise TransportError(f"the NIXL write to {peer.agent_name} did not reach a terminal state within "
-                                 f"{self._timeout_s:g} s")
-        self._agent.release_xfer_handle(handle)
-        if state != "DONE":
-            raise TransportError(f"the NIXL write to {peer.agent_name} failed (state {state})")
-
-    def _reap(self) -> None:
-        """Release late WRITEs that reached a terminal state."""
-        still = []
-        for job in self._in_flight:
-            try:
-                state = self._agent.check_xfer_state(job.handle)
-            except Exception as exc:  # NIXL no longer knows the request: it is over
-                logger.warning("a late NIXL write ended with %s", exc)
-                state = "ERR"
-            if state == "PROC":
-                still.append(job)
-            else:
-                self._agent.release_xfer_handle(job.handle)
-                self._agent.deregister_memory(job.registration)
-        self._in_flight = still
-
     def close(self) -> None:
-        self._reap()
-        if self._staging is not None:
-            self._agent.deregister_memory(self._staging_registration)
-            self._staging = None
+        for registration in (self._staging_registration, self._pool_registration):
+            if registration is not None:
+                self._agent.deregister_memory(registration)
+        self._staging, self._pool = None, None
 
 
-def _runs(local_base: int, remote_base: int, slot_bytes: int, dest: list[int]) -> tuple[np.ndarray, np.ndarray]:
-    """Descriptor rows (address, length, device 0) for staging slot i -> arena slot dest[i],
-    one row per run of consecutive destination pages."""
-    starts = [0] + [i for i in range(1, len(dest)) if dest[i] != dest[i - 1] + 1]
-    lengths = np.diff(np.array([*starts, len(dest)], dtype=np.uint64))
-    local = np.zeros((len(starts), 3), dtype=np.uint64)
-    remote = np.zeros((len(starts), 3), dtype=np.uint64)
-    local[:, 0] = local_base + np.array(starts, dtype=np.uint64) * slot_bytes
-    remote[:, 0] = remote_base + np.array([dest[s] for s in starts], dtype=np.uint64) * slot_bytes
-    local[:, 1] = remote[:, 1] = lengths * slot_bytes
-    return local, remote
+class _Writes:
+    """The WRITEs of one push: descriptor rows for the tags, full pages (from prefill's pool in
+    place, or gathered into staging) and partial last pages (staged) into decode's arena pages.
+
+    Staging: `n` copies of the tag, then each layer's last page [layers, 2, kv_heads, page_size,
+    head_dim], then, when gathered, the full pages [layers, 2, kv_heads, n, page_size, head_dim]."""
+
+    def __init__(self, plan: PushPlan, pool: KVPool, peer: NixlPeerMsg, dest: list[int]) -> None:
+        self._plan, self._pool, self._peer, self._dest = plan, pool, peer, dest
+        self._layout = ArenaLayout.of(pool)
+        self._remote_layout = ArenaLayout.of(pool, peer.num_pages)
+        self._first = plan.start // pool.page_size  # dest[i] is the arena page of page index first + i
+        self.runs = joint_runs(plan.src_pages[self._first:self._first + len(dest)], dest)
+        self.num_bytes = 0
+        self._staging: torch.Tensor | None = None
+        self._gathered: torch.Tensor | None = None
+
+    def staging_bytes(self, gather: bool) -> int:
+        layout, n = self._layout, len(self._dest)
+        blocks = layout.num_layers * 2 * layout.num_kv_heads
+        return n * TAG_BYTES + blocks * layout.page_bytes + (blocks * n * layout.page_bytes if gather else 0)
+
+    def _views(self, staging: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        layout, n = self._layout, len(self._dest)
+        blocks = layout.num_layers * 2 * layout.num_kv_heads
+        shape = (layout.num_layers, 2, layout.num_kv_heads)
+        tags = staging[:n * TAG_BYTES].view(n, TAG_BYTES)
+        partial_end = n * TAG_BYTES + blocks * layout.page_bytes
+        partial = staging[n * TAG_BYTES:partial_end].view(layout.dtype).view(
+            *shape, layout.page_size, layout.head_dim)
+        if staging.numel() == partial_end:
+            return tags, partial, None
+        gathered = staging[partial_end:].view(layout.dtype).view(*shape, n, layout.page_size, layout.head_dim)
+        return tags, partial, gathered
+
+    def stage(self, staging: torch.Tensor, gather: bool) -> None:
+        """Tags; each layer's last page when partial (zeros past what was written); with `gather`,
+        the full pages in position order."""
+        tags, partial, gathered = self._views(staging)
+        plan, page_size = self._plan, self._pool.page_size
+        tags[:] = tag_of(plan.transfer_id)
+        for layer, end in enumerate(plan.written):
+            first, last = plan.page_span(layer, page_size)
+            if first == last:
+                continue
+            full = end // page_size if end % page_size else last
+            for kind_index, source in enumerate((self._pool.k[layer], self._pool.v[layer])):
+                if gathered is not None and full > first:
+                    copy_pages(gathered[layer, kind_index], list(range(first - self._first, full - self._first)),
+                               source, plan.src_pages[first:full])
+                if full < last:
+                    copy_pages(partial[layer, kind_index].unsqueeze(1), [0], source, [plan.src_pages[last - 1]])
+            if full < last:
+                partial[layer, :, :, end - (last - 1) * page_size:] = 0  # nothing past `end`
+        self._staging, self._gathered = staging, gathered
+
+    def post(self, agent: Any, remote: str, note: NixlLandedMsg) -> Any:
+        body = [row for i, end in enumerate(note.ends) for row in self._layer_rows(note.first_layer + i, end)]
+        rows = self._tag_rows(note) + body
+        local = np.array([(a, n, 0) for a, _, n in rows], dtype=np.uint64)
+        remote_rows = np.array([(b, n, 0) for _, b, n in rows], dtype=np.uint64)
+        handle = agent.initialize_xfer("WRITE", agent.get_xfer_descs(local, "DRAM"),
+                                       agent.get_xfer_descs(remote_rows, "DRAM"), remote,
+                                       msgspec.msgpack.encode(note))
+        agent.transfer(handle)
+        self.num_bytes += sum(n for _, _, n in rows)
+        return handle
+
+    def _tag_rows(self, note: NixlLandedMsg) -> list[tuple[int, int, int]]:
+        assert self._staging is not None
+        page_size = self._pool.page_size
+        last = max((-(-end // page_size) for end in note.ends if end > note.start), default=self._first)
+        local, arena = self._staging.data_ptr(), self._peer.arena_address
+        return [(local + index * TAG_BYTES, arena + page * TAG_BYTES, count * TAG_BYTES)
+                for index, page, count in page_runs(self._dest[:last - self._first])]
+
+    def _layer_rows(self, layer: int, end: int) -> list[tuple[int, int, int]]:
+        """(local address, remote address, bytes) for K and V of every head of one layer."""
+        page_size, plan = self._pool.page_size, self._plan
+        first, last = plan.page_span(layer, page_size)
+        if first == last:
+            return []
+        full = end // page_size if end % page_size else last  # pages [first, full) are whole
+        rows = []
+        for kind_index, source in enumerate((self._pool.k[layer], self._pool.v[layer])):
+            for head in range(self._layout.num_kv_heads):
+                rows += self._full_rows(source, layer, kind_index, head, first, full)
+                if full < last:
+                    rows.append(self._partial_row(layer, kind_index, head, last - 1))
+        return rows
+
+    def _full_rows(self, source: torch.Tensor, layer: int, kind_index: int, head: int, first: int,
+                   full: int) -> list[tuple[int, int, int]]:
+        """Pages [first, full) of one head: from the gathered copy, or runs of the pool in place."""
+        page_bytes, base = self._layout.page_bytes, self._first
+        dest = self._dest[first - base:full - base]
+        if self._gathered is not None:
+            head_address = self._gathered[layer, kind_index, head].data_ptr()
+            src = list(range(first - base, full - base))
+        else:
+            # source: [kv_heads, num_pages, page_size, head_dim]
+            head_address = source.data_ptr() + head * self._pool.num_pages * page_bytes
+            src = self._plan.src_pages[first:full]
+        arena = self._peer.arena_address
+        return [(head_address + src[index] * page_bytes,
+                 arena + self._remote_layout.block_offset(layer, kind_index, head, dest[index]), count * page_bytes)
+                for index, count in joint_runs(src, dest)]
+
+    def _partial_row(self, layer: int, kind_index: int, head: int, index: int) -> tuple[int, int, int]:
+        assert self._staging is not None
+        layout, n = self._layout, len(self._dest)
+        block = (layer * 2 + kind_index) * layout.num_kv_heads + head
+        staged = self._staging.data_ptr() + n * TAG_BYTES + block * layout.page_bytes
+        remote = self._peer.arena_address + self._remote_layout.block_offset(layer, kind_index, head,
+                                                                             self._dest[index - self._first])
+        return staged, remote, layout.page_bytes

@@ -94,7 +94,12 @@ class KVReceiver(Protocol):
 
     @property
     def address(self) -> str:
-        """Where senders deliver KV for this engine (sent to prefill in `ReservedMsg`)."""
+        """Where senders reach this engine's KV receiver."""
+        ...
+
+    def address_for(self, transfer_id: str) -> str:
+        """Where prefill delivers an authorized transfer's KV (sent to it in `ReservedMsg`): the
+        receiver's address, plus whatever the transport needs to know of this transfer."""
         ...
 
     def authorize(self, transfer_id: str, pages: list[int], start: int = 0) -> None:
@@ -105,6 +110,11 @@ class KVReceiver(Protocol):
 
     def landed(self, transfer_id: str) -> Landing | None:
         """What landed for an authorized transfer (None for an unknown id)."""
+        ...
+
+    def progress(self) -> None:
+        """Take in whatever landed outside the control channel since the last call (decode's
+        loop calls it every iteration); cheap when nothing did."""
         ...
 
     def sender_done(self, transfer_id: str) -> None:

@@ -18,11 +18,13 @@ from test_handoff import GREEDY, args, colocated
 from kvseal import SamplingParams
 from kvseal._testing.faults import Fault, inject
 from kvseal.disagg.msgs import HANDOFF_FAILED, CommitMsg, KVBlockMsg, PrefillRefusedMsg, WrittenRangeMsg, decode
+from kvseal.disagg.nixl import ArenaPages, NixlSender, decode_address
 from kvseal.disagg.node import EngineNode, NodeConfig
-from kvseal.disagg.tcp import TcpSender
+from kvseal.disagg.tcp import TcpReceiver, TcpSender
 from kvseal.disagg.transport import PushPlan, copy_pages
 from kvseal.disagg.wire import PeerLinks
 from kvseal.errors import ConfigError
+from kvseal.kvcache.pool import KVPool
 from kvseal.messages.msgs import AbortMsg
 from kvseal.models.loader import load_model
 from kvseal.types import ISOLATION_CHECK_FAILED, StructuredOutput
@@ -338,9 +340,10 @@ def test_an_uncompilable_grammar_is_refused_by_decode_before_it_reserves(make_pa
 
 def test_a_nixl_write_into_another_reservations_slots_is_refused(llama_dir: Path, loaded: Any) -> None:
     """NIXL lets a peer write anywhere in decode's registered arena; decode takes a transfer's
-    slots only if every one carries that transfer's tag. A broken prefill writes transfer B's
-    KV into A's slots and names B: decode refuses B's landing (B's own slots are untagged), B's
-    commit is refused, and A, written correctly afterwards, still runs."""
+    arena pages only if every one carries that transfer's tag. A broken prefill writes transfer
+    B's KV into A's arena pages (through A's address) and names B: decode refuses B's landing
+    (B's own arena pages are untagged), B's commit is refused, and A, written correctly
+    afterwards, still runs."""
     pair = PdPair(args(llama_dir), args(llama_dir), loaded=loaded, kv_transport="nixl")
     try:
         a, b = pair.reserve(PROMPT, GREEDY), pair.reserve(PROMPT, GREEDY)
@@ -348,7 +351,7 @@ def test_a_nixl_write_into_another_reservations_slots_is_refused(llama_dir: Path
         assert ra is not None and rb is not None
         sender, pool = pair.prefill.transport, pair.prefill.engine.kv.pool
         src = list(range(len(rb.pages)))
-        sender.push(PushPlan(rb.transfer_id, src, [30, 30], rb.kv_address, ra.pages), pool)  # type: ignore[union-attr]
+        sender.push(PushPlan(rb.transfer_id, src, [30, 30], ra.kv_address, ra.pages), pool)  # type: ignore[union-attr]
         rogue_commit(pair, b, 30, [30, 30])
         pair.pump(lambda: b.is_terminal, "b's refusal")
         assert_refused_by_decode(b, "layer 0 K: only positions [0, 0)")
@@ -386,11 +389,14 @@ def prefill_pages_with_stale_tails(pair: PdPair, num_pages: int, num_written: in
     return pages
 
 
-def push_and_land(pair: PdPair, handoff: Handoff, src: list[int], written: list[int], start: int = 0) -> int:
+def push_and_land(pair: PdPair, handoff: Handoff, src: list[int], written: list[int], start: int = 0,
+                  sender: Any = None) -> int:
     r = handoff.reserved
     assert r is not None
-    plan = PushPlan(r.transfer_id, src, written, r.kv_address, r.pages, start=start)
-    sender = TcpSender(pair.rogue) if pair.prefill.config.kv_transport == "tcp" else pair.prefill.transport
+    kv_address = pair.decode.transport.address_for(r.transfer_id)  # type: ignore[union-attr]  # as authorized now
+    plan = PushPlan(r.transfer_id, src, written, kv_address, r.pages, start=start)
+    if sender is None:
+        sender = TcpSender(pair.rogue) if pair.prefill.config.kv_transport == "tcp" else pair.prefill.transport
     num_bytes = sender.push(plan, pair.prefill.engine.kv.pool)  # type: ignore[union-attr]
     receiver = pair.decode.transport
 
@@ -429,8 +435,10 @@ def test_prefill_may_reuse_its_pages_as_soon_as_push_returns(make_pair: Any) -> 
     pair.assert_clean()
 
 
-def test_no_stale_bytes_leave_prefills_pool_over_tcp(make_pair: Any) -> None:
-    """What goes on the wire past the written positions is zeros, not the pool's old content."""
+@pytest.mark.parametrize("max_frame_runs", [0, 8])
+def test_no_stale_bytes_leave_prefills_pool_over_tcp(make_pair: Any, max_frame_runs: int) -> None:
+    """What goes on the wire past the written positions is zeros, not the pool's old content,
+    whether the pages are sent from the pool in place or gathered first."""
     pair = make_pair()
     src = prefill_pages_with_stale_tails(pair, 8, 30)
     ctx = pair.ctx
@@ -439,13 +447,14 @@ def test_no_stale_bytes_leave_prefills_pool_over_tcp(make_pair: Any) -> None:
     try:
         links = PeerLinks(ctx)
         plan = PushPlan("t-1", src, [30, 30], f"127.0.0.1:{port}", list(range(8)))
-        num_bytes = TcpSender(links).push(plan, pair.prefill.engine.kv.pool)
+        num_bytes = TcpSender(links, max_frame_runs=max_frame_runs).push(plan, pair.prefill.engine.kv.pool)
         frames = [router.recv_multipart() for _ in range(2 * NUM_LAYERS)]
         links.close()
     finally:
         router.close(0)
     assert sum(len(part) for f in frames for part in f[2:]) == num_bytes
     for _, header, *parts in frames:
+        assert len(parts) == (1 if max_frame_runs == 0 else 2 * 8)  # gathered: one frame; else per head and page
         data = torch.frombuffer(bytearray(b"".join(parts)), dtype=torch.float32)
         assert not (data == STALE).any(), decode(header)
         num_kv_heads, _, head_dim = pair.prefill.engine.kv.pool.page_shape()
@@ -506,6 +515,157 @@ def test_a_push_from_a_page_aligned_start_sends_only_start_to_end(make_pair: Any
     pair.to_decode.send(AbortMsg(handoff.request_id, "alice", "done"))
     pair.pump(lambda: handoff.is_terminal, "the release")
     pair.assert_clean()
+
+
+def assert_landed_exactly(pair: PdPair, handoff: Handoff, src: list[int], num_written: int) -> None:
+    """Decode's pages hold prefill's positions [0, num_written) of `src`, zeros after them."""
+    r = handoff.reserved
+    assert r is not None
+    for layer in range(NUM_LAYERS):
+        for kind in "kv":
+            got = positions(pair.decode.engine.kv.pool, layer, kind, r.pages)
+            want = positions(pair.prefill.engine.kv.pool, layer, kind, src)
+            assert torch.equal(got[:, :num_written], want[:, :num_written]), (layer, kind)
+            assert torch.count_nonzero(got[:, num_written:]) == 0, "the last page's tail must be zeros"
+
+
+@pytest.mark.parametrize("max_direct_runs", [0, 64])
+def test_nixl_lands_the_same_kv_read_from_the_pool_in_place_or_gathered(llama_dir: Path, loaded: Any,
+                                                                       max_direct_runs: int) -> None:
+    """Prefill's pages in 8 runs: read in place (up to 64 runs allowed) or gathered into staging
+    first (none allowed); either way exactly the written positions land, nothing stale leaves."""
+    pair = PdPair(args(llama_dir), args(llama_dir), loaded=loaded, kv_transport="nixl")
+    sender = NixlSender(f"test-sender-{max_direct_runs}-{free_port()}", "127.0.0.1",
+                        max_direct_runs=max_direct_runs)
+    try:
+        handoff = pair.reserve(PROMPT, GREEDY)
+        pair.decode.engine.kv.pool.fill(list(handoff.reserved.pages), STALE)  # type: ignore[union-attr]
+        src = prefill_pages_with_stale_tails(pair, 8, 30)
+        push_and_land(pair, handoff, src, [30, 30], sender=sender)
+        assert sender.num_staged_pushes == (1 if max_direct_runs == 0 else 0)
+        assert_landed_exactly(pair, handoff, src, 30)
+        assert not (pair.decode.transport._arena.view(torch.float32) == STALE).any()  # type: ignore[union-attr]
+        pair.to_decode.send(AbortMsg(handoff.request_id, "alice", "done"))
+        pair.pump(lambda: handoff.is_terminal, "the release")
+        pair.assert_clean()
+    finally:
+        sender.close()
+        pair.close()
+
+
+def test_nixl_a_fragmented_arena_gives_a_transfer_several_runs_and_it_still_lands(llama_dir: Path,
+                                                                                   loaded: Any) -> None:
+    """With no run of free arena pages long enough, a transfer gets the lowest free ones (its
+    address names every run); the push lands all the same, and the arena pages come back once
+    the transfer is over."""
+    pair = PdPair(args(llama_dir), args(llama_dir), loaded=loaded, kv_transport="nixl")
+    try:
+        free = pair.decode.transport._free  # type: ignore[union-attr]
+        held = free.take(free.num_free)
+        holes = held[:16:2]  # 8 free arena pages, no two consecutive
+        free.give_back(holes)
+        handoff = pair.reserve(PROMPT, GREEDY)
+        r = handoff.reserved
+        assert r is not None
+        address = decode_address(pair.decode.transport.address_for(r.transfer_id))  # type: ignore[union-attr]
+        assert address.arena_pages() == holes and len(address.arena_runs) == 8
+        src = prefill_pages_with_stale_tails(pair, 8, 30)
+        push_and_land(pair, handoff, src, [30, 30])
+        assert_landed_exactly(pair, handoff, src, 30)
+        assert free.num_free == 0
+        pair.to_decode.send(AbortMsg(handoff.request_id, "alice", "done"))
+        pair.pump(lambda: handoff.is_terminal, "the release")
+        assert free.num_free == 8
+        free.give_back([page for page in held if page not in holes])
+        pair.assert_clean()
+    finally:
+        pair.close()
+
+
+def test_tcp_gathered_pages_land_exactly(make_pair: Any) -> None:
+    """Scattered prefill pages gathered into one frame per message (no runs allowed in place)
+    land as the written positions, zeros after them; twice, through the reused gather buffer."""
+    pair = make_pair()
+    sender = TcpSender(pair.rogue, max_frame_runs=0)
+    for _ in range(2):
+        handoff = pair.reserve(PROMPT, GREEDY)
+        pair.decode.engine.kv.pool.fill(list(handoff.reserved.pages), STALE)  # type: ignore[union-attr]
+        src = prefill_pages_with_stale_tails(pair, 8, 30)
+        push_and_land(pair, handoff, src, [30, 30], sender=sender)
+        assert_landed_exactly(pair, handoff, src, 30)
+        pair.to_decode.send(AbortMsg(handoff.request_id, "alice", "done"))
+        pair.pump(lambda done=handoff: done.is_terminal, "the release")
+    pair.assert_clean()
+
+
+def test_nixl_arena_pages_stay_taken_until_no_write_can_land(llama_dir: Path, loaded: Any) -> None:
+    """A cancelled transfer's arena pages go to no other transfer while a write of it could still
+    land (no notification, no word from prefill); once prefill says it is done they do."""
+    pair = PdPair(args(llama_dir), args(llama_dir), loaded=loaded, kv_transport="nixl", transfer_drain_s=600.0)
+    try:
+        receiver = pair.decode.transport
+        free = receiver._free  # type: ignore[union-attr]
+        before = free.num_free
+        receiver.authorize("t-late", [0, 1, 2])  # type: ignore[union-attr]
+        arena = decode_address(receiver.address_for("t-late")).arena_pages()  # type: ignore[union-attr]
+        assert receiver.cancel("t-late") is False  # type: ignore[union-attr]
+        receiver.authorize("t-next", [3, 4, 5])  # type: ignore[union-attr]
+        assert not set(arena) & set(decode_address(receiver.address_for("t-next")).arena_pages())  # type: ignore[union-attr]
+        assert free.num_free == before - 6
+        receiver.sender_done("t-late")  # type: ignore[union-attr]
+        assert receiver.cancel("t-late") is True  # type: ignore[union-attr]
+        assert receiver.cancel("t-next") is False  # type: ignore[union-attr]
+        receiver.sender_done("t-next")  # type: ignore[union-attr]
+        assert receiver.cancel("t-next") is True  # type: ignore[union-attr]
+        assert free.num_free == before
+        pair.assert_clean()
+    finally:
+        pair.close()
+
+
+def test_arena_pages_take_the_lowest_run_that_fits_else_the_lowest_free_pages() -> None:
+    pages = ArenaPages(10)
+    assert pages.take(3) == [0, 1, 2]
+    assert pages.take(2) == [3, 4]
+    pages.give_back([1])
+    assert pages.take(2) == [5, 6]  # the hole at 1 is too short
+    assert pages.take(1) == [1]
+    pages.give_back([0, 2, 4])
+    assert pages.take(4) == [0, 2, 4, 7]  # no run of 4: the lowest free pages
+    with pytest.raises(AssertionError, match="twice"):
+        pages.give_back([8])
+    with pytest.raises(RuntimeError, match="free pages"):
+        pages.take(3)
+    assert pages.num_free == 2
+
+
+@pytest.mark.parametrize("pages", [[5, 2, 3, 9], [4, 5, 6, 7]])
+def test_tcp_frames_cut_anywhere_land_in_scattered_or_consecutive_pages(pages: list[int]) -> None:
+    """Frames of whole pages cut at any page (across heads too) land at the reservation's pages,
+    whether consecutive or not, positions past `end` zeroed, no other page touched."""
+    pool = KVPool(2, 12, 4, 2, 3, torch.float32)
+    receiver = TcpReceiver(pool, 2, "test")
+    for tensor in pool.k + pool.v:
+        tensor.fill_(STALE)
+    receiver.authorize("t-1", pages)
+    sent = torch.randn(2, 4, 4, 3)  # [kv_heads, pages, page_size, head_dim], the positions in order
+    raw = sent.view(-1).view(torch.uint8)
+    page_bytes = 4 * 3 * 4
+    cuts = [0, 1, 4, 6, 8]  # frames of 1, 3, 2 and 2 pages: the second crosses from head 0 to head 1
+    frames = [memoryview(raw[a * page_bytes:b * page_bytes].numpy().tobytes()) for a, b in zip(cuts, cuts[1:])]
+    assert receiver.deliver(KVBlockMsg("t-1", 1, "v", 0, 14), frames) is None
+    got = pool.v[1][:, pages]
+    assert torch.equal(got.reshape(2, 16, 3)[:, :14], sent.reshape(2, 16, 3)[:, :14])
+    assert torch.count_nonzero(got.reshape(2, 16, 3)[:, 14:]) == 0
+    others = [page for page in range(12) if page not in pages]
+    assert (pool.v[1][:, others] == STALE).all() and all((t == STALE).all() for t in (*pool.k, pool.v[0]))
+    assert receiver.deliver(KVBlockMsg("t-1", 1, "k", 0, 14), frames[:-1]) == "bad_block_size"
+
+
+def test_tcp_receiver_refuses_to_authorize_pages_outside_its_pool() -> None:
+    receiver = TcpReceiver(KVPool(2, 12, 4, 2, 3, torch.float32), 2, "test")
+    with pytest.raises(ValueError, match="outside the pool"):
+        receiver.authorize("t-1", [3, 12])
 
 
 def test_a_push_plan_refuses_a_negative_start() -> None:

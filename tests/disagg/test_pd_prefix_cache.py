@@ -18,7 +18,7 @@ from kvseal import LLM, SamplingParams
 from kvseal._testing.faults import Fault, inject
 from kvseal.disagg.msgs import HANDOFF_FAILED, CommitMsg, KVBlockMsg, PrefillDoneMsg, WrittenRangeMsg
 from kvseal.disagg.tcp import TcpSender
-from kvseal.disagg.transport import PushPlan
+from kvseal.disagg.transport import PushPlan, TransportError
 from kvseal.messages.msgs import AbortMsg
 from kvseal.models.loader import load_model
 from kvseal.types import ISOLATION_CHECK_FAILED
@@ -170,8 +170,9 @@ def test_a_transfer_never_writes_a_cached_page(make_pair: Any, llama_dir: Path) 
                   .view(torch.uint8).numpy().tobytes()])
         pair.pump(lambda: pair.decode.loop.stats().handoff_failures.get("write_outside_reservation", 0) == 5,
                   "the refusals")  # 2 layers x K/V of the push, and the single frame
-    else:
-        pair.prefill.transport.push(plan, prefill_pool)  # type: ignore[union-attr]
+    else:  # the transfer's address names arena pages from the hit on only: the sender refuses the rest
+        with pytest.raises(TransportError, match="before the reservation's first writable page"):
+            pair.prefill.transport.push(plan, prefill_pool)  # type: ignore[union-attr]
         receiver = pair.decode.steps.receiver  # type: ignore[attr-defined]
         receiver.sender_done(r.transfer_id)
         landing = receiver.landed(r.transfer_id)  # waits for NIXL's notification and imports the write
