@@ -231,8 +231,15 @@ def test_abort_during_a_transfer_from_a_hit_releases_the_references(make_pair: A
 def test_expiry_and_placeholder_prefill_from_a_hit_leave_integrity_intact(make_pair: Any) -> None:
     # Prefill's cache off: the placeholder replaces a prefill from position 0 (a prefill that
     # starts on its own cache hit computes the rest for real).
-    pair = make_pair(reservation_timeout_s=0.5, prefill=dict(enable_prefix_caching=False))
-    expiring = warm(pair)
+    pair = make_pair(prefill=dict(enable_prefix_caching=False))
+    # Only the reservation meant to expire gets the short timeout (a deadline is fixed when a
+    # reservation is made): the warm-up and the victim must not expire on a slow host.
+    pair.generate(PROMPTS[0], GREEDY)
+    table = pair.decode.steps.table
+    table.timeout_s = 0.5
+    expiring = pair.reserve(PROMPTS[1], GREEDY)
+    table.timeout_s = 30.0
+    assert expiring.reserved is not None and expiring.reserved.num_cached_tokens > 0
     pair.pump(lambda: expiring.is_terminal, "the expiry")
     assert expiring.final.error_code == HANDOFF_FAILED
     assert_cache_unread(pair)
