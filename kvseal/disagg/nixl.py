@@ -57,7 +57,16 @@ import torch
 
 from kvseal.disagg.args import DEFAULT_DRAIN_S
 from kvseal.disagg.msgs import KVKind
-from kvseal.disagg.transport import KINDS, Landing, PushPlan, TransportError, copy_pages, joint_runs, page_runs
+from kvseal.disagg.transport import (
+    KINDS,
+    Landing,
+    PushPlan,
+    RunsMemo,
+    TransportError,
+    copy_pages,
+    joint_runs,
+    page_runs,
+)
 from kvseal.errors import ConfigError
 from kvseal.kvcache.pool import KVPool
 
@@ -382,11 +391,12 @@ class NixlReceiver:
         if not tagged():
             return "foreign_or_stale_write"
         copied: list[tuple[int, KVKind, int, int]] = []
+        runs = RunsMemo()  # the layers of a part usually share their pages
         for layer, last, end in spans:
             for kind_index, (kind, target) in enumerate(zip(KINDS, (self._pool.k[layer], self._pool.v[layer]))):
                 body = self._body[layer, kind_index]  # [kv_heads, num_pages, page_size, head_dim]
                 body[:, arena[last - 1], end - (base + last - 1) * page_size:] = 0  # only [start, end) may land
-                copy_pages(target, pages[first:last], body, arena[first:last])
+                copy_pages(target, pages[first:last], body, arena[first:last], runs)
                 copied.append((layer, kind, end, (last - first) * body[:, 0].numel() * body.element_size()))
         if not tagged():  # a write landed while we copied: the pages hold a mix; record nothing
             return "foreign_or_stale_write"
@@ -592,6 +602,7 @@ class _Writes:
         self._first = plan.start // pool.page_size  # dest[i] is the arena page of page index first + i
         self.runs = joint_runs(plan.src_pages[self._first:self._first + len(dest)], dest)
         self.num_bytes = 0
+        self._gather_runs, self._row_runs = RunsMemo(), RunsMemo()  # every layer, K/V and head: the same pages
         self._staging: torch.Tensor | None = None
         self._gathered: torch.Tensor | None = None
 
@@ -627,7 +638,7 @@ class _Writes:
             for kind_index, source in enumerate((self._pool.k[layer], self._pool.v[layer])):
                 if gathered is not None and full > first:
                     copy_pages(gathered[layer, kind_index], list(range(first - self._first, full - self._first)),
-                               source, plan.src_pages[first:full])
+                               source, plan.src_pages[first:full], self._gather_runs)
                 if full < last:
                     copy_pages(partial[layer, kind_index].unsqueeze(1), [0], source, [plan.src_pages[last - 1]])
             if full < last:
@@ -684,7 +695,7 @@ class _Writes:
         arena = self._peer.arena_address
         return [(head_address + src[index] * page_bytes,
                  arena + self._remote_layout.block_offset(layer, kind_index, head, dest[index]), count * page_bytes)
-                for index, count in joint_runs(src, dest)]
+                for index, count in self._row_runs(src, dest)]
 
     def _partial_row(self, layer: int, kind_index: int, head: int, index: int) -> tuple[int, int, int]:
         assert self._staging is not None
