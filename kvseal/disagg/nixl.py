@@ -17,7 +17,9 @@ last, partial page is always staged with zeros past what was written (no stale b
 the pool), and every arena page written carries the transfer id as its tag. One push is a few
 WRITEs, one per group of layers, each naming what it wrote (`NixlLandedMsg`) in its
 notification, which NIXL delivers only after every write of that WRITE landed: decode copies
-one group from the arena into its pages while the next group is still on the wire. Decode
+one group from the arena into its pages while the next group is still on the wire. Each group
+is about half the one before (30 layers: 16, 8, 4, 2), so the copy left once the last WRITE
+landed is small. Decode
 looks at the arena only on a notification: it checks the tag of every arena page the
 transfer owns, copies them into the reservation's pages (zeros past what was written) and
 records what landed; the commit still arrives over the control channel and is verified
@@ -197,6 +199,16 @@ class ArenaPages:
     def give_back(self, pages: list[int]) -> None:
         assert not self._free[pages].any(), "an arena page given back twice"
         self._free[pages] = True
+
+
+def part_sizes(num_layers: int, num_parts: int) -> list[int]:
+    """Layers per WRITE, halving from one to the next, each at least 1, summing to `num_layers`."""
+    sizes: list[int] = []
+    for part in range(min(num_parts, num_layers)):
+        left = min(num_parts, num_layers) - part  # parts still to size, this one included
+        weight = 2 ** (left - 1) / (2 ** left - 1)  # this part's share of what is left
+        sizes.append(max(1, min(num_layers - sum(sizes) - (left - 1), round((num_layers - sum(sizes)) * weight))))
+    return sizes
 
 
 def tag_of(transfer_id: str) -> torch.Tensor:
@@ -498,10 +510,14 @@ class NixlSender:
         return dest
 
     def _groups(self, plan: PushPlan) -> list[tuple[int, list[int]]]:
-        """Layers in up to `num_parts` contiguous groups that send something: (first layer, ends)."""
-        num_layers = len(plan.written)
-        size = max(1, -(-num_layers // self._num_parts))
-        groups = [(first, plan.written[first:first + size]) for first in range(0, num_layers, size)]
+        """Layers in up to `num_parts` contiguous groups that send something: (first layer, ends).
+        Each group about half the size of the one before (30 layers in 4: 16, 8, 4, 2): decode
+        copies a group in while the next lands, so what is left once the last WRITE landed is
+        the last group's copy, the smaller the better."""
+        first, groups = 0, []
+        for size in part_sizes(len(plan.written), self._num_parts):
+            groups.append((first, plan.written[first:first + size]))
+            first += size
         return [(first, ends) for first, ends in groups if any(end > plan.start for end in ends)]
 
     def _notify(self, remote: str, peer: NixlPeerMsg, note: NixlLandedMsg) -> None:

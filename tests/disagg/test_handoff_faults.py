@@ -18,10 +18,10 @@ from test_handoff import GREEDY, args, colocated
 from kvseal import SamplingParams
 from kvseal._testing.faults import Fault, inject
 from kvseal.disagg.msgs import HANDOFF_FAILED, CommitMsg, KVBlockMsg, PrefillRefusedMsg, WrittenRangeMsg, decode
-from kvseal.disagg.nixl import ArenaPages, NixlSender, decode_address
+from kvseal.disagg.nixl import ArenaPages, NixlSender, decode_address, part_sizes
 from kvseal.disagg.node import EngineNode, NodeConfig
 from kvseal.disagg.tcp import TcpReceiver, TcpSender
-from kvseal.disagg.transport import PushPlan, copy_pages
+from kvseal.disagg.transport import PushPlan, RunsMemo, copy_pages, joint_runs
 from kvseal.disagg.wire import PeerLinks
 from kvseal.errors import ConfigError
 from kvseal.kvcache.pool import KVPool
@@ -685,3 +685,27 @@ def test_copy_pages_checks_page_ids_before_moving_a_byte() -> None:
     with pytest.raises(IndexError):
         copy_pages(target, [0, 1], source, [-1, 1])
     assert torch.equal(target, before)
+
+
+@pytest.mark.parametrize(("num_layers", "num_parts"), [(30, 4), (24, 4), (5, 4), (2, 4), (1, 4), (32, 5), (7, 1)])
+def test_nixl_parts_halve_and_cover_every_layer_once(num_layers: int, num_parts: int) -> None:
+    sizes = part_sizes(num_layers, num_parts)
+    assert sum(sizes) == num_layers and len(sizes) == min(num_layers, num_parts) and min(sizes) >= 1
+    assert sizes == sorted(sizes, reverse=True)  # the last WRITE's copy-in, left after it lands, is the smallest
+    if (num_layers, num_parts) == (30, 4):
+        assert sizes == [16, 8, 4, 2]
+
+
+def test_runs_memo_answers_for_the_lists_it_is_asked_about() -> None:
+    """A memo of the last answer never answers for other lists, nor for a list changed in place."""
+    runs = RunsMemo()
+    a, b = [3, 4, 5, 9], [0, 1, 2, 3]
+    assert runs(a, b) == joint_runs(a, b) == [(0, 3), (3, 1)]
+    assert runs(a, [0, 1, 7, 8]) == [(0, 2), (2, 1), (3, 1)]
+    a[1] = 7  # the caller's list changed: the memo kept a copy, not the list
+    assert runs(a, b) == joint_runs(a, b) == [(0, 1), (1, 1), (2, 1), (3, 1)]
+    source = torch.arange(2 * 5 * 4 * 3, dtype=torch.float32).view(2, 5, 4, 3)
+    target = torch.zeros(2, 6, 4, 3)
+    for pages in ([5, 0, 1], [2, 3, 4]):  # one memo over calls with different pages
+        copy_pages(target, pages, source, [4, 2, 3], runs)
+        assert all(torch.equal(target[:, t], source[:, s]) for t, s in zip(pages, [4, 2, 3]))
