@@ -94,7 +94,8 @@ class ReservationTable:
     def _place(self, reservation: Reservation, now_s: float) -> None:
         r = reservation
         r.num_cached_tokens = self.kv.acquire_prefix(_probe(r))  # 0 with the cache off; the last token never hits
-        self.kv.reserve(r.request_id, r.tenant, r.num_tokens, r.cache_namespace)
+        # one run of consecutive pages where the pool has one: the transfer then moves a few large blocks
+        self.kv.reserve(r.request_id, r.tenant, r.num_tokens, r.cache_namespace, consecutive=True)
         r.transfer_id = secrets.token_hex(16)
         r.pages = tuple(self.kv.allocator.pages_of(r.request_id))
         r.deadline_s = now_s + self.timeout_s

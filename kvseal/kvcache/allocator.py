@@ -85,10 +85,11 @@ class PageAllocator:
         """True if `num_pages` pages can be had, evicting unread cached pages where needed."""
         return 0 <= num_pages <= self.num_free_pages
 
-    def allocate(self, request_id: str, tenant: str, num_pages: int, namespace: str = "") -> list[int]:
+    def allocate(self, request_id: str, tenant: str, num_pages: int, namespace: str = "",
+                 consecutive: bool = False) -> list[int]:
         """Give a request that holds nothing yet `num_pages` pages (evict first if the free list is short)."""
         self._open(request_id, tenant, namespace)
-        return self.append(request_id, num_pages)
+        return self.append(request_id, num_pages, consecutive)
 
     def _open(self, request_id: str, tenant: str, namespace: str) -> None:
         if request_id in self._pages:
@@ -101,20 +102,37 @@ class PageAllocator:
     def can_append(self, request_id: str, num_pages: int) -> bool:
         return request_id in self._pages and self.can_allocate(num_pages)
 
-    def append(self, request_id: str, num_pages: int) -> list[int]:
+    def append(self, request_id: str, num_pages: int, consecutive: bool = False) -> list[int]:
         """Add `num_pages` pages from the free list to a request that already holds some (or none
-        yet). The free list must hold them: `evict` cached pages first when it does not."""
+        yet). The free list must hold them: `evict` cached pages first when it does not.
+        `consecutive`: the lowest run of consecutive free page ids that fits, when there is
+        one (a KV transfer then moves few large blocks); otherwise, as always, any free pages."""
         if request_id not in self._pages:
             raise OutOfPages(f"request {request_id} is unknown to the allocator; allocate first")
         if not 0 <= num_pages <= len(self._free):
             raise OutOfPages(f"{num_pages} pages asked, {len(self._free)} free (evict cached pages first)")
         tenant = self._tenant[request_id]
-        new_pages = [self._free.pop() for _ in range(num_pages)]
+        first = self._lowest_free_run(num_pages) if consecutive and num_pages > 1 else None
+        if first is None:
+            new_pages = [self._free.pop() for _ in range(num_pages)]
+        else:
+            new_pages = list(range(first, first + num_pages))
+            self._free = [page for page in self._free if not first <= page < first + num_pages]
         for page in new_pages:
             self._owner[page] = PageOwner(request_id, tenant, self._next_generation)
             self._next_generation += 1
         self._pages[request_id].extend(new_pages)
         return new_pages
+
+    def _lowest_free_run(self, num_pages: int) -> int | None:
+        """The lowest page id that starts `num_pages` consecutive free pages, or None."""
+        start, length, previous = 0, 0, -2
+        for page in sorted(self._free):
+            start, length = (start, length + 1) if page == previous + 1 else (page, 1)
+            if length == num_pages:
+                return start
+            previous = page
+        return None
 
     def free(self, request_id: str) -> list[int]:
         """Return every own page of the request to the free list and stop its reads of cached

@@ -78,15 +78,17 @@ class KVCacheManager:
     def can_reserve(self, request_id: str, num_tokens: int) -> bool:
         return self.allocator.can_allocate(self.num_missing_pages(request_id, num_tokens))
 
-    def reserve(self, request_id: str, tenant: str, num_tokens: int, namespace: str = "") -> None:
+    def reserve(self, request_id: str, tenant: str, num_tokens: int, namespace: str = "",
+                consecutive: bool = False) -> None:
         """Make the request hold enough pages for `num_tokens` tokens (evicting least recently
-        used cached pages if the free list is short)."""
+        used cached pages if the free list is short). `consecutive`: new pages as one run of
+        consecutive page ids when the free list has one (`PageAllocator.append`)."""
         missing = self.num_missing_pages(request_id, num_tokens)
         self.evict(missing - self.allocator.num_unused_pages)
         if not self.allocator.owns(request_id):
-            new_pages = self.allocator.allocate(request_id, tenant, missing, namespace)
+            new_pages = self.allocator.allocate(request_id, tenant, missing, namespace, consecutive)
         else:
-            new_pages = self.allocator.append(request_id, missing)
+            new_pages = self.allocator.append(request_id, missing, consecutive)
         if not new_pages:
             return
         generations = [self.allocator.owner_of(p).generation for p in new_pages]  # type: ignore[union-attr]

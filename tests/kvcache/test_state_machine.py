@@ -33,23 +33,24 @@ class AllocatorMachine(RuleBasedStateMachine):
         self.expected: dict[str, int] = {}
         self.counter = 0
 
-    @rule(target=requests, num_pages=st.integers(0, 6))
-    def allocate(self, num_pages: int) -> str:
+    @rule(target=requests, num_pages=st.integers(0, 6), consecutive=st.booleans())
+    def allocate(self, num_pages: int, consecutive: bool) -> str:
         request_id = f"r{self.counter}"
         self.counter += 1
         if self.allocator.can_allocate(num_pages):
             self.allocator.evict(num_pages - self.allocator.num_unused_pages)
             tenant = f"tenant{self.counter % 3}"
-            pages = self.allocator.allocate(request_id, tenant, num_pages, namespace=tenant)
+            pages = self.allocator.allocate(request_id, tenant, num_pages, namespace=tenant, consecutive=consecutive)
             assert len(pages) == num_pages
             self.expected[request_id] = num_pages
         return request_id
 
-    @rule(request_id=requests, num_pages=st.integers(1, 4))
-    def append(self, request_id: str, num_pages: int) -> None:
+    @rule(request_id=requests, num_pages=st.integers(1, 4), consecutive=st.booleans())
+    def append(self, request_id: str, num_pages: int, consecutive: bool) -> None:
         if self.allocator.can_append(request_id, num_pages):
             self.allocator.evict(num_pages - self.allocator.num_unused_pages)
-            self.allocator.append(request_id, num_pages)
+            pages = self.allocator.append(request_id, num_pages, consecutive)
+            assert len(set(pages)) == num_pages
             self.expected[request_id] += num_pages
 
     @rule(request_id=consumes(requests))
