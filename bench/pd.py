@@ -19,6 +19,7 @@ On the default model (SmolLM2-135M-Instruct GGUF) unless --model is given:
     python bench/pd.py --repeats 5 --prompt-len 1024 --transports nixl
     python bench/pd.py --skip-ttft      # transfer throughput only
     python bench/pd.py --skip-ttft --page-order shuffled  # scattered pages on both sides
+    python bench/pd.py --skip-ttft --page-order shuffled-prefill  # scattered on prefill's side only
 """
 
 from __future__ import annotations
@@ -240,7 +241,7 @@ def raw_nixl_receive(conn: Any, num_bytes: int) -> tuple[float, float]:
 class TransferBench:
     """Prefill's pool and sender here, decode's receiver in a child process."""
 
-    def __init__(self, transport: str, pool: KVPool, num_positions: int, shuffled: bool) -> None:
+    def __init__(self, transport: str, pool: KVPool, num_positions: int, page_order: str) -> None:
         self.transport, self.pool, self.num_positions = transport, pool, num_positions
         num_kv_heads, page_size, head_dim = pool.page_shape()
         shape: PoolShape = (len(pool.k), pool.num_pages, page_size, num_kv_heads, head_dim, str(pool.k[0].dtype))
@@ -255,8 +256,9 @@ class TransferBench:
                                  else NixlSender(f"bench-prefill-{os.getpid()}", "127.0.0.1"))
         num_pages = -(-num_positions // page_size)
         self.src_pages, self.dest_pages = list(range(num_pages)), list(range(num_pages))
-        if shuffled:
+        if page_order in ("shuffled", "shuffled-prefill"):
             random.Random(1).shuffle(self.src_pages)
+        if page_order == "shuffled":  # decode's reservations are one run wherever its pool has one
             random.Random(2).shuffle(self.dest_pages)
         self._ids = iter(range(10**9))
 
@@ -359,8 +361,9 @@ def main() -> None:
     parser.add_argument("--transports", default="tcp,nixl", help="comma-separated KV transports to measure")
     parser.add_argument("--skip-ttft", action="store_true", help="measure only the KV transfer throughput")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    parser.add_argument("--page-order", choices=("consecutive", "shuffled"), default="consecutive",
-                        help="prefill's and decode's pages for the transfer: consecutive (a fresh pool) or shuffled")
+    parser.add_argument("--page-order", choices=("consecutive", "shuffled", "shuffled-prefill"), default="consecutive",
+                        help="prefill's and decode's pages for the transfer: consecutive (a fresh pool), shuffled, "
+                             "or shuffled on prefill's side only (decode's reservations take a run of pages)")
     ns = parser.parse_args()
     if ns.threads is not None:
         torch.set_num_threads(ns.threads)
@@ -375,7 +378,7 @@ def main() -> None:
     }
     if not ns.skip_ttft:
         result.update(measure_ttft(args, loaded, transports[0], ns.prompt_len, ns.repeats))
-    result.update(measure_transfers(args, loaded, transports, ns.prompt_len, ns.repeats, ns.page_order == "shuffled"))
+    result.update(measure_transfers(args, loaded, transports, ns.prompt_len, ns.repeats, ns.page_order))
     result["load_average_after"] = os.getloadavg()
     print(json.dumps(result, indent=2))
 
@@ -395,13 +398,13 @@ def measure_ttft(args: EngineArgs, loaded: Any, transport: str, prompt_len: int,
 
 
 def measure_transfers(args: EngineArgs, loaded: Any, transports: list[str], prompt_len: int, repeats: int,
-                      shuffled: bool) -> dict[str, Any]:
+                      page_order: str) -> dict[str, Any]:
     """Each repeat: per transport, one push and its raw loopback, back to back; one memcpy."""
     pool = LLMEngine(args, loaded).kv.pool  # prefill's pool, holding random KV
     for k, v in zip(pool.k, pool.v):
         k.normal_()
         v.normal_()
-    benches = {t: TransferBench(t, pool, prompt_len, shuffled) for t in transports}
+    benches = {t: TransferBench(t, pool, prompt_len, page_order) for t in transports}
     try:
         for bench in benches.values():  # warm-up: connections, registrations, first-touch buffers
             bench.transfer()

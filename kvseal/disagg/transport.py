@@ -24,6 +24,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from kvseal.disagg.msgs import KVBlockMsg, KVKind
@@ -31,6 +32,9 @@ from kvseal.errors import KvsealError
 from kvseal.kvcache.pool import KVPool
 
 KINDS: tuple[KVKind, KVKind] = ("k", "v")
+# `copy_pages` does one memmove per head and run up to this many runs, and numpy's indexed copy
+# (one C loop) past it: 23,040 one-page memmoves through ctypes cost ~60 ms here, np.take ~10.
+MAX_MEMMOVE_RUNS = 16
 
 
 class TransportError(KvsealError):
@@ -163,7 +167,8 @@ def copy_pages(target: torch.Tensor, target_pages: list[int], source: torch.Tens
     """target[:, target_pages[i]] = source[:, source_pages[i]], for contiguous tensors of one
     dtype [num_kv_heads, num_pages, page_size, head_dim] (page counts may differ).
 
-    One memmove per head and run of pages consecutive on both sides, on this thread: torch's
+    One memmove per head and run of pages consecutive on both sides (past `MAX_MEMMOVE_RUNS`
+    runs, numpy's indexed copy instead), on this thread: torch's
     own copy splits a copy this size across its intra-op threads, which on a loaded host (more
     runnable threads than cores) made it 100x slower here. Page ids are checked against both
     tensors before any byte moves. `runs`: a memo for the runs, shared by the calls of one push
@@ -177,12 +182,33 @@ def copy_pages(target: torch.Tensor, target_pages: list[int], source: torch.Tens
     if not (0 <= min(target_pages) and max(target_pages) < num_target
             and 0 <= min(source_pages) and max(source_pages) < num_source):
         raise IndexError(f"page ids out of range: target pages < {num_target}, source pages < {num_source}")
+    joint = (runs or joint_runs)(target_pages, source_pages)
+    if len(joint) > MAX_MEMMOVE_RUNS:
+        _copy_scattered(target, target_pages, source, source_pages)
+        return
     page_bytes = target[0, 0].numel() * target.element_size()
     target_ptr, source_ptr = target.data_ptr(), source.data_ptr()
-    for index, count in (runs or joint_runs)(target_pages, source_pages):
+    for index, count in joint:
         for head in range(num_kv_heads):
             ctypes.memmove(target_ptr + (head * num_target + target_pages[index]) * page_bytes,
                            source_ptr + (head * num_source + source_pages[index]) * page_bytes, count * page_bytes)
+
+
+def _copy_scattered(target: torch.Tensor, target_pages: list[int], source: torch.Tensor,
+                    source_pages: list[int]) -> None:
+    """`copy_pages` for many runs (ids checked by the caller): numpy's indexed copies, one C loop,
+    on this thread, on byte views (any dtype, bfloat16 too). One gather or scatter pass when one
+    side is a range of consecutive pages (a staging buffer, an arena run), else two."""
+    target_bytes, source_bytes = target.view(torch.uint8).numpy(), source.view(torch.uint8).numpy()
+    n = len(target_pages)
+    if target_pages == list(range(target_pages[0], target_pages[0] + n)):
+        # ids checked already: "clip" never clips, and unlike "raise" it writes `out` unbuffered
+        np.take(source_bytes, source_pages, axis=1, out=target_bytes[:, target_pages[0]:target_pages[0] + n],
+                mode="clip")
+    elif source_pages == list(range(source_pages[0], source_pages[0] + n)):
+        target_bytes[:, target_pages] = source_bytes[:, source_pages[0]:source_pages[0] + n]
+    else:
+        target_bytes[:, target_pages] = source_bytes[:, source_pages]
 
 
 def joint_runs(a: list[int], b: list[int]) -> list[tuple[int, int]]:

@@ -709,3 +709,23 @@ def test_runs_memo_answers_for_the_lists_it_is_asked_about() -> None:
     for pages in ([5, 0, 1], [2, 3, 4]):  # one memo over calls with different pages
         copy_pages(target, pages, source, [4, 2, 3], runs)
         assert all(torch.equal(target[:, t], source[:, s]) for t, s in zip(pages, [4, 2, 3]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("sides", ["target_range", "source_range", "both_scattered"])
+def test_copy_pages_with_many_runs_moves_exactly_the_named_pages(dtype: torch.dtype, sides: str) -> None:
+    """Past MAX_MEMMOVE_RUNS runs `copy_pages` copies with numpy: the same result, every other
+    page of the target untouched, out-of-range ids refused before a byte moves."""
+    source = torch.randn(3, 60, 4, 5).to(dtype)
+    target = torch.full((3, 50, 4, 5), STALE, dtype=dtype)
+    scattered = list(range(0, 60, 3))[:20][::-1]  # 20 pages, no two consecutive
+    target_pages = list(range(10, 30)) if sides == "target_range" else list(range(49, 9, -2))
+    source_pages = list(range(20, 40)) if sides == "source_range" else scattered
+    before = target.clone()
+    copy_pages(target, target_pages, source, source_pages)
+    expected = before.clone()
+    expected[:, target_pages] = source[:, source_pages]
+    assert torch.equal(target, expected)
+    with pytest.raises(IndexError):
+        copy_pages(target, [*target_pages[:-1], 50], source, source_pages)
+    assert torch.equal(target, expected)
