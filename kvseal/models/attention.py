@@ -4,7 +4,8 @@ Decode sequences (one new token each) run as one padded batch; prefill chunks th
 a cached prefix run one at a time with a causal mask offset by the tokens already in the
 cache. Padding never points at another request's page: a decode row is padded with its own
 last page and masked, and slots past a sequence's context are masked too, so even a
-NaN-poisoned pool (checked mode) cannot reach the result.
+NaN-poisoned pool (checked mode) cannot reach the scores. In a float32 pool decode reads V in
+place (`ValueBags`), and its padding names only the row's own first, written slot.
 
 A prefill chunk that starts at position 0 attends only to the tokens it computes itself: it
 uses the K/V of this forward directly (the same values it just wrote to its own pages; the
