@@ -99,6 +99,57 @@ def bench_linears(rows_list: list[int], repeats: int) -> dict[str, Any]:
     return {"linears": results, "threads": torch.get_num_threads(), "loadavg": os.getloadavg()}
 
 
+def bench_decode_attention(batch_sizes: list[int], context_len: int, repeats: int) -> dict[str, Any]:
+    """Decode attention over SmolLM2-135M's shapes (9 query heads, 3 KV heads, head_dim 64,
+    16-token pages, scattered), ms per layer: this tree's `_decode_attention` (V read in place
+    by embedding bags) against the previous formulation (K and V gathered, two matmuls),
+    alternating, best of `repeats`. Outputs are compared too (max abs difference)."""
+    results = [_time_decode_attention(b, context_len, repeats) for b in batch_sizes]
+    return {"decode_attention": results, "threads": torch.get_num_threads(), "loadavg": os.getloadavg()}
+
+
+def _time_decode_attention(batch_size: int, context_len: int, repeats: int) -> dict[str, Any]:
+    from kvseal.kvcache.pool import KVPool
+    from kvseal.models.attention import AttentionPlan, _decode_attention
+    from kvseal.types import ForwardBatch
+
+    num_heads, page_size = 9, 16
+    num_pages = -(-context_len // page_size)
+    pool = KVPool(1, 2 * batch_size * num_pages, page_size, 3, 64, torch.float32)
+    pool.k[0].normal_(), pool.v[0].normal_()
+    tables = list(torch.randperm(pool.num_pages)[:batch_size * num_pages].view(batch_size, num_pages))
+    batch = ForwardBatch(torch.zeros(batch_size, dtype=torch.long), torch.full((batch_size,), context_len - 1),
+                         torch.zeros(batch_size, dtype=torch.long), [1] * batch_size, [context_len] * batch_size,
+                         tables, torch.arange(batch_size))
+    rows = AttentionPlan.build(batch, pool, num_heads).decode
+    assert rows is not None
+    q = torch.randn(batch_size, num_heads, 64)
+
+    buffers = [torch.empty_like(rows.k_pages) for _ in range(2)]
+
+    def gather_matmul() -> torch.Tensor:  # the formulation before round 3 (one gather buffer per step)
+        for t, buffer in zip((pool.k, pool.v), buffers):
+            torch.index_select(t[0], 1, rows.pages, out=buffer)
+        k, v = (buffer.view(3, batch_size, -1, 64) for buffer in buffers)
+        qg = q.view(batch_size, 3, 3, 64).transpose(0, 1)
+        scores = torch.matmul(qg, k.transpose(2, 3)).mul_(64**-0.5).masked_fill_(rows.masked_out, float("-inf"))
+        return torch.matmul(torch.softmax(scores, -1), v).transpose(0, 1).reshape(batch_size, num_heads, 64)
+
+    def in_place() -> torch.Tensor:
+        return _decode_attention(q, pool, 0, rows)
+
+    best = {"gather_matmul": float("inf"), "in_place": float("inf")}
+    for _ in range(repeats):
+        for name, fn in (("gather_matmul", gather_matmul), ("in_place", in_place)):
+            start = time.perf_counter()
+            for _ in range(20):
+                fn()
+            best[name] = min(best[name], 1000 * (time.perf_counter() - start) / 20)
+    diff = float((gather_matmul() - in_place()).abs().max())
+    return {"batch": batch_size, "context_len": context_len, **{k: round(v, 3) for k, v in best.items()},
+            "speedup": round(best["gather_matmul"] / best["in_place"], 2), "max_abs_diff": diff}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--label", default="")
@@ -111,11 +162,17 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     parser.add_argument("--linears", type=int, nargs="*", default=None, metavar="ROWS",
                         help="instead: time nn.Linear against the packed linears at these row counts")
+    parser.add_argument("--decode-attention", type=int, nargs="*", default=None, metavar="BATCH",
+                        help="instead: time decode attention (V in place vs gathered) at these batch sizes")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.linears is not None:
         print(json.dumps(bench_linears(args.linears or [1, 8, 32, 256], repeats=4)))
+        return
+    if args.decode_attention is not None:
+        sizes = args.decode_attention or [1, 8, 32]
+        print(json.dumps(bench_decode_attention(sizes, args.prompt_len + args.output_len // 2, repeats=7)))
         return
     started = time.perf_counter()
     max_c = max(args.concurrency)

@@ -4,7 +4,8 @@ Decode sequences (one new token each) run as one padded batch; prefill chunks th
 a cached prefix run one at a time with a causal mask offset by the tokens already in the
 cache. Padding never points at another request's page: a decode row is padded with its own
 last page and masked, and slots past a sequence's context are masked too, so even a
-NaN-poisoned pool (checked mode) cannot reach the result.
+NaN-poisoned pool (checked mode) cannot reach the scores. In a float32 pool decode reads V in
+place (`ValueBags`), and its padding names only the row's own first, written slot.
 
 A prefill chunk that starts at position 0 attends only to the tokens it computes itself: it
 uses the K/V of this forward directly (the same values it just wrote to its own pages; the
@@ -45,6 +46,40 @@ class FreshPrefills:
 
 
 @dataclass(frozen=True)
+class ValueBags:
+    """The decode rows' V read in place: one embedding bag per (kv head, row, query head of
+    the group) over a layer's V table `pool.v[layer].view(-1, head_dim)`, whose weights are
+    that head's attention probabilities. `embedding_bag` sums the weighted rows without
+    copying them out of the pool, where a gather would copy every row's whole context per
+    layer and the PV matmul would read the copy again.
+
+    Each bag has max_pages * page_size entries, one per probability column: a row's context
+    slots, then padding that points at the row's own first slot (written, so finite) with
+    probability exactly 0 (masked). No bag names another request's slot or an unwritten one."""
+
+    rows: torch.Tensor  # [num_kv_heads * num_decodes * group * max_slots] rows of the V table
+    offsets: torch.Tensor  # [num_kv_heads * num_decodes * group]: where each bag starts in `rows`
+
+    @classmethod
+    def build(cls, pages: torch.Tensor, context_lens: list[int], pool: KVPool, group: int) -> ValueBags:
+        # pages: [B, max_pages], each row padded with its own last page
+        num_kv_heads, page_size, _ = pool.page_shape()
+        num_rows, max_slots = pages.shape[0], pages.shape[1] * page_size
+        slots = (pages[:, :, None] * page_size + torch.arange(page_size)).reshape(num_rows, max_slots)
+        slots = torch.where(torch.arange(max_slots)[None, :] < torch.tensor(context_lens)[:, None], slots, slots[:, :1])
+        head_base = torch.arange(num_kv_heads)[:, None, None, None] * pool.num_slots
+        rows = (head_base + slots[None, :, None, :]).expand(num_kv_heads, num_rows, group, max_slots)
+        offsets = torch.arange(0, rows.numel(), max_slots)
+        return cls(rows.reshape(-1), offsets)
+
+    def weighted_sum(self, pool: KVPool, layer: int, probs: torch.Tensor) -> torch.Tensor:
+        """probs: [num_kv_heads, B, group, max_slots] (pool dtype) -> [num_kv_heads, B, group, head_dim]."""
+        values = pool.v[layer].view(-1, pool.v[layer].shape[-1])  # [num_kv_heads * num_slots, head_dim]
+        out = F.embedding_bag(self.rows, values, self.offsets, mode="sum", per_sample_weights=probs.reshape(-1))
+        return out.view(probs.shape[:3] + (values.shape[1],))
+
+
+@dataclass(frozen=True)
 class DecodeRows:
     token_idx: torch.Tensor | None  # [num_decodes] into the flattened tokens; None: every token is a decode
     pages: torch.Tensor  # [num_decodes * max_pages]: each row's pages, padded with its own last page
@@ -52,16 +87,17 @@ class DecodeRows:
     # This forward's gather targets, [num_kv_heads, num_decodes * max_pages, page_size, head_dim]:
     # every layer overwrites them with its own pages (one layer's attention has finished with
     # them before the next layer gathers), so a step allocates them once, not once per layer.
+    # V is gathered only when `value_bags` is None (a pool that is not float32).
     k_pages: torch.Tensor
-    v_pages: torch.Tensor
+    v_pages: torch.Tensor | None
+    value_bags: ValueBags | None
 
-    def gather(self, pool: KVPool, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The rows' pages of `layer` -> k, v: [num_kv_heads, num_decodes, max_pages * page_size, head_dim]."""
-        torch.index_select(pool.k[layer], 1, self.pages, out=self.k_pages)
-        torch.index_select(pool.v[layer], 1, self.pages, out=self.v_pages)
-        num_kv_heads, _, page_size, head_dim = self.k_pages.shape
-        shape = (num_kv_heads, self.masked_out.shape[1], -1, head_dim)
-        return self.k_pages.view(shape), self.v_pages.view(shape)
+    def gather(self, pool: KVPool, layer: int, buffer: torch.Tensor, source: list[torch.Tensor]) -> torch.Tensor:
+        """The rows' pages of `layer` of `source` (pool.k or pool.v) ->
+        [num_kv_heads, num_decodes, max_pages * page_size, head_dim]."""
+        torch.index_select(source[layer], 1, self.pages, out=buffer)
+        num_kv_heads, _, page_size, head_dim = buffer.shape
+        return buffer.view(num_kv_heads, self.masked_out.shape[1], -1, head_dim)
 
 
 @dataclass(frozen=True)
@@ -73,7 +109,7 @@ class AttentionPlan:
     fresh: list[FreshPrefills]
 
     @classmethod
-    def build(cls, batch: ForwardBatch, pool: KVPool) -> AttentionPlan:
+    def build(cls, batch: ForwardBatch, pool: KVPool, num_heads: int) -> AttentionPlan:
         decode_rows: list[int] = []
         prefills: list[PrefillSpan] = []
         fresh_starts: dict[int, list[int]] = {}  # length -> first token of each chunk
@@ -92,12 +128,18 @@ class AttentionPlan:
         token_idx = None
         if len(decode_rows) < len(batch.query_lens):
             token_idx = torch.tensor([0, *batch.query_lens]).cumsum(0)[torch.tensor(decode_rows)]
-        pages, masked_out = _padded_pages([batch.block_tables[i] for i in decode_rows],
-                                          [batch.context_lens[i] for i in decode_rows], pool.page_size)
+        context_lens = [batch.context_lens[i] for i in decode_rows]
+        pages, masked_out = _padded_pages([batch.block_tables[i] for i in decode_rows], context_lens, pool.page_size)
         num_kv_heads, page_size, head_dim = pool.page_shape()
         buffer_shape = (num_kv_heads, pages.numel(), page_size, head_dim)
-        k_pages, v_pages = (torch.empty(buffer_shape, dtype=pool.k[0].dtype) for _ in range(2))
-        return cls(DecodeRows(token_idx, pages.reshape(-1), masked_out, k_pages, v_pages), prefills, fresh)
+        k_pages = torch.empty(buffer_shape, dtype=pool.k[0].dtype)
+        # float32 only: embedding_bag's fast weighted sum; other dtypes keep the gather + matmul
+        if pool.v[0].dtype == torch.float32:
+            v_pages, value_bags = None, ValueBags.build(pages, context_lens, pool, num_heads // num_kv_heads)
+        else:
+            v_pages, value_bags = torch.empty(buffer_shape, dtype=pool.v[0].dtype), None
+        decode = DecodeRows(token_idx, pages.reshape(-1), masked_out, k_pages, v_pages, value_bags)
+        return cls(decode, prefills, fresh)
 
 
 def _prefill_span(token_start: int, query_len: int, context_len: int, pages: torch.Tensor) -> PrefillSpan:
@@ -132,11 +174,10 @@ def paged_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, p
     out = torch.empty_like(q)
     if plan.decode is not None:
         rows = plan.decode
-        k, v = rows.gather(pool, layer)  # [kv_heads, B, P * page_size, head_dim]
         if rows.token_idx is None:
-            out = _decode_attention(q, k, v, rows.masked_out)
+            out = _decode_attention(q, pool, layer, rows)
         else:
-            out[rows.token_idx] = _decode_attention(q[rows.token_idx], k, v, rows.masked_out)
+            out[rows.token_idx] = _decode_attention(q[rows.token_idx], pool, layer, rows)
     if plan.fresh and k_new.dtype != pool.k[layer].dtype:  # attend to exactly what the pool holds
         k_new, v_new = (t.to(pool.k[layer].dtype).to(q.dtype) for t in (k_new, v_new))
     for group in plan.fresh:
@@ -166,17 +207,24 @@ def _fresh_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: F
         out[group.token_idx] = o.transpose(1, 2).reshape(-1, heads, head_dim)
 
 
-def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masked_out: torch.Tensor) -> torch.Tensor:
-    """q: [B, heads, head_dim]; k, v: [kv_heads, B, C, head_dim]; masked_out: [1, B, 1, C]
-    -> [B, heads, head_dim].
+def _decode_attention(q: torch.Tensor, pool: KVPool, layer: int, rows: DecodeRows) -> torch.Tensor:
+    """q: [B, heads, head_dim] -> [B, heads, head_dim], over the rows' pages of `layer`.
 
-    Two batched matmuls with a float32 softmax: on CPU this beats PyTorch's SDPA with a mask
+    Batched matmuls with a float32 softmax: on CPU this beats PyTorch's SDPA with a mask
     (several times over in bf16), and the head-major pool makes K and V contiguous per head.
+    The scale is applied to q (B x heads values) rather than to the scores. In float32 the
+    PV product reads V in place (`ValueBags`); other dtypes gather V like K.
     """
     b, num_heads, head_dim = q.shape
+    k = rows.gather(pool, layer, rows.k_pages, pool.k)  # [kv_heads, B, C, head_dim]
     num_kv_heads = k.shape[0]
-    qg = q.view(b, num_kv_heads, num_heads // num_kv_heads, head_dim).transpose(0, 1)  # [kv_heads, B, group, D]
+    qg = (q * head_dim**-0.5).view(b, num_kv_heads, num_heads // num_kv_heads, head_dim).transpose(0, 1)
     scores = torch.matmul(qg, k.transpose(2, 3)).float()  # [kv_heads, B, group, C]
-    scores.mul_(head_dim**-0.5).masked_fill_(masked_out, float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(v.dtype)
-    return torch.matmul(probs, v).transpose(0, 1).reshape(b, num_heads, head_dim)
+    scores.masked_fill_(rows.masked_out, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(pool.v[layer].dtype)
+    if rows.value_bags is not None:
+        out = rows.value_bags.weighted_sum(pool, layer, probs)  # [kv_heads, B, group, head_dim]
+    else:
+        assert rows.v_pages is not None
+        out = torch.matmul(probs, rows.gather(pool, layer, rows.v_pages, pool.v))
+    return out.transpose(0, 1).reshape(b, num_heads, head_dim)

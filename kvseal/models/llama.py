@@ -78,7 +78,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(F.silu(gate).mul_(up))
 
 
 class DecoderLayer(nn.Module):
@@ -117,7 +117,7 @@ class CausalLM(nn.Module):
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, pool: KVPool) -> torch.Tensor:
         """Run one forward, writing the new tokens' KV; return logits [num_samples, vocab] (fp32)."""
-        plan = AttentionPlan.build(batch, pool)
+        plan = AttentionPlan.build(batch, pool, self.config.num_heads)
         h = self.model.embed_tokens(batch.input_ids)
         cos_sin = self.rope.cos_sin(batch.positions, h.dtype)
         for layer in self.model.layers:

@@ -31,16 +31,17 @@ class RotaryEmbedding:
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Computed in float32, then cast to the activations' dtype (as transformers does).
-        positions: [num_tokens] -> cos, sin: [num_tokens, 1, head_dim]"""
+        positions: [num_tokens] -> cos, signed_sin: [num_tokens, 1, head_dim], where signed_sin
+        is sin with its first half negated (the sign rotate-half puts on x's second half)."""
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = (emb.cos() * self.scaling).to(dtype), (emb.sin() * self.scaling).to(dtype)
-        return cos[:, None, :], sin[:, None, :]
+        cos, sin = (freqs.cos() * self.scaling).to(dtype), (freqs.sin() * self.scaling).to(dtype)
+        return torch.cat((cos, cos), dim=-1)[:, None, :], torch.cat((-sin, sin), dim=-1)[:, None, :]
 
     @staticmethod
     def apply(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        # x: [num_tokens, heads, head_dim], in the dtype cos_sin was made for
-        cos, sin = cos_sin
-        half = x.shape[-1] // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos + rotated * sin
+        # x: [num_tokens, heads, head_dim], in the dtype cos_sin was made for.
+        # Hugging Face's x * cos + rotate_half(x) * sin, with rotate_half(x) = cat(-x2, x1):
+        # roll gives cat(x2, x1) and the sign sits in signed_sin (negating is exact, so the
+        # result is bit-equal), in 4 ops instead of 8.
+        cos, signed_sin = cos_sin
+        return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin
