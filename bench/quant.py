@@ -41,7 +41,14 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent / "peers"))
-from single_stream import KVSEAL_CHILD, LLAMA_CPP_CHILD, default_gguf, prompt_ids, run_child  # noqa: E402
+from single_stream import (  # noqa: E402
+    KVSEAL_CHILD,
+    LLAMA_CPP_CHILD,
+    default_gguf,
+    prompt_ids,
+    run_child,
+    run_llama_node,
+)
 
 # The model's linear shapes (out, in): SmolLM2-135M, hidden 576, 9 q / 3 kv heads of 64, MLP 1536.
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "lm_head": (49152, 576)}
@@ -199,40 +206,73 @@ def llama_python(arg: str | None) -> str | None:
     return sys.executable if importlib.util.find_spec("llama_cpp") is not None else None
 
 
+def llama_runner(ns: argparse.Namespace) -> tuple[str, Callable[[dict[str, Any]], dict[str, float]]] | None:
+    """(how llama.cpp runs, a function running one child) per --llama, or None (said why)."""
+    python = llama_python(ns.llama_python) if ns.llama in ("auto", "python") else None
+    node_ready = (Path(ns.llama_node_dir) / "node_modules" / "node-llama-cpp").is_dir()
+    if python is not None:
+        return f"llama-cpp-python ({python})", lambda args: run_child(python, LLAMA_CPP_CHILD, args, ns.timeout_s)
+    if ns.llama in ("auto", "node") and node_ready:
+        return (f"node-llama-cpp ({ns.llama_node_dir})",
+                lambda args: run_llama_node(ns.llama_node_dir, args, ns.timeout_s))
+    if ns.llama != "none":
+        print(f"decode: llama.cpp skipped (--llama {ns.llama}): llama_cpp is not importable and no --llama-python "
+              f"given; no node-llama-cpp in --llama-node-dir {ns.llama_node_dir} "
+              "(bench/peers/install_llama_cpp_node.sh makes it)", flush=True)
+    return None
+
+
 def bench_decode(ns: argparse.Namespace) -> dict[str, Any]:
     gguf = ns.gguf or default_gguf()
     base = {"gguf": gguf, "prompt": prompt_ids(gguf, ns.prompt_len, 0), "prompt_len": ns.prompt_len,
             "output_len": ns.output_len, "threads": ns.threads}
-    llama = llama_python(ns.llama_python)
-    if llama is None:
-        print("decode: llama_cpp is not importable here and no --llama-python given: llama.cpp skipped", flush=True)
-    runs: dict[str, list[dict[str, float]]] = {name: [] for name in VARIANTS}
-    if llama is not None:
-        runs["llama.cpp Q4_1"] = []
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parent.parent),
                                                                       os.environ.get("PYTHONPATH")]))}
     os.environ.update(env)  # children inherit this tree first on the path
+    unknown = set(ns.variants.split(",")) - set(VARIANTS)
+    if unknown:
+        raise SystemExit(f"--variants: unknown {', '.join(sorted(unknown))} (known: {', '.join(VARIANTS)})")
+    children: dict[str, Callable[[], dict[str, Any]]] = {}
+    for name in ns.variants.split(","):
+        dtype, quant = VARIANTS[name]
+        children[name] = (lambda d=dtype, q=quant: run_child(sys.executable, KVSEAL_CHILD,
+                                                               {**base, "dtype": d, "quantization": q}, ns.timeout_s))
+    llama = llama_runner(ns)
+    if llama is not None:
+        run_llama = llama[1]
+        children["llama.cpp Q4_1"] = lambda: run_llama(base)
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in children}
+    names = list(children)
     for round_no in range(ns.repeats):
-        if llama is not None:
-            runs["llama.cpp Q4_1"].append(run_child(llama, LLAMA_CPP_CHILD, base, ns.timeout_s))
-        for name, (dtype, quant) in VARIANTS.items():
-            runs[name].append(run_child(sys.executable, KVSEAL_CHILD, {**base, "dtype": dtype, "quantization": quant},
-                                        ns.timeout_s))
-        print(f"decode round {round_no + 1}: " + "  ".join(f"{k} {v[-1]['decode_tok_s']:.1f}"
-                                                           for k, v in runs.items()) + " tok/s", flush=True)
+        # each round starts one later in the list, so no variant always runs right after the same one
+        for name in names[round_no % len(names):] + names[:round_no % len(names)]:
+            load = os.getloadavg()[0]
+            runs[name].append({**children[name](), "loadavg_1min_before": load})
+        print(f"decode round {round_no + 1} (load {os.getloadavg()[0]:.1f}): "
+              + "  ".join(f"{k} {v[-1]['decode_tok_s']:.1f}" for k, v in runs.items()) + " tok/s", flush=True)
     medians = {name: statistics.median(r["decode_tok_s"] for r in rs) for name, rs in runs.items()}
     for name, rs in runs.items():
         print(f"decode {name:15s} median {medians[name]:.1f} tok/s (runs "
               f"{', '.join(format(r['decode_tok_s'], '.1f') for r in rs)}); prefill median "
               f"{statistics.median(r['prefill_s'] for r in rs) * 1000:.0f} ms", flush=True)
-    return {"args": {k: v for k, v in base.items() if k != "prompt"}, "runs": runs, "median_decode_tok_s": medians}
+    result = {"args": {k: v for k, v in base.items() if k != "prompt"}, "runs": runs, "median_decode_tok_s": medians}
+    if llama is not None:
+        result["llama_cpp"] = {"runner": llama[0], "build": runs["llama.cpp Q4_1"][0].get("llama_cpp")}
+        print(f"decode: llama.cpp via {llama[0]}, build {result['llama_cpp']['build']}", flush=True)
+    return result
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--parts", default="kernels,teacher,greedy,decode")
     p.add_argument("--gguf", default=None, help="GGUF file (default: kvseal's default model, Q4_1)")
+    p.add_argument("--variants", default=",".join(VARIANTS), help=f"kvseal variants to decode ({', '.join(VARIANTS)})")
+    p.add_argument("--llama", choices=("auto", "python", "node", "none"), default="auto",
+                   help="how llama.cpp runs: llama-cpp-python, or node-llama-cpp's prebuilt binaries "
+                        "(auto: python if it imports llama_cpp, else node if installed)")
     p.add_argument("--llama-python", default=None, help="python with llama-cpp-python (default: this one)")
+    p.add_argument("--llama-node-dir", default=str(Path.home() / ".venvs" / "llamacpp-node"),
+                   help="folder made by bench/peers/install_llama_cpp_node.sh")
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--threads", type=int, default=2)
