@@ -50,8 +50,9 @@ from kvseal.llm import LLM
 from kvseal.types import SamplingParams
 a = json.loads(sys.argv[1])
 torch.set_num_threads(a["threads"])
+# no prefix cache: every generation prefills the whole prompt, as llama.cpp's child does after reset
 llm = LLM(a["gguf"], dtype=a["dtype"], quantization=a.get("quantization", "none"),
-          max_model_len=a["prompt_len"] + a["output_len"] + 8)
+          max_model_len=a["prompt_len"] + a["output_len"] + 8, enable_prefix_caching=False)
 def run():
     # prefill alone (1 token), then the whole generation: decode rate from the difference
     one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
