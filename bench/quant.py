@@ -7,19 +7,22 @@ dequantized by kvseal's loader; llama.cpp runs the same GGUF as quantized), 2 th
 
 - kernels: the model's linear shapes (q/k/v, o, gate/up, down, lm_head) at 1 and 32 rows:
   fp32 and bf16 `F.linear`, `torch.ops.aten._weight_int8pack_mm` with fp32 and bf16 activations,
-  and dequantize-then-matmul (int8 -> fp32 weight, then `F.linear`), microseconds per call
+  dequantize-then-matmul (int8 -> fp32 weight, then `F.linear`), and two other kernels in the
+  torch wheel: fbgemm's dynamic int8 (W8A8) and fp16-weight linears, microseconds per call
   (the fastest of 7 blocks of calls: on a shared host, other load only adds time).
 - teacher: against the fp32 model, on a fixed English text (teacher-forced): perplexity,
   and how often each variant's top-1 next token equals fp32's (also int8 with the lm_head
-  left in fp32).
+  left in fp32, and fbgemm's W8A8 kernel on all linears or the lm_head only, to decide).
 - greedy: free-running greedy generation from 8 fixed chat prompts (64 tokens each, batched):
   tokens equal to fp32's before the first difference, and the share of identical positions.
 - decode: single-stream decode tokens/s of kvseal fp32, bf16, int8 (fp32 and bf16
-  activations) and llama.cpp (llama-cpp-python, `--threads`), each in its own fresh process,
+  activations; `--variants`) and llama.cpp (`--llama`: llama-cpp-python, or node-llama-cpp's
+  prebuilt llama.cpp from bench/peers/install_llama_cpp_node.sh), `--threads`, each in its own fresh process,
   alternating for --repeats rounds; the child code and prompt are those of
   bench/peers/single_stream.py (one unrecorded warm-up generation, then --output-len tokens
-  after a --prompt-len-token prompt, EOS ignored). llama.cpp runs with `--llama-python` (default:
-  this interpreter, if it imports `llama_cpp`; else that part is skipped, and said so).
+  after a --prompt-len-token prompt, EOS ignored). llama-cpp-python runs with `--llama-python`
+  (default: this interpreter, if it imports `llama_cpp`); node-llama-cpp from `--llama-node-dir`;
+  with neither, that part is skipped, and said so.
 """
 
 from __future__ import annotations
@@ -41,7 +44,14 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent / "peers"))
-from single_stream import KVSEAL_CHILD, LLAMA_CPP_CHILD, default_gguf, prompt_ids, run_child  # noqa: E402
+from single_stream import (  # noqa: E402
+    KVSEAL_CHILD,
+    LLAMA_CPP_CHILD,
+    default_gguf,
+    prompt_ids,
+    run_child,
+    run_llama_node,
+)
 
 # The model's linear shapes (out, in): SmolLM2-135M, hidden 576, 9 q / 3 kv heads of 64, MLP 1536.
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "lm_head": (49152, 576)}
@@ -104,6 +114,8 @@ def _kernel_row(n: int, k: int, rows: int) -> dict[str, float]:
     qs = [quantize_int8(w) for w in ws]
     wbs = [w.bfloat16() for w in ws]
     qbs = [(q, s.bfloat16()) for q, s in qs]
+    fbgemm = [fbgemm_int8_pack(q, s) for q, s in qs]
+    fp16 = [torch.ops.quantized.linear_prepack_fp16(w, None) for w in ws]
     x = torch.randn(rows, k)
     xb = x.bfloat16()
     calls = copies * max(1, int(2e6 / (n * k * rows ** 0.5)))
@@ -114,7 +126,52 @@ def _kernel_row(n: int, k: int, rows: int) -> dict[str, float]:
         "int8pack fp32 act": time_us(lambda: _int8mm(x, *qs[nxt()]), calls),
         "int8pack bf16 act": time_us(lambda: _int8mm(xb, *qbs[nxt()]), calls),
         "dequant + fp32 linear": time_us(lambda: F.linear(x, dequantize_int8(*qs[nxt()])), calls),
+        # not weight-only: fbgemm quantizes the activations too (7-bit per call; see FbgemmInt8Linear)
+        "fbgemm dynamic int8 (W8A8)": time_us(lambda: torch.ops.quantized.linear_dynamic(x, fbgemm[nxt()], True),
+                                              calls),
+        "fbgemm fp16 weights": time_us(lambda: torch.ops.quantized.linear_dynamic_fp16(x, fp16[nxt()]), calls),
     }
+
+
+def fbgemm_int8_pack(q: torch.Tensor, scale: torch.Tensor) -> Any:
+    """The same per-channel int8 weight, packed for fbgemm's dynamic-quantization linear."""
+    zero = torch.zeros(q.shape[0], dtype=torch.long)
+    return torch.ops.quantized.linear_prepack(torch._make_per_channel_quantized_tensor(q, scale.double(), zero, 0),
+                                              None)
+
+
+class FbgemmInt8Linear(torch.nn.Module):
+    """Measured to decide, not a kvseal mode: kvseal's int8 weights through fbgemm's W8A8
+    `quantized.linear_dynamic`, which also quantizes each call's activations (asymmetric uint8
+    over the call's rows, reduced to 7 bits: 8 saturates AVX2's int16 pair sums). Rows are
+    fed one at a time, as single-stream decode would."""
+
+    def __init__(self, linear: torch.nn.Linear, reduce_range: bool = True) -> None:
+        from kvseal.models.quant import quantize_int8
+
+        super().__init__()
+        q, scale = quantize_int8(linear.weight)  # kvseal's int8 weights, fp32 scales
+        self.packed, self.reduce_range = fbgemm_int8_pack(q, scale), reduce_range
+        self.in_features, self.out_features = q.shape[1], q.shape[0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features).float()
+        rows = [torch.ops.quantized.linear_dynamic(flat[i:i + 1], self.packed, self.reduce_range)
+                for i in range(flat.shape[0])]
+        return torch.cat(rows).to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+
+def fbgemm_model(model: Any, *, lm_head_only: bool) -> None:
+    from kvseal.models.quant import LAYER_LINEARS, quantize_model
+
+    if lm_head_only:
+        quantize_model(model, "int8", lm_head=False)  # the decoder layers as kvseal's int8
+    else:
+        for layer in model.model.layers:
+            for owner_name, attr in LAYER_LINEARS:
+                owner = getattr(layer, owner_name)
+                setattr(owner, attr, FbgemmInt8Linear(getattr(owner, attr)))
+    model.lm_head = FbgemmInt8Linear(model.lm_head)
 
 
 def bench_kernels() -> dict[str, Any]:
@@ -148,14 +205,18 @@ def bench_teacher_forced() -> dict[str, Any]:
     from kvseal.models.loader import load_model
     from kvseal.models.quant import quantize_model
 
-    variants = {**VARIANTS, "int8, lm_head fp32": ("float32", "int8-no-head")}
+    variants = {**VARIANTS, "int8, lm_head fp32": ("float32", "int8-no-head"),
+                "fbgemm W8A8 (not a mode)": ("float32", "fbgemm"),
+                "fbgemm W8A8 lm_head only": ("float32", "fbgemm-head")}
     teacher: dict[str, dict[str, float]] = {}
     reference_top1: torch.Tensor | None = None
     for name, (dtype, quant) in variants.items():
         loaded = load_model(None, DTYPES[dtype])
         tokenizer = loaded.tokenizer
         model = loaded.model.to(DTYPES[dtype])
-        if quant != "none":
+        if quant.startswith("fbgemm"):
+            fbgemm_model(model, lm_head_only=quant == "fbgemm-head")
+        elif quant != "none":
             quantize_model(model, "int8", lm_head=quant == "int8")
         ids = list(tokenizer.encode(TEXT, add_special_tokens=False))
         logits = _single_sequence_logits(model, ids, DTYPES[dtype])[:-1].float()
@@ -199,40 +260,73 @@ def llama_python(arg: str | None) -> str | None:
     return sys.executable if importlib.util.find_spec("llama_cpp") is not None else None
 
 
+def llama_runner(ns: argparse.Namespace) -> tuple[str, Callable[[dict[str, Any]], dict[str, float]]] | None:
+    """(how llama.cpp runs, a function running one child) per --llama, or None (said why)."""
+    python = llama_python(ns.llama_python) if ns.llama in ("auto", "python") else None
+    node_ready = (Path(ns.llama_node_dir) / "node_modules" / "node-llama-cpp").is_dir()
+    if python is not None:
+        return f"llama-cpp-python ({python})", lambda args: run_child(python, LLAMA_CPP_CHILD, args, ns.timeout_s)
+    if ns.llama in ("auto", "node") and node_ready:
+        return (f"node-llama-cpp ({ns.llama_node_dir})",
+                lambda args: run_llama_node(ns.llama_node_dir, args, ns.timeout_s))
+    if ns.llama != "none":
+        print(f"decode: llama.cpp skipped (--llama {ns.llama}): llama_cpp is not importable and no --llama-python "
+              f"given; no node-llama-cpp in --llama-node-dir {ns.llama_node_dir} "
+              "(bench/peers/install_llama_cpp_node.sh makes it)", flush=True)
+    return None
+
+
 def bench_decode(ns: argparse.Namespace) -> dict[str, Any]:
     gguf = ns.gguf or default_gguf()
     base = {"gguf": gguf, "prompt": prompt_ids(gguf, ns.prompt_len, 0), "prompt_len": ns.prompt_len,
             "output_len": ns.output_len, "threads": ns.threads}
-    llama = llama_python(ns.llama_python)
-    if llama is None:
-        print("decode: llama_cpp is not importable here and no --llama-python given: llama.cpp skipped", flush=True)
-    runs: dict[str, list[dict[str, float]]] = {name: [] for name in VARIANTS}
-    if llama is not None:
-        runs["llama.cpp Q4_1"] = []
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parent.parent),
                                                                       os.environ.get("PYTHONPATH")]))}
     os.environ.update(env)  # children inherit this tree first on the path
+    unknown = set(ns.variants.split(",")) - set(VARIANTS)
+    if unknown:
+        raise SystemExit(f"--variants: unknown {', '.join(sorted(unknown))} (known: {', '.join(VARIANTS)})")
+    children: dict[str, Callable[[], dict[str, Any]]] = {}
+    for name in ns.variants.split(","):
+        dtype, quant = VARIANTS[name]
+        children[name] = (lambda d=dtype, q=quant: run_child(sys.executable, KVSEAL_CHILD,
+                                                               {**base, "dtype": d, "quantization": q}, ns.timeout_s))
+    llama = llama_runner(ns)
+    if llama is not None:
+        run_llama = llama[1]
+        children["llama.cpp Q4_1"] = lambda: run_llama(base)
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in children}
+    names = list(children)
     for round_no in range(ns.repeats):
-        if llama is not None:
-            runs["llama.cpp Q4_1"].append(run_child(llama, LLAMA_CPP_CHILD, base, ns.timeout_s))
-        for name, (dtype, quant) in VARIANTS.items():
-            runs[name].append(run_child(sys.executable, KVSEAL_CHILD, {**base, "dtype": dtype, "quantization": quant},
-                                        ns.timeout_s))
-        print(f"decode round {round_no + 1}: " + "  ".join(f"{k} {v[-1]['decode_tok_s']:.1f}"
-                                                           for k, v in runs.items()) + " tok/s", flush=True)
+        # each round starts one later in the list, so no variant always runs right after the same one
+        for name in names[round_no % len(names):] + names[:round_no % len(names)]:
+            load = os.getloadavg()[0]
+            runs[name].append({**children[name](), "loadavg_1min_before": load})
+        print(f"decode round {round_no + 1} (load {os.getloadavg()[0]:.1f}): "
+              + "  ".join(f"{k} {v[-1]['decode_tok_s']:.1f}" for k, v in runs.items()) + " tok/s", flush=True)
     medians = {name: statistics.median(r["decode_tok_s"] for r in rs) for name, rs in runs.items()}
     for name, rs in runs.items():
         print(f"decode {name:15s} median {medians[name]:.1f} tok/s (runs "
               f"{', '.join(format(r['decode_tok_s'], '.1f') for r in rs)}); prefill median "
               f"{statistics.median(r['prefill_s'] for r in rs) * 1000:.0f} ms", flush=True)
-    return {"args": {k: v for k, v in base.items() if k != "prompt"}, "runs": runs, "median_decode_tok_s": medians}
+    result = {"args": {k: v for k, v in base.items() if k != "prompt"}, "runs": runs, "median_decode_tok_s": medians}
+    if llama is not None:
+        result["llama_cpp"] = {"runner": llama[0], "build": runs["llama.cpp Q4_1"][0].get("llama_cpp")}
+        print(f"decode: llama.cpp via {llama[0]}, build {result['llama_cpp']['build']}", flush=True)
+    return result
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--parts", default="kernels,teacher,greedy,decode")
     p.add_argument("--gguf", default=None, help="GGUF file (default: kvseal's default model, Q4_1)")
+    p.add_argument("--variants", default=",".join(VARIANTS), help=f"kvseal variants to decode ({', '.join(VARIANTS)})")
+    p.add_argument("--llama", choices=("auto", "python", "node", "none"), default="auto",
+                   help="how llama.cpp runs: llama-cpp-python, or node-llama-cpp's prebuilt binaries "
+                        "(auto: python if it imports llama_cpp, else node if installed)")
     p.add_argument("--llama-python", default=None, help="python with llama-cpp-python (default: this one)")
+    p.add_argument("--llama-node-dir", default=str(Path.home() / ".venvs" / "llamacpp-node"),
+                   help="folder made by bench/peers/install_llama_cpp_node.sh")
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--threads", type=int, default=2)

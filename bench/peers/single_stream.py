@@ -38,7 +38,9 @@ def run():
     return times[0] - t0, (a["output_len"] - 1) / (times[-1] - times[0])
 run()
 prefill_s, decode_tok_s = run()
-print(json.dumps({"prefill_s": prefill_s, "decode_tok_s": decode_tok_s}))
+import llama_cpp
+print(json.dumps({"prefill_s": prefill_s, "decode_tok_s": decode_tok_s,
+                  "llama_cpp": "llama-cpp-python " + llama_cpp.__version__}))
 """
 
 KVSEAL_CHILD = r"""
@@ -48,8 +50,9 @@ from kvseal.llm import LLM
 from kvseal.types import SamplingParams
 a = json.loads(sys.argv[1])
 torch.set_num_threads(a["threads"])
+# no prefix cache: every generation prefills the whole prompt, as llama.cpp's child does after reset
 llm = LLM(a["gguf"], dtype=a["dtype"], quantization=a.get("quantization", "none"),
-          max_model_len=a["prompt_len"] + a["output_len"] + 8)
+          max_model_len=a["prompt_len"] + a["output_len"] + 8, enable_prefix_caching=False)
 def run():
     # prefill alone (1 token), then the whole generation: decode rate from the difference
     one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
@@ -84,10 +87,22 @@ def prompt_ids(gguf: str, prompt_len: int, seed: int) -> list[int]:
 
 
 def run_child(python: str, code: str, args: dict, timeout_s: float) -> dict:
-    done = subprocess.run([python, "-c", code, json.dumps(args)], capture_output=True, text=True,
-                          timeout=timeout_s, check=False)
+    return _run([python, "-c", code, json.dumps(args)], timeout_s)
+
+
+# llama.cpp through node-llama-cpp's prebuilt binaries (bench/peers/install_llama_cpp_node.sh)
+LLAMA_CPP_NODE_RUNNER = Path(__file__).with_name("llama_cpp_node.mjs")
+
+
+def run_llama_node(node_dir: str, args: dict, timeout_s: float) -> dict:
+    """The child protocol of LLAMA_CPP_CHILD, run by node-llama-cpp installed in `node_dir`."""
+    return _run(["node", str(LLAMA_CPP_NODE_RUNNER), node_dir, json.dumps(args)], timeout_s)
+
+
+def _run(argv: list[str], timeout_s: float) -> dict:
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, check=False)
     if done.returncode != 0:
-        raise SystemExit(f"{python} failed ({done.returncode}):\n{done.stderr[-3000:]}")
+        raise SystemExit(f"{argv[0]} failed ({done.returncode}):\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 

@@ -50,18 +50,23 @@ class Int8Linear(nn.Module):
     def __init__(self, linear: nn.Linear, compute_dtype: torch.dtype) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.compute_dtype = compute_dtype  # == scale.dtype; a plain attribute, read every call
         q, scale = quantize_int8(linear.weight)
         self.register_buffer("qweight", q)
         self.register_buffer("scale", scale.to(compute_dtype))
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [..., in] -> [..., out], in x's dtype; the kernel runs in the scales' dtype
-        flat = x.reshape(-1, self.in_features).to(self.scale.dtype).contiguous()
-        out = torch.ops.aten._weight_int8pack_mm(flat, self.qweight, self.scale).to(x.dtype)
+        # x: [..., in] -> [..., out], in x's dtype; the kernel runs in the scales' dtype on 2-D,
+        # contiguous rows. A decode step calls this ~120 times with one row, where each extra
+        # tensor op costs as much as a small layer's matmul: the 2-D case (every call the model
+        # makes) runs the cast in, the kernel and the cast out, nothing else.
+        flat = x if x.dim() == 2 else x.reshape(-1, self.in_features)
+        out = torch.ops.aten._weight_int8pack_mm(flat.to(self.compute_dtype).contiguous(), self.qweight, self.scale)
+        out = out.to(x.dtype)
         if self.bias is not None:
             out = out + self.bias
-        return out.reshape(*x.shape[:-1], self.out_features)
+        return out if x.dim() == 2 else out.reshape(*x.shape[:-1], self.out_features)
 
     def dequantized_weight(self) -> torch.Tensor:
         return dequantize_int8(self.qweight, self.scale)
