@@ -70,6 +70,7 @@ from kvseal.disagg.transport import (
     page_runs,
 )
 from kvseal.errors import ConfigError
+from kvseal.kvcache.allocator import lowest_free_run
 from kvseal.kvcache.pool import KVPool
 
 logger = logging.getLogger("kvseal.disagg")
@@ -184,11 +185,9 @@ class ArenaPages:
         return int(self._free.sum())
 
     def take(self, num_pages: int) -> list[int]:
-        edges = np.flatnonzero(np.diff(np.concatenate(([0], self._free.view(np.int8), [0]))))
-        starts, ends = edges[0::2], edges[1::2]
-        fits = np.flatnonzero(ends - starts >= num_pages)
-        if len(fits):
-            pages = list(range(int(starts[fits[0]]), int(starts[fits[0]]) + num_pages))
+        first = lowest_free_run(self._free, num_pages)
+        if first is not None:
+            pages = list(range(first, first + num_pages))
         else:
             pages = np.flatnonzero(self._free)[:num_pages].tolist()
         if len(pages) < num_pages:  # arena pages = pool pages, held no longer than the pool pages they carry

@@ -24,6 +24,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
+import numpy as np
+
 from kvseal.errors import KvsealError
 from kvseal.kvcache.prefix_cache import PageKey
 
@@ -47,6 +49,16 @@ class CachedPage:
     key: PageKey
     generation: int
     num_readers: int
+
+
+def lowest_free_run(is_free: np.ndarray, num_pages: int) -> int | None:
+    """The lowest index that starts `num_pages` consecutive True entries of `is_free` (a bool
+    mask over page ids), or None when no run is that long. Shared by the pool's allocator and
+    the NIXL arena, which both prefer one run for a KV transfer."""
+    edges = np.flatnonzero(np.diff(np.concatenate(([0], is_free.view(np.int8), [0]))))
+    starts, ends = edges[0::2], edges[1::2]
+    fits = np.flatnonzero(ends - starts >= num_pages)
+    return int(starts[fits[0]]) if len(fits) else None
 
 
 class PageAllocator:
@@ -126,13 +138,9 @@ class PageAllocator:
 
     def _lowest_free_run(self, num_pages: int) -> int | None:
         """The lowest page id that starts `num_pages` consecutive free pages, or None."""
-        start, length, previous = 0, 0, -2
-        for page in sorted(self._free):
-            start, length = (start, length + 1) if page == previous + 1 else (page, 1)
-            if length == num_pages:
-                return start
-            previous = page
-        return None
+        is_free = np.zeros(self.num_pages, dtype=bool)
+        is_free[self._free] = True
+        return lowest_free_run(is_free, num_pages)
 
     def free(self, request_id: str) -> list[int]:
         """Return every own page of the request to the free list and stop its reads of cached
