@@ -6,7 +6,9 @@ import argparse
 
 DEFAULT_RESERVATION_TIMEOUT_S = 30.0
 DEFAULT_DRAIN_S = 5.0  # nixl: see NodeConfig.transfer_drain_s
-KV_TRANSPORTS = ("tcp", "nixl")  # nixl: NIXL one-sided WRITEs over UCX (kvseal/disagg/nixl.py)
+# tcp: KV frames on the ZMQ link (tcp.py); tcp-stream: KV on a plain TCP stream of its own,
+# received straight into decode's pages (stream.py); nixl: NIXL one-sided WRITEs over UCX (nixl.py)
+KV_TRANSPORTS = ("tcp", "tcp-stream", "nixl")
 
 
 def add_engine_node_arguments(parser: argparse.ArgumentParser) -> None:

@@ -9,7 +9,8 @@ The handoff, in order:
     frontend -> decode    ReserveMsg          decode re-admits (I1), holds pages "receiving"
     decode   -> frontend  ReservedMsg | ReserveRefusedMsg
     frontend -> prefill   PrefillMsg          names the transfer id and decode's pages
-    prefill  -> decode    KVBlockMsg ...      the TCP transport's data (other transports: theirs)
+    prefill  -> decode    KVBlockMsg ...      the TCP transport's data (tcp-stream: on its own
+                                              socket, ended by KVStreamEndMsg; nixl: its WRITEs)
     prefill  -> decode    CommitMsg | TransferAbortMsg
     prefill  -> frontend  PrefillDoneMsg | PrefillRefusedMsg
     decode   -> frontend  OutputsMsg (first token only after verification) | RequestRejectedMsg
@@ -206,6 +207,19 @@ class KVBlockMsg(_Msg, frozen=True):
     end: int
 
 
+class KVStreamEndMsg(_Msg, frozen=True):
+    """The last record of one push on the tcp-stream transport's data connection: every
+    `KVBlockMsg` of the transfer went before it on the same stream, `num_bytes` of payload in
+    all. Decode verifies a commit only once it has read this record (or the stream broke)."""
+
+    transfer_id: str
+    num_bytes: int
+
+
+# What a tcp-stream data connection carries (never the control channel).
+StreamHeaderMsg = KVBlockMsg | KVStreamEndMsg
+
+
 class WrittenRangeMsg(msgspec.Struct, frozen=True, array_like=True):
     """Positions [start, end) of the request, in `layer`, whose K and V prefill wrote."""
 
@@ -266,3 +280,15 @@ def encode(msg: PdMsg) -> bytes:
 def decode(data: bytes) -> PdMsg:
     """Raise `msgspec.DecodeError`/`ValidationError` for anything not in `PdMsg`."""
     return _decoder.decode(data)
+
+
+_stream_decoder = msgspec.msgpack.Decoder(StreamHeaderMsg)
+
+
+def encode_stream_header(msg: StreamHeaderMsg) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode_stream_header(data: bytes | memoryview) -> StreamHeaderMsg:
+    """Raise `msgspec.DecodeError`/`ValidationError` for anything but a stream header."""
+    return _stream_decoder.decode(data)
