@@ -13,6 +13,7 @@ full pages are published (`add_prefilled`), so the tenant's next request hits th
 from __future__ import annotations
 
 import logging
+import socket
 
 import torch
 
@@ -65,6 +66,9 @@ class DecodeSteps:
 
     def num_reservations(self) -> int:
         return len(self.table)
+
+    def wait_sockets(self) -> list[socket.socket]:
+        return self.receiver.fds()
 
     def handle(self, sender: bytes, msg: PdMsg, payload: list[memoryview]) -> bool:
         match msg:

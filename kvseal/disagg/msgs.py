@@ -289,6 +289,6 @@ def encode_stream_header(msg: StreamHeaderMsg) -> bytes:
     return _encoder.encode(msg)
 
 
-def decode_stream_header(data: bytes | memoryview) -> StreamHeaderMsg:
+def decode_stream_header(data: bytes | bytearray | memoryview) -> StreamHeaderMsg:
     """Raise `msgspec.DecodeError`/`ValidationError` for anything but a stream header."""
     return _stream_decoder.decode(data)

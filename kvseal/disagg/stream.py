@@ -197,7 +197,12 @@ class _Connection:
 
 
 class _StreamBroken(Exception):
-    """The peer closed or reset the connection, or broke the framing."""
+    """The peer closed the connection (`refused` False), or broke the framing and decode
+    closes it (`refused` True: the refusal is counted already)."""
+
+    def __init__(self, message: str, refused: bool = False) -> None:
+        super().__init__(message)
+        self.refused = refused
 
 
 class StreamReceiver:
@@ -273,12 +278,14 @@ class StreamReceiver:
         for conn in list(self._connections):
             try:
                 self._read(conn)
-            except (_StreamBroken, OSError) as exc:
+            except _StreamBroken as exc:
+                self._close(conn, str(exc), exc.refused)
+            except OSError as exc:  # reset by the peer
                 self._close(conn, str(exc) or type(exc).__name__)
 
     def close(self) -> None:
         for conn in list(self._connections):
-            self._close(conn, "closing")
+            self._close(conn, "closing", refused=True)
         self._listener.close()
 
     def _accept(self) -> None:
@@ -294,10 +301,11 @@ class StreamReceiver:
             sock.setblocking(False)
             self._connections.append(_Connection(sock))
 
-    def _close(self, conn: _Connection, why: str) -> None:
+    def _close(self, conn: _Connection, why: str, refused: bool = False) -> None:
         """The stream ended: a block cut short never counts, and its transfer is settled (a
-        commit that follows is verified against what fully landed, and refused if short)."""
-        if conn.block is not None or conn.discard or conn.header is not None or conn.num_read:
+        commit that follows is verified against what fully landed, and refused if short).
+        `refused`: decode closes it (a refusal counted already, or shutting down)."""
+        if not refused and (conn.block is not None or conn.discard or conn.header is not None or conn.num_read):
             self.refusals["stream_broken"] += 1
             logger.warning("a KV stream broke mid-record (%s)", why)
         if conn.transfer_id is not None and conn.transfer_id in self._transfers:
@@ -347,10 +355,11 @@ class StreamReceiver:
                 magic, header_bytes, conn.payload_bytes = PREFIX.unpack(conn.prefix)
                 if magic != MAGIC or not 0 < header_bytes <= MAX_HEADER_BYTES:
                     self.refusals["bad_record"] += 1
-                    raise _StreamBroken("not a KV stream record")
+                    raise _StreamBroken("not a KV stream record", refused=True)
                 if conn.payload_bytes > self._max_block_bytes:
                     self.refusals["oversize"] += 1
-                    raise _StreamBroken(f"a payload of {conn.payload_bytes} bytes: no block is that large")
+                    raise _StreamBroken(f"a payload of {conn.payload_bytes} bytes: no block is that large",
+                                        refused=True)
                 conn.header, conn.num_read = bytearray(header_bytes), 0
             return num
         num = conn.sock.recv_into(memoryview(conn.header)[conn.num_read:])
@@ -366,12 +375,12 @@ class StreamReceiver:
             header = decode_stream_header(raw)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             self.refusals["bad_record"] += 1
-            raise _StreamBroken(f"an undecodable KV stream header: {exc}") from exc
+            raise _StreamBroken(f"an undecodable KV stream header: {exc}", refused=True) from exc
         conn.transfer_id = header.transfer_id
         if isinstance(header, KVStreamEndMsg):
             if conn.payload_bytes:
                 self.refusals["bad_record"] += 1
-                raise _StreamBroken("an end record with a payload")
+                raise _StreamBroken("an end record with a payload", refused=True)
             self._on_end(header)
             return
         why = self._check(header, conn.payload_bytes)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import bisect
 import ctypes
+import socket
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -229,6 +230,9 @@ class TcpReceiver:
 
     def take_refusals(self) -> Counter[str]:
         return Counter()  # every refusal is `deliver`'s answer
+
+    def fds(self) -> list[socket.socket]:
+        return []  # frames arrive on the engine's ROUTER
 
     def close(self) -> None:
         pass

@@ -20,6 +20,7 @@ receiver's landing records (`verify.py`).
 from __future__ import annotations
 
 import ctypes
+import socket
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -132,6 +133,10 @@ class KVReceiver(Protocol):
 
     def take_refusals(self) -> Counter[str]:
         """Why writes were refused outside `deliver` since the last call (metrics labels)."""
+        ...
+
+    def fds(self) -> list[socket.socket]:
+        """The receiver's own sockets, whose data should wake decode's loop (none: it has none)."""
         ...
 
     def deliver(self, header: KVBlockMsg, payload: list[memoryview]) -> str | None:
