@@ -11,7 +11,7 @@ from pathlib import Path
 
 import zmq
 
-from kvseal.disagg.args import DEFAULT_DRAIN_S, DEFAULT_RESERVATION_TIMEOUT_S, KV_TRANSPORTS
+from kvseal.disagg.args import DEFAULT_DRAIN_S, DEFAULT_KV_TRANSPORT, DEFAULT_RESERVATION_TIMEOUT_S, KV_TRANSPORTS
 from kvseal.disagg.decode import DecodeSteps
 from kvseal.disagg.engine_loop import PdEngineLoop
 from kvseal.disagg.msgs import EngineInfoMsg, Role
@@ -31,7 +31,7 @@ logger = logging.getLogger("kvseal.disagg")
 class NodeConfig:
     role: Role
     listen: str  # HOST:PORT, bound exactly
-    kv_transport: str = "tcp"
+    kv_transport: str = DEFAULT_KV_TRANSPORT
     reservation_timeout_s: float = DEFAULT_RESERVATION_TIMEOUT_S
     # nixl: how long decode waits, after cancelling a transfer neither NIXL nor prefill confirmed
     # over, before it releases the pages (NIXL cannot cancel a write in flight)

@@ -109,12 +109,14 @@ class StreamSender:
         return buffers, num_bytes
 
     def _connect(self, address: str) -> socket.socket:
-        """The live connection to `address`; a new one when the last one was closed by decode
-        (decode never writes on it: readable means EOF or reset)."""
+        """The live connection to `address`; a new one when the last one was closed by decode.
+        Connections decode closed (a restarted decode listens elsewhere) are dropped here too:
+        decode never writes on them, so readable means EOF or reset."""
+        if self._sockets:
+            closed = set(select.select(list(self._sockets.values()), [], [], 0)[0])
+            for old in [a for a, s in self._sockets.items() if s in closed]:
+                self._drop(old)
         sock = self._sockets.get(address)
-        if sock is not None and select.select([sock], [], [], 0)[0]:
-            self._drop(address)
-            sock = None
         if sock is None:
             try:
                 sock = socket.create_connection(split_address(address), timeout=CONNECT_TIMEOUT_S)
