@@ -337,15 +337,23 @@ class StreamReceiver:
             raise _StreamBroken("the peer closed the stream")
 
     def _read_block(self, conn: _Connection, block: _Block) -> int:
-        view = block.views[block.index]
-        num = conn.sock.recv_into(view[block.offset:])
+        """One scatter `recvmsg_into` straight into the block's next views (many per call:
+        scattered reservation pages are one view per page and head)."""
+        views = block.views[block.index:block.index + IOV_PER_CALL]
+        views[0] = views[0][block.offset:]
+        num = conn.sock.recvmsg_into(views)[0]
         self._eof_if_zero(num)
-        block.offset += num
-        if block.offset == view.nbytes:
+        left = num
+        while left:
+            size = block.views[block.index].nbytes - block.offset
+            if left < size:
+                block.offset += left
+                break
+            left -= size
             block.index, block.offset = block.index + 1, 0
-            if block.index == len(block.views):
-                conn.block = None
-                self._landed(block.header, block.num_bytes)
+        if block.index == len(block.views):
+            conn.block = None
+            self._landed(block.header, block.num_bytes)
         return num
 
     def _read_header(self, conn: _Connection) -> int:
