@@ -194,7 +194,8 @@ class PrefillRefusedMsg(_Msg, frozen=True):
 
 
 class KVBlockMsg(_Msg, frozen=True):
-    """Header of one TCP-transport frame: K or V of one layer for positions [start, end) of
+    """Header of one KV block (tcp: a ZMQ message's first frame; tcp-stream: a record on the
+    data stream): K or V of one layer for positions [start, end) of
     the request follows as raw bytes, staged contiguously as whole pages
     (`[num_kv_heads, num_pages, page_size, head_dim]`, zeros past `end`). `start` is
     page-aligned. The destination pages are decode's own reservation: the sender names
