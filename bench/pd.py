@@ -11,13 +11,17 @@ On the default model (SmolLM2-135M-Instruct GGUF) unless --model is given:
    it in its pool and recorded (stage, move, land, copy in, record). Against that library's own
    raw loopback copy of the same bytes between the same two processes in the same run: for
    tcp, the same number of frames of the same sizes over a bare ZMQ DEALER->ROUTER pair (no
-   staging, no import); for nixl, one NIXL WRITE of the same number of bytes between two
-   registered buffers, done when the receiver has the notification (no staging, no import);
-   and against one in-process memcpy of those bytes.
+   staging, no import); for tcp-stream (KV on a plain TCP stream, received straight into the
+   pages), one `sendall` of the same number of bytes into one `recv_into` buffer over a bare
+   loopback socket pair (its target), and the raw ZMQ copy too (both ratios are reported, for
+   tcp as well); for nixl, one NIXL WRITE of the same number of bytes between two registered
+   buffers, done when the receiver has the notification (no staging, no import); and against
+   one in-process memcpy of those bytes.
 
     python bench/pd.py                  # 2,048-token prompts, 3 repeats, tcp and nixl
     python bench/pd.py --repeats 5 --prompt-len 1024 --transports nixl
     python bench/pd.py --skip-ttft      # transfer throughput only
+    python bench/pd.py --skip-ttft --repeats 9 --transports tcp,tcp-stream  # both TCP data paths
     python bench/pd.py --skip-ttft --page-order shuffled  # scattered pages on both sides
     python bench/pd.py --skip-ttft --page-order shuffled-prefill  # scattered on prefill's side only
 """
@@ -30,6 +34,7 @@ import multiprocessing
 import os
 import platform
 import random
+import select
 import socket
 import statistics
 import time
@@ -44,6 +49,7 @@ from kvseal.config import EngineArgs
 from kvseal.disagg.msgs import KVBlockMsg, PdMsg, PrefillMsg, ReservedMsg, ReserveMsg, decode, encode
 from kvseal.disagg.nixl import POLL_SLEEP_S, NixlReceiver, NixlSender, make_agent
 from kvseal.disagg.node import EngineNode, NodeConfig
+from kvseal.disagg.stream import StreamReceiver, StreamSender, split_address
 from kvseal.disagg.tcp import TcpReceiver, TcpSender
 from kvseal.disagg.transport import KINDS, KVReceiver, KVSender, PushPlan
 from kvseal.disagg.wire import PeerLinks
@@ -148,8 +154,14 @@ def decode_process(conn: Any, transport: str, shape: PoolShape) -> None:
     router = ctx.socket(zmq.ROUTER)
     router.bind("tcp://127.0.0.1:0")
     address = endpoint(router).removeprefix("tcp://")
-    receiver: KVReceiver = (TcpReceiver(pool, len(pool.k), address) if transport == "tcp"
-                            else NixlReceiver(pool, f"bench-decode-{os.getpid()}", "127.0.0.1"))
+    receiver: KVReceiver
+    if transport == "tcp":
+        receiver = TcpReceiver(pool, len(pool.k), address)
+    elif transport == "tcp-stream":
+        receiver = StreamReceiver(pool, len(pool.k), "127.0.0.1")
+    else:
+        receiver = NixlReceiver(pool, f"bench-decode-{os.getpid()}", "127.0.0.1")
+    raw_buffers: dict[int, bytearray] = {}  # the raw socket receiver's buffer, warm after the warm-up
     conn.send(receiver.address)
     while True:
         command = conn.recv()
@@ -161,6 +173,9 @@ def decode_process(conn: Any, transport: str, shape: PoolShape) -> None:
             conn.send(raw_zmq_receive(conn, ctx, command[1]))
         elif command[0] == "raw_nixl":
             conn.send(raw_nixl_receive(conn, command[1]))
+        elif command[0] == "raw_socket":
+            buffer = raw_buffers.setdefault(command[1], bytearray(command[1]))
+            conn.send(raw_socket_receive(conn, buffer))
     receiver.close()
     router.close(0)
     ctx.term()
@@ -188,7 +203,10 @@ def receive_transfer(conn: Any, router: zmq.Socket, receiver: KVReceiver, pool: 
             landing.covered_prefix(layer, kind) >= num_positions for layer in range(num_layers) for kind in KINDS)
 
     while not complete():
-        if router.poll(1 if isinstance(receiver, TcpReceiver) else 0):
+        if isinstance(receiver, StreamReceiver):  # decode's loop: wait on its sockets, take in what is there
+            select.select(receiver.fds(), [], [], 0.001)
+            receiver.progress()
+        elif router.poll(1 if isinstance(receiver, TcpReceiver) else 0):
             while True:
                 try:
                     frames = router.recv_multipart(zmq.NOBLOCK, copy=False)
@@ -219,6 +237,22 @@ def raw_zmq_receive(conn: Any, ctx: zmq.Context, sizes: list[int]) -> tuple[floa
     done_s, cpu_s = time.perf_counter(), time.process_time() - start_cpu_s
     router.close(0)
     return done_s, cpu_s
+
+
+def raw_socket_receive(conn: Any, buffer: bytearray) -> tuple[float, float]:
+    """One loopback TCP connection: everything into one warm buffer by `recv_into`."""
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        conn.send(f"127.0.0.1:{listener.getsockname()[1]}")
+        sock, _ = listener.accept()
+    conn.send("ready")
+    start_cpu_s = time.process_time()
+    view, received = memoryview(buffer), 0
+    with sock:
+        while received < len(buffer):
+            num = sock.recv_into(view[received:])
+            assert num, "the raw sender closed early"
+            received += num
+    return time.perf_counter(), time.process_time() - start_cpu_s
 
 
 def raw_nixl_receive(conn: Any, num_bytes: int) -> tuple[float, float]:
@@ -252,8 +286,13 @@ class TransferBench:
         self.kv_address = self.conn.recv()
         self.ctx = zmq.Context()
         self.links = PeerLinks(self.ctx)
-        self.sender: KVSender = (TcpSender(self.links) if transport == "tcp"
-                                 else NixlSender(f"bench-prefill-{os.getpid()}", "127.0.0.1"))
+        self.sender: KVSender
+        if transport == "tcp":
+            self.sender = TcpSender(self.links)
+        elif transport == "tcp-stream":
+            self.sender = StreamSender()
+        else:
+            self.sender = NixlSender(f"bench-prefill-{os.getpid()}", "127.0.0.1")
         num_pages = -(-num_positions // page_size)
         self.src_pages, self.dest_pages = list(range(num_pages)), list(range(num_pages))
         if page_order in ("shuffled", "shuffled-prefill"):
@@ -278,8 +317,37 @@ class TransferBench:
         return num_bytes / (done_s - start) / MiB, num_bytes / pushed_s / MiB, num_bytes, cpu
 
     def raw(self, frame_sizes: list[int]) -> tuple[float, tuple[float, float]]:
-        """MiB/s of the raw loopback copy, and CPU seconds (this process, the receiver's)."""
-        return self.raw_zmq(frame_sizes) if self.transport == "tcp" else self.raw_nixl(sum(frame_sizes))
+        """MiB/s of the transport's own raw loopback copy (its target), and CPU seconds (this
+        process, the receiver's)."""
+        if self.transport == "tcp":
+            return self.raw_zmq(frame_sizes)
+        if self.transport == "tcp-stream":
+            return self.raw_socket(sum(frame_sizes))
+        return self.raw_nixl(sum(frame_sizes))
+
+    def other_raw(self, frame_sizes: list[int]) -> tuple[str, float] | None:
+        """The TCP transports' other raw loopback (tcp: the bare socket; tcp-stream: bare ZMQ),
+        reported beside the target's ratio so the two data paths compare on both."""
+        if self.transport == "tcp":
+            return "socket", self.raw_socket(sum(frame_sizes))[0]
+        if self.transport == "tcp-stream":
+            return "zmq", self.raw_zmq(frame_sizes)[0]
+        return None
+
+    def raw_socket(self, num_bytes: int) -> tuple[float, tuple[float, float]]:
+        """One `sendall` of `num_bytes` over a bare loopback TCP connection into the child's one
+        warm `recv_into` buffer."""
+        self.conn.send(("raw_socket", num_bytes))
+        sock = socket.create_connection(split_address(self.conn.recv()))
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        assert self.conn.recv() == "ready"
+        data = torch.empty(num_bytes, dtype=torch.uint8).random_().numpy().data
+        start, start_cpu_s = time.perf_counter(), time.process_time()
+        sock.sendall(data)
+        done_s, receiver_cpu_s = self.conn.recv()
+        cpu = (time.process_time() - start_cpu_s, receiver_cpu_s)
+        sock.close()
+        return num_bytes / (done_s - start) / MiB, cpu
 
     def raw_zmq(self, sizes: list[int]) -> tuple[float, tuple[float, float]]:
         """Frames of the same sizes over a bare DEALER->ROUTER pair, received in full by the child."""
@@ -377,6 +445,8 @@ def main() -> None:
         "page_order": ns.page_order, "load_average_before": os.getloadavg(),
     }
     if not ns.skip_ttft:
+        if transports[0] == "tcp-stream":  # in one process its blocking send would wait on its own receiver
+            parser.error("TTFT runs prefill and decode in one process: put tcp or nixl first, or --skip-ttft")
         result.update(measure_ttft(args, loaded, transports[0], ns.prompt_len, ns.repeats))
     result.update(measure_transfers(args, loaded, transports, ns.prompt_len, ns.repeats, ns.page_order))
     result["load_average_after"] = os.getloadavg()
@@ -409,11 +479,13 @@ def measure_transfers(args: EngineArgs, loaded: Any, transports: list[str], prom
         for bench in benches.values():  # warm-up: connections, registrations, first-touch buffers
             bench.transfer()
             bench.raw(bench.frame_sizes())
+            bench.other_raw(bench.frame_sizes())
         rates: dict[str, list[float]] = {t: [] for t in transports}
         pushed: dict[str, list[float]] = {t: [] for t in transports}
         raws: dict[str, list[float]] = {t: [] for t in transports}
         cpu: dict[str, list[tuple[float, float]]] = {t: [] for t in transports}
         raw_cpu: dict[str, list[tuple[float, float]]] = {t: [] for t in transports}
+        others: dict[str, tuple[str, list[float]]] = {}  # the TCP transports' other raw loopback
         copy = []
         for _ in range(repeats):
             for t, bench in benches.items():
@@ -424,6 +496,9 @@ def measure_transfers(args: EngineArgs, loaded: Any, transports: list[str], prom
                 raw_rate, raw_used = bench.raw(bench.frame_sizes())
                 raws[t].append(raw_rate)
                 raw_cpu[t].append(raw_used)
+                other = bench.other_raw(bench.frame_sizes())
+                if other is not None:
+                    others.setdefault(t, (other[0], []))[1].append(other[1])
             copy.append(memcpy_rate(num_bytes))
     finally:
         for bench in benches.values():
@@ -436,6 +511,12 @@ def measure_transfers(args: EngineArgs, loaded: Any, transports: list[str], prom
                        f"{t}_over_raw_loopback": statistics.median(rates[t]) / statistics.median(raws[t]),
                        # CPU seconds per copy: (prefill's process, decode's process)
                        f"{t}_transport_cpu_s": cpu[t], f"{t}_raw_loopback_cpu_s": raw_cpu[t]})
+        if t in others:  # tcp against the bare socket too, tcp-stream against bare ZMQ too
+            kind, other_rates = others[t]
+            other_ratios = [r / raw for r, raw in zip(rates[t], other_rates)]
+            result.update({f"{t}_raw_{kind}_mib_s": other_rates, f"{t}_ratio_to_raw_{kind}_per_repeat": other_ratios,
+                           f"{t}_median_ratio_to_raw_{kind}": statistics.median(other_ratios)})
+        result[f"{t}_median_ratio_per_repeat"] = statistics.median(ratios)
     return result
 
 

@@ -6,7 +6,11 @@ import argparse
 
 DEFAULT_RESERVATION_TIMEOUT_S = 30.0
 DEFAULT_DRAIN_S = 5.0  # nixl: see NodeConfig.transfer_drain_s
-KV_TRANSPORTS = ("tcp", "nixl")  # nixl: NIXL one-sided WRITEs over UCX (kvseal/disagg/nixl.py)
+# tcp: KV frames on the ZMQ link (tcp.py); tcp-stream: KV on a plain TCP stream of its own,
+# received straight into decode's pages (stream.py); nixl: NIXL one-sided WRITEs over UCX (nixl.py)
+KV_TRANSPORTS = ("tcp", "tcp-stream", "nixl")
+# The default since it measured ~1.4x the ZMQ path's throughput at half its CPU (docs/BENCHMARKS.md)
+DEFAULT_KV_TRANSPORT = "tcp-stream"
 
 
 def add_engine_node_arguments(parser: argparse.ArgumentParser) -> None:
@@ -14,7 +18,7 @@ def add_engine_node_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--role", choices=("prefill", "decode"), required=True)
     parser.add_argument("--listen", required=True, metavar="HOST:PORT",
                         help="the only address this engine binds (frontends and peer engines connect here)")
-    parser.add_argument("--kv-transport", choices=KV_TRANSPORTS, default="tcp",
+    parser.add_argument("--kv-transport", choices=KV_TRANSPORTS, default=DEFAULT_KV_TRANSPORT,
                         help="how prompt KV moves from prefill to decode")
     parser.add_argument("--reservation-timeout-s", type=float, default=DEFAULT_RESERVATION_TIMEOUT_S,
                         help="decode: release a reservation that saw no commit after this long")
@@ -31,7 +35,7 @@ def add_pd_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="decode engines to use (with --prefill)")
     parser.add_argument("--pd", action="store_true",
                         help="start one prefill and one decode engine on this host, and the frontend")
-    parser.add_argument("--kv-transport", choices=KV_TRANSPORTS, default="tcp",
+    parser.add_argument("--kv-transport", choices=KV_TRANSPORTS, default=DEFAULT_KV_TRANSPORT,
                         help="with --pd: how prompt KV moves from prefill to decode")
     parser.add_argument("--reservation-timeout-s", type=float, default=DEFAULT_RESERVATION_TIMEOUT_S,
                         help="with --pd: decode releases a reservation that saw no commit after this long")

@@ -13,6 +13,7 @@ full pages are published (`add_prefilled`), so the tenant's next request hits th
 from __future__ import annotations
 
 import logging
+import socket
 
 import torch
 
@@ -56,12 +57,18 @@ class DecodeSteps:
         self._frontend_of: dict[str, bytes] = {}  # running handed-off request -> who gets its outputs
         # releasing reservation -> the error (and code) its client gets once the release completes
         self._pending_errors: dict[str, tuple[str, str | None]] = {}
+        # transfer -> its commit, held until the receiver took in every write made before it
+        # (a transport whose data does not share the commit's connection: tcp-stream)
+        self._parked: dict[str, CommitMsg] = {}
 
     def held(self) -> set[str]:
         return self.table.request_ids()
 
     def num_reservations(self) -> int:
         return len(self.table)
+
+    def wait_sockets(self) -> list[socket.socket]:
+        return self.receiver.fds()
 
     def handle(self, sender: bytes, msg: PdMsg, payload: list[memoryview]) -> bool:
         match msg:
@@ -117,6 +124,9 @@ class DecodeSteps:
 
     def _commit(self, msg: CommitMsg) -> None:
         self.receiver.sender_done(msg.transfer_id)  # prefill commits only after its last write ended
+        if not self.receiver.settled(msg.transfer_id):
+            self._parked[msg.transfer_id] = msg  # verified in `tick` once the data caught up
+            return
         reservation = self.table.by_transfer(msg.transfer_id)
         if reservation is None or reservation.request_id != msg.request_id or reservation.tenant != msg.tenant:
             self.counters.failures["unknown_transfer" if reservation is None else "identity_mismatch"] += 1
@@ -193,7 +203,8 @@ class DecodeSteps:
 
     def tick(self) -> bool:
         self.receiver.progress()  # what landed since the last iteration is copied in now, not at the commit
-        changed = False
+        self.counters.failures.update(self.receiver.take_refusals())
+        changed = self._verify_parked()
         for reservation in self.table.expired():
             self.counters.num_reservations_expired += 1
             self.counters.failures["expired"] += 1
@@ -208,6 +219,19 @@ class DecodeSteps:
             self._report_end(reservation, error, code or HANDOFF_FAILED)
             changed = True
         return self._place_waiting() or changed
+
+    def _verify_parked(self) -> bool:
+        """Verify the held commits whose data caught up; drop those whose reservation ended
+        (released or expired: nothing is left to verify)."""
+        changed = False
+        for transfer_id, msg in list(self._parked.items()):
+            if self.table.by_transfer(transfer_id) is None:
+                del self._parked[transfer_id]
+            elif self.receiver.settled(transfer_id):
+                del self._parked[transfer_id]
+                self._commit(msg)
+                changed = True
+        return changed
 
     def abort_all(self, reason: str) -> None:
         for request_id in list(self.table.request_ids()):

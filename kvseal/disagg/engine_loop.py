@@ -56,7 +56,7 @@ class PdEngineLoop:
         busy = self.engine.has_unfinished()
         changed = False
         idle_ms = min(idle_poll_ms, RECEIVING_POLL_MS) if self.steps.num_reservations() else idle_poll_ms
-        if self.router.poll(0 if busy else idle_ms, zmq.POLLIN):
+        if self._wait(0 if busy else idle_ms):
             changed = self._drain()
         if self.is_stopped:
             return False
@@ -67,6 +67,15 @@ class PdEngineLoop:
         if changed:
             self._broadcast_stats()
         return True
+
+    def _wait(self, timeout_ms: int) -> bool:
+        """Wait for the ROUTER, or for data on the role's own sockets (taken in by its `tick`);
+        True if the ROUTER has messages."""
+        extra = self.steps.wait_sockets()
+        if not extra:
+            return bool(self.router.poll(timeout_ms, zmq.POLLIN))
+        readable, _, _ = zmq.select([self.router, *extra], [], [], timeout_ms / 1000)
+        return self.router in readable
 
     def _drain(self) -> bool:
         changed = False

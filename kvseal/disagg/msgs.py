@@ -9,7 +9,8 @@ The handoff, in order:
     frontend -> decode    ReserveMsg          decode re-admits (I1), holds pages "receiving"
     decode   -> frontend  ReservedMsg | ReserveRefusedMsg
     frontend -> prefill   PrefillMsg          names the transfer id and decode's pages
-    prefill  -> decode    KVBlockMsg ...      the TCP transport's data (other transports: theirs)
+    prefill  -> decode    KVBlockMsg ...      the TCP transport's data (tcp-stream: on its own
+                                              socket, ended by KVStreamEndMsg; nixl: its WRITEs)
     prefill  -> decode    CommitMsg | TransferAbortMsg
     prefill  -> frontend  PrefillDoneMsg | PrefillRefusedMsg
     decode   -> frontend  OutputsMsg (first token only after verification) | RequestRejectedMsg
@@ -193,7 +194,8 @@ class PrefillRefusedMsg(_Msg, frozen=True):
 
 
 class KVBlockMsg(_Msg, frozen=True):
-    """Header of one TCP-transport frame: K or V of one layer for positions [start, end) of
+    """Header of one KV block (tcp: a ZMQ message's first frame; tcp-stream: a record on the
+    data stream): K or V of one layer for positions [start, end) of
     the request follows as raw bytes, staged contiguously as whole pages
     (`[num_kv_heads, num_pages, page_size, head_dim]`, zeros past `end`). `start` is
     page-aligned. The destination pages are decode's own reservation: the sender names
@@ -204,6 +206,19 @@ class KVBlockMsg(_Msg, frozen=True):
     kind: KVKind
     start: int
     end: int
+
+
+class KVStreamEndMsg(_Msg, frozen=True):
+    """The last record of one push on the tcp-stream transport's data connection: every
+    `KVBlockMsg` of the transfer went before it on the same stream, `num_bytes` of payload in
+    all. Decode verifies a commit only once it has read this record (or the stream broke)."""
+
+    transfer_id: str
+    num_bytes: int
+
+
+# What a tcp-stream data connection carries (never the control channel).
+StreamHeaderMsg = KVBlockMsg | KVStreamEndMsg
 
 
 class WrittenRangeMsg(msgspec.Struct, frozen=True, array_like=True):
@@ -266,3 +281,15 @@ def encode(msg: PdMsg) -> bytes:
 def decode(data: bytes) -> PdMsg:
     """Raise `msgspec.DecodeError`/`ValidationError` for anything not in `PdMsg`."""
     return _decoder.decode(data)
+
+
+_stream_decoder = msgspec.msgpack.Decoder(StreamHeaderMsg)
+
+
+def encode_stream_header(msg: StreamHeaderMsg) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode_stream_header(data: bytes | bytearray | memoryview) -> StreamHeaderMsg:
+    """Raise `msgspec.DecodeError`/`ValidationError` for anything but a stream header."""
+    return _stream_decoder.decode(data)

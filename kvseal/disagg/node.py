@@ -11,12 +11,13 @@ from pathlib import Path
 
 import zmq
 
-from kvseal.disagg.args import DEFAULT_DRAIN_S, DEFAULT_RESERVATION_TIMEOUT_S, KV_TRANSPORTS
+from kvseal.disagg.args import DEFAULT_DRAIN_S, DEFAULT_KV_TRANSPORT, DEFAULT_RESERVATION_TIMEOUT_S, KV_TRANSPORTS
 from kvseal.disagg.decode import DecodeSteps
 from kvseal.disagg.engine_loop import PdEngineLoop
 from kvseal.disagg.msgs import EngineInfoMsg, Role
 from kvseal.disagg.prefill import PrefillSteps
 from kvseal.disagg.role import Replies, RoleSteps
+from kvseal.disagg.stream import StreamReceiver, StreamSender
 from kvseal.disagg.tcp import TcpReceiver, TcpSender
 from kvseal.disagg.transport import KVReceiver, KVSender
 from kvseal.disagg.wire import PeerLinks, tcp_endpoint
@@ -30,7 +31,7 @@ logger = logging.getLogger("kvseal.disagg")
 class NodeConfig:
     role: Role
     listen: str  # HOST:PORT, bound exactly
-    kv_transport: str = "tcp"
+    kv_transport: str = DEFAULT_KV_TRANSPORT
     reservation_timeout_s: float = DEFAULT_RESERVATION_TIMEOUT_S
     # nixl: how long decode waits, after cancelling a transfer neither NIXL nor prefill confirmed
     # over, before it releases the pages (NIXL cannot cancel a write in flight)
@@ -103,6 +104,8 @@ class EngineNode:
             from kvseal.disagg.nixl import NixlReceiver  # imports nixl: only when asked for
 
             return NixlReceiver(pool, self.instance_id, host, self.config.transfer_drain_s)
+        if self.config.kv_transport == "tcp-stream":
+            return StreamReceiver(pool, self.engine.model_config.num_layers, host)
         return TcpReceiver(pool, self.engine.model_config.num_layers, self.config.listen)
 
     def _sender(self) -> KVSender:
@@ -110,6 +113,8 @@ class EngineNode:
             from kvseal.disagg.nixl import NixlSender
 
             return NixlSender(self.instance_id, self.config.listen.rpartition(":")[0])
+        if self.config.kv_transport == "tcp-stream":
+            return StreamSender()
         return TcpSender(self.links)
 
     def _info(self) -> EngineInfoMsg:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import socket
 import time
 from dataclasses import dataclass
 
@@ -79,6 +80,9 @@ class PrefillSteps:
 
     def num_reservations(self) -> int:
         return 0
+
+    def wait_sockets(self) -> list[socket.socket]:
+        return []  # prefill's sends block in `push`: nothing to wake for
 
     def handle(self, sender: bytes, msg: PdMsg, payload: list[memoryview]) -> bool:
         match msg:

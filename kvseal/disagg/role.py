@@ -6,6 +6,7 @@ once per loop iteration (deadlines), `held` names requests that own pages withou
 
 from __future__ import annotations
 
+import socket
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -57,6 +58,10 @@ class RoleSteps(Protocol):
         ...
 
     def held(self) -> set[str]: ...
+
+    def wait_sockets(self) -> list[socket.socket]:
+        """Sockets besides the ROUTER whose data should wake the loop (a transport's own)."""
+        ...
 
     def num_reservations(self) -> int: ...
 

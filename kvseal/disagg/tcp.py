@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import bisect
 import ctypes
+import socket
 import time
+from collections import Counter
 from collections.abc import Callable
 
 import numpy as np
@@ -53,7 +55,7 @@ class TcpSender:
         self._timeout_s = timeout_s
         self._max_frame_runs = max_frame_runs
         self._gather: torch.Tensor | None = None  # reused by every push (each waits until ZMQ read it)
-        self._pool_bytes: _PoolBytes | None = None
+        self._pool_bytes: PoolBytes | None = None
 
     def push(self, plan: PushPlan, pool: KVPool) -> int:
         link = self._links.get(plan.kv_address)
@@ -88,10 +90,10 @@ class TcpSender:
             raise
         return num_bytes
 
-    def _in_place(self, pool: KVPool) -> _PoolBytes:
+    def _in_place(self, pool: KVPool) -> PoolBytes:
         """The pool's tensors as flat bytes (made once per pool: its tensors never move)."""
         if self._pool_bytes is None or self._pool_bytes.pool is not pool:
-            self._pool_bytes = _PoolBytes(pool)
+            self._pool_bytes = PoolBytes(pool)
         return self._pool_bytes
 
     def _gather_buffer(self, plan: PushPlan, pool: KVPool) -> torch.Tensor:
@@ -149,15 +151,15 @@ class _Gathered:
         return staged
 
 
-class _PoolBytes:
+class PoolBytes:
     """One pool's K and V tensors as flat byte views, for frames that ZMQ reads in place: a
     frame is a slice of a view (each holds its tensor alive), far cheaper to make per push than
     a torch slice of every head and run (180 per push of a 2,048-token prompt here)."""
 
     def __init__(self, pool: KVPool) -> None:
         self.pool = pool
-        self._k = [_flat_bytes(t) for t in pool.k]
-        self._v = [_flat_bytes(t) for t in pool.v]
+        self._k = [flat_bytes(t) for t in pool.k]
+        self._v = [flat_bytes(t) for t in pool.v]
         self._page_bytes = pool.k[0][0, 0].numel() * pool.k[0].element_size()
         self._head_bytes = pool.num_pages * self._page_bytes
         self._runs = RunsMemo()
@@ -182,7 +184,7 @@ class _PoolBytes:
         return frames
 
 
-def _flat_bytes(t: torch.Tensor) -> memoryview:
+def flat_bytes(t: torch.Tensor) -> memoryview:
     """A contiguous tensor's memory as a flat byte view (slices of it are views too)."""
     return t.view(torch.uint8).reshape(-1).numpy().data
 
@@ -222,6 +224,15 @@ class TcpReceiver:
 
     def sender_done(self, transfer_id: str) -> None:
         pass  # frames and the commit share one ordered connection: nothing to wait for
+
+    def settled(self, transfer_id: str) -> bool:
+        return True  # frames and the commit share one ordered connection
+
+    def take_refusals(self) -> Counter[str]:
+        return Counter()  # every refusal is `deliver`'s answer
+
+    def fds(self) -> list[socket.socket]:
+        return []  # frames arrive on the engine's ROUTER
 
     def close(self) -> None:
         pass

@@ -20,7 +20,8 @@ receiver's landing records (`verify.py`).
 from __future__ import annotations
 
 import ctypes
-from collections import defaultdict
+import socket
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -123,6 +124,19 @@ class KVReceiver(Protocol):
 
     def sender_done(self, transfer_id: str) -> None:
         """Prefill sent its commit or abort, which it does only once its writes are terminal."""
+        ...
+
+    def settled(self, transfer_id: str) -> bool:
+        """Whether every write prefill made before its commit has been taken in, so the commit may
+        be verified now (tcp-stream: the data stream can lag the commit; the others: always)."""
+        ...
+
+    def take_refusals(self) -> Counter[str]:
+        """Why writes were refused outside `deliver` since the last call (metrics labels)."""
+        ...
+
+    def fds(self) -> list[socket.socket]:
+        """The receiver's own sockets, whose data should wake decode's loop (none: it has none)."""
         ...
 
     def deliver(self, header: KVBlockMsg, payload: list[memoryview]) -> str | None:

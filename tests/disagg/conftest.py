@@ -21,11 +21,12 @@ def marker_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_marker_model(tmp_path_factory.mktemp("models") / "marker")
 
 
-@pytest.fixture(scope="session", params=["tcp", "nixl"])
+@pytest.fixture(scope="session", params=["tcp-stream", "nixl"])
 def pd_cluster(marker_dir: Path, tmp_path_factory: pytest.TempPathFactory,
                request: pytest.FixtureRequest) -> Iterator[PdCluster]:
-    """One cluster per KV transport: every process test runs over the built-in TCP transport
-    and over NIXL (a missing nixl package fails these tests; it never skips them)."""
+    """One cluster per KV transport: every process test runs over the default built-in transport
+    (tcp-stream) and over NIXL (a missing nixl package fails these tests; it never skips them).
+    The ZMQ-frame transport (tcp) runs the in-process handoff and fault tests (test_handoff*.py)."""
     kv_transport: str = request.param
     workdir = tmp_path_factory.mktemp(f"pd-cluster-{kv_transport}")
     transport = ["--kv-transport", kv_transport]

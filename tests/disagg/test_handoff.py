@@ -25,7 +25,7 @@ def args(llama_dir: Path, **kwargs: Any) -> EngineArgs:
     return EngineArgs(**base)
 
 
-@pytest.fixture(params=["tcp", "nixl"])
+@pytest.fixture(params=["tcp", "tcp-stream", "nixl"])
 def pair(llama_dir: Path, request: pytest.FixtureRequest) -> Iterator[PdPair]:
     loaded = load_model(str(llama_dir), args(llama_dir).torch_dtype)
     pd = PdPair(args(llama_dir), args(llama_dir), loaded=loaded, kv_transport=request.param)

@@ -37,7 +37,8 @@ def loaded(llama_dir: Path) -> Any:
     return load_model(str(llama_dir), args(llama_dir).torch_dtype)
 
 
-TRANSPORTS = pytest.mark.parametrize("kv_transport", ["tcp", "nixl"])  # the fault tests both must pass
+# the fault tests every transport must pass
+TRANSPORTS = pytest.mark.parametrize("kv_transport", ["tcp", "tcp-stream", "nixl"])
 
 
 @pytest.fixture
@@ -501,8 +502,11 @@ def test_a_push_from_a_page_aligned_start_sends_only_start_to_end(make_pair: Any
     num_bytes = push_and_land(pair, handoff, src, [30, 30], start=8)
     num_kv_heads, _, head_dim = decode_pool.page_shape()
     payload = NUM_LAYERS * 2 * num_kv_heads * 6 * page_size * head_dim * 4  # pages 2..7, float32
-    # tcp sends exactly the payload; NIXL's slots also carry each page's transfer tag
-    assert num_bytes == payload if pair.prefill.config.kv_transport == "tcp" else payload < num_bytes < 2 * payload
+    # tcp and tcp-stream send exactly the payload; NIXL's slots also carry each page's transfer tag
+    if pair.prefill.config.kv_transport == "nixl":
+        assert payload < num_bytes < 2 * payload
+    else:
+        assert num_bytes == payload
     landing = pair.decode.transport.landed(r.transfer_id)  # type: ignore[union-attr]
     assert landing is not None
     assert dict(landing.ranges) == {(layer, kind): [(8, 30)] for layer in range(NUM_LAYERS) for kind in "kv"}

@@ -133,7 +133,7 @@ def test_with_the_frontend_check_off_prefill_refuses_and_decode_releases(pd_clus
     assert_engines_clean(pd_cluster.prefill, pd_cluster.decode)
 
 
-@pytest.mark.parametrize("pd_cluster", ["tcp"], indirect=True)  # over nixl: test_handoff_faults.py, in-process
+@pytest.mark.parametrize("pd_cluster", ["tcp-stream"], indirect=True)  # over nixl: test_handoff_faults.py, in-process
 def test_decode_verification_catches_the_placeholder_prefill(pd_cluster: PdCluster) -> None:
     """The incident's placeholder path switched on in prefill (restarted at the same address,
     picked up by the running frontend): decode refuses every handoff, nobody gets an answer."""
@@ -153,7 +153,7 @@ def test_decode_verification_catches_the_placeholder_prefill(pd_cluster: PdClust
         frontend.wait_healthy()
 
 
-@pytest.mark.parametrize("pd_cluster", ["tcp"], indirect=True)  # over nixl: test_handoff_faults.py, in-process
+@pytest.mark.parametrize("pd_cluster", ["tcp-stream"], indirect=True)  # over nixl: test_handoff_faults.py, in-process
 def test_prefill_own_isolation_check_is_answered_and_counted_as_one(pd_cluster: PdCluster) -> None:
     """The placeholder path on in prefill with its checks on (and --kv-scrub free there): prefill's
     own coverage check refuses the forward, so every client gets 500 isolation_check_failed and
@@ -179,7 +179,7 @@ def _scrubbed_since(frontend: PdFrontend, before: MetricsSnapshot) -> MetricsSna
     return after if (after.total(PAGES_SCRUBBED) or 0) > (before.total(PAGES_SCRUBBED) or 0) else None
 
 
-@pytest.mark.parametrize("kv_transport", ["tcp", "nixl"])
+@pytest.mark.parametrize("kv_transport", ["tcp", "tcp-stream", "nixl"])
 def test_without_decode_verification_the_marker_check_catches_the_leak(marker_dir: Path, kv_transport: str) -> None:
     """The negative control, with both engines in this process (a fault switched on here is on
     in both, and only prefill runs prompts): with decode's verification switched off too, the

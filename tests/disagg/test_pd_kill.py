@@ -72,7 +72,7 @@ def test_prefill_killed_mid_transfer(pd_cluster: PdCluster) -> None:
     assert_engines_clean(pd_cluster.prefill, pd_cluster.decode)
 
 
-@pytest.mark.parametrize("pd_cluster", ["tcp"], indirect=True)  # nixl's peer-gone case: the restart test below
+@pytest.mark.parametrize("pd_cluster", ["tcp-stream"], indirect=True)  # nixl's peer-gone case: the restart test below
 def test_decode_killed(pd_cluster: PdCluster) -> None:
     results = kill_during_handoffs(pd_cluster, "decode")
     assert_errors(results)
@@ -96,7 +96,7 @@ def test_decode_restarted_mid_transfer_resets_the_link(pd_cluster: PdCluster) ->
     assert_engines_clean(pd_cluster.prefill, pd_cluster.decode)
 
 
-@pytest.mark.parametrize("pd_cluster", ["tcp"], indirect=True)  # the limits do not depend on the transport
+@pytest.mark.parametrize("pd_cluster", ["tcp-stream"], indirect=True)  # the limits do not depend on the transport
 def test_the_frontend_rereads_the_limits_of_a_restarted_engine(pd_cluster: PdCluster) -> None:
     """A prefill engine restarted at the same address with a smaller limit: the frontend admits
     against it (400 at the door, no engine sees the prompt), and against the larger one again

@@ -34,7 +34,7 @@ def loaded(llama_dir: Path) -> Any:
     return load_model(str(llama_dir), args(llama_dir).torch_dtype)
 
 
-@pytest.fixture(params=["tcp", "nixl"])
+@pytest.fixture(params=["tcp", "tcp-stream", "nixl"])
 def make_pair(llama_dir: Path, loaded: Any, request: pytest.FixtureRequest) -> Iterator[Any]:
     pairs: list[PdPair] = []
 
@@ -151,7 +151,8 @@ def cached_pages_of(pair: PdPair, handoff: Handoff) -> list[int]:
 
 def test_a_transfer_never_writes_a_cached_page(make_pair: Any, llama_dir: Path) -> None:
     """A broken prefill that pushes from position 0 (ignoring the hit) cannot change a cached
-    page: TCP frames before the hit are refused as writes outside the reservation, NIXL's land
+    page: TCP frames and tcp-stream blocks before the hit are refused as writes outside the
+    reservation, NIXL's land
     only in the arena and are never imported there. The handoff still completes correctly."""
     pair = make_pair()
     handoff = warm(pair)
@@ -170,6 +171,10 @@ def test_a_transfer_never_writes_a_cached_page(make_pair: Any, llama_dir: Path) 
                   .view(torch.uint8).numpy().tobytes()])
         pair.pump(lambda: pair.decode.loop.stats().handoff_failures.get("write_outside_reservation", 0) == 5,
                   "the refusals")  # 2 layers x K/V of the push, and the single frame
+    elif pair.prefill.config.kv_transport == "tcp-stream":  # every block starts at 0: refused, read into scratch
+        pair.prefill.transport.push(plan, prefill_pool)  # type: ignore[union-attr]
+        pair.pump(lambda: pair.decode.loop.stats().handoff_failures.get("write_outside_reservation", 0) == 4,
+                  "the refusals")  # 2 layers x K/V of the push
     else:  # the transfer's address names arena pages from the hit on only: the sender refuses the rest
         with pytest.raises(TransportError, match="before the reservation's first writable page"):
             pair.prefill.transport.push(plan, prefill_pool)  # type: ignore[union-attr]
@@ -204,6 +209,9 @@ def test_a_commit_that_does_not_start_at_the_hit_is_refused(
     else:  # a receiver that let a write before the hit land: verification refuses it anyway
         receiver = pair.decode.steps.receiver  # type: ignore[attr-defined]
         receiver.landed(r.transfer_id).add(0, "k", pushed_start, end, 0)
+        if pair.prefill.config.kv_transport == "tcp-stream":  # the stream's end record, or the commit waits
+            nothing = PushPlan(r.transfer_id, list(range(len(r.pages))), [0, 0], r.kv_address, r.pages)
+            pair.prefill.transport.push(nothing, pair.prefill.engine.kv.pool)  # type: ignore[union-attr]
     claimed = r.num_cached_tokens if claimed_start is None else claimed_start
     pair.rogue.get(pair.decode.config.listen).send(CommitMsg(
         r.transfer_id, handoff.request_id, "alice", end, [WrittenRangeMsg(layer, claimed, end) for layer in range(2)],

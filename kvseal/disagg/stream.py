@@ -1,0 +1,458 @@
+"""The tcp-stream transport: KV on a plain TCP stream of its own, the commit on ZMQ as ever.
+
+Decode's receiver listens on an ephemeral port of the host it was given (its KV address, sent
+in `ReservedMsg`); prefill keeps one connection per decode. A push is one ordered run of
+records on that stream, each `PREFIX` (magic, header length, payload length), a msgpack
+header, then the payload:
+
+- one `KVBlockMsg` per layer and K/V whose payload is, in order, each KV head's pages holding
+  positions [start, end): full pages sent straight out of prefill's pool by `socket.sendmsg`
+  (scatter-gather, no copy in user space), the last page, when partial, from a small staging
+  copy with zeros past `end` (no stale bytes leave the pool);
+- then one `KVStreamEndMsg` naming the payload bytes of the push.
+
+`push` returns once the kernel holds every byte (the pool may be reused right after).
+
+Decode's receiver runs on decode's engine thread (`progress`, every loop iteration). It reads
+each header, checks it against the reservation decode authorized (the sender names positions,
+never decode's pages), and only then receives the payload with `recv_into` straight into that
+reservation's pages (no copy out of library buffers). A block is recorded as landed only once
+every byte of it arrived; a header it refuses has its payload read into a scratch buffer and
+dropped; a payload length no block can have closes the connection. `cancel` is final at once:
+it is the only writer, and a block of a cancelled transfer still on the wire goes to the
+scratch buffer from then on. The commit travels on ZMQ, so it can overtake the data: decode
+verifies a commit only once the transfer is `settled` here, i.e. its `KVStreamEndMsg` was read
+(every block before it was too) or the stream carrying it broke.
+"""
+
+from __future__ import annotations
+
+import logging
+import select
+import socket
+import struct
+from collections import Counter
+from dataclasses import dataclass, field
+
+import msgspec
+import torch
+
+from kvseal.disagg.msgs import KVBlockMsg, KVStreamEndMsg, decode_stream_header, encode_stream_header
+from kvseal.disagg.tcp import PoolBytes
+from kvseal.disagg.transport import KINDS, Landing, PushPlan, TransportError, page_runs
+from kvseal.kvcache.pool import KVPool
+
+logger = logging.getLogger("kvseal.disagg")
+
+NAME = "tcp-stream"
+PREFIX = struct.Struct("!4sIQ")  # magic, header bytes, payload bytes
+MAGIC = b"KVS1"
+MAX_HEADER_BYTES = 4096
+CONNECT_TIMEOUT_S = 3.0
+SEND_TIMEOUT_S = 30.0  # one sendmsg that moves nothing for this long: the link is stalled
+IOV_PER_CALL = 512  # buffers per sendmsg (IOV_MAX is 1024 on Linux)
+MAX_CONNECTIONS = 64  # prefill engines that may hold a data connection at once
+READ_BUDGET_BYTES = 256 * 1024 * 1024  # per connection and `progress`: the engine loop moves on
+SCRATCH_BYTES = 1024 * 1024
+
+
+def split_address(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise TransportError(f"not a HOST:PORT KV address: {address!r}")
+    return host, int(port)
+
+
+# ---- prefill's side ------------------------------------------------------------------------
+
+
+class StreamSender:
+    name = NAME
+
+    def __init__(self, timeout_s: float = SEND_TIMEOUT_S) -> None:
+        self._timeout_s = timeout_s
+        self._sockets: dict[str, socket.socket] = {}
+        self._pool_bytes: PoolBytes | None = None
+
+    def push(self, plan: PushPlan, pool: KVPool) -> int:
+        buffers, num_bytes = self._records(plan, pool)
+        sock = self._connect(plan.kv_address)
+        try:
+            send_buffers(sock, buffers)
+        except OSError as exc:  # reset, refused, timed out: the receiver sees the stream break
+            self._drop(plan.kv_address)
+            raise TransportError(f"the KV stream to {plan.kv_address} failed: {exc}") from exc
+        return num_bytes
+
+    def _records(self, plan: PushPlan, pool: KVPool) -> tuple[list[bytes | memoryview], int]:
+        """The push as buffers for `sendmsg`: per layer and K/V a block record, then the end."""
+        if self._pool_bytes is None or self._pool_bytes.pool is not pool:
+            self._pool_bytes = PoolBytes(pool)  # the pool's tensors never move
+        in_place, page_size = self._pool_bytes, pool.page_size
+        buffers: list[bytes | memoryview] = []
+        num_bytes = 0
+        for layer, end in enumerate(plan.written):
+            first, last = plan.page_span(layer, page_size)
+            if first == last:
+                continue
+            pages = plan.src_pages[first:last]
+            num_full = len(pages) if end % page_size == 0 else len(pages) - 1
+            runs = in_place.runs(pages[:num_full])
+            for kind, source, whole in zip(KINDS, (pool.k[layer], pool.v[layer]), in_place.layer(layer)):
+                tail = _tail(source, pages[-1], end % page_size) if num_full < len(pages) else None
+                frames = in_place.frames(whole, runs, tail)  # the staged tail stays alive in its view
+                size = sum(frame.nbytes for frame in frames)
+                buffers.append(record_prefix(KVBlockMsg(plan.transfer_id, layer, kind, first * page_size, end), size))
+                buffers += frames
+                num_bytes += size
+        buffers.append(record_prefix(KVStreamEndMsg(plan.transfer_id, num_bytes), 0))
+        return buffers, num_bytes
+
+    def _connect(self, address: str) -> socket.socket:
+        """The live connection to `address`; a new one when the last one was closed by decode.
+        Connections decode closed (a restarted decode listens elsewhere) are dropped here too:
+        decode never writes on them, so readable means EOF or reset."""
+        if self._sockets:
+            closed = set(select.select(list(self._sockets.values()), [], [], 0)[0])
+            for old in [a for a, s in self._sockets.items() if s in closed]:
+                self._drop(old)
+        sock = self._sockets.get(address)
+        if sock is None:
+            try:
+                sock = socket.create_connection(split_address(address), timeout=CONNECT_TIMEOUT_S)
+            except OSError as exc:
+                raise TransportError(f"cannot reach the KV receiver at {address}: {exc}") from exc
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.settimeout(self._timeout_s)
+            self._sockets[address] = sock
+        return sock
+
+    def _drop(self, address: str) -> None:
+        sock = self._sockets.pop(address, None)
+        if sock is not None:
+            sock.close()
+
+    def close(self) -> None:
+        for address in list(self._sockets):
+            self._drop(address)
+
+
+def _tail(source: torch.Tensor, page: int, num_positions: int) -> torch.Tensor:
+    """A copy of one page of every head, zeroed from `num_positions` on. -> [kv_heads, page_size, head_dim]"""
+    staged = source[:, page].clone()
+    staged[:, num_positions:] = 0
+    return staged
+
+
+def record_prefix(header: KVBlockMsg | KVStreamEndMsg, payload_bytes: int) -> bytes:
+    encoded = encode_stream_header(header)
+    return PREFIX.pack(MAGIC, len(encoded), payload_bytes) + encoded
+
+
+def send_buffers(sock: socket.socket, buffers: list[bytes | memoryview]) -> None:
+    """Every byte of `buffers`, in order, by scatter-gather `sendmsg` (no copy in user space)."""
+    views = [memoryview(b).cast("B") for b in buffers if len(b)]
+    index = 0
+    while index < len(views):
+        sent = sock.sendmsg(views[index:index + IOV_PER_CALL])
+        while sent:
+            size = views[index].nbytes
+            if sent < size:
+                views[index] = views[index][sent:]
+                break
+            sent -= size
+            index += 1
+
+
+# ---- decode's side -------------------------------------------------------------------------
+
+
+@dataclass
+class _Transfer:
+    pages: list[int]
+    runs: list[tuple[int, int, int]]  # page_runs(pages)
+    start: int  # the first position it may write
+    landing: Landing
+
+
+@dataclass
+class _Block:
+    """A block whose header was accepted: its payload goes into `views`, in order."""
+
+    header: KVBlockMsg
+    views: list[memoryview]
+    num_bytes: int
+    index: int = 0
+    offset: int = 0
+
+
+@dataclass
+class _Connection:
+    sock: socket.socket
+    prefix: bytearray = field(default_factory=lambda: bytearray(PREFIX.size))
+    num_read: int = 0  # of the prefix, then of the header
+    header: bytearray | None = None
+    payload_bytes: int = 0
+    block: _Block | None = None
+    discard: int = 0  # payload bytes still to drop
+    transfer_id: str | None = None  # the last transfer a header named on this stream
+
+
+class _StreamBroken(Exception):
+    """The peer closed the connection (`refused` False), or broke the framing and decode
+    closes it (`refused` True: the refusal is counted already)."""
+
+    def __init__(self, message: str, refused: bool = False) -> None:
+        super().__init__(message)
+        self.refused = refused
+
+
+class StreamReceiver:
+    name = NAME
+
+    def __init__(self, pool: KVPool, num_layers: int, host: str) -> None:
+        self._pool = pool
+        self._num_layers = num_layers
+        self._pool_bytes = PoolBytes(pool)
+        num_kv_heads, page_size, head_dim = pool.page_shape()
+        self._page_bytes = page_size * head_dim * pool.k[0].element_size()
+        self._head_bytes = pool.num_pages * self._page_bytes
+        self._max_block_bytes = num_kv_heads * self._head_bytes  # one whole layer's K or V
+        self._listener = socket.create_server((host, 0))  # the host given; an ephemeral port
+        self._listener.setblocking(False)
+        self._address = f"{host}:{self._listener.getsockname()[1]}"
+        self._transfers: dict[str, _Transfer] = {}
+        self._settled: set[str] = set()  # authorized transfers whose stream ended or broke
+        self._connections: list[_Connection] = []
+        self._scratch = bytearray(SCRATCH_BYTES)
+        self.refusals: Counter[str] = Counter()  # why records were refused (taken by `take_refusals`)
+
+    @property
+    def address(self) -> str:
+        return self._address
+
+    def address_for(self, transfer_id: str) -> str:
+        return self._address  # records name their transfer in their header
+
+    def authorize(self, transfer_id: str, pages: list[int], start: int = 0) -> None:
+        if not all(0 <= page < self._pool.num_pages for page in pages):
+            raise ValueError(f"pages outside the pool of {self._pool.num_pages}: {pages}")
+        self._transfers[transfer_id] = _Transfer(list(pages), page_runs(pages), start,
+                                                 Landing(start + len(pages) * self._pool.page_size))
+
+    def landed(self, transfer_id: str) -> Landing | None:
+        transfer = self._transfers.get(transfer_id)
+        return None if transfer is None else transfer.landing
+
+    def settled(self, transfer_id: str) -> bool:
+        """True once nothing more of `transfer_id` is coming on any stream that carried it: its
+        end record was read, or its stream broke (or it is not authorized here at all)."""
+        self.progress()
+        return transfer_id not in self._transfers or transfer_id in self._settled
+
+    def sender_done(self, transfer_id: str) -> None:
+        pass  # `settled` says when the stream caught up with the commit
+
+    def deliver(self, header: KVBlockMsg, payload: list[memoryview]) -> str | None:
+        return "wrong_transport"  # KV reaches a tcp-stream decode engine only on its data socket
+
+    def take_refusals(self) -> Counter[str]:
+        refusals, self.refusals = self.refusals, Counter()
+        return refusals
+
+    def cancel(self, transfer_id: str) -> bool:
+        self._transfers.pop(transfer_id, None)
+        self._settled.discard(transfer_id)
+        for conn in self._connections:  # the rest of a block on the wire is dropped, not landed
+            block = conn.block
+            if block is not None and block.header.transfer_id == transfer_id:
+                conn.discard = block.num_bytes - sum(v.nbytes for v in block.views[:block.index]) - block.offset
+                conn.block = None
+        return True  # this receiver is the only writer: nothing of the transfer can land now
+
+    def fds(self) -> list[socket.socket]:
+        """What to wait on for data (the listener and every connection)."""
+        return [self._listener, *(conn.sock for conn in self._connections)]
+
+    def progress(self) -> None:
+        """Accept new connections, then read what is there, without blocking."""
+        self._accept()
+        for conn in list(self._connections):
+            try:
+                self._read(conn)
+            except _StreamBroken as exc:
+                self._close(conn, str(exc), exc.refused)
+            except OSError as exc:  # reset by the peer
+                self._close(conn, str(exc) or type(exc).__name__)
+
+    def close(self) -> None:
+        for conn in list(self._connections):
+            self._close(conn, "closing", refused=True)
+        self._listener.close()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                sock, _ = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            if len(self._connections) >= MAX_CONNECTIONS:
+                logger.warning("refused a KV stream connection: %d open already", MAX_CONNECTIONS)
+                sock.close()
+                continue
+            sock.setblocking(False)
+            self._connections.append(_Connection(sock))
+
+    def _close(self, conn: _Connection, why: str, refused: bool = False) -> None:
+        """The stream ended: a block cut short never counts, and its transfer is settled (a
+        commit that follows is verified against what fully landed, and refused if short).
+        `refused`: decode closes it (a refusal counted already, or shutting down)."""
+        if not refused and (conn.block is not None or conn.discard or conn.header is not None or conn.num_read):
+            self.refusals["stream_broken"] += 1
+            logger.warning("a KV stream broke mid-record (%s)", why)
+        if conn.transfer_id is not None and conn.transfer_id in self._transfers:
+            self._settled.add(conn.transfer_id)
+        conn.sock.close()
+        self._connections.remove(conn)
+
+    def _read(self, conn: _Connection) -> None:
+        budget = READ_BUDGET_BYTES
+        while budget > 0:
+            try:
+                if conn.block is not None:
+                    num = self._read_block(conn, conn.block)
+                elif conn.discard:
+                    num = conn.sock.recv_into(self._scratch, min(conn.discard, len(self._scratch)))
+                    self._eof_if_zero(num)
+                    conn.discard -= num
+                else:
+                    num = self._read_header(conn)
+            except (BlockingIOError, InterruptedError):
+                return
+            budget -= num
+
+    @staticmethod
+    def _eof_if_zero(num: int) -> None:
+        if num == 0:
+            raise _StreamBroken("the peer closed the stream")
+
+    def _read_block(self, conn: _Connection, block: _Block) -> int:
+        """One scatter `recvmsg_into` straight into the block's next views (many per call:
+        scattered reservation pages are one view per page and head)."""
+        views = block.views[block.index:block.index + IOV_PER_CALL]
+        views[0] = views[0][block.offset:]
+        num = conn.sock.recvmsg_into(views)[0]
+        self._eof_if_zero(num)
+        left = num
+        while left:
+            size = block.views[block.index].nbytes - block.offset
+            if left < size:
+                block.offset += left
+                break
+            left -= size
+            block.index, block.offset = block.index + 1, 0
+        if block.index == len(block.views):
+            conn.block = None
+            self._landed(block.header, block.num_bytes)
+        return num
+
+    def _read_header(self, conn: _Connection) -> int:
+        if conn.header is None:
+            num = conn.sock.recv_into(memoryview(conn.prefix)[conn.num_read:])
+            self._eof_if_zero(num)
+            conn.num_read += num
+            if conn.num_read == PREFIX.size:
+                magic, header_bytes, conn.payload_bytes = PREFIX.unpack(conn.prefix)
+                if magic != MAGIC or not 0 < header_bytes <= MAX_HEADER_BYTES:
+                    self.refusals["bad_record"] += 1
+                    raise _StreamBroken("not a KV stream record", refused=True)
+                if conn.payload_bytes > self._max_block_bytes:
+                    self.refusals["oversize"] += 1
+                    raise _StreamBroken(f"a payload of {conn.payload_bytes} bytes: no block is that large",
+                                        refused=True)
+                conn.header, conn.num_read = bytearray(header_bytes), 0
+            return num
+        num = conn.sock.recv_into(memoryview(conn.header)[conn.num_read:])
+        self._eof_if_zero(num)
+        conn.num_read += num
+        if conn.num_read == len(conn.header):
+            header, conn.header, conn.num_read = conn.header, None, 0
+            self._on_header(conn, header)
+        return num
+
+    def _on_header(self, conn: _Connection, raw: bytearray) -> None:
+        try:
+            header = decode_stream_header(raw)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            self.refusals["bad_record"] += 1
+            raise _StreamBroken(f"an undecodable KV stream header: {exc}", refused=True) from exc
+        conn.transfer_id = header.transfer_id
+        if isinstance(header, KVStreamEndMsg):
+            if conn.payload_bytes:
+                self.refusals["bad_record"] += 1
+                raise _StreamBroken("an end record with a payload", refused=True)
+            self._on_end(header)
+            return
+        why = self._check(header, conn.payload_bytes)
+        if why is not None:
+            self.refusals[why] += 1
+            logger.warning("refused a KV block for transfer %s: %s", header.transfer_id, why)
+            conn.discard = conn.payload_bytes
+            return
+        conn.block = _Block(header, self._views(header), conn.payload_bytes)
+
+    def _on_end(self, end: KVStreamEndMsg) -> None:
+        transfer = self._transfers.get(end.transfer_id)
+        if transfer is None:
+            return  # cancelled or never authorized: nothing to settle
+        if transfer.landing.num_bytes != end.num_bytes:
+            self.refusals["short_payload"] += 1  # the commit's verification names what is missing
+            logger.warning("transfer %s: the sender sent %d payload bytes, %d landed", end.transfer_id,
+                           end.num_bytes, transfer.landing.num_bytes)
+        self._settled.add(end.transfer_id)
+
+    def _check(self, header: KVBlockMsg, num_bytes: int) -> str | None:
+        transfer = self._transfers.get(header.transfer_id)
+        if transfer is None:
+            return "unauthorized_transfer"
+        page_size = self._pool.page_size
+        if not 0 <= header.layer < self._num_layers or header.kind not in KINDS:
+            return "bad_block_address"
+        # [0, start) is decode's prefix-cache hit: read-only pages no transfer may write
+        if header.start % page_size or not transfer.start <= header.start < header.end <= \
+                transfer.landing.num_positions:
+            return "write_outside_reservation"
+        num_kv_heads = self._pool.page_shape()[0]
+        num_pages = -(-header.end // page_size) - header.start // page_size
+        return None if num_bytes == num_kv_heads * num_pages * self._page_bytes else "bad_block_size"
+
+    def _views(self, header: KVBlockMsg) -> list[memoryview]:
+        """Where the block's payload lands, in its order: per KV head, the reservation's pages
+        holding [start, end), one view per run of consecutive page ids (checked at authorize)."""
+        transfer, page_size = self._transfers[header.transfer_id], self._pool.page_size
+        lo = (header.start - transfer.start) // page_size  # indexes into the reservation's pages
+        hi = -(-(header.end - transfer.start) // page_size)
+        whole = self._pool_bytes.layer(header.layer)[KINDS.index(header.kind)]
+        pieces: list[tuple[int, int]] = []  # (byte offset in one head, length)
+        for index, first_page, count in transfer.runs:
+            a, b = max(lo, index), min(hi, index + count)
+            if a < b:
+                pieces.append(((first_page + a - index) * self._page_bytes, (b - a) * self._page_bytes))
+        views = []
+        for head in range(self._pool.page_shape()[0]):
+            base = head * self._head_bytes
+            views += [whole[base + offset:base + offset + length] for offset, length in pieces]
+        return views
+
+    def _landed(self, header: KVBlockMsg, num_bytes: int) -> None:
+        transfer = self._transfers.get(header.transfer_id)
+        if transfer is None:
+            return  # cancelled while it arrived (`cancel` turns the rest into a discard): never here
+        page_size = self._pool.page_size
+        last = -(-(header.end - transfer.start) // page_size) - 1
+        tail = header.end - transfer.start - last * page_size
+        if tail < page_size:  # only [start, end) lands: the rest of the last page is zeroed
+            target = self._pool.k[header.layer] if header.kind == "k" else self._pool.v[header.layer]
+            target[:, transfer.pages[last], tail:] = 0
+        transfer.landing.add(header.layer, header.kind, header.start, header.end, num_bytes)
+
