@@ -4,8 +4,10 @@ Decode sequences (one new token each) run as one padded batch; prefill chunks th
 a cached prefix run one at a time with a causal mask offset by the tokens already in the
 cache. Padding never points at another request's page: a decode row is padded with its own
 last page and masked, and slots past a sequence's context are masked too, so even a
-NaN-poisoned pool (checked mode) cannot reach the scores. In a float32 pool decode reads V in
-place (`ValueBags`), and its padding names only the row's own first, written slot.
+NaN-poisoned pool (checked mode) cannot reach the scores. In a float32 pool decode runs the
+native kernel (`models/native.py`: K and V read in place through each row's own block table,
+slots 0..context_len-1 only) when it could be built; otherwise it reads V in place
+(`ValueBags`), whose padding names only the row's own first, written slot, and gathers K.
 
 A prefill chunk that starts at position 0 attends only to the tokens it computes itself: it
 uses the K/V of this forward directly (the same values it just wrote to its own pages; the
@@ -232,7 +234,8 @@ def _decode_attention(q: torch.Tensor, pool: KVPool, layer: int, rows: DecodeRow
     Batched matmuls with a float32 softmax: on CPU this beats PyTorch's SDPA with a mask
     (several times over in bf16), and the head-major pool makes K and V contiguous per head.
     The scale is applied to q (B x heads values) rather than to the scores. In float32 the
-    PV product reads V in place (`ValueBags`); other dtypes gather V like K.
+    PV product reads V in place (`ValueBags`); other dtypes gather V like K. With `rows.native`
+    set (a float32 pool and a built kernel) the whole of it is the native kernel instead.
     """
     if rows.native is not None:
         native = rows.native
