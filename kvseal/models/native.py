@@ -260,9 +260,13 @@ def _cpu_flags() -> str:
 
 def run_decode_attention(kernel: Callable[..., int], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          tables: torch.Tensor, context_lens: torch.Tensor, max_context: int) -> torch.Tensor:
-    """q: [B, heads, head_dim] float32; k, v: one layer of the pool, [kv_heads, pages, page_size,
+    """q: [B, heads, head_dim] (computed in float32); k, v: one layer of the pool, [kv_heads, pages, page_size,
     head_dim] float32; tables: [B, width] int64; context_lens: [B] int64 -> [B, heads, head_dim]."""
-    q = q.contiguous()
+    if k.dtype != torch.float32 or v.dtype != torch.float32 or tables.dtype != torch.int64 \
+            or context_lens.dtype != torch.int64 or not (k.is_contiguous() and v.is_contiguous()):
+        raise TypeError("the decode attention kernel takes a contiguous float32 pool and int64 tables")
+    dtype = q.dtype
+    q, tables, context_lens = q.to(torch.float32).contiguous(), tables.contiguous(), context_lens.contiguous()
     out = torch.empty_like(q)
     rows, num_heads, head_dim = q.shape
     kv_heads, num_pages, page_size, _ = k.shape
@@ -271,4 +275,4 @@ def run_decode_attention(kernel: Callable[..., int], q: torch.Tensor, k: torch.T
                     tables.shape[1], max_context, head_dim**-0.5, torch.get_num_threads())
     if status != 0:
         raise MemoryError("decode attention kernel could not allocate its score scratch")
-    return out
+    return out.to(dtype)
