@@ -101,8 +101,9 @@ def bench_linears(rows_list: list[int], repeats: int) -> dict[str, Any]:
 
 def bench_decode_attention(batch_sizes: list[int], context_len: int, repeats: int) -> dict[str, Any]:
     """Decode attention over SmolLM2-135M's shapes (9 query heads, 3 KV heads, head_dim 64,
-    16-token pages, scattered), ms per layer: this tree's `_decode_attention` (V read in place
-    by embedding bags) against the previous formulation (K and V gathered, two matmuls),
+    16-token pages, scattered), ms per layer: this tree's `_decode_attention` (`in_place`: the
+    native kernel where it builds, else V read in place by embedding bags) against the round-2
+    formulation (K and V gathered, two matmuls),
     alternating, best of `repeats`. Outputs are compared too (max abs difference)."""
     results = [_time_decode_attention(b, context_len, repeats) for b in batch_sizes]
     return {"decode_attention": results, "threads": torch.get_num_threads(), "loadavg": os.getloadavg()}
@@ -163,7 +164,7 @@ def main() -> None:
     parser.add_argument("--linears", type=int, nargs="*", default=None, metavar="ROWS",
                         help="instead: time nn.Linear against the packed linears at these row counts")
     parser.add_argument("--decode-attention", type=int, nargs="*", default=None, metavar="BATCH",
-                        help="instead: time decode attention (V in place vs gathered) at these batch sizes")
+                        help="instead: time decode attention (this tree vs K and V gathered) at these batch sizes")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -4,8 +4,10 @@ Decode sequences (one new token each) run as one padded batch; prefill chunks th
 a cached prefix run one at a time with a causal mask offset by the tokens already in the
 cache. Padding never points at another request's page: a decode row is padded with its own
 last page and masked, and slots past a sequence's context are masked too, so even a
-NaN-poisoned pool (checked mode) cannot reach the scores. In a float32 pool decode reads V in
-place (`ValueBags`), and its padding names only the row's own first, written slot.
+NaN-poisoned pool (checked mode) cannot reach the scores. In a float32 pool decode runs the
+native kernel (`models/native.py`: K and V read in place through each row's own block table,
+slots 0..context_len-1 only) when it could be built; otherwise it reads V in place
+(`ValueBags`), whose padding names only the row's own first, written slot, and gathers K.
 
 A prefill chunk that starts at position 0 attends only to the tokens it computes itself: it
 uses the K/V of this forward directly (the same values it just wrote to its own pages; the
@@ -15,6 +17,7 @@ share one causal SDPA call.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +25,7 @@ import torch.nn.functional as F
 from torch.nn.utils.rnn import pad_sequence
 
 from kvseal.kvcache.pool import KVPool
+from kvseal.models.native import decode_attention_kernel, run_decode_attention
 from kvseal.types import ForwardBatch
 
 
@@ -80,6 +84,17 @@ class ValueBags:
 
 
 @dataclass(frozen=True)
+class NativeRows:
+    """The decode rows for the native kernel (`models/native.py`), which reads K and V in place:
+    each row's own page table and context length; the kernel reads slots 0..context_len-1 only."""
+
+    kernel: Callable[..., int]
+    tables: torch.Tensor  # [num_decodes, max_pages] int64, each row padded with its own last page
+    context_lens: torch.Tensor  # [num_decodes] int64
+    max_context: int
+
+
+@dataclass(frozen=True)
 class DecodeRows:
     token_idx: torch.Tensor | None  # [num_decodes] into the flattened tokens; None: every token is a decode
     pages: torch.Tensor  # [num_decodes * max_pages]: each row's pages, padded with its own last page
@@ -87,10 +102,12 @@ class DecodeRows:
     # This forward's gather targets, [num_kv_heads, num_decodes * max_pages, page_size, head_dim]:
     # every layer overwrites them with its own pages (one layer's attention has finished with
     # them before the next layer gathers), so a step allocates them once, not once per layer.
-    # V is gathered only when `value_bags` is None (a pool that is not float32).
-    k_pages: torch.Tensor
+    # V is gathered only when `value_bags` is None (a pool that is not float32). None of them
+    # exists when `native` is set: the kernel reads the pool in place.
+    k_pages: torch.Tensor | None
     v_pages: torch.Tensor | None
     value_bags: ValueBags | None
+    native: NativeRows | None = None
 
     def gather(self, pool: KVPool, layer: int, buffer: torch.Tensor, source: list[torch.Tensor]) -> torch.Tensor:
         """The rows' pages of `layer` of `source` (pool.k or pool.v) ->
@@ -130,6 +147,10 @@ class AttentionPlan:
             token_idx = torch.tensor([0, *batch.query_lens]).cumsum(0)[torch.tensor(decode_rows)]
         context_lens = [batch.context_lens[i] for i in decode_rows]
         pages, masked_out = _padded_pages([batch.block_tables[i] for i in decode_rows], context_lens, pool.page_size)
+        kernel = decode_attention_kernel() if pool.k[0].dtype == torch.float32 else None
+        if kernel is not None:
+            native = NativeRows(kernel, pages, torch.tensor(context_lens, dtype=torch.int64), max(context_lens))
+            return cls(DecodeRows(token_idx, pages.reshape(-1), masked_out, None, None, None, native), prefills, fresh)
         num_kv_heads, page_size, head_dim = pool.page_shape()
         buffer_shape = (num_kv_heads, pages.numel(), page_size, head_dim)
         k_pages = torch.empty(buffer_shape, dtype=pool.k[0].dtype)
@@ -213,8 +234,14 @@ def _decode_attention(q: torch.Tensor, pool: KVPool, layer: int, rows: DecodeRow
     Batched matmuls with a float32 softmax: on CPU this beats PyTorch's SDPA with a mask
     (several times over in bf16), and the head-major pool makes K and V contiguous per head.
     The scale is applied to q (B x heads values) rather than to the scores. In float32 the
-    PV product reads V in place (`ValueBags`); other dtypes gather V like K.
+    PV product reads V in place (`ValueBags`); other dtypes gather V like K. With `rows.native`
+    set (a float32 pool and a built kernel) the whole of it is the native kernel instead.
     """
+    if rows.native is not None:
+        native = rows.native
+        return run_decode_attention(native.kernel, q, pool.k[layer], pool.v[layer], native.tables,
+                                    native.context_lens, native.max_context)
+    assert rows.k_pages is not None
     b, num_heads, head_dim = q.shape
     k = rows.gather(pool, layer, rows.k_pages, pool.k)  # [kv_heads, B, C, head_dim]
     num_kv_heads = k.shape[0]
