@@ -39,7 +39,7 @@ import torch
 
 from kvseal.disagg.msgs import KVBlockMsg, KVStreamEndMsg, decode_stream_header, encode_stream_header
 from kvseal.disagg.tcp import PoolBytes
-from kvseal.disagg.transport import KINDS, Landing, PushPlan, TransportError, page_runs
+from kvseal.disagg.transport import KINDS, Landing, OneAddress, PushPlan, TransportError, check_pool_pages, page_runs
 from kvseal.kvcache.pool import KVPool
 
 logger = logging.getLogger("kvseal.disagg")
@@ -91,12 +91,8 @@ class StreamSender:
         in_place, page_size = self._pool_bytes, pool.page_size
         buffers: list[bytes | memoryview] = []
         num_bytes = 0
-        for layer, end in enumerate(plan.written):
-            first, last = plan.page_span(layer, page_size)
-            if first == last:
-                continue
-            pages = plan.src_pages[first:last]
-            num_full = len(pages) if end % page_size == 0 else len(pages) - 1
+        for layer, first, pages, num_full in plan.sent_layers(page_size):
+            end = plan.written[layer]
             runs = in_place.runs(pages[:num_full])
             for kind, source, whole in zip(KINDS, (pool.k[layer], pool.v[layer]), in_place.layer(layer)):
                 tail = _tail(source, pages[-1], end % page_size) if num_full < len(pages) else None
@@ -207,7 +203,7 @@ class _StreamBroken(Exception):
         self.refused = refused
 
 
-class StreamReceiver:
+class StreamReceiver(OneAddress):
     name = NAME
 
     def __init__(self, pool: KVPool, num_layers: int, host: str) -> None:
@@ -227,16 +223,8 @@ class StreamReceiver:
         self._scratch = bytearray(SCRATCH_BYTES)
         self.refusals: Counter[str] = Counter()  # why records were refused (taken by `take_refusals`)
 
-    @property
-    def address(self) -> str:
-        return self._address
-
-    def address_for(self, transfer_id: str) -> str:
-        return self._address  # records name their transfer in their header
-
     def authorize(self, transfer_id: str, pages: list[int], start: int = 0) -> None:
-        if not all(0 <= page < self._pool.num_pages for page in pages):
-            raise ValueError(f"pages outside the pool of {self._pool.num_pages}: {pages}")
+        check_pool_pages(self._pool, pages)
         self._transfers[transfer_id] = _Transfer(list(pages), page_runs(pages), start,
                                                  Landing(start + len(pages) * self._pool.page_size))
 

@@ -29,7 +29,17 @@ import torch
 import zmq
 
 from kvseal.disagg.msgs import KVBlockMsg
-from kvseal.disagg.transport import KINDS, Landing, PushPlan, RunsMemo, TransportError, copy_pages, page_runs
+from kvseal.disagg.transport import (
+    KINDS,
+    Landing,
+    OneAddress,
+    PushPlan,
+    RunsMemo,
+    TransportError,
+    check_pool_pages,
+    copy_pages,
+    page_runs,
+)
 from kvseal.disagg.wire import PeerLinks
 from kvseal.kvcache.pool import KVPool
 
@@ -64,12 +74,8 @@ class TcpSender:
         tails: list[torch.Tensor] = []  # the staged partial pages: alive until ZMQ sent them
         gathered = _Gathered(lambda: self._gather_buffer(plan, pool))  # allocated on first use
         in_place = self._in_place(pool)
-        for layer, end in enumerate(plan.written):
-            first, last = plan.page_span(layer, page_size)
-            if first == last:
-                continue
-            pages = plan.src_pages[first:last]
-            num_full = len(pages) if end % page_size == 0 else len(pages) - 1
+        for layer, first, pages, num_full in plan.sent_layers(page_size):
+            end = plan.written[layer]
             runs = in_place.runs(pages[:num_full])
             for kind, source, whole in zip(KINDS, (pool.k[layer], pool.v[layer]), in_place.layer(layer)):
                 if len(runs) > self._max_frame_runs:  # one frame per page and head would cost more than a gather
@@ -189,7 +195,7 @@ def flat_bytes(t: torch.Tensor) -> memoryview:
     return t.view(torch.uint8).reshape(-1).numpy().data
 
 
-class TcpReceiver:
+class TcpReceiver(OneAddress):
     name = NAME
 
     def __init__(self, pool: KVPool, num_layers: int, address: str) -> None:
@@ -201,16 +207,8 @@ class TcpReceiver:
         self._starts: dict[str, int] = {}  # the first position each transfer may write
         self._landed: dict[str, Landing] = {}
 
-    @property
-    def address(self) -> str:
-        return self._address
-
-    def address_for(self, transfer_id: str) -> str:
-        return self._address  # frames name their transfer in their header
-
     def authorize(self, transfer_id: str, pages: list[int], start: int = 0) -> None:
-        if not all(0 <= page < self._pool.num_pages for page in pages):
-            raise ValueError(f"pages outside the pool of {self._pool.num_pages}: {pages}")
+        check_pool_pages(self._pool, pages)
         self._pages[transfer_id] = list(pages)
         self._runs[transfer_id] = page_runs(pages)
         self._starts[transfer_id] = start

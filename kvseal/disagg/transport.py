@@ -22,6 +22,7 @@ from __future__ import annotations
 import ctypes
 import socket
 from collections import Counter, defaultdict
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -93,6 +94,17 @@ class PushPlan:
             return 0, 0
         return self.start // page_size, -(-end // page_size)
 
+    def sent_layers(self, page_size: int) -> Iterator[tuple[int, int, list[int], int]]:
+        """(layer, first, its source pages holding [start, end), how many of them are full) for
+        each layer that sends something (`first`: as in `page_span`); a page past the full ones
+        holds end % page_size positions."""
+        for layer, end in enumerate(self.written):
+            first, last = self.page_span(layer, page_size)
+            if first == last:
+                continue
+            pages = self.src_pages[first:last]
+            yield layer, first, pages, len(pages) if end % page_size == 0 else len(pages) - 1
+
 
 class KVReceiver(Protocol):
     name: str
@@ -162,6 +174,26 @@ class KVSender(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+class OneAddress:
+    """For receivers reached at one address by every transfer (each record or frame names its
+    transfer in its header)."""
+
+    _address: str
+
+    @property
+    def address(self) -> str:
+        return self._address
+
+    def address_for(self, transfer_id: str) -> str:
+        return self._address
+
+
+def check_pool_pages(pool: KVPool, pages: list[int]) -> None:
+    """Receivers authorize only pages of their own pool."""
+    if not all(0 <= page < pool.num_pages for page in pages):
+        raise ValueError(f"pages outside the pool of {pool.num_pages}: {pages}")
 
 
 def page_runs(pages: list[int]) -> list[tuple[int, int, int]]:

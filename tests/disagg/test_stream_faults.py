@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from pd_harness import PdPair
+from pd_harness import Handoff, PdPair
 from test_handoff import GREEDY, args
 from test_handoff_faults import PROMPT, assert_refused_by_decode, rogue_commit
 
@@ -203,17 +203,22 @@ def raw_stream(pair: PdPair, kv_address: str) -> socket.socket:
     return socket.create_connection(split_address(kv_address))
 
 
-def test_a_commit_waits_for_its_data_then_verifies(stream_pair: PdPair) -> None:
-    """The commit travels on ZMQ and can overtake the data: decode holds it until the stream
-    caught up, then verifies and runs it."""
-    pair = stream_pair
+def reserve_and_connect(pair: PdPair) -> tuple[Handoff, bytes, socket.socket]:
+    """A reservation for PROMPT, the stream bytes prefill would send for it (every position, both
+    layers), and a raw connection to decode's stream on which a test sends them as it likes."""
     handoff = pair.reserve(PROMPT, GREEDY)
     r = handoff.reserved
     assert r is not None
     plan = PushPlan(r.transfer_id, list(range(len(r.pages))), [30, 30], r.kv_address, r.pages)
     records, _ = StreamSender()._records(plan, pair.prefill.engine.kv.pool)
-    data = b"".join(bytes(b) for b in records)
-    sock = raw_stream(pair, r.kv_address)
+    return handoff, b"".join(bytes(b) for b in records), raw_stream(pair, r.kv_address)
+
+
+def test_a_commit_waits_for_its_data_then_verifies(stream_pair: PdPair) -> None:
+    """The commit travels on ZMQ and can overtake the data: decode holds it until the stream
+    caught up, then verifies and runs it."""
+    pair = stream_pair
+    handoff, data, sock = reserve_and_connect(pair)
     sock.sendall(data[:len(data) // 2])
     rogue_commit(pair, handoff, 30, [30, 30])
     pair.pump(lambda: pair.decode.steps._parked != {}, "the commit held")  # type: ignore[attr-defined]
@@ -229,13 +234,7 @@ def test_a_commit_waits_for_its_data_then_verifies(stream_pair: PdPair) -> None:
 
 def test_a_stream_reset_mid_transfer_refuses_the_commit_and_releases(stream_pair: PdPair) -> None:
     pair = stream_pair
-    handoff = pair.reserve(PROMPT, GREEDY)
-    r = handoff.reserved
-    assert r is not None
-    plan = PushPlan(r.transfer_id, list(range(len(r.pages))), [30, 30], r.kv_address, r.pages)
-    records, _ = StreamSender()._records(plan, pair.prefill.engine.kv.pool)
-    data = b"".join(bytes(b) for b in records)
-    sock = raw_stream(pair, r.kv_address)
+    handoff, data, sock = reserve_and_connect(pair)
     sock.sendall(data[:len(data) - 100])  # the end record and part of the last block never come
     reset(sock)
     rogue_commit(pair, handoff, 30, [30, 30])
@@ -247,13 +246,7 @@ def test_a_stream_reset_mid_transfer_refuses_the_commit_and_releases(stream_pair
 
 def test_an_abort_during_a_stream_transfer_releases_and_drops_the_rest(stream_pair: PdPair) -> None:
     pair = stream_pair
-    handoff = pair.reserve(PROMPT, GREEDY)
-    r = handoff.reserved
-    assert r is not None
-    plan = PushPlan(r.transfer_id, list(range(len(r.pages))), [30, 30], r.kv_address, r.pages)
-    records, _ = StreamSender()._records(plan, pair.prefill.engine.kv.pool)
-    data = b"".join(bytes(b) for b in records)
-    sock = raw_stream(pair, r.kv_address)
+    handoff, data, sock = reserve_and_connect(pair)
     sock.sendall(data[:len(data) // 3])
     pair.to_decode.send(AbortMsg(handoff.request_id, "alice", "client_disconnected"))
     pair.pump(lambda: handoff.is_terminal, "the release")

@@ -43,6 +43,15 @@ def _torch_rows(batch: ForwardBatch, pool: KVPool, num_heads: int, monkeypatch: 
         return attention.AttentionPlan.build(batch, pool, num_heads).decode
 
 
+def _both_plans(batch: ForwardBatch, pool: KVPool, num_heads: int, monkeypatch: pytest.MonkeyPatch):
+    """The decode rows with the kernel, and the torch formulation's for the same batch."""
+    native = attention.AttentionPlan.build(batch, pool, num_heads).decode
+    reference = _torch_rows(batch, pool, num_heads, monkeypatch)
+    assert native is not None and native.native is not None, "a float32 pool uses the kernel"
+    assert reference is not None and reference.native is None
+    return native, reference
+
+
 @pytest.mark.parametrize(("head_dim", "num_heads", "num_kv_heads"), [(64, 9, 3), (32, 4, 4), (128, 8, 2), (48, 6, 3)])
 def test_kernel_matches_torch_formulation(head_dim: int, num_heads: int, num_kv_heads: int,
                                           monkeypatch: pytest.MonkeyPatch) -> None:
@@ -50,10 +59,7 @@ def test_kernel_matches_torch_formulation(head_dim: int, num_heads: int, num_kv_
     pool = KVPool(2, 64, 16, num_kv_heads, head_dim, torch.float32)
     context_lens = [2, 16, 17, 37, 100, 5, 64]
     batch = _decode_batch(pool, context_lens, generator)
-    native = attention.AttentionPlan.build(batch, pool, num_heads).decode
-    assert native is not None and native.native is not None, "a float32 pool uses the kernel"
-    reference = _torch_rows(batch, pool, num_heads, monkeypatch)
-    assert reference is not None and reference.native is None
+    native, reference = _both_plans(batch, pool, num_heads, monkeypatch)
     q = torch.randn(len(context_lens), num_heads, head_dim, generator=generator) * 3
     for layer in range(2):
         got = attention._decode_attention(q, pool, layer, native)
@@ -67,9 +73,7 @@ def test_kernel_in_a_mixed_batch_and_with_non_contiguous_q(monkeypatch: pytest.M
     generator = torch.Generator().manual_seed(7)
     pool = KVPool(1, 32, 16, 3, 64, torch.float32)
     batch = _decode_batch(pool, [20, 45], generator)
-    native = attention.AttentionPlan.build(batch, pool, 9).decode
-    reference = _torch_rows(batch, pool, 9, monkeypatch)
-    assert native is not None and reference is not None
+    native, reference = _both_plans(batch, pool, 9, monkeypatch)
     wide = torch.randn(2, 9, 128, generator=generator)
     q = wide[:, :, :64]  # not contiguous, like a slice of a packed projection
     torch.testing.assert_close(attention._decode_attention(q, pool, 0, native),
@@ -81,9 +85,7 @@ def test_extreme_scores_stay_finite(monkeypatch: pytest.MonkeyPatch) -> None:
     generator = torch.Generator().manual_seed(3)
     pool = KVPool(1, 16, 16, 1, 64, torch.float32)
     batch = _decode_batch(pool, [40, 40], generator)
-    native = attention.AttentionPlan.build(batch, pool, 1).decode
-    reference = _torch_rows(batch, pool, 1, monkeypatch)
-    assert native is not None and reference is not None
+    native, reference = _both_plans(batch, pool, 1, monkeypatch)
     for q in (torch.randn(2, 1, 64, generator=generator) * 200, torch.zeros(2, 1, 64)):
         got = attention._decode_attention(q, pool, 0, native)
         assert torch.isfinite(got).all()
