@@ -126,7 +126,8 @@ def _time_decode_attention(batch_size: int, context_len: int, repeats: int) -> d
     assert rows is not None
     q = torch.randn(batch_size, num_heads, 64)
 
-    buffers = [torch.empty_like(rows.k_pages) for _ in range(2)]
+    # the native kernel's rows have no gather buffers: the round-2 formulation makes its own
+    buffers = [torch.empty(3, rows.pages.numel(), page_size, 64) for _ in range(2)]
 
     def gather_matmul() -> torch.Tensor:  # the formulation before round 3 (one gather buffer per step)
         for t, buffer in zip((pool.k, pool.v), buffers):

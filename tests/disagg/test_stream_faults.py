@@ -19,7 +19,7 @@ from test_handoff_faults import PROMPT, assert_refused_by_decode, rogue_commit
 
 from kvseal.disagg.msgs import KVBlockMsg, KVStreamEndMsg
 from kvseal.disagg.stream import MAGIC, PREFIX, StreamReceiver, StreamSender, record_prefix, split_address
-from kvseal.disagg.transport import PushPlan
+from kvseal.disagg.transport import PushPlan, TransportError
 from kvseal.kvcache.pool import KVPool
 from kvseal.messages.msgs import AbortMsg
 from kvseal.models.loader import load_model
@@ -186,6 +186,23 @@ def test_a_sender_reconnects_after_decode_closed_its_stream(receiver: StreamRece
     finally:
         sender.close()
     assert receiver.take_refusals() == {}
+
+
+def test_a_push_to_a_receiver_that_stops_reading_fails_after_the_send_timeout() -> None:
+    """A decode that accepts the stream and then never reads (hung, stopped): once the kernel's
+    buffers are full, the push fails with a TransportError after the sender's timeout instead of
+    blocking prefill forever, and the connection is dropped."""
+    pool = KVPool(2, 256, 16, 4, 64, torch.float32)  # a push of 32 MiB: more than loopback buffers hold
+    pages = list(range(256))
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        address = f"127.0.0.1:{listener.getsockname()[1]}"
+        sender = StreamSender(timeout_s=0.5)
+        try:
+            with pytest.raises(TransportError, match="failed"):
+                sender.push(PushPlan("t-stall", pages, [256 * 16] * 2, address, pages), pool)
+            assert not sender._sockets, "the stalled connection is dropped"
+        finally:
+            sender.close()
 
 
 # ---- the whole handoff, in one process ------------------------------------------------------
