@@ -128,6 +128,27 @@ def test_a_payload_for_an_unknown_or_cancelled_transfer_never_lands(receiver: St
     assert receiver.take_refusals() == {"unauthorized_transfer": 2}
 
 
+def test_blocks_outside_the_reservation_are_refused_and_never_land(receiver: StreamReceiver) -> None:
+    """Headers naming positions past the reservation, an unaligned start or no such layer:
+    refused before a byte lands, the payload dropped, the stream still in step. (A kind other
+    than K or V does not decode as a header at all: a foreign record, below.)"""
+    receiver.authorize("t-1", [3, 4, 5, 6])  # positions [0, 16)
+    before = snapshot(receiver)
+    sock = connect(receiver)
+    bad = [(KVBlockMsg("t-1", 0, "k", 0, 20), block_bytes(5)),  # past the reservation
+           (KVBlockMsg("t-1", 0, "k", 2, 16), block_bytes(4)),  # not page-aligned
+           (KVBlockMsg("t-1", NUM_LAYERS, "k", 0, 16), block_bytes(4))]  # no such layer
+    for header, size in bad:
+        sock.sendall(record_prefix(header, size) + b"\x7f" * size)
+    sock.sendall(record_prefix(KVStreamEndMsg("t-1", 0), 0))  # parsed as a record: the framing held
+    take_in(receiver, lambda: receiver.settled("t-1"), "the end record")
+    assert unchanged(receiver, before), "a refused block landed"
+    landing = receiver.landed("t-1")
+    assert landing is not None and not landing.ranges
+    assert receiver.take_refusals() == {"write_outside_reservation": 2, "bad_block_address": 1}
+    sock.close()
+
+
 @pytest.mark.parametrize(("prefix", "why"), [
     (PREFIX.pack(MAGIC, 40, 2**40), "oversize"),  # a payload no block can have
     (PREFIX.pack(MAGIC, 40, block_bytes(NUM_PAGES) + 1), "oversize"),  # more than a whole layer of the pool
