@@ -1,5 +1,9 @@
-"""float32 linear layers with oneDNN-packed weights (the CPU engine's default in float32).
+"""float32 linear layers with packed weights (the CPU engine's default in float32).
 
+Two packings, one chosen per process. **Panels** (`PanelLinear`, when the native library
+builds, `models/native.py`): the weight in 16-feature column panels, multiplied by kvseal's C
+kernel, faster than oneDNN at every batch size measured here (1 to 256 rows; docs/BENCHMARKS.md,
+"Round 5"). **oneDNN** (`PackedLinear`, without a C compiler):
 `F.linear` in float32 calls MKL's sgemm, which repacks the weight into its blocked layout on
 every call; at the small batches of a decode step (1-32 rows) that repacking and its small-M
 kernels dominate. `PackedLinear` packs each weight once, at start-up, into oneDNN's blocked
@@ -8,7 +12,7 @@ for frozen linears) and multiplies with `torch.ops.mkldnn._linear_pointwise`. Sa
 outputs and dtype as `nn.Linear`; the sums may round differently in the last bit (another
 sgemm), like any change of BLAS. Measured in docs/BENCHMARKS.md ("Engine speed, round 2").
 
-The packed weight replaces the module's float32 weight (no second copy), except for a
+Either packed weight replaces the module's float32 weight (no second copy), except for a
 lm_head tied to the embedding table, which keeps the table for the lookup: that head costs
 one extra copy of the table.
 """
@@ -16,11 +20,13 @@ one extra copy of the table.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from kvseal.models.llama import CausalLM
+from kvseal.models.native import NativeLibrary, linear_f32, native_library, pack_panels
 from kvseal.models.quant import LAYER_LINEARS
 
 logger = logging.getLogger("kvseal")
@@ -31,8 +37,10 @@ PACK_ROWS = 32
 
 
 def can_pack(dtype: torch.dtype, quantization: str) -> bool:
-    """Packing applies to unquantized float32 models on a torch built with oneDNN."""
-    return dtype == torch.float32 and quantization == "none" and torch.backends.mkldnn.is_available()
+    """Packing applies to unquantized float32 models with the native library or a torch built
+    with oneDNN."""
+    return dtype == torch.float32 and quantization == "none" and (
+        native_library() is not None or torch.backends.mkldnn.is_available())
 
 
 class PackedLinear(nn.Module):
@@ -53,22 +61,47 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, oneDNN-packed"
 
 
-def pack_model(model: CausalLM) -> CausalLM:
+class PanelLinear(nn.Module):
+    """`nn.Linear` (float32) whose weight is held in column panels for kvseal's C kernel."""
+
+    def __init__(self, linear: nn.Linear, library: NativeLibrary) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.library = library
+        self.panels = nn.Parameter(pack_panels(library, linear.weight), requires_grad=False)
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().float().clone(),
+                                                                   requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [..., in_features] float32 -> [..., out_features]
+        return linear_f32(self.library, x, self.panels, self.bias, self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, panels"
+
+
+def pack_model(model: CausalLM, *, panels: bool = True) -> CausalLM:
     """Swap every float32 `nn.Linear` of the decoder layers and the lm_head for a
-    `PackedLinear`, in place. Call after the model is in its final dtype; a model that is not
-    float32 or already packed is left as it is."""
+    `PanelLinear` (the native library built and `panels`) or a `PackedLinear`, in place. Call
+    after the model is in its final dtype; a model that is not float32 or already packed is
+    left as it is."""
     if model.model.norm.weight.dtype != torch.float32:
         return model
-    swapped = sum(_swap(getattr(layer, owner_name), attr)
+    library = native_library() if panels else None
+
+    def make(linear: nn.Linear) -> nn.Module:
+        return PackedLinear(linear) if library is None else PanelLinear(linear, library)
+
+    swapped = sum(_swap(getattr(layer, owner_name), attr, make)
                   for layer in model.model.layers for owner_name, attr in LAYER_LINEARS)
-    swapped += _swap(model, "lm_head")
-    logger.info("float32 linears: %d hold oneDNN-packed weights", swapped)
+    swapped += _swap(model, "lm_head", make)
+    logger.info("float32 linears: %d hold %s weights", swapped, "oneDNN-packed" if library is None else "panel")
     return model
 
 
-def _swap(owner: nn.Module, attr: str) -> int:
+def _swap(owner: nn.Module, attr: str, make: Callable[[nn.Linear], nn.Module]) -> int:
     linear = getattr(owner, attr)
     if not isinstance(linear, nn.Linear) or linear.weight.dtype != torch.float32:
         return 0
-    setattr(owner, attr, PackedLinear(linear))
+    setattr(owner, attr, make(linear))
     return 1

@@ -1,6 +1,7 @@
-"""oneDNN-packed float32 linears: same results as `nn.Linear` (to the last bits of another
-sgemm) for any row count and leading shape; the float32 engine uses them, other dtypes and
-quantized models do not; a tied lm_head leaves the embedding table in place."""
+"""Packed float32 linears (kvseal's panels, oneDNN's packing without a compiler): same results
+as `nn.Linear` (to the last bits of another sgemm) for any row count and leading shape; the
+float32 engine uses them, other dtypes and quantized models do not; a tied lm_head leaves the
+embedding table in place."""
 
 from __future__ import annotations
 
@@ -14,17 +15,32 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvseal.models.loader import load_model
-from kvseal.models.packed import PackedLinear, can_pack, pack_model
+from kvseal.models.native import native_library
+from kvseal.models.packed import PackedLinear, PanelLinear, can_pack, pack_model
 from kvseal.models.quant import Int8Linear
 from kvseal.types import SamplingParams
 
+PACKED = (PackedLinear, PanelLinear)
 
+
+def _make_packed(kind: type[nn.Module], linear: nn.Linear) -> nn.Module:
+    if kind is PackedLinear:
+        return PackedLinear(linear)
+    library = native_library()
+    if library is None:
+        pytest.skip("no C compiler: the native library is not built")
+    return PanelLinear(linear, library)
+
+
+@pytest.mark.parametrize("kind", PACKED)
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("rows", [1, 3, 32, 100, 513])  # below, at and above the packing's row count
-def test_packed_linear_matches_nn_linear(bias: bool, rows: int) -> None:
+# below, at and above oneDNN's packing row count; the panels' row blocks are 6 and 96 rows
+@pytest.mark.parametrize("rows", [1, 3, 32, 100, 513])
+# 40 outputs: two panels, the second partial; 96 inputs
+def test_packed_linear_matches_nn_linear(kind: type[nn.Module], bias: bool, rows: int) -> None:
     torch.manual_seed(0)
     linear = nn.Linear(96, 40, bias=bias)
-    packed = PackedLinear(linear)
+    packed = _make_packed(kind, linear)
     x = torch.randn(rows, 96)
     expected = F.linear(x, linear.weight, linear.bias)
     out = packed(x)
@@ -38,21 +54,22 @@ def test_pack_model_swaps_every_float32_linear_and_keeps_the_tied_embedding(llam
     linears = {name for name, m in model.named_modules() if isinstance(m, nn.Linear)}
     embedding = model.model.embed_tokens.weight.detach().clone()
     pack_model(model)
-    packed = {name for name, m in model.named_modules() if isinstance(m, PackedLinear)}
+    kind = PackedLinear if native_library() is None else PanelLinear
+    packed = {name for name, m in model.named_modules() if isinstance(m, kind)}
     assert packed == linears and not any(isinstance(m, nn.Linear) for m in model.modules())
     assert torch.equal(model.model.embed_tokens.weight, embedding)
     again = pack_model(model)  # packing twice is harmless
-    assert {name for name, m in again.named_modules() if isinstance(m, PackedLinear)} == packed
+    assert {name for name, m in again.named_modules() if isinstance(m, kind)} == packed
 
 
 def test_only_unquantized_float32_is_packed(make_llm: Callable[..., Any]) -> None:
-    assert can_pack(torch.float32, "none") == torch.backends.mkldnn.is_available()
+    assert can_pack(torch.float32, "none") == (native_library() is not None or torch.backends.mkldnn.is_available())
     assert not can_pack(torch.bfloat16, "none") and not can_pack(torch.float32, "int8")
     modules = {dtype: list(make_llm(dtype=dtype).engine.runner.model.modules()) for dtype in ("float32", "bfloat16")}
-    assert any(isinstance(m, PackedLinear) for m in modules["float32"]) == can_pack(torch.float32, "none")
-    assert not any(isinstance(m, PackedLinear) for m in modules["bfloat16"])
+    assert any(isinstance(m, PACKED) for m in modules["float32"]) == can_pack(torch.float32, "none")
+    assert not any(isinstance(m, PACKED) for m in modules["bfloat16"])
     int8 = list(make_llm(quantization="int8").engine.runner.model.modules())
-    assert any(isinstance(m, Int8Linear) for m in int8) and not any(isinstance(m, PackedLinear) for m in int8)
+    assert any(isinstance(m, Int8Linear) for m in int8) and not any(isinstance(m, PACKED) for m in int8)
 
 
 def test_packed_engine_equals_the_unpacked_model(make_llm: Callable[..., Any], llama_dir: Path) -> None:

@@ -1,0 +1,284 @@
+"""C sources of the native kernels (`models/native.py` compiles them into one library).
+
+Plain C with GCC vector extensions, no torch headers: the library is built on the user's host
+with `cc -O3 -march=native -fopenmp`, so the same source vectorizes for AVX2 or AVX-512.
+Every function takes raw pointers and sizes; the Python wrappers in `models/native.py` check
+dtypes, shapes and contiguity before calling.
+"""
+
+PRELUDE = r"""
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef float v8 __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+
+static inline v8 load8(const float *p) { v8 r; memcpy(&r, p, sizeof r); return r; }
+static inline void store8(float *p, v8 x) { memcpy(p, &x, sizeof x); }
+static inline float hsum8(v8 x) { return ((x[0] + x[4]) + (x[1] + x[5])) + ((x[2] + x[6]) + (x[3] + x[7])); }
+
+"""
+
+ATTENTION = r"""
+/* exp(x) for x <= 0 (scores minus their maximum): Cephes' expf polynomial, relative error
+   ~1e-7; below -87 it returns ~1e-38 where the true value is smaller still (weight ~0).
+   x * log2(e) - 0.5 truncated rounds to the nearest integer for x <= 0. */
+#define EXP_POLY(r) ((((((1.9875691500e-4f * (r) + 1.3981999507e-3f) * (r) + 8.3334519073e-3f) * (r) \
+    + 4.1665795894e-2f) * (r) + 1.6666665459e-1f) * (r) + 5.0000001201e-1f) * (r) * (r) + (r) + 1.0f)
+
+static inline float exp_s(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    const int32_t n = (int32_t)(x * 1.44269504f - 0.5f);
+    const float r = x - (float)n * 0.693359375f + (float)n * 2.12194440e-4f;
+    const int32_t bits = (n + 127) << 23;
+    float two_n;
+    memcpy(&two_n, &bits, sizeof two_n);
+    return EXP_POLY(r) * two_n;
+}
+
+static inline v8 exp_v(v8 x) {
+    const v8i low = x < -87.0f;  /* lanes: -1 where true */
+    x = (v8)((low & (v8i)((v8){0} - 87.0f)) | (~low & (v8i)x));
+    const v8i n = __builtin_convertvector(x * 1.44269504f - 0.5f, v8i);
+    const v8 nf = __builtin_convertvector(n, v8);
+    const v8 r = x - nf * 0.693359375f + nf * 2.12194440e-4f;
+    return EXP_POLY(r) * (v8)((n + 127) << 23);
+}
+
+/* Softmax in place over s[0..n-1]; returns nothing, s holds the probabilities. */
+static void softmax(float *s, int64_t n) {
+    float top = s[0], sum = 0.0f;
+    for (int64_t t = 1; t < n; t++) top = s[t] > top ? s[t] : top;
+    int64_t t = 0;
+    v8 acc = {0};
+    for (; t + 8 <= n; t += 8) { v8 e = exp_v(load8(s + t) - top); store8(s + t, e); acc += e; }
+    sum = hsum8(acc);
+    for (; t < n; t++) { s[t] = exp_s(s[t] - top); sum += s[t]; }
+    const float inv = 1.0f / sum;
+    for (t = 0; t < n; t++) s[t] *= inv;
+}
+
+/* One (row, KV head) with head_dim = 8 * NV: its `group` query heads attend to slots 0..ctx-1
+   of the row's pages. scores: scratch of group * ctx floats. Four slots at a time per head,
+   so four independent accumulator chains keep the FMA units busy. */
+#define DEFINE_ATTEND(NV)                                                                       \
+static void attend_##NV(const float *q, const float *k_head, const float *v_head,               \
+                        const int64_t *table, int64_t ctx, int64_t group, int64_t page_size,    \
+                        float scale, float *scores, float *out) {                               \
+    const int64_t hd = 8 * NV;                                                                  \
+    for (int64_t t0 = 0; t0 < ctx; t0 += page_size) {                                           \
+        const int64_t n = ctx - t0 < page_size ? ctx - t0 : page_size;                          \
+        const float *kp = k_head + table[t0 / page_size] * page_size * hd;                      \
+        for (int64_t j = 0; j < group; j++) {                                                   \
+            const float *qj = q + j * hd;                                                       \
+            float *sj = scores + j * ctx + t0;                                                  \
+            int64_t i = 0;                                                                      \
+            for (; i + 4 <= n; i += 4) {                                                        \
+                v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};                                      \
+                const float *k0 = kp + i * hd;                                                  \
+                for (int c = 0; c < NV; c++) {                                                  \
+                    v8 qv = load8(qj + 8 * c);                                                  \
+                    a0 += qv * load8(k0 + 8 * c);                                               \
+                    a1 += qv * load8(k0 + hd + 8 * c);                                          \
+                    a2 += qv * load8(k0 + 2 * hd + 8 * c);                                      \
+                    a3 += qv * load8(k0 + 3 * hd + 8 * c);                                      \
+                }                                                                               \
+                sj[i] = scale * hsum8(a0); sj[i + 1] = scale * hsum8(a1);                       \
+                sj[i + 2] = scale * hsum8(a2); sj[i + 3] = scale * hsum8(a3);                   \
+            }                                                                                   \
+            for (; i < n; i++) {                                                                \
+                v8 a0 = {0};                                                                    \
+                for (int c = 0; c < NV; c++) a0 += load8(qj + 8 * c) * load8(kp + i * hd + 8 * c); \
+                sj[i] = scale * hsum8(a0);                                                      \
+            }                                                                                   \
+        }                                                                                       \
+    }                                                                                           \
+    for (int64_t j = 0; j < group; j++) softmax(scores + j * ctx, ctx);                         \
+    for (int64_t j = 0; j < group; j++) {                                                       \
+        v8 o[NV];                                                                               \
+        for (int c = 0; c < NV; c++) o[c] = (v8){0};                                            \
+        const float *sj = scores + j * ctx;                                                     \
+        for (int64_t t0 = 0; t0 < ctx; t0 += page_size) {                                       \
+            const int64_t n = ctx - t0 < page_size ? ctx - t0 : page_size;                      \
+            const float *vp = v_head + table[t0 / page_size] * page_size * hd;                  \
+            for (int64_t i = 0; i < n; i++) {                                                   \
+                const float w = sj[t0 + i];                                                     \
+                for (int c = 0; c < NV; c++) o[c] += w * load8(vp + i * hd + 8 * c);            \
+            }                                                                                   \
+        }                                                                                       \
+        for (int c = 0; c < NV; c++) store8(out + j * hd + 8 * c, o[c]);                        \
+    }                                                                                           \
+}
+DEFINE_ATTEND(4)
+DEFINE_ATTEND(8)
+DEFINE_ATTEND(16)
+
+/* Any head_dim: plain loops. */
+static void attend_any(const float *q, const float *k_head, const float *v_head, const int64_t *table,
+                       int64_t ctx, int64_t group, int64_t hd, int64_t page_size, float scale,
+                       float *scores, float *out) {
+    for (int64_t t = 0; t < ctx; t++) {
+        const float *kr = k_head + (table[t / page_size] * page_size + t % page_size) * hd;
+        for (int64_t j = 0; j < group; j++) {
+            float acc = 0.0f;
+            for (int64_t d = 0; d < hd; d++) acc += q[j * hd + d] * kr[d];
+            scores[j * ctx + t] = scale * acc;
+        }
+    }
+    for (int64_t j = 0; j < group; j++) softmax(scores + j * ctx, ctx);
+    memset(out, 0, sizeof(float) * group * hd);
+    for (int64_t t = 0; t < ctx; t++) {
+        const float *vr = v_head + (table[t / page_size] * page_size + t % page_size) * hd;
+        for (int64_t j = 0; j < group; j++)
+            for (int64_t d = 0; d < hd; d++) out[j * hd + d] += scores[j * ctx + t] * vr[d];
+    }
+}
+
+/* q, out: [rows, kv_heads * group, head_dim]; k, v: [kv_heads, num_pages, page_size, head_dim];
+   tables: [rows, table_width] page ids; context_lens: [rows], each >= 1 and covered by its table.
+   Returns 0, or -1 if scratch memory could not be allocated. */
+int kvseal_decode_attention(const float *q, const float *k, const float *v, const int64_t *tables,
+                            const int64_t *context_lens, float *out, int64_t rows, int64_t kv_heads,
+                            int64_t group, int64_t head_dim, int64_t num_pages, int64_t page_size,
+                            int64_t table_width, int64_t max_context, float scale, int num_threads) {
+    int failed = 0;
+    const int64_t head_stride = num_pages * page_size * head_dim;
+    #pragma omp parallel num_threads(num_threads) reduction(|:failed)
+    {
+        float *scores = malloc(sizeof(float) * group * max_context);
+        if (scores == NULL) failed = 1;
+        #pragma omp for collapse(2) schedule(dynamic, 1)
+        for (int64_t b = 0; b < rows; b++)
+            for (int64_t h = 0; h < kv_heads; h++) {
+                if (scores == NULL) continue;
+                const int64_t first = (b * kv_heads + h) * group * head_dim;
+                const float *qh = q + first, *kh = k + h * head_stride, *vh = v + h * head_stride;
+                const int64_t *table = tables + b * table_width, ctx = context_lens[b];
+                float *oh = out + first;
+                if (head_dim == 32) attend_4(qh, kh, vh, table, ctx, group, page_size, scale, scores, oh);
+                else if (head_dim == 64) attend_8(qh, kh, vh, table, ctx, group, page_size, scale, scores, oh);
+                else if (head_dim == 128) attend_16(qh, kh, vh, table, ctx, group, page_size, scale, scores, oh);
+                else attend_any(qh, kh, vh, table, ctx, group, head_dim, page_size, scale, scores, oh);
+            }
+        free(scores);
+    }
+    return failed ? -1 : 0;
+}
+"""
+
+# y = x W^T (+ bias) in float32, W held in column panels: for each block of 16 output features,
+# a [K][16] slab (the 16 features' weights for k = 0..K-1 side by side, the last panel zero-padded).
+# One slab row is two 8-lane vectors, so the kernel broadcasts one x value and multiplies it into
+# 16 outputs at once: MR x 16 accumulators in registers, no horizontal sums, the slab read in order.
+LINEAR = r"""
+/* w: [N, K] row-major (nn.Linear's layout) -> panels: [ceil(N / 16)][K][16], zero-padded. */
+void kvseal_pack_panels(const float *w, float *panels, int64_t n_out, int64_t k_in) {
+    const int64_t count = (n_out + 15) / 16;
+    #pragma omp parallel for schedule(static)
+    for (int64_t p = 0; p < count; p++)
+        for (int64_t k = 0; k < k_in; k++)
+            for (int64_t j = 0; j < 16; j++) {
+                const int64_t n = p * 16 + j;
+                panels[(p * k_in + k) * 16 + j] = n < n_out ? w[n * k_in + k] : 0.0f;
+            }
+}
+
+/* Store MR rows of a 16-wide result block (nr <= 16 valid columns), adding the bias if any. */
+static inline void store_block(float *y, int64_t ldy, const v8 *a0, const v8 *a1, int mr, int64_t nr,
+                               const float *bias) {
+    v8 b0 = {0}, b1 = {0};
+    if (bias != NULL) {
+        float bb[16] = {0};
+        memcpy(bb, bias, sizeof(float) * nr);
+        b0 = load8(bb); b1 = load8(bb + 8);
+    }
+    for (int i = 0; i < mr; i++) {
+        if (nr == 16) { store8(y + i * ldy, a0[i] + b0); store8(y + i * ldy + 8, a1[i] + b1); }
+        else {
+            float t[16];
+            store8(t, a0[i] + b0); store8(t + 8, a1[i] + b1);
+            memcpy(y + i * ldy, t, sizeof(float) * nr);
+        }
+    }
+}
+
+/* MR rows of x against one panel: 2 * MR accumulators, one broadcast per (row, k). */
+#define DEFINE_PANEL_KERNEL(MR)                                                                 \
+static void panel_##MR(const float *x, int64_t ldx, const float *slab, int64_t k_in,           \
+                       float *y, int64_t ldy, int64_t nr, const float *bias) {                  \
+    v8 a0[MR], a1[MR];                                                                          \
+    for (int i = 0; i < MR; i++) { a0[i] = (v8){0}; a1[i] = (v8){0}; }                          \
+    for (int64_t k = 0; k < k_in; k++) {                                                        \
+        const v8 w0 = load8(slab + k * 16), w1 = load8(slab + k * 16 + 8);                      \
+        for (int i = 0; i < MR; i++) { const float s = x[i * ldx + k]; a0[i] += s * w0; a1[i] += s * w1; } \
+    }                                                                                           \
+    store_block(y, ldy, a0, a1, MR, nr, bias);                                                  \
+}
+DEFINE_PANEL_KERNEL(1)
+DEFINE_PANEL_KERNEL(2)
+DEFINE_PANEL_KERNEL(3)
+DEFINE_PANEL_KERNEL(4)
+DEFINE_PANEL_KERNEL(5)
+DEFINE_PANEL_KERNEL(6)
+
+/* One row (single-stream decode): four independent chains over k hide the FMA latency. */
+static void panel_row(const float *x, const float *slab, int64_t k_in, float *y, int64_t nr, const float *bias) {
+    v8 a[8];
+    for (int i = 0; i < 8; i++) a[i] = (v8){0};
+    int64_t k = 0;
+    for (; k + 4 <= k_in; k += 4)
+        for (int u = 0; u < 4; u++) {
+            const float s = x[k + u];
+            a[2 * u] += s * load8(slab + (k + u) * 16);
+            a[2 * u + 1] += s * load8(slab + (k + u) * 16 + 8);
+        }
+    for (; k < k_in; k++) {
+        const float s = x[k];
+        a[0] += s * load8(slab + k * 16); a[1] += s * load8(slab + k * 16 + 8);
+    }
+    const v8 r0 = (a[0] + a[2]) + (a[4] + a[6]), r1 = (a[1] + a[3]) + (a[5] + a[7]);
+    store_block(y, 0, &r0, &r1, 1, nr, bias);
+}
+
+/* Rows m0..m_end-1 of x (row stride k_in) against panel p; y has row stride n_out. */
+static void panel_rows(const float *x, const float *slab, const float *bias, float *y, int64_t m0, int64_t m_end,
+                       int64_t p, int64_t n_out, int64_t k_in) {
+    const int64_t nr = n_out - p * 16 < 16 ? n_out - p * 16 : 16;
+    const float *pb = bias == NULL ? NULL : bias + p * 16;
+    float *yp = y + p * 16;
+    int64_t m = m0;
+    for (; m + 6 <= m_end; m += 6) panel_6(x + m * k_in, k_in, slab, k_in, yp + m * n_out, n_out, nr, pb);
+    switch (m_end - m) {
+        case 1: panel_1(x + m * k_in, k_in, slab, k_in, yp + m * n_out, n_out, nr, pb); break;
+        case 2: panel_2(x + m * k_in, k_in, slab, k_in, yp + m * n_out, n_out, nr, pb); break;
+        case 3: panel_3(x + m * k_in, k_in, slab, k_in, yp + m * n_out, n_out, nr, pb); break;
+        case 4: panel_4(x + m * k_in, k_in, slab, k_in, yp + m * n_out, n_out, nr, pb); break;
+        case 5: panel_5(x + m * k_in, k_in, slab, k_in, yp + m * n_out, n_out, nr, pb); break;
+        default: break;
+    }
+}
+
+/* y [M, N] = x [M, K] . W^T (+ bias [N] unless NULL); W as panels (kvseal_pack_panels). Rows go
+   in blocks of 96 (a block of x stays in L2 while every panel passes over it); panels are split
+   between the threads. */
+void kvseal_linear_f32(const float *x, const float *panels, const float *bias, float *y,
+                       int64_t rows, int64_t n_out, int64_t k_in, int num_threads) {
+    const int64_t count = (n_out + 15) / 16;
+    if (rows == 1) {
+        #pragma omp parallel for num_threads(num_threads) schedule(static)
+        for (int64_t p = 0; p < count; p++) {
+            const int64_t nr = n_out - p * 16 < 16 ? n_out - p * 16 : 16;
+            panel_row(x, panels + p * k_in * 16, k_in, y + p * 16, nr, bias == NULL ? NULL : bias + p * 16);
+        }
+        return;
+    }
+    for (int64_t m0 = 0; m0 < rows; m0 += 96) {
+        const int64_t m_end = m0 + 96 < rows ? m0 + 96 : rows;
+        #pragma omp parallel for num_threads(num_threads) schedule(static)
+        for (int64_t p = 0; p < count; p++)
+            panel_rows(x, panels + p * k_in * 16, bias, y, m0, m_end, p, n_out, k_in);
+    }
+}
+"""
