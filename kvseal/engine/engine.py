@@ -30,7 +30,7 @@ from kvseal.errors import InvalidParameter, IsolationViolation
 from kvseal.kvcache.manager import KVCacheManager
 from kvseal.kvcache.prefix_cache import namespace_of
 from kvseal.models.loader import LoadedModel, load_model
-from kvseal.models.native import decode_attention_kernel
+from kvseal.models.native import decode_attention_kernel, native_library
 from kvseal.models.packed import can_pack, pack_model
 from kvseal.models.quant import quantize_model
 from kvseal.prompting import encode_text
@@ -78,6 +78,8 @@ class LLMEngine:
         model = quantize_model(self.loaded.model.to(args.torch_dtype), args.quantization)
         if can_pack(args.torch_dtype, args.quantization):
             model = pack_model(model)
+        if args.torch_dtype == torch.float32:
+            model.use_native(native_library())  # None without a compiler: torch ops
         self.runner = ModelRunner(model, self.kv.pool)
         # Build (or load from the user's cache) the float32 decode attention kernel now, not
         # in the first decode step; without it attention uses the torch formulation.
@@ -96,11 +98,12 @@ class LLMEngine:
         logger.info(
             "kvseal engine: model=%s arch=%s dtype=%s max_model_len=%d kv_cache_tokens=%d (%d pages x %d) "
             "kv_bytes_per_token=%d max_num_batched_tokens=%d max_prefill_chunk_tokens=%d max_num_seqs=%d "
-            "kv_scrub=%s check_kv=%s prefix_caching=%s torch_threads=%d decode_attention=%s",
+            "kv_scrub=%s check_kv=%s prefix_caching=%s torch_threads=%d decode_attention=%s forward=%s",
             self.loaded.path, self.model_config.architecture, args.dtype, s.max_model_len, c.kv_cache_tokens,
             c.num_pages, c.page_size, args.capacity(self.model_config).bytes_per_token,
             s.max_num_batched_tokens, s.max_prefill_chunk_tokens, s.max_num_seqs, c.kv_scrub, c.check_kv,
             c.enable_prefix_caching, torch.get_num_threads(), "native" if self._native_decode else "torch",
+            "native" if self.runner.model.native is not None else "torch",
         )
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:

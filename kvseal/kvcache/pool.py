@@ -7,6 +7,7 @@ records, `kvcache/records.py`), so the records advance exactly when a write happ
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -39,6 +40,13 @@ class KVPool:
         dtype = self.k[layer].dtype
         self.k[layer].view(num_kv_heads, self.num_slots, head_dim).index_copy_(1, slots, k.transpose(0, 1).to(dtype))
         self.v[layer].view(num_kv_heads, self.num_slots, head_dim).index_copy_(1, slots, v.transpose(0, 1).to(dtype))
+        if self.observer is not None:
+            self.observer.on_layer_write(layer, slots)
+
+    def write_by(self, layer: int, slots: torch.Tensor, store: Callable[[torch.Tensor, torch.Tensor], None]) -> None:
+        """Store new tokens' K/V with `store(k_layer, v_layer)`, a kernel that writes exactly
+        `slots` of the layer's K and V; then record the write as `write` does."""
+        store(self.k[layer], self.v[layer])
         if self.observer is not None:
             self.observer.on_layer_write(layer, slots)
 

@@ -282,3 +282,98 @@ void kvseal_linear_f32(const float *x, const float *panels, const float *bias, f
     }
 }
 """
+
+# The small per-layer ops of the float32 forward, fused so that each is one pass and one call:
+# residual add + RMSNorm, SiLU(gate) * up, and rotate-half RoPE in place on the q and k heads.
+OPS = r"""
+/* h [rows, dim] += delta (unless NULL); out = h / sqrt(mean(h^2) + eps) * weight.
+   The sum of squares runs in float32, as torch's rms_norm does for float32 input. */
+void kvseal_add_rms_norm(float *h, const float *delta, const float *weight, float eps, float *out,
+                         int64_t rows, int64_t dim, int num_threads) {
+    #pragma omp parallel for num_threads(rows >= 64 ? num_threads : 1) schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        float *hr = h + r * dim, *o = out + r * dim;
+        const float *dr = delta == NULL ? NULL : delta + r * dim;
+        v8 acc = {0};
+        int64_t i = 0;
+        for (; i + 8 <= dim; i += 8) {
+            v8 x = load8(hr + i);
+            if (dr != NULL) { x += load8(dr + i); store8(hr + i, x); }
+            acc += x * x;
+        }
+        float sum = hsum8(acc);
+        for (; i < dim; i++) {
+            if (dr != NULL) hr[i] += dr[i];
+            sum += hr[i] * hr[i];
+        }
+        const float rstd = 1.0f / sqrtf(sum / (float)dim + eps);
+        for (i = 0; i + 8 <= dim; i += 8) store8(o + i, load8(hr + i) * rstd * load8(weight + i));
+        for (; i < dim; i++) o[i] = hr[i] * rstd * weight[i];
+    }
+}
+
+/* gate_up [rows, 2 * inter] (gate, then up) -> out [rows, inter] = silu(gate) * up, where
+   silu(g) = g * sigmoid(g) and sigmoid is computed from exp(-|g|) (never overflows). */
+void kvseal_silu_mul(const float *gate_up, float *out, int64_t rows, int64_t inter, int num_threads) {
+    #pragma omp parallel for num_threads(rows >= 16 ? num_threads : 1) schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *g = gate_up + r * 2 * inter, *u = g + inter;
+        float *o = out + r * inter;
+        int64_t i = 0;
+        for (; i + 8 <= inter; i += 8) {
+            const v8 x = load8(g + i);
+            const v8i negative = x < 0.0f;
+            const v8 t = exp_v((v8)((v8i)x | ((v8i){0} + INT32_MIN)));  /* exp(-|x|): sign bit set */
+            const v8 one = (v8){0} + 1.0f;
+            const v8 numer = (v8)((negative & (v8i)t) | (~negative & (v8i)one));
+            store8(o + i, x * numer / (one + t) * load8(u + i));
+        }
+        for (; i < inter; i++) {
+            const float x = g[i], t = exp_s(x < 0.0f ? x : -x);
+            o[i] = x * (x < 0.0f ? t : 1.0f) / (1.0f + t) * u[i];
+        }
+    }
+}
+
+/* Rotate-half RoPE in place on the first `heads` heads of each row of qkv [rows, row_stride]
+   (q heads then k heads, head_dim each): x * cos + roll(x, head_dim / 2) * signed_sin, where
+   cos and signed_sin are [rows, head_dim] (sin with its first half negated). */
+void kvseal_rope(float *qkv, const float *cos, const float *signed_sin, int64_t rows, int64_t row_stride,
+                 int64_t heads, int64_t head_dim) {
+    const int64_t half = head_dim / 2;
+    for (int64_t r = 0; r < rows; r++) {
+        const float *c = cos + r * head_dim, *s = signed_sin + r * head_dim;
+        for (int64_t h = 0; h < heads; h++) {
+            float *x = qkv + r * row_stride + h * head_dim;
+            int64_t i = 0;
+            for (; i + 8 <= half; i += 8) {
+                const v8 lo = load8(x + i), hi = load8(x + half + i);
+                store8(x + i, lo * load8(c + i) + hi * load8(s + i));
+                store8(x + half + i, hi * load8(c + half + i) + lo * load8(s + half + i));
+            }
+            for (; i < half; i++) {
+                const float lo = x[i], hi = x[half + i];
+                x[i] = lo * c[i] + hi * s[i];
+                x[half + i] = hi * c[half + i] + lo * s[half + i];
+            }
+        }
+    }
+}
+
+/* Store new tokens' K and V into one layer of the pool: k_new, v_new rows of qkv (row stride
+   row_stride, kv_heads * head_dim each); pool layer [kv_heads, num_slots, head_dim]. Returns -1,
+   writing nothing, if any slot is outside the layer. */
+int kvseal_write_slots(const float *k_new, const float *v_new, int64_t row_stride, const int64_t *slots,
+                       float *k_pool, float *v_pool, int64_t rows, int64_t kv_heads, int64_t head_dim,
+                       int64_t num_slots) {
+    for (int64_t r = 0; r < rows; r++)
+        if (slots[r] < 0 || slots[r] >= num_slots) return -1;
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t h = 0; h < kv_heads; h++) {
+            const int64_t at = (h * num_slots + slots[r]) * head_dim;
+            memcpy(k_pool + at, k_new + r * row_stride + h * head_dim, sizeof(float) * head_dim);
+            memcpy(v_pool + at, v_new + r * row_stride + h * head_dim, sizeof(float) * head_dim);
+        }
+    return 0;
+}
+"""

@@ -15,6 +15,7 @@ from torch import nn
 from kvseal.config import ModelConfig
 from kvseal.kvcache.pool import KVPool
 from kvseal.models.attention import AttentionPlan, paged_attention
+from kvseal.models.native import NativeLibrary, add_rms_norm, rope_, silu_mul, write_slots
 from kvseal.models.rope import RotaryEmbedding
 from kvseal.types import ForwardBatch
 
@@ -69,6 +70,24 @@ class Attention(nn.Module):
         out = paged_attention(q, k, v, pool, self.layer_idx, plan)  # [num_tokens, heads, head_dim]
         return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
 
+    def forward_native(self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, rope: RotaryEmbedding,
+                       batch: ForwardBatch, plan: AttentionPlan, pool: KVPool, native: NativeLibrary) -> torch.Tensor:
+        """`forward` in float32 with the native kernels: RoPE in place on the fused qkv rows and
+        K/V stored straight from them. x: [num_tokens, hidden]; cos, signed_sin: [num_tokens, head_dim]."""
+        if self.has_qk_norm:  # per-head norms before RoPE: the torch formulation
+            return self.forward(x, (cos[:, None], signed_sin[:, None]), rope, batch, plan, pool)
+        n, layer = x.shape[0], self.layer_idx
+        qkv = self.qkv_proj(x).contiguous()
+        rope_(native, qkv, cos, signed_sin, self.num_heads + self.num_kv_heads, self.head_dim)
+        k_at, v_at = self.q_size, self.q_size + self.kv_size
+        pool.write_by(layer, batch.slot_mapping, lambda k_pool, v_pool: write_slots(
+            native, qkv, k_at, v_at, batch.slot_mapping, k_pool, v_pool))
+        q = qkv[:, :k_at].view(n, self.num_heads, self.head_dim)
+        k = qkv[:, k_at:v_at].view(n, self.num_kv_heads, self.head_dim)
+        v = qkv[:, v_at:].view(n, self.num_kv_heads, self.head_dim)
+        out = paged_attention(q, k, v, pool, layer, plan)  # [num_tokens, heads, head_dim]
+        return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
+
 
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
@@ -79,6 +98,9 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate).mul_(up))
+
+    def forward_native(self, x: torch.Tensor, native: NativeLibrary) -> torch.Tensor:
+        return self.down_proj(silu_mul(native, self.gate_up_proj(x).contiguous()))
 
 
 class DecoderLayer(nn.Module):
@@ -113,14 +135,42 @@ class CausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rope = RotaryEmbedding(cfg)
+        # The native kernels for a float32 model (`use_native`); None: torch ops only.
+        self.native: NativeLibrary | None = None
+
+    def use_native(self, native: NativeLibrary | None) -> None:
+        """Run the float32 forward with the native fused ops (the model must be float32)."""
+        if native is not None and self.model.norm.weight.dtype != torch.float32:
+            raise TypeError("the native forward is float32 only")
+        self.native = native
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, pool: KVPool) -> torch.Tensor:
         """Run one forward, writing the new tokens' KV; return logits [num_samples, vocab] (fp32)."""
         plan = AttentionPlan.build(batch, pool, self.config.num_heads)
+        if self.native is not None:
+            return self._forward_native(batch, pool, plan, self.native)
         h = self.model.embed_tokens(batch.input_ids)
         cos_sin = self.rope.cos_sin(batch.positions, h.dtype)
         for layer in self.model.layers:
             h = layer(h, cos_sin, self.rope, batch, plan, pool)
         h = self.model.norm(h[batch.logits_indices])
         return self.lm_head(h).float()
+
+    def _forward_native(self, batch: ForwardBatch, pool: KVPool, plan: AttentionPlan,
+                        native: NativeLibrary) -> torch.Tensor:
+        """`forward` with the residual stream updated in place: each residual add is fused with
+        the RMSNorm that follows it (the next layer's input norm, or the final norm)."""
+        layers: list[DecoderLayer] = list(self.model.layers)  # type: ignore[arg-type]
+        h = self.model.embed_tokens(batch.input_ids).contiguous()  # [num_tokens, hidden], the residual stream
+        cos, signed_sin = (t.reshape(t.shape[0], -1).contiguous() for t in self.rope.cos_sin(batch.positions, h.dtype))
+        x = torch.empty_like(h)  # the normed stream each sublayer reads
+        norms = [layer.input_layernorm for layer in layers[1:]] + [self.model.norm]
+        add_rms_norm(native, h, None, layers[0].input_layernorm.weight, layers[0].input_layernorm.eps, x)
+        for layer, next_norm in zip(layers, norms):
+            attn = layer.self_attn.forward_native(x, cos, signed_sin, self.rope, batch, plan, pool, native)
+            post = layer.post_attention_layernorm
+            add_rms_norm(native, h, attn.contiguous(), post.weight, post.eps, x)
+            mlp = layer.mlp.forward_native(x, native).contiguous()
+            add_rms_norm(native, h, mlp, next_norm.weight, next_norm.eps, x)
+        return self.lm_head(x[batch.logits_indices]).float()

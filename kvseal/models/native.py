@@ -41,7 +41,7 @@ from kvseal.models import csrc
 
 logger = logging.getLogger("kvseal")
 
-_SOURCE = "\n".join([csrc.PRELUDE, csrc.ATTENTION, csrc.LINEAR])
+_SOURCE = "\n".join([csrc.PRELUDE, csrc.ATTENTION, csrc.LINEAR, csrc.OPS])
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 _lock = threading.Lock()
 _loaded: dict[str, NativeLibrary | None] = {}
@@ -56,6 +56,10 @@ class NativeLibrary:
     decode_attention: Callable[..., int]
     pack_panels: Callable[..., None]
     linear_f32: Callable[..., None]
+    add_rms_norm: Callable[..., None]
+    silu_mul: Callable[..., None]
+    rope: Callable[..., None]
+    write_slots: Callable[..., int]
 
 
 def native_library() -> NativeLibrary | None:
@@ -94,8 +98,16 @@ def _load() -> NativeLibrary | None:
     pack.restype, pack.argtypes = None, [_P, _P, _I, _I]
     linear = handle.kvseal_linear_f32
     linear.restype, linear.argtypes = None, [_P] * 4 + [_I] * 3 + [ctypes.c_int]
-    logger.info("native kernels: %s (decode attention reads K and V in place; panel linears)", path)
-    return NativeLibrary(attention, pack, linear)
+    norm = handle.kvseal_add_rms_norm
+    norm.restype, norm.argtypes = None, [_P] * 3 + [ctypes.c_float, _P, _I, _I, ctypes.c_int]
+    silu = handle.kvseal_silu_mul
+    silu.restype, silu.argtypes = None, [_P, _P, _I, _I, ctypes.c_int]
+    rope = handle.kvseal_rope
+    rope.restype, rope.argtypes = None, [_P] * 3 + [_I] * 4
+    write = handle.kvseal_write_slots
+    write.restype, write.argtypes = ctypes.c_int, [_P, _P, _I, _P, _P, _P, _I, _I, _I, _I]
+    logger.info("native kernels: %s (decode attention reads K and V in place; panel linears; fused ops)", path)
+    return NativeLibrary(attention, pack, linear, norm, silu, rope, write)
 
 
 def _build(compiler: str) -> Path:
@@ -171,3 +183,60 @@ def linear_f32(library: NativeLibrary, x: torch.Tensor, panels: torch.Tensor, bi
         library.linear_f32(rows.data_ptr(), panels.data_ptr(), 0 if bias is None else bias.data_ptr(),
                            out.data_ptr(), rows.shape[0], n_out, k_in, torch.get_num_threads())
     return out.view(*x.shape[:-1], n_out)
+
+
+def _check_rows(name: str, *tensors: torch.Tensor) -> None:
+    for t in tensors:
+        if t.dtype != torch.float32 or not t.is_contiguous():
+            raise TypeError(f"{name} takes contiguous float32 tensors, got {t.dtype} {tuple(t.stride())}")
+
+
+def add_rms_norm(library: NativeLibrary, h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
+                 eps: float, out: torch.Tensor) -> None:
+    """h [rows, dim] += delta (unless None), in place; out [rows, dim] = RMSNorm(h) * weight."""
+    _check_rows("add_rms_norm", h, weight, out, *(() if delta is None else (delta,)))
+    rows, dim = h.shape
+    if out.shape != h.shape or weight.shape != (dim,) or (delta is not None and delta.shape != h.shape):
+        raise ValueError("add_rms_norm: shapes disagree")
+    library.add_rms_norm(h.data_ptr(), 0 if delta is None else delta.data_ptr(), weight.data_ptr(), eps,
+                         out.data_ptr(), rows, dim, torch.get_num_threads())
+
+
+def silu_mul(library: NativeLibrary, gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [rows, 2 * inter] (gate, then up) -> silu(gate) * up, [rows, inter]."""
+    _check_rows("silu_mul", gate_up)
+    rows, width = gate_up.shape
+    out = torch.empty((rows, width // 2), dtype=torch.float32)
+    library.silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, width // 2, torch.get_num_threads())
+    return out
+
+
+def rope_(library: NativeLibrary, qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
+          heads: int, head_dim: int) -> None:
+    """Rotate-half RoPE in place on the first `heads` heads of each row of qkv [rows, width];
+    cos, signed_sin: [rows, head_dim] (`RotaryEmbedding.cos_sin`, flattened)."""
+    _check_rows("rope", qkv, cos, signed_sin)
+    rows, width = qkv.shape
+    if heads * head_dim > width or cos.shape != (rows, head_dim) or signed_sin.shape != (rows, head_dim):
+        raise ValueError("rope: shapes disagree")
+    library.rope(qkv.data_ptr(), cos.data_ptr(), signed_sin.data_ptr(), rows, width, heads, head_dim)
+
+
+def write_slots(library: NativeLibrary, qkv: torch.Tensor, k_offset: int, v_offset: int, slots: torch.Tensor,
+                k_pool: torch.Tensor, v_pool: torch.Tensor) -> None:
+    """Store the K and V columns of qkv [rows, width] (starting at k_offset / v_offset,
+    kv_heads * head_dim each) into one pool layer [kv_heads, pages, page_size, head_dim] at
+    `slots` [rows] int64. Raises IndexError, writing nothing, for a slot outside the layer."""
+    _check_rows("write_slots", qkv, k_pool, v_pool)
+    if slots.dtype != torch.int64 or not slots.is_contiguous() or slots.shape != (qkv.shape[0],):
+        raise TypeError("write_slots takes one contiguous int64 slot per row")
+    kv_heads, num_pages, page_size, head_dim = k_pool.shape
+    width = kv_heads * head_dim
+    if v_pool.shape != k_pool.shape or v_offset + width > qkv.shape[1] or k_offset + width > v_offset:
+        raise ValueError("write_slots: shapes disagree")
+    base = qkv.data_ptr()
+    status = library.write_slots(base + 4 * k_offset, base + 4 * v_offset, qkv.shape[1], slots.data_ptr(),
+                                 k_pool.data_ptr(), v_pool.data_ptr(), qkv.shape[0], kv_heads, head_dim,
+                                 num_pages * page_size)
+    if status != 0:
+        raise IndexError("a KV slot is outside the pool layer")

@@ -85,3 +85,13 @@ def test_packed_engine_equals_the_unpacked_model(make_llm: Callable[..., Any], l
         assert a.logprobs is not None and b.logprobs is not None
         torch.testing.assert_close(torch.tensor([lp.logprob for lp in a.logprobs]),
                                    torch.tensor([lp.logprob for lp in b.logprobs]), rtol=0, atol=1e-4)
+
+
+def test_without_panels_the_model_holds_onednn_packed_weights(llama_dir: Path) -> None:
+    """The fallback packing (no C compiler) still swaps every linear."""
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("torch without oneDNN: no fallback packing")
+    model = load_model(str(llama_dir), torch.float32).model
+    linears = {name for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+    pack_model(model, panels=False)
+    assert {name for name, m in model.named_modules() if isinstance(m, PackedLinear)} == linears
