@@ -27,7 +27,10 @@ SUPPORTED_ARCHITECTURES = (
 ScrubMode = Literal["off", "free", "alloc"]
 DEFAULT_MAX_PREFILL_CHUNK_TOKENS = 512  # a quarter of the default step budget
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-QUANTIZATIONS = ("none", "int8")  # weight-only; "int8": per-output-channel int8 linears (kvseal.models.quant)
+# Weight-only: "int8": per-output-channel int8 linears (kvseal.models.quant); "bf16": a float32
+# model whose linear weights are stored in bfloat16 and widened as they are read (half the bytes,
+# float32 arithmetic; kvseal.models.packed, needs the native kernels).
+QUANTIZATIONS = ("none", "int8", "bf16")
 
 
 @dataclass(frozen=True)
@@ -186,7 +189,11 @@ class EngineArgs:
             raise ConfigError(f"dtype must be auto or one of {', '.join(DTYPES)}; got {self.dtype!r}")
         if self.quantization not in QUANTIZATIONS:
             raise ConfigError(f"quantization must be one of {', '.join(QUANTIZATIONS)}; got {self.quantization!r} "
-                              f"(int8: weight-only, per-output-channel int8 linear layers)")
+                              f"(int8: weight-only, per-output-channel int8 linear layers; bf16: linear "
+                              f"weights stored in bfloat16, float32 arithmetic)")
+        if self.quantization == "bf16" and self.dtype != "float32":
+            raise ConfigError(f"quantization bf16 stores a float32 model's linear weights in bfloat16; it needs "
+                              f"dtype float32, got {self.dtype!r} (a bfloat16 model's weights are bfloat16 already)")
         object.__setattr__(self, "kv_headroom", check_headroom(self.kv_headroom))
         if isinstance(self.max_model_len, str) and self.max_model_len != "auto":
             raise ConfigError(f"max_model_len must be an integer or 'auto'; got {self.max_model_len!r}")

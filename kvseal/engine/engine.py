@@ -77,7 +77,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.scheduler_config, self.kv)
         model = quantize_model(self.loaded.model.to(args.torch_dtype), args.quantization)
         if can_pack(args.torch_dtype, args.quantization):
-            model = pack_model(model)
+            bf16 = args.quantization == "bf16"
+            model = pack_model(model, weight_dtype=torch.bfloat16 if bf16 else torch.float32)
         if args.torch_dtype == torch.float32:
             model.use_native(native_library())  # None without a compiler: torch ops
         self.runner = ModelRunner(model, self.kv.pool)

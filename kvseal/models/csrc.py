@@ -168,22 +168,87 @@ int kvseal_decode_attention(const float *q, const float *k, const float *v, cons
 }
 """
 
-# y = x W^T (+ bias) in float32, W held in column panels: for each block of 16 output features,
-# a [K][16] slab (the 16 features' weights for k = 0..K-1 side by side, the last panel zero-padded).
-# One slab row is two 8-lane vectors, so the kernel broadcasts one x value and multiplies it into
-# 16 outputs at once: MR x 16 accumulators in registers, no horizontal sums, the slab read in order.
-LINEAR = r"""
-/* w: [N, K] row-major (nn.Linear's layout) -> panels: [ceil(N / 16)][K][16], zero-padded. */
-void kvseal_pack_panels(const float *w, float *panels, int64_t n_out, int64_t k_in) {
+# y = x W^T (+ bias) with float32 arithmetic, W held in column panels: for each block of 16
+# output features, a [K][16] slab (the 16 features' weights for k = 0..K-1 side by side, the
+# last panel zero-padded). One slab row is two 8-lane vectors, so the kernel broadcasts one x
+# value and multiplies it into 16 outputs at once: MR x 16 accumulators in registers, no
+# horizontal sums, the slab read in order. Two weight types: float32 panels (`_f32`) and
+# bfloat16 panels (`_bf16`: half the bytes to stream). A single row (decode at batch 1, which
+# streams every weight once) reads the panels as they are; several rows widen each bfloat16
+# slab once into a float32 buffer and run the float32 kernels on it, so the conversion is paid
+# once per slab, not once per row block. The row-1 kernel, the entry point and the packing are
+# generated for both types from one template.
+_LINEAR_TEMPLATE = r"""
+/* One row (single-stream decode): four independent chains over k hide the FMA latency. */
+static void panel_row_SFX(const float *x, const WTYPE *slab, int64_t k_in, float *y, int64_t nr,
+                          const float *bias) {
+    v8 a[8];
+    for (int i = 0; i < 8; i++) a[i] = (v8){0};
+    int64_t k = 0;
+    for (; k + 4 <= k_in; k += 4)
+        for (int u = 0; u < 4; u++) {
+            const float s = x[k + u];
+            a[2 * u] += s * LOADW(slab + (k + u) * 16);
+            a[2 * u + 1] += s * LOADW(slab + (k + u) * 16 + 8);
+        }
+    for (; k < k_in; k++) {
+        const float s = x[k];
+        a[0] += s * LOADW(slab + k * 16); a[1] += s * LOADW(slab + k * 16 + 8);
+    }
+    const v8 r0 = (a[0] + a[2]) + (a[4] + a[6]), r1 = (a[1] + a[3]) + (a[5] + a[7]);
+    store_block(y, 0, &r0, &r1, 1, nr, bias);
+}
+
+/* y [M, N] = x [M, K] . W^T (+ bias [N] unless NULL); W as panels (kvseal_pack_panels_SFX). Rows
+   go in blocks of 96 (a block of x stays in L2 while every panel passes over it); panels are
+   split between the threads. Returns -1 if a thread's widening buffer could not be allocated
+   (nothing is computed then), else 0. */
+int kvseal_linear_SFX(const float *x, const WTYPE *panels, const float *bias, float *y,
+                      int64_t rows, int64_t n_out, int64_t k_in, int num_threads) {
+    const int64_t count = (n_out + 15) / 16;
+    if (rows == 1) {
+        #pragma omp parallel for num_threads(num_threads) schedule(static)
+        for (int64_t p = 0; p < count; p++) {
+            const int64_t nr = n_out - p * 16 < 16 ? n_out - p * 16 : 16;
+            panel_row_SFX(x, panels + p * k_in * 16, k_in, y + p * 16, nr, bias == NULL ? NULL : bias + p * 16);
+        }
+        return 0;
+    }
+    int failed = 0;
+    for (int64_t m0 = 0; m0 < rows && !failed; m0 += 96) {
+        const int64_t m_end = m0 + 96 < rows ? m0 + 96 : rows;
+        #pragma omp parallel num_threads(num_threads) reduction(|:failed)
+        {
+            float *buffer = WIDENS ? malloc(sizeof(float) * 16 * k_in) : NULL;
+            if (WIDENS && buffer == NULL) failed = 1;
+            #pragma omp for schedule(static)
+            for (int64_t p = 0; p < count; p++) {
+                if (WIDENS && buffer == NULL) continue;
+                const float *slab = WIDEN(panels + p * k_in * 16, buffer, 16 * k_in);
+                panel_rows(x, slab, bias, y, m0, m_end, p, n_out, k_in);
+            }
+            free(buffer);
+        }
+    }
+    return failed ? -1 : 0;
+}
+
+/* w: [N, K] float32 row-major (nn.Linear's layout) -> panels [ceil(N / 16)][K][16] of WTYPE,
+   zero-padded (CONVERT: the float32 -> WTYPE conversion). */
+void kvseal_pack_panels_SFX(const float *w, WTYPE *panels, int64_t n_out, int64_t k_in) {
     const int64_t count = (n_out + 15) / 16;
     #pragma omp parallel for schedule(static)
     for (int64_t p = 0; p < count; p++)
         for (int64_t k = 0; k < k_in; k++)
             for (int64_t j = 0; j < 16; j++) {
                 const int64_t n = p * 16 + j;
-                panels[(p * k_in + k) * 16 + j] = n < n_out ? w[n * k_in + k] : 0.0f;
+                panels[(p * k_in + k) * 16 + j] = CONVERT(n < n_out ? w[n * k_in + k] : 0.0f);
             }
 }
+"""
+
+LINEAR = r"""
+typedef uint16_t v8u16 __attribute__((vector_size(16)));
 
 /* Store MR rows of a 16-wide result block (nr <= 16 valid columns), adding the bias if any. */
 static inline void store_block(float *y, int64_t ldy, const v8 *a0, const v8 *a1, int mr, int64_t nr,
@@ -204,7 +269,28 @@ static inline void store_block(float *y, int64_t ldy, const v8 *a0, const v8 *a1
     }
 }
 
-/* MR rows of x against one panel: 2 * MR accumulators, one broadcast per (row, k). */
+/* bfloat16 <-> float32: bf16 is the top half of a float32; rounding to nearest even. */
+static inline v8 load8_bf16(const uint16_t *p) {
+    v8u16 raw;
+    memcpy(&raw, p, sizeof raw);
+    return (v8)(__builtin_convertvector(raw, v8i) << 16);
+}
+static inline uint16_t to_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    return (uint16_t)((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
+}
+static inline float identity_f32(float f) { return f; }
+static inline const float *widen_f32(const float *slab, float *buffer, int64_t n) {
+    (void)buffer; (void)n;
+    return slab;
+}
+static inline const float *widen_bf16(const uint16_t *slab, float *buffer, int64_t n) {
+    for (int64_t i = 0; i < n; i += 8) store8(buffer + i, load8_bf16(slab + i));
+    return buffer;
+}
+
+/* MR rows of x against one float32 slab: 2 * MR accumulators, one broadcast per (row, k). */
 #define DEFINE_PANEL_KERNEL(MR)                                                                 \
 static void panel_##MR(const float *x, int64_t ldx, const float *slab, int64_t k_in,           \
                        float *y, int64_t ldy, int64_t nr, const float *bias) {                  \
@@ -223,26 +309,7 @@ DEFINE_PANEL_KERNEL(4)
 DEFINE_PANEL_KERNEL(5)
 DEFINE_PANEL_KERNEL(6)
 
-/* One row (single-stream decode): four independent chains over k hide the FMA latency. */
-static void panel_row(const float *x, const float *slab, int64_t k_in, float *y, int64_t nr, const float *bias) {
-    v8 a[8];
-    for (int i = 0; i < 8; i++) a[i] = (v8){0};
-    int64_t k = 0;
-    for (; k + 4 <= k_in; k += 4)
-        for (int u = 0; u < 4; u++) {
-            const float s = x[k + u];
-            a[2 * u] += s * load8(slab + (k + u) * 16);
-            a[2 * u + 1] += s * load8(slab + (k + u) * 16 + 8);
-        }
-    for (; k < k_in; k++) {
-        const float s = x[k];
-        a[0] += s * load8(slab + k * 16); a[1] += s * load8(slab + k * 16 + 8);
-    }
-    const v8 r0 = (a[0] + a[2]) + (a[4] + a[6]), r1 = (a[1] + a[3]) + (a[5] + a[7]);
-    store_block(y, 0, &r0, &r1, 1, nr, bias);
-}
-
-/* Rows m0..m_end-1 of x (row stride k_in) against panel p; y has row stride n_out. */
+/* Rows m0..m_end-1 of x (row stride k_in) against the float32 slab of panel p; y has row stride n_out. */
 static void panel_rows(const float *x, const float *slab, const float *bias, float *y, int64_t m0, int64_t m_end,
                        int64_t p, int64_t n_out, int64_t k_in) {
     const int64_t nr = n_out - p * 16 < 16 ? n_out - p * 16 : 16;
@@ -259,29 +326,11 @@ static void panel_rows(const float *x, const float *slab, const float *bias, flo
         default: break;
     }
 }
-
-/* y [M, N] = x [M, K] . W^T (+ bias [N] unless NULL); W as panels (kvseal_pack_panels). Rows go
-   in blocks of 96 (a block of x stays in L2 while every panel passes over it); panels are split
-   between the threads. */
-void kvseal_linear_f32(const float *x, const float *panels, const float *bias, float *y,
-                       int64_t rows, int64_t n_out, int64_t k_in, int num_threads) {
-    const int64_t count = (n_out + 15) / 16;
-    if (rows == 1) {
-        #pragma omp parallel for num_threads(num_threads) schedule(static)
-        for (int64_t p = 0; p < count; p++) {
-            const int64_t nr = n_out - p * 16 < 16 ? n_out - p * 16 : 16;
-            panel_row(x, panels + p * k_in * 16, k_in, y + p * 16, nr, bias == NULL ? NULL : bias + p * 16);
-        }
-        return;
-    }
-    for (int64_t m0 = 0; m0 < rows; m0 += 96) {
-        const int64_t m_end = m0 + 96 < rows ? m0 + 96 : rows;
-        #pragma omp parallel for num_threads(num_threads) schedule(static)
-        for (int64_t p = 0; p < count; p++)
-            panel_rows(x, panels + p * k_in * 16, bias, y, m0, m_end, p, n_out, k_in);
-    }
-}
-"""
+""" + "".join(
+    _LINEAR_TEMPLATE.replace("SFX", suffix).replace("WTYPE", wtype).replace("LOADW", load)
+    .replace("CONVERT", convert).replace("WIDENS", widens).replace("WIDEN", "widen_" + suffix)
+    for suffix, wtype, load, convert, widens in (("f32", "float", "load8", "identity_f32", "0"),
+                                                 ("bf16", "uint16_t", "load8_bf16", "to_bf16", "1")))
 
 # The small per-layer ops of the float32 forward, fused so that each is one pass and one call:
 # residual add + RMSNorm, SiLU(gate) * up, and rotate-half RoPE in place on the q and k heads.

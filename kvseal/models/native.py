@@ -55,7 +55,9 @@ class NativeLibrary:
 
     decode_attention: Callable[..., int]
     pack_panels: Callable[..., None]
-    linear_f32: Callable[..., None]
+    linear_f32: Callable[..., int]
+    pack_panels_bf16: Callable[..., None]
+    linear_bf16: Callable[..., int]
     add_rms_norm: Callable[..., None]
     silu_mul: Callable[..., None]
     rope: Callable[..., None]
@@ -94,10 +96,14 @@ def _load() -> NativeLibrary | None:
     attention = handle.kvseal_decode_attention
     attention.restype = ctypes.c_int
     attention.argtypes = [_P] * 6 + [_I] * 8 + [ctypes.c_float, ctypes.c_int]
-    pack = handle.kvseal_pack_panels
-    pack.restype, pack.argtypes = None, [_P, _P, _I, _I]
-    linear = handle.kvseal_linear_f32
-    linear.restype, linear.argtypes = None, [_P] * 4 + [_I] * 3 + [ctypes.c_int]
+    packs, linears = [], []
+    for suffix in ("f32", "bf16"):
+        pack = getattr(handle, f"kvseal_pack_panels_{suffix}")
+        pack.restype, pack.argtypes = None, [_P, _P, _I, _I]
+        linear = getattr(handle, f"kvseal_linear_{suffix}")
+        linear.restype, linear.argtypes = ctypes.c_int, [_P] * 4 + [_I] * 3 + [ctypes.c_int]
+        packs.append(pack)
+        linears.append(linear)
     norm = handle.kvseal_add_rms_norm
     norm.restype, norm.argtypes = None, [_P] * 3 + [ctypes.c_float, _P, _I, _I, ctypes.c_int]
     silu = handle.kvseal_silu_mul
@@ -107,7 +113,7 @@ def _load() -> NativeLibrary | None:
     write = handle.kvseal_write_slots
     write.restype, write.argtypes = ctypes.c_int, [_P, _P, _I, _P, _P, _P, _I, _I, _I, _I]
     logger.info("native kernels: %s (decode attention reads K and V in place; panel linears; fused ops)", path)
-    return NativeLibrary(attention, pack, linear, norm, silu, rope, write)
+    return NativeLibrary(attention, packs[0], linears[0], packs[1], linears[1], norm, silu, rope, write)
 
 
 def _build(compiler: str) -> Path:
@@ -160,28 +166,39 @@ def run_decode_attention(kernel: Callable[..., int], q: torch.Tensor, k: torch.T
     return out.to(dtype)
 
 
-def pack_panels(library: NativeLibrary, weight: torch.Tensor) -> torch.Tensor:
-    """weight: [N, K] float32 -> its panels, [ceil(N / 16), K, 16] (a new tensor)."""
+def pack_panels(library: NativeLibrary, weight: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """weight: [N, K] float32 -> its panels, [ceil(N / 16), K, 16] of `dtype` (float32, or
+    bfloat16 rounded to nearest even), a new tensor."""
     if weight.dtype != torch.float32 or weight.dim() != 2:
-        raise TypeError(f"panels hold a 2-D float32 weight, got {weight.dtype} {tuple(weight.shape)}")
+        raise TypeError(f"panels are packed from a 2-D float32 weight, got {weight.dtype} {tuple(weight.shape)}")
+    if dtype not in _PANEL_DTYPES:
+        raise TypeError(f"panels hold float32 or bfloat16, not {dtype}")
     weight = weight.detach().contiguous()
     n_out, k_in = weight.shape
-    panels = torch.empty(((n_out + 15) // 16, k_in, 16), dtype=torch.float32)
-    library.pack_panels(weight.data_ptr(), panels.data_ptr(), n_out, k_in)
+    panels = torch.empty(((n_out + 15) // 16, k_in, 16), dtype=dtype)
+    pack = library.pack_panels if dtype == torch.float32 else library.pack_panels_bf16
+    pack(weight.data_ptr(), panels.data_ptr(), n_out, k_in)
     return panels
 
 
-def linear_f32(library: NativeLibrary, x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None,
-               n_out: int) -> torch.Tensor:
-    """x: [..., K] float32; panels from `pack_panels` -> [..., n_out] = x W^T (+ bias)."""
+_PANEL_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def linear_panels(library: NativeLibrary, x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None,
+                  n_out: int) -> torch.Tensor:
+    """x: [..., K] float32; panels from `pack_panels` (either dtype) -> [..., n_out] = x W^T
+    (+ bias), float32 arithmetic."""
     k_in = panels.shape[1]
     if x.dtype != torch.float32 or x.shape[-1] != k_in:
         raise TypeError(f"expected float32 [..., {k_in}] activations, got {x.dtype} {tuple(x.shape)}")
     rows = x.reshape(-1, k_in).contiguous()
     out = torch.empty((rows.shape[0], n_out), dtype=torch.float32)
     if rows.shape[0]:
-        library.linear_f32(rows.data_ptr(), panels.data_ptr(), 0 if bias is None else bias.data_ptr(),
-                           out.data_ptr(), rows.shape[0], n_out, k_in, torch.get_num_threads())
+        linear = library.linear_f32 if panels.dtype == torch.float32 else library.linear_bf16
+        status = linear(rows.data_ptr(), panels.data_ptr(), 0 if bias is None else bias.data_ptr(),
+                        out.data_ptr(), rows.shape[0], n_out, k_in, torch.get_num_threads())
+        if status != 0:
+            raise MemoryError("the panel linear could not allocate its widening buffer")
     return out.view(*x.shape[:-1], n_out)
 
 

@@ -25,8 +25,9 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from kvseal.errors import ConfigError
 from kvseal.models.llama import CausalLM
-from kvseal.models.native import NativeLibrary, linear_f32, native_library, pack_panels
+from kvseal.models.native import NativeLibrary, linear_panels, native_library, pack_panels
 from kvseal.models.quant import LAYER_LINEARS
 
 logger = logging.getLogger("kvseal")
@@ -37,9 +38,9 @@ PACK_ROWS = 32
 
 
 def can_pack(dtype: torch.dtype, quantization: str) -> bool:
-    """Packing applies to unquantized float32 models with the native library or a torch built
-    with oneDNN."""
-    return dtype == torch.float32 and quantization == "none" and (
+    """Packing applies to float32 models (unquantized, or "bf16": bfloat16 panels) with the
+    native library or a torch built with oneDNN."""
+    return dtype == torch.float32 and quantization in ("none", "bf16") and (
         native_library() is not None or torch.backends.mkldnn.is_available())
 
 
@@ -62,40 +63,46 @@ class PackedLinear(nn.Module):
 
 
 class PanelLinear(nn.Module):
-    """`nn.Linear` (float32) whose weight is held in column panels for kvseal's C kernel."""
+    """`nn.Linear` (float32) whose weight is held in column panels for kvseal's C kernel, in
+    float32 or (weight_dtype bfloat16) rounded to bfloat16; the arithmetic is float32 either way."""
 
-    def __init__(self, linear: nn.Linear, library: NativeLibrary) -> None:
+    def __init__(self, linear: nn.Linear, library: NativeLibrary, weight_dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.library = library
-        self.panels = nn.Parameter(pack_panels(library, linear.weight), requires_grad=False)
+        self.panels = nn.Parameter(pack_panels(library, linear.weight, weight_dtype), requires_grad=False)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().float().clone(),
                                                                    requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., in_features] float32 -> [..., out_features]
-        return linear_f32(self.library, x, self.panels, self.bias, self.out_features)
+        return linear_panels(self.library, x, self.panels, self.bias, self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, panels"
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.panels.dtype} panels"
 
 
-def pack_model(model: CausalLM, *, panels: bool = True) -> CausalLM:
+def pack_model(model: CausalLM, *, panels: bool = True, weight_dtype: torch.dtype = torch.float32) -> CausalLM:
     """Swap every float32 `nn.Linear` of the decoder layers and the lm_head for a
     `PanelLinear` (the native library built and `panels`) or a `PackedLinear`, in place. Call
     after the model is in its final dtype; a model that is not float32 or already packed is
-    left as it is."""
+    left as it is. weight_dtype bfloat16 (`--quantization bf16`) needs the panels: ConfigError
+    without them."""
     if model.model.norm.weight.dtype != torch.float32:
         return model
     library = native_library() if panels else None
+    if weight_dtype != torch.float32 and library is None:
+        raise ConfigError("quantization bf16 needs kvseal's native kernels, which did not build here "
+                          "(no C compiler? see the log); use quantization none or int8")
 
     def make(linear: nn.Linear) -> nn.Module:
-        return PackedLinear(linear) if library is None else PanelLinear(linear, library)
+        return PackedLinear(linear) if library is None else PanelLinear(linear, library, weight_dtype)
 
     swapped = sum(_swap(getattr(layer, owner_name), attr, make)
                   for layer in model.model.layers for owner_name, attr in LAYER_LINEARS)
     swapped += _swap(model, "lm_head", make)
-    logger.info("float32 linears: %d hold %s weights", swapped, "oneDNN-packed" if library is None else "panel")
+    logger.info("float32 linears: %d hold %s weights", swapped,
+                "oneDNN-packed" if library is None else f"{weight_dtype} panel")
     return model
 
 

@@ -102,7 +102,7 @@ def quantize_model(model: CausalLM, mode: str, *, lm_head: bool = True) -> Causa
     embedding table itself stays floating point for the lookup; the head gets an int8 copy).
     Already quantized layers are left alone, so quantizing twice is harmless.
     """
-    if check_quantization(mode) == "none":
+    if check_quantization(mode) != "int8":  # "bf16" is a packing of float32 weights (models/packed.py)
         return model
     dtype = model.model.norm.weight.dtype
     compute_dtype = int8_compute_dtype(dtype)

@@ -105,4 +105,4 @@ def test_a_bad_quantization_is_a_config_error(bad: str, make_llm: Callable[..., 
 
 def test_the_cli_refuses_a_bad_quantization(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli_main(["generate", "--quantization", "int3", "hi"]) == 2
-    assert "quantization must be one of none, int8; got 'int3'" in capsys.readouterr().err
+    assert "quantization must be one of none, int8, bf16; got 'int3'" in capsys.readouterr().err
