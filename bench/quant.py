@@ -58,7 +58,7 @@ SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (5
 
 # Variants of kvseal: name -> (dtype, quantization).
 VARIANTS = {"fp32": ("float32", "none"), "bf16": ("bfloat16", "none"), "int8": ("float32", "int8"),
-            "int8-bf16": ("bfloat16", "int8")}
+            "int8-bf16": ("bfloat16", "int8"), "bf16-weights": ("float32", "bf16")}
 
 # A fixed text for perplexity (written for this benchmark; plain expository English).
 TEXT = (
@@ -216,6 +216,10 @@ def bench_teacher_forced() -> dict[str, Any]:
         model = loaded.model.to(DTYPES[dtype])
         if quant.startswith("fbgemm"):
             fbgemm_model(model, lm_head_only=quant == "fbgemm-head")
+        elif quant == "bf16":
+            from kvseal.models.packed import pack_model
+
+            pack_model(model, weight_dtype=torch.bfloat16)
         elif quant != "none":
             quantize_model(model, "int8", lm_head=quant == "int8")
         ids = list(tokenizer.encode(TEXT, add_special_tokens=False))
