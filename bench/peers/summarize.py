@@ -45,16 +45,20 @@ def table(runs: dict[str, dict[int, list[dict[str, Any]]]]) -> list[str]:
 
 
 def ratios(runs: dict[str, dict[int, list[dict[str, Any]]]]) -> list[str]:
-    if "kvseal" not in runs or BASELINE not in runs:
+    """Each kvseal configuration (labels starting with "kvseal") against the baseline."""
+    if BASELINE not in runs:
         return []
-    lines = ["", f"| concurrency | kvseal / {BASELINE} output tok/s (medians) | p99 TTFT kvseal / {BASELINE} |",
-             "|---:|---:|---:|"]
-    for c in sorted(set(runs["kvseal"]) & set(runs[BASELINE])):
-        ours, theirs = runs["kvseal"][c], runs[BASELINE][c]
-        tput = statistics.median(r["output_throughput"] for r in ours) / statistics.median(
-            r["output_throughput"] for r in theirs)
-        ttft = statistics.median(r["p99_ttft_ms"] for r in ours) / statistics.median(r["p99_ttft_ms"] for r in theirs)
-        lines.append(f"| {c} | {tput:.2f}x | {ttft:.2f}x |")
+    lines: list[str] = []
+    for label in sorted(name for name in runs if name.startswith("kvseal")):
+        lines += ["", f"| concurrency | {label} / {BASELINE} output tok/s (medians) | p99 TTFT {label} / {BASELINE} |",
+                  "|---:|---:|---:|"]
+        for c in sorted(set(runs[label]) & set(runs[BASELINE])):
+            ours, theirs = runs[label][c], runs[BASELINE][c]
+            tput = statistics.median(r["output_throughput"] for r in ours) / statistics.median(
+                r["output_throughput"] for r in theirs)
+            ttft = statistics.median(r["p99_ttft_ms"] for r in ours) / statistics.median(
+                r["p99_ttft_ms"] for r in theirs)
+            lines.append(f"| {c} | {tput:.2f}x | {ttft:.2f}x |")
     return lines
 
 
