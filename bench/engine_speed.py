@@ -75,27 +75,36 @@ def run_concurrency(llm: LLM, concurrency: int, num_requests: int, prompt_len: i
 
 
 def bench_linears(rows_list: list[int], repeats: int) -> dict[str, Any]:
-    """nn.Linear against PackedLinear over a SmolLM2-135M-shaped stack (30 layers' q/k/v, o,
-    gate/up, down with distinct weights, so nothing stays in cache, and the lm_head),
-    alternating, best of `repeats`: ms per pass at each row count."""
-    from kvseal.models.packed import PackedLinear  # this tree's; main has no packing
+    """The float32 linears' kernels over a SmolLM2-135M-shaped stack (30 layers' q/k/v, o, gate/up,
+    down with distinct weights, so nothing stays in cache, and the lm_head), alternating, best of
+    `repeats`: ms per pass at each row count. `linear`: nn.Linear (MKL sgemm); `onednn`: oneDNN's
+    packed weights (PackedLinear, the fallback without a compiler); `panels`: kvseal's C kernel
+    over float32 panels (the default); `panels_bf16`: the same over bfloat16 panels
+    (`--quantization bf16`)."""
+    from kvseal.models.native import native_library
+    from kvseal.models.packed import PackedLinear, PanelLinear
 
+    library = native_library()
     shapes = [(576, 960), (576, 576), (576, 3072), (1536, 576)] * 30 + [(576, 49152)]
     plain = [torch.nn.Linear(k, n, bias=False) for k, n in shapes]
-    packed = [PackedLinear(linear) for linear in plain]
+    kinds: dict[str, list[torch.nn.Module]] = {"linear": list(plain), "onednn": [PackedLinear(m) for m in plain]}
+    if library is not None:
+        kinds["panels"] = [PanelLinear(m, library) for m in plain]
+        kinds["panels_bf16"] = [PanelLinear(m, library, torch.bfloat16) for m in plain]
     results = []
     for rows in rows_list:
         inputs = [torch.randn(rows, k) for k, _ in shapes]
-        best = {"linear": float("inf"), "packed": float("inf")}
+        best = {name: float("inf") for name in kinds}
         for _ in range(repeats):
-            for name, layers in (("linear", plain), ("packed", packed)):
+            for name, layers in kinds.items():
                 start = time.perf_counter()
                 with torch.inference_mode():
                     for layer, x in zip(layers, inputs):
                         layer(x)
                 best[name] = min(best[name], 1000 * (time.perf_counter() - start))
-        results.append({"rows": rows, "linear_ms": round(best["linear"], 1), "packed_ms": round(best["packed"], 1),
-                        "speedup": round(best["linear"] / best["packed"], 2)})
+        point: dict[str, Any] = {"rows": rows, **{f"{name}_ms": round(ms, 1) for name, ms in best.items()}}
+        point.update({f"{name}_speedup_vs_onednn": round(best["onednn"] / best[name], 2) for name in best})
+        results.append(point)
     return {"linears": results, "threads": torch.get_num_threads(), "loadavg": os.getloadavg()}
 
 
