@@ -169,6 +169,7 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--quantization", default="none", help="none, int8 or bf16 (weight-only)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     parser.add_argument("--linears", type=int, nargs="*", default=None, metavar="ROWS",
@@ -187,12 +188,13 @@ def main() -> None:
         return
     started = time.perf_counter()
     max_c = max(args.concurrency)
-    llm = LLM(dtype=args.dtype, max_model_len=args.prompt_len + args.output_len,
+    llm = LLM(dtype=args.dtype, quantization=args.quantization, max_model_len=args.prompt_len + args.output_len,
               kv_cache_tokens=max_c * (args.prompt_len + args.output_len), max_num_seqs=max(max_c, 1))
     load_s = time.perf_counter() - started
     run_concurrency(llm, min(4, max_c), min(4, max_c), args.prompt_len, 8, args.seed + 1)  # warm-up
     results = {"label": args.label, "kvseal": os.path.dirname(kvseal.__file__),
-               "dtype": str(llm.engine.runner.pool.k[0].dtype), "threads": torch.get_num_threads(),
+               "dtype": str(llm.engine.runner.pool.k[0].dtype), "quantization": args.quantization,
+               "threads": torch.get_num_threads(),
                "load_s": round(load_s, 2), "runs": []}
     for c in args.concurrency:
         num = args.rounds * c
