@@ -170,6 +170,11 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--quantization", default="none", help="none, int8 or bf16 (weight-only)")
+    parser.add_argument("--model", default=None, help="model folder or .gguf (default: the default model)")
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="default: prompt + output length (`kvseal serve` uses the model's, up to 2048 here)")
+    parser.add_argument("--kv-cache-memory", default=None,
+                        help="size the KV pool like `kvseal serve` (e.g. 2GiB), not max c x (prompt + output)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     parser.add_argument("--linears", type=int, nargs="*", default=None, metavar="ROWS",
@@ -188,8 +193,10 @@ def main() -> None:
         return
     started = time.perf_counter()
     max_c = max(args.concurrency)
-    llm = LLM(dtype=args.dtype, quantization=args.quantization, max_model_len=args.prompt_len + args.output_len,
-              kv_cache_tokens=max_c * (args.prompt_len + args.output_len), max_num_seqs=max(max_c, 1))
+    pool: dict[str, Any] = ({"kv_cache_memory": args.kv_cache_memory} if args.kv_cache_memory
+                            else {"kv_cache_tokens": max_c * (args.prompt_len + args.output_len)})
+    llm = LLM(model=args.model, dtype=args.dtype, quantization=args.quantization,
+              max_model_len=args.max_model_len or args.prompt_len + args.output_len, max_num_seqs=max(max_c, 1), **pool)
     load_s = time.perf_counter() - started
     run_concurrency(llm, min(4, max_c), min(4, max_c), args.prompt_len, 8, args.seed + 1)  # warm-up
     results = {"label": args.label, "kvseal": os.path.dirname(kvseal.__file__),

@@ -14,6 +14,10 @@
 # run, with the server's peak RSS), OUT_DIR/<server>.log, OUT_DIR/kvseal_plan.txt,
 # OUT_DIR/plot.png and OUT_DIR/summary.md (ratios to vllm-best, pool vs plan).
 # Each server first runs one unrecorded warm-up (kernels are compiled per shape on first use).
+# Every run draws its own prompts (seed 1000 x repeat + concurrency): both servers keep a
+# prefix cache, so a prompt one run repeats from an earlier run would be a cache hit, not a
+# prefill (before round 6 every run used seed REPEAT, so c=8 and the first 16 prompts of c=32
+# repeated c=1's prompts).
 set -euo pipefail
 source "$(dirname "$0")/lib.sh"
 
@@ -49,7 +53,7 @@ for server in $SERVERS; do
   for rep in $(seq "$REPEATS"); do
     for c in $CONCURRENCIES; do
       n=$(( c * ${PROMPTS_PER_CONCURRENCY:-6} )); (( n < 16 )) && n=16
-      bench "$pid" "$server" "$c" "$n" "$rep" "$OUT/$server-c$c-r$rep.json"
+      bench "$pid" "$server" "$c" "$n" "$(( 1000 * rep + c ))" "$OUT/$server-c$c-r$rep.json"
     done
   done
   stop_server "$pid"
