@@ -7,9 +7,11 @@ dequantized by kvseal's loader; llama.cpp runs the same GGUF as quantized), 2 th
 
 - kernels: the model's linear shapes (q/k/v, o, gate/up, down, lm_head) at 1 and 32 rows:
   fp32 and bf16 `F.linear`, `torch.ops.aten._weight_int8pack_mm` with fp32 and bf16 activations,
-  dequantize-then-matmul (int8 -> fp32 weight, then `F.linear`), and two other kernels in the
-  torch wheel: fbgemm's dynamic int8 (W8A8) and fp16-weight linears, microseconds per call
-  (the fastest of 7 blocks of calls: on a shared host, other load only adds time).
+  dequantize-then-matmul (int8 -> fp32 weight, then `F.linear`), two other kernels in the
+  torch wheel: fbgemm's dynamic int8 (W8A8) and fp16-weight linears, and kvseal's own C
+  kernels (float32 panels; int8 panels, the `--quantization int8` kernel for float32 models),
+  microseconds per call (the fastest of 7 blocks of calls: on a shared host, other load only
+  adds time); `--kernels` picks which.
 - teacher: against the fp32 model, on a fixed English text (teacher-forced): perplexity,
   and how often each variant's top-1 next token equals fp32's (also int8 with the lm_head
   left in fp32, and fbgemm's W8A8 kernel on all linears or the lm_head only, to decide).
@@ -104,7 +106,8 @@ def _int8mm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tens
     return torch.ops.aten._weight_int8pack_mm(x, q, scale)
 
 
-def _kernel_row(n: int, k: int, rows: int) -> dict[str, float]:
+def _kernel_row(n: int, k: int, rows: int, names: list[str]) -> dict[str, float]:
+    from kvseal.models.native import linear_f32, linear_i8, native_library, pack_panels, pack_panels_i8
     from kvseal.models.quant import dequantize_int8, quantize_int8
 
     # enough copies of the weight (>= 128 MB in fp32) that each call reads it from DRAM, as a
@@ -112,25 +115,59 @@ def _kernel_row(n: int, k: int, rows: int) -> dict[str, float]:
     copies = max(1, math.ceil(128e6 / (n * k * 4)))
     ws = [torch.randn(n, k) * 0.05 for _ in range(copies)]
     qs = [quantize_int8(w) for w in ws]
-    wbs = [w.bfloat16() for w in ws]
-    qbs = [(q, s.bfloat16()) for q, s in qs]
-    fbgemm = [fbgemm_int8_pack(q, s) for q, s in qs]
-    fp16 = [torch.ops.quantized.linear_prepack_fp16(w, None) for w in ws]
     x = torch.randn(rows, k)
     xb = x.bfloat16()
     calls = copies * max(1, int(2e6 / (n * k * rows ** 0.5)))
     nxt = itertools.cycle(range(copies)).__next__
-    return {
-        "fp32 linear": time_us(lambda: F.linear(x, ws[nxt()]), calls),
-        "bf16 linear": time_us(lambda: F.linear(xb, wbs[nxt()]), calls),
-        "int8pack fp32 act": time_us(lambda: _int8mm(x, *qs[nxt()]), calls),
-        "int8pack bf16 act": time_us(lambda: _int8mm(xb, *qbs[nxt()]), calls),
-        "dequant + fp32 linear": time_us(lambda: F.linear(x, dequantize_int8(*qs[nxt()])), calls),
+    library = native_library()
+
+    # name -> a function that prepares that kernel's weights and returns one call
+    def fp32_panels() -> Callable[[], Any]:
+        assert library is not None
+        ps = [pack_panels(library, w) for w in ws]
+        return lambda: linear_f32(library, x, ps[nxt()], None, n)
+
+    def int8_panels() -> Callable[[], Any]:
+        assert library is not None
+        ps = [(pack_panels_i8(library, q), s) for q, s in qs]
+        return lambda: linear_i8(library, x, *ps[nxt()], None, n)
+
+    def bf16_linear() -> Callable[[], Any]:
+        wbs = [w.bfloat16() for w in ws]
+        return lambda: F.linear(xb, wbs[nxt()])
+
+    def int8pack_bf16() -> Callable[[], Any]:
+        qbs = [(q, s.bfloat16()) for q, s in qs]
+        return lambda: _int8mm(xb, *qbs[nxt()])
+
+    def fbgemm_w8a8() -> Callable[[], Any]:
+        packed = [fbgemm_int8_pack(q, s) for q, s in qs]
+        return lambda: torch.ops.quantized.linear_dynamic(x, packed[nxt()], True)
+
+    def fbgemm_fp16() -> Callable[[], Any]:
+        packed = [torch.ops.quantized.linear_prepack_fp16(w, None) for w in ws]
+        return lambda: torch.ops.quantized.linear_dynamic_fp16(x, packed[nxt()])
+
+    kernels: dict[str, Callable[[], Callable[[], Any]]] = {
+        "fp32 linear": lambda: lambda: F.linear(x, ws[nxt()]),
+        "bf16 linear": bf16_linear,
+        "int8pack fp32 act": lambda: lambda: _int8mm(x, *qs[nxt()]),
+        "int8pack bf16 act": int8pack_bf16,
+        "dequant + fp32 linear": lambda: lambda: F.linear(x, dequantize_int8(*qs[nxt()])),
         # not weight-only: fbgemm quantizes the activations too (7-bit per call; see FbgemmInt8Linear)
-        "fbgemm dynamic int8 (W8A8)": time_us(lambda: torch.ops.quantized.linear_dynamic(x, fbgemm[nxt()], True),
-                                              calls),
-        "fbgemm fp16 weights": time_us(lambda: torch.ops.quantized.linear_dynamic_fp16(x, fp16[nxt()]), calls),
+        "fbgemm dynamic int8 (W8A8)": fbgemm_w8a8,
+        "fbgemm fp16 weights": fbgemm_fp16,
+        # kvseal's C kernels (native library): float32 panels, and int8 panels with fp32 activations
+        "kvseal fp32 panels": fp32_panels,
+        "kvseal int8 panels": int8_panels,
     }
+    unknown = set(names) - set(kernels)
+    if unknown:
+        raise SystemExit(f"--kernels: unknown {', '.join(sorted(unknown))} (known: {', '.join(kernels)})")
+    if library is None:
+        names = [name for name in names if not name.startswith("kvseal")]
+    # each kernel prepared just before it is timed, so only one kernel's copies are held at once
+    return {name: time_us(kernels[name](), calls) for name in names}
 
 
 def fbgemm_int8_pack(q: torch.Tensor, scale: torch.Tensor) -> Any:
@@ -174,11 +211,15 @@ def fbgemm_model(model: Any, *, lm_head_only: bool) -> None:
     model.lm_head = FbgemmInt8Linear(model.lm_head)
 
 
-def bench_kernels() -> dict[str, Any]:
+KERNELS = ("fp32 linear,bf16 linear,int8pack fp32 act,int8pack bf16 act,dequant + fp32 linear,"
+           "fbgemm dynamic int8 (W8A8),fbgemm fp16 weights,kvseal fp32 panels,kvseal int8 panels")
+
+
+def bench_kernels(names: list[str]) -> dict[str, Any]:
     results: dict[str, Any] = {}
     for rows in (1, 32):
         for name, (n, k) in SHAPES.items():
-            row = _kernel_row(n, k, rows)
+            row = _kernel_row(n, k, rows, names)
             results[f"{name} x{rows}"] = row
             print(f"kernels {name:8s} rows {rows:2d}: " + "  ".join(f"{k} {v:.0f}us" for k, v in row.items()),
                   flush=True)
@@ -324,6 +365,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--parts", default="kernels,teacher,greedy,decode")
     p.add_argument("--gguf", default=None, help="GGUF file (default: kvseal's default model, Q4_1)")
+    p.add_argument("--kernels", default=KERNELS, help="kernels timed by --parts kernels (comma-separated; "
+                   "kvseal's need the native library)")
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"kvseal variants to decode ({', '.join(VARIANTS)})")
     p.add_argument("--llama", choices=("auto", "python", "node", "none"), default="auto",
                    help="how llama.cpp runs: llama-cpp-python, or node-llama-cpp's prebuilt binaries "
@@ -347,7 +390,7 @@ def main() -> int:
                     "loadavg_start": os.getloadavg()},
     }
     if "kernels" in parts:
-        result["kernels_us"] = bench_kernels()
+        result["kernels_us"] = bench_kernels(ns.kernels.split(","))
     if "teacher" in parts:
         result["teacher_forced"] = bench_teacher_forced()
     if "greedy" in parts:

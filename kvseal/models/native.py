@@ -12,6 +12,9 @@ isolation checks that run before every forward (`engine/batch.py`) are unchanged
 **Linears.** `kvseal_linear_f32` multiplies by a weight held in 16-feature column panels
 (`csrc.LINEAR`), packed once at start-up in place of the nn.Linear weight (one copy). It is
 measured against oneDNN's packed weights and MKL in docs/BENCHMARKS.md ("Round 5").
+`kvseal_linear_i8` (`csrc.INT8_LINEAR`) is its weight-only int8 twin for `--quantization int8`:
+the same panels holding int8 weights, converted to float32 in registers, float32 activations,
+one scale per output channel applied to the sums.
 
 Build: plain C (no torch headers, `models/csrc.py`), compiled once per host with the system's
 C compiler (`cc`, or $CC) into the user's cache (`$XDG_CACHE_HOME/kvseal/native/<hash>/`), in
@@ -41,7 +44,7 @@ from kvseal.models import csrc
 
 logger = logging.getLogger("kvseal")
 
-_SOURCE = "\n".join([csrc.PRELUDE, csrc.ATTENTION, csrc.LINEAR, csrc.OPS])
+_SOURCE = "\n".join([csrc.PRELUDE, csrc.ATTENTION, csrc.LINEAR, csrc.OPS, csrc.INT8_LINEAR])
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 _lock = threading.Lock()
 _loaded: dict[str, NativeLibrary | None] = {}
@@ -62,6 +65,8 @@ class NativeLibrary:
     silu_mul: Callable[..., None]
     rope: Callable[..., None]
     write_slots: Callable[..., int]
+    pack_panels_i8: Callable[..., None]
+    linear_i8: Callable[..., None]
 
 
 def native_library() -> NativeLibrary | None:
@@ -112,8 +117,13 @@ def _load() -> NativeLibrary | None:
     rope.restype, rope.argtypes = None, [_P] * 3 + [_I] * 4
     write = handle.kvseal_write_slots
     write.restype, write.argtypes = ctypes.c_int, [_P, _P, _I, _P, _P, _P, _I, _I, _I, _I]
+    pack_i8 = handle.kvseal_pack_panels_i8
+    pack_i8.restype, pack_i8.argtypes = None, [_P, _P, _I, _I]
+    linear_i8 = handle.kvseal_linear_i8
+    linear_i8.restype, linear_i8.argtypes = None, [_P] * 5 + [_I] * 3 + [ctypes.c_int]
     logger.info("native kernels: %s (decode attention reads K and V in place; panel linears; fused ops)", path)
-    return NativeLibrary(attention, packs[0], linears[0], packs[1], linears[1], norm, silu, rope, write)
+    return NativeLibrary(attention, packs[0], linears[0], packs[1], linears[1], norm, silu, rope, write, pack_i8,
+                         linear_i8)
 
 
 def _build(compiler: str) -> Path:
@@ -257,3 +267,40 @@ def write_slots(library: NativeLibrary, qkv: torch.Tensor, k_offset: int, v_offs
                                  num_pages * page_size)
     if status != 0:
         raise IndexError("a KV slot is outside the pool layer")
+
+
+def pack_panels_i8(library: NativeLibrary, qweight: torch.Tensor) -> torch.Tensor:
+    """qweight: [N, K] int8 -> its panels, [ceil(N / 16), K, 16] int8 (a new tensor)."""
+    if qweight.dtype != torch.int8 or qweight.dim() != 2:
+        raise TypeError(f"int8 panels hold a 2-D int8 weight, got {qweight.dtype} {tuple(qweight.shape)}")
+    qweight = qweight.detach().contiguous()
+    n_out, k_in = qweight.shape
+    panels = torch.empty(((n_out + 15) // 16, k_in, 16), dtype=torch.int8)
+    library.pack_panels_i8(qweight.data_ptr(), panels.data_ptr(), n_out, k_in)
+    return panels
+
+
+def unpack_panels_i8(panels: torch.Tensor, n_out: int) -> torch.Tensor:
+    """The [n_out, K] int8 weight that `pack_panels_i8` packed (a new tensor)."""
+    count, k_in, _ = panels.shape
+    return panels.permute(0, 2, 1).reshape(count * 16, k_in)[:n_out].contiguous()
+
+
+def linear_i8(library: NativeLibrary, x: torch.Tensor, panels: torch.Tensor, scale: torch.Tensor,
+              bias: torch.Tensor | None, n_out: int) -> torch.Tensor:
+    """x: [..., K] float32; panels from `pack_panels_i8`; scale: [n_out] float32 (one per output
+    channel); bias: [n_out] float32 or None -> [..., n_out] = (x Q^T) * scale (+ bias)."""
+    k_in = panels.shape[1]
+    if x.dtype != torch.float32 or x.shape[-1] != k_in:
+        raise TypeError(f"expected float32 [..., {k_in}] activations, got {x.dtype} {tuple(x.shape)}")
+    vectors = [scale] if bias is None else [scale, bias]
+    if panels.dtype != torch.int8 or not panels.is_contiguous() or panels.shape[0] * 16 < n_out \
+            or any(v.dtype != torch.float32 or v.shape != (n_out,) or not v.is_contiguous() for v in vectors):
+        raise TypeError("the int8 kernel takes contiguous int8 panels and float32 [n_out] scales and bias")
+    rows = x.reshape(-1, k_in).contiguous()
+    out = torch.empty((rows.shape[0], n_out), dtype=torch.float32)
+    if rows.shape[0]:
+        library.linear_i8(rows.data_ptr(), panels.data_ptr(), scale.data_ptr(),
+                          0 if bias is None else bias.data_ptr(), out.data_ptr(), rows.shape[0], n_out, k_in,
+                          torch.get_num_threads())
+    return out.view(*x.shape[:-1], n_out)

@@ -15,6 +15,7 @@ from kvseal import ConfigError
 from kvseal.cli import main as cli_main
 from kvseal.config import EngineArgs
 from kvseal.models.loader import load_model
+from kvseal.models.native import linear_i8, native_library, pack_panels_i8, unpack_panels_i8
 from kvseal.models.quant import Int8Linear, dequantize_int8, quantize_int8, quantize_model
 from kvseal.types import SamplingParams
 
@@ -41,13 +42,17 @@ def test_quantize_int8_rounds_each_weight_to_within_half_a_step() -> None:
     assert torch.all(error <= scale[:, None] / 2 + 1e-7)
 
 
-@pytest.mark.parametrize("compute_dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+# (compute dtype, kvseal's C kernel or int8pack, tolerance)
+@pytest.mark.parametrize("compute_dtype,native,tol", [(torch.float32, False, 1e-5), (torch.bfloat16, False, 2e-2),
+                                                      (torch.float32, True, 1e-5)])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("rows", [1, 32])
-def test_int8_linear_matches_the_dequantized_reference(compute_dtype: torch.dtype, tol: float, bias: bool,
-                                                       rows: int) -> None:
+def test_int8_linear_matches_the_dequantized_reference(compute_dtype: torch.dtype, native: bool, tol: float,
+                                                       bias: bool, rows: int) -> None:
     linear = _linear(96, 40, bias)
-    quantized = Int8Linear(linear, compute_dtype)
+    quantized = Int8Linear(linear, compute_dtype, _library() if native else None)
+    assert (quantized.library is not None) == native
+    assert torch.equal(quantized.int8_weight(), quantize_int8(linear.weight)[0])
     x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(1))
     expected = F.linear(x, quantized.dequantized_weight(), linear.bias)
     out = quantized(x)
@@ -66,8 +71,55 @@ def test_quantize_model_swaps_every_projection_and_is_idempotent(llama_dir: Path
     assert not any(isinstance(m, nn.Linear) for m in model.modules())
     for name, m in int8.items():
         assert torch.allclose(m.dequantized_weight(), reference[name], atol=m.scale.float().max().item())
-    again = {name: m.qweight for name, m in quantize_model(model, "int8").named_modules() if isinstance(m, Int8Linear)}
-    assert all(again[name] is m.qweight for name, m in int8.items())
+    again = {name: m for name, m in quantize_model(model, "int8").named_modules() if isinstance(m, Int8Linear)}
+    assert all(again[name] is m for name, m in int8.items())
+    # float32 model: kvseal's C kernel when the library builds, int8pack without it
+    assert all((m.library is not None) == (native_library() is not None) for m in int8.values())
+
+
+def _library() -> Any:
+    library = native_library()
+    if library is None:
+        pytest.skip("no C compiler: the native library is not built")
+    return library
+
+
+@pytest.mark.parametrize("bias", [False, True])
+# below, at and above the kernel's 6-row blocks, past one 96-row block
+@pytest.mark.parametrize("rows", [1, 3, 7, 32, 100])
+# 40 outputs: two panels, the second partial; 17: the second holds one; 48: full panels, K odd
+@pytest.mark.parametrize("n_out,k_in", [(40, 96), (17, 33), (48, 7)])
+def test_int8_kernel_matches_dequantize_then_linear(bias: bool, rows: int, n_out: int, k_in: int) -> None:
+    library = _library()
+    linear = _linear(k_in, n_out, bias, seed=rows)
+    q, scale = quantize_int8(linear.weight)
+    panels = pack_panels_i8(library, q)
+    assert panels.dtype == torch.int8 and panels.shape == ((n_out + 15) // 16, k_in, 16)
+    assert torch.equal(unpack_panels_i8(panels, n_out), q)
+    assert not panels[-1, :, n_out - (panels.shape[0] - 1) * 16:].any()  # the last panel's padding
+    x = torch.randn(rows, k_in, generator=torch.Generator().manual_seed(rows))
+    b = None if linear.bias is None else linear.bias.detach()
+    expected = F.linear(x, dequantize_int8(q, scale), b)
+    out = linear_i8(library, x, panels, scale, b, n_out)
+    assert out.dtype == torch.float32 and out.shape == (rows, n_out)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    assert torch.equal(linear_i8(library, x.reshape(1, rows, k_in), panels, scale, b, n_out).reshape(rows, n_out), out)
+
+
+def test_int8_kernel_refuses_mismatched_inputs() -> None:
+    library = _library()
+    q, scale = quantize_int8(_linear(32, 20, bias=False).weight)
+    panels = pack_panels_i8(library, q)
+    with pytest.raises(TypeError, match="int8 panels hold a 2-D int8 weight"):
+        pack_panels_i8(library, q.float())
+    with pytest.raises(TypeError, match="float32"):
+        linear_i8(library, torch.randn(2, 32).bfloat16(), panels, scale, None, 20)
+    with pytest.raises(TypeError, match="float32"):
+        linear_i8(library, torch.randn(2, 31), panels, scale, None, 20)
+    with pytest.raises(TypeError, match="scales and bias"):
+        linear_i8(library, torch.randn(2, 32), panels, scale[:10], None, 20)
+    with pytest.raises(TypeError, match="scales and bias"):
+        linear_i8(library, torch.randn(2, 32), panels, scale, torch.zeros(20, dtype=torch.float64), 20)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
