@@ -60,6 +60,12 @@ static void softmax(float *s, int64_t n) {
     for (t = 0; t < n; t++) s[t] *= inv;
 }
 
+/* Pages are scattered through the pool, and the hardware prefetcher stops at each page's end:
+   the kernels ask for the next page while they work on the current one. */
+static inline void prefetch_page(const float *page, int64_t n) {
+    for (int64_t i = 0; i < n; i += 16) __builtin_prefetch(page + i);
+}
+
 /* One (row, KV head) with head_dim = 8 * NV: its `group` query heads attend to slots 0..ctx-1
    of the row's pages. scores: scratch of group * ctx floats. Four slots at a time per head,
    so four independent accumulator chains keep the FMA units busy. */
@@ -71,6 +77,7 @@ static void attend_##NV(const float *q, const float *k_head, const float *v_head
     for (int64_t t0 = 0; t0 < ctx; t0 += page_size) {                                           \
         const int64_t n = ctx - t0 < page_size ? ctx - t0 : page_size;                          \
         const float *kp = k_head + table[t0 / page_size] * page_size * hd;                      \
+        if (t0 + page_size < ctx) prefetch_page(k_head + table[t0 / page_size + 1] * page_size * hd, page_size * hd); \
         for (int64_t j = 0; j < group; j++) {                                                   \
             const float *qj = q + j * hd;                                                       \
             float *sj = scores + j * ctx + t0;                                                  \
@@ -103,6 +110,8 @@ static void attend_##NV(const float *q, const float *k_head, const float *v_head
         for (int64_t t0 = 0; t0 < ctx; t0 += page_size) {                                       \
             const int64_t n = ctx - t0 < page_size ? ctx - t0 : page_size;                      \
             const float *vp = v_head + table[t0 / page_size] * page_size * hd;                  \
+            if (j == 0 && t0 + page_size < ctx)                                                 \
+                prefetch_page(v_head + table[t0 / page_size + 1] * page_size * hd, page_size * hd); \
             for (int64_t i = 0; i < n; i++) {                                                   \
                 const float w = sj[t0 + i];                                                     \
                 for (int c = 0; c < NV; c++) o[c] += w * load8(vp + i * hd + 8 * c);            \
