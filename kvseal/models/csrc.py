@@ -60,6 +60,12 @@ static void softmax(float *s, int64_t n) {
     for (t = 0; t < n; t++) s[t] *= inv;
 }
 
+/* Pages are scattered through the pool, and the hardware prefetcher stops at each page's end:
+   the kernels ask for the next page while they work on the current one. */
+static inline void prefetch_page(const float *page, int64_t n) {
+    for (int64_t i = 0; i < n; i += 16) __builtin_prefetch(page + i);
+}
+
 /* One (row, KV head) with head_dim = 8 * NV: its `group` query heads attend to slots 0..ctx-1
    of the row's pages. scores: scratch of group * ctx floats. Four slots at a time per head,
    so four independent accumulator chains keep the FMA units busy. */
@@ -71,6 +77,7 @@ static void attend_##NV(const float *q, const float *k_head, const float *v_head
     for (int64_t t0 = 0; t0 < ctx; t0 += page_size) {                                           \
         const int64_t n = ctx - t0 < page_size ? ctx - t0 : page_size;                          \
         const float *kp = k_head + table[t0 / page_size] * page_size * hd;                      \
+        if (t0 + page_size < ctx) prefetch_page(k_head + table[t0 / page_size + 1] * page_size * hd, page_size * hd); \
         for (int64_t j = 0; j < group; j++) {                                                   \
             const float *qj = q + j * hd;                                                       \
             float *sj = scores + j * ctx + t0;                                                  \
@@ -103,6 +110,8 @@ static void attend_##NV(const float *q, const float *k_head, const float *v_head
         for (int64_t t0 = 0; t0 < ctx; t0 += page_size) {                                       \
             const int64_t n = ctx - t0 < page_size ? ctx - t0 : page_size;                      \
             const float *vp = v_head + table[t0 / page_size] * page_size * hd;                  \
+            if (j == 0 && t0 + page_size < ctx)                                                 \
+                prefetch_page(v_head + table[t0 / page_size + 1] * page_size * hd, page_size * hd); \
             for (int64_t i = 0; i < n; i++) {                                                   \
                 const float w = sj[t0 + i];                                                     \
                 for (int c = 0; c < NV; c++) o[c] += w * load8(vp + i * hd + 8 * c);            \
@@ -225,7 +234,8 @@ int kvseal_linear_SFX(const float *x, const WTYPE *panels, const float *bias, fl
             for (int64_t p = 0; p < count; p++) {
                 if (WIDENS && buffer == NULL) continue;
                 const float *slab = WIDEN(panels + p * k_in * 16, buffer, 16 * k_in);
-                panel_rows(x, slab, bias, y, m0, m_end, p, n_out, k_in);
+                const WTYPE *next = p + 1 < count ? panels + (p + 1) * k_in * 16 : NULL;
+                panel_rows(x, slab, bias, y, m0, m_end, p, n_out, k_in, next, 16 * (int64_t)sizeof(WTYPE));
             }
             free(buffer);
         }
@@ -290,13 +300,16 @@ static inline const float *widen_bf16(const uint16_t *slab, float *buffer, int64
     return buffer;
 }
 
-/* MR rows of x against one float32 slab: 2 * MR accumulators, one broadcast per (row, k). */
+/* MR rows of x against one float32 slab: 2 * MR accumulators, one broadcast per (row, k). Each k
+   step also prefetches the line at `pf + k * pf_step` (see panel_rows). */
 #define DEFINE_PANEL_KERNEL(MR)                                                                 \
 static void panel_##MR(const float *x, int64_t ldx, const float *slab, int64_t k_in,           \
-                       float *y, int64_t ldy, int64_t nr, const float *bias) {                  \
+                       float *y, int64_t ldy, int64_t nr, const float *bias, const char *pf,    \
+                       int64_t pf_step) {                                                       \
     v8 a0[MR], a1[MR];                                                                          \
     for (int i = 0; i < MR; i++) { a0[i] = (v8){0}; a1[i] = (v8){0}; }                          \
     for (int64_t k = 0; k < k_in; k++) {                                                        \
+        __builtin_prefetch(pf + k * pf_step);                                                   \
         const v8 w0 = load8(slab + k * 16), w1 = load8(slab + k * 16 + 8);                      \
         for (int i = 0; i < MR; i++) { const float s = x[i * ldx + k]; a0[i] += s * w0; a1[i] += s * w1; } \
     }                                                                                           \
@@ -309,21 +322,37 @@ DEFINE_PANEL_KERNEL(4)
 DEFINE_PANEL_KERNEL(5)
 DEFINE_PANEL_KERNEL(6)
 
-/* Rows m0..m_end-1 of x (row stride k_in) against the float32 slab of panel p; y has row stride n_out. */
+/* Rows m0..m_end-1 of x (row stride k_in) against the float32 slab of panel p; y has row stride
+   n_out. Up to 6 rows are one pass over the slab; more rows are several passes of nearly equal
+   size. The hardware prefetcher alone does not keep the memory stream busy while a pass
+   computes (measured: 6 to 32 rows ran 5-14% slower without software prefetch), so the first
+   pass prefetches its own slab PREFETCH_AHEAD lines ahead, and every later pass, which reads
+   the slab from cache, prefetches `next` (the slab this thread takes next, next_step bytes per
+   k; NULL if none). */
+#define PREFETCH_AHEAD 32
 static void panel_rows(const float *x, const float *slab, const float *bias, float *y, int64_t m0, int64_t m_end,
-                       int64_t p, int64_t n_out, int64_t k_in) {
+                       int64_t p, int64_t n_out, int64_t k_in, const void *next, int64_t next_step) {
     const int64_t nr = n_out - p * 16 < 16 ? n_out - p * 16 : 16;
     const float *pb = bias == NULL ? NULL : bias + p * 16;
     float *yp = y + p * 16;
+    const char *pf = (const char *)slab + PREFETCH_AHEAD * 64;
+    int64_t pf_step = 64;
+    const int64_t rows = m_end - m0, passes = (rows + 5) / 6;
     int64_t m = m0;
-    for (; m + 6 <= m_end; m += 6) panel_6(x + m * k_in, k_in, slab, k_in, yp + m * n_out, n_out, nr, pb);
-    switch (m_end - m) {
-        case 1: panel_1(x + m * k_in, k_in, slab, k_in, yp + m * n_out, n_out, nr, pb); break;
-        case 2: panel_2(x + m * k_in, k_in, slab, k_in, yp + m * n_out, n_out, nr, pb); break;
-        case 3: panel_3(x + m * k_in, k_in, slab, k_in, yp + m * n_out, n_out, nr, pb); break;
-        case 4: panel_4(x + m * k_in, k_in, slab, k_in, yp + m * n_out, n_out, nr, pb); break;
-        case 5: panel_5(x + m * k_in, k_in, slab, k_in, yp + m * n_out, n_out, nr, pb); break;
-        default: break;
+    for (int64_t i = 0; i < passes; i++) {
+        const int64_t mr = (m_end - m + passes - i - 1) / (passes - i);  /* ceil(rows left / passes left) */
+        const float *xm = x + m * k_in;
+        float *ym = yp + m * n_out;
+        switch (mr) {
+            case 1: panel_1(xm, k_in, slab, k_in, ym, n_out, nr, pb, pf, pf_step); break;
+            case 2: panel_2(xm, k_in, slab, k_in, ym, n_out, nr, pb, pf, pf_step); break;
+            case 3: panel_3(xm, k_in, slab, k_in, ym, n_out, nr, pb, pf, pf_step); break;
+            case 4: panel_4(xm, k_in, slab, k_in, ym, n_out, nr, pb, pf, pf_step); break;
+            case 5: panel_5(xm, k_in, slab, k_in, ym, n_out, nr, pb, pf, pf_step); break;
+            default: panel_6(xm, k_in, slab, k_in, ym, n_out, nr, pb, pf, pf_step); break;
+        }
+        m += mr;
+        if (next != NULL) { pf = (const char *)next; pf_step = next_step; }
     }
 }
 """ + "".join(
