@@ -50,6 +50,16 @@ class KVPool:
         if self.observer is not None:
             self.observer.on_layer_write(layer, slots)
 
+    def write_layers_by(self, slots: torch.Tensor, store: Callable[[], int]) -> None:
+        """Store new tokens' K/V in every layer with one call: `store()` is a kernel that writes
+        exactly `slots` of layer 0's K and V, then layer 1's, and so on (computing between the
+        writes), and returns how many layers it wrote. Record each of those layers as `write`
+        does, also when the kernel stopped early."""
+        written = store()
+        if self.observer is not None:
+            for layer in range(written):
+                self.observer.on_layer_write(layer, slots)
+
     def read_pages(self, layer: int, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Gather whole pages ([...] page ids) -> two tensors [num_kv_heads, ..., page_size, head_dim]."""
         shape = (self.k[layer].shape[0], *pages.shape, *self.k[layer].shape[2:])

@@ -584,3 +584,64 @@ void kvseal_linear_i8(const float *x, const int8_t *panels, const float *scale, 
     }
 }
 """
+
+# Every decoder layer of a decode-only step in one call (`models/decode_loop.py`): the same
+# kernels the Python native forward calls one by one, in the same order on the same buffers,
+# so the result is bit-equal; what goes is ~20 Python and ctypes calls per layer.
+DECODE_LOOP = r"""
+enum { W_QKV, S_QKV, B_QKV, W_O, S_O, B_O, W_GATE_UP, S_GATE_UP, B_GATE_UP, W_DOWN, S_DOWN, B_DOWN,
+       INPUT_NORM, POST_NORM, K_POOL, V_POOL, LAYER_POINTERS };
+
+/* One linear with the model's weight kind: 0 float32 panels, 1 bfloat16 panels, 2 int8 panels
+   with per-channel scales. Returns the kernel's status (0: done). */
+static int loop_linear(int kind, const void *const *w, int which, const float *x, float *y,
+                       int64_t rows, int64_t n_out, int64_t k_in, int threads) {
+    const float *bias = w[which + 2], *scale = w[which + 1];
+    if (kind == 0) return kvseal_linear_f32(x, w[which], bias, y, rows, n_out, k_in, threads);
+    if (kind == 1) return kvseal_linear_bf16(x, w[which], bias, y, rows, n_out, k_in, threads);
+    kvseal_linear_i8(x, w[which], scale, bias, y, rows, n_out, k_in, threads);
+    return 0;
+}
+
+/* layers: num_layers x LAYER_POINTERS pointers (weights, scales or NULL, biases or NULL, the two
+   norms' weights, the layer's K and V pool [kv_heads, num_pages, page_size, head_dim]).
+   h [rows, hidden]: the embedded tokens in, the residual stream out; x [rows, hidden]: the
+   final-normed stream out. Scratch: qkv [rows, qkv_width], q and attn [rows, heads * head_dim],
+   tmp [rows, hidden], gate_up [rows, 2 * inter], act [rows, inter]. cos, signed_sin: [rows,
+   head_dim]; slots [rows]: where each row's K and V go; tables, context_lens: as
+   kvseal_decode_attention. *layers_written counts the layers whose K and V were stored.
+   Returns 0; -1 if a slot is outside the pool (nothing written in that layer); -2 if a kernel
+   could not allocate its scratch. */
+int kvseal_decode_layers(int kind, int64_t num_layers, const void *const *layers, const float *final_norm,
+                         float eps, float *h, float *x, float *qkv, float *q, float *attn, float *tmp,
+                         float *gate_up, float *act, const float *cos, const float *signed_sin,
+                         const int64_t *slots, const int64_t *tables, const int64_t *context_lens, int64_t rows,
+                         int64_t hidden, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t inter,
+                         int64_t num_pages, int64_t page_size, int64_t table_width, int64_t max_context,
+                         float scale, int threads, int64_t *layers_written) {
+    const int64_t q_size = heads * head_dim, kv_size = kv_heads * head_dim, width = q_size + 2 * kv_size;
+    *layers_written = 0;
+    kvseal_add_rms_norm(h, NULL, layers[INPUT_NORM], eps, x, rows, hidden, threads);
+    for (int64_t l = 0; l < num_layers; l++) {
+        const void *const *w = layers + l * LAYER_POINTERS;
+        float *k_pool = (float *)w[K_POOL], *v_pool = (float *)w[V_POOL];
+        if (loop_linear(kind, w, W_QKV, x, qkv, rows, width, hidden, threads)) return -2;
+        kvseal_rope(qkv, cos, signed_sin, rows, width, heads + kv_heads, head_dim);
+        if (kvseal_write_slots(qkv + q_size, qkv + q_size + kv_size, width, slots, k_pool, v_pool, rows, kv_heads,
+                               head_dim, num_pages * page_size)) return -1;
+        *layers_written = l + 1;
+        for (int64_t r = 0; r < rows; r++) memcpy(q + r * q_size, qkv + r * width, sizeof(float) * q_size);
+        if (kvseal_decode_attention(q, k_pool, v_pool, tables, context_lens, attn, rows, kv_heads, heads / kv_heads,
+                                    head_dim, num_pages, page_size, table_width, max_context, scale, threads))
+            return -2;
+        if (loop_linear(kind, w, W_O, attn, tmp, rows, hidden, q_size, threads)) return -2;
+        kvseal_add_rms_norm(h, tmp, w[POST_NORM], eps, x, rows, hidden, threads);
+        if (loop_linear(kind, w, W_GATE_UP, x, gate_up, rows, 2 * inter, hidden, threads)) return -2;
+        kvseal_silu_mul(gate_up, act, rows, inter, threads);
+        if (loop_linear(kind, w, W_DOWN, act, tmp, rows, hidden, inter, threads)) return -2;
+        const float *next_norm = l + 1 < num_layers ? (const float *)w[LAYER_POINTERS + INPUT_NORM] : final_norm;
+        kvseal_add_rms_norm(h, tmp, next_norm, eps, x, rows, hidden, threads);
+    }
+    return 0;
+}
+"""

@@ -15,6 +15,7 @@ from torch import nn
 from kvseal.config import ModelConfig
 from kvseal.kvcache.pool import KVPool
 from kvseal.models.attention import AttentionPlan, paged_attention
+from kvseal.models.decode_loop import DecodeLoop
 from kvseal.models.native import NativeLibrary, add_rms_norm, rope_, silu_mul, write_slots
 from kvseal.models.rope import RotaryEmbedding
 from kvseal.types import ForwardBatch
@@ -137,12 +138,17 @@ class CausalLM(nn.Module):
         self.rope = RotaryEmbedding(cfg)
         # The native kernels for a float32 model (`use_native`); None: torch ops only.
         self.native: NativeLibrary | None = None
+        # Decode-only steps in one native call (`models/decode_loop.py`), built at the first
+        # such step; None where the model does not fit it.
+        self._decode_loop: DecodeLoop | None = None
+        self._decode_loop_built = False
 
     def use_native(self, native: NativeLibrary | None) -> None:
         """Run the float32 forward with the native fused ops (the model must be float32)."""
         if native is not None and self.model.norm.weight.dtype != torch.float32:
             raise TypeError("the native forward is float32 only")
         self.native = native
+        self._decode_loop, self._decode_loop_built = None, False
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, pool: KVPool) -> torch.Tensor:
@@ -166,6 +172,9 @@ class CausalLM(nn.Module):
         cos, signed_sin = (t.reshape(t.shape[0], -1).contiguous() for t in self.rope.cos_sin(batch.positions, h.dtype))
         x = torch.empty_like(h)  # the normed stream each sublayer reads
         norms = [layer.input_layernorm for layer in layers[1:]] + [self.model.norm]
+        if DecodeLoop.applies(plan) and (loop := self._decode_loop_for(native)) is not None:
+            x = loop.run(h, cos, signed_sin, batch.slot_mapping, plan, pool)
+            return self.lm_head(x[batch.logits_indices]).float()
         add_rms_norm(native, h, None, layers[0].input_layernorm.weight, layers[0].input_layernorm.eps, x)
         for layer, next_norm in zip(layers, norms):
             attn = layer.self_attn.forward_native(x, cos, signed_sin, self.rope, batch, plan, pool, native)
@@ -174,3 +183,8 @@ class CausalLM(nn.Module):
             mlp = layer.mlp.forward_native(x, native).contiguous()
             add_rms_norm(native, h, mlp, next_norm.weight, next_norm.eps, x)
         return self.lm_head(x[batch.logits_indices]).float()
+
+    def _decode_loop_for(self, native: NativeLibrary) -> DecodeLoop | None:
+        if not self._decode_loop_built:  # after the linears are packed: the loop points at their weights
+            self._decode_loop, self._decode_loop_built = DecodeLoop.for_model(self, native), True
+        return self._decode_loop

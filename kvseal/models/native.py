@@ -44,7 +44,7 @@ from kvseal.models import csrc
 
 logger = logging.getLogger("kvseal")
 
-_SOURCE = "\n".join([csrc.PRELUDE, csrc.ATTENTION, csrc.LINEAR, csrc.OPS, csrc.INT8_LINEAR])
+_SOURCE = "\n".join([csrc.PRELUDE, csrc.ATTENTION, csrc.LINEAR, csrc.OPS, csrc.INT8_LINEAR, csrc.DECODE_LOOP])
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 _lock = threading.Lock()
 _loaded: dict[str, NativeLibrary | None] = {}
@@ -67,6 +67,7 @@ class NativeLibrary:
     write_slots: Callable[..., int]
     pack_panels_i8: Callable[..., None]
     linear_i8: Callable[..., None]
+    decode_layers: Callable[..., int]
 
 
 def native_library() -> NativeLibrary | None:
@@ -121,9 +122,12 @@ def _load() -> NativeLibrary | None:
     pack_i8.restype, pack_i8.argtypes = None, [_P, _P, _I, _I]
     linear_i8 = handle.kvseal_linear_i8
     linear_i8.restype, linear_i8.argtypes = None, [_P] * 5 + [_I] * 3 + [ctypes.c_int]
+    loop = handle.kvseal_decode_layers
+    loop.restype = ctypes.c_int
+    loop.argtypes = [ctypes.c_int, _I, _P, _P, ctypes.c_float, *[_P] * 13, *[_I] * 10, ctypes.c_float, ctypes.c_int, _P]
     logger.info("native kernels: %s (decode attention reads K and V in place; panel linears; fused ops)", path)
     return NativeLibrary(attention, packs[0], linears[0], packs[1], linears[1], norm, silu, rope, write, pack_i8,
-                         linear_i8)
+                         linear_i8, loop)
 
 
 def _build(compiler: str) -> Path:

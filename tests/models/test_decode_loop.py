@@ -1,0 +1,133 @@
+"""Decode-only steps in one native call (`models/decode_loop.py`) against the per-layer native
+forward it replaces: bit-equal logits for every weight kind and architecture it runs, the same
+KV writes and write records, and a slot outside the pool refused with nothing written.
+Skipped without a C compiler (neither native path exists there)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from kvseal.models import native
+from kvseal.models.decode_loop import DecodeLoop
+from kvseal.types import SamplingParams
+
+pytestmark = pytest.mark.skipif(native.native_library() is None,
+                                reason="no C compiler: the native library is not built")
+
+PROMPTS = [list(range(20, 32)), list(range(50, 90)), [7, 8], list(range(100, 117))]
+PARAMS = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=3)
+
+
+def _without_loop(llm: Any) -> Any:
+    model = llm.engine.runner.model
+    model._decode_loop, model._decode_loop_built = None, True  # the per-layer native forward only
+    return llm
+
+
+def _count_loop_steps(llm: Any) -> list[int]:
+    """Wrap the model's loop so each decode-only step that ran in it is counted."""
+    loop = llm.engine.runner.model._decode_loop_for(native.native_library())
+    assert loop is not None
+    calls: list[int] = []
+    run = loop.run
+
+    def counted(h: torch.Tensor, *args: Any) -> torch.Tensor:
+        calls.append(h.shape[0])
+        return run(h, *args)
+
+    loop.run = counted  # type: ignore[method-assign]
+    return calls
+
+
+@pytest.mark.parametrize("arch, quantization", [("llama", "none"), ("qwen2", "none"), ("mistral", "none"),
+                                                ("llama", "bf16"), ("llama", "int8")])
+def test_loop_equals_the_per_layer_native_forward(make_llm: Callable[..., Any], tiny_model_dirs: dict[str, Path],
+                                                  arch: str, quantization: str) -> None:
+    """Tokens and logprobs bit-equal (qwen2: q/k/v biases; int8: scales; bf16: widened panels),
+    with prefill chunks and decode-only steps mixed in the same run."""
+    model = str(tiny_model_dirs[arch])
+    llm = make_llm(model=model, quantization=quantization)
+    calls = _count_loop_steps(llm)
+    looped = llm.generate(PROMPTS, PARAMS)
+    assert calls and max(calls) == len(PROMPTS), "decode-only steps of every prompt ran in the loop"
+    plain = _without_loop(make_llm(model=model, quantization=quantization)).generate(PROMPTS, PARAMS)
+    for a, b in zip(looped, plain):
+        assert a.token_ids == b.token_ids
+        assert a.logprobs == b.logprobs  # exact: the same kernels in the same order
+
+
+def test_models_the_loop_does_not_run_keep_the_per_layer_forward(make_llm: Callable[..., Any],
+                                                                  tiny_model_dirs: dict[str, Path]) -> None:
+    library = native.native_library()
+    assert library is not None
+    qk_norm = make_llm(model=str(tiny_model_dirs["qwen3"])).engine.runner.model
+    assert DecodeLoop.for_model(qk_norm, library) is None  # per-head q/k norms
+    llama = make_llm().engine.runner.model
+    assert DecodeLoop.for_model(llama, library) is not None
+    llama.model.layers[1].mlp.down_proj = torch.nn.Linear(64, 64)  # a linear without panels
+    assert DecodeLoop.for_model(llama, library) is None
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return bool(torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0)))  # a poisoned (NaN) slot equals itself
+
+
+def test_loop_writes_and_records_what_the_per_layer_forward_does(make_llm: Callable[..., Any]) -> None:
+    """After the same steps, both engines' pools hold the same K/V and their write records
+    (the coverage the next step's isolation check reads) agree layer by layer."""
+    engines = []
+    for loop in (True, False):
+        llm = make_llm()
+        if not loop:
+            _without_loop(llm)
+        engine = llm.engine
+        for i, prompt in enumerate(PROMPTS):
+            engine.add_request(f"r{i}", prompt, PARAMS)
+        for _ in range(6):  # the prompts' prefills, then decode-only steps
+            engine.step()
+        engines.append(engine)
+    looped, plain = engines
+    for layer in range(len(looped.kv.pool.k)):
+        assert _same(looped.kv.pool.k[layer], plain.kv.pool.k[layer])
+        assert _same(looped.kv.pool.v[layer], plain.kv.pool.v[layer])
+    assert torch.equal(looped.kv.records.prefix, plain.kv.records.prefix)
+
+
+def test_a_slot_outside_the_pool_is_refused_and_nothing_is_written_or_recorded(make_llm: Callable[..., Any]) -> None:
+    from kvseal.engine.batch import build_forward_batch
+    from kvseal.models.attention import AttentionPlan
+
+    engine = make_llm().engine
+    engine.add_request("r0", PROMPTS[0], PARAMS)
+    engine.step()  # the prefill; the next step is a decode
+    model, pool = engine.runner.model, engine.kv.pool
+    batch = build_forward_batch(engine.scheduler.schedule().chunks, engine.kv).batch
+    plan = AttentionPlan.build(batch, pool, model.config.num_heads)
+    loop = model._decode_loop_for(native.native_library())
+    assert DecodeLoop.applies(plan) and loop is not None
+    h = model.model.embed_tokens(batch.input_ids).contiguous()
+    cos, sin = (t.reshape(t.shape[0], -1).contiguous() for t in model.rope.cos_sin(batch.positions, h.dtype))
+    before = [t.clone() for t in (*pool.k, *pool.v)]
+    recorded: list[int] = []
+
+    class Spy:
+        def on_layer_write(self, layer: int, slots: torch.Tensor) -> None:
+            recorded.append(layer)
+
+    observer, pool.observer = pool.observer, Spy()
+    try:
+        loop.run(h, cos, sin, batch.slot_mapping.clone(), plan, pool)  # the real slot: every layer recorded
+        assert recorded == list(range(len(pool.k)))
+        recorded.clear()
+        before = [t.clone() for t in (*pool.k, *pool.v)]
+        with pytest.raises(IndexError, match="outside the pool"):
+            loop.run(h, cos, sin, torch.tensor([pool.num_slots], dtype=torch.int64), plan, pool)
+    finally:
+        pool.observer = observer
+    assert recorded == [], "no layer recorded as written"
+    assert all(_same(a, b) for a, b in zip(before, (*pool.k, *pool.v)))
