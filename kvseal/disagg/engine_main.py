@@ -19,6 +19,7 @@ import torch
 from kvseal.config import EngineArgs
 from kvseal.disagg.node import EngineNode, NodeConfig
 from kvseal.engine.engine import LLMEngine
+from kvseal.heap import freeze_startup_heap
 from kvseal.messages.msgs import ABORT_SERVER_SHUTDOWN
 
 logger = logging.getLogger("kvseal.disagg")
@@ -35,6 +36,7 @@ def serve_engine(args: EngineArgs, config: NodeConfig, should_stop: Callable[[],
     signal.signal(signal.SIGINT, on_signal)
     use_threads(config.num_threads)
     node = EngineNode(LLMEngine(args), config)
+    freeze_startup_heap(f"engine ({config.role})")
     logger.info("kvseal engine ready: role=%s listening on %s (instance %s, kv transport %s, reservation "
                 "timeout %g s, torch threads %d)", config.role, config.listen, node.instance_id,
                 config.kv_transport, config.reservation_timeout_s, torch.get_num_threads())

@@ -67,6 +67,7 @@ def _connect(ctx: zmq.Context, addresses: EngineAddresses) -> tuple[zmq.Socket, 
 
 def _serve(args: EngineArgs, inbox: zmq.Socket, outbox: zmq.Socket) -> int:
     from kvseal.engine.engine import LLMEngine
+    from kvseal.heap import freeze_startup_heap
     from kvseal.messages.engine_loop import EngineLoop
 
     try:
@@ -76,6 +77,7 @@ def _serve(args: EngineArgs, inbox: zmq.Socket, outbox: zmq.Socket) -> int:
         logger.error("engine start-up failed: %s", exc)
         outbox.send(encode(EngineFailedMsg(type(exc).__name__, str(exc))))
         return 1
+    freeze_startup_heap("engine")
     parent = multiprocessing.parent_process()
     try:
         EngineLoop(engine, inbox, outbox, parent.sentinel if parent is not None else None).run()

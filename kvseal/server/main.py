@@ -26,6 +26,7 @@ from kvseal.config import EngineArgs
 from kvseal.disagg.serve import PdTopology, start_pd_backend
 from kvseal.engine_args import engine_args_from
 from kvseal.errors import ConfigError
+from kvseal.heap import freeze_startup_heap
 from kvseal.messages.msgs import ABORT_SERVER_SHUTDOWN
 from kvseal.server.app import build_app
 from kvseal.server.audit import AuditLog
@@ -81,6 +82,7 @@ async def _serve(config: ServerConfig, engine_args: EngineArgs, keys: ApiKeyTabl
         state = await _start(config, engine, keys, metrics, audit)
         if state is None:
             return 0  # stopped by a signal before the engine was ready
+        freeze_startup_heap("frontend")
         server = KvsealServer(_uvicorn_config(config, state), lambda port: _log_ready(state, port),
                               lambda: _drain(state))
         try:
@@ -102,6 +104,7 @@ async def _serve_pd(config: ServerConfig, engine_args: EngineArgs, keys: ApiKeyT
         state = await _start(config, backend.client, keys, metrics, audit)  # type: ignore[arg-type]
         if state is None:
             return 0
+        freeze_startup_heap("frontend")
         # An engine restarted at the same address may bring other limits: the front door uses them (I1).
         backend.client.on_ready_change = lambda info: setattr(state, "engine_info", info)
         server = KvsealServer(_uvicorn_config(config, state), lambda port: _log_ready(state, port),

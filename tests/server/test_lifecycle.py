@@ -58,6 +58,8 @@ def test_sigterm_lets_in_flight_requests_finish_then_exits_zero(start_server: Ca
     assert record["prompt"] == BODY["prompt"]  # --audit-log-prompts
     log = open_server.log()
     assert "kvseal ready" in log and "shutting down" in log and "Traceback" not in log
+    # both processes took their start-up heap out of garbage collection (kvseal/heap.py)
+    assert "frontend: " in log and "engine: " in log and log.count("start-up objects frozen") == 2
 
 
 def test_sigterm_past_the_grace_period_aborts_with_an_error(start_server: Callable[..., ServerProcess]) -> None:
