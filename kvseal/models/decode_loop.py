@@ -29,7 +29,6 @@ if TYPE_CHECKING:
 
 # Pointers per layer, in csrc.DECODE_LOOP's order: (weight, scale, bias) for qkv, o, gate_up
 # and down, the two norms' weights, the layer's K and V pool.
-_LINEARS = 4
 _INPUT_NORM, _POST_NORM, _K_POOL, _V_POOL, _LAYER_POINTERS = 12, 13, 14, 15, 16
 # The panels' dtype -> the kernel kind: float32 and bfloat16 panels (`packed.PanelLinear`), int8
 # panels with per-channel scales (`quant.Int8Linear` with the C kernel). A linear without
@@ -53,7 +52,7 @@ class DecodeLoop:
         for index, layer in enumerate(_layers(model)):
             base = index * _LAYER_POINTERS
             for i, linear in enumerate(_linears(layer)):
-                for j, name in enumerate(("panels", "scale" if kind == 2 else "", "bias")):
+                for j, name in enumerate(("panels", "scale", "bias")):  # only int8 linears have a scale
                     tensor = getattr(linear, name, None)
                     self.table[base + 3 * i + j] = None if tensor is None else tensor.data_ptr()
             self.table[base + _INPUT_NORM] = layer.input_layernorm.weight.data_ptr()

@@ -170,11 +170,11 @@ class CausalLM(nn.Module):
         layers: list[DecoderLayer] = list(self.model.layers)  # type: ignore[arg-type]
         h = self.model.embed_tokens(batch.input_ids).contiguous()  # [num_tokens, hidden], the residual stream
         cos, signed_sin = (t.reshape(t.shape[0], -1).contiguous() for t in self.rope.cos_sin(batch.positions, h.dtype))
-        x = torch.empty_like(h)  # the normed stream each sublayer reads
-        norms = [layer.input_layernorm for layer in layers[1:]] + [self.model.norm]
         if DecodeLoop.applies(plan) and (loop := self._decode_loop_for(native)) is not None:
             x = loop.run(h, cos, signed_sin, batch.slot_mapping, plan, pool)
             return self.lm_head(x[batch.logits_indices]).float()
+        x = torch.empty_like(h)  # the normed stream each sublayer reads
+        norms = [layer.input_layernorm for layer in layers[1:]] + [self.model.norm]
         add_rms_norm(native, h, None, layers[0].input_layernorm.weight, layers[0].input_layernorm.eps, x)
         for layer, next_norm in zip(layers, norms):
             attn = layer.self_attn.forward_native(x, cos, signed_sin, self.rope, batch, plan, pool, native)
