@@ -96,7 +96,7 @@ def test_foreign_page_without_checks_is_caught_by_markers(copy_model_dir: Path, 
     canary stands between this and a silent leak, and it must report it by markers. Whether a
     foreign page holds another tenant's marker when it is read depends on which requests overlap,
     so the run is long enough that some do: at 48 requests a faster engine (round 6) caught no
-    leak in 1 of 3 runs; at 96, 3-28 leaks in each of 6 runs."""
+    leak in 1 of 3 runs; at 160, every run saw 14-34 leaks."""
     with KvsealServer(copy_model_dir, tmp_path, _server_keys(), faults=["foreign_page", "bypass_kv_checks"],
                       extra_args=["--kv-scrub", "off"]) as server:
         status, report = run_canary(server.url, CANARY_KEYS, "--requests", "160", "--seed", "3", *_admin_flags())
