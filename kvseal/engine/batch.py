@@ -28,9 +28,11 @@ class PreparedForward:
 
 
 def build_forward_batch(chunks: list[ScheduledChunk], kv: KVCacheManager) -> PreparedForward:
+    # Flat Python lists, one tensor each at the end: a decode row costs a few list appends,
+    # not several small tensors.
     input_ids: list[int] = []
-    positions: list[torch.Tensor] = []
-    new_slots: list[torch.Tensor] = []
+    positions: list[int] = []
+    new_slots: list[int] = []
     block_tables: list[torch.Tensor] = []
     starts: list[int] = []
     context_lens: list[int] = []
@@ -40,8 +42,8 @@ def build_forward_batch(chunks: list[ScheduledChunk], kv: KVCacheManager) -> Pre
         ids, start, end = _chunk_tokens(chunk)
         request_id = chunk.request.request_id
         input_ids.extend(ids)
-        positions.append(torch.arange(start, end, dtype=torch.int64))
-        new_slots.append(kv.slots(request_id, start, end))
+        positions.extend(range(start, end))
+        new_slots.extend(kv.slot_list(request_id, start, end))
         block_tables.append(kv.block_table(request_id, end))
         starts.append(start)
         context_lens.append(end)
@@ -50,8 +52,8 @@ def build_forward_batch(chunks: list[ScheduledChunk], kv: KVCacheManager) -> Pre
             logits_indices.append(len(input_ids) - 1)
     batch = ForwardBatch(
         input_ids=torch.tensor(input_ids, dtype=torch.int64),
-        positions=torch.cat(positions),
-        slot_mapping=torch.cat(new_slots),
+        positions=torch.tensor(positions, dtype=torch.int64),
+        slot_mapping=torch.tensor(new_slots, dtype=torch.int64),
         query_lens=query_lens,
         context_lens=context_lens,
         block_tables=block_tables,

@@ -192,9 +192,13 @@ class KVCacheManager:
 
     def slots(self, request_id: str, start: int, end: int) -> torch.Tensor:
         """Pool slot of each position in [start, end) of the request: [end - start] int64."""
-        pages = torch.tensor(self._page_table(request_id), dtype=torch.int64)
-        positions = torch.arange(start, end, dtype=torch.int64)
-        return pages[positions // self.page_size] * self.page_size + positions % self.page_size
+        return torch.tensor(self.slot_list(request_id, start, end), dtype=torch.int64)
+
+    def slot_list(self, request_id: str, start: int, end: int) -> list[int]:
+        """`slots` as a list (a step builds one tensor for the whole batch from these). Raises
+        IndexError for a position past the request's pages."""
+        pages, page_size = self._page_table(request_id), self.page_size
+        return [pages[pos // page_size] * page_size + pos % page_size for pos in range(start, end)]
 
     def block_table(self, request_id: str, num_tokens: int) -> torch.Tensor:
         """The request's pages covering its first `num_tokens` positions, in order."""

@@ -7,6 +7,8 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from kvseal.config import ModelConfig
 
+MAX_TABLE_POSITIONS = 1 << 16
+
 
 def _rope_parameters(hf: object) -> dict:
     params = getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {}
@@ -28,11 +30,34 @@ class RotaryEmbedding:
         else:
             inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf, torch.device("cpu"))
             self.inv_freq, self.scaling = inv_freq.float(), float(scaling)
+        # dtype -> (cos, signed_sin) [num_positions, head_dim] for positions 0..num_positions-1
+        self._tables: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Computed in float32, then cast to the activations' dtype (as transformers does).
         positions: [num_tokens] -> cos, signed_sin: [num_tokens, 1, head_dim], where signed_sin
-        is sin with its first half negated (the sign rotate-half puts on x's second half)."""
+        is sin with its first half negated (the sign rotate-half puts on x's second half).
+
+        Rows come from a table of every position up to the largest seen so far (grown to the
+        next power of two), the same elementwise float32 arithmetic per position, so the
+        values are those of computing them for `positions` directly. Positions past
+        MAX_TABLE_POSITIONS are computed directly (a table that long would cost more memory
+        than it saves time)."""
+        num_positions = int(positions.max()) + 1 if positions.numel() else 0
+        if not 0 < num_positions <= MAX_TABLE_POSITIONS:
+            return self._rows(positions, dtype)
+        cos, signed_sin = self._table(num_positions, dtype)
+        return cos[positions][:, None, :], signed_sin[positions][:, None, :]
+
+    def _table(self, num_positions: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        table = self._tables.get(dtype)
+        if table is None or table[0].shape[0] < num_positions:
+            size = 1 << max(num_positions - 1, 0).bit_length()
+            cos, signed_sin = self._rows(torch.arange(size, dtype=torch.int64), dtype)
+            table = self._tables[dtype] = (cos[:, 0], signed_sin[:, 0])
+        return table
+
+    def _rows(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         cos, sin = (freqs.cos() * self.scaling).to(dtype), (freqs.sin() * self.scaling).to(dtype)
         return torch.cat((cos, cos), dim=-1)[:, None, :], torch.cat((-sin, sin), dim=-1)[:, None, :]
