@@ -143,7 +143,7 @@ def _load() -> NativeLibrary | None:
     loop.argtypes = [ctypes.c_int, _I, _P, _P, ctypes.c_float, *[_P] * 13, *[_I] * 10, ctypes.c_float, ctypes.c_int, _P]
     prefill = handle.kvseal_prefill_attention
     prefill.restype = ctypes.c_int
-    prefill.argtypes = [_P, _I, _P] + [_I] * 5 + [ctypes.c_float, _P, ctypes.c_int]
+    prefill.argtypes = [_P, _I, _P, *[_I] * 5, ctypes.c_float, _P, ctypes.c_int]
     logger.info("native kernels: %s (decode attention reads K and V in place; panel linears; fused ops)", path)
     return NativeLibrary(attention, packs[0], linears[0], packs[1], linears[1], norm, silu, rope, write, pack_i8,
                          linear_i8, loop, prefill)
