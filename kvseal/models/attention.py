@@ -12,7 +12,10 @@ slots 0..context_len-1 only) when it could be built; otherwise it reads V in pla
 A prefill chunk that starts at position 0 attends only to the tokens it computes itself: it
 uses the K/V of this forward directly (the same values it just wrote to its own pages; the
 pool has the activations' dtype) instead of reading them back, and chunks of equal length
-share one causal SDPA call.
+share one causal attention call. In the native float32 forward that call is the native kernel
+(`models/native.py`), which reads each chunk's own rows of the fused qkv projection in place
+and writes its output rows; otherwise (no kernel, another dtype, head_dim not a multiple of 8)
+the chunks' q/k/v are gathered into one causal SDPA call.
 """
 
 from __future__ import annotations
@@ -25,7 +28,12 @@ import torch.nn.functional as F
 from torch.nn.utils.rnn import pad_sequence
 
 from kvseal.kvcache.pool import KVPool
-from kvseal.models.native import decode_attention_kernel, run_decode_attention
+from kvseal.models.native import (
+    decode_attention_kernel,
+    prefill_attention_kernel,
+    run_decode_attention,
+    run_prefill_attention,
+)
 from kvseal.types import ForwardBatch
 
 
@@ -42,11 +50,15 @@ class PrefillSpan:
 
 @dataclass(frozen=True)
 class FreshPrefills:
-    """Chunks starting at position 0, all `length` tokens long: one causal SDPA call."""
+    """Chunks starting at position 0, all `length` tokens long: one causal attention call."""
 
     length: int
     token_idx: torch.Tensor | None  # [num_chunks * length] into the flattened tokens; None: one chunk
     token_start: int  # the first token when there is one chunk
+    starts: torch.Tensor  # [num_chunks] int64: each chunk's first token
+    # The native kernel (a float32 pool and a built library); None: SDPA over gathered q/k/v.
+    # It runs only where the forward hands over its fused qkv rows (`paged_attention`).
+    kernel: Callable[..., int] | None = None
 
 
 @dataclass(frozen=True)
@@ -139,7 +151,8 @@ class AttentionPlan:
             else:
                 prefills.append(_prefill_span(token_start, query_len, context_len, batch.block_tables[i]))
             token_start += query_len
-        fresh = [_fresh_group(length, starts) for length, starts in fresh_starts.items()]
+        fresh_kernel = prefill_attention_kernel() if fresh_starts and pool.k[0].dtype == torch.float32 else None
+        fresh = [_fresh_group(length, starts, fresh_kernel) for length, starts in fresh_starts.items()]
         if not decode_rows:
             return cls(None, prefills, fresh)
         token_idx = None
@@ -169,11 +182,12 @@ def _prefill_span(token_start: int, query_len: int, context_len: int, pages: tor
     return PrefillSpan(token_start, token_start + query_len, pages, context_len, mask)
 
 
-def _fresh_group(length: int, starts: list[int]) -> FreshPrefills:
+def _fresh_group(length: int, starts: list[int], kernel: Callable[..., int] | None) -> FreshPrefills:
+    first = torch.tensor(starts, dtype=torch.int64)
     if len(starts) == 1:
-        return FreshPrefills(length, None, starts[0])
-    token_idx = (torch.tensor(starts)[:, None] + torch.arange(length)[None, :]).reshape(-1)
-    return FreshPrefills(length, token_idx, starts[0])
+        return FreshPrefills(length, None, starts[0], first, kernel)
+    token_idx = (first[:, None] + torch.arange(length)[None, :]).reshape(-1)
+    return FreshPrefills(length, token_idx, starts[0], first, kernel)
 
 
 def _padded_pages(rows: list[torch.Tensor], context_lens: list[int],
@@ -189,10 +203,14 @@ def _padded_pages(rows: list[torch.Tensor], context_lens: list[int],
 
 
 def paged_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, pool: KVPool, layer: int,
-                    plan: AttentionPlan) -> torch.Tensor:
+                    plan: AttentionPlan, qkv: torch.Tensor | None = None) -> torch.Tensor:
     """q: [num_tokens, num_heads, head_dim]; k_new, v_new: this forward's K/V as written to the
-    pool, [num_tokens, num_kv_heads, head_dim] -> [num_tokens, num_heads, head_dim]."""
-    out = torch.empty_like(q)
+    pool, [num_tokens, num_kv_heads, head_dim] -> [num_tokens, num_heads, head_dim].
+
+    qkv: the fused rows that q, k_new and v_new are views of (`Attention.forward_native`:
+    [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim], contiguous, after RoPE), or None.
+    With it, fresh chunks run the native kernel on those rows in place where it applies."""
+    out = torch.empty(q.shape, dtype=q.dtype)  # contiguous: the native kernels write rows of it
     if plan.decode is not None:
         rows = plan.decode
         if rows.token_idx is None:
@@ -202,7 +220,14 @@ def paged_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, p
     if plan.fresh and k_new.dtype != pool.k[layer].dtype:  # attend to exactly what the pool holds
         k_new, v_new = (t.to(pool.k[layer].dtype).to(q.dtype) for t in (k_new, v_new))
     for group in plan.fresh:
-        _fresh_attention(q, k_new, v_new, group, out)
+        if qkv is not None and _fresh_runs_native(q, k_new, v_new, qkv, group):
+            assert group.kernel is not None
+            # Isolation: the kernel reads each chunk's own rows of qkv only (the tokens of this
+            # forward of that same sequence, positions 0..length-1), never the pool.
+            run_prefill_attention(group.kernel, qkv, group.starts, group.length, q.shape[1], k_new.shape[1],
+                                  q.shape[2], out)
+        else:
+            _fresh_attention(q, k_new, v_new, group, out)
     for span in plan.prefills:
         k, v = pool.read_pages(layer, span.pages)  # [kv_heads, P, page_size, head_dim]
         k, v = k.flatten(1, 2)[:, : span.context_len], v.flatten(1, 2)[:, : span.context_len]
@@ -210,6 +235,20 @@ def paged_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, p
         o = F.scaled_dot_product_attention(qp, k[None], v[None], attn_mask=span.mask, enable_gqa=True)
         out[span.token_start:span.token_end] = o[0].transpose(0, 1)
     return out
+
+
+def _fresh_runs_native(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qkv: torch.Tensor,
+                       group: FreshPrefills) -> bool:
+    """Whether the native kernel applies: a kernel in the plan (float32 pool), float32 rows,
+    head_dim a multiple of 8, and q, k, v the q / K / V column blocks of the qkv rows."""
+    heads, kv_heads, head_dim = q.shape[1], k.shape[1], q.shape[2]
+    if group.kernel is None or qkv.dtype != torch.float32 or not qkv.is_contiguous() or head_dim % 8:
+        return False
+    base = qkv.data_ptr()
+    assert qkv.shape[1] == (heads + 2 * kv_heads) * head_dim and q.data_ptr() == base \
+        and k.data_ptr() == base + 4 * heads * head_dim and v.data_ptr() == base + 4 * (heads + kv_heads) * head_dim, \
+        "q, k, v are the column blocks of the qkv rows"
+    return True
 
 
 def _fresh_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: FreshPrefills,

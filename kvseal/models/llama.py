@@ -86,7 +86,7 @@ class Attention(nn.Module):
         q = qkv[:, :k_at].view(n, self.num_heads, self.head_dim)
         k = qkv[:, k_at:v_at].view(n, self.num_kv_heads, self.head_dim)
         v = qkv[:, v_at:].view(n, self.num_kv_heads, self.head_dim)
-        out = paged_attention(q, k, v, pool, layer, plan)  # [num_tokens, heads, head_dim]
+        out = paged_attention(q, k, v, pool, layer, plan, qkv)  # [num_tokens, heads, head_dim]
         return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
 
 

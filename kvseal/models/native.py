@@ -9,6 +9,14 @@ What it reads: for row b, only slots 0 .. context_lens[b]-1 through the row's ow
 the same slots the torch path attends to, and nothing past them (no padding at all). The
 isolation checks that run before every forward (`engine/batch.py`) are unchanged.
 
+**Fresh prefill attention.** Chunks that start at position 0 attend only to their own tokens,
+so `kvseal_prefill_attention` (`csrc.PREFILL_ATTENTION`) reads the fused qkv rows of the
+forward in place (after RoPE) instead of the pool: for one group of equal-length chunks, the
+q, K and V columns of each chunk's own rows, and nothing else (no pool, no other chunk's or
+sequence's rows). It is blocked like the panel linears (K^T packed once per chunk and KV head
+into 16-key panels, 6 query rows x 16 keys per register block, only the causally visible key
+panels), writes each chunk's output rows in place and replaces gathered q/k/v and a causal SDPA.
+
 **Linears.** `kvseal_linear_f32` multiplies by a weight held in 16-feature column panels
 (`csrc.LINEAR`), packed once at start-up in place of the nn.Linear weight (one copy). It is
 measured against oneDNN's packed weights and MKL in docs/BENCHMARKS.md ("Round 5").
@@ -44,7 +52,8 @@ from kvseal.models import csrc
 
 logger = logging.getLogger("kvseal")
 
-_SOURCE = "\n".join([csrc.PRELUDE, csrc.ATTENTION, csrc.LINEAR, csrc.OPS, csrc.INT8_LINEAR, csrc.DECODE_LOOP])
+_SOURCE = "\n".join([csrc.PRELUDE, csrc.ATTENTION, csrc.LINEAR, csrc.OPS, csrc.INT8_LINEAR, csrc.DECODE_LOOP,
+                     csrc.PREFILL_ATTENTION])
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 _lock = threading.Lock()
 _loaded: dict[str, NativeLibrary | None] = {}
@@ -68,6 +77,7 @@ class NativeLibrary:
     pack_panels_i8: Callable[..., None]
     linear_i8: Callable[..., None]
     decode_layers: Callable[..., int]
+    prefill_attention: Callable[..., int]
 
 
 def native_library() -> NativeLibrary | None:
@@ -82,6 +92,12 @@ def decode_attention_kernel() -> Callable[..., int] | None:
     """The compiled `kvseal_decode_attention`; None if the library cannot be built."""
     library = native_library()
     return None if library is None else library.decode_attention
+
+
+def prefill_attention_kernel() -> Callable[..., int] | None:
+    """The compiled `kvseal_prefill_attention`; None if the library cannot be built."""
+    library = native_library()
+    return None if library is None else library.prefill_attention
 
 
 def _load() -> NativeLibrary | None:
@@ -125,9 +141,12 @@ def _load() -> NativeLibrary | None:
     loop = handle.kvseal_decode_layers
     loop.restype = ctypes.c_int
     loop.argtypes = [ctypes.c_int, _I, _P, _P, ctypes.c_float, *[_P] * 13, *[_I] * 10, ctypes.c_float, ctypes.c_int, _P]
+    prefill = handle.kvseal_prefill_attention
+    prefill.restype = ctypes.c_int
+    prefill.argtypes = [_P, _I, _P, *[_I] * 5, ctypes.c_float, _P, ctypes.c_int]
     logger.info("native kernels: %s (decode attention reads K and V in place; panel linears; fused ops)", path)
     return NativeLibrary(attention, packs[0], linears[0], packs[1], linears[1], norm, silu, rope, write, pack_i8,
-                         linear_i8, loop)
+                         linear_i8, loop, prefill)
 
 
 def _build(compiler: str) -> Path:
@@ -178,6 +197,30 @@ def run_decode_attention(kernel: Callable[..., int], q: torch.Tensor, k: torch.T
     if status != 0:
         raise MemoryError("decode attention kernel could not allocate its score scratch")
     return out.to(dtype)
+
+
+def run_prefill_attention(kernel: Callable[..., int], qkv: torch.Tensor, starts: torch.Tensor, length: int,
+                          num_heads: int, num_kv_heads: int, head_dim: int, out: torch.Tensor) -> None:
+    """Causal attention of the chunks whose first rows are `starts` ([num_chunks] int64, each
+    chunk `length` rows at positions 0..length-1) over their own rows of qkv, written into
+    their rows of out. qkv: [rows, width] float32 contiguous, each row q heads, K heads, V heads
+    (head_dim each); out: [rows, num_heads, head_dim] float32 contiguous. head_dim must be a
+    multiple of 8. Raises MemoryError if the kernel could not allocate its scratch."""
+    rows, width = qkv.shape
+    if qkv.dtype != torch.float32 or out.dtype != torch.float32 or starts.dtype != torch.int64 \
+            or not (qkv.is_contiguous() and out.is_contiguous() and starts.is_contiguous()):
+        raise TypeError("the prefill attention kernel takes contiguous float32 rows and int64 starts")
+    if head_dim % 8 or num_heads % num_kv_heads or width < (num_heads + 2 * num_kv_heads) * head_dim \
+            or out.shape != (rows, num_heads, head_dim) or starts.dim() != 1:
+        raise ValueError("prefill attention: shapes disagree (or head_dim is not a multiple of 8)")
+    if starts.numel() == 0 or length == 0:
+        return
+    if int(starts.min()) < 0 or int(starts.max()) + length > rows:
+        raise IndexError("a prefill chunk runs past the rows of qkv")
+    status = kernel(qkv.data_ptr(), width, starts.data_ptr(), starts.numel(), length, num_heads, num_kv_heads,
+                    head_dim, head_dim**-0.5, out.data_ptr(), torch.get_num_threads())
+    if status != 0:
+        raise MemoryError("prefill attention kernel could not allocate its panels or scratch")
 
 
 def pack_panels(library: NativeLibrary, weight: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -1,0 +1,179 @@
+"""The native fresh-prefill attention kernel (`models/native.py`) against causal SDPA.
+
+Fresh chunks (starting at position 0) go through `AttentionPlan.build` + `paged_attention`
+twice: with the fused qkv rows handed over (the native kernel) and without (gathered q/k/v and
+SDPA). They must agree to float32 tolerance for chunk lengths around the kernel's 6-row and
+16-key blocks, several chunks and groups per batch, GQA groups 1, 3 and 4, and head dims that
+are a multiple of 16, only of 8, and neither (that one falls back). The kernel must read only
+each chunk's own rows: every other row of qkv is NaN where the test can make it so.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kvseal.models.attention as attention
+from kvseal.kvcache.pool import KVPool
+from kvseal.models.native import prefill_attention_kernel, run_prefill_attention
+from kvseal.types import ForwardBatch
+
+pytestmark = pytest.mark.skipif(prefill_attention_kernel() is None, reason="no C compiler: the kernel is not built")
+
+PAGE_SIZE = 16
+
+
+def _batch(pool: KVPool, spans: list[tuple[int, int]], generator: torch.Generator) -> ForwardBatch:
+    """Sequences of (query_len, context_len) on disjoint, scattered pages. Each sequence's cached
+    prefix (context_len - query_len slots) is written (finite) in every layer; every other slot
+    of the pool is NaN, and the new tokens' slots are left to the caller."""
+    counts = [-(-context // PAGE_SIZE) for _, context in spans]
+    tables = list(torch.randperm(pool.num_pages, generator=generator)[: sum(counts)].split(counts))
+    slots = [(t[:, None] * PAGE_SIZE + torch.arange(PAGE_SIZE)).reshape(-1) for t in tables]
+    kv_heads, head_dim = pool.k[0].shape[0], pool.k[0].shape[-1]
+    for layer in range(len(pool.k)):
+        pool.k[layer].fill_(float("nan")), pool.v[layer].fill_(float("nan"))
+        for s, (query_len, context_len) in zip(slots, spans):
+            cached = s[: context_len - query_len]
+            shape = (cached.numel(), kv_heads, head_dim)
+            pool.write(layer, cached, torch.randn(shape, generator=generator), torch.randn(shape, generator=generator))
+    query_lens, context_lens = [q for q, _ in spans], [c for _, c in spans]
+    positions = torch.cat([torch.arange(c - q, c) for q, c in spans])
+    slot_mapping = torch.cat([s[c - q: c] for s, (q, c) in zip(slots, spans)])
+    num_tokens = sum(query_lens)
+    return ForwardBatch(torch.zeros(num_tokens, dtype=torch.long), positions, slot_mapping, query_lens, context_lens,
+                        tables, torch.arange(num_tokens))
+
+
+def _fused_rows(num_tokens: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """qkv [num_tokens, (heads + 2 kv_heads) * head_dim] and its q, k, v views, as in
+    `Attention.forward_native`."""
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    qkv = torch.randn(num_tokens, q_size + 2 * kv_size, generator=generator)
+    q = qkv[:, :q_size].view(num_tokens, num_heads, head_dim)
+    k = qkv[:, q_size:q_size + kv_size].view(num_tokens, num_kv_heads, head_dim)
+    v = qkv[:, q_size + kv_size:].view(num_tokens, num_kv_heads, head_dim)
+    return qkv, q, k, v
+
+
+def _forward_both(spans: list[tuple[int, int]], num_heads: int, num_kv_heads: int, head_dim: int, seed: int,
+                  monkeypatch: pytest.MonkeyPatch) -> tuple[torch.Tensor, torch.Tensor, attention.AttentionPlan]:
+    """One layer of attention for the batch: with the qkv rows (native where it applies) and the
+    torch path (a plan built with both native kernels off, no qkv)."""
+    generator = torch.Generator().manual_seed(seed)
+    pool = KVPool(1, 64, PAGE_SIZE, num_kv_heads, head_dim, torch.float32)
+    batch = _batch(pool, spans, generator)
+    qkv, q, k, v = _fused_rows(batch.num_tokens, num_heads, num_kv_heads, head_dim, generator)
+    pool.write(0, batch.slot_mapping, k, v)
+    plan = attention.AttentionPlan.build(batch, pool, num_heads)
+    with monkeypatch.context() as patch:
+        patch.setattr(attention, "decode_attention_kernel", lambda: None)
+        patch.setattr(attention, "prefill_attention_kernel", lambda: None)
+        reference_plan = attention.AttentionPlan.build(batch, pool, num_heads)
+    got = attention.paged_attention(q, k, v, pool, 0, plan, qkv)
+    want = attention.paged_attention(q, k, v, pool, 0, reference_plan)
+    return got, want, plan
+
+
+def _sdpa_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """[L, heads, head_dim] q and [L, kv_heads, head_dim] k, v -> causal attention [L, heads, head_dim]."""
+    o = F.scaled_dot_product_attention(*(t.transpose(0, 1)[None] for t in (q, k, v)), is_causal=True,
+                                       enable_gqa=True)
+    return o[0].transpose(0, 1)
+
+
+@pytest.mark.parametrize("head_dim", [8, 16, 64, 72])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(3, 3), (9, 3), (8, 2)])
+def test_kernel_matches_sdpa(head_dim: int, num_heads: int, num_kv_heads: int,
+                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """Chunk lengths around the 6-row / 16-key blocks; one chunk alone and three of a length."""
+    for length in (1, 5, 16, 17, 100, 256):
+        for num_chunks in (1, 3):
+            spans = [(length, length)] * num_chunks
+            got, want, plan = _forward_both(spans, num_heads, num_kv_heads, head_dim, length, monkeypatch)
+            assert plan.fresh[0].kernel is not None, "a float32 pool uses the kernel"
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_groups_of_different_lengths(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Chunks of four lengths interleaved: four groups, each chunk at its own rows."""
+    spans = [(n, n) for n in (5, 17, 5, 100, 17, 5, 33)]
+    got, want, plan = _forward_both(spans, 9, 3, 64, 11, monkeypatch)
+    assert sorted(group.length for group in plan.fresh) == [5, 17, 33, 100]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_mixed_batch_with_decodes_and_a_continuing_chunk(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decode rows, a chunk after a cached prefix (PrefillSpan) and fresh chunks in one forward:
+    each path fills its own rows of the output."""
+    spans = [(1, 40), (20, 20), (1, 17), (24, 57), (20, 20), (7, 7), (1, 3)]
+    got, want, plan = _forward_both(spans, 9, 3, 64, 5, monkeypatch)
+    assert plan.decode is not None and len(plan.prefills) == 1 and len(plan.fresh) == 2
+    assert torch.isfinite(got).all(), "a path read a slot outside its rows' written context"
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_head_dim_not_a_multiple_of_8_falls_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    spans = [(17, 17), (17, 17), (5, 5)]
+    calls: list[int] = []
+    monkeypatch.setattr(attention, "run_prefill_attention", lambda *args: calls.append(1))
+    got, want, _ = _forward_both(spans, 6, 3, 12, 3, monkeypatch)
+    assert not calls, "head_dim 12 runs SDPA"
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_bfloat16_pool_falls_back() -> None:
+    generator = torch.Generator().manual_seed(2)
+    pool = KVPool(1, 8, PAGE_SIZE, 3, 64, torch.bfloat16)
+    batch = _batch(pool, [(9, 9), (9, 9)], generator)
+    assert all(group.kernel is None for group in attention.AttentionPlan.build(batch, pool, 9).fresh)
+
+
+def test_kernel_reads_only_the_chunks_own_rows() -> None:
+    """Rows of qkv between the chunks are NaN and the output rows outside them are a sentinel:
+    the chunks' output is finite and right, and no other output row is written."""
+    kernel = prefill_attention_kernel()
+    assert kernel is not None
+    generator = torch.Generator().manual_seed(9)
+    length, heads, kv_heads, head_dim = 37, 8, 2, 16
+    starts = torch.tensor([3, 3 + length + 2, 3 + 2 * length + 9])
+    qkv, q, k, v = _fused_rows(int(starts[-1]) + length + 4, heads, kv_heads, head_dim, generator)
+    inside = torch.zeros(qkv.shape[0], dtype=torch.bool)
+    for start in starts.tolist():
+        inside[start:start + length] = True
+    qkv[~inside] = float("nan")
+    out = torch.full((qkv.shape[0], heads, head_dim), 7.0)
+    run_prefill_attention(kernel, qkv, starts, length, heads, kv_heads, head_dim, out)
+    assert (out[~inside] == 7.0).all()
+    for start in starts.tolist():
+        rows = slice(start, start + length)
+        torch.testing.assert_close(out[rows], _sdpa_chunk(q[rows], k[rows], v[rows]), rtol=1e-5, atol=1e-5)
+
+
+def test_extreme_scores_stay_finite() -> None:
+    """Large score gaps (exp underflow) and equal scores (uniform weights)."""
+    kernel = prefill_attention_kernel()
+    assert kernel is not None
+    generator = torch.Generator().manual_seed(4)
+    for scale in (200.0, 0.0):
+        qkv, q, k, v = _fused_rows(50, 4, 2, 32, generator)
+        qkv[:, : 4 * 32] *= scale
+        out = torch.empty(50, 4, 32)
+        run_prefill_attention(kernel, qkv, torch.tensor([0]), 50, 4, 2, 32, out)
+        assert torch.isfinite(out).all()
+        torch.testing.assert_close(out, _sdpa_chunk(q, k, v), rtol=1e-4, atol=1e-4)
+
+
+def test_wrapper_refuses_bad_arguments() -> None:
+    kernel = prefill_attention_kernel()
+    assert kernel is not None
+    qkv = torch.zeros(10, 4 * 12)
+    with pytest.raises(ValueError):
+        run_prefill_attention(kernel, qkv, torch.tensor([0]), 10, 2, 1, 12, torch.empty(10, 2, 12))
+    qkv = torch.zeros(10, 4 * 16)
+    with pytest.raises(IndexError):
+        run_prefill_attention(kernel, qkv, torch.tensor([4]), 7, 2, 1, 16, torch.empty(10, 2, 16))
+    with pytest.raises(TypeError):
+        run_prefill_attention(kernel, qkv, torch.tensor([0], dtype=torch.int32), 7, 2, 1, 16, torch.empty(10, 2, 16))
