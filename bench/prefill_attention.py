@@ -9,7 +9,7 @@ plans with the prefill kernel off (`attention.prefill_attention_kernel` patched 
 The first round is a warm-up (not counted) and sends the same prompts to both variants, whose
 sampled tokens must agree.
 
-Usage: PYTHONPATH=TREE python bench/prefill_attention.py [--model /tmp/w/model] [--rounds 7]
+Usage: PYTHONPATH=TREE python bench/prefill_attention.py [--model DIR_OR_GGUF] [--rounds 7]
 Timings on a shared host are noisy: compare the variants within one run only.
 """
 
@@ -81,7 +81,7 @@ def one_step(llm: LLM, prompts: list[list[int]], tag: str, clock: AttentionClock
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="/tmp/w/model")
+    parser.add_argument("--model", default=None, help="model folder or .gguf (default: the default model)")
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--prompt-tokens", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=7)
