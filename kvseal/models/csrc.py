@@ -210,7 +210,10 @@ static void panel_row_SFX(const float *x, const WTYPE *slab, int64_t k_in, float
 
 /* y [M, N] = x [M, K] . W^T (+ bias [N] unless NULL); W as panels (kvseal_pack_panels_SFX). Rows
    go in blocks of 96 (a block of x stays in L2 while every panel passes over it); panels are
-   split between the threads. Returns -1 if a thread's widening buffer could not be allocated
+   handed to the threads two at a time as they come free (dynamic): on a host whose cores are
+   shared with the frontend, a thread that is preempted no longer holds the others at the end
+   of the block with its static half still to do. The sums are the same whichever thread
+   computes a panel. Returns -1 if a thread's widening buffer could not be allocated
    (nothing is computed then), else 0. */
 int kvseal_linear_SFX(const float *x, const WTYPE *panels, const float *bias, float *y,
                       int64_t rows, int64_t n_out, int64_t k_in, int num_threads) {
@@ -230,7 +233,7 @@ int kvseal_linear_SFX(const float *x, const WTYPE *panels, const float *bias, fl
         {
             float *buffer = WIDENS ? malloc(sizeof(float) * 16 * k_in) : NULL;
             if (WIDENS && buffer == NULL) failed = 1;
-            #pragma omp for schedule(static)
+            #pragma omp for schedule(dynamic, 2)
             for (int64_t p = 0; p < count; p++) {
                 if (WIDENS && buffer == NULL) continue;
                 const float *slab = WIDEN(panels + p * k_in * 16, buffer, 16 * k_in);
