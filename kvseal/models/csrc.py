@@ -702,21 +702,26 @@ static void pack_query_block(const float *q, int64_t row_stride, int64_t mr, int
         for (int64_t d = 0; d < head_dim; d++) qb[i * head_dim + d] = i < mr ? scale * q[i * row_stride + d] : 0.0f;
 }
 
-/* s [FRESH_ROWS][lds] = qb . K^T over key panels 0..count-1: per panel 12 accumulators, one
-   broadcast of q per (row, d), two panel loads per d. */
+/* a0, a1 [FRESH_ROWS] = rows x (ldx apart) . panel over k < k_in, one 16-wide panel row per k:
+   12 accumulators, one broadcast of x per (row, k), two panel loads per k. */
+static inline __attribute__((always_inline)) void block_6x16(const float *x, int64_t ldx, const float *panel,
+                                                             int64_t k_in, v8 *a0, v8 *a1) {
+    for (int i = 0; i < FRESH_ROWS; i++) { a0[i] = (v8){0}; a1[i] = (v8){0}; }
+    for (int64_t k = 0; k < k_in; k++) {
+        const v8 w0 = load8(panel + k * 16), w1 = load8(panel + k * 16 + 8);
+        for (int i = 0; i < FRESH_ROWS; i++) {
+            const float s = x[i * ldx + k];
+            a0[i] += s * w0; a1[i] += s * w1;
+        }
+    }
+}
+
+/* s [FRESH_ROWS][lds] = qb . K^T over key panels 0..count-1. */
 static void block_scores(const float *qb, const float *panels, int64_t count, int64_t head_dim, float *s,
                          int64_t lds) {
     for (int64_t p = 0; p < count; p++) {
-        const float *panel = panels + p * head_dim * 16;
         v8 a0[FRESH_ROWS], a1[FRESH_ROWS];
-        for (int i = 0; i < FRESH_ROWS; i++) { a0[i] = (v8){0}; a1[i] = (v8){0}; }
-        for (int64_t d = 0; d < head_dim; d++) {
-            const v8 w0 = load8(panel + d * 16), w1 = load8(panel + d * 16 + 8);
-            for (int i = 0; i < FRESH_ROWS; i++) {
-                const float x = qb[i * head_dim + d];
-                a0[i] += x * w0; a1[i] += x * w1;
-            }
-        }
+        block_6x16(qb, head_dim, panels + p * head_dim * 16, head_dim, a0, a1);
         for (int i = 0; i < FRESH_ROWS; i++) {
             store8(s + i * lds + p * 16, a0[i]);
             store8(s + i * lds + p * 16 + 8, a1[i]);
@@ -752,21 +757,13 @@ static float causal_row(float *s, int64_t pos, int64_t n) {
 }
 
 /* Rows 0..mr-1 of out (out_stride apart) = inv[i] * sum over t < n of p[i][t] * V[t], V as the
-   panels of pack_value_panels (`length` keys each): 16 features at a time in 12 accumulators;
-   a last panel of 8 features (head_dim % 16 == 8) stores only those 8. */
+   panels of pack_value_panels (`length` keys each), 16 features at a time; a last panel of 8
+   features (head_dim % 16 == 8) stores only those 8. */
 static void block_values(const float *p, int64_t lds, const float *vp, int64_t length, int64_t n,
                          int64_t head_dim, const float *inv, int64_t mr, float *out, int64_t out_stride) {
     for (int64_t f = 0; f < head_dim; f += 16) {
-        const float *panel = vp + f * length;
         v8 a0[FRESH_ROWS], a1[FRESH_ROWS];
-        for (int i = 0; i < FRESH_ROWS; i++) { a0[i] = (v8){0}; a1[i] = (v8){0}; }
-        for (int64_t t = 0; t < n; t++) {
-            const v8 w0 = load8(panel + t * 16), w1 = load8(panel + t * 16 + 8);
-            for (int i = 0; i < FRESH_ROWS; i++) {
-                const float x = p[i * lds + t];
-                a0[i] += x * w0; a1[i] += x * w1;
-            }
-        }
+        block_6x16(p, lds, vp + f * length, n, a0, a1);
         for (int64_t i = 0; i < mr; i++) {
             store8(out + i * out_stride + f, a0[i] * inv[i]);
             if (f + 16 <= head_dim) store8(out + i * out_stride + f + 8, a1[i] * inv[i]);
