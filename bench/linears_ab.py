@@ -1,0 +1,83 @@
+"""Two trees' float32 panel linears, A/B in one process, alternating: ms per pass over a
+SmolLM2-135M-shaped stack (30 layers' q/k/v, o, gate/up and down with distinct weights, so
+nothing stays in cache, and the lm_head) at each row count.
+
+This host's speed drifts by 10-20% from minute to minute, which swamps a kernel change of a
+few percent when the two trees run one after the other. Here both libraries are built from
+each tree's `kvseal/models/csrc.py` and loaded side by side, the passes alternate (ABBA...),
+and the figure of merit is the median of the B/A ratios of adjacent passes. Outputs are
+compared bit for bit.
+
+    python bench/linears_ab.py --a /path/to/base --b . --rows 8 32 96 256 --rounds 12
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import kvseal.models.native as native
+
+SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576)] * 30 + [(576, 49152)]  # (in, out)
+
+
+def library_of(tree: Path) -> native.NativeLibrary:
+    """Build (or reuse from the cache) and load the native library of `tree`'s kernel sources."""
+    spec = importlib.util.spec_from_file_location(f"csrc_{abs(hash(tree))}", tree / "kvseal" / "models" / "csrc.py")
+    if spec is None or spec.loader is None:
+        raise SystemExit(f"no kvseal/models/csrc.py under {tree}")
+    csrc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(csrc)
+    saved = native._SOURCE
+    native._SOURCE = "\n".join([csrc.PRELUDE, csrc.ATTENTION, csrc.LINEAR, csrc.OPS, csrc.INT8_LINEAR,
+                                csrc.DECODE_LOOP, csrc.PREFILL_ATTENTION])
+    try:
+        library = native._load()
+    finally:
+        native._SOURCE = saved
+    if library is None:
+        raise SystemExit(f"the native kernels of {tree} did not build")
+    return library
+
+
+def compare(a: native.NativeLibrary, b: native.NativeLibrary, rows: int, rounds: int) -> dict[str, Any]:
+    panels = [native.pack_panels(a, torch.randn(n, k)) for k, n in SHAPES]
+    inputs = [torch.randn(rows, k) for k, _ in SHAPES]
+    times: dict[str, list[float]] = {"a": [], "b": []}
+    outputs: dict[str, list[torch.Tensor]] = {}
+    for r in range(rounds):
+        order = (("a", a), ("b", b)) if r % 2 == 0 else (("b", b), ("a", a))
+        for name, library in order:
+            start = time.perf_counter()
+            outputs[name] = [native.linear_panels(library, x, p, None, n)
+                             for x, p, (_, n) in zip(inputs, panels, SHAPES)]
+            times[name].append(1000 * (time.perf_counter() - start))
+    ratios = sorted(tb / ta for ta, tb in zip(times["a"], times["b"]))
+    return {"rows": rows, "a_median_ms": round(statistics.median(times["a"]), 1),
+            "b_median_ms": round(statistics.median(times["b"]), 1),
+            "b_over_a_median": round(statistics.median(ratios), 3),
+            "b_over_a_range": [round(ratios[0], 3), round(ratios[-1], 3)],
+            "bit_equal": all(torch.equal(x, y) for x, y in zip(outputs["a"], outputs["b"]))}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--a", type=Path, required=True, help="baseline tree")
+    parser.add_argument("--b", type=Path, default=Path("."), help="tree under test (default: here)")
+    parser.add_argument("--rows", type=int, nargs="+", default=[8, 32, 96, 256])
+    parser.add_argument("--rounds", type=int, default=12)
+    args = parser.parse_args()
+    a, b = library_of(args.a.resolve()), library_of(args.b.resolve())
+    for rows in args.rows:
+        print(json.dumps({**compare(a, b, rows, args.rounds), "threads": torch.get_num_threads()}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
