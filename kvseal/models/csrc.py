@@ -210,14 +210,16 @@ static void panel_row_SFX(const float *x, const WTYPE *slab, int64_t k_in, float
 
 /* y [M, N] = x [M, K] . W^T (+ bias [N] unless NULL); W as panels (kvseal_pack_panels_SFX). Rows
    go in blocks of 96 (a block of x stays in L2 while every panel passes over it); panels are
-   handed to the threads one at a time from a shared counter as they come free: on a host
-   whose cores are shared with the frontend, a thread that is preempted does not hold the
-   others at the end of the block with a static share still to do. A thread claims its next
-   panel before computing the current one, so panel_rows prefetches the slab it really
-   computes next (with `schedule(dynamic, 2)` it prefetched p + 1, which was the other
-   thread's panel half the time: measured 5-15% slower at 8-32 rows, the same from 96). The
-   sums are the same whichever thread computes a panel. Returns -1 if a thread's widening
-   buffer could not be allocated (nothing is computed then), else 0. */
+   handed to the threads in runs of `chunk` consecutive panels (about 16 runs per block on two
+   threads) from a shared counter as they come free: on a host whose cores are shared with
+   the frontend, a thread that is preempted does not hold the others at the end of the block
+   with a static share still to do, and each thread still streams the weights in long
+   sequential runs. A thread claims its next run before computing a run's last panel, so
+   panel_rows always prefetches the slab the thread really computes next (with
+   `schedule(dynamic, 2)` it prefetched p + 1, the other thread's panel half the time).
+   Against `dynamic, 2`, in one process, alternating (`bench/linears_ab.py`): 0.90-0.95x the
+   time at 2-256 rows. The sums are the same whichever thread computes a panel. Returns -1 if
+   a thread's widening buffer could not be allocated (nothing is computed then), else 0. */
 int kvseal_linear_SFX(const float *x, const WTYPE *panels, const float *bias, float *y,
                       int64_t rows, int64_t n_out, int64_t k_in, int num_threads) {
     const int64_t count = (n_out + 15) / 16;
@@ -232,18 +234,21 @@ int kvseal_linear_SFX(const float *x, const WTYPE *panels, const float *bias, fl
     int failed = 0;
     for (int64_t m0 = 0; m0 < rows && !failed; m0 += 96) {
         const int64_t m_end = m0 + 96 < rows ? m0 + 96 : rows;
-        int64_t handed_out = 0;  /* panels claimed so far */
+        int64_t handed_out = 0;  /* panels claimed so far, `chunk` at a time */
+        const int64_t chunk = count / (8 * num_threads) > 1 ? count / (8 * num_threads) : 1;
         #pragma omp parallel num_threads(num_threads) reduction(|:failed)
         {
             float *buffer = WIDENS ? malloc(sizeof(float) * 16 * k_in) : NULL;
             if (WIDENS && buffer == NULL) failed = 1;
-            int64_t p = WIDENS && buffer == NULL ? count : __atomic_fetch_add(&handed_out, 1, __ATOMIC_RELAXED);
+            int64_t p = WIDENS && buffer == NULL ? count : __atomic_fetch_add(&handed_out, chunk, __ATOMIC_RELAXED);
+            int64_t end = p + chunk < count ? p + chunk : count;
             while (p < count) {
-                /* claim the next panel before computing this one, so its slab is prefetched meanwhile */
-                const int64_t next = __atomic_fetch_add(&handed_out, 1, __ATOMIC_RELAXED);
+                const int last = p + 1 >= end;
+                const int64_t next = last ? __atomic_fetch_add(&handed_out, chunk, __ATOMIC_RELAXED) : p + 1;
                 const float *slab = WIDEN(panels + p * k_in * 16, buffer, 16 * k_in);
                 panel_rows(x, slab, bias, y, m0, m_end, p, n_out, k_in,
                            next < count ? panels + next * k_in * 16 : NULL, 16 * (int64_t)sizeof(WTYPE));
+                if (last) end = next + chunk < count ? next + chunk : count;
                 p = next;
             }
             free(buffer);

@@ -50,6 +50,31 @@ def test_packed_linear_matches_nn_linear(kind: type[nn.Module], bias: bool, rows
     torch.testing.assert_close(packed(x.reshape(1, rows, 96)).reshape(rows, 40), out, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("rows", [2, 32, 200])
+def test_panel_runs_cover_every_panel_once_for_any_thread_count(rows: int) -> None:
+    """The threads take runs of consecutive panels from a shared counter (the run length
+    follows the panel count and the thread count): 38 panels, the last partial, split into
+    runs that do not divide it, give nn.Linear's result on 1 thread and the same bits on 2
+    and 3 (a skipped or doubled panel would not)."""
+    library = native_library()
+    if library is None:
+        pytest.skip("no C compiler: the native library is not built")
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 16 * 37 + 5, bias=True)
+    packed = PanelLinear(linear, library)
+    x = torch.randn(rows, 64)
+    threads = torch.get_num_threads()
+    outs = []
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            outs.append(packed(x))
+    finally:
+        torch.set_num_threads(threads)
+    torch.testing.assert_close(outs[0], F.linear(x, linear.weight, linear.bias), rtol=1e-5, atol=1e-5)
+    assert all(torch.equal(out, outs[0]) for out in outs[1:])
+
+
 def test_pack_model_swaps_every_float32_linear_and_keeps_the_tied_embedding(llama_dir: Path) -> None:
     model = load_model(str(llama_dir), torch.float32).model
     linears = {name for name, m in model.named_modules() if isinstance(m, nn.Linear)}
