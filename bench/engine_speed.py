@@ -30,6 +30,10 @@ import torch
 import kvseal
 from kvseal import LLM, SamplingParams
 
+# (in, out) of a SmolLM2-135M-shaped stack of linears: 30 layers' q/k/v, o, gate/up and down
+# (distinct weights, so nothing stays in cache) and the lm_head
+SMOLLM2_LINEARS = [(576, 960), (576, 576), (576, 3072), (1536, 576)] * 30 + [(576, 49152)]
+
 
 def random_prompts(vocab_size: int, num: int, length: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
@@ -85,15 +89,14 @@ def bench_linears(rows_list: list[int], repeats: int) -> dict[str, Any]:
     from kvseal.models.packed import PackedLinear, PanelLinear
 
     library = native_library()
-    shapes = [(576, 960), (576, 576), (576, 3072), (1536, 576)] * 30 + [(576, 49152)]
-    plain = [torch.nn.Linear(k, n, bias=False) for k, n in shapes]
+    plain = [torch.nn.Linear(k, n, bias=False) for k, n in SMOLLM2_LINEARS]
     kinds: dict[str, list[torch.nn.Module]] = {"linear": list(plain), "onednn": [PackedLinear(m) for m in plain]}
     if library is not None:
         kinds["panels"] = [PanelLinear(m, library) for m in plain]
         kinds["panels_bf16"] = [PanelLinear(m, library, torch.bfloat16) for m in plain]
     results = []
     for rows in rows_list:
-        inputs = [torch.randn(rows, k) for k, _ in shapes]
+        inputs = [torch.randn(rows, k) for k, _ in SMOLLM2_LINEARS]
         best = {name: float("inf") for name in kinds}
         for _ in range(repeats):
             for name, layers in kinds.items():

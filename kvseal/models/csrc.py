@@ -231,11 +231,11 @@ int kvseal_linear_SFX(const float *x, const WTYPE *panels, const float *bias, fl
         }
         return 0;
     }
+    const int64_t chunk = count / (8 * num_threads) > 1 ? count / (8 * num_threads) : 1;
     int failed = 0;
     for (int64_t m0 = 0; m0 < rows && !failed; m0 += 96) {
         const int64_t m_end = m0 + 96 < rows ? m0 + 96 : rows;
         int64_t handed_out = 0;  /* panels claimed so far, `chunk` at a time */
-        const int64_t chunk = count / (8 * num_threads) > 1 ? count / (8 * num_threads) : 1;
         #pragma omp parallel num_threads(num_threads) reduction(|:failed)
         {
             float *buffer = WIDENS ? malloc(sizeof(float) * 16 * k_in) : NULL;

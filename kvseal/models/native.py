@@ -45,6 +45,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 
 import torch
 
@@ -52,8 +53,16 @@ from kvseal.models import csrc
 
 logger = logging.getLogger("kvseal")
 
-_SOURCE = "\n".join([csrc.PRELUDE, csrc.ATTENTION, csrc.LINEAR, csrc.OPS, csrc.INT8_LINEAR, csrc.DECODE_LOOP,
-                     csrc.PREFILL_ATTENTION])
+
+
+def library_source(sources: ModuleType) -> str:
+    """The C translation unit of a `csrc`-like module's sections (this tree's `csrc`, or another
+    tree's for `bench/linears_ab.py`)."""
+    return "\n".join([sources.PRELUDE, sources.ATTENTION, sources.LINEAR, sources.OPS, sources.INT8_LINEAR,
+                      sources.DECODE_LOOP, sources.PREFILL_ATTENTION])
+
+
+_SOURCE = library_source(csrc)
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 _lock = threading.Lock()
 _loaded: dict[str, NativeLibrary | None] = {}
@@ -100,13 +109,13 @@ def prefill_attention_kernel() -> Callable[..., int] | None:
     return None if library is None else library.prefill_attention
 
 
-def _load() -> NativeLibrary | None:
+def _load(source: str = _SOURCE) -> NativeLibrary | None:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         logger.warning("no C compiler (cc/gcc): native kernels off (torch attention and linears)")
         return None
     try:
-        path = _build(compiler)
+        path = _build(compiler, source)
         handle = ctypes.CDLL(str(path))
     except subprocess.CalledProcessError as error:
         logger.warning("native kernels did not build (%s): using the torch formulations\n%s",
@@ -149,9 +158,9 @@ def _load() -> NativeLibrary | None:
                          linear_i8, loop, prefill)
 
 
-def _build(compiler: str) -> Path:
+def _build(compiler: str, source_text: str) -> Path:
     """Compile once per (source, flags, compiler, CPU) into the user's cache; reuse after."""
-    key = hashlib.sha256("\n".join([_SOURCE, *_FLAGS, compiler, _cpu_flags()]).encode()).hexdigest()[:16]
+    key = hashlib.sha256("\n".join([source_text, *_FLAGS, compiler, _cpu_flags()]).encode()).hexdigest()[:16]
     cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvseal" / "native" / key
     library = cache / "kvseal_native.so"
     if library.exists():
@@ -159,7 +168,7 @@ def _build(compiler: str) -> Path:
     cache.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cache) as tmp:
         source = Path(tmp) / "kvseal_native.c"
-        source.write_text(_SOURCE)
+        source.write_text(source_text)
         built = Path(tmp) / "kvseal_native.so"
         subprocess.run([compiler, *_FLAGS, str(source), "-o", str(built), "-lm"], check=True,
                        capture_output=True, timeout=120)
