@@ -54,8 +54,10 @@ class Attention(nn.Module):
         self.has_qk_norm = cfg.has_qk_norm
 
     def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], rope: RotaryEmbedding,
-                batch: ForwardBatch, plan: AttentionPlan, pool: KVPool) -> torch.Tensor:
-        # x: [num_tokens, hidden]
+                batch: ForwardBatch, plan: AttentionPlan, pool: KVPool,
+                rows: torch.Tensor | None = None) -> torch.Tensor:
+        # x: [num_tokens, hidden]. Every token's K/V is written; `rows` (None: all) picks the
+        # tokens whose output is returned, so o_proj runs on those only.
         n = x.shape[0]
         qkv = self.qkv_proj(x)
         v = qkv[:, self.q_size + self.kv_size:].view(n, self.num_kv_heads, self.head_dim)
@@ -69,14 +71,16 @@ class Attention(nn.Module):
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         pool.write(self.layer_idx, batch.slot_mapping, k, v)
         out = paged_attention(q, k, v, pool, self.layer_idx, plan)  # [num_tokens, heads, head_dim]
-        return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
+        return self.o_proj(_pick(out.reshape(n, self.num_heads * self.head_dim), rows))
 
     def forward_native(self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, rope: RotaryEmbedding,
-                       batch: ForwardBatch, plan: AttentionPlan, pool: KVPool, native: NativeLibrary) -> torch.Tensor:
+                       batch: ForwardBatch, plan: AttentionPlan, pool: KVPool, native: NativeLibrary,
+                       rows: torch.Tensor | None = None) -> torch.Tensor:
         """`forward` in float32 with the native kernels: RoPE in place on the fused qkv rows and
-        K/V stored straight from them. x: [num_tokens, hidden]; cos, signed_sin: [num_tokens, head_dim]."""
+        K/V stored straight from them. x: [num_tokens, hidden]; cos, signed_sin: [num_tokens, head_dim];
+        rows as in `forward`."""
         if self.has_qk_norm:  # per-head norms before RoPE: the torch formulation
-            return self.forward(x, (cos[:, None], signed_sin[:, None]), rope, batch, plan, pool)
+            return self.forward(x, (cos[:, None], signed_sin[:, None]), rope, batch, plan, pool, rows)
         n, layer = x.shape[0], self.layer_idx
         qkv = self.qkv_proj(x).contiguous()
         rope_(native, qkv, cos, signed_sin, self.num_heads + self.num_kv_heads, self.head_dim)
@@ -87,7 +91,7 @@ class Attention(nn.Module):
         k = qkv[:, k_at:v_at].view(n, self.num_kv_heads, self.head_dim)
         v = qkv[:, v_at:].view(n, self.num_kv_heads, self.head_dim)
         out = paged_attention(q, k, v, pool, layer, plan, qkv)  # [num_tokens, heads, head_dim]
-        return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
+        return self.o_proj(_pick(out.reshape(n, self.num_heads * self.head_dim), rows))
 
 
 class MLP(nn.Module):
@@ -113,9 +117,10 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, h: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], rope: RotaryEmbedding,
-                batch: ForwardBatch, plan: AttentionPlan, pool: KVPool) -> torch.Tensor:
-        # h: [num_tokens, hidden]
-        h = h + self.self_attn(self.input_layernorm(h), cos_sin, rope, batch, plan, pool)
+                batch: ForwardBatch, plan: AttentionPlan, pool: KVPool,
+                rows: torch.Tensor | None = None) -> torch.Tensor:
+        # h: [num_tokens, hidden]; returns the stream of `rows` only (None: all), see Attention.forward
+        h = _pick(h, rows) + self.self_attn(self.input_layernorm(h), cos_sin, rope, batch, plan, pool, rows)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -158,10 +163,10 @@ class CausalLM(nn.Module):
             return self._forward_native(batch, pool, plan, self.native)
         h = self.model.embed_tokens(batch.input_ids)
         cos_sin = self.rope.cos_sin(batch.positions, h.dtype)
-        for layer in self.model.layers:
-            h = layer(h, cos_sin, self.rope, batch, plan, pool)
-        h = self.model.norm(h[batch.logits_indices])
-        return self.lm_head(h).float()
+        rows = _sampled_rows(batch)
+        for i, layer in enumerate(self.model.layers):
+            h = layer(h, cos_sin, self.rope, batch, plan, pool, rows if i == self.config.num_layers - 1 else None)
+        return self.lm_head(self.model.norm(h if rows is not None else h[batch.logits_indices])).float()
 
     def _forward_native(self, batch: ForwardBatch, pool: KVPool, plan: AttentionPlan,
                         native: NativeLibrary) -> torch.Tensor:
@@ -176,15 +181,34 @@ class CausalLM(nn.Module):
         x = torch.empty_like(h)  # the normed stream each sublayer reads
         norms = [layer.input_layernorm for layer in layers[1:]] + [self.model.norm]
         add_rms_norm(native, h, None, layers[0].input_layernorm.weight, layers[0].input_layernorm.eps, x)
+        rows = _sampled_rows(batch)
         for layer, next_norm in zip(layers, norms):
-            attn = layer.self_attn.forward_native(x, cos, signed_sin, self.rope, batch, plan, pool, native)
+            last = layer is layers[-1] and rows is not None
+            attn = layer.self_attn.forward_native(x, cos, signed_sin, self.rope, batch, plan, pool, native,
+                                                  rows if last else None)
+            if last:  # from here on only the sampled tokens' stream
+                h, x = h[rows], torch.empty_like(attn)
             post = layer.post_attention_layernorm
             add_rms_norm(native, h, attn.contiguous(), post.weight, post.eps, x)
             mlp = layer.mlp.forward_native(x, native).contiguous()
             add_rms_norm(native, h, mlp, next_norm.weight, next_norm.eps, x)
-        return self.lm_head(x[batch.logits_indices]).float()
+        return self.lm_head(x if rows is not None else x[batch.logits_indices]).float()
 
     def _decode_loop_for(self, native: NativeLibrary) -> DecodeLoop | None:
         if not self._decode_loop_built:  # after the linears are packed: the loop points at their weights
             self._decode_loop, self._decode_loop_built = DecodeLoop.for_model(self, native), True
         return self._decode_loop
+
+
+def _sampled_rows(batch: ForwardBatch) -> torch.Tensor | None:
+    """The tokens the last layer's tail (o_proj, MLP, final norm) must run on: only the sampled
+    ones need it, every other token needs only its K/V, which the layer's qkv projection
+    writes for all. None when every token is sampled (a decode-only step), so nothing is
+    gathered. In a prefill step of 8 x 256 tokens this skips 84% of the last layer's FLOPs
+    (about 2.8% of the step)."""
+    indices = batch.logits_indices
+    return None if indices.numel() == batch.input_ids.numel() else indices
+
+
+def _pick(t: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+    return t if rows is None else t[rows]
