@@ -87,6 +87,7 @@ class NativeLibrary:
     linear_i8: Callable[..., None]
     decode_layers: Callable[..., int]
     prefill_attention: Callable[..., int]
+    argmax_rows: Callable[..., None]
 
 
 def native_library() -> NativeLibrary | None:
@@ -153,9 +154,11 @@ def _load(source: str = _SOURCE) -> NativeLibrary | None:
     prefill = handle.kvseal_prefill_attention
     prefill.restype = ctypes.c_int
     prefill.argtypes = [_P, _I, _P, *[_I] * 5, ctypes.c_float, _P, ctypes.c_int]
+    argmax = handle.kvseal_argmax_rows
+    argmax.restype, argmax.argtypes = None, [_P, _I, _I, _P, ctypes.c_int]
     logger.info("native kernels: %s (decode attention reads K and V in place; panel linears; fused ops)", path)
     return NativeLibrary(attention, packs[0], linears[0], packs[1], linears[1], norm, silu, rope, write, pack_i8,
-                         linear_i8, loop, prefill)
+                         linear_i8, loop, prefill, argmax)
 
 
 def _build(compiler: str, source_text: str) -> Path:
@@ -283,6 +286,17 @@ def add_rms_norm(library: NativeLibrary, h: torch.Tensor, delta: torch.Tensor | 
         raise ValueError("add_rms_norm: shapes disagree")
     library.add_rms_norm(h.data_ptr(), 0 if delta is None else delta.data_ptr(), weight.data_ptr(), eps,
                          out.data_ptr(), rows, dim, torch.get_num_threads())
+
+
+def argmax_rows(library: NativeLibrary, x: torch.Tensor) -> torch.Tensor:
+    """x [rows, n] float32 -> [rows] int64, what `x.argmax(dim=-1)` gives (first index of the
+    largest value; the first NaN where a row has one)."""
+    _check_rows("argmax_rows", x)
+    if x.dim() != 2 or x.shape[1] == 0:
+        raise ValueError(f"argmax_rows takes a [rows, n > 0] tensor, got {tuple(x.shape)}")
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    library.argmax_rows(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr(), torch.get_num_threads())
+    return out
 
 
 def silu_mul(library: NativeLibrary, gate_up: torch.Tensor) -> torch.Tensor:

@@ -11,6 +11,8 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvseal.kvcache.pool import KVPool
 from kvseal.models import native
@@ -110,3 +112,26 @@ def test_native_forward_equals_the_torch_forward(make_llm: Callable[..., Any]) -
         assert a.logprobs is not None and b.logprobs is not None
         torch.testing.assert_close(torch.tensor([lp.logprob for lp in a.logprobs]),
                                    torch.tensor([lp.logprob for lp in b.logprobs]), rtol=0, atol=1e-4)
+
+
+_SPECIALS = st.sampled_from([float("nan"), float("inf"), float("-inf"), 0.0, -0.0, 1.0, -1.0, 3.5])
+
+
+@settings(max_examples=300, deadline=None)
+@given(rows=st.integers(1, 5), n=st.integers(1, 70), data=st.data())
+def test_argmax_rows_is_torch_argmax(rows: int, n: int, data: st.DataObject) -> None:
+    """Ties (first index wins), NaN (the first NaN wins), infinities, -0.0 against 0.0, rows
+    shorter than the eight lanes and tails past them: the same index as torch.argmax."""
+    values = data.draw(st.lists(st.one_of(_SPECIALS, st.floats(-4, 4, width=32)), min_size=rows * n,
+                                max_size=rows * n))
+    x = torch.tensor(values, dtype=torch.float32).view(rows, n)
+    assert torch.equal(native.argmax_rows(_library(), x), x.argmax(dim=-1))
+
+
+def test_argmax_rows_on_a_decode_steps_logits() -> None:
+    x = torch.randn(32, 49152, generator=torch.Generator().manual_seed(3))
+    x[5, 40000] = x[5, 123] = 99.0  # a tie: the first index
+    x[9, 7] = float("nan")
+    assert torch.equal(native.argmax_rows(_library(), x), x.argmax(dim=-1))
+    with pytest.raises(ValueError):
+        native.argmax_rows(_library(), torch.empty(3, 0))
