@@ -445,25 +445,65 @@ void kvseal_argmax_rows(const float *x, int64_t rows, int64_t n, int64_t *out, i
     for (int64_t r = 0; r < rows; r++) out[r] = argmax_row(x + r * n, n);
 }
 
-/* gate_up [rows, 2 * inter] (gate, then up) -> out [rows, inter] = silu(gate) * up, where
-   silu(g) = g * sigmoid(g) and sigmoid is computed from exp(-|g|) (never overflows). */
+/* silu(x) * u for 8 lanes: silu(x) = x * sigmoid(x), sigmoid from exp(-|x|) (never overflows). */
+static inline v8 silu_mul8(v8 x, v8 u) {
+    const v8i negative = x < 0.0f;
+    const v8 t = exp_v((v8)((v8i)x | ((v8i){0} + INT32_MIN)));  /* exp(-|x|): sign bit set */
+    const v8 one = (v8){0} + 1.0f;
+    const v8 numer = (v8)((negative & (v8i)t) | (~negative & (v8i)one));
+    return x * numer / (one + t) * u;
+}
+
+/* gate_up [rows, 2 * inter] (gate, then up) -> out [rows, inter] = silu(gate) * up. */
 void kvseal_silu_mul(const float *gate_up, float *out, int64_t rows, int64_t inter, int num_threads) {
     #pragma omp parallel for num_threads(rows >= 16 ? num_threads : 1) schedule(static)
     for (int64_t r = 0; r < rows; r++) {
         const float *g = gate_up + r * 2 * inter, *u = g + inter;
         float *o = out + r * inter;
         int64_t i = 0;
-        for (; i + 8 <= inter; i += 8) {
-            const v8 x = load8(g + i);
-            const v8i negative = x < 0.0f;
-            const v8 t = exp_v((v8)((v8i)x | ((v8i){0} + INT32_MIN)));  /* exp(-|x|): sign bit set */
-            const v8 one = (v8){0} + 1.0f;
-            const v8 numer = (v8)((negative & (v8i)t) | (~negative & (v8i)one));
-            store8(o + i, x * numer / (one + t) * load8(u + i));
-        }
+        for (; i + 8 <= inter; i += 8) store8(o + i, silu_mul8(load8(g + i), load8(u + i)));
         for (; i < inter; i++) {
             const float x = g[i], t = exp_s(x < 0.0f ? x : -x);
             o[i] = x * (x < 0.0f ? t : 1.0f) / (1.0f + t) * u[i];
+        }
+    }
+}
+
+/* act [rows, inter] = silu(x W_gate^T) * (x W_up^T) in one pass, for float32 gate/up panels
+   (kvseal_pack_panels_f32 of the fused [2 * inter, K] weight; inter a multiple of 16, so gate
+   panel q and up panel inter / 16 + q hold the same 16 features, no bias) and rows > 1. Panel
+   pairs go to the threads in runs as in kvseal_linear_f32; per 96-row block a pair's gate and
+   up sums land in two 96 x 16 buffers on the thread's stack and leave as silu(g) * u, so the
+   [rows, 2 * inter] intermediate is never written nor read back (at 2,048 rows, 25 MB per
+   layer) and there is no separate SiLU pass. The sums and the SiLU are those of the two-pass
+   path (kvseal_linear_f32 then kvseal_silu_mul): the result is bit-equal. */
+void kvseal_linear_silu_f32(const float *x, const float *panels, float *act, int64_t rows, int64_t inter,
+                            int64_t k_in, int num_threads) {
+    const int64_t pairs = inter / 16;
+    const int64_t chunk = pairs / (8 * num_threads) > 1 ? pairs / (8 * num_threads) : 1;
+    for (int64_t m0 = 0; m0 < rows; m0 += 96) {
+        const int64_t block = m0 + 96 < rows ? 96 : rows - m0;
+        const float *xb = x + m0 * k_in;
+        int64_t handed_out = 0;  /* pairs claimed so far, `chunk` at a time */
+        #pragma omp parallel num_threads(num_threads)
+        {
+            float g[96 * 16], u[96 * 16];
+            int64_t q = __atomic_fetch_add(&handed_out, chunk, __ATOMIC_RELAXED);
+            int64_t end = q + chunk < pairs ? q + chunk : pairs;
+            while (q < pairs) {
+                const int last = q + 1 >= end;
+                const int64_t next = last ? __atomic_fetch_add(&handed_out, chunk, __ATOMIC_RELAXED) : q + 1;
+                const float *gate = panels + q * k_in * 16, *up = panels + (pairs + q) * k_in * 16;
+                panel_rows(xb, gate, NULL, g, 0, block, 0, 16, k_in, up, 64);
+                panel_rows(xb, up, NULL, u, 0, block, 0, 16, k_in, next < pairs ? panels + next * k_in * 16 : NULL, 64);
+                for (int64_t m = 0; m < block; m++) {
+                    float *o = act + (m0 + m) * inter + q * 16;
+                    store8(o, silu_mul8(load8(g + m * 16), load8(u + m * 16)));
+                    store8(o + 8, silu_mul8(load8(g + m * 16 + 8), load8(u + m * 16 + 8)));
+                }
+                if (last) end = next + chunk < pairs ? next + chunk : pairs;
+                q = next;
+            }
         }
     }
 }

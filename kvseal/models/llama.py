@@ -16,7 +16,7 @@ from kvseal.config import ModelConfig
 from kvseal.kvcache.pool import KVPool
 from kvseal.models.attention import AttentionPlan, paged_attention
 from kvseal.models.decode_loop import DecodeLoop
-from kvseal.models.native import NativeLibrary, add_rms_norm, rope_, silu_mul, write_slots
+from kvseal.models.native import NativeLibrary, add_rms_norm, linear_silu, rope_, silu_mul, write_slots
 from kvseal.models.rope import RotaryEmbedding
 from kvseal.types import ForwardBatch
 
@@ -98,6 +98,7 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.intermediate_size = cfg.intermediate_size
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -105,7 +106,12 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(gate).mul_(up))
 
     def forward_native(self, x: torch.Tensor, native: NativeLibrary) -> torch.Tensor:
-        return self.down_proj(silu_mul(native, self.gate_up_proj(x).contiguous()))
+        gate_up = self.gate_up_proj
+        panels = getattr(gate_up, "panels", None)  # float32 panels, no bias: gate/up and SiLU in one pass
+        if isinstance(panels, torch.Tensor) and getattr(gate_up, "bias", None) is None \
+                and (act := linear_silu(native, x, panels, self.intermediate_size)) is not None:
+            return self.down_proj(act)
+        return self.down_proj(silu_mul(native, gate_up(x).contiguous()))
 
 
 class DecoderLayer(nn.Module):

@@ -88,6 +88,7 @@ class NativeLibrary:
     decode_layers: Callable[..., int]
     prefill_attention: Callable[..., int]
     argmax_rows: Callable[..., None]
+    linear_silu: Callable[..., None]
 
 
 def native_library() -> NativeLibrary | None:
@@ -156,9 +157,11 @@ def _load(source: str = _SOURCE) -> NativeLibrary | None:
     prefill.argtypes = [_P, _I, _P, *[_I] * 5, ctypes.c_float, _P, ctypes.c_int]
     argmax = handle.kvseal_argmax_rows
     argmax.restype, argmax.argtypes = None, [_P, _I, _I, _P, ctypes.c_int]
+    linear_silu = handle.kvseal_linear_silu_f32
+    linear_silu.restype, linear_silu.argtypes = None, [_P, _P, _P, _I, _I, _I, ctypes.c_int]
     logger.info("native kernels: %s (decode attention reads K and V in place; panel linears; fused ops)", path)
     return NativeLibrary(attention, packs[0], linears[0], packs[1], linears[1], norm, silu, rope, write, pack_i8,
-                         linear_i8, loop, prefill, argmax)
+                         linear_i8, loop, prefill, argmax, linear_silu)
 
 
 def _build(compiler: str, source_text: str) -> Path:
@@ -305,6 +308,24 @@ def silu_mul(library: NativeLibrary, gate_up: torch.Tensor) -> torch.Tensor:
     rows, width = gate_up.shape
     out = torch.empty((rows, width // 2), dtype=torch.float32)
     library.silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, width // 2, torch.get_num_threads())
+    return out
+
+
+def linear_silu(library: NativeLibrary, x: torch.Tensor, panels: torch.Tensor, inter: int) -> torch.Tensor | None:
+    """silu(x W_gate^T) * (x W_up^T) [rows, inter] in one pass over float32 gate/up panels (the
+    fused [2 * inter, K] weight, no bias), bit-equal to `linear_panels` then `silu_mul`; None
+    where that pass does not apply (bfloat16 panels, inter not a multiple of 16, one row:
+    the one-row linear sums in four chains), so the caller runs the two passes."""
+    k_in = panels.shape[1]
+    if panels.dtype != torch.float32 or inter % 16 or panels.shape[0] != 2 * inter // 16 or x.dim() != 2 \
+            or x.shape[0] < 2:
+        return None
+    _check_rows("linear_silu", x)
+    if x.shape[1] != k_in:
+        raise TypeError(f"expected float32 [rows, {k_in}] activations, got {tuple(x.shape)}")
+    out = torch.empty((x.shape[0], inter), dtype=torch.float32)
+    library.linear_silu(x.data_ptr(), panels.data_ptr(), out.data_ptr(), x.shape[0], inter, k_in,
+                        torch.get_num_threads())
     return out
 
 

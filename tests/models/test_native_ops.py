@@ -135,3 +135,58 @@ def test_argmax_rows_on_a_decode_steps_logits() -> None:
     assert torch.equal(native.argmax_rows(_library(), x), x.argmax(dim=-1))
     with pytest.raises(ValueError):
         native.argmax_rows(_library(), torch.empty(3, 0))
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize(("rows", "inter", "k_in"), [(2, 1536, 576), (7, 32, 40), (97, 48, 64), (200, 1536, 576)])
+def test_linear_silu_equals_the_two_passes(rows: int, inter: int, k_in: int, threads: int) -> None:
+    """gate/up and SiLU in one pass: bit-equal to the panel linear then silu_mul, for row
+    counts inside one 96-row block and across blocks, pair counts the runs do not divide."""
+    generator = torch.Generator().manual_seed(rows + inter)
+    weight, x = torch.randn(2 * inter, k_in, generator=generator), torch.randn(rows, k_in, generator=generator)
+    panels = native.pack_panels(_library(), weight)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        fused = native.linear_silu(_library(), x, panels, inter)
+        two_pass = native.silu_mul(_library(), native.linear_panels(_library(), x, panels, None, 2 * inter))
+    finally:
+        torch.set_num_threads(before)
+    assert fused is not None and torch.equal(fused, two_pass)
+    torch.testing.assert_close(fused, F.silu(x @ weight[:inter].T) * (x @ weight[inter:].T), rtol=1e-3, atol=1e-2)
+
+
+def test_linear_silu_declines_what_it_does_not_run() -> None:
+    """One row (the one-row linear sums in four chains), bfloat16 panels and an intermediate
+    size that splits a panel between gate and up go to the two-pass path (None)."""
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(64, 40, generator=generator)
+    panels = native.pack_panels(_library(), weight)
+    assert native.linear_silu(_library(), torch.randn(1, 40), panels, 32) is None
+    assert native.linear_silu(_library(), torch.randn(4, 40), native.pack_panels(_library(), weight, torch.bfloat16),
+                              32) is None
+    odd = native.pack_panels(_library(), torch.randn(2 * 24, 40, generator=generator))
+    assert native.linear_silu(_library(), torch.randn(4, 40), odd, 24) is None
+
+
+def test_prefill_runs_the_mlp_in_one_pass_and_the_tokens_do_not_change(make_llm: Callable[..., Any],
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvseal.models import llama
+
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=2)
+    prompts = [list(range(10, 40)), list(range(50, 61))]
+    fused_calls: list[int] = []
+    one_pass = llama.linear_silu
+
+    def counted(*args: Any) -> torch.Tensor | None:
+        out = one_pass(*args)
+        fused_calls.append(0 if out is None else out.shape[0])
+        return out
+
+    monkeypatch.setattr(llama, "linear_silu", counted)
+    fused = make_llm().generate(prompts, params)
+    assert max(fused_calls) > 1, "a prefill step's MLP ran in the one-pass kernel"
+    monkeypatch.setattr(llama, "linear_silu", lambda *args: None)  # the two passes everywhere
+    two_pass = make_llm().generate(prompts, params)
+    for a, b in zip(fused, two_pass):
+        assert a.token_ids == b.token_ids and a.logprobs == b.logprobs  # bit-equal, so equal logprobs
