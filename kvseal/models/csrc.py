@@ -731,8 +731,12 @@ int kvseal_decode_layers(int kind, int64_t num_layers, const void *const *layers
             return -2;
         if (loop_linear(kind, w, W_O, attn, tmp, rows, hidden, q_size, threads)) return -2;
         kvseal_add_rms_norm(h, tmp, w[POST_NORM], eps, x, rows, hidden, threads);
-        if (loop_linear(kind, w, W_GATE_UP, x, gate_up, rows, 2 * inter, hidden, threads)) return -2;
-        kvseal_silu_mul(gate_up, act, rows, inter, threads);
+        if (kind == 0 && rows > 1 && inter % 16 == 0 && w[B_GATE_UP] == NULL) {  /* as MLP.forward_native */
+            kvseal_linear_silu_f32(x, w[W_GATE_UP], act, rows, inter, hidden, threads);
+        } else {
+            if (loop_linear(kind, w, W_GATE_UP, x, gate_up, rows, 2 * inter, hidden, threads)) return -2;
+            kvseal_silu_mul(gate_up, act, rows, inter, threads);
+        }
         if (loop_linear(kind, w, W_DOWN, act, tmp, rows, hidden, inter, threads)) return -2;
         const float *next_norm = l + 1 < num_layers ? (const float *)w[LAYER_POINTERS + INPUT_NORM] : final_norm;
         kvseal_add_rms_norm(h, tmp, next_norm, eps, x, rows, hidden, threads);
