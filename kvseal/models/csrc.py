@@ -470,15 +470,18 @@ void kvseal_silu_mul(const float *gate_up, float *out, int64_t rows, int64_t int
 }
 
 /* act [rows, inter] = silu(x W_gate^T) * (x W_up^T) in one pass, for float32 gate/up panels
-   (kvseal_pack_panels_f32 of the fused [2 * inter, K] weight; inter a multiple of 16, so gate
-   panel q and up panel inter / 16 + q hold the same 16 features, no bias) and rows > 1. Panel
+   (kvseal_pack_panels_f32 of the fused [2 * inter, K] weight). It runs where inter is a
+   multiple of 16 (gate panel q and up panel inter / 16 + q then hold the same 16 features),
+   there is no bias and rows > 1 (one row goes to the linear's four-chain path); elsewhere it
+   computes nothing and returns -1, and the caller runs the two passes. Else it returns 0. Panel
    pairs go to the threads in runs as in kvseal_linear_f32; per 96-row block a pair's gate and
    up sums land in two 96 x 16 buffers on the thread's stack and leave as silu(g) * u, so the
    [rows, 2 * inter] intermediate is never written nor read back (at 2,048 rows, 25 MB per
    layer) and there is no separate SiLU pass. The sums and the SiLU are those of the two-pass
    path (kvseal_linear_f32 then kvseal_silu_mul): the result is bit-equal. */
-void kvseal_linear_silu_f32(const float *x, const float *panels, float *act, int64_t rows, int64_t inter,
-                            int64_t k_in, int num_threads) {
+int kvseal_linear_silu_f32(const float *x, const float *panels, const float *bias, float *act, int64_t rows,
+                           int64_t inter, int64_t k_in, int num_threads) {
+    if (inter % 16 != 0 || bias != NULL || rows < 2) return -1;
     const int64_t pairs = inter / 16;
     const int64_t chunk = pairs / (8 * num_threads) > 1 ? pairs / (8 * num_threads) : 1;
     for (int64_t m0 = 0; m0 < rows; m0 += 96) {
@@ -506,6 +509,7 @@ void kvseal_linear_silu_f32(const float *x, const float *panels, float *act, int
             }
         }
     }
+    return 0;
 }
 
 /* Rotate-half RoPE in place on the first `heads` heads of each row of qkv [rows, row_stride]
@@ -731,9 +735,7 @@ int kvseal_decode_layers(int kind, int64_t num_layers, const void *const *layers
             return -2;
         if (loop_linear(kind, w, W_O, attn, tmp, rows, hidden, q_size, threads)) return -2;
         kvseal_add_rms_norm(h, tmp, w[POST_NORM], eps, x, rows, hidden, threads);
-        if (kind == 0 && rows > 1 && inter % 16 == 0 && w[B_GATE_UP] == NULL) {  /* as MLP.forward_native */
-            kvseal_linear_silu_f32(x, w[W_GATE_UP], act, rows, inter, hidden, threads);
-        } else {
+        if (kind != 0 || kvseal_linear_silu_f32(x, w[W_GATE_UP], w[B_GATE_UP], act, rows, inter, hidden, threads)) {
             if (loop_linear(kind, w, W_GATE_UP, x, gate_up, rows, 2 * inter, hidden, threads)) return -2;
             kvseal_silu_mul(gate_up, act, rows, inter, threads);
         }

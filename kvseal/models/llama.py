@@ -107,10 +107,11 @@ class MLP(nn.Module):
 
     def forward_native(self, x: torch.Tensor, native: NativeLibrary) -> torch.Tensor:
         gate_up = self.gate_up_proj
-        panels = getattr(gate_up, "panels", None)  # float32 panels, no bias: gate/up and SiLU in one pass
-        if isinstance(panels, torch.Tensor) and getattr(gate_up, "bias", None) is None \
-                and (act := linear_silu(native, x, panels, self.intermediate_size)) is not None:
-            return self.down_proj(act)
+        panels, bias = getattr(gate_up, "panels", None), getattr(gate_up, "bias", None)
+        if isinstance(panels, torch.Tensor):  # panel linears: gate/up and SiLU in one pass where it applies
+            act = linear_silu(native, x, panels, bias, self.intermediate_size)
+            if act is not None:
+                return self.down_proj(act)
         return self.down_proj(silu_mul(native, gate_up(x).contiguous()))
 
 

@@ -54,7 +54,6 @@ from kvseal.models import csrc
 logger = logging.getLogger("kvseal")
 
 
-
 def library_source(sources: ModuleType) -> str:
     """The C translation unit of a `csrc`-like module's sections (this tree's `csrc`, or another
     tree's for `bench/linears_ab.py`)."""
@@ -88,7 +87,7 @@ class NativeLibrary:
     decode_layers: Callable[..., int]
     prefill_attention: Callable[..., int]
     argmax_rows: Callable[..., None]
-    linear_silu: Callable[..., None]
+    linear_silu: Callable[..., int]
 
 
 def native_library() -> NativeLibrary | None:
@@ -158,7 +157,7 @@ def _load(source: str = _SOURCE) -> NativeLibrary | None:
     argmax = handle.kvseal_argmax_rows
     argmax.restype, argmax.argtypes = None, [_P, _I, _I, _P, ctypes.c_int]
     linear_silu = handle.kvseal_linear_silu_f32
-    linear_silu.restype, linear_silu.argtypes = None, [_P, _P, _P, _I, _I, _I, ctypes.c_int]
+    linear_silu.restype, linear_silu.argtypes = ctypes.c_int, [_P, _P, _P, _P, _I, _I, _I, ctypes.c_int]
     logger.info("native kernels: %s (decode attention reads K and V in place; panel linears; fused ops)", path)
     return NativeLibrary(attention, packs[0], linears[0], packs[1], linears[1], norm, silu, rope, write, pack_i8,
                          linear_i8, loop, prefill, argmax, linear_silu)
@@ -311,22 +310,22 @@ def silu_mul(library: NativeLibrary, gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def linear_silu(library: NativeLibrary, x: torch.Tensor, panels: torch.Tensor, inter: int) -> torch.Tensor | None:
+def linear_silu(library: NativeLibrary, x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None,
+                inter: int) -> torch.Tensor | None:
     """silu(x W_gate^T) * (x W_up^T) [rows, inter] in one pass over float32 gate/up panels (the
-    fused [2 * inter, K] weight, no bias), bit-equal to `linear_panels` then `silu_mul`; None
-    where that pass does not apply (bfloat16 panels, inter not a multiple of 16, one row:
-    the one-row linear sums in four chains), so the caller runs the two passes."""
+    fused [2 * inter, K] weight), bit-equal to `linear_panels` then `silu_mul`; None where that
+    pass does not apply (bfloat16 panels here; a bias, inter not a multiple of 16 or one row,
+    which the kernel declines), so the caller runs the two passes."""
     k_in = panels.shape[1]
-    if panels.dtype != torch.float32 or inter % 16 or panels.shape[0] != 2 * inter // 16 or x.dim() != 2 \
-            or x.shape[0] < 2:
+    if panels.dtype != torch.float32 or panels.shape[0] != -(-2 * inter // 16) or x.dim() != 2:
         return None
     _check_rows("linear_silu", x)
     if x.shape[1] != k_in:
         raise TypeError(f"expected float32 [rows, {k_in}] activations, got {tuple(x.shape)}")
     out = torch.empty((x.shape[0], inter), dtype=torch.float32)
-    library.linear_silu(x.data_ptr(), panels.data_ptr(), out.data_ptr(), x.shape[0], inter, k_in,
-                        torch.get_num_threads())
-    return out
+    status = library.linear_silu(x.data_ptr(), panels.data_ptr(), 0 if bias is None else bias.data_ptr(),
+                                 out.data_ptr(), x.shape[0], inter, k_in, torch.get_num_threads())
+    return out if status == 0 else None
 
 
 def rope_(library: NativeLibrary, qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,

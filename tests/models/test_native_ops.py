@@ -148,7 +148,7 @@ def test_linear_silu_equals_the_two_passes(rows: int, inter: int, k_in: int, thr
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        fused = native.linear_silu(_library(), x, panels, inter)
+        fused = native.linear_silu(_library(), x, panels, None, inter)
         two_pass = native.silu_mul(_library(), native.linear_panels(_library(), x, panels, None, 2 * inter))
     finally:
         torch.set_num_threads(before)
@@ -162,11 +162,11 @@ def test_linear_silu_declines_what_it_does_not_run() -> None:
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(64, 40, generator=generator)
     panels = native.pack_panels(_library(), weight)
-    assert native.linear_silu(_library(), torch.randn(1, 40), panels, 32) is None
+    assert native.linear_silu(_library(), torch.randn(1, 40), panels, None, 32) is None
     assert native.linear_silu(_library(), torch.randn(4, 40), native.pack_panels(_library(), weight, torch.bfloat16),
-                              32) is None
+                              None, 32) is None
     odd = native.pack_panels(_library(), torch.randn(2 * 24, 40, generator=generator))
-    assert native.linear_silu(_library(), torch.randn(4, 40), odd, 24) is None
+    assert native.linear_silu(_library(), torch.randn(4, 40), odd, None, 24) is None
 
 
 def test_prefill_runs_the_mlp_in_one_pass_and_the_tokens_do_not_change(make_llm: Callable[..., Any],
