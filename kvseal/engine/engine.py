@@ -29,6 +29,7 @@ from kvseal.engine.scheduler import Scheduler
 from kvseal.errors import InvalidParameter, IsolationViolation
 from kvseal.kvcache.manager import KVCacheManager
 from kvseal.kvcache.prefix_cache import namespace_of
+from kvseal.models.llama import NATIVE_DTYPES
 from kvseal.models.loader import LoadedModel, load_model
 from kvseal.models.native import decode_attention_kernel, native_library
 from kvseal.models.packed import can_pack, pack_model
@@ -79,12 +80,12 @@ class LLMEngine:
         if can_pack(args.torch_dtype, args.quantization):
             bf16 = args.quantization == "bf16"
             model = pack_model(model, weight_dtype=torch.bfloat16 if bf16 else torch.float32)
-        if args.torch_dtype == torch.float32:
+        if args.torch_dtype in NATIVE_DTYPES:
             model.use_native(native_library())  # None without a compiler: torch ops
         self.runner = ModelRunner(model, self.kv.pool)
-        # Build (or load from the user's cache) the float32 decode attention kernel now, not
-        # in the first decode step; without it attention uses the torch formulation.
-        self._native_decode = self.kv.pool.k[0].dtype == torch.float32 and decode_attention_kernel() is not None
+        # Build (or load from the user's cache) the decode attention kernel now, not in the
+        # first decode step; without it attention uses the torch formulation.
+        self._native_decode = decode_attention_kernel(self.kv.pool.k[0].dtype) is not None
         self._outputs: dict[str, OutputState] = {}
         self._num_preemptions = 0
         self._num_isolation_violations = 0

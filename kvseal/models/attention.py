@@ -4,10 +4,11 @@ Decode sequences (one new token each) run as one padded batch; prefill chunks th
 a cached prefix run one at a time with a causal mask offset by the tokens already in the
 cache. Padding never points at another request's page: a decode row is padded with its own
 last page and masked, and slots past a sequence's context are masked too, so even a
-NaN-poisoned pool (checked mode) cannot reach the scores. In a float32 pool decode runs the
-native kernel (`models/native.py`: K and V read in place through each row's own block table,
-slots 0..context_len-1 only) when it could be built; otherwise it reads V in place
-(`ValueBags`), whose padding names only the row's own first, written slot, and gathers K.
+NaN-poisoned pool (checked mode) cannot reach the scores. In a float32 or bfloat16 pool decode
+runs the native kernel (`models/native.py`: K and V read in place through each row's own block
+table, slots 0..context_len-1 only) when it could be built; otherwise a float32 pool reads V in
+place (`ValueBags`), whose padding names only the row's own first, written slot, and gathers K,
+and other dtypes gather both.
 
 A prefill chunk that starts at position 0 attends only to the tokens it computes itself: it
 uses the K/V of this forward directly (the same values it just wrote to its own pages; the
@@ -160,7 +161,7 @@ class AttentionPlan:
             token_idx = torch.tensor([0, *batch.query_lens]).cumsum(0)[torch.tensor(decode_rows)]
         context_lens = [batch.context_lens[i] for i in decode_rows]
         pages, masked_out = _padded_pages([batch.block_tables[i] for i in decode_rows], context_lens, pool.page_size)
-        kernel = decode_attention_kernel() if pool.k[0].dtype == torch.float32 else None
+        kernel = decode_attention_kernel(pool.k[0].dtype)
         if kernel is not None:
             native = NativeRows(kernel, pages, torch.tensor(context_lens, dtype=torch.int64), max(context_lens))
             return cls(DecodeRows(token_idx, pages.reshape(-1), masked_out, None, None, None, native), prefills, fresh)
@@ -274,7 +275,7 @@ def _decode_attention(q: torch.Tensor, pool: KVPool, layer: int, rows: DecodeRow
     (several times over in bf16), and the head-major pool makes K and V contiguous per head.
     The scale is applied to q (B x heads values) rather than to the scores. In float32 the
     PV product reads V in place (`ValueBags`); other dtypes gather V like K. With `rows.native`
-    set (a float32 pool and a built kernel) the whole of it is the native kernel instead.
+    set (a float32 or bfloat16 pool and a built kernel) the whole of it is the native kernel instead.
     """
     if rows.native is not None:
         native = rows.native

@@ -19,6 +19,40 @@ static inline v8 load8(const float *p) { v8 r; memcpy(&r, p, sizeof r); return r
 static inline void store8(float *p, v8 x) { memcpy(p, &x, sizeof x); }
 static inline float hsum8(v8 x) { return ((x[0] + x[4]) + (x[1] + x[5])) + ((x[2] + x[6]) + (x[3] + x[7])); }
 
+/* bfloat16 <-> float32: bf16 is the top half of a float32. Narrowing rounds to nearest even
+   and turns NaN into the quiet NaN 0x7FC0, as torch's conversion does (a plain rounding add
+   could carry a NaN's payload into the exponent and make it infinite). */
+typedef uint16_t v8u16 __attribute__((vector_size(16)));
+typedef uint32_t v8u __attribute__((vector_size(32)));
+
+static inline v8 load8_bf16(const uint16_t *p) {
+    v8u16 raw;
+    memcpy(&raw, p, sizeof raw);
+    return (v8)(__builtin_convertvector(raw, v8i) << 16);
+}
+static inline float widen_bf16_1(uint16_t h) {
+    const uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+static inline uint16_t to_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    return f != f ? 0x7FC0 : (uint16_t)((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
+}
+static inline float round_bf16_1(float f) { return widen_bf16_1(to_bf16(f)); }
+/* x rounded to bfloat16, still in float32 lanes */
+static inline v8 round8_bf16(v8 x) {
+    const v8u bits = (v8u)x, nan = (v8u)(x != x);
+    const v8u rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u;
+    return (v8)((rounded & ~nan) | (nan & 0x7FC00000u));
+}
+static inline void store8_bf16(uint16_t *p, v8 x) {
+    const v8u16 out = __builtin_convertvector((v8u)round8_bf16(x) >> 16, v8u16);
+    memcpy(p, &out, sizeof out);
+}
+
 """
 
 ATTENTION = r"""
@@ -62,8 +96,8 @@ static void softmax(float *s, int64_t n) {
 
 /* Pages are scattered through the pool, and the hardware prefetcher stops at each page's end:
    the kernels ask for the next page while they work on the current one. */
-static inline void prefetch_page(const float *page, int64_t n) {
-    for (int64_t i = 0; i < n; i += 16) __builtin_prefetch(page + i);
+static inline void prefetch_page(const void *page, int64_t bytes) {
+    for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch((const char *)page + i);
 }
 
 /* One (row, KV head) with head_dim = 8 * NV: its `group` query heads attend to slots 0..ctx-1
@@ -73,11 +107,11 @@ static inline void prefetch_page(const float *page, int64_t n) {
 static void attend_##NV(const float *q, const float *k_head, const float *v_head,               \
                         const int64_t *table, int64_t ctx, int64_t group, int64_t page_size,    \
                         float scale, float *scores, float *out) {                               \
-    const int64_t hd = 8 * NV;                                                                  \
+    const int64_t hd = 8 * NV, page_bytes = page_size * hd * (int64_t)sizeof(float);            \
     for (int64_t t0 = 0; t0 < ctx; t0 += page_size) {                                           \
         const int64_t n = ctx - t0 < page_size ? ctx - t0 : page_size;                          \
         const float *kp = k_head + table[t0 / page_size] * page_size * hd;                      \
-        if (t0 + page_size < ctx) prefetch_page(k_head + table[t0 / page_size + 1] * page_size * hd, page_size * hd); \
+        if (t0 + page_size < ctx) prefetch_page(k_head + table[t0 / page_size + 1] * page_size * hd, page_bytes); \
         for (int64_t j = 0; j < group; j++) {                                                   \
             const float *qj = q + j * hd;                                                       \
             float *sj = scores + j * ctx + t0;                                                  \
@@ -111,7 +145,7 @@ static void attend_##NV(const float *q, const float *k_head, const float *v_head
             const int64_t n = ctx - t0 < page_size ? ctx - t0 : page_size;                      \
             const float *vp = v_head + table[t0 / page_size] * page_size * hd;                  \
             if (j == 0 && t0 + page_size < ctx)                                                 \
-                prefetch_page(v_head + table[t0 / page_size + 1] * page_size * hd, page_size * hd); \
+                prefetch_page(v_head + table[t0 / page_size + 1] * page_size * hd, page_bytes); \
             for (int64_t i = 0; i < n; i++) {                                                   \
                 const float w = sj[t0 + i];                                                     \
                 for (int c = 0; c < NV; c++) o[c] += w * load8(vp + i * hd + 8 * c);            \
@@ -145,6 +179,50 @@ static void attend_any(const float *q, const float *k_head, const float *v_head,
     }
 }
 
+/* One decode attention call (kvseal_decode_attention, kvseal_decode_attention_bf16). Row b's
+   query heads start at q + b * q_stride and its output heads at out + b * out_stride (elements
+   of the pool's type); K and V are [kv_heads, num_pages, page_size, head_dim], head_stride
+   elements per KV head. */
+struct decode_args {
+    const void *q, *k, *v;
+    const int64_t *tables, *context_lens;
+    void *out;
+    int64_t q_stride, out_stride, group, head_dim, head_stride, page_size, table_width;
+    float scale;
+};
+typedef void (*attend_task)(const struct decode_args *a, int64_t b, int64_t h, float *scratch);
+
+/* Every (row, KV head) of the call, split over the threads, each with `scratch_floats` of
+   scratch. Returns 0, or -1 if scratch could not be allocated. */
+static int decode_attention_rows(const struct decode_args *a, int64_t rows, int64_t kv_heads,
+                                 int64_t scratch_floats, int num_threads, attend_task task) {
+    int failed = 0;
+    #pragma omp parallel num_threads(num_threads) reduction(|:failed)
+    {
+        float *scratch = malloc(sizeof(float) * scratch_floats);
+        if (scratch == NULL) failed = 1;
+        #pragma omp for collapse(2) schedule(dynamic, 1)
+        for (int64_t b = 0; b < rows; b++)
+            for (int64_t h = 0; h < kv_heads; h++)
+                if (scratch != NULL) task(a, b, h, scratch);
+        free(scratch);
+    }
+    return failed ? -1 : 0;
+}
+
+/* Task (b, h) over a float32 pool, in place: scratch holds the scores. */
+static void attend_task_f32(const struct decode_args *a, int64_t b, int64_t h, float *scratch) {
+    const int64_t hd = a->head_dim, first = b * a->q_stride + h * a->group * hd, ctx = a->context_lens[b];
+    const float *qh = (const float *)a->q + first;
+    const float *kh = (const float *)a->k + h * a->head_stride, *vh = (const float *)a->v + h * a->head_stride;
+    const int64_t *table = a->tables + b * a->table_width;
+    float *oh = (float *)a->out + first;
+    if (hd == 32) attend_4(qh, kh, vh, table, ctx, a->group, a->page_size, a->scale, scratch, oh);
+    else if (hd == 64) attend_8(qh, kh, vh, table, ctx, a->group, a->page_size, a->scale, scratch, oh);
+    else if (hd == 128) attend_16(qh, kh, vh, table, ctx, a->group, a->page_size, a->scale, scratch, oh);
+    else attend_any(qh, kh, vh, table, ctx, a->group, hd, a->page_size, a->scale, scratch, oh);
+}
+
 /* q, out: [rows, kv_heads * group, head_dim]; k, v: [kv_heads, num_pages, page_size, head_dim];
    tables: [rows, table_width] page ids; context_lens: [rows], each >= 1 and covered by its table.
    Returns 0, or -1 if scratch memory could not be allocated. */
@@ -152,28 +230,150 @@ int kvseal_decode_attention(const float *q, const float *k, const float *v, cons
                             const int64_t *context_lens, float *out, int64_t rows, int64_t kv_heads,
                             int64_t group, int64_t head_dim, int64_t num_pages, int64_t page_size,
                             int64_t table_width, int64_t max_context, float scale, int num_threads) {
-    int failed = 0;
-    const int64_t head_stride = num_pages * page_size * head_dim;
-    #pragma omp parallel num_threads(num_threads) reduction(|:failed)
-    {
-        float *scores = malloc(sizeof(float) * group * max_context);
-        if (scores == NULL) failed = 1;
-        #pragma omp for collapse(2) schedule(dynamic, 1)
-        for (int64_t b = 0; b < rows; b++)
-            for (int64_t h = 0; h < kv_heads; h++) {
-                if (scores == NULL) continue;
-                const int64_t first = (b * kv_heads + h) * group * head_dim;
-                const float *qh = q + first, *kh = k + h * head_stride, *vh = v + h * head_stride;
-                const int64_t *table = tables + b * table_width, ctx = context_lens[b];
-                float *oh = out + first;
-                if (head_dim == 32) attend_4(qh, kh, vh, table, ctx, group, page_size, scale, scores, oh);
-                else if (head_dim == 64) attend_8(qh, kh, vh, table, ctx, group, page_size, scale, scores, oh);
-                else if (head_dim == 128) attend_16(qh, kh, vh, table, ctx, group, page_size, scale, scores, oh);
-                else attend_any(qh, kh, vh, table, ctx, group, head_dim, page_size, scale, scores, oh);
-            }
-        free(scores);
+    const int64_t width = kv_heads * group * head_dim;
+    const struct decode_args a = {q, k, v, tables, context_lens, out, width, width, group, head_dim,
+                                  num_pages * page_size * head_dim, page_size, table_width, scale};
+    return decode_attention_rows(&a, rows, kv_heads, group * max_context, num_threads, attend_task_f32);
+}
+"""
+
+# Decode attention over a bfloat16 pool. The float32 kernels above read K and V from the pool in
+# place; bfloat16 rows must be widened first, and widening a row once per query head (a
+# group of three to seven) costs more than the arithmetic. So each page's rows are widened
+# once into a float32 page in L1 (only the rows up to the context's end), and the query heads
+# run over it with 16-lane vectors; four slots' score sums are reduced together.
+ATTENTION_BF16 = r"""
+typedef float v16 __attribute__((vector_size(64)));
+
+static inline v16 load16(const float *p) { v16 r; memcpy(&r, p, sizeof r); return r; }
+static inline void store16(float *p, v16 x) { memcpy(p, &x, sizeof x); }
+static inline v8 fold16(v16 x) {
+    return __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7)
+           + __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
+}
+/* out[0..3] = scale * (the sums of a, b, c, d's lanes) */
+static inline void sums4(v8 a, v8 b, v8 c, v8 d, float scale, float *out) {
+    const v8 ab = __builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11)
+                  + __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15);  /* a's 4 partial sums, b's 4 */
+    const v8 cd = __builtin_shufflevector(c, d, 0, 1, 2, 3, 8, 9, 10, 11)
+                  + __builtin_shufflevector(c, d, 4, 5, 6, 7, 12, 13, 14, 15);
+    const v8 x = __builtin_shufflevector(ab, cd, 0, 1, 8, 9, 4, 5, 12, 13)
+                 + __builtin_shufflevector(ab, cd, 2, 3, 10, 11, 6, 7, 14, 15);  /* a a c c b b d d */
+    out[0] = scale * (x[0] + x[1]); out[1] = scale * (x[4] + x[5]);
+    out[2] = scale * (x[2] + x[3]); out[3] = scale * (x[6] + x[7]);
+}
+static void widen_rows(const uint16_t *src, float *dst, int64_t n) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) store8(dst + i, load8_bf16(src + i));
+    for (; i < n; i++) dst[i] = widen_bf16_1(src[i]);
+}
+
+/* One (row, KV head) with head_dim = 16 * NV: q [group, head_dim] float32; page: scratch of
+   page_size * head_dim floats; scores: group * ctx floats; out [group, head_dim] float32. Two
+   passes, as the float32 kernel: scores over every page, softmax, then the weighted sum of V.
+   While a page's scores are computed, the next K page is prefetched, and this V page into L2
+   for the second pass. */
+#define DEFINE_ATTEND_BF16(NV)                                                                  \
+static void attend_bf16_##NV(const float *q, const uint16_t *k_head, const uint16_t *v_head,    \
+                             const int64_t *table, int64_t ctx, int64_t group, int64_t page_size, \
+                             float scale, float *page, float *scores, float *out) {              \
+    const int64_t hd = 16 * NV, elems = page_size * hd;                                          \
+    for (int64_t t0 = 0; t0 < ctx; t0 += page_size) {                                           \
+        const int64_t n = ctx - t0 < page_size ? ctx - t0 : page_size, p = t0 / page_size;      \
+        if (t0 + page_size < ctx) prefetch_page(k_head + table[p + 1] * elems, 2 * elems);      \
+        for (int64_t i = 0; i < 2 * n * hd; i += 64)                                            \
+            __builtin_prefetch((const char *)(v_head + table[p] * elems) + i, 0, 2);            \
+        widen_rows(k_head + table[p] * elems, page, n * hd);                                    \
+        for (int64_t j = 0; j < group; j++) {                                                   \
+            const float *qj = q + j * hd;                                                       \
+            float *sj = scores + j * ctx + t0;                                                  \
+            int64_t i = 0;                                                                      \
+            for (; i + 4 <= n; i += 4) {                                                        \
+                v16 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};                                     \
+                const float *k0 = page + i * hd;                                                \
+                for (int c = 0; c < NV; c++) {                                                  \
+                    const v16 qv = load16(qj + 16 * c);                                         \
+                    a0 += qv * load16(k0 + 16 * c);                                             \
+                    a1 += qv * load16(k0 + hd + 16 * c);                                        \
+                    a2 += qv * load16(k0 + 2 * hd + 16 * c);                                    \
+                    a3 += qv * load16(k0 + 3 * hd + 16 * c);                                    \
+                }                                                                               \
+                sums4(fold16(a0), fold16(a1), fold16(a2), fold16(a3), scale, sj + i);           \
+            }                                                                                   \
+            for (; i < n; i++) {                                                                \
+                v16 a0 = {0};                                                                   \
+                for (int c = 0; c < NV; c++) a0 += load16(qj + 16 * c) * load16(page + i * hd + 16 * c); \
+                sj[i] = scale * hsum8(fold16(a0));                                              \
+            }                                                                                   \
+        }                                                                                       \
+    }                                                                                           \
+    for (int64_t j = 0; j < group; j++) softmax(scores + j * ctx, ctx);                         \
+    memset(out, 0, sizeof(float) * group * hd);                                                 \
+    for (int64_t t0 = 0; t0 < ctx; t0 += page_size) {                                           \
+        const int64_t n = ctx - t0 < page_size ? ctx - t0 : page_size, p = t0 / page_size;      \
+        if (t0 + page_size < ctx) prefetch_page(v_head + table[p + 1] * elems, 2 * elems);      \
+        widen_rows(v_head + table[p] * elems, page, n * hd);                                    \
+        for (int64_t j = 0; j < group; j++) {                                                   \
+            v16 o[NV];                                                                          \
+            for (int c = 0; c < NV; c++) o[c] = load16(out + j * hd + 16 * c);                  \
+            const float *sj = scores + j * ctx + t0;                                            \
+            for (int64_t i = 0; i < n; i++)                                                     \
+                for (int c = 0; c < NV; c++) o[c] += sj[i] * load16(page + i * hd + 16 * c);    \
+            for (int c = 0; c < NV; c++) store16(out + j * hd + 16 * c, o[c]);                  \
+        }                                                                                       \
+    }                                                                                           \
+}
+DEFINE_ATTEND_BF16(2)
+DEFINE_ATTEND_BF16(4)
+DEFINE_ATTEND_BF16(8)
+
+/* Whether the 16-lane kernels take this head_dim. */
+static inline int bf16_paged(int64_t head_dim) { return head_dim == 32 || head_dim == 64 || head_dim == 128; }
+
+/* Scratch floats per task: q and out heads, scores, and a widened page; for a head_dim the
+   16-lane kernels do not take, the row's whole context widened instead. */
+static int64_t bf16_scratch_floats(int64_t group, int64_t head_dim, int64_t page_size, int64_t max_context) {
+    const int64_t widened = bf16_paged(head_dim) ? page_size * head_dim : 2 * max_context * head_dim;
+    return group * (max_context + 2 * head_dim) + widened;
+}
+
+/* Task (b, h) over a bfloat16 pool: the row's query heads of KV head h widened into scratch,
+   attended, and the output heads rounded back to bfloat16. */
+static void attend_task_bf16(const struct decode_args *a, int64_t b, int64_t h, float *scratch) {
+    const int64_t hd = a->head_dim, n = a->group * hd, ctx = a->context_lens[b], ps = a->page_size;
+    const uint16_t *qh = (const uint16_t *)a->q + b * a->q_stride + h * n;
+    const uint16_t *kh = (const uint16_t *)a->k + h * a->head_stride, *vh = (const uint16_t *)a->v + h * a->head_stride;
+    const int64_t *table = a->tables + b * a->table_width;
+    float *qf = scratch, *of = scratch + n, *scores = scratch + 2 * n, *rest = scores + a->group * ctx;
+    uint16_t *oh = (uint16_t *)a->out + b * a->out_stride + h * n;
+    widen_rows(qh, qf, n);
+    if (hd == 32) attend_bf16_2(qf, kh, vh, table, ctx, a->group, ps, a->scale, rest, scores, of);
+    else if (hd == 64) attend_bf16_4(qf, kh, vh, table, ctx, a->group, ps, a->scale, rest, scores, of);
+    else if (hd == 128) attend_bf16_8(qf, kh, vh, table, ctx, a->group, ps, a->scale, rest, scores, of);
+    else {  /* !bf16_paged: the row's context, slot by slot, into [2, ctx, head_dim] floats, one "page" of ctx slots */
+        const int64_t zero = 0;
+        for (int64_t t = 0; t < ctx; t++) {
+            const int64_t at = (table[t / ps] * ps + t % ps) * hd;
+            widen_rows(kh + at, rest + t * hd, hd);
+            widen_rows(vh + at, rest + (ctx + t) * hd, hd);
+        }
+        attend_any(qf, rest, rest + ctx * hd, &zero, ctx, a->group, hd, ctx, a->scale, scores, of);
     }
-    return failed ? -1 : 0;
+    for (int64_t i = 0; i < n; i++) oh[i] = to_bf16(of[i]);
+}
+
+/* The same over a bfloat16 pool, with bfloat16 query rows read in place (row b at q + b *
+   q_stride: the q columns of the fused qkv rows) and bfloat16 output rows (out + b * out_stride),
+   each output rounded once from its float32 sum. */
+int kvseal_decode_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k, const uint16_t *v,
+                                 const int64_t *tables, const int64_t *context_lens, uint16_t *out,
+                                 int64_t out_stride, int64_t rows, int64_t kv_heads, int64_t group,
+                                 int64_t head_dim, int64_t num_pages, int64_t page_size, int64_t table_width,
+                                 int64_t max_context, float scale, int num_threads) {
+    const struct decode_args a = {q, k, v, tables, context_lens, out, q_stride, out_stride, group, head_dim,
+                                  num_pages * page_size * head_dim, page_size, table_width, scale};
+    return decode_attention_rows(&a, rows, kv_heads, bf16_scratch_floats(group, head_dim, page_size, max_context),
+                                 num_threads, attend_task_bf16);
 }
 """
 
@@ -272,7 +472,6 @@ void kvseal_pack_panels_SFX(const float *w, WTYPE *panels, int64_t n_out, int64_
 """
 
 LINEAR = r"""
-typedef uint16_t v8u16 __attribute__((vector_size(16)));
 
 /* Store MR rows of a 16-wide result block (nr <= 16 valid columns), adding the bias if any. */
 static inline void store_block(float *y, int64_t ldy, const v8 *a0, const v8 *a1, int mr, int64_t nr,
@@ -293,17 +492,6 @@ static inline void store_block(float *y, int64_t ldy, const v8 *a0, const v8 *a1
     }
 }
 
-/* bfloat16 <-> float32: bf16 is the top half of a float32; rounding to nearest even. */
-static inline v8 load8_bf16(const uint16_t *p) {
-    v8u16 raw;
-    memcpy(&raw, p, sizeof raw);
-    return (v8)(__builtin_convertvector(raw, v8i) << 16);
-}
-static inline uint16_t to_bf16(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    return (uint16_t)((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
-}
 static inline float identity_f32(float f) { return f; }
 static inline const float *widen_f32(const float *slab, float *buffer, int64_t n) {
     (void)buffer; (void)n;
@@ -538,22 +726,119 @@ void kvseal_rope(float *qkv, const float *cos, const float *signed_sin, int64_t 
 }
 
 /* Store new tokens' K and V into one layer of the pool: k_new, v_new rows of qkv (row stride
-   row_stride, kv_heads * head_dim each); pool layer [kv_heads, num_slots, head_dim]. Returns -1,
-   writing nothing, if any slot is outside the layer. */
-int kvseal_write_slots(const float *k_new, const float *v_new, int64_t row_stride, const int64_t *slots,
-                       float *k_pool, float *v_pool, int64_t rows, int64_t kv_heads, int64_t head_dim,
-                       int64_t num_slots) {
+   row_stride, kv_heads * head_dim elements each); pool layer [kv_heads, num_slots, head_dim], of
+   elements `elem_bytes` wide. Returns -1, writing nothing, if any slot is outside the layer. */
+static int write_slots(const char *k_new, const char *v_new, int64_t row_stride, const int64_t *slots,
+                       char *k_pool, char *v_pool, int64_t rows, int64_t kv_heads, int64_t head_dim,
+                       int64_t num_slots, int64_t elem_bytes) {
     for (int64_t r = 0; r < rows; r++)
         if (slots[r] < 0 || slots[r] >= num_slots) return -1;
+    const int64_t head_bytes = head_dim * elem_bytes;
     for (int64_t r = 0; r < rows; r++)
         for (int64_t h = 0; h < kv_heads; h++) {
-            const int64_t at = (h * num_slots + slots[r]) * head_dim;
-            memcpy(k_pool + at, k_new + r * row_stride + h * head_dim, sizeof(float) * head_dim);
-            memcpy(v_pool + at, v_new + r * row_stride + h * head_dim, sizeof(float) * head_dim);
+            const int64_t at = (h * num_slots + slots[r]) * head_bytes;
+            const int64_t from = (r * row_stride + h * head_dim) * elem_bytes;
+            memcpy(k_pool + at, k_new + from, head_bytes);
+            memcpy(v_pool + at, v_new + from, head_bytes);
         }
     return 0;
 }
+
+int kvseal_write_slots(const float *k_new, const float *v_new, int64_t row_stride, const int64_t *slots,
+                       float *k_pool, float *v_pool, int64_t rows, int64_t kv_heads, int64_t head_dim,
+                       int64_t num_slots) {
+    return write_slots((const char *)k_new, (const char *)v_new, row_stride, slots, (char *)k_pool, (char *)v_pool,
+                       rows, kv_heads, head_dim, num_slots, sizeof(float));
+}
+
+int kvseal_write_slots_bf16(const uint16_t *k_new, const uint16_t *v_new, int64_t row_stride, const int64_t *slots,
+                            uint16_t *k_pool, uint16_t *v_pool, int64_t rows, int64_t kv_heads, int64_t head_dim,
+                            int64_t num_slots) {
+    return write_slots((const char *)k_new, (const char *)v_new, row_stride, slots, (char *)k_pool, (char *)v_pool,
+                       rows, kv_heads, head_dim, num_slots, sizeof(uint16_t));
+}
 """
+
+# The per-layer ops of the bfloat16 forward (a bfloat16 model: activations, weights and KV pool
+# in bfloat16; its linears are oneDNN's). Each computes in float32 and rounds to bfloat16 where
+# torch's bfloat16 formulation of the same op rounds (`models/llama.py`, as transformers
+# computes it), so a result equals that formulation's up to the order of float32 sums (the
+# norm's sum of squares) and the last bits of exp (SiLU) before rounding.
+BF16_OPS = r"""
+/* h [rows, dim] += delta (unless NULL), rounded to bfloat16, in place; out = bf16(bf16(h *
+   rstd) * weight), rstd = 1 / sqrt(mean(h^2) + eps) over h in float32: transformers'
+   `weight * (h.float() * rsqrt(var + eps)).to(bfloat16)`. */
+void kvseal_add_rms_norm_bf16(uint16_t *h, const uint16_t *delta, const uint16_t *weight, float eps,
+                              uint16_t *out, int64_t rows, int64_t dim, int num_threads) {
+    #pragma omp parallel for num_threads(rows >= 64 ? num_threads : 1) schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        uint16_t *hr = h + r * dim, *o = out + r * dim;
+        const uint16_t *dr = delta == NULL ? NULL : delta + r * dim;
+        v8 acc = {0};
+        int64_t i = 0;
+        for (; i + 8 <= dim; i += 8) {
+            v8 x = load8_bf16(hr + i);
+            if (dr != NULL) { x = round8_bf16(x + load8_bf16(dr + i)); store8_bf16(hr + i, x); }
+            acc += x * x;
+        }
+        float sum = hsum8(acc);
+        for (; i < dim; i++) {
+            if (dr != NULL) hr[i] = to_bf16(widen_bf16_1(hr[i]) + widen_bf16_1(dr[i]));
+            sum += widen_bf16_1(hr[i]) * widen_bf16_1(hr[i]);
+        }
+        const float rstd = 1.0f / sqrtf(sum / (float)dim + eps);
+        for (i = 0; i + 8 <= dim; i += 8)
+            store8_bf16(o + i, round8_bf16(load8_bf16(hr + i) * rstd) * load8_bf16(weight + i));
+        for (; i < dim; i++) o[i] = to_bf16(round_bf16_1(widen_bf16_1(hr[i]) * rstd) * widen_bf16_1(weight[i]));
+    }
+}
+
+/* gate_up [rows, 2 * inter] (gate, then up) -> out [rows, inter] = bf16(bf16(silu(gate)) * up). */
+void kvseal_silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t rows, int64_t inter, int num_threads) {
+    const v8 one = (v8){0} + 1.0f;
+    #pragma omp parallel for num_threads(rows >= 16 ? num_threads : 1) schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *g = gate_up + r * 2 * inter, *u = g + inter;
+        uint16_t *o = out + r * inter;
+        int64_t i = 0;
+        for (; i + 8 <= inter; i += 8)
+            store8_bf16(o + i, round8_bf16(silu_mul8(load8_bf16(g + i), one)) * load8_bf16(u + i));
+        for (; i < inter; i++) {
+            const float x = widen_bf16_1(g[i]), t = exp_s(x < 0.0f ? x : -x);
+            o[i] = to_bf16(round_bf16_1(x * (x < 0.0f ? t : 1.0f) / (1.0f + t)) * widen_bf16_1(u[i]));
+        }
+    }
+}
+
+/* Rotate-half RoPE in place on the first `heads` heads of each row of qkv [rows, row_stride]:
+   bf16(bf16(x * cos) + bf16(roll(x, head_dim / 2) * signed_sin)), cos and signed_sin [rows,
+   head_dim] bfloat16 (`RotaryEmbedding.apply` in bfloat16, op by op). */
+void kvseal_rope_bf16(uint16_t *qkv, const uint16_t *cos, const uint16_t *signed_sin, int64_t rows,
+                      int64_t row_stride, int64_t heads, int64_t head_dim, int num_threads) {
+    const int64_t half = head_dim / 2;
+    #pragma omp parallel for num_threads(rows >= 64 ? num_threads : 1) schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *c = cos + r * head_dim, *s = signed_sin + r * head_dim;
+        for (int64_t h = 0; h < heads; h++) {
+            uint16_t *x = qkv + r * row_stride + h * head_dim;
+            int64_t i = 0;
+            for (; i + 8 <= half; i += 8) {
+                const v8 lo = load8_bf16(x + i), hi = load8_bf16(x + half + i);
+                store8_bf16(x + i, round8_bf16(lo * load8_bf16(c + i)) + round8_bf16(hi * load8_bf16(s + i)));
+                store8_bf16(x + half + i, round8_bf16(hi * load8_bf16(c + half + i))
+                                          + round8_bf16(lo * load8_bf16(s + half + i)));
+            }
+            for (; i < half; i++) {
+                const float lo = widen_bf16_1(x[i]), hi = widen_bf16_1(x[half + i]);
+                x[i] = to_bf16(round_bf16_1(lo * widen_bf16_1(c[i])) + round_bf16_1(hi * widen_bf16_1(s[i])));
+                x[half + i] = to_bf16(round_bf16_1(hi * widen_bf16_1(c[half + i]))
+                                      + round_bf16_1(lo * widen_bf16_1(s[half + i])));
+            }
+        }
+    }
+}
+"""
+
 
 # Weight-only int8: y = (x Q^T) * scale (+ bias) in float32, Q held in the same 16-feature column
 # panels as LINEAR's, one byte a weight ([K][16] int8 per panel). Each slab row's 16 bytes become

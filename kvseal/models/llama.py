@@ -22,6 +22,8 @@ from kvseal.types import ForwardBatch
 
 # packed parameter name -> the checkpoint's names, concatenated along the output dimension
 PACKED_MODULES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+# The dtypes of the native forward (`CausalLM.use_native`): its fused ops exist for both.
+NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 
 
 class RMSNorm(nn.Module):
@@ -76,9 +78,9 @@ class Attention(nn.Module):
     def forward_native(self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, rope: RotaryEmbedding,
                        batch: ForwardBatch, plan: AttentionPlan, pool: KVPool, native: NativeLibrary,
                        rows: torch.Tensor | None = None) -> torch.Tensor:
-        """`forward` in float32 with the native kernels: RoPE in place on the fused qkv rows and
-        K/V stored straight from them. x: [num_tokens, hidden]; cos, signed_sin: [num_tokens, head_dim];
-        rows as in `forward`."""
+        """`forward` with the native kernels (float32 or bfloat16): RoPE in place on the fused qkv
+        rows and K/V stored straight from them. x: [num_tokens, hidden]; cos, signed_sin:
+        [num_tokens, head_dim]; rows as in `forward`."""
         if self.has_qk_norm:  # per-head norms before RoPE: the torch formulation
             return self.forward(x, (cos[:, None], signed_sin[:, None]), rope, batch, plan, pool, rows)
         n, layer = x.shape[0], self.layer_idx
@@ -148,7 +150,7 @@ class CausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rope = RotaryEmbedding(cfg)
-        # The native kernels for a float32 model (`use_native`); None: torch ops only.
+        # The native kernels for a float32 or bfloat16 model (`use_native`); None: torch ops only.
         self.native: NativeLibrary | None = None
         # Decode-only steps in one native call (`models/decode_loop.py`), built at the first
         # such step; None where the model does not fit it.
@@ -156,9 +158,9 @@ class CausalLM(nn.Module):
         self._decode_loop_built = False
 
     def use_native(self, native: NativeLibrary | None) -> None:
-        """Run the float32 forward with the native fused ops (the model must be float32)."""
-        if native is not None and self.model.norm.weight.dtype != torch.float32:
-            raise TypeError("the native forward is float32 only")
+        """Run the forward with the native fused ops (the model must be float32 or bfloat16)."""
+        if native is not None and self.model.norm.weight.dtype not in NATIVE_DTYPES:
+            raise TypeError(f"the native forward is float32 or bfloat16, not {self.model.norm.weight.dtype}")
         self.native = native
         self._decode_loop, self._decode_loop_built = None, False
 

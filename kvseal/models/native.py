@@ -46,6 +46,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import torch
 
@@ -57,8 +58,9 @@ logger = logging.getLogger("kvseal")
 def library_source(sources: ModuleType) -> str:
     """The C translation unit of a `csrc`-like module's sections (this tree's `csrc`, or another
     tree's for `bench/linears_ab.py`)."""
-    return "\n".join([sources.PRELUDE, sources.ATTENTION, sources.LINEAR, sources.OPS, sources.INT8_LINEAR,
-                      sources.DECODE_LOOP, sources.PREFILL_ATTENTION])
+    return "\n".join([sources.PRELUDE, sources.ATTENTION, getattr(sources, "ATTENTION_BF16", ""), sources.LINEAR,
+                      sources.OPS, getattr(sources, "BF16_OPS", ""), sources.INT8_LINEAR, sources.DECODE_LOOP,
+                      sources.PREFILL_ATTENTION])
 
 
 _SOURCE = library_source(csrc)
@@ -88,6 +90,12 @@ class NativeLibrary:
     prefill_attention: Callable[..., int]
     argmax_rows: Callable[..., None]
     linear_silu: Callable[..., int]
+    # bfloat16 twins (a bfloat16 model's forward)
+    decode_attention_bf16: Callable[..., int]
+    add_rms_norm_bf16: Callable[..., None]
+    silu_mul_bf16: Callable[..., None]
+    rope_bf16: Callable[..., None]
+    write_slots_bf16: Callable[..., int]
 
 
 def native_library() -> NativeLibrary | None:
@@ -98,10 +106,14 @@ def native_library() -> NativeLibrary | None:
         return _loaded["lib"]
 
 
-def decode_attention_kernel() -> Callable[..., int] | None:
-    """The compiled `kvseal_decode_attention`; None if the library cannot be built."""
+def decode_attention_kernel(dtype: torch.dtype = torch.float32) -> Callable[..., int] | None:
+    """The compiled decode attention over a pool of `dtype` (`kvseal_decode_attention` for
+    float32, `kvseal_decode_attention_bf16` for bfloat16); None for another dtype or if the
+    library cannot be built."""
     library = native_library()
-    return None if library is None else library.decode_attention
+    if library is None or dtype not in (torch.float32, torch.bfloat16):
+        return None
+    return library.decode_attention if dtype == torch.float32 else library.decode_attention_bf16
 
 
 def prefill_attention_kernel() -> Callable[..., int] | None:
@@ -160,7 +172,23 @@ def _load(source: str = _SOURCE) -> NativeLibrary | None:
     linear_silu.restype, linear_silu.argtypes = ctypes.c_int, [_P, _P, _P, _P, _I, _I, _I, ctypes.c_int]
     logger.info("native kernels: %s (decode attention reads K and V in place; panel linears; fused ops)", path)
     return NativeLibrary(attention, packs[0], linears[0], packs[1], linears[1], norm, silu, rope, write, pack_i8,
-                         linear_i8, loop, prefill, argmax, linear_silu)
+                         linear_i8, loop, prefill, argmax, linear_silu, *_bf16_functions(handle))
+
+
+def _bf16_functions(handle: ctypes.CDLL) -> tuple[Callable[..., Any], ...]:
+    """The bfloat16 kernels, in NativeLibrary's order, with their argument types set."""
+    attention = handle.kvseal_decode_attention_bf16
+    attention.restype = ctypes.c_int
+    attention.argtypes = [_P, _I, _P, _P, _P, _P, _P, *[_I] * 9, ctypes.c_float, ctypes.c_int]
+    norm = handle.kvseal_add_rms_norm_bf16
+    norm.restype, norm.argtypes = None, [_P] * 3 + [ctypes.c_float, _P, _I, _I, ctypes.c_int]
+    silu = handle.kvseal_silu_mul_bf16
+    silu.restype, silu.argtypes = None, [_P, _P, _I, _I, ctypes.c_int]
+    rope = handle.kvseal_rope_bf16
+    rope.restype, rope.argtypes = None, [_P] * 3 + [_I] * 4 + [ctypes.c_int]
+    write = handle.kvseal_write_slots_bf16
+    write.restype, write.argtypes = ctypes.c_int, [_P, _P, _I, _P, _P, _P, _I, _I, _I, _I]
+    return attention, norm, silu, rope, write
 
 
 def _build(compiler: str, source_text: str) -> Path:
@@ -195,22 +223,36 @@ def _cpu_flags() -> str:
 
 def run_decode_attention(kernel: Callable[..., int], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          tables: torch.Tensor, context_lens: torch.Tensor, max_context: int) -> torch.Tensor:
-    """q: [B, heads, head_dim] (computed in float32); k, v: one layer of the pool, [kv_heads, pages, page_size,
-    head_dim] float32; tables: [B, width] int64; context_lens: [B] int64 -> [B, heads, head_dim]."""
-    if k.dtype != torch.float32 or v.dtype != torch.float32 or tables.dtype != torch.int64 \
+    """q: [B, heads, head_dim]; k, v: one layer of the pool, [kv_heads, pages, page_size, head_dim],
+    contiguous, float32 (`kvseal_decode_attention`; q is computed in float32) or bfloat16
+    (`kvseal_decode_attention_bf16`; q bfloat16 too, each row's heads contiguous, rows at any
+    stride); tables: [B, width] int64; context_lens: [B] int64 -> [B, heads, head_dim] in q's dtype."""
+    if k.dtype != v.dtype or k.dtype not in (torch.float32, torch.bfloat16) or tables.dtype != torch.int64 \
             or context_lens.dtype != torch.int64 or not (k.is_contiguous() and v.is_contiguous()):
-        raise TypeError("the decode attention kernel takes a contiguous float32 pool and int64 tables")
-    dtype = q.dtype
-    q, tables, context_lens = q.to(torch.float32).contiguous(), tables.contiguous(), context_lens.contiguous()
-    out = torch.empty_like(q)
+        raise TypeError("the decode attention kernel takes a contiguous float32 or bfloat16 pool and int64 tables")
+    tables, context_lens = tables.contiguous(), context_lens.contiguous()
     rows, num_heads, head_dim = q.shape
     kv_heads, num_pages, page_size, _ = k.shape
-    status = kernel(q.data_ptr(), k.data_ptr(), v.data_ptr(), tables.data_ptr(), context_lens.data_ptr(),
-                    out.data_ptr(), rows, kv_heads, num_heads // kv_heads, head_dim, num_pages, page_size,
-                    tables.shape[1], max_context, head_dim**-0.5, torch.get_num_threads())
+    shape = (rows, kv_heads, num_heads // kv_heads, head_dim, num_pages, page_size, tables.shape[1], max_context,
+             head_dim**-0.5, torch.get_num_threads())
+    if k.dtype == torch.bfloat16:
+        if q.dtype != torch.bfloat16:
+            raise TypeError(f"a bfloat16 pool takes bfloat16 queries, got {q.dtype}")
+        if q.stride(2) != 1 or q.stride(1) != head_dim:
+            q = q.contiguous()
+        out = torch.empty(q.shape, dtype=torch.bfloat16)
+        status = kernel(q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(), tables.data_ptr(),
+                        context_lens.data_ptr(), out.data_ptr(), num_heads * head_dim, *shape)
+    else:
+        dtype = q.dtype
+        q = q.to(torch.float32).contiguous()
+        out = torch.empty_like(q)
+        status = kernel(q.data_ptr(), k.data_ptr(), v.data_ptr(), tables.data_ptr(), context_lens.data_ptr(),
+                        out.data_ptr(), *shape)
+        out = out.to(dtype)
     if status != 0:
         raise MemoryError("decode attention kernel could not allocate its score scratch")
-    return out.to(dtype)
+    return out
 
 
 def run_prefill_attention(kernel: Callable[..., int], qkv: torch.Tensor, starts: torch.Tensor, length: int,
@@ -273,21 +315,35 @@ def linear_panels(library: NativeLibrary, x: torch.Tensor, panels: torch.Tensor,
     return out.view(*x.shape[:-1], n_out)
 
 
-def _check_rows(name: str, *tensors: torch.Tensor) -> None:
+_ROW_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _row_dtype(name: str, *tensors: torch.Tensor) -> torch.dtype:
+    """The one dtype of `tensors` (float32 or bfloat16), all contiguous; TypeError otherwise."""
+    dtype = tensors[0].dtype
     for t in tensors:
-        if t.dtype != torch.float32 or not t.is_contiguous():
-            raise TypeError(f"{name} takes contiguous float32 tensors, got {t.dtype} {tuple(t.stride())}")
+        if t.dtype != dtype or dtype not in _ROW_DTYPES or not t.is_contiguous():
+            raise TypeError(f"{name} takes contiguous float32 or bfloat16 tensors of one dtype, "
+                            f"got {t.dtype} {tuple(t.stride())} beside {dtype}")
+    return dtype
+
+
+def _check_rows(name: str, *tensors: torch.Tensor) -> None:
+    if _row_dtype(name, *tensors) != torch.float32:
+        raise TypeError(f"{name} takes float32 tensors")
 
 
 def add_rms_norm(library: NativeLibrary, h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
                  eps: float, out: torch.Tensor) -> None:
-    """h [rows, dim] += delta (unless None), in place; out [rows, dim] = RMSNorm(h) * weight."""
-    _check_rows("add_rms_norm", h, weight, out, *(() if delta is None else (delta,)))
+    """h [rows, dim] += delta (unless None), in place; out [rows, dim] = RMSNorm(h) * weight.
+    float32, or bfloat16 rounded as transformers' bfloat16 RMSNorm rounds."""
+    dtype = _row_dtype("add_rms_norm", h, weight, out, *(() if delta is None else (delta,)))
     rows, dim = h.shape
     if out.shape != h.shape or weight.shape != (dim,) or (delta is not None and delta.shape != h.shape):
         raise ValueError("add_rms_norm: shapes disagree")
-    library.add_rms_norm(h.data_ptr(), 0 if delta is None else delta.data_ptr(), weight.data_ptr(), eps,
-                         out.data_ptr(), rows, dim, torch.get_num_threads())
+    kernel = library.add_rms_norm if dtype == torch.float32 else library.add_rms_norm_bf16
+    kernel(h.data_ptr(), 0 if delta is None else delta.data_ptr(), weight.data_ptr(), eps, out.data_ptr(), rows, dim,
+           torch.get_num_threads())
 
 
 def argmax_rows(library: NativeLibrary, x: torch.Tensor) -> torch.Tensor:
@@ -302,11 +358,13 @@ def argmax_rows(library: NativeLibrary, x: torch.Tensor) -> torch.Tensor:
 
 
 def silu_mul(library: NativeLibrary, gate_up: torch.Tensor) -> torch.Tensor:
-    """gate_up [rows, 2 * inter] (gate, then up) -> silu(gate) * up, [rows, inter]."""
-    _check_rows("silu_mul", gate_up)
+    """gate_up [rows, 2 * inter] (gate, then up) -> silu(gate) * up, [rows, inter], in gate_up's
+    dtype (bfloat16: silu(gate) rounded before the product, as torch rounds it)."""
+    dtype = _row_dtype("silu_mul", gate_up)
     rows, width = gate_up.shape
-    out = torch.empty((rows, width // 2), dtype=torch.float32)
-    library.silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, width // 2, torch.get_num_threads())
+    out = torch.empty((rows, width // 2), dtype=dtype)
+    kernel = library.silu_mul if dtype == torch.float32 else library.silu_mul_bf16
+    kernel(gate_up.data_ptr(), out.data_ptr(), rows, width // 2, torch.get_num_threads())
     return out
 
 
@@ -331,30 +389,34 @@ def linear_silu(library: NativeLibrary, x: torch.Tensor, panels: torch.Tensor, b
 def rope_(library: NativeLibrary, qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
           heads: int, head_dim: int) -> None:
     """Rotate-half RoPE in place on the first `heads` heads of each row of qkv [rows, width];
-    cos, signed_sin: [rows, head_dim] (`RotaryEmbedding.cos_sin`, flattened)."""
-    _check_rows("rope", qkv, cos, signed_sin)
+    cos, signed_sin: [rows, head_dim] (`RotaryEmbedding.cos_sin`, flattened), qkv's dtype."""
+    dtype = _row_dtype("rope", qkv, cos, signed_sin)
     rows, width = qkv.shape
     if heads * head_dim > width or cos.shape != (rows, head_dim) or signed_sin.shape != (rows, head_dim):
         raise ValueError("rope: shapes disagree")
-    library.rope(qkv.data_ptr(), cos.data_ptr(), signed_sin.data_ptr(), rows, width, heads, head_dim)
+    pointers = (qkv.data_ptr(), cos.data_ptr(), signed_sin.data_ptr(), rows, width, heads, head_dim)
+    if dtype == torch.float32:
+        library.rope(*pointers)
+    else:
+        library.rope_bf16(*pointers, torch.get_num_threads())
 
 
 def write_slots(library: NativeLibrary, qkv: torch.Tensor, k_offset: int, v_offset: int, slots: torch.Tensor,
                 k_pool: torch.Tensor, v_pool: torch.Tensor) -> None:
     """Store the K and V columns of qkv [rows, width] (starting at k_offset / v_offset,
-    kv_heads * head_dim each) into one pool layer [kv_heads, pages, page_size, head_dim] at
-    `slots` [rows] int64. Raises IndexError, writing nothing, for a slot outside the layer."""
-    _check_rows("write_slots", qkv, k_pool, v_pool)
+    kv_heads * head_dim each) into one pool layer [kv_heads, pages, page_size, head_dim] of qkv's
+    dtype at `slots` [rows] int64. Raises IndexError, writing nothing, for a slot outside the layer."""
+    dtype = _row_dtype("write_slots", qkv, k_pool, v_pool)
     if slots.dtype != torch.int64 or not slots.is_contiguous() or slots.shape != (qkv.shape[0],):
         raise TypeError("write_slots takes one contiguous int64 slot per row")
     kv_heads, num_pages, page_size, head_dim = k_pool.shape
     width = kv_heads * head_dim
     if v_pool.shape != k_pool.shape or v_offset + width > qkv.shape[1] or k_offset + width > v_offset:
         raise ValueError("write_slots: shapes disagree")
-    base = qkv.data_ptr()
-    status = library.write_slots(base + 4 * k_offset, base + 4 * v_offset, qkv.shape[1], slots.data_ptr(),
-                                 k_pool.data_ptr(), v_pool.data_ptr(), qkv.shape[0], kv_heads, head_dim,
-                                 num_pages * page_size)
+    base, size = qkv.data_ptr(), qkv.element_size()
+    kernel = library.write_slots if dtype == torch.float32 else library.write_slots_bf16
+    status = kernel(base + size * k_offset, base + size * v_offset, qkv.shape[1], slots.data_ptr(), k_pool.data_ptr(),
+                    v_pool.data_ptr(), qkv.shape[0], kv_heads, head_dim, num_pages * page_size)
     if status != 0:
         raise IndexError("a KV slot is outside the pool layer")
 

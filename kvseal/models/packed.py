@@ -1,6 +1,6 @@
-"""float32 linear layers with packed weights (the CPU engine's default in float32).
+"""Linear layers with packed weights (the CPU engine's default in float32 and bfloat16).
 
-Two packings, one chosen per process. **Panels** (`PanelLinear`, when the native library
+A float32 model gets one of two packings, chosen per process. **Panels** (`PanelLinear`, when the native library
 builds, `models/native.py`): the weight in 16-feature column panels, multiplied by kvseal's C
 kernel, faster than oneDNN at every batch size measured here (1 to 256 rows; docs/BENCHMARKS.md,
 "Round 5"). **oneDNN** (`PackedLinear`, without a C compiler):
@@ -12,9 +12,15 @@ for frozen linears) and multiplies with `torch.ops.mkldnn._linear_pointwise`. Sa
 outputs and dtype as `nn.Linear`; the sums may round differently in the last bit (another
 sgemm), like any change of BLAS. Measured in docs/BENCHMARKS.md ("Engine speed, round 2").
 
-Either packed weight replaces the module's float32 weight (no second copy), except for a
-lm_head tied to the embedding table, which keeps the table for the lookup: that head costs
-one extra copy of the table.
+A bfloat16 model's linears are always `PackedLinear` where oneDNN multiplies bfloat16 (CPUs
+with AVX512-BF16 or AMX, where `dtype=auto` picks bfloat16): oneDNN's bfloat16 kernels (AMX
+tiles where the CPU has them) beat any vector loop at every row count, and packing once saves
+the per-call reorder (docs/BENCHMARKS.md, "Round 10"). The sums are oneDNN's either way, so
+the outputs equal `F.linear`'s.
+
+Either packed weight replaces the module's weight (no second copy), except for a lm_head tied
+to the embedding table, which keeps the table for the lookup: that head costs one extra copy
+of the table.
 """
 
 from __future__ import annotations
@@ -39,13 +45,22 @@ PACK_ROWS = 32
 
 def can_pack(dtype: torch.dtype, quantization: str) -> bool:
     """Packing applies to float32 models (unquantized, or "bf16": bfloat16 panels) with the
-    native library or a torch built with oneDNN."""
+    native library or a torch built with oneDNN, and to unquantized bfloat16 models where
+    oneDNN multiplies bfloat16."""
+    if dtype == torch.bfloat16:
+        return quantization == "none" and onednn_bf16()
     return dtype == torch.float32 and quantization in ("none", "bf16") and (
         native_library() is not None or torch.backends.mkldnn.is_available())
 
 
+def onednn_bf16() -> bool:
+    """Whether this torch's oneDNN multiplies bfloat16 on this CPU (AVX512-BF16 or AMX)."""
+    return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 class PackedLinear(nn.Module):
-    """`nn.Linear` (float32) whose weight is held packed for oneDNN; same inputs and outputs."""
+    """`nn.Linear` (float32 or bfloat16) whose weight is held packed for oneDNN; same inputs
+    and outputs."""
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
@@ -55,7 +70,7 @@ class PackedLinear(nn.Module):
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [..., in_features] float32 -> [..., out_features]
+        # x: [..., in_features] in the weight's dtype -> [..., out_features]
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:
@@ -83,12 +98,17 @@ class PanelLinear(nn.Module):
 
 
 def pack_model(model: CausalLM, *, panels: bool = True, weight_dtype: torch.dtype = torch.float32) -> CausalLM:
-    """Swap every float32 `nn.Linear` of the decoder layers and the lm_head for a
-    `PanelLinear` (the native library built and `panels`) or a `PackedLinear`, in place. Call
-    after the model is in its final dtype; a model that is not float32 or already packed is
-    left as it is. weight_dtype bfloat16 (`--quantization bf16`) needs the panels: ConfigError
-    without them."""
-    if model.model.norm.weight.dtype != torch.float32:
+    """Swap every `nn.Linear` of the decoder layers and the lm_head, in place: in a float32
+    model for a `PanelLinear` (the native library built and `panels`) or a `PackedLinear`, in a
+    bfloat16 model for a `PackedLinear` (where `onednn_bf16()`). Call after the model is in its
+    final dtype; a model of another dtype, or already packed, is left as it is. weight_dtype
+    bfloat16 (`--quantization bf16`, a float32 model) needs the panels: ConfigError without them."""
+    dtype = model.model.norm.weight.dtype
+    if dtype == torch.bfloat16 and onednn_bf16():
+        swapped = _swap_all(model, PackedLinear, dtype)
+        logger.info("bfloat16 linears: %d hold oneDNN-packed weights", swapped)
+        return model
+    if dtype != torch.float32:
         return model
     library = native_library() if panels else None
     if weight_dtype != torch.float32 and library is None:
@@ -98,17 +118,22 @@ def pack_model(model: CausalLM, *, panels: bool = True, weight_dtype: torch.dtyp
     def make(linear: nn.Linear) -> nn.Module:
         return PackedLinear(linear) if library is None else PanelLinear(linear, library, weight_dtype)
 
-    swapped = sum(_swap(getattr(layer, owner_name), attr, make)
-                  for layer in model.model.layers for owner_name, attr in LAYER_LINEARS)
-    swapped += _swap(model, "lm_head", make)
+    swapped = _swap_all(model, make, torch.float32)
     logger.info("float32 linears: %d hold %s weights", swapped,
                 "oneDNN-packed" if library is None else f"{weight_dtype} panel")
     return model
 
 
-def _swap(owner: nn.Module, attr: str, make: Callable[[nn.Linear], nn.Module]) -> int:
+def _swap_all(model: CausalLM, make: Callable[[nn.Linear], nn.Module], dtype: torch.dtype) -> int:
+    """Swap the decoder layers' linears and the lm_head of weight dtype `dtype`; how many."""
+    swapped = sum(_swap(getattr(layer, owner_name), attr, make, dtype)
+                  for layer in model.model.layers for owner_name, attr in LAYER_LINEARS)
+    return swapped + _swap(model, "lm_head", make, dtype)
+
+
+def _swap(owner: nn.Module, attr: str, make: Callable[[nn.Linear], nn.Module], dtype: torch.dtype) -> int:
     linear = getattr(owner, attr)
-    if not isinstance(linear, nn.Linear) or linear.weight.dtype != torch.float32:
+    if not isinstance(linear, nn.Linear) or linear.weight.dtype != dtype:
         return 0
     setattr(owner, attr, make(linear))
     return 1

@@ -39,7 +39,7 @@ def _decode_batch(pool: KVPool, context_lens: list[int], generator: torch.Genera
 
 def _torch_rows(batch: ForwardBatch, pool: KVPool, num_heads: int, monkeypatch: pytest.MonkeyPatch):
     with monkeypatch.context() as patch:
-        patch.setattr(attention, "decode_attention_kernel", lambda: None)
+        patch.setattr(attention, "decode_attention_kernel", lambda dtype: None)
         return attention.AttentionPlan.build(batch, pool, num_heads).decode
 
 

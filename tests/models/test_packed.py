@@ -1,6 +1,6 @@
-"""Packed float32 linears (kvseal's panels, oneDNN's packing without a compiler): same results
-as `nn.Linear` (to the last bits of another sgemm) for any row count and leading shape; the
-float32 engine uses them, other dtypes and quantized models do not; a tied lm_head leaves the
+"""Packed linears (kvseal's panels or oneDNN's packing in float32, oneDNN's in bfloat16): same
+results as `nn.Linear` (to the last bits of another sgemm) for any row count and leading shape;
+the float32 and bfloat16 engines use them, quantized models do not; a tied lm_head leaves the
 embedding table in place."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from torch import nn
 
 from kvseal.models.loader import load_model
 from kvseal.models.native import native_library
-from kvseal.models.packed import PackedLinear, PanelLinear, can_pack, pack_model
+from kvseal.models.packed import PackedLinear, PanelLinear, can_pack, onednn_bf16, pack_model
 from kvseal.models.quant import Int8Linear
 from kvseal.types import SamplingParams
 
@@ -48,6 +48,19 @@ def test_packed_linear_matches_nn_linear(kind: type[nn.Module], bias: bool, rows
     assert out.dtype == torch.float32 and out.shape == (rows, 40)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(packed(x.reshape(1, rows, 96)).reshape(rows, 40), out, rtol=0, atol=0)
+
+
+@pytest.mark.skipif(not onednn_bf16(), reason="oneDNN does not multiply bfloat16 on this CPU")
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 3, 32, 513])
+def test_packed_bfloat16_linear_equals_f_linear(bias: bool, rows: int) -> None:
+    """oneDNN's packed bfloat16 weight gives what F.linear gives (oneDNN's bfloat16 kernel either way)."""
+    torch.manual_seed(0)
+    linear = nn.Linear(96, 40, bias=bias).to(torch.bfloat16)
+    x = torch.randn(rows, 96).to(torch.bfloat16)
+    out = PackedLinear(linear)(x)
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, 40)
+    torch.testing.assert_close(out, F.linear(x, linear.weight, linear.bias), rtol=2.0**-7, atol=1e-3)
 
 
 @pytest.mark.parametrize("rows", [2, 32, 200])
@@ -88,12 +101,15 @@ def test_pack_model_swaps_every_float32_linear_and_keeps_the_tied_embedding(llam
     assert {name for name, m in again.named_modules() if isinstance(m, kind)} == packed
 
 
-def test_only_unquantized_float32_is_packed(make_llm: Callable[..., Any]) -> None:
+def test_only_unquantized_float32_and_bfloat16_are_packed(make_llm: Callable[..., Any]) -> None:
+    """float32: panels or oneDNN; bfloat16: oneDNN only, where it multiplies bfloat16; int8 never."""
     assert can_pack(torch.float32, "none") == (native_library() is not None or torch.backends.mkldnn.is_available())
-    assert not can_pack(torch.bfloat16, "none") and not can_pack(torch.float32, "int8")
+    assert can_pack(torch.bfloat16, "none") == onednn_bf16()
+    assert not can_pack(torch.float32, "int8") and not can_pack(torch.bfloat16, "int8")
     modules = {dtype: list(make_llm(dtype=dtype).engine.runner.model.modules()) for dtype in ("float32", "bfloat16")}
     assert any(isinstance(m, PACKED) for m in modules["float32"]) == can_pack(torch.float32, "none")
-    assert not any(isinstance(m, PACKED) for m in modules["bfloat16"])
+    assert any(isinstance(m, PackedLinear) for m in modules["bfloat16"]) == onednn_bf16()
+    assert not any(isinstance(m, PanelLinear) for m in modules["bfloat16"])
     int8 = list(make_llm(quantization="int8").engine.runner.model.modules())
     assert any(isinstance(m, Int8Linear) for m in int8) and not any(isinstance(m, PACKED) for m in int8)
 

@@ -69,7 +69,7 @@ def _forward_both(spans: list[tuple[int, int]], num_heads: int, num_kv_heads: in
     pool.write(0, batch.slot_mapping, k, v)
     plan = attention.AttentionPlan.build(batch, pool, num_heads)
     with monkeypatch.context() as patch:
-        patch.setattr(attention, "decode_attention_kernel", lambda: None)
+        patch.setattr(attention, "decode_attention_kernel", lambda dtype: None)
         patch.setattr(attention, "prefill_attention_kernel", lambda: None)
         reference_plan = attention.AttentionPlan.build(batch, pool, num_heads)
     got = attention.paged_attention(q, k, v, pool, 0, plan, qkv)
