@@ -969,6 +969,143 @@ void kvseal_linear_i8(const float *x, const int8_t *panels, const float *scale, 
 }
 """
 
+# bfloat16 linears on AMX tiles (Sapphire Rapids and later): y = x W^T (+ bias), x and y bfloat16,
+# float32 sums, each output rounded once. The weight is packed once ([ceil(N/16)][K/32] tiles of
+# 16 k-pairs x 16 outputs x 2, the layout TDPBF16PS reads, zero-padded past N); K must be a
+# multiple of 32. Each thread takes a contiguous half of the panel pairs, so it streams its
+# weights in order, and runs 2 x 2 tiles (32 rows x 2 panels) per step of 32 k. Rows go in
+# blocks of 256 within which a panel pair's tiles stay in L1 across the 32-row chunks. At one to
+# 32 rows (decode) the weights stream at the memory's bandwidth: a pass over SmolLM2-135M's 270
+# MB takes 10.5-13.4 ms against oneDNN's 14.6-17.8 ms on the round-10 host; at 2,048 rows it
+# sustains 2.0-2.5 TFLOPS against oneDNN's 2.7-3.3 (docs/BENCHMARKS.md, round 10). Compiled only
+# where the compiler targets AMX-BF16 and AVX512-BF16; elsewhere the entry points answer -1 and
+# the model keeps oneDNN's linears.
+AMX = r"""
+/* w [N, K] bfloat16 row-major (nn.Linear's layout) -> packed tiles (see above). */
+void kvseal_pack_amx(const uint16_t *w, uint16_t *packed, int64_t n_out, int64_t k_in) {
+    const int64_t panels = (n_out + 15) / 16, kblocks = k_in / 32;
+    #pragma omp parallel for schedule(static)
+    for (int64_t p = 0; p < panels; p++)
+        for (int64_t kb = 0; kb < kblocks; kb++)
+            for (int64_t kk = 0; kk < 16; kk++)
+                for (int64_t n = 0; n < 16; n++)
+                    for (int64_t i = 0; i < 2; i++) {
+                        const int64_t row = p * 16 + n, col = kb * 32 + 2 * kk + i;
+                        const int64_t at = (((p * kblocks + kb) * 16 + kk) * 16 + n) * 2 + i;
+                        packed[at] = row < n_out ? w[row * k_in + col] : 0;
+                    }
+}
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#include <omp.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+/* 0 once the kernel lets this process use AMX tile data (ARCH_REQ_XCOMP_PERM for
+   XFEATURE_XTILEDATA; the permission is per process, so every OpenMP thread has it), else -1. */
+int kvseal_amx_init(void) { return syscall(SYS_arch_prctl, 0x1023, 18) == 0 ? 0 : -1; }
+
+struct tile_config { uint8_t palette, start_row, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; };
+
+/* Tiles 0-3: C (row tile 0 and 1 of panel p, then of p + 1); 4, 5: A (row tiles 0, 1); 6, 7: B
+   (panels p, p + 1). r1 = 0: one row tile, tiles 1, 3, 5 unused. */
+static void configure_tiles(int r0, int r1) {
+    struct tile_config c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    const int rows[8] = {r0, r1, r0, r1, r0, r1, 16, 16};
+    for (int t = 0; t < 8; t++) { c.rows[t] = (uint8_t)rows[t]; c.colsb[t] = rows[t] ? 64 : 0; }
+    _tile_loadconfig(&c);
+}
+
+/* rows of a 16-column float32 tile (+ bias) into bfloat16 y, nr <= 16 valid columns: one
+   vcvtneps2bf16 a row (round to nearest even; NaN stays NaN). */
+static void store_tile_rows(const float *c, int rows, const uint16_t *bias, uint16_t *y, int64_t ldy, int64_t nr) {
+    const __mmask16 mask = (__mmask16)((1u << nr) - 1u);
+    const __m512 b = bias == NULL ? _mm512_setzero_ps()
+        : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, bias)), 16));
+    for (int r = 0; r < rows; r++) {
+        const __m256bh out = _mm512_cvtneps_pbh(_mm512_add_ps(_mm512_loadu_ps(c + r * 16), b));
+        _mm256_mask_storeu_epi16(y + r * ldy, mask, (__m256i)out);
+    }
+}
+
+/* One 32-row chunk of x (a; r1 rows in its second row tile) against panel b0 and, if two,
+   panel b1, over every k: the four sums into c. */
+static void amx_chunk(const uint16_t *a, int64_t k_in, const uint16_t *b0, const uint16_t *b1, int r1, int two,
+                      float c[4][256]) {
+    _tile_zero(0); _tile_zero(2);
+    if (r1) { _tile_zero(1); _tile_zero(3); }
+    for (int64_t kb = 0; kb < k_in / 32; kb++) {
+        _tile_loadd(4, a + kb * 32, k_in * 2);
+        _tile_loadd(6, b0 + kb * 512, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        if (r1) { _tile_loadd(5, a + 16 * k_in + kb * 32, k_in * 2); _tile_dpbf16ps(1, 5, 6); }
+        if (two) {
+            _tile_loadd(7, b1 + kb * 512, 64);
+            _tile_dpbf16ps(2, 4, 7);
+            if (r1) _tile_dpbf16ps(3, 5, 7);
+        }
+    }
+    _tile_stored(0, c[0], 64); _tile_stored(2, c[2], 64);
+    if (r1) { _tile_stored(1, c[1], 64); _tile_stored(3, c[3], 64); }
+}
+
+#define AMX_BLOCK_ROWS 256
+
+/* Panels [p_begin, p_end) of y for rows [0, rows). */
+static void amx_panels(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, uint16_t *y, int64_t rows,
+                       int64_t n_out, int64_t k_in, int64_t p_begin, int64_t p_end) {
+    float c[4][256];
+    int conf0 = -1, conf1 = -1;
+    for (int64_t mb = 0; mb < rows; mb += AMX_BLOCK_ROWS) {
+        const int64_t mb_end = mb + AMX_BLOCK_ROWS < rows ? mb + AMX_BLOCK_ROWS : rows;
+        for (int64_t p = p_begin; p < p_end; p += 2) {
+            const int two = p + 1 < p_end;
+            const uint16_t *b0 = packed + p * (k_in / 32) * 512;
+            for (int64_t m0 = mb; m0 < mb_end; m0 += 32) {
+                const int r0 = mb_end - m0 < 16 ? (int)(mb_end - m0) : 16;
+                const int r1 = mb_end - m0 <= 16 ? 0 : (mb_end - m0 < 32 ? (int)(mb_end - m0 - 16) : 16);
+                if (r0 != conf0 || r1 != conf1) { configure_tiles(r0, r1); conf0 = r0; conf1 = r1; }
+                amx_chunk(x + m0 * k_in, k_in, b0, b0 + (k_in / 32) * 512, r1, two, c);
+                for (int j = 0; j < 1 + two; j++) {
+                    const int64_t pj = p + j, nr = n_out - pj * 16 < 16 ? n_out - pj * 16 : 16;
+                    const uint16_t *bj = bias == NULL ? NULL : bias + pj * 16;
+                    store_tile_rows(c[2 * j], r0, bj, y + m0 * n_out + pj * 16, n_out, nr);
+                    if (r1) store_tile_rows(c[2 * j + 1], r1, bj, y + (m0 + 16) * n_out + pj * 16, n_out, nr);
+                }
+            }
+        }
+    }
+}
+
+/* y [rows, n_out] = x [rows, k_in] . W^T (+ bias [n_out] unless NULL), all bfloat16; W packed by
+   kvseal_pack_amx. Returns 0 (k_in % 32 is the caller's to check). */
+int kvseal_linear_amx(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, uint16_t *y,
+                      int64_t rows, int64_t n_out, int64_t k_in, int num_threads) {
+    const int64_t panels = (n_out + 15) / 16, pairs = (panels + 1) / 2;
+    #pragma omp parallel num_threads(num_threads)
+    {
+        const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+        const int64_t p_begin = 2 * (pairs * t / nt), p_end = 2 * (pairs * (t + 1) / nt);
+        if (p_begin < panels && rows > 0) {
+            amx_panels(x, packed, bias, y, rows, n_out, k_in, p_begin, p_end < panels ? p_end : panels);
+            _tile_release();
+        }
+    }
+    return 0;
+}
+#else
+int kvseal_amx_init(void) { return -1; }
+int kvseal_linear_amx(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, uint16_t *y,
+                      int64_t rows, int64_t n_out, int64_t k_in, int num_threads) {
+    (void)x; (void)packed; (void)bias; (void)y; (void)rows; (void)n_out; (void)k_in; (void)num_threads;
+    return -1;
+}
+#endif
+"""
+
 # Every decoder layer of a decode-only step in one call (`models/decode_loop.py`): the same
 # kernels the Python native forward calls one by one, in the same order on the same buffers,
 # so the result is bit-equal; what goes is ~20 Python and ctypes calls per layer.
@@ -1027,6 +1164,42 @@ int kvseal_decode_layers(int kind, int64_t num_layers, const void *const *layers
         if (loop_linear(kind, w, W_DOWN, act, tmp, rows, hidden, inter, threads)) return -2;
         const float *next_norm = l + 1 < num_layers ? (const float *)w[LAYER_POINTERS + INPUT_NORM] : final_norm;
         kvseal_add_rms_norm(h, tmp, next_norm, eps, x, rows, hidden, threads);
+    }
+    return 0;
+}
+
+/* The same for a bfloat16 model whose linears are AMX-packed (kvseal_pack_amx; the pointer
+   table's scale slots NULL): h, x, qkv, attn, tmp, gate_up, act, cos and signed_sin bfloat16,
+   the pool bfloat16; decode attention reads q in place from the qkv rows. The same kernels as
+   the per-layer bfloat16 forward, in the same order. Returns as kvseal_decode_layers. */
+int kvseal_decode_layers_bf16(int64_t num_layers, const void *const *layers, const uint16_t *final_norm, float eps,
+                              uint16_t *h, uint16_t *x, uint16_t *qkv, uint16_t *attn, uint16_t *tmp,
+                              uint16_t *gate_up, uint16_t *act, const uint16_t *cos, const uint16_t *signed_sin,
+                              const int64_t *slots, const int64_t *tables, const int64_t *context_lens,
+                              int64_t rows, int64_t hidden, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                              int64_t inter, int64_t num_pages, int64_t page_size, int64_t table_width,
+                              int64_t max_context, float scale, int threads, int64_t *layers_written) {
+    const int64_t q_size = heads * head_dim, kv_size = kv_heads * head_dim, width = q_size + 2 * kv_size;
+    *layers_written = 0;
+    kvseal_add_rms_norm_bf16(h, NULL, layers[INPUT_NORM], eps, x, rows, hidden, threads);
+    for (int64_t l = 0; l < num_layers; l++) {
+        const void *const *w = layers + l * LAYER_POINTERS;
+        uint16_t *k_pool = (uint16_t *)w[K_POOL], *v_pool = (uint16_t *)w[V_POOL];
+        if (kvseal_linear_amx(x, w[W_QKV], w[B_QKV], qkv, rows, width, hidden, threads)) return -2;
+        kvseal_rope_bf16(qkv, cos, signed_sin, rows, width, heads + kv_heads, head_dim, threads);
+        if (kvseal_write_slots_bf16(qkv + q_size, qkv + q_size + kv_size, width, slots, k_pool, v_pool, rows,
+                                    kv_heads, head_dim, num_pages * page_size)) return -1;
+        *layers_written = l + 1;
+        if (kvseal_decode_attention_bf16(qkv, width, k_pool, v_pool, tables, context_lens, attn, q_size, rows,
+                                         kv_heads, heads / kv_heads, head_dim, num_pages, page_size, table_width,
+                                         max_context, scale, threads)) return -2;
+        if (kvseal_linear_amx(attn, w[W_O], w[B_O], tmp, rows, hidden, q_size, threads)) return -2;
+        kvseal_add_rms_norm_bf16(h, tmp, w[POST_NORM], eps, x, rows, hidden, threads);
+        if (kvseal_linear_amx(x, w[W_GATE_UP], w[B_GATE_UP], gate_up, rows, 2 * inter, hidden, threads)) return -2;
+        kvseal_silu_mul_bf16(gate_up, act, rows, inter, threads);
+        if (kvseal_linear_amx(act, w[W_DOWN], w[B_DOWN], tmp, rows, hidden, inter, threads)) return -2;
+        const uint16_t *next_norm = l + 1 < num_layers ? (const uint16_t *)w[LAYER_POINTERS + INPUT_NORM] : final_norm;
+        kvseal_add_rms_norm_bf16(h, tmp, next_norm, eps, x, rows, hidden, threads);
     }
     return 0;
 }

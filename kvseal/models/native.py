@@ -59,8 +59,8 @@ def library_source(sources: ModuleType) -> str:
     """The C translation unit of a `csrc`-like module's sections (this tree's `csrc`, or another
     tree's for `bench/linears_ab.py`)."""
     return "\n".join([sources.PRELUDE, sources.ATTENTION, getattr(sources, "ATTENTION_BF16", ""), sources.LINEAR,
-                      sources.OPS, getattr(sources, "BF16_OPS", ""), sources.INT8_LINEAR, sources.DECODE_LOOP,
-                      sources.PREFILL_ATTENTION])
+                      sources.OPS, getattr(sources, "BF16_OPS", ""), sources.INT8_LINEAR, getattr(sources, "AMX", ""),
+                      sources.DECODE_LOOP, sources.PREFILL_ATTENTION])
 
 
 _SOURCE = library_source(csrc)
@@ -96,6 +96,12 @@ class NativeLibrary:
     silu_mul_bf16: Callable[..., None]
     rope_bf16: Callable[..., None]
     write_slots_bf16: Callable[..., int]
+    # AMX bfloat16 linears and the bfloat16 decode loop over them; has_amx: this build targets
+    # AMX and the kernel lets the process use it (otherwise linear_amx answers -1)
+    pack_amx: Callable[..., None]
+    linear_amx: Callable[..., int]
+    decode_layers_bf16: Callable[..., int]
+    has_amx: bool
 
 
 def native_library() -> NativeLibrary | None:
@@ -172,11 +178,11 @@ def _load(source: str = _SOURCE) -> NativeLibrary | None:
     linear_silu.restype, linear_silu.argtypes = ctypes.c_int, [_P, _P, _P, _P, _I, _I, _I, ctypes.c_int]
     logger.info("native kernels: %s (decode attention reads K and V in place; panel linears; fused ops)", path)
     return NativeLibrary(attention, packs[0], linears[0], packs[1], linears[1], norm, silu, rope, write, pack_i8,
-                         linear_i8, loop, prefill, argmax, linear_silu, *_bf16_functions(handle))
+                         linear_i8, loop, prefill, argmax, linear_silu, **_bf16_functions(handle))
 
 
-def _bf16_functions(handle: ctypes.CDLL) -> tuple[Callable[..., Any], ...]:
-    """The bfloat16 kernels, in NativeLibrary's order, with their argument types set."""
+def _bf16_functions(handle: ctypes.CDLL) -> dict[str, Any]:
+    """The bfloat16 kernels by NativeLibrary's field names, with their argument types set."""
     attention = handle.kvseal_decode_attention_bf16
     attention.restype = ctypes.c_int
     attention.argtypes = [_P, _I, _P, _P, _P, _P, _P, *[_I] * 9, ctypes.c_float, ctypes.c_int]
@@ -188,7 +194,17 @@ def _bf16_functions(handle: ctypes.CDLL) -> tuple[Callable[..., Any], ...]:
     rope.restype, rope.argtypes = None, [_P] * 3 + [_I] * 4 + [ctypes.c_int]
     write = handle.kvseal_write_slots_bf16
     write.restype, write.argtypes = ctypes.c_int, [_P, _P, _I, _P, _P, _P, _I, _I, _I, _I]
-    return attention, norm, silu, rope, write
+    pack = handle.kvseal_pack_amx
+    pack.restype, pack.argtypes = None, [_P, _P, _I, _I]
+    linear = handle.kvseal_linear_amx
+    linear.restype, linear.argtypes = ctypes.c_int, [_P] * 4 + [_I] * 3 + [ctypes.c_int]
+    loop = handle.kvseal_decode_layers_bf16
+    loop.restype = ctypes.c_int
+    loop.argtypes = [_I, _P, _P, ctypes.c_float, *[_P] * 12, *[_I] * 10, ctypes.c_float, ctypes.c_int, _P]
+    handle.kvseal_amx_init.restype = ctypes.c_int
+    has_amx = handle.kvseal_amx_init() == 0
+    return dict(decode_attention_bf16=attention, add_rms_norm_bf16=norm, silu_mul_bf16=silu, rope_bf16=rope,
+                write_slots_bf16=write, pack_amx=pack, linear_amx=linear, decode_layers_bf16=loop, has_amx=has_amx)
 
 
 def _build(compiler: str, source_text: str) -> Path:
@@ -316,6 +332,39 @@ def linear_panels(library: NativeLibrary, x: torch.Tensor, panels: torch.Tensor,
 
 
 _ROW_DTYPES = (torch.float32, torch.bfloat16)
+
+
+AMX_K_MULTIPLE = 32  # the AMX linears' input width must be a multiple of this (one tile's k-step)
+
+
+def pack_amx(library: NativeLibrary, weight: torch.Tensor) -> torch.Tensor:
+    """weight: [N, K] bfloat16, K a multiple of 32 -> its AMX tiles, [ceil(N / 16), K / 32, 16,
+    16, 2] bfloat16 (a new tensor; `kvseal_pack_amx` gives the layout)."""
+    if weight.dtype != torch.bfloat16 or weight.dim() != 2 or weight.shape[1] % AMX_K_MULTIPLE:
+        raise TypeError(f"AMX tiles hold a 2-D bfloat16 weight of width a multiple of {AMX_K_MULTIPLE}, "
+                        f"got {weight.dtype} {tuple(weight.shape)}")
+    weight = weight.detach().contiguous()
+    n_out, k_in = weight.shape
+    packed = torch.empty(((n_out + 15) // 16, k_in // AMX_K_MULTIPLE, 16, 16, 2), dtype=torch.bfloat16)
+    library.pack_amx(weight.data_ptr(), packed.data_ptr(), n_out, k_in)
+    return packed
+
+
+def linear_amx(library: NativeLibrary, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+               n_out: int) -> torch.Tensor:
+    """x: [..., K] bfloat16; packed from `pack_amx` -> [..., n_out] bfloat16 = x W^T (+ bias),
+    float32 sums rounded once. RuntimeError where this build or process cannot use AMX."""
+    k_in = packed.shape[1] * AMX_K_MULTIPLE
+    if x.dtype != torch.bfloat16 or x.shape[-1] != k_in:
+        raise TypeError(f"expected bfloat16 [..., {k_in}] activations, got {x.dtype} {tuple(x.shape)}")
+    if bias is not None and (bias.dtype != torch.bfloat16 or bias.shape != (n_out,) or not bias.is_contiguous()):
+        raise TypeError("the AMX linear takes a contiguous bfloat16 [n_out] bias")
+    rows = x.reshape(-1, k_in).contiguous()
+    out = torch.empty((rows.shape[0], n_out), dtype=torch.bfloat16)
+    if rows.shape[0] and library.linear_amx(rows.data_ptr(), packed.data_ptr(), 0 if bias is None else bias.data_ptr(),
+                                            out.data_ptr(), rows.shape[0], n_out, k_in, torch.get_num_threads()):
+        raise RuntimeError("AMX linear: this build or process cannot use AMX tiles")
+    return out.view(*x.shape[:-1], n_out)
 
 
 def _row_dtype(name: str, *tensors: torch.Tensor) -> torch.dtype:

@@ -33,7 +33,15 @@ from torch import nn
 
 from kvseal.errors import ConfigError
 from kvseal.models.llama import CausalLM
-from kvseal.models.native import NativeLibrary, linear_panels, native_library, pack_panels
+from kvseal.models.native import (
+    AMX_K_MULTIPLE,
+    NativeLibrary,
+    linear_amx,
+    linear_panels,
+    native_library,
+    pack_amx,
+    pack_panels,
+)
 from kvseal.models.quant import LAYER_LINEARS
 
 logger = logging.getLogger("kvseal")
@@ -48,7 +56,7 @@ def can_pack(dtype: torch.dtype, quantization: str) -> bool:
     native library or a torch built with oneDNN, and to unquantized bfloat16 models where
     oneDNN multiplies bfloat16."""
     if dtype == torch.bfloat16:
-        return quantization == "none" and onednn_bf16()
+        return quantization == "none" and (amx_library() is not None or onednn_bf16())
     return dtype == torch.float32 and quantization in ("none", "bf16") and (
         native_library() is not None or torch.backends.mkldnn.is_available())
 
@@ -56,6 +64,13 @@ def can_pack(dtype: torch.dtype, quantization: str) -> bool:
 def onednn_bf16() -> bool:
     """Whether this torch's oneDNN multiplies bfloat16 on this CPU (AVX512-BF16 or AMX)."""
     return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def amx_library() -> NativeLibrary | None:
+    """The native library where it can run kvseal's AMX linears (built for AMX, and the
+    process allowed to use the tiles); else None."""
+    library = native_library()
+    return library if library is not None and library.has_amx else None
 
 
 class PackedLinear(nn.Module):
@@ -97,17 +112,35 @@ class PanelLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.panels.dtype} panels"
 
 
+class AmxLinear(nn.Module):
+    """`nn.Linear` (bfloat16) whose weight is held in AMX tiles for kvseal's C kernel
+    (`native.linear_amx`): bfloat16 in and out, float32 sums, any row count."""
+
+    def __init__(self, linear: nn.Linear, library: NativeLibrary) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.library = library
+        self.tiles = nn.Parameter(pack_amx(library, linear.weight), requires_grad=False)
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [..., in_features] bfloat16 -> [..., out_features]
+        return linear_amx(self.library, x, self.tiles, self.bias, self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, AMX tiles"
+
+
 def pack_model(model: CausalLM, *, panels: bool = True, weight_dtype: torch.dtype = torch.float32) -> CausalLM:
     """Swap every `nn.Linear` of the decoder layers and the lm_head, in place: in a float32
-    model for a `PanelLinear` (the native library built and `panels`) or a `PackedLinear`, in a
-    bfloat16 model for a `PackedLinear` (where `onednn_bf16()`). Call after the model is in its
-    final dtype; a model of another dtype, or already packed, is left as it is. weight_dtype
-    bfloat16 (`--quantization bf16`, a float32 model) needs the panels: ConfigError without them."""
+    model for a `PanelLinear` (the native library built and `panels`) or a `PackedLinear`; in a
+    bfloat16 model for an `AmxLinear` (`amx_library()`, input width a multiple of 32) or else a
+    `PackedLinear` (where `onednn_bf16()`). Call after the model is in its final dtype; a model
+    of another dtype, or already packed, is left as it is. weight_dtype bfloat16
+    (`--quantization bf16`, a float32 model) needs the panels: ConfigError without them."""
     dtype = model.model.norm.weight.dtype
-    if dtype == torch.bfloat16 and onednn_bf16():
-        swapped = _swap_all(model, PackedLinear, dtype)
-        logger.info("bfloat16 linears: %d hold oneDNN-packed weights", swapped)
-        return model
+    if dtype == torch.bfloat16:
+        return _pack_bf16(model)
     if dtype != torch.float32:
         return model
     library = native_library() if panels else None
@@ -121,6 +154,20 @@ def pack_model(model: CausalLM, *, panels: bool = True, weight_dtype: torch.dtyp
     swapped = _swap_all(model, make, torch.float32)
     logger.info("float32 linears: %d hold %s weights", swapped,
                 "oneDNN-packed" if library is None else f"{weight_dtype} panel")
+    return model
+
+
+def _pack_bf16(model: CausalLM) -> CausalLM:
+    amx, onednn = amx_library(), onednn_bf16()
+
+    def make(linear: nn.Linear) -> nn.Module:
+        if amx is not None and linear.in_features % AMX_K_MULTIPLE == 0:
+            return AmxLinear(linear, amx)
+        return PackedLinear(linear) if onednn else linear
+
+    swapped = _swap_all(model, make, torch.bfloat16)
+    kinds = sorted({type(m).__name__ for m in model.modules() if isinstance(m, (AmxLinear, PackedLinear, nn.Linear))})
+    logger.info("bfloat16 linears: %d swapped; kinds: %s", swapped, ", ".join(kinds))
     return model
 
 

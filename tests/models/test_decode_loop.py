@@ -1,7 +1,8 @@
 """Decode-only steps in one native call (`models/decode_loop.py`) against the per-layer native
-forward it replaces: bit-equal logits for every weight kind and architecture it runs, the same
-KV writes and write records, and a slot outside the pool refused with nothing written.
-Skipped without a C compiler (neither native path exists there)."""
+forward it replaces: bit-equal logits for every weight kind, dtype and architecture it runs,
+the same KV writes and write records, and a slot outside the pool refused with nothing written.
+Skipped without a C compiler (neither native path exists there); the bfloat16 loop (AMX
+linears) only where this CPU and build run AMX."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch
 
 from kvseal.models import native
 from kvseal.models.decode_loop import DecodeLoop
+from kvseal.models.packed import amx_library
 from kvseal.types import SamplingParams
 
 pytestmark = pytest.mark.skipif(native.native_library() is None,
@@ -21,6 +23,8 @@ pytestmark = pytest.mark.skipif(native.native_library() is None,
 
 PROMPTS = [list(range(20, 32)), list(range(50, 90)), [7, 8], list(range(100, 117))]
 PARAMS = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=3)
+NEEDS_AMX = pytest.mark.skipif(amx_library() is None, reason="the bfloat16 loop runs AMX linears; none here")
+DTYPES = ["float32", pytest.param("bfloat16", marks=NEEDS_AMX)]
 
 
 def _without_loop(llm: Any) -> Any:
@@ -44,18 +48,21 @@ def _count_loop_steps(llm: Any) -> list[int]:
     return calls
 
 
-@pytest.mark.parametrize("arch, quantization", [("llama", "none"), ("qwen2", "none"), ("mistral", "none"),
-                                                ("llama", "bf16"), ("llama", "int8")])
+@pytest.mark.parametrize("arch, quantization, dtype", [
+    ("llama", "none", "float32"), ("qwen2", "none", "float32"), ("mistral", "none", "float32"),
+    ("llama", "bf16", "float32"), ("llama", "int8", "float32"),
+    pytest.param("llama", "none", "bfloat16", marks=NEEDS_AMX),
+    pytest.param("qwen2", "none", "bfloat16", marks=NEEDS_AMX)])
 def test_loop_equals_the_per_layer_native_forward(make_llm: Callable[..., Any], tiny_model_dirs: dict[str, Path],
-                                                  arch: str, quantization: str) -> None:
-    """Tokens and logprobs bit-equal (qwen2: q/k/v biases; int8: scales; bf16: widened panels),
-    with prefill chunks and decode-only steps mixed in the same run."""
+                                                  arch: str, quantization: str, dtype: str) -> None:
+    """Tokens and logprobs bit-equal (qwen2: q/k/v biases; int8: scales; bf16: widened panels;
+    bfloat16: AMX linears), with prefill chunks and decode-only steps mixed in the same run."""
     model = str(tiny_model_dirs[arch])
-    llm = make_llm(model=model, quantization=quantization)
+    llm = make_llm(model=model, quantization=quantization, dtype=dtype)
     calls = _count_loop_steps(llm)
     looped = llm.generate(PROMPTS, PARAMS)
     assert calls and max(calls) == len(PROMPTS), "decode-only steps of every prompt ran in the loop"
-    plain = _without_loop(make_llm(model=model, quantization=quantization)).generate(PROMPTS, PARAMS)
+    plain = _without_loop(make_llm(model=model, quantization=quantization, dtype=dtype)).generate(PROMPTS, PARAMS)
     for a, b in zip(looped, plain):
         assert a.token_ids == b.token_ids
         assert a.logprobs == b.logprobs  # exact: the same kernels in the same order
@@ -77,12 +84,13 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return bool(torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0)))  # a poisoned (NaN) slot equals itself
 
 
-def test_loop_writes_and_records_what_the_per_layer_forward_does(make_llm: Callable[..., Any]) -> None:
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_loop_writes_and_records_what_the_per_layer_forward_does(make_llm: Callable[..., Any], dtype: str) -> None:
     """After the same steps, both engines' pools hold the same K/V and their write records
     (the coverage the next step's isolation check reads) agree layer by layer."""
     engines = []
     for loop in (True, False):
-        llm = make_llm()
+        llm = make_llm(dtype=dtype)
         if not loop:
             _without_loop(llm)
         engine = llm.engine
@@ -98,11 +106,13 @@ def test_loop_writes_and_records_what_the_per_layer_forward_does(make_llm: Calla
     assert torch.equal(looped.kv.records.prefix, plain.kv.records.prefix)
 
 
-def test_a_slot_outside_the_pool_is_refused_and_nothing_is_written_or_recorded(make_llm: Callable[..., Any]) -> None:
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_slot_outside_the_pool_is_refused_and_nothing_is_written_or_recorded(make_llm: Callable[..., Any],
+                                                                                dtype: str) -> None:
     from kvseal.engine.batch import build_forward_batch
     from kvseal.models.attention import AttentionPlan
 
-    engine = make_llm().engine
+    engine = make_llm(dtype=dtype).engine
     engine.add_request("r0", PROMPTS[0], PARAMS)
     engine.step()  # the prefill; the next step is a decode
     model, pool = engine.runner.model, engine.kv.pool

@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM
 from kvseal import LLM, SamplingParams
 from kvseal.models import native
 from kvseal.models.llama import CausalLM
-from kvseal.models.packed import PackedLinear, onednn_bf16
+from kvseal.models.packed import AmxLinear, PackedLinear, amx_library, onednn_bf16
 from kvseal.models.rope import RotaryEmbedding
 
 LIBRARY = native.native_library()
@@ -136,10 +136,13 @@ def test_decode_attention_bf16_reads_only_each_rows_slots(head_dim: int, group: 
 
 
 def test_the_bf16_engine_runs_native_with_packed_linears(llama_dir: Path) -> None:
+    """AMX tiles where this CPU and build run them, else oneDNN's packing where it multiplies
+    bfloat16, else plain linears."""
     model = LLM(str(llama_dir), kv_cache_tokens=256, page_size=4, dtype="bfloat16").engine.runner.model
     assert isinstance(model, CausalLM) and model.native is not None
-    linears = [m for m in model.modules() if isinstance(m, (torch.nn.Linear, PackedLinear))]
-    assert all(isinstance(m, PackedLinear) for m in linears) == onednn_bf16() and linears
+    linears = [m for m in model.modules() if isinstance(m, (torch.nn.Linear, PackedLinear, AmxLinear))]
+    kind = AmxLinear if amx_library() is not None else PackedLinear if onednn_bf16() else torch.nn.Linear
+    assert linears and all(isinstance(m, kind) for m in linears)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "qwen3"])  # qwen3: head_dim 32, the paged kernel

@@ -1,5 +1,6 @@
-"""Packed linears (kvseal's panels or oneDNN's packing in float32, oneDNN's in bfloat16): same
-results as `nn.Linear` (to the last bits of another sgemm) for any row count and leading shape;
+"""Packed linears (kvseal's panels or oneDNN's packing in float32, kvseal's AMX tiles or oneDNN's
+packing in bfloat16): same results as `nn.Linear` (to the last bits of another sum order) for any
+row count and leading shape;
 the float32 and bfloat16 engines use them, quantized models do not; a tied lm_head leaves the
 embedding table in place."""
 
@@ -16,7 +17,7 @@ from torch import nn
 
 from kvseal.models.loader import load_model
 from kvseal.models.native import native_library
-from kvseal.models.packed import PackedLinear, PanelLinear, can_pack, onednn_bf16, pack_model
+from kvseal.models.packed import AmxLinear, PackedLinear, PanelLinear, amx_library, can_pack, onednn_bf16, pack_model
 from kvseal.models.quant import Int8Linear
 from kvseal.types import SamplingParams
 
@@ -61,6 +62,39 @@ def test_packed_bfloat16_linear_equals_f_linear(bias: bool, rows: int) -> None:
     out = PackedLinear(linear)(x)
     assert out.dtype == torch.bfloat16 and out.shape == (rows, 40)
     torch.testing.assert_close(out, F.linear(x, linear.weight, linear.bias), rtol=2.0**-7, atol=1e-3)
+
+
+@pytest.mark.skipif(amx_library() is None, reason="no AMX here (CPU or build)")
+@pytest.mark.parametrize("bias", [False, True])
+# one row tile, two, a partial second, more than one 32-row chunk, more than one 256-row block
+@pytest.mark.parametrize("rows", [1, 16, 21, 45, 300])
+# 40 outputs: three panels (the last partial), an odd count: a thread's last panel has no pair
+@pytest.mark.parametrize("n_out", [40, 64])
+def test_amx_linear_matches_f_linear(bias: bool, rows: int, n_out: int) -> None:
+    """float32 sums over AMX tiles, rounded once: F.linear's bfloat16 result but for an output
+    rounded the other way by a different order of the sums."""
+    torch.manual_seed(rows)
+    linear = nn.Linear(96, n_out, bias=bias).to(torch.bfloat16)
+    library = amx_library()
+    assert library is not None
+    x = torch.randn(rows, 96).to(torch.bfloat16)
+    out = AmxLinear(linear, library)(x)
+    expected = F.linear(x, linear.weight, linear.bias)
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, n_out)
+    assert (out != expected).float().mean().item() < 0.01
+    torch.testing.assert_close(out.float(), expected.float(), rtol=2.0**-7, atol=1e-2)
+
+
+def test_amx_linear_refuses_what_it_cannot_multiply() -> None:
+    from kvseal.models.native import pack_amx
+
+    library = native_library()
+    if library is None:
+        pytest.skip("no C compiler: the native library is not built")
+    with pytest.raises(TypeError, match="multiple of 32"):
+        pack_amx(library, torch.zeros(16, 40, dtype=torch.bfloat16))  # a width the tiles cannot step through
+    with pytest.raises(TypeError, match="bfloat16"):
+        pack_amx(library, torch.zeros(16, 64))
 
 
 @pytest.mark.parametrize("rows", [2, 32, 200])
@@ -108,7 +142,8 @@ def test_only_unquantized_float32_and_bfloat16_are_packed(make_llm: Callable[...
     assert not can_pack(torch.float32, "int8") and not can_pack(torch.bfloat16, "int8")
     modules = {dtype: list(make_llm(dtype=dtype).engine.runner.model.modules()) for dtype in ("float32", "bfloat16")}
     assert any(isinstance(m, PACKED) for m in modules["float32"]) == can_pack(torch.float32, "none")
-    assert any(isinstance(m, PackedLinear) for m in modules["bfloat16"]) == onednn_bf16()
+    bf16_kind = AmxLinear if amx_library() is not None else PackedLinear if onednn_bf16() else nn.Linear
+    assert any(isinstance(m, bf16_kind) for m in modules["bfloat16"])
     assert not any(isinstance(m, PanelLinear) for m in modules["bfloat16"])
     int8 = list(make_llm(quantization="int8").engine.runner.model.modules())
     assert any(isinstance(m, Int8Linear) for m in int8) and not any(isinstance(m, PACKED) for m in int8)
