@@ -19,17 +19,25 @@ static inline v8 load8(const float *p) { v8 r; memcpy(&r, p, sizeof r); return r
 static inline void store8(float *p, v8 x) { memcpy(p, &x, sizeof x); }
 static inline float hsum8(v8 x) { return ((x[0] + x[4]) + (x[1] + x[5])) + ((x[2] + x[6]) + (x[3] + x[7])); }
 
+/* 16 lanes: one AVX-512 register (two AVX2 registers where the CPU has no AVX-512). */
+typedef float v16 __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+
+static inline v16 load16(const float *p) { v16 r; memcpy(&r, p, sizeof r); return r; }
+static inline void store16(float *p, v16 x) { memcpy(p, &x, sizeof x); }
+static inline v8 fold16(v16 x) {
+    return __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7)
+           + __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
+}
+
 /* bfloat16 <-> float32: bf16 is the top half of a float32. Narrowing rounds to nearest even
    and turns NaN into the quiet NaN 0x7FC0, as torch's conversion does (a plain rounding add
    could carry a NaN's payload into the exponent and make it infinite). */
 typedef uint16_t v8u16 __attribute__((vector_size(16)));
 typedef uint32_t v8u __attribute__((vector_size(32)));
+typedef uint16_t v16u16 __attribute__((vector_size(32)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
 
-static inline v8 load8_bf16(const uint16_t *p) {
-    v8u16 raw;
-    memcpy(&raw, p, sizeof raw);
-    return (v8)(__builtin_convertvector(raw, v8i) << 16);
-}
 static inline float widen_bf16_1(uint16_t h) {
     const uint32_t bits = (uint32_t)h << 16;
     float f;
@@ -42,17 +50,25 @@ static inline uint16_t to_bf16(float f) {
     return f != f ? 0x7FC0 : (uint16_t)((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
 }
 static inline float round_bf16_1(float f) { return widen_bf16_1(to_bf16(f)); }
-/* x rounded to bfloat16, still in float32 lanes */
-static inline v8 round8_bf16(v8 x) {
-    const v8u bits = (v8u)x, nan = (v8u)(x != x);
-    const v8u rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u;
-    return (v8)((rounded & ~nan) | (nan & 0x7FC00000u));
+/* loadN_bf16: N bfloat16 as float32 lanes; roundN_bf16: lanes rounded to bfloat16, still
+   float32; storeN_bf16: lanes rounded and stored as bfloat16. */
+#define DEFINE_BF16_LANES(N)                                                                    \
+static inline v##N load##N##_bf16(const uint16_t *p) {                                          \
+    v##N##u16 raw;                                                                              \
+    memcpy(&raw, p, sizeof raw);                                                                \
+    return (v##N)(__builtin_convertvector(raw, v##N##i) << 16);                                 \
+}                                                                                               \
+static inline v##N round##N##_bf16(v##N x) {                                                    \
+    const v##N##u bits = (v##N##u)x, nan = (v##N##u)(x != x);                                   \
+    const v##N##u rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u;               \
+    return (v##N)((rounded & ~nan) | (nan & 0x7FC00000u));                                      \
+}                                                                                               \
+static inline void store##N##_bf16(uint16_t *p, v##N x) {                                       \
+    const v##N##u16 out = __builtin_convertvector((v##N##u)round##N##_bf16(x) >> 16, v##N##u16); \
+    memcpy(p, &out, sizeof out);                                                                \
 }
-static inline void store8_bf16(uint16_t *p, v8 x) {
-    const v8u16 out = __builtin_convertvector((v8u)round8_bf16(x) >> 16, v8u16);
-    memcpy(p, &out, sizeof out);
-}
-
+DEFINE_BF16_LANES(8)
+DEFINE_BF16_LANES(16)
 """
 
 ATTENTION = r"""
@@ -72,14 +88,18 @@ static inline float exp_s(float x) {
     return EXP_POLY(r) * two_n;
 }
 
-static inline v8 exp_v(v8 x) {
-    const v8i low = x < -87.0f;  /* lanes: -1 where true */
-    x = (v8)((low & (v8i)((v8){0} - 87.0f)) | (~low & (v8i)x));
-    const v8i n = __builtin_convertvector(x * 1.44269504f - 0.5f, v8i);
-    const v8 nf = __builtin_convertvector(n, v8);
-    const v8 r = x - nf * 0.693359375f + nf * 2.12194440e-4f;
-    return EXP_POLY(r) * (v8)((n + 127) << 23);
+/* exp_v (8 lanes) and exp_v16 (16 lanes): exp_s lane by lane. */
+#define DEFINE_EXP(NAME, VF, VI)                                                                \
+static inline VF NAME(VF x) {                                                                   \
+    const VI low = x < -87.0f;  /* lanes: -1 where true */                                      \
+    x = (VF)((low & (VI)((VF){0} - 87.0f)) | (~low & (VI)x));                                   \
+    const VI n = __builtin_convertvector(x * 1.44269504f - 0.5f, VI);                           \
+    const VF nf = __builtin_convertvector(n, VF);                                               \
+    const VF r = x - nf * 0.693359375f + nf * 2.12194440e-4f;                                   \
+    return EXP_POLY(r) * (VF)((n + 127) << 23);                                                 \
 }
+DEFINE_EXP(exp_v, v8, v8i)
+DEFINE_EXP(exp_v16, v16, v16i)
 
 /* Softmax in place over s[0..n-1]; returns nothing, s holds the probabilities. */
 static void softmax(float *s, int64_t n) {
@@ -243,14 +263,6 @@ int kvseal_decode_attention(const float *q, const float *k, const float *v, cons
 # once into a float32 page in L1 (only the rows up to the context's end), and the query heads
 # run over it with 16-lane vectors; four slots' score sums are reduced together.
 ATTENTION_BF16 = r"""
-typedef float v16 __attribute__((vector_size(64)));
-
-static inline v16 load16(const float *p) { v16 r; memcpy(&r, p, sizeof r); return r; }
-static inline void store16(float *p, v16 x) { memcpy(p, &x, sizeof x); }
-static inline v8 fold16(v16 x) {
-    return __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7)
-           + __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
-}
 /* out[0..3] = scale * (the sums of a, b, c, d's lanes) */
 static inline void sums4(v8 a, v8 b, v8 c, v8 d, float scale, float *out) {
     const v8 ab = __builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11)
@@ -634,13 +646,16 @@ void kvseal_argmax_rows(const float *x, int64_t rows, int64_t n, int64_t *out, i
 }
 
 /* silu(x) * u for 8 lanes: silu(x) = x * sigmoid(x), sigmoid from exp(-|x|) (never overflows). */
-static inline v8 silu_mul8(v8 x, v8 u) {
-    const v8i negative = x < 0.0f;
-    const v8 t = exp_v((v8)((v8i)x | ((v8i){0} + INT32_MIN)));  /* exp(-|x|): sign bit set */
-    const v8 one = (v8){0} + 1.0f;
-    const v8 numer = (v8)((negative & (v8i)t) | (~negative & (v8i)one));
-    return x * numer / (one + t) * u;
+#define DEFINE_SILU_MUL(NAME, VF, VI, EXP)                                                      \
+static inline VF NAME(VF x, VF u) {                                                             \
+    const VI negative = x < 0.0f;                                                               \
+    const VF t = EXP((VF)((VI)x | ((VI){0} + INT32_MIN)));  /* exp(-|x|): sign bit set */       \
+    const VF one = (VF){0} + 1.0f;                                                              \
+    const VF numer = (VF)((negative & (VI)t) | (~negative & (VI)one));                          \
+    return x * numer / (one + t) * u;                                                           \
 }
+DEFINE_SILU_MUL(silu_mul8, v8, v8i, exp_v)
+DEFINE_SILU_MUL(silu_mul16, v16, v16i, exp_v16)
 
 /* gate_up [rows, 2 * inter] (gate, then up) -> out [rows, inter] = silu(gate) * up. */
 void kvseal_silu_mul(const float *gate_up, float *out, int64_t rows, int64_t inter, int num_threads) {
@@ -774,35 +789,35 @@ void kvseal_add_rms_norm_bf16(uint16_t *h, const uint16_t *delta, const uint16_t
     for (int64_t r = 0; r < rows; r++) {
         uint16_t *hr = h + r * dim, *o = out + r * dim;
         const uint16_t *dr = delta == NULL ? NULL : delta + r * dim;
-        v8 acc = {0};
+        v16 acc = {0};
         int64_t i = 0;
-        for (; i + 8 <= dim; i += 8) {
-            v8 x = load8_bf16(hr + i);
-            if (dr != NULL) { x = round8_bf16(x + load8_bf16(dr + i)); store8_bf16(hr + i, x); }
+        for (; i + 16 <= dim; i += 16) {
+            v16 x = load16_bf16(hr + i);
+            if (dr != NULL) { x = round16_bf16(x + load16_bf16(dr + i)); store16_bf16(hr + i, x); }
             acc += x * x;
         }
-        float sum = hsum8(acc);
+        float sum = hsum8(fold16(acc));
         for (; i < dim; i++) {
             if (dr != NULL) hr[i] = to_bf16(widen_bf16_1(hr[i]) + widen_bf16_1(dr[i]));
             sum += widen_bf16_1(hr[i]) * widen_bf16_1(hr[i]);
         }
         const float rstd = 1.0f / sqrtf(sum / (float)dim + eps);
-        for (i = 0; i + 8 <= dim; i += 8)
-            store8_bf16(o + i, round8_bf16(load8_bf16(hr + i) * rstd) * load8_bf16(weight + i));
+        for (i = 0; i + 16 <= dim; i += 16)
+            store16_bf16(o + i, round16_bf16(load16_bf16(hr + i) * rstd) * load16_bf16(weight + i));
         for (; i < dim; i++) o[i] = to_bf16(round_bf16_1(widen_bf16_1(hr[i]) * rstd) * widen_bf16_1(weight[i]));
     }
 }
 
 /* gate_up [rows, 2 * inter] (gate, then up) -> out [rows, inter] = bf16(bf16(silu(gate)) * up). */
 void kvseal_silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t rows, int64_t inter, int num_threads) {
-    const v8 one = (v8){0} + 1.0f;
+    const v16 one = (v16){0} + 1.0f;
     #pragma omp parallel for num_threads(rows >= 16 ? num_threads : 1) schedule(static)
     for (int64_t r = 0; r < rows; r++) {
         const uint16_t *g = gate_up + r * 2 * inter, *u = g + inter;
         uint16_t *o = out + r * inter;
         int64_t i = 0;
-        for (; i + 8 <= inter; i += 8)
-            store8_bf16(o + i, round8_bf16(silu_mul8(load8_bf16(g + i), one)) * load8_bf16(u + i));
+        for (; i + 16 <= inter; i += 16)
+            store16_bf16(o + i, round16_bf16(silu_mul16(load16_bf16(g + i), one)) * load16_bf16(u + i));
         for (; i < inter; i++) {
             const float x = widen_bf16_1(g[i]), t = exp_s(x < 0.0f ? x : -x);
             o[i] = to_bf16(round_bf16_1(x * (x < 0.0f ? t : 1.0f) / (1.0f + t)) * widen_bf16_1(u[i]));
@@ -822,11 +837,11 @@ void kvseal_rope_bf16(uint16_t *qkv, const uint16_t *cos, const uint16_t *signed
         for (int64_t h = 0; h < heads; h++) {
             uint16_t *x = qkv + r * row_stride + h * head_dim;
             int64_t i = 0;
-            for (; i + 8 <= half; i += 8) {
-                const v8 lo = load8_bf16(x + i), hi = load8_bf16(x + half + i);
-                store8_bf16(x + i, round8_bf16(lo * load8_bf16(c + i)) + round8_bf16(hi * load8_bf16(s + i)));
-                store8_bf16(x + half + i, round8_bf16(hi * load8_bf16(c + half + i))
-                                          + round8_bf16(lo * load8_bf16(s + half + i)));
+            for (; i + 16 <= half; i += 16) {
+                const v16 lo = load16_bf16(x + i), hi = load16_bf16(x + half + i);
+                store16_bf16(x + i, round16_bf16(lo * load16_bf16(c + i)) + round16_bf16(hi * load16_bf16(s + i)));
+                store16_bf16(x + half + i, round16_bf16(hi * load16_bf16(c + half + i))
+                                           + round16_bf16(lo * load16_bf16(s + half + i)));
             }
             for (; i < half; i++) {
                 const float lo = widen_bf16_1(x[i]), hi = widen_bf16_1(x[half + i]);
@@ -973,8 +988,8 @@ void kvseal_linear_i8(const float *x, const int8_t *panels, const float *scale, 
 # float32 sums, each output rounded once. The weight is packed once ([ceil(N/16)][K/32] tiles of
 # 16 k-pairs x 16 outputs x 2, the layout TDPBF16PS reads, zero-padded past N); K must be a
 # multiple of 32. Each thread takes a contiguous half of the panel pairs, so it streams its
-# weights in order, and runs 2 x 2 tiles (32 rows x 2 panels) per step of 32 k. Rows go in
-# blocks of 256 within which a panel pair's tiles stay in L1 across the 32-row chunks. At one to
+# weights in order, and runs 2 x 2 tiles (32 rows x 2 panels) per step of 32 k, blocked as a
+# GEMM (groups of panels stay in L2 while every 32-row chunk passes over them). At one to
 # 32 rows (decode) the weights stream at the memory's bandwidth: a pass over SmolLM2-135M's 270
 # MB takes 10.5-13.4 ms against oneDNN's 14.6-17.8 ms on the round-10 host; at 2,048 rows it
 # sustains 2.0-2.5 TFLOPS against oneDNN's 2.7-3.3 (docs/BENCHMARKS.md, round 10). Compiled only
@@ -1052,22 +1067,27 @@ static void amx_chunk(const uint16_t *a, int64_t k_in, const uint16_t *b0, const
     if (r1) { _tile_stored(1, c[1], 64); _tile_stored(3, c[3], 64); }
 }
 
-#define AMX_BLOCK_ROWS 256
+/* Bytes of weights a thread keeps in L2 while every row chunk passes over them. */
+#define AMX_GROUP_BYTES (512 * 1024)
 
-/* Panels [p_begin, p_end) of y for rows [0, rows). */
+/* Panels [p_begin, p_end) of y for rows [0, rows), blocked as a GEMM: panel pairs in groups
+   whose weights stay in L2 while all the 32-row chunks pass over them (so the weights come
+   from memory once), and within a group a chunk's rows stay in L1 across the group's pairs. */
 static void amx_panels(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, uint16_t *y, int64_t rows,
                        int64_t n_out, int64_t k_in, int64_t p_begin, int64_t p_end) {
     float c[4][256];
     int conf0 = -1, conf1 = -1;
-    for (int64_t mb = 0; mb < rows; mb += AMX_BLOCK_ROWS) {
-        const int64_t mb_end = mb + AMX_BLOCK_ROWS < rows ? mb + AMX_BLOCK_ROWS : rows;
-        for (int64_t p = p_begin; p < p_end; p += 2) {
-            const int two = p + 1 < p_end;
-            const uint16_t *b0 = packed + p * (k_in / 32) * 512;
-            for (int64_t m0 = mb; m0 < mb_end; m0 += 32) {
-                const int r0 = mb_end - m0 < 16 ? (int)(mb_end - m0) : 16;
-                const int r1 = mb_end - m0 <= 16 ? 0 : (mb_end - m0 < 32 ? (int)(mb_end - m0 - 16) : 16);
-                if (r0 != conf0 || r1 != conf1) { configure_tiles(r0, r1); conf0 = r0; conf1 = r1; }
+    const int64_t pair_bytes = 2 * k_in * 32;  /* two panels' tiles */
+    const int64_t group = AMX_GROUP_BYTES / pair_bytes > 1 ? AMX_GROUP_BYTES / pair_bytes : 1;
+    for (int64_t g = p_begin; g < p_end; g += 2 * group) {
+        const int64_t g_end = g + 2 * group < p_end ? g + 2 * group : p_end;
+        for (int64_t m0 = 0; m0 < rows; m0 += 32) {
+            const int r0 = rows - m0 < 16 ? (int)(rows - m0) : 16;
+            const int r1 = rows - m0 <= 16 ? 0 : (rows - m0 < 32 ? (int)(rows - m0 - 16) : 16);
+            if (r0 != conf0 || r1 != conf1) { configure_tiles(r0, r1); conf0 = r0; conf1 = r1; }
+            for (int64_t p = g; p < g_end; p += 2) {
+                const int two = p + 1 < g_end;
+                const uint16_t *b0 = packed + p * (k_in / 32) * 512;
                 amx_chunk(x + m0 * k_in, k_in, b0, b0 + (k_in / 32) * 512, r1, two, c);
                 for (int j = 0; j < 1 + two; j++) {
                     const int64_t pj = p + j, nr = n_out - pj * 16 < 16 ? n_out - pj * 16 : 16;
