@@ -1070,32 +1070,78 @@ static void amx_chunk(const uint16_t *a, int64_t k_in, const uint16_t *b0, const
 /* Bytes of weights a thread keeps in L2 while every row chunk passes over them. */
 #define AMX_GROUP_BYTES (512 * 1024)
 
-/* Panels [p_begin, p_end) of y for rows [0, rows), blocked as a GEMM: panel pairs in groups
-   whose weights stay in L2 while all the 32-row chunks pass over them (so the weights come
-   from memory once), and within a group a chunk's rows stay in L1 across the group's pairs. */
-static void amx_panels(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, uint16_t *y, int64_t rows,
-                       int64_t n_out, int64_t k_in, int64_t p_begin, int64_t p_end) {
+/* One AMX product: x [rows, k_in] against packed panels. A plain linear writes y [rows, n_out]
+   (+ bias); with `half` > 0 it is the MLP's fused gate/up weight ([2 * half * 16, k_in]) and
+   writes act [rows, half * 16] = silu(gate) * up instead, each panel of gate paired with the up
+   panel of the same features. */
+struct amx_job {
+    const uint16_t *x, *packed, *bias;
+    uint16_t *y;
+    int64_t rows, n_out, k_in, half;
+};
+
+/* silu(gate) * up rows from a gate tile and an up tile (float32 sums), rounded as the two-pass
+   path rounds: gate and up to bfloat16 (the linear's output), silu(gate) to bfloat16, the product. */
+static void store_silu_rows(const float *gate, const float *up, int rows, uint16_t *act, int64_t ld) {
+    const v16 one = (v16){0} + 1.0f;
+    for (int r = 0; r < rows; r++) {
+        const v16 g = round16_bf16(load16(gate + r * 16)), u = round16_bf16(load16(up + r * 16));
+        store16_bf16(act + r * ld, round16_bf16(silu_mul16(g, one)) * u);
+    }
+}
+
+/* The chunk's tiles out: c[0], c[1] panel a's row tiles, c[2], c[3] panel b's. */
+static void store_pair(const struct amx_job *j, float c[4][256], int64_t m0, int r0, int r1, int64_t a, int64_t b,
+                       int two) {
+    if (j->half > 0) {
+        const int64_t ld = j->half * 16;
+        store_silu_rows(c[0], c[2], r0, j->y + m0 * ld + a * 16, ld);
+        if (r1) store_silu_rows(c[1], c[3], r1, j->y + (m0 + 16) * ld + a * 16, ld);
+        return;
+    }
+    for (int t = 0; t < 1 + two; t++) {
+        const int64_t pt = t ? b : a, nr = j->n_out - pt * 16 < 16 ? j->n_out - pt * 16 : 16;
+        const uint16_t *bias = j->bias == NULL ? NULL : j->bias + pt * 16;
+        store_tile_rows(c[2 * t], r0, bias, j->y + m0 * j->n_out + pt * 16, j->n_out, nr);
+        if (r1) store_tile_rows(c[2 * t + 1], r1, bias, j->y + (m0 + 16) * j->n_out + pt * 16, j->n_out, nr);
+    }
+}
+
+/* Pairs [i_begin, i_end) for rows [0, rows): pair i is panels (2i, 2i + 1) of a plain linear,
+   (i, i + half) of a fused gate/up. Blocked as a GEMM: pairs in groups whose weights stay in
+   L2 while every 32-row chunk passes over them (the weights come from memory once), and a
+   chunk's rows stay in L1 across the group's pairs. */
+static void amx_pairs(const struct amx_job *j, int64_t i_begin, int64_t i_end) {
     float c[4][256];
     int conf0 = -1, conf1 = -1;
-    const int64_t pair_bytes = 2 * k_in * 32;  /* two panels' tiles */
+    const int64_t panels = (j->n_out + 15) / 16, kblocks = j->k_in / 32, pair_bytes = 2 * j->k_in * 32;
     const int64_t group = AMX_GROUP_BYTES / pair_bytes > 1 ? AMX_GROUP_BYTES / pair_bytes : 1;
-    for (int64_t g = p_begin; g < p_end; g += 2 * group) {
-        const int64_t g_end = g + 2 * group < p_end ? g + 2 * group : p_end;
-        for (int64_t m0 = 0; m0 < rows; m0 += 32) {
-            const int r0 = rows - m0 < 16 ? (int)(rows - m0) : 16;
-            const int r1 = rows - m0 <= 16 ? 0 : (rows - m0 < 32 ? (int)(rows - m0 - 16) : 16);
+    for (int64_t g = i_begin; g < i_end; g += group) {
+        const int64_t g_end = g + group < i_end ? g + group : i_end;
+        for (int64_t m0 = 0; m0 < j->rows; m0 += 32) {
+            const int r0 = j->rows - m0 < 16 ? (int)(j->rows - m0) : 16;
+            const int r1 = j->rows - m0 <= 16 ? 0 : (j->rows - m0 < 32 ? (int)(j->rows - m0 - 16) : 16);
             if (r0 != conf0 || r1 != conf1) { configure_tiles(r0, r1); conf0 = r0; conf1 = r1; }
-            for (int64_t p = g; p < g_end; p += 2) {
-                const int two = p + 1 < g_end;
-                const uint16_t *b0 = packed + p * (k_in / 32) * 512;
-                amx_chunk(x + m0 * k_in, k_in, b0, b0 + (k_in / 32) * 512, r1, two, c);
-                for (int j = 0; j < 1 + two; j++) {
-                    const int64_t pj = p + j, nr = n_out - pj * 16 < 16 ? n_out - pj * 16 : 16;
-                    const uint16_t *bj = bias == NULL ? NULL : bias + pj * 16;
-                    store_tile_rows(c[2 * j], r0, bj, y + m0 * n_out + pj * 16, n_out, nr);
-                    if (r1) store_tile_rows(c[2 * j + 1], r1, bj, y + (m0 + 16) * n_out + pj * 16, n_out, nr);
-                }
+            for (int64_t i = g; i < g_end; i++) {
+                const int64_t a = j->half > 0 ? i : 2 * i, b = j->half > 0 ? i + j->half : 2 * i + 1;
+                const int two = b < panels;
+                amx_chunk(j->x + m0 * j->k_in, j->k_in, j->packed + a * kblocks * 512, j->packed + b * kblocks * 512,
+                          r1, two, c);
+                store_pair(j, c, m0, r0, r1, a, b, two);
             }
+        }
+    }
+}
+
+/* The job's pairs split over the threads in contiguous runs (each thread streams its weights in order). */
+static void amx_run(const struct amx_job *j, int64_t pairs, int num_threads) {
+    #pragma omp parallel num_threads(num_threads)
+    {
+        const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+        const int64_t i_begin = pairs * t / nt, i_end = pairs * (t + 1) / nt;
+        if (i_begin < i_end && j->rows > 0) {
+            amx_pairs(j, i_begin, i_end);
+            _tile_release();
         }
     }
 }
@@ -1104,16 +1150,21 @@ static void amx_panels(const uint16_t *x, const uint16_t *packed, const uint16_t
    kvseal_pack_amx. Returns 0 (k_in % 32 is the caller's to check). */
 int kvseal_linear_amx(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, uint16_t *y,
                       int64_t rows, int64_t n_out, int64_t k_in, int num_threads) {
-    const int64_t panels = (n_out + 15) / 16, pairs = (panels + 1) / 2;
-    #pragma omp parallel num_threads(num_threads)
-    {
-        const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
-        const int64_t p_begin = 2 * (pairs * t / nt), p_end = 2 * (pairs * (t + 1) / nt);
-        if (p_begin < panels && rows > 0) {
-            amx_panels(x, packed, bias, y, rows, n_out, k_in, p_begin, p_end < panels ? p_end : panels);
-            _tile_release();
-        }
-    }
+    const struct amx_job j = {x, packed, bias, y, rows, n_out, k_in, 0};
+    amx_run(&j, ((n_out + 15) / 16 + 1) / 2, num_threads);
+    return 0;
+}
+
+/* act [rows, inter] = silu(x W_gate^T) * (x W_up^T) in one pass over the MLP's fused gate/up
+   weight (packed [2 * inter, k_in], no bias), bit-equal to kvseal_linear_amx then
+   kvseal_silu_mul_bf16: the [rows, 2 * inter] intermediate is never written. Returns -1,
+   computing nothing, unless inter is a multiple of 16 (gate and up panels then hold the same
+   features); else 0. */
+int kvseal_linear_silu_amx(const uint16_t *x, const uint16_t *packed, uint16_t *act, int64_t rows, int64_t inter,
+                           int64_t k_in, int num_threads) {
+    if (inter % 16 != 0) return -1;
+    const struct amx_job j = {x, packed, NULL, act, rows, 2 * inter, k_in, inter / 16};
+    amx_run(&j, inter / 16, num_threads);
     return 0;
 }
 #else
@@ -1121,6 +1172,11 @@ int kvseal_amx_init(void) { return -1; }
 int kvseal_linear_amx(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, uint16_t *y,
                       int64_t rows, int64_t n_out, int64_t k_in, int num_threads) {
     (void)x; (void)packed; (void)bias; (void)y; (void)rows; (void)n_out; (void)k_in; (void)num_threads;
+    return -1;
+}
+int kvseal_linear_silu_amx(const uint16_t *x, const uint16_t *packed, uint16_t *act, int64_t rows, int64_t inter,
+                           int64_t k_in, int num_threads) {
+    (void)x; (void)packed; (void)act; (void)rows; (void)inter; (void)k_in; (void)num_threads;
     return -1;
 }
 #endif
@@ -1215,8 +1271,10 @@ int kvseal_decode_layers_bf16(int64_t num_layers, const void *const *layers, con
                                          max_context, scale, threads)) return -2;
         if (kvseal_linear_amx(attn, w[W_O], w[B_O], tmp, rows, hidden, q_size, threads)) return -2;
         kvseal_add_rms_norm_bf16(h, tmp, w[POST_NORM], eps, x, rows, hidden, threads);
-        if (kvseal_linear_amx(x, w[W_GATE_UP], w[B_GATE_UP], gate_up, rows, 2 * inter, hidden, threads)) return -2;
-        kvseal_silu_mul_bf16(gate_up, act, rows, inter, threads);
+        if (w[B_GATE_UP] != NULL || kvseal_linear_silu_amx(x, w[W_GATE_UP], act, rows, inter, hidden, threads)) {
+            if (kvseal_linear_amx(x, w[W_GATE_UP], w[B_GATE_UP], gate_up, rows, 2 * inter, hidden, threads)) return -2;
+            kvseal_silu_mul_bf16(gate_up, act, rows, inter, threads);
+        }
         if (kvseal_linear_amx(act, w[W_DOWN], w[B_DOWN], tmp, rows, hidden, inter, threads)) return -2;
         const uint16_t *next_norm = l + 1 < num_layers ? (const uint16_t *)w[LAYER_POINTERS + INPUT_NORM] : final_norm;
         kvseal_add_rms_norm_bf16(h, tmp, next_norm, eps, x, rows, hidden, threads);

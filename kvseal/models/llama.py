@@ -109,9 +109,9 @@ class MLP(nn.Module):
 
     def forward_native(self, x: torch.Tensor, native: NativeLibrary) -> torch.Tensor:
         gate_up = self.gate_up_proj
-        panels, bias = getattr(gate_up, "panels", None), getattr(gate_up, "bias", None)
-        if isinstance(panels, torch.Tensor):  # panel linears: gate/up and SiLU in one pass where it applies
-            act = linear_silu(native, x, panels, bias, self.intermediate_size)
+        packed = getattr(gate_up, "panels", getattr(gate_up, "tiles", None))
+        if isinstance(packed, torch.Tensor):  # panels or AMX tiles: gate/up and SiLU in one pass where it applies
+            act = linear_silu(native, x, packed, getattr(gate_up, "bias", None), self.intermediate_size)
             if act is not None:
                 return self.down_proj(act)
         return self.down_proj(silu_mul(native, gate_up(x).contiguous()))

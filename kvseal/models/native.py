@@ -100,6 +100,7 @@ class NativeLibrary:
     # AMX and the kernel lets the process use it (otherwise linear_amx answers -1)
     pack_amx: Callable[..., None]
     linear_amx: Callable[..., int]
+    linear_silu_amx: Callable[..., int]
     decode_layers_bf16: Callable[..., int]
     has_amx: bool
 
@@ -198,13 +199,16 @@ def _bf16_functions(handle: ctypes.CDLL) -> dict[str, Any]:
     pack.restype, pack.argtypes = None, [_P, _P, _I, _I]
     linear = handle.kvseal_linear_amx
     linear.restype, linear.argtypes = ctypes.c_int, [_P] * 4 + [_I] * 3 + [ctypes.c_int]
+    linear_silu = handle.kvseal_linear_silu_amx
+    linear_silu.restype, linear_silu.argtypes = ctypes.c_int, [_P, _P, _P, _I, _I, _I, ctypes.c_int]
     loop = handle.kvseal_decode_layers_bf16
     loop.restype = ctypes.c_int
     loop.argtypes = [_I, _P, _P, ctypes.c_float, *[_P] * 12, *[_I] * 10, ctypes.c_float, ctypes.c_int, _P]
     handle.kvseal_amx_init.restype = ctypes.c_int
     has_amx = handle.kvseal_amx_init() == 0
     return dict(decode_attention_bf16=attention, add_rms_norm_bf16=norm, silu_mul_bf16=silu, rope_bf16=rope,
-                write_slots_bf16=write, pack_amx=pack, linear_amx=linear, decode_layers_bf16=loop, has_amx=has_amx)
+                write_slots_bf16=write, pack_amx=pack, linear_amx=linear, linear_silu_amx=linear_silu,
+                decode_layers_bf16=loop, has_amx=has_amx)
 
 
 def _build(compiler: str, source_text: str) -> Path:
@@ -417,21 +421,28 @@ def silu_mul(library: NativeLibrary, gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def linear_silu(library: NativeLibrary, x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None,
+def linear_silu(library: NativeLibrary, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
                 inter: int) -> torch.Tensor | None:
-    """silu(x W_gate^T) * (x W_up^T) [rows, inter] in one pass over float32 gate/up panels (the
-    fused [2 * inter, K] weight), bit-equal to `linear_panels` then `silu_mul`; None where that
-    pass does not apply (bfloat16 panels here; a bias, inter not a multiple of 16 or one row,
-    which the kernel declines), so the caller runs the two passes."""
-    k_in = panels.shape[1]
-    if panels.dtype != torch.float32 or panels.shape[0] != -(-2 * inter // 16) or x.dim() != 2:
+    """silu(x W_gate^T) * (x W_up^T) [rows, inter] in one pass over the fused [2 * inter, K]
+    gate/up weight: float32 panels (`pack_panels`; float32 x, bit-equal to `linear_panels` then
+    `silu_mul`) or AMX tiles (`pack_amx`; bfloat16 x, bit-equal to `linear_amx` then
+    `silu_mul`). None where that pass does not apply (bfloat16 panels; a bias, inter not a
+    multiple of 16, or one row of float32, which the kernels decline), so the caller runs the
+    two passes."""
+    amx = packed.dim() == 5
+    dtype = torch.bfloat16 if amx else torch.float32
+    k_in = packed.shape[1] * (AMX_K_MULTIPLE if amx else 1)
+    if packed.dtype != dtype or packed.shape[0] != -(-2 * inter // 16) or x.dim() != 2 or bias is not None:
         return None
-    _check_rows("linear_silu", x)
-    if x.shape[1] != k_in:
-        raise TypeError(f"expected float32 [rows, {k_in}] activations, got {tuple(x.shape)}")
-    out = torch.empty((x.shape[0], inter), dtype=torch.float32)
-    status = library.linear_silu(x.data_ptr(), panels.data_ptr(), 0 if bias is None else bias.data_ptr(),
-                                 out.data_ptr(), x.shape[0], inter, k_in, torch.get_num_threads())
+    if _row_dtype("linear_silu", x) != dtype or x.shape[1] != k_in:
+        raise TypeError(f"expected {dtype} [rows, {k_in}] activations, got {x.dtype} {tuple(x.shape)}")
+    out = torch.empty((x.shape[0], inter), dtype=dtype)
+    if amx:
+        status = library.linear_silu_amx(x.data_ptr(), packed.data_ptr(), out.data_ptr(), x.shape[0], inter, k_in,
+                                         torch.get_num_threads())
+    else:
+        status = library.linear_silu(x.data_ptr(), packed.data_ptr(), 0, out.data_ptr(), x.shape[0], inter, k_in,
+                                     torch.get_num_threads())
     return out if status == 0 else None
 
 

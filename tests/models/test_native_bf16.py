@@ -94,6 +94,23 @@ def test_write_slots_bf16_writes_exactly_its_slots() -> None:
     assert torch.equal(k_pool, before)  # a slot outside the layer: nothing written
 
 
+@pytest.mark.skipif(amx_library() is None, reason="no AMX here (CPU or build)")
+@pytest.mark.parametrize("rows", [1, 21, 45])
+def test_gate_up_and_silu_in_one_amx_pass_equal_the_two_passes(rows: int) -> None:
+    """Gate panel q pairs with up panel inter/16 + q, and the epilogue rounds as the two passes
+    round (gate and up, then silu, then the product): bit-equal, with the [rows, 2 * inter]
+    intermediate never written. An inter that is not a multiple of 16 is declined."""
+    inter, k_in = 48, 64
+    gate_up = _randn(2 * inter, k_in, seed=12, scale=0.3)
+    x = _randn(rows, k_in, seed=13)
+    tiles = native.pack_amx(_library(), gate_up)
+    fused = native.linear_silu(_library(), x, tiles, None, inter)
+    two_passes = native.silu_mul(_library(), native.linear_amx(_library(), x, tiles, None, 2 * inter))
+    assert fused is not None and torch.equal(fused, two_passes)
+    odd = native.pack_amx(_library(), _randn(2 * 40, k_in, seed=14))
+    assert native.linear_silu(_library(), x, odd, None, 40) is None
+
+
 def _reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tables: torch.Tensor,
                          lens: torch.Tensor) -> torch.Tensor:
     """float32 attention over each row's slots 0..len-1, from the same bfloat16 values."""
