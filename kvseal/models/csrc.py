@@ -210,28 +210,35 @@ struct decode_args {
     int64_t q_stride, out_stride, group, head_dim, head_stride, page_size, table_width;
     float scale;
 };
-typedef void (*attend_task)(const struct decode_args *a, int64_t b, int64_t h, float *scratch);
+/* amx: whether the thread has AMX tiles configured for the task (see `begin`). */
+typedef void (*attend_task)(const struct decode_args *a, int64_t b, int64_t h, float *scratch, int amx);
 
 /* Every (row, KV head) of the call, split over the threads, each with `scratch_floats` of
-   scratch. Returns 0, or -1 if scratch could not be allocated. */
+   scratch. Each thread calls begin() (unless NULL) before its tasks, passing what it returns to
+   them, and end() after them if begin returned nonzero. Returns 0, or -1 if scratch could not
+   be allocated. */
 static int decode_attention_rows(const struct decode_args *a, int64_t rows, int64_t kv_heads,
-                                 int64_t scratch_floats, int num_threads, attend_task task) {
+                                 int64_t scratch_floats, int num_threads, attend_task task,
+                                 int (*begin)(void), void (*end)(void)) {
     int failed = 0;
     #pragma omp parallel num_threads(num_threads) reduction(|:failed)
     {
         float *scratch = malloc(sizeof(float) * scratch_floats);
+        const int amx = begin != NULL && begin();
         if (scratch == NULL) failed = 1;
         #pragma omp for collapse(2) schedule(dynamic, 1)
         for (int64_t b = 0; b < rows; b++)
             for (int64_t h = 0; h < kv_heads; h++)
-                if (scratch != NULL) task(a, b, h, scratch);
+                if (scratch != NULL) task(a, b, h, scratch, amx);
+        if (amx) end();
         free(scratch);
     }
     return failed ? -1 : 0;
 }
 
 /* Task (b, h) over a float32 pool, in place: scratch holds the scores. */
-static void attend_task_f32(const struct decode_args *a, int64_t b, int64_t h, float *scratch) {
+static void attend_task_f32(const struct decode_args *a, int64_t b, int64_t h, float *scratch, int amx) {
+    (void)amx;
     const int64_t hd = a->head_dim, first = b * a->q_stride + h * a->group * hd, ctx = a->context_lens[b];
     const float *qh = (const float *)a->q + first;
     const float *kh = (const float *)a->k + h * a->head_stride, *vh = (const float *)a->v + h * a->head_stride;
@@ -253,7 +260,7 @@ int kvseal_decode_attention(const float *q, const float *k, const float *v, cons
     const int64_t width = kv_heads * group * head_dim;
     const struct decode_args a = {q, k, v, tables, context_lens, out, width, width, group, head_dim,
                                   num_pages * page_size * head_dim, page_size, table_width, scale};
-    return decode_attention_rows(&a, rows, kv_heads, group * max_context, num_threads, attend_task_f32);
+    return decode_attention_rows(&a, rows, kv_heads, group * max_context, num_threads, attend_task_f32, NULL, NULL);
 }
 """
 
@@ -288,13 +295,19 @@ static void widen_rows(const uint16_t *src, float *dst, int64_t n) {
 #define DEFINE_ATTEND_BF16(NV)                                                                  \
 static void attend_bf16_##NV(const float *q, const uint16_t *k_head, const uint16_t *v_head,    \
                              const int64_t *table, int64_t ctx, int64_t group, int64_t page_size, \
-                             float scale, float *page, float *scores, float *out) {              \
+                             float scale, float *page, float *scores, float *out,               \
+                             const uint16_t *q_tiles) {                                         \
     const int64_t hd = 16 * NV, elems = page_size * hd;                                          \
     for (int64_t t0 = 0; t0 < ctx; t0 += page_size) {                                           \
         const int64_t n = ctx - t0 < page_size ? ctx - t0 : page_size, p = t0 / page_size;      \
         if (t0 + page_size < ctx) prefetch_page(k_head + table[p + 1] * elems, 2 * elems);      \
         for (int64_t i = 0; i < 2 * n * hd; i += 64)                                            \
             __builtin_prefetch((const char *)(v_head + table[p] * elems) + i, 0, 2);            \
+        if (q_tiles != NULL) {                                                                  \
+            amx_page_scores(k_head + table[p] * elems, n, q_tiles, hd, group, scale, scores + t0, ctx, \
+                            (uint16_t *)page);                                                  \
+            continue;                                                                           \
+        }                                                                                       \
         widen_rows(k_head + table[p] * elems, page, n * hd);                                    \
         for (int64_t j = 0; j < group; j++) {                                                   \
             const float *qj = q + j * hd;                                                       \
@@ -342,26 +355,33 @@ DEFINE_ATTEND_BF16(8)
 /* Whether the 16-lane kernels take this head_dim. */
 static inline int bf16_paged(int64_t head_dim) { return head_dim == 32 || head_dim == 64 || head_dim == 128; }
 
-/* Scratch floats per task: q and out heads, scores, and a widened page; for a head_dim the
-   16-lane kernels do not take, the row's whole context widened instead. */
+/* Scratch floats per task: q and out heads, scores, a widened page (or a padded bfloat16 K page
+   for the AMX scores) and the query tiles; for a head_dim the 16-lane kernels do not take, the
+   row's whole context widened instead. */
 static int64_t bf16_scratch_floats(int64_t group, int64_t head_dim, int64_t page_size, int64_t max_context) {
-    const int64_t widened = bf16_paged(head_dim) ? page_size * head_dim : 2 * max_context * head_dim;
+    const int64_t page = (page_size > 16 ? page_size : 16) * head_dim, tiles = head_dim / 32 * 256;
+    const int64_t widened = bf16_paged(head_dim) ? page + tiles : 2 * max_context * head_dim;
     return group * (max_context + 2 * head_dim) + widened;
 }
 
 /* Task (b, h) over a bfloat16 pool: the row's query heads of KV head h widened into scratch,
    attended, and the output heads rounded back to bfloat16. */
-static void attend_task_bf16(const struct decode_args *a, int64_t b, int64_t h, float *scratch) {
+static void attend_task_bf16(const struct decode_args *a, int64_t b, int64_t h, float *scratch, int amx) {
     const int64_t hd = a->head_dim, n = a->group * hd, ctx = a->context_lens[b], ps = a->page_size;
     const uint16_t *qh = (const uint16_t *)a->q + b * a->q_stride + h * n;
     const uint16_t *kh = (const uint16_t *)a->k + h * a->head_stride, *vh = (const uint16_t *)a->v + h * a->head_stride;
     const int64_t *table = a->tables + b * a->table_width;
     float *qf = scratch, *of = scratch + n, *scores = scratch + 2 * n, *rest = scores + a->group * ctx;
     uint16_t *oh = (uint16_t *)a->out + b * a->out_stride + h * n;
+    uint16_t *q_tiles = NULL;  /* AMX scores: the query heads as B tiles, after the page scratch */
+    if (amx && a->group <= 16 && bf16_paged(hd) && ps <= 16) {
+        q_tiles = (uint16_t *)(rest + 16 * hd);
+        pack_query_tiles(qh, a->group, hd, q_tiles);
+    }
     widen_rows(qh, qf, n);
-    if (hd == 32) attend_bf16_2(qf, kh, vh, table, ctx, a->group, ps, a->scale, rest, scores, of);
-    else if (hd == 64) attend_bf16_4(qf, kh, vh, table, ctx, a->group, ps, a->scale, rest, scores, of);
-    else if (hd == 128) attend_bf16_8(qf, kh, vh, table, ctx, a->group, ps, a->scale, rest, scores, of);
+    if (hd == 32) attend_bf16_2(qf, kh, vh, table, ctx, a->group, ps, a->scale, rest, scores, of, q_tiles);
+    else if (hd == 64) attend_bf16_4(qf, kh, vh, table, ctx, a->group, ps, a->scale, rest, scores, of, q_tiles);
+    else if (hd == 128) attend_bf16_8(qf, kh, vh, table, ctx, a->group, ps, a->scale, rest, scores, of, q_tiles);
     else {  /* !bf16_paged: the row's context, slot by slot, into [2, ctx, head_dim] floats, one "page" of ctx slots */
         const int64_t zero = 0;
         for (int64_t t = 0; t < ctx; t++) {
@@ -385,7 +405,7 @@ int kvseal_decode_attention_bf16(const uint16_t *q, int64_t q_stride, const uint
     const struct decode_args a = {q, k, v, tables, context_lens, out, q_stride, out_stride, group, head_dim,
                                   num_pages * page_size * head_dim, page_size, table_width, scale};
     return decode_attention_rows(&a, rows, kv_heads, bf16_scratch_floats(group, head_dim, page_size, max_context),
-                                 num_threads, attend_task_bf16);
+                                 num_threads, attend_task_bf16, amx_attention_begin, amx_attention_end);
 }
 """
 
@@ -1017,11 +1037,23 @@ void kvseal_pack_amx(const uint16_t *w, uint16_t *packed, int64_t n_out, int64_t
 #include <sys/syscall.h>
 #include <unistd.h>
 
+static int amx_permitted = 0;
+
 /* 0 once the kernel lets this process use AMX tile data (ARCH_REQ_XCOMP_PERM for
    XFEATURE_XTILEDATA; the permission is per process, so every OpenMP thread has it), else -1. */
-int kvseal_amx_init(void) { return syscall(SYS_arch_prctl, 0x1023, 18) == 0 ? 0 : -1; }
+int kvseal_amx_init(void) {
+    amx_permitted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+    return amx_permitted ? 0 : -1;
+}
 
 struct tile_config { uint8_t palette, start_row, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; };
+
+/* LDTILECFG reads all 64 bytes (a set reserved byte faults), but GCC 12 does not model that
+   read and drops the zeroing stores: the barrier keeps every byte written. */
+static inline void load_tile_config(const struct tile_config *c) {
+    __asm__ volatile("" : : "m"(*c) : "memory");
+    _tile_loadconfig(c);
+}
 
 /* Tiles 0-3: C (row tile 0 and 1 of panel p, then of p + 1); 4, 5: A (row tiles 0, 1); 6, 7: B
    (panels p, p + 1). r1 = 0: one row tile, tiles 1, 3, 5 unused. */
@@ -1031,7 +1063,7 @@ static void configure_tiles(int r0, int r1) {
     c.palette = 1;
     const int rows[8] = {r0, r1, r0, r1, r0, r1, 16, 16};
     for (int t = 0; t < 8; t++) { c.rows[t] = (uint8_t)rows[t]; c.colsb[t] = rows[t] ? 64 : 0; }
-    _tile_loadconfig(&c);
+    load_tile_config(&c);
 }
 
 /* rows of a 16-column float32 tile (+ bias) into bfloat16 y, nr <= 16 valid columns: one
@@ -1069,6 +1101,52 @@ static void amx_chunk(const uint16_t *a, int64_t k_in, const uint16_t *b0, const
 
 /* Bytes of weights a thread keeps in L2 while every row chunk passes over them. */
 #define AMX_GROUP_BYTES (512 * 1024)
+
+/* Decode attention's scores on tiles (csrc.ATTENTION_BF16): tile 0 = C (16 slots x 16 query
+   heads), 1 = A (a K page's 16 slots x 32 dims), 2 = B (the query heads' 32-dim slice, dims in
+   pairs). Returns 1 with the tiles configured for this thread, 0 where AMX is not permitted. */
+static int amx_attention_begin(void) {
+    if (!amx_permitted) return 0;
+    struct tile_config c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 3; t++) { c.rows[t] = 16; c.colsb[t] = 64; }
+    load_tile_config(&c);
+    return 1;
+}
+static void amx_attention_end(void) { _tile_release(); }
+
+/* q [group <= 16, head_dim] bfloat16 -> head_dim / 32 B tiles [16 dim pairs][16 heads][2],
+   heads past the group zero. */
+static void pack_query_tiles(const uint16_t *q, int64_t group, int64_t head_dim, uint16_t *tiles) {
+    memset(tiles, 0, sizeof(uint16_t) * head_dim * 16);
+    for (int64_t j = 0; j < group; j++)
+        for (int64_t d = 0; d < head_dim; d++)
+            tiles[(d / 32) * 512 + (d % 32 / 2) * 32 + j * 2 + d % 2] = q[j * head_dim + d];
+}
+
+/* scores[j * ctx + s] = scale * (K page row s . q_j) for the page's first n <= 16 slots (float32
+   sums of exact bfloat16 products). A partial page is copied into `pad` ([16, head_dim]) with
+   zero rows after the n slots: slots past the context are never read. */
+static void amx_page_scores(const uint16_t *k_page, int64_t n, const uint16_t *q_tiles, int64_t head_dim,
+                            int64_t group, float scale, float *scores, int64_t ctx, uint16_t *pad) {
+    const uint16_t *a = k_page;
+    if (n < 16) {
+        memcpy(pad, k_page, sizeof(uint16_t) * n * head_dim);
+        memset(pad + n * head_dim, 0, sizeof(uint16_t) * (16 - n) * head_dim);
+        a = pad;
+    }
+    float c[256];
+    _tile_zero(0);
+    for (int64_t kb = 0; kb < head_dim / 32; kb++) {
+        _tile_loadd(1, a + kb * 32, head_dim * 2);
+        _tile_loadd(2, q_tiles + kb * 512, 64);
+        _tile_dpbf16ps(0, 1, 2);
+    }
+    _tile_stored(0, c, 64);
+    for (int64_t j = 0; j < group; j++)
+        for (int64_t s = 0; s < n; s++) scores[j * ctx + s] = scale * c[s * 16 + j];
+}
 
 /* One AMX product: x [rows, k_in] against packed panels. A plain linear writes y [rows, n_out]
    (+ bias); with `half` > 0 it is the MLP's fused gate/up weight ([2 * half * 16, k_in]) and
@@ -1168,6 +1246,16 @@ int kvseal_linear_silu_amx(const uint16_t *x, const uint16_t *packed, uint16_t *
     return 0;
 }
 #else
+static int amx_attention_begin(void) { return 0; }
+static void amx_attention_end(void) {}
+static void pack_query_tiles(const uint16_t *q, int64_t group, int64_t head_dim, uint16_t *tiles) {
+    (void)q; (void)group; (void)head_dim; (void)tiles;
+}
+static void amx_page_scores(const uint16_t *k_page, int64_t n, const uint16_t *q_tiles, int64_t head_dim,
+                            int64_t group, float scale, float *scores, int64_t ctx, uint16_t *pad) {
+    (void)k_page; (void)n; (void)q_tiles; (void)head_dim; (void)group; (void)scale; (void)scores; (void)ctx;
+    (void)pad;
+}
 int kvseal_amx_init(void) { return -1; }
 int kvseal_linear_amx(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, uint16_t *y,
                       int64_t rows, int64_t n_out, int64_t k_in, int num_threads) {

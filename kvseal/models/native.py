@@ -58,8 +58,8 @@ logger = logging.getLogger("kvseal")
 def library_source(sources: ModuleType) -> str:
     """The C translation unit of a `csrc`-like module's sections (this tree's `csrc`, or another
     tree's for `bench/linears_ab.py`)."""
-    return "\n".join([sources.PRELUDE, sources.ATTENTION, getattr(sources, "ATTENTION_BF16", ""), sources.LINEAR,
-                      sources.OPS, getattr(sources, "BF16_OPS", ""), sources.INT8_LINEAR, getattr(sources, "AMX", ""),
+    return "\n".join([sources.PRELUDE, sources.ATTENTION, sources.LINEAR, sources.OPS, getattr(sources, "BF16_OPS", ""),
+                      sources.INT8_LINEAR, getattr(sources, "AMX", ""), getattr(sources, "ATTENTION_BF16", ""),
                       sources.DECODE_LOOP, sources.PREFILL_ATTENTION])
 
 
