@@ -54,8 +54,10 @@ class FreshPrefills:
     """Chunks starting at position 0, all `length` tokens long: one causal attention call."""
 
     length: int
-    token_idx: torch.Tensor | None  # [num_chunks * length] into the flattened tokens; None: one chunk
-    token_start: int  # the first token when there is one chunk
+    # [num_chunks * length] into the flattened tokens; None: the chunks lie back to back from
+    # token_start (one chunk, or several in a row), so their tokens are one span, viewed not gathered
+    token_idx: torch.Tensor | None
+    token_start: int
     starts: torch.Tensor  # [num_chunks] int64: each chunk's first token
     # The native kernel (a float32 pool and a built library); None: SDPA over gathered q/k/v.
     # It runs only where the forward hands over its fused qkv rows (`paged_attention`).
@@ -185,7 +187,7 @@ def _prefill_span(token_start: int, query_len: int, context_len: int, pages: tor
 
 def _fresh_group(length: int, starts: list[int], kernel: Callable[..., int] | None) -> FreshPrefills:
     first = torch.tensor(starts, dtype=torch.int64)
-    if len(starts) == 1:
+    if starts == list(range(starts[0], starts[0] + len(starts) * length, length)):  # back to back
         return FreshPrefills(length, None, starts[0], first, kernel)
     token_idx = (first[:, None] + torch.arange(length)[None, :]).reshape(-1)
     return FreshPrefills(length, token_idx, starts[0], first, kernel)
@@ -255,15 +257,15 @@ def _fresh_runs_native(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qkv: t
 def _fresh_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: FreshPrefills,
                      out: torch.Tensor) -> None:
     """Causal attention of chunks that start at position 0 over their own new K/V."""
-    length, heads, head_dim = group.length, q.shape[1], q.shape[2]
-    if group.token_idx is None:
-        span = slice(group.token_start, group.token_start + length)
-        qs, ks, vs = (t[span].transpose(0, 1)[None] for t in (q, k, v))  # [1, heads, L, head_dim]
+    length, heads, head_dim, num_chunks = group.length, q.shape[1], q.shape[2], group.starts.numel()
+    span = slice(group.token_start, group.token_start + num_chunks * length)
+    if group.token_idx is None:  # views of the chunks' rows: [n, heads, L, head_dim]
+        qs, ks, vs = (t[span].view(num_chunks, length, t.shape[1], head_dim).transpose(1, 2) for t in (q, k, v))
     else:
         qs, ks, vs = (t[group.token_idx].view(-1, length, t.shape[1], head_dim).transpose(1, 2) for t in (q, k, v))
     o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)  # [n, heads, L, head_dim]
     if group.token_idx is None:
-        out[group.token_start:group.token_start + length] = o[0].transpose(0, 1)
+        out[span] = o.transpose(1, 2).reshape(-1, heads, head_dim)
     else:
         out[group.token_idx] = o.transpose(1, 2).reshape(-1, heads, head_dim)
 
