@@ -399,16 +399,18 @@ static void attend_task_bf16(const struct decode_args *a, int64_t b, int64_t h, 
 
 /* The same over a bfloat16 pool, with bfloat16 query rows read in place (row b at q + b *
    q_stride: the q columns of the fused qkv rows) and bfloat16 output rows (out + b * out_stride),
-   each output rounded once from its float32 sum. */
+   each output rounded once from its float32 sum. use_amx: the scores on AMX tiles where the
+   process may use them (0: the 16-lane vectors, as on CPUs without AMX). */
 int kvseal_decode_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k, const uint16_t *v,
                                  const int64_t *tables, const int64_t *context_lens, uint16_t *out,
                                  int64_t out_stride, int64_t rows, int64_t kv_heads, int64_t group,
                                  int64_t head_dim, int64_t num_pages, int64_t page_size, int64_t table_width,
-                                 int64_t max_context, float scale, int num_threads) {
+                                 int64_t max_context, float scale, int use_amx, int num_threads) {
     const struct decode_args a = {q, k, v, tables, context_lens, out, q_stride, out_stride, group, head_dim,
                                   num_pages * page_size * head_dim, page_size, table_width, scale};
     return decode_attention_rows(&a, rows, kv_heads, bf16_scratch_floats(group, head_dim, page_size, max_context),
-                                 num_threads, attend_task_bf16, amx_attention_begin, amx_attention_end);
+                                 num_threads, attend_task_bf16, use_amx ? amx_attention_begin : NULL,
+                                 amx_attention_end);
 }
 """
 
@@ -1374,7 +1376,7 @@ int kvseal_decode_layers_bf16(int64_t num_layers, const void *const *layers, con
         *layers_written = l + 1;
         if (kvseal_decode_attention_bf16(qkv, width, k_pool, v_pool, tables, context_lens, attn, q_size, rows,
                                          kv_heads, heads / kv_heads, head_dim, num_pages, page_size, table_width,
-                                         max_context, scale, threads)) return -2;
+                                         max_context, scale, 1, threads)) return -2;
         if (kvseal_linear_amx(attn, w[W_O], w[B_O], tmp, rows, hidden, q_size, threads)) return -2;
         kvseal_add_rms_norm_bf16(h, tmp, w[POST_NORM], eps, x, rows, hidden, threads);
         if (w[B_GATE_UP] != NULL || kvseal_linear_silu_amx(x, w[W_GATE_UP], act, rows, inter, hidden, threads)) {

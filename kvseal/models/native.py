@@ -186,7 +186,7 @@ def _bf16_functions(handle: ctypes.CDLL) -> dict[str, Any]:
     """The bfloat16 kernels by NativeLibrary's field names, with their argument types set."""
     attention = handle.kvseal_decode_attention_bf16
     attention.restype = ctypes.c_int
-    attention.argtypes = [_P, _I, _P, _P, _P, _P, _P, *[_I] * 9, ctypes.c_float, ctypes.c_int]
+    attention.argtypes = [_P, _I, _P, _P, _P, _P, _P, *[_I] * 9, ctypes.c_float, ctypes.c_int, ctypes.c_int]
     norm = handle.kvseal_add_rms_norm_bf16
     norm.restype, norm.argtypes = None, [_P] * 3 + [ctypes.c_float, _P, _I, _I, ctypes.c_int]
     silu = handle.kvseal_silu_mul_bf16
@@ -242,11 +242,13 @@ def _cpu_flags() -> str:
 
 
 def run_decode_attention(kernel: Callable[..., int], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                         tables: torch.Tensor, context_lens: torch.Tensor, max_context: int) -> torch.Tensor:
+                         tables: torch.Tensor, context_lens: torch.Tensor, max_context: int,
+                         use_amx: bool = True) -> torch.Tensor:
     """q: [B, heads, head_dim]; k, v: one layer of the pool, [kv_heads, pages, page_size, head_dim],
     contiguous, float32 (`kvseal_decode_attention`; q is computed in float32) or bfloat16
     (`kvseal_decode_attention_bf16`; q bfloat16 too, each row's heads contiguous, rows at any
-    stride); tables: [B, width] int64; context_lens: [B] int64 -> [B, heads, head_dim] in q's dtype."""
+    stride; use_amx: its scores on AMX tiles where the process may use them, else in vectors);
+    tables: [B, width] int64; context_lens: [B] int64 -> [B, heads, head_dim] in q's dtype."""
     if k.dtype != v.dtype or k.dtype not in (torch.float32, torch.bfloat16) or tables.dtype != torch.int64 \
             or context_lens.dtype != torch.int64 or not (k.is_contiguous() and v.is_contiguous()):
         raise TypeError("the decode attention kernel takes a contiguous float32 or bfloat16 pool and int64 tables")
@@ -262,7 +264,8 @@ def run_decode_attention(kernel: Callable[..., int], q: torch.Tensor, k: torch.T
             q = q.contiguous()
         out = torch.empty(q.shape, dtype=torch.bfloat16)
         status = kernel(q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(), tables.data_ptr(),
-                        context_lens.data_ptr(), out.data_ptr(), num_heads * head_dim, *shape)
+                        context_lens.data_ptr(), out.data_ptr(), num_heads * head_dim, *shape[:-1], int(use_amx),
+                        shape[-1])
     else:
         dtype = q.dtype
         q = q.to(torch.float32).contiguous()

@@ -126,8 +126,10 @@ def _reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tabl
     return torch.stack(out)
 
 
+@pytest.mark.parametrize("use_amx", [True, False])  # AMX scores where this CPU has them; the vectors everywhere
 @pytest.mark.parametrize("head_dim, group, page_size", [(64, 3, 16), (32, 1, 4), (128, 4, 4), (20, 2, 4), (16, 2, 4)])
-def test_decode_attention_bf16_reads_only_each_rows_slots(head_dim: int, group: int, page_size: int) -> None:
+def test_decode_attention_bf16_reads_only_each_rows_slots(head_dim: int, group: int, page_size: int,
+                                                          use_amx: bool) -> None:
     """Every slot of the pool that no row may read holds NaN (other rows' pages, free pages,
     slots past a row's context in its own last page): the outputs are finite and equal float32
     attention over each row's own slots, rounded once. 20 and 16: head_dims the paged kernels do not take."""
@@ -147,7 +149,7 @@ def test_decode_attention_bf16_reads_only_each_rows_slots(head_dim: int, group: 
     q = qkv[:, :kv_heads * group * head_dim].view(rows, kv_heads * group, head_dim)  # rows at qkv's stride
     kernel = native.decode_attention_kernel(BF16)
     assert kernel is not None
-    out = native.run_decode_attention(kernel, q, k, v, tables, lens, int(lens.max()))
+    out = native.run_decode_attention(kernel, q, k, v, tables, lens, int(lens.max()), use_amx)
     assert out.dtype == BF16 and bool(torch.isfinite(out).all())
     torch.testing.assert_close(out.float(), _reference_attention(q, k, v, tables, lens), rtol=ULP, atol=ULP / 8)
 
@@ -163,13 +165,21 @@ def test_the_bf16_engine_runs_native_with_packed_linears(llama_dir: Path) -> Non
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "qwen3"])  # qwen3: head_dim 32, the paged kernel
-def test_bf16_logits_within_rounding_of_transformers(arch: str, tiny_model_dirs: dict[str, Path]) -> None:
+@pytest.mark.parametrize("linears", ["amx", "fallback"])  # fallback: what a CPU without AMX runs (oneDNN or nn.Linear)
+def test_bf16_logits_within_rounding_of_transformers(arch: str, linears: str, tiny_model_dirs: dict[str, Path],
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """The logits of a prefill and of each decode step after it, against transformers' bfloat16
     forward of the same tokens (teacher-forced: both see kvseal's tokens)."""
     from kvseal.engine.batch import build_forward_batch
+    from kvseal.models import packed
     from kvseal.types import Request, ScheduledChunk
 
+    if linears == "amx" and amx_library() is None:
+        pytest.skip("no AMX here (CPU or build)")
+    if linears == "fallback":
+        monkeypatch.setattr(packed, "amx_library", lambda: None)
     engine = LLM(str(tiny_model_dirs[arch]), kv_cache_tokens=256, page_size=4, dtype="bfloat16").engine
+    assert any(isinstance(m, AmxLinear) for m in engine.runner.model.modules()) == (linears == "amx")
     prompt, steps = list(range(30, 75)), 6
     request = Request("r", "t", prompt, SamplingParams(max_tokens=steps))
     engine.kv.reserve("r", "t", len(prompt) + steps)
