@@ -12,8 +12,10 @@ from pathlib import Path
 from processes import LoggedProcess, free_port, kvseal_argv
 
 EXIT_DEADLINE_S = 60.0
-# The copy model's canary requests fit one 256-token page, the page FOREIGN_PAGE swaps.
-ENGINE_FLAGS = ["--dtype", "float32", "--kv-cache-tokens", "8192", "--page-size", "256", "--max-model-len", "512"]
+# The copy model's canary requests fit one 256-token page, the page FOREIGN_PAGE swaps. The dtype
+# is the default one (auto: bfloat16 with its AMX linears and kernels where the CPU has them,
+# float32 elsewhere): the isolation checks must hold in the configuration people run.
+ENGINE_FLAGS = ["--dtype", "auto", "--kv-cache-tokens", "8192", "--page-size", "256", "--max-model-len", "512"]
 
 
 class KvsealServer(LoggedProcess):
