@@ -1231,16 +1231,25 @@ static void amx_pairs(const struct amx_job *j, int64_t i_begin, int64_t i_end) {
     }
 }
 
-/* The job's pairs split over the threads in contiguous runs (each thread streams its weights in order). */
+/* The job's pairs handed to the threads in runs of consecutive pairs from a shared counter as
+   they come free, so each thread streams its weights in order. At decode sizes the runs are
+   short (about 8 a thread): on a host whose cores the frontend shares, a preempted thread then
+   holds no fixed half for the other to wait on. From AMX_SPLIT_ROWS rows on each thread takes
+   one contiguous half: every run re-reads all the rows, which short runs would multiply. */
+#define AMX_SPLIT_ROWS 256
 static void amx_run(const struct amx_job *j, int64_t pairs, int num_threads) {
+    const int64_t runs = j->rows >= AMX_SPLIT_ROWS ? num_threads : 8 * num_threads;
+    const int64_t run = (pairs + runs - 1) / runs;
+    int64_t handed_out = 0;
     #pragma omp parallel num_threads(num_threads)
     {
-        const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
-        const int64_t i_begin = pairs * t / nt, i_end = pairs * (t + 1) / nt;
-        if (i_begin < i_end && j->rows > 0) {
-            amx_pairs(j, i_begin, i_end);
-            _tile_release();
+        int used = 0;
+        for (int64_t i = __atomic_fetch_add(&handed_out, run, __ATOMIC_RELAXED); i < pairs && j->rows > 0;
+             i = __atomic_fetch_add(&handed_out, run, __ATOMIC_RELAXED)) {
+            amx_pairs(j, i, i + run < pairs ? i + run : pairs);
+            used = 1;
         }
+        if (used) _tile_release();
     }
 }
 
