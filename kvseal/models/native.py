@@ -255,8 +255,9 @@ def run_decode_attention(kernel: Callable[..., int], q: torch.Tensor, k: torch.T
     tables, context_lens = tables.contiguous(), context_lens.contiguous()
     rows, num_heads, head_dim = q.shape
     kv_heads, num_pages, page_size, _ = k.shape
-    shape = (rows, kv_heads, num_heads // kv_heads, head_dim, num_pages, page_size, tables.shape[1], max_context,
-             head_dim**-0.5, torch.get_num_threads())
+    sizes = (rows, kv_heads, num_heads // kv_heads, head_dim, num_pages, page_size, tables.shape[1], max_context,
+             head_dim**-0.5)
+    threads = torch.get_num_threads()
     if k.dtype == torch.bfloat16:
         if q.dtype != torch.bfloat16:
             raise TypeError(f"a bfloat16 pool takes bfloat16 queries, got {q.dtype}")
@@ -264,14 +265,13 @@ def run_decode_attention(kernel: Callable[..., int], q: torch.Tensor, k: torch.T
             q = q.contiguous()
         out = torch.empty(q.shape, dtype=torch.bfloat16)
         status = kernel(q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(), tables.data_ptr(),
-                        context_lens.data_ptr(), out.data_ptr(), num_heads * head_dim, *shape[:-1], int(use_amx),
-                        shape[-1])
+                        context_lens.data_ptr(), out.data_ptr(), num_heads * head_dim, *sizes, int(use_amx), threads)
     else:
         dtype = q.dtype
         q = q.to(torch.float32).contiguous()
         out = torch.empty_like(q)
         status = kernel(q.data_ptr(), k.data_ptr(), v.data_ptr(), tables.data_ptr(), context_lens.data_ptr(),
-                        out.data_ptr(), *shape)
+                        out.data_ptr(), *sizes, threads)
         out = out.to(dtype)
     if status != 0:
         raise MemoryError("decode attention kernel could not allocate its score scratch")
