@@ -1024,20 +1024,24 @@ void kvseal_linear_i8(const float *x, const int8_t *panels, const float *scale, 
 }
 """
 
-# bfloat16 linears on AMX tiles (Sapphire Rapids and later): y = x W^T (+ bias), x and y bfloat16,
+# bfloat16 linears over weights in AMX's tile layout: y = x W^T (+ bias), x and y bfloat16,
 # float32 sums, each output rounded once. The weight is packed once ([ceil(N/16)][K/32] tiles of
 # 16 k-pairs x 16 outputs x 2, the layout TDPBF16PS reads, zero-padded past N); K must be a
-# multiple of 32. Each thread takes a contiguous half of the panel pairs, so it streams its
-# weights in order, and runs 2 x 2 tiles (32 rows x 2 panels) per step of 32 k, blocked as a
-# GEMM (groups of panels stay in L2 while every 32-row chunk passes over them). At one to
-# 32 rows (decode) the weights stream at the memory's bandwidth: a pass over SmolLM2-135M's 270
-# MB takes 10.5-13.4 ms against oneDNN's 14.6-17.8 ms on the round-10 host; at 2,048 rows it
-# sustains 2.0-2.5 TFLOPS against oneDNN's 2.7-3.3 (docs/BENCHMARKS.md, round 10). Compiled only
-# where the compiler targets AMX-BF16 and AVX512-BF16; elsewhere the entry points answer -1 and
-# the model keeps oneDNN's linears.
-AMX = r"""
+# multiple of 32. Panel pairs are handed to the threads in runs, so each streams its weights in
+# order, and each step computes 32 rows x 2 panels over every k, blocked as a GEMM (groups of
+# panels stay in L2 while every 32-row chunk passes over them). Two engines compute a step:
+# - AMX (Sapphire Rapids and later, where the process may use tile data): 2 x 2 tiles. At one to
+#   32 rows (decode) the weights stream at the memory's bandwidth (a pass over SmolLM2-135M's
+#   270 MB: 10.5-13.4 ms against oneDNN's 14.6-17.8 ms on the round-10 host); at 2,048 rows
+#   2.0-2.5 TFLOPS against oneDNN's 2.7-3.3 (docs/BENCHMARKS.md, round 10).
+# - AVX512-BF16 (CPUs without AMX, such as AMD's Zen 4 and 5): VDPBF16PS, whose operand is one
+#   64-byte tile row (16 outputs' k-pairs) against x's pair broadcast, 8 rows x 2 panels in 16
+#   accumulators (docs/BENCHMARKS.md, round 11).
+# Compiled where the compiler targets AVX512-BF16; elsewhere the entry points answer -1 and the
+# model keeps oneDNN's linears.
+TILE_LINEARS = r"""
 /* w [N, K] bfloat16 row-major (nn.Linear's layout) -> packed tiles (see above). */
-void kvseal_pack_amx(const uint16_t *w, uint16_t *packed, int64_t n_out, int64_t k_in) {
+void kvseal_pack_tiles(const uint16_t *w, uint16_t *packed, int64_t n_out, int64_t k_in) {
     const int64_t panels = (n_out + 15) / 16, kblocks = k_in / 32;
     #pragma omp parallel for schedule(static)
     for (int64_t p = 0; p < panels; p++)
@@ -1052,20 +1056,109 @@ void kvseal_pack_amx(const uint16_t *w, uint16_t *packed, int64_t n_out, int64_t
 }
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define KVSEAL_AMX 1
+#endif
+
+#if defined(__AVX512BF16__)
 #include <immintrin.h>
 #include <omp.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
-static int amx_permitted = 0;
+/* amx_permitted: the kernel lets this process use AMX tile data (ARCH_REQ_XCOMP_PERM for
+   XFEATURE_XTILEDATA; the permission is per process, so every OpenMP thread has it).
+   amx_linears: the tile linears run on AMX, else on AVX512-BF16 dot products. */
+static int amx_permitted = 0, amx_linears = 0;
 
-/* 0 once the kernel lets this process use AMX tile data (ARCH_REQ_XCOMP_PERM for
-   XFEATURE_XTILEDATA; the permission is per process, so every OpenMP thread has it), else -1. */
-int kvseal_amx_init(void) {
+/* The engine the tile linears run on from now on: 2 = AMX where this build targets it and the
+   process may use it, else 1 = AVX512-BF16 dot products over the same tiles. */
+int kvseal_tiles_init(void) {
+#ifdef KVSEAL_AMX
     amx_permitted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-    return amx_permitted ? 0 : -1;
+#endif
+    amx_linears = amx_permitted;
+    return amx_linears ? 2 : 1;
 }
 
+/* engine 1: run the tile linears on the dot products even where AMX is permitted (so tests
+   cover both engines on an AMX host); 2: on AMX where permitted. Returns the engine now in use.
+   Not while a linear runs. */
+int kvseal_tiles_engine(int engine) {
+    amx_linears = engine == 2 && amx_permitted;
+    return amx_linears ? 2 : 1;
+}
+
+/* rows of a 16-column float32 tile (+ bias) into bfloat16 y, nr <= 16 valid columns: one
+   vcvtneps2bf16 a row (round to nearest even; NaN stays NaN). */
+static void store_tile_rows(const float *c, int rows, const uint16_t *bias, uint16_t *y, int64_t ldy, int64_t nr) {
+    const __mmask16 mask = (__mmask16)((1u << nr) - 1u);
+    const __m512 b = bias == NULL ? _mm512_setzero_ps()
+        : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, bias)), 16));
+    for (int r = 0; r < rows; r++) {
+        const __m256bh out = _mm512_cvtneps_pbh(_mm512_add_ps(_mm512_loadu_ps(c + r * 16), b));
+        _mm256_mask_storeu_epi16(y + r * ldy, mask, (__m256i)out);
+    }
+}
+
+/* One row block of the dot-product engine: R rows of x against panels b0 and b1 over every k,
+   sums into c0 and c1 (16 floats a row). A B tile's 64-byte row is 16 outputs' (k, k + 1)
+   weight pairs, exactly vdpbf16ps's operand, against x's pair broadcast. S accumulators per
+   row and panel take alternate k-pairs, so that a block of few rows (decode) still has enough
+   independent sums in flight to hide the instruction's latency. */
+static inline __attribute__((always_inline)) void dot_block(const uint16_t *a, int64_t k_in, const uint16_t *b0,
+                                                            const uint16_t *b1, const int R, const int S,
+                                                            float *c0, float *c1) {
+    __m512 acc0[16], acc1[16];  /* R * S <= 16 */
+    for (int i = 0; i < R * S; i++) { acc0[i] = _mm512_setzero_ps(); acc1[i] = _mm512_setzero_ps(); }
+    for (int64_t kp = 0; kp < k_in / 2; kp += S)
+        for (int s = 0; s < S; s++) {
+            const __m512bh w0 = (__m512bh)_mm512_loadu_si512(b0 + (kp + s) * 32);
+            const __m512bh w1 = (__m512bh)_mm512_loadu_si512(b1 + (kp + s) * 32);
+            for (int r = 0; r < R; r++) {
+                int32_t pair;
+                memcpy(&pair, a + r * k_in + 2 * (kp + s), sizeof pair);
+                const __m512bh xr = (__m512bh)_mm512_set1_epi32(pair);
+                acc0[r * S + s] = _mm512_dpbf16_ps(acc0[r * S + s], xr, w0);
+                acc1[r * S + s] = _mm512_dpbf16_ps(acc1[r * S + s], xr, w1);
+            }
+        }
+    for (int r = 0; r < R; r++) {
+        __m512 s0 = acc0[r * S], s1 = acc1[r * S];
+        for (int s = 1; s < S; s++) {
+            s0 = _mm512_add_ps(s0, acc0[r * S + s]);
+            s1 = _mm512_add_ps(s1, acc1[r * S + s]);
+        }
+        _mm512_storeu_ps(c0 + r * 16, s0);
+        _mm512_storeu_ps(c1 + r * 16, s1);
+    }
+}
+
+/* amx_chunk on AVX512-BF16 dot products: the same four sums (c[0], c[1]: rows 0-15 and 16-31
+   against panel b0; c[2], c[3] against b1), in row blocks of 8 (16 accumulators). Without a
+   second panel, b0 stands in for it and the caller stores only c[0], c[1]. */
+static void dot_chunk(const uint16_t *a, int64_t k_in, const uint16_t *b0, const uint16_t *b1, int rows, int two,
+                      float c[4][256]) {
+    if (!two) b1 = b0;
+    for (int m = 0; m < rows; m += 8) {
+        const uint16_t *x = a + m * k_in;
+        float *c0 = c[m / 16] + (m % 16) * 16, *c1 = c[2 + m / 16] + (m % 16) * 16;
+        switch (rows - m < 8 ? rows - m : 8) {
+            case 1: dot_block(x, k_in, b0, b1, 1, 8, c0, c1); break;
+            case 2: dot_block(x, k_in, b0, b1, 2, 4, c0, c1); break;
+            case 3: dot_block(x, k_in, b0, b1, 3, 2, c0, c1); break;
+            case 4: dot_block(x, k_in, b0, b1, 4, 2, c0, c1); break;
+            case 5: dot_block(x, k_in, b0, b1, 5, 1, c0, c1); break;
+            case 6: dot_block(x, k_in, b0, b1, 6, 1, c0, c1); break;
+            case 7: dot_block(x, k_in, b0, b1, 7, 1, c0, c1); break;
+            default: dot_block(x, k_in, b0, b1, 8, 1, c0, c1); break;
+        }
+    }
+}
+
+/* Bytes of weights a thread keeps in L2 while every row chunk passes over them. */
+#define TILE_GROUP_BYTES (512 * 1024)
+
+#ifdef KVSEAL_AMX
 struct tile_config { uint8_t palette, start_row, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; };
 
 /* LDTILECFG reads all 64 bytes (a set reserved byte faults), but GCC 12 does not model that
@@ -1084,18 +1177,6 @@ static void configure_tiles(int r0, int r1) {
     const int rows[8] = {r0, r1, r0, r1, r0, r1, 16, 16};
     for (int t = 0; t < 8; t++) { c.rows[t] = (uint8_t)rows[t]; c.colsb[t] = rows[t] ? 64 : 0; }
     load_tile_config(&c);
-}
-
-/* rows of a 16-column float32 tile (+ bias) into bfloat16 y, nr <= 16 valid columns: one
-   vcvtneps2bf16 a row (round to nearest even; NaN stays NaN). */
-static void store_tile_rows(const float *c, int rows, const uint16_t *bias, uint16_t *y, int64_t ldy, int64_t nr) {
-    const __mmask16 mask = (__mmask16)((1u << nr) - 1u);
-    const __m512 b = bias == NULL ? _mm512_setzero_ps()
-        : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, bias)), 16));
-    for (int r = 0; r < rows; r++) {
-        const __m256bh out = _mm512_cvtneps_pbh(_mm512_add_ps(_mm512_loadu_ps(c + r * 16), b));
-        _mm256_mask_storeu_epi16(y + r * ldy, mask, (__m256i)out);
-    }
 }
 
 /* One 32-row chunk of x (a; r1 rows in its second row tile) against panel b0 and, if two,
@@ -1119,8 +1200,7 @@ static void amx_chunk(const uint16_t *a, int64_t k_in, const uint16_t *b0, const
     if (r1) { _tile_stored(1, c[1], 64); _tile_stored(3, c[3], 64); }
 }
 
-/* Bytes of weights a thread keeps in L2 while every row chunk passes over them. */
-#define AMX_GROUP_BYTES (512 * 1024)
+static void tile_release(void) { _tile_release(); }
 
 /* Decode attention's scores on tiles (csrc.ATTENTION_BF16): tile 0 = C (16 slots x 16 query
    heads), 1 = A (a K page's 16 slots x 32 dims), 2 = B (the query heads' 32-dim slice, dims in
@@ -1167,12 +1247,30 @@ static void amx_page_scores(const uint16_t *k_page, int64_t n, const uint16_t *q
     for (int64_t j = 0; j < group; j++)
         for (int64_t s = 0; s < n; s++) scores[j * ctx + s] = scale * c[s * 16 + j];
 }
+#else
+static void configure_tiles(int r0, int r1) { (void)r0; (void)r1; }
+static void amx_chunk(const uint16_t *a, int64_t k_in, const uint16_t *b0, const uint16_t *b1, int r1, int two,
+                      float c[4][256]) {
+    (void)a; (void)k_in; (void)b0; (void)b1; (void)r1; (void)two; (void)c;
+}
+static void tile_release(void) {}
+static int amx_attention_begin(void) { return 0; }
+static void amx_attention_end(void) {}
+static void pack_query_tiles(const uint16_t *q, int64_t group, int64_t head_dim, uint16_t *tiles) {
+    (void)q; (void)group; (void)head_dim; (void)tiles;
+}
+static void amx_page_scores(const uint16_t *k_page, int64_t n, const uint16_t *q_tiles, int64_t head_dim,
+                            int64_t group, float scale, float *scores, int64_t ctx, uint16_t *pad) {
+    (void)k_page; (void)n; (void)q_tiles; (void)head_dim; (void)group; (void)scale; (void)scores; (void)ctx;
+    (void)pad;
+}
+#endif
 
-/* One AMX product: x [rows, k_in] against packed panels. A plain linear writes y [rows, n_out]
+/* One tile product: x [rows, k_in] against packed panels. A plain linear writes y [rows, n_out]
    (+ bias); with `half` > 0 it is the MLP's fused gate/up weight ([2 * half * 16, k_in]) and
    writes act [rows, half * 16] = silu(gate) * up instead, each panel of gate paired with the up
    panel of the same features. */
-struct amx_job {
+struct tile_job {
     const uint16_t *x, *packed, *bias;
     uint16_t *y;
     int64_t rows, n_out, k_in, half;
@@ -1189,7 +1287,7 @@ static void store_silu_rows(const float *gate, const float *up, int rows, uint16
 }
 
 /* The chunk's tiles out: c[0], c[1] panel a's row tiles, c[2], c[3] panel b's. */
-static void store_pair(const struct amx_job *j, float c[4][256], int64_t m0, int r0, int r1, int64_t a, int64_t b,
+static void store_pair(const struct tile_job *j, float c[4][256], int64_t m0, int r0, int r1, int64_t a, int64_t b,
                        int two) {
     if (j->half > 0) {
         const int64_t ld = j->half * 16;
@@ -1209,22 +1307,24 @@ static void store_pair(const struct amx_job *j, float c[4][256], int64_t m0, int
    (i, i + half) of a fused gate/up. Blocked as a GEMM: pairs in groups whose weights stay in
    L2 while every 32-row chunk passes over them (the weights come from memory once), and a
    chunk's rows stay in L1 across the group's pairs. */
-static void amx_pairs(const struct amx_job *j, int64_t i_begin, int64_t i_end) {
+static void tile_pairs(const struct tile_job *j, int64_t i_begin, int64_t i_end, int amx) {
     float c[4][256];
     int conf0 = -1, conf1 = -1;
     const int64_t panels = (j->n_out + 15) / 16, kblocks = j->k_in / 32, pair_bytes = 2 * j->k_in * 32;
-    const int64_t group = AMX_GROUP_BYTES / pair_bytes > 1 ? AMX_GROUP_BYTES / pair_bytes : 1;
+    const int64_t group = TILE_GROUP_BYTES / pair_bytes > 1 ? TILE_GROUP_BYTES / pair_bytes : 1;
     for (int64_t g = i_begin; g < i_end; g += group) {
         const int64_t g_end = g + group < i_end ? g + group : i_end;
         for (int64_t m0 = 0; m0 < j->rows; m0 += 32) {
             const int r0 = j->rows - m0 < 16 ? (int)(j->rows - m0) : 16;
             const int r1 = j->rows - m0 <= 16 ? 0 : (j->rows - m0 < 32 ? (int)(j->rows - m0 - 16) : 16);
-            if (r0 != conf0 || r1 != conf1) { configure_tiles(r0, r1); conf0 = r0; conf1 = r1; }
+            if (amx && (r0 != conf0 || r1 != conf1)) { configure_tiles(r0, r1); conf0 = r0; conf1 = r1; }
             for (int64_t i = g; i < g_end; i++) {
                 const int64_t a = j->half > 0 ? i : 2 * i, b = j->half > 0 ? i + j->half : 2 * i + 1;
                 const int two = b < panels;
-                amx_chunk(j->x + m0 * j->k_in, j->k_in, j->packed + a * kblocks * 512, j->packed + b * kblocks * 512,
-                          r1, two, c);
+                const uint16_t *x = j->x + m0 * j->k_in, *b0 = j->packed + a * kblocks * 512;
+                const uint16_t *b1 = j->packed + b * kblocks * 512;
+                if (amx) amx_chunk(x, j->k_in, b0, b1, r1, two, c);
+                else dot_chunk(x, j->k_in, b0, b1, r0 + r1, two, c);
                 store_pair(j, c, m0, r0, r1, a, b, two);
             }
         }
@@ -1234,44 +1334,45 @@ static void amx_pairs(const struct amx_job *j, int64_t i_begin, int64_t i_end) {
 /* The job's pairs handed to the threads in runs of consecutive pairs from a shared counter as
    they come free, so each thread streams its weights in order. At decode sizes the runs are
    short (about 8 a thread): on a host whose cores the frontend shares, a preempted thread then
-   holds no fixed half for the other to wait on. From AMX_SPLIT_ROWS rows on each thread takes
+   holds no fixed half for the other to wait on. From TILE_SPLIT_ROWS rows on each thread takes
    one contiguous half: every run re-reads all the rows, which short runs would multiply. */
-#define AMX_SPLIT_ROWS 256
-static void amx_run(const struct amx_job *j, int64_t pairs, int num_threads) {
-    const int64_t runs = j->rows >= AMX_SPLIT_ROWS ? num_threads : 8 * num_threads;
+#define TILE_SPLIT_ROWS 256
+static void tile_run(const struct tile_job *j, int64_t pairs, int num_threads) {
+    const int64_t runs = j->rows >= TILE_SPLIT_ROWS ? num_threads : 8 * num_threads;
     const int64_t run = (pairs + runs - 1) / runs;
+    const int amx = amx_linears;
     int64_t handed_out = 0;
     #pragma omp parallel num_threads(num_threads)
     {
         int used = 0;
         for (int64_t i = __atomic_fetch_add(&handed_out, run, __ATOMIC_RELAXED); i < pairs && j->rows > 0;
              i = __atomic_fetch_add(&handed_out, run, __ATOMIC_RELAXED)) {
-            amx_pairs(j, i, i + run < pairs ? i + run : pairs);
+            tile_pairs(j, i, i + run < pairs ? i + run : pairs, amx);
             used = 1;
         }
-        if (used) _tile_release();
+        if (used && amx) tile_release();
     }
 }
 
 /* y [rows, n_out] = x [rows, k_in] . W^T (+ bias [n_out] unless NULL), all bfloat16; W packed by
-   kvseal_pack_amx. Returns 0 (k_in % 32 is the caller's to check). */
-int kvseal_linear_amx(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, uint16_t *y,
+   kvseal_pack_tiles. Returns 0 (k_in % 32 is the caller's to check). */
+int kvseal_linear_tiles(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, uint16_t *y,
                       int64_t rows, int64_t n_out, int64_t k_in, int num_threads) {
-    const struct amx_job j = {x, packed, bias, y, rows, n_out, k_in, 0};
-    amx_run(&j, ((n_out + 15) / 16 + 1) / 2, num_threads);
+    const struct tile_job j = {x, packed, bias, y, rows, n_out, k_in, 0};
+    tile_run(&j, ((n_out + 15) / 16 + 1) / 2, num_threads);
     return 0;
 }
 
 /* act [rows, inter] = silu(x W_gate^T) * (x W_up^T) in one pass over the MLP's fused gate/up
-   weight (packed [2 * inter, k_in], no bias), bit-equal to kvseal_linear_amx then
+   weight (packed [2 * inter, k_in], no bias), bit-equal to kvseal_linear_tiles then
    kvseal_silu_mul_bf16: the [rows, 2 * inter] intermediate is never written. Returns -1,
    computing nothing, unless inter is a multiple of 16 (gate and up panels then hold the same
    features); else 0. */
-int kvseal_linear_silu_amx(const uint16_t *x, const uint16_t *packed, uint16_t *act, int64_t rows, int64_t inter,
+int kvseal_linear_silu_tiles(const uint16_t *x, const uint16_t *packed, uint16_t *act, int64_t rows, int64_t inter,
                            int64_t k_in, int num_threads) {
     if (inter % 16 != 0) return -1;
-    const struct amx_job j = {x, packed, NULL, act, rows, 2 * inter, k_in, inter / 16};
-    amx_run(&j, inter / 16, num_threads);
+    const struct tile_job j = {x, packed, NULL, act, rows, 2 * inter, k_in, inter / 16};
+    tile_run(&j, inter / 16, num_threads);
     return 0;
 }
 #else
@@ -1285,13 +1386,14 @@ static void amx_page_scores(const uint16_t *k_page, int64_t n, const uint16_t *q
     (void)k_page; (void)n; (void)q_tiles; (void)head_dim; (void)group; (void)scale; (void)scores; (void)ctx;
     (void)pad;
 }
-int kvseal_amx_init(void) { return -1; }
-int kvseal_linear_amx(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, uint16_t *y,
+int kvseal_tiles_init(void) { return 0; }
+int kvseal_tiles_engine(int engine) { (void)engine; return 0; }
+int kvseal_linear_tiles(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, uint16_t *y,
                       int64_t rows, int64_t n_out, int64_t k_in, int num_threads) {
     (void)x; (void)packed; (void)bias; (void)y; (void)rows; (void)n_out; (void)k_in; (void)num_threads;
     return -1;
 }
-int kvseal_linear_silu_amx(const uint16_t *x, const uint16_t *packed, uint16_t *act, int64_t rows, int64_t inter,
+int kvseal_linear_silu_tiles(const uint16_t *x, const uint16_t *packed, uint16_t *act, int64_t rows, int64_t inter,
                            int64_t k_in, int num_threads) {
     (void)x; (void)packed; (void)act; (void)rows; (void)inter; (void)k_in; (void)num_threads;
     return -1;
@@ -1361,7 +1463,7 @@ int kvseal_decode_layers(int kind, int64_t num_layers, const void *const *layers
     return 0;
 }
 
-/* The same for a bfloat16 model whose linears are AMX-packed (kvseal_pack_amx; the pointer
+/* The same for a bfloat16 model whose linears are AMX-packed (kvseal_pack_tiles; the pointer
    table's scale slots NULL): h, x, qkv, attn, tmp, gate_up, act, cos and signed_sin bfloat16,
    the pool bfloat16; decode attention reads q in place from the qkv rows. The same kernels as
    the per-layer bfloat16 forward, in the same order. Returns as kvseal_decode_layers. */
@@ -1378,7 +1480,7 @@ int kvseal_decode_layers_bf16(int64_t num_layers, const void *const *layers, con
     for (int64_t l = 0; l < num_layers; l++) {
         const void *const *w = layers + l * LAYER_POINTERS;
         uint16_t *k_pool = (uint16_t *)w[K_POOL], *v_pool = (uint16_t *)w[V_POOL];
-        if (kvseal_linear_amx(x, w[W_QKV], w[B_QKV], qkv, rows, width, hidden, threads)) return -2;
+        if (kvseal_linear_tiles(x, w[W_QKV], w[B_QKV], qkv, rows, width, hidden, threads)) return -2;
         kvseal_rope_bf16(qkv, cos, signed_sin, rows, width, heads + kv_heads, head_dim, threads);
         if (kvseal_write_slots_bf16(qkv + q_size, qkv + q_size + kv_size, width, slots, k_pool, v_pool, rows,
                                     kv_heads, head_dim, num_pages * page_size)) return -1;
@@ -1386,13 +1488,14 @@ int kvseal_decode_layers_bf16(int64_t num_layers, const void *const *layers, con
         if (kvseal_decode_attention_bf16(qkv, width, k_pool, v_pool, tables, context_lens, attn, q_size, rows,
                                          kv_heads, heads / kv_heads, head_dim, num_pages, page_size, table_width,
                                          max_context, scale, 1, threads)) return -2;
-        if (kvseal_linear_amx(attn, w[W_O], w[B_O], tmp, rows, hidden, q_size, threads)) return -2;
+        if (kvseal_linear_tiles(attn, w[W_O], w[B_O], tmp, rows, hidden, q_size, threads)) return -2;
         kvseal_add_rms_norm_bf16(h, tmp, w[POST_NORM], eps, x, rows, hidden, threads);
-        if (w[B_GATE_UP] != NULL || kvseal_linear_silu_amx(x, w[W_GATE_UP], act, rows, inter, hidden, threads)) {
-            if (kvseal_linear_amx(x, w[W_GATE_UP], w[B_GATE_UP], gate_up, rows, 2 * inter, hidden, threads)) return -2;
+        if (w[B_GATE_UP] != NULL || kvseal_linear_silu_tiles(x, w[W_GATE_UP], act, rows, inter, hidden, threads)) {
+            if (kvseal_linear_tiles(x, w[W_GATE_UP], w[B_GATE_UP], gate_up, rows, 2 * inter, hidden, threads))
+                return -2;
             kvseal_silu_mul_bf16(gate_up, act, rows, inter, threads);
         }
-        if (kvseal_linear_amx(act, w[W_DOWN], w[B_DOWN], tmp, rows, hidden, inter, threads)) return -2;
+        if (kvseal_linear_tiles(act, w[W_DOWN], w[B_DOWN], tmp, rows, hidden, inter, threads)) return -2;
         const uint16_t *next_norm = l + 1 < num_layers ? (const uint16_t *)w[LAYER_POINTERS + INPUT_NORM] : final_norm;
         kvseal_add_rms_norm_bf16(h, tmp, next_norm, eps, x, rows, hidden, threads);
     }

@@ -5,7 +5,7 @@ Python; at one to eight decode rows that costs 4-6 ms a step, a sixth of a singl
 decode step. A step whose every row decodes one token (the common step once prompts are in)
 runs all layers in one C call instead: the same kernels, in the same order, on the same
 buffers, so its result is bit-equal to the per-layer path. A float32 model's linears must be
-kvseal's panels (`kvseal_decode_layers`), a bfloat16 model's AMX tiles
+kvseal's panels (`kvseal_decode_layers`), a bfloat16 model's tiles (AMX or AVX512-BF16)
 (`kvseal_decode_layers_bf16`). Steps with prefill chunks, models with per-head q/k norms, or
 other linears keep the per-layer path.
 
@@ -36,7 +36,7 @@ _INPUT_NORM, _POST_NORM, _K_POOL, _V_POOL, _LAYER_POINTERS = 12, 13, 14, 15, 16
 # panels with per-channel scales (`quant.Int8Linear` with the C kernel). A linear without
 # `panels` (oneDNN-packed, torch's int8pack) is not one the float32 loop can run.
 _KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
-_AMX = -1  # the kind of a bfloat16 model whose every linear is `packed.AmxLinear` (its `tiles`)
+_TILES = -1  # the kind of a bfloat16 model whose every linear is `packed.TileLinear` (its `tiles`)
 
 
 class DecodeLoop:
@@ -52,8 +52,8 @@ class DecodeLoop:
         self.eps = model.model.norm.eps
         self.final_norm = model.model.norm.weight
         self.table = (ctypes.c_void_p * (self.num_layers * _LAYER_POINTERS))()
-        self.dtype = torch.bfloat16 if kind == _AMX else torch.float32
-        weights = "tiles" if kind == _AMX else "panels"
+        self.dtype = torch.bfloat16 if kind == _TILES else torch.float32
+        weights = "tiles" if kind == _TILES else "panels"
         for index, layer in enumerate(_layers(model)):
             base = index * _LAYER_POINTERS
             for i, linear in enumerate(_linears(layer)):
@@ -68,7 +68,7 @@ class DecodeLoop:
         """The loop for `model`, or None if some part of it is not what the loop runs: norms of
         the model's dtype and one eps, no per-head q/k norms, and in a float32 model every
         linear a float32 or bfloat16 panel linear of one dtype, or every one an int8 panel
-        linear; in a bfloat16 model every linear an AMX linear."""
+        linear; in a bfloat16 model every linear a tile linear."""
         kinds = set()
         norms = [model.model.norm]
         dtype = model.model.norm.weight.dtype
@@ -121,7 +121,7 @@ class DecodeLoop:
 
         def store() -> int:
             nonlocal status
-            if self.kind == _AMX:  # q is read in place from the qkv rows
+            if self.kind == _TILES:  # q is read in place from the qkv rows
                 status = self.library.decode_layers_bf16(
                     self.num_layers, self.table, self.final_norm.data_ptr(), self.eps,
                     *(t.data_ptr() for t in (h, x, qkv, attn, tmp, gate_up, act, *positions)), *sizes)
@@ -142,7 +142,7 @@ class DecodeLoop:
 def _kind(linear: torch.nn.Module, dtype: torch.dtype) -> int | None:
     """The loop's kind for one linear of a model of `dtype`; None where the loop cannot run it."""
     if dtype == torch.bfloat16:
-        return _AMX if isinstance(getattr(linear, "tiles", None), torch.Tensor) else None
+        return _TILES if isinstance(getattr(linear, "tiles", None), torch.Tensor) else None
     panels = getattr(linear, "panels", None)
     if dtype != torch.float32 or not isinstance(panels, torch.Tensor) or panels.dtype not in _KINDS:
         return None

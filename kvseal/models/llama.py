@@ -110,7 +110,7 @@ class MLP(nn.Module):
     def forward_native(self, x: torch.Tensor, native: NativeLibrary) -> torch.Tensor:
         gate_up = self.gate_up_proj
         packed = getattr(gate_up, "panels", getattr(gate_up, "tiles", None))
-        if isinstance(packed, torch.Tensor):  # panels or AMX tiles: gate/up and SiLU in one pass where it applies
+        if isinstance(packed, torch.Tensor):  # panels or tiles: gate/up and SiLU in one pass where it applies
             act = linear_silu(native, x, packed, getattr(gate_up, "bias", None), self.intermediate_size)
             if act is not None:
                 return self.down_proj(act)

@@ -58,9 +58,10 @@ logger = logging.getLogger("kvseal")
 def library_source(sources: ModuleType) -> str:
     """The C translation unit of a `csrc`-like module's sections (this tree's `csrc`, or another
     tree's for `bench/linears_ab.py`)."""
+    tiles = getattr(sources, "TILE_LINEARS", getattr(sources, "AMX", ""))  # named AMX before round 11
     return "\n".join([sources.PRELUDE, sources.ATTENTION, sources.LINEAR, sources.OPS, getattr(sources, "BF16_OPS", ""),
-                      sources.INT8_LINEAR, getattr(sources, "AMX", ""), getattr(sources, "ATTENTION_BF16", ""),
-                      sources.DECODE_LOOP, sources.PREFILL_ATTENTION])
+                      sources.INT8_LINEAR, tiles, getattr(sources, "ATTENTION_BF16", ""), sources.DECODE_LOOP,
+                      sources.PREFILL_ATTENTION])
 
 
 _SOURCE = library_source(csrc)
@@ -96,13 +97,15 @@ class NativeLibrary:
     silu_mul_bf16: Callable[..., None]
     rope_bf16: Callable[..., None]
     write_slots_bf16: Callable[..., int]
-    # AMX bfloat16 linears and the bfloat16 decode loop over them; has_amx: this build targets
-    # AMX and the kernel lets the process use it (otherwise linear_amx answers -1)
-    pack_amx: Callable[..., None]
-    linear_amx: Callable[..., int]
-    linear_silu_amx: Callable[..., int]
+    # bfloat16 linears over weights in AMX's tile layout, and the bfloat16 decode loop over them
+    pack_tiles: Callable[..., None]
+    linear_tiles: Callable[..., int]
+    linear_silu_tiles: Callable[..., int]
     decode_layers_bf16: Callable[..., int]
-    has_amx: bool
+    # what runs the tile linears: TILES_AMX, TILES_AVX512 (AVX512-BF16 dot products over the
+    # same tiles: a CPU or process without AMX), or TILES_NONE (linear_tiles answers -1)
+    tile_engine: int
+    set_tile_engine: Callable[..., int]
 
 
 def native_library() -> NativeLibrary | None:
@@ -195,20 +198,22 @@ def _bf16_functions(handle: ctypes.CDLL) -> dict[str, Any]:
     rope.restype, rope.argtypes = None, [_P] * 3 + [_I] * 4 + [ctypes.c_int]
     write = handle.kvseal_write_slots_bf16
     write.restype, write.argtypes = ctypes.c_int, [_P, _P, _I, _P, _P, _P, _I, _I, _I, _I]
-    pack = handle.kvseal_pack_amx
+    pack = handle.kvseal_pack_tiles
     pack.restype, pack.argtypes = None, [_P, _P, _I, _I]
-    linear = handle.kvseal_linear_amx
+    linear = handle.kvseal_linear_tiles
     linear.restype, linear.argtypes = ctypes.c_int, [_P] * 4 + [_I] * 3 + [ctypes.c_int]
-    linear_silu = handle.kvseal_linear_silu_amx
+    linear_silu = handle.kvseal_linear_silu_tiles
     linear_silu.restype, linear_silu.argtypes = ctypes.c_int, [_P, _P, _P, _I, _I, _I, ctypes.c_int]
     loop = handle.kvseal_decode_layers_bf16
     loop.restype = ctypes.c_int
     loop.argtypes = [_I, _P, _P, ctypes.c_float, *[_P] * 12, *[_I] * 10, ctypes.c_float, ctypes.c_int, _P]
-    handle.kvseal_amx_init.restype = ctypes.c_int
-    has_amx = handle.kvseal_amx_init() == 0
+    handle.kvseal_tiles_init.restype = ctypes.c_int
+    engine = handle.kvseal_tiles_init()
+    handle.kvseal_tiles_engine.restype, handle.kvseal_tiles_engine.argtypes = ctypes.c_int, [ctypes.c_int]
     return dict(decode_attention_bf16=attention, add_rms_norm_bf16=norm, silu_mul_bf16=silu, rope_bf16=rope,
-                write_slots_bf16=write, pack_amx=pack, linear_amx=linear, linear_silu_amx=linear_silu,
-                decode_layers_bf16=loop, has_amx=has_amx)
+                write_slots_bf16=write, pack_tiles=pack, linear_tiles=linear, linear_silu_tiles=linear_silu,
+                decode_layers_bf16=loop, tile_engine=engine,
+                set_tile_engine=handle.kvseal_tiles_engine)
 
 
 def _build(compiler: str, source_text: str) -> Path:
@@ -341,36 +346,39 @@ def linear_panels(library: NativeLibrary, x: torch.Tensor, panels: torch.Tensor,
 _ROW_DTYPES = (torch.float32, torch.bfloat16)
 
 
-AMX_K_MULTIPLE = 32  # the AMX linears' input width must be a multiple of this (one tile's k-step)
+TILE_K_MULTIPLE = 32  # the tile linears' input width must be a multiple of this (one tile's k-step)
+TILES_NONE, TILES_AVX512, TILES_AMX = 0, 1, 2  # NativeLibrary.tile_engine
 
 
-def pack_amx(library: NativeLibrary, weight: torch.Tensor) -> torch.Tensor:
-    """weight: [N, K] bfloat16, K a multiple of 32 -> its AMX tiles, [ceil(N / 16), K / 32, 16,
-    16, 2] bfloat16 (a new tensor; `kvseal_pack_amx` gives the layout)."""
-    if weight.dtype != torch.bfloat16 or weight.dim() != 2 or weight.shape[1] % AMX_K_MULTIPLE:
-        raise TypeError(f"AMX tiles hold a 2-D bfloat16 weight of width a multiple of {AMX_K_MULTIPLE}, "
+def pack_tiles(library: NativeLibrary, weight: torch.Tensor) -> torch.Tensor:
+    """weight: [N, K] bfloat16, K a multiple of 32 -> its tiles, [ceil(N / 16), K / 32, 16,
+    16, 2] bfloat16 (a new tensor; `kvseal_pack_tiles` gives the layout)."""
+    if weight.dtype != torch.bfloat16 or weight.dim() != 2 or weight.shape[1] % TILE_K_MULTIPLE:
+        raise TypeError(f"tiles hold a 2-D bfloat16 weight of width a multiple of {TILE_K_MULTIPLE}, "
                         f"got {weight.dtype} {tuple(weight.shape)}")
     weight = weight.detach().contiguous()
     n_out, k_in = weight.shape
-    packed = torch.empty(((n_out + 15) // 16, k_in // AMX_K_MULTIPLE, 16, 16, 2), dtype=torch.bfloat16)
-    library.pack_amx(weight.data_ptr(), packed.data_ptr(), n_out, k_in)
+    packed = torch.empty(((n_out + 15) // 16, k_in // TILE_K_MULTIPLE, 16, 16, 2), dtype=torch.bfloat16)
+    library.pack_tiles(weight.data_ptr(), packed.data_ptr(), n_out, k_in)
     return packed
 
 
-def linear_amx(library: NativeLibrary, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
-               n_out: int) -> torch.Tensor:
-    """x: [..., K] bfloat16; packed from `pack_amx` -> [..., n_out] bfloat16 = x W^T (+ bias),
-    float32 sums rounded once. RuntimeError where this build or process cannot use AMX."""
-    k_in = packed.shape[1] * AMX_K_MULTIPLE
+def linear_tiles(library: NativeLibrary, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+                 n_out: int) -> torch.Tensor:
+    """x: [..., K] bfloat16; packed from `pack_tiles` -> [..., n_out] bfloat16 = x W^T (+ bias),
+    float32 sums rounded once, on AMX or AVX512-BF16 (`tile_engine`). RuntimeError where this
+    build has neither."""
+    k_in = packed.shape[1] * TILE_K_MULTIPLE
     if x.dtype != torch.bfloat16 or x.shape[-1] != k_in:
         raise TypeError(f"expected bfloat16 [..., {k_in}] activations, got {x.dtype} {tuple(x.shape)}")
     if bias is not None and (bias.dtype != torch.bfloat16 or bias.shape != (n_out,) or not bias.is_contiguous()):
-        raise TypeError("the AMX linear takes a contiguous bfloat16 [n_out] bias")
+        raise TypeError("the tile linear takes a contiguous bfloat16 [n_out] bias")
     rows = x.reshape(-1, k_in).contiguous()
     out = torch.empty((rows.shape[0], n_out), dtype=torch.bfloat16)
-    if rows.shape[0] and library.linear_amx(rows.data_ptr(), packed.data_ptr(), 0 if bias is None else bias.data_ptr(),
-                                            out.data_ptr(), rows.shape[0], n_out, k_in, torch.get_num_threads()):
-        raise RuntimeError("AMX linear: this build or process cannot use AMX tiles")
+    bias_ptr = 0 if bias is None else bias.data_ptr()
+    if rows.shape[0] and library.linear_tiles(rows.data_ptr(), packed.data_ptr(), bias_ptr, out.data_ptr(),
+                                              rows.shape[0], n_out, k_in, torch.get_num_threads()):
+        raise RuntimeError("tile linear: this build has neither AMX nor AVX512-BF16")
     return out.view(*x.shape[:-1], n_out)
 
 
@@ -428,20 +436,20 @@ def linear_silu(library: NativeLibrary, x: torch.Tensor, packed: torch.Tensor, b
                 inter: int) -> torch.Tensor | None:
     """silu(x W_gate^T) * (x W_up^T) [rows, inter] in one pass over the fused [2 * inter, K]
     gate/up weight: float32 panels (`pack_panels`; float32 x, bit-equal to `linear_panels` then
-    `silu_mul`) or AMX tiles (`pack_amx`; bfloat16 x, bit-equal to `linear_amx` then
+    `silu_mul`) or AMX tiles (`pack_tiles`; bfloat16 x, bit-equal to `linear_tiles` then
     `silu_mul`). None where that pass does not apply (bfloat16 panels; a bias, inter not a
     multiple of 16, or one row of float32, which the kernels decline), so the caller runs the
     two passes."""
     amx = packed.dim() == 5
     dtype = torch.bfloat16 if amx else torch.float32
-    k_in = packed.shape[1] * (AMX_K_MULTIPLE if amx else 1)
+    k_in = packed.shape[1] * (TILE_K_MULTIPLE if amx else 1)
     if packed.dtype != dtype or packed.shape[0] != -(-2 * inter // 16) or x.dim() != 2 or bias is not None:
         return None
     if _row_dtype("linear_silu", x) != dtype or x.shape[1] != k_in:
         raise TypeError(f"expected {dtype} [rows, {k_in}] activations, got {x.dtype} {tuple(x.shape)}")
     out = torch.empty((x.shape[0], inter), dtype=dtype)
     if amx:
-        status = library.linear_silu_amx(x.data_ptr(), packed.data_ptr(), out.data_ptr(), x.shape[0], inter, k_in,
+        status = library.linear_silu_tiles(x.data_ptr(), packed.data_ptr(), out.data_ptr(), x.shape[0], inter, k_in,
                                          torch.get_num_threads())
     else:
         status = library.linear_silu(x.data_ptr(), packed.data_ptr(), 0, out.data_ptr(), x.shape[0], inter, k_in,

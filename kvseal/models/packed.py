@@ -12,11 +12,14 @@ for frozen linears) and multiplies with `torch.ops.mkldnn._linear_pointwise`. Sa
 outputs and dtype as `nn.Linear`; the sums may round differently in the last bit (another
 sgemm), like any change of BLAS. Measured in docs/BENCHMARKS.md ("Engine speed, round 2").
 
-A bfloat16 model's linears are always `PackedLinear` where oneDNN multiplies bfloat16 (CPUs
-with AVX512-BF16 or AMX, where `dtype=auto` picks bfloat16): oneDNN's bfloat16 kernels (AMX
-tiles where the CPU has them) beat any vector loop at every row count, and packing once saves
-the per-call reorder (docs/BENCHMARKS.md, "Round 10"). The sums are oneDNN's either way, so
-the outputs equal `F.linear`'s.
+A bfloat16 model (`dtype=auto` picks bfloat16 on CPUs with AVX512-BF16 or AMX) gets **tiles**
+(`TileLinear`) where the native library runs them: the weight in AMX's tile layout (16 outputs
+x 16 k-pairs), multiplied by kvseal's C kernel on AMX tiles, or where the CPU or process has no
+AMX on AVX512-BF16 dot products over the same layout (one 64-byte tile row is exactly the
+instruction's operand). float32 sums, each output rounded once. At decode sizes they stream
+the weights faster than oneDNN on both kinds of host; at prefill sizes they trail it on AMX
+and lead it on AVX512-BF16 (docs/BENCHMARKS.md, "Round 10" and "Round 11"). Elsewhere, and
+for a width the tiles cannot step through, `PackedLinear` where oneDNN multiplies bfloat16.
 
 Either packed weight replaces the module's weight (no second copy), except for a lm_head tied
 to the embedding table, which keeps the table for the lookup: that head costs one extra copy
@@ -34,13 +37,14 @@ from torch import nn
 from kvseal.errors import ConfigError
 from kvseal.models.llama import CausalLM
 from kvseal.models.native import (
-    AMX_K_MULTIPLE,
+    TILE_K_MULTIPLE,
+    TILES_NONE,
     NativeLibrary,
-    linear_amx,
     linear_panels,
+    linear_tiles,
     native_library,
-    pack_amx,
     pack_panels,
+    pack_tiles,
 )
 from kvseal.models.quant import LAYER_LINEARS
 
@@ -56,7 +60,7 @@ def can_pack(dtype: torch.dtype, quantization: str) -> bool:
     native library or a torch built with oneDNN, and to unquantized bfloat16 models where
     oneDNN multiplies bfloat16."""
     if dtype == torch.bfloat16:
-        return quantization == "none" and (amx_library() is not None or onednn_bf16())
+        return quantization == "none" and (tile_library() is not None or onednn_bf16())
     return dtype == torch.float32 and quantization in ("none", "bf16") and (
         native_library() is not None or torch.backends.mkldnn.is_available())
 
@@ -66,11 +70,11 @@ def onednn_bf16() -> bool:
     return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
-def amx_library() -> NativeLibrary | None:
-    """The native library where it can run kvseal's AMX linears (built for AMX, and the
-    process allowed to use the tiles); else None."""
+def tile_library() -> NativeLibrary | None:
+    """The native library where it can run kvseal's tile linears (on AMX, or on AVX512-BF16
+    where the CPU or process has no AMX); else None."""
     library = native_library()
-    return library if library is not None and library.has_amx else None
+    return library if library is not None and library.tile_engine != TILES_NONE else None
 
 
 class PackedLinear(nn.Module):
@@ -112,29 +116,30 @@ class PanelLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.panels.dtype} panels"
 
 
-class AmxLinear(nn.Module):
-    """`nn.Linear` (bfloat16) whose weight is held in AMX tiles for kvseal's C kernel
-    (`native.linear_amx`): bfloat16 in and out, float32 sums, any row count."""
+class TileLinear(nn.Module):
+    """`nn.Linear` (bfloat16) whose weight is held in AMX's tile layout for kvseal's C kernel
+    (`native.linear_tiles`, on AMX or AVX512-BF16): bfloat16 in and out, float32 sums, any row
+    count."""
 
     def __init__(self, linear: nn.Linear, library: NativeLibrary) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.library = library
-        self.tiles = nn.Parameter(pack_amx(library, linear.weight), requires_grad=False)
+        self.tiles = nn.Parameter(pack_tiles(library, linear.weight), requires_grad=False)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., in_features] bfloat16 -> [..., out_features]
-        return linear_amx(self.library, x, self.tiles, self.bias, self.out_features)
+        return linear_tiles(self.library, x, self.tiles, self.bias, self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, AMX tiles"
+        return f"in_features={self.in_features}, out_features={self.out_features}, tiles"
 
 
 def pack_model(model: CausalLM, *, panels: bool = True, weight_dtype: torch.dtype = torch.float32) -> CausalLM:
     """Swap every `nn.Linear` of the decoder layers and the lm_head, in place: in a float32
     model for a `PanelLinear` (the native library built and `panels`) or a `PackedLinear`; in a
-    bfloat16 model for an `AmxLinear` (`amx_library()`, input width a multiple of 32) or else a
+    bfloat16 model for a `TileLinear` (`tile_library()`, input width a multiple of 32) or else a
     `PackedLinear` (where `onednn_bf16()`). Call after the model is in its final dtype; a model
     of another dtype, or already packed, is left as it is. weight_dtype bfloat16
     (`--quantization bf16`, a float32 model) needs the panels: ConfigError without them."""
@@ -158,15 +163,15 @@ def pack_model(model: CausalLM, *, panels: bool = True, weight_dtype: torch.dtyp
 
 
 def _pack_bf16(model: CausalLM) -> CausalLM:
-    amx, onednn = amx_library(), onednn_bf16()
+    tiles, onednn = tile_library(), onednn_bf16()
 
     def make(linear: nn.Linear) -> nn.Module:
-        if amx is not None and linear.in_features % AMX_K_MULTIPLE == 0:
-            return AmxLinear(linear, amx)
+        if tiles is not None and linear.in_features % TILE_K_MULTIPLE == 0:
+            return TileLinear(linear, tiles)
         return PackedLinear(linear) if onednn else linear
 
     swapped = _swap_all(model, make, torch.bfloat16)
-    kinds = sorted({type(m).__name__ for m in model.modules() if isinstance(m, (AmxLinear, PackedLinear, nn.Linear))})
+    kinds = sorted({type(m).__name__ for m in model.modules() if isinstance(m, (TileLinear, PackedLinear, nn.Linear))})
     logger.info("bfloat16 linears: %d swapped; kinds: %s", swapped, ", ".join(kinds))
     return model
 

@@ -1,8 +1,8 @@
 """Decode-only steps in one native call (`models/decode_loop.py`) against the per-layer native
 forward it replaces: bit-equal logits for every weight kind, dtype and architecture it runs,
 the same KV writes and write records, and a slot outside the pool refused with nothing written.
-Skipped without a C compiler (neither native path exists there); the bfloat16 loop (AMX
-linears) only where this CPU and build run AMX."""
+Skipped without a C compiler (neither native path exists there); the bfloat16 loop (tile
+linears) only where this CPU and build run them (AMX or AVX512-BF16)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import torch
 
 from kvseal.models import native
 from kvseal.models.decode_loop import DecodeLoop
-from kvseal.models.packed import amx_library
+from kvseal.models.packed import tile_library
 from kvseal.types import SamplingParams
 
 pytestmark = pytest.mark.skipif(native.native_library() is None,
@@ -23,8 +23,8 @@ pytestmark = pytest.mark.skipif(native.native_library() is None,
 
 PROMPTS = [list(range(20, 32)), list(range(50, 90)), [7, 8], list(range(100, 117))]
 PARAMS = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=3)
-NEEDS_AMX = pytest.mark.skipif(amx_library() is None, reason="the bfloat16 loop runs AMX linears; none here")
-DTYPES = ["float32", pytest.param("bfloat16", marks=NEEDS_AMX)]
+NEEDS_TILES = pytest.mark.skipif(tile_library() is None, reason="the bfloat16 loop runs tile linears; none here")
+DTYPES = ["float32", pytest.param("bfloat16", marks=NEEDS_TILES)]
 
 
 def _without_loop(llm: Any) -> Any:
@@ -51,12 +51,12 @@ def _count_loop_steps(llm: Any) -> list[int]:
 @pytest.mark.parametrize("arch, quantization, dtype", [
     ("llama", "none", "float32"), ("qwen2", "none", "float32"), ("mistral", "none", "float32"),
     ("llama", "bf16", "float32"), ("llama", "int8", "float32"),
-    pytest.param("llama", "none", "bfloat16", marks=NEEDS_AMX),
-    pytest.param("qwen2", "none", "bfloat16", marks=NEEDS_AMX)])
+    pytest.param("llama", "none", "bfloat16", marks=NEEDS_TILES),
+    pytest.param("qwen2", "none", "bfloat16", marks=NEEDS_TILES)])
 def test_loop_equals_the_per_layer_native_forward(make_llm: Callable[..., Any], tiny_model_dirs: dict[str, Path],
                                                   arch: str, quantization: str, dtype: str) -> None:
     """Tokens and logprobs bit-equal (qwen2: q/k/v biases; int8: scales; bf16: widened panels;
-    bfloat16: AMX linears), with prefill chunks and decode-only steps mixed in the same run."""
+    bfloat16: tile linears), with prefill chunks and decode-only steps mixed in the same run."""
     model = str(tiny_model_dirs[arch])
     llm = make_llm(model=model, quantization=quantization, dtype=dtype)
     calls = _count_loop_steps(llm)

@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM
 from kvseal import LLM, SamplingParams
 from kvseal.models import native
 from kvseal.models.llama import CausalLM
-from kvseal.models.packed import AmxLinear, PackedLinear, amx_library, onednn_bf16
+from kvseal.models.packed import PackedLinear, TileLinear, onednn_bf16, tile_library
 from kvseal.models.rope import RotaryEmbedding
 
 LIBRARY = native.native_library()
@@ -94,20 +94,19 @@ def test_write_slots_bf16_writes_exactly_its_slots() -> None:
     assert torch.equal(k_pool, before)  # a slot outside the layer: nothing written
 
 
-@pytest.mark.skipif(amx_library() is None, reason="no AMX here (CPU or build)")
 @pytest.mark.parametrize("rows", [1, 21, 45])
-def test_gate_up_and_silu_in_one_amx_pass_equal_the_two_passes(rows: int) -> None:
+def test_gate_up_and_silu_in_one_tile_pass_equal_the_two_passes(rows: int, tile_engine: str) -> None:
     """Gate panel q pairs with up panel inter/16 + q, and the epilogue rounds as the two passes
     round (gate and up, then silu, then the product): bit-equal, with the [rows, 2 * inter]
     intermediate never written. An inter that is not a multiple of 16 is declined."""
     inter, k_in = 48, 64
     gate_up = _randn(2 * inter, k_in, seed=12, scale=0.3)
     x = _randn(rows, k_in, seed=13)
-    tiles = native.pack_amx(_library(), gate_up)
+    tiles = native.pack_tiles(_library(), gate_up)
     fused = native.linear_silu(_library(), x, tiles, None, inter)
-    two_passes = native.silu_mul(_library(), native.linear_amx(_library(), x, tiles, None, 2 * inter))
+    two_passes = native.silu_mul(_library(), native.linear_tiles(_library(), x, tiles, None, 2 * inter))
     assert fused is not None and torch.equal(fused, two_passes)
-    odd = native.pack_amx(_library(), _randn(2 * 40, k_in, seed=14))
+    odd = native.pack_tiles(_library(), _randn(2 * 40, k_in, seed=14))
     assert native.linear_silu(_library(), x, odd, None, 40) is None
 
 
@@ -155,17 +154,17 @@ def test_decode_attention_bf16_reads_only_each_rows_slots(head_dim: int, group: 
 
 
 def test_the_bf16_engine_runs_native_with_packed_linears(llama_dir: Path) -> None:
-    """AMX tiles where this CPU and build run them, else oneDNN's packing where it multiplies
-    bfloat16, else plain linears."""
+    """Tiles where this CPU and build run them (AMX or AVX512-BF16), else oneDNN's packing where
+    it multiplies bfloat16, else plain linears."""
     model = LLM(str(llama_dir), kv_cache_tokens=256, page_size=4, dtype="bfloat16").engine.runner.model
     assert isinstance(model, CausalLM) and model.native is not None
-    linears = [m for m in model.modules() if isinstance(m, (torch.nn.Linear, PackedLinear, AmxLinear))]
-    kind = AmxLinear if amx_library() is not None else PackedLinear if onednn_bf16() else torch.nn.Linear
+    linears = [m for m in model.modules() if isinstance(m, (torch.nn.Linear, PackedLinear, TileLinear))]
+    kind = TileLinear if tile_library() is not None else PackedLinear if onednn_bf16() else torch.nn.Linear
     assert linears and all(isinstance(m, kind) for m in linears)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "qwen3"])  # qwen3: head_dim 32, the paged kernel
-@pytest.mark.parametrize("linears", ["amx", "fallback"])  # fallback: what a CPU without AMX runs (oneDNN or nn.Linear)
+@pytest.mark.parametrize("linears", ["tiles", "fallback"])  # fallback: a CPU without AVX512-BF16 (oneDNN or nn.Linear)
 def test_bf16_logits_within_rounding_of_transformers(arch: str, linears: str, tiny_model_dirs: dict[str, Path],
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """The logits of a prefill and of each decode step after it, against transformers' bfloat16
@@ -174,12 +173,12 @@ def test_bf16_logits_within_rounding_of_transformers(arch: str, linears: str, ti
     from kvseal.models import packed
     from kvseal.types import Request, ScheduledChunk
 
-    if linears == "amx" and amx_library() is None:
-        pytest.skip("no AMX here (CPU or build)")
+    if linears == "tiles" and tile_library() is None:
+        pytest.skip("no tile linears here (CPU or build)")
     if linears == "fallback":
-        monkeypatch.setattr(packed, "amx_library", lambda: None)
+        monkeypatch.setattr(packed, "tile_library", lambda: None)
     engine = LLM(str(tiny_model_dirs[arch]), kv_cache_tokens=256, page_size=4, dtype="bfloat16").engine
-    assert any(isinstance(m, AmxLinear) for m in engine.runner.model.modules()) == (linears == "amx")
+    assert any(isinstance(m, TileLinear) for m in engine.runner.model.modules()) == (linears == "tiles")
     prompt, steps = list(range(30, 75)), 6
     request = Request("r", "t", prompt, SamplingParams(max_tokens=steps))
     engine.kv.reserve("r", "t", len(prompt) + steps)

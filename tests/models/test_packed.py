@@ -17,7 +17,7 @@ from torch import nn
 
 from kvseal.models.loader import load_model
 from kvseal.models.native import native_library
-from kvseal.models.packed import AmxLinear, PackedLinear, PanelLinear, amx_library, can_pack, onednn_bf16, pack_model
+from kvseal.models.packed import PackedLinear, PanelLinear, TileLinear, can_pack, onednn_bf16, pack_model, tile_library
 from kvseal.models.quant import Int8Linear
 from kvseal.types import SamplingParams
 
@@ -64,37 +64,37 @@ def test_packed_bfloat16_linear_equals_f_linear(bias: bool, rows: int) -> None:
     torch.testing.assert_close(out, F.linear(x, linear.weight, linear.bias), rtol=2.0**-7, atol=1e-3)
 
 
-@pytest.mark.skipif(amx_library() is None, reason="no AMX here (CPU or build)")
 @pytest.mark.parametrize("bias", [False, True])
-# one row tile, two, a partial second, more than one 32-row chunk, more than one 256-row block
-@pytest.mark.parametrize("rows", [1, 16, 21, 45, 300])
+# one row tile, two, a partial second, more than one 32-row chunk, more than one 256-row block;
+# 2, 3, 7: the dot-product engine's row blocks of every size (it blocks rows by 8)
+@pytest.mark.parametrize("rows", [1, 2, 3, 7, 16, 21, 45, 300])
 # 40 outputs: three panels (the last partial), an odd count: a thread's last panel has no pair
 @pytest.mark.parametrize("n_out", [40, 64])
-def test_amx_linear_matches_f_linear(bias: bool, rows: int, n_out: int) -> None:
-    """float32 sums over AMX tiles, rounded once: F.linear's bfloat16 result but for an output
-    rounded the other way by a different order of the sums."""
+def test_tile_linear_matches_f_linear(bias: bool, rows: int, n_out: int, tile_engine: str) -> None:
+    """float32 sums over the tiles (on AMX or AVX512-BF16), rounded once: F.linear's bfloat16
+    result but for an output rounded the other way by a different order of the sums."""
     torch.manual_seed(rows)
     linear = nn.Linear(96, n_out, bias=bias).to(torch.bfloat16)
-    library = amx_library()
+    library = tile_library()
     assert library is not None
     x = torch.randn(rows, 96).to(torch.bfloat16)
-    out = AmxLinear(linear, library)(x)
+    out = TileLinear(linear, library)(x)
     expected = F.linear(x, linear.weight, linear.bias)
     assert out.dtype == torch.bfloat16 and out.shape == (rows, n_out)
     assert (out != expected).float().mean().item() < 0.01
     torch.testing.assert_close(out.float(), expected.float(), rtol=2.0**-7, atol=1e-2)
 
 
-def test_amx_linear_refuses_what_it_cannot_multiply() -> None:
-    from kvseal.models.native import pack_amx
+def test_tile_linear_refuses_what_it_cannot_multiply() -> None:
+    from kvseal.models.native import pack_tiles
 
     library = native_library()
     if library is None:
         pytest.skip("no C compiler: the native library is not built")
     with pytest.raises(TypeError, match="multiple of 32"):
-        pack_amx(library, torch.zeros(16, 40, dtype=torch.bfloat16))  # a width the tiles cannot step through
+        pack_tiles(library, torch.zeros(16, 40, dtype=torch.bfloat16))  # a width the tiles cannot step through
     with pytest.raises(TypeError, match="bfloat16"):
-        pack_amx(library, torch.zeros(16, 64))
+        pack_tiles(library, torch.zeros(16, 64))
 
 
 @pytest.mark.parametrize("rows", [2, 32, 200])
@@ -142,7 +142,7 @@ def test_only_unquantized_float32_and_bfloat16_are_packed(make_llm: Callable[...
     assert not can_pack(torch.float32, "int8") and not can_pack(torch.bfloat16, "int8")
     modules = {dtype: list(make_llm(dtype=dtype).engine.runner.model.modules()) for dtype in ("float32", "bfloat16")}
     assert any(isinstance(m, PACKED) for m in modules["float32"]) == can_pack(torch.float32, "none")
-    bf16_kind = AmxLinear if amx_library() is not None else PackedLinear if onednn_bf16() else nn.Linear
+    bf16_kind = TileLinear if tile_library() is not None else PackedLinear if onednn_bf16() else nn.Linear
     assert any(isinstance(m, bf16_kind) for m in modules["bfloat16"])
     assert not any(isinstance(m, PanelLinear) for m in modules["bfloat16"])
     int8 = list(make_llm(quantization="int8").engine.runner.model.modules())
