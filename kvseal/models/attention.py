@@ -13,10 +13,12 @@ and other dtypes gather both.
 A prefill chunk that starts at position 0 attends only to the tokens it computes itself: it
 uses the K/V of this forward directly (the same values it just wrote to its own pages; the
 pool has the activations' dtype) instead of reading them back, and chunks of equal length
-share one causal attention call. In the native float32 forward that call is the native kernel
+share one causal attention call. In the native forward that call is the native kernel
 (`models/native.py`), which reads each chunk's own rows of the fused qkv projection in place
-and writes its output rows; otherwise (no kernel, another dtype, head_dim not a multiple of 8)
-the chunks' q/k/v are gathered into one causal SDPA call.
+and writes its output rows; a bfloat16 forward hands it the rows widened to float32 once per
+layer (exact) and rounds its output rows once, which on CPUs without AMX takes under half of
+SDPA's bfloat16 time (docs/BENCHMARKS.md, round 11). Otherwise (no kernel, another dtype,
+head_dim not a multiple of 8) the chunks' q/k/v are gathered into one causal SDPA call.
 """
 
 from __future__ import annotations
@@ -59,9 +61,16 @@ class FreshPrefills:
     token_idx: torch.Tensor | None
     token_start: int
     starts: torch.Tensor  # [num_chunks] int64: each chunk's first token
-    # The native kernel (a float32 pool and a built library); None: SDPA over gathered q/k/v.
+    # The native kernel (a float32 or bfloat16 pool and a built library); None: SDPA over
+    # gathered q/k/v.
     # It runs only where the forward hands over its fused qkv rows (`paged_attention`).
     kernel: Callable[..., int] | None = None
+
+    def rows(self) -> slice | torch.Tensor:
+        """The group's tokens: one span, or their indices."""
+        if self.token_idx is None:
+            return slice(self.token_start, self.token_start + self.starts.numel() * self.length)
+        return self.token_idx
 
 
 @dataclass(frozen=True)
@@ -154,7 +163,8 @@ class AttentionPlan:
             else:
                 prefills.append(_prefill_span(token_start, query_len, context_len, batch.block_tables[i]))
             token_start += query_len
-        fresh_kernel = prefill_attention_kernel() if fresh_starts and pool.k[0].dtype == torch.float32 else None
+        native_pool = pool.k[0].dtype in (torch.float32, torch.bfloat16)
+        fresh_kernel = prefill_attention_kernel() if fresh_starts and native_pool else None
         fresh = [_fresh_group(length, starts, fresh_kernel) for length, starts in fresh_starts.items()]
         if not decode_rows:
             return cls(None, prefills, fresh)
@@ -222,13 +232,20 @@ def paged_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, p
             out[rows.token_idx] = _decode_attention(q[rows.token_idx], pool, layer, rows)
     if plan.fresh and k_new.dtype != pool.k[layer].dtype:  # attend to exactly what the pool holds
         k_new, v_new = (t.to(pool.k[layer].dtype).to(q.dtype) for t in (k_new, v_new))
+    widened: tuple[torch.Tensor, torch.Tensor] | None = None  # a bfloat16 forward's qkv and out in float32
     for group in plan.fresh:
         if qkv is not None and _fresh_runs_native(q, k_new, v_new, qkv, group):
             assert group.kernel is not None
+            if qkv.dtype != torch.float32 and widened is None:
+                widened = qkv.float(), torch.empty(out.shape, dtype=torch.float32)
+            rows, rows_out = (qkv, out) if widened is None else widened
             # Isolation: the kernel reads each chunk's own rows of qkv only (the tokens of this
             # forward of that same sequence, positions 0..length-1), never the pool.
-            run_prefill_attention(group.kernel, qkv, group.starts, group.length, q.shape[1], k_new.shape[1],
-                                  q.shape[2], out)
+            run_prefill_attention(group.kernel, rows, group.starts, group.length, q.shape[1], k_new.shape[1],
+                                  q.shape[2], rows_out)
+            if widened is not None:  # the group's rows, rounded once
+                picked = group.rows()
+                out[picked] = rows_out[picked].to(out.dtype)
         else:
             _fresh_attention(q, k_new, v_new, group, out)
     for span in plan.prefills:
@@ -242,15 +259,17 @@ def paged_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, p
 
 def _fresh_runs_native(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qkv: torch.Tensor,
                        group: FreshPrefills) -> bool:
-    """Whether the native kernel applies: a kernel in the plan (float32 pool), float32 rows,
-    head_dim a multiple of 8, and q, k, v the q / K / V column blocks of the qkv rows."""
+    """Whether the native kernel applies: a kernel in the plan (float32 or bfloat16 pool), rows
+    of the pool's dtype, head_dim a multiple of 8, and q, k, v the q / K / V column blocks of
+    the qkv rows."""
     heads, kv_heads, head_dim = q.shape[1], k.shape[1], q.shape[2]
-    if group.kernel is None or qkv.dtype != torch.float32 or not qkv.is_contiguous() or head_dim % 8:
+    if group.kernel is None or qkv.dtype not in (torch.float32, torch.bfloat16) or k.dtype != qkv.dtype \
+            or not qkv.is_contiguous() or head_dim % 8:
         return False
-    base = qkv.data_ptr()
+    base, size = qkv.data_ptr(), qkv.element_size()
     assert qkv.shape[1] == (heads + 2 * kv_heads) * head_dim and q.data_ptr() == base \
-        and k.data_ptr() == base + 4 * heads * head_dim and v.data_ptr() == base + 4 * (heads + kv_heads) * head_dim, \
-        "q, k, v are the column blocks of the qkv rows"
+        and k.data_ptr() == base + size * heads * head_dim \
+        and v.data_ptr() == base + size * (heads + kv_heads) * head_dim, "q, k, v are the column blocks of the qkv rows"
     return True
 
 
@@ -258,16 +277,10 @@ def _fresh_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: F
                      out: torch.Tensor) -> None:
     """Causal attention of chunks that start at position 0 over their own new K/V."""
     length, heads, head_dim, num_chunks = group.length, q.shape[1], q.shape[2], group.starts.numel()
-    span = slice(group.token_start, group.token_start + num_chunks * length)
-    if group.token_idx is None:  # views of the chunks' rows: [n, heads, L, head_dim]
-        qs, ks, vs = (t[span].view(num_chunks, length, t.shape[1], head_dim).transpose(1, 2) for t in (q, k, v))
-    else:
-        qs, ks, vs = (t[group.token_idx].view(-1, length, t.shape[1], head_dim).transpose(1, 2) for t in (q, k, v))
+    picked = group.rows()  # a span: views of the chunks' rows, not copies
+    qs, ks, vs = (t[picked].view(num_chunks, length, t.shape[1], head_dim).transpose(1, 2) for t in (q, k, v))
     o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)  # [n, heads, L, head_dim]
-    if group.token_idx is None:
-        out[span] = o.transpose(1, 2).reshape(-1, heads, head_dim)
-    else:
-        out[group.token_idx] = o.transpose(1, 2).reshape(-1, heads, head_dim)
+    out[picked] = o.transpose(1, 2).reshape(-1, heads, head_dim)
 
 
 def _decode_attention(q: torch.Tensor, pool: KVPool, layer: int, rows: DecodeRows) -> torch.Tensor:

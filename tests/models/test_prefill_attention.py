@@ -46,12 +46,12 @@ def _batch(pool: KVPool, spans: list[tuple[int, int]], generator: torch.Generato
                         tables, torch.arange(num_tokens))
 
 
-def _fused_rows(num_tokens: int, num_heads: int, num_kv_heads: int, head_dim: int,
-                generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _fused_rows(num_tokens: int, num_heads: int, num_kv_heads: int, head_dim: int, generator: torch.Generator,
+                dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """qkv [num_tokens, (heads + 2 kv_heads) * head_dim] and its q, k, v views, as in
     `Attention.forward_native`."""
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
-    qkv = torch.randn(num_tokens, q_size + 2 * kv_size, generator=generator)
+    qkv = torch.randn(num_tokens, q_size + 2 * kv_size, generator=generator).to(dtype)
     q = qkv[:, :q_size].view(num_tokens, num_heads, head_dim)
     k = qkv[:, q_size:q_size + kv_size].view(num_tokens, num_kv_heads, head_dim)
     v = qkv[:, q_size + kv_size:].view(num_tokens, num_kv_heads, head_dim)
@@ -59,13 +59,14 @@ def _fused_rows(num_tokens: int, num_heads: int, num_kv_heads: int, head_dim: in
 
 
 def _forward_both(spans: list[tuple[int, int]], num_heads: int, num_kv_heads: int, head_dim: int, seed: int,
-                  monkeypatch: pytest.MonkeyPatch) -> tuple[torch.Tensor, torch.Tensor, attention.AttentionPlan]:
+                  monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype = torch.float32,
+                  ) -> tuple[torch.Tensor, torch.Tensor, attention.AttentionPlan]:
     """One layer of attention for the batch: with the qkv rows (native where it applies) and the
-    torch path (a plan built with both native kernels off, no qkv)."""
+    torch path (a plan built with both native kernels off, no qkv), pool and rows in `dtype`."""
     generator = torch.Generator().manual_seed(seed)
-    pool = KVPool(1, 64, PAGE_SIZE, num_kv_heads, head_dim, torch.float32)
+    pool = KVPool(1, 64, PAGE_SIZE, num_kv_heads, head_dim, dtype)
     batch = _batch(pool, spans, generator)
-    qkv, q, k, v = _fused_rows(batch.num_tokens, num_heads, num_kv_heads, head_dim, generator)
+    qkv, q, k, v = _fused_rows(batch.num_tokens, num_heads, num_kv_heads, head_dim, generator, dtype)
     pool.write(0, batch.slot_mapping, k, v)
     plan = attention.AttentionPlan.build(batch, pool, num_heads)
     with monkeypatch.context() as patch:
@@ -88,8 +89,9 @@ def _sdpa_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tens
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(3, 3), (9, 3), (8, 2)])
 def test_kernel_matches_sdpa(head_dim: int, num_heads: int, num_kv_heads: int,
                              monkeypatch: pytest.MonkeyPatch) -> None:
-    """Chunk lengths around the 6-row / 16-key blocks; one chunk alone and three of a length."""
-    for length in (1, 5, 16, 17, 100, 256):
+    """Chunk lengths around the 6- or 12-row (AVX-512) / 16-key blocks; one chunk alone and three
+    of a length."""
+    for length in (1, 5, 12, 13, 16, 17, 100, 256):
         for num_chunks in (1, 3):
             spans = [(length, length)] * num_chunks
             got, want, plan = _forward_both(spans, num_heads, num_kv_heads, head_dim, length, monkeypatch)
@@ -124,11 +126,15 @@ def test_head_dim_not_a_multiple_of_8_falls_back(monkeypatch: pytest.MonkeyPatch
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_a_bfloat16_pool_falls_back() -> None:
-    generator = torch.Generator().manual_seed(2)
-    pool = KVPool(1, 8, PAGE_SIZE, 3, 64, torch.bfloat16)
-    batch = _batch(pool, [(9, 9), (9, 9)], generator)
-    assert all(group.kernel is None for group in attention.AttentionPlan.build(batch, pool, 9).fresh)
+def test_a_bfloat16_forward_runs_the_kernel_on_widened_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bfloat16 pool and rows: the kernel runs on the rows widened to float32 and each output
+    row is rounded once; within bfloat16 rounding of SDPA's bfloat16 result. A continuing chunk
+    in the same forward keeps its own path and rows."""
+    spans = [(20, 20), (13, 13), (24, 57), (20, 20), (100, 100)]
+    got, want, plan = _forward_both(spans, 9, 3, 64, 4, monkeypatch, torch.bfloat16)
+    assert plan.fresh and all(group.kernel is not None for group in plan.fresh)
+    assert got.dtype == torch.bfloat16 and torch.isfinite(got).all()
+    torch.testing.assert_close(got.float(), want.float(), rtol=2.0**-6, atol=2e-2)
 
 
 def test_kernel_reads_only_the_chunks_own_rows() -> None:
