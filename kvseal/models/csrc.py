@@ -212,6 +212,7 @@ struct decode_args {
     void *out;
     int64_t q_stride, out_stride, group, head_dim, head_stride, page_size, table_width;
     float scale;
+    int dot_scores;  /* bfloat16 pool: scores by AVX512-BF16 dot products where the build has them */
 };
 /* amx: whether the thread has AMX tiles configured for the task (see `begin`). */
 typedef void (*attend_task)(const struct decode_args *a, int64_t b, int64_t h, float *scratch, int amx);
@@ -290,16 +291,67 @@ static void widen_rows(const uint16_t *src, float *dst, int64_t n) {
     for (; i < n; i++) dst[i] = widen_bf16_1(src[i]);
 }
 
+#if defined(__AVX512BF16__)
+static inline __m512 pair_sum(__m512 a, __m512 b, __m512i lo, __m512i hi) {
+    return _mm512_add_ps(_mm512_permutex2var_ps(a, lo, b), _mm512_permutex2var_ps(a, hi, b));
+}
+
+/* Lane s of the result = the sum of acc[s]'s 16 lanes: four rounds, each pairing vectors and
+   halving the partial sums each one holds. */
+static inline __m512 sum_lanes16(const __m512 *acc) {
+    const __m512i l1 = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
+    const __m512i h1 = _mm512_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    const __m512i l2 = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
+    const __m512i h2 = _mm512_setr_epi32(4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+    const __m512i l3 = _mm512_setr_epi32(0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29);
+    const __m512i h3 = _mm512_setr_epi32(2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+    const __m512i l4 = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const __m512i h4 = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+    __m512 r1[8], r2[4], r3[2];
+    for (int i = 0; i < 8; i++) r1[i] = pair_sum(acc[2 * i], acc[2 * i + 1], l1, h1);
+    for (int i = 0; i < 4; i++) r2[i] = pair_sum(r1[2 * i], r1[2 * i + 1], l2, h2);
+    for (int i = 0; i < 2; i++) r3[i] = pair_sum(r2[2 * i], r2[2 * i + 1], l3, h3);
+    return pair_sum(r3[0], r3[1], l4, h4);
+}
+
+/* scores[s] = scale * (K page row s . q) for the page's first n <= 16 slots, both read as
+   bfloat16 in place (VDPBF16PS: exact products, float32 sums); slots n.. are not read. */
+static inline __attribute__((always_inline)) void dot_page_scores(const uint16_t *k_page, int64_t n,
+                                                                  const uint16_t *q, int64_t hd, float scale,
+                                                                  float *scores) {
+    __m512 acc[16];
+    for (int s = 0; s < 16; s++) acc[s] = _mm512_setzero_ps();
+    if (n == 16) {  /* a whole page: every trip count is a constant */
+        for (int s = 0; s < 16; s++)
+            for (int64_t c = 0; c < hd / 32; c++)
+                acc[s] = _mm512_dpbf16_ps(acc[s], (__m512bh)_mm512_loadu_si512(k_page + s * hd + 32 * c),
+                                          (__m512bh)_mm512_loadu_si512(q + 32 * c));
+    } else {
+        for (int64_t s = 0; s < n; s++)
+            for (int64_t c = 0; c < hd / 32; c++)
+                acc[s] = _mm512_dpbf16_ps(acc[s], (__m512bh)_mm512_loadu_si512(k_page + s * hd + 32 * c),
+                                          (__m512bh)_mm512_loadu_si512(q + 32 * c));
+    }
+    _mm512_mask_storeu_ps(scores, (__mmask16)((1u << n) - 1u), _mm512_mul_ps(sum_lanes16(acc), _mm512_set1_ps(scale)));
+}
+#else
+static inline void dot_page_scores(const uint16_t *k_page, int64_t n, const uint16_t *q, int64_t hd, float scale,
+                                   float *scores) {
+    (void)k_page; (void)n; (void)q; (void)hd; (void)scale; (void)scores;
+}
+#endif
+
 /* One (row, KV head) with head_dim = 16 * NV: q [group, head_dim] float32; page: scratch of
    page_size * head_dim floats; scores: group * ctx floats; out [group, head_dim] float32. Two
    passes, as the float32 kernel: scores over every page, softmax, then the weighted sum of V.
    While a page's scores are computed, the next K page is prefetched, and this V page into L2
-   for the second pass. */
+   for the second pass. The scores come from AMX tiles (q_tiles), AVX512-BF16 dot products over
+   the bfloat16 q and K in place (q_dot), or else K widened a page at a time. */
 #define DEFINE_ATTEND_BF16(NV)                                                                  \
 static void attend_bf16_##NV(const float *q, const uint16_t *k_head, const uint16_t *v_head,    \
                              const int64_t *table, int64_t ctx, int64_t group, int64_t page_size, \
                              float scale, float *page, float *scores, float *out,               \
-                             const uint16_t *q_tiles) {                                         \
+                             const uint16_t *q_tiles, const uint16_t *q_dot) {                  \
     const int64_t hd = 16 * NV, elems = page_size * hd;                                          \
     for (int64_t t0 = 0; t0 < ctx; t0 += page_size) {                                           \
         const int64_t n = ctx - t0 < page_size ? ctx - t0 : page_size, p = t0 / page_size;      \
@@ -309,6 +361,12 @@ static void attend_bf16_##NV(const float *q, const uint16_t *k_head, const uint1
         if (q_tiles != NULL) {                                                                  \
             amx_page_scores(k_head + table[p] * elems, n, q_tiles, hd, group, scale, scores + t0, ctx, \
                             (uint16_t *)page);                                                  \
+            continue;                                                                           \
+        }                                                                                       \
+        if (q_dot != NULL) {                                                                    \
+            for (int64_t j = 0; j < group; j++)                                                 \
+                dot_page_scores(k_head + table[p] * elems, n, q_dot + j * hd, hd, scale,        \
+                                scores + j * ctx + t0);                                         \
             continue;                                                                           \
         }                                                                                       \
         widen_rows(k_head + table[p] * elems, page, n * hd);                                    \
@@ -381,10 +439,11 @@ static void attend_task_bf16(const struct decode_args *a, int64_t b, int64_t h, 
         q_tiles = (uint16_t *)(rest + 16 * hd);
         pack_query_tiles(qh, a->group, hd, q_tiles);
     }
+    const uint16_t *q_dot = q_tiles == NULL && a->dot_scores && bf16_paged(hd) && ps <= 16 ? qh : NULL;
     widen_rows(qh, qf, n);
-    if (hd == 32) attend_bf16_2(qf, kh, vh, table, ctx, a->group, ps, a->scale, rest, scores, of, q_tiles);
-    else if (hd == 64) attend_bf16_4(qf, kh, vh, table, ctx, a->group, ps, a->scale, rest, scores, of, q_tiles);
-    else if (hd == 128) attend_bf16_8(qf, kh, vh, table, ctx, a->group, ps, a->scale, rest, scores, of, q_tiles);
+    if (hd == 32) attend_bf16_2(qf, kh, vh, table, ctx, a->group, ps, a->scale, rest, scores, of, q_tiles, q_dot);
+    else if (hd == 64) attend_bf16_4(qf, kh, vh, table, ctx, a->group, ps, a->scale, rest, scores, of, q_tiles, q_dot);
+    else if (hd == 128) attend_bf16_8(qf, kh, vh, table, ctx, a->group, ps, a->scale, rest, scores, of, q_tiles, q_dot);
     else {  /* !bf16_paged: the row's context, slot by slot, into [2, ctx, head_dim] floats, one "page" of ctx slots */
         const int64_t zero = 0;
         for (int64_t t = 0; t < ctx; t++) {
@@ -399,17 +458,27 @@ static void attend_task_bf16(const struct decode_args *a, int64_t b, int64_t h, 
 
 /* The same over a bfloat16 pool, with bfloat16 query rows read in place (row b at q + b *
    q_stride: the q columns of the fused qkv rows) and bfloat16 output rows (out + b * out_stride),
-   each output rounded once from its float32 sum. use_amx: the scores on AMX tiles where the
-   process may use them (0: the 16-lane vectors, as on CPUs without AMX). */
+   each output rounded once from its float32 sum. scores: where the scores are computed:
+   SCORES_AMX on AMX tiles where the process may use them, else as SCORES_DOT; SCORES_DOT by
+   AVX512-BF16 dot products where the build has them, else as SCORES_WIDENED; SCORES_WIDENED in
+   16-lane float32 vectors over K widened a page at a time (what a CPU without either runs). */
+#define SCORES_WIDENED 0
+#define SCORES_DOT 1
+#define SCORES_AMX 2
 int kvseal_decode_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k, const uint16_t *v,
                                  const int64_t *tables, const int64_t *context_lens, uint16_t *out,
                                  int64_t out_stride, int64_t rows, int64_t kv_heads, int64_t group,
                                  int64_t head_dim, int64_t num_pages, int64_t page_size, int64_t table_width,
-                                 int64_t max_context, float scale, int use_amx, int num_threads) {
+                                 int64_t max_context, float scale, int scores, int num_threads) {
+#if defined(__AVX512BF16__)
+    const int dot = scores >= SCORES_DOT;
+#else
+    const int dot = 0;
+#endif
     const struct decode_args a = {q, k, v, tables, context_lens, out, q_stride, out_stride, group, head_dim,
-                                  num_pages * page_size * head_dim, page_size, table_width, scale};
+                                  num_pages * page_size * head_dim, page_size, table_width, scale, dot};
     return decode_attention_rows(&a, rows, kv_heads, bf16_scratch_floats(group, head_dim, page_size, max_context),
-                                 num_threads, attend_task_bf16, use_amx ? amx_attention_begin : NULL,
+                                 num_threads, attend_task_bf16, scores == SCORES_AMX ? amx_attention_begin : NULL,
                                  amx_attention_end);
 }
 """
@@ -1487,7 +1556,7 @@ int kvseal_decode_layers_bf16(int64_t num_layers, const void *const *layers, con
         *layers_written = l + 1;
         if (kvseal_decode_attention_bf16(qkv, width, k_pool, v_pool, tables, context_lens, attn, q_size, rows,
                                          kv_heads, heads / kv_heads, head_dim, num_pages, page_size, table_width,
-                                         max_context, scale, 1, threads)) return -2;
+                                         max_context, scale, SCORES_AMX, threads)) return -2;
         if (kvseal_linear_tiles(attn, w[W_O], w[B_O], tmp, rows, hidden, q_size, threads)) return -2;
         kvseal_add_rms_norm_bf16(h, tmp, w[POST_NORM], eps, x, rows, hidden, threads);
         if (w[B_GATE_UP] != NULL || kvseal_linear_silu_tiles(x, w[W_GATE_UP], act, rows, inter, hidden, threads)) {

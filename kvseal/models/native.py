@@ -246,13 +246,18 @@ def _cpu_flags() -> str:
     return ""
 
 
+SCORES_WIDENED, SCORES_DOT, SCORES_AMX = 0, 1, 2  # run_decode_attention's `scores` (csrc.ATTENTION_BF16)
+
+
 def run_decode_attention(kernel: Callable[..., int], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          tables: torch.Tensor, context_lens: torch.Tensor, max_context: int,
-                         use_amx: bool = True) -> torch.Tensor:
+                         scores: int = SCORES_AMX) -> torch.Tensor:
     """q: [B, heads, head_dim]; k, v: one layer of the pool, [kv_heads, pages, page_size, head_dim],
     contiguous, float32 (`kvseal_decode_attention`; q is computed in float32) or bfloat16
     (`kvseal_decode_attention_bf16`; q bfloat16 too, each row's heads contiguous, rows at any
-    stride; use_amx: its scores on AMX tiles where the process may use them, else in vectors);
+    stride; scores: where its scores are computed, SCORES_AMX (AMX tiles where the process may
+    use them, else as SCORES_DOT), SCORES_DOT (AVX512-BF16 dot products where built, else as
+    SCORES_WIDENED) or SCORES_WIDENED (float32 vectors over K widened a page at a time));
     tables: [B, width] int64; context_lens: [B] int64 -> [B, heads, head_dim] in q's dtype."""
     if k.dtype != v.dtype or k.dtype not in (torch.float32, torch.bfloat16) or tables.dtype != torch.int64 \
             or context_lens.dtype != torch.int64 or not (k.is_contiguous() and v.is_contiguous()):
@@ -270,7 +275,7 @@ def run_decode_attention(kernel: Callable[..., int], q: torch.Tensor, k: torch.T
             q = q.contiguous()
         out = torch.empty(q.shape, dtype=torch.bfloat16)
         status = kernel(q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(), tables.data_ptr(),
-                        context_lens.data_ptr(), out.data_ptr(), num_heads * head_dim, *sizes, int(use_amx), threads)
+                        context_lens.data_ptr(), out.data_ptr(), num_heads * head_dim, *sizes, scores, threads)
     else:
         dtype = q.dtype
         q = q.to(torch.float32).contiguous()

@@ -125,10 +125,11 @@ def _reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tabl
     return torch.stack(out)
 
 
-@pytest.mark.parametrize("use_amx", [True, False])  # AMX scores where this CPU has them; the vectors everywhere
+# each way of computing the scores this CPU and build have (each falls back to the next where not)
+@pytest.mark.parametrize("scores", [native.SCORES_AMX, native.SCORES_DOT, native.SCORES_WIDENED])
 @pytest.mark.parametrize("head_dim, group, page_size", [(64, 3, 16), (32, 1, 4), (128, 4, 4), (20, 2, 4), (16, 2, 4)])
 def test_decode_attention_bf16_reads_only_each_rows_slots(head_dim: int, group: int, page_size: int,
-                                                          use_amx: bool) -> None:
+                                                          scores: int) -> None:
     """Every slot of the pool that no row may read holds NaN (other rows' pages, free pages,
     slots past a row's context in its own last page): the outputs are finite and equal float32
     attention over each row's own slots, rounded once. 20 and 16: head_dims the paged kernels do not take."""
@@ -148,7 +149,7 @@ def test_decode_attention_bf16_reads_only_each_rows_slots(head_dim: int, group: 
     q = qkv[:, :kv_heads * group * head_dim].view(rows, kv_heads * group, head_dim)  # rows at qkv's stride
     kernel = native.decode_attention_kernel(BF16)
     assert kernel is not None
-    out = native.run_decode_attention(kernel, q, k, v, tables, lens, int(lens.max()), use_amx)
+    out = native.run_decode_attention(kernel, q, k, v, tables, lens, int(lens.max()), scores)
     assert out.dtype == BF16 and bool(torch.isfinite(out).all())
     torch.testing.assert_close(out.float(), _reference_attention(q, k, v, tables, lens), rtol=ULP, atol=ULP / 8)
 
