@@ -238,14 +238,14 @@ def paged_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, p
             assert group.kernel is not None
             if qkv.dtype != torch.float32 and widened is None:
                 widened = qkv.float(), torch.empty(out.shape, dtype=torch.float32)
-            rows, rows_out = (qkv, out) if widened is None else widened
+            fused, fused_out = (qkv, out) if widened is None else widened
             # Isolation: the kernel reads each chunk's own rows of qkv only (the tokens of this
             # forward of that same sequence, positions 0..length-1), never the pool.
-            run_prefill_attention(group.kernel, rows, group.starts, group.length, q.shape[1], k_new.shape[1],
-                                  q.shape[2], rows_out)
+            run_prefill_attention(group.kernel, fused, group.starts, group.length, q.shape[1], k_new.shape[1],
+                                  q.shape[2], fused_out)
             if widened is not None:  # the group's rows, rounded once
                 picked = group.rows()
-                out[picked] = rows_out[picked].to(out.dtype)
+                out[picked] = fused_out[picked].to(out.dtype)
         else:
             _fresh_attention(q, k_new, v_new, group, out)
     for span in plan.prefills:
