@@ -15,9 +15,10 @@ uses the K/V of this forward directly (the same values it just wrote to its own 
 pool has the activations' dtype) instead of reading them back, and chunks of equal length
 share one causal attention call. In the native forward that call is the native kernel
 (`models/native.py`), which reads each chunk's own rows of the fused qkv projection in place
-and writes its output rows; a bfloat16 forward hands it the rows widened to float32 once per
-layer (exact) and rounds its output rows once, which on CPUs without AMX takes under half of
-SDPA's bfloat16 time (docs/BENCHMARKS.md, round 11). Otherwise (no kernel, another dtype,
+and writes its output rows. A bfloat16 forward runs its bfloat16 twin (scores by AVX512-BF16
+dot products) where the build has one, else hands the float32 kernel the rows widened once per
+layer (exact) and rounds its output rows once; either takes under half of SDPA's bfloat16 time
+on CPUs without AMX (docs/BENCHMARKS.md, round 11). Otherwise (no kernel, another dtype,
 head_dim not a multiple of 8) the chunks' q/k/v are gathered into one causal SDPA call.
 """
 
@@ -65,6 +66,7 @@ class FreshPrefills:
     # gathered q/k/v.
     # It runs only where the forward hands over its fused qkv rows (`paged_attention`).
     kernel: Callable[..., int] | None = None
+    kernel_dtype: torch.dtype = torch.float32  # the rows it takes (float32 for a bfloat16 pool: widened)
 
     def rows(self) -> slice | torch.Tensor:
         """The group's tokens: one span, or their indices."""
@@ -163,9 +165,12 @@ class AttentionPlan:
             else:
                 prefills.append(_prefill_span(token_start, query_len, context_len, batch.block_tables[i]))
             token_start += query_len
-        native_pool = pool.k[0].dtype in (torch.float32, torch.bfloat16)
-        fresh_kernel = prefill_attention_kernel() if fresh_starts and native_pool else None
-        fresh = [_fresh_group(length, starts, fresh_kernel) for length, starts in fresh_starts.items()]
+        # the kernel over the pool's dtype; a bfloat16 pool without it: the float32 one on widened rows
+        dtype = pool.k[0].dtype
+        fresh_kernel = prefill_attention_kernel(dtype) if fresh_starts else None
+        if fresh_kernel is None and fresh_starts and dtype == torch.bfloat16:
+            fresh_kernel, dtype = prefill_attention_kernel(torch.float32), torch.float32
+        fresh = [_fresh_group(length, starts, fresh_kernel, dtype) for length, starts in fresh_starts.items()]
         if not decode_rows:
             return cls(None, prefills, fresh)
         token_idx = None
@@ -195,12 +200,13 @@ def _prefill_span(token_start: int, query_len: int, context_len: int, pages: tor
     return PrefillSpan(token_start, token_start + query_len, pages, context_len, mask)
 
 
-def _fresh_group(length: int, starts: list[int], kernel: Callable[..., int] | None) -> FreshPrefills:
+def _fresh_group(length: int, starts: list[int], kernel: Callable[..., int] | None,
+                 kernel_dtype: torch.dtype) -> FreshPrefills:
     first = torch.tensor(starts, dtype=torch.int64)
     if starts == list(range(starts[0], starts[0] + len(starts) * length, length)):  # back to back
-        return FreshPrefills(length, None, starts[0], first, kernel)
+        return FreshPrefills(length, None, starts[0], first, kernel, kernel_dtype)
     token_idx = (first[:, None] + torch.arange(length)[None, :]).reshape(-1)
-    return FreshPrefills(length, token_idx, starts[0], first, kernel)
+    return FreshPrefills(length, token_idx, starts[0], first, kernel, kernel_dtype)
 
 
 def _padded_pages(rows: list[torch.Tensor], context_lens: list[int],
@@ -236,7 +242,7 @@ def paged_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, p
     for group in plan.fresh:
         if qkv is not None and _fresh_runs_native(q, k_new, v_new, qkv, group):
             assert group.kernel is not None
-            if qkv.dtype != torch.float32 and widened is None:
+            if qkv.dtype != group.kernel_dtype and widened is None:
                 widened = qkv.float(), torch.empty(out.shape, dtype=torch.float32)
             fused, fused_out = (qkv, out) if widened is None else widened
             # Isolation: the kernel reads each chunk's own rows of qkv only (the tokens of this

@@ -1748,12 +1748,14 @@ static void block_values(const float *p, int64_t lds, const float *vp, int64_t l
     }
 }
 
-/* One task: query rows 6b .. 6b+5 (those inside the chunk) of every query head of KV head kvh,
-   for the chunk whose first row is `start`. It reads q of its own rows and K and V (through
-   `panels` and `vpanels`, packed from this chunk's rows) of keys 0 .. 6b + 5 only: the chunk's
-   own tokens, never another chunk's. scratch: FRESH_ROWS * (head_dim + lds) floats. */
-static void fresh_block(const struct fresh_shape *sh, const float *qkv, int64_t start, int64_t kvh, int64_t b,
-                        const float *panels, const float *vpanels, float *scratch, float *out) {
+/* One task: query rows FRESH_ROWS * b .. (those inside the chunk) of every query head of KV head
+   kvh, for the chunk whose first row is `start`. It reads q of its own rows and K and V (through
+   `panels` and `vpanels`, packed from this chunk's rows) of keys 0 .. the block's last row only:
+   the chunk's own tokens, never another chunk's. scratch: FRESH_ROWS * (head_dim + lds) floats. */
+static void fresh_block(const struct fresh_shape *sh, const void *qkv_rows, int64_t start, int64_t kvh, int64_t b,
+                        const void *panels, const float *vpanels, float *scratch, void *out_rows) {
+    const float *qkv = qkv_rows;
+    float *out = out_rows;
     const int64_t hd = sh->head_dim, group = sh->num_heads / sh->kv_heads, out_stride = sh->num_heads * hd;
     const int64_t first = b * FRESH_ROWS, left = sh->length - first, mr = left < FRESH_ROWS ? left : FRESH_ROWS;
     const int64_t n = first + mr;  /* the keys the block's last row sees */
@@ -1768,6 +1770,56 @@ static void fresh_block(const struct fresh_shape *sh, const float *qkv, int64_t 
     }
 }
 
+static void pack_panels_f32(const void *qkv_rows, int64_t row_stride, int64_t at, int64_t length, int64_t head_dim,
+                            int64_t kv_heads, void *panels, float *vpanels) {
+    const float *k = (const float *)qkv_rows + at;
+    pack_key_panels(k, row_stride, length, head_dim, panels);
+    pack_value_panels(k + kv_heads * head_dim, row_stride, length, head_dim, vpanels);
+}
+
+/* A prefill attention over rows of one element type: how a (chunk, KV head)'s K and V are
+   packed (K panels of key_bytes an element, V as float32 panels), and one task. */
+struct fresh_kernel {
+    void (*pack)(const void *qkv, int64_t row_stride, int64_t at, int64_t length, int64_t head_dim, int64_t kv_heads,
+                 void *panels, float *vpanels);
+    void (*block)(const struct fresh_shape *sh, const void *qkv, int64_t start, int64_t kvh, int64_t b,
+                  const void *panels, const float *vpanels, float *scratch, void *out);
+    int64_t key_bytes, scratch_floats;  /* scratch: floats per FRESH_ROWS x head_dim, beside the scores */
+};
+
+/* The call for either element type (see kvseal_prefill_attention). */
+static int fresh_attention(const struct fresh_kernel *kern, const void *qkv, int64_t row_stride,
+                           const int64_t *starts, int64_t num_chunks, int64_t length, int64_t num_heads,
+                           int64_t kv_heads, int64_t head_dim, float scale, void *out, int num_threads) {
+    const int64_t pairs = num_chunks * kv_heads, blocks = (length + FRESH_ROWS - 1) / FRESH_ROWS;
+    const int64_t panel_bytes = (length + 15) / 16 * 16 * head_dim * kern->key_bytes;
+    const int64_t vpanel_floats = (head_dim + 15) / 16 * 16 * length;
+    const struct fresh_shape sh = {row_stride, length, num_heads, kv_heads, head_dim, (length + 15) / 16 * 16, scale};
+    char *panels = malloc(pairs * panel_bytes);
+    float *vpanels = malloc(sizeof(float) * pairs * vpanel_floats);
+    if (panels == NULL || vpanels == NULL) { free(panels); free(vpanels); return -1; }
+    int failed = 0;
+    #pragma omp parallel num_threads(num_threads) reduction(|:failed)
+    {
+        #pragma omp for schedule(static)
+        for (int64_t pr = 0; pr < pairs; pr++)
+            kern->pack(qkv, row_stride, starts[pr / kv_heads] * row_stride + (num_heads + pr % kv_heads) * head_dim,
+                       length, head_dim, kv_heads, panels + pr * panel_bytes, vpanels + pr * vpanel_floats);
+        float *scratch = malloc(sizeof(float) * FRESH_ROWS * (kern->scratch_floats * head_dim + sh.lds));
+        if (scratch == NULL) failed = 1;
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < pairs * blocks; task++) {
+            if (scratch == NULL) continue;
+            const int64_t pr = task / blocks, b = blocks - 1 - task % blocks;
+            kern->block(&sh, qkv, starts[pr / kv_heads], pr % kv_heads, b, panels + pr * panel_bytes,
+                        vpanels + pr * vpanel_floats, scratch, out);
+        }
+        free(scratch);
+    }
+    free(panels); free(vpanels);
+    return failed ? -1 : 0;
+}
+
 /* qkv: [rows, row_stride] float32, each row its token's q heads, K heads and V heads (head_dim
    each, side by side, after RoPE); starts: [num_chunks] the first row of each chunk, each chunk
    `length` rows at positions 0..length-1. out: [rows, num_heads * head_dim]; the chunks' rows
@@ -1779,33 +1831,96 @@ static void fresh_block(const struct fresh_shape *sh, const float *qkv, int64_t 
 int kvseal_prefill_attention(const float *qkv, int64_t row_stride, const int64_t *starts, int64_t num_chunks,
                              int64_t length, int64_t num_heads, int64_t kv_heads, int64_t head_dim, float scale,
                              float *out, int num_threads) {
-    const int64_t pairs = num_chunks * kv_heads, blocks = (length + FRESH_ROWS - 1) / FRESH_ROWS;
-    const int64_t panel_floats = (length + 15) / 16 * 16 * head_dim, vpanel_floats = (head_dim + 15) / 16 * 16 * length;
-    const struct fresh_shape sh = {row_stride, length, num_heads, kv_heads, head_dim, (length + 15) / 16 * 16, scale};
-    float *panels = malloc(sizeof(float) * pairs * panel_floats);
-    float *vpanels = malloc(sizeof(float) * pairs * vpanel_floats);
-    if (panels == NULL || vpanels == NULL) { free(panels); free(vpanels); return -1; }
-    int failed = 0;
-    #pragma omp parallel num_threads(num_threads) reduction(|:failed)
-    {
-        #pragma omp for schedule(static)
-        for (int64_t pr = 0; pr < pairs; pr++) {
-            const float *k = qkv + starts[pr / kv_heads] * row_stride + (num_heads + pr % kv_heads) * head_dim;
-            pack_key_panels(k, row_stride, length, head_dim, panels + pr * panel_floats);
-            pack_value_panels(k + kv_heads * head_dim, row_stride, length, head_dim, vpanels + pr * vpanel_floats);
-        }
-        float *scratch = malloc(sizeof(float) * FRESH_ROWS * (head_dim + sh.lds));
-        if (scratch == NULL) failed = 1;
-        #pragma omp for schedule(dynamic, 1)
-        for (int64_t task = 0; task < pairs * blocks; task++) {
-            if (scratch == NULL) continue;
-            const int64_t pr = task / blocks, b = blocks - 1 - task % blocks;
-            fresh_block(&sh, qkv, starts[pr / kv_heads], pr % kv_heads, b, panels + pr * panel_floats,
-                        vpanels + pr * vpanel_floats, scratch, out);
-        }
-        free(scratch);
-    }
-    free(panels); free(vpanels);
-    return failed ? -1 : 0;
+    static const struct fresh_kernel f32 = {pack_panels_f32, fresh_block, sizeof(float), 1};
+    return fresh_attention(&f32, qkv, row_stride, starts, num_chunks, length, num_heads, kv_heads, head_dim, scale,
+                           out, num_threads);
 }
+
+#if defined(__AVX512BF16__)
+/* The bfloat16 twin: K as 16-key panels of head-dim pairs ([ceil(length / 16)][head_dim / 2][16][2],
+   the tile layout, zero past the last key) for VDPBF16PS, V widened into float32 panels. */
+static void pack_panels_bf16(const void *qkv_rows, int64_t row_stride, int64_t at, int64_t length, int64_t head_dim,
+                             int64_t kv_heads, void *panels_out, float *vpanels) {
+    const uint16_t *k = (const uint16_t *)qkv_rows + at, *v = k + kv_heads * head_dim;
+    uint16_t *panels = panels_out;
+    for (int64_t p = 0; p < (length + 15) / 16; p++)
+        for (int64_t d = 0; d < head_dim; d++)
+            for (int64_t j = 0; j < 16; j++) {
+                const int64_t t = p * 16 + j;
+                panels[((p * (head_dim / 2) + d / 2) * 16 + j) * 2 + d % 2] = t < length ? k[t * row_stride + d] : 0;
+            }
+    for (int64_t f = 0; f < head_dim; f += 16) {
+        float *panel = vpanels + f * length;
+        const int64_t width = head_dim - f < 16 ? head_dim - f : 16;
+        for (int64_t t = 0; t < length; t++)
+            for (int64_t j = 0; j < 16; j++)
+                panel[t * 16 + j] = j < width ? widen_bf16_1(v[t * row_stride + f + j]) : 0.0f;
+    }
+}
+
+/* fresh_block over bfloat16 rows: the scores as FRESH_ROWS x 16 dot products of q's head-dim pairs
+   (broadcast, read in place) against a key panel, times scale; softmax and P V in float32 as the
+   float32 kernel; each output rounded once into the bfloat16 out rows. scratch: FRESH_ROWS *
+   (2 * head_dim + lds) floats: the scores, the float32 outputs, the block's q rows (zero past
+   the chunk). */
+static void fresh_block_bf16(const struct fresh_shape *sh, const void *qkv_rows, int64_t start, int64_t kvh,
+                             int64_t b, const void *panels_in, const float *vpanels, float *scratch, void *out_rows) {
+    const uint16_t *qkv = qkv_rows, *panels = panels_in;
+    uint16_t *out = out_rows;
+    const int64_t hd = sh->head_dim, group = sh->num_heads / sh->kv_heads, out_stride = sh->num_heads * hd;
+    const int64_t first = b * FRESH_ROWS, left = sh->length - first, mr = left < FRESH_ROWS ? left : FRESH_ROWS;
+    const int64_t n = first + mr;
+    float *s = scratch, *ob = scratch + FRESH_ROWS * sh->lds, inv[FRESH_ROWS];
+    uint16_t *qb = (uint16_t *)(ob + FRESH_ROWS * hd);
+    for (int64_t j = 0; j < group; j++) {
+        const int64_t h = kvh * group + j;
+        for (int64_t i = 0; i < FRESH_ROWS; i++)
+            for (int64_t d = 0; d < hd; d++)
+                qb[i * hd + d] = i < mr ? qkv[(start + first + i) * sh->row_stride + h * hd + d] : 0;
+        for (int64_t p = 0; p < (n + 15) / 16; p++) {
+            const uint16_t *panel = panels + p * hd * 16;
+            __m512 a[FRESH_ROWS];
+            for (int i = 0; i < FRESH_ROWS; i++) a[i] = _mm512_setzero_ps();
+            for (int64_t dp = 0; dp < hd / 2; dp++) {
+                const __m512bh w = (__m512bh)_mm512_loadu_si512(panel + dp * 32);
+                for (int i = 0; i < FRESH_ROWS; i++) {
+                    int32_t pair;
+                    memcpy(&pair, qb + i * hd + 2 * dp, sizeof pair);
+                    a[i] = _mm512_dpbf16_ps(a[i], (__m512bh)_mm512_set1_epi32(pair), w);
+                }
+            }
+            for (int i = 0; i < FRESH_ROWS; i++)
+                _mm512_storeu_ps(s + i * sh->lds + p * 16, _mm512_mul_ps(a[i], _mm512_set1_ps(sh->scale)));
+        }
+        for (int64_t i = 0; i < mr; i++) inv[i] = causal_row(s + i * sh->lds, first + i, n);
+        block_values(s, sh->lds, vpanels, sh->length, n, hd, inv, mr, ob, hd);
+        for (int64_t i = 0; i < mr; i++) {
+            uint16_t *o = out + (start + first + i) * out_stride + h * hd;
+            int64_t d = 0;
+            for (; d + 16 <= hd; d += 16) store16_bf16(o + d, load16(ob + i * hd + d));
+            for (; d < hd; d++) o[d] = to_bf16(ob[i * hd + d]);
+        }
+    }
+}
+
+/* kvseal_prefill_attention over bfloat16 qkv rows and bfloat16 out rows: the same reads (each
+   chunk's own rows only) and the same float32 softmax; the scores' products are exact and summed
+   in float32, P V in float32 over V widened exactly, each output rounded once. Returns as
+   kvseal_prefill_attention, or -2 where the build has no AVX512-BF16 (nothing computed). */
+int kvseal_prefill_attention_bf16(const uint16_t *qkv, int64_t row_stride, const int64_t *starts,
+                                  int64_t num_chunks, int64_t length, int64_t num_heads, int64_t kv_heads,
+                                  int64_t head_dim, float scale, uint16_t *out, int num_threads) {
+    static const struct fresh_kernel bf16 = {pack_panels_bf16, fresh_block_bf16, sizeof(uint16_t), 2};
+    return fresh_attention(&bf16, qkv, row_stride, starts, num_chunks, length, num_heads, kv_heads, head_dim, scale,
+                           out, num_threads);
+}
+#else
+int kvseal_prefill_attention_bf16(const uint16_t *qkv, int64_t row_stride, const int64_t *starts,
+                                  int64_t num_chunks, int64_t length, int64_t num_heads, int64_t kv_heads,
+                                  int64_t head_dim, float scale, uint16_t *out, int num_threads) {
+    (void)qkv; (void)row_stride; (void)starts; (void)num_chunks; (void)length; (void)num_heads; (void)kv_heads;
+    (void)head_dim; (void)scale; (void)out; (void)num_threads;
+    return -2;
+}
+#endif
 """

@@ -97,6 +97,7 @@ class NativeLibrary:
     silu_mul_bf16: Callable[..., None]
     rope_bf16: Callable[..., None]
     write_slots_bf16: Callable[..., int]
+    prefill_attention_bf16: Callable[..., int]  # answers -2 where the build has no AVX512-BF16
     # bfloat16 linears over weights in AMX's tile layout, and the bfloat16 decode loop over them
     pack_tiles: Callable[..., None]
     linear_tiles: Callable[..., int]
@@ -126,10 +127,16 @@ def decode_attention_kernel(dtype: torch.dtype = torch.float32) -> Callable[...,
     return library.decode_attention if dtype == torch.float32 else library.decode_attention_bf16
 
 
-def prefill_attention_kernel() -> Callable[..., int] | None:
-    """The compiled `kvseal_prefill_attention`; None if the library cannot be built."""
+def prefill_attention_kernel(dtype: torch.dtype = torch.float32) -> Callable[..., int] | None:
+    """The compiled fresh-prefill attention over qkv rows of `dtype`: `kvseal_prefill_attention`
+    (float32) or `kvseal_prefill_attention_bf16` (bfloat16, where the build has AVX512-BF16);
+    None for another dtype, or if the library cannot be built."""
     library = native_library()
-    return None if library is None else library.prefill_attention
+    if library is None or dtype not in (torch.float32, torch.bfloat16):
+        return None
+    if dtype == torch.bfloat16:
+        return library.prefill_attention_bf16 if library.tile_engine != TILES_NONE else None
+    return library.prefill_attention
 
 
 def _load(source: str = _SOURCE) -> NativeLibrary | None:
@@ -204,6 +211,9 @@ def _bf16_functions(handle: ctypes.CDLL) -> dict[str, Any]:
     linear.restype, linear.argtypes = ctypes.c_int, [_P] * 4 + [_I] * 3 + [ctypes.c_int]
     linear_silu = handle.kvseal_linear_silu_tiles
     linear_silu.restype, linear_silu.argtypes = ctypes.c_int, [_P, _P, _P, _I, _I, _I, ctypes.c_int]
+    prefill = handle.kvseal_prefill_attention_bf16
+    prefill.restype = ctypes.c_int
+    prefill.argtypes = [_P, _I, _P, *[_I] * 5, ctypes.c_float, _P, ctypes.c_int]
     loop = handle.kvseal_decode_layers_bf16
     loop.restype = ctypes.c_int
     loop.argtypes = [_I, _P, _P, ctypes.c_float, *[_P] * 12, *[_I] * 10, ctypes.c_float, ctypes.c_int, _P]
@@ -211,8 +221,8 @@ def _bf16_functions(handle: ctypes.CDLL) -> dict[str, Any]:
     engine = handle.kvseal_tiles_init()
     handle.kvseal_tiles_engine.restype, handle.kvseal_tiles_engine.argtypes = ctypes.c_int, [ctypes.c_int]
     return dict(decode_attention_bf16=attention, add_rms_norm_bf16=norm, silu_mul_bf16=silu, rope_bf16=rope,
-                write_slots_bf16=write, pack_tiles=pack, linear_tiles=linear, linear_silu_tiles=linear_silu,
-                decode_layers_bf16=loop, tile_engine=engine,
+                write_slots_bf16=write, prefill_attention_bf16=prefill, pack_tiles=pack, linear_tiles=linear,
+                linear_silu_tiles=linear_silu, decode_layers_bf16=loop, tile_engine=engine,
                 set_tile_engine=handle.kvseal_tiles_engine)
 
 
@@ -292,13 +302,15 @@ def run_prefill_attention(kernel: Callable[..., int], qkv: torch.Tensor, starts:
                           num_heads: int, num_kv_heads: int, head_dim: int, out: torch.Tensor) -> None:
     """Causal attention of the chunks whose first rows are `starts` ([num_chunks] int64, each
     chunk `length` rows at positions 0..length-1) over their own rows of qkv, written into
-    their rows of out. qkv: [rows, width] float32 contiguous, each row q heads, K heads, V heads
-    (head_dim each); out: [rows, num_heads, head_dim] float32 contiguous. head_dim must be a
-    multiple of 8. Raises MemoryError if the kernel could not allocate its scratch."""
+    their rows of out. qkv: [rows, width] contiguous, each row q heads, K heads, V heads
+    (head_dim each); out: [rows, num_heads, head_dim] contiguous; both float32, or both bfloat16
+    (the kernel `prefill_attention_kernel(torch.bfloat16)` gives). head_dim must be a multiple of
+    8. Raises MemoryError if the kernel could not allocate its scratch."""
     rows, width = qkv.shape
-    if qkv.dtype != torch.float32 or out.dtype != torch.float32 or starts.dtype != torch.int64 \
+    if qkv.dtype not in (torch.float32, torch.bfloat16) or out.dtype != qkv.dtype or starts.dtype != torch.int64 \
             or not (qkv.is_contiguous() and out.is_contiguous() and starts.is_contiguous()):
-        raise TypeError("the prefill attention kernel takes contiguous float32 rows and int64 starts")
+        raise TypeError("the prefill attention kernel takes contiguous float32 or bfloat16 rows (out of the same "
+                        "dtype) and int64 starts")
     if head_dim % 8 or num_heads % num_kv_heads or width < (num_heads + 2 * num_kv_heads) * head_dim \
             or out.shape != (rows, num_heads, head_dim) or starts.dim() != 1:
         raise ValueError("prefill attention: shapes disagree (or head_dim is not a multiple of 8)")
@@ -308,6 +320,8 @@ def run_prefill_attention(kernel: Callable[..., int], qkv: torch.Tensor, starts:
         raise IndexError("a prefill chunk runs past the rows of qkv")
     status = kernel(qkv.data_ptr(), width, starts.data_ptr(), starts.numel(), length, num_heads, num_kv_heads,
                     head_dim, head_dim**-0.5, out.data_ptr(), torch.get_num_threads())
+    if status == -2:
+        raise RuntimeError("bfloat16 prefill attention: this build has no AVX512-BF16")
     if status != 0:
         raise MemoryError("prefill attention kernel could not allocate its panels or scratch")
 

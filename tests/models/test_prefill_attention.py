@@ -71,7 +71,7 @@ def _forward_both(spans: list[tuple[int, int]], num_heads: int, num_kv_heads: in
     plan = attention.AttentionPlan.build(batch, pool, num_heads)
     with monkeypatch.context() as patch:
         patch.setattr(attention, "decode_attention_kernel", lambda dtype: None)
-        patch.setattr(attention, "prefill_attention_kernel", lambda: None)
+        patch.setattr(attention, "prefill_attention_kernel", lambda dtype=None: None)
         reference_plan = attention.AttentionPlan.build(batch, pool, num_heads)
     got = attention.paged_attention(q, k, v, pool, 0, plan, qkv)
     want = attention.paged_attention(q, k, v, pool, 0, reference_plan)
@@ -126,36 +126,49 @@ def test_head_dim_not_a_multiple_of_8_falls_back(monkeypatch: pytest.MonkeyPatch
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_a_bfloat16_forward_runs_the_kernel_on_widened_rows(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A bfloat16 pool and rows: the kernel runs on the rows widened to float32 and each output
-    row is rounded once; within bfloat16 rounding of SDPA's bfloat16 result. A continuing chunk
-    in the same forward keeps its own path and rows."""
+@pytest.mark.parametrize("kernel", ["bf16", "widened"])
+def test_a_bfloat16_forward_runs_a_kernel(kernel: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bfloat16 pool and rows: the bfloat16 kernel where the build has one (`bf16`), else the
+    float32 kernel on rows widened to float32 (`widened`, also forced here); each output rounded
+    once, within bfloat16 rounding of SDPA's bfloat16 result. A continuing chunk in the same
+    forward keeps its own path and rows."""
+    if kernel == "bf16" and prefill_attention_kernel(torch.bfloat16) is None:
+        pytest.skip("no bfloat16 prefill kernel in this build (no AVX512-BF16)")
+    if kernel == "widened":
+        real = attention.prefill_attention_kernel
+        monkeypatch.setattr(attention, "prefill_attention_kernel",
+                            lambda dtype=torch.float32: None if dtype == torch.bfloat16 else real(dtype))
     spans = [(20, 20), (13, 13), (24, 57), (20, 20), (100, 100)]
     got, want, plan = _forward_both(spans, 9, 3, 64, 4, monkeypatch, torch.bfloat16)
-    assert plan.fresh and all(group.kernel is not None for group in plan.fresh)
+    expected_dtype = torch.bfloat16 if kernel == "bf16" else torch.float32
+    assert plan.fresh and all(g.kernel is not None and g.kernel_dtype == expected_dtype for g in plan.fresh)
     assert got.dtype == torch.bfloat16 and torch.isfinite(got).all()
     torch.testing.assert_close(got.float(), want.float(), rtol=2.0**-6, atol=2e-2)
 
 
-def test_kernel_reads_only_the_chunks_own_rows() -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_reads_only_the_chunks_own_rows(dtype: torch.dtype) -> None:
     """Rows of qkv between the chunks are NaN and the output rows outside them are a sentinel:
     the chunks' output is finite and right, and no other output row is written."""
-    kernel = prefill_attention_kernel()
-    assert kernel is not None
+    kernel = prefill_attention_kernel(dtype)
+    if kernel is None:
+        pytest.skip(f"no {dtype} prefill kernel in this build")
     generator = torch.Generator().manual_seed(9)
     length, heads, kv_heads, head_dim = 37, 8, 2, 16
     starts = torch.tensor([3, 3 + length + 2, 3 + 2 * length + 9])
-    qkv, q, k, v = _fused_rows(int(starts[-1]) + length + 4, heads, kv_heads, head_dim, generator)
+    qkv, q, k, v = _fused_rows(int(starts[-1]) + length + 4, heads, kv_heads, head_dim, generator, dtype)
     inside = torch.zeros(qkv.shape[0], dtype=torch.bool)
     for start in starts.tolist():
         inside[start:start + length] = True
     qkv[~inside] = float("nan")
-    out = torch.full((qkv.shape[0], heads, head_dim), 7.0)
+    out = torch.full((qkv.shape[0], heads, head_dim), 7.0, dtype=dtype)
     run_prefill_attention(kernel, qkv, starts, length, heads, kv_heads, head_dim, out)
     assert (out[~inside] == 7.0).all()
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     for start in starts.tolist():
         rows = slice(start, start + length)
-        torch.testing.assert_close(out[rows], _sdpa_chunk(q[rows], k[rows], v[rows]), rtol=1e-5, atol=1e-5)
+        want = _sdpa_chunk(*(t[rows].float() for t in (q, k, v)))
+        torch.testing.assert_close(out[rows].float(), want, rtol=tolerance, atol=tolerance)
 
 
 def test_extreme_scores_stay_finite() -> None:
