@@ -10,7 +10,6 @@ exception is an engine bug; it propagates and the process reports it and exits.
 from __future__ import annotations
 
 import logging
-import time
 from concurrent.futures import Future
 from typing import Any
 
@@ -38,10 +37,6 @@ logger = logging.getLogger("kvseal.engine")
 
 IDLE_POLL_MS = 1000  # how long an idle loop sleeps in poll before re-checking its parent
 GRAMMAR_POLL_MS = 5  # how often a loop with only grammars compiling checks on them
-# An idle engine's first step waits while requests keep arriving at most BURST_GAP_MS apart,
-# for BURST_MAX_MS at most (`EngineLoop._gather_burst`).
-BURST_GAP_MS = 2
-BURST_MAX_MS = 20
 
 
 class EngineLoop:
@@ -64,15 +59,12 @@ class EngineLoop:
 
     def run_once(self, idle_poll_ms: int = IDLE_POLL_MS) -> bool:
         """One iteration. Returns False once the loop has stopped (shutdown or parent gone)."""
-        was_idle = not self.engine.has_unfinished()
         events = dict(self._poller.poll(self._poll_ms(idle_poll_ms)))
         if self._parent_fd is not None and self._parent_fd in events:
             logger.error("the frontend process is gone; aborting every request and exiting")
             self._shutdown("frontend process exited")
             return False
         changed = self._drain_inbox()
-        if was_idle and self.engine.has_unfinished():
-            changed |= self._gather_burst()
         if self.is_stopped:
             return False
         changed |= self._add_compiled()
@@ -87,22 +79,6 @@ class EngineLoop:
         if self.engine.has_unfinished():
             return 0
         return GRAMMAR_POLL_MS if self._compiling else idle_poll_ms
-
-    def _gather_burst(self) -> bool:
-        """Take the rest of a burst before an idle engine's first step. A client's concurrent
-        requests reach the engine one by one (the frontend tokenizes each in turn); stepping on
-        the first alone would make the others wait for that whole step before theirs starts,
-        two steps to their first token instead of one. So while messages keep arriving at most
-        BURST_GAP_MS apart, for BURST_MAX_MS at most, they join the first step. A request
-        alone waits BURST_GAP_MS once."""
-        deadline = time.monotonic() + BURST_MAX_MS / 1000
-        changed = False
-        while not self.is_stopped:
-            left_ms = (deadline - time.monotonic()) * 1000
-            if left_ms <= 0 or not self._inbox.poll(max(1, min(BURST_GAP_MS, int(left_ms))), zmq.POLLIN):
-                break
-            changed |= self._drain_inbox()
-        return changed
 
     def _drain_inbox(self) -> bool:
         changed = False

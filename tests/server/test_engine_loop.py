@@ -149,33 +149,3 @@ def test_shutdown_aborts_everything_and_says_so(harness: Harness) -> None:
         ("r3", "abort", "server_shutdown"), ("r4", "abort", "server_shutdown")}
     assert isinstance(messages[-1], EngineStoppedMsg) and messages[-1].num_aborted == 2
     assert harness.loop.is_stopped
-
-
-def test_requests_arriving_in_a_burst_share_an_idle_engines_first_step(harness: Harness,
-                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    """A second request that arrives while the loop, idle before the first, gathers the burst
-    goes into the same first step: one iteration gives both their first token."""
-    import threading
-
-    from kvseal.messages import engine_loop
-
-    monkeypatch.setattr(engine_loop, "BURST_GAP_MS", 5000)  # this test, not the clock, decides the gap
-    monkeypatch.setattr(engine_loop, "BURST_MAX_MS", 10000)
-    harness.send(add("first", [10, 11, 12, 13]))
-    iteration = threading.Thread(target=harness.loop.run_once, kwargs={"idle_poll_ms": 0})
-    iteration.start()
-    for _ in range(10000):  # until the loop holds the first request (it is then gathering)
-        if harness.engine.has_unfinished():
-            break
-        threading.Event().wait(0.001)
-    harness.send(add("second", [20, 21, 22]))
-    iteration.join(timeout=30)
-    assert not iteration.is_alive()
-    first_step = [o for m in harness.run(0) if isinstance(m, OutputsMsg) for o in m.outputs]
-    assert {o.request_id for o in first_step if o.new_token_ids} == {"first", "second"}
-    finished = {o.request_id for o in first_step if o.finished}
-    for _ in range(200):
-        if finished == {"first", "second"}:
-            break
-        finished |= {o.request_id for m in harness.run() if isinstance(m, OutputsMsg) for o in m.outputs if o.finished}
-    assert finished == {"first", "second"}
