@@ -314,5 +314,8 @@ def _decode_attention(q: torch.Tensor, pool: KVPool, layer: int, rows: DecodeRow
         out = rows.value_bags.weighted_sum(pool, layer, probs)  # [kv_heads, B, group, head_dim]
     else:
         assert rows.v_pages is not None
-        out = torch.matmul(probs, rows.gather(pool, layer, rows.v_pages, pool.v))
+        # slots past a row's context (stale values of the page's earlier owner, or padding) are
+        # zeroed: their weight is 0, but 0 x inf or NaN would still reach the sum
+        v = rows.gather(pool, layer, rows.v_pages, pool.v).masked_fill_(rows.masked_out[:, :, 0, :, None], 0)
+        out = torch.matmul(probs, v)
     return out.transpose(0, 1).reshape(b, num_heads, head_dim)

@@ -130,16 +130,18 @@ def test_head_dim_not_a_multiple_of_8_falls_back(monkeypatch: pytest.MonkeyPatch
 def test_a_bfloat16_forward_runs_a_kernel(kernel: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A bfloat16 pool and rows: the bfloat16 kernel where the build has one (`bf16`), else the
     float32 kernel on rows widened to float32 (`widened`, also forced here); each output rounded
-    once, within bfloat16 rounding of SDPA's bfloat16 result. A continuing chunk in the same
-    forward keeps its own path and rows."""
+    once, within bfloat16 rounding of SDPA's bfloat16 result. A decode row and a continuing
+    chunk in the same forward keep their own paths and rows (the reference's torch decode path
+    over the NaN-poisoned pool must stay finite too)."""
     if kernel == "bf16" and prefill_attention_kernel(torch.bfloat16) is None:
         pytest.skip("no bfloat16 prefill kernel in this build (no AVX512-BF16)")
     if kernel == "widened":
         real = attention.prefill_attention_kernel
         monkeypatch.setattr(attention, "prefill_attention_kernel",
                             lambda dtype=torch.float32: None if dtype == torch.bfloat16 else real(dtype))
-    spans = [(20, 20), (13, 13), (24, 57), (20, 20), (100, 100)]
+    spans = [(1, 40), (20, 20), (13, 13), (24, 57), (20, 20), (100, 100)]
     got, want, plan = _forward_both(spans, 9, 3, 64, 4, monkeypatch, torch.bfloat16)
+    assert torch.isfinite(want).all(), "the torch decode path let a poisoned slot past the context in"
     expected_dtype = torch.bfloat16 if kernel == "bf16" else torch.float32
     assert plan.fresh and all(g.kernel is not None and g.kernel_dtype == expected_dtype for g in plan.fresh)
     assert got.dtype == torch.bfloat16 and torch.isfinite(got).all()
