@@ -33,6 +33,7 @@ from torch.nn.utils.rnn import pad_sequence
 
 from kvseal.kvcache.pool import KVPool
 from kvseal.models.native import (
+    CachedPrefix,
     decode_attention_kernel,
     prefill_attention_kernel,
     run_decode_attention,
@@ -150,6 +151,9 @@ class AttentionPlan:
     decode: DecodeRows | None
     prefills: list[PrefillSpan]
     fresh: list[FreshPrefills]
+    # the native prefill kernel over the pool's dtype for chunks after a cached prefix (one
+    # call each: the chunk's rows of qkv and its own pool slots); None: SDPA over gathered pages
+    span_kernel: Callable[..., int] | None = None
 
     @classmethod
     def build(cls, batch: ForwardBatch, pool: KVPool, num_heads: int) -> AttentionPlan:
@@ -171,8 +175,9 @@ class AttentionPlan:
         if fresh_kernel is None and fresh_starts and dtype == torch.bfloat16:
             fresh_kernel, dtype = prefill_attention_kernel(torch.float32), torch.float32
         fresh = [_fresh_group(length, starts, fresh_kernel, dtype) for length, starts in fresh_starts.items()]
+        span_kernel = prefill_attention_kernel(pool.k[0].dtype) if prefills else None
         if not decode_rows:
-            return cls(None, prefills, fresh)
+            return cls(None, prefills, fresh, span_kernel)
         token_idx = None
         if len(decode_rows) < len(batch.query_lens):
             token_idx = torch.tensor([0, *batch.query_lens]).cumsum(0)[torch.tensor(decode_rows)]
@@ -181,7 +186,8 @@ class AttentionPlan:
         kernel = decode_attention_kernel(pool.k[0].dtype)
         if kernel is not None:
             native = NativeRows(kernel, pages, torch.tensor(context_lens, dtype=torch.int64), max(context_lens))
-            return cls(DecodeRows(token_idx, pages.reshape(-1), masked_out, None, None, None, native), prefills, fresh)
+            return cls(DecodeRows(token_idx, pages.reshape(-1), masked_out, None, None, None, native), prefills, fresh,
+                       span_kernel)
         num_kv_heads, page_size, head_dim = pool.page_shape()
         buffer_shape = (num_kv_heads, pages.numel(), page_size, head_dim)
         k_pages = torch.empty(buffer_shape, dtype=pool.k[0].dtype)
@@ -191,7 +197,7 @@ class AttentionPlan:
         else:
             v_pages, value_bags = torch.empty(buffer_shape, dtype=pool.v[0].dtype), None
         decode = DecodeRows(token_idx, pages.reshape(-1), masked_out, k_pages, v_pages, value_bags)
-        return cls(decode, prefills, fresh)
+        return cls(decode, prefills, fresh, span_kernel)
 
 
 def _prefill_span(token_start: int, query_len: int, context_len: int, pages: torch.Tensor) -> PrefillSpan:
@@ -255,6 +261,15 @@ def paged_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, p
         else:
             _fresh_attention(q, k_new, v_new, group, out)
     for span in plan.prefills:
+        if plan.span_kernel is not None and qkv is not None and qkv.dtype == pool.k[layer].dtype \
+                and _fused_rows(q, k_new, v_new, qkv):
+            # Isolation: the kernel reads this chunk's own rows of qkv and its sequence's own
+            # pool slots 0..prefix-1 (through span.pages), nothing else.
+            query_len = span.token_end - span.token_start
+            cached = CachedPrefix(span.context_len - query_len, span.pages, pool.k[layer], pool.v[layer])
+            run_prefill_attention(plan.span_kernel, qkv, torch.tensor([span.token_start]), query_len, q.shape[1],
+                                  k_new.shape[1], q.shape[2], out, cached)
+            continue
         k, v = pool.read_pages(layer, span.pages)  # [kv_heads, P, page_size, head_dim]
         k, v = k.flatten(1, 2)[:, : span.context_len], v.flatten(1, 2)[:, : span.context_len]
         qp = q[span.token_start:span.token_end].transpose(0, 1)[None]  # [1, heads, L, head_dim]
@@ -265,12 +280,17 @@ def paged_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, p
 
 def _fresh_runs_native(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qkv: torch.Tensor,
                        group: FreshPrefills) -> bool:
-    """Whether the native kernel applies: a kernel in the plan (float32 or bfloat16 pool), rows
-    of the pool's dtype, head_dim a multiple of 8, and q, k, v the q / K / V column blocks of
-    the qkv rows."""
+    """Whether the native kernel applies: a kernel in the plan (float32 or bfloat16 pool) and
+    rows it takes (`_fused_rows`)."""
+    return group.kernel is not None and _fused_rows(q, k, v, qkv)
+
+
+def _fused_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qkv: torch.Tensor) -> bool:
+    """Whether the native prefill kernel takes these rows: float32 or bfloat16, head_dim a
+    multiple of 8, and q, k, v the q / K / V column blocks of the qkv rows."""
     heads, kv_heads, head_dim = q.shape[1], k.shape[1], q.shape[2]
-    if group.kernel is None or qkv.dtype not in (torch.float32, torch.bfloat16) or k.dtype != qkv.dtype \
-            or not qkv.is_contiguous() or head_dim % 8:
+    if qkv.dtype not in (torch.float32, torch.bfloat16) or k.dtype != qkv.dtype or not qkv.is_contiguous() \
+            or head_dim % 8:
         return False
     base, size = qkv.data_ptr(), qkv.element_size()
     assert qkv.shape[1] == (heads + 2 * kv_heads) * head_dim and q.data_ptr() == base \

@@ -1608,35 +1608,25 @@ PREFILL_ATTENTION = r"""
 struct fresh_shape {
     int64_t row_stride, length, num_heads, kv_heads, head_dim, lds;
     float scale;
+    /* A chunk after a cached prefix: keys 0..prefix-1 are the sequence's own slots in the pool
+       (k_pool / v_pool: [kv_heads, pages, page_size, head_dim], head_stride elements a KV
+       head; `table` its pages), the chunk's rows are keys prefix.. (0: a fresh chunk). */
+    int64_t prefix, head_stride, page_size;
+    const int64_t *table;
+    const char *k_pool, *v_pool;
 };
 
-/* Keys 0..length-1 (rows row_stride apart, head_dim each) -> K^T as 16-key panels
-   [ceil(length / 16)][head_dim][16]; the slots past the last key are 0. */
-static void pack_key_panels(const float *k, int64_t row_stride, int64_t length, int64_t head_dim, float *panels) {
-    const int64_t count = (length + 15) / 16;
-    for (int64_t p = 0; p < count; p++) {
-        float *panel = panels + p * head_dim * 16;
-        for (int64_t j = 0; j < 16; j++) {
-            const int64_t t = p * 16 + j;
-            if (t < length)
-                for (int64_t d = 0; d < head_dim; d++) panel[d * 16 + j] = k[t * row_stride + d];
-            else
-                for (int64_t d = 0; d < head_dim; d++) panel[d * 16 + j] = 0.0f;
-        }
+/* Key (v = 0) or value (v = 1) t of KV head kvh for the chunk whose first row is `start`, of
+   elem-byte elements: t < prefix from the sequence's own pool slot (its table's page), else
+   the chunk's row start + t - prefix. Nothing else is ever addressed. */
+static const char *fresh_kv(const struct fresh_shape *sh, const char *qkv, int64_t elem, int64_t start, int64_t kvh,
+                            int64_t t, int v) {
+    if (t < sh->prefix) {
+        const int64_t slot = sh->table[t / sh->page_size] * sh->page_size + t % sh->page_size;
+        return (v ? sh->v_pool : sh->k_pool) + (kvh * sh->head_stride + slot * sh->head_dim) * elem;
     }
-}
-
-/* Values 0..length-1 (rows row_stride apart, head_dim each) -> 16-feature panels
-   [ceil(head_dim / 16)][length][16]; the features past head_dim are 0. */
-static void pack_value_panels(const float *v, int64_t row_stride, int64_t length, int64_t head_dim, float *panels) {
-    for (int64_t f = 0; f < head_dim; f += 16) {
-        float *panel = panels + f * length;
-        const int64_t width = head_dim - f < 16 ? head_dim - f : 16;
-        for (int64_t t = 0; t < length; t++) {
-            for (int64_t j = 0; j < width; j++) panel[t * 16 + j] = v[t * row_stride + f + j];
-            for (int64_t j = width; j < 16; j++) panel[t * 16 + j] = 0.0f;
-        }
-    }
+    const int64_t column = (sh->num_heads + v * sh->kv_heads + kvh) * sh->head_dim;
+    return qkv + ((start + t - sh->prefix) * sh->row_stride + column) * elem;
 }
 
 /* qb [FRESH_ROWS][head_dim] = scale * the mr query rows at q (row_stride apart); rows mr.. are 0. */
@@ -1724,7 +1714,7 @@ static float causal_row(float *s, int64_t pos, int64_t n) {
 }
 
 /* Rows 0..mr-1 of out (out_stride apart) = inv[i] * sum over t < n of p[i][t] * V[t], V as the
-   panels of pack_value_panels (`length` keys each), 16 features at a time; a last panel of 8
+   panels of pack_panels_f32 (`length` keys each), 16 features at a time; a last panel of 8
    features (head_dim % 16 == 8) stores only those 8. */
 static void block_values(const float *p, int64_t lds, const float *vp, int64_t length, int64_t n,
                          int64_t head_dim, const float *inv, int64_t mr, float *out, int64_t out_stride) {
@@ -1758,43 +1748,57 @@ static void fresh_block(const struct fresh_shape *sh, const void *qkv_rows, int6
     float *out = out_rows;
     const int64_t hd = sh->head_dim, group = sh->num_heads / sh->kv_heads, out_stride = sh->num_heads * hd;
     const int64_t first = b * FRESH_ROWS, left = sh->length - first, mr = left < FRESH_ROWS ? left : FRESH_ROWS;
-    const int64_t n = first + mr;  /* the keys the block's last row sees */
+    const int64_t n = sh->prefix + first + mr;  /* the keys the block's last row sees */
     float *qb = scratch, *s = scratch + FRESH_ROWS * hd, inv[FRESH_ROWS];
     for (int64_t j = 0; j < group; j++) {
         const int64_t h = kvh * group + j;
         pack_query_block(qkv + (start + first) * sh->row_stride + h * hd, sh->row_stride, mr, hd, sh->scale, qb);
         block_scores(qb, panels, (n + 15) / 16, hd, s, sh->lds);
-        for (int64_t i = 0; i < mr; i++) inv[i] = causal_row(s + i * sh->lds, first + i, n);
-        block_values(s, sh->lds, vpanels, sh->length, n, hd, inv, mr, out + (start + first) * out_stride + h * hd,
-                     out_stride);
+        for (int64_t i = 0; i < mr; i++) inv[i] = causal_row(s + i * sh->lds, sh->prefix + first + i, n);
+        block_values(s, sh->lds, vpanels, sh->prefix + sh->length, n, hd, inv, mr,
+                     out + (start + first) * out_stride + h * hd, out_stride);
     }
 }
 
-static void pack_panels_f32(const void *qkv_rows, int64_t row_stride, int64_t at, int64_t length, int64_t head_dim,
-                            int64_t kv_heads, void *panels, float *vpanels) {
-    const float *k = (const float *)qkv_rows + at;
-    pack_key_panels(k, row_stride, length, head_dim, panels);
-    pack_value_panels(k + kv_heads * head_dim, row_stride, length, head_dim, vpanels);
+/* The keys (prefix + length of them, fresh_kv) of KV head kvh -> K^T as 16-key panels
+   [ceil(keys / 16)][head_dim][16] and V as 16-feature panels [ceil(head_dim / 16)][keys][16];
+   slots past the last key and features past head_dim are 0. */
+static void pack_panels_f32(const struct fresh_shape *sh, const void *qkv, int64_t start, int64_t kvh,
+                            void *panels_out, float *vpanels) {
+    const int64_t keys = sh->prefix + sh->length, hd = sh->head_dim;
+    float *panels = panels_out;
+    for (int64_t p = 0; p < (keys + 15) / 16; p++)
+        for (int64_t j = 0; j < 16; j++) {
+            const int64_t t = p * 16 + j;
+            const float *k = t < keys ? (const float *)fresh_kv(sh, qkv, sizeof(float), start, kvh, t, 0) : NULL;
+            for (int64_t d = 0; d < hd; d++) panels[(p * hd + d) * 16 + j] = k != NULL ? k[d] : 0.0f;
+        }
+    for (int64_t t = 0; t < keys; t++) {
+        const float *v = (const float *)fresh_kv(sh, qkv, sizeof(float), start, kvh, t, 1);
+        for (int64_t f = 0; f < hd; f += 16)
+            for (int64_t j = 0; j < 16; j++) vpanels[f * keys + t * 16 + j] = f + j < hd ? v[f + j] : 0.0f;
+    }
 }
 
 /* A prefill attention over rows of one element type: how a (chunk, KV head)'s K and V are
    packed (K panels of key_bytes an element, V as float32 panels), and one task. */
 struct fresh_kernel {
-    void (*pack)(const void *qkv, int64_t row_stride, int64_t at, int64_t length, int64_t head_dim, int64_t kv_heads,
-                 void *panels, float *vpanels);
+    void (*pack)(const struct fresh_shape *sh, const void *qkv, int64_t start, int64_t kvh, void *panels,
+                 float *vpanels);
     void (*block)(const struct fresh_shape *sh, const void *qkv, int64_t start, int64_t kvh, int64_t b,
                   const void *panels, const float *vpanels, float *scratch, void *out);
     int64_t key_bytes, scratch_floats;  /* scratch: floats per FRESH_ROWS x head_dim, beside the scores */
 };
 
 /* The call for either element type (see kvseal_prefill_attention). */
-static int fresh_attention(const struct fresh_kernel *kern, const void *qkv, int64_t row_stride,
-                           const int64_t *starts, int64_t num_chunks, int64_t length, int64_t num_heads,
-                           int64_t kv_heads, int64_t head_dim, float scale, void *out, int num_threads) {
-    const int64_t pairs = num_chunks * kv_heads, blocks = (length + FRESH_ROWS - 1) / FRESH_ROWS;
-    const int64_t panel_bytes = (length + 15) / 16 * 16 * head_dim * kern->key_bytes;
-    const int64_t vpanel_floats = (head_dim + 15) / 16 * 16 * length;
-    const struct fresh_shape sh = {row_stride, length, num_heads, kv_heads, head_dim, (length + 15) / 16 * 16, scale};
+static int fresh_attention(const struct fresh_kernel *kern, const struct fresh_shape *shape, const void *qkv,
+                           const int64_t *starts, int64_t num_chunks, void *out, int num_threads) {
+    const struct fresh_shape sh = *shape;
+    const int64_t kv_heads = sh.kv_heads, head_dim = sh.head_dim, keys = sh.prefix + sh.length;
+    const int64_t pairs = num_chunks * kv_heads, blocks = (sh.length + FRESH_ROWS - 1) / FRESH_ROWS;
+    const int64_t panel_bytes = (keys + 15) / 16 * 16 * head_dim * kern->key_bytes;
+    const int64_t vpanel_floats = (head_dim + 15) / 16 * 16 * keys;
+    if (sh.prefix > 0 && num_chunks != 1) return -3;  /* one table: one chunk after a prefix a call */
     char *panels = malloc(pairs * panel_bytes);
     float *vpanels = malloc(sizeof(float) * pairs * vpanel_floats);
     if (panels == NULL || vpanels == NULL) { free(panels); free(vpanels); return -1; }
@@ -1803,8 +1807,8 @@ static int fresh_attention(const struct fresh_kernel *kern, const void *qkv, int
     {
         #pragma omp for schedule(static)
         for (int64_t pr = 0; pr < pairs; pr++)
-            kern->pack(qkv, row_stride, starts[pr / kv_heads] * row_stride + (num_heads + pr % kv_heads) * head_dim,
-                       length, head_dim, kv_heads, panels + pr * panel_bytes, vpanels + pr * vpanel_floats);
+            kern->pack(&sh, qkv, starts[pr / kv_heads], pr % kv_heads, panels + pr * panel_bytes,
+                       vpanels + pr * vpanel_floats);
         float *scratch = malloc(sizeof(float) * FRESH_ROWS * (kern->scratch_floats * head_dim + sh.lds));
         if (scratch == NULL) failed = 1;
         #pragma omp for schedule(dynamic, 1)
@@ -1830,31 +1834,34 @@ static int fresh_attention(const struct fresh_kernel *kern, const void *qkv, int
    Returns 0, or -1 if scratch memory could not be allocated (out is then incomplete). */
 int kvseal_prefill_attention(const float *qkv, int64_t row_stride, const int64_t *starts, int64_t num_chunks,
                              int64_t length, int64_t num_heads, int64_t kv_heads, int64_t head_dim, float scale,
-                             float *out, int num_threads) {
+                             float *out, int64_t prefix, const int64_t *table, const void *k_pool,
+                             const void *v_pool, int64_t head_stride, int64_t page_size, int num_threads) {
     static const struct fresh_kernel f32 = {pack_panels_f32, fresh_block, sizeof(float), 1};
-    return fresh_attention(&f32, qkv, row_stride, starts, num_chunks, length, num_heads, kv_heads, head_dim, scale,
-                           out, num_threads);
+    const int64_t keys = prefix + length;
+    const struct fresh_shape sh = {row_stride, length, num_heads, kv_heads, head_dim, (keys + 15) / 16 * 16, scale,
+                                   prefix, head_stride, page_size, table, k_pool, v_pool};
+    return fresh_attention(&f32, &sh, qkv, starts, num_chunks, out, num_threads);
 }
 
 #if defined(__AVX512BF16__)
 /* The bfloat16 twin: K as 16-key panels of head-dim pairs ([ceil(length / 16)][head_dim / 2][16][2],
    the tile layout, zero past the last key) for VDPBF16PS, V widened into float32 panels. */
-static void pack_panels_bf16(const void *qkv_rows, int64_t row_stride, int64_t at, int64_t length, int64_t head_dim,
-                             int64_t kv_heads, void *panels_out, float *vpanels) {
-    const uint16_t *k = (const uint16_t *)qkv_rows + at, *v = k + kv_heads * head_dim;
+static void pack_panels_bf16(const struct fresh_shape *sh, const void *qkv, int64_t start, int64_t kvh,
+                             void *panels_out, float *vpanels) {
+    const int64_t keys = sh->prefix + sh->length, hd = sh->head_dim;
     uint16_t *panels = panels_out;
-    for (int64_t p = 0; p < (length + 15) / 16; p++)
-        for (int64_t d = 0; d < head_dim; d++)
-            for (int64_t j = 0; j < 16; j++) {
-                const int64_t t = p * 16 + j;
-                panels[((p * (head_dim / 2) + d / 2) * 16 + j) * 2 + d % 2] = t < length ? k[t * row_stride + d] : 0;
-            }
-    for (int64_t f = 0; f < head_dim; f += 16) {
-        float *panel = vpanels + f * length;
-        const int64_t width = head_dim - f < 16 ? head_dim - f : 16;
-        for (int64_t t = 0; t < length; t++)
+    for (int64_t p = 0; p < (keys + 15) / 16; p++)
+        for (int64_t j = 0; j < 16; j++) {
+            const int64_t t = p * 16 + j;
+            const uint16_t *k = t < keys ? (const uint16_t *)fresh_kv(sh, qkv, 2, start, kvh, t, 0) : NULL;
+            for (int64_t d = 0; d < hd; d++)
+                panels[((p * (hd / 2) + d / 2) * 16 + j) * 2 + d % 2] = k != NULL ? k[d] : 0;
+        }
+    for (int64_t t = 0; t < keys; t++) {
+        const uint16_t *v = (const uint16_t *)fresh_kv(sh, qkv, 2, start, kvh, t, 1);
+        for (int64_t f = 0; f < hd; f += 16)
             for (int64_t j = 0; j < 16; j++)
-                panel[t * 16 + j] = j < width ? widen_bf16_1(v[t * row_stride + f + j]) : 0.0f;
+                vpanels[f * keys + t * 16 + j] = f + j < hd ? widen_bf16_1(v[f + j]) : 0.0f;
     }
 }
 
@@ -1869,7 +1876,7 @@ static void fresh_block_bf16(const struct fresh_shape *sh, const void *qkv_rows,
     uint16_t *out = out_rows;
     const int64_t hd = sh->head_dim, group = sh->num_heads / sh->kv_heads, out_stride = sh->num_heads * hd;
     const int64_t first = b * FRESH_ROWS, left = sh->length - first, mr = left < FRESH_ROWS ? left : FRESH_ROWS;
-    const int64_t n = first + mr;
+    const int64_t n = sh->prefix + first + mr;
     float *s = scratch, *ob = scratch + FRESH_ROWS * sh->lds, inv[FRESH_ROWS];
     uint16_t *qb = (uint16_t *)(ob + FRESH_ROWS * hd);
     for (int64_t j = 0; j < group; j++) {
@@ -1892,8 +1899,8 @@ static void fresh_block_bf16(const struct fresh_shape *sh, const void *qkv_rows,
             for (int i = 0; i < FRESH_ROWS; i++)
                 _mm512_storeu_ps(s + i * sh->lds + p * 16, _mm512_mul_ps(a[i], _mm512_set1_ps(sh->scale)));
         }
-        for (int64_t i = 0; i < mr; i++) inv[i] = causal_row(s + i * sh->lds, first + i, n);
-        block_values(s, sh->lds, vpanels, sh->length, n, hd, inv, mr, ob, hd);
+        for (int64_t i = 0; i < mr; i++) inv[i] = causal_row(s + i * sh->lds, sh->prefix + first + i, n);
+        block_values(s, sh->lds, vpanels, sh->prefix + sh->length, n, hd, inv, mr, ob, hd);
         for (int64_t i = 0; i < mr; i++) {
             uint16_t *o = out + (start + first + i) * out_stride + h * hd;
             int64_t d = 0;
@@ -1909,17 +1916,24 @@ static void fresh_block_bf16(const struct fresh_shape *sh, const void *qkv_rows,
    kvseal_prefill_attention, or -2 where the build has no AVX512-BF16 (nothing computed). */
 int kvseal_prefill_attention_bf16(const uint16_t *qkv, int64_t row_stride, const int64_t *starts,
                                   int64_t num_chunks, int64_t length, int64_t num_heads, int64_t kv_heads,
-                                  int64_t head_dim, float scale, uint16_t *out, int num_threads) {
+                                  int64_t head_dim, float scale, uint16_t *out, int64_t prefix,
+                                  const int64_t *table, const void *k_pool, const void *v_pool, int64_t head_stride,
+                                  int64_t page_size, int num_threads) {
     static const struct fresh_kernel bf16 = {pack_panels_bf16, fresh_block_bf16, sizeof(uint16_t), 2};
-    return fresh_attention(&bf16, qkv, row_stride, starts, num_chunks, length, num_heads, kv_heads, head_dim, scale,
-                           out, num_threads);
+    const int64_t keys = prefix + length;
+    const struct fresh_shape sh = {row_stride, length, num_heads, kv_heads, head_dim, (keys + 15) / 16 * 16, scale,
+                                   prefix, head_stride, page_size, table, k_pool, v_pool};
+    return fresh_attention(&bf16, &sh, qkv, starts, num_chunks, out, num_threads);
 }
 #else
 int kvseal_prefill_attention_bf16(const uint16_t *qkv, int64_t row_stride, const int64_t *starts,
                                   int64_t num_chunks, int64_t length, int64_t num_heads, int64_t kv_heads,
-                                  int64_t head_dim, float scale, uint16_t *out, int num_threads) {
+                                  int64_t head_dim, float scale, uint16_t *out, int64_t prefix,
+                                  const int64_t *table, const void *k_pool, const void *v_pool, int64_t head_stride,
+                                  int64_t page_size, int num_threads) {
     (void)qkv; (void)row_stride; (void)starts; (void)num_chunks; (void)length; (void)num_heads; (void)kv_heads;
-    (void)head_dim; (void)scale; (void)out; (void)num_threads;
+    (void)head_dim; (void)scale; (void)out; (void)prefix; (void)table; (void)k_pool; (void)v_pool;
+    (void)head_stride; (void)page_size; (void)num_threads;
     return -2;
 }
 #endif

@@ -182,7 +182,7 @@ def _load(source: str = _SOURCE) -> NativeLibrary | None:
     loop.argtypes = [ctypes.c_int, _I, _P, _P, ctypes.c_float, *[_P] * 13, *[_I] * 10, ctypes.c_float, ctypes.c_int, _P]
     prefill = handle.kvseal_prefill_attention
     prefill.restype = ctypes.c_int
-    prefill.argtypes = [_P, _I, _P, *[_I] * 5, ctypes.c_float, _P, ctypes.c_int]
+    prefill.argtypes = [_P, _I, _P, *[_I] * 5, ctypes.c_float, _P, _I, _P, _P, _P, _I, _I, ctypes.c_int]
     argmax = handle.kvseal_argmax_rows
     argmax.restype, argmax.argtypes = None, [_P, _I, _I, _P, ctypes.c_int]
     linear_silu = handle.kvseal_linear_silu_f32
@@ -213,7 +213,7 @@ def _bf16_functions(handle: ctypes.CDLL) -> dict[str, Any]:
     linear_silu.restype, linear_silu.argtypes = ctypes.c_int, [_P, _P, _P, _I, _I, _I, ctypes.c_int]
     prefill = handle.kvseal_prefill_attention_bf16
     prefill.restype = ctypes.c_int
-    prefill.argtypes = [_P, _I, _P, *[_I] * 5, ctypes.c_float, _P, ctypes.c_int]
+    prefill.argtypes = [_P, _I, _P, *[_I] * 5, ctypes.c_float, _P, _I, _P, _P, _P, _I, _I, ctypes.c_int]
     loop = handle.kvseal_decode_layers_bf16
     loop.restype = ctypes.c_int
     loop.argtypes = [_I, _P, _P, ctypes.c_float, *[_P] * 12, *[_I] * 10, ctypes.c_float, ctypes.c_int, _P]
@@ -298,14 +298,29 @@ def run_decode_attention(kernel: Callable[..., int], q: torch.Tensor, k: torch.T
     return out
 
 
+@dataclass(frozen=True)
+class CachedPrefix:
+    """The keys before a chunk that continues a sequence: its first `length` slots in the pool,
+    through its own pages (`pages`, int64), in one layer's K and V ([kv_heads, num_pages,
+    page_size, head_dim], contiguous, the rows' dtype)."""
+
+    length: int
+    pages: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+
+
 def run_prefill_attention(kernel: Callable[..., int], qkv: torch.Tensor, starts: torch.Tensor, length: int,
-                          num_heads: int, num_kv_heads: int, head_dim: int, out: torch.Tensor) -> None:
+                          num_heads: int, num_kv_heads: int, head_dim: int, out: torch.Tensor,
+                          prefix: CachedPrefix | None = None) -> None:
     """Causal attention of the chunks whose first rows are `starts` ([num_chunks] int64, each
     chunk `length` rows at positions 0..length-1) over their own rows of qkv, written into
     their rows of out. qkv: [rows, width] contiguous, each row q heads, K heads, V heads
     (head_dim each); out: [rows, num_heads, head_dim] contiguous; both float32, or both bfloat16
     (the kernel `prefill_attention_kernel(torch.bfloat16)` gives). head_dim must be a multiple of
-    8. Raises MemoryError if the kernel could not allocate its scratch."""
+    8. With `prefix` (one chunk only) the chunk is at positions prefix.length.. and also attends
+    to the prefix's slots 0..prefix.length-1 of its own pages, and to nothing else in the pool.
+    Raises MemoryError if the kernel could not allocate its scratch."""
     rows, width = qkv.shape
     if qkv.dtype not in (torch.float32, torch.bfloat16) or out.dtype != qkv.dtype or starts.dtype != torch.int64 \
             or not (qkv.is_contiguous() and out.is_contiguous() and starts.is_contiguous()):
@@ -318,8 +333,11 @@ def run_prefill_attention(kernel: Callable[..., int], qkv: torch.Tensor, starts:
         return
     if int(starts.min()) < 0 or int(starts.max()) + length > rows:
         raise IndexError("a prefill chunk runs past the rows of qkv")
+    pool: tuple[int, int, int, int, int, int] = (0, 0, 0, 0, 0, 1)
+    if prefix is not None and prefix.length > 0:
+        pool = _prefix_arguments(prefix, qkv.dtype, num_kv_heads, head_dim, starts.numel())
     status = kernel(qkv.data_ptr(), width, starts.data_ptr(), starts.numel(), length, num_heads, num_kv_heads,
-                    head_dim, head_dim**-0.5, out.data_ptr(), torch.get_num_threads())
+                    head_dim, head_dim**-0.5, out.data_ptr(), *pool, torch.get_num_threads())
     if status == -2:
         raise RuntimeError("bfloat16 prefill attention: this build has no AVX512-BF16")
     if status != 0:
@@ -449,6 +467,27 @@ def silu_mul(library: NativeLibrary, gate_up: torch.Tensor) -> torch.Tensor:
     kernel = library.silu_mul if dtype == torch.float32 else library.silu_mul_bf16
     kernel(gate_up.data_ptr(), out.data_ptr(), rows, width // 2, torch.get_num_threads())
     return out
+
+
+def _prefix_arguments(prefix: CachedPrefix, dtype: torch.dtype, num_kv_heads: int, head_dim: int,
+                      num_chunks: int) -> tuple[int, int, int, int, int, int]:
+    """The kernel's (prefix, table, K, V, head stride, page size) for a checked CachedPrefix."""
+    k, v, pages = prefix.k, prefix.v, prefix.pages
+    if num_chunks != 1:
+        raise ValueError("prefill attention after a cached prefix takes one chunk a call")
+    if k.dtype != dtype or v.dtype != dtype or k.shape != v.shape or k.dim() != 4 or k.shape[0] != num_kv_heads \
+            or k.shape[3] != head_dim or not (k.is_contiguous() and v.is_contiguous()):
+        raise TypeError("the cached prefix's K and V must be contiguous [kv_heads, pages, page_size, head_dim] "
+                        "layers of the rows' dtype")
+    if pages.dtype != torch.int64 or pages.dim() != 1 or not pages.is_contiguous():
+        raise TypeError("the cached prefix's pages must be a contiguous 1-D int64 tensor")
+    num_pages, page_size = k.shape[1], k.shape[2]
+    if prefix.length > pages.numel() * page_size:
+        raise IndexError("the cached prefix is longer than its pages")
+    used = pages[: -(-prefix.length // page_size)]
+    if int(used.min()) < 0 or int(used.max()) >= num_pages:
+        raise IndexError("a page of the cached prefix is outside the pool")
+    return prefix.length, pages.data_ptr(), k.data_ptr(), v.data_ptr(), num_pages * page_size * head_dim, page_size
 
 
 def linear_silu(library: NativeLibrary, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,

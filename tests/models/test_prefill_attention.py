@@ -198,3 +198,38 @@ def test_wrapper_refuses_bad_arguments() -> None:
         run_prefill_attention(kernel, qkv, torch.tensor([4]), 7, 2, 1, 16, torch.empty(10, 2, 16))
     with pytest.raises(TypeError):
         run_prefill_attention(kernel, qkv, torch.tensor([0], dtype=torch.int32), 7, 2, 1, 16, torch.empty(10, 2, 16))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunks_after_a_cached_prefix_run_the_kernel(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Chunks that continue a cached prefix (one kernel call each: the chunk's own rows of qkv
+    and its sequence's own pool slots 0..prefix-1) against SDPA over the gathered pages. Every
+    other slot of the pool is NaN (`_batch`), so a read outside the prefix would show."""
+    if prefill_attention_kernel(dtype) is None:
+        pytest.skip(f"no {dtype} prefill kernel in this build")
+    spans = [(64, 700), (1, 30), (13, 29), (100, 100), (17, 50)]
+    got, want, plan = _forward_both(spans, 9, 3, 64, 6, monkeypatch, dtype)
+    assert plan.span_kernel is not None and len(plan.prefills) == 3
+    assert torch.isfinite(got).all() and torch.isfinite(want).all()
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want.float(), rtol=tolerance, atol=tolerance)
+
+
+def test_the_prefix_kernel_refuses_what_it_cannot_read() -> None:
+    from kvseal.models.native import CachedPrefix
+
+    kernel = prefill_attention_kernel()
+    assert kernel is not None
+    pool = KVPool(1, 4, PAGE_SIZE, 2, 16, torch.float32)
+    qkv, *_ = _fused_rows(8, 4, 2, 16, torch.Generator().manual_seed(1))
+    out = torch.empty(8, 4, 16)
+    one = torch.tensor([0])
+    with pytest.raises(IndexError):  # a page outside the pool
+        run_prefill_attention(kernel, qkv, one, 8, 4, 2, 16, out,
+                              CachedPrefix(20, torch.tensor([0, 9]), pool.k[0], pool.v[0]))
+    with pytest.raises(IndexError):  # longer than its pages
+        run_prefill_attention(kernel, qkv, one, 8, 4, 2, 16, out,
+                              CachedPrefix(40, torch.tensor([0, 1]), pool.k[0], pool.v[0]))
+    with pytest.raises(ValueError):  # two chunks share no table
+        run_prefill_attention(kernel, qkv, torch.tensor([0, 4]), 4, 4, 2, 16, out,
+                              CachedPrefix(4, torch.tensor([0]), pool.k[0], pool.v[0]))
