@@ -2,7 +2,9 @@
 
 Decode sequences (one new token each) run as one padded batch; prefill chunks that continue
 a cached prefix run one at a time with a causal mask offset by the tokens already in the
-cache. Padding never points at another request's page: a decode row is padded with its own
+cache: the native prefill kernel over the chunk's own rows and its sequence's own pool slots
+(`AttentionPlan.span_kernel`, `native.CachedPrefix`) where it applies, else SDPA over the
+gathered pages. Padding never points at another request's page: a decode row is padded with its own
 last page and masked, and slots past a sequence's context are masked too, so even a
 NaN-poisoned pool (checked mode) cannot reach the scores. In a float32 or bfloat16 pool decode
 runs the native kernel (`models/native.py`: K and V read in place through each row's own block
