@@ -4,8 +4,8 @@ Decode sequences (one new token each) run as one padded batch; prefill chunks th
 a cached prefix run one at a time with a causal mask offset by the tokens already in the
 cache: the native prefill kernel over the chunk's own rows and its sequence's own pool slots
 (`AttentionPlan.span_kernel`, `native.CachedPrefix`) where it applies, else SDPA over the
-gathered pages. Padding never points at another request's page: a decode row is padded with its own
-last page and masked, and slots past a sequence's context are masked too, so even a
+gathered pages. Padding never points at another request's page: a decode row is padded with
+its own last page and masked, and slots past a sequence's context are masked too, so even a
 NaN-poisoned pool (checked mode) cannot reach the scores. In a float32 or bfloat16 pool decode
 runs the native kernel (`models/native.py`: K and V read in place through each row's own block
 table, slots 0..context_len-1 only) when it could be built; otherwise a float32 pool reads V in
@@ -53,6 +53,7 @@ class PrefillSpan:
     pages: torch.Tensor  # [num_pages]
     context_len: int
     mask: torch.Tensor  # [query_len, context_len] bool
+    starts: torch.Tensor  # [1] int64: token_start, for the native kernel
 
 
 @dataclass(frozen=True)
@@ -205,7 +206,8 @@ class AttentionPlan:
 def _prefill_span(token_start: int, query_len: int, context_len: int, pages: torch.Tensor) -> PrefillSpan:
     q_pos = torch.arange(query_len)[:, None] + (context_len - query_len)
     mask = torch.arange(context_len)[None, :] <= q_pos
-    return PrefillSpan(token_start, token_start + query_len, pages, context_len, mask)
+    return PrefillSpan(token_start, token_start + query_len, pages, context_len, mask,
+                       torch.tensor([token_start], dtype=torch.int64))
 
 
 def _fresh_group(length: int, starts: list[int], kernel: Callable[..., int] | None,
@@ -269,8 +271,8 @@ def paged_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, p
             # pool slots 0..prefix-1 (through span.pages), nothing else.
             query_len = span.token_end - span.token_start
             cached = CachedPrefix(span.context_len - query_len, span.pages, pool.k[layer], pool.v[layer])
-            run_prefill_attention(plan.span_kernel, qkv, torch.tensor([span.token_start]), query_len, q.shape[1],
-                                  k_new.shape[1], q.shape[2], out, cached)
+            run_prefill_attention(plan.span_kernel, qkv, span.starts, query_len, q.shape[1], k_new.shape[1],
+                                  q.shape[2], out, cached)
             continue
         k, v = pool.read_pages(layer, span.pages)  # [kv_heads, P, page_size, head_dim]
         k, v = k.flatten(1, 2)[:, : span.context_len], v.flatten(1, 2)[:, : span.context_len]

@@ -1331,16 +1331,6 @@ static void amx_chunk(const uint16_t *a, int64_t k_in, const uint16_t *b0, const
     (void)a; (void)k_in; (void)b0; (void)b1; (void)r1; (void)two; (void)c;
 }
 static void tile_release(void) {}
-static int amx_attention_begin(void) { return 0; }
-static void amx_attention_end(void) {}
-static void pack_query_tiles(const uint16_t *q, int64_t group, int64_t head_dim, uint16_t *tiles) {
-    (void)q; (void)group; (void)head_dim; (void)tiles;
-}
-static void amx_page_scores(const uint16_t *k_page, int64_t n, const uint16_t *q_tiles, int64_t head_dim,
-                            int64_t group, float scale, float *scores, int64_t ctx, uint16_t *pad) {
-    (void)k_page; (void)n; (void)q_tiles; (void)head_dim; (void)group; (void)scale; (void)scores; (void)ctx;
-    (void)pad;
-}
 #endif
 
 /* One tile product: x [rows, k_in] against packed panels. A plain linear writes y [rows, n_out]
@@ -1441,7 +1431,7 @@ static void tile_run(const struct tile_job *j, int64_t pairs, int num_threads) {
 /* y [rows, n_out] = x [rows, k_in] . W^T (+ bias [n_out] unless NULL), all bfloat16; W packed by
    kvseal_pack_tiles. Returns 0 (k_in % 32 is the caller's to check). */
 int kvseal_linear_tiles(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, uint16_t *y,
-                      int64_t rows, int64_t n_out, int64_t k_in, int num_threads) {
+                        int64_t rows, int64_t n_out, int64_t k_in, int num_threads) {
     const struct tile_job j = {x, packed, bias, y, rows, n_out, k_in, 0};
     tile_run(&j, ((n_out + 15) / 16 + 1) / 2, num_threads);
     return 0;
@@ -1452,14 +1442,30 @@ int kvseal_linear_tiles(const uint16_t *x, const uint16_t *packed, const uint16_
    kvseal_silu_mul_bf16: the [rows, 2 * inter] intermediate is never written. Returns -1,
    computing nothing, unless inter is a multiple of 16 (gate and up panels then hold the same
    features); else 0. */
-int kvseal_linear_silu_tiles(const uint16_t *x, const uint16_t *packed, uint16_t *act, int64_t rows, int64_t inter,
-                           int64_t k_in, int num_threads) {
+int kvseal_linear_silu_tiles(const uint16_t *x, const uint16_t *packed, uint16_t *act, int64_t rows,
+                             int64_t inter, int64_t k_in, int num_threads) {
     if (inter % 16 != 0) return -1;
     const struct tile_job j = {x, packed, NULL, act, rows, 2 * inter, k_in, inter / 16};
     tile_run(&j, inter / 16, num_threads);
     return 0;
 }
 #else
+int kvseal_tiles_init(void) { return 0; }
+int kvseal_tiles_engine(int engine) { (void)engine; return 0; }
+int kvseal_linear_tiles(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, uint16_t *y,
+                        int64_t rows, int64_t n_out, int64_t k_in, int num_threads) {
+    (void)x; (void)packed; (void)bias; (void)y; (void)rows; (void)n_out; (void)k_in; (void)num_threads;
+    return -1;
+}
+int kvseal_linear_silu_tiles(const uint16_t *x, const uint16_t *packed, uint16_t *act, int64_t rows,
+                             int64_t inter, int64_t k_in, int num_threads) {
+    (void)x; (void)packed; (void)act; (void)rows; (void)inter; (void)k_in; (void)num_threads;
+    return -1;
+}
+#endif
+
+/* Decode attention's AMX scores (csrc.ATTENTION_BF16) where the build has no AMX: never begun. */
+#ifndef KVSEAL_AMX
 static int amx_attention_begin(void) { return 0; }
 static void amx_attention_end(void) {}
 static void pack_query_tiles(const uint16_t *q, int64_t group, int64_t head_dim, uint16_t *tiles) {
@@ -1469,18 +1475,6 @@ static void amx_page_scores(const uint16_t *k_page, int64_t n, const uint16_t *q
                             int64_t group, float scale, float *scores, int64_t ctx, uint16_t *pad) {
     (void)k_page; (void)n; (void)q_tiles; (void)head_dim; (void)group; (void)scale; (void)scores; (void)ctx;
     (void)pad;
-}
-int kvseal_tiles_init(void) { return 0; }
-int kvseal_tiles_engine(int engine) { (void)engine; return 0; }
-int kvseal_linear_tiles(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, uint16_t *y,
-                      int64_t rows, int64_t n_out, int64_t k_in, int num_threads) {
-    (void)x; (void)packed; (void)bias; (void)y; (void)rows; (void)n_out; (void)k_in; (void)num_threads;
-    return -1;
-}
-int kvseal_linear_silu_tiles(const uint16_t *x, const uint16_t *packed, uint16_t *act, int64_t rows, int64_t inter,
-                           int64_t k_in, int num_threads) {
-    (void)x; (void)packed; (void)act; (void)rows; (void)inter; (void)k_in; (void)num_threads;
-    return -1;
 }
 #endif
 """

@@ -494,21 +494,21 @@ def linear_silu(library: NativeLibrary, x: torch.Tensor, packed: torch.Tensor, b
                 inter: int) -> torch.Tensor | None:
     """silu(x W_gate^T) * (x W_up^T) [rows, inter] in one pass over the fused [2 * inter, K]
     gate/up weight: float32 panels (`pack_panels`; float32 x, bit-equal to `linear_panels` then
-    `silu_mul`) or AMX tiles (`pack_tiles`; bfloat16 x, bit-equal to `linear_tiles` then
+    `silu_mul`) or tiles (`pack_tiles`; bfloat16 x, bit-equal to `linear_tiles` then
     `silu_mul`). None where that pass does not apply (bfloat16 panels; a bias, inter not a
     multiple of 16, or one row of float32, which the kernels decline), so the caller runs the
     two passes."""
-    amx = packed.dim() == 5
-    dtype = torch.bfloat16 if amx else torch.float32
-    k_in = packed.shape[1] * (TILE_K_MULTIPLE if amx else 1)
+    tiles = packed.dim() == 5
+    dtype = torch.bfloat16 if tiles else torch.float32
+    k_in = packed.shape[1] * (TILE_K_MULTIPLE if tiles else 1)
     if packed.dtype != dtype or packed.shape[0] != -(-2 * inter // 16) or x.dim() != 2 or bias is not None:
         return None
     if _row_dtype("linear_silu", x) != dtype or x.shape[1] != k_in:
         raise TypeError(f"expected {dtype} [rows, {k_in}] activations, got {x.dtype} {tuple(x.shape)}")
     out = torch.empty((x.shape[0], inter), dtype=dtype)
-    if amx:
+    if tiles:
         status = library.linear_silu_tiles(x.data_ptr(), packed.data_ptr(), out.data_ptr(), x.shape[0], inter, k_in,
-                                         torch.get_num_threads())
+                                           torch.get_num_threads())
     else:
         status = library.linear_silu(x.data_ptr(), packed.data_ptr(), 0, out.data_ptr(), x.shape[0], inter, k_in,
                                      torch.get_num_threads())
