@@ -26,6 +26,7 @@ SUPPORTED_ARCHITECTURES = (
 )
 ScrubMode = Literal["off", "free", "alloc"]
 DEFAULT_MAX_PREFILL_CHUNK_TOKENS = 512  # a quarter of the default step budget
+DEFAULT_FAIR_SHARE_TOKENS = 256  # an eighth of the default step budget
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Weight-only: "int8": per-output-channel int8 linears (kvseal.models.quant); "bf16": a float32
 # model whose linear weights are stored in bfloat16 and widened as they are read (half the bytes,
@@ -60,6 +61,20 @@ class ModelConfig:
                 f"num_attention_heads={self.num_heads} is not a multiple of "
                 f"num_key_value_heads={self.num_kv_heads}"
             )
+
+    def attention_cost_context(self, dtype: torch.dtype) -> int:
+        """The context length at which one token's attention costs what its linear layers cost.
+
+        A token at context c costs about 1 + c / this, in tokens of linear work: the ratio of
+        the linears' multiply-adds per token to attention's per (query, key) pair (q·k and p·v,
+        every head). 16-bit models divide it by 2: their linears run at twice float32's rate
+        (VDPBF16PS, AMX) while P·V stays in float32 (measured on SmolLM2-135M in bf16 on
+        AVX512-BF16: 1,564 against this formula's 1,536; float32 on AVX2: ~3,950 against 3,072).
+        """
+        q_out, kv_out = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        linear = self.hidden_size * (2 * q_out + 2 * kv_out) + 3 * self.hidden_size * self.intermediate_size
+        pair = 2 * self.num_heads * self.head_dim
+        return max(1, round(linear / pair / (1 if dtype == torch.float32 else 2)))
 
     @classmethod
     def from_hf(cls, hf: Any) -> ModelConfig:
@@ -136,9 +151,14 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     max_num_seqs: int
     max_prefill_chunk_tokens: int  # most prefill tokens one request gets in one step
+    # While other tenants have requests in flight, the most prefill work a tenant other than the
+    # one with the least prefill left gets in one step, in token-equivalents (attention counted).
+    fair_share_tokens: int = DEFAULT_FAIR_SHARE_TOKENS
+    attention_cost_context: int = 4096  # ModelConfig.attention_cost_context of the served model
 
     def __post_init__(self) -> None:
-        for name in ("max_model_len", "max_num_batched_tokens", "max_num_seqs", "max_prefill_chunk_tokens"):
+        for name in ("max_model_len", "max_num_batched_tokens", "max_num_seqs", "max_prefill_chunk_tokens",
+                     "fair_share_tokens", "attention_cost_context"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_prefill_chunk_tokens > self.max_num_batched_tokens:
@@ -173,6 +193,7 @@ class EngineArgs:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
     max_prefill_chunk_tokens: int | None = None  # None: 512, or the whole budget if smaller
+    fair_share_tokens: int = DEFAULT_FAIR_SHARE_TOKENS
     kv_scrub: ScrubMode = "off"
     check_kv: bool = False
     enable_prefix_caching: bool = True  # reuse full KV pages of earlier prompts of the same tenant (I5)
@@ -210,6 +231,11 @@ class EngineArgs:
             raise ConfigError(f"max_prefill_chunk_tokens must be a whole number of tokens, got "
                               f"{self.max_prefill_chunk_tokens!r}; leave it unset for the default "
                               f"(512, or the budget if smaller)")
+        if isinstance(self.fair_share_tokens, bool) or not isinstance(self.fair_share_tokens, int) \
+                or self.fair_share_tokens < 1:
+            raise ConfigError(f"fair_share_tokens must be a whole number of tokens >= 1, got "
+                              f"{self.fair_share_tokens!r}; it is the most prefill work a tenant gets in a step "
+                              f"while other tenants wait (default {DEFAULT_FAIR_SHARE_TOKENS})")
         if self.num_threads is not None and (isinstance(self.num_threads, bool) or not isinstance(self.num_threads, int)
                                              or self.num_threads < 1):
             raise ConfigError(f"--threads (num_threads) must be a whole number >= 1, got {self.num_threads!r}; "
@@ -247,7 +273,8 @@ class EngineArgs:
         cache = CacheConfig(self.page_size, capacity.num_pages, self.torch_dtype, self.kv_scrub, self.check_kv,
                             self.enable_prefix_caching)
         sched = SchedulerConfig(max_model_len, self.max_num_batched_tokens, self.max_num_seqs,
-                                self.resolved_max_prefill_chunk_tokens)
+                                self.resolved_max_prefill_chunk_tokens, self.fair_share_tokens,
+                                model.attention_cost_context(self.torch_dtype))
         return cache, sched
 
     def _resolve_max_model_len(self, model: ModelConfig, capacity: KvCapacity) -> int:

@@ -45,6 +45,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, with_threads: bool 
     parser.add_argument("--max-prefill-chunk-tokens", type=int, default=None, help="most prefill tokens one "
                         "request gets per step, so other requests and tenants share the budget "
                         "(default: 512, or --max-num-batched-tokens if smaller)")
+    parser.add_argument("--fair-share-tokens", type=int, default=d.fair_share_tokens, help="while other "
+                        "tenants have requests in flight, the most prefill work (in tokens; a token deep in a "
+                        "long prompt counts for more, by its attention) a tenant gets in one step, unless it "
+                        "has the least prefill left: keeps steps short while another tenant waits "
+                        f"(default: {d.fair_share_tokens})")
     parser.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
     parser.add_argument("--kv-scrub", choices=("off", "free", "alloc"), default=d.kv_scrub)
     parser.add_argument("--check-kv", action="store_true", help="checked mode: NaN-poison freed pages and "
@@ -65,6 +70,7 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
         kv_cache_tokens=ns.kv_cache_tokens,
         kv_cache_memory=ns.kv_cache_memory, kv_headroom=ns.kv_headroom, page_size=ns.page_size,
         max_num_batched_tokens=ns.max_num_batched_tokens, max_num_seqs=ns.max_num_seqs,
-        max_prefill_chunk_tokens=ns.max_prefill_chunk_tokens, kv_scrub=ns.kv_scrub, check_kv=ns.check_kv,
+        max_prefill_chunk_tokens=ns.max_prefill_chunk_tokens, fair_share_tokens=ns.fair_share_tokens,
+        kv_scrub=ns.kv_scrub, check_kv=ns.check_kv,
         enable_prefix_caching=ns.enable_prefix_caching, seed=ns.seed, num_threads=ns.threads,
     )

@@ -99,12 +99,14 @@ class LLMEngine:
         c, s = self.cache_config, self.scheduler_config
         logger.info(
             "kvseal engine: model=%s arch=%s dtype=%s max_model_len=%d kv_cache_tokens=%d (%d pages x %d) "
-            "kv_bytes_per_token=%d max_num_batched_tokens=%d max_prefill_chunk_tokens=%d max_num_seqs=%d "
-            "kv_scrub=%s check_kv=%s prefix_caching=%s torch_threads=%d decode_attention=%s forward=%s",
+            "kv_bytes_per_token=%d max_num_batched_tokens=%d max_prefill_chunk_tokens=%d fair_share_tokens=%d "
+            "attention_cost_context=%d max_num_seqs=%d kv_scrub=%s check_kv=%s prefix_caching=%s torch_threads=%d "
+            "decode_attention=%s forward=%s",
             self.loaded.path, self.model_config.architecture, args.dtype, s.max_model_len, c.kv_cache_tokens,
             c.num_pages, c.page_size, args.capacity(self.model_config).bytes_per_token,
-            s.max_num_batched_tokens, s.max_prefill_chunk_tokens, s.max_num_seqs, c.kv_scrub, c.check_kv,
-            c.enable_prefix_caching, torch.get_num_threads(), "native" if self._native_decode else "torch",
+            s.max_num_batched_tokens, s.max_prefill_chunk_tokens, s.fair_share_tokens, s.attention_cost_context,
+            s.max_num_seqs, c.kv_scrub, c.check_kv, c.enable_prefix_caching, torch.get_num_threads(),
+            "native" if self._native_decode else "torch",
             "native" if self.runner.model.native is not None else "torch",
         )
 

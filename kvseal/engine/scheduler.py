@@ -9,6 +9,14 @@ Each step first plans how many tokens every request gets (`_plan`), then walks t
   to the others, oldest first inside a tenant, and no request gets more than
   `max_prefill_chunk_tokens` in one step. A tenant with many long prompts gets its share of
   the budget, not all of it.
+- While more than one tenant has requests in flight (decoding ones count, and so does a tenant
+  whose last request finished less than `TENANT_LINGER_S` ago: its next prompt usually follows),
+  every tenant but the one with the least prefill left is held to `fair_share_tokens` of
+  prefill work a step (a quarter of it in a step that carries that tenant's own prefill),
+  counted by `chunk_cost`: a token deep in a long prompt costs more than
+  one near its start, by its attention. A tenant's new short prompt then waits out a short
+  step, not a long one, and shares its own step with little; the tenant with the long prompts
+  still advances every step.
 - Running requests, oldest first, get their planned chunk. When pages run out, the newest
   running request is preempted by recompute: its pages are freed, its computed-token count
   reset to zero, and it goes back to the head of the queue with the tokens it already
@@ -22,18 +30,26 @@ Each step first plans how many tokens every request gets (`_plan`), then walks t
 Because admission (I1) bounds every request by max_model_len and start-up (I2) makes the
 pool at least that large, the oldest request can always run alone: no deadlock. It is never
 starved of budget either: its tenant comes first in the sharing order and it comes first
-inside its tenant, so it gets at least one token in every step that decodes leave budget in.
+inside its tenant, so it gets at least one token in every step that decodes leave budget in
+(a tenant held to its fair share gets at least one token too).
 """
 
 from __future__ import annotations
 
+import math
+import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from kvseal.config import SchedulerConfig
 from kvseal.kvcache.manager import KVCacheManager
 from kvseal.types import Request, RequestStatus, ScheduledChunk
+
+# How long a tenant whose requests have all finished still counts as in flight for fair shares:
+# an interactive client sends its next prompt within milliseconds, and the step that starts in
+# between should not be a long one.
+TENANT_LINGER_S = 1.0
 
 
 @dataclass
@@ -48,6 +64,8 @@ class Scheduler:
         self.kv = kv
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.clock: Callable[[], float] = time.monotonic
+        self._last_in_flight: dict[str, float] = {}  # tenant -> when it last had a request here
 
     @property
     def num_unfinished(self) -> int:
@@ -82,8 +100,32 @@ class Scheduler:
         num_cached = {r.request_id: len(self.kv.match_prefix(r)) * self.kv.page_size for r in starting}
         plan = {r.request_id: 1 for r in decodes}
         plan.update(share_prefill_budget(prefills, budget - len(decodes), self.config.max_prefill_chunk_tokens,
-                                         num_cached))
+                                         num_cached, self._fair_share_caps(), self.config.attention_cost_context))
         return plan
+
+    def _fair_share_caps(self) -> dict[str, int]:
+        """Tenant -> the most prefill work it gets this step: while several tenants have requests
+        in flight (or had, less than TENANT_LINGER_S ago), `fair_share_tokens` for all but the
+        one with the least prefill left (the first such, in queue order), a quarter of it while
+        that one has prefill of its own; no cap for anyone when one tenant is alone."""
+        now = self.clock()
+        prefill_left: dict[str, int] = {}
+        for request in (*self.running, *self.waiting):
+            left = num_tokens_left(request)
+            decoding = request.status is RequestStatus.RUNNING and left == 1
+            prefill_left[request.tenant] = prefill_left.get(request.tenant, 0) + (0 if decoding else left)
+        self._last_in_flight.update(dict.fromkeys(prefill_left, now))
+        self._last_in_flight = {tenant: seen for tenant, seen in self._last_in_flight.items()
+                                if now - seen < TENANT_LINGER_S}
+        for tenant in self._last_in_flight:
+            prefill_left.setdefault(tenant, 0)  # lingering: no prefill left, so it is the lightest
+        if len(prefill_left) < 2:
+            return {}
+        lightest = min(prefill_left, key=prefill_left.__getitem__)
+        share = self.config.fair_share_tokens
+        if prefill_left[lightest]:  # its prompt is in this step: what others add delays its first token
+            share = max(1, share // 4)
+        return {tenant: share for tenant in prefill_left if tenant != lightest}
 
     def _schedule_running(self, out: SchedulerOutput, plan: dict[str, int]) -> None:
         i = 0
@@ -158,20 +200,36 @@ def num_tokens_left(request: Request) -> int:
 
 
 def share_prefill_budget(requests: list[Request], budget: int, max_chunk_tokens: int,
-                         num_cached: Mapping[str, int] | None = None) -> dict[str, int]:
+                         num_cached: Mapping[str, int] | None = None, tenant_caps: Mapping[str, int] | None = None,
+                         attention_cost_context: int = 4096) -> dict[str, int]:
     """Split `budget` tokens between `requests` that want to prefill; returns request id -> tokens.
     `num_cached`: tokens of a request that a prefix-cache hit will cover (not wanted).
+    `tenant_caps`: tenant -> the most work, by `chunk_cost` over `attention_cost_context`, its
+    requests get together.
 
     Promises: no request gets more than `max_chunk_tokens` nor more than it has left; the total
-    is at most `budget`; tenants get equal shares, and a share a tenant cannot use goes to the
-    others; inside a tenant, requests are served in the order given. Tenants are visited in the
-    order of their first request, so the first tenant gets any remainder that does not divide.
+    is at most `budget`; a capped tenant's chunks cost at most its cap, except that its first
+    request gets at least one token; tenants get equal shares, and a share a tenant cannot use
+    goes to the others; inside a tenant, requests are served in the order given. Tenants are
+    visited in the order of their first request, so the first tenant gets any remainder that
+    does not divide.
     """
     cached = num_cached or {}
+    caps = tenant_caps or {}
     wants: dict[str, list[tuple[str, int]]] = {}
+    cost_left = {tenant: float(cap) for tenant, cap in caps.items()}
     for request in requests:
-        wants.setdefault(request.tenant, []).append(
-            (request.request_id, min(num_tokens_left(request) - cached.get(request.request_id, 0), max_chunk_tokens)))
+        skip = cached.get(request.request_id, 0)
+        want = min(num_tokens_left(request) - skip, max_chunk_tokens)
+        tenant_wants = wants.setdefault(request.tenant, [])
+        if request.tenant in caps:
+            start = request.num_computed_tokens + skip
+            want = min(want, tokens_within(start, cost_left[request.tenant], attention_cost_context))
+            want = want or int(not tenant_wants)  # the tenant's first request advances by one token at least
+            # a request the share cannot afford ends the tenant's turn: no younger one goes before it
+            cost_left[request.tenant] -= chunk_cost(start, want, attention_cost_context) if want else math.inf
+        if want > 0:
+            tenant_wants.append((request.request_id, want))
     shares = _equal_shares({tenant: sum(n for _, n in w) for tenant, w in wants.items()}, budget)
     grants: dict[str, int] = {}
     for tenant, tenant_wants in wants.items():
@@ -199,3 +257,25 @@ def _equal_shares(demands: dict[str, int], budget: int) -> dict[str, int]:
             if shares[tenant] == demands[tenant]:
                 wanting.remove(tenant)
     return shares
+
+
+def chunk_cost(start: int, num_tokens: int, attention_cost_context: int) -> float:
+    """Work of computing positions [start, start + num_tokens), in tokens of linear work: each
+    token costs 1 for its linears and (its context length) / `attention_cost_context` for its
+    attention (see `ModelConfig.attention_cost_context`)."""
+    contexts = num_tokens * start + num_tokens * (num_tokens + 1) / 2
+    return num_tokens + contexts / attention_cost_context
+
+
+def tokens_within(start: int, cost: float, attention_cost_context: int) -> int:
+    """The most tokens from position `start` on whose `chunk_cost` is at most `cost`."""
+    if cost <= 0:
+        return 0
+    k = attention_cost_context
+    b = 1 + (start + 0.5) / k  # chunk_cost(n) = n * b + n * n / (2k): solve it for n
+    n = int((math.sqrt(b * b + 2 * cost / k) - b) * k)
+    while n > 0 and chunk_cost(start, n, k) > cost:
+        n -= 1
+    while chunk_cost(start, n + 1, k) <= cost:
+        n += 1
+    return n

@@ -1,5 +1,7 @@
 """Fairness between tenants: decodes first, a capped prefill chunk per request, the prefill
-budget shared between tenants. Everything is counted in steps and tokens, never in time."""
+budget shared between tenants, and every tenant but the one with the least prefill left held to
+its fair share of work while another tenant has requests in flight. Everything is counted in
+steps, tokens and token-equivalents of work, never in time."""
 
 from __future__ import annotations
 
@@ -9,12 +11,13 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvseal import SamplingParams
-from kvseal.config import EngineArgs, SchedulerConfig
-from kvseal.engine.scheduler import num_tokens_left, share_prefill_budget
+from kvseal.config import EngineArgs, ModelConfig, SchedulerConfig
+from kvseal.engine.scheduler import TENANT_LINGER_S, chunk_cost, num_tokens_left, share_prefill_budget, tokens_within
 from kvseal.engine_args import add_engine_arguments, engine_args_from
 from kvseal.errors import ConfigError
 from kvseal.types import Request
@@ -239,3 +242,143 @@ def test_waiting_requests_take_no_share_while_every_seat_is_taken(make_engine: C
         assert chunks == [("long", "A", min(BUDGET, LONG - done))]
         done += chunks[0][2]
     assert _steps_to_first_token(engine, "short") <= 3  # the long request's last token, then the short one
+
+
+# -- fair shares: work counted with attention, short steps while another tenant waits ----------
+
+
+def _record_work(engine: Any) -> list[dict[str, float]]:
+    """Wrap the real scheduler so every step's prefill work per tenant (`chunk_cost`) is kept."""
+    steps: list[dict[str, float]] = []
+    schedule = engine.scheduler.schedule
+    k = engine.scheduler_config.attention_cost_context
+
+    def recording() -> Any:
+        out = schedule()
+        work: dict[str, float] = {}
+        for c in out.chunks:
+            if num_tokens_left(c.request) > 1:  # decodes are not held to shares
+                work[c.request.tenant] = work.get(c.request.tenant, 0) + chunk_cost(c.start_pos, c.num_new_tokens, k)
+        steps.append(work)
+        return out
+
+    engine.scheduler.schedule = recording
+    return steps
+
+
+@settings(max_examples=400, deadline=None)
+@given(start=st.integers(0, 10_000), cost=st.floats(0, 5_000), k=st.integers(1, 10_000))
+def test_tokens_within_is_the_most_tokens_a_cost_buys(start: int, cost: float, k: int) -> None:
+    n = tokens_within(start, cost, k)
+    assert n >= 0 and chunk_cost(start, n, k) <= cost < chunk_cost(start, n + 1, k)
+
+
+def test_chunk_cost_counts_attention_by_context() -> None:
+    assert chunk_cost(0, 1, 100) == 1.01  # one token at context 1
+    assert chunk_cost(0, 10, 100) == 10 + 55 / 100
+    assert chunk_cost(90, 10, 100) == 10 + (900 + 55) / 100
+    assert chunk_cost(5, 0, 100) == 0
+
+
+def test_attention_cost_context_of_smollm2_is_its_linears_over_attention_per_pair() -> None:
+    from transformers import LlamaConfig
+
+    smollm2 = ModelConfig.from_hf(LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                                              num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                                              architectures=["LlamaForCausalLM"]))
+    # per layer: q, o 576x576; k, v 576x192; gate, up, down 576x1536 = 3,538,944 multiply-adds a
+    # token, against 2 x 9 heads x 64 = 1,152 a (query, key) pair
+    assert smollm2.attention_cost_context(torch.float32) == 3072
+    assert smollm2.attention_cost_context(torch.bfloat16) == 1536
+
+
+@settings(max_examples=300, deadline=None)
+@given(spec=st.lists(st.tuples(st.integers(0, 3), st.integers(1, 60), st.integers(0, 400)), max_size=12),
+       budget=st.integers(0, 64), cap=st.integers(1, 64), k=st.integers(1, 500),
+       caps=st.dictionaries(st.sampled_from(["t0", "t1", "t2", "t3"]), st.integers(1, 40)))
+def test_a_capped_tenant_gets_at_most_its_fair_share_of_work(
+        spec: list[tuple[int, int, int]], budget: int, cap: int, k: int, caps: dict[str, int]) -> None:
+    requests = _requests([(tenant, n + done) for tenant, n, done in spec])
+    for request, (_, _, done) in zip(requests, spec):
+        request.num_computed_tokens = done
+    grants = share_prefill_budget(requests, budget, cap, None, caps, k)
+    assert sum(grants.values()) <= budget
+    by_tenant: dict[str, list[Request]] = {}
+    for r in requests:
+        assert 0 < grants.get(r.request_id, 1) <= min(num_tokens_left(r), cap)
+        if r.request_id in grants:
+            by_tenant.setdefault(r.tenant, []).append(r)
+    for tenant, granted in by_tenant.items():
+        ids = [r.request_id for r in requests if r.tenant == tenant]
+        assert [r.request_id for r in granted] == ids[:len(granted)], "oldest first inside a tenant"
+        if tenant in caps:
+            work = sum(chunk_cost(r.num_computed_tokens, grants[r.request_id], k) for r in granted)
+            assert work <= caps[tenant] or (len(granted) == 1 and grants[granted[0].request_id] == 1)
+    if sum(grants.values()) < budget:  # budget left over: every uncapped tenant got all it wanted
+        for r in requests:
+            if r.tenant not in caps:
+                assert grants.get(r.request_id) == min(num_tokens_left(r), cap)
+
+
+def test_a_tenant_alone_is_not_held_to_a_fair_share(make_engine: Callable[..., Any]) -> None:
+    engine = make_engine(fair_share_tokens=4, max_prefill_chunk_tokens=BUDGET)
+    steps = _record_steps(engine)
+    _start_long_prefills(engine, 2)
+    assert [sum(n for _, _, n in chunks) for chunks in steps] == [BUDGET, BUDGET]
+
+
+def test_while_another_tenant_decodes_a_long_prefill_advances_by_its_fair_share(
+        make_engine: Callable[..., Any]) -> None:
+    share = 8
+    engine = make_engine(fair_share_tokens=share, max_prefill_chunk_tokens=BUDGET, kv_cache_tokens=2048)
+    now = [0.0]
+    engine.scheduler.clock = lambda: now[0]
+    work = _record_work(engine)
+    longs = _start_long_prefills(engine, 2)
+    engine.add_request("b-chat", [5, 6, 7, 8], _params(12), tenant="B")
+    for _ in range(6):  # B decodes: every step holds A to its share, yet A advances
+        before = [engine.find(i).num_computed_tokens for i in longs]
+        outs = {o.request_id for o in engine.step() if o.new_token_ids}
+        engine.check_integrity()
+        assert "b-chat" in outs
+        assert 0 < work[-1]["A"] <= share
+        assert [engine.find(i).num_computed_tokens for i in longs] != before
+    # B's new prompt takes all it needs at once (B has the least prefill left), and A adds a
+    # quarter of its share to that step
+    engine.add_request("b-new", list(range(40, 60)), _params(2), tenant="B")
+    assert _steps_to_first_token(engine, "b-new") == 1
+    assert work[-1]["B"] >= 20 and 0 < work[-1]["A"] <= share // 4
+    assert all(_is_prefilling(engine, i) for i in longs)
+    while engine.find("b-chat") is not None or engine.find("b-new") is not None:
+        engine.step()
+    # B's next prompt usually follows within milliseconds: A stays held while B lingers...
+    now[0] += TENANT_LINGER_S * 0.9
+    engine.step()
+    assert work[-1]["A"] <= share
+    now[0] += TENANT_LINGER_S * 0.2  # ...and once B is gone, A alone gets the whole budget
+    engine.step()
+    assert sum(work[-1].values()) > BUDGET - 1
+
+
+def test_without_fair_shares_a_long_prefill_takes_the_budget_beside_a_decode(
+        make_engine: Callable[..., Any]) -> None:
+    """The contrast to the test above: with the share out of reach, A's steps are long."""
+    engine = make_engine(fair_share_tokens=10**9, max_prefill_chunk_tokens=BUDGET, kv_cache_tokens=2048)
+    steps = _record_steps(engine)
+    _start_long_prefills(engine, 2)
+    engine.add_request("b-chat", [5, 6, 7, 8], _params(30), tenant="B")
+    engine.step()
+    engine.step()
+    assert sum(n for _, t, n in steps[-1] if t == "A") == BUDGET - 1
+
+
+def test_fair_share_is_validated_and_has_a_flag() -> None:
+    assert EngineArgs().fair_share_tokens == 256
+    for bad in (0, -3, "64", 2.5, True):
+        with pytest.raises(ConfigError, match="fair_share_tokens must be a whole number"):
+            EngineArgs(fair_share_tokens=bad)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="fair_share_tokens must be >= 1"):
+        SchedulerConfig(64, 32, 4, 32, 0)
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    assert engine_args_from(parser.parse_args(["--fair-share-tokens", "64"])).fair_share_tokens == 64
