@@ -13,10 +13,10 @@ Each step first plans how many tokens every request gets (`_plan`), then walks t
   whose last request finished less than `TENANT_LINGER_S` ago: its next prompt usually follows),
   every tenant but the one with the least prefill left is held to `fair_share_tokens` of
   prefill work a step (a quarter of it in a step that carries that tenant's own prefill),
-  counted by `chunk_cost`: a token deep in a long prompt costs more than
-  one near its start, by its attention. A tenant's new short prompt then waits out a short
-  step, not a long one, and shares its own step with little; the tenant with the long prompts
-  still advances every step.
+  counted by `chunk_cost`: a token deep in a long prompt costs more than one near its start,
+  by its attention. A tenant's new short prompt then waits out a short step, not a long one,
+  and shares its own step with little; the tenant with the long prompts still advances every
+  step.
 - Running requests, oldest first, get their planned chunk. When pages run out, the newest
   running request is preempted by recompute: its pages are freed, its computed-token count
   reset to zero, and it goes back to the head of the queue with the tokens it already
