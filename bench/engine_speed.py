@@ -179,6 +179,7 @@ def main() -> None:
     parser.add_argument("--kv-cache-memory", default=None,
                         help="size the KV pool like `kvseal serve` (e.g. 2GiB), not max c x (prompt + output)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--page-size", type=int, default=16, help="KV page size in tokens (`kvseal serve --page-size`)")
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     parser.add_argument("--linears", type=int, nargs="*", default=None, metavar="ROWS",
                         help="instead: time nn.Linear against the packed linears at these row counts")
@@ -199,7 +200,7 @@ def main() -> None:
     pool: dict[str, Any] = ({"kv_cache_memory": args.kv_cache_memory} if args.kv_cache_memory
                             else {"kv_cache_tokens": max_c * (args.prompt_len + args.output_len)})
     llm = LLM(model=args.model, dtype=args.dtype, quantization=args.quantization,
-              max_model_len=args.max_model_len or args.prompt_len + args.output_len, max_num_seqs=max(max_c, 1), **pool)
+              max_model_len=args.max_model_len or args.prompt_len + args.output_len, max_num_seqs=max(max_c, 1), page_size=args.page_size, **pool)
     load_s = time.perf_counter() - started
     run_concurrency(llm, min(4, max_c), min(4, max_c), args.prompt_len, 8, args.seed + 1)  # warm-up
     results = {"label": args.label, "kvseal": os.path.dirname(kvseal.__file__),

@@ -107,8 +107,18 @@ DEFINE_EXP(exp_v16, v16, v16i)
 /* Softmax in place over s[0..n-1]; returns nothing, s holds the probabilities. */
 static void softmax(float *s, int64_t n) {
     float top = s[0], sum = 0.0f;
-    for (int64_t t = 1; t < n; t++) top = s[t] > top ? s[t] : top;
-    int64_t t = 0;
+    int64_t t = 1;
+    if (n >= 8) {  /* the maximum is exact in any order */
+        v8 m = load8(s);
+        for (t = 8; t + 8 <= n; t += 8) {
+            const v8 x = load8(s + t);
+            const v8i gt = x > m;  /* lanes: -1 where true */
+            m = (v8)((gt & (v8i)x) | (~gt & (v8i)m));
+        }
+        for (int i = 0; i < 8; i++) top = m[i] > top ? m[i] : top;
+    }
+    for (; t < n; t++) top = s[t] > top ? s[t] : top;
+    t = 0;
     v8 acc = {0};
     for (; t + 8 <= n; t += 8) { v8 e = exp_v(load8(s + t) - top); store8(s + t, e); acc += e; }
     sum = hsum8(acc);
@@ -123,58 +133,99 @@ static inline void prefetch_page(const void *page, int64_t bytes) {
     for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch((const char *)page + i);
 }
 
+/* scale * hsum8 of a, b, c and d into out[0..3], each summed in hsum8's order (bit-equal to it). */
+static inline void hsum8x4(v8 a, v8 b, v8 c, v8 d, float scale, float *out) {
+    const v8 ab = __builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11)
+                  + __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15);  /* x0+x4 .. x3+x7 of a, of b */
+    const v8 cd = __builtin_shufflevector(c, d, 0, 1, 2, 3, 8, 9, 10, 11)
+                  + __builtin_shufflevector(c, d, 4, 5, 6, 7, 12, 13, 14, 15);
+    const v8 x = __builtin_shufflevector(ab, cd, 0, 2, 8, 10, 4, 6, 12, 14)
+                 + __builtin_shufflevector(ab, cd, 1, 3, 9, 11, 5, 7, 13, 15);  /* a a c c b b d d */
+    out[0] = scale * (x[0] + x[1]); out[1] = scale * (x[4] + x[5]);
+    out[2] = scale * (x[2] + x[3]); out[3] = scale * (x[6] + x[7]);
+}
+
+/* Scores of slots 0..n-1 of one K page for JB (<= 3) query heads q_j = q + j * hd, into
+   scores[j * ctx + i]: four slots at a time for every head at once, so each K vector is loaded
+   once for the JB heads and the 4 * JB accumulators are as many independent FMA chains (one
+   head at a time, four chains eight FMAs deep waited on the FMA latency). Each score is summed
+   in the order of one slot and one head at a time (then hsum8), so the result is the same. */
+#define DEFINE_PAGE_SCORES(NV, JB)                                                              \
+static inline void page_scores_##NV##_##JB(const float *q, const float *kp, int64_t n, float scale, \
+                                           float *scores, int64_t ctx) {                        \
+    const int64_t hd = 8 * NV;                                                                  \
+    int64_t i = 0;                                                                              \
+    for (; i + 4 <= n; i += 4) {                                                                \
+        v8 acc[JB][4];                                                                          \
+        for (int j = 0; j < JB; j++) for (int s = 0; s < 4; s++) acc[j][s] = (v8){0};           \
+        const float *k0 = kp + i * hd;                                                          \
+        for (int c = 0; c < NV; c++) {                                                          \
+            const v8 k_0 = load8(k0 + 8 * c), k_1 = load8(k0 + hd + 8 * c);                     \
+            const v8 k_2 = load8(k0 + 2 * hd + 8 * c), k_3 = load8(k0 + 3 * hd + 8 * c);        \
+            for (int j = 0; j < JB; j++) {                                                      \
+                const v8 qv = load8(q + j * hd + 8 * c);                                        \
+                acc[j][0] += qv * k_0; acc[j][1] += qv * k_1;                                   \
+                acc[j][2] += qv * k_2; acc[j][3] += qv * k_3;                                   \
+            }                                                                                   \
+        }                                                                                       \
+        for (int j = 0; j < JB; j++)                                                            \
+            hsum8x4(acc[j][0], acc[j][1], acc[j][2], acc[j][3], scale, scores + j * ctx + i);   \
+    }                                                                                           \
+    for (; i < n; i++)                                                                          \
+        for (int j = 0; j < JB; j++) {                                                          \
+            v8 a0 = {0};                                                                        \
+            for (int c = 0; c < NV; c++) a0 += load8(q + j * hd + 8 * c) * load8(kp + i * hd + 8 * c); \
+            scores[j * ctx + i] = scale * hsum8(a0);                                            \
+        }                                                                                       \
+}
+
 /* One (row, KV head) with head_dim = 8 * NV: its `group` query heads attend to slots 0..ctx-1
-   of the row's pages. scores: scratch of group * ctx floats. Four slots at a time per head,
-   so four independent accumulator chains keep the FMA units busy. */
+   of the row's pages. scores: scratch of group * ctx floats; out holds each head's running PV
+   sums between pages. Both passes go page by page with every query head over a page before
+   the next page (a 4 KB page stays in L1 for the group: one head at a time read every V page
+   from L2 once per head), each head's sums over the slots in order, as one head at a time
+   would sum them. Pages are scattered and the hardware prefetcher stops at each page's end,
+   so the kernels ask for the page after next as they go, and the last two K pages ask for the
+   first two V pages. */
 #define DEFINE_ATTEND(NV)                                                                       \
+DEFINE_PAGE_SCORES(NV, 1)                                                                       \
+DEFINE_PAGE_SCORES(NV, 2)                                                                       \
+DEFINE_PAGE_SCORES(NV, 3)                                                                       \
 static void attend_##NV(const float *q, const float *k_head, const float *v_head,               \
                         const int64_t *table, int64_t ctx, int64_t group, int64_t page_size,    \
                         float scale, float *scores, float *out) {                               \
-    const int64_t hd = 8 * NV, page_bytes = page_size * hd * (int64_t)sizeof(float);            \
-    for (int64_t t0 = 0; t0 < ctx; t0 += page_size) {                                           \
-        const int64_t n = ctx - t0 < page_size ? ctx - t0 : page_size;                          \
-        const float *kp = k_head + table[t0 / page_size] * page_size * hd;                      \
-        if (t0 + page_size < ctx) prefetch_page(k_head + table[t0 / page_size + 1] * page_size * hd, page_bytes); \
-        for (int64_t j = 0; j < group; j++) {                                                   \
-            const float *qj = q + j * hd;                                                       \
-            float *sj = scores + j * ctx + t0;                                                  \
-            int64_t i = 0;                                                                      \
-            for (; i + 4 <= n; i += 4) {                                                        \
-                v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};                                      \
-                const float *k0 = kp + i * hd;                                                  \
-                for (int c = 0; c < NV; c++) {                                                  \
-                    v8 qv = load8(qj + 8 * c);                                                  \
-                    a0 += qv * load8(k0 + 8 * c);                                               \
-                    a1 += qv * load8(k0 + hd + 8 * c);                                          \
-                    a2 += qv * load8(k0 + 2 * hd + 8 * c);                                      \
-                    a3 += qv * load8(k0 + 3 * hd + 8 * c);                                      \
-                }                                                                               \
-                sj[i] = scale * hsum8(a0); sj[i + 1] = scale * hsum8(a1);                       \
-                sj[i + 2] = scale * hsum8(a2); sj[i + 3] = scale * hsum8(a3);                   \
-            }                                                                                   \
-            for (; i < n; i++) {                                                                \
-                v8 a0 = {0};                                                                    \
-                for (int c = 0; c < NV; c++) a0 += load8(qj + 8 * c) * load8(kp + i * hd + 8 * c); \
-                sj[i] = scale * hsum8(a0);                                                      \
-            }                                                                                   \
+    const int64_t hd = 8 * NV, page_floats = page_size * hd, page_bytes = page_floats * (int64_t)sizeof(float); \
+    const int64_t pages = (ctx + page_size - 1) / page_size;                                    \
+    for (int64_t p = 0; p < pages; p++) {                                                       \
+        const int64_t t0 = p * page_size, n = ctx - t0 < page_size ? ctx - t0 : page_size;      \
+        if (p == 0 && pages > 1) prefetch_page(k_head + table[1] * page_floats, page_bytes);    \
+        if (p + 2 < pages) prefetch_page(k_head + table[p + 2] * page_floats, page_bytes);      \
+        else if (p + 2 - pages < pages) prefetch_page(v_head + table[p + 2 - pages] * page_floats, page_bytes); \
+        const float *kp = k_head + table[p] * page_floats;                                      \
+        for (int64_t j0 = 0; j0 < group; j0 += 3) {                                             \
+            const float *qj = q + j0 * hd;                                                      \
+            float *sj = scores + j0 * ctx + t0;                                                 \
+            if (group - j0 >= 3) page_scores_##NV##_3(qj, kp, n, scale, sj, ctx);               \
+            else if (group - j0 == 2) page_scores_##NV##_2(qj, kp, n, scale, sj, ctx);          \
+            else page_scores_##NV##_1(qj, kp, n, scale, sj, ctx);                               \
         }                                                                                       \
     }                                                                                           \
     for (int64_t j = 0; j < group; j++) softmax(scores + j * ctx, ctx);                         \
-    for (int64_t j = 0; j < group; j++) {                                                       \
-        v8 o[NV];                                                                               \
-        for (int c = 0; c < NV; c++) o[c] = (v8){0};                                            \
-        const float *sj = scores + j * ctx;                                                     \
-        for (int64_t t0 = 0; t0 < ctx; t0 += page_size) {                                       \
-            const int64_t n = ctx - t0 < page_size ? ctx - t0 : page_size;                      \
-            const float *vp = v_head + table[t0 / page_size] * page_size * hd;                  \
-            if (j == 0 && t0 + page_size < ctx)                                                 \
-                prefetch_page(v_head + table[t0 / page_size + 1] * page_size * hd, page_bytes); \
+    for (int64_t j = 0; j < group * hd; j += 8) store8(out + j, (v8){0});                       \
+    for (int64_t p = 0; p < pages; p++) {                                                       \
+        const int64_t t0 = p * page_size, n = ctx - t0 < page_size ? ctx - t0 : page_size;      \
+        if (p + 2 < pages) prefetch_page(v_head + table[p + 2] * page_floats, page_bytes);      \
+        const float *vp = v_head + table[p] * page_floats;                                      \
+        for (int64_t j = 0; j < group; j++) {                                                   \
+            v8 o[NV];                                                                           \
+            for (int c = 0; c < NV; c++) o[c] = load8(out + j * hd + 8 * c);                    \
+            const float *sj = scores + j * ctx + t0;                                            \
             for (int64_t i = 0; i < n; i++) {                                                   \
-                const float w = sj[t0 + i];                                                     \
+                const float w = sj[i];                                                          \
                 for (int c = 0; c < NV; c++) o[c] += w * load8(vp + i * hd + 8 * c);            \
             }                                                                                   \
+            for (int c = 0; c < NV; c++) store8(out + j * hd + 8 * c, o[c]);                    \
         }                                                                                       \
-        for (int c = 0; c < NV; c++) store8(out + j * hd + 8 * c, o[c]);                        \
     }                                                                                           \
 }
 DEFINE_ATTEND(4)
