@@ -200,7 +200,8 @@ def main() -> None:
     pool: dict[str, Any] = ({"kv_cache_memory": args.kv_cache_memory} if args.kv_cache_memory
                             else {"kv_cache_tokens": max_c * (args.prompt_len + args.output_len)})
     llm = LLM(model=args.model, dtype=args.dtype, quantization=args.quantization,
-              max_model_len=args.max_model_len or args.prompt_len + args.output_len, max_num_seqs=max(max_c, 1), page_size=args.page_size, **pool)
+              max_model_len=args.max_model_len or args.prompt_len + args.output_len, max_num_seqs=max(max_c, 1),
+              page_size=args.page_size, **pool)
     load_s = time.perf_counter() - started
     run_concurrency(llm, min(4, max_c), min(4, max_c), args.prompt_len, 8, args.seed + 1)  # warm-up
     results = {"label": args.label, "kvseal": os.path.dirname(kvseal.__file__),
