@@ -687,7 +687,13 @@ DEFINE_PANEL_KERNEL(6)
    computes (measured: 6 to 32 rows ran 5-14% slower without software prefetch), so the first
    pass prefetches its own slab PREFETCH_AHEAD lines ahead, and every later pass, which reads
    the slab from cache, prefetches `next` (the slab this thread takes next, next_step bytes per
-   k; NULL if none). */
+   k; NULL if none). With two passes (7-12 rows) the second one asks for only the first half
+   of a float32 `next`: one pass over the slab is too short for memory to bring a whole slab,
+   and a core that asks for more than its miss buffers hold waits on them instead of
+   computing; the next slab's first pass fetches the rest ahead of itself. Measured at 8 and
+   12 rows: 0.91x and 0.93x the time of a whole slab (a quarter: 0.97x, 1.01x; none: 1.02x,
+   1.08x; three quarters: 0.92x, 0.94x); with three or more passes (16 rows and up) half a
+   slab was no better at 16 rows and 1.10x at 32, so those keep asking for all of it. */
 #define PREFETCH_AHEAD 32
 static void panel_rows(const float *x, const float *slab, const float *bias, float *y, int64_t m0, int64_t m_end,
                        int64_t p, int64_t n_out, int64_t k_in, const void *next, int64_t next_step) {
@@ -711,7 +717,7 @@ static void panel_rows(const float *x, const float *slab, const float *bias, flo
             default: panel_6(xm, k_in, slab, k_in, ym, n_out, nr, pb, pf, pf_step); break;
         }
         m += mr;
-        if (next != NULL) { pf = (const char *)next; pf_step = next_step; }
+        if (next != NULL) { pf = (const char *)next; pf_step = passes == 2 && next_step == 64 ? 32 : next_step; }
     }
 }
 """ + "".join(
