@@ -703,6 +703,8 @@ static void panel_rows(const float *x, const float *slab, const float *bias, flo
     const char *pf = (const char *)slab + PREFETCH_AHEAD * 64;
     int64_t pf_step = 64;
     const int64_t rows = m_end - m0, passes = (rows + 5) / 6;
+    const int half_of_f32 = passes == 2 && next_step == 16 * (int64_t)sizeof(float);
+    const int64_t later_step = half_of_f32 ? next_step / 2 : next_step;
     int64_t m = m0;
     for (int64_t i = 0; i < passes; i++) {
         const int64_t mr = (m_end - m + passes - i - 1) / (passes - i);  /* ceil(rows left / passes left) */
@@ -717,7 +719,7 @@ static void panel_rows(const float *x, const float *slab, const float *bias, flo
             default: panel_6(xm, k_in, slab, k_in, ym, n_out, nr, pb, pf, pf_step); break;
         }
         m += mr;
-        if (next != NULL) { pf = (const char *)next; pf_step = passes == 2 && next_step == 64 ? 32 : next_step; }
+        if (next != NULL) { pf = (const char *)next; pf_step = later_step; }
     }
 }
 """ + "".join(
