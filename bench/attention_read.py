@@ -25,8 +25,9 @@ def main() -> None:
     pools = [(torch.randn(KV_HEADS, PAGES, PAGE_SIZE, HEAD_DIM), torch.randn(KV_HEADS, PAGES, PAGE_SIZE, HEAD_DIM))
              for _ in range(LAYERS)]
     per_row = -(-CONTEXT // PAGE_SIZE)
+    first = 7  # the rows' pages start away from the pool's first page, as a running pool's would
     for rows in (8, 32):
-        tables = torch.arange(rows * per_row, dtype=torch.int64).view(rows, per_row) + 7
+        tables = torch.arange(rows * per_row, dtype=torch.int64).view(rows, per_row) + first
         lens = torch.full((rows,), CONTEXT, dtype=torch.int64)
         queries = [torch.randn(rows, HEADS, HEAD_DIM) for _ in range(LAYERS)]
         nbytes = rows * CONTEXT * KV_HEADS * HEAD_DIM * 4 * 2 * LAYERS
@@ -38,7 +39,8 @@ def main() -> None:
             attend.append(time.perf_counter() - start)
             start = time.perf_counter()
             for k, v in pools:
-                k[:, 7:7 + rows * per_row].sum(), v[:, 7:7 + rows * per_row].sum()
+                k[:, first:first + rows * per_row].sum()
+                v[:, first:first + rows * per_row].sum()
             read.append(time.perf_counter() - start)
         a, r = statistics.median(attend), statistics.median(read)
         print(f"rows {rows}: attention {1000 * a:.1f} ms ({nbytes / a / 1e9:.1f} GB/s), "

@@ -27,7 +27,8 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=128)
     args = parser.parse_args()
-    c, length = args.concurrency, args.prompt_len + args.output_len
+    warm_up_len = 8  # output tokens of the warm-up requests
+    c, length = args.concurrency, args.prompt_len + max(args.output_len, warm_up_len)
     llm = LLM(model=None, dtype="auto", max_model_len=length, max_num_seqs=c, kv_cache_tokens=c * length)
     runner = llm.engine.runner
     steps: list[tuple[int, int, float]] = []  # (decode rows, prefill tokens, seconds)
@@ -41,12 +42,13 @@ def main() -> None:
         return out
 
     runner.run = timed_run  # type: ignore[method-assign]
-    run_concurrency(llm, min(4, c), min(4, c), args.prompt_len, 8, 1)  # warm-up
+    run_concurrency(llm, min(4, c), min(4, c), args.prompt_len, warm_up_len, 1)
     steps.clear()
     result = run_concurrency(llm, c, args.rounds * c, args.prompt_len, args.output_len, 0)
     kinds: dict[str, list[float]] = collections.defaultdict(list)
     for rows, prefill, seconds in steps:
-        kinds[f"decode {rows} rows" if prefill == 0 else f"prefill {prefill // 256 * 256}+ tokens"].append(seconds)
+        width = args.prompt_len  # prefill steps filed by how many whole prompts' worth they carry
+        kinds[f"decode {rows} rows" if prefill == 0 else f"prefill {prefill // width * width}+ tokens"].append(seconds)
     result["steps"] = {kind: {"steps": len(t), "seconds": round(sum(t), 2),
                               "ms_per_step": round(1000 * sum(t) / len(t), 1)} for kind, t in sorted(kinds.items())}
     result["forward_seconds"] = round(sum(s for _, _, s in steps), 2)
