@@ -1,6 +1,14 @@
 #!/usr/bin/env bash
 # kvseal vs vLLM-CPU side by side: the same weights, the same workload, one server at a time.
 #
+# By default each server runs all its points, then stops before the next one starts. With
+# INTERLEAVE=1 every server starts first and stays resident (on ports PORT, PORT+1, ...), and
+# each point (repetition, concurrency) runs on every server in turn: in the order of SERVERS
+# on odd repetitions, reversed on even ones. This host's speed drifts 20-50% within an hour,
+# and one server's points all landing in a slow spell biased earlier sittings' ratios; in
+# turns the drift falls on every server alike. The CPU an idle server used while another one
+# ran is written to OUT_DIR/idle_cpu.tsv: it should be ~0, or a resident server slows its peer.
+#
 # Usage: bench/peers/compare.sh OUT_DIR
 # Env:   SERVERS        servers in order (default "kvseal vllm-best"; also vllm-default, kvseal-bf16w)
 #        CONCURRENCIES  (default "1 8 32")   REPEATS (default 2)
@@ -8,7 +16,7 @@
 #        PROMPTS_PER_CONCURRENCY  prompts per run = this x concurrency, at least 16 (default 6)
 #        PORT (default 18200), VENV_VLLM (see start_vllm.sh), KV_MEMORY (default 2GiB; kvseal's
 #        pool and, in GiB, VLLM_CPU_KVCACHE_SPACE), DTYPE (default bfloat16),
-#        MAX_MODEL_LEN (default 2048), PAGE_SIZE (default 16)
+#        MAX_MODEL_LEN (default 2048), PAGE_SIZE (default 16), INTERLEAVE (default 0)
 #
 # Writes OUT_DIR/model (the exported weights), OUT_DIR/<server>-c<C>-r<R>.json (one result per
 # run, with the server's peak RSS), OUT_DIR/<server>.log, OUT_DIR/kvseal_plan.txt,
@@ -44,21 +52,69 @@ bench() {  # bench PID LABEL CONCURRENCY NUM_PROMPTS SEED [RESULT_JSON]
   kvseal bench serve "${args[@]}"
 }
 
-for server in $SERVERS; do
-  echo "=== $server ==="
-  pid=$(start_server "$server" "$MODEL_DIR" "$PORT" "$OUT/$server.log")
-  trap 'stop_server '"$pid" EXIT
-  wait_ready "$pid" "$PORT" | tee "$OUT/$server-startup.txt"
-  bench "$pid" "$server" 8 16 999 >/dev/null   # warm-up, not recorded
+prompts_for() {  # prompts_for CONCURRENCY -> prompts in one run at that concurrency
+  local n=$(( $1 * ${PROMPTS_PER_CONCURRENCY:-6} ))
+  echo $(( n < 16 ? 16 : n ))
+}
+
+session_cpu_s() {  # session_cpu_s PID: CPU seconds of the live processes in PID's session
+  ps -o cputimes= -s "$1" 2>/dev/null | awk '{s += $1} END {print s + 0}'
+}
+
+if [[ "${INTERLEAVE:-0}" == 1 ]]; then
+  declare -A pids ports idle_cpu idle_wall before
+  trap 'for p in "${pids[@]}"; do stop_server "$p"; done' EXIT
+  i=0
+  for server in $SERVERS; do
+    ports[$server]=$(( PORT + i )); i=$(( i + 1 ))
+    echo "=== $server (port ${ports[$server]}) ==="
+    pids[$server]=$(start_server "$server" "$MODEL_DIR" "${ports[$server]}" "$OUT/$server.log")
+    wait_ready "${pids[$server]}" "${ports[$server]}" | tee "$OUT/$server-startup.txt"
+    idle_cpu[$server]=0; idle_wall[$server]=0
+  done
+  for server in $SERVERS; do   # warm-ups, not recorded
+    PORT=${ports[$server]} bench "${pids[$server]}" "$server" 8 16 999 >/dev/null
+  done
+  reversed=$(echo "$SERVERS" | tr ' ' '\n' | tac | tr '\n' ' ')
   for rep in $(seq "$REPEATS"); do
+    order=$SERVERS; (( rep % 2 )) || order=$reversed
     for c in $CONCURRENCIES; do
-      n=$(( c * ${PROMPTS_PER_CONCURRENCY:-6} )); (( n < 16 )) && n=16
-      bench "$pid" "$server" "$c" "$n" "$(( 1000 * rep + c ))" "$OUT/$server-c$c-r$rep.json"
+      for server in $order; do
+        for other in $SERVERS; do before[$other]=$(session_cpu_s "${pids[$other]}"); done
+        start=$SECONDS
+        PORT=${ports[$server]} bench "${pids[$server]}" "$server" "$c" "$(prompts_for "$c")" \
+          "$(( 1000 * rep + c ))" "$OUT/$server-c$c-r$rep.json"
+        for other in $SERVERS; do
+          [[ "$other" == "$server" ]] && continue
+          idle_cpu[$other]=$(awk -v a="${idle_cpu[$other]}" -v b="${before[$other]}" \
+                                 -v x="$(session_cpu_s "${pids[$other]}")" 'BEGIN {print a + x - b}')
+          idle_wall[$other]=$(( ${idle_wall[$other]} + SECONDS - start ))
+        done
+      done
     done
   done
-  stop_server "$pid"
+  printf 'server\tcpu_s_while_idle\twall_s_idle\n' >"$OUT/idle_cpu.tsv"
+  for server in $SERVERS; do
+    printf '%s\t%s\t%s\n' "$server" "${idle_cpu[$server]}" "${idle_wall[$server]}" >>"$OUT/idle_cpu.tsv"
+    stop_server "${pids[$server]}"
+  done
   trap - EXIT
-done
+else
+  for server in $SERVERS; do
+    echo "=== $server ==="
+    pid=$(start_server "$server" "$MODEL_DIR" "$PORT" "$OUT/$server.log")
+    trap 'stop_server '"$pid" EXIT
+    wait_ready "$pid" "$PORT" | tee "$OUT/$server-startup.txt"
+    bench "$pid" "$server" 8 16 999 >/dev/null   # warm-up, not recorded
+    for rep in $(seq "$REPEATS"); do
+      for c in $CONCURRENCIES; do
+        bench "$pid" "$server" "$c" "$(prompts_for "$c")" "$(( 1000 * rep + c ))" "$OUT/$server-c$c-r$rep.json"
+      done
+    done
+    stop_server "$pid"
+    trap - EXIT
+  done
+fi
 
 kvseal bench plot "$OUT"/*-c*-r*.json -o "$OUT/plot.png" --title "kvseal vs vLLM-CPU, ${INPUT_LEN} in / ${OUTPUT_LEN} out"
 python "$PEERS_DIR/summarize.py" "$OUT" | tee "$OUT/summary.md"

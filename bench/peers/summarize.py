@@ -1,6 +1,8 @@
 """Summarize a compare.sh output folder as Markdown: per server and concurrency, the range over
 repetitions of output throughput, mean / p99 TTFT, TPOT and peak server RSS; kvseal's median
-output throughput and p99 TTFT as ratios to vllm-best's; kvseal's KV pool against `kvseal plan`.
+output throughput and p99 TTFT as ratios to vllm-best's, and the ratio of each repetition's pair
+(the same prompts, run back to back when compare.sh ran with INTERLEAVE=1); the CPU a resident
+server used while idle; kvseal's KV pool against `kvseal plan`.
 
 Usage: python bench/peers/summarize.py OUT_DIR
 """
@@ -50,16 +52,30 @@ def ratios(runs: dict[str, dict[int, list[dict[str, Any]]]]) -> list[str]:
         return []
     lines: list[str] = []
     for label in sorted(name for name in runs if name.startswith("kvseal")):
-        lines += ["", f"| concurrency | {label} / {BASELINE} output tok/s (medians) | p99 TTFT {label} / {BASELINE} |",
-                  "|---:|---:|---:|"]
+        lines += ["", f"| concurrency | {label} / {BASELINE} output tok/s (medians) | p99 TTFT {label} / {BASELINE} "
+                      "| per repetition: output tok/s, p99 TTFT |",
+                  "|---:|---:|---:|---|"]
         for c in sorted(set(runs[label]) & set(runs[BASELINE])):
             ours, theirs = runs[label][c], runs[BASELINE][c]
             tput = statistics.median(r["output_throughput"] for r in ours) / statistics.median(
                 r["output_throughput"] for r in theirs)
             ttft = statistics.median(r["p99_ttft_ms"] for r in ours) / statistics.median(
                 r["p99_ttft_ms"] for r in theirs)
-            lines.append(f"| {c} | {tput:.2f}x | {ttft:.2f}x |")
+            pairs = [(a["output_throughput"] / b["output_throughput"], a["p99_ttft_ms"] / b["p99_ttft_ms"])
+                     for a, b in zip(ours, theirs)]
+            per_rep = ", ".join(f"{t:.2f}x / {p:.2f}x" for t, p in pairs)
+            lines.append(f"| {c} | {tput:.2f}x | {ttft:.2f}x | {per_rep} |")
     return lines
+
+
+def idle_cpu(out: Path) -> list[str]:
+    """compare.sh INTERLEAVE=1: CPU seconds each resident server used while the others ran."""
+    path = out / "idle_cpu.tsv"
+    if not path.exists():
+        return []
+    rows = [line.split("\t") for line in path.read_text().splitlines()[1:] if line.strip()]
+    return ["", "CPU used by a resident server while another one ran: " + "; ".join(
+        f"{name} {float(cpu):.1f} s over {wall} s" for name, cpu, wall in rows) + "."]
 
 
 def pool_check(out: Path, runs: dict[str, dict[int, list[dict[str, Any]]]]) -> list[str]:
@@ -78,7 +94,7 @@ def pool_check(out: Path, runs: dict[str, dict[int, list[dict[str, Any]]]]) -> l
 def main() -> int:
     out = Path(sys.argv[1])
     runs = load(out)
-    print("\n".join(table(runs) + ratios(runs) + pool_check(out, runs)))
+    print("\n".join(table(runs) + ratios(runs) + idle_cpu(out) + pool_check(out, runs)))
     return 0
 
 
