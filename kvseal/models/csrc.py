@@ -692,8 +692,12 @@ DEFINE_PANEL_KERNEL(6)
    and a core that asks for more than its miss buffers hold waits on them instead of
    computing; the next slab's first pass fetches the rest ahead of itself. Measured at 8 and
    12 rows: 0.91x and 0.93x the time of a whole slab (a quarter: 0.97x, 1.01x; none: 1.02x,
-   1.08x; three quarters: 0.92x, 0.94x); with three or more passes (16 rows and up) half a
-   slab was no better at 16 rows and 1.10x at 32, so those keep asking for all of it. */
+   1.08x; three quarters: 0.92x, 0.94x). With three or more passes (16 rows and up) the later
+   passes split `next` between them, in order, each asking for its share (1 / (passes - 1)):
+   when each one asked for the whole of it, the second pass stalled on the miss buffers as
+   above and the rest found it already in flight. Measured against that (`bench/linears_ab.py`,
+   alternating, medians of 12-16 pairs): 0.88-0.92x the time at 16 rows, 0.84-0.96x at 32,
+   0.92x at 48, 0.95x at 96 and 0.94x at 256, while 8 rows (unchanged) read 0.96-1.00x. */
 #define PREFETCH_AHEAD 32
 static void panel_rows(const float *x, const float *slab, const float *bias, float *y, int64_t m0, int64_t m_end,
                        int64_t p, int64_t n_out, int64_t k_in, const void *next, int64_t next_step) {
@@ -704,7 +708,8 @@ static void panel_rows(const float *x, const float *slab, const float *bias, flo
     int64_t pf_step = 64;
     const int64_t rows = m_end - m0, passes = (rows + 5) / 6;
     const int half_of_f32 = passes == 2 && next_step == 16 * (int64_t)sizeof(float);
-    const int64_t later_step = half_of_f32 ? next_step / 2 : next_step;
+    const int64_t later_step = half_of_f32 ? next_step / 2
+                             : passes > 2 ? (next_step + passes - 2) / (passes - 1) : next_step;
     int64_t m = m0;
     for (int64_t i = 0; i < passes; i++) {
         const int64_t mr = (m_end - m + passes - i - 1) / (passes - i);  /* ceil(rows left / passes left) */
@@ -719,7 +724,7 @@ static void panel_rows(const float *x, const float *slab, const float *bias, flo
             default: panel_6(xm, k_in, slab, k_in, ym, n_out, nr, pb, pf, pf_step); break;
         }
         m += mr;
-        if (next != NULL) { pf = (const char *)next; pf_step = later_step; }
+        if (next != NULL) { pf = (const char *)next + (passes > 2 ? i * later_step * k_in : 0); pf_step = later_step; }
     }
 }
 """ + "".join(
