@@ -24,6 +24,7 @@ def load(out: Path) -> dict[str, dict[int, list[dict[str, Any]]]]:
     runs: dict[str, dict[int, list[dict[str, Any]]]] = defaultdict(lambda: defaultdict(list))
     for path in sorted(out.glob("*-c*-r*.json")):
         r = json.loads(path.read_text())
+        r["repetition"] = int(path.stem.rsplit("-r", 1)[1])
         runs[r["label"]][int(r["max_concurrency"])].append(r)
     return runs
 
@@ -61,8 +62,10 @@ def ratios(runs: dict[str, dict[int, list[dict[str, Any]]]]) -> list[str]:
                 r["output_throughput"] for r in theirs)
             ttft = statistics.median(r["p99_ttft_ms"] for r in ours) / statistics.median(
                 r["p99_ttft_ms"] for r in theirs)
+            by_rep = {r["repetition"]: r for r in theirs}
             pairs = [(a["output_throughput"] / b["output_throughput"], a["p99_ttft_ms"] / b["p99_ttft_ms"])
-                     for a, b in zip(ours, theirs)]
+                     for a in sorted(ours, key=lambda r: r["repetition"])
+                     if (b := by_rep.get(a["repetition"])) is not None]
             per_rep = ", ".join(f"{t:.2f}x / {p:.2f}x" for t, p in pairs)
             lines.append(f"| {c} | {tput:.2f}x | {ttft:.2f}x | {per_rep} |")
     return lines

@@ -692,7 +692,7 @@ DEFINE_PANEL_KERNEL(6)
    and a core that asks for more than its miss buffers hold waits on them instead of
    computing; the next slab's first pass fetches the rest ahead of itself. Measured at 8 and
    12 rows: 0.91x and 0.93x the time of a whole slab (a quarter: 0.97x, 1.01x; none: 1.02x,
-   1.08x; three quarters: 0.92x, 0.94x). With three or more passes (16 rows and up) the later
+   1.08x; three quarters: 0.92x, 0.94x). With three or more passes (13 rows and up) the later
    passes split `next` between them, in order, each asking for its share (1 / (passes - 1)):
    when each one asked for the whole of it, the second pass stalled on the miss buffers as
    above and the rest found it already in flight. Measured against that (`bench/linears_ab.py`,
@@ -710,6 +710,7 @@ static void panel_rows(const float *x, const float *slab, const float *bias, flo
     const int half_of_f32 = passes == 2 && next_step == 16 * (int64_t)sizeof(float);
     const int64_t later_step = half_of_f32 ? next_step / 2
                              : passes > 2 ? (next_step + passes - 2) / (passes - 1) : next_step;
+    const int64_t share = passes > 2 ? later_step * k_in : 0;  /* bytes of `next` per later pass */
     int64_t m = m0;
     for (int64_t i = 0; i < passes; i++) {
         const int64_t mr = (m_end - m + passes - i - 1) / (passes - i);  /* ceil(rows left / passes left) */
@@ -724,7 +725,7 @@ static void panel_rows(const float *x, const float *slab, const float *bias, flo
             default: panel_6(xm, k_in, slab, k_in, ym, n_out, nr, pb, pf, pf_step); break;
         }
         m += mr;
-        if (next != NULL) { pf = (const char *)next + (passes > 2 ? i * later_step * k_in : 0); pf_step = later_step; }
+        if (next != NULL) { pf = (const char *)next + i * share; pf_step = later_step; }
     }
 }
 """ + "".join(
