@@ -12,6 +12,8 @@ from typing import Protocol
 
 import torch
 
+from kvseal.hugepages import huge_zeros
+
 
 class LayerWriteObserver(Protocol):
     def on_layer_write(self, layer: int, slots: torch.Tensor) -> None: ...
@@ -24,9 +26,10 @@ class KVPool:
         self.num_pages = num_pages
         # Head-major, so that one head's context is contiguous for the attention matmuls.
         shape = (num_kv_heads, num_pages, page_size, head_dim)
-        # k[layer], v[layer]: [num_kv_heads, num_pages, page_size, head_dim]
-        self.k = [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]
+        # k[layer], v[layer]: [num_kv_heads, num_pages, page_size, head_dim], on huge pages where
+        # the kernel grants them (a decode step streams every row's context: `kvseal/hugepages.py`)
+        self.k = [huge_zeros(shape, dtype) for _ in range(num_layers)]
+        self.v = [huge_zeros(shape, dtype) for _ in range(num_layers)]
         self.observer = observer
 
     @property

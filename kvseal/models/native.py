@@ -50,6 +50,7 @@ from typing import Any
 
 import torch
 
+from kvseal.hugepages import huge_empty
 from kvseal.models import csrc
 
 logger = logging.getLogger("kvseal")
@@ -353,7 +354,7 @@ def pack_panels(library: NativeLibrary, weight: torch.Tensor, dtype: torch.dtype
         raise TypeError(f"panels hold float32 or bfloat16, not {dtype}")
     weight = weight.detach().contiguous()
     n_out, k_in = weight.shape
-    panels = torch.empty(((n_out + 15) // 16, k_in, 16), dtype=dtype)
+    panels = huge_empty(((n_out + 15) // 16, k_in, 16), dtype)
     pack = library.pack_panels if dtype == torch.float32 else library.pack_panels_bf16
     pack(weight.data_ptr(), panels.data_ptr(), n_out, k_in)
     return panels
@@ -395,7 +396,7 @@ def pack_tiles(library: NativeLibrary, weight: torch.Tensor) -> torch.Tensor:
                         f"got {weight.dtype} {tuple(weight.shape)}")
     weight = weight.detach().contiguous()
     n_out, k_in = weight.shape
-    packed = torch.empty(((n_out + 15) // 16, k_in // TILE_K_MULTIPLE, 16, 16, 2), dtype=torch.bfloat16)
+    packed = huge_empty(((n_out + 15) // 16, k_in // TILE_K_MULTIPLE, 16, 16, 2), torch.bfloat16)
     library.pack_tiles(weight.data_ptr(), packed.data_ptr(), n_out, k_in)
     return packed
 
@@ -556,7 +557,7 @@ def pack_panels_i8(library: NativeLibrary, qweight: torch.Tensor) -> torch.Tenso
         raise TypeError(f"int8 panels hold a 2-D int8 weight, got {qweight.dtype} {tuple(qweight.shape)}")
     qweight = qweight.detach().contiguous()
     n_out, k_in = qweight.shape
-    panels = torch.empty(((n_out + 15) // 16, k_in, 16), dtype=torch.int8)
+    panels = huge_empty(((n_out + 15) // 16, k_in, 16), torch.int8)
     library.pack_panels_i8(qweight.data_ptr(), panels.data_ptr(), n_out, k_in)
     return panels
 

@@ -1,0 +1,77 @@
+"""Two trees' float32 decode attention, A/B in one process, alternating: ms per pass over 30
+layers' pools (3 KV heads x 2,048 pages of 16 slots x 64 dims each, 1.5 GB in all, so nothing
+stays in cache, on huge pages where the kernel offers them, as the engine's pool is), with
+SmolLM2-135M's 9 query heads and each row's pages consecutive as the engine allocates them,
+at each row count.
+
+As in `bench/linears_ab.py`, both libraries are built from each tree's `kvseal/models/csrc.py`
+and loaded side by side, the passes alternate (ABBA...), and the figure of merit is the median
+of the B/A ratios of adjacent passes. Outputs are compared bit for bit, and by their largest
+difference where they are not bit-equal.
+
+    python bench/attention_ab.py --a /path/to/base --b . --rows 8 32 --context 320
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from linears_ab import library_of  # bench/ is on the path when this file runs
+
+import kvseal.models.native as native
+from kvseal.hugepages import huge_empty
+
+LAYERS, KV_HEADS, PAGES, PAGE_SIZE, HEAD_DIM, HEADS = 30, 3, 2048, 16, 64, 9
+
+
+def compare(a: native.NativeLibrary, b: native.NativeLibrary, pools: list[tuple[torch.Tensor, torch.Tensor]],
+            rows: int, context: int, rounds: int) -> dict[str, Any]:
+    per_row = -(-context // PAGE_SIZE)
+    first = 7  # the rows' pages start away from the pool's first page, as a running pool's would
+    tables = torch.arange(rows * per_row, dtype=torch.int64).view(rows, per_row) + first
+    lens = torch.full((rows,), context, dtype=torch.int64) - torch.arange(rows) % PAGE_SIZE  # ragged last pages
+    queries = [torch.randn(rows, HEADS, HEAD_DIM) for _ in range(LAYERS)]
+    times: dict[str, list[float]] = {"a": [], "b": []}
+    outputs: dict[str, list[torch.Tensor]] = {}
+    for r in range(rounds):
+        order = (("a", a), ("b", b)) if r % 2 == 0 else (("b", b), ("a", a))
+        for name, library in order:
+            start = time.perf_counter()
+            outputs[name] = [native.run_decode_attention(library.decode_attention, q, k, v, tables, lens, context)
+                             for (k, v), q in zip(pools, queries)]
+            times[name].append(1000 * (time.perf_counter() - start))
+    ratios = sorted(tb / ta for ta, tb in zip(times["a"], times["b"]))
+    return {"rows": rows, "context": context, "a_median_ms": round(statistics.median(times["a"]), 2),
+            "b_median_ms": round(statistics.median(times["b"]), 2),
+            "b_over_a_median": round(statistics.median(ratios), 3),
+            "b_over_a_range": [round(ratios[0], 3), round(ratios[-1], 3)],
+            "bit_equal": all(torch.equal(x, y) for x, y in zip(outputs["a"], outputs["b"])),
+            "max_abs_diff": max(float((x - y).abs().max()) for x, y in zip(outputs["a"], outputs["b"]))}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--a", type=Path, required=True, help="baseline tree")
+    parser.add_argument("--b", type=Path, default=Path("."), help="tree under test (default: here)")
+    parser.add_argument("--rows", type=int, nargs="+", default=[8, 32])
+    parser.add_argument("--context", type=int, nargs="+", default=[320])
+    parser.add_argument("--rounds", type=int, default=12)
+    args = parser.parse_args()
+    a, b = library_of(args.a.resolve()), library_of(args.b.resolve())
+    shape = (KV_HEADS, PAGES, PAGE_SIZE, HEAD_DIM)  # on huge pages where offered, as the engine's pool
+    pools = [(huge_empty(shape, torch.float32).normal_(), huge_empty(shape, torch.float32).normal_())
+             for _ in range(LAYERS)]
+    for context in args.context:
+        for rows in args.rows:
+            result = compare(a, b, pools, rows, context, args.rounds)
+            print(json.dumps({**result, "threads": torch.get_num_threads()}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

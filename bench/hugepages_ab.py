@@ -1,0 +1,96 @@
+"""Huge pages against ordinary pages, in one process, alternating: the float32 decode attention
+over 30 layers' pools (as `bench/attention_ab.py`) and the panel linears over the SmolLM2-135M
+stack with its lm_head (as `bench/linears_ab.py`), each on one copy of the data made with
+`kvseal.hugepages.huge_empty` and one made with `torch.empty`. The figure of merit is the
+median of the huge/plain ratios of adjacent passes. Prints how much of the process's memory the
+kernel backed with huge pages (AnonHugePages), so a host without them reads as such.
+
+    python bench/hugepages_ab.py --rows 8 32 --rounds 12
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from engine_speed import SMOLLM2_LINEARS as SHAPES  # bench/ is on the path when this file runs
+
+import kvseal.models.native as native
+from kvseal.hugepages import huge_empty
+
+LAYERS, KV_HEADS, PAGES, PAGE_SIZE, HEAD_DIM, HEADS, CONTEXT = 30, 3, 2048, 16, 64, 9, 320
+
+
+def huge_kib() -> int:
+    """This process's memory on transparent huge pages, KiB (0 where /proc says nothing)."""
+    try:
+        text = Path("/proc/self/smaps_rollup").read_text()
+    except OSError:
+        return 0
+    match = re.search(r"^AnonHugePages:\s+(\d+) kB", text, re.MULTILINE)
+    return int(match.group(1)) if match else 0
+
+
+def alternate(run: Callable[[str], None], rounds: int) -> dict[str, float]:
+    times: dict[str, list[float]] = {"plain": [], "huge": []}
+    for r in range(rounds):
+        for name in ("plain", "huge") if r % 2 == 0 else ("huge", "plain"):
+            start = time.perf_counter()
+            run(name)
+            times[name].append(1000 * (time.perf_counter() - start))
+    ratios = sorted(h / p for p, h in zip(times["plain"], times["huge"]))
+    return {"plain_median_ms": round(statistics.median(times["plain"]), 2),
+            "huge_median_ms": round(statistics.median(times["huge"]), 2),
+            "huge_over_plain_median": round(statistics.median(ratios), 3),
+            "huge_over_plain_range": [round(ratios[0], 3), round(ratios[-1], 3)]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", type=int, nargs="+", default=[8, 32])
+    parser.add_argument("--rounds", type=int, default=12)
+    args = parser.parse_args()
+    library, kernel = native.native_library(), native.decode_attention_kernel(torch.float32)
+    if library is None or kernel is None:
+        raise SystemExit("the native kernels did not build here")
+    before = huge_kib()
+    make = {"plain": torch.empty, "huge": lambda *shape: huge_empty(shape, torch.float32)}
+    shape = (KV_HEADS, PAGES, PAGE_SIZE, HEAD_DIM)
+    pools = {name: [(m(*shape).normal_(), m(*shape).normal_()) for _ in range(LAYERS)] for name, m in make.items()}
+    weights = [torch.randn(n, k) for k, n in SHAPES]
+    panels = {"plain": [native.pack_panels(library, w) for w in weights]}
+    panels["huge"] = []
+    for p in panels["plain"]:
+        copy = huge_empty(p.shape, p.dtype)
+        copy.copy_(p)
+        panels["huge"].append(copy)
+    print(json.dumps({"anon_huge_pages_mib": round((huge_kib() - before) / 1024)}), flush=True)
+    per_row = -(-CONTEXT // PAGE_SIZE)
+    for rows in args.rows:
+        tables = torch.arange(rows * per_row, dtype=torch.int64).view(rows, per_row) + 7
+        lens = torch.full((rows,), CONTEXT, dtype=torch.int64)
+        queries = [torch.randn(rows, HEADS, HEAD_DIM) for _ in range(LAYERS)]
+        inputs = [torch.randn(rows, k) for k, _ in SHAPES]
+
+        def attend(name: str, tables: torch.Tensor = tables, lens: torch.Tensor = lens,
+                   queries: list[torch.Tensor] = queries) -> None:
+            for (k, v), q in zip(pools[name], queries):
+                native.run_decode_attention(kernel, q, k, v, tables, lens, CONTEXT)
+
+        def linears(name: str, inputs: list[torch.Tensor] = inputs) -> None:
+            for x, p, (_, n) in zip(inputs, panels[name], SHAPES):
+                native.linear_panels(library, x, p, None, n)
+
+        for part, run in (("decode attention", attend), ("linears", linears)):
+            print(json.dumps({"part": part, "rows": rows, **alternate(run, args.rounds),
+                              "threads": torch.get_num_threads()}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
