@@ -1,22 +1,40 @@
-"""`huge_empty` / `huge_zeros`: tensors that start on a 2 MB boundary, advised onto huge pages
-where the kernel offers them, and otherwise exactly the tensors `torch.empty` / `torch.zeros`
-would give (the KV pool and the packed weights are made with them)."""
+"""`huge_empty` / `huge_zeros`: tensors that start on a 2 MB boundary of their own mapping,
+advised onto huge pages where the kernel offers them, holding no memory until written, and
+otherwise exactly the tensors `torch.empty` / `torch.zeros` would give (the KV pool and the
+packed weights are made with them)."""
 
 from __future__ import annotations
 
+import gc
 from pathlib import Path
 
 import pytest
 import torch
 
-from kvseal.hugepages import HUGE_PAGE, advise_huge, huge_empty, huge_zeros
+from kvseal.hugepages import HUGE_PAGE, huge_empty, huge_zeros
 from kvseal.kvcache.pool import KVPool
 
 _THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+_SMAPS = Path("/proc/self/smaps")
 
 
-def _thp_offered() -> bool:
-    return _THP.exists() and "[never]" not in _THP.read_text()
+def _mapping_of(address: int) -> dict[str, str] | None:
+    """The /proc/self/smaps fields of the mapping that holds `address` (None if none does)."""
+    fields: dict[str, str] | None = None
+    for line in _SMAPS.read_text().splitlines():
+        head, _, rest = line.partition(" ")
+        if "-" in head and not head.endswith(":"):  # a mapping's first line: low-high perms ...
+            if fields is not None:
+                return fields
+            low, high = (int(x, 16) for x in head.split("-"))
+            fields = {} if low <= address < high else None
+        elif fields is not None:
+            fields[head.rstrip(":")] = rest.strip()
+    return fields
+
+
+def _kib(fields: dict[str, str], name: str) -> int:
+    return int(fields[name].split()[0])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
@@ -36,14 +54,22 @@ def test_a_small_tensor_is_plain() -> None:
     assert t.shape == (4, 8) and t.is_contiguous() and t.untyped_storage().nbytes() == 4 * 8 * 4
 
 
-def test_advice_covers_only_whole_huge_pages() -> None:
-    assert advise_huge(1, HUGE_PAGE) is False  # no whole huge page between 1 and 2 MB + 1
-
-
-@pytest.mark.skipif(not _thp_offered(), reason="this kernel offers no transparent huge pages")
-def test_the_kernel_takes_the_advice_where_it_offers_huge_pages() -> None:
-    buffer = torch.empty(3 * HUGE_PAGE, dtype=torch.uint8)
-    assert advise_huge(buffer.data_ptr(), buffer.numel())
+@pytest.mark.skipif(not _SMAPS.exists(), reason="no /proc/self/smaps here")
+def test_only_what_is_written_is_resident_and_the_mapping_is_advised_onto_huge_pages() -> None:
+    t = huge_empty((2 * HUGE_PAGE // 4,), torch.float32)  # 4 MB, not written yet
+    mapping = _mapping_of(t.data_ptr())
+    assert mapping is not None and _kib(mapping, "Rss") < 64, "an unwritten tensor holds no memory"
+    t.zero_()
+    mapping = _mapping_of(t.data_ptr())
+    assert mapping is not None
+    assert 4 * 1024 <= _kib(mapping, "Rss") <= 4 * 1024 + 8, "the 2 MB of slack is never made resident"
+    assert _kib(mapping, "Anonymous") == _kib(mapping, "Rss"), "private anonymous memory, not shared"
+    if _THP.exists() and "[never]" not in _THP.read_text():
+        assert "hg" in mapping["VmFlags"].split(), "the kernel took the MADV_HUGEPAGE advice"
+    address = t.data_ptr()
+    del t, mapping
+    gc.collect()
+    assert _mapping_of(address) is None, "the mapping goes with the tensor"
 
 
 def test_the_pool_is_made_of_huge_page_tensors() -> None:
