@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
-from linears_ab import library_of  # bench/ is on the path when this file runs
+from linears_ab import alternate, library_of, ratio_summary  # bench/ is on the path when this file runs
 
 import kvseal.models.native as native
 from kvseal.hugepages import huge_empty
@@ -37,20 +36,13 @@ def compare(a: native.NativeLibrary, b: native.NativeLibrary, pools: list[tuple[
     tables = torch.arange(rows * per_row, dtype=torch.int64).view(rows, per_row) + first
     lens = torch.full((rows,), context, dtype=torch.int64) - torch.arange(rows) % PAGE_SIZE  # ragged last pages
     queries = [torch.randn(rows, HEADS, HEAD_DIM) for _ in range(LAYERS)]
-    times: dict[str, list[float]] = {"a": [], "b": []}
-    outputs: dict[str, list[torch.Tensor]] = {}
-    for r in range(rounds):
-        order = (("a", a), ("b", b)) if r % 2 == 0 else (("b", b), ("a", a))
-        for name, library in order:
-            start = time.perf_counter()
-            outputs[name] = [native.run_decode_attention(library.decode_attention, q, k, v, tables, lens, context)
-                             for (k, v), q in zip(pools, queries)]
-            times[name].append(1000 * (time.perf_counter() - start))
-    ratios = sorted(tb / ta for ta, tb in zip(times["a"], times["b"]))
-    return {"rows": rows, "context": context, "a_median_ms": round(statistics.median(times["a"]), 2),
-            "b_median_ms": round(statistics.median(times["b"]), 2),
-            "b_over_a_median": round(statistics.median(ratios), 3),
-            "b_over_a_range": [round(ratios[0], 3), round(ratios[-1], 3)],
+
+    def layers(library: native.NativeLibrary) -> list[torch.Tensor]:
+        return [native.run_decode_attention(library.decode_attention, q, k, v, tables, lens, context)
+                for (k, v), q in zip(pools, queries)]
+
+    times, outputs = alternate({"a": partial(layers, a), "b": partial(layers, b)}, rounds)
+    return {"rows": rows, "context": context, **ratio_summary(times, "a", "b", ms_digits=2),
             "bit_equal": all(torch.equal(x, y) for x, y in zip(outputs["a"], outputs["b"])),
             "max_abs_diff": max(float((x - y).abs().max()) for x, y in zip(outputs["a"], outputs["b"]))}
 

@@ -13,13 +13,13 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import statistics
-import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
 from engine_speed import SMOLLM2_LINEARS as SHAPES  # bench/ is on the path when this file runs
+from linears_ab import alternate, ratio_summary
 
 import kvseal.models.native as native
 from kvseal.hugepages import huge_empty
@@ -37,20 +37,6 @@ def huge_kib() -> int:
     return int(match.group(1)) if match else 0
 
 
-def alternate(run: Callable[[str], None], rounds: int) -> dict[str, float]:
-    times: dict[str, list[float]] = {"plain": [], "huge": []}
-    for r in range(rounds):
-        for name in ("plain", "huge") if r % 2 == 0 else ("huge", "plain"):
-            start = time.perf_counter()
-            run(name)
-            times[name].append(1000 * (time.perf_counter() - start))
-    ratios = sorted(h / p for p, h in zip(times["plain"], times["huge"]))
-    return {"plain_median_ms": round(statistics.median(times["plain"]), 2),
-            "huge_median_ms": round(statistics.median(times["huge"]), 2),
-            "huge_over_plain_median": round(statistics.median(ratios), 3),
-            "huge_over_plain_range": [round(ratios[0], 3), round(ratios[-1], 3)]}
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, nargs="+", default=[8, 32])
@@ -60,7 +46,8 @@ def main() -> None:
     if library is None or kernel is None:
         raise SystemExit("the native kernels did not build here")
     before = huge_kib()
-    make = {"plain": torch.empty, "huge": lambda *shape: huge_empty(shape, torch.float32)}
+    make: dict[str, Callable[..., torch.Tensor]] = {
+        "plain": torch.empty, "huge": lambda *shape: huge_empty(shape, torch.float32)}
     shape = (KV_HEADS, PAGES, PAGE_SIZE, HEAD_DIM)
     pools = {name: [(m(*shape).normal_(), m(*shape).normal_()) for _ in range(LAYERS)] for name, m in make.items()}
     weights = [torch.randn(n, k) for k, n in SHAPES]
@@ -88,7 +75,8 @@ def main() -> None:
                 native.linear_panels(library, x, p, None, n)
 
         for part, run in (("decode attention", attend), ("linears", linears)):
-            print(json.dumps({"part": part, "rows": rows, **alternate(run, args.rounds),
+            times, _ = alternate({"plain": partial(run, "plain"), "huge": partial(run, "huge")}, args.rounds)
+            print(json.dumps({"part": part, "rows": rows, **ratio_summary(times, "plain", "huge", ms_digits=2),
                               "threads": torch.get_num_threads()}), flush=True)
 
 

@@ -18,13 +18,40 @@ import importlib.util
 import json
 import statistics
 import time
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from engine_speed import SMOLLM2_LINEARS as SHAPES  # bench/ is on the path when this file runs
 
 import kvseal.models.native as native
+
+T = TypeVar("T")
+
+
+def alternate(runs: dict[str, Callable[[], T]], rounds: int) -> tuple[dict[str, list[float]], dict[str, T]]:
+    """Two runs, `rounds` times each, alternating (AB, BA, AB, ...): ms per call of each, and
+    each one's last result."""
+    first, second = runs
+    times: dict[str, list[float]] = {first: [], second: []}
+    results: dict[str, T] = {}
+    for r in range(rounds):
+        for name in (first, second) if r % 2 == 0 else (second, first):
+            start = time.perf_counter()
+            results[name] = runs[name]()
+            times[name].append(1000 * (time.perf_counter() - start))
+    return times, results
+
+
+def ratio_summary(times: dict[str, list[float]], base: str, other: str, ms_digits: int = 1) -> dict[str, Any]:
+    """Medians of each side, and of the other/base ratios of adjacent calls, with their range."""
+    ratios = sorted(t_other / t_base for t_base, t_other in zip(times[base], times[other]))
+    return {f"{base}_median_ms": round(statistics.median(times[base]), ms_digits),
+            f"{other}_median_ms": round(statistics.median(times[other]), ms_digits),
+            f"{other}_over_{base}_median": round(statistics.median(ratios), 3),
+            f"{other}_over_{base}_range": [round(ratios[0], 3), round(ratios[-1], 3)]}
 
 
 def library_of(tree: Path) -> native.NativeLibrary:
@@ -43,20 +70,12 @@ def library_of(tree: Path) -> native.NativeLibrary:
 def compare(a: native.NativeLibrary, b: native.NativeLibrary, rows: int, rounds: int) -> dict[str, Any]:
     panels = [native.pack_panels(a, torch.randn(n, k)) for k, n in SHAPES]
     inputs = [torch.randn(rows, k) for k, _ in SHAPES]
-    times: dict[str, list[float]] = {"a": [], "b": []}
-    outputs: dict[str, list[torch.Tensor]] = {}
-    for r in range(rounds):
-        order = (("a", a), ("b", b)) if r % 2 == 0 else (("b", b), ("a", a))
-        for name, library in order:
-            start = time.perf_counter()
-            outputs[name] = [native.linear_panels(library, x, p, None, n)
-                             for x, p, (_, n) in zip(inputs, panels, SHAPES)]
-            times[name].append(1000 * (time.perf_counter() - start))
-    ratios = sorted(tb / ta for ta, tb in zip(times["a"], times["b"]))
-    return {"rows": rows, "a_median_ms": round(statistics.median(times["a"]), 1),
-            "b_median_ms": round(statistics.median(times["b"]), 1),
-            "b_over_a_median": round(statistics.median(ratios), 3),
-            "b_over_a_range": [round(ratios[0], 3), round(ratios[-1], 3)],
+
+    def stack(library: native.NativeLibrary) -> list[torch.Tensor]:
+        return [native.linear_panels(library, x, p, None, n) for x, p, (_, n) in zip(inputs, panels, SHAPES)]
+
+    times, outputs = alternate({"a": partial(stack, a), "b": partial(stack, b)}, rounds)
+    return {"rows": rows, **ratio_summary(times, "a", "b"),
             "bit_equal": all(torch.equal(x, y) for x, y in zip(outputs["a"], outputs["b"]))}
 
 

@@ -15,7 +15,7 @@ not Linux) the tensor is the same, on ordinary pages. Allocations smaller than o
 are plain `torch.empty`.
 
 Measured (`bench/hugepages_ab.py`: huge against ordinary pages, alternating, in one process):
-decode attention over 30 layers' pools 0.87-0.94x the time in four runs; the panel linears
+decode attention over 30 layers' pools 0.87-0.94x the time in three runs; the panel linears
 0.96-1.07x, within that harness's noise.
 """
 
