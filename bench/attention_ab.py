@@ -1,5 +1,6 @@
-"""Two trees' float32 decode attention, A/B in one process, alternating: ms per pass over 30
-layers' pools (3 KV heads x 2,048 pages of 16 slots x 64 dims each, 1.5 GB in all, so nothing
+"""Two trees' decode attention (float32, or with `--dtype bfloat16` the bfloat16 pool's kernel
+with the scores it runs in the engine), A/B in one process, alternating: ms per pass over 30
+layers' pools (3 KV heads x 2,048 pages of 16 slots x 64 dims each, 1.5 GB in float32, so nothing
 stays in cache, on huge pages where the kernel offers them, as the engine's pool is), with
 SmolLM2-135M's 9 query heads and each row's pages consecutive as the engine allocates them,
 at each row count.
@@ -31,14 +32,16 @@ LAYERS, KV_HEADS, PAGES, PAGE_SIZE, HEAD_DIM, HEADS = 30, 3, 2048, 16, 64, 9
 
 def compare(a: native.NativeLibrary, b: native.NativeLibrary, pools: list[tuple[torch.Tensor, torch.Tensor]],
             rows: int, context: int, rounds: int) -> dict[str, Any]:
+    dtype = pools[0][0].dtype
     per_row = -(-context // PAGE_SIZE)
     first = 7  # the rows' pages start away from the pool's first page, as a running pool's would
     tables = torch.arange(rows * per_row, dtype=torch.int64).view(rows, per_row) + first
     lens = torch.full((rows,), context, dtype=torch.int64) - torch.arange(rows) % PAGE_SIZE  # ragged last pages
-    queries = [torch.randn(rows, HEADS, HEAD_DIM) for _ in range(LAYERS)]
+    queries = [torch.randn(rows, HEADS, HEAD_DIM, dtype=dtype) for _ in range(LAYERS)]
 
     def layers(library: native.NativeLibrary) -> list[torch.Tensor]:
-        return [native.run_decode_attention(library.decode_attention, q, k, v, tables, lens, context)
+        kernel = library.decode_attention if dtype == torch.float32 else library.decode_attention_bf16
+        return [native.run_decode_attention(kernel, q, k, v, tables, lens, context)
                 for (k, v), q in zip(pools, queries)]
 
     times, outputs = alternate({"a": partial(layers, a), "b": partial(layers, b)}, rounds)
@@ -54,10 +57,12 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[8, 32])
     parser.add_argument("--context", type=int, nargs="+", default=[320])
     parser.add_argument("--rounds", type=int, default=12)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="the pool's dtype")
     args = parser.parse_args()
+    dtype = getattr(torch, args.dtype)
     a, b = library_of(args.a.resolve()), library_of(args.b.resolve())
     shape = (KV_HEADS, PAGES, PAGE_SIZE, HEAD_DIM)  # on huge pages where offered, as the engine's pool
-    pools = [(huge_empty(shape, torch.float32).normal_(), huge_empty(shape, torch.float32).normal_())
+    pools = [(huge_empty(shape, dtype).normal_(), huge_empty(shape, dtype).normal_())
              for _ in range(LAYERS)]
     for context in args.context:
         for rows in args.rows:

@@ -1,6 +1,7 @@
-"""Two trees' float32 panel linears, A/B in one process, alternating: ms per pass over a
-SmolLM2-135M-shaped stack (30 layers' q/k/v, o, gate/up and down with distinct weights, so
-nothing stays in cache, and the lm_head) at each row count.
+"""Two trees' linears, A/B in one process, alternating: ms per pass over a SmolLM2-135M-shaped
+stack (30 layers' q/k/v, o, gate/up and down with distinct weights, so nothing stays in cache,
+and the lm_head) at each row count: float32 panel linears, or with `--dtype bfloat16` the
+bfloat16 tile linears (AMX or AVX512-BF16, whichever the host runs).
 
 This host's speed drifts by 10-20% from minute to minute, which swamps a kernel change of a
 few percent when the two trees run one after the other. Here both libraries are built from
@@ -9,6 +10,7 @@ and the figure of merit is the median of the B/A ratios of adjacent passes. Outp
 compared bit for bit.
 
     python bench/linears_ab.py --a /path/to/base --b . --rows 8 32 96 256 --rounds 12
+    python bench/linears_ab.py --a /path/to/base --b . --dtype bfloat16 --rows 32 2048
 """
 
 from __future__ import annotations
@@ -67,12 +69,19 @@ def library_of(tree: Path) -> native.NativeLibrary:
     return library
 
 
-def compare(a: native.NativeLibrary, b: native.NativeLibrary, rows: int, rounds: int) -> dict[str, Any]:
-    panels = [native.pack_panels(a, torch.randn(n, k)) for k, n in SHAPES]
-    inputs = [torch.randn(rows, k) for k, _ in SHAPES]
+def compare(a: native.NativeLibrary, b: native.NativeLibrary, rows: int, rounds: int,
+            dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+    inputs = [torch.randn(rows, k, dtype=dtype) for k, _ in SHAPES]
+    if dtype == torch.bfloat16:
+        tiles = [native.pack_tiles(a, torch.randn(n, k, dtype=dtype)) for k, n in SHAPES]
 
-    def stack(library: native.NativeLibrary) -> list[torch.Tensor]:
-        return [native.linear_panels(library, x, p, None, n) for x, p, (_, n) in zip(inputs, panels, SHAPES)]
+        def stack(library: native.NativeLibrary) -> list[torch.Tensor]:
+            return [native.linear_tiles(library, x, t, None, n) for x, t, (_, n) in zip(inputs, tiles, SHAPES)]
+    else:
+        panels = [native.pack_panels(a, torch.randn(n, k)) for k, n in SHAPES]
+
+        def stack(library: native.NativeLibrary) -> list[torch.Tensor]:
+            return [native.linear_panels(library, x, p, None, n) for x, p, (_, n) in zip(inputs, panels, SHAPES)]
 
     times, outputs = alternate({"a": partial(stack, a), "b": partial(stack, b)}, rounds)
     return {"rows": rows, **ratio_summary(times, "a", "b"),
@@ -85,10 +94,12 @@ def main() -> None:
     parser.add_argument("--b", type=Path, default=Path("."), help="tree under test (default: here)")
     parser.add_argument("--rows", type=int, nargs="+", default=[8, 32, 96, 256])
     parser.add_argument("--rounds", type=int, default=12)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                        help="float32 panels, or bfloat16 tiles (needs AMX or AVX512-BF16)")
     args = parser.parse_args()
     a, b = library_of(args.a.resolve()), library_of(args.b.resolve())
     for rows in args.rows:
-        print(json.dumps({**compare(a, b, rows, args.rounds), "threads": torch.get_num_threads()}), flush=True)
+        print(json.dumps({**compare(a, b, rows, args.rounds, getattr(torch, args.dtype)), "threads": torch.get_num_threads()}), flush=True)
 
 
 if __name__ == "__main__":

@@ -392,6 +392,41 @@ static inline void dot_page_scores(const uint16_t *k_page, int64_t n, const uint
 }
 #endif
 
+/* out [G, head_dim] float32 = the G query heads' softmaxed scores (head j's at scores + j *
+   lds) times V, head_dim = 16 * NV, over the pages of `table` up to ctx. Each V row is widened
+   from bfloat16 in registers once and multiplied into all G heads' sums, each sum accumulated
+   slot by slot in context order (so the result is the same as one head at a time). The next
+   page is prefetched while this one is read. */
+#define DEFINE_VALUES_BF16(NV, G)                                                               \
+static inline void values_bf16_##NV##_##G(const uint16_t *v_head, const int64_t *table, int64_t ctx, \
+                                          int64_t page_size, const float *scores, int64_t lds,  \
+                                          float *out) {                                          \
+    const int64_t hd = 16 * NV, elems = page_size * hd;                                          \
+    v16 o[G][NV];                                                                               \
+    for (int j = 0; j < G; j++)                                                                 \
+        for (int c = 0; c < NV; c++) o[j][c] = (v16){0};                                         \
+    for (int64_t t0 = 0; t0 < ctx; t0 += page_size) {                                           \
+        const int64_t n = ctx - t0 < page_size ? ctx - t0 : page_size, p = t0 / page_size;      \
+        if (t0 + page_size < ctx) prefetch_page(v_head + table[p + 1] * elems, 2 * elems);      \
+        const uint16_t *vp = v_head + table[p] * elems;                                         \
+        for (int64_t i = 0; i < n; i++) {                                                       \
+            v16 v[NV];                                                                          \
+            for (int c = 0; c < NV; c++) v[c] = load16_bf16(vp + i * hd + 16 * c);              \
+            for (int j = 0; j < G; j++) {                                                       \
+                const float s = scores[j * lds + t0 + i];                                       \
+                for (int c = 0; c < NV; c++) o[j][c] += s * v[c];                                \
+            }                                                                                   \
+        }                                                                                       \
+    }                                                                                           \
+    for (int j = 0; j < G; j++)                                                                 \
+        for (int c = 0; c < NV; c++) store16(out + j * hd + 16 * c, o[j][c]);                   \
+}
+#define DEFINE_VALUES_BF16_ALL(NV) \
+    DEFINE_VALUES_BF16(NV, 1) DEFINE_VALUES_BF16(NV, 2) DEFINE_VALUES_BF16(NV, 3) DEFINE_VALUES_BF16(NV, 4)
+DEFINE_VALUES_BF16_ALL(2)
+DEFINE_VALUES_BF16_ALL(4)
+DEFINE_VALUES_BF16_ALL(8)
+
 /* One (row, KV head) with head_dim = 16 * NV: q [group, head_dim] float32; page: scratch of
    page_size * head_dim floats; scores: group * ctx floats; out [group, head_dim] float32. Two
    passes, as the float32 kernel: scores over every page, softmax, then the weighted sum of V.
@@ -445,20 +480,14 @@ static void attend_bf16_##NV(const float *q, const uint16_t *k_head, const uint1
         }                                                                                       \
     }                                                                                           \
     for (int64_t j = 0; j < group; j++) softmax(scores + j * ctx, ctx);                         \
-    memset(out, 0, sizeof(float) * group * hd);                                                 \
-    for (int64_t t0 = 0; t0 < ctx; t0 += page_size) {                                           \
-        const int64_t n = ctx - t0 < page_size ? ctx - t0 : page_size, p = t0 / page_size;      \
-        if (t0 + page_size < ctx) prefetch_page(v_head + table[p + 1] * elems, 2 * elems);      \
-        widen_rows(v_head + table[p] * elems, page, n * hd);                                    \
-        for (int64_t j = 0; j < group; j++) {                                                   \
-            v16 o[NV];                                                                          \
-            for (int c = 0; c < NV; c++) o[c] = load16(out + j * hd + 16 * c);                  \
-            const float *sj = scores + j * ctx + t0;                                            \
-            for (int64_t i = 0; i < n; i++)                                                     \
-                for (int c = 0; c < NV; c++) o[c] += sj[i] * load16(page + i * hd + 16 * c);    \
-            for (int c = 0; c < NV; c++) store16(out + j * hd + 16 * c, o[c]);                  \
+    const int64_t block = NV <= 4 ? 4 : 2;                                                      \
+    for (int64_t j0 = 0; j0 < group; j0 += block)                                               \
+        switch (group - j0 < block ? group - j0 : block) {                                      \
+            case 1: values_bf16_##NV##_1(v_head, table, ctx, page_size, scores + j0 * ctx, ctx, out + j0 * hd); break; \
+            case 2: values_bf16_##NV##_2(v_head, table, ctx, page_size, scores + j0 * ctx, ctx, out + j0 * hd); break; \
+            case 3: values_bf16_##NV##_3(v_head, table, ctx, page_size, scores + j0 * ctx, ctx, out + j0 * hd); break; \
+            default: values_bf16_##NV##_4(v_head, table, ctx, page_size, scores + j0 * ctx, ctx, out + j0 * hd); break; \
         }                                                                                       \
-    }                                                                                           \
 }
 DEFINE_ATTEND_BF16(2)
 DEFINE_ATTEND_BF16(4)
