@@ -321,9 +321,10 @@ int kvseal_decode_attention(const float *q, const float *k, const float *v, cons
 
 # Decode attention over a bfloat16 pool. The float32 kernels above read K and V from the pool in
 # place; bfloat16 rows must be widened first, and widening a row once per query head (a
-# group of three to seven) costs more than the arithmetic. So each page's rows are widened
-# once into a float32 page in L1 (only the rows up to the context's end), and the query heads
-# run over it with 16-lane vectors; four slots' score sums are reduced together.
+# group of three to seven) costs more than the arithmetic. So each V row is widened once, in
+# registers, and multiplied into the sums of several query heads at a time; the scores come
+# from AVX512-BF16 dot products (or AMX tiles) over K in place, or where the CPU has neither,
+# from a K page widened once into a float32 page in L1, four slots' sums reduced together.
 ATTENTION_BF16 = r"""
 /* out[0..3] = scale * (the sums of a, b, c, d's lanes) */
 static inline void sums4(v8 a, v8 b, v8 c, v8 d, float scale, float *out) {
@@ -421,6 +422,13 @@ static inline void values_bf16_##NV##_##G(const uint16_t *v_head, const int64_t 
     for (int j = 0; j < G; j++)                                                                 \
         for (int c = 0; c < NV; c++) store16(out + j * hd + 16 * c, o[j][c]);                   \
 }
+/* Query heads a values pass takes at once: their sums and one V row stay in registers (32
+   AVX-512 registers; 16 AVX2 registers hold half as many 16-lane vectors). */
+#if defined(__AVX512F__)
+#define VALUES_HEADS(NV) ((NV) <= 4 ? 4 : 2)
+#else
+#define VALUES_HEADS(NV) ((NV) <= 2 ? 2 : 1)
+#endif
 #define DEFINE_VALUES_BF16_ALL(NV) \
     DEFINE_VALUES_BF16(NV, 1) DEFINE_VALUES_BF16(NV, 2) DEFINE_VALUES_BF16(NV, 3) DEFINE_VALUES_BF16(NV, 4)
 DEFINE_VALUES_BF16_ALL(2)
@@ -429,9 +437,9 @@ DEFINE_VALUES_BF16_ALL(8)
 
 /* One (row, KV head) with head_dim = 16 * NV: q [group, head_dim] float32; page: scratch of
    page_size * head_dim floats; scores: group * ctx floats; out [group, head_dim] float32. Two
-   passes, as the float32 kernel: scores over every page, softmax, then the weighted sum of V.
-   While a page's scores are computed, the next K page is prefetched, and this V page into L2
-   for the second pass. The scores come from AMX tiles (q_tiles), AVX512-BF16 dot products over
+   passes, as the float32 kernel: scores over every page, softmax, then the weighted sum of V
+   (values_bf16, VALUES_HEADS query heads at a time). While a page's scores are computed, the
+   next K page is prefetched, and this V page into L2 for the second pass. The scores come from AMX tiles (q_tiles), AVX512-BF16 dot products over
    the bfloat16 q and K in place (q_dot), or else K widened a page at a time. */
 #define DEFINE_ATTEND_BF16(NV)                                                                  \
 static void attend_bf16_##NV(const float *q, const uint16_t *k_head, const uint16_t *v_head,    \
@@ -480,7 +488,7 @@ static void attend_bf16_##NV(const float *q, const uint16_t *k_head, const uint1
         }                                                                                       \
     }                                                                                           \
     for (int64_t j = 0; j < group; j++) softmax(scores + j * ctx, ctx);                         \
-    const int64_t block = NV <= 4 ? 4 : 2;                                                      \
+    const int64_t block = VALUES_HEADS(NV);                                                     \
     for (int64_t j0 = 0; j0 < group; j0 += block)                                               \
         switch (group - j0 < block ? group - j0 : block) {                                      \
             case 1: values_bf16_##NV##_1(v_head, table, ctx, page_size, scores + j0 * ctx, ctx, out + j0 * hd); break; \
