@@ -1276,21 +1276,26 @@ static void store_tile_rows(const float *c, int rows, const uint16_t *bias, uint
    weight pairs, exactly vdpbf16ps's operand, against x's pair broadcast. S accumulators per
    row and panel take alternate k-pairs, so that a block of few rows (decode) still has enough
    independent sums in flight to hide the instruction's latency. p0, p1 (unless NULL): panels to
-   prefetch into L1, a cache line of each per k-pair, so that the next panels' weights come from
-   memory while these are multiplied. */
+   prefetch into L1 so that the next panels' weights come from memory while these are
+   multiplied: their line of k-pair k for every k with k % shares == share (the chunk's row
+   blocks divide the lines between them). */
 static inline __attribute__((always_inline)) void dot_block(const uint16_t *a, int64_t k_in, const uint16_t *b0,
                                                             const uint16_t *b1, const int R, const int S,
                                                             float *c0, float *c1, const uint16_t *p0,
-                                                            const uint16_t *p1) {
+                                                            const uint16_t *p1, int share, int shares) {
     __m512 acc0[16], acc1[16];  /* R * S <= 16 */
     for (int i = 0; i < R * S; i++) { acc0[i] = _mm512_setzero_ps(); acc1[i] = _mm512_setzero_ps(); }
+    int turn = 0;
     for (int64_t kp = 0; kp < k_in / 2; kp += S)
         for (int s = 0; s < S; s++) {
             const __m512bh w0 = (__m512bh)_mm512_loadu_si512(b0 + (kp + s) * 32);
             const __m512bh w1 = (__m512bh)_mm512_loadu_si512(b1 + (kp + s) * 32);
             if (p0 != NULL) {
-                __builtin_prefetch(p0 + (kp + s) * 32, 0, 3);
-                __builtin_prefetch(p1 + (kp + s) * 32, 0, 3);
+                if (turn == share) {
+                    __builtin_prefetch(p0 + (kp + s) * 32, 0, 3);
+                    __builtin_prefetch(p1 + (kp + s) * 32, 0, 3);
+                }
+                if (++turn == shares) turn = 0;
             }
             for (int r = 0; r < R; r++) {
                 int32_t pair;
@@ -1313,23 +1318,28 @@ static inline __attribute__((always_inline)) void dot_block(const uint16_t *a, i
 
 /* amx_chunk on AVX512-BF16 dot products: the same four sums (c[0], c[1]: rows 0-15 and 16-31
    against panel b0; c[2], c[3] against b1), in row blocks of 8 (16 accumulators). Without a
-   second panel, b0 stands in for it and the caller stores only c[0], c[1]. The first block
-   prefetches next0 and next1 (unless NULL). */
+   second panel, b0 stands in for it and the caller stores only c[0], c[1]. The row blocks
+   prefetch next0 and next1 (unless NULL) between them, every block an equal share of the
+   lines spread over its whole pass: one block issuing them all in its first quarter of the
+   chunk (32 rows) left the stream to wait (a 32-row decode stack of SmolLM2's linears,
+   weights out of cache: 0.935x the time). */
 static void dot_chunk(const uint16_t *a, int64_t k_in, const uint16_t *b0, const uint16_t *b1, int rows, int two,
                       float c[4][256], const uint16_t *next0, const uint16_t *next1) {
     if (!two) b1 = b0;
+    const int blocks = (rows + 7) / 8;
     for (int m = 0; m < rows; m += 8) {
-        const uint16_t *x = a + m * k_in, *p0 = m == 0 ? next0 : NULL, *p1 = m == 0 ? next1 : NULL;
+        const uint16_t *x = a + m * k_in;
+        const int share = m / 8;
         float *c0 = c[m / 16] + (m % 16) * 16, *c1 = c[2 + m / 16] + (m % 16) * 16;
         switch (rows - m < 8 ? rows - m : 8) {
-            case 1: dot_block(x, k_in, b0, b1, 1, 8, c0, c1, p0, p1); break;
-            case 2: dot_block(x, k_in, b0, b1, 2, 4, c0, c1, p0, p1); break;
-            case 3: dot_block(x, k_in, b0, b1, 3, 2, c0, c1, p0, p1); break;
-            case 4: dot_block(x, k_in, b0, b1, 4, 2, c0, c1, p0, p1); break;
-            case 5: dot_block(x, k_in, b0, b1, 5, 1, c0, c1, p0, p1); break;
-            case 6: dot_block(x, k_in, b0, b1, 6, 1, c0, c1, p0, p1); break;
-            case 7: dot_block(x, k_in, b0, b1, 7, 1, c0, c1, p0, p1); break;
-            default: dot_block(x, k_in, b0, b1, 8, 1, c0, c1, p0, p1); break;
+            case 1: dot_block(x, k_in, b0, b1, 1, 8, c0, c1, next0, next1, share, blocks); break;
+            case 2: dot_block(x, k_in, b0, b1, 2, 4, c0, c1, next0, next1, share, blocks); break;
+            case 3: dot_block(x, k_in, b0, b1, 3, 2, c0, c1, next0, next1, share, blocks); break;
+            case 4: dot_block(x, k_in, b0, b1, 4, 2, c0, c1, next0, next1, share, blocks); break;
+            case 5: dot_block(x, k_in, b0, b1, 5, 1, c0, c1, next0, next1, share, blocks); break;
+            case 6: dot_block(x, k_in, b0, b1, 6, 1, c0, c1, next0, next1, share, blocks); break;
+            case 7: dot_block(x, k_in, b0, b1, 7, 1, c0, c1, next0, next1, share, blocks); break;
+            default: dot_block(x, k_in, b0, b1, 8, 1, c0, c1, next0, next1, share, blocks); break;
         }
     }
 }
