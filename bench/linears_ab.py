@@ -98,8 +98,9 @@ def main() -> None:
                         help="float32 panels, or bfloat16 tiles (needs AMX or AVX512-BF16)")
     args = parser.parse_args()
     a, b = library_of(args.a.resolve()), library_of(args.b.resolve())
+    dtype = getattr(torch, args.dtype)
     for rows in args.rows:
-        print(json.dumps({**compare(a, b, rows, args.rounds, getattr(torch, args.dtype)), "threads": torch.get_num_threads()}), flush=True)
+        print(json.dumps({**compare(a, b, rows, args.rounds, dtype), "threads": torch.get_num_threads()}), flush=True)
 
 
 if __name__ == "__main__":
