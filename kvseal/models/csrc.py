@@ -104,24 +104,44 @@ static inline VF NAME(VF x) {                                                   
 DEFINE_EXP(exp_v, v8, v8i)
 DEFINE_EXP(exp_v16, v16, v16i)
 
+/* VL float lanes: 16 where the build targets AVX-512 (one register), else 8 (one AVX2
+   register); the softmaxes below run in vectors of VL. */
+#if defined(__AVX512F__)
+#define VL 16
+typedef v16 vl;
+typedef v16i vli;
+#define load_vl load16
+#define store_vl store16
+#define exp_vl exp_v16
+static inline float hsum_vl(vl x) { return hsum8(fold16(x)); }
+#else
+#define VL 8
+typedef v8 vl;
+typedef v8i vli;
+#define load_vl load8
+#define store_vl store8
+#define exp_vl exp_v
+static inline float hsum_vl(vl x) { return hsum8(x); }
+#endif
+static inline vl max_vl(vl a, vl b) {
+    const vli greater = a > b;  /* lanes: -1 where true */
+    return (vl)((greater & (vli)a) | (~greater & (vli)b));
+}
+
 /* Softmax in place over s[0..n-1]; returns nothing, s holds the probabilities. */
 static void softmax(float *s, int64_t n) {
     float top = s[0], sum = 0.0f;
     int64_t t = 1;
-    if (n >= 8) {  /* the maximum is exact in any order */
-        v8 m = load8(s);
-        for (t = 8; t + 8 <= n; t += 8) {
-            const v8 x = load8(s + t);
-            const v8i gt = x > m;  /* lanes: -1 where true */
-            m = (v8)((gt & (v8i)x) | (~gt & (v8i)m));
-        }
-        for (int i = 0; i < 8; i++) top = m[i] > top ? m[i] : top;
+    if (n >= VL) {  /* the maximum is exact in any order */
+        vl m = load_vl(s);
+        for (t = VL; t + VL <= n; t += VL) m = max_vl(load_vl(s + t), m);
+        for (int i = 0; i < VL; i++) top = m[i] > top ? m[i] : top;
     }
     for (; t < n; t++) top = s[t] > top ? s[t] : top;
     t = 0;
-    v8 acc = {0};
-    for (; t + 8 <= n; t += 8) { v8 e = exp_v(load8(s + t) - top); store8(s + t, e); acc += e; }
-    sum = hsum8(acc);
+    vl acc = {0};
+    for (; t + VL <= n; t += VL) { vl e = exp_vl(load_vl(s + t) - top); store_vl(s + t, e); acc += e; }
+    sum = hsum_vl(acc);
     for (; t < n; t++) { s[t] = exp_s(s[t] - top); sum += s[t]; }
     const float inv = 1.0f / sum;
     for (t = 0; t < n; t++) s[t] *= inv;
@@ -1792,31 +1812,28 @@ static void block_scores(const float *qb, const float *panels, int64_t count, in
 }
 #endif
 
-static inline v8 max8(v8 a, v8 b) {
-    const v8i greater = a > b;
-    return (v8)((greater & (v8i)a) | (~greater & (v8i)b));
-}
-
 /* The scores s[0..n-1] of the query at position pos -> unnormalized probabilities: exp(s - max)
-   over keys 0..pos, exactly 0 for keys pos+1..n-1 (later tokens: masked). Returns 1 / their sum. */
+   over keys 0..pos, exactly 0 for keys pos+1..n-1 (later tokens: masked). Returns 1 / their sum.
+   Vectors of VL lanes; a score row holds whole 16-key panels, so the last vector stays in it. */
 static float causal_row(float *s, int64_t pos, int64_t n) {
-    const int64_t seen = pos + 1, whole = seen / 8 * 8;
+    const int64_t seen = pos + 1, whole = seen / VL * VL;
     int64_t t = 0;
-    v8 top8 = (v8){0} + s[0];
-    for (; t < whole; t += 8) top8 = max8(top8, load8(s + t));
-    float top = top8[0];
-    for (int i = 1; i < 8; i++) top = top8[i] > top ? top8[i] : top;
+    vl top_v = (vl){0} + s[0];
+    for (; t < whole; t += VL) top_v = max_vl(load_vl(s + t), top_v);
+    float top = top_v[0];
+    for (int i = 1; i < VL; i++) top = top_v[i] > top ? top_v[i] : top;
     for (; t < seen; t++) top = s[t] > top ? s[t] : top;
-    v8 acc = {0};
-    for (t = 0; t < whole; t += 8) { const v8 e = exp_v(load8(s + t) - top); store8(s + t, e); acc += e; }
+    vl acc = {0};
+    for (t = 0; t < whole; t += VL) { const vl e = exp_vl(load_vl(s + t) - top); store_vl(s + t, e); acc += e; }
     if (t < seen) {  /* the last, partial vector: lanes past pos are masked to exactly 0 */
-        const v8i lane = {0, 1, 2, 3, 4, 5, 6, 7};
-        const v8i keep = lane < (v8i){0} + (int32_t)(seen - t);
-        const v8 e = (v8)(keep & (v8i)exp_v(load8(s + t) - top));
-        store8(s + t, e); acc += e; t += 8;
+        vli lane;
+        for (int i = 0; i < VL; i++) lane[i] = i;
+        const vli keep = lane < (vli){0} + (int32_t)(seen - t);
+        const vl e = (vl)(keep & (vli)exp_vl(load_vl(s + t) - top));
+        store_vl(s + t, e); acc += e; t += VL;
     }
-    for (; t < n; t += 8) store8(s + t, (v8){0});
-    return 1.0f / hsum8(acc);
+    for (; t < n; t += VL) store_vl(s + t, (vl){0});
+    return 1.0f / hsum_vl(acc);
 }
 
 /* Rows 0..mr-1 of out (out_stride apart) = inv[i] * sum over t < n of p[i][t] * V[t], V as the
