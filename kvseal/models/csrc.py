@@ -1505,8 +1505,10 @@ static void store_pair(const struct tile_job *j, float c[4][256], int64_t m0, in
 /* Pairs [i_begin, i_end) for rows [0, rows): pair i is panels (2i, 2i + 1) of a plain linear,
    (i, i + half) of a fused gate/up. Blocked as a GEMM: pairs in groups whose weights stay in
    L2 while every 32-row chunk passes over them (the weights come from memory once), and a
-   chunk's rows stay in L1 across the group's pairs. */
-static void tile_pairs(const struct tile_job *j, int64_t i_begin, int64_t i_end, int amx) {
+   chunk's rows stay in L1 across the group's pairs. after: the first pair of the thread's next
+   run (-1: none); with at most 32 rows (one chunk: decode) the last pair prefetches it, so that
+   a run does not start on weights still in memory. */
+static void tile_pairs(const struct tile_job *j, int64_t i_begin, int64_t i_end, int amx, int64_t after) {
     float c[4][256];
     int conf0 = -1, conf1 = -1;
     const int64_t panels = (j->n_out + 15) / 16, kblocks = j->k_in / 32, pair_bytes = 2 * j->k_in * 32;
@@ -1525,8 +1527,9 @@ static void tile_pairs(const struct tile_job *j, int64_t i_begin, int64_t i_end,
                 if (amx) {
                     amx_chunk(x, j->k_in, b0, b1, r1, two, c);
                 } else {  /* the first chunk of rows prefetches the next pair's weights */
-                    const int64_t n = i + 1, na = j->half > 0 ? n : 2 * n, nb = j->half > 0 ? n + j->half : 2 * n + 1;
-                    const int ahead = m0 == 0 && n < g_end;
+                    const int64_t n = j->rows <= 32 && i + 1 == i_end ? after : i + 1;
+                    const int64_t na = j->half > 0 ? n : 2 * n, nb = j->half > 0 ? n + j->half : 2 * n + 1;
+                    const int ahead = m0 == 0 && (j->rows <= 32 ? n >= 0 : n < g_end);
                     dot_chunk(x, j->k_in, b0, b1, r0 + r1, two, c,
                               ahead ? j->packed + na * kblocks * 512 : NULL,
                               ahead ? j->packed + (nb < panels ? nb : na) * kblocks * 512 : NULL);
@@ -1541,7 +1544,9 @@ static void tile_pairs(const struct tile_job *j, int64_t i_begin, int64_t i_end,
    they come free, so each thread streams its weights in order. At decode sizes the runs are
    short (about 8 a thread): on a host whose cores the frontend shares, a preempted thread then
    holds no fixed half for the other to wait on. From TILE_SPLIT_ROWS rows on each thread takes
-   one contiguous half: every run re-reads all the rows, which short runs would multiply. */
+   one contiguous half: every run re-reads all the rows, which short runs would multiply. Each
+   thread takes its next run before it works on the one in hand, so that it can prefetch the
+   next run's first weights (tile_pairs' `after`). */
 #define TILE_SPLIT_ROWS 256
 static void tile_run(const struct tile_job *j, int64_t pairs, int num_threads) {
     const int64_t runs = j->rows >= TILE_SPLIT_ROWS ? num_threads : 8 * num_threads;
@@ -1551,10 +1556,12 @@ static void tile_run(const struct tile_job *j, int64_t pairs, int num_threads) {
     #pragma omp parallel num_threads(num_threads)
     {
         int used = 0;
-        for (int64_t i = __atomic_fetch_add(&handed_out, run, __ATOMIC_RELAXED); i < pairs && j->rows > 0;
-             i = __atomic_fetch_add(&handed_out, run, __ATOMIC_RELAXED)) {
-            tile_pairs(j, i, i + run < pairs ? i + run : pairs, amx);
+        int64_t i = __atomic_fetch_add(&handed_out, run, __ATOMIC_RELAXED);
+        while (i < pairs && j->rows > 0) {
+            const int64_t next = __atomic_fetch_add(&handed_out, run, __ATOMIC_RELAXED);
+            tile_pairs(j, i, i + run < pairs ? i + run : pairs, amx, next < pairs ? next : -1);
             used = 1;
+            i = next;
         }
         if (used && amx) tile_release();
     }
