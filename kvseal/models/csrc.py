@@ -1544,9 +1544,9 @@ static void tile_pairs(const struct tile_job *j, int64_t i_begin, int64_t i_end,
    they come free, so each thread streams its weights in order. At decode sizes the runs are
    short (about 8 a thread): on a host whose cores the frontend shares, a preempted thread then
    holds no fixed half for the other to wait on. From TILE_SPLIT_ROWS rows on each thread takes
-   one contiguous half: every run re-reads all the rows, which short runs would multiply. Each
-   thread takes its next run before it works on the one in hand, so that it can prefetch the
-   next run's first weights (tile_pairs' `after`). */
+   one contiguous half: every run re-reads all the rows, which short runs would multiply. At
+   decode sizes (<= 32 rows) each thread takes its next run before it works on the one in hand,
+   so that it can prefetch the next run's first weights (tile_pairs' `after`). */
 #define TILE_SPLIT_ROWS 256
 static void tile_run(const struct tile_job *j, int64_t pairs, int num_threads) {
     const int64_t runs = j->rows >= TILE_SPLIT_ROWS ? num_threads : 8 * num_threads;
@@ -1558,10 +1558,12 @@ static void tile_run(const struct tile_job *j, int64_t pairs, int num_threads) {
         int used = 0;
         int64_t i = __atomic_fetch_add(&handed_out, run, __ATOMIC_RELAXED);
         while (i < pairs && j->rows > 0) {
-            const int64_t next = __atomic_fetch_add(&handed_out, run, __ATOMIC_RELAXED);
+            /* only where tile_pairs prefetches it: with two halves, claiming ahead would take the
+               other thread's half */
+            const int64_t next = j->rows <= 32 ? __atomic_fetch_add(&handed_out, run, __ATOMIC_RELAXED) : -1;
             tile_pairs(j, i, i + run < pairs ? i + run : pairs, amx, next < pairs ? next : -1);
             used = 1;
-            i = next;
+            i = j->rows <= 32 ? next : __atomic_fetch_add(&handed_out, run, __ATOMIC_RELAXED);
         }
         if (used && amx) tile_release();
     }
