@@ -1907,7 +1907,9 @@ static void pack_panels_f32(const struct fresh_shape *sh, const void *qkv, int64
         }
     for (int64_t t = 0; t < keys; t++) {
         const float *v = (const float *)fresh_kv(sh, qkv, sizeof(float), start, kvh, t, 1);
-        for (int64_t f = 0; f < hd; f += 16)
+        int64_t f = 0;
+        for (; f + 16 <= hd; f += 16) memcpy(vpanels + f * keys + t * 16, v + f, 16 * sizeof(float));
+        for (; f < hd; f += 16)
             for (int64_t j = 0; j < 16; j++) vpanels[f * keys + t * 16 + j] = f + j < hd ? v[f + j] : 0.0f;
     }
 }
@@ -1981,17 +1983,23 @@ int kvseal_prefill_attention(const float *qkv, int64_t row_stride, const int64_t
 static void pack_panels_bf16(const struct fresh_shape *sh, const void *qkv, int64_t start, int64_t kvh,
                              void *panels_out, float *vpanels) {
     const int64_t keys = sh->prefix + sh->length, hd = sh->head_dim;
-    uint16_t *panels = panels_out;
+    uint32_t *pairs = panels_out;  /* a head-dim pair (two bfloat16) is one 32-bit word */
     for (int64_t p = 0; p < (keys + 15) / 16; p++)
         for (int64_t j = 0; j < 16; j++) {
             const int64_t t = p * 16 + j;
-            const uint16_t *k = t < keys ? (const uint16_t *)fresh_kv(sh, qkv, 2, start, kvh, t, 0) : NULL;
-            for (int64_t d = 0; d < hd; d++)
-                panels[((p * (hd / 2) + d / 2) * 16 + j) * 2 + d % 2] = k != NULL ? k[d] : 0;
+            uint32_t *to = pairs + p * (hd / 2) * 16 + j;
+            if (t >= keys) {
+                for (int64_t dp = 0; dp < hd / 2; dp++) to[dp * 16] = 0;
+                continue;
+            }
+            const uint16_t *k = (const uint16_t *)fresh_kv(sh, qkv, 2, start, kvh, t, 0);
+            for (int64_t dp = 0; dp < hd / 2; dp++) memcpy(to + dp * 16, k + 2 * dp, sizeof(uint32_t));
         }
     for (int64_t t = 0; t < keys; t++) {
         const uint16_t *v = (const uint16_t *)fresh_kv(sh, qkv, 2, start, kvh, t, 1);
-        for (int64_t f = 0; f < hd; f += 16)
+        int64_t f = 0;
+        for (; f + 16 <= hd; f += 16) store16(vpanels + f * keys + t * 16, load16_bf16(v + f));
+        for (; f < hd; f += 16)
             for (int64_t j = 0; j < 16; j++)
                 vpanels[f * keys + t * 16 + j] = f + j < hd ? widen_bf16_1(v[f + j]) : 0.0f;
     }
