@@ -1767,8 +1767,10 @@ static const char *fresh_kv(const struct fresh_shape *sh, const char *qkv, int64
 /* qb [FRESH_ROWS][head_dim] = scale * the mr query rows at q (row_stride apart); rows mr.. are 0. */
 static void pack_query_block(const float *q, int64_t row_stride, int64_t mr, int64_t head_dim, float scale,
                              float *qb) {
-    for (int64_t i = 0; i < FRESH_ROWS; i++)
-        for (int64_t d = 0; d < head_dim; d++) qb[i * head_dim + d] = i < mr ? scale * q[i * row_stride + d] : 0.0f;
+    for (int64_t i = 0; i < FRESH_ROWS; i++) {
+        if (i >= mr) { memset(qb + i * head_dim, 0, head_dim * sizeof(float)); continue; }
+        for (int64_t d = 0; d < head_dim; d++) qb[i * head_dim + d] = scale * q[i * row_stride + d];
+    }
 }
 
 #if defined(__AVX512F__)
@@ -1780,6 +1782,22 @@ static inline __attribute__((always_inline)) void block_rows_x16(const float *x,
     for (int64_t k = 0; k < k_in; k++) {
         const v16 w = load16(panel + k * 16);
         for (int i = 0; i < FRESH_ROWS; i++) a[i] += x[i * ldx + k] * w;
+    }
+}
+
+/* block_rows_x16 over two panels at once (24 accumulators): each x broadcast feeds both, and
+   each output's sum runs over k in the same order. */
+static inline __attribute__((always_inline)) void block_rows_x32(const float *x, int64_t ldx, const float *panel0,
+                                                                 const float *panel1, int64_t k_in, v16 *a0,
+                                                                 v16 *a1) {
+    for (int i = 0; i < FRESH_ROWS; i++) { a0[i] = (v16){0}; a1[i] = (v16){0}; }
+    for (int64_t k = 0; k < k_in; k++) {
+        const v16 w0 = load16(panel0 + k * 16), w1 = load16(panel1 + k * 16);
+        for (int i = 0; i < FRESH_ROWS; i++) {
+            const float s = x[i * ldx + k];
+            a0[i] += s * w0;
+            a1[i] += s * w1;
+        }
     }
 }
 
@@ -1850,7 +1868,18 @@ static float causal_row(float *s, int64_t pos, int64_t n) {
    features (head_dim % 16 == 8) stores only those 8. */
 static void block_values(const float *p, int64_t lds, const float *vp, int64_t length, int64_t n,
                          int64_t head_dim, const float *inv, int64_t mr, float *out, int64_t out_stride) {
-    for (int64_t f = 0; f < head_dim; f += 16) {
+    int64_t f = 0;
+#if defined(__AVX512F__)
+    for (; f + 32 <= head_dim; f += 32) {  /* two panels a pass: half the broadcasts of p */
+        v16 a0[FRESH_ROWS], a1[FRESH_ROWS];
+        block_rows_x32(p, lds, vp + f * length, vp + (f + 16) * length, n, a0, a1);
+        for (int64_t i = 0; i < mr; i++) {
+            store16(out + i * out_stride + f, a0[i] * inv[i]);
+            store16(out + i * out_stride + f + 16, a1[i] * inv[i]);
+        }
+    }
+#endif
+    for (; f < head_dim; f += 16) {
 #if defined(__AVX512F__)
         v16 a[FRESH_ROWS];
         block_rows_x16(p, lds, vp + f * length, n, a);
@@ -2021,9 +2050,10 @@ static void fresh_block_bf16(const struct fresh_shape *sh, const void *qkv_rows,
     uint16_t *qb = (uint16_t *)(ob + FRESH_ROWS * hd);
     for (int64_t j = 0; j < group; j++) {
         const int64_t h = kvh * group + j;
-        for (int64_t i = 0; i < FRESH_ROWS; i++)
-            for (int64_t d = 0; d < hd; d++)
-                qb[i * hd + d] = i < mr ? qkv[(start + first + i) * sh->row_stride + h * hd + d] : 0;
+        for (int64_t i = 0; i < FRESH_ROWS; i++) {
+            if (i < mr) memcpy(qb + i * hd, qkv + (start + first + i) * sh->row_stride + h * hd, hd * sizeof(uint16_t));
+            else memset(qb + i * hd, 0, hd * sizeof(uint16_t));
+        }
         for (int64_t p = 0; p < (n + 15) / 16; p++) {
             const uint16_t *panel = panels + p * hd * 16;
             __m512 a[FRESH_ROWS];
