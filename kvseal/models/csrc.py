@@ -459,8 +459,9 @@ DEFINE_VALUES_BF16_ALL(8)
    page_size * head_dim floats; scores: group * ctx floats; out [group, head_dim] float32. Two
    passes, as the float32 kernel: scores over every page, softmax, then the weighted sum of V
    (values_bf16, VALUES_HEADS query heads at a time). While a page's scores are computed, the
-   next K page is prefetched, and this V page into L2 for the second pass. The scores come from AMX tiles (q_tiles), AVX512-BF16 dot products over
-   the bfloat16 q and K in place (q_dot), or else K widened a page at a time. */
+   next K page is prefetched, and this V page into L2 for the second pass. The scores come from
+   AMX tiles (q_tiles), AVX512-BF16 dot products over the bfloat16 q and K in place (q_dot), or
+   else K widened a page at a time. */
 #define DEFINE_ATTEND_BF16(NV)                                                                  \
 static void attend_bf16_##NV(const float *q, const uint16_t *k_head, const uint16_t *v_head,    \
                              const int64_t *table, int64_t ctx, int64_t group, int64_t page_size, \
@@ -1506,16 +1507,18 @@ static void store_pair(const struct tile_job *j, float c[4][256], int64_t m0, in
    (i, i + half) of a fused gate/up. Blocked as a GEMM: pairs in groups whose weights stay in
    L2 while every 32-row chunk passes over them (the weights come from memory once), and a
    chunk's rows stay in L1 across the group's pairs. after: the first pair of the thread's next
-   run (-1: none); with at most 32 rows (one chunk: decode) the last pair prefetches it, so that
-   a run does not start on weights still in memory. */
+   run (-1: none); with at most TILE_CHUNK_ROWS rows (one chunk: decode) the last pair prefetches
+   it, so that a run does not start on weights still in memory. */
+#define TILE_CHUNK_ROWS 32
 static void tile_pairs(const struct tile_job *j, int64_t i_begin, int64_t i_end, int amx, int64_t after) {
+    const int one_chunk = j->rows <= TILE_CHUNK_ROWS;
     float c[4][256];
     int conf0 = -1, conf1 = -1;
     const int64_t panels = (j->n_out + 15) / 16, kblocks = j->k_in / 32, pair_bytes = 2 * j->k_in * 32;
     const int64_t group = TILE_GROUP_BYTES / pair_bytes > 1 ? TILE_GROUP_BYTES / pair_bytes : 1;
     for (int64_t g = i_begin; g < i_end; g += group) {
         const int64_t g_end = g + group < i_end ? g + group : i_end;
-        for (int64_t m0 = 0; m0 < j->rows; m0 += 32) {
+        for (int64_t m0 = 0; m0 < j->rows; m0 += TILE_CHUNK_ROWS) {
             const int r0 = j->rows - m0 < 16 ? (int)(j->rows - m0) : 16;
             const int r1 = j->rows - m0 <= 16 ? 0 : (j->rows - m0 < 32 ? (int)(j->rows - m0 - 16) : 16);
             if (amx && (r0 != conf0 || r1 != conf1)) { configure_tiles(r0, r1); conf0 = r0; conf1 = r1; }
@@ -1527,9 +1530,9 @@ static void tile_pairs(const struct tile_job *j, int64_t i_begin, int64_t i_end,
                 if (amx) {
                     amx_chunk(x, j->k_in, b0, b1, r1, two, c);
                 } else {  /* the first chunk of rows prefetches the next pair's weights */
-                    const int64_t n = j->rows <= 32 && i + 1 == i_end ? after : i + 1;
+                    const int64_t n = one_chunk && i + 1 == i_end ? after : i + 1;
                     const int64_t na = j->half > 0 ? n : 2 * n, nb = j->half > 0 ? n + j->half : 2 * n + 1;
-                    const int ahead = m0 == 0 && (j->rows <= 32 ? n >= 0 : n < g_end);
+                    const int ahead = m0 == 0 && (one_chunk ? n >= 0 : n < g_end);
                     dot_chunk(x, j->k_in, b0, b1, r0 + r1, two, c,
                               ahead ? j->packed + na * kblocks * 512 : NULL,
                               ahead ? j->packed + (nb < panels ? nb : na) * kblocks * 512 : NULL);
@@ -1545,25 +1548,25 @@ static void tile_pairs(const struct tile_job *j, int64_t i_begin, int64_t i_end,
    short (about 8 a thread): on a host whose cores the frontend shares, a preempted thread then
    holds no fixed half for the other to wait on. From TILE_SPLIT_ROWS rows on each thread takes
    one contiguous half: every run re-reads all the rows, which short runs would multiply. At
-   decode sizes (<= 32 rows) each thread takes its next run before it works on the one in hand,
-   so that it can prefetch the next run's first weights (tile_pairs' `after`). */
+   decode sizes (one chunk of rows) each thread takes its next run before it works on the one in
+   hand, so that it can prefetch the next run's first weights (tile_pairs' `after`); with two
+   halves, claiming ahead would take the other thread's half. */
 #define TILE_SPLIT_ROWS 256
 static void tile_run(const struct tile_job *j, int64_t pairs, int num_threads) {
     const int64_t runs = j->rows >= TILE_SPLIT_ROWS ? num_threads : 8 * num_threads;
     const int64_t run = (pairs + runs - 1) / runs;
     const int amx = amx_linears;
     int64_t handed_out = 0;
+    const int claim_ahead = j->rows <= TILE_CHUNK_ROWS;
     #pragma omp parallel num_threads(num_threads)
     {
         int used = 0;
         int64_t i = __atomic_fetch_add(&handed_out, run, __ATOMIC_RELAXED);
         while (i < pairs && j->rows > 0) {
-            /* only where tile_pairs prefetches it: with two halves, claiming ahead would take the
-               other thread's half */
-            const int64_t next = j->rows <= 32 ? __atomic_fetch_add(&handed_out, run, __ATOMIC_RELAXED) : -1;
+            const int64_t next = claim_ahead ? __atomic_fetch_add(&handed_out, run, __ATOMIC_RELAXED) : -1;
             tile_pairs(j, i, i + run < pairs ? i + run : pairs, amx, next < pairs ? next : -1);
             used = 1;
-            i = j->rows <= 32 ? next : __atomic_fetch_add(&handed_out, run, __ATOMIC_RELAXED);
+            i = claim_ahead ? next : __atomic_fetch_add(&handed_out, run, __ATOMIC_RELAXED);
         }
         if (used && amx) tile_release();
     }
