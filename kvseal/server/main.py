@@ -21,6 +21,7 @@ import signal
 from pathlib import Path
 
 import uvicorn
+import uvloop
 
 from kvseal.config import EngineArgs
 from kvseal.disagg.serve import PdTopology, start_pd_backend
@@ -37,7 +38,7 @@ from kvseal.server.generation_defaults import GenerationDefaults
 from kvseal.server.metrics import ServerMetrics
 from kvseal.server.prompts import PromptEncoder
 from kvseal.server.state import AppState
-from kvseal.server.uvicorn_server import KvsealServer, h11_protocol_with_header_timeout
+from kvseal.server.uvicorn_server import KvsealServer, protocol_with_header_timeout
 
 logger = logging.getLogger("kvseal.server")
 
@@ -62,8 +63,8 @@ def run(ns: argparse.Namespace) -> int:
                 raise ConfigError("--threads sets the colocated engine's CPU threads; with --pd give "
                                   "--pd-threads PREFILL,DECODE, with --prefill/--decode give each "
                                   "`kvseal engine` its own --threads")
-            return asyncio.run(_serve_pd(config, engine_args, keys, audit, topology, ns))
-        return asyncio.run(_serve(config, engine_args, keys, audit))
+            return uvloop.run(_serve_pd(config, engine_args, keys, audit, topology, ns))
+        return uvloop.run(_serve(config, engine_args, keys, audit))
     finally:
         audit.close()
 
@@ -148,8 +149,8 @@ def _model_dir(model_path: str) -> Path | None:
 
 
 def _uvicorn_config(config: ServerConfig, state: AppState) -> uvicorn.Config:
-    http = h11_protocol_with_header_timeout(config.header_timeout_s)
-    return uvicorn.Config(build_app(state), host=config.host, port=config.port, loop="asyncio", http=http,
+    http = protocol_with_header_timeout(config.header_timeout_s)
+    return uvicorn.Config(build_app(state), host=config.host, port=config.port, loop="none", http=http,
                           lifespan="off", log_config=None, log_level=config.log_level.lower(),
                           timeout_graceful_shutdown=math.ceil(ABORT_MARGIN_S))  # after _drain
 

@@ -152,6 +152,11 @@ def test_slow_clients_are_timed_out(start_server: Callable[..., ServerProcess]) 
                              b"content-length: 100\r\n\r\n{\"prompt\": ")
         answer = _read_http_response(partial_body)
     assert answer.startswith(b"HTTP/1.1 408") and b"request_timeout" in answer
+    with socket.create_connection(("127.0.0.1", slow_server.port), timeout=WAIT_DEADLINE_S) as kept_alive:
+        kept_alive.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert _read_http_response(kept_alive).startswith(b"HTTP/1.1 200")
+        kept_alive.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")  # the next request stalls
+        assert kept_alive.recv(1024) == b""  # its headers are timed out as a first request's are
     assert httpx.get(f"{slow_server.url}/health", timeout=10).status_code == 200
 
 
