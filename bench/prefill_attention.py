@@ -4,12 +4,13 @@ One step prefills `--prompts` prompts of `--prompt-tokens` random tokens each (d
 one 2,048-token step, the default budget) and samples one token. The two variants alternate
 round by round (the order flips every round) in the same engine: "sdpa" builds the attention
 plans with the prefill kernel off (`attention.prefill_attention_kernel` patched to None),
-"native" as shipped. Per step: the whole step's time and the time inside `paged_attention`
+"native" with the kernel wherever it is built (also where the engine would pick SDPA:
+bfloat16 on AMX). Per step: the whole step's time and the time inside `paged_attention`
 (every layer, all paths). Reported: medians and minima per variant, and the ratio of medians.
 The first round is a warm-up (not counted) and sends the same prompts to both variants, whose
 sampled tokens must agree.
 
-Usage: PYTHONPATH=TREE python bench/prefill_attention.py [--model DIR_OR_GGUF] [--rounds 7]
+Usage: PYTHONPATH=TREE python bench/prefill_attention.py [--model DIR_OR_GGUF] [--rounds 7] [--dtype bfloat16]
 Timings on a shared host are noisy: compare the variants within one run only.
 """
 
@@ -55,13 +56,14 @@ class AttentionClock:
 
 @contextlib.contextmanager
 def variant(name: str) -> Iterator[None]:
-    saved = attention.prefill_attention_kernel
+    saved = attention.prefill_attention_kernel, attention.sdpa_leads_fresh_prefill
+    attention.sdpa_leads_fresh_prefill = lambda dtype: False  # the kernel wherever it is built
     if name == "sdpa":
-        attention.prefill_attention_kernel = lambda: None
+        attention.prefill_attention_kernel = lambda dtype=None: None
     try:
         yield
     finally:
-        attention.prefill_attention_kernel = saved
+        attention.prefill_attention_kernel, attention.sdpa_leads_fresh_prefill = saved
 
 
 def one_step(llm: LLM, prompts: list[list[int]], tag: str, clock: AttentionClock) -> tuple[float, float, list[int]]:
@@ -85,8 +87,9 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--prompt-tokens", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--dtype", default="float32", help="float32 or bfloat16 (the model's and the pool's)")
     args = parser.parse_args()
-    llm = LLM(model=args.model, dtype="float32", max_model_len=2048, kv_cache_memory="2GiB")
+    llm = LLM(model=args.model, dtype=args.dtype, max_model_len=2048, kv_cache_memory="2GiB")
     clock = AttentionClock()
     llama.paged_attention = clock
     rng = random.Random(0)

@@ -20,8 +20,10 @@ share one causal attention call. In the native forward that call is the native k
 and writes its output rows. A bfloat16 forward runs its bfloat16 twin (scores by AVX512-BF16
 dot products) where the build has one, else hands the float32 kernel the rows widened once per
 layer (exact) and rounds its output rows once; either takes under half of SDPA's bfloat16 time
-on CPUs without AMX (docs/BENCHMARKS.md, round 11). Otherwise (no kernel, another dtype,
-head_dim not a multiple of 8) the chunks' q/k/v are gathered into one causal SDPA call.
+on CPUs without AMX (docs/BENCHMARKS.md, round 11). On CPUs whose AMX runs the tile linears,
+SDPA multiplies on AMX and is the faster (round 20): a bfloat16 forward there gathers the
+chunks' q/k/v into one causal SDPA call, as does any forward without a kernel (another dtype,
+head_dim not a multiple of 8).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from kvseal.models.native import (
     prefill_attention_kernel,
     run_decode_attention,
     run_prefill_attention,
+    sdpa_leads_fresh_prefill,
 )
 from kvseal.types import ForwardBatch
 
@@ -172,11 +175,14 @@ class AttentionPlan:
             else:
                 prefills.append(_prefill_span(token_start, query_len, context_len, batch.block_tables[i]))
             token_start += query_len
-        # the kernel over the pool's dtype; a bfloat16 pool without it: the float32 one on widened rows
+        # the kernel over the pool's dtype; a bfloat16 pool without it: the float32 one on widened
+        # rows; SDPA where it is the faster (bfloat16 on AMX)
         dtype = pool.k[0].dtype
-        fresh_kernel = prefill_attention_kernel(dtype) if fresh_starts else None
-        if fresh_kernel is None and fresh_starts and dtype == torch.bfloat16:
-            fresh_kernel, dtype = prefill_attention_kernel(torch.float32), torch.float32
+        fresh_kernel = None
+        if fresh_starts and not sdpa_leads_fresh_prefill(dtype):
+            fresh_kernel = prefill_attention_kernel(dtype)
+            if fresh_kernel is None and dtype == torch.bfloat16:
+                fresh_kernel, dtype = prefill_attention_kernel(torch.float32), torch.float32
         fresh = [_fresh_group(length, starts, fresh_kernel, dtype) for length, starts in fresh_starts.items()]
         span_kernel = prefill_attention_kernel(pool.k[0].dtype) if prefills else None
         if not decode_rows:

@@ -510,13 +510,16 @@ static void attend_bf16_##NV(const float *q, const uint16_t *k_head, const uint1
     }                                                                                           \
     for (int64_t j = 0; j < group; j++) softmax(scores + j * ctx, ctx);                         \
     const int64_t block = VALUES_HEADS(NV);                                                     \
-    for (int64_t j0 = 0; j0 < group; j0 += block)                                               \
+    for (int64_t j0 = 0; j0 < group; j0 += block) {                                             \
+        const float *p = scores + j0 * ctx;                                                     \
+        float *o = out + j0 * hd;                                                               \
         switch (group - j0 < block ? group - j0 : block) {                                      \
-            case 1: values_bf16_##NV##_1(v_head, table, ctx, page_size, scores + j0 * ctx, ctx, out + j0 * hd); break; \
-            case 2: values_bf16_##NV##_2(v_head, table, ctx, page_size, scores + j0 * ctx, ctx, out + j0 * hd); break; \
-            case 3: values_bf16_##NV##_3(v_head, table, ctx, page_size, scores + j0 * ctx, ctx, out + j0 * hd); break; \
-            default: values_bf16_##NV##_4(v_head, table, ctx, page_size, scores + j0 * ctx, ctx, out + j0 * hd); break; \
+            case 1: values_bf16_##NV##_1(v_head, table, ctx, page_size, p, ctx, o); break;      \
+            case 2: values_bf16_##NV##_2(v_head, table, ctx, page_size, p, ctx, o); break;      \
+            case 3: values_bf16_##NV##_3(v_head, table, ctx, page_size, p, ctx, o); break;      \
+            default: values_bf16_##NV##_4(v_head, table, ctx, page_size, p, ctx, o); break;     \
         }                                                                                       \
+    }                                                                                           \
 }
 DEFINE_ATTEND_BF16(2)
 DEFINE_ATTEND_BF16(4)

@@ -140,6 +140,16 @@ def prefill_attention_kernel(dtype: torch.dtype = torch.float32) -> Callable[...
     return library.prefill_attention
 
 
+def sdpa_leads_fresh_prefill(dtype: torch.dtype) -> bool:
+    """Whether a fresh prefill of `dtype` is faster in torch's SDPA than in the native kernel:
+    bfloat16 where AMX runs the tile linears. There SDPA's flash attention multiplies on AMX
+    tiles (oneDNN's brgemm) and the native kernel on AVX512-BF16 dot products: 101 against 140
+    ms for a 2,048-token step's 30 layers (docs/BENCHMARKS.md, round 20). Without AMX the native
+    kernel takes under half of SDPA's time (round 11)."""
+    library = native_library()
+    return dtype == torch.bfloat16 and library is not None and library.tile_engine == TILES_AMX
+
+
 def _load(source: str = _SOURCE) -> NativeLibrary | None:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:

@@ -16,7 +16,13 @@ import torch.nn.functional as F
 
 import kvseal.models.attention as attention
 from kvseal.kvcache.pool import KVPool
-from kvseal.models.native import prefill_attention_kernel, run_prefill_attention
+from kvseal.models.native import (
+    TILES_AMX,
+    native_library,
+    prefill_attention_kernel,
+    run_prefill_attention,
+    sdpa_leads_fresh_prefill,
+)
 from kvseal.types import ForwardBatch
 
 pytestmark = pytest.mark.skipif(prefill_attention_kernel() is None, reason="no C compiler: the kernel is not built")
@@ -126,15 +132,17 @@ def test_head_dim_not_a_multiple_of_8_falls_back(monkeypatch: pytest.MonkeyPatch
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("kernel", ["bf16", "widened"])
+@pytest.mark.parametrize("kernel", ["bf16", "widened", "sdpa"])
 def test_a_bfloat16_forward_runs_a_kernel(kernel: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A bfloat16 pool and rows: the bfloat16 kernel where the build has one (`bf16`), else the
     float32 kernel on rows widened to float32 (`widened`, also forced here); each output rounded
-    once, within bfloat16 rounding of SDPA's bfloat16 result. A decode row and a continuing
-    chunk in the same forward keep their own paths and rows (the reference's torch decode path
-    over the NaN-poisoned pool must stay finite too)."""
+    once, within bfloat16 rounding of SDPA's bfloat16 result. Where SDPA is the faster (AMX;
+    `sdpa`, forced here on any host) the fresh chunks have no kernel. A decode row and a
+    continuing chunk in the same forward keep their own paths and rows (the reference's torch
+    decode path over the NaN-poisoned pool must stay finite too)."""
     if kernel == "bf16" and prefill_attention_kernel(torch.bfloat16) is None:
         pytest.skip("no bfloat16 prefill kernel in this build (no AVX512-BF16)")
+    monkeypatch.setattr(attention, "sdpa_leads_fresh_prefill", lambda dtype: kernel == "sdpa")
     if kernel == "widened":
         real = attention.prefill_attention_kernel
         monkeypatch.setattr(attention, "prefill_attention_kernel",
@@ -142,8 +150,11 @@ def test_a_bfloat16_forward_runs_a_kernel(kernel: str, monkeypatch: pytest.Monke
     spans = [(1, 40), (20, 20), (13, 13), (24, 57), (20, 20), (100, 100)]
     got, want, plan = _forward_both(spans, 9, 3, 64, 4, monkeypatch, torch.bfloat16)
     assert torch.isfinite(want).all(), "the torch decode path let a poisoned slot past the context in"
-    expected_dtype = torch.bfloat16 if kernel == "bf16" else torch.float32
-    assert plan.fresh and all(g.kernel is not None and g.kernel_dtype == expected_dtype for g in plan.fresh)
+    if kernel == "sdpa":
+        assert plan.fresh and all(g.kernel is None for g in plan.fresh)
+    else:
+        expected_dtype = torch.bfloat16 if kernel == "bf16" else torch.float32
+        assert plan.fresh and all(g.kernel is not None and g.kernel_dtype == expected_dtype for g in plan.fresh)
     assert got.dtype == torch.bfloat16 and torch.isfinite(got).all()
     torch.testing.assert_close(got.float(), want.float(), rtol=2.0**-6, atol=2e-2)
 
@@ -233,3 +244,10 @@ def test_the_prefix_kernel_refuses_what_it_cannot_read() -> None:
     with pytest.raises(ValueError):  # two chunks share no table
         run_prefill_attention(kernel, qkv, torch.tensor([0, 4]), 4, 4, 2, 16, out,
                               CachedPrefix(4, torch.tensor([0]), pool.k[0], pool.v[0]))
+
+
+def test_sdpa_leads_only_bfloat16_on_amx() -> None:
+    library = native_library()
+    amx = library is not None and library.tile_engine == TILES_AMX
+    assert sdpa_leads_fresh_prefill(torch.bfloat16) == amx
+    assert not sdpa_leads_fresh_prefill(torch.float32)
