@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -88,7 +87,6 @@ def config_from(ns: argparse.Namespace) -> ServeBenchConfig:
 def _cmd_serve(ns: argparse.Namespace) -> int:
     from kvseal.bench.metrics import format_summary
 
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request otherwise
     config = config_from(ns)
     given = [name for name in _LONG_OPTIONS if getattr(ns, name) is not None]
     if given and not ns.fairness:

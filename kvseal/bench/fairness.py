@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
+import aiohttp
 
 from kvseal.bench.client import Endpoint, RequestResult, send_completion
 from kvseal.bench.dataset import BenchRequest
@@ -98,7 +98,7 @@ async def _measure(config: ServeBenchConfig, long: LongTenant, short: list[Bench
 class _LongLoad:
     """`concurrency` workers, each sending the next long prompt as soon as its last one ends."""
 
-    def __init__(self, http: httpx.AsyncClient, long: LongTenant, requests: list[BenchRequest]) -> None:
+    def __init__(self, http: aiohttp.ClientSession, long: LongTenant, requests: list[BenchRequest]) -> None:
         self._http, self._long = http, long
         self._queue = list(reversed(requests))
         self._results: list[RequestResult] = []

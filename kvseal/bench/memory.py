@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
+import aiohttp
 
 from kvseal.errors import KvsealError
 
@@ -65,13 +65,14 @@ def metrics_url(base_url: str) -> str:
     return root + "/metrics"
 
 
-async def kv_pages(http: httpx.AsyncClient, url: str, admin_key: str | None = None) -> tuple[int, int] | None:
+async def kv_pages(http: aiohttp.ClientSession, url: str, admin_key: str | None = None) -> tuple[int, int] | None:
     """(pages used, pages total) from kvseal's gauges, or None where the server has none (or
     refuses /metrics: kvseal with --api-keys wants an admin key there)."""
     headers = {"authorization": f"Bearer {admin_key}"} if admin_key is not None else None
     try:
-        text = (await http.get(url, headers=headers)).text
-    except httpx.HTTPError:
+        async with http.get(url, headers=headers) as response:
+            text = await response.text()
+    except (aiohttp.ClientError, TimeoutError):
         return None
     used, free = _PAGES_USED.search(text), _PAGES_FREE.search(text)
     if not used or not free:
@@ -90,7 +91,7 @@ class ServerSample:
 class ServerSampler:
     """Samples until `stop()`; `sample` holds the peaks so far."""
 
-    def __init__(self, http: httpx.AsyncClient, base_url: str, server_pid: int | None, admin_key: str | None = None,
+    def __init__(self, http: aiohttp.ClientSession, base_url: str, server_pid: int | None, admin_key: str | None = None,
                  interval_s: float = 0.5):
         self.sample = ServerSample()
         self._http, self._url, self._pid, self._interval_s = http, metrics_url(base_url), server_pid, interval_s

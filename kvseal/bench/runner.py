@@ -16,7 +16,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import httpx
+import aiohttp
 from tqdm import tqdm
 
 from kvseal.bench.client import Endpoint, RequestResult, send_completion
@@ -42,14 +42,14 @@ class RunOutcome:
     duration_s: float
 
 
-def http_client(max_connections: int, request_timeout_s: float) -> httpx.AsyncClient:
-    """One connection pool per run; `request_timeout_s` bounds each read, connect and write."""
-    return httpx.AsyncClient(timeout=httpx.Timeout(request_timeout_s),
-                             limits=httpx.Limits(max_connections=max_connections,
-                                                 max_keepalive_connections=max_connections))
+def http_client(max_connections: int, request_timeout_s: float) -> aiohttp.ClientSession:
+    """One connection pool per run; `request_timeout_s` bounds each request, its whole stream
+    included. Made inside the run's event loop."""
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=max_connections),
+                                 timeout=aiohttp.ClientTimeout(total=request_timeout_s))
 
 
-async def check_server(http: httpx.AsyncClient, endpoint: Endpoint, request: BenchRequest) -> None:
+async def check_server(http: aiohttp.ClientSession, endpoint: Endpoint, request: BenchRequest) -> None:
     """Send one request before measuring; raise KvsealError with the server's answer if it fails."""
     result = await send_completion(http, endpoint, request)
     if not result.success:
@@ -57,7 +57,7 @@ async def check_server(http: httpx.AsyncClient, endpoint: Endpoint, request: Ben
                           f"check --base-url, --model and --api-key")
 
 
-async def run_requests(http: httpx.AsyncClient, endpoint: Endpoint, requests: Sequence[BenchRequest],
+async def run_requests(http: aiohttp.ClientSession, endpoint: Endpoint, requests: Sequence[BenchRequest],
                        shape: LoadShape, rng: random.Random, *, progress: bool = True,
                        description: str = "requests") -> RunOutcome:
     limit = asyncio.Semaphore(shape.concurrency) if shape.concurrency is not None else None
