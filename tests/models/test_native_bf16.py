@@ -53,6 +53,26 @@ def test_add_rms_norm_rounds_as_transformers(rows: int, dim: int) -> None:
     _assert_within_ulp(out, expected, 0.01)
 
 
+def test_residual_add_rounds_ties_and_extremes_as_torch() -> None:
+    """The 16-lane narrowing (one vcvtneps2bf16 where the CPU has AVX512-BF16) on the cases a
+    rounding gets wrong first: sums exactly halfway between two bfloat16 values (to even, both
+    ways), overflow to infinity, infinities, and a NaN that must stay a NaN."""
+    dim = 64
+    h = torch.ones(2, dim)
+    delta = torch.full((2, dim), 2.0**-8)  # 1 + 2^-8: halfway, rounds down to even 1.0
+    delta[:, 1::4] = 3 * 2.0**-8  # halfway between 1 + 2^-7 (odd) and 1 + 2^-6: up
+    h[:, 2::4], delta[:, 2::4] = 3e38, 3e38  # overflows to inf
+    h[:, 3::8], delta[:, 3::8] = float("-inf"), 1.0
+    h[1, 7], delta[1, 7] = float("nan"), 1.0
+    h, delta = h.to(BF16), delta.to(BF16)
+    summed = h + delta
+    native.add_rms_norm(_library(), h, delta, torch.ones(dim, dtype=BF16), 1e-5, torch.empty_like(h))
+    assert torch.isnan(h[1, 7]) and torch.isnan(summed[1, 7])
+    h[1, 7] = summed[1, 7] = 0.0
+    assert torch.equal(h, summed)
+    assert h[0, 0] == 1.0 and h[0, 1] == 1 + 2.0**-6 and torch.isinf(h[0, 2])
+
+
 @pytest.mark.parametrize("rows, inter", [(3, 64), (20, 36)])  # 36: a tail; 20: the rows split over threads
 def test_silu_mul_rounds_as_torch(rows: int, inter: int) -> None:
     gate_up = _randn(rows, 2 * inter, seed=4, scale=3.0)
