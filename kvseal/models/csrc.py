@@ -1412,27 +1412,6 @@ static void configure_tiles(int r0, int r1) {
     load_tile_config(&c);
 }
 
-/* One 32-row chunk of x (a; r1 rows in its second row tile) against panel b0 and, if two,
-   panel b1, over every k: the four sums into c. */
-static void amx_chunk(const uint16_t *a, int64_t k_in, const uint16_t *b0, const uint16_t *b1, int r1, int two,
-                      float c[4][256]) {
-    _tile_zero(0); _tile_zero(2);
-    if (r1) { _tile_zero(1); _tile_zero(3); }
-    for (int64_t kb = 0; kb < k_in / 32; kb++) {
-        _tile_loadd(4, a + kb * 32, k_in * 2);
-        _tile_loadd(6, b0 + kb * 512, 64);
-        _tile_dpbf16ps(0, 4, 6);
-        if (r1) { _tile_loadd(5, a + 16 * k_in + kb * 32, k_in * 2); _tile_dpbf16ps(1, 5, 6); }
-        if (two) {
-            _tile_loadd(7, b1 + kb * 512, 64);
-            _tile_dpbf16ps(2, 4, 7);
-            if (r1) _tile_dpbf16ps(3, 5, 7);
-        }
-    }
-    _tile_stored(0, c[0], 64); _tile_stored(2, c[2], 64);
-    if (r1) { _tile_stored(1, c[1], 64); _tile_stored(3, c[3], 64); }
-}
-
 static void tile_release(void) { _tile_release(); }
 
 /* Decode attention's scores on tiles (csrc.ATTENTION_BF16): tile 0 = C (16 slots x 16 query
@@ -1482,10 +1461,6 @@ static void amx_page_scores(const uint16_t *k_page, int64_t n, const uint16_t *q
 }
 #else
 static void configure_tiles(int r0, int r1) { (void)r0; (void)r1; }
-static void amx_chunk(const uint16_t *a, int64_t k_in, const uint16_t *b0, const uint16_t *b1, int r1, int two,
-                      float c[4][256]) {
-    (void)a; (void)k_in; (void)b0; (void)b1; (void)r1; (void)two; (void)c;
-}
 static void tile_release(void) {}
 #endif
 
@@ -1526,6 +1501,70 @@ static void store_pair(const struct tile_job *j, float c[4][256], int64_t m0, in
     }
 }
 
+/* A chunk whose tiles are computed and whose outputs (store_pair's work) are not yet out: on
+   AMX they go out a row or two at a time between the next chunk's tile products, which run on
+   their own unit while the vector ports convert and store. c == NULL: none. */
+struct pending_chunk {
+    float (*c)[256];
+    int64_t m0, a, b;
+    int r0, r1, two, done;  /* done: rows of the chunk already out */
+};
+
+/* The pending chunk's rows [p->done, until) out, as store_pair writes them. */
+static void pending_rows(const struct tile_job *j, struct pending_chunk *p, int until) {
+    const int rows = p->r0 + p->r1;
+    if (until > rows) until = rows;
+    for (int r = p->done; r < until; r++) {
+        const int tile = r < p->r0 ? 0 : 1, in_tile = r < p->r0 ? r : r - p->r0;
+        if (j->half > 0) {
+            const int64_t ld = j->half * 16;
+            store_silu_rows(p->c[tile] + in_tile * 16, p->c[2 + tile] + in_tile * 16, 1,
+                            j->y + (p->m0 + r) * ld + p->a * 16, ld);
+            continue;
+        }
+        for (int t = 0; t < 1 + p->two; t++) {
+            const int64_t pt = t ? p->b : p->a, nr = j->n_out - pt * 16 < 16 ? j->n_out - pt * 16 : 16;
+            store_tile_rows(p->c[2 * t + tile] + in_tile * 16, 1, j->bias == NULL ? NULL : j->bias + pt * 16,
+                            j->y + (p->m0 + r) * j->n_out + pt * 16, j->n_out, nr);
+        }
+    }
+    p->done = until;
+}
+
+#ifdef KVSEAL_AMX
+/* One 32-row chunk of x (a; r1 rows in its second row tile) against panel b0 and, if two,
+   panel b1, over every k: the four sums into c; the pending chunk's rows go out between the
+   k steps (all of them by the end). */
+static void amx_chunk_overlapped(const uint16_t *a, int64_t k_in, const uint16_t *b0, const uint16_t *b1, int r1,
+                                 int two, float c[4][256], const struct tile_job *j, struct pending_chunk *p) {
+    const int64_t kblocks = k_in / 32;
+    const int rows = p->c == NULL ? 0 : p->r0 + p->r1;
+    const int per_step = (int)((rows + kblocks - 1) / kblocks);
+    _tile_zero(0); _tile_zero(2);
+    if (r1) { _tile_zero(1); _tile_zero(3); }
+    for (int64_t kb = 0; kb < kblocks; kb++) {
+        _tile_loadd(4, a + kb * 32, k_in * 2);
+        _tile_loadd(6, b0 + kb * 512, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        if (r1) { _tile_loadd(5, a + 16 * k_in + kb * 32, k_in * 2); _tile_dpbf16ps(1, 5, 6); }
+        if (two) {
+            _tile_loadd(7, b1 + kb * 512, 64);
+            _tile_dpbf16ps(2, 4, 7);
+            if (r1) _tile_dpbf16ps(3, 5, 7);
+        }
+        if (p->done < rows) pending_rows(j, p, p->done + per_step);
+    }
+    if (p->c != NULL) pending_rows(j, p, rows);
+    _tile_stored(0, c[0], 64); _tile_stored(2, c[2], 64);
+    if (r1) { _tile_stored(1, c[1], 64); _tile_stored(3, c[3], 64); }
+}
+#else
+static void amx_chunk_overlapped(const uint16_t *a, int64_t k_in, const uint16_t *b0, const uint16_t *b1, int r1,
+                                 int two, float c[4][256], const struct tile_job *j, struct pending_chunk *p) {
+    (void)a; (void)k_in; (void)b0; (void)b1; (void)r1; (void)two; (void)c; (void)j; (void)p;
+}
+#endif
+
 /* Pairs [i_begin, i_end) for rows [0, rows): pair i is panels (2i, 2i + 1) of a plain linear,
    (i, i + half) of a fused gate/up. Blocked as a GEMM: pairs in groups whose weights stay in
    L2 while every 32-row chunk passes over them (the weights come from memory once), and a
@@ -1535,7 +1574,9 @@ static void store_pair(const struct tile_job *j, float c[4][256], int64_t m0, in
 #define TILE_CHUNK_ROWS 32
 static void tile_pairs(const struct tile_job *j, int64_t i_begin, int64_t i_end, int amx, int64_t after) {
     const int one_chunk = j->rows <= TILE_CHUNK_ROWS;
-    float c[4][256];
+    float c[2][4][256];  /* on AMX: the chunk being computed, and the one whose outputs go out meanwhile */
+    int cur = 0;
+    struct pending_chunk pending = {0};
     int conf0 = -1, conf1 = -1;
     const int64_t panels = (j->n_out + 15) / 16, kblocks = j->k_in / 32, pair_bytes = 2 * j->k_in * 32;
     const int64_t group = TILE_GROUP_BYTES / pair_bytes > 1 ? TILE_GROUP_BYTES / pair_bytes : 1;
@@ -1551,19 +1592,22 @@ static void tile_pairs(const struct tile_job *j, int64_t i_begin, int64_t i_end,
                 const uint16_t *x = j->x + m0 * j->k_in, *b0 = j->packed + a * kblocks * 512;
                 const uint16_t *b1 = j->packed + b * kblocks * 512;
                 if (amx) {
-                    amx_chunk(x, j->k_in, b0, b1, r1, two, c);
+                    amx_chunk_overlapped(x, j->k_in, b0, b1, r1, two, c[cur], j, &pending);
+                    pending = (struct pending_chunk){c[cur], m0, a, b, r0, r1, two, 0};
+                    cur ^= 1;
                 } else {  /* the first chunk of rows prefetches the next pair's weights */
                     const int64_t n = one_chunk && i + 1 == i_end ? after : i + 1;
                     const int64_t na = j->half > 0 ? n : 2 * n, nb = j->half > 0 ? n + j->half : 2 * n + 1;
                     const int ahead = m0 == 0 && (one_chunk ? n >= 0 : n < g_end);
-                    dot_chunk(x, j->k_in, b0, b1, r0 + r1, two, c,
+                    dot_chunk(x, j->k_in, b0, b1, r0 + r1, two, c[0],
                               ahead ? j->packed + na * kblocks * 512 : NULL,
                               ahead ? j->packed + (nb < panels ? nb : na) * kblocks * 512 : NULL);
+                    store_pair(j, c[0], m0, r0, r1, a, b, two);
                 }
-                store_pair(j, c, m0, r0, r1, a, b, two);
             }
         }
     }
+    if (pending.c != NULL) pending_rows(j, &pending, pending.r0 + pending.r1);
 }
 
 /* The job's pairs handed to the threads in runs of consecutive pairs from a shared counter as
