@@ -1245,10 +1245,11 @@ void kvseal_linear_i8(const float *x, const int8_t *panels, const float *scale, 
 # multiple of 32. Panel pairs are handed to the threads in runs, so each streams its weights in
 # order, and each step computes 32 rows x 2 panels over every k, blocked as a GEMM (groups of
 # panels stay in L2 while every 32-row chunk passes over them). Two engines compute a step:
-# - AMX (Sapphire Rapids and later, where the process may use tile data): 2 x 2 tiles. At one to
-#   32 rows (decode) the weights stream at the memory's bandwidth (a pass over SmolLM2-135M's
-#   270 MB: 10.5-13.4 ms against oneDNN's 14.6-17.8 ms on the round-10 host); at 2,048 rows
-#   2.0-2.5 TFLOPS against oneDNN's 2.7-3.3 (docs/BENCHMARKS.md, round 10).
+# - AMX (Sapphire Rapids and later, where the process may use tile data): 2 x 2 tiles, a chunk's
+#   outputs written out between the next chunk's tile products. At one to 32 rows (decode) the
+#   weights stream at the memory's bandwidth (a pass over SmolLM2-135M's 270 MB: 10.5-13.4 ms
+#   against oneDNN's 14.6-17.8 ms on the round-10 host); at 2,048 rows 0.9x oneDNN's time
+#   (docs/BENCHMARKS.md, rounds 10 and 20).
 # - AVX512-BF16 (CPUs without AMX, such as AMD's Zen 4 and 5): VDPBF16PS, whose operand is one
 #   64-byte tile row (16 outputs' k-pairs) against x's pair broadcast, 8 rows x 2 panels in 16
 #   accumulators (docs/BENCHMARKS.md, round 11).

@@ -17,8 +17,8 @@ A bfloat16 model (`dtype=auto` picks bfloat16 on CPUs with AVX512-BF16 or AMX) g
 x 16 k-pairs), multiplied by kvseal's C kernel on AMX tiles, or where the CPU or process has no
 AMX on AVX512-BF16 dot products over the same layout (one 64-byte tile row is exactly the
 instruction's operand). float32 sums, each output rounded once. At decode sizes they stream
-the weights faster than oneDNN on both kinds of host; at prefill sizes they trail it on AMX
-and lead it on AVX512-BF16 (docs/BENCHMARKS.md, "Round 10" and "Round 11"). Elsewhere, and
+the weights faster than oneDNN on both kinds of host, and at prefill sizes they lead it on
+both (docs/BENCHMARKS.md, "Round 11" and "Round 20"). Elsewhere, and
 for a width the tiles cannot step through, `PackedLinear` where oneDNN multiplies bfloat16.
 
 Either packed weight replaces the module's weight (no second copy), except for a lm_head tied
