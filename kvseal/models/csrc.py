@@ -1485,25 +1485,9 @@ static void store_silu_rows(const float *gate, const float *up, int rows, uint16
     }
 }
 
-/* The chunk's tiles out: c[0], c[1] panel a's row tiles, c[2], c[3] panel b's. */
-static void store_pair(const struct tile_job *j, float c[4][256], int64_t m0, int r0, int r1, int64_t a, int64_t b,
-                       int two) {
-    if (j->half > 0) {
-        const int64_t ld = j->half * 16;
-        store_silu_rows(c[0], c[2], r0, j->y + m0 * ld + a * 16, ld);
-        if (r1) store_silu_rows(c[1], c[3], r1, j->y + (m0 + 16) * ld + a * 16, ld);
-        return;
-    }
-    for (int t = 0; t < 1 + two; t++) {
-        const int64_t pt = t ? b : a, nr = j->n_out - pt * 16 < 16 ? j->n_out - pt * 16 : 16;
-        const uint16_t *bias = j->bias == NULL ? NULL : j->bias + pt * 16;
-        store_tile_rows(c[2 * t], r0, bias, j->y + m0 * j->n_out + pt * 16, j->n_out, nr);
-        if (r1) store_tile_rows(c[2 * t + 1], r1, bias, j->y + (m0 + 16) * j->n_out + pt * 16, j->n_out, nr);
-    }
-}
-
-/* A chunk whose tiles are computed and whose outputs (store_pair's work) are not yet out: on
-   AMX they go out a row or two at a time between the next chunk's tile products, which run on
+/* A chunk whose tiles are computed (c[0], c[1]: panel a's row tiles; c[2], c[3]: panel b's)
+   and whose outputs are not all out yet. The dot-product engine writes them at once; on AMX
+   they go out a row or two at a time between the next chunk's tile products, which run on
    their own unit while the vector ports convert and store. c == NULL: none. */
 struct pending_chunk {
     float (*c)[256];
@@ -1511,25 +1495,27 @@ struct pending_chunk {
     int r0, r1, two, done;  /* done: rows of the chunk already out */
 };
 
-/* The pending chunk's rows [p->done, until) out, as store_pair writes them. */
+/* The pending chunk's rows [p->done, until) out, a row tile's share at a time: each linear
+   output + bias rounded once, or a fused gate/up's silu(gate) * up. */
 static void pending_rows(const struct tile_job *j, struct pending_chunk *p, int until) {
     const int rows = p->r0 + p->r1;
     if (until > rows) until = rows;
-    for (int r = p->done; r < until; r++) {
-        const int tile = r < p->r0 ? 0 : 1, in_tile = r < p->r0 ? r : r - p->r0;
+    while (p->done < until) {
+        const int tile = p->done < p->r0 ? 0 : 1, first = tile ? p->done - p->r0 : p->done;
+        const int end = tile || until < p->r0 ? until : p->r0, count = end - p->done;
+        const int64_t m = p->m0 + p->done;
         if (j->half > 0) {
             const int64_t ld = j->half * 16;
-            store_silu_rows(p->c[tile] + in_tile * 16, p->c[2 + tile] + in_tile * 16, 1,
-                            j->y + (p->m0 + r) * ld + p->a * 16, ld);
-            continue;
+            store_silu_rows(p->c[tile] + first * 16, p->c[2 + tile] + first * 16, count, j->y + m * ld + p->a * 16, ld);
+        } else {
+            for (int t = 0; t < 1 + p->two; t++) {
+                const int64_t pt = t ? p->b : p->a, nr = j->n_out - pt * 16 < 16 ? j->n_out - pt * 16 : 16;
+                store_tile_rows(p->c[2 * t + tile] + first * 16, count, j->bias == NULL ? NULL : j->bias + pt * 16,
+                                j->y + m * j->n_out + pt * 16, j->n_out, nr);
+            }
         }
-        for (int t = 0; t < 1 + p->two; t++) {
-            const int64_t pt = t ? p->b : p->a, nr = j->n_out - pt * 16 < 16 ? j->n_out - pt * 16 : 16;
-            store_tile_rows(p->c[2 * t + tile] + in_tile * 16, 1, j->bias == NULL ? NULL : j->bias + pt * 16,
-                            j->y + (p->m0 + r) * j->n_out + pt * 16, j->n_out, nr);
-        }
+        p->done = end;
     }
-    p->done = until;
 }
 
 #ifdef KVSEAL_AMX
@@ -1603,7 +1589,8 @@ static void tile_pairs(const struct tile_job *j, int64_t i_begin, int64_t i_end,
                     dot_chunk(x, j->k_in, b0, b1, r0 + r1, two, c[0],
                               ahead ? j->packed + na * kblocks * 512 : NULL,
                               ahead ? j->packed + (nb < panels ? nb : na) * kblocks * 512 : NULL);
-                    store_pair(j, c[0], m0, r0, r1, a, b, two);
+                    struct pending_chunk whole = {c[0], m0, a, b, r0, r1, two, 0};
+                    pending_rows(j, &whole, r0 + r1);
                 }
             }
         }
