@@ -23,7 +23,7 @@ from kvseal.admission import AdmissionLimits, admit
 from kvseal.config import EngineArgs, ModelConfig
 from kvseal.engine.batch import PreparedForward, build_forward_batch, check_forward
 from kvseal.engine.model_runner import ModelRunner
-from kvseal.engine.output import OutputState
+from kvseal.engine.output import OutputState, text_decoder
 from kvseal.engine.sampler import sample
 from kvseal.engine.scheduler import Scheduler
 from kvseal.errors import InvalidParameter, IsolationViolation
@@ -70,6 +70,7 @@ class LLMEngine:
         self.loaded = loaded or load_model(args.model, args.torch_dtype)
         self.model_config: ModelConfig = self.loaded.config
         self.tokenizer: Any = self.loaded.tokenizer
+        self._decode_text = text_decoder(self.tokenizer)
         self.cache_config, self.scheduler_config = args.resolve(self.model_config)
         self.limits = AdmissionLimits(self.scheduler_config.max_model_len, self.cache_config.kv_cache_tokens,
                                       self.model_config.vocab_size)
@@ -147,7 +148,8 @@ class LLMEngine:
         if params.structured is not None:
             request.grammar = new_matcher(compiled_grammar if compiled_grammar is not None
                                           else self.grammars.compile_now(tenant, params.structured))
-        self._outputs[request_id] = OutputState(request, self.tokenizer, self.model_config.eos_token_ids)
+        self._outputs[request_id] = OutputState(request, self.tokenizer, self.model_config.eos_token_ids,
+                                                self._decode_text)
         self.scheduler.add(request)
         return request
 
@@ -176,7 +178,8 @@ class LLMEngine:
         self.kv.publish_written(request)
         if params.structured is not None:  # the first token was sampled under the same grammar
             request.grammar = new_matcher(self.grammars.compile_now(tenant, params.structured))
-        state = self._outputs[request_id] = OutputState(request, self.tokenizer, self.model_config.eos_token_ids)
+        state = self._outputs[request_id] = OutputState(request, self.tokenizer,
+                                                        self.model_config.eos_token_ids, self._decode_text)
         self.scheduler.add_running(request)
         state.append_token(first_token)
         if first_logprobs is not None:

@@ -18,6 +18,9 @@ from kvseal.hugepages import huge_zeros
 class LayerWriteObserver(Protocol):
     def on_layer_write(self, layer: int, slots: torch.Tensor) -> None: ...
 
+    def on_layers_write(self, num_layers: int, slots: torch.Tensor) -> None:
+        """Layers 0..num_layers-1 each stored `slots` (one call for a whole decode step)."""
+
 
 class KVPool:
     def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
@@ -59,9 +62,8 @@ class KVPool:
         writes), and returns how many layers it wrote. Record each of those layers as `write`
         does, also when the kernel stopped early."""
         written = store()
-        if self.observer is not None:
-            for layer in range(written):
-                self.observer.on_layer_write(layer, slots)
+        if self.observer is not None and written > 0:
+            self.observer.on_layers_write(written, slots)
 
     def read_pages(self, layer: int, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Gather whole pages ([...] page ids) -> two tensors [num_kv_heads, ..., page_size, head_dim]."""

@@ -204,6 +204,15 @@ class WriteRecords:
         if self.track_slots:
             self.slot_generation[layer, slots] = self.page_generation[slots // self.page_size]
 
+    def on_layers_write(self, num_layers: int, slots: torch.Tensor) -> None:
+        """`on_layer_write` for layers 0..num_layers-1 at once (the decode loop writes every
+        layer in one native call): one scatter instead of one per layer."""
+        if self._forward is not None:
+            rows, next_prefix = self._forward
+            self.prefix[:num_layers].index_copy_(1, rows, next_prefix[:num_layers])
+        if self.track_slots:
+            self.slot_generation[:num_layers, slots] = self.page_generation[slots // self.page_size]
+
     # --- the always-on check ---------------------------------------------------------------
 
     def check_forward(self, writes: ForwardWrites, batch: ForwardBatch) -> dict[int, str]:
@@ -216,23 +225,30 @@ class WriteRecords:
         the first position this forward writes (then [prefix, start) would be read unwritten).
         """
         refused: dict[int, str] = {}
-        for i in (writes.rows < 0).nonzero().flatten().tolist():
-            refused[i] = f"request {writes.request_ids[i]} holds no KV pages"
+        unknown = writes.rows < 0
+        if bool(unknown.any()):
+            for i in unknown.nonzero().flatten().tolist():
+                refused[i] = f"request {writes.request_ids[i]} holds no KV pages"
         self._check_pages(writes, batch, refused)
         self._check_coverage(writes, refused)
         return refused
 
     def _check_pages(self, writes: ForwardWrites, batch: ForwardBatch, refused: dict[int, str]) -> None:
-        seq_ids = torch.arange(len(writes.request_ids))
-        num_pages = torch.tensor([int(t.shape[0]) for t in batch.block_tables], dtype=torch.int64)
+        num_seqs = len(writes.request_ids)
+        # every page a sequence reads (its block table), then every page it writes (its new slots)
         pages = torch.cat([*batch.block_tables, batch.slot_mapping // self.page_size])
-        seq_of_page = torch.cat([seq_ids.repeat_interleave(num_pages),
-                                 seq_ids.repeat_interleave(torch.tensor(batch.query_lens, dtype=torch.int64))])
+        counts = torch.tensor([int(t.shape[0]) for t in batch.block_tables] + list(batch.query_lens),
+                              dtype=torch.int64)
+        seq_of_page = torch.arange(num_seqs).repeat(2).repeat_interleave(counts)
         rows = writes.rows[seq_of_page]
-        is_read = torch.arange(int(pages.shape[0])) < int(num_pages.sum())  # block tables first, then new slots
-        shared = ((self.page_row[pages] == CACHED_ROW) & is_read
+        owner = self.page_row[pages]
+        not_own = owner != rows
+        if not bool(not_own.any()):  # the common step: every page is the sequence's own
+            return
+        is_read = torch.arange(int(pages.shape[0])) < int(counts[:num_seqs].sum())
+        shared = ((owner == CACHED_ROW) & is_read
                   & (self.page_namespace[pages] == self.row_namespace[rows.clamp(min=0)]))
-        foreign = (self.page_row[pages] != rows) & ~shared
+        foreign = not_own & ~shared
         if not bool(foreign.any()):
             return
         for i in seq_of_page[foreign].unique().tolist():

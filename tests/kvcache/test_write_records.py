@@ -67,6 +67,34 @@ def test_a_forward_is_recorded_per_layer_as_each_layer_writes() -> None:
     assert check_forward(prepare(kv, {"a": (6, 7)}), kv) == []
 
 
+@pytest.mark.parametrize("check_kv", [False, True])
+def test_one_call_for_a_run_of_layers_records_as_a_call_per_layer(check_kv: bool) -> None:
+    """The decode loop writes every layer in one native call and reports the layers it wrote at
+    once (`KVPool.write_layers_by`): the records must end exactly as after one report per layer,
+    also when the call stopped early, in both modes, for sequences at different positions."""
+    per_layer, at_once = make_kv(check_kv), make_kv(check_kv)
+    for kv in (per_layer, at_once):
+        kv.reserve("a", "alice", 9)
+        kv.reserve("b", "bob", 9)
+        write_layers(kv, prepare(kv, {"a": (0, 5), "b": (0, 3)}), range(NUM_LAYERS))
+    # a call that stopped after two layers, then one that wrote all three
+    for written, spans in ((2, {"a": (5, 6), "b": (3, 4)}), (NUM_LAYERS, {"a": (6, 7), "b": (4, 5)})):
+        write_layers(per_layer, prepare(per_layer, spans), range(written))
+        step = prepare(at_once, spans)
+        with at_once.recording(step.writes):
+            at_once.pool.write_layers_by(step.batch.slot_mapping, lambda n=written: n)
+        assert torch.equal(per_layer.records.prefix, at_once.records.prefix)
+        assert torch.equal(per_layer.records.slot_generation, at_once.records.slot_generation)
+        end = spans["a"][1]
+        assert at_once.written_prefix("a") == [end] * written + [end - 1] * (NUM_LAYERS - written)
+        if written < NUM_LAYERS:  # the layer the call never reached refuses the next step, then is redone
+            for kv in (per_layer, at_once):
+                (violation,) = check_forward(prepare(kv, {"a": (6, 7)}), kv)
+                assert "layer 2 holds KV for [0, 5)" in str(violation)
+                write_layers(kv, prepare(kv, spans), range(written, NUM_LAYERS))
+    assert at_once.written_prefix("b") == [5] * NUM_LAYERS
+
+
 def test_only_the_uncovered_sequence_is_refused() -> None:
     kv = make_kv()
     for request_id in ("a", "b"):

@@ -129,6 +129,9 @@ def test_a_slot_outside_the_pool_is_refused_and_nothing_is_written_or_recorded(m
         def on_layer_write(self, layer: int, slots: torch.Tensor) -> None:
             recorded.append(layer)
 
+        def on_layers_write(self, num_layers: int, slots: torch.Tensor) -> None:
+            recorded.extend(range(num_layers))
+
     observer, pool.observer = pool.observer, Spy()
     try:
         loop.run(h, cos, sin, batch.slot_mapping.clone(), plan, pool)  # the real slot: every layer recorded

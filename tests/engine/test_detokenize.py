@@ -1,0 +1,79 @@
+"""Incremental detokenization in the engine (`engine/output.py`): the Rust backend's decode
+stands in for the Hugging Face wrapper's where that gives the same string, and a stream's
+pieces add up to the whole text."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+from tiny_models import make_tokenizer
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+from kvseal.engine.output import OutputState, text_decoder
+from kvseal.types import Request, SamplingParams
+
+TEXT = ["naïve café 東京 déjà vu — ünïcödé 🙂 and plain words", "the quick brown fox 𝄞 jumps over the lazy dog"] * 20
+
+
+def byte_level_tokenizer() -> PreTrainedTokenizerFast:
+    """A small byte-level BPE (GPT-2 / Llama-3 style): multi-byte characters span tokens."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(TEXT, trainers.BpeTrainer(vocab_size=300, special_tokens=["<s>", "</s>"],
+                                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
+
+
+@pytest.fixture(params=["word_level", "byte_level"])
+def tokenizer(request: pytest.FixtureRequest) -> PreTrainedTokenizerFast:
+    return make_tokenizer() if request.param == "word_level" else byte_level_tokenizer()
+
+
+def test_the_backend_decodes_as_the_wrapper_does_without_calling_it(tokenizer: Any,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    assert tokenizer.clean_up_tokenization_spaces is False
+    rng = random.Random(0)
+    cases = [rng.choices(range(len(tokenizer)), k=rng.randint(0, 12)) for _ in range(200)]
+    cases += [[tokenizer.bos_token_id, *tokenizer.encode("déjà vu", add_special_tokens=False),
+               tokenizer.eos_token_id]]
+    expected = [tokenizer.decode(ids, skip_special_tokens=True) for ids in cases]
+
+    def wrapper_called(*args: Any, **kwargs: Any) -> str:
+        raise AssertionError("the fast path went through the wrapper")
+
+    monkeypatch.setattr(tokenizer, "decode", wrapper_called)
+    decode = text_decoder(tokenizer)
+    assert [decode(ids) for ids in cases] == expected
+
+
+def test_a_tokenizer_that_cleans_up_text_keeps_the_wrapper(monkeypatch: pytest.MonkeyPatch) -> None:
+    tokenizer = make_tokenizer()
+    tokenizer.clean_up_tokenization_spaces = True
+    calls: list[list[int]] = []
+    plain = tokenizer.decode
+    monkeypatch.setattr(tokenizer, "decode", lambda ids, **kw: calls.append(ids) or plain(ids, **kw))
+    assert text_decoder(tokenizer)([5, 6]) == plain([5, 6], skip_special_tokens=True)
+    assert calls == [[5, 6]]
+
+
+@pytest.mark.parametrize(("make", "prompt", "text"), [
+    (make_tokenizer, "w1 w2", "w3 w4 w5 w6 w7"),
+    (byte_level_tokenizer, "plain", " ".join(TEXT[:2])),
+])
+def test_streamed_pieces_add_up_to_the_whole_text(make: Any, prompt: str, text: str) -> None:
+    tokenizer = make()
+    output = tokenizer.encode(text, add_special_tokens=False)
+    request = Request("r", "t", tokenizer.encode(prompt, add_special_tokens=False),
+                      SamplingParams(max_tokens=len(output)))
+    state = OutputState(request, tokenizer, eos_token_ids=(), decode=text_decoder(tokenizer))
+    pieces = []
+    for token in output:
+        state.append_token(token)
+        pieces.append(state.report(finished=False).new_text)
+        assert "\ufffd" not in pieces[-1]  # a character split across tokens is held back whole
+    pieces.append(state.report(finished=True).new_text)
+    assert "".join(pieces) == tokenizer.decode(output, skip_special_tokens=True)
