@@ -148,8 +148,7 @@ class LLMEngine:
         if params.structured is not None:
             request.grammar = new_matcher(compiled_grammar if compiled_grammar is not None
                                           else self.grammars.compile_now(tenant, params.structured))
-        self._outputs[request_id] = OutputState(request, self.tokenizer, self.model_config.eos_token_ids,
-                                                self._decode_text)
+        self._outputs[request_id] = OutputState(request, self._decode_text, self.model_config.eos_token_ids)
         self.scheduler.add(request)
         return request
 
@@ -178,8 +177,7 @@ class LLMEngine:
         self.kv.publish_written(request)
         if params.structured is not None:  # the first token was sampled under the same grammar
             request.grammar = new_matcher(self.grammars.compile_now(tenant, params.structured))
-        state = self._outputs[request_id] = OutputState(request, self.tokenizer,
-                                                        self.model_config.eos_token_ids, self._decode_text)
+        state = self._outputs[request_id] = OutputState(request, self._decode_text, self.model_config.eos_token_ids)
         self.scheduler.add_running(request)
         state.append_token(first_token)
         if first_logprobs is not None:

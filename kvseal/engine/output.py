@@ -31,10 +31,10 @@ def text_decoder(tokenizer: Any) -> Callable[[list[int]], str]:
 
 
 class OutputState:
-    def __init__(self, request: Request, tokenizer: Any, eos_token_ids: tuple[int, ...],
-                 decode: Callable[[list[int]], str] | None = None) -> None:
+    def __init__(self, request: Request, decode: Callable[[list[int]], str], eos_token_ids: tuple[int, ...]) -> None:
+        """decode: ids -> text, special tokens skipped (`text_decoder`)."""
         self.request = request
-        self._decode = decode if decode is not None else text_decoder(tokenizer)
+        self._decode = decode
         self._eos = set(eos_token_ids)
         self._ids = request.prompt_token_ids[-_CONTEXT_TOKENS:]
         self._prefix_offset = 0

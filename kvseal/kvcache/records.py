@@ -198,20 +198,19 @@ class WriteRecords:
 
     def on_layer_write(self, layer: int, slots: torch.Tensor) -> None:
         """Called by the pool after it stored `slots` of `layer` (slots: [num_tokens])."""
-        if self._forward is not None:
-            rows, next_prefix = self._forward
-            self.prefix[layer].index_copy_(0, rows, next_prefix[layer])
-        if self.track_slots:
-            self.slot_generation[layer, slots] = self.page_generation[slots // self.page_size]
+        self._advance(slice(layer, layer + 1), slots)
 
     def on_layers_write(self, num_layers: int, slots: torch.Tensor) -> None:
         """`on_layer_write` for layers 0..num_layers-1 at once (the decode loop writes every
         layer in one native call): one scatter instead of one per layer."""
+        self._advance(slice(0, num_layers), slots)
+
+    def _advance(self, layers: slice, slots: torch.Tensor) -> None:
         if self._forward is not None:
             rows, next_prefix = self._forward
-            self.prefix[:num_layers].index_copy_(1, rows, next_prefix[:num_layers])
+            self.prefix[layers].index_copy_(1, rows, next_prefix[layers])
         if self.track_slots:
-            self.slot_generation[:num_layers, slots] = self.page_generation[slots // self.page_size]
+            self.slot_generation[layers, slots] = self.page_generation[slots // self.page_size]
 
     # --- the always-on check ---------------------------------------------------------------
 

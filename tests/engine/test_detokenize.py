@@ -69,7 +69,7 @@ def test_streamed_pieces_add_up_to_the_whole_text(make: Any, prompt: str, text: 
     output = tokenizer.encode(text, add_special_tokens=False)
     request = Request("r", "t", tokenizer.encode(prompt, add_special_tokens=False),
                       SamplingParams(max_tokens=len(output)))
-    state = OutputState(request, tokenizer, eos_token_ids=(), decode=text_decoder(tokenizer))
+    state = OutputState(request, text_decoder(tokenizer), eos_token_ids=())
     pieces = []
     for token in output:
         state.append_token(token)
