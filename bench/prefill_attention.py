@@ -57,7 +57,7 @@ class AttentionClock:
 @contextlib.contextmanager
 def variant(name: str) -> Iterator[None]:
     saved = attention.prefill_attention_kernel, attention.sdpa_leads_fresh_prefill
-    attention.sdpa_leads_fresh_prefill = lambda dtype: False  # the kernel wherever it is built
+    attention.sdpa_leads_fresh_prefill = lambda *args: False  # the kernel wherever it is built
     if name == "sdpa":
         attention.prefill_attention_kernel = lambda dtype=None: None
     try:

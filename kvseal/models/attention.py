@@ -176,10 +176,10 @@ class AttentionPlan:
                 prefills.append(_prefill_span(token_start, query_len, context_len, batch.block_tables[i]))
             token_start += query_len
         # the kernel over the pool's dtype; a bfloat16 pool without it: the float32 one on widened
-        # rows; SDPA where it is the faster (bfloat16 on AMX)
+        # rows; SDPA where it is the faster (bfloat16 on AMX for head dims the tile kernel skips)
         dtype = pool.k[0].dtype
         fresh_kernel = None
-        if fresh_starts and not sdpa_leads_fresh_prefill(dtype):
+        if fresh_starts and not sdpa_leads_fresh_prefill(dtype, pool.page_shape()[2]):
             fresh_kernel = prefill_attention_kernel(dtype)
             if fresh_kernel is None and dtype == torch.bfloat16:
                 fresh_kernel, dtype = prefill_attention_kernel(torch.float32), torch.float32

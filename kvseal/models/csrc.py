@@ -2008,17 +2008,24 @@ struct fresh_kernel {
                  float *vpanels);
     void (*block)(const struct fresh_shape *sh, const void *qkv, int64_t start, int64_t kvh, int64_t b,
                   const void *panels, const float *vpanels, float *scratch, void *out);
-    int64_t key_bytes, scratch_floats;  /* scratch: floats per FRESH_ROWS x head_dim, beside the scores */
+    int64_t key_bytes, scratch_floats;  /* scratch: per block row, scratch_floats x head_dim + 2 x lds floats */
+    int64_t rows;  /* query rows a block */
+    int64_t (*vpanel_floats)(int64_t keys, int64_t head_dim);  /* a (chunk, KV head)'s packed V */
+    int (*begin)(void);  /* per thread before its blocks (NULL: nothing); returns 1 if end must run */
+    void (*end)(void);
 };
+
+/* V as 16-feature float32 panels (pack_panels_f32, pack_panels_bf16). */
+static int64_t float_vpanels(int64_t keys, int64_t head_dim) { return (head_dim + 15) / 16 * 16 * keys; }
 
 /* The call for either element type (see kvseal_prefill_attention). */
 static int fresh_attention(const struct fresh_kernel *kern, const struct fresh_shape *shape, const void *qkv,
                            const int64_t *starts, int64_t num_chunks, void *out, int num_threads) {
     const struct fresh_shape sh = *shape;
     const int64_t kv_heads = sh.kv_heads, head_dim = sh.head_dim, keys = sh.prefix + sh.length;
-    const int64_t pairs = num_chunks * kv_heads, blocks = (sh.length + FRESH_ROWS - 1) / FRESH_ROWS;
+    const int64_t pairs = num_chunks * kv_heads, blocks = (sh.length + kern->rows - 1) / kern->rows;
     const int64_t panel_bytes = (keys + 15) / 16 * 16 * head_dim * kern->key_bytes;
-    const int64_t vpanel_floats = (head_dim + 15) / 16 * 16 * keys;
+    const int64_t vpanel_floats = kern->vpanel_floats(keys, head_dim);
     if (sh.prefix > 0 && num_chunks != 1) return -3;  /* one table: one chunk after a prefix a call */
     char *panels = malloc(pairs * panel_bytes);
     float *vpanels = malloc(sizeof(float) * pairs * vpanel_floats);
@@ -2030,8 +2037,9 @@ static int fresh_attention(const struct fresh_kernel *kern, const struct fresh_s
         for (int64_t pr = 0; pr < pairs; pr++)
             kern->pack(&sh, qkv, starts[pr / kv_heads], pr % kv_heads, panels + pr * panel_bytes,
                        vpanels + pr * vpanel_floats);
-        float *scratch = malloc(sizeof(float) * FRESH_ROWS * (kern->scratch_floats * head_dim + sh.lds));
+        float *scratch = malloc(sizeof(float) * kern->rows * (kern->scratch_floats * head_dim + 2 * sh.lds));
         if (scratch == NULL) failed = 1;
+        const int began = kern->begin != NULL && kern->begin();
         #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < pairs * blocks; task++) {
             if (scratch == NULL) continue;
@@ -2039,6 +2047,7 @@ static int fresh_attention(const struct fresh_kernel *kern, const struct fresh_s
             kern->block(&sh, qkv, starts[pr / kv_heads], pr % kv_heads, b, panels + pr * panel_bytes,
                         vpanels + pr * vpanel_floats, scratch, out);
         }
+        if (began) kern->end();
         free(scratch);
     }
     free(panels); free(vpanels);
@@ -2057,7 +2066,8 @@ int kvseal_prefill_attention(const float *qkv, int64_t row_stride, const int64_t
                              int64_t length, int64_t num_heads, int64_t kv_heads, int64_t head_dim, float scale,
                              float *out, int64_t prefix, const int64_t *table, const void *k_pool,
                              const void *v_pool, int64_t head_stride, int64_t page_size, int num_threads) {
-    static const struct fresh_kernel f32 = {pack_panels_f32, fresh_block, sizeof(float), 1};
+    static const struct fresh_kernel f32 = {pack_panels_f32, fresh_block, sizeof(float), 1, FRESH_ROWS, float_vpanels,
+                                            NULL, NULL};
     const int64_t keys = prefix + length;
     const struct fresh_shape sh = {row_stride, length, num_heads, kv_heads, head_dim, (keys + 15) / 16 * 16, scale,
                                    prefix, head_stride, page_size, table, k_pool, v_pool};
@@ -2067,8 +2077,8 @@ int kvseal_prefill_attention(const float *qkv, int64_t row_stride, const int64_t
 #if defined(__AVX512BF16__)
 /* The bfloat16 twin: K as 16-key panels of head-dim pairs ([ceil(length / 16)][head_dim / 2][16][2],
    the tile layout, zero past the last key) for VDPBF16PS, V widened into float32 panels. */
-static void pack_panels_bf16(const struct fresh_shape *sh, const void *qkv, int64_t start, int64_t kvh,
-                             void *panels_out, float *vpanels) {
+static void pack_key_panels_bf16(const struct fresh_shape *sh, const void *qkv, int64_t start, int64_t kvh,
+                                 void *panels_out) {
     const int64_t keys = sh->prefix + sh->length, hd = sh->head_dim;
     uint32_t *pairs = panels_out;  /* a head-dim pair (two bfloat16) is one 32-bit word */
     for (int64_t p = 0; p < (keys + 15) / 16; p++)
@@ -2082,6 +2092,12 @@ static void pack_panels_bf16(const struct fresh_shape *sh, const void *qkv, int6
             const uint16_t *k = (const uint16_t *)fresh_kv(sh, qkv, 2, start, kvh, t, 0);
             for (int64_t dp = 0; dp < hd / 2; dp++) memcpy(to + dp * 16, k + 2 * dp, sizeof(uint32_t));
         }
+}
+
+static void pack_panels_bf16(const struct fresh_shape *sh, const void *qkv, int64_t start, int64_t kvh,
+                             void *panels_out, float *vpanels) {
+    const int64_t keys = sh->prefix + sh->length, hd = sh->head_dim;
+    pack_key_panels_bf16(sh, qkv, start, kvh, panels_out);
     for (int64_t t = 0; t < keys; t++) {
         const uint16_t *v = (const uint16_t *)fresh_kv(sh, qkv, 2, start, kvh, t, 1);
         int64_t f = 0;
@@ -2138,19 +2154,183 @@ static void fresh_block_bf16(const struct fresh_shape *sh, const void *qkv_rows,
     }
 }
 
+#ifdef KVSEAL_AMX
+/* The same attention on AMX tiles, for head dims that are a multiple of 64 (used where the tile
+   linears run on AMX). A block is 16 query rows of one head. Scores: a C tile of 16 rows x 16
+   keys, the rows' q as A tiles (32 dims each) against the K panels of pack_key_panels_bf16 (the
+   B-tile layout already), four key panels at a time. The float32 softmax is the other kernels'.
+   P V: the unnormalized probabilities rounded once to bfloat16 (as SDPA's flash attention does
+   on these CPUs) as A tiles of 32 keys, against V packed into B tiles of 32 keys (in pairs) x 16
+   features, four C tiles (64 features) a pass; each output scaled by 1 / sum and rounded once.
+   Tiles: 0-3 C, 4 A, 6 and 7 B, all 16 rows x 64 bytes. */
+#define AMX_FRESH_ROWS 16
+
+static int64_t amx_vpanels(int64_t keys, int64_t head_dim) { return (keys + 31) / 32 * 32 * head_dim / 2; }
+
+/* K as pack_key_panels_bf16; V as [ceil(keys / 32)][head_dim / 16][16 key pairs][16 features][2]
+   bfloat16 (one 1 KiB B tile each), zero past the last key. */
+static void pack_panels_amx(const struct fresh_shape *sh, const void *qkv, int64_t start, int64_t kvh,
+                            void *panels_out, float *vpanels) {
+    const int64_t keys = sh->prefix + sh->length, hd = sh->head_dim, fts = hd / 16;
+    pack_key_panels_bf16(sh, qkv, start, kvh, panels_out);
+    uint16_t *tiles = (uint16_t *)vpanels;
+    /* lanes 2c and 2c + 1 of a tile row: feature c of the even key, then of the odd key */
+    const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                           23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    for (int64_t t = 0; t < (keys + 31) / 32 * 32; t += 2) {
+        const uint16_t *even = t < keys ? (const uint16_t *)fresh_kv(sh, qkv, 2, start, kvh, t, 1) : NULL;
+        const uint16_t *odd = t + 1 < keys ? (const uint16_t *)fresh_kv(sh, qkv, 2, start, kvh, t + 1, 1) : NULL;
+        uint16_t *row = tiles + (t / 32) * fts * 512 + (t % 32 / 2) * 32;
+        for (int64_t ft = 0; ft < fts; ft++) {
+            const __m256i zero = _mm256_setzero_si256();
+            const __m256i e = even != NULL ? _mm256_loadu_si256((const __m256i *)(even + ft * 16)) : zero;
+            const __m256i o = odd != NULL ? _mm256_loadu_si256((const __m256i *)(odd + ft * 16)) : zero;
+            const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(e), o, 1);
+            _mm512_storeu_si512(row + ft * 512, _mm512_permutexvar_epi16(pairs, both));
+        }
+    }
+}
+
+/* causal_row over raw scores, scaled on the way and written as bfloat16: p[0..end-1] = exp(scale
+   * s - scale * max) over keys 0..pos, each rounded once, exactly 0 from pos + 1 to end (a
+   multiple of 32). Returns 1 / the sum of the unrounded values. */
+static float causal_row_bf16(const float *s, int64_t pos, int64_t end, float scale, uint16_t *p) {
+    const int64_t seen = pos + 1, whole = seen / 16 * 16;
+    int64_t t = 0;
+    v16 top_v = (v16){0} + s[0];
+    for (; t < whole; t += 16) top_v = max_vl(load16(s + t), top_v);
+    float top = top_v[0];
+    for (int i = 1; i < 16; i++) top = top_v[i] > top ? top_v[i] : top;
+    for (; t < seen; t++) top = s[t] > top ? s[t] : top;
+    const float shift = scale * top;
+    v16 acc = {0};
+    for (t = 0; t < whole; t += 16) {
+        const v16 e = exp_vl(load16(s + t) * scale - shift);
+        store16_bf16(p + t, e);
+        acc += e;
+    }
+    if (t < seen) {  /* the last, partial vector: lanes past pos are exactly 0 */
+        v16i lane;
+        for (int i = 0; i < 16; i++) lane[i] = i;
+        const v16i keep = lane < (v16i){0} + (int32_t)(seen - t);
+        const v16 e = (v16)(keep & (v16i)exp_vl(load16(s + t) * scale - shift));
+        store16_bf16(p + t, e);
+        acc += e;
+        t += 16;
+    }
+    for (; t < end; t += 16) memset(p + t, 0, 16 * sizeof(uint16_t));
+    return 1.0f / hsum_vl(acc);
+}
+
+static int amx_fresh_begin(void) {
+    struct tile_config c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 8; t++) { c.rows[t] = 16; c.colsb[t] = 64; }
+    load_tile_config(&c);
+    return 1;
+}
+
+/* fresh_block_bf16's task on tiles: query rows 16 b .. of every query head of KV head kvh. It
+   reads the same rows and keys (keys 0 .. the block's last row). scratch: 16 x lds float32
+   scores, 16 x 64 float32 outputs, 16 x lds bfloat16 probabilities, 16 x head_dim bfloat16 q. */
+static void fresh_block_amx(const struct fresh_shape *sh, const void *qkv_rows, int64_t start, int64_t kvh,
+                            int64_t b, const void *panels_in, const float *vpanels, float *scratch, void *out_rows) {
+    const uint16_t *qkv = qkv_rows, *panels = panels_in, *vt = (const uint16_t *)vpanels;
+    uint16_t *out = out_rows;
+    const int64_t hd = sh->head_dim, group = sh->num_heads / sh->kv_heads, out_stride = sh->num_heads * hd;
+    const int64_t first = b * AMX_FRESH_ROWS, left = sh->length - first;
+    const int64_t mr = left < AMX_FRESH_ROWS ? left : AMX_FRESH_ROWS;
+    const int64_t n = sh->prefix + first + mr, key_panels = (n + 15) / 16, key_blocks = (n + 31) / 32;
+    const int64_t lds = sh->lds, fts = hd / 16;
+    float *s = scratch, *ob = s + 16 * lds, inv[AMX_FRESH_ROWS];
+    uint16_t *pb = (uint16_t *)(ob + 16 * 64), *qb = pb + 16 * lds;
+    for (int64_t j = 0; j < group; j++) {
+        const int64_t h = kvh * group + j;
+        for (int64_t i = 0; i < 16; i++) {
+            if (i < mr) memcpy(qb + i * hd, qkv + (start + first + i) * sh->row_stride + h * hd, hd * sizeof(uint16_t));
+            else memset(qb + i * hd, 0, hd * sizeof(uint16_t));
+        }
+        for (int64_t p = 0; p < key_panels; p += 4) {  /* four independent sums in flight */
+            const int64_t count = key_panels - p < 4 ? key_panels - p : 4;
+            const uint16_t *k = panels + p * hd * 16;
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            for (int64_t kb = 0; kb < hd / 32; kb++) {
+                _tile_loadd(4, qb + kb * 32, hd * 2);
+                _tile_loadd(6, k + kb * 512, 64);
+                _tile_dpbf16ps(0, 4, 6);
+                if (count > 1) { _tile_loadd(7, k + hd * 16 + kb * 512, 64); _tile_dpbf16ps(1, 4, 7); }
+                if (count > 2) { _tile_loadd(6, k + 2 * hd * 16 + kb * 512, 64); _tile_dpbf16ps(2, 4, 6); }
+                if (count > 3) { _tile_loadd(7, k + 3 * hd * 16 + kb * 512, 64); _tile_dpbf16ps(3, 4, 7); }
+            }
+            _tile_stored(0, s + p * 16, lds * 4);
+            if (count > 1) _tile_stored(1, s + (p + 1) * 16, lds * 4);
+            if (count > 2) _tile_stored(2, s + (p + 2) * 16, lds * 4);
+            if (count > 3) _tile_stored(3, s + (p + 3) * 16, lds * 4);
+        }
+        for (int64_t i = 0; i < 16; i++) {
+            float *row = s + i * lds;
+            uint16_t *prow = pb + i * lds;
+            if (i >= mr) memset(prow, 0, key_blocks * 32 * sizeof(uint16_t));
+            else inv[i] = causal_row_bf16(row, sh->prefix + first + i, key_blocks * 32, sh->scale, prow);
+        }
+        for (int64_t f0 = 0; f0 < fts; f0 += 4) {
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            for (int64_t kb = 0; kb < key_blocks; kb++) {
+                const uint16_t *v = vt + (kb * fts + f0) * 512;
+                _tile_loadd(4, pb + kb * 32, lds * 2);
+                _tile_loadd(6, v, 64);
+                _tile_dpbf16ps(0, 4, 6);
+                _tile_loadd(7, v + 512, 64);
+                _tile_dpbf16ps(1, 4, 7);
+                _tile_loadd(6, v + 1024, 64);
+                _tile_dpbf16ps(2, 4, 6);
+                _tile_loadd(7, v + 1536, 64);
+                _tile_dpbf16ps(3, 4, 7);
+            }
+            _tile_stored(0, ob, 256);
+            _tile_stored(1, ob + 16, 256);
+            _tile_stored(2, ob + 32, 256);
+            _tile_stored(3, ob + 48, 256);
+            for (int64_t i = 0; i < mr; i++) {
+                uint16_t *o = out + (start + first + i) * out_stride + h * hd + f0 * 16;
+                for (int64_t d = 0; d < 64; d += 16) store16_bf16(o + d, load16(ob + i * 64 + d) * inv[i]);
+            }
+        }
+    }
+}
+#endif
+
 /* kvseal_prefill_attention over bfloat16 qkv rows and bfloat16 out rows: the same reads (each
    chunk's own rows only) and the same float32 softmax; the scores' products are exact and summed
-   in float32, P V in float32 over V widened exactly, each output rounded once. Returns as
-   kvseal_prefill_attention, or -2 where the build has no AVX512-BF16 (nothing computed). */
+   in float32, P V in float32 over V widened exactly, each output rounded once. Where the tile
+   linears run on AMX and head_dim is a multiple of 64 it runs on tiles (fresh_block_amx: P
+   rounded to bfloat16 before P V). Returns as kvseal_prefill_attention, or -2 where the build
+   has no AVX512-BF16 (nothing computed). */
 int kvseal_prefill_attention_bf16(const uint16_t *qkv, int64_t row_stride, const int64_t *starts,
                                   int64_t num_chunks, int64_t length, int64_t num_heads, int64_t kv_heads,
                                   int64_t head_dim, float scale, uint16_t *out, int64_t prefix,
                                   const int64_t *table, const void *k_pool, const void *v_pool, int64_t head_stride,
                                   int64_t page_size, int num_threads) {
-    static const struct fresh_kernel bf16 = {pack_panels_bf16, fresh_block_bf16, sizeof(uint16_t), 2};
+    static const struct fresh_kernel bf16 = {pack_panels_bf16, fresh_block_bf16, sizeof(uint16_t), 2, FRESH_ROWS,
+                                             float_vpanels, NULL, NULL};
     const int64_t keys = prefix + length;
-    const struct fresh_shape sh = {row_stride, length, num_heads, kv_heads, head_dim, (keys + 15) / 16 * 16, scale,
-                                   prefix, head_stride, page_size, table, k_pool, v_pool};
+    struct fresh_shape sh = {row_stride, length, num_heads, kv_heads, head_dim, (keys + 15) / 16 * 16, scale,
+                             prefix, head_stride, page_size, table, k_pool, v_pool};
+#ifdef KVSEAL_AMX
+    static const struct fresh_kernel amx = {pack_panels_amx, fresh_block_amx, sizeof(uint16_t), 2, AMX_FRESH_ROWS,
+                                            amx_vpanels, amx_fresh_begin, tile_release};
+    if (amx_linears && head_dim % 64 == 0) {
+        sh.lds = (keys + 31) / 32 * 32;  /* the probabilities are read as tiles of 32 keys */
+        return fresh_attention(&amx, &sh, qkv, starts, num_chunks, out, num_threads);
+    }
+#endif
     return fresh_attention(&bf16, &sh, qkv, starts, num_chunks, out, num_threads);
 }
 #else

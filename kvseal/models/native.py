@@ -140,14 +140,17 @@ def prefill_attention_kernel(dtype: torch.dtype = torch.float32) -> Callable[...
     return library.prefill_attention
 
 
-def sdpa_leads_fresh_prefill(dtype: torch.dtype) -> bool:
+def sdpa_leads_fresh_prefill(dtype: torch.dtype, head_dim: int) -> bool:
     """Whether a fresh prefill of `dtype` is faster in torch's SDPA than in the native kernel:
-    bfloat16 where AMX runs the tile linears. There SDPA's flash attention multiplies on AMX
-    tiles (oneDNN's brgemm) and the native kernel on AVX512-BF16 dot products: 101 against 140
-    ms for a 2,048-token step's 30 layers (docs/BENCHMARKS.md, round 20). Without AMX the native
-    kernel takes under half of SDPA's time (round 11)."""
+    bfloat16 where AMX runs the tile linears and the head dim is not a multiple of 64. There
+    SDPA's flash attention multiplies on AMX tiles (oneDNN's brgemm) and the native kernel on
+    AVX512-BF16 dot products: 101 against 140 ms for a 2,048-token step's 30 layers
+    (docs/BENCHMARKS.md, round 20). For head dims that are a multiple of 64 the native kernel
+    runs on AMX tiles itself (`fresh_block_amx`: 60 against 92 ms, round 22). Without AMX the
+    native kernel takes under half of SDPA's time (round 11)."""
     library = native_library()
-    return dtype == torch.bfloat16 and library is not None and library.tile_engine == TILES_AMX
+    amx = dtype == torch.bfloat16 and library is not None and library.tile_engine == TILES_AMX
+    return amx and head_dim % 64 != 0
 
 
 def _load(source: str = _SOURCE) -> NativeLibrary | None:

@@ -142,7 +142,7 @@ def test_a_bfloat16_forward_runs_a_kernel(kernel: str, monkeypatch: pytest.Monke
     decode path over the NaN-poisoned pool must stay finite too)."""
     if kernel == "bf16" and prefill_attention_kernel(torch.bfloat16) is None:
         pytest.skip("no bfloat16 prefill kernel in this build (no AVX512-BF16)")
-    monkeypatch.setattr(attention, "sdpa_leads_fresh_prefill", lambda dtype: kernel == "sdpa")
+    monkeypatch.setattr(attention, "sdpa_leads_fresh_prefill", lambda dtype, head_dim: kernel == "sdpa")
     if kernel == "widened":
         real = attention.prefill_attention_kernel
         monkeypatch.setattr(attention, "prefill_attention_kernel",
@@ -182,6 +182,39 @@ def test_kernel_reads_only_the_chunks_own_rows(dtype: torch.dtype) -> None:
         rows = slice(start, start + length)
         want = _sdpa_chunk(*(t[rows].float() for t in (q, k, v)))
         torch.testing.assert_close(out[rows].float(), want, rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_bfloat16_kernel_on_each_tile_engine(head_dim: int, tile_engine: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bfloat16 kernel on AMX tiles (head dims a multiple of 64, where the tile linears run on
+    AMX) and on AVX512-BF16 dot products: chunk lengths around the 16-row blocks and 32-key
+    tiles, GQA, every row between the chunks NaN and every output row outside them a sentinel.
+    Each chunk's rows are within bfloat16 rounding of float32 SDPA, and no other row is written.
+    Then chunks after a cached prefix, whose pool is NaN outside their own slots."""
+    kernel = prefill_attention_kernel(torch.bfloat16)
+    assert kernel is not None  # the fixture skips where no tile engine runs, and then no kernel is built
+    generator = torch.Generator().manual_seed(head_dim)
+    heads, kv_heads = 6, 2
+    for length in (1, 15, 16, 17, 31, 32, 33, 70):
+        starts = torch.tensor([2, 2 + length + 3, 2 + 2 * length + 9])
+        qkv, q, k, v = _fused_rows(int(starts[-1]) + length + 5, heads, kv_heads, head_dim, generator,
+                                   torch.bfloat16)
+        inside = torch.zeros(qkv.shape[0], dtype=torch.bool)
+        for start in starts.tolist():
+            inside[start:start + length] = True
+        qkv[~inside] = float("nan")
+        out = torch.full((qkv.shape[0], heads, head_dim), 7.0, dtype=torch.bfloat16)
+        run_prefill_attention(kernel, qkv, starts, length, heads, kv_heads, head_dim, out)
+        assert (out[~inside] == 7.0).all(), f"length {length}: a row outside the chunks was written"
+        for start in starts.tolist():
+            rows = slice(start, start + length)
+            want = _sdpa_chunk(*(t[rows].float() for t in (q, k, v)))
+            torch.testing.assert_close(out[rows].float(), want, rtol=2e-2, atol=2e-2)
+    got, want, plan = _forward_both([(64, 700), (13, 29), (100, 100), (17, 50)], 9, 3, head_dim, 6, monkeypatch,
+                                    torch.bfloat16)
+    assert plan.span_kernel is not None and len(plan.prefills) == 3
+    assert torch.isfinite(got).all() and torch.isfinite(want).all()
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
 
 
 def test_extreme_scores_stay_finite() -> None:
@@ -246,8 +279,10 @@ def test_the_prefix_kernel_refuses_what_it_cannot_read() -> None:
                               CachedPrefix(4, torch.tensor([0]), pool.k[0], pool.v[0]))
 
 
-def test_sdpa_leads_only_bfloat16_on_amx() -> None:
+def test_sdpa_leads_only_bfloat16_on_amx_for_head_dims_the_tile_kernel_skips() -> None:
     library = native_library()
     amx = library is not None and library.tile_engine == TILES_AMX
-    assert sdpa_leads_fresh_prefill(torch.bfloat16) == amx
-    assert not sdpa_leads_fresh_prefill(torch.float32)
+    assert sdpa_leads_fresh_prefill(torch.bfloat16, 72) == amx
+    assert not sdpa_leads_fresh_prefill(torch.bfloat16, 64)
+    assert not sdpa_leads_fresh_prefill(torch.bfloat16, 128)
+    assert not sdpa_leads_fresh_prefill(torch.float32, 72)
