@@ -217,7 +217,7 @@ class LLMEngine:
         if prepared is None:
             return refused
         with self.kv.recording(prepared.writes):
-            logits = self.runner.run(prepared.batch).logits
+            logits = self.runner.run(prepared.batch).raw_logits
         return refused + self._update(chunks, logits)
 
     def _checked_forward(self, chunks: list[ScheduledChunk]

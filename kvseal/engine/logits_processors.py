@@ -19,9 +19,18 @@ from kvseal.structured.matching import apply_grammar_masks
 from kvseal.types import Request
 
 
+def changes_logits(requests: list[Request], eos_token_ids: tuple[int, ...]) -> bool:
+    """Whether any request asks for a processor. When none does, `apply_logits_processors`
+    returns its input as it is (and the sampler may skip it)."""
+    return any(r.grammar is not None or r.params.logit_bias or r.params.has_penalties
+               or _banned_stop_tokens(r, eos_token_ids) for r in requests)
+
+
 def apply_logits_processors(logits: torch.Tensor, requests: list[Request],
                             eos_token_ids: tuple[int, ...]) -> torch.Tensor:
     """logits: [num_requests, vocab] float32. Returns the processed logits (a new tensor if changed)."""
+    if not changes_logits(requests, eos_token_ids):
+        return logits
     logits = apply_grammar_masks(logits, requests)
     logits = _add_logit_bias(logits, requests)
     logits = _ban_early_stop_tokens(logits, requests, eos_token_ids)
@@ -76,13 +85,18 @@ def _ban_early_stop_tokens(logits: torch.Tensor, requests: list[Request],
     """min_tokens: stop tokens cannot be sampled before that many tokens were produced."""
     rows, tokens = [], []
     for row, request in enumerate(requests):
-        params = request.params
-        if request.num_output_tokens >= params.min_tokens:
-            continue
-        banned = list(params.stop_token_ids) + ([] if params.ignore_eos else list(eos_token_ids))
+        banned = _banned_stop_tokens(request, eos_token_ids)
         rows.extend([row] * len(banned))
         tokens.extend(banned)
     if not rows:
         return logits
     index = (torch.tensor(rows), torch.tensor(tokens))
     return logits.index_put(index, torch.tensor(float("-inf"), dtype=logits.dtype))
+
+
+def _banned_stop_tokens(request: Request, eos_token_ids: tuple[int, ...]) -> list[int]:
+    """The stop tokens this request may not sample yet (min_tokens not reached), else none."""
+    params = request.params
+    if request.num_output_tokens >= params.min_tokens:
+        return []
+    return list(params.stop_token_ids) + ([] if params.ignore_eos else list(eos_token_ids))

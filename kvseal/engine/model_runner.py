@@ -16,7 +16,14 @@ from kvseal.types import ForwardBatch
 
 @dataclass(frozen=True)
 class RunnerOutput:
-    logits: torch.Tensor  # [num_samples, vocab] float32, in the order of batch.logits_indices
+    # [num_samples, vocab] in the order of batch.logits_indices, in the lm_head's dtype (bfloat16
+    # for a bfloat16 model): the sampler widens them only where it needs float32
+    raw_logits: torch.Tensor
+
+    @property
+    def logits(self) -> torch.Tensor:
+        """The logits in float32 (converted at each call unless the model is float32)."""
+        return self.raw_logits.float()
 
 
 class ModelRunner:

@@ -166,7 +166,8 @@ class CausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, pool: KVPool) -> torch.Tensor:
-        """Run one forward, writing the new tokens' KV; return logits [num_samples, vocab] (fp32)."""
+        """Run one forward, writing the new tokens' KV; return logits [num_samples, vocab] in the
+        lm_head's dtype (the sampler widens them to float32 where it needs to)."""
         plan = AttentionPlan.build(batch, pool, self.config.num_heads)
         if self.native is not None:
             return self._forward_native(batch, pool, plan, self.native)
@@ -175,7 +176,7 @@ class CausalLM(nn.Module):
         rows = _sampled_rows(batch)
         for i, layer in enumerate(self.model.layers):
             h = layer(h, cos_sin, self.rope, batch, plan, pool, rows if i == self.config.num_layers - 1 else None)
-        return self.lm_head(self.model.norm(h if rows is not None else h[batch.logits_indices])).float()
+        return self.lm_head(self.model.norm(h if rows is not None else h[batch.logits_indices]))
 
     def _forward_native(self, batch: ForwardBatch, pool: KVPool, plan: AttentionPlan,
                         native: NativeLibrary) -> torch.Tensor:
@@ -186,7 +187,7 @@ class CausalLM(nn.Module):
         cos, signed_sin = (t.reshape(t.shape[0], -1).contiguous() for t in self.rope.cos_sin(batch.positions, h.dtype))
         if DecodeLoop.applies(plan) and (loop := self._decode_loop_for(native)) is not None:
             x = loop.run(h, cos, signed_sin, batch.slot_mapping, plan, pool)
-            return self.lm_head(x[batch.logits_indices]).float()
+            return self.lm_head(x[batch.logits_indices])
         x = torch.empty_like(h)  # the normed stream each sublayer reads
         norms = [layer.input_layernorm for layer in layers[1:]] + [self.model.norm]
         add_rms_norm(native, h, None, layers[0].input_layernorm.weight, layers[0].input_layernorm.eps, x)
@@ -201,7 +202,7 @@ class CausalLM(nn.Module):
             add_rms_norm(native, h, attn.contiguous(), post.weight, post.eps, x)
             mlp = layer.mlp.forward_native(x, native).contiguous()
             add_rms_norm(native, h, mlp, next_norm.weight, next_norm.eps, x)
-        return self.lm_head(x if rows is not None else x[batch.logits_indices]).float()
+        return self.lm_head(x if rows is not None else x[batch.logits_indices])
 
     def _decode_loop_for(self, native: NativeLibrary) -> DecodeLoop | None:
         if not self._decode_loop_built:  # after the linears are packed: the loop points at their weights

@@ -91,6 +91,7 @@ class NativeLibrary:
     decode_layers: Callable[..., int]
     prefill_attention: Callable[..., int]
     argmax_rows: Callable[..., None]
+    argmax_rows_bf16: Callable[..., None]
     linear_silu: Callable[..., int]
     # bfloat16 twins (a bfloat16 model's forward)
     decode_attention_bf16: Callable[..., int]
@@ -199,11 +200,13 @@ def _load(source: str = _SOURCE) -> NativeLibrary | None:
     prefill.argtypes = [_P, _I, _P, *[_I] * 5, ctypes.c_float, _P, _I, _P, _P, _P, _I, _I, ctypes.c_int]
     argmax = handle.kvseal_argmax_rows
     argmax.restype, argmax.argtypes = None, [_P, _I, _I, _P, ctypes.c_int]
+    argmax_bf16 = handle.kvseal_argmax_rows_bf16
+    argmax_bf16.restype, argmax_bf16.argtypes = None, [_P, _I, _I, _P, ctypes.c_int]
     linear_silu = handle.kvseal_linear_silu_f32
     linear_silu.restype, linear_silu.argtypes = ctypes.c_int, [_P, _P, _P, _P, _I, _I, _I, ctypes.c_int]
     logger.info("native kernels: %s (decode attention reads K and V in place; panel linears; fused ops)", path)
     return NativeLibrary(attention, packs[0], linears[0], packs[1], linears[1], norm, silu, rope, write, pack_i8,
-                         linear_i8, loop, prefill, argmax, linear_silu, **_bf16_functions(handle))
+                         linear_i8, loop, prefill, argmax, argmax_bf16, linear_silu, **_bf16_functions(handle))
 
 
 def _bf16_functions(handle: ctypes.CDLL) -> dict[str, Any]:
@@ -462,13 +465,15 @@ def add_rms_norm(library: NativeLibrary, h: torch.Tensor, delta: torch.Tensor | 
 
 
 def argmax_rows(library: NativeLibrary, x: torch.Tensor) -> torch.Tensor:
-    """x [rows, n] float32 -> [rows] int64, what `x.argmax(dim=-1)` gives (first index of the
-    largest value; the first NaN where a row has one)."""
-    _check_rows("argmax_rows", x)
+    """x [rows, n] float32 or bfloat16 -> [rows] int64, what `x.argmax(dim=-1)` gives (first
+    index of the largest value; the first NaN where a row has one). bfloat16 rows answer as
+    their exact float32 widening would, without making it."""
+    dtype = _row_dtype("argmax_rows", x)
     if x.dim() != 2 or x.shape[1] == 0:
         raise ValueError(f"argmax_rows takes a [rows, n > 0] tensor, got {tuple(x.shape)}")
     out = torch.empty(x.shape[0], dtype=torch.int64)
-    library.argmax_rows(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr(), torch.get_num_threads())
+    kernel = library.argmax_rows if dtype == torch.float32 else library.argmax_rows_bf16
+    kernel(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr(), torch.get_num_threads())
     return out
 
 

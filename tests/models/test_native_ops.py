@@ -118,23 +118,31 @@ _SPECIALS = st.sampled_from([float("nan"), float("inf"), float("-inf"), 0.0, -0.
 
 
 @settings(max_examples=300, deadline=None)
-@given(rows=st.integers(1, 5), n=st.integers(1, 70), data=st.data())
-def test_argmax_rows_is_torch_argmax(rows: int, n: int, data: st.DataObject) -> None:
+@given(rows=st.integers(1, 5), n=st.integers(1, 70), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+       data=st.data())
+def test_argmax_rows_is_torch_argmax(rows: int, n: int, dtype: torch.dtype, data: st.DataObject) -> None:
     """Ties (first index wins), NaN (the first NaN wins), infinities, -0.0 against 0.0, rows
-    shorter than the eight lanes and tails past them: the same index as torch.argmax."""
+    shorter than the eight lanes and tails past them: the same index as torch.argmax, in
+    float32 and in bfloat16 (whose ties are common: values rounded to 8 bits), where it is
+    also the argmax of the rows widened to float32."""
     values = data.draw(st.lists(st.one_of(_SPECIALS, st.floats(-4, 4, width=32)), min_size=rows * n,
                                 max_size=rows * n))
-    x = torch.tensor(values, dtype=torch.float32).view(rows, n)
-    assert torch.equal(native.argmax_rows(_library(), x), x.argmax(dim=-1))
+    x = torch.tensor(values, dtype=torch.float32).view(rows, n).to(dtype)
+    got = native.argmax_rows(_library(), x)
+    assert torch.equal(got, x.argmax(dim=-1))
+    assert torch.equal(got, x.float().argmax(dim=-1))
 
 
-def test_argmax_rows_on_a_decode_steps_logits() -> None:
-    x = torch.randn(32, 49152, generator=torch.Generator().manual_seed(3))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_argmax_rows_on_a_decode_steps_logits(dtype: torch.dtype) -> None:
+    x = torch.randn(32, 49152, generator=torch.Generator().manual_seed(3)).to(dtype)
     x[5, 40000] = x[5, 123] = 99.0  # a tie: the first index
     x[9, 7] = float("nan")
-    assert torch.equal(native.argmax_rows(_library(), x), x.argmax(dim=-1))
+    assert torch.equal(native.argmax_rows(_library(), x), x.float().argmax(dim=-1))
     with pytest.raises(ValueError):
-        native.argmax_rows(_library(), torch.empty(3, 0))
+        native.argmax_rows(_library(), torch.empty(3, 0, dtype=dtype))
+    with pytest.raises(TypeError):
+        native.argmax_rows(_library(), x.half())
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
