@@ -433,6 +433,27 @@ static inline void dot_page_scores(const uint16_t *k_page, int64_t n, const uint
 }
 #endif
 
+/* 32 bfloat16 at p -> two 16-lane float32 vectors, widened exactly. With AVX-512 one load and
+   two interleaves (each dword takes a bfloat16 as its high half), the lanes in the interleaves'
+   order: w[0] holds elements 0-3, 8-11, 16-19, 24-27 and w[1] the others. Sums over such
+   vectors are lane-wise, so store32_widened puts the elements back in order at the end. */
+#if defined(__AVX512BW__)
+static inline void widen32_bf16(const uint16_t *p, v16 *w) {
+    const __m512i raw = _mm512_loadu_si512(p), zero = _mm512_setzero_si512();
+    w[0] = (v16)_mm512_unpacklo_epi16(zero, raw);
+    w[1] = (v16)_mm512_unpackhi_epi16(zero, raw);
+}
+static inline void store32_widened(float *out, const v16 *w) {
+    const __m512i first = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
+    const __m512i second = _mm512_set_epi32(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10, 9, 8);
+    store16(out, (v16)_mm512_permutex2var_ps((__m512)w[0], first, (__m512)w[1]));
+    store16(out + 16, (v16)_mm512_permutex2var_ps((__m512)w[0], second, (__m512)w[1]));
+}
+#else
+static inline void widen32_bf16(const uint16_t *p, v16 *w) { w[0] = load16_bf16(p); w[1] = load16_bf16(p + 16); }
+static inline void store32_widened(float *out, const v16 *w) { store16(out, w[0]); store16(out + 16, w[1]); }
+#endif
+
 /* out [G, head_dim] float32 = the G query heads' softmaxed scores (head j's at scores + j *
    lds) times V, head_dim = 16 * NV, over the pages of `table` up to ctx. Each V row is widened
    from bfloat16 in registers once and multiplied into all G heads' sums, each sum accumulated
@@ -452,7 +473,7 @@ static inline void values_bf16_##NV##_##G(const uint16_t *v_head, const int64_t 
         const uint16_t *vp = v_head + table[p] * elems;                                         \
         for (int64_t i = 0; i < n; i++) {                                                       \
             v16 v[NV];                                                                          \
-            for (int c = 0; c < NV; c++) v[c] = load16_bf16(vp + i * hd + 16 * c);              \
+            for (int c = 0; c < NV; c += 2) widen32_bf16(vp + i * hd + 16 * c, v + c);          \
             for (int j = 0; j < G; j++) {                                                       \
                 const float s = scores[j * lds + t0 + i];                                       \
                 for (int c = 0; c < NV; c++) o[j][c] += s * v[c];                                \
@@ -460,7 +481,7 @@ static inline void values_bf16_##NV##_##G(const uint16_t *v_head, const int64_t 
         }                                                                                       \
     }                                                                                           \
     for (int j = 0; j < G; j++)                                                                 \
-        for (int c = 0; c < NV; c++) store16(out + j * hd + 16 * c, o[j][c]);                   \
+        for (int c = 0; c < NV; c += 2) store32_widened(out + j * hd + 16 * c, o[j] + c);       \
 }
 /* Query heads a values pass takes at once: their sums and one V row stay in registers (32
    AVX-512 registers; 16 AVX2 registers hold half as many 16-lane vectors). */
@@ -1449,6 +1470,18 @@ static void pack_query_tiles(const uint16_t *q, int64_t group, int64_t head_dim,
             tiles[(d / 32) * 512 + (d % 32 / 2) * 32 + j * 2 + d % 2] = q[j * head_dim + d];
 }
 
+/* Column j < group of each C tile in c (its 16 slots, 16 floats apart), times scale, into
+   scores[j * ctx + s] for the tile's first n slots. */
+static inline void store_page_scores(const float *c, int64_t n, int64_t group, float scale, float *scores,
+                                     int64_t ctx) {
+    const __m512i column = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                              _mm512_set1_epi32(16));
+    const __mmask16 slots = (__mmask16)((1u << n) - 1u);
+    for (int64_t j = 0; j < group; j++)
+        _mm512_mask_storeu_ps(scores + j * ctx, slots,
+                              _mm512_mul_ps(_mm512_set1_ps(scale), _mm512_i32gather_ps(column, c + j, 4)));
+}
+
 /* scores[j * ctx + s] = scale * (K page row s . q_j) for the page's first n <= 16 slots (float32
    sums of exact bfloat16 products). A partial page is copied into `pad` ([16, head_dim]) with
    zero rows after the n slots: slots past the context are never read. */
@@ -1468,8 +1501,7 @@ static void amx_page_scores(const uint16_t *k_page, int64_t n, const uint16_t *q
         _tile_dpbf16ps(0, 1, 2);
     }
     _tile_stored(0, c, 64);
-    for (int64_t j = 0; j < group; j++)
-        for (int64_t s = 0; s < n; s++) scores[j * ctx + s] = scale * c[s * 16 + j];
+    store_page_scores(c, n, group, scale, scores, ctx);
 }
 #else
 static void configure_tiles(int r0, int r1) { (void)r0; (void)r1; }
