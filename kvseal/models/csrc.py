@@ -1447,16 +1447,21 @@ static void configure_tiles(int r0, int r1) {
 
 static void tile_release(void) { _tile_release(); }
 
+/* Tiles 0..count-1 as 16 rows x 64 bytes, the rest unused. */
+static void configure_full_tiles(int count) {
+    struct tile_config c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < count; t++) { c.rows[t] = 16; c.colsb[t] = 64; }
+    load_tile_config(&c);
+}
+
 /* Decode attention's scores on tiles (csrc.ATTENTION_BF16): tile 0 = C (16 slots x 16 query
    heads), 1 = A (a K page's 16 slots x 32 dims), 2 = B (the query heads' 32-dim slice, dims in
    pairs). Returns 1 with the tiles configured for this thread, 0 where AMX is not permitted. */
 static int amx_attention_begin(void) {
     if (!amx_permitted) return 0;
-    struct tile_config c;
-    memset(&c, 0, sizeof c);
-    c.palette = 1;
-    for (int t = 0; t < 3; t++) { c.rows[t] = 16; c.colsb[t] = 64; }
-    load_tile_config(&c);
+    configure_full_tiles(3);
     return 1;
 }
 static void amx_attention_end(void) { _tile_release(); }
@@ -2266,11 +2271,7 @@ static float causal_row_bf16(const float *s, int64_t pos, int64_t end, float sca
 }
 
 static int amx_fresh_begin(void) {
-    struct tile_config c;
-    memset(&c, 0, sizeof c);
-    c.palette = 1;
-    for (int t = 0; t < 8; t++) { c.rows[t] = 16; c.colsb[t] = 64; }
-    load_tile_config(&c);
+    configure_full_tiles(8);
     return 1;
 }
 
