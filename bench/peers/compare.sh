@@ -10,7 +10,11 @@
 # ran is written to OUT_DIR/idle_cpu.tsv: it should be ~0, or a resident server slows its peer.
 #
 # Usage: bench/peers/compare.sh OUT_DIR
-# Env:   SERVERS        servers in order (default "kvseal vllm-best"; also vllm-default, kvseal-bf16w)
+# Env:   SERVERS        servers in order (default "kvseal vllm-best"; also vllm-bind, vllm-default,
+#                       kvseal-bf16w; vllm-best is vLLM's documented CPU configuration, see start_vllm.sh)
+#        CLIENTS        load generators, each run on every point (default "kvseal vllm"): kvseal's
+#                       `kvseal bench serve` (random token-id prompts) and `vllm bench serve`
+#                       (vllm_bench_serve.py: vLLM's random dataset, sent as text)
 #        CONCURRENCIES  (default "1 8 32")   REPEATS (default 2)
 #        INPUT_LEN / OUTPUT_LEN (default 256 / 128)
 #        PROMPTS_PER_CONCURRENCY  prompts per run = this x concurrency, at least 16 (default 6)
@@ -18,8 +22,8 @@
 #        pool and, in GiB, VLLM_CPU_KVCACHE_SPACE), DTYPE (default bfloat16),
 #        MAX_MODEL_LEN (default 2048), PAGE_SIZE (default 16), INTERLEAVE (default 0)
 #
-# Writes OUT_DIR/model (the exported weights), OUT_DIR/<server>-c<C>-r<R>.json (one result per
-# run, with the server's peak RSS), OUT_DIR/<server>.log, OUT_DIR/kvseal_plan.txt,
+# Writes OUT_DIR/model (the exported weights), OUT_DIR/<server>__<client>-c<C>-r<R>.json (one
+# result per run; the kvseal client's also has the server's peak RSS), OUT_DIR/<server>.log, OUT_DIR/kvseal_plan.txt,
 # OUT_DIR/plot.png and OUT_DIR/summary.md (ratios to vllm-best, pool vs plan).
 # Each server first runs one unrecorded warm-up (kernels are compiled per shape on first use).
 # Every run draws its own prompts (seed 1000 x repeat + concurrency): both servers keep a
@@ -31,6 +35,8 @@ source "$(dirname "$0")/lib.sh"
 
 OUT="$(mkdir -p "$1" && cd "$1" && pwd)"
 SERVERS="${SERVERS:-kvseal vllm-best}"
+CLIENTS="${CLIENTS:-kvseal vllm}"
+VENV_VLLM="${VENV_VLLM:-$HOME/.venvs/vllm-cpu}"
 CONCURRENCIES="${CONCURRENCIES:-1 8 32}"
 REPEATS="${REPEATS:-2}"
 INPUT_LEN="${INPUT_LEN:-256}"; OUTPUT_LEN="${OUTPUT_LEN:-128}"
@@ -44,12 +50,29 @@ python "$PEERS_DIR/export_model.py" "$MODEL_DIR" --dtype "$DTYPE"
 kvseal plan --model "$MODEL_DIR" --kv-memory "$KV_MEMORY" --max-model-len "$MAX_MODEL_LEN" --dtype "$DTYPE" \
   --page-size "$PAGE_SIZE" | tee "$OUT/kvseal_plan.txt"
 
-bench() {  # bench PID LABEL CONCURRENCY NUM_PROMPTS SEED [RESULT_JSON]
+bench() {  # bench PID LABEL CONCURRENCY NUM_PROMPTS SEED [RESULT_JSON]: kvseal's client
   local args=(--base-url "http://127.0.0.1:$PORT/v1" --model smollm2 --tokenizer "$MODEL_DIR"
               --concurrency "$3" --num-prompts "$4" --input-len "$INPUT_LEN" --output-len "$OUTPUT_LEN"
               --seed "$5" --server-pid "$1" --label "$2")
   if [[ $# -ge 6 ]]; then args+=(--result-json "$6"); fi
   kvseal bench serve "${args[@]}"
+}
+
+bench_vllm() {  # bench_vllm LABEL CONCURRENCY NUM_PROMPTS SEED RESULT_JSON: vLLM's client, text prompts
+  "$VENV_VLLM/bin/python" "$PEERS_DIR/vllm_bench_serve.py" --backend openai \
+    --base-url "http://127.0.0.1:$PORT" --endpoint /v1/completions --model smollm2 --tokenizer "$MODEL_DIR" \
+    --dataset-name random --random-input-len "$INPUT_LEN" --random-output-len "$OUTPUT_LEN" \
+    --random-range-ratio 0 --ignore-eos --num-prompts "$3" --max-concurrency "$2" --seed "$4" \
+    --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,99 --label "$1" --disable-tqdm \
+    --save-result --result-dir "$(dirname "$5")" --result-filename "$(basename "$5")"
+}
+
+run_point() {  # run_point CLIENT PID SERVER CONCURRENCY SEED RESULT_JSON
+  case "$1" in
+    kvseal) bench "$2" "$3" "$4" "$(prompts_for "$4")" "$5" "$6" ;;
+    vllm) bench_vllm "$3" "$4" "$(prompts_for "$4")" "$5" "$6" ;;
+    *) echo "unknown client $1 (kvseal, vllm)" >&2; return 2 ;;
+  esac
 }
 
 prompts_for() {  # prompts_for CONCURRENCY -> prompts in one run at that concurrency
@@ -79,18 +102,18 @@ if [[ "${INTERLEAVE:-0}" == 1 ]]; then
   for rep in $(seq "$REPEATS"); do
     order=$SERVERS; (( rep % 2 )) || order=$reversed
     for c in $CONCURRENCIES; do
-      for server in $order; do
+      for client in $CLIENTS; do for server in $order; do
         for other in $SERVERS; do before[$other]=$(session_cpu_s "${pids[$other]}"); done
         start=$SECONDS
-        PORT=${ports[$server]} bench "${pids[$server]}" "$server" "$c" "$(prompts_for "$c")" \
-          "$(( 1000 * rep + c ))" "$OUT/$server-c$c-r$rep.json"
+        PORT=${ports[$server]} run_point "$client" "${pids[$server]}" "$server" "$c" "$(( 1000 * rep + c ))" \
+          "$OUT/${server}__$client-c$c-r$rep.json"
         for other in $SERVERS; do
           [[ "$other" == "$server" ]] && continue
           idle_cpu[$other]=$(awk -v a="${idle_cpu[$other]}" -v b="${before[$other]}" \
                                  -v x="$(session_cpu_s "${pids[$other]}")" 'BEGIN {print a + x - b}')
           idle_wall[$other]=$(( ${idle_wall[$other]} + SECONDS - start ))
         done
-      done
+      done; done
     done
   done
   printf 'server\tcpu_s_while_idle\twall_s_idle\n' >"$OUT/idle_cpu.tsv"
@@ -107,14 +130,14 @@ else
     wait_ready "$pid" "$PORT" | tee "$OUT/$server-startup.txt"
     bench "$pid" "$server" 8 16 999 >/dev/null   # warm-up, not recorded
     for rep in $(seq "$REPEATS"); do
-      for c in $CONCURRENCIES; do
-        bench "$pid" "$server" "$c" "$(prompts_for "$c")" "$(( 1000 * rep + c ))" "$OUT/$server-c$c-r$rep.json"
-      done
+      for c in $CONCURRENCIES; do for client in $CLIENTS; do
+        run_point "$client" "$pid" "$server" "$c" "$(( 1000 * rep + c ))" "$OUT/${server}__$client-c$c-r$rep.json"
+      done; done
     done
     stop_server "$pid"
     trap - EXIT
   done
 fi
 
-kvseal bench plot "$OUT"/*-c*-r*.json -o "$OUT/plot.png" --title "kvseal vs vLLM-CPU, ${INPUT_LEN} in / ${OUTPUT_LEN} out"
+kvseal bench plot "$OUT"/*__kvseal-c*-r*.json -o "$OUT/plot.png" --title "kvseal vs vLLM-CPU, ${INPUT_LEN} in / ${OUTPUT_LEN} out"
 python "$PEERS_DIR/summarize.py" "$OUT" | tee "$OUT/summary.md"

@@ -13,8 +13,9 @@ start_server() {
     kvseal-bf16w) EXTRA_ARGS="--quantization bf16 ${EXTRA_ARGS:-}" DTYPE=float32 \
                     setsid "$PEERS_DIR/start_kvseal.sh" "$model_dir" "$port" >"$log" 2>&1 & ;;
     vllm-best) setsid "$PEERS_DIR/start_vllm.sh" "$model_dir" "$port" best >"$log" 2>&1 & ;;
+    vllm-bind) setsid "$PEERS_DIR/start_vllm.sh" "$model_dir" "$port" bind >"$log" 2>&1 & ;;
     vllm-default) setsid "$PEERS_DIR/start_vllm.sh" "$model_dir" "$port" default >"$log" 2>&1 & ;;
-    *) echo "unknown server $name (kvseal, kvseal-bf16w, vllm-best, vllm-default)" >&2; return 2 ;;
+    *) echo "unknown server $name (kvseal, kvseal-bf16w, vllm-best, vllm-bind, vllm-default)" >&2; return 2 ;;
   esac
   echo $!
 }

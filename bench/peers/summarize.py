@@ -1,14 +1,19 @@
-"""Summarize a compare.sh output folder as Markdown: per server and concurrency, the range over
+"""Summarize a compare.sh output folder as Markdown, one section per load generator (client):
+per server and concurrency, the range over
 repetitions of output throughput, mean / p99 TTFT, TPOT and peak server RSS; kvseal's median
 output throughput and p99 TTFT as ratios to vllm-best's, and the ratio of each repetition's pair
 (the same prompts, run back to back when compare.sh ran with INTERLEAVE=1); the CPU a resident
 server used while idle; kvseal's KV pool against `kvseal plan`.
 
-Usage: python bench/peers/summarize.py OUT_DIR
+Result files are `<server>__<client>-c<C>-r<R>.json`; older sittings' `<server>-c<C>-r<R>.json`
+were all made by kvseal's client.
+
+Usage: python bench/peers/summarize.py OUT_DIR [--baseline SERVER]   (default vllm-best)
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
 import statistics
@@ -18,15 +23,23 @@ from pathlib import Path
 from typing import Any
 
 BASELINE = "vllm-best"
+CLIENT_NOTES = {"kvseal": "`kvseal bench serve`, token-id prompts",
+                "vllm": "`vllm bench serve`, random dataset sent as text"}
 
 
-def load(out: Path) -> dict[str, dict[int, list[dict[str, Any]]]]:
-    runs: dict[str, dict[int, list[dict[str, Any]]]] = defaultdict(lambda: defaultdict(list))
+Runs = dict[str, dict[int, list[dict[str, Any]]]]  # server -> concurrency -> results
+
+
+def load(out: Path) -> dict[str, Runs]:
+    """client -> its runs."""
+    clients: dict[str, Runs] = defaultdict(lambda: defaultdict(lambda: defaultdict(list)))
     for path in sorted(out.glob("*-c*-r*.json")):
         r = json.loads(path.read_text())
-        r["repetition"] = int(path.stem.rsplit("-r", 1)[1])
-        runs[r["label"]][int(r["max_concurrency"])].append(r)
-    return runs
+        head, rep = path.stem.rsplit("-r", 1)
+        r["repetition"] = int(rep)
+        server, _, client = head.rsplit("-c", 1)[0].partition("__")
+        clients[client or "kvseal"][server][int(r["max_concurrency"])].append(r)
+    return clients
 
 
 def span(values: list[float], fmt: str = "{:.1f}") -> str:
@@ -34,7 +47,7 @@ def span(values: list[float], fmt: str = "{:.1f}") -> str:
     return fmt.format(lo) if lo == hi else f"{fmt.format(lo)}–{fmt.format(hi)}"
 
 
-def table(runs: dict[str, dict[int, list[dict[str, Any]]]]) -> list[str]:
+def table(runs: Runs) -> list[str]:
     lines = ["| server | concurrency | runs | output tok/s | TTFT mean / p99 (ms) | TPOT mean (ms) | peak RSS (MiB) |",
              "|---|---:|---:|---:|---:|---:|---:|"]
     for label, points in sorted(runs.items()):
@@ -47,17 +60,17 @@ def table(runs: dict[str, dict[int, list[dict[str, Any]]]]) -> list[str]:
     return lines
 
 
-def ratios(runs: dict[str, dict[int, list[dict[str, Any]]]]) -> list[str]:
+def ratios(runs: Runs, baseline: str = BASELINE) -> list[str]:
     """Each kvseal configuration (labels starting with "kvseal") against the baseline."""
-    if BASELINE not in runs:
+    if baseline not in runs:
         return []
     lines: list[str] = []
     for label in sorted(name for name in runs if name.startswith("kvseal")):
-        lines += ["", f"| concurrency | {label} / {BASELINE} output tok/s (medians) | p99 TTFT {label} / {BASELINE} "
+        lines += ["", f"| concurrency | {label} / {baseline} output tok/s (medians) | p99 TTFT {label} / {baseline} "
                       "| per repetition: output tok/s, p99 TTFT |",
                   "|---:|---:|---:|---|"]
-        for c in sorted(set(runs[label]) & set(runs[BASELINE])):
-            ours, theirs = runs[label][c], runs[BASELINE][c]
+        for c in sorted(set(runs[label]) & set(runs[baseline])):
+            ours, theirs = runs[label][c], runs[baseline][c]
             tput = statistics.median(r["output_throughput"] for r in ours) / statistics.median(
                 r["output_throughput"] for r in theirs)
             ttft = statistics.median(r["p99_ttft_ms"] for r in ours) / statistics.median(
@@ -81,9 +94,9 @@ def idle_cpu(out: Path) -> list[str]:
         f"{name} {float(cpu):.1f} s over {wall} s" for name, cpu, wall in rows) + "."]
 
 
-def pool_check(out: Path, runs: dict[str, dict[int, list[dict[str, Any]]]]) -> list[str]:
+def pool_check(out: Path, runs: Runs) -> list[str]:
     plan = out / "kvseal_plan.txt"
-    kvseal_runs = [r for points in runs.get("kvseal", {}).values() for r in points]
+    kvseal_runs = [r for points in runs.get("kvseal", {}).values() for r in points]  # runs: kvseal's client
     pools = {r["kv_pages_total"] for r in kvseal_runs if r.get("kv_pages_total")}
     match = re.search(r"^pool\s+([\d,]+) pages", plan.read_text(), re.MULTILINE) if plan.exists() else None
     if not match or not pools:
@@ -95,9 +108,17 @@ def pool_check(out: Path, runs: dict[str, dict[int, list[dict[str, Any]]]]) -> l
 
 
 def main() -> int:
-    out = Path(sys.argv[1])
-    runs = load(out)
-    print("\n".join(table(runs) + ratios(runs) + idle_cpu(out) + pool_check(out, runs)))
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("out", type=Path, help="a compare.sh output folder")
+    parser.add_argument("--baseline", default=BASELINE, help="the server the ratios are against")
+    ns = parser.parse_args()
+    out: Path = ns.out
+    clients = load(out)
+    lines: list[str] = []
+    for client, runs in sorted(clients.items()):
+        heading = f"### {client}'s client ({CLIENT_NOTES.get(client, client)})"
+        lines += [heading, "", *table(runs), *ratios(runs, ns.baseline), ""]
+    print("\n".join(lines + idle_cpu(out) + pool_check(out, clients.get("kvseal", {}))))
     return 0
 
 
