@@ -34,6 +34,7 @@ MAX_LOGGED_CHARS = 256  # every client-controlled string is clipped to this befo
 AUDIT_UNAVAILABLE = "audit_unavailable"  # the error code, and the reason in a late record of a withheld answer
 RETRY_S = 1.0  # a failing audit file is tried again at most this often
 MAX_PENDING_RECORDS = 10_000  # records kept in memory while the file fails; later ones are lost (counted)
+MAX_PENDING_BYTES = 64 * 1024 * 1024  # and their lines' bytes (with --audit-log-prompts a line holds a prompt)
 
 
 def clip(text: str) -> str:
@@ -100,14 +101,16 @@ class AuditLog:
     """
 
     def __init__(self, path: str | None, include_prompts: bool, *, retry_s: float = RETRY_S,
-                 max_pending: int = MAX_PENDING_RECORDS) -> None:
+                 max_pending: int = MAX_PENDING_RECORDS, max_pending_bytes: int = MAX_PENDING_BYTES) -> None:
         self.path = path
         self.include_prompts = include_prompts
         self.retry_s = retry_s
         self._file = AuditFile(path) if path is not None else None  # OSError here stops start-up
         self._encoder = msgspec.json.Encoder()
         self._pending: deque[bytes] = deque()
+        self._num_pending_bytes = 0
         self._max_pending = max_pending
+        self._max_pending_bytes = max_pending_bytes
         self._failure: str | None = None
         self._retry_at_s = 0.0
         self._num_write_failures = 0
@@ -173,7 +176,7 @@ class AuditLog:
                 self._file.probe()
             while self._pending:
                 self._append(self._pending[0])
-                self._pending.popleft()
+                self._num_pending_bytes -= len(self._pending.popleft())
         except Exception as exc:
             self._failed(exc)
             return False
@@ -192,17 +195,25 @@ class AuditLog:
         self._failure = f"cannot write the audit log: {exc}"
 
     def _keep(self, record: AuditRecord) -> None:
-        if len(self._pending) >= self._max_pending:
-            if not self._num_dropped:
-                logger.error("the audit log has %d records waiting; dropping further records until it can be "
-                             "written (counted in kvseal_audit_records_dropped_total)", len(self._pending))
-            self._num_dropped += 1
-            return
         try:
-            self._pending.append(self._encode(late(record)))
+            line = self._encode(late(record))
         except Exception:  # a record that cannot be encoded is lost, not raised
             logger.exception("cannot encode the audit record of %s", record.request_id)
             self._num_dropped += 1
+            return
+        if (len(self._pending) >= self._max_pending
+                or self._num_pending_bytes + len(line) > self._max_pending_bytes):
+            self._drop()
+            return
+        self._pending.append(line)
+        self._num_pending_bytes += len(line)
+
+    def _drop(self) -> None:
+        if not self._num_dropped:
+            logger.error("the audit log has %d records (%d bytes) waiting; dropping further records until it can "
+                         "be written (counted in kvseal_audit_records_dropped_total)", len(self._pending),
+                         self._num_pending_bytes)
+        self._num_dropped += 1
 
 
 def late(record: AuditRecord) -> AuditRecord:

@@ -116,6 +116,15 @@ def test_records_beyond_the_queue_are_dropped_and_counted(linked: tuple[Path, Pa
     assert [r["request_id"] for r in lines(real)] == ["a", "b"]
 
 
+def test_records_beyond_the_queue_s_bytes_are_dropped(linked: tuple[Path, Path]) -> None:
+    link, real = linked
+    log = AuditLog(str(link), include_prompts=False, retry_s=0.0, max_pending_bytes=300)
+    point(link, DEV_FULL)
+    for name in ("a", "b", "c"):  # a late line is about 200 bytes
+        assert not log.write(record(name))
+    assert (log.stats.num_pending, log.stats.num_dropped) == (1, 2)
+
+
 def test_without_a_file_the_lines_go_to_the_logger(caplog: pytest.LogCaptureFixture) -> None:
     log = AuditLog(None, include_prompts=False)
     with caplog.at_level("INFO", logger="kvseal.audit"):
