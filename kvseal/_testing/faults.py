@@ -32,6 +32,15 @@ class Fault(enum.Enum):
     # (I5), so a test can show that the cross-tenant check sees another tenant's hit and that
     # the ownership check (I3) refuses the foreign page before a forward reads it.
     DROP_CACHE_NAMESPACE = "drop_cache_namespace"
+    # The frontend ignores a failed audit write (I8), as it did before the audit guard: the
+    # answer is sent, new requests are admitted and /health is fine, so a test can show that
+    # the outage test catches a response served without its audit line.
+    IGNORE_AUDIT_FAILURE = "ignore_audit_failure"
+    # The front door skips the request-shape checks that guard shared resources: the bounds
+    # that depend on the engine's limits (/detokenize's token count, the text the chat template
+    # renders besides the messages), the refusal of two Authorization headers, and the key on
+    # /openapi.json, so a test can show that each of their tests notices.
+    SKIP_DOOR_CHECKS = "skip_door_checks"
 
 
 _active: set[Fault] = set()

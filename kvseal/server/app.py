@@ -12,8 +12,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 import kvseal
+from kvseal._testing.faults import Fault, is_active
 from kvseal.server import errors
 from kvseal.server.audit import clip
+from kvseal.server.auth import authorization_of
 from kvseal.server.chat import ChatEndpoint
 from kvseal.server.completions import CompletionsEndpoint
 from kvseal.server.errors import ApiError
@@ -29,13 +31,27 @@ CHAT = ChatEndpoint()
 
 
 def build_app(state: AppState) -> FastAPI:
-    app = FastAPI(title="kvseal", version=kvseal.__version__, docs_url=None, redoc_url=None)
+    # No /docs or /redoc (their pages load scripts from a CDN); /openapi.json is served below,
+    # behind an API key like every route that is not an operator probe.
+    app = FastAPI(title="kvseal", version=kvseal.__version__, docs_url=None, redoc_url=None, openapi_url=None)
     _add_generation_routes(app, state, ChatEndpoint(state.config.tool_call_parser))
     _add_info_routes(app, state)
     add_tokenize_routes(app, state)
     _add_error_handlers(app)
     install_openapi(app, {COMPLETIONS.path: COMPLETIONS.body_model, CHAT.path: CHAT.body_model})
+    _add_openapi_route(app, state)
     return app
+
+
+def _add_openapi_route(app: FastAPI, state: AppState) -> None:
+    @app.get("/openapi.json", response_model=None, include_in_schema=False)
+    async def openapi(request: Request) -> Response:
+        try:
+            if not is_active(Fault.SKIP_DOOR_CHECKS):
+                state.keys.authenticate(authorization_of(request.headers))
+        except ApiError as err:
+            return errors.response(err)
+        return JSONResponse(app.openapi())
 
 
 def _add_generation_routes(app: FastAPI, state: AppState, chat: ChatEndpoint) -> None:
@@ -52,7 +68,7 @@ def _add_info_routes(app: FastAPI, state: AppState) -> None:
     @app.get("/v1/models", response_model=None)
     async def list_models(request: Request) -> Response:
         try:
-            state.keys.authenticate(request.headers.get("authorization"))
+            state.keys.authenticate(authorization_of(request.headers))
         except ApiError as err:
             return errors.response(err)
         return JSONResponse({"object": "list", "data": [_model_card(state)]})
@@ -60,7 +76,7 @@ def _add_info_routes(app: FastAPI, state: AppState) -> None:
     @app.get("/v1/models/{model:path}", response_model=None)
     async def retrieve_model(model: str, request: Request) -> Response:
         try:
-            state.keys.authenticate(request.headers.get("authorization"))
+            state.keys.authenticate(authorization_of(request.headers))
             if model != state.model_name:
                 raise errors.model_not_found(model, state.model_name)
         except ApiError as err:
@@ -69,21 +85,23 @@ def _add_info_routes(app: FastAPI, state: AppState) -> None:
 
     @app.get("/health", response_model=None)
     async def health() -> Response:
-        if state.engine.is_available and not state.is_draining:
-            return JSONResponse({"status": "ok"})
-        detail = state.engine.failure or "the server is shutting down"
-        return errors.response(errors.engine_unavailable(detail))
+        if not state.engine.is_available or state.is_draining:
+            return errors.response(errors.engine_unavailable(state.engine.failure or "the server is shutting down"))
+        if state.audit.check() is not None:  # which retries a failing audit log once its back-off is over
+            return errors.response(errors.audit_unavailable(state.audit))
+        return JSONResponse({"status": "ok"})
 
     @app.get("/metrics", response_model=None)
     async def metrics(request: Request) -> Response:
         try:
-            state.keys.authenticate_admin(request.headers.get("authorization"))  # it lists every tenant
+            state.keys.authenticate_admin(authorization_of(request.headers))  # it lists every tenant
         except ApiError as err:
             return errors.response(err)
         state.metrics.engine_up.set(1 if state.engine.is_available else 0)
         state.metrics.record_scrub_mode(state.engine_info.kv_scrub_policy)  # PD: as the engines run now
         if state.engine.failure is not None:
             state.metrics.reset_engine_gauges()
+        state.metrics.record_audit(state.audit.stats)
         return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 

@@ -1,23 +1,40 @@
-"""The audit log (I8): exactly one JSON line per generation request, whatever its outcome.
+"""The audit log (I8): exactly one JSON line per request, whatever its outcome, and no
+successful answer without its line.
 
 Enough to answer "which responses could have been affected" after an incident: who (tenant),
 what (token counts, KV pages reserved), how it ended (finished, rejected and by whom, aborted
 and why, error, isolation_violation and which check) and when. Client-controlled strings
 (model, user, reasons) are clipped to `MAX_LOGGED_CHARS`. No prompt text unless the operator passes --audit-log-prompts.
 Without --audit-log the lines go to the `kvseal.audit` logger instead of a file.
+
+When the file cannot be written (a full disk, a read-only or deleted directory), `AuditLog`
+says so instead of raising: the caller withholds the answer (503 `audit_unavailable`, or an
+error event ending a stream), new generation requests are refused until the file works
+again, and the records meanwhile wait in a bounded queue, written first once it does.
 """
 
 from __future__ import annotations
 
 import logging
+import math
+import time
+from collections import deque
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import msgspec
+
+from kvseal._testing.faults import Fault, is_active
+from kvseal.server.audit_file import AuditFile
 
 Outcome = Literal["finished", "rejected", "aborted", "error", "isolation_violation"]
 RejectedBy = Literal["frontend", "engine"]  # which admission check refused the request (I1)
 
 MAX_LOGGED_CHARS = 256  # every client-controlled string is clipped to this before it is logged
+AUDIT_UNAVAILABLE = "audit_unavailable"  # the error code, and the reason in a late record of a withheld answer
+RETRY_S = 1.0  # a failing audit file is tried again at most this often
+MAX_PENDING_RECORDS = 10_000  # records kept in memory while the file fails; later ones are lost (counted)
+MAX_PENDING_BYTES = 64 * 1024 * 1024  # and their lines' bytes (with --audit-log-prompts a line holds a prompt)
 
 
 def clip(text: str) -> str:
@@ -57,22 +74,150 @@ class AuditRecord(msgspec.Struct, frozen=True, omit_defaults=True):
     decode_engine: str | None = None
     transfer_id: str | None = None
     prompt: str | list[int] | list[dict[str, Any]] | None = None
+    written_late: bool = False  # the file failed when the request ended: written once it worked again
+
+
+@dataclass(frozen=True)
+class AuditStats:
+    """For /metrics."""
+
+    is_up: bool
+    num_write_failures: int  # writes to the file that failed (each retry counts)
+    num_pending: int  # records waiting for the file to work again
+    num_dropped: int  # records lost: the queue was full
 
 
 class AuditLog:
-    def __init__(self, path: str | None, include_prompts: bool) -> None:
+    """Writes each request's record; never raises.
+
+    `write` returns True once the line is in the file (or handed to the logger), False when it
+    could not be written now. From a failed write until the file works again the log is
+    *failing* (`failure` says why, for /health and error messages): every record waits in a
+    bounded queue, and the file is tried again at most once per `retry_s`, by the next `write`
+    or `check`. The first write that works writes the waiting lines first, in order.
+
+    A record waits in its late version (`written_late`): one that had finished becomes an error
+    with reason `audit_unavailable`, because the caller withheld that success from its client.
+    """
+
+    def __init__(self, path: str | None, include_prompts: bool, *, retry_s: float = RETRY_S,
+                 max_pending: int = MAX_PENDING_RECORDS, max_pending_bytes: int = MAX_PENDING_BYTES) -> None:
         self.path = path
         self.include_prompts = include_prompts
-        self._file = open(path, "a", buffering=1, encoding="utf-8") if path is not None else None  # noqa: SIM115
+        self.retry_s = retry_s
+        self._file = AuditFile(path) if path is not None else None  # OSError here stops start-up
         self._encoder = msgspec.json.Encoder()
+        self._pending: deque[bytes] = deque()
+        self._num_pending_bytes = 0
+        self._max_pending = max_pending
+        self._max_pending_bytes = max_pending_bytes
+        self._failure: str | None = None
+        self._retry_at_s = 0.0
+        self._num_write_failures = 0
+        self._num_dropped = 0
 
-    def write(self, record: AuditRecord) -> None:
-        line = self._encoder.encode(record).decode()
-        if self._file is None:
-            logger.info("%s", line)
-        else:
-            self._file.write(line + "\n")
+    @property
+    def failure(self) -> str | None:
+        """Why the audit log cannot be written now; None while it works."""
+        return None if is_active(Fault.IGNORE_AUDIT_FAILURE) else self._failure
+
+    @property
+    def retry_after_s(self) -> int:
+        """Seconds a refused client should wait (Retry-After)."""
+        return max(1, math.ceil(self.retry_s))
+
+    @property
+    def stats(self) -> AuditStats:
+        return AuditStats(self._failure is None, self._num_write_failures, len(self._pending), self._num_dropped)
+
+    def write(self, record: AuditRecord) -> bool:
+        """Append `record`'s line; True once it is written. Never raises."""
+        if self._failure is None or self._recovered():
+            try:
+                self._append(self._encode(record))
+                return True
+            except Exception as exc:  # whatever breaks the sink must not reach the caller
+                self._failed(exc)
+        self._keep(record)
+        return self.failure is None
+
+    def check(self) -> str | None:
+        """`failure`, after trying the file again if it is failing and its back-off is over."""
+        if self._failure is not None:
+            self._recovered()
+        return self.failure
 
     def close(self) -> None:
+        """Write what still waits, if the file works now, and close it."""
+        if self._failure is not None:
+            self._retry_at_s = 0.0
+            self._recovered()
+        if self._pending or self._num_dropped:
+            logger.error("%d audit records could not be written (and %d were dropped)", len(self._pending),
+                         self._num_dropped)
         if self._file is not None:
             self._file.close()
+
+    def _encode(self, record: AuditRecord) -> bytes:
+        return self._encoder.encode(record) + b"\n"
+
+    def _append(self, line: bytes) -> None:
+        if self._file is None:
+            logger.info("%s", line[:-1].decode())
+        else:
+            self._file.append(line)
+
+    def _recovered(self) -> bool:
+        """Retry a failing file when its back-off is over: write every waiting line, in order."""
+        if time.monotonic() < self._retry_at_s:
+            return False
+        try:
+            if self._file is not None:
+                self._file.probe()
+            while self._pending:
+                self._append(self._pending[0])
+                self._num_pending_bytes -= len(self._pending.popleft())
+        except Exception as exc:
+            self._failed(exc)
+            return False
+        logger.warning("the audit log %s is writable again: wrote the records that waited for it (%d were "
+                       "dropped); accepting requests again", self.path, self._num_dropped)
+        self._failure = None
+        return True
+
+    def _failed(self, exc: Exception) -> None:
+        self._num_write_failures += 1
+        self._retry_at_s = time.monotonic() + self.retry_s
+        if self._failure is None:
+            logger.error("cannot write the audit log %s (%s): answers are withheld and new generation requests "
+                         "refused with 503 %s until it can be written; retrying every %g s", self.path, exc,
+                         AUDIT_UNAVAILABLE, self.retry_s, exc_info=not isinstance(exc, OSError))
+        self._failure = f"cannot write the audit log: {exc}"
+
+    def _keep(self, record: AuditRecord) -> None:
+        try:
+            line = self._encode(late(record))
+        except Exception:  # a record that cannot be encoded is lost, not raised
+            logger.exception("cannot encode the audit record of %s", record.request_id)
+            self._num_dropped += 1
+            return
+        if (len(self._pending) >= self._max_pending
+                or self._num_pending_bytes + len(line) > self._max_pending_bytes):
+            self._drop()
+            return
+        self._pending.append(line)
+        self._num_pending_bytes += len(line)
+
+    def _drop(self) -> None:
+        if not self._num_dropped:
+            logger.error("the audit log has %d records (%d bytes) waiting; dropping further records until it can "
+                         "be written (counted in kvseal_audit_records_dropped_total)", len(self._pending),
+                         self._num_pending_bytes)
+        self._num_dropped += 1
+
+
+def late(record: AuditRecord) -> AuditRecord:
+    """The record as written after the file failed: a finished request's answer was withheld."""
+    if record.outcome == "finished":
+        return msgspec.structs.replace(record, outcome="error", reason=AUDIT_UNAVAILABLE, written_late=True)
+    return msgspec.structs.replace(record, written_late=True)

@@ -14,6 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from starlette.datastructures import Headers
+
+from kvseal._testing.faults import Fault, is_active
 from kvseal.errors import ConfigError
 from kvseal.kvcache.prefix_cache import namespace_of
 from kvseal.server import errors
@@ -80,6 +83,15 @@ class ApiKeyTable:
         self.authenticate(authorization)
         if _bearer_digest(authorization) not in self._admin_digests:
             raise errors.admin_required()
+
+
+def authorization_of(headers: Headers) -> str | None:
+    """The request's one Authorization header (None without one); `ApiError` 400 when it has
+    several: which of them counts is ambiguous (proxies and frameworks disagree), so none does."""
+    values = headers.getlist("authorization")
+    if len(values) > 1 and not is_active(Fault.SKIP_DOOR_CHECKS):
+        raise errors.duplicate_authorization(len(values))
+    return values[0] if values else None
 
 
 def _bearer_digest(authorization: str | None) -> bytes:

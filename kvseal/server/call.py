@@ -5,6 +5,11 @@ exactly once, whichever comes first: a refusal at the front door, the engine's t
 report, or the engine's death. An admitted request the engine ends early is recorded as
 aborted or error, never as finished (I6).
 
+No success without its audit line (I8): `_finish` writes the record when the engine reports
+the end, before the HTTP side sees that report. If the line cannot be written the call is
+`is_withheld`: a JSON answer becomes 503 `audit_unavailable`, a stream ends with that error
+event instead of finishing normally.
+
 The slot is given back only when both sides are done: the engine has reported the request's
 end (its pages are free) and the HTTP response is complete (or its client gone). So a tenant
 never has more requests open, on either side, than its limit.
@@ -46,6 +51,7 @@ class Call:
         self.engine_ids: list[str] = []  # one engine request per choice
         self.features: list[str] | None = None  # names of the optional fields the request used
         self.is_done = False
+        self._is_audited = False
         self._is_http_done = False
         self._has_slot = False
         self._is_submitted = False
@@ -55,6 +61,11 @@ class Call:
         self._last_token_s: float | None = None
         self._progress: RequestOutputMsg | None = None  # the latest output, for a request the engine loses
         self._route: dict[str, str] = {}  # PD mode: the engines and transfer id (filled in as it is routed)
+
+    @property
+    def is_withheld(self) -> bool:
+        """The call ended but its audit line could not be written: its answer must not be sent."""
+        return self.is_done and not self._is_audited
 
     def take_slot(self, tenant: Tenant) -> None:
         """Count against the tenant's concurrency limit (raises `ApiError` 429)."""
@@ -148,7 +159,7 @@ class Call:
         self.state.metrics.record_outcome(tenant, outcome, reason if outcome == "rejected" else None)
         if out is not None:
             self.state.metrics.record_prefix_cache(tenant, out.num_prompt_tokens, out.num_cached_tokens)
-        self.state.audit.write(self._record(outcome, reason, http_status, out, rejected_by))
+        self._is_audited = self.state.audit.write(self._record(outcome, reason, http_status, out, rejected_by))
 
     def _release_slot(self) -> None:
         if self._has_slot and self.is_done and self._is_http_done and self.tenant is not None:

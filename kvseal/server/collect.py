@@ -1,4 +1,5 @@
-"""Non-streaming responses: wait for the request to end, then answer once.
+"""Non-streaming responses: wait for the request to end, then answer once: the body, or
+503 `audit_unavailable` when the request's audit line could not be written (I8).
 
 While waiting, a task watches the connection: if the client disconnects, the request is
 aborted in the engine (its pages are freed) instead of running to the end for nobody.
@@ -29,6 +30,8 @@ async def respond_when_done(request: Request, call: Call, group: ChoiceGroup, fm
                 return errors.response(err, call.request_id)
             assert isinstance(event, RequestOutputMsg)
             transcripts[index].add(event)
+        if call.is_withheld:  # no success without its audit line (I8)
+            return errors.response(errors.audit_unavailable(call.state.audit), call.request_id)
         return JSONResponse(fmt.response(transcripts), headers={errors.REQUEST_ID_HEADER: call.request_id})
     finally:
         watcher.cancel()

@@ -8,8 +8,9 @@ and new submissions raise `EngineUnavailable`: nothing waits on a dead engine.
 
 The receive loop fails closed. Every output names its tenant; one that does not match its
 request's tenant ends that request with `IsolationBreach` (and is aborted in the engine),
-never reaching the client. Any exception while routing, auditing or counting is a frontend
-bug that could leave requests waiting forever: it is logged at CRITICAL, every in-flight
+never reaching the client. Auditing never raises here (`AuditLog.write` reports a line it
+could not write, and the call withholds that answer). Any exception while routing, auditing
+or counting is a frontend bug that could leave requests waiting forever: it is logged at CRITICAL, every in-flight
 request is aborted in the engine and fails with an error, and the client stays unavailable
 (/health 503) until restarted.
 """

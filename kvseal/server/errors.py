@@ -14,6 +14,7 @@ from starlette.responses import JSONResponse
 
 from kvseal.errors import RequestRejected
 from kvseal.messages.msgs import ABORT_SERVER_SHUTDOWN, RequestOutputMsg, RequestRejectedMsg
+from kvseal.server.audit import AUDIT_UNAVAILABLE, AuditLog
 from kvseal.server.request_handle import EngineGone, RequestEvent, isolation_failure
 from kvseal.types import ISOLATION_CHECK_FAILED
 
@@ -25,6 +26,7 @@ class ApiError(Exception):
     type: str = "invalid_request_error"
     code: str | None = None
     param: str | None = None
+    retry_after_s: int | None = None  # sent as Retry-After
 
     def __str__(self) -> str:
         return self.message
@@ -42,7 +44,9 @@ REQUEST_ID_HEADER = "x-request-id"
 
 
 def response(err: ApiError, request_id: str | None = None) -> JSONResponse:
-    headers = {REQUEST_ID_HEADER: request_id} if request_id else None
+    headers = {REQUEST_ID_HEADER: request_id} if request_id else {}
+    if err.retry_after_s is not None:
+        headers["retry-after"] = str(err.retry_after_s)
     return JSONResponse(err.body(), status_code=err.status, headers=headers)
 
 
@@ -58,6 +62,11 @@ def missing_api_key() -> ApiError:
 def invalid_api_key() -> ApiError:
     return ApiError(401, "Incorrect API key provided. Use a key from the server's --api-keys file.",
                     code="invalid_api_key")
+
+
+def duplicate_authorization(num_headers: int) -> ApiError:
+    return ApiError(400, f"The request has {num_headers} Authorization headers; send exactly one, "
+                         f"'Authorization: Bearer <key>'.", code="duplicate_authorization")
 
 
 def admin_required() -> ApiError:
@@ -98,6 +107,15 @@ def concurrency_limit(tenant: str, limit: int) -> ApiError:
 def engine_unavailable(detail: str) -> ApiError:
     return ApiError(503, f"The inference engine is unavailable: {detail}. Retry later.",
                     type="service_unavailable", code="engine_unavailable")
+
+
+def audit_unavailable(audit: AuditLog) -> ApiError:
+    """The audit log (I8) cannot be written: the server answers nothing it cannot record."""
+    detail = audit.failure or "the request's line could not be written"
+    return ApiError(503, f"The server cannot record this request in its audit log ({detail}), and it answers "
+                         f"no request it cannot record. The operator has been alerted; retry in "
+                         f"{audit.retry_after_s} s.", type="service_unavailable", code=AUDIT_UNAVAILABLE,
+                    retry_after_s=audit.retry_after_s)
 
 
 def request_aborted(detail: str) -> ApiError:

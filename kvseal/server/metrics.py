@@ -5,6 +5,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from kvseal.messages.msgs import EngineStatsMsg
+from kvseal.server.audit import AuditStats
 
 _LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
@@ -44,6 +45,25 @@ class ServerMetrics:
         self.scrub_mode = Gauge(
             "kvseal_kv_scrub_mode", "1 for the engines' page scrub policy (I7): off, free, alloc or checked "
             "(--check-kv); PD engines that differ are listed as role=policy", ["mode"], registry=r)
+        self.audit_up = Gauge(
+            "kvseal_audit_log_up", "1 while the audit log (I8) can be written; at 0 answers are withheld and "
+            "generation requests refused with 503 audit_unavailable", registry=r)
+        self.audit_write_failures = Counter(
+            "kvseal_audit_write_failures", "Writes to the audit log that failed (a full disk, a read-only or "
+            "missing directory); each retry counts", registry=r)
+        self.audit_pending = Gauge("kvseal_audit_records_pending", "Audit records waiting for the audit log to "
+                                   "work again", registry=r)
+        self.audit_dropped = Counter(
+            "kvseal_audit_records_dropped", "Audit records lost because too many waited for a failing audit "
+            "log; any non-zero value is an incident", registry=r)
+        self._audit_seen = CumulativeTotal()
+
+    def record_audit(self, stats: AuditStats) -> None:
+        """The audit log's state (I8), as it is when /metrics is read."""
+        self.audit_up.set(1 if stats.is_up else 0)
+        self.audit_pending.set(stats.num_pending)
+        self.audit_write_failures.inc(self._audit_seen.observe("failures", stats.num_write_failures))
+        self.audit_dropped.inc(self._audit_seen.observe("dropped", stats.num_dropped))
 
     def record_outcome(self, tenant: str, outcome: str, rejection_reason: str | None) -> None:
         self.requests.labels(tenant=tenant, outcome=outcome).inc()

@@ -2,9 +2,11 @@
 
 API key → tenant (401) → not shutting down (503) → JSON content type (415) → body within
 its size (413) and time (408) → a token-id list that cannot fit (400, pre-scanned before the
-full parse) → valid body (400) → served model (404) → tenant concurrency slot (429) → a
-prompt that cannot fit (400, before tokenizing) → tokenize (fair across tenants) → `admit`
-with the engine's limits (I1, 400 `context_length_exceeded`) → engine → stream or JSON.
+full parse) → valid body, every field within its bound (400) → served model (404) → chat: tool
+definitions and tool-call arguments that a prompt could hold (400) → tenant concurrency slot
+(429) → a prompt that cannot fit (400, before tokenizing) → tokenize (fair across tenants) →
+`admit` with the engine's limits (I1, 400 `context_length_exceeded`) → an audit log that can
+be written (503 `audit_unavailable`, I8) → engine → stream or JSON.
 
 Nothing is sent to the engine before `admit` accepted the request; a refusal is terminal and
 leaves its audit record. Whatever happens after submission, the request ends in the engine
@@ -25,7 +27,9 @@ from kvseal.errors import ContextLengthExceeded, RequestRejected
 from kvseal.messages.convert import params_to_msg
 from kvseal.messages.msgs import ABORT_CLIENT_DISCONNECTED, AddRequestMsg
 from kvseal.server import errors
+from kvseal.server.auth import authorization_of
 from kvseal.server.body import parse_body, read_body, require_json
+from kvseal.server.bounds import check_template_text
 from kvseal.server.call import Call
 from kvseal.server.choices import ChoiceGroup
 from kvseal.server.collect import respond_when_done
@@ -35,7 +39,7 @@ from kvseal.server.errors import ApiError
 from kvseal.server.features import features_used
 from kvseal.server.front_door import admit_at_the_door
 from kvseal.server.prompts import check_token_list_before_parsing
-from kvseal.server.protocol import GenerationBody
+from kvseal.server.protocol import ChatCompletionRequest, GenerationBody
 from kvseal.server.response_format import with_response_format
 from kvseal.server.state import AppState
 from kvseal.server.streaming import EventStreamResponse
@@ -76,7 +80,7 @@ def _refuse(call: Call, err: ApiError) -> JSONResponse:
 
 async def _admit_and_submit(request: Request, state: AppState, endpoint: Endpoint,
                             call: Call) -> tuple[GenerationBody, Formatter, ChoiceGroup]:
-    tenant = call.tenant = state.keys.authenticate(request.headers.get("authorization"))
+    tenant = call.tenant = state.keys.authenticate(authorization_of(request.headers))
     if state.is_draining:
         raise errors.engine_unavailable("the server is shutting down")
     require_json(request)
@@ -86,6 +90,8 @@ async def _admit_and_submit(request: Request, state: AppState, endpoint: Endpoin
     call.model, call.user, call.features = body.model, body.user, features_used(body)
     if body.model is not None and body.model != state.model_name:
         raise errors.model_not_found(body.model, state.model_name)
+    if isinstance(body, ChatCompletionRequest):
+        check_template_text(body.messages, body.tools, state.limits, state.prompts.max_token_chars)
     call.take_slot(tenant)
     prepared = await endpoint.prepare(body, state.prompts, tenant, state.limits, state.defaults)
     call.prompt_for_audit = prepared.prompt_for_audit
@@ -96,4 +102,12 @@ async def _admit_and_submit(request: Request, state: AppState, endpoint: Endpoin
     fmt = endpoint.formatter(body, ResponseIds(call.request_id, state.model_name, int(time.time())), state.prompts)
     msg = AddRequestMsg(call.request_id, tenant.name, tenant.cache_namespace, prompt_token_ids,
                         params_to_msg(params))
+    _require_audit(state)
     return body, fmt, call.submit(msg)  # nothing after this line may fail before the response owns the call
+
+
+def _require_audit(state: AppState) -> None:
+    """503 `audit_unavailable` while the audit log cannot be written (I8): nothing reaches the
+    engine that could not be recorded. Checked last, so bad input stays a 4xx meanwhile."""
+    if state.audit.check() is not None:
+        raise errors.audit_unavailable(state.audit)

@@ -96,14 +96,14 @@ class PromptEncoder:
                 check_context(len(single), 0, limits)
             return single
         if not may_truncate:
-            self._check_chars(_num_visible_chars(single), limits)
+            self._check_chars(num_visible_chars(single), limits)
         return await self._run(tenant, self._encode, single)
 
     async def chat_ids(self, conversation: list[dict[str, Any]], tenant: str, limits: AdmissionLimits,
                        may_truncate: bool, tools: list[dict[str, Any]] | None = None) -> list[int]:
         """`tools` (OpenAI tool definitions) go to the chat template, which renders them."""
         if not may_truncate:  # the template only adds tokens around the contents
-            self._check_chars(sum(_num_visible_chars(_text_of(m)) for m in conversation), limits)
+            self._check_chars(sum(num_visible_chars(_text_of(m)) for m in conversation), limits)
         return await self._run(tenant, self._apply_chat_template, (conversation, tools))
 
     async def decode(self, token_ids: list[int], tenant: str) -> str:
@@ -180,18 +180,36 @@ class PromptEncoder:
 def check_token_list_before_parsing(data: bytes, limits: AdmissionLimits) -> None:
     """Refuse a big body whose `prompt` is a token-id list longer than the prompt limit, from
     a scan that builds no ints (`ContextLengthExceeded`); anything else is left to the parser."""
-    if len(data) < PRESCAN_BODY_BYTES:
+    fields = _prescanned_fields(data)
+    if fields is None or "truncate_prompt_tokens" in fields:
         return
-    try:
-        fields = msgspec.json.decode(data, type=dict[str, msgspec.Raw])
-    except (msgspec.DecodeError, msgspec.ValidationError):
-        return  # the full parse reports it
-    raw = bytes(fields.get("prompt", b""))
-    if "truncate_prompt_tokens" in fields or not raw.startswith(b"[") or b'"' in raw:
-        return
-    num_ids_at_most = raw.count(b",") + 1  # exact for one list of ints
-    if num_ids_at_most > limits.max_prompt_tokens:
+    num_ids_at_most = _token_list_length_at_most(fields, "prompt")
+    if num_ids_at_most is not None and num_ids_at_most > limits.max_prompt_tokens:
         check_context(num_ids_at_most, 0, limits)
+
+
+def prescan_token_list(data: bytes, field: str) -> int | None:
+    """For a big body: at most how many ids the flat token-id list `field` holds (exact for a
+    list of ints), counted without building them; None for a small body or any other shape."""
+    fields = _prescanned_fields(data)
+    return None if fields is None else _token_list_length_at_most(fields, field)
+
+
+def _prescanned_fields(data: bytes) -> dict[str, msgspec.Raw] | None:
+    """The top-level fields of a body of at least `PRESCAN_BODY_BYTES`, each left unparsed."""
+    if len(data) < PRESCAN_BODY_BYTES:
+        return None
+    try:
+        return msgspec.json.decode(data, type=dict[str, msgspec.Raw])
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None  # the full parse reports it
+
+
+def _token_list_length_at_most(fields: dict[str, msgspec.Raw], field: str) -> int | None:
+    raw = bytes(fields.get(field, b""))
+    if not raw.startswith(b"[") or b'"' in raw:
+        return None
+    return raw.count(b",") + 1
 
 
 def _text_of(message: dict[str, Any]) -> str:
@@ -201,7 +219,7 @@ def _text_of(message: dict[str, Any]) -> str:
     return content if isinstance(content, str) else ""
 
 
-def _num_visible_chars(text: str) -> int:
+def num_visible_chars(text: str) -> int:
     """Characters other than spaces, tabs and newlines: some tokenizers drop those, none drops
     the others, so every one of them is covered by a token (C-speed counting, no per-char loop)."""
     return len(text) - text.count(" ") - text.count("\n") - text.count("\t")

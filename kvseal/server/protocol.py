@@ -5,6 +5,14 @@ A field kvseal does not implement is rejected, never ignored: undeclared fields 
 `presence_penalty`, `frequency_penalty`, `logit_bias`, `response_format` and vLLM's extensions `ignore_eos`,
 `min_tokens`, `top_k`, `repetition_penalty`, `stop_token_ids` and `truncate_prompt_tokens`
 are honoured.
+
+Every list and string has a bound, so no field makes the parser, the tokenizer, the grammar
+compiler or the audit log work without limit (a bad value is a 400 naming the field and the
+limit). The static bounds are here; prompt text and token ids are bounded by the engine's
+prompt limit (I1, checked before tokenizing or parsing them: `kvseal.server.prompts`), and the
+text the chat template renders besides the messages' contents by `kvseal.server.bounds`.
+JSON nesting is bounded by the parser (a body nested deeper than its recursion limit is
+`invalid_json`), and the whole body by --max-body-bytes.
 """
 
 from __future__ import annotations
@@ -18,6 +26,31 @@ from kvseal.types import MAX_N
 
 INT32_MAX = 2**31 - 1
 MAX_LOGIT_BIAS = 300  # OpenAI's limit on logit_bias entries
+MAX_TOKEN_ID_DIGITS = 10  # a logit_bias key: a token id below 2**31, in decimal
+MAX_NAME_CHARS = 256  # model names, tool call ids and other identifiers a client sends
+MAX_FUNCTION_NAME_CHARS = 64  # OpenAI's limit on function (and message author) names
+MAX_STOP = 16  # stop strings per request
+MAX_STOP_CHARS = 256  # characters in one stop string
+MAX_STOP_TOKEN_IDS = 64
+MAX_MESSAGES = 2048  # messages per chat request
+MAX_CONTENT_PARTS = 1024  # parts of one message's content
+MAX_TOOLS = 128  # OpenAI's limit on tools (and so on the tool calls of one message)
+MAX_DESCRIPTION_CHARS = 4096  # a tool's or a response schema's description
+MAX_SCHEMA_CHARS = 65_536  # a JSON Schema (response_format's, a tool's parameters), as JSON text
+
+Name = Annotated[str, Field(max_length=MAX_NAME_CHARS)]
+FunctionName = Annotated[str, Field(min_length=1, max_length=MAX_FUNCTION_NAME_CHARS)]
+Description = Annotated[str, Field(max_length=MAX_DESCRIPTION_CHARS)]
+StopString = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
+
+
+def bounded_schema(schema: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A JSON Schema of at most `MAX_SCHEMA_CHARS` characters as JSON text (a ValueError names both)."""
+    if schema is not None:
+        num_chars = len(json.dumps(schema))
+        if num_chars > MAX_SCHEMA_CHARS:
+            raise ValueError(f"the schema has {num_chars} characters as JSON; at most {MAX_SCHEMA_CHARS}")
+    return schema
 
 
 class _Body(BaseModel):
@@ -29,10 +62,15 @@ class StreamOptions(_Body):
 
 
 class JsonSchemaFormat(_Body):
-    name: Annotated[str, Field(min_length=1, max_length=64)]
-    description: str | None = None
+    name: FunctionName
+    description: Description | None = None
     json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
     strict: bool | None = None
+
+    @field_validator("json_schema")
+    @classmethod
+    def _bounded_schema(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        return bounded_schema(value)
 
 
 class ResponseFormat(_Body):
@@ -45,23 +83,25 @@ class ResponseFormat(_Body):
 class GenerationBody(_Body):
     """Fields both endpoints share."""
 
-    model: str | None = None
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    model: Name | None = None
+    max_tokens: Annotated[int, Field(ge=1, le=INT32_MAX)] | None = None
     temperature: Annotated[float, Field(ge=0, le=2, allow_inf_nan=False)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)] | None = None
     top_k: Annotated[int, Field(ge=-1, le=INT32_MAX)] | None = None
     seed: Annotated[int, Field(ge=0, le=2**63 - 1)] | None = None
-    stop: str | Annotated[list[str], Field(max_length=16)] | None = None
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
     presence_penalty: Annotated[float, Field(ge=-2, le=2, allow_inf_nan=False)] | None = None
     frequency_penalty: Annotated[float, Field(ge=-2, le=2, allow_inf_nan=False)] | None = None
     repetition_penalty: Annotated[float, Field(gt=0, le=10, allow_inf_nan=False)] | None = None
-    logit_bias: Annotated[dict[str, Annotated[float, Field(ge=-100, le=100, allow_inf_nan=False)]],
+    logit_bias: Annotated[dict[Annotated[str, Field(max_length=MAX_TOKEN_ID_DIGITS)],
+                               Annotated[float, Field(ge=-100, le=100, allow_inf_nan=False)]],
                           Field(max_length=MAX_LOGIT_BIAS)] | None = None
-    stop_token_ids: Annotated[list[Annotated[int, Field(ge=0, le=INT32_MAX)]], Field(max_length=64)] | None = None
-    user: Annotated[str, Field(max_length=256)] | None = None
+    stop_token_ids: Annotated[list[Annotated[int, Field(ge=0, le=INT32_MAX)]],
+                              Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
+    user: Name | None = None
     ignore_eos: bool = False
     min_tokens: Annotated[int, Field(ge=0, le=INT32_MAX)] = 0
     truncate_prompt_tokens: Annotated[int, Field(ge=1, le=INT32_MAX)] | None = None
@@ -97,8 +137,8 @@ class ChatTextPart(_Body):
 
 
 class FunctionCall(_Body):
-    name: str
-    arguments: str  # JSON text, as OpenAI sends it
+    name: FunctionName
+    arguments: str  # JSON text, as OpenAI sends it; rendered by the template (kvseal.server.bounds)
 
     @field_validator("arguments")
     @classmethod
@@ -111,17 +151,17 @@ class FunctionCall(_Body):
 
 
 class ToolCall(_Body):
-    id: str
+    id: Name
     type: Literal["function"]
     function: FunctionCall
 
 
 class ChatMessage(_Body):
     role: Literal["system", "user", "assistant", "tool"]
-    content: str | list[ChatTextPart] | None
-    tool_calls: list[ToolCall] | None = None  # assistant turns that called tools
-    tool_call_id: str | None = None  # a tool result answers this call
-    name: str | None = None
+    content: str | Annotated[list[ChatTextPart], Field(max_length=MAX_CONTENT_PARTS)] | None
+    tool_calls: Annotated[list[ToolCall], Field(max_length=MAX_TOOLS)] | None = None  # an assistant turn's calls
+    tool_call_id: Name | None = None  # a tool result answers this call
+    name: FunctionName | None = None
 
     def as_template_input(self) -> dict[str, Any]:
         content = self.content if not isinstance(self.content, list) else "\n".join(p.text for p in self.content)
@@ -140,10 +180,15 @@ def _json_arguments(arguments: str) -> Any:
 
 
 class FunctionDef(_Body):
-    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
-    description: str | None = None
+    name: Annotated[str, Field(min_length=1, max_length=MAX_FUNCTION_NAME_CHARS, pattern=r"^[A-Za-z0-9_-]+$")]
+    description: Description | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
+
+    @field_validator("parameters")
+    @classmethod
+    def _bounded_schema(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        return bounded_schema(value)
 
 
 class ToolDef(_Body):
@@ -152,7 +197,7 @@ class ToolDef(_Body):
 
 
 class NamedFunction(_Body):
-    name: str
+    name: FunctionName
 
 
 class NamedToolChoice(_Body):
@@ -161,11 +206,11 @@ class NamedToolChoice(_Body):
 
 
 class ChatCompletionRequest(GenerationBody):
-    messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    tools: Annotated[list[ToolDef], Field(max_length=128)] | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
+    tools: Annotated[list[ToolDef], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1, le=INT32_MAX)] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
 

@@ -1,9 +1,11 @@
 """Server-sent events in OpenAI's chunk format, ending with `data: [DONE]`.
 
-An error after the stream started (engine gone, request aborted) is sent as one
-`data: {"error": {...}}` event before `[DONE]`: the client sees an error, never a normal
-finish. If the client goes away, the generator is cancelled and the request is aborted in
-the engine, which frees its pages at once.
+An error after the stream started (engine gone, request aborted, or its audit line could not
+be written) is sent as one `data: {"error": {...}}` event before `[DONE]`: the client sees an
+error, never a normal finish. The audit line is written when the engine reports the end,
+before this generator sees that report, so a stream whose line failed never sends its last
+chunk. If the client goes away, the generator is cancelled and the request is aborted in the
+engine, which frees its pages at once.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ class EventStreamResponse(StreamingResponse):
     cancelled by a disconnect, or never started."""
 
     def __init__(self, call: Call, group: ChoiceGroup, fmt: Formatter, include_usage: bool) -> None:
-        super().__init__(_events(group, fmt, include_usage), media_type="text/event-stream",
+        super().__init__(_events(call, group, fmt, include_usage), media_type="text/event-stream",
                          headers={errors.REQUEST_ID_HEADER: call.request_id, "cache-control": "no-cache"})
         self._call = call
 
@@ -47,12 +49,14 @@ class EventStreamResponse(StreamingResponse):
             self._call.http_done()
 
 
-async def _events(group: ChoiceGroup, fmt: Formatter, include_usage: bool) -> AsyncIterator[bytes]:
+async def _events(call: Call, group: ChoiceGroup, fmt: Formatter, include_usage: bool) -> AsyncIterator[bytes]:
     transcripts = [Transcript() for _ in range(group.num_choices)]
     for chunk in fmt.first_chunks():
         yield sse(chunk)
     async for index, event in group.events():
         err = errors.for_event(event)
+        if err is None and call.is_withheld:  # its audit line failed (I8): end now, never normally
+            err = errors.audit_unavailable(call.state.audit)
         if err is not None:
             yield sse(err.body())
             yield DONE

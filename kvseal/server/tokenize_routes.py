@@ -5,11 +5,22 @@
 `{"count", "max_model_len", "tokens", "token_strs"}` (`token_strs` only with
 `return_token_strs`). /detokenize takes `{"tokens": [int]}` and answers `{"prompt": str}`.
 Neither touches the engine; both run the tokenizer on the frontend's tokenizer thread.
+
+Both are bounded as prompts are: a /tokenize prompt that cannot fit the context is refused
+before it is tokenized, and /detokenize takes at most as many ids as a prompt may have (a big
+body is refused from a scan, before its ids are parsed). Every call leaves an audit record
+(I8) with its token count, never its text or ids, and answers only once that line is written
+(else 503 `audit_unavailable`; a refusal stays the refusal it was).
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from typing import Annotated, Any
 
 from fastapi import FastAPI
@@ -17,66 +28,112 @@ from pydantic import Field
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from kvseal.errors import InvalidParameter, RequestRejected
+from kvseal._testing.faults import Fault, is_active
+from kvseal.admission import AdmissionLimits
+from kvseal.errors import ContextLengthExceeded, InvalidParameter, RequestRejected
 from kvseal.server import errors
-from kvseal.server.auth import Tenant
+from kvseal.server.audit import AuditRecord, Outcome, clip_optional
+from kvseal.server.auth import Tenant, authorization_of
 from kvseal.server.body import parse_body, read_body, require_json
+from kvseal.server.bounds import check_template_text
 from kvseal.server.errors import ApiError
-from kvseal.server.prompts import check_token_list_before_parsing
-from kvseal.server.protocol import INT32_MAX, ChatMessage, _Body
+from kvseal.server.prompts import check_token_list_before_parsing, prescan_token_list
+from kvseal.server.protocol import INT32_MAX, MAX_MESSAGES, MAX_NAME_CHARS, ChatMessage, _Body
 from kvseal.server.state import AppState
+
+logger = logging.getLogger("kvseal.server")
 
 
 class TokenizeCompletionBody(_Body):
-    model: str | None = None
+    model: Annotated[str, Field(max_length=MAX_NAME_CHARS)] | None = None
     prompt: str
     return_token_strs: bool = False
 
 
 class TokenizeChatBody(_Body):
-    model: str | None = None
-    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    model: Annotated[str, Field(max_length=MAX_NAME_CHARS)] | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
     return_token_strs: bool = False
 
 
 class DetokenizeBody(_Body):
+    model: Annotated[str, Field(max_length=MAX_NAME_CHARS)] | None = None
+    tokens: list[Annotated[int, Field(ge=0, le=INT32_MAX)]]  # at most the prompt limit (checked with it)
+
+
+@dataclass
+class TokenCall:
+    """One /tokenize or /detokenize call, for its audit record: counts, never content."""
+
+    endpoint: str
+    request_id: str = field(default_factory=lambda: f"tok-{uuid.uuid4().hex}")
+    received_at: float = field(default_factory=time.time)
+    tenant: str | None = None
     model: str | None = None
-    tokens: list[Annotated[int, Field(ge=0, le=INT32_MAX)]]
+    num_tokens: int | None = None  # the ids /tokenize produced, or the ids /detokenize was sent
+
+    def record(self, outcome: Outcome, err: ApiError | None = None) -> AuditRecord:
+        return AuditRecord(
+            request_id=self.request_id, endpoint=self.endpoint, tenant=self.tenant, outcome=outcome,
+            received_at=self.received_at, finished_at=time.time(), http_status=err.status if err else None,
+            model=clip_optional(self.model), reason=err.reason if err else None,
+            rejected_by="frontend" if outcome == "rejected" else None, prompt_tokens=self.num_tokens)
+
+
+Handler = Callable[[bytes, AppState, Tenant, TokenCall], Awaitable[dict[str, Any]]]
 
 
 def add_tokenize_routes(app: FastAPI, state: AppState) -> None:
     @app.post("/tokenize", response_model=None)
     async def tokenize(request: Request) -> Response:
-        return await _answer(request, state, _tokenize)
+        return await _answer(request, state, TokenCall("/tokenize"), _tokenize)
 
     @app.post("/detokenize", response_model=None)
     async def detokenize(request: Request) -> Response:
-        return await _answer(request, state, _detokenize)
+        return await _answer(request, state, TokenCall("/detokenize"), _detokenize)
 
 
-async def _answer(request: Request, state: AppState, handler: Any) -> Response:
+async def _answer(request: Request, state: AppState, call: TokenCall, handler: Handler) -> Response:
     try:
-        tenant = state.keys.authenticate(request.headers.get("authorization"))
+        tenant = state.keys.authenticate(authorization_of(request.headers))
+        call.tenant = tenant.name
         require_json(request)
         data = await read_body(request, state.config.max_body_bytes, state.config.body_timeout_s)
         check_token_list_before_parsing(data, state.limits)
-        return JSONResponse(await handler(data, state, tenant))
+        result = await handler(data, state, tenant, call)
     except ApiError as err:
-        return errors.response(err)
+        return _refuse(state, call, err)
     except RequestRejected as exc:
-        return errors.response(errors.from_rejected(exc))
+        if isinstance(exc, ContextLengthExceeded):
+            call.num_tokens = exc.num_prompt_tokens
+        return _refuse(state, call, errors.from_rejected(exc))
+    except Exception:
+        logger.exception("%s %s failed", call.endpoint, call.request_id)
+        return _refuse(state, call, errors.internal_error())
+    if not state.audit.write(call.record("finished")):  # no answer without its audit line (I8)
+        return errors.response(errors.audit_unavailable(state.audit), call.request_id)
+    return JSONResponse(result, headers={errors.REQUEST_ID_HEADER: call.request_id})
 
 
-async def _tokenize(data: bytes, state: AppState, tenant: Tenant) -> dict[str, Any]:
+def _refuse(state: AppState, call: TokenCall, err: ApiError) -> Response:
+    """A refusal is answered as it is, whether or not its audit line could be written now."""
+    state.audit.write(call.record("rejected" if err.status < 500 else "error", err))
+    return errors.response(err, call.request_id)
+
+
+async def _tokenize(data: bytes, state: AppState, tenant: Tenant, call: TokenCall) -> dict[str, Any]:
     """A prompt that cannot fit the context is refused before tokenizing, as on the generation
     routes: tokenizing it would only let one tenant stall the tokenizer for every other."""
     body = _tokenize_body(data)
+    call.model = body.model
     _check_model(body.model, state)
     if isinstance(body, TokenizeChatBody):
+        check_template_text(body.messages, None, state.limits, state.prompts.max_token_chars)
         ids = await state.prompts.chat_ids([m.as_template_input() for m in body.messages], tenant.name,
                                            state.limits, may_truncate=False)
     else:
         ids = await state.prompts.completion_ids(body.prompt, tenant.name, state.limits, may_truncate=False)
+    call.num_tokens = len(ids)
     token_strs = state.prompts.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
     return {"count": len(ids), "max_model_len": state.engine_info.max_model_len, "tokens": ids,
             "token_strs": token_strs}
@@ -93,14 +150,28 @@ def _tokenize_body(data: bytes) -> TokenizeCompletionBody | TokenizeChatBody:
     return parse_body(TokenizeCompletionBody, data)
 
 
-async def _detokenize(data: bytes, state: AppState, tenant: Tenant) -> dict[str, Any]:
+async def _detokenize(data: bytes, state: AppState, tenant: Tenant, call: TokenCall) -> dict[str, Any]:
+    _check_num_ids(call, prescan_token_list(data, "tokens"), state.limits)  # before parsing a big body
     body = parse_body(DetokenizeBody, data)
+    call.model = body.model
+    _check_num_ids(call, len(body.tokens), state.limits)
     _check_model(body.model, state)
     vocab_size = state.engine_info.vocab_size
     bad = next((t for t in body.tokens if t >= vocab_size), None)
     if bad is not None:
         raise InvalidParameter(f"token id {bad} is outside the vocabulary [0, {vocab_size})", param="tokens")
     return {"prompt": await state.prompts.decode(body.tokens, tenant.name)}
+
+
+def _check_num_ids(call: TokenCall, num_ids: int | None, limits: AdmissionLimits) -> None:
+    """/detokenize takes at most as many ids as a prompt may have (`InvalidParameter`)."""
+    if num_ids is None:
+        return
+    call.num_tokens = num_ids
+    limit = limits.max_prompt_tokens
+    if num_ids > limit and not is_active(Fault.SKIP_DOOR_CHECKS):
+        raise InvalidParameter(f"tokens has {num_ids} token ids; /detokenize takes at most {limit}, the most a "
+                               f"prompt may have on this server. Send fewer ids per call.", param="tokens")
 
 
 def _check_model(model: str | None, state: AppState) -> None:

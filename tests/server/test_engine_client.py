@@ -7,6 +7,8 @@ and metrics.
   aborted in the engine.
 - An exception while routing, auditing or counting fails every in-flight request with an
   error, makes the client unavailable (/health 503) and is logged at CRITICAL.
+- An audit log that cannot be written is not such an exception: routing goes on, the request
+  whose line failed is withheld, and the engine stays available.
 """
 
 from __future__ import annotations
@@ -126,7 +128,7 @@ def test_a_failure_while_routing_fails_every_request_and_health(tmp_path: Path,
         first, second = _submit(state, "cmpl-1"), _submit(state, "cmpl-2")
         engine._pull.bind(engine._process.addresses.from_engine)
         receiving = asyncio.create_task(engine._receive_loop())
-        state.audit._file.close()  # type: ignore[union-attr]  # auditing now raises (think: disk gone)
+        state.metrics.ttft = None  # type: ignore[assignment]  # counting now raises (a frontend bug)
         push = zmq.Context.instance().socket(zmq.PUSH)
         push.connect(engine._process.addresses.from_engine)
         try:
@@ -149,3 +151,25 @@ def test_a_failure_while_routing_fails_every_request_and_health(tmp_path: Path,
         health = client.get("/health")
     assert health.status_code == 503 and health.json()["error"]["code"] == "engine_unavailable"
 
+
+def test_a_failing_audit_log_never_reaches_the_receive_loop(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        state = await _ready_state(tmp_path)
+        try:
+            (tmp_path / "audit.jsonl").unlink()
+            (tmp_path / "audit.jsonl").symlink_to("/dev/full")  # a full disk: every write fails (ENOSPC)
+            calls = [Call(state, "/v1/completions", f"cmpl-{i}") for i in (1, 2)]
+            for call in calls:
+                call.tenant = ALICE
+                params = params_to_msg(SamplingParams(max_tokens=4))
+                call.submit(AddRequestMsg(call.request_id, ALICE.name, ALICE.cache_namespace, [5, 6], params))
+            state.engine._receive(encode(OutputsMsg([_output("cmpl-1", "alice", finished=True)])))
+            state.engine._receive(encode(OutputsMsg([_output("cmpl-2", "alice", finished=True)])))
+            assert all(call.is_done and call.is_withheld for call in calls)
+            assert state.engine.is_available and state.engine.failure is None and state.engine.num_in_flight == 0
+            assert state.audit.failure is not None and "No space left on device" in state.audit.failure
+            assert state.audit.stats.num_pending == 2
+        finally:
+            _close(state)
+
+    asyncio.run(scenario())

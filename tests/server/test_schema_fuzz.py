@@ -23,7 +23,7 @@ schema = schemathesis.pytest.from_fixture("api_schema")
 
 @pytest.fixture
 def api_schema(server: ServerProcess) -> Any:
-    return schemathesis.openapi.from_url(f"{server.url}/openapi.json")
+    return schemathesis.openapi.from_url(f"{server.url}/openapi.json", headers=FUZZ_HEADERS)  # it needs a key
 
 
 @schema.parametrize()

@@ -1,0 +1,48 @@
+"""Bounds on body fields that depend on the engine's limits (the static ones are in `protocol`).
+
+The chat template renders more than the messages' contents: the tool definitions and the
+arguments of earlier tool calls. The prompt pre-check (`PromptEncoder.chat_ids`) counts only
+the contents, so these are bounded here, before the template or the tokenizer sees them: each
+may have at most as many characters (besides whitespace) as a whole prompt can hold, that is
+the prompt limit (I1) times the most characters one token covers. More could never fit in the
+context; refusing it up front keeps one request from holding the tokenizer thread, which
+every tenant shares.
+"""
+
+from __future__ import annotations
+
+import json
+
+from pydantic import BaseModel
+
+from kvseal._testing.faults import Fault, is_active
+from kvseal.admission import AdmissionLimits
+from kvseal.errors import InvalidParameter
+from kvseal.server.prompts import num_visible_chars
+from kvseal.server.protocol import ChatMessage, ToolDef
+
+
+def check_template_text(messages: list[ChatMessage], tools: list[ToolDef] | None, limits: AdmissionLimits,
+                        max_token_chars: int) -> None:
+    """Raise `InvalidParameter` when the tools, or the messages' tool-call arguments, have more
+    characters than a prompt can hold."""
+    if is_active(Fault.SKIP_DOOR_CHECKS):
+        return
+    limit = limits.max_prompt_tokens * max_token_chars
+    tools_chars = sum(num_visible_chars(_json_text(tool)) for tool in tools or [])
+    _require_within("tools", "the tool definitions (as JSON)", tools_chars, limit, limits)
+    arguments = (call.function.arguments for message in messages for call in message.tool_calls or [])
+    _require_within("messages", "the tool calls' arguments", sum(num_visible_chars(a) for a in arguments), limit,
+                    limits)
+
+
+def _json_text(tool: BaseModel) -> str:
+    return json.dumps(tool.model_dump(exclude_none=True))
+
+
+def _require_within(param: str, what: str, num_chars: int, limit: int, limits: AdmissionLimits) -> None:
+    if num_chars > limit:
+        raise InvalidParameter(
+            f"{what} have {num_chars} characters besides whitespace; the chat template renders them into the "
+            f"prompt, which may have at most {limits.max_prompt_tokens} tokens, at most {limit} such characters "
+            f"on this model. Send less.", param=param)
