@@ -46,7 +46,8 @@ def disagreements(pyproject_text: str, lock_text: str) -> list[str]:
     locked = _lock_entries(lock_text)
     problems = [f"{name} is in pyproject.toml, not in the lock" for name in sorted(set(wanted) - set(locked))]
     direct = {name for name, (_, via) in locked.items() if DIRECT in via}
-    problems += [f"{name} is locked as a direct dependency, not in pyproject.toml" for name in sorted(direct - set(wanted))]
+    problems += [f"{name} is locked as a direct dependency, not in pyproject.toml"
+                 for name in sorted(direct - set(wanted))]
     for name in sorted(set(wanted) & set(locked)):
         version = locked[name][0]
         if not wanted[name].specifier.contains(version, prereleases=True):
