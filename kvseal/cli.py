@@ -85,7 +85,8 @@ def _cmd_engine(ns: argparse.Namespace) -> int:
     from kvseal.disagg.engine_main import serve_engine
     from kvseal.disagg.node import node_config_from
 
-    return serve_engine(engine_args_from(ns), node_config_from(ns))
+    config = node_config_from(ns)  # its keys first: an engine without them never gets further
+    return serve_engine(engine_args_from(ns), config)
 
 
 def _cmd_keys_generate(ns: argparse.Namespace) -> int:
