@@ -105,6 +105,7 @@ class EngineLink:
     last_seen_s: float = 0.0
     is_up: bool = False
     num_assigned: int = 0
+    num_failed_handshakes: int = 0  # since the last one that succeeded (logged first, then every 100th)
 
     @property
     def name(self) -> str:
@@ -481,6 +482,7 @@ class PdClient:
                     logger.error("the %s engine at %s disconnected: marking it down", link.role, link.address)
                     self._engine_down(link, f"the {link.role} engine at {link.address} disconnected")
                 elif event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                    link.num_failed_handshakes = 0
                     self._try_send(link, HelloMsg(self._frontend_id))
                 elif event["event"] != zmq.EVENT_DISCONNECTED:
                     self._log_refused_handshake(link, event["event"])
@@ -489,13 +491,19 @@ class PdClient:
             monitor.close(linger=0)
 
     def _log_refused_handshake(self, link: EngineLink, event: int) -> None:
+        """ZMQ retries a failed handshake every ~100 ms (one its peer refused by ZAP, never):
+        the first failure is logged, then every 100th."""
+        link.num_failed_handshakes += 1
+        if link.num_failed_handshakes % 100 != 1:
+            return
         if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
             logger.error("the %s engine at %s refused this frontend's key %s: add it to that engine's "
-                         "--frontend-keys", link.role, link.address, self._link_key.public.decode())
+                         "--frontend-keys, then restart this frontend (ZMQ does not retry a refused key)",
+                         link.role, link.address, self._link_key.public.decode())
         else:
-            logger.error("the CURVE handshake with the %s engine at %s failed: does that engine prove the public "
-                         "key %s given for it (--%s-keys), and is it a kvseal engine?", link.role, link.address,
-                         link.public_key.decode(), link.role)
+            logger.error("the CURVE handshake with the %s engine at %s failed (%d times): does that engine prove the "
+                         "public key %s given for it (--%s-keys), and is it a kvseal engine?", link.role,
+                         link.address, link.num_failed_handshakes, link.public_key.decode(), link.role)
 
     def _engine_down(self, link: EngineLink, reason: str) -> None:
         """Fail every request that depends on `link` now; free what other engines hold for them."""

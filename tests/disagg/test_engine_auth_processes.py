@@ -17,13 +17,13 @@ from pathlib import Path
 
 import httpx
 import pytest
-from pd_servers import ENGINE_FLAGS, KEYS, PdCluster, PdEngine, Proc, assert_engines_clean
+from pd_servers import ENGINE_FLAGS, KEYS, PdCluster, PdEngine, PdFrontend, Proc, assert_engines_clean
 from processes import free_port, wait_for
 from rogue import Rogue
 from test_engine_auth import SECRET_PROMPT, frontend_msgs, probe
 
 from kvseal.cli import build_parser
-from kvseal.disagg.link_keys import KeyPair, load_public_keys
+from kvseal.disagg.link_keys import KeyPair, generate_keys, load_public_keys
 from kvseal.disagg.msgs import ReservedMsg
 from kvseal.disagg.serve import PdTopology, SpawnedEngines
 from kvseal.engine_args import engine_args_from
@@ -165,3 +165,21 @@ def test_an_engine_started_by_hand_logs_no_secret(pd_cluster: PdCluster) -> None
     for engine in (pd_cluster.prefill, pd_cluster.decode):
         secret = engine.keys.pair(engine.role).secret
         assert isinstance(engine, PdEngine) and secret.decode() not in engine.log()
+
+
+def test_a_frontend_whose_key_no_engine_lists_is_refused_and_says_so(pd_cluster: PdCluster, tmp_path: Path) -> None:
+    """An impostor `kvseal serve` (the right engines' addresses and public keys, its own key
+    pair) gets no engine: both refuse its handshake and count it, and its log names the fix."""
+    impostor_keys = tmp_path / "impostor"
+    generate_keys(impostor_keys, ["impostor"])
+    before = {role: refusals(pd_cluster, role, "handshake") for role in ("prefill", "decode")}
+    impostor = PdFrontend([pd_cluster.prefill], [pd_cluster.decode], pd_cluster.marker_dir, pd_cluster.workdir, KEYS,
+                          extra=["--link-key", str(impostor_keys / "impostor.key_secret")]).start()
+    try:
+        wait_for(lambda: impostor.log().count("refused this frontend's key") >= 2, "the impostor's log")
+        for role in ("prefill", "decode"):
+            wait_for(lambda r=role: refusals(pd_cluster, r, "handshake") > before[r], f"{role} to count it")
+        assert impostor.health() != 200
+    finally:
+        impostor.terminate()
+    pd_cluster.frontend.wait_healthy()  # the real frontend was never disturbed
