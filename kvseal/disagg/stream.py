@@ -190,13 +190,21 @@ def send_buffers(sock: socket.socket, buffers: list[bytes | memoryview]) -> None
 
 
 @dataclass
+class _Seal:
+    """A transfer's secret key (every record of it is sealed under it), and how many of its
+    records verified so far: the number the next one must carry."""
+
+    key: bytes = field(repr=False)
+    num_records: int = 0
+
+
+@dataclass
 class _Transfer:
     pages: list[int]
     runs: list[tuple[int, int, int]]  # page_runs(pages)
     start: int  # the first position it may write
     landing: Landing
-    key: bytes = field(repr=False)  # the transfer's secret: every record of it is sealed under it
-    num_records: int = 0  # records verified so far: the number the next one must carry
+    seal: _Seal
 
 
 @dataclass
@@ -220,6 +228,7 @@ class _Connection:
     block: _Block | None = None
     discard: int = 0  # payload bytes still to drop
     transfer_id: str | None = None  # the last transfer a header named on this stream
+    is_sealed: bool = False  # a record of it verified: its peer holds a transfer key
 
 
 class _StreamBroken(Exception):
@@ -246,8 +255,8 @@ class StreamReceiver(OneAddress):
         self._listener.setblocking(False)
         self._address = f"{host}:{self._listener.getsockname()[1]}"
         self._transfers: dict[str, _Transfer] = {}
-        # cancelled transfers, newest last: their late records are verified, then dropped
-        self._retired: OrderedDict[str, _Transfer] = OrderedDict()
+        # cancelled transfers' seals, newest last: their late records are verified, then dropped
+        self._retired: OrderedDict[str, _Seal] = OrderedDict()
         self._settled: set[str] = set()  # authorized transfers whose stream ended or broke
         self._connections: list[_Connection] = []
         self._scratch = bytearray(SCRATCH_BYTES)
@@ -256,7 +265,7 @@ class StreamReceiver(OneAddress):
     def authorize(self, transfer_id: str, pages: list[int], start: int = 0, *, key: bytes) -> None:
         check_pool_pages(self._pool, pages)
         self._transfers[transfer_id] = _Transfer(list(pages), page_runs(pages), start,
-                                                 Landing(start + len(pages) * self._pool.page_size), key)
+                                                 Landing(start + len(pages) * self._pool.page_size), _Seal(key))
 
     def landed(self, transfer_id: str) -> Landing | None:
         transfer = self._transfers.get(transfer_id)
@@ -281,7 +290,7 @@ class StreamReceiver(OneAddress):
     def cancel(self, transfer_id: str) -> bool:
         transfer = self._transfers.pop(transfer_id, None)
         if transfer is not None:
-            self._retire(transfer_id, transfer)
+            self._retire(transfer_id, transfer.seal)
         self._settled.discard(transfer_id)
         for conn in self._connections:  # the rest of a block on the wire is dropped, not landed
             block = conn.block
@@ -290,10 +299,10 @@ class StreamReceiver(OneAddress):
                 conn.block = None
         return True  # this receiver is the only writer: nothing of the transfer can land now
 
-    def _retire(self, transfer_id: str, transfer: _Transfer) -> None:
-        """Keep an ended transfer's key a while: a record of it still on the wire is verified
+    def _retire(self, transfer_id: str, seal: _Seal) -> None:
+        """Keep an ended transfer's seal a while: a record of it still on the wire is verified
         and dropped (the stream stays in step); one older than that closes the stream."""
-        self._retired[transfer_id] = transfer
+        self._retired[transfer_id] = seal
         while len(self._retired) > MAX_RETIRED:
             self._retired.popitem(last=False)
 
@@ -323,12 +332,22 @@ class StreamReceiver(OneAddress):
                 sock, _ = self._listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
-            if len(self._connections) >= MAX_CONNECTIONS:
+            if len(self._connections) >= MAX_CONNECTIONS and not self._evict_a_stranger():
                 logger.warning("refused a KV stream connection: %d open already", MAX_CONNECTIONS)
                 sock.close()
                 continue
             sock.setblocking(False)
             self._connections.append(_Connection(sock))
+
+    def _evict_a_stranger(self) -> bool:
+        """Make room by closing the oldest connection that has not sent one verified record (a
+        prefill sends one as soon as it connects): strangers cannot take every slot."""
+        stranger = next((conn for conn in self._connections if not conn.is_sealed), None)
+        if stranger is None:
+            return False
+        self.refusals["unsealed_connection"] += 1
+        self._close(stranger, "evicted: no verified record", refused=True)
+        return True
 
     def _close(self, conn: _Connection, why: str, refused: bool = False) -> None:
         """The stream ended: a block cut short never counts, and its transfer is settled (a
@@ -416,7 +435,7 @@ class StreamReceiver(OneAddress):
             self.refusals["bad_record"] += 1
             raise _StreamBroken(f"an undecodable KV stream header: {exc}", refused=True) from exc
         self._verify_tag(header.transfer_id, conn.prefix + encoded, tag)
-        conn.transfer_id = header.transfer_id
+        conn.transfer_id, conn.is_sealed = header.transfer_id, True
         if isinstance(header, KVStreamEndMsg):
             if conn.payload_bytes:
                 self.refusals["bad_record"] += 1
@@ -434,15 +453,16 @@ class StreamReceiver(OneAddress):
     def _verify_tag(self, transfer_id: str, head: bytearray, tag: bytearray) -> None:
         """Count the record as its transfer's next, or close the stream: a record proves it was
         sealed by someone holding the key of a live (or recently ended) transfer, at its place."""
-        transfer = self._transfers.get(transfer_id) or self._retired.get(transfer_id)
-        if transfer is not None and hmac.compare_digest(record_tag(transfer.key, transfer.num_records, head), tag):
-            transfer.num_records += 1
+        transfer = self._transfers.get(transfer_id)
+        seal = transfer.seal if transfer is not None else self._retired.get(transfer_id)
+        if seal is not None and hmac.compare_digest(record_tag(seal.key, seal.num_records, head), tag):
+            seal.num_records += 1
             return
         if is_active(Fault.SKIP_STREAM_TAG_CHECK):
             return
         self.refusals["bad_tag"] += 1
         raise _StreamBroken(f"a record for transfer {transfer_id[:64]!r} whose tag does not verify "
-                            f"({'no such transfer' if transfer is None else 'wrong key or place'})", refused=True)
+                            f"({'no such transfer' if seal is None else 'wrong key or place'})", refused=True)
 
     def _on_end(self, end: KVStreamEndMsg) -> None:
         transfer = self._transfers.get(end.transfer_id)

@@ -21,7 +21,16 @@ from test_handoff_faults import PROMPT, assert_refused_by_decode, rogue_commit
 
 from kvseal._testing.faults import Fault, inject
 from kvseal.disagg.msgs import KVBlockMsg, KVStreamEndMsg, StreamHeaderMsg, encode_stream_header
-from kvseal.disagg.stream import MAGIC, PREFIX, TAG_BYTES, StreamReceiver, StreamSender, sealed_record, split_address
+from kvseal.disagg.stream import (
+    MAGIC,
+    MAX_CONNECTIONS,
+    PREFIX,
+    TAG_BYTES,
+    StreamReceiver,
+    StreamSender,
+    sealed_record,
+    split_address,
+)
 from kvseal.disagg.transport import PushPlan, TransportError
 from kvseal.kvcache.pool import KVPool
 from kvseal.messages.msgs import AbortMsg
@@ -452,3 +461,22 @@ def positions_of(source: torch.Tensor, pages: list[int]) -> torch.Tensor:
     """[num_kv_heads, num_pages, page_size, head_dim] pages -> [num_kv_heads, positions, head_dim]"""
     part = source[:, torch.tensor(pages)]
     return part.reshape(part.shape[0], -1, part.shape[-1])
+
+
+def test_strangers_holding_every_connection_slot_do_not_lock_a_sender_out(receiver: StreamReceiver) -> None:
+    """Connections that never send a verified record are the ones closed to make room: a
+    stranger filling every slot cannot keep prefill's push out."""
+    strangers = [connect(receiver) for _ in range(MAX_CONNECTIONS)]
+    receiver.authorize("t-1", [0, 1], key=KEY)
+    sender = StreamSender()
+    try:
+        sender.push(plan("t-1", [0, 1], [8, 8], receiver.address, [0, 1]), make_pool())
+        take_in(receiver, lambda: receiver.settled("t-1"), "the push")
+    finally:
+        sender.close()
+        for sock in strangers:
+            sock.close()
+    landing = receiver.landed("t-1")
+    assert landing is not None and all(landing.covered_prefix(layer, kind) == 8 for layer in range(NUM_LAYERS)
+                                       for kind in "kv")
+    assert receiver.take_refusals() == {"unsealed_connection": 1}
