@@ -102,6 +102,16 @@ class Pair:
         sock.connect(f"tcp://{node.config.listen}")
         return sock
 
+    def close(self) -> None:
+        """Close every socket and context now (a context left to the garbage collector may
+        block a later send in its `term`)."""
+        for sock in (self.to_prefill, self.to_decode):
+            sock.close(0)
+        for node in (self.prefill, self.decode):
+            node.close()
+            node.ctx.term()
+        self.ctx.term()
+
     def pump_until(self, sock: zmq.Socket, accept: Callable[[PdMsg], bool]) -> PdMsg:
         deadline = time.monotonic() + PUMP_DEADLINE_S
         while time.monotonic() < deadline:
@@ -503,12 +513,15 @@ def measure_ttft(args: EngineArgs, loaded: Any, transport: str, prompt_len: int,
     prompt = [int(t) for t in torch.randint(100, loaded.config.vocab_size - 100, (prompt_len,),
                                             generator=torch.Generator().manual_seed(0))]
     colocated, pair = LLMEngine(args, loaded), Pair(args, loaded, transport)
-    ttft_colocated(colocated, prompt, -1)  # warm-up: first-use kernel setup on both paths
-    ttft_pd(pair, prompt)
-    colocated_s, pd_s = [], []
-    for n in range(repeats):
-        colocated_s.append(ttft_colocated(colocated, prompt, n))
-        pd_s.append(ttft_pd(pair, prompt))
+    try:
+        ttft_colocated(colocated, prompt, -1)  # warm-up: first-use kernel setup on both paths
+        ttft_pd(pair, prompt)
+        colocated_s, pd_s = [], []
+        for n in range(repeats):
+            colocated_s.append(ttft_colocated(colocated, prompt, n))
+            pd_s.append(ttft_pd(pair, prompt))
+    finally:
+        pair.close()
     return {"ttft_transport": transport, "ttft_colocated_s": colocated_s, "ttft_pd_s": pd_s,
             "ttft_pd_over_colocated": statistics.median(pd_s) / statistics.median(colocated_s)}
 

@@ -22,8 +22,9 @@ decode draws a secret transfer key, which travels only on authenticated links (`
 it, and NIXL arena tags are derived from it, so knowing a transfer id (it is in logs, and in
 every tcp-stream header in clear) is not enough to write a byte into decode's pages.
 
-Every message here travels on a CurveZMQ link whose peer proved its key (`link_auth.py`), and
-an engine acts on a message only if the sender's role may send it (frontend or peer engine).
+Every control message travels on a CurveZMQ link whose peer proved its key (`link_auth.py`),
+and an engine acts on a message only if the sender's role may send it (frontend or peer
+engine); tcp-stream's records (`StreamHeaderMsg`) prove the transfer key instead.
 """
 
 from __future__ import annotations
