@@ -18,6 +18,11 @@ On the default model (SmolLM2-135M-Instruct GGUF) unless --model is given:
    buffers, done when the receiver has the notification (no staging, no import); and against
    one in-process memcpy of those bytes.
 
+Every engine link is CURVE-authenticated (I9), as in production: the TTFT pair's engines prove
+their keys and accept only the bench's frontend key (and decode prefill's); the tcp transport's
+frames ride a CURVE link (encrypted), and the raw ZMQ loopback is reported both plain and over
+CURVE, so CURVE's own cost on the KV frames is visible; tcp-stream's records carry HMAC tags.
+
     python bench/pd.py                  # 2,048-token prompts, 3 repeats, tcp and nixl
     python bench/pd.py --repeats 5 --prompt-len 1024 --transports nixl
     python bench/pd.py --skip-ttft      # transfer throughput only
@@ -46,6 +51,8 @@ import torch
 import zmq
 
 from kvseal.config import EngineArgs
+from kvseal.disagg.link_auth import secure_client
+from kvseal.disagg.link_keys import EngineLinkKeys, KeyPair
 from kvseal.disagg.msgs import KVBlockMsg, PdMsg, PrefillMsg, ReservedMsg, ReserveMsg, decode, encode
 from kvseal.disagg.nixl import POLL_SLEEP_S, NixlReceiver, NixlSender, make_agent
 from kvseal.disagg.node import EngineNode, NodeConfig
@@ -76,21 +83,34 @@ class Pair:
     """A prefill and a decode engine in this process, and a frontend's two DEALERs."""
 
     def __init__(self, args: EngineArgs, loaded: Any, kv_transport: str = "tcp") -> None:
-        self.ctx = zmq.Context()
+        self.ctx = zmq.Context()  # the frontend's; each engine has its own (and its own ZAP handler)
         self.kv_transport = kv_transport
-        self.prefill = EngineNode(LLMEngine(args, loaded), NodeConfig("prefill", free_address(), kv_transport),
-                                  self.ctx)
+        self.frontend_key = frontend = KeyPair.ephemeral("bench-frontend")
+        prefill_key, decode_key = KeyPair.ephemeral("bench-prefill"), KeyPair.ephemeral("bench-decode")
+        self.prefill = EngineNode(LLMEngine(args, loaded), NodeConfig(
+            "prefill", free_address(), kv_transport, link_keys=EngineLinkKeys(prefill_key, (frontend.public_key(),))))
         # A 2,048-token prefill takes a minute on a loaded 2-core host: longer than the default timeout.
-        self.decode = EngineNode(LLMEngine(args, loaded), NodeConfig("decode", free_address(), kv_transport,
-                                                                     reservation_timeout_s=PUMP_DEADLINE_S),
-                                 self.ctx)
+        self.decode = EngineNode(LLMEngine(args, loaded), NodeConfig(
+            "decode", free_address(), kv_transport, reservation_timeout_s=PUMP_DEADLINE_S,
+            link_keys=EngineLinkKeys(decode_key, (frontend.public_key(),), (prefill_key.public_key(),))))
         self.to_prefill, self.to_decode = self._dealer(self.prefill), self._dealer(self.decode)
         self._ids = iter(range(10**9))
 
     def _dealer(self, node: EngineNode) -> zmq.Socket:
         sock = self.ctx.socket(zmq.DEALER)
+        secure_client(sock, self.frontend_key, node.config.link_keys.own.public)
         sock.connect(f"tcp://{node.config.listen}")
         return sock
+
+    def close(self) -> None:
+        """Close every socket and context now (a context left to the garbage collector may
+        block a later send in its `term`)."""
+        for sock in (self.to_prefill, self.to_decode):
+            sock.close(0)
+        for node in (self.prefill, self.decode):
+            node.close()
+            node.ctx.term()
+        self.ctx.term()
 
     def pump_until(self, sock: zmq.Socket, accept: Callable[[PdMsg], bool]) -> PdMsg:
         deadline = time.monotonic() + PUMP_DEADLINE_S
@@ -115,8 +135,9 @@ class Pair:
     def first_token(self, prompt: list[int]) -> None:
         r = self.reserve(prompt)
         self.to_prefill.send(encode(PrefillMsg(r.request_id, "bench", prompt, params_to_msg(PARAMS), r.transfer_id,
-                                               self.decode.config.listen, self.decode.instance_id, r.kv_address,
-                                               r.pages, namespace_of(r.request_id), r.num_cached_tokens)))
+                                               self.decode.config.listen, self.decode.config.link_keys.own.public,
+                                               self.decode.instance_id, r.kv_address, r.transfer_key, r.pages,
+                                               namespace_of(r.request_id), r.num_cached_tokens)))
         self.pump_until(self.to_decode, lambda m: isinstance(m, OutputsMsg) and any(
             o.request_id == r.request_id and o.new_token_ids for o in m.outputs))
 
@@ -146,14 +167,16 @@ PoolShape = tuple[int, int, int, int, int, str]  # layers, pages, page_size, kv_
 
 def decode_process(conn: Any, transport: str, shape: PoolShape) -> None:
     """Decode's receiver over its own pool, in its own process; serves commands from `conn`:
-    ("authorize", transfer id, pages, num positions) -> the transfer's KV address, then the time every layer's K
-    and V landed; ("raw_zmq", sizes) and ("raw_nixl", num bytes): the raw loopback receivers."""
+    ("authorize", transfer id, pages, num positions, key) -> the transfer's KV address, then the time every
+    layer's K and V landed; ("raw_zmq", sizes, curve) and ("raw_nixl", num bytes): the raw loopback receivers.
+    Its first answer is (its KV address, its CURVE public key): its ROUTER is a CURVE server, as decode's is."""
     torch.set_num_threads(1)
     num_layers, num_pages, page_size, num_kv_heads, head_dim, dtype = shape
     torch_dtype = getattr(torch, dtype.removeprefix("torch."))
     pool = KVPool(num_layers, num_pages, page_size, num_kv_heads, head_dim, torch_dtype)
     ctx = zmq.Context()
-    router = ctx.socket(zmq.ROUTER)
+    own = KeyPair.ephemeral("bench-decode")
+    router = curve_router(ctx, own)
     router.bind("tcp://127.0.0.1:0")
     address = endpoint(router).removeprefix("tcp://")
     receiver: KVReceiver
@@ -164,7 +187,7 @@ def decode_process(conn: Any, transport: str, shape: PoolShape) -> None:
     else:
         receiver = NixlReceiver(pool, f"bench-decode-{os.getpid()}", "127.0.0.1")
     raw_buffers: dict[int, bytearray] = {}  # the raw socket receiver's buffer, warm after the warm-up
-    conn.send(receiver.address)
+    conn.send((receiver.address, own.public))
     while True:
         command = conn.recv()
         if command[0] == "stop":
@@ -172,7 +195,7 @@ def decode_process(conn: Any, transport: str, shape: PoolShape) -> None:
         if command[0] == "authorize":
             conn.send(receive_transfer(conn, router, receiver, pool, *command[1:]))
         elif command[0] == "raw_zmq":
-            conn.send(raw_zmq_receive(conn, ctx, command[1]))
+            conn.send(raw_zmq_receive(conn, ctx, command[1], own if command[2] else None))
         elif command[0] == "raw_nixl":
             conn.send(raw_nixl_receive(conn, command[1]))
         elif command[0] == "raw_socket":
@@ -183,6 +206,14 @@ def decode_process(conn: Any, transport: str, shape: PoolShape) -> None:
     ctx.term()
 
 
+def curve_router(ctx: zmq.Context, own: KeyPair) -> zmq.Socket:
+    """A ROUTER that is a CURVE server proving `own` (no ZAP handler here: any client key may
+    finish the handshake; the per-message cost is what is measured)."""
+    router = ctx.socket(zmq.ROUTER)
+    router.curve_server, router.curve_secretkey, router.curve_publickey = True, own.secret, own.public
+    return router
+
+
 def endpoint(sock: zmq.Socket) -> str:
     raw = sock.getsockopt(zmq.LAST_ENDPOINT)
     assert isinstance(raw, bytes)
@@ -190,10 +221,10 @@ def endpoint(sock: zmq.Socket) -> str:
 
 
 def receive_transfer(conn: Any, router: zmq.Socket, receiver: KVReceiver, pool: KVPool, transfer_id: str,
-                     pages: list[int], num_positions: int) -> tuple[float, float]:
+                     pages: list[int], num_positions: int, key: bytes) -> tuple[float, float]:
     """What decode's engine loop does for a transfer, until every layer's K and V landed:
     (when, CPU seconds this process spent from the authorization on)."""
-    receiver.authorize(transfer_id, pages)
+    receiver.authorize(transfer_id, pages, key=key)
     conn.send(receiver.address_for(transfer_id))
     start_cpu_s, num_layers = time.process_time(), len(pool.k)
     expected_bytes = num_layers * 2 * len(pages) * pool.k[0][:, 0].numel() * pool.k[0].element_size()
@@ -225,8 +256,9 @@ def receive_transfer(conn: Any, router: zmq.Socket, receiver: KVReceiver, pool: 
     return done_s, cpu_s
 
 
-def raw_zmq_receive(conn: Any, ctx: zmq.Context, sizes: list[int]) -> tuple[float, float]:
-    router = ctx.socket(zmq.ROUTER)
+def raw_zmq_receive(conn: Any, ctx: zmq.Context, sizes: list[int], curve: KeyPair | None) -> tuple[float, float]:
+    """Frames over a bare ROUTER: plain ZMQ, or a CURVE server proving `curve`."""
+    router = ctx.socket(zmq.ROUTER) if curve is None else curve_router(ctx, curve)
     router.bind("tcp://127.0.0.1:0")
     conn.send(endpoint(router))
     router.recv_multipart()  # the sender's hello: connected
@@ -298,9 +330,10 @@ class TransferBench:
         self.process = multiprocessing.get_context("spawn").Process(target=decode_process,
                                                                     args=(child, transport, shape))
         self.process.start()
-        self.kv_address = self.conn.recv()
+        self.kv_address, self.decode_key = self.conn.recv()
         self.ctx = zmq.Context()
-        self.links = PeerLinks(self.ctx)
+        self.own = KeyPair.ephemeral("bench-prefill")
+        self.links = PeerLinks(self.ctx, self.own)
         self.sender: KVSender
         if transport == "tcp":
             self.sender = TcpSender(self.links)
@@ -319,11 +352,11 @@ class TransferBench:
     def transfer(self) -> tuple[float, float, int, tuple[float, float]]:
         """One push: (MiB/s until decode has it all, MiB/s until `push` returned, bytes, CPU
         seconds (prefill's process, decode's process))."""
-        transfer_id = f"bench-{next(self._ids)}"
-        self.conn.send(("authorize", transfer_id, self.dest_pages, self.num_positions))
+        transfer_id, key = f"bench-{next(self._ids)}", os.urandom(32)
+        self.conn.send(("authorize", transfer_id, self.dest_pages, self.num_positions, key))
         kv_address = self.conn.recv()  # the transfer's own address (NIXL's names its arena pages)
         plan = PushPlan(transfer_id, self.src_pages, [self.num_positions] * len(self.pool.k), kv_address,
-                        self.dest_pages)
+                        self.dest_pages, transfer_key=key, decode_key=self.decode_key)
         start, start_cpu_s = time.perf_counter(), time.process_time()
         num_bytes = self.sender.push(plan, self.pool)
         pushed_s = time.perf_counter() - start
@@ -340,14 +373,15 @@ class TransferBench:
             return self.raw_socket(sum(frame_sizes))
         return self.raw_nixl(sum(frame_sizes))
 
-    def other_raw(self, frame_sizes: list[int]) -> tuple[str, float] | None:
-        """The TCP transports' other raw loopback (tcp: the bare socket; tcp-stream: bare ZMQ),
-        reported beside the target's ratio so the two data paths compare on both."""
+    def other_raw(self, frame_sizes: list[int]) -> list[tuple[str, float]]:
+        """The TCP transports' other raw loopbacks (tcp: the bare socket; tcp-stream: bare ZMQ;
+        both: ZMQ over CURVE, the tcp transport's link), reported beside the target's ratio so
+        the two data paths compare on each."""
         if self.transport == "tcp":
-            return "socket", self.raw_socket(sum(frame_sizes))[0]
+            return [("socket", self.raw_socket(sum(frame_sizes))[0]), ("zmq_curve", self.raw_zmq(frame_sizes, True)[0])]
         if self.transport == "tcp-stream":
-            return "zmq", self.raw_zmq(frame_sizes)[0]
-        return None
+            return [("zmq", self.raw_zmq(frame_sizes)[0]), ("zmq_curve", self.raw_zmq(frame_sizes, True)[0])]
+        return []
 
     def raw_socket(self, num_bytes: int) -> tuple[float, tuple[float, float]]:
         """One `sendall` of `num_bytes` over a bare loopback TCP connection into the child's one
@@ -365,11 +399,14 @@ class TransferBench:
         sock.close()
         return num_bytes / (done_s - start) / MiB, cpu
 
-    def raw_zmq(self, sizes: list[int]) -> tuple[float, tuple[float, float]]:
-        """Frames of the same sizes over a bare DEALER->ROUTER pair, received in full by the child;
-        timed on the connection's second round (see `raw_socket_receive`)."""
-        self.conn.send(("raw_zmq", sizes))
+    def raw_zmq(self, sizes: list[int], curve: bool = False) -> tuple[float, tuple[float, float]]:
+        """Frames of the same sizes over a bare DEALER->ROUTER pair (plain, or over CURVE),
+        received in full by the child; timed on the connection's second round (see
+        `raw_socket_receive`)."""
+        self.conn.send(("raw_zmq", sizes, curve))
         dealer = self.ctx.socket(zmq.DEALER)
+        if curve:
+            secure_client(dealer, self.own, self.decode_key)
         dealer.connect(self.conn.recv())
         dealer.send(b"hello")
         frames = [torch.empty(n, dtype=torch.uint8).random_().numpy().data for n in sizes]
@@ -476,12 +513,15 @@ def measure_ttft(args: EngineArgs, loaded: Any, transport: str, prompt_len: int,
     prompt = [int(t) for t in torch.randint(100, loaded.config.vocab_size - 100, (prompt_len,),
                                             generator=torch.Generator().manual_seed(0))]
     colocated, pair = LLMEngine(args, loaded), Pair(args, loaded, transport)
-    ttft_colocated(colocated, prompt, -1)  # warm-up: first-use kernel setup on both paths
-    ttft_pd(pair, prompt)
-    colocated_s, pd_s = [], []
-    for n in range(repeats):
-        colocated_s.append(ttft_colocated(colocated, prompt, n))
-        pd_s.append(ttft_pd(pair, prompt))
+    try:
+        ttft_colocated(colocated, prompt, -1)  # warm-up: first-use kernel setup on both paths
+        ttft_pd(pair, prompt)
+        colocated_s, pd_s = [], []
+        for n in range(repeats):
+            colocated_s.append(ttft_colocated(colocated, prompt, n))
+            pd_s.append(ttft_pd(pair, prompt))
+    finally:
+        pair.close()
     return {"ttft_transport": transport, "ttft_colocated_s": colocated_s, "ttft_pd_s": pd_s,
             "ttft_pd_over_colocated": statistics.median(pd_s) / statistics.median(colocated_s)}
 
@@ -504,7 +544,7 @@ def measure_transfers(args: EngineArgs, loaded: Any, transports: list[str], prom
         raws: dict[str, list[float]] = {t: [] for t in transports}
         cpu: dict[str, list[tuple[float, float]]] = {t: [] for t in transports}
         raw_cpu: dict[str, list[tuple[float, float]]] = {t: [] for t in transports}
-        others: dict[str, tuple[str, list[float]]] = {}  # the TCP transports' other raw loopback
+        others: dict[str, dict[str, list[float]]] = {t: {} for t in transports}  # other raw loopbacks
         copy = []
         for _ in range(repeats):
             for t, bench in benches.items():
@@ -515,9 +555,8 @@ def measure_transfers(args: EngineArgs, loaded: Any, transports: list[str], prom
                 raw_rate, raw_used = bench.raw(bench.frame_sizes())
                 raws[t].append(raw_rate)
                 raw_cpu[t].append(raw_used)
-                other = bench.other_raw(bench.frame_sizes())
-                if other is not None:
-                    others.setdefault(t, (other[0], []))[1].append(other[1])
+                for kind, other_rate in bench.other_raw(bench.frame_sizes()):
+                    others[t].setdefault(kind, []).append(other_rate)
             copy.append(memcpy_rate(num_bytes))
     finally:
         for bench in benches.values():
@@ -530,8 +569,7 @@ def measure_transfers(args: EngineArgs, loaded: Any, transports: list[str], prom
                        f"{t}_over_raw_loopback": statistics.median(rates[t]) / statistics.median(raws[t]),
                        # CPU seconds per copy: (prefill's process, decode's process)
                        f"{t}_transport_cpu_s": cpu[t], f"{t}_raw_loopback_cpu_s": raw_cpu[t]})
-        if t in others:  # tcp against the bare socket too, tcp-stream against bare ZMQ too
-            kind, other_rates = others[t]
+        for kind, other_rates in others[t].items():  # tcp against the bare socket, tcp-stream against ZMQ, ...
             other_ratios = [r / raw for r, raw in zip(rates[t], other_rates)]
             result.update({f"{t}_raw_{kind}_mib_s": other_rates, f"{t}_ratio_to_raw_{kind}_per_repeat": other_ratios,
                            f"{t}_median_ratio_to_raw_{kind}": statistics.median(other_ratios)})

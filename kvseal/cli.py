@@ -1,4 +1,4 @@
-"""`kvseal` command line: generate, plan, serve, bench, canary."""
+"""`kvseal` command line: generate, plan, serve, engine, keys, bench, canary."""
 
 from __future__ import annotations
 
@@ -85,7 +85,27 @@ def _cmd_engine(ns: argparse.Namespace) -> int:
     from kvseal.disagg.engine_main import serve_engine
     from kvseal.disagg.node import node_config_from
 
-    return serve_engine(engine_args_from(ns), node_config_from(ns))
+    config = node_config_from(ns)  # its keys first: an engine without them never gets further
+    return serve_engine(engine_args_from(ns), config)
+
+
+def _cmd_keys_generate(ns: argparse.Namespace) -> int:
+    from kvseal.disagg.link_keys import generate_keys
+
+    for public, secret in generate_keys(ns.dir, ns.names):
+        print(f"{public}  (public: give it to whoever must accept this key)")
+        print(f"{secret}  (secret, mode 0600: only this key's own process reads it)")
+    return 0
+
+
+def _add_keys_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    keys = sub.add_parser("keys", help="CURVE keys of the PD engine links (every link is authenticated)")
+    keys_sub = keys.add_subparsers(dest="keys_command", required=True)
+    generate = keys_sub.add_parser("generate", help="write NAME.key (public) and NAME.key_secret (0600) per name")
+    generate.add_argument("--dir", required=True, help="where to write them (made with mode 0700 if missing)")
+    generate.add_argument("names", nargs="+", metavar="NAME",
+                          help="one key pair per name, e.g. frontend prefill-0 decode-0")
+    generate.set_defaults(func=_cmd_keys_generate)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -126,6 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_arguments(engine, with_threads=False)
     add_engine_node_arguments(engine)  # its --threads sets both the node's and EngineArgs' threads
     engine.set_defaults(func=_cmd_engine)
+
+    _add_keys_parser(sub)
 
     add_bench_parser(sub)
 

@@ -41,6 +41,19 @@ class Fault(enum.Enum):
     # renders besides the messages), the refusal of two Authorization headers, and the key on
     # /openapi.json, so a test can show that each of their tests notices.
     SKIP_DOOR_CHECKS = "skip_door_checks"
+    # An engine's link authentication is off (I9): its ZAP handler lets any CURVE key finish the
+    # handshake, and a key on neither allow-list acts as a frontend (the world before I9), so a
+    # test can show that a stranger's reservation then reads the cached-token count of another
+    # tenant's prompt, and that the allow-list is what stops it.
+    OPEN_ENGINE_LINKS = "open_engine_links"
+    # An engine acts on every message of an authenticated peer whatever its role may send (a
+    # prefill engine's key could reserve, read stats or shut decode down), so a test can show
+    # that the per-message role check is what refuses them.
+    SKIP_LINK_ROLE_CHECK = "skip_link_role_check"
+    # Decode's tcp-stream receiver takes a record's header without checking its HMAC tag, so a
+    # test can show that a stranger who knows a transfer id then lands bytes in decode's pages,
+    # and that the tag check is what stops it.
+    SKIP_STREAM_TAG_CHECK = "skip_stream_tag_check"
 
 
 _active: set[Fault] = set()

@@ -25,6 +25,15 @@ def add_engine_node_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=None, metavar="N",
                         help="CPU threads torch uses in this engine (default: torch's own, one per core); "
                              "engines that share a host should split its cores between them")
+    parser.add_argument("--link-key", default=None, metavar="FILE",
+                        help="required: this engine's CURVE key pair (NAME.key_secret, mode 0600), from "
+                             "`kvseal keys generate`; every link to it is authenticated, loopback too")
+    parser.add_argument("--frontend-keys", default=None, metavar="PATH[,PATH...]",
+                        help="required: public keys (NAME.key files, or folders of them) of the frontends "
+                             "allowed to use this engine; no other key completes a handshake")
+    parser.add_argument("--peer-keys", default=None, metavar="PATH[,PATH...]",
+                        help="decode (required there): public keys of the prefill engines allowed to send it "
+                             "KV, commits and transfer aborts (nothing else)")
 
 
 def add_pd_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -39,6 +48,16 @@ def add_pd_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --pd: how prompt KV moves from prefill to decode")
     parser.add_argument("--reservation-timeout-s", type=float, default=DEFAULT_RESERVATION_TIMEOUT_S,
                         help="with --pd: decode releases a reservation that saw no commit after this long")
+    parser.add_argument("--link-key", default=None, metavar="FILE",
+                        help="with --prefill/--decode (required): the frontend's CURVE key pair "
+                             "(NAME.key_secret, mode 0600), whose public key the engines list in --frontend-keys; "
+                             "--pd makes throw-away keys for itself and its engines")
+    parser.add_argument("--prefill-keys", default=None, metavar="FILE[,FILE...]",
+                        help="with --prefill (required): each prefill engine's public key file, in the order "
+                             "of the addresses")
+    parser.add_argument("--decode-keys", default=None, metavar="FILE[,FILE...]",
+                        help="with --decode (required): each decode engine's public key file, in the order of "
+                             "the addresses")
     parser.add_argument("--pd-threads", default="auto", metavar="PREFILL,DECODE",
                         help="with --pd: CPU threads of the prefill and the decode engine; auto (the default) "
                              "splits this process's cores between them, prefill taking the odd one, at least "

@@ -109,7 +109,8 @@ class DecodeSteps:
         for r in placed:
             kv_address = self.receiver.address_for(r.transfer_id)
             self.replies.send(r.frontend, ReservedMsg(r.request_id, r.tenant, r.transfer_id, list(r.pages),
-                                                      self.engine.kv.page_size, kv_address, r.num_cached_tokens))
+                                                      self.engine.kv.page_size, kv_address, r.transfer_key,
+                                                      r.num_cached_tokens))
         return bool(placed)
 
     # ---- step 3: KV lands -------------------------------------------------------------

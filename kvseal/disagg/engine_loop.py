@@ -4,7 +4,9 @@ One iteration: read every waiting frame from the ROUTER (liveness and shutdown h
 rest to the role's `handle`), run one engine step if anything is unfinished and give its
 outputs to the role, let the role check its deadlines, and send stats to the frontends
 that asked (`HelloMsg`) when something changed. An undecodable frame is dropped and logged;
-it never reaches the engine.
+it never reaches the engine. Every frame comes from a peer whose key the ROUTER's CURVE
+handshake accepted; a message its sender's role may not send is dropped, logged and counted
+(`LinkGuard.allows`, I9) before anything reads its fields.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import logging
 import msgspec
 import zmq
 
+from kvseal.disagg.link_auth import LinkGuard
 from kvseal.disagg.msgs import (
     EngineInfoMsg,
     HelloMsg,
@@ -38,8 +41,9 @@ RECEIVING_POLL_MS = 2
 
 class PdEngineLoop:
     def __init__(self, engine: LLMEngine, steps: RoleSteps, router: zmq.Socket, replies: Replies,
-                 info: EngineInfoMsg) -> None:
+                 info: EngineInfoMsg, guard: LinkGuard) -> None:
         self.engine = engine
+        self.guard = guard
         self.steps = steps
         self.router = router
         self.replies = replies
@@ -93,11 +97,14 @@ class PdEngineLoop:
             logger.error("dropping a message of %d frames", len(frames))
             return False
         sender, payload = frames[0].bytes, [frame.buffer for frame in frames[2:]]
+        identity = self.guard.identify(frames[1])
         try:
             msg = decode(frames[1].bytes)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            logger.error("dropping an undecodable message: %s", exc)
+            logger.error("dropping an undecodable message from %s: %s", identity or "an unknown key", exc)
             return False
+        if not self.guard.allows(identity, msg):
+            return True  # refused and counted: the stats changed
         return self._dispatch(sender, msg, payload)
 
     def _dispatch(self, sender: bytes, msg: PdMsg, payload: list[memoryview]) -> bool:
@@ -128,6 +135,8 @@ class PdEngineLoop:
             num_transfers=c.num_transfers, num_transfer_bytes=c.num_transfer_bytes,
             transfer_s_total=c.transfer_s_total, handoff_failures=dict(c.failures),
             num_reservations_expired=c.num_reservations_expired,
+            num_refused_handshakes=self.guard.num_refused_handshakes,
+            num_refused_messages=self.guard.num_refused_messages,
         )
 
     def _broadcast_stats(self) -> None:

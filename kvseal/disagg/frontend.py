@@ -14,6 +14,10 @@ engine silent for `DEAD_AFTER_S` is down: its requests fail at once (a decode en
 reservation), and `/health` answers 503 while a role has no engine up. An engine that answers
 again, restarted at the same address or not, is used again without restarting the frontend.
 
+Authentication (I9): every DEALER is a CURVE client proving the frontend's `--link-key` and
+accepting only an engine that proves the public key configured for its address; a failed
+handshake is logged with what to check, and the engine stays down.
+
 Load and pool state: every engine reports `PdStatsMsg` (after changes and in answer to each
 `HelloMsg`); `on_load` gets the sum over the engines that are up, in the colocated engine's
 `EngineStatsMsg` shape, so `/metrics`' `kvseal_kv_pages_used`/`_free` and the request gauges
@@ -38,6 +42,8 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
+from kvseal.disagg.link_auth import secure_client
+from kvseal.disagg.link_keys import EngineEndpoint, KeyPair
 from kvseal.disagg.msgs import (
     EngineInfoMsg,
     HelloMsg,
@@ -92,12 +98,14 @@ class EngineLink:
 
     role: Role
     address: str
+    public_key: bytes  # the CURVE key the engine proves (prefill's link to decode checks it too)
     socket: zmq.asyncio.Socket
     info: EngineInfoMsg | None = None
     stats: PdStatsMsg | None = None
     last_seen_s: float = 0.0
     is_up: bool = False
     num_assigned: int = 0
+    num_failed_handshakes: int = 0  # since the last one that succeeded (logged first, then every 100th)
 
     @property
     def name(self) -> str:
@@ -145,10 +153,11 @@ def scrub_policy(infos: list[EngineInfoMsg]) -> str:
 
 
 class PdClient:
-    def __init__(self, prefill: list[str], decode: list[str], tokenizer_path: str,
-                 on_stats: Callable[[EngineLink], None] = lambda link: None) -> None:
+    def __init__(self, prefill: list[EngineEndpoint], decode: list[EngineEndpoint], tokenizer_path: str,
+                 link_key: KeyPair, on_stats: Callable[[EngineLink], None] = lambda link: None) -> None:
         self._ctx = zmq.asyncio.Context()
         self._frontend_id = secrets.token_hex(4)
+        self._link_key = link_key
         self.links = [self._link("prefill", a) for a in prefill] + [self._link("decode", a) for a in decode]
         self._tokenizer_path = tokenizer_path
         self._on_stats = on_stats
@@ -165,12 +174,13 @@ class PdClient:
         self.on_load: Callable[[EngineStatsMsg], None] | None = None
         self._pages_scrubbed = CumulativeTotal()  # over engine instances (a restart is a new one)
 
-    def _link(self, role: Role, address: str) -> EngineLink:
+    def _link(self, role: Role, engine: EngineEndpoint) -> EngineLink:
         socket = self._ctx.socket(zmq.DEALER)
         socket.setsockopt(zmq.IMMEDIATE, 1)
         socket.setsockopt(zmq.LINGER, 0)
-        socket.connect(tcp_endpoint(address))
-        return EngineLink(role, address, socket)
+        secure_client(socket, self._link_key, engine.public_key)
+        socket.connect(tcp_endpoint(engine.address))
+        return EngineLink(role, engine.address, engine.public_key, socket)
 
     # ---- the EngineClient interface -------------------------------------------------------
 
@@ -205,7 +215,9 @@ class PdClient:
             if time.monotonic() > deadline:
                 missing = [link.address for link in self.links if link.info is None]
                 raise ConfigError(f"no answer within {timeout_s:g} s from the engines at {', '.join(missing)}; "
-                                  f"start them with `kvseal engine --role ... --listen HOST:PORT`")
+                                  f"start them with `kvseal engine --role ... --listen HOST:PORT`, and check the "
+                                  f"keys: each engine's --frontend-keys must list this frontend's public key, and "
+                                  f"--prefill-keys/--decode-keys must be the engines' own public keys")
             await asyncio.sleep(0.05)
         self._ready = self._ready_msg()
         return self._ready
@@ -367,8 +379,8 @@ class PdClient:
             prefill = self._pick("prefill")
             p = route.msg
             prefill.send(PrefillMsg(p.request_id, p.tenant, p.prompt_token_ids, p.params, msg.transfer_id,
-                                    link.address, link.name, msg.kv_address, msg.pages, p.cache_namespace,
-                                    msg.num_cached_tokens))
+                                    link.address, link.public_key, link.name, msg.kv_address, msg.transfer_key,
+                                    msg.pages, p.cache_namespace, msg.num_cached_tokens))
         except EngineUnavailable as exc:
             self._try_send(link, AbortMsg(msg.request_id, msg.tenant, str(exc)))
             self._end(route, EngineGone(str(exc)))
@@ -457,19 +469,41 @@ class PdClient:
             await asyncio.sleep(HEARTBEAT_S)
 
     async def _watch_connection(self, link: EngineLink) -> None:
-        """A disconnect (the engine process died or closed) marks the engine down at once."""
-        monitor = link.socket.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        """A disconnect (the engine process died or closed) marks the engine down at once; a
+        completed handshake says hello at once; a failed one is logged with what to check."""
+        monitor = link.socket.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
+                                                 | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+                                                 | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                                                 | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
         try:
             while True:
                 event = parse_monitor_message(await monitor.recv_multipart())
                 if event["event"] == zmq.EVENT_DISCONNECTED and link.is_up:
                     logger.error("the %s engine at %s disconnected: marking it down", link.role, link.address)
                     self._engine_down(link, f"the {link.role} engine at {link.address} disconnected")
-                elif event["event"] == zmq.EVENT_CONNECTED:
+                elif event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                    link.num_failed_handshakes = 0
                     self._try_send(link, HelloMsg(self._frontend_id))
+                elif event["event"] != zmq.EVENT_DISCONNECTED:
+                    self._log_refused_handshake(link, event["event"])
         finally:
             link.socket.disable_monitor()
             monitor.close(linger=0)
+
+    def _log_refused_handshake(self, link: EngineLink, event: int) -> None:
+        """ZMQ retries a failed handshake every ~100 ms (one its peer refused by ZAP, never):
+        the first failure is logged, then every 100th."""
+        link.num_failed_handshakes += 1
+        if link.num_failed_handshakes % 100 != 1:
+            return
+        if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+            logger.error("the %s engine at %s refused this frontend's key %s: add it to that engine's "
+                         "--frontend-keys, then restart this frontend (ZMQ does not retry a refused key)",
+                         link.role, link.address, self._link_key.public.decode())
+        else:
+            logger.error("the CURVE handshake with the %s engine at %s failed (%d times): does that engine prove the "
+                         "public key %s given for it (--%s-keys), and is it a kvseal engine?", link.role,
+                         link.address, link.num_failed_handshakes, link.public_key.decode(), link.role)
 
     def _engine_down(self, link: EngineLink, reason: str) -> None:
         """Fail every request that depends on `link` now; free what other engines hold for them."""

@@ -16,7 +16,15 @@ The handoff, in order:
     decode   -> frontend  OutputsMsg (first token only after verification) | RequestRejectedMsg
 
 A transfer id is decode's random capability for one reservation: decode accepts KV, commits
-and aborts only under a live reservation's id, and only for the pages it reserved.
+and aborts only under a live reservation's id, and only for the pages it reserved. Beside it
+decode draws a secret transfer key, which travels only on authenticated links (`ReservedMsg`,
+`PrefillMsg`) and never on the KV data path: each tcp-stream record carries an HMAC tag under
+it, and NIXL arena tags are derived from it, so knowing a transfer id (it is in logs, and in
+every tcp-stream header in clear) is not enough to write a byte into decode's pages.
+
+Every control message travels on a CurveZMQ link whose peer proved its key (`link_auth.py`),
+and an engine acts on a message only if the sender's role may send it (frontend or peer
+engine); tcp-stream's records (`StreamHeaderMsg`) prove the transfer key instead.
 """
 
 from __future__ import annotations
@@ -91,6 +99,9 @@ class PdStatsMsg(_Msg, frozen=True):
     transfer_s_total: float
     handoff_failures: dict[str, int]
     num_reservations_expired: int
+    # I9: handshakes from keys on no allow-list, and messages a sender's role may not send
+    num_refused_handshakes: int
+    num_refused_messages: int
 
 
 class IntegrityCheckMsg(_Msg, frozen=True):
@@ -133,6 +144,7 @@ class ReservedMsg(_Msg, frozen=True):
     pages: list[int]  # decode's pages, in position order (cached ones first)
     page_size: int
     kv_address: str  # where the transport delivers KV for this decode engine
+    transfer_key: bytes  # the transfer's secret (32 random bytes): authenticates its KV records
     # Positions [0, num_cached_tokens) are read-only pages of decode's prefix cache (a hit in the
     # request's namespace; page-aligned): nothing may be written there, the transfer starts here.
     num_cached_tokens: int = 0
@@ -161,8 +173,10 @@ class PrefillMsg(_Msg, frozen=True):
     params: SamplingParamsMsg
     transfer_id: str
     decode_address: str  # decode's control address (commit / abort go there)
+    decode_public_key: bytes  # the CURVE key decode must prove on that link (z85)
     decode_engine: str  # decode's instance id, for the audit trail
     kv_address: str
+    transfer_key: bytes  # `ReservedMsg.transfer_key`: prefill seals its KV records with it
     pages: list[int]  # decode's reserved pages, in position order
     cache_namespace: str  # the authenticated tenant's namespace (I5): prefill's own prefix cache
     num_cached_tokens: int = 0  # decode already holds [0, this): push from here on (ReservedMsg)

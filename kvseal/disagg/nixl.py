@@ -14,7 +14,8 @@ form few runs (its own memory: it never sends its agent metadata to anyone, so n
 key to it); when they are scattered it first gathers them into a registered staging buffer
 (NIXL's per-descriptor cost on one-page descriptors is far above the gather's). Each layer's
 last, partial page is always staged with zeros past what was written (no stale bytes leave
-the pool), and every arena page written carries the transfer id as its tag. One push is a few
+the pool), and every arena page written carries the transfer's tag (its id and an HMAC of it
+under the transfer's secret key, `tag_of`). One push is a few
 WRITEs, one per group of layers, each naming what it wrote (`NixlLandedMsg`) in its
 notification, which NIXL delivers only after every write of that WRITE landed: decode copies
 one group from the arena into its pages while the next group is still on the wire. Each group
@@ -39,11 +40,21 @@ Everything needed to reach a decode engine travels in the transfer's `kv_address
 (`nixl:` + base64 of `NixlPeerMsg`: agent metadata, arena address and layout, the transfer's
 arena pages), so a restarted decode engine (a new agent) is reached through the address its
 reservations name.
+
+Authentication (I9): that metadata exchange runs over the authenticated control links only
+(`ReservedMsg` to the frontend, `PrefillMsg` to prefill, both CURVE), and nixl's own metadata
+listener (`enable_listen_thread`) stays off. What NIXL does listen on is UCX's: each agent's
+UCX worker opens a TCP listener on an ephemeral port (on loopback only for a loopback
+`--listen`, see `make_agent`), without authentication of its own; within one host UCX moves
+the bytes with CMA. A peer that learned decode's metadata could therefore WRITE into decode's
+arena, never its pool: decode copies an arena page into a reservation only if it carries the
+transfer's keyed tag, which only a holder of the transfer key can make.
 """
 
 from __future__ import annotations
 
 import base64
+import hmac
 import ipaddress
 import logging
 import os
@@ -79,7 +90,8 @@ logger = logging.getLogger("kvseal.disagg")
 
 NAME = "nixl"
 ADDRESS_PREFIX = "nixl:"
-TAG_BYTES = 64  # per arena page: the transfer id that wrote it (also keeps the body 64-byte aligned)
+TAG_BYTES = 64  # per arena page: the transfer that wrote it, keyed (also keeps the body 64-byte aligned)
+TAG_DOMAIN = b"kvseal/nixl-arena-tag/v1\0"
 PUSH_TIMEOUT_S = 30.0  # past this, prefill drops the connection to a peer whose WRITE is not terminal
 NUM_PARTS = 4  # WRITEs per push (groups of layers): decode copies one while the next lands
 # A push reads prefill's pool in place when its full pages, joint with decode's arena pages,
@@ -212,9 +224,13 @@ def part_sizes(num_layers: int, num_parts: int) -> list[int]:
     return sizes
 
 
-def tag_of(transfer_id: str) -> torch.Tensor:
-    raw = transfer_id.encode()[:TAG_BYTES].ljust(TAG_BYTES, b"\0")
-    return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+def tag_of(transfer_id: str, key: bytes) -> torch.Tensor:
+    """An arena page's tag for a transfer: its id, then an HMAC of the id under the transfer's
+    secret key (I9), so only who holds the key (it travels on authenticated links only) can
+    make decode take an arena page in."""
+    name = transfer_id.encode()[:TAG_BYTES // 2].ljust(TAG_BYTES // 2, b"\0")
+    proof = hmac.digest(key, TAG_DOMAIN + transfer_id.encode(), "sha256")[:TAG_BYTES // 2]
+    return torch.frombuffer(bytearray(name + proof), dtype=torch.uint8)
 
 
 def make_agent(name: str, listen_host: str) -> Any:
@@ -287,6 +303,7 @@ class NixlReceiver:
                                  pool.num_pages, self._layout.key)
         self._pages: dict[str, list[int]] = {}  # authorized transfers -> their pages, position order
         self._starts: dict[str, int] = {}  # authorized transfers -> the first position they may write
+        self._tags_of: dict[str, torch.Tensor] = {}  # authorized transfers -> their arena pages' tag
         self._arena_pages: dict[str, list[int]] = {}  # until confirmed over -> arena pages, parallel to pages
         self._landed: dict[str, Landing] = {}
         self._parts: dict[str, set[int]] = {}  # the parts whose notification arrived
@@ -309,7 +326,7 @@ class NixlReceiver:
         first_page = self._starts[transfer_id] // self._pool.page_size
         return encode_address(msgspec.structs.replace(self._peer, first_page=first_page, arena_runs=runs))
 
-    def authorize(self, transfer_id: str, pages: list[int], start: int = 0) -> None:
+    def authorize(self, transfer_id: str, pages: list[int], start: int = 0, *, key: bytes) -> None:
         old = self._arena_pages.pop(transfer_id, None)
         if old is not None:  # authorized again (a test's changed start): a fresh mapping
             self._free.give_back(old)
@@ -318,6 +335,7 @@ class NixlReceiver:
         self._arena_pages[transfer_id] = arena
         self._pages[transfer_id] = list(pages)
         self._starts[transfer_id] = start  # [0, start): decode's cache hit, never imported into
+        self._tags_of[transfer_id] = tag_of(transfer_id, key)
         self._landed[transfer_id] = Landing(start + len(pages) * self._pool.page_size)
 
     def progress(self) -> None:
@@ -352,6 +370,7 @@ class NixlReceiver:
         self._poll()
         self._pages.pop(transfer_id, None)  # from now on nothing of it is imported
         self._starts.pop(transfer_id, None)
+        self._tags_of.pop(transfer_id, None)
         self._landed.pop(transfer_id, None)
         first_s = self._cancelling.setdefault(transfer_id, time.monotonic())
         confirmed = transfer_id in self._notified or transfer_id in self._finished
@@ -439,7 +458,7 @@ class NixlReceiver:
 
     def _tagged(self, arena_pages: list[int], transfer_id: str) -> Callable[[], bool]:
         """A check that every one of `arena_pages` carries the transfer's tag (asked before and after copying)."""
-        tag, index = tag_of(transfer_id), torch.tensor(arena_pages, dtype=torch.int64)
+        tag, index = self._tags_of[transfer_id], torch.tensor(arena_pages, dtype=torch.int64)
         return lambda: bool((self._tags[index] == tag).all())
 
     def _refuse(self, note: NixlLandedMsg, why: str) -> None:
@@ -655,7 +674,7 @@ class _Writes:
         the full pages in position order."""
         tags, partial, gathered = self._views(staging)
         plan, page_size = self._plan, self._pool.page_size
-        tags[:] = tag_of(plan.transfer_id)
+        tags[:] = tag_of(plan.transfer_id, plan.transfer_key)
         for layer, end in enumerate(plan.written):
             first, last = plan.page_span(layer, page_size)
             if first == last:

@@ -1,4 +1,5 @@
-"""Assemble one networked engine of a role: ROUTER on `--listen`, transport, role steps, loop."""
+"""Assemble one networked engine of a role: ROUTER on `--listen` (a CURVE server behind the
+engine's `LinkGuard`), transport, role steps, loop."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import argparse
 import logging
 import os
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import zmq
@@ -14,6 +15,8 @@ import zmq
 from kvseal.disagg.args import DEFAULT_DRAIN_S, DEFAULT_KV_TRANSPORT, DEFAULT_RESERVATION_TIMEOUT_S, KV_TRANSPORTS
 from kvseal.disagg.decode import DecodeSteps
 from kvseal.disagg.engine_loop import PdEngineLoop
+from kvseal.disagg.link_auth import LinkGuard
+from kvseal.disagg.link_keys import KEYS_HINT, EngineLinkKeys, load_key_pair, load_public_keys
 from kvseal.disagg.msgs import EngineInfoMsg, Role
 from kvseal.disagg.prefill import PrefillSteps
 from kvseal.disagg.role import Replies, RoleSteps
@@ -40,6 +43,8 @@ class NodeConfig:
     # on one host must split the cores: each running one thread per core oversubscribes them,
     # and torch's OpenMP workers then wait at every op's barrier for a thread that is off-CPU.
     num_threads: int | None = None
+    # I9: the engine's own key pair and who may talk to it (frontends; on decode, prefill peers)
+    link_keys: EngineLinkKeys = field(kw_only=True)
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode"):
@@ -50,6 +55,12 @@ class NodeConfig:
             raise ConfigError(f"transfer_drain_s must be >= 0, got {self.transfer_drain_s}")
         if self.reservation_timeout_s <= 0:
             raise ConfigError(f"--reservation-timeout-s must be > 0, got {self.reservation_timeout_s}")
+        if self.role == "prefill" and self.link_keys.peers:
+            raise ConfigError("--peer-keys applies to --role decode only: a prefill engine takes messages from "
+                              "frontends only (give the prefill engines' public keys to the decode engines)")
+        if self.role == "decode" and not self.link_keys.peers:
+            raise ConfigError(f"a decode engine needs --peer-keys PATH[,PATH...]: the public keys of the prefill "
+                              f"engines that may send it KV and commits; {KEYS_HINT}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ConfigError(f"--threads must be >= 1, got {self.num_threads}; leave it unset for one per core")
         host, _, port = self.listen.rpartition(":")
@@ -58,7 +69,22 @@ class NodeConfig:
 
 
 def node_config_from(ns: argparse.Namespace) -> NodeConfig:
-    return NodeConfig(ns.role, ns.listen, ns.kv_transport, ns.reservation_timeout_s, num_threads=ns.threads)
+    return NodeConfig(ns.role, ns.listen, ns.kv_transport, ns.reservation_timeout_s, num_threads=ns.threads,
+                      link_keys=link_keys_from(ns))
+
+
+def link_keys_from(ns: argparse.Namespace) -> EngineLinkKeys:
+    """`--link-key`, `--frontend-keys`, `--peer-keys`: required on every address, loopback too
+    (any local process can reach a loopback port)."""
+    if not ns.link_key or not ns.frontend_keys:
+        peers = " and --peer-keys PATH[,PATH...] (the prefill engines' public keys)" if ns.role == "decode" else ""
+        raise ConfigError(f"kvseal engine (listening on {ns.listen}) needs keys: every engine link is authenticated "
+                          f"with CurveZMQ, on loopback too. Give --link-key FILE (this engine's NAME.key_secret), "
+                          f"--frontend-keys PATH[,PATH...] (the public keys of the frontends that may use it){peers}; "
+                          f"{KEYS_HINT}")
+    peers_spec = getattr(ns, "peer_keys", None)
+    return EngineLinkKeys(load_key_pair(ns.link_key), load_public_keys(ns.frontend_keys, "--frontend-keys"),
+                          load_public_keys(peers_spec, "--peer-keys") if peers_spec else ())
 
 
 def kv_layout(engine: LLMEngine, kv_transport: str) -> str:
@@ -73,22 +99,30 @@ class EngineNode:
     """One engine of one role on the network; `loop.run()` serves until `ShutdownMsg`."""
 
     def __init__(self, engine: LLMEngine, config: NodeConfig, ctx: zmq.Context | None = None) -> None:
+        """`ctx`: this engine's own ZMQ context (its ZAP handler is the context's); a new one by default."""
         self.engine = engine
         self.config = config
         self.ctx = ctx or zmq.Context()
-        self.router = self.ctx.socket(zmq.ROUTER)
-        self.router.setsockopt(zmq.LINGER, 1000)
-        try:
-            self.router.bind(tcp_endpoint(config.listen))
-        except zmq.ZMQError as exc:
-            self.router.close(linger=0)
-            raise ConfigError(f"cannot listen on {config.listen}: {exc}; give --listen an IP address of this "
-                              f"host and a free port") from exc
-        self.links = PeerLinks(self.ctx)
         self.instance_id = f"{config.role}-{config.listen}-{secrets.token_hex(4)}"
+        self.guard = LinkGuard(self.ctx, config.link_keys, f"kvseal-{self.instance_id}")
+        self.router = self._bind()
+        self.links = PeerLinks(self.ctx, config.link_keys.own)
         replies = Replies(self.router)
         self.steps = self._steps(replies)
-        self.loop = PdEngineLoop(engine, self.steps, self.router, replies, self._info())
+        self.loop = PdEngineLoop(engine, self.steps, self.router, replies, self._info(), self.guard)
+
+    def _bind(self) -> zmq.Socket:
+        router = self.ctx.socket(zmq.ROUTER)
+        router.setsockopt(zmq.LINGER, 1000)
+        self.guard.secure_server(router)  # before bind: no connection is ever plain
+        try:
+            router.bind(tcp_endpoint(self.config.listen))
+        except zmq.ZMQError as exc:
+            router.close(linger=0)
+            self.guard.close()
+            raise ConfigError(f"cannot listen on {self.config.listen}: {exc}; give --listen an IP address of this "
+                              f"host and a free port") from exc
+        return router
 
     def _steps(self, replies: Replies) -> RoleSteps:
         if self.config.role == "decode":
@@ -132,3 +166,4 @@ class EngineNode:
         self.transport.close()
         self.links.close()
         self.router.close(linger=0)
+        self.guard.close()

@@ -132,7 +132,7 @@ class PrefillSteps:
         written = kv.written_prefix(request.request_id)
         start = msg.num_cached_tokens  # decode holds [0, start) in its own cache: not sent
         plan = PushPlan(msg.transfer_id, kv.allocator.pages_of(request.request_id), written, msg.kv_address,
-                        list(msg.pages), start)
+                        list(msg.pages), start, transfer_key=msg.transfer_key, decode_key=msg.decode_public_key)
         num_bytes = self.sender.push(plan, kv.pool)
         first = request.output_logprobs[0] if request.output_logprobs else None
         assert request.generator is not None, "every engine request samples with its own generator"
@@ -144,7 +144,7 @@ class PrefillSteps:
             first_logprobs=None if first is None else TokenLogprobsMsg(first.token_id, first.logprob, list(first.top)),
             generator_state=request.generator.get_state().numpy().tobytes(), prefill_engine=self.instance_id,
         )
-        self.links.get(msg.decode_address).send(commit)
+        self.links.get(msg.decode_address, msg.decode_public_key).send(commit)
         return num_bytes
 
     def _refuse(self, job: Job, code: str, message: str, param: str | None, http_status: int) -> None:
@@ -154,7 +154,7 @@ class PrefillSteps:
         abort = TransferAbortMsg(msg.transfer_id, msg.request_id, msg.tenant, code, message, param, http_status,
                                  self.instance_id)
         try:
-            self.links.get(msg.decode_address).send(abort)
+            self.links.get(msg.decode_address, msg.decode_public_key).send(abort)
         except TransportError as exc:
             logger.error("could not tell decode %s to release transfer %s: %s", msg.decode_address,
                          msg.transfer_id, exc)

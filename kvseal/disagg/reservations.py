@@ -26,11 +26,13 @@ from __future__ import annotations
 import secrets
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvseal.disagg.transport import KVReceiver
 from kvseal.kvcache.manager import KVCacheManager
 from kvseal.types import Request, SamplingParams
+
+TRANSFER_KEY_BYTES = 32
 
 
 @dataclass
@@ -42,6 +44,7 @@ class Reservation:
     frontend: bytes  # who asked (a ROUTER identity): replies and outputs go there
     cache_namespace: str  # the authenticated tenant's prefix-cache namespace (I5), from the frontend
     transfer_id: str = ""
+    transfer_key: bytes = field(default=b"", repr=False)  # the transfer's secret, drawn with its id
     pages: tuple[int, ...] = ()  # the cached (shared) pages first, then the own pages
     num_cached_tokens: int = 0  # positions [0, this) are the prefix-cache hit (page-aligned)
     deadline_s: float = 0.0
@@ -97,9 +100,11 @@ class ReservationTable:
         # one run of consecutive pages where the pool has one: the transfer then moves a few large blocks
         self.kv.reserve(r.request_id, r.tenant, r.num_tokens, r.cache_namespace, consecutive=True)
         r.transfer_id = secrets.token_hex(16)
+        r.transfer_key = secrets.token_bytes(TRANSFER_KEY_BYTES)
         r.pages = tuple(self.kv.allocator.pages_of(r.request_id))
         r.deadline_s = now_s + self.timeout_s
-        self.receiver.authorize(r.transfer_id, self.kv.allocator.own_pages_of(r.request_id), r.num_cached_tokens)
+        self.receiver.authorize(r.transfer_id, self.kv.allocator.own_pages_of(r.request_id), r.num_cached_tokens,
+                                key=r.transfer_key)
         self._by_transfer[r.transfer_id] = r
 
     def by_transfer(self, transfer_id: str) -> Reservation | None:

@@ -3,7 +3,7 @@
 Decode's receiver listens on an ephemeral port of the host it was given (its KV address, sent
 in `ReservedMsg`); prefill keeps one connection per decode. A push is one ordered run of
 records on that stream, each `PREFIX` (magic, header length, payload length), a msgpack
-header, then the payload:
+header, the record's tag, then the payload:
 
 - one `KVBlockMsg` per layer and K/V whose payload is, in order, each KV head's pages holding
   positions [start, end): full pages sent straight out of prefill's pool by `socket.sendmsg`
@@ -12,6 +12,16 @@ header, then the payload:
 - then one `KVStreamEndMsg` naming the payload bytes of the push.
 
 `push` returns once the kernel holds every byte (the pool may be reused right after).
+
+Records are sealed (I9): the tag is HMAC-SHA256, truncated to 16 bytes, under the transfer's
+secret key (`ReservedMsg.transfer_key`, which reaches prefill only over authenticated links and
+never travels on this stream) over the record's number in its transfer, its prefix and its
+header. Decode verifies it (`hmac.compare_digest`) before it acts on the header, so before a
+payload byte lands; a record whose tag does not verify under a live (or recently ended)
+transfer's key closes the connection, its payload unread. The number binds each record to its
+place: a replayed or reordered record fails too. The payload itself is neither encrypted nor
+authenticated (an on-path attacker who can rewrite the stream's bytes could change KV; the
+`tcp` transport, whose frames ride the CURVE link, is the encrypted choice).
 
 Decode's receiver runs on decode's engine thread (`progress`, every loop iteration). It reads
 each header, checks it against the reservation decode authorized (the sender names positions,
@@ -27,17 +37,20 @@ verifies a commit only once the transfer is `settled` here, i.e. its `KVStreamEn
 
 from __future__ import annotations
 
+import hmac
+import itertools
 import logging
 import select
 import socket
 import struct
-from collections import Counter
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
 import msgspec
 import torch
 
-from kvseal.disagg.msgs import KVBlockMsg, KVStreamEndMsg, decode_stream_header, encode_stream_header
+from kvseal._testing.faults import Fault, is_active
+from kvseal.disagg.msgs import KVBlockMsg, KVStreamEndMsg, StreamHeaderMsg, decode_stream_header, encode_stream_header
 from kvseal.disagg.tcp import PoolBytes
 from kvseal.disagg.transport import KINDS, Landing, OneAddress, PushPlan, TransportError, check_pool_pages, page_runs
 from kvseal.kvcache.pool import KVPool
@@ -46,7 +59,11 @@ logger = logging.getLogger("kvseal.disagg")
 
 NAME = "tcp-stream"
 PREFIX = struct.Struct("!4sIQ")  # magic, header bytes, payload bytes
-MAGIC = b"KVS1"
+MAGIC = b"KVS2"  # v2: every record carries a tag after its header
+TAG_BYTES = 16  # HMAC-SHA256, truncated
+TAG_DOMAIN = b"kvseal/kv-stream-record/v2\0"
+RECORD_NUMBER = struct.Struct("!Q")
+MAX_RETIRED = 4096  # ended transfers whose late records are still verified (then dropped)
 MAX_HEADER_BYTES = 4096
 CONNECT_TIMEOUT_S = 3.0
 SEND_TIMEOUT_S = 30.0  # one sendmsg that moves nothing for this long: the link is stalled
@@ -91,6 +108,7 @@ class StreamSender:
         in_place, page_size = self._pool_bytes, pool.page_size
         buffers: list[bytes | memoryview] = []
         num_bytes = 0
+        numbers = itertools.count()  # each record's number in the transfer, from 0
         for layer, first, pages, num_full in plan.sent_layers(page_size):
             end = plan.written[layer]
             runs = in_place.runs(pages[:num_full])
@@ -98,10 +116,11 @@ class StreamSender:
                 tail = _tail(source, pages[-1], end % page_size) if num_full < len(pages) else None
                 frames = in_place.frames(whole, runs, tail)  # the staged tail stays alive in its view
                 size = sum(frame.nbytes for frame in frames)
-                buffers.append(record_prefix(KVBlockMsg(plan.transfer_id, layer, kind, first * page_size, end), size))
+                header = KVBlockMsg(plan.transfer_id, layer, kind, first * page_size, end)
+                buffers.append(sealed_record(header, size, plan.transfer_key, next(numbers)))
                 buffers += frames
                 num_bytes += size
-        buffers.append(record_prefix(KVStreamEndMsg(plan.transfer_id, num_bytes), 0))
+        buffers.append(sealed_record(KVStreamEndMsg(plan.transfer_id, num_bytes), 0, plan.transfer_key, next(numbers)))
         return buffers, num_bytes
 
     def _connect(self, address: str) -> socket.socket:
@@ -140,9 +159,16 @@ def _tail(source: torch.Tensor, page: int, num_positions: int) -> torch.Tensor:
     return staged
 
 
-def record_prefix(header: KVBlockMsg | KVStreamEndMsg, payload_bytes: int) -> bytes:
+def record_tag(key: bytes, number: int, head: bytes | bytearray) -> bytes:
+    """The tag of the record numbered `number` in its transfer whose prefix and header are `head`."""
+    return hmac.digest(key, TAG_DOMAIN + RECORD_NUMBER.pack(number) + head, "sha256")[:TAG_BYTES]
+
+
+def sealed_record(header: StreamHeaderMsg, payload_bytes: int, key: bytes, number: int) -> bytes:
+    """A record's prefix, header and tag (its payload follows): the `number`th of its transfer."""
     encoded = encode_stream_header(header)
-    return PREFIX.pack(MAGIC, len(encoded), payload_bytes) + encoded
+    head = PREFIX.pack(MAGIC, len(encoded), payload_bytes) + encoded
+    return head + record_tag(key, number, head)
 
 
 def send_buffers(sock: socket.socket, buffers: list[bytes | memoryview]) -> None:
@@ -164,11 +190,21 @@ def send_buffers(sock: socket.socket, buffers: list[bytes | memoryview]) -> None
 
 
 @dataclass
+class _Seal:
+    """A transfer's secret key (every record of it is sealed under it), and how many of its
+    records verified so far: the number the next one must carry."""
+
+    key: bytes = field(repr=False)
+    num_records: int = 0
+
+
+@dataclass
 class _Transfer:
     pages: list[int]
     runs: list[tuple[int, int, int]]  # page_runs(pages)
     start: int  # the first position it may write
     landing: Landing
+    seal: _Seal
 
 
 @dataclass
@@ -192,6 +228,7 @@ class _Connection:
     block: _Block | None = None
     discard: int = 0  # payload bytes still to drop
     transfer_id: str | None = None  # the last transfer a header named on this stream
+    is_sealed: bool = False  # a record of it verified: its peer holds a transfer key
 
 
 class _StreamBroken(Exception):
@@ -218,15 +255,17 @@ class StreamReceiver(OneAddress):
         self._listener.setblocking(False)
         self._address = f"{host}:{self._listener.getsockname()[1]}"
         self._transfers: dict[str, _Transfer] = {}
+        # cancelled transfers' seals, newest last: their late records are verified, then dropped
+        self._retired: OrderedDict[str, _Seal] = OrderedDict()
         self._settled: set[str] = set()  # authorized transfers whose stream ended or broke
         self._connections: list[_Connection] = []
         self._scratch = bytearray(SCRATCH_BYTES)
         self.refusals: Counter[str] = Counter()  # why records were refused (taken by `take_refusals`)
 
-    def authorize(self, transfer_id: str, pages: list[int], start: int = 0) -> None:
+    def authorize(self, transfer_id: str, pages: list[int], start: int = 0, *, key: bytes) -> None:
         check_pool_pages(self._pool, pages)
         self._transfers[transfer_id] = _Transfer(list(pages), page_runs(pages), start,
-                                                 Landing(start + len(pages) * self._pool.page_size))
+                                                 Landing(start + len(pages) * self._pool.page_size), _Seal(key))
 
     def landed(self, transfer_id: str) -> Landing | None:
         transfer = self._transfers.get(transfer_id)
@@ -249,7 +288,9 @@ class StreamReceiver(OneAddress):
         return refusals
 
     def cancel(self, transfer_id: str) -> bool:
-        self._transfers.pop(transfer_id, None)
+        transfer = self._transfers.pop(transfer_id, None)
+        if transfer is not None:
+            self._retire(transfer_id, transfer.seal)
         self._settled.discard(transfer_id)
         for conn in self._connections:  # the rest of a block on the wire is dropped, not landed
             block = conn.block
@@ -257,6 +298,13 @@ class StreamReceiver(OneAddress):
                 conn.discard = block.num_bytes - sum(v.nbytes for v in block.views[:block.index]) - block.offset
                 conn.block = None
         return True  # this receiver is the only writer: nothing of the transfer can land now
+
+    def _retire(self, transfer_id: str, seal: _Seal) -> None:
+        """Keep an ended transfer's seal a while: a record of it still on the wire is verified
+        and dropped (the stream stays in step); one older than that closes the stream."""
+        self._retired[transfer_id] = seal
+        while len(self._retired) > MAX_RETIRED:
+            self._retired.popitem(last=False)
 
     def fds(self) -> list[socket.socket]:
         """What to wait on for data (the listener and every connection)."""
@@ -284,12 +332,22 @@ class StreamReceiver(OneAddress):
                 sock, _ = self._listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
-            if len(self._connections) >= MAX_CONNECTIONS:
+            if len(self._connections) >= MAX_CONNECTIONS and not self._evict_a_stranger():
                 logger.warning("refused a KV stream connection: %d open already", MAX_CONNECTIONS)
                 sock.close()
                 continue
             sock.setblocking(False)
             self._connections.append(_Connection(sock))
+
+    def _evict_a_stranger(self) -> bool:
+        """Make room by closing the oldest connection that has not sent one verified record (a
+        prefill sends one as soon as it connects): strangers cannot take every slot."""
+        stranger = next((conn for conn in self._connections if not conn.is_sealed), None)
+        if stranger is None:
+            return False
+        self.refusals["unsealed_connection"] += 1
+        self._close(stranger, "evicted: no verified record", refused=True)
+        return True
 
     def _close(self, conn: _Connection, why: str, refused: bool = False) -> None:
         """The stream ended: a block cut short never counts, and its transfer is settled (a
@@ -358,7 +416,7 @@ class StreamReceiver(OneAddress):
                     self.refusals["oversize"] += 1
                     raise _StreamBroken(f"a payload of {conn.payload_bytes} bytes: no block is that large",
                                         refused=True)
-                conn.header, conn.num_read = bytearray(header_bytes), 0
+                conn.header, conn.num_read = bytearray(header_bytes + TAG_BYTES), 0
             return num
         num = conn.sock.recv_into(memoryview(conn.header)[conn.num_read:])
         self._eof_if_zero(num)
@@ -369,12 +427,15 @@ class StreamReceiver(OneAddress):
         return num
 
     def _on_header(self, conn: _Connection, raw: bytearray) -> None:
+        """A record's header and tag: nothing of it is acted on before the tag verified."""
+        encoded, tag = raw[:-TAG_BYTES], raw[-TAG_BYTES:]
         try:
-            header = decode_stream_header(raw)
+            header = decode_stream_header(encoded)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             self.refusals["bad_record"] += 1
             raise _StreamBroken(f"an undecodable KV stream header: {exc}", refused=True) from exc
-        conn.transfer_id = header.transfer_id
+        self._verify_tag(header.transfer_id, conn.prefix + encoded, tag)
+        conn.transfer_id, conn.is_sealed = header.transfer_id, True
         if isinstance(header, KVStreamEndMsg):
             if conn.payload_bytes:
                 self.refusals["bad_record"] += 1
@@ -388,6 +449,20 @@ class StreamReceiver(OneAddress):
             conn.discard = conn.payload_bytes
             return
         conn.block = _Block(header, self._views(header), conn.payload_bytes)
+
+    def _verify_tag(self, transfer_id: str, head: bytearray, tag: bytearray) -> None:
+        """Count the record as its transfer's next, or close the stream: a record proves it was
+        sealed by someone holding the key of a live (or recently ended) transfer, at its place."""
+        transfer = self._transfers.get(transfer_id)
+        seal = transfer.seal if transfer is not None else self._retired.get(transfer_id)
+        if seal is not None and hmac.compare_digest(record_tag(seal.key, seal.num_records, head), tag):
+            seal.num_records += 1
+            return
+        if is_active(Fault.SKIP_STREAM_TAG_CHECK):
+            return
+        self.refusals["bad_tag"] += 1
+        raise _StreamBroken(f"a record for transfer {transfer_id[:64]!r} whose tag does not verify "
+                            f"({'no such transfer' if seal is None else 'wrong key or place'})", refused=True)
 
     def _on_end(self, end: KVStreamEndMsg) -> None:
         transfer = self._transfers.get(end.transfer_id)

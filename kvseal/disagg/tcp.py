@@ -68,7 +68,7 @@ class TcpSender:
         self._pool_bytes: PoolBytes | None = None
 
     def push(self, plan: PushPlan, pool: KVPool) -> int:
-        link = self._links.get(plan.kv_address)
+        link = self._links.get(plan.kv_address, plan.decode_key)
         page_size, num_bytes = pool.page_size, 0
         trackers: list[zmq.MessageTracker] = []
         tails: list[torch.Tensor] = []  # the staged partial pages: alive until ZMQ sent them
@@ -207,7 +207,9 @@ class TcpReceiver(OneAddress):
         self._starts: dict[str, int] = {}  # the first position each transfer may write
         self._landed: dict[str, Landing] = {}
 
-    def authorize(self, transfer_id: str, pages: list[int], start: int = 0) -> None:
+    def authorize(self, transfer_id: str, pages: list[int], start: int = 0, *, key: bytes) -> None:
+        """`key` is not needed here: KV frames arrive on the CURVE link of an authenticated peer
+        (encrypted and authenticated by it), under the transfer id."""
         check_pool_pages(self._pool, pages)
         self._pages[transfer_id] = list(pages)
         self._runs[transfer_id] = page_runs(pages)

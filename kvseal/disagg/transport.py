@@ -81,6 +81,11 @@ class PushPlan:
     kv_address: str
     dest_pages: list[int]
     start: int = 0
+    # The transfer's secret (`ReservedMsg.transfer_key`): tcp-stream seals each record with it,
+    # NIXL derives its arena tags from it.
+    transfer_key: bytes = field(kw_only=True, repr=False)
+    # The CURVE key decode proves on its control link (the tcp transport's frames ride it).
+    decode_key: bytes = field(kw_only=True)
 
     def __post_init__(self) -> None:
         if self.start < 0:
@@ -119,10 +124,12 @@ class KVReceiver(Protocol):
         receiver's address, plus whatever the transport needs to know of this transfer."""
         ...
 
-    def authorize(self, transfer_id: str, pages: list[int], start: int = 0) -> None:
+    def authorize(self, transfer_id: str, pages: list[int], start: int = 0, *, key: bytes) -> None:
         """Accept writes for `transfer_id` into exactly `pages`, which hold positions [start, ...)
         in order (`start` page-aligned: what lies before it is decode's read-only cache hit);
-        refuse everything else, any write before `start` included."""
+        refuse everything else, any write before `start` included. `key` is the transfer's
+        secret: a transport whose data does not ride an authenticated link accepts only writes
+        that prove it."""
         ...
 
     def landed(self, transfer_id: str) -> Landing | None:

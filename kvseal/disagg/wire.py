@@ -4,7 +4,9 @@ Every engine binds exactly one ROUTER, on the address it was given; frontends an
 engines connect DEALERs to it. Frames are `[header, payload...]`, the header a `PdMsg`, then
 zero or more payload frames. Links use ZMQ_IMMEDIATE: a message is queued only on a live connection, so nothing
 sent to a dead or restarted engine is delivered later to a stranger; `send` waits a bounded
-time for the connection and raises `TransportError` instead.
+time for the connection and raises `TransportError` instead. Every link is a CURVE client
+(I9): it proves this engine's own key pair and talks only to an engine that proves the public
+key it was given, so a connection counts as live only once both sides' handshake succeeded.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from collections.abc import Sequence
 
 import zmq
 
+from kvseal.disagg.link_auth import secure_client
+from kvseal.disagg.link_keys import KeyPair
 from kvseal.disagg.msgs import PdMsg, encode
 from kvseal.disagg.transport import TransportError
 
@@ -28,11 +32,12 @@ def tcp_endpoint(address: str) -> str:
 class PeerLink:
     """One DEALER to one engine, in send order: KV frames, then the commit or abort."""
 
-    def __init__(self, ctx: zmq.Context, address: str) -> None:
+    def __init__(self, ctx: zmq.Context, address: str, own: KeyPair, server_key: bytes) -> None:
         self.address = address
         self.socket = ctx.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.IMMEDIATE, 1)
         self.socket.setsockopt(zmq.LINGER, LINGER_MS)
+        secure_client(self.socket, own, server_key)
         self.socket.connect(tcp_endpoint(address))
         self._is_failing = False  # the last send found no connection: do not wait again until one is back
 
@@ -45,8 +50,9 @@ class PeerLink:
         overwrite them before then (ZMQ keeps the buffer objects alive itself)."""
         if not self.socket.poll(0 if self._is_failing else timeout_ms, zmq.POLLOUT):
             self._is_failing = True
-            raise TransportError(f"cannot reach the engine at {self.address}: no connection within "
-                                 f"{timeout_ms} ms (refused, reset or not listening)")
+            raise TransportError(f"cannot reach the engine at {self.address}: no authenticated connection within "
+                                 f"{timeout_ms} ms (refused, reset, not listening, or the CURVE handshake failed: "
+                                 f"is this engine's public key in its --peer-keys?)")
         frames: list[bytes | memoryview] = [encode(msg), *payload]
         try:
             tracker = self.socket.send_multipart(frames, zmq.NOBLOCK, copy=not payload, track=bool(payload))
@@ -61,16 +67,18 @@ class PeerLink:
 
 
 class PeerLinks:
-    """Links to peer engines by address, created on first use."""
+    """Links to peer engines by address and the key each must prove, created on first use; each
+    proves `own` (this engine's key pair)."""
 
-    def __init__(self, ctx: zmq.Context) -> None:
+    def __init__(self, ctx: zmq.Context, own: KeyPair) -> None:
         self._ctx = ctx
-        self._links: dict[str, PeerLink] = {}
+        self._own = own
+        self._links: dict[tuple[str, bytes], PeerLink] = {}
 
-    def get(self, address: str) -> PeerLink:
-        if address not in self._links:
-            self._links[address] = PeerLink(self._ctx, address)
-        return self._links[address]
+    def get(self, address: str, server_key: bytes) -> PeerLink:
+        if (address, server_key) not in self._links:
+            self._links[(address, server_key)] = PeerLink(self._ctx, address, self._own, server_key)
+        return self._links[(address, server_key)]
 
     def close(self) -> None:
         for link in self._links.values():

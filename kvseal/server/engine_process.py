@@ -1,9 +1,20 @@
-"""Start and watch the engine process (multiprocessing "spawn": torch and fork do not mix)."""
+"""Start and watch the engine process (multiprocessing "spawn": torch and fork do not mix).
+
+The colocated frontend<->engine link (I9) is ZMQ over `ipc://` sockets that the frontend binds
+in a private folder (mode 0700, owned by the server's user; `private_socket_dir`): reaching a
+socket takes search permission on that folder, so only the server's own user (and root) can
+connect, and file permissions are the authentication there. CURVE would add nothing on this
+link: whoever passes that check runs as the server's user (or root) and can already read both
+processes' memory (ptrace, /proc/PID/mem), secrets included; and the sockets are not reachable
+from another host. The PD engine links are TCP, reachable by any local user, hence CURVE.
+"""
 
 from __future__ import annotations
 
 import multiprocessing
+import os
 import shutil
+import stat
 import tempfile
 from multiprocessing.process import BaseProcess
 
@@ -17,7 +28,7 @@ class EngineProcess:
     def __init__(self, args: EngineArgs, log_level: str) -> None:
         self._args = args
         self._log_level = log_level
-        self._dir = tempfile.mkdtemp(prefix="kvseal-")
+        self._dir = private_socket_dir()
         self.addresses = EngineAddresses(f"ipc://{self._dir}/to_engine", f"ipc://{self._dir}/from_engine")
         self._proc: BaseProcess | None = None
 
@@ -58,3 +69,14 @@ class EngineProcess:
 
     def cleanup(self) -> None:
         shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def private_socket_dir() -> str:
+    """A new folder only this user may enter (0700): the engine's IPC sockets live there."""
+    path = tempfile.mkdtemp(prefix="kvseal-")  # created 0700, whatever the umask
+    info = os.stat(path)
+    if stat.S_IMODE(info.st_mode) != 0o700 or info.st_uid != os.getuid():
+        shutil.rmtree(path, ignore_errors=True)
+        raise RuntimeError(f"the engine's socket folder {path} is not private (mode "
+                           f"{stat.S_IMODE(info.st_mode):o}, owner {info.st_uid}); refusing to put its sockets there")
+    return path

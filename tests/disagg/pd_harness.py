@@ -1,5 +1,9 @@
 """Two real engines (prefill, decode) in this process over loopback TCP, and a hand-driven
-frontend: what the PD frontend does, one message at a time, so every step can be broken."""
+frontend: what the PD frontend does, one message at a time, so every step can be broken.
+
+Every link is authenticated as in production (I9): the engines each have their own ZMQ
+context (so their own ZAP handler), the test frontend proves the frontend key, and `rogue` (a
+broken prefill's links to decode) proves prefill's key, the one decode accepts as a peer."""
 
 from __future__ import annotations
 
@@ -12,6 +16,8 @@ import zmq
 from processes import free_port
 
 from kvseal.config import EngineArgs
+from kvseal.disagg.link_auth import secure_client
+from kvseal.disagg.link_keys import EngineLinkKeys, KeyPair
 from kvseal.disagg.msgs import (
     PdMsg,
     PrefillDoneMsg,
@@ -24,7 +30,8 @@ from kvseal.disagg.msgs import (
     encode,
 )
 from kvseal.disagg.node import EngineNode, NodeConfig
-from kvseal.disagg.wire import PeerLinks
+from kvseal.disagg.transport import PushPlan
+from kvseal.disagg.wire import PeerLink, PeerLinks
 from kvseal.engine.engine import LLMEngine
 from kvseal.kvcache.prefix_cache import namespace_of
 from kvseal.messages.convert import params_to_msg
@@ -35,12 +42,33 @@ MAX_ITERATIONS = 2000
 _ids = itertools.count()
 
 
-class TestFrontend:
-    """A DEALER to one engine; collects everything the engine sends back."""
+@dataclass(frozen=True)
+class PdKeys:
+    """Throw-away key pairs of a test deployment, and each engine's allow-lists."""
 
-    def __init__(self, ctx: zmq.Context, address: str) -> None:
+    frontend: KeyPair
+    prefill: KeyPair
+    decode: KeyPair
+
+    @classmethod
+    def ephemeral(cls) -> PdKeys:
+        return cls(KeyPair.ephemeral("frontend"), KeyPair.ephemeral("prefill"), KeyPair.ephemeral("decode"))
+
+    def of_prefill(self) -> EngineLinkKeys:
+        return EngineLinkKeys(self.prefill, (self.frontend.public_key(),))
+
+    def of_decode(self) -> EngineLinkKeys:
+        return EngineLinkKeys(self.decode, (self.frontend.public_key(),), (self.prefill.public_key(),))
+
+
+class TestFrontend:
+    """A DEALER to one engine (proving `own`, expecting `server_key`); collects everything the
+    engine sends back."""
+
+    def __init__(self, ctx: zmq.Context, address: str, own: KeyPair, server_key: bytes) -> None:
         self.socket = ctx.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.LINGER, 0)
+        secure_client(self.socket, own, server_key)
         self.socket.connect(f"tcp://{address}")
         self.received: list[PdMsg] = []
 
@@ -80,24 +108,38 @@ class Handoff:
 class PdPair:
     def __init__(self, prefill_args: EngineArgs, decode_args: EngineArgs, reservation_timeout_s: float = 30.0,
                  loaded: Any = None, kv_transport: str = "tcp", transfer_drain_s: float = 5.0) -> None:
-        self.ctx = zmq.Context()
+        self.ctx = zmq.Context()  # the test's own sockets; each engine has its own context
+        self.keys = keys = PdKeys.ephemeral()
         self.prefill = EngineNode(LLMEngine(prefill_args, loaded),
-                                  NodeConfig("prefill", f"127.0.0.1:{free_port()}", kv_transport), self.ctx)
+                                  NodeConfig("prefill", f"127.0.0.1:{free_port()}", kv_transport,
+                                             link_keys=keys.of_prefill()))
         self.decode = EngineNode(LLMEngine(decode_args, loaded),
                                  NodeConfig("decode", f"127.0.0.1:{free_port()}", kv_transport,
                                             reservation_timeout_s=reservation_timeout_s,
-                                            transfer_drain_s=transfer_drain_s), self.ctx)
-        self.to_prefill = TestFrontend(self.ctx, self.prefill.config.listen)
-        self.to_decode = TestFrontend(self.ctx, self.decode.config.listen)
+                                            transfer_drain_s=transfer_drain_s, link_keys=keys.of_decode()))
+        self.to_prefill = TestFrontend(self.ctx, self.prefill.config.listen, keys.frontend, keys.prefill.public)
+        self.to_decode = TestFrontend(self.ctx, self.decode.config.listen, keys.frontend, keys.decode.public)
         self.handoffs: dict[str, Handoff] = {}
-        self.rogue = PeerLinks(self.ctx)  # a broken prefill's link to decode, for fault tests
+        self.rogue = PeerLinks(self.ctx, keys.prefill)  # a broken prefill's links to decode, for fault tests
+
+    def plan(self, r: ReservedMsg, src: list[int], written: list[int], kv_address: str | None = None,
+             start: int = 0, dest: list[int] | None = None) -> PushPlan:
+        """A push into reservation `r` (its transfer id and key) from prefill pages `src`."""
+        return PushPlan(r.transfer_id, src, written, r.kv_address if kv_address is None else kv_address,
+                        r.pages if dest is None else dest, start, transfer_key=r.transfer_key,
+                        decode_key=self.keys.decode.public)
+
+    def peer_link(self) -> PeerLink:
+        """A broken prefill's link to decode (it proves prefill's key)."""
+        return self.rogue.get(self.decode.config.listen, self.keys.decode.public)
 
     def close(self) -> None:
         self.rogue.close()
         for s in (self.to_prefill.socket, self.to_decode.socket):
             s.close(linger=0)
-        self.prefill.close()
-        self.decode.close()
+        for node in (self.prefill, self.decode):
+            node.close()
+            node.ctx.term()
         self.ctx.term()
 
     def pump(self, until: Callable[[], bool], what: str, max_iterations: int = MAX_ITERATIONS) -> None:
@@ -144,8 +186,8 @@ class PdPair:
         r = handoff.reserved
         assert r is not None
         return PrefillMsg(handoff.request_id, tenant, prompt, params_to_msg(params), r.transfer_id,
-                          self.decode.config.listen, self.decode.instance_id, r.kv_address, r.pages,
-                          namespace_of(tenant), r.num_cached_tokens)
+                          self.decode.config.listen, self.keys.decode.public, self.decode.instance_id, r.kv_address,
+                          r.transfer_key, r.pages, namespace_of(tenant), r.num_cached_tokens)
 
     def generate(self, prompt: list[int], params: SamplingParams, tenant: str = "alice") -> Handoff:
         handoff = self.reserve(prompt, params, tenant)

@@ -1,6 +1,7 @@
 """Real PD processes for tests: `kvseal engine --role ...` and `kvseal serve --prefill --decode`,
 each run through `tests/fault_launcher.py` (so a test can switch faults on in one of them),
-on free loopback ports. Every wait is bounded; processes are stopped by PID."""
+on free loopback ports, every link authenticated with key files `kvseal keys generate` wrote
+(`LinkKeyFiles`). Every wait is bounded; processes are stopped by PID."""
 
 from __future__ import annotations
 
@@ -22,6 +23,8 @@ from processes import (
     wait_for,
 )
 
+from kvseal.disagg.link_keys import KeyPair, generate_keys, load_key_pair
+
 KEYS = {"key-alice": {"tenant": "alice"}, "key-bob": {"tenant": "bob"}, "key-mallory": {"tenant": "mallory"},
         "key-ops": {"tenant": "ops", "admin": True}}  # /metrics needs an admin key
 # The incident's shape: prefill's pool and limit are smaller than decode's. Small prefill chunks
@@ -31,6 +34,41 @@ DECODE_FLAGS = ["--kv-cache-tokens", "1024", "--max-model-len", "1024"]
 
 
 ENGINE_FLAGS = ["--dtype", "float32", "--page-size", "4", "--max-num-batched-tokens", "256"]
+
+
+@dataclass(frozen=True)
+class LinkKeyFiles:
+    """One deployment's key files: `frontend`, `prefill` (every prefill engine proves it) and
+    `decode`, written once per folder by the same code as `kvseal keys generate`."""
+
+    folder: Path
+
+    NAMES = ("frontend", "prefill", "decode")
+
+    @classmethod
+    def in_folder(cls, workdir: Path) -> LinkKeyFiles:
+        keys = cls(workdir / "link-keys")
+        if not keys.public("frontend").exists():
+            generate_keys(keys.folder, list(cls.NAMES))
+        return keys
+
+    def public(self, name: str) -> Path:
+        return self.folder / f"{name}.key"
+
+    def secret(self, name: str) -> Path:
+        return self.folder / f"{name}.key_secret"
+
+    def pair(self, name: str) -> KeyPair:
+        return load_key_pair(self.secret(name))
+
+    def engine_flags(self, role: str) -> list[str]:
+        flags = ["--link-key", str(self.secret(role)), "--frontend-keys", str(self.public("frontend"))]
+        return [*flags, "--peer-keys", str(self.public("prefill"))] if role == "decode" else flags
+
+    def frontend_flags(self, num_prefill: int, num_decode: int) -> list[str]:
+        return ["--link-key", str(self.secret("frontend")),
+                "--prefill-keys", ",".join([str(self.public("prefill"))] * num_prefill),
+                "--decode-keys", ",".join([str(self.public("decode"))] * num_decode)]
 
 
 class Proc(LoggedProcess):
@@ -48,9 +86,10 @@ class PdEngine(Proc):
                  port: int | None = None) -> None:
         self.role = role
         self.address = f"127.0.0.1:{port or free_port()}"
+        self.keys = LinkKeyFiles.in_folder(workdir)
         super().__init__(f"{role}-{self.address.rpartition(':')[2]}",
                          ["engine", "--role", role, "--listen", self.address, "--model", str(model_dir),
-                          *ENGINE_FLAGS, *flags], workdir, faults)
+                          *ENGINE_FLAGS, *self.keys.engine_flags(role), *flags], workdir, faults)
 
     def wait_ready(self) -> PdEngine:
         def ready() -> bool:
@@ -73,11 +112,13 @@ class PdFrontend(Proc):
         keys_path = workdir / "keys.json"
         keys_path.parent.mkdir(parents=True, exist_ok=True)
         keys_path.write_text(json.dumps(keys))
+        link_keys = LinkKeyFiles.in_folder(workdir)
         super().__init__(f"frontend-{self.port}",
                          ["serve", "--prefill", ",".join(e.address for e in prefill),
                           "--decode", ",".join(e.address for e in decode), "--model", str(model_dir),
                           "--port", str(self.port), "--audit-log", str(self.audit_path), "--api-keys",
-                          str(keys_path), *(extra or [])], workdir, faults)
+                          str(keys_path), *link_keys.frontend_flags(len(prefill), len(decode)), *(extra or [])],
+                         workdir, faults)
         self.model_name = model_dir.name
 
     @property
@@ -112,16 +153,20 @@ class PdFrontend(Proc):
         return total
 
 
-def engine_integrity(address: str) -> Any:
-    """Ask a running engine for its `IntegrityReportMsg` over a DEALER of our own."""
+def engine_integrity(engine: PdEngine) -> Any:
+    """Ask a running engine for its `IntegrityReportMsg` over a DEALER of our own (proving the
+    frontend key: only a frontend may ask)."""
     import zmq
 
+    from kvseal.disagg.link_auth import secure_client
     from kvseal.disagg.msgs import IntegrityCheckMsg, IntegrityReportMsg, decode, encode
 
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    address = engine.address
     try:
+        secure_client(sock, engine.keys.pair("frontend"), engine.keys.pair(engine.role).public)
         sock.connect(f"tcp://{address}")
         sock.send(encode(IntegrityCheckMsg()))
         for _ in range(200):
@@ -140,7 +185,7 @@ def assert_engines_clean(*engines: PdEngine) -> None:
     """Each engine's invariants hold and its pool has drained back to all free."""
     for engine in engines:
         def drained(engine: PdEngine = engine) -> Any:
-            report = engine_integrity(engine.address)
+            report = engine_integrity(engine)
             return report if report.num_pages_used == 0 and report.num_unfinished == 0 else None
         report = wait_for(drained, f"{engine.name} to drain its pool")
         assert report.error is None, f"{engine.name}: {report.error}"

@@ -98,7 +98,7 @@ def rogue_push(pair: PdPair, handoff: Handoff, written: list[int]) -> int:
     """Push KV for `written[layer]` leading positions from prefill's pool, as a broken prefill would."""
     r = handoff.reserved
     assert r is not None
-    plan = PushPlan(r.transfer_id, list(range(len(r.pages))), written, r.kv_address, r.pages)
+    plan = pair.plan(r, list(range(len(r.pages))), written)
     sender = TcpSender(pair.rogue) if pair.prefill.config.kv_transport == "tcp" else pair.prefill.transport
     return sender.push(plan, pair.prefill.engine.kv.pool)  # type: ignore[union-attr]
 
@@ -107,7 +107,7 @@ def rogue_commit(pair: PdPair, handoff: Handoff, num_tokens: int, written: list[
                  tenant: str = "alice") -> None:
     r = handoff.reserved
     assert r is not None
-    pair.rogue.get(pair.decode.config.listen).send(CommitMsg(
+    pair.peer_link().send(CommitMsg(
         r.transfer_id, handoff.request_id, tenant, num_tokens,
         [WrittenRangeMsg(layer, 0, end) for layer, end in enumerate(written)], 5, None,
         torch.Generator().get_state().numpy().tobytes(), "rogue"))
@@ -147,7 +147,7 @@ def test_v_missing_in_one_layer_is_refused(make_pair: Any) -> None:
     handoff = pair.reserve(PROMPT, GREEDY)
     rogue_push(pair, handoff, [30, 30])
     other = pair.reserve(PROMPT, GREEDY)  # this transfer's V frames of layer 0 never arrive
-    link, payload = pair.rogue.get(pair.decode.config.listen), page_bytes(pair, 8)
+    link, payload = pair.peer_link(), page_bytes(pair, 8)
     ro = other.reserved
     assert ro is not None
     for layer in range(NUM_LAYERS):
@@ -182,7 +182,7 @@ def test_decode_refuses_writes_it_did_not_authorize(make_pair: Any, llama_dir: P
     assert r is not None
     page = page_bytes(pair, 8)
     before = [t.clone() for t in pair.decode.engine.kv.pool.k]
-    link = pair.rogue.get(pair.decode.config.listen)
+    link = pair.peer_link()
     link.send(KVBlockMsg("not-a-transfer", 0, "k", 0, 30), [page])  # unknown transfer id
     link.send(KVBlockMsg(r.transfer_id, 0, "k", 0, 4 * len(r.pages) + 4), [page])  # past the reservation
     link.send(KVBlockMsg(r.transfer_id, 0, "k", 2, 30), [page])  # not page-aligned
@@ -326,7 +326,7 @@ def test_transport_error_reaches_the_frontend_and_frees_prefill(make_pair: Any) 
 def test_an_engine_binds_only_its_address_and_refuses_a_taken_one(make_pair: Any) -> None:
     pair = make_pair()
     with pytest.raises(ConfigError, match="cannot listen on"):
-        EngineNode(pair.decode.engine, NodeConfig("decode", pair.decode.config.listen), pair.ctx)
+        EngineNode(pair.decode.engine, NodeConfig("decode", pair.decode.config.listen, link_keys=pair.keys.of_decode()))
     pair.assert_clean()
 
 
@@ -352,7 +352,7 @@ def test_a_nixl_write_into_another_reservations_slots_is_refused(llama_dir: Path
         assert ra is not None and rb is not None
         sender, pool = pair.prefill.transport, pair.prefill.engine.kv.pool
         src = list(range(len(rb.pages)))
-        sender.push(PushPlan(rb.transfer_id, src, [30, 30], ra.kv_address, ra.pages), pool)  # type: ignore[union-attr]
+        sender.push(pair.plan(rb, src, [30, 30], ra.kv_address, dest=ra.pages), pool)  # type: ignore[union-attr]
         rogue_commit(pair, b, 30, [30, 30])
         pair.pump(lambda: b.is_terminal, "b's refusal")
         assert_refused_by_decode(b, "layer 0 K: only positions [0, 0)")
@@ -395,7 +395,7 @@ def push_and_land(pair: PdPair, handoff: Handoff, src: list[int], written: list[
     r = handoff.reserved
     assert r is not None
     kv_address = pair.decode.transport.address_for(r.transfer_id)  # type: ignore[union-attr]  # as authorized now
-    plan = PushPlan(r.transfer_id, src, written, kv_address, r.pages, start=start)
+    plan = pair.plan(r, src, written, kv_address, start=start)
     if sender is None:
         sender = TcpSender(pair.rogue) if pair.prefill.config.kv_transport == "tcp" else pair.prefill.transport
     num_bytes = sender.push(plan, pair.prefill.engine.kv.pool)  # type: ignore[union-attr]
@@ -421,7 +421,7 @@ def test_prefill_may_reuse_its_pages_as_soon_as_push_returns(make_pair: Any) -> 
     sent = {(layer, kind): positions(pool, layer, kind, src)[:, :30] for layer in range(NUM_LAYERS) for kind in "kv"}
     r = handoff.reserved
     assert r is not None
-    plan = PushPlan(r.transfer_id, src, [30, 30], r.kv_address, r.pages)
+    plan = pair.plan(r, src, [30, 30])
     sender = TcpSender(pair.rogue) if pair.prefill.config.kv_transport == "tcp" else pair.prefill.transport
     sender.push(plan, pool)  # type: ignore[union-attr]
     for tensor in pool.k + pool.v:
@@ -443,11 +443,13 @@ def test_no_stale_bytes_leave_prefills_pool_over_tcp(make_pair: Any, max_frame_r
     pair = make_pair()
     src = prefill_pages_with_stale_tails(pair, 8, 30)
     ctx = pair.ctx
-    router = ctx.socket(zmq.ROUTER)
+    router = ctx.socket(zmq.ROUTER)  # stands in for decode: proves decode's key (no ZAP: any client may connect)
+    router.curve_server, router.curve_secretkey = True, pair.keys.decode.secret
     port = router.bind_to_random_port("tcp://127.0.0.1")
     try:
-        links = PeerLinks(ctx)
-        plan = PushPlan("t-1", src, [30, 30], f"127.0.0.1:{port}", list(range(8)))
+        links = PeerLinks(ctx, pair.keys.prefill)
+        plan = PushPlan("t-1", src, [30, 30], f"127.0.0.1:{port}", list(range(8)), transfer_key=bytes(32),
+                        decode_key=pair.keys.decode.public)
         num_bytes = TcpSender(links, max_frame_runs=max_frame_runs).push(plan, pair.prefill.engine.kv.pool)
         frames = [router.recv_multipart() for _ in range(2 * NUM_LAYERS)]
         links.close()
@@ -498,7 +500,8 @@ def test_a_push_from_a_page_aligned_start_sends_only_start_to_end(make_pair: Any
     src = prefill_pages_with_stale_tails(pair, 8, 30)
     page_size = decode_pool.page_size
     # as decode authorizes a reservation whose first two pages are its prefix-cache hit
-    pair.decode.transport.authorize(r.transfer_id, list(r.pages[8 // page_size:]), start=8)  # type: ignore[union-attr]
+    pair.decode.transport.authorize(r.transfer_id, list(r.pages[8 // page_size:]), start=8,  # type: ignore[union-attr]
+                                    key=r.transfer_key)
     num_bytes = push_and_land(pair, handoff, src, [30, 30], start=8)
     num_kv_heads, _, head_dim = decode_pool.page_shape()
     payload = NUM_LAYERS * 2 * num_kv_heads * 6 * page_size * head_dim * 4  # pages 2..7, float32
@@ -610,10 +613,10 @@ def test_nixl_arena_pages_stay_taken_until_no_write_can_land(llama_dir: Path, lo
         receiver = pair.decode.transport
         free = receiver._free  # type: ignore[union-attr]
         before = free.num_free
-        receiver.authorize("t-late", [0, 1, 2])  # type: ignore[union-attr]
+        receiver.authorize("t-late", [0, 1, 2], key=bytes(32))  # type: ignore[union-attr]
         arena = decode_address(receiver.address_for("t-late")).arena_pages()  # type: ignore[union-attr]
         assert receiver.cancel("t-late") is False  # type: ignore[union-attr]
-        receiver.authorize("t-next", [3, 4, 5])  # type: ignore[union-attr]
+        receiver.authorize("t-next", [3, 4, 5], key=bytes(32))  # type: ignore[union-attr]
         assert not set(arena) & set(decode_address(receiver.address_for("t-next")).arena_pages())  # type: ignore[union-attr]
         assert free.num_free == before - 6
         receiver.sender_done("t-late")  # type: ignore[union-attr]
@@ -651,7 +654,7 @@ def test_tcp_frames_cut_anywhere_land_in_scattered_or_consecutive_pages(pages: l
     receiver = TcpReceiver(pool, 2, "test")
     for tensor in pool.k + pool.v:
         tensor.fill_(STALE)
-    receiver.authorize("t-1", pages)
+    receiver.authorize("t-1", pages, key=b"")  # frames ride the CURVE link: no key here
     sent = torch.randn(2, 4, 4, 3)  # [kv_heads, pages, page_size, head_dim], the positions in order
     raw = sent.view(-1).view(torch.uint8)
     page_bytes = 4 * 3 * 4
@@ -669,12 +672,12 @@ def test_tcp_frames_cut_anywhere_land_in_scattered_or_consecutive_pages(pages: l
 def test_tcp_receiver_refuses_to_authorize_pages_outside_its_pool() -> None:
     receiver = TcpReceiver(KVPool(2, 12, 4, 2, 3, torch.float32), 2, "test")
     with pytest.raises(ValueError, match="outside the pool"):
-        receiver.authorize("t-1", [3, 12])
+        receiver.authorize("t-1", [3, 12], key=b"")
 
 
 def test_a_push_plan_refuses_a_negative_start() -> None:
     with pytest.raises(ValueError, match="start"):
-        PushPlan("t", [0], [4], "127.0.0.1:1", [0], start=-4)
+        PushPlan("t", [0], [4], "127.0.0.1:1", [0], start=-4, transfer_key=bytes(32), decode_key=b"")
 
 
 def test_copy_pages_checks_page_ids_before_moving_a_byte() -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from pd_servers import ENGINE_FLAGS, Proc
+from pd_servers import ENGINE_FLAGS, LinkKeyFiles, Proc
 from processes import free_port
 
 from kvseal import LLM, SamplingParams
@@ -19,17 +19,27 @@ from kvseal.disagg.serve import num_usable_cores, pd_threads
 FLAGS = [*ENGINE_FLAGS, "--kv-cache-tokens", "1024", "--max-model-len", "512"]
 
 
-@pytest.mark.parametrize("argv", [
-    ["serve", "--prefill", "127.0.0.1:9"],  # no --decode
-    ["serve", "--decode", "127.0.0.1:9"],  # no --prefill
-    ["serve", "--pd", "--prefill", "127.0.0.1:9", "--decode", "127.0.0.1:10"],
-    ["serve", "--prefill", "nonsense", "--decode", "127.0.0.1:9"],
-    ["engine", "--role", "decode", "--listen", "127.0.0.1"],  # no port
-    ["engine", "--role", "decode", "--listen", "127.0.0.1:9", "--reservation-timeout-s", "0"],
+@pytest.fixture
+def decode_keys(tmp_path: Path) -> list[str]:
+    """The key flags a decode engine needs (every engine link is authenticated)."""
+    keys = LinkKeyFiles.in_folder(tmp_path)
+    return keys.engine_flags("decode")
+
+
+@pytest.mark.parametrize(("argv", "what"), [
+    (["serve", "--prefill", "127.0.0.1:9"], "--decode"),  # no --decode
+    (["serve", "--decode", "127.0.0.1:9"], "--prefill"),  # no --prefill
+    (["serve", "--pd", "--prefill", "127.0.0.1:9", "--decode", "127.0.0.1:10"], "--pd starts its own"),
+    (["serve", "--prefill", "nonsense", "--decode", "127.0.0.1:9"], "not HOST:PORT"),
+    (["engine", "--role", "decode", "--listen", "127.0.0.1"], "--listen"),  # no port
+    (["engine", "--role", "decode", "--listen", "127.0.0.1:9", "--reservation-timeout-s", "0"],
+     "--reservation-timeout-s"),
 ])
-def test_bad_pd_flags_are_refused_before_anything_starts(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(argv) == 2
-    assert "kvseal: error:" in capsys.readouterr().err
+def test_bad_pd_flags_are_refused_before_anything_starts(argv: list[str], what: str, decode_keys: list[str],
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([*argv, *decode_keys] if argv[0] == "engine" else argv) == 2
+    err = capsys.readouterr().err
+    assert "kvseal: error:" in err and what in err, err
 
 
 @pytest.mark.parametrize(("argv", "flag"), [
@@ -38,9 +48,9 @@ def test_bad_pd_flags_are_refused_before_anything_starts(argv: list[str], capsys
     (["serve", "--pd", "--pd-threads", "2"], "--pd-threads"),
     (["serve", "--prefill", "127.0.0.1:9", "--decode", "127.0.0.1:10", "--pd-threads", "1,1"], "--pd-threads"),
 ])
-def test_bad_thread_counts_are_refused_naming_the_flag(argv: list[str], flag: str,
+def test_bad_thread_counts_are_refused_naming_the_flag(argv: list[str], flag: str, decode_keys: list[str],
                                                        capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(argv) == 2
+    assert main([*argv, *decode_keys] if argv[0] == "engine" else argv) == 2
     assert f"kvseal: error: {flag}" in capsys.readouterr().err
 
 

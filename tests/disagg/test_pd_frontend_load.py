@@ -11,20 +11,22 @@ import pytest
 from processes import free_port
 
 from kvseal.disagg.frontend import PdClient, scrub_policy
+from kvseal.disagg.link_keys import EngineEndpoint, KeyPair
 from kvseal.disagg.msgs import EngineInfoMsg, PdStatsMsg, Role
 from kvseal.messages.msgs import EngineStatsMsg
 
 
 @pytest.fixture
 def client() -> Iterator[PdClient]:
-    pd = PdClient([f"127.0.0.1:{free_port()}"], [f"127.0.0.1:{free_port()}"], "/tokenizer")
+    engines = [EngineEndpoint(f"127.0.0.1:{free_port()}", KeyPair.ephemeral(role).public) for role in ("p", "d")]
+    pd = PdClient(engines[:1], engines[1:], "/tokenizer", KeyPair.ephemeral("frontend"))
     yield pd
     asyncio.run(pd.shutdown(timeout_s=0))
 
 
 def _stats(instance_id: str, role: Role, num_pages_scrubbed: int, num_violations: int = 0) -> PdStatsMsg:
     engine = EngineStatsMsg(0, 0, 0, 64, 0, num_violations, num_pages_scrubbed)
-    return PdStatsMsg(instance_id, role, engine, 64, 0, 0, 0, 0.0, {}, 0)
+    return PdStatsMsg(instance_id, role, engine, 64, 0, 0, 0, 0.0, {}, 0, 0, 0)
 
 
 def test_pages_scrubbed_sums_engines_and_never_drops(client: PdClient) -> None:

@@ -18,7 +18,7 @@ from kvseal import LLM, SamplingParams
 from kvseal._testing.faults import Fault, inject
 from kvseal.disagg.msgs import HANDOFF_FAILED, CommitMsg, KVBlockMsg, PrefillDoneMsg, WrittenRangeMsg
 from kvseal.disagg.tcp import TcpSender
-from kvseal.disagg.transport import PushPlan, TransportError
+from kvseal.disagg.transport import TransportError
 from kvseal.messages.msgs import AbortMsg
 from kvseal.models.loader import load_model
 from kvseal.types import ISOLATION_CHECK_FAILED
@@ -163,10 +163,10 @@ def test_a_transfer_never_writes_a_cached_page(make_pair: Any, llama_dir: Path) 
     before = [(k.index_select(1, cached).clone(), v.index_select(1, cached).clone()) for k, v in zip(pool.k, pool.v)]
     prefill_pool = pair.prefill.engine.kv.pool
     prefill_pool.fill(list(range(prefill_pool.num_pages)), 7.0)  # what the rogue push would write
-    plan = PushPlan(r.transfer_id, list(range(len(r.pages))), [len(PROMPTS[1])] * 2, r.kv_address, r.pages)
+    plan = pair.plan(r, list(range(len(r.pages))), [len(PROMPTS[1])] * 2)
     if pair.prefill.config.kv_transport == "tcp":
         TcpSender(pair.rogue).push(plan, prefill_pool)
-        link = pair.rogue.get(pair.decode.config.listen)
+        link = pair.peer_link()
         link.send(KVBlockMsg(r.transfer_id, 0, "k", 0, PAGE), [prefill_pool.export_pages(0, torch.arange(1))[0]
                   .view(torch.uint8).numpy().tobytes()])
         pair.pump(lambda: pair.decode.loop.stats().handoff_failures.get("write_outside_reservation", 0) == 5,
@@ -203,17 +203,17 @@ def test_a_commit_that_does_not_start_at_the_hit_is_refused(
     end = len(PROMPTS[1])
     start = r.num_cached_tokens if pushed_start is None else pushed_start
     if pushed_start is None:
-        plan = PushPlan(r.transfer_id, list(range(len(r.pages))), [end, end], r.kv_address, r.pages, start)
+        plan = pair.plan(r, list(range(len(r.pages))), [end, end], start=start)
         sender = TcpSender(pair.rogue) if pair.prefill.config.kv_transport == "tcp" else pair.prefill.transport
         sender.push(plan, pair.prefill.engine.kv.pool)  # type: ignore[union-attr]
     else:  # a receiver that let a write before the hit land: verification refuses it anyway
         receiver = pair.decode.steps.receiver  # type: ignore[attr-defined]
         receiver.landed(r.transfer_id).add(0, "k", pushed_start, end, 0)
         if pair.prefill.config.kv_transport == "tcp-stream":  # the stream's end record, or the commit waits
-            nothing = PushPlan(r.transfer_id, list(range(len(r.pages))), [0, 0], r.kv_address, r.pages)
+            nothing = pair.plan(r, list(range(len(r.pages))), [0, 0])
             pair.prefill.transport.push(nothing, pair.prefill.engine.kv.pool)  # type: ignore[union-attr]
     claimed = r.num_cached_tokens if claimed_start is None else claimed_start
-    pair.rogue.get(pair.decode.config.listen).send(CommitMsg(
+    pair.peer_link().send(CommitMsg(
         r.transfer_id, handoff.request_id, "alice", end, [WrittenRangeMsg(layer, claimed, end) for layer in range(2)],
         5, None, torch.Generator().get_state().numpy().tobytes(), "rogue"))
     pair.pump(lambda: handoff.is_terminal, "the refusal")

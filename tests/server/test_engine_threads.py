@@ -13,6 +13,7 @@ from server_process import ServerProcess
 
 from kvseal import LLM, SamplingParams
 from kvseal.cli import main
+from kvseal.disagg.link_keys import generate_keys
 
 
 def _not_the_default() -> int:
@@ -53,6 +54,10 @@ def test_threads_that_cannot_be_honoured_are_refused(argv: list[str], tmp_path: 
                                                      monkeypatch: pytest.MonkeyPatch,
                                                      capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.chdir(tmp_path)
+    if "--prefill" in argv:  # PD against running engines needs its keys before anything else is checked
+        generate_keys(tmp_path / "keys", ["frontend", "prefill", "decode"])
+        argv = [*argv, "--link-key", "keys/frontend.key_secret", "--prefill-keys", "keys/prefill.key",
+                "--decode-keys", "keys/decode.key"]
     before = torch.get_num_threads()
     assert main(argv) == 2
     assert "kvseal: error: --threads" in capsys.readouterr().err
