@@ -27,8 +27,8 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import io
 import importlib.util
+import io
 import logging
 import os
 import platform
