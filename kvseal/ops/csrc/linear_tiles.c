@@ -1,3 +1,40 @@
+/* bfloat16 linears over weights in AMX's tile layout: y = x W^T (+ bias), x and y bfloat16,
+ * float32 sums, each output rounded once (vcvtneps2bf16).
+ *
+ * Layout. The weight is packed once ([ceil(N/16)][K/32] tiles of 16 k-pairs x 16 outputs x 2,
+ * the layout TDPBF16PS reads, zero-padded past N); K must be a multiple of 32.
+ *
+ * Blocking. Each step computes 32 rows x 2 panels (a panel pair) over every k, blocked as a
+ * GEMM: groups of panel pairs stay in L2 (TILE_GROUP_BYTES) while every 32-row chunk passes over
+ * them, so the weights come from memory once, and a chunk's rows stay in L1 across the group's
+ * pairs. Threads claim runs of consecutive pairs from a shared counter, so each streams its
+ * weights in order: below 256 rows short runs (about 8 a thread), so a thread the frontend
+ * preempts holds no fixed share for the other to wait on; from 256 rows one run a thread, since
+ * every run re-reads all the rows. At decode sizes (<= 32 rows) a thread claims its next run
+ * before it works on the one in hand, and the run's last pair prefetches the next run's first
+ * weights.
+ *
+ * Two engines compute a step (dispatch.c picks one at start-up):
+ *   AMX (Sapphire Rapids and later, where the process may use tile data): 2 x 2 tiles per 32-k
+ *     step; a chunk's outputs go out a row or two at a time between the next chunk's tile
+ *     products, so the vector ports convert and store while the tiles compute. At 1-32 rows a
+ *     pass over SmolLM2-135M's 270 MB of weights takes 10.5-13.4 ms (the memory's bandwidth)
+ *     against oneDNN's 14.6-17.8 ms; at 2,048 rows 0.9x oneDNN's time (docs/BENCHMARKS.md,
+ *     rounds 10 and 20).
+ *   AVX512-BF16 (CPUs without AMX, such as AMD's Zen 4 and 5): one 64-byte tile row is exactly
+ *     VDPBF16PS's operand (16 outputs' k-pairs) against x's pair broadcast: 8 rows x 2 panels
+ *     in 16 accumulators, few-row blocks splitting k over more accumulators, the first chunk of
+ *     rows prefetching the next pair's weights a line per k-pair, its row blocks dividing those
+ *     lines between them so the prefetch spreads over the whole chunk. On a Zen 5 host it
+ *     matches oneDNN at 2,048 rows and takes 0.7-0.86x its time at 8-32 rows (round 11).
+ * A build without AVX512-BF16 has neither: the entry points answer -1 and the ops layer keeps
+ * torch's linears.
+ *
+ * The MLP's gate/up + SiLU (kvseal_linear_silu_tiles): each gate panel paired with the up panel
+ * of the same features, the epilogue rounding gate and up to bfloat16 (the linear's output),
+ * silu(gate) to bfloat16, then the product, as the two passes round: bit-equal to them, with the
+ * [rows, 2 * inter] intermediate never written. */
+
 #include "kvseal_ops.h"
 #include "tiles.h"
 #include "vec.h"
