@@ -96,7 +96,7 @@ def paged_attention(tokens: NewTokens, pool: KVPool, layer: int, plan: Attention
     """One layer's attention for every token of the forward -> [T, heads, head_dim]. tokens: the
     forward's q and its K/V as written to the pool (with the fused qkv rows where they exist)."""
     q = tokens.q
-    out = torch.empty(q.shape, dtype=q.dtype)  # contiguous: the kernels write rows of it
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous: the kernels write rows of it
     if plan.decode is not None:
         rows = plan.decode
         if rows.token_idx is None:

@@ -44,8 +44,11 @@ class NativeKernels:
         self.ffi: Any = built.module.ffi
         self._cast = self.ffi.cast
         self.NULL = self.ffi.NULL
-        # what runs the tile linears: TILES_AMX, TILES_AVX512 (AVX512-BF16 dot products over the
-        # same tiles: a CPU or process without AMX), or TILES_NONE (linear_tiles refuses)
+        # the header's tile engines: AMX, AVX512-BF16 dot products over the same tiles (a CPU or
+        # process without AMX), or none (the tile linears refuse)
+        self.TILES_NONE, self.TILES_AVX512, self.TILES_AMX = (
+            int(self.lib.KVSEAL_TILES_NONE), int(self.lib.KVSEAL_TILES_AVX512), int(self.lib.KVSEAL_TILES_AMX))
+        # what runs the tile linears (and the attention kernels' AMX paths) from start-up on
         self.tile_engine: int = self.lib.kvseal_tiles_init()
 
     @classmethod
@@ -56,18 +59,6 @@ class NativeKernels:
         if kernels is None:
             kernels = _instances[built.path] = cls(built)
         return kernels
-
-    @property
-    def TILES_NONE(self) -> int:  # noqa: N802  (the header's constants, by their C names)
-        return int(self.lib.KVSEAL_TILES_NONE)
-
-    @property
-    def TILES_AVX512(self) -> int:  # noqa: N802
-        return int(self.lib.KVSEAL_TILES_AVX512)
-
-    @property
-    def TILES_AMX(self) -> int:  # noqa: N802
-        return int(self.lib.KVSEAL_TILES_AMX)
 
     def set_tile_engine(self, engine: int) -> int:
         """Run the tile linears on `engine` (TILES_AVX512 also on an AMX host; TILES_AMX where
