@@ -186,8 +186,10 @@ class Ops(Protocol):
         (contiguous): x * cos + roll(x, D / 2) * signed_sin, cos and signed_sin [T, D]."""
 
     def write_kv(self, pool: KVPool, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store k, v [T, KV, D] at slots [T] of `layer`, recorded as `KVPool.write` records it.
-        IndexError, writing nothing, for a slot outside the layer."""
+        """Store k, v [T, KV, D] at slots [T] of `layer`, recorded as `KVPool.write` records it
+        (the record is what the next forward's isolation check reads). A slot outside the layer
+        is an IndexError, not recorded (the native kernel checks every slot first and then writes
+        nothing)."""
 
     def decode_loop(self, stack: DecoderStack) -> DecodeLoop | None:
         """All layers of a decode-only step in one call for this decoder, or None (where the
