@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import torch
-from built_kernels import HAS_TILES, needs_kernels
+from built_kernels import HAS_TILES, native_ops, needs_kernels
 
 from kvseal.types import SamplingParams
 
@@ -63,6 +63,24 @@ def test_loop_equals_the_per_layer_native_forward(make_llm: Callable[..., Any], 
     for a, b in zip(looped, plain):
         assert a.token_ids == b.token_ids
         assert a.logprobs == b.logprobs  # exact: the same kernels in the same order
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_test_kernels_loop_equals_their_per_layer_ops(make_llm: Callable[..., Any], dtype: str) -> None:
+    """The same with the forward on the tests' own kernels (`built_kernels`: in
+    tests/ops/test_sanitizers.py built with ASan and UBSan, so the loop runs under them too)."""
+    outputs = []
+    for loop in (True, False):
+        llm = make_llm(dtype=dtype)
+        llm.engine.runner.model.use_ops(native_ops())
+        if loop:
+            calls = _count_loop_steps(llm)
+        else:
+            _without_loop(llm)
+        outputs.append(llm.generate(PROMPTS, PARAMS))
+    assert calls and max(calls) == len(PROMPTS)
+    for a, b in zip(*outputs):
+        assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
 
 
 def test_models_the_loop_does_not_run_keep_the_per_layer_forward(make_llm: Callable[..., Any],
