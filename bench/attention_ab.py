@@ -5,8 +5,9 @@ stays in cache, on huge pages where the kernel offers them, as the engine's pool
 SmolLM2-135M's 9 query heads and each row's pages consecutive as the engine allocates them,
 at each row count.
 
-As in `bench/linears_ab.py`, both libraries are built from each tree's `kvseal/models/csrc.py`
-and loaded side by side, the passes alternate (ABBA...), and the figure of merit is the median
+As in `bench/linears_ab.py`, both libraries are built from each tree's `kvseal/ops/csrc/` (trees
+from before the kernels were C files are not comparable with it) and loaded side by side, the
+passes alternate (ABBA...), and the figure of merit is the median
 of the B/A ratios of adjacent passes. Outputs are compared bit for bit, and by their largest
 difference where they are not bit-equal.
 
@@ -24,13 +25,13 @@ from typing import Any
 import torch
 from linears_ab import alternate, library_of, ratio_summary  # bench/ is on the path when this file runs
 
-import kvseal.models.native as native
 from kvseal.hugepages import huge_empty
+from kvseal.ops.native_kernels import NativeKernels
 
 LAYERS, KV_HEADS, PAGES, PAGE_SIZE, HEAD_DIM, HEADS = 30, 3, 2048, 16, 64, 9
 
 
-def compare(a: native.NativeLibrary, b: native.NativeLibrary, pools: list[tuple[torch.Tensor, torch.Tensor]],
+def compare(a: NativeKernels, b: NativeKernels, pools: list[tuple[torch.Tensor, torch.Tensor]],
             rows: int, context: int, rounds: int) -> dict[str, Any]:
     dtype = pools[0][0].dtype
     per_row = -(-context // PAGE_SIZE)
@@ -39,10 +40,8 @@ def compare(a: native.NativeLibrary, b: native.NativeLibrary, pools: list[tuple[
     lens = torch.full((rows,), context, dtype=torch.int64) - torch.arange(rows) % PAGE_SIZE  # ragged last pages
     queries = [torch.randn(rows, HEADS, HEAD_DIM, dtype=dtype) for _ in range(LAYERS)]
 
-    def layers(library: native.NativeLibrary) -> list[torch.Tensor]:
-        kernel = library.decode_attention if dtype == torch.float32 else library.decode_attention_bf16
-        return [native.run_decode_attention(kernel, q, k, v, tables, lens, context)
-                for (k, v), q in zip(pools, queries)]
+    def layers(kernels: NativeKernels) -> list[torch.Tensor]:
+        return [kernels.decode_attention(q, k, v, tables, lens, context) for (k, v), q in zip(pools, queries)]
 
     times, outputs = alternate({"a": partial(layers, a), "b": partial(layers, b)}, rounds)
     return {"rows": rows, "context": context, **ratio_summary(times, "a", "b", ms_digits=2),

@@ -13,15 +13,17 @@ import time
 
 import torch
 
-import kvseal.models.native as native
+from kvseal.ops.native_build import BuildConfig, NativeBuildError
+from kvseal.ops.native_kernels import NativeKernels
 
 LAYERS, KV_HEADS, PAGES, PAGE_SIZE, HEAD_DIM, HEADS, CONTEXT = 30, 3, 2048, 16, 64, 9, 320
 
 
 def main() -> None:
-    kernel = native.decode_attention_kernel(torch.float32)
-    if kernel is None:
-        raise SystemExit("the native kernels did not build here")
+    try:
+        kernels = NativeKernels.load(BuildConfig.from_environment())
+    except NativeBuildError as error:
+        raise SystemExit(f"the native kernels did not build here: {error}") from error
     pools = [(torch.randn(KV_HEADS, PAGES, PAGE_SIZE, HEAD_DIM), torch.randn(KV_HEADS, PAGES, PAGE_SIZE, HEAD_DIM))
              for _ in range(LAYERS)]
     per_row = -(-CONTEXT // PAGE_SIZE)
@@ -35,7 +37,7 @@ def main() -> None:
         for _ in range(12):
             start = time.perf_counter()
             for (k, v), q in zip(pools, queries):
-                native.run_decode_attention(kernel, q, k, v, tables, lens, CONTEXT)
+                kernels.decode_attention(q, k, v, tables, lens, CONTEXT)
             attend.append(time.perf_counter() - start)
             start = time.perf_counter()
             for k, v in pools:

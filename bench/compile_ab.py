@@ -5,7 +5,8 @@ torch.compile (Inductor, CPU) make a decode step faster, and what would it cost 
 with three variants of the default model's forward, swapped into one engine in one process
 and timed alternately (same pool, same workload, same load):
 
-- `eager`: the engine's forward as it is (float32 linears oneDNN-packed, `models/packed.py`).
+- `eager`: the engine's forward with the torch ops (`--native off`: float32 linears
+  oneDNN-packed, `kvseal/ops/torch_linears.py`).
 - `layer`: one compiled graph shared by all 30 layers (weights are graph inputs), RMSNorm /
   RoPE / residuals / SiLU*up fused by Inductor. The pool write and paged attention (with the
   KV write records and checks) run outside the graph as an opaque custom op; so do the packed
@@ -49,13 +50,15 @@ from kvseal.kvcache.pool import KVPool
 from kvseal.models.attention import AttentionPlan, paged_attention
 from kvseal.models.llama import CausalLM, DecoderLayer
 from kvseal.models.loader import load_model
-from kvseal.models.packed import PackedLinear
 from kvseal.models.rope import RotaryEmbedding
+from kvseal.ops import NewTokens, TorchOps
+from kvseal.ops.torch_linears import PackedLinear
 from kvseal.types import ForwardBatch
 
 # --- opaque ops: what stays outside the compiled graph ---------------------------------------
 
 _scope: tuple[ForwardBatch, AttentionPlan, KVPool] | None = None
+_OPS = TorchOps()
 
 
 @contextlib.contextmanager
@@ -79,7 +82,7 @@ def layer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
     assert _scope is not None, "layer_attention outside attention_scope"
     batch, plan, pool = _scope
     pool.write(layer, batch.slot_mapping, k, v)
-    return paged_attention(q, k, v, pool, layer, plan).contiguous()
+    return paged_attention(NewTokens(q, k, v, None), pool, layer, plan, _OPS).contiguous()
 
 
 def _packed_linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -143,7 +146,7 @@ def install(model: CausalLM, run_layers: LayersFn) -> CausalLM:
     """Replace `model.forward` by `CausalLM.forward` with its layers run by `run_layers`."""
     @torch.inference_mode()
     def forward(batch: ForwardBatch, pool: KVPool) -> torch.Tensor:
-        plan = AttentionPlan.build(batch, pool, model.config.num_heads)
+        plan = AttentionPlan.build(batch, pool, model.config.num_heads, _OPS)
         h = model.model.embed_tokens(batch.input_ids)
         cos, signed_sin = model.rope.cos_sin(batch.positions, h.dtype)
         with attention_scope(batch, plan, pool):
@@ -201,7 +204,7 @@ def main() -> None:
     unpacked = copy.deepcopy(loaded.model) if "frozen" in args.variants else None
     engine = LLMEngine(EngineArgs(dtype="float32", max_model_len=args.prompt_len + 2 * args.steps + 64,
                                   kv_cache_tokens=max_c * (args.prompt_len + 2 * args.steps + 64),
-                                  max_num_seqs=max_c), loaded)
+                                  max_num_seqs=max_c, native="off"), loaded)
     eager = engine.runner.model
     models: dict[str, CausalLM] = {"eager": eager}
     if "layer" in args.variants:  # the engine's packed model, a second forward over it

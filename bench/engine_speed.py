@@ -85,15 +85,19 @@ def bench_linears(rows_list: list[int], repeats: int) -> dict[str, Any]:
     packed weights (PackedLinear, the fallback without a compiler); `panels`: kvseal's C kernel
     over float32 panels (the default); `panels_bf16`: the same over bfloat16 panels
     (`--quantization bf16`)."""
-    from kvseal.models.native import native_library
-    from kvseal.models.packed import PackedLinear, PanelLinear
+    from kvseal.ops.native_build import BuildConfig, NativeBuildError
+    from kvseal.ops.native_kernels import NativeKernels
+    from kvseal.ops.native_linears import PanelLinear
+    from kvseal.ops.torch_linears import PackedLinear
 
-    library = native_library()
     plain = [torch.nn.Linear(k, n, bias=False) for k, n in SMOLLM2_LINEARS]
     kinds: dict[str, list[torch.nn.Module]] = {"linear": list(plain), "onednn": [PackedLinear(m) for m in plain]}
-    if library is not None:
-        kinds["panels"] = [PanelLinear(m, library) for m in plain]
-        kinds["panels_bf16"] = [PanelLinear(m, library, torch.bfloat16) for m in plain]
+    try:
+        kernels = NativeKernels.load(BuildConfig.from_environment())
+        kinds["panels"] = [PanelLinear(m, kernels) for m in plain]
+        kinds["panels_bf16"] = [PanelLinear(m, kernels, torch.bfloat16) for m in plain]
+    except NativeBuildError:
+        pass
     results = []
     for rows in rows_list:
         inputs = [torch.randn(rows, k) for k, _ in SMOLLM2_LINEARS]
@@ -113,7 +117,7 @@ def bench_linears(rows_list: list[int], repeats: int) -> dict[str, Any]:
 
 def bench_decode_attention(batch_sizes: list[int], context_len: int, repeats: int) -> dict[str, Any]:
     """Decode attention over SmolLM2-135M's shapes (9 query heads, 3 KV heads, head_dim 64,
-    16-token pages, scattered), ms per layer: this tree's `_decode_attention` (`in_place`: the
+    16-token pages, scattered), ms per layer: this tree's decode attention (`in_place`: the
     native kernel where it builds, else V read in place by embedding bags) against the round-2
     formulation (K and V gathered, two matmuls),
     alternating, best of `repeats`. Outputs are compared too (max abs difference)."""
@@ -123,7 +127,9 @@ def bench_decode_attention(batch_sizes: list[int], context_len: int, repeats: in
 
 def _time_decode_attention(batch_size: int, context_len: int, repeats: int) -> dict[str, Any]:
     from kvseal.kvcache.pool import KVPool
-    from kvseal.models.attention import AttentionPlan, _decode_attention
+    from kvseal.models.attention import AttentionPlan
+    from kvseal.ops import TorchOps, select_ops
+    from kvseal.ops.torch_attention import GatheredRows
     from kvseal.types import ForwardBatch
 
     num_heads, page_size = 9, 16
@@ -134,11 +140,14 @@ def _time_decode_attention(batch_size: int, context_len: int, repeats: int) -> d
     batch = ForwardBatch(torch.zeros(batch_size, dtype=torch.long), torch.full((batch_size,), context_len - 1),
                          torch.zeros(batch_size, dtype=torch.long), [1] * batch_size, [context_len] * batch_size,
                          tables, torch.arange(batch_size))
-    rows = AttentionPlan.build(batch, pool, num_heads).decode
-    assert rows is not None
+    ops = select_ops()
+    plan = AttentionPlan.build(batch, pool, num_heads, ops).decode
+    gathered = AttentionPlan.build(batch, pool, num_heads, TorchOps()).decode
+    assert plan is not None and gathered is not None and isinstance(gathered.plan, GatheredRows)
+    rows = gathered.plan
     q = torch.randn(batch_size, num_heads, 64)
 
-    # the native kernel's rows have no gather buffers: the round-2 formulation makes its own
+    # the round-2 formulation makes its own gather buffers
     buffers = [torch.empty(3, rows.pages.numel(), page_size, 64) for _ in range(2)]
 
     def gather_matmul() -> torch.Tensor:  # the formulation before round 3 (one gather buffer per step)
@@ -150,7 +159,7 @@ def _time_decode_attention(batch_size: int, context_len: int, repeats: int) -> d
         return torch.matmul(torch.softmax(scores, -1), v).transpose(0, 1).reshape(batch_size, num_heads, 64)
 
     def in_place() -> torch.Tensor:
-        return _decode_attention(q, pool, 0, rows)
+        return ops.decode_attention(q, pool, 0, plan.plan)
 
     best = {"gather_matmul": float("inf"), "in_place": float("inf")}
     for _ in range(repeats):

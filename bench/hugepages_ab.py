@@ -21,8 +21,9 @@ import torch
 from engine_speed import SMOLLM2_LINEARS as SHAPES  # bench/ is on the path when this file runs
 from linears_ab import alternate, ratio_summary
 
-import kvseal.models.native as native
 from kvseal.hugepages import huge_empty
+from kvseal.ops.native_build import BuildConfig, NativeBuildError
+from kvseal.ops.native_kernels import NativeKernels
 
 LAYERS, KV_HEADS, PAGES, PAGE_SIZE, HEAD_DIM, HEADS, CONTEXT = 30, 3, 2048, 16, 64, 9, 320
 
@@ -42,16 +43,17 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[8, 32])
     parser.add_argument("--rounds", type=int, default=12)
     args = parser.parse_args()
-    library, kernel = native.native_library(), native.decode_attention_kernel(torch.float32)
-    if library is None or kernel is None:
-        raise SystemExit("the native kernels did not build here")
+    try:
+        kernels = NativeKernels.load(BuildConfig.from_environment())
+    except NativeBuildError as error:
+        raise SystemExit(f"the native kernels did not build here: {error}") from error
     before = huge_kib()
     make: dict[str, Callable[..., torch.Tensor]] = {
         "plain": torch.empty, "huge": lambda *shape: huge_empty(shape, torch.float32)}
     shape = (KV_HEADS, PAGES, PAGE_SIZE, HEAD_DIM)
     pools = {name: [(m(*shape).normal_(), m(*shape).normal_()) for _ in range(LAYERS)] for name, m in make.items()}
     weights = [torch.randn(n, k) for k, n in SHAPES]
-    panels = {"plain": [native.pack_panels(library, w) for w in weights]}
+    panels = {"plain": [kernels.pack_panels(w) for w in weights]}
     panels["huge"] = []
     for p in panels["plain"]:
         copy = huge_empty(p.shape, p.dtype)
@@ -68,11 +70,11 @@ def main() -> None:
         def attend(name: str, tables: torch.Tensor = tables, lens: torch.Tensor = lens,
                    queries: list[torch.Tensor] = queries) -> None:
             for (k, v), q in zip(pools[name], queries):
-                native.run_decode_attention(kernel, q, k, v, tables, lens, CONTEXT)
+                kernels.decode_attention(q, k, v, tables, lens, CONTEXT)
 
         def linears(name: str, inputs: list[torch.Tensor] = inputs) -> None:
             for x, p, (_, n) in zip(inputs, panels[name], SHAPES):
-                native.linear_panels(library, x, p, None, n)
+                kernels.linear_panels(x, p, None, n)
 
         for part, run in (("decode attention", attend), ("linears", linears)):
             times, _ = alternate({"plain": partial(run, "plain"), "huge": partial(run, "huge")}, args.rounds)

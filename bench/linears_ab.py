@@ -5,9 +5,12 @@ bfloat16 tile linears (AMX or AVX512-BF16, whichever the host runs).
 
 This host's speed drifts by 10-20% from minute to minute, which swamps a kernel change of a
 few percent when the two trees run one after the other. Here both libraries are built from
-each tree's `kvseal/models/csrc.py` and loaded side by side, the passes alternate (ABBA...),
-and the figure of merit is the median of the B/A ratios of adjacent passes. Outputs are
-compared bit for bit.
+each tree's C sources (`kvseal/ops/csrc/`) and loaded side by side, both called through this
+tree's bindings (a function whose signature differs between the trees is a TypeError, never a
+wrong call), the passes alternate (ABBA...), and the figure of merit is the median of the B/A
+ratios of adjacent passes. Outputs are compared bit for bit. Trees from before the kernels were
+C files (their C in `kvseal/models/csrc.py`) are not comparable with this script: run that
+tree's own copy of it against another such tree.
 
     python bench/linears_ab.py --a /path/to/base --b . --rows 8 32 96 256 --rounds 12
     python bench/linears_ab.py --a /path/to/base --b . --dtype bfloat16 --rows 32 2048
@@ -16,11 +19,11 @@ compared bit for bit.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
@@ -28,7 +31,8 @@ from typing import Any, TypeVar
 import torch
 from engine_speed import SMOLLM2_LINEARS as SHAPES  # bench/ is on the path when this file runs
 
-import kvseal.models.native as native
+from kvseal.ops.native_build import BuildConfig, NativeBuildError
+from kvseal.ops.native_kernels import NativeKernels
 
 T = TypeVar("T")
 
@@ -56,32 +60,31 @@ def ratio_summary(times: dict[str, list[float]], base: str, other: str, ms_digit
             f"{other}_over_{base}_range": [round(ratios[0], 3), round(ratios[-1], 3)]}
 
 
-def library_of(tree: Path) -> native.NativeLibrary:
-    """Build (or reuse from the cache) and load the native library of `tree`'s kernel sources."""
-    spec = importlib.util.spec_from_file_location(f"csrc_{abs(hash(tree))}", tree / "kvseal" / "models" / "csrc.py")
-    if spec is None or spec.loader is None:
-        raise SystemExit(f"no kvseal/models/csrc.py under {tree}")
-    csrc = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(csrc)
-    library = native._load(native.library_source(csrc))
-    if library is None:
-        raise SystemExit(f"the native kernels of {tree} did not build")
-    return library
+def library_of(tree: Path) -> NativeKernels:
+    """Build (or reuse from the cache) and load the kernels of `tree`'s C sources."""
+    csrc = tree / "kvseal" / "ops" / "csrc"
+    if not csrc.is_dir():
+        raise SystemExit(f"no kvseal/ops/csrc/ under {tree}: a tree from before the kernels were C files is not "
+                         f"comparable with this script (use that tree's own bench/ scripts)")
+    try:
+        return NativeKernels.load(replace(BuildConfig.from_environment(), csrc=csrc))
+    except NativeBuildError as error:
+        raise SystemExit(f"the native kernels of {tree} did not build: {error}") from error
 
 
-def compare(a: native.NativeLibrary, b: native.NativeLibrary, rows: int, rounds: int,
+def compare(a: NativeKernels, b: NativeKernels, rows: int, rounds: int,
             dtype: torch.dtype = torch.float32) -> dict[str, Any]:
     inputs = [torch.randn(rows, k, dtype=dtype) for k, _ in SHAPES]
     if dtype == torch.bfloat16:
-        tiles = [native.pack_tiles(a, torch.randn(n, k, dtype=dtype)) for k, n in SHAPES]
+        tiles = [a.pack_tiles(torch.randn(n, k, dtype=dtype)) for k, n in SHAPES]
 
-        def stack(library: native.NativeLibrary) -> list[torch.Tensor]:
-            return [native.linear_tiles(library, x, t, None, n) for x, t, (_, n) in zip(inputs, tiles, SHAPES)]
+        def stack(kernels: NativeKernels) -> list[torch.Tensor]:
+            return [kernels.linear_tiles(x, t, None, n) for x, t, (_, n) in zip(inputs, tiles, SHAPES)]
     else:
-        panels = [native.pack_panels(a, torch.randn(n, k)) for k, n in SHAPES]
+        panels = [a.pack_panels(torch.randn(n, k)) for k, n in SHAPES]
 
-        def stack(library: native.NativeLibrary) -> list[torch.Tensor]:
-            return [native.linear_panels(library, x, p, None, n) for x, p, (_, n) in zip(inputs, panels, SHAPES)]
+        def stack(kernels: NativeKernels) -> list[torch.Tensor]:
+            return [kernels.linear_panels(x, p, None, n) for x, p, (_, n) in zip(inputs, panels, SHAPES)]
 
     times, outputs = alternate({"a": partial(stack, a), "b": partial(stack, b)}, rounds)
     return {"rows": rows, **ratio_summary(times, "a", "b"),

@@ -2,13 +2,12 @@
 
 One step prefills `--prompts` prompts of `--prompt-tokens` random tokens each (default 8 x 256:
 one 2,048-token step, the default budget) and samples one token. The two variants alternate
-round by round (the order flips every round) in the same engine: "sdpa" builds the attention
-plans with the prefill kernel off (`attention.prefill_attention_kernel` patched to None),
-"native" with the kernel wherever it is built (also where the engine would pick SDPA:
-bfloat16 on AMX). Per step: the whole step's time and the time inside `paged_attention`
-(every layer, all paths). Reported: medians and minima per variant, and the ratio of medians.
-The first round is a warm-up (not counted) and sends the same prompts to both variants, whose
-sampled tokens must agree.
+round by round (the order flips every round) in the same engine: "sdpa" runs fresh chunks on
+SDPA (`NativeOps.fresh_kernel_dtype` patched to None), "native" on the kernel wherever it is
+built (also where the engine would pick SDPA: bfloat16 on AMX). Per step: the whole step's time
+and the time inside `paged_attention` (every layer, all paths). Reported: medians and minima per
+variant, and the ratio of medians. The first round is a warm-up (not counted) and sends the same
+prompts to both variants, whose sampled tokens must agree.
 
 Usage: PYTHONPATH=TREE python bench/prefill_attention.py [--model DIR_OR_GGUF] [--rounds 7] [--dtype bfloat16]
 Timings on a shared host are noisy: compare the variants within one run only.
@@ -28,7 +27,6 @@ from typing import Any
 
 sys.path[:0] = [str(Path(__file__).parents[1])]
 
-import kvseal.models.attention as attention  # noqa: E402
 import kvseal.models.llama as llama  # noqa: E402
 from kvseal import LLM, SamplingParams  # noqa: E402
 
@@ -55,15 +53,20 @@ class AttentionClock:
 
 
 @contextlib.contextmanager
-def variant(name: str) -> Iterator[None]:
-    saved = attention.prefill_attention_kernel, attention.sdpa_leads_fresh_prefill
-    attention.sdpa_leads_fresh_prefill = lambda *args: False  # the kernel wherever it is built
+def variant(llm: LLM, name: str) -> Iterator[None]:
+    """The engine's native ops with the prefill kernel wherever it is built ("native", also where
+    the engine would pick SDPA), or with fresh chunks always on SDPA ("sdpa")."""
+    ops = llm.engine.ops
+    if ops.name != "native":
+        raise SystemExit("the native kernels did not build here (see the log)")
+    ops.sdpa_leads_fresh_prefill = lambda *args: False  # type: ignore[attr-defined]
     if name == "sdpa":
-        attention.prefill_attention_kernel = lambda dtype=None: None
+        ops.fresh_kernel_dtype = lambda *args: None  # type: ignore[attr-defined]
     try:
         yield
     finally:
-        attention.prefill_attention_kernel, attention.sdpa_leads_fresh_prefill = saved
+        for patched in ("sdpa_leads_fresh_prefill", "fresh_kernel_dtype"):
+            vars(ops).pop(patched, None)
 
 
 def one_step(llm: LLM, prompts: list[list[int]], tag: str, clock: AttentionClock) -> tuple[float, float, list[int]]:
@@ -97,14 +100,14 @@ def main() -> None:
     warm = draw()
     sampled = {}
     for name in VARIANTS:
-        with variant(name):
+        with variant(llm, name):
             sampled[name] = one_step(llm, warm, f"warm-{name}", clock)[2]
     if sampled["sdpa"] != sampled["native"]:
         raise SystemExit(f"the variants sampled different tokens: {sampled}")
     times: dict[str, list[tuple[float, float]]] = {name: [] for name in VARIANTS}
     for r in range(args.rounds):
         for name in VARIANTS if r % 2 == 0 else VARIANTS[::-1]:
-            with variant(name):
+            with variant(llm, name):
                 step_s, attention_s, _ = one_step(llm, draw(), f"r{r}-{name}", clock)
             times[name].append((step_s, attention_s))
             print(f"round {r} {name:6s} step {step_s * 1e3:7.1f} ms  attention {attention_s * 1e3:6.1f} ms", flush=True)

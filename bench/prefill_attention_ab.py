@@ -2,8 +2,9 @@
 30 layers of one prefill step (`--chunks` chunks of `--length` tokens, each starting at position
 0), SmolLM2-135M's heads (9 query heads, 3 KV heads, head_dim 64), distinct qkv rows per layer.
 
-As in `bench/linears_ab.py`, both libraries are built from each tree's `kvseal/models/csrc.py`
-and loaded side by side, the passes alternate (ABBA...), and the figure of merit is the median
+As in `bench/linears_ab.py`, both libraries are built from each tree's `kvseal/ops/csrc/` (trees
+from before the kernels were C files are not comparable with it) and loaded side by side, the
+passes alternate (ABBA...), and the figure of merit is the median
 of the B/A ratios of adjacent passes. Outputs are compared by their largest difference (0: bit-equal).
 
     python bench/prefill_attention_ab.py --a /path/to/base --b . --dtype bfloat16
@@ -19,7 +20,7 @@ from pathlib import Path
 import torch
 from linears_ab import alternate, library_of, ratio_summary  # bench/ is on the path when this file runs
 
-import kvseal.models.native as native
+from kvseal.ops.native_kernels import NativeKernels
 
 LAYERS, HEADS, KV_HEADS, HEAD_DIM = 30, 9, 3, 64
 
@@ -40,12 +41,11 @@ def main() -> None:
     layers = [torch.randn(rows, width, dtype=dtype) for _ in range(LAYERS)]
     starts = torch.arange(args.chunks, dtype=torch.int64) * args.length
 
-    def attend(library: native.NativeLibrary) -> list[torch.Tensor]:
-        kernel = library.prefill_attention if dtype == torch.float32 else library.prefill_attention_bf16
+    def attend(kernels: NativeKernels) -> list[torch.Tensor]:
         outputs = []
         for qkv in layers:
             out = torch.empty(rows, HEADS, HEAD_DIM, dtype=dtype)
-            native.run_prefill_attention(kernel, qkv, starts, args.length, HEADS, KV_HEADS, HEAD_DIM, out)
+            kernels.prefill_attention(qkv, starts, args.length, HEADS, KV_HEADS, HEAD_DIM, out)
             outputs.append(out)
         return outputs
 

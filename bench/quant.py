@@ -107,8 +107,9 @@ def _int8mm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tens
 
 
 def _kernel_row(n: int, k: int, rows: int, names: list[str]) -> dict[str, float]:
-    from kvseal.models.native import linear_f32, linear_i8, native_library, pack_panels, pack_panels_i8
     from kvseal.models.quant import dequantize_int8, quantize_int8
+    from kvseal.ops.native_build import BuildConfig, NativeBuildError
+    from kvseal.ops.native_kernels import NativeKernels
 
     # enough copies of the weight (>= 128 MB in fp32) that each call reads it from DRAM, as a
     # decode step does (a single small matrix would sit in cache and hide the bytes saved)
@@ -119,18 +120,21 @@ def _kernel_row(n: int, k: int, rows: int, names: list[str]) -> dict[str, float]
     xb = x.bfloat16()
     calls = copies * max(1, int(2e6 / (n * k * rows ** 0.5)))
     nxt = itertools.cycle(range(copies)).__next__
-    library = native_library()
+    try:
+        library: NativeKernels | None = NativeKernels.load(BuildConfig.from_environment())
+    except NativeBuildError:
+        library = None
 
     # name -> a function that prepares that kernel's weights and returns one call
     def fp32_panels() -> Callable[[], Any]:
         assert library is not None
-        ps = [pack_panels(library, w) for w in ws]
-        return lambda: linear_f32(library, x, ps[nxt()], None, n)
+        ps = [library.pack_panels(w) for w in ws]
+        return lambda: library.linear_panels(x, ps[nxt()], None, n)
 
     def int8_panels() -> Callable[[], Any]:
         assert library is not None
-        ps = [(pack_panels_i8(library, q), s) for q, s in qs]
-        return lambda: linear_i8(library, x, *ps[nxt()], None, n)
+        ps = [(library.pack_panels_i8(q), s) for q, s in qs]
+        return lambda: library.linear_i8(x, *ps[nxt()], None, n)
 
     def bf16_linear() -> Callable[[], Any]:
         wbs = [w.bfloat16() for w in ws]
@@ -200,9 +204,10 @@ class FbgemmInt8Linear(torch.nn.Module):
 
 def fbgemm_model(model: Any, *, lm_head_only: bool) -> None:
     from kvseal.models.quant import LAYER_LINEARS, quantize_model
+    from kvseal.ops import select_ops
 
     if lm_head_only:
-        quantize_model(model, "int8", lm_head=False)  # the decoder layers as kvseal's int8
+        quantize_model(model, "int8", select_ops(), lm_head=False)  # the decoder layers as kvseal's int8
     else:
         for layer in model.model.layers:
             for owner_name, attr in LAYER_LINEARS:
@@ -245,6 +250,9 @@ def bench_teacher_forced() -> dict[str, Any]:
     from kvseal.config import DTYPES
     from kvseal.models.loader import load_model
     from kvseal.models.quant import quantize_model
+    from kvseal.ops import select_ops
+
+    ops = select_ops()
 
     variants = {**VARIANTS, "int8, lm_head fp32": ("float32", "int8-no-head"),
                 "fbgemm W8A8 (not a mode)": ("float32", "fbgemm"),
@@ -260,9 +268,10 @@ def bench_teacher_forced() -> dict[str, Any]:
         elif quant == "bf16":
             from kvseal.models.packed import pack_model
 
-            pack_model(model, weight_dtype=torch.bfloat16)
+            pack_model(model, ops, weight_dtype=torch.bfloat16)
         elif quant != "none":
-            quantize_model(model, "int8", lm_head=quant == "int8")
+            quantize_model(model, "int8", ops, lm_head=quant == "int8")
+        model.use_ops(ops)
         ids = list(tokenizer.encode(TEXT, add_special_tokens=False))
         logits = _single_sequence_logits(model, ids, DTYPES[dtype])[:-1].float()
         nll = F.cross_entropy(logits, torch.tensor(ids[1:]))

@@ -25,6 +25,10 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3ForCausalLM",
 )
 ScrubMode = Literal["off", "free", "alloc"]
+# The engine's kernels (`kvseal.ops.select_ops`): "auto" the native kernels if they build, else
+# the torch ops; "require" the native kernels or start-up fails; "off" the torch ops.
+NativeMode = Literal["auto", "require", "off"]
+NATIVE_MODES = ("auto", "require", "off")
 DEFAULT_MAX_PREFILL_CHUNK_TOKENS = 512  # a quarter of the default step budget
 DEFAULT_FAIR_SHARE_TOKENS = 256  # an eighth of the default step budget
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -202,6 +206,9 @@ class EngineArgs:
     # torch's default (one per core). A host shared with the frontend or other work may do better
     # with fewer: OpenMP workers wait at every op's barrier for a thread that is off-CPU.
     num_threads: int | None = None
+    # the kernels: the native ones built for this CPU at first start ("auto": if they build, else
+    # torch's; "require": or start-up fails with the compiler's message) or torch's ("off")
+    native: NativeMode = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype == "auto":
@@ -240,6 +247,10 @@ class EngineArgs:
                                              or self.num_threads < 1):
             raise ConfigError(f"--threads (num_threads) must be a whole number >= 1, got {self.num_threads!r}; "
                               f"leave it unset for torch's default (one per core)")
+        if self.native not in NATIVE_MODES:
+            raise ConfigError(f"native must be one of {', '.join(NATIVE_MODES)}; got {self.native!r} (auto: kvseal's "
+                              f"native kernels where they build, else torch's ops; require: the native kernels or "
+                              f"start-up fails; off: torch's ops)")
         parse_bytes(self.kv_cache_memory)  # a malformed or negative size fails here, by name
 
     @property

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 
-from kvseal.config import QUANTIZATIONS, EngineArgs
+from kvseal.config import NATIVE_MODES, QUANTIZATIONS, EngineArgs
 
 _DTYPE_ALIASES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16",
                   "fp16": "float16", "float16": "float16", "half": "float16"}
@@ -58,6 +58,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, with_threads: bool 
                         help="turn off the prefix cache (on by default; per tenant, I5): every prompt is "
                         "prefilled in full")
     parser.add_argument("--seed", type=int, default=d.seed)
+    parser.add_argument("--native", choices=NATIVE_MODES, default=d.native, help="the engine's kernels: auto (kvseal's "
+                        "native kernels, built with the C compiler ($CC, else cc) at first start and cached, or "
+                        "torch's ops if they cannot be built), require (the native kernels, or start-up fails with "
+                        "the compiler's message), off (torch's ops); default auto")
     if with_threads:
         parser.add_argument("--threads", type=int, default=None, metavar="N",
                             help="CPU threads torch uses in the engine (default: torch's own, one per core); "
@@ -72,5 +76,5 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
         max_num_batched_tokens=ns.max_num_batched_tokens, max_num_seqs=ns.max_num_seqs,
         max_prefill_chunk_tokens=ns.max_prefill_chunk_tokens, fair_share_tokens=ns.fair_share_tokens,
         kv_scrub=ns.kv_scrub, check_kv=ns.check_kv,
-        enable_prefix_caching=ns.enable_prefix_caching, seed=ns.seed, num_threads=ns.threads,
+        enable_prefix_caching=ns.enable_prefix_caching, seed=ns.seed, num_threads=ns.threads, native=ns.native,
     )

@@ -29,11 +29,10 @@ from kvseal.engine.scheduler import Scheduler
 from kvseal.errors import InvalidParameter, IsolationViolation
 from kvseal.kvcache.manager import KVCacheManager
 from kvseal.kvcache.prefix_cache import namespace_of
-from kvseal.models.llama import NATIVE_DTYPES
 from kvseal.models.loader import LoadedModel, load_model
-from kvseal.models.native import decode_attention_kernel, native_library
-from kvseal.models.packed import can_pack, pack_model
+from kvseal.models.packed import pack_model
 from kvseal.models.quant import quantize_model
+from kvseal.ops import select_ops
 from kvseal.prompting import encode_text
 from kvseal.structured.compiler import GrammarCompilerPool
 from kvseal.structured.matching import new_matcher
@@ -67,6 +66,9 @@ class LLMEngine:
         torch.manual_seed(args.seed)
         if args.num_threads is not None:
             torch.set_num_threads(args.num_threads)
+        # the kernels first (native: built now, or found in the user's cache; --native), so that
+        # `--native require` without a compiler fails before the weights load
+        self.ops = select_ops(args.native)
         self.loaded = loaded or load_model(args.model, args.torch_dtype)
         self.model_config: ModelConfig = self.loaded.config
         self.tokenizer: Any = self.loaded.tokenizer
@@ -77,16 +79,11 @@ class LLMEngine:
         cfg = self.model_config
         self.kv = KVCacheManager(self.cache_config, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
         self.scheduler = Scheduler(self.scheduler_config, self.kv)
-        model = quantize_model(self.loaded.model.to(args.torch_dtype), args.quantization)
-        if can_pack(args.torch_dtype, args.quantization):
-            bf16 = args.quantization == "bf16"
-            model = pack_model(model, weight_dtype=torch.bfloat16 if bf16 else torch.float32)
-        if args.torch_dtype in NATIVE_DTYPES:
-            model.use_native(native_library())  # None without a compiler: torch ops
+        model = quantize_model(self.loaded.model.to(args.torch_dtype), args.quantization, self.ops)
+        if args.quantization != "int8":
+            model = pack_model(model, self.ops, weight_dtype=torch.bfloat16 if args.quantization == "bf16" else None)
+        model.use_ops(self.ops)
         self.runner = ModelRunner(model, self.kv.pool)
-        # Build (or load from the user's cache) the decode attention kernel now, not in the
-        # first decode step; without it attention uses the torch formulation.
-        self._native_decode = decode_attention_kernel(self.kv.pool.k[0].dtype) is not None
         self._outputs: dict[str, OutputState] = {}
         self._num_preemptions = 0
         self._num_isolation_violations = 0
@@ -102,13 +99,12 @@ class LLMEngine:
             "kvseal engine: model=%s arch=%s dtype=%s max_model_len=%d kv_cache_tokens=%d (%d pages x %d) "
             "kv_bytes_per_token=%d max_num_batched_tokens=%d max_prefill_chunk_tokens=%d fair_share_tokens=%d "
             "attention_cost_context=%d max_num_seqs=%d kv_scrub=%s check_kv=%s prefix_caching=%s torch_threads=%d "
-            "decode_attention=%s forward=%s",
+            "native=%s ops=%s",
             self.loaded.path, self.model_config.architecture, args.dtype, s.max_model_len, c.kv_cache_tokens,
             c.num_pages, c.page_size, args.capacity(self.model_config).bytes_per_token,
             s.max_num_batched_tokens, s.max_prefill_chunk_tokens, s.fair_share_tokens, s.attention_cost_context,
             s.max_num_seqs, c.kv_scrub, c.check_kv, c.enable_prefix_caching, torch.get_num_threads(),
-            "native" if self._native_decode else "torch",
-            "native" if self.runner.model.native is not None else "torch",
+            args.native, self.ops.name,
         )
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
@@ -241,7 +237,8 @@ class LLMEngine:
             chunk.request.num_computed_tokens += chunk.num_new_tokens
             self.kv.publish_written(chunk.request)
         outputs = []
-        for request, (token, logprobs) in zip(sampled, sample(logits, sampled, self.model_config.eos_token_ids)):
+        samples = sample(logits, sampled, self.model_config.eos_token_ids, self.ops)
+        for request, (token, logprobs) in zip(sampled, samples):
             state = self._outputs[request.request_id]
             state.append_token(token)
             if logprobs is not None:

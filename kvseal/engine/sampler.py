@@ -22,28 +22,28 @@ from __future__ import annotations
 import torch
 
 from kvseal.engine.logits_processors import apply_logits_processors, changes_logits
-from kvseal.models.native import argmax_rows, native_library
+from kvseal.ops import Ops
 from kvseal.types import Request, TokenLogprobs
 
 
-def sample(logits: torch.Tensor, requests: list[Request],
-           eos_token_ids: tuple[int, ...]) -> list[tuple[int, TokenLogprobs | None]]:
+def sample(logits: torch.Tensor, requests: list[Request], eos_token_ids: tuple[int, ...],
+           ops: Ops) -> list[tuple[int, TokenLogprobs | None]]:
     """logits: [num_requests, vocab], one row per request that reached its last token, float32
     or the model's bfloat16. A batch of plain greedy rows (no processor, no logprobs) takes the
-    argmax of the rows as they are: the same token as of their float32 widening. Everything
-    else runs in float32."""
+    argmax of the rows as they are (`ops.argmax_rows`: the same token as of their float32
+    widening). Everything else runs in float32."""
     if all(r.params.is_greedy and r.params.logprobs is None for r in requests) \
             and not changes_logits(requests, eos_token_ids):
-        return [(token, None) for token in _argmax(logits).tolist()]
+        return [(token, None) for token in ops.argmax_rows(logits).tolist()]
     logits = apply_logits_processors(logits.float(), requests, eos_token_ids)
-    tokens = _choose(logits, requests)
+    tokens = _choose(logits, requests, ops)
     return list(zip(tokens.tolist(), _logprobs(logits, tokens, requests)))
 
 
-def _choose(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+def _choose(logits: torch.Tensor, requests: list[Request], ops: Ops) -> torch.Tensor:
     """[num_requests] int64: argmax for greedy rows, a draw from the filtered distribution otherwise."""
     greedy = torch.tensor([r.params.is_greedy for r in requests])
-    tokens = _argmax(logits)
+    tokens = ops.argmax_rows(logits)
     if bool(greedy.all()):
         return tokens
     temperature = torch.tensor([1.0 if r.params.is_greedy else r.params.temperature for r in requests],
@@ -57,16 +57,6 @@ def _choose(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
     noise.clamp_(min=torch.finfo(noise.dtype).tiny)  # a zero draw would divide by zero
     drawn = (probs / noise).argmax(dim=-1)
     return torch.where(greedy, tokens, drawn)
-
-
-def _argmax(logits: torch.Tensor) -> torch.Tensor:
-    """logits.argmax(dim=-1), by the native kernel where it is built (the same answer, ~11x
-    faster on a 32-row step's [32, 49,152] float32 logits; bfloat16 rows are read as they are)."""
-    library = native_library()
-    if library is None or logits.dtype not in (torch.float32, torch.bfloat16) or not logits.is_contiguous() \
-            or logits.dim() != 2 or logits.shape[-1] == 0:
-        return logits.argmax(dim=-1)
-    return argmax_rows(library, logits)
 
 
 def _top_k(scaled: torch.Tensor, requests: list[Request]) -> torch.Tensor:

@@ -3,27 +3,31 @@
 Parameter names match Hugging Face's, except that q/k/v and gate/up projections are packed
 into one matrix each (fewer, larger matmuls); `PACKED_MODULES` tells the loader how to
 concatenate the checkpoint's tensors. The model sees a `ForwardBatch` and the pool; it never
-sees requests, tenants or the allocator.
+sees requests, tenants or the allocator. Its kernels are the ops the engine selected
+(`use_ops`: kvseal's native kernels or torch's); the model never knows which.
+
+The forward keeps the residual stream in one tensor updated in place: each residual add is
+fused with the RMSNorm that follows it (the next layer's input norm, or the final norm). RoPE
+rotates the q and k heads in place in the fused qkv rows and K/V are stored from those rows
+into the pool. A step whose every row decodes one token runs every layer in one call where the
+ops have a decode loop for the model (bit-equal to the per-layer path).
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kvseal.config import ModelConfig
 from kvseal.kvcache.pool import KVPool
 from kvseal.models.attention import AttentionPlan, paged_attention
-from kvseal.models.decode_loop import DecodeLoop
-from kvseal.models.native import NativeLibrary, add_rms_norm, linear_silu, rope_, silu_mul, write_slots
 from kvseal.models.rope import RotaryEmbedding
+from kvseal.ops import DecodeLoop, DecoderStack, DecoderWeights, NewTokens, Ops, TorchOps
+from kvseal.ops.torch_backend import rms_norm
 from kvseal.types import ForwardBatch
 
 # packed parameter name -> the checkpoint's names, concatenated along the output dimension
 PACKED_MODULES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
-# The dtypes of the native forward (`CausalLM.use_native`): its fused ops exist for both.
-NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 
 
 class RMSNorm(nn.Module):
@@ -33,11 +37,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # transformers' order: normalize in float32, cast back, then scale by the weight.
-        # torch's fused rms_norm computes exactly that (bit-equal on CPU), in one op.
-        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        return self.weight * F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -55,45 +55,34 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.has_qk_norm = cfg.has_qk_norm
 
-    def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], rope: RotaryEmbedding,
-                batch: ForwardBatch, plan: AttentionPlan, pool: KVPool,
-                rows: torch.Tensor | None = None) -> torch.Tensor:
-        # x: [num_tokens, hidden]. Every token's K/V is written; `rows` (None: all) picks the
-        # tokens whose output is returned, so o_proj runs on those only.
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, batch: ForwardBatch,
+                plan: AttentionPlan, pool: KVPool, ops: Ops, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """x: [num_tokens, hidden]; cos, signed_sin: [num_tokens, head_dim]. Every token's K/V is
+        written; `rows` (None: all) picks the tokens whose output is returned, so o_proj runs on
+        those only."""
         n = x.shape[0]
-        qkv = self.qkv_proj(x)
-        v = qkv[:, self.q_size + self.kv_size:].view(n, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x).contiguous()
         if self.has_qk_norm:
-            q, k = qkv[:, :self.q_size + self.kv_size].split([self.q_size, self.kv_size], dim=-1)
-            q = self.q_norm(q.view(n, self.num_heads, self.head_dim))
-            k = self.k_norm(k.view(n, self.num_kv_heads, self.head_dim))
-            q, k = rope.apply(q, cos_sin), rope.apply(k, cos_sin)
+            tokens = self._qk_normed(qkv, cos, signed_sin)
         else:  # q and k heads side by side: one RoPE pass for both (it is per head, per position)
-            qk = rope.apply(qkv[:, :self.q_size + self.kv_size].view(n, -1, self.head_dim), cos_sin)
-            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-        pool.write(self.layer_idx, batch.slot_mapping, k, v)
-        out = paged_attention(q, k, v, pool, self.layer_idx, plan)  # [num_tokens, heads, head_dim]
+            ops.rope_(qkv, cos, signed_sin, self.num_heads + self.num_kv_heads, self.head_dim)
+            k_at, v_at = self.q_size, self.q_size + self.kv_size
+            tokens = NewTokens(qkv[:, :k_at].view(n, self.num_heads, self.head_dim),
+                               qkv[:, k_at:v_at].view(n, self.num_kv_heads, self.head_dim),
+                               qkv[:, v_at:].view(n, self.num_kv_heads, self.head_dim), qkv)
+        ops.write_kv(pool, self.layer_idx, batch.slot_mapping, tokens.k, tokens.v)
+        out = paged_attention(tokens, pool, self.layer_idx, plan, ops)  # [num_tokens, heads, head_dim]
         return self.o_proj(_pick(out.reshape(n, self.num_heads * self.head_dim), rows))
 
-    def forward_native(self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, rope: RotaryEmbedding,
-                       batch: ForwardBatch, plan: AttentionPlan, pool: KVPool, native: NativeLibrary,
-                       rows: torch.Tensor | None = None) -> torch.Tensor:
-        """`forward` with the native kernels (float32 or bfloat16): RoPE in place on the fused qkv
-        rows and K/V stored straight from them. x: [num_tokens, hidden]; cos, signed_sin:
-        [num_tokens, head_dim]; rows as in `forward`."""
-        if self.has_qk_norm:  # per-head norms before RoPE: the torch formulation
-            return self.forward(x, (cos[:, None], signed_sin[:, None]), rope, batch, plan, pool, rows)
-        n, layer = x.shape[0], self.layer_idx
-        qkv = self.qkv_proj(x).contiguous()
-        rope_(native, qkv, cos, signed_sin, self.num_heads + self.num_kv_heads, self.head_dim)
-        k_at, v_at = self.q_size, self.q_size + self.kv_size
-        pool.write_by(layer, batch.slot_mapping, lambda k_pool, v_pool: write_slots(
-            native, qkv, k_at, v_at, batch.slot_mapping, k_pool, v_pool))
-        q = qkv[:, :k_at].view(n, self.num_heads, self.head_dim)
-        k = qkv[:, k_at:v_at].view(n, self.num_kv_heads, self.head_dim)
-        v = qkv[:, v_at:].view(n, self.num_kv_heads, self.head_dim)
-        out = paged_attention(q, k, v, pool, layer, plan, qkv)  # [num_tokens, heads, head_dim]
-        return self.o_proj(_pick(out.reshape(n, self.num_heads * self.head_dim), rows))
+    def _qk_normed(self, qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> NewTokens:
+        """Per-head RMSNorm of q and k (Qwen3), then RoPE: new tensors, not views of qkv."""
+        n = qkv.shape[0]
+        v = qkv[:, self.q_size + self.kv_size:].view(n, self.num_kv_heads, self.head_dim)
+        q, k = qkv[:, :self.q_size + self.kv_size].split([self.q_size, self.kv_size], dim=-1)
+        q = self.q_norm(q.view(n, self.num_heads, self.head_dim))
+        k = self.k_norm(k.view(n, self.num_kv_heads, self.head_dim))
+        cos_sin = (cos[:, None], signed_sin[:, None])
+        return NewTokens(RotaryEmbedding.apply(q, cos_sin), RotaryEmbedding.apply(k, cos_sin), v, None)
 
 
 class MLP(nn.Module):
@@ -103,18 +92,8 @@ class MLP(nn.Module):
         self.intermediate_size = cfg.intermediate_size
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate).mul_(up))
-
-    def forward_native(self, x: torch.Tensor, native: NativeLibrary) -> torch.Tensor:
-        gate_up = self.gate_up_proj
-        packed = getattr(gate_up, "panels", getattr(gate_up, "tiles", None))
-        if isinstance(packed, torch.Tensor):  # panels or tiles: gate/up and SiLU in one pass where it applies
-            act = linear_silu(native, x, packed, getattr(gate_up, "bias", None), self.intermediate_size)
-            if act is not None:
-                return self.down_proj(act)
-        return self.down_proj(silu_mul(native, gate_up(x).contiguous()))
+    def forward(self, x: torch.Tensor, ops: Ops) -> torch.Tensor:
+        return self.down_proj(ops.gate_up_silu(x, self.gate_up_proj, self.intermediate_size))
 
 
 class DecoderLayer(nn.Module):
@@ -124,13 +103,6 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-    def forward(self, h: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], rope: RotaryEmbedding,
-                batch: ForwardBatch, plan: AttentionPlan, pool: KVPool,
-                rows: torch.Tensor | None = None) -> torch.Tensor:
-        # h: [num_tokens, hidden]; returns the stream of `rows` only (None: all), see Attention.forward
-        h = _pick(h, rows) + self.self_attn(self.input_layernorm(h), cos_sin, rope, batch, plan, pool, rows)
-        return h + self.mlp(self.post_attention_layernorm(h))
 
 
 class DecoderBody(nn.Module):
@@ -150,64 +122,66 @@ class CausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rope = RotaryEmbedding(cfg)
-        # The native kernels for a float32 or bfloat16 model (`use_native`); None: torch ops only.
-        self.native: NativeLibrary | None = None
-        # Decode-only steps in one native call (`models/decode_loop.py`), built at the first
-        # such step; None where the model does not fit it.
+        self.ops: Ops = TorchOps()  # the engine's (`use_ops`)
+        # Decode-only steps in one call (`Ops.decode_loop`), built at the first such step (after
+        # the linears are packed: it points at their weights); None where the ops have none.
         self._decode_loop: DecodeLoop | None = None
         self._decode_loop_built = False
 
-    def use_native(self, native: NativeLibrary | None) -> None:
-        """Run the forward with the native fused ops (the model must be float32 or bfloat16)."""
-        if native is not None and self.model.norm.weight.dtype not in NATIVE_DTYPES:
-            raise TypeError(f"the native forward is float32 or bfloat16, not {self.model.norm.weight.dtype}")
-        self.native = native
+    def use_ops(self, ops: Ops) -> None:
+        """Run the forward with `ops` (call after the linears are in their final form)."""
+        self.ops = ops
         self._decode_loop, self._decode_loop_built = None, False
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, pool: KVPool) -> torch.Tensor:
         """Run one forward, writing the new tokens' KV; return logits [num_samples, vocab] in the
         lm_head's dtype (the sampler widens them to float32 where it needs to)."""
-        plan = AttentionPlan.build(batch, pool, self.config.num_heads)
-        if self.native is not None:
-            return self._forward_native(batch, pool, plan, self.native)
-        h = self.model.embed_tokens(batch.input_ids)
-        cos_sin = self.rope.cos_sin(batch.positions, h.dtype)
-        rows = _sampled_rows(batch)
-        for i, layer in enumerate(self.model.layers):
-            h = layer(h, cos_sin, self.rope, batch, plan, pool, rows if i == self.config.num_layers - 1 else None)
-        return self.lm_head(self.model.norm(h if rows is not None else h[batch.logits_indices]))
-
-    def _forward_native(self, batch: ForwardBatch, pool: KVPool, plan: AttentionPlan,
-                        native: NativeLibrary) -> torch.Tensor:
-        """`forward` with the residual stream updated in place: each residual add is fused with
-        the RMSNorm that follows it (the next layer's input norm, or the final norm)."""
+        ops = self.ops
+        plan = AttentionPlan.build(batch, pool, self.config.num_heads, ops)
         layers: list[DecoderLayer] = list(self.model.layers)  # type: ignore[arg-type]
         h = self.model.embed_tokens(batch.input_ids).contiguous()  # [num_tokens, hidden], the residual stream
         cos, signed_sin = (t.reshape(t.shape[0], -1).contiguous() for t in self.rope.cos_sin(batch.positions, h.dtype))
-        if DecodeLoop.applies(plan) and (loop := self._decode_loop_for(native)) is not None:
-            x = loop.run(h, cos, signed_sin, batch.slot_mapping, plan, pool)
+        if plan.decode is not None and plan.is_decode_only and (loop := self.decode_loop()) is not None \
+                and loop.takes(plan.decode.plan):
+            x = loop.run(h, cos, signed_sin, batch.slot_mapping, plan.decode.plan, pool)
             return self.lm_head(x[batch.logits_indices])
-        x = torch.empty_like(h)  # the normed stream each sublayer reads
+        first = layers[0].input_layernorm
+        x = ops.add_rms_norm(h, None, first.weight, first.eps, torch.empty_like(h))  # the normed stream
         norms = [layer.input_layernorm for layer in layers[1:]] + [self.model.norm]
-        add_rms_norm(native, h, None, layers[0].input_layernorm.weight, layers[0].input_layernorm.eps, x)
         rows = _sampled_rows(batch)
         for layer, next_norm in zip(layers, norms):
             last = layer is layers[-1] and rows is not None
-            attn = layer.self_attn.forward_native(x, cos, signed_sin, self.rope, batch, plan, pool, native,
-                                                  rows if last else None)
+            attn = layer.self_attn(x, cos, signed_sin, batch, plan, pool, ops, rows if last else None)
             if last:  # from here on only the sampled tokens' stream
                 h, x = h[rows], torch.empty_like(attn)
             post = layer.post_attention_layernorm
-            add_rms_norm(native, h, attn.contiguous(), post.weight, post.eps, x)
-            mlp = layer.mlp.forward_native(x, native).contiguous()
-            add_rms_norm(native, h, mlp, next_norm.weight, next_norm.eps, x)
+            x = ops.add_rms_norm(h, attn, post.weight, post.eps, x)
+            mlp = layer.mlp(x, ops)
+            x = ops.add_rms_norm(h, mlp, next_norm.weight, next_norm.eps, x)
         return self.lm_head(x if rows is not None else x[batch.logits_indices])
 
-    def _decode_loop_for(self, native: NativeLibrary) -> DecodeLoop | None:
-        if not self._decode_loop_built:  # after the linears are packed: the loop points at their weights
-            self._decode_loop, self._decode_loop_built = DecodeLoop.for_model(self, native), True
+    def decode_loop(self) -> DecodeLoop | None:
+        """The ops' loop over this model's layers (built once), or None."""
+        if not self._decode_loop_built:
+            self._decode_loop, self._decode_loop_built = self._build_decode_loop(), True
         return self._decode_loop
+
+    def _build_decode_loop(self) -> DecodeLoop | None:
+        layers: list[DecoderLayer] = list(self.model.layers)  # type: ignore[arg-type]
+        if any(layer.self_attn.has_qk_norm for layer in layers):  # per-head norms: not what a loop runs
+            return None
+        cfg = self.config
+        stack = DecoderStack(tuple(_weights(layer) for layer in layers), self.model.norm.weight, self.model.norm.eps,
+                             cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+        return self.ops.decode_loop(stack)
+
+
+def _weights(layer: DecoderLayer) -> DecoderWeights:
+    attn, mlp = layer.self_attn, layer.mlp
+    return DecoderWeights(attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj, layer.input_layernorm.weight,
+                          layer.post_attention_layernorm.weight, layer.input_layernorm.eps,
+                          layer.post_attention_layernorm.eps)
 
 
 def _sampled_rows(batch: ForwardBatch) -> torch.Tensor | None:

@@ -6,6 +6,7 @@ import torch
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from kvseal.config import ModelConfig
+from kvseal.ops.torch_backend import rotate_half
 
 MAX_TABLE_POSITIONS = 1 << 16
 
@@ -64,9 +65,7 @@ class RotaryEmbedding:
 
     @staticmethod
     def apply(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        # x: [num_tokens, heads, head_dim], in the dtype cos_sin was made for.
-        # Hugging Face's x * cos + rotate_half(x) * sin, with rotate_half(x) = cat(-x2, x1):
-        # roll gives cat(x2, x1) and the sign sits in signed_sin (negating is exact, so the
-        # result is bit-equal), in 4 ops instead of 8.
+        # x: [num_tokens, heads, head_dim], in the dtype cos_sin was made for (`rotate_half`:
+        # Hugging Face's rotate-half RoPE in 4 ops, bit-equal to it)
         cos, signed_sin = cos_sin
-        return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin
+        return rotate_half(x, cos, signed_sin)

@@ -10,32 +10,18 @@ from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F
+from built_kernels import KERNELS
 from torch import nn
 from transformers import AutoModelForCausalLM
 
 from kvseal import ConfigError
 from kvseal.config import EngineArgs
-from kvseal.models.native import native_library
-from kvseal.models.packed import PanelLinear
+from kvseal.ops.native_linears import PanelLinear
 from kvseal.types import SamplingParams
 
-pytestmark = pytest.mark.skipif(native_library() is None, reason="no C compiler: bf16 panels need the native library")
+pytestmark = pytest.mark.skipif(KERNELS is None, reason="no C compiler: bf16 panels need the native kernels")
 PROMPTS = [list(range(20, 32)), list(range(50, 90)), [7, 8]]
 MAX_TOKENS = 8
-
-
-@pytest.mark.parametrize("rows", [1, 4, 13, 130])  # one row reads bf16 directly; more widen each slab once
-def test_bf16_panels_equal_a_float32_linear_over_rounded_weights(rows: int) -> None:
-    library = native_library()
-    assert library is not None
-    torch.manual_seed(rows)
-    linear = nn.Linear(72, 40, bias=True)
-    panel = PanelLinear(linear, library, torch.bfloat16)
-    assert panel.panels.dtype == torch.bfloat16
-    x = torch.randn(rows, 72)
-    expected = F.linear(x, linear.weight.to(torch.bfloat16).float(), linear.bias)
-    torch.testing.assert_close(panel(x), expected, rtol=1e-5, atol=1e-5)
 
 
 def _rounded_reference(model_dir: Path, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
@@ -62,6 +48,11 @@ def test_engine_equals_transformers_with_bf16_rounded_linears(make_llm: Callable
         ours = torch.tensor([lp.logprob for lp in out.logprobs])
         torch.testing.assert_close(ours, logprobs[torch.arange(len(ids)), torch.tensor(ids)], atol=1e-4, rtol=0)
     assert llm.engine.stats().num_pages_used == 0
+
+
+def test_bf16_weights_need_the_native_kernels(make_llm: Callable[..., Any]) -> None:
+    with pytest.raises(ConfigError, match="quantization bf16 needs kvseal's native kernels"):
+        make_llm(quantization="bf16", native="off")
 
 
 def test_bf16_weights_need_a_float32_model() -> None:

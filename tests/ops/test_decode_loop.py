@@ -1,5 +1,5 @@
-"""Decode-only steps in one native call (`models/decode_loop.py`) against the per-layer native
-forward it replaces: bit-equal logits for every weight kind, dtype and architecture it runs,
+"""Decode-only steps in one native call (`ops/native_decode_loop.py`, `csrc/decode_loop.c`) against
+the per-layer native forward it replaces: bit-equal logits for every weight kind, dtype and architecture it runs,
 the same KV writes and write records, and a slot outside the pool refused with nothing written.
 Skipped without a C compiler (neither native path exists there); the bfloat16 loop (tile
 linears) only where this CPU and build run them (AMX or AVX512-BF16)."""
@@ -12,18 +12,15 @@ from typing import Any
 
 import pytest
 import torch
+from built_kernels import HAS_TILES, native_ops, needs_kernels
 
-from kvseal.models import native
-from kvseal.models.decode_loop import DecodeLoop
-from kvseal.models.packed import tile_library
 from kvseal.types import SamplingParams
 
-pytestmark = pytest.mark.skipif(native.native_library() is None,
-                                reason="no C compiler: the native library is not built")
+pytestmark = needs_kernels
 
 PROMPTS = [list(range(20, 32)), list(range(50, 90)), [7, 8], list(range(100, 117))]
 PARAMS = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=3)
-NEEDS_TILES = pytest.mark.skipif(tile_library() is None, reason="the bfloat16 loop runs tile linears; none here")
+NEEDS_TILES = pytest.mark.skipif(not HAS_TILES, reason="the bfloat16 loop runs tile linears; none here")
 DTYPES = ["float32", pytest.param("bfloat16", marks=NEEDS_TILES)]
 
 
@@ -35,7 +32,7 @@ def _without_loop(llm: Any) -> Any:
 
 def _count_loop_steps(llm: Any) -> list[int]:
     """Wrap the model's loop so each decode-only step that ran in it is counted."""
-    loop = llm.engine.runner.model._decode_loop_for(native.native_library())
+    loop = llm.engine.runner.model.decode_loop()
     assert loop is not None
     calls: list[int] = []
     run = loop.run
@@ -68,16 +65,33 @@ def test_loop_equals_the_per_layer_native_forward(make_llm: Callable[..., Any], 
         assert a.logprobs == b.logprobs  # exact: the same kernels in the same order
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_test_kernels_loop_equals_their_per_layer_ops(make_llm: Callable[..., Any], dtype: str) -> None:
+    """The same with the forward on the tests' own kernels (`built_kernels`: in
+    tests/ops/test_sanitizers.py built with ASan and UBSan, so the loop runs under them too)."""
+    outputs = []
+    for loop in (True, False):
+        llm = make_llm(dtype=dtype)
+        llm.engine.runner.model.use_ops(native_ops())
+        if loop:
+            calls = _count_loop_steps(llm)
+        else:
+            _without_loop(llm)
+        outputs.append(llm.generate(PROMPTS, PARAMS))
+    assert calls and max(calls) == len(PROMPTS)
+    for a, b in zip(*outputs):
+        assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
+
+
 def test_models_the_loop_does_not_run_keep_the_per_layer_forward(make_llm: Callable[..., Any],
                                                                   tiny_model_dirs: dict[str, Path]) -> None:
-    library = native.native_library()
-    assert library is not None
     qk_norm = make_llm(model=str(tiny_model_dirs["qwen3"])).engine.runner.model
-    assert DecodeLoop.for_model(qk_norm, library) is None  # per-head q/k norms
+    assert qk_norm.decode_loop() is None  # per-head q/k norms
     llama = make_llm().engine.runner.model
-    assert DecodeLoop.for_model(llama, library) is not None
+    assert llama.decode_loop() is not None
     llama.model.layers[1].mlp.down_proj = torch.nn.Linear(64, 64)  # a linear without panels
-    assert DecodeLoop.for_model(llama, library) is None
+    assert llama._build_decode_loop() is None
+    assert make_llm(native="off").engine.runner.model.decode_loop() is None  # the torch ops have none
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -117,9 +131,9 @@ def test_a_slot_outside_the_pool_is_refused_and_nothing_is_written_or_recorded(m
     engine.step()  # the prefill; the next step is a decode
     model, pool = engine.runner.model, engine.kv.pool
     batch = build_forward_batch(engine.scheduler.schedule().chunks, engine.kv).batch
-    plan = AttentionPlan.build(batch, pool, model.config.num_heads)
-    loop = model._decode_loop_for(native.native_library())
-    assert DecodeLoop.applies(plan) and loop is not None
+    plan = AttentionPlan.build(batch, pool, model.config.num_heads, model.ops)
+    loop = model.decode_loop()
+    assert plan.decode is not None and plan.is_decode_only and loop is not None and loop.takes(plan.decode.plan)
     h = model.model.embed_tokens(batch.input_ids).contiguous()
     cos, sin = (t.reshape(t.shape[0], -1).contiguous() for t in model.rope.cos_sin(batch.positions, h.dtype))
     before = [t.clone() for t in (*pool.k, *pool.v)]
@@ -134,12 +148,12 @@ def test_a_slot_outside_the_pool_is_refused_and_nothing_is_written_or_recorded(m
 
     observer, pool.observer = pool.observer, Spy()
     try:
-        loop.run(h, cos, sin, batch.slot_mapping.clone(), plan, pool)  # the real slot: every layer recorded
+        loop.run(h, cos, sin, batch.slot_mapping.clone(), plan.decode.plan, pool)  # the real slot: all recorded
         assert recorded == list(range(len(pool.k)))
         recorded.clear()
         before = [t.clone() for t in (*pool.k, *pool.v)]
         with pytest.raises(IndexError, match="outside the pool"):
-            loop.run(h, cos, sin, torch.tensor([pool.num_slots], dtype=torch.int64), plan, pool)
+            loop.run(h, cos, sin, torch.tensor([pool.num_slots], dtype=torch.int64), plan.decode.plan, pool)
     finally:
         pool.observer = observer
     assert recorded == [], "no layer recorded as written"

@@ -1,0 +1,111 @@
+/* Every decoder layer of a decode-only step in one call: the same kernels the per-layer forward
+ * calls one by one, in the same order on the same buffers, so the result is bit-equal; what goes
+ * is ~20 Python calls per layer (4-6 ms of a ~33 ms single-stream step on SmolLM2-135M).
+ *
+ * A float32 model's linears must all be panels of one kind (float32, bfloat16-stored or int8,
+ * enum kvseal_panel_kind), a bfloat16 model's all tiles; models with per-head q/k norms (Qwen3)
+ * or other linears keep the per-layer path. The K/V writes are the same bounds-checked kernel
+ * (a slot outside the pool: -1, nothing written in that layer), and *layers_written tells the
+ * caller which layers to record (KVPool.write_layers_by), so the next step's isolation checks
+ * see the same coverage as after the per-layer path. The bfloat16 loop reads q in place from
+ * the qkv rows. */
+
+#include <string.h>
+
+#include "kvseal_ops.h"
+
+/* One linear with the model's weight kind (enum kvseal_panel_kind). Returns the kernel's status
+   (0: done). */
+static int loop_linear(int kind, const void *const *w, int which, const float *x, float *y, int64_t rows, int64_t n_out,
+                       int64_t k_in, int threads) {
+    const float *bias = w[which + 2], *scale = w[which + 1];
+    if (kind == KVSEAL_PANELS_F32) return kvseal_linear_f32(x, w[which], bias, y, rows, n_out, k_in, threads);
+    if (kind == KVSEAL_PANELS_BF16) return kvseal_linear_bf16(x, w[which], bias, y, rows, n_out, k_in, threads);
+    kvseal_linear_i8(x, w[which], scale, bias, y, rows, n_out, k_in, threads);
+    return 0;
+}
+
+int kvseal_decode_layers(int kind, const struct kvseal_decode_step *step, const void *const *layers,
+                         const float *final_norm, float *h, float *x, float *qkv, float *q, float *attn, float *tmp,
+                         float *gate_up, float *act, const float *cos, const float *signed_sin, const int64_t *slots,
+                         const int64_t *tables, const int64_t *context_lens, int64_t *layers_written) {
+    const int64_t num_layers = step->num_layers, rows = step->rows, hidden = step->hidden, heads = step->heads;
+    const int64_t kv_heads = step->kv_heads, head_dim = step->head_dim, inter = step->inter;
+    const int64_t num_pages = step->num_pages, page_size = step->page_size, table_width = step->table_width;
+    const int64_t max_context = step->max_context;
+    const float eps = step->eps, scale = step->scale;
+    const int threads = step->threads;
+    const int64_t q_size = heads * head_dim, kv_size = kv_heads * head_dim, width = q_size + 2 * kv_size;
+    *layers_written = 0;
+    kvseal_add_rms_norm(h, NULL, layers[KVSEAL_INPUT_NORM], eps, x, rows, hidden, threads);
+    for (int64_t l = 0; l < num_layers; l++) {
+        const void *const *w = layers + l * KVSEAL_LAYER_POINTERS;
+        float *k_pool = (float *)w[KVSEAL_K_POOL], *v_pool = (float *)w[KVSEAL_V_POOL];
+        if (loop_linear(kind, w, KVSEAL_W_QKV, x, qkv, rows, width, hidden, threads)) return -2;
+        kvseal_rope(qkv, cos, signed_sin, rows, width, heads + kv_heads, head_dim);
+        if (kvseal_write_slots(qkv + q_size, qkv + q_size + kv_size, width, slots, k_pool, v_pool, rows, kv_heads,
+                               head_dim, num_pages * page_size))
+            return -1;
+        *layers_written = l + 1;
+        for (int64_t r = 0; r < rows; r++) memcpy(q + r * q_size, qkv + r * width, sizeof(float) * q_size);
+        if (kvseal_decode_attention(q, k_pool, v_pool, tables, context_lens, attn, rows, kv_heads, heads / kv_heads,
+                                    head_dim, num_pages, page_size, table_width, max_context, scale, threads))
+            return -2;
+        if (loop_linear(kind, w, KVSEAL_W_O, attn, tmp, rows, hidden, q_size, threads)) return -2;
+        kvseal_add_rms_norm(h, tmp, w[KVSEAL_POST_NORM], eps, x, rows, hidden, threads);
+        if (kind != KVSEAL_PANELS_F32
+            || kvseal_linear_silu_f32(x, w[KVSEAL_W_GATE_UP], w[KVSEAL_B_GATE_UP], act, rows, inter, hidden, threads)) {
+            if (loop_linear(kind, w, KVSEAL_W_GATE_UP, x, gate_up, rows, 2 * inter, hidden, threads)) return -2;
+            kvseal_silu_mul(gate_up, act, rows, inter, threads);
+        }
+        if (loop_linear(kind, w, KVSEAL_W_DOWN, act, tmp, rows, hidden, inter, threads)) return -2;
+        const float *next_norm =
+            l + 1 < num_layers ? (const float *)w[KVSEAL_LAYER_POINTERS + KVSEAL_INPUT_NORM] : final_norm;
+        kvseal_add_rms_norm(h, tmp, next_norm, eps, x, rows, hidden, threads);
+    }
+    return 0;
+}
+
+int kvseal_decode_layers_bf16(const struct kvseal_decode_step *step, const void *const *layers,
+                              const uint16_t *final_norm, uint16_t *h, uint16_t *x, uint16_t *qkv, uint16_t *attn,
+                              uint16_t *tmp, uint16_t *gate_up, uint16_t *act, const uint16_t *cos,
+                              const uint16_t *signed_sin, const int64_t *slots, const int64_t *tables,
+                              const int64_t *context_lens, int64_t *layers_written) {
+    const int64_t num_layers = step->num_layers, rows = step->rows, hidden = step->hidden, heads = step->heads;
+    const int64_t kv_heads = step->kv_heads, head_dim = step->head_dim, inter = step->inter;
+    const int64_t num_pages = step->num_pages, page_size = step->page_size, table_width = step->table_width;
+    const int64_t max_context = step->max_context;
+    const float eps = step->eps, scale = step->scale;
+    const int threads = step->threads;
+    const int64_t q_size = heads * head_dim, kv_size = kv_heads * head_dim, width = q_size + 2 * kv_size;
+    *layers_written = 0;
+    kvseal_add_rms_norm_bf16(h, NULL, layers[KVSEAL_INPUT_NORM], eps, x, rows, hidden, threads);
+    for (int64_t l = 0; l < num_layers; l++) {
+        const void *const *w = layers + l * KVSEAL_LAYER_POINTERS;
+        uint16_t *k_pool = (uint16_t *)w[KVSEAL_K_POOL], *v_pool = (uint16_t *)w[KVSEAL_V_POOL];
+        if (kvseal_linear_tiles(x, w[KVSEAL_W_QKV], w[KVSEAL_B_QKV], qkv, rows, width, hidden, threads)) return -2;
+        kvseal_rope_bf16(qkv, cos, signed_sin, rows, width, heads + kv_heads, head_dim, threads);
+        if (kvseal_write_slots_bf16(qkv + q_size, qkv + q_size + kv_size, width, slots, k_pool, v_pool, rows, kv_heads,
+                                    head_dim, num_pages * page_size))
+            return -1;
+        *layers_written = l + 1;
+        if (kvseal_decode_attention_bf16(qkv, width, k_pool, v_pool, tables, context_lens, attn, q_size, rows, kv_heads,
+                                         heads / kv_heads, head_dim, num_pages, page_size, table_width, max_context,
+                                         scale, KVSEAL_SCORES_AMX, threads))
+            return -2;
+        if (kvseal_linear_tiles(attn, w[KVSEAL_W_O], w[KVSEAL_B_O], tmp, rows, hidden, q_size, threads)) return -2;
+        kvseal_add_rms_norm_bf16(h, tmp, w[KVSEAL_POST_NORM], eps, x, rows, hidden, threads);
+        if (w[KVSEAL_B_GATE_UP] != NULL
+            || kvseal_linear_silu_tiles(x, w[KVSEAL_W_GATE_UP], act, rows, inter, hidden, threads)) {
+            if (kvseal_linear_tiles(x, w[KVSEAL_W_GATE_UP], w[KVSEAL_B_GATE_UP], gate_up, rows, 2 * inter, hidden,
+                                    threads))
+                return -2;
+            kvseal_silu_mul_bf16(gate_up, act, rows, inter, threads);
+        }
+        if (kvseal_linear_tiles(act, w[KVSEAL_W_DOWN], w[KVSEAL_B_DOWN], tmp, rows, hidden, inter, threads)) return -2;
+        const uint16_t *next_norm =
+            l + 1 < num_layers ? (const uint16_t *)w[KVSEAL_LAYER_POINTERS + KVSEAL_INPUT_NORM] : final_norm;
+        kvseal_add_rms_norm_bf16(h, tmp, next_norm, eps, x, rows, hidden, threads);
+    }
+    return 0;
+}

@@ -1,0 +1,379 @@
+/* bfloat16 linears over weights in AMX's tile layout: y = x W^T (+ bias), x and y bfloat16,
+ * float32 sums, each output rounded once (vcvtneps2bf16).
+ *
+ * Layout. The weight is packed once ([ceil(N/16)][K/32] tiles of 16 k-pairs x 16 outputs x 2,
+ * the layout TDPBF16PS reads, zero-padded past N); K must be a multiple of 32.
+ *
+ * Blocking. Each step computes 32 rows x 2 panels (a panel pair) over every k, blocked as a
+ * GEMM: groups of panel pairs stay in L2 (TILE_GROUP_BYTES) while every 32-row chunk passes over
+ * them, so the weights come from memory once, and a chunk's rows stay in L1 across the group's
+ * pairs. Threads claim runs of consecutive pairs from a shared counter, so each streams its
+ * weights in order: below 256 rows short runs (about 8 a thread), so a thread the frontend
+ * preempts holds no fixed share for the other to wait on; from 256 rows one run a thread, since
+ * every run re-reads all the rows. At decode sizes (<= 32 rows) a thread claims its next run
+ * before it works on the one in hand, and the run's last pair prefetches the next run's first
+ * weights.
+ *
+ * Two engines compute a step (dispatch.c picks one at start-up):
+ *   AMX (Sapphire Rapids and later, where the process may use tile data): 2 x 2 tiles per 32-k
+ *     step; a chunk's outputs go out a row or two at a time between the next chunk's tile
+ *     products, so the vector ports convert and store while the tiles compute. At 1-32 rows a
+ *     pass over SmolLM2-135M's 270 MB of weights takes 10.5-13.4 ms (the memory's bandwidth)
+ *     against oneDNN's 14.6-17.8 ms; at 2,048 rows 0.9x oneDNN's time (docs/BENCHMARKS.md,
+ *     rounds 10 and 20).
+ *   AVX512-BF16 (CPUs without AMX, such as AMD's Zen 4 and 5): one 64-byte tile row is exactly
+ *     VDPBF16PS's operand (16 outputs' k-pairs) against x's pair broadcast: 8 rows x 2 panels
+ *     in 16 accumulators, few-row blocks splitting k over more accumulators, the first chunk of
+ *     rows prefetching the next pair's weights a line per k-pair, its row blocks dividing those
+ *     lines between them so the prefetch spreads over the whole chunk. On a Zen 5 host it
+ *     matches oneDNN at 2,048 rows and takes 0.7-0.86x its time at 8-32 rows (round 11).
+ * A build without AVX512-BF16 has neither: the entry points answer -1 and the ops layer keeps
+ * torch's linears.
+ *
+ * The MLP's gate/up + SiLU (kvseal_linear_silu_tiles): each gate panel paired with the up panel
+ * of the same features, the epilogue rounding gate and up to bfloat16 (the linear's output),
+ * silu(gate) to bfloat16, then the product, as the two passes round: bit-equal to them, with the
+ * [rows, 2 * inter] intermediate never written. */
+
+#include "kvseal_ops.h"
+#include "tiles.h"
+#include "vec.h"
+
+void kvseal_pack_tiles(const uint16_t *w, uint16_t *packed, int64_t n_out, int64_t k_in) {
+    const int64_t panels = (n_out + 15) / 16, kblocks = k_in / 32;
+#pragma omp parallel for schedule(static)
+    for (int64_t p = 0; p < panels; p++)
+        for (int64_t kb = 0; kb < kblocks; kb++)
+            for (int64_t kk = 0; kk < 16; kk++)
+                for (int64_t n = 0; n < 16; n++)
+                    for (int64_t i = 0; i < 2; i++) {
+                        const int64_t row = p * 16 + n, col = kb * 32 + 2 * kk + i;
+                        const int64_t at = (((p * kblocks + kb) * 16 + kk) * 16 + n) * 2 + i;
+                        packed[at] = row < n_out ? w[row * k_in + col] : 0;
+                    }
+}
+
+#if KVSEAL_AVX512BF16
+/* rows of a 16-column float32 tile (+ bias) into bfloat16 y, nr <= 16 valid columns: one
+   vcvtneps2bf16 a row (round to nearest even; NaN stays NaN). */
+static void store_tile_rows(const float *c, int rows, const uint16_t *bias, uint16_t *y, int64_t ldy, int64_t nr) {
+    const __mmask16 mask = (__mmask16)((1u << nr) - 1u);
+    const __m512 b =
+        bias == NULL
+            ? _mm512_setzero_ps()
+            : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, bias)), 16));
+    for (int r = 0; r < rows; r++) {
+        const __m256bh out = _mm512_cvtneps_pbh(_mm512_add_ps(_mm512_loadu_ps(c + r * 16), b));
+        _mm256_mask_storeu_epi16(y + r * ldy, mask, (__m256i)out);
+    }
+}
+
+/* One row block of the dot-product engine: R rows of x against panels b0 and b1 over every k,
+   sums into c0 and c1 (16 floats a row). A B tile's 64-byte row is 16 outputs' (k, k + 1)
+   weight pairs, exactly vdpbf16ps's operand, against x's pair broadcast. S accumulators per
+   row and panel take alternate k-pairs, so that a block of few rows (decode) still has enough
+   independent sums in flight to hide the instruction's latency. p0, p1 (unless NULL): panels to
+   prefetch into L1 so that the next panels' weights come from memory while these are
+   multiplied: their line of k-pair k for every k with k % shares == share (the chunk's row
+   blocks divide the lines between them). */
+static inline __attribute__((always_inline)) void dot_block(const uint16_t *a, int64_t k_in, const uint16_t *b0,
+                                                            const uint16_t *b1, const int R, const int S, float *c0,
+                                                            float *c1, const uint16_t *p0, const uint16_t *p1,
+                                                            int share, int shares) {
+    __m512 acc0[16], acc1[16]; /* R * S <= 16 */
+    for (int i = 0; i < R * S; i++) {
+        acc0[i] = _mm512_setzero_ps();
+        acc1[i] = _mm512_setzero_ps();
+    }
+    int turn = 0;
+    for (int64_t kp = 0; kp < k_in / 2; kp += S)
+        for (int s = 0; s < S; s++) {
+            const __m512bh w0 = (__m512bh)_mm512_loadu_si512(b0 + (kp + s) * 32);
+            const __m512bh w1 = (__m512bh)_mm512_loadu_si512(b1 + (kp + s) * 32);
+            if (p0 != NULL) {
+                if (turn == share) {
+                    __builtin_prefetch(p0 + (kp + s) * 32, 0, 3);
+                    __builtin_prefetch(p1 + (kp + s) * 32, 0, 3);
+                }
+                if (++turn == shares) turn = 0;
+            }
+            for (int r = 0; r < R; r++) {
+                int32_t pair;
+                memcpy(&pair, a + r * k_in + 2 * (kp + s), sizeof pair);
+                const __m512bh xr = (__m512bh)_mm512_set1_epi32(pair);
+                acc0[r * S + s] = _mm512_dpbf16_ps(acc0[r * S + s], xr, w0);
+                acc1[r * S + s] = _mm512_dpbf16_ps(acc1[r * S + s], xr, w1);
+            }
+        }
+    for (int r = 0; r < R; r++) {
+        __m512 s0 = acc0[r * S], s1 = acc1[r * S];
+        for (int s = 1; s < S; s++) {
+            s0 = _mm512_add_ps(s0, acc0[r * S + s]);
+            s1 = _mm512_add_ps(s1, acc1[r * S + s]);
+        }
+        _mm512_storeu_ps(c0 + r * 16, s0);
+        _mm512_storeu_ps(c1 + r * 16, s1);
+    }
+}
+
+/* amx_chunk on AVX512-BF16 dot products: the same four sums (c[0], c[1]: rows 0-15 and 16-31
+   against panel b0; c[2], c[3] against b1), in row blocks of 8 (16 accumulators). Without a
+   second panel, b0 stands in for it and the caller stores only c[0], c[1]. The row blocks
+   prefetch next0 and next1 (unless NULL) between them, every block an equal share of the
+   lines spread over its whole pass: one block issuing them all in its first quarter of the
+   chunk (32 rows) left the stream to wait (a 32-row decode stack of SmolLM2's linears,
+   weights out of cache: 0.935x the time). */
+static void dot_chunk(const uint16_t *a, int64_t k_in, const uint16_t *b0, const uint16_t *b1, int rows, int two,
+                      float c[4][256], const uint16_t *next0, const uint16_t *next1) {
+    if (!two) b1 = b0;
+    const int blocks = (rows + 7) / 8;
+    for (int m = 0; m < rows; m += 8) {
+        const uint16_t *x = a + m * k_in;
+        const int share = m / 8;
+        float *c0 = c[m / 16] + (m % 16) * 16, *c1 = c[2 + m / 16] + (m % 16) * 16;
+        switch (rows - m < 8 ? rows - m : 8) {
+            case 1: dot_block(x, k_in, b0, b1, 1, 8, c0, c1, next0, next1, share, blocks); break;
+            case 2: dot_block(x, k_in, b0, b1, 2, 4, c0, c1, next0, next1, share, blocks); break;
+            case 3: dot_block(x, k_in, b0, b1, 3, 2, c0, c1, next0, next1, share, blocks); break;
+            case 4: dot_block(x, k_in, b0, b1, 4, 2, c0, c1, next0, next1, share, blocks); break;
+            case 5: dot_block(x, k_in, b0, b1, 5, 1, c0, c1, next0, next1, share, blocks); break;
+            case 6: dot_block(x, k_in, b0, b1, 6, 1, c0, c1, next0, next1, share, blocks); break;
+            case 7: dot_block(x, k_in, b0, b1, 7, 1, c0, c1, next0, next1, share, blocks); break;
+            default: dot_block(x, k_in, b0, b1, 8, 1, c0, c1, next0, next1, share, blocks); break;
+        }
+    }
+}
+
+/* Bytes of weights a thread keeps in L2 while every row chunk passes over them. */
+#define TILE_GROUP_BYTES (512 * 1024)
+
+/* One tile product: x [rows, k_in] against packed panels. A plain linear writes y [rows, n_out]
+   (+ bias); with `half` > 0 it is the MLP's fused gate/up weight ([2 * half * 16, k_in]) and
+   writes act [rows, half * 16] = silu(gate) * up instead, each panel of gate paired with the up
+   panel of the same features. */
+struct tile_job {
+    const uint16_t *x, *packed, *bias;
+    uint16_t *y;
+    int64_t rows, n_out, k_in, half;
+};
+
+/* silu(gate) * up rows from a gate tile and an up tile (float32 sums), rounded as the two-pass
+   path rounds: gate and up to bfloat16 (the linear's output), silu(gate) to bfloat16, the product. */
+static void store_silu_rows(const float *gate, const float *up, int rows, uint16_t *act, int64_t ld) {
+    const v16 one = (v16){0} + 1.0f;
+    for (int r = 0; r < rows; r++) {
+        const v16 g = round16_bf16(load16(gate + r * 16)), u = round16_bf16(load16(up + r * 16));
+        store16_bf16(act + r * ld, round16_bf16(silu_mul16(g, one)) * u);
+    }
+}
+
+/* A chunk whose tiles are computed (c[0], c[1]: panel a's row tiles; c[2], c[3]: panel b's)
+   and whose outputs are not all out yet. The dot-product engine writes them at once; on AMX
+   they go out a row or two at a time between the next chunk's tile products, which run on
+   their own unit while the vector ports convert and store. c == NULL: none. */
+struct pending_chunk {
+    float (*c)[256];
+    int64_t m0, a, b;
+    int r0, r1, two, done; /* done: rows of the chunk already out */
+};
+
+/* The pending chunk's rows [p->done, until) out, a row tile's share at a time: each linear
+   output + bias rounded once, or a fused gate/up's silu(gate) * up. */
+static void pending_rows(const struct tile_job *j, struct pending_chunk *p, int until) {
+    const int rows = p->r0 + p->r1;
+    if (until > rows) until = rows;
+    while (p->done < until) {
+        const int tile = p->done < p->r0 ? 0 : 1, first = tile ? p->done - p->r0 : p->done;
+        const int end = tile || until < p->r0 ? until : p->r0, count = end - p->done;
+        const int64_t m = p->m0 + p->done;
+        if (j->half > 0) {
+            const int64_t ld = j->half * 16;
+            store_silu_rows(p->c[tile] + first * 16, p->c[2 + tile] + first * 16, count, j->y + m * ld + p->a * 16, ld);
+        } else {
+            for (int t = 0; t < 1 + p->two; t++) {
+                const int64_t pt = t ? p->b : p->a, nr = j->n_out - pt * 16 < 16 ? j->n_out - pt * 16 : 16;
+                store_tile_rows(p->c[2 * t + tile] + first * 16, count, j->bias == NULL ? NULL : j->bias + pt * 16,
+                                j->y + m * j->n_out + pt * 16, j->n_out, nr);
+            }
+        }
+        p->done = end;
+    }
+}
+
+#if KVSEAL_AMX
+/* One 32-row chunk of x (a; r1 rows in its second row tile) against panel b0 and, if two,
+   panel b1, over every k: the four sums into c; the pending chunk's rows go out between the
+   k steps (all of them by the end). */
+static void amx_chunk_overlapped(const uint16_t *a, int64_t k_in, const uint16_t *b0, const uint16_t *b1, int r1,
+                                 int two, float c[4][256], const struct tile_job *j, struct pending_chunk *p) {
+    const int64_t kblocks = k_in / 32;
+    const int rows = p->c == NULL ? 0 : p->r0 + p->r1;
+    const int per_step = (int)((rows + kblocks - 1) / kblocks);
+    _tile_zero(0);
+    _tile_zero(2);
+    if (r1) {
+        _tile_zero(1);
+        _tile_zero(3);
+    }
+    for (int64_t kb = 0; kb < kblocks; kb++) {
+        _tile_loadd(4, a + kb * 32, k_in * 2);
+        _tile_loadd(6, b0 + kb * 512, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        if (r1) {
+            _tile_loadd(5, a + 16 * k_in + kb * 32, k_in * 2);
+            _tile_dpbf16ps(1, 5, 6);
+        }
+        if (two) {
+            _tile_loadd(7, b1 + kb * 512, 64);
+            _tile_dpbf16ps(2, 4, 7);
+            if (r1) _tile_dpbf16ps(3, 5, 7);
+        }
+        if (p->done < rows) pending_rows(j, p, p->done + per_step);
+    }
+    if (p->c != NULL) pending_rows(j, p, rows);
+    _tile_stored(0, c[0], 64);
+    _tile_stored(2, c[2], 64);
+    if (r1) {
+        _tile_stored(1, c[1], 64);
+        _tile_stored(3, c[3], 64);
+    }
+}
+#else
+static void amx_chunk_overlapped(const uint16_t *a, int64_t k_in, const uint16_t *b0, const uint16_t *b1, int r1,
+                                 int two, float c[4][256], const struct tile_job *j, struct pending_chunk *p) {
+    (void)a;
+    (void)k_in;
+    (void)b0;
+    (void)b1;
+    (void)r1;
+    (void)two;
+    (void)c;
+    (void)j;
+    (void)p;
+}
+#endif
+
+/* Pairs [i_begin, i_end) for rows [0, rows): pair i is panels (2i, 2i + 1) of a plain linear,
+   (i, i + half) of a fused gate/up. Blocked as a GEMM: pairs in groups whose weights stay in
+   L2 while every 32-row chunk passes over them (the weights come from memory once), and a
+   chunk's rows stay in L1 across the group's pairs. after: the first pair of the thread's next
+   run (-1: none); with at most TILE_CHUNK_ROWS rows (one chunk: decode) the last pair prefetches
+   it, so that a run does not start on weights still in memory. */
+#define TILE_CHUNK_ROWS 32
+static void tile_pairs(const struct tile_job *j, int64_t i_begin, int64_t i_end, int amx, int64_t after) {
+    const int one_chunk = j->rows <= TILE_CHUNK_ROWS;
+    float c[2][4][256]; /* on AMX: the chunk being computed, and the one whose outputs go out meanwhile */
+    int cur = 0;
+    struct pending_chunk pending = {0};
+    int conf0 = -1, conf1 = -1;
+    const int64_t panels = (j->n_out + 15) / 16, kblocks = j->k_in / 32, pair_bytes = 2 * j->k_in * 32;
+    const int64_t group = TILE_GROUP_BYTES / pair_bytes > 1 ? TILE_GROUP_BYTES / pair_bytes : 1;
+    for (int64_t g = i_begin; g < i_end; g += group) {
+        const int64_t g_end = g + group < i_end ? g + group : i_end;
+        for (int64_t m0 = 0; m0 < j->rows; m0 += TILE_CHUNK_ROWS) {
+            const int r0 = j->rows - m0 < 16 ? (int)(j->rows - m0) : 16;
+            const int r1 = j->rows - m0 <= 16 ? 0 : (j->rows - m0 < 32 ? (int)(j->rows - m0 - 16) : 16);
+            if (amx && (r0 != conf0 || r1 != conf1)) {
+                configure_tiles(r0, r1);
+                conf0 = r0;
+                conf1 = r1;
+            }
+            for (int64_t i = g; i < g_end; i++) {
+                const int64_t a = j->half > 0 ? i : 2 * i, b = j->half > 0 ? i + j->half : 2 * i + 1;
+                const int two = b < panels;
+                const uint16_t *x = j->x + m0 * j->k_in, *b0 = j->packed + a * kblocks * 512;
+                const uint16_t *b1 = j->packed + b * kblocks * 512;
+                if (amx) {
+                    amx_chunk_overlapped(x, j->k_in, b0, b1, r1, two, c[cur], j, &pending);
+                    pending = (struct pending_chunk){c[cur], m0, a, b, r0, r1, two, 0};
+                    cur ^= 1;
+                } else { /* the first chunk of rows prefetches the next pair's weights */
+                    const int64_t n = one_chunk && i + 1 == i_end ? after : i + 1;
+                    const int64_t na = j->half > 0 ? n : 2 * n, nb = j->half > 0 ? n + j->half : 2 * n + 1;
+                    const int ahead = m0 == 0 && (one_chunk ? n >= 0 : n < g_end);
+                    dot_chunk(x, j->k_in, b0, b1, r0 + r1, two, c[0], ahead ? j->packed + na * kblocks * 512 : NULL,
+                              ahead ? j->packed + (nb < panels ? nb : na) * kblocks * 512 : NULL);
+                    struct pending_chunk whole = {c[0], m0, a, b, r0, r1, two, 0};
+                    pending_rows(j, &whole, r0 + r1);
+                }
+            }
+        }
+    }
+    if (pending.c != NULL) pending_rows(j, &pending, pending.r0 + pending.r1);
+}
+
+/* The job's pairs handed to the threads in runs of consecutive pairs from a shared counter as
+   they come free, so each thread streams its weights in order. At decode sizes the runs are
+   short (about 8 a thread): on a host whose cores the frontend shares, a preempted thread then
+   holds no fixed half for the other to wait on. From TILE_SPLIT_ROWS rows on each thread takes
+   one contiguous half: every run re-reads all the rows, which short runs would multiply. At
+   decode sizes (one chunk of rows) each thread takes its next run before it works on the one in
+   hand, so that it can prefetch the next run's first weights (tile_pairs' `after`); with two
+   halves, claiming ahead would take the other thread's half. */
+#define TILE_SPLIT_ROWS 256
+static void tile_run(const struct tile_job *j, int64_t pairs, int num_threads) {
+    const int64_t runs = j->rows >= TILE_SPLIT_ROWS ? num_threads : 8 * num_threads;
+    const int64_t run = (pairs + runs - 1) / runs;
+    const int amx = kvseal_amx_linears;
+    int64_t handed_out = 0;
+    const int claim_ahead = j->rows <= TILE_CHUNK_ROWS;
+#pragma omp parallel num_threads(num_threads)
+    {
+        int used = 0;
+        int64_t i = __atomic_fetch_add(&handed_out, run, __ATOMIC_RELAXED);
+        while (i < pairs && j->rows > 0) {
+            const int64_t next = claim_ahead ? __atomic_fetch_add(&handed_out, run, __ATOMIC_RELAXED) : -1;
+            tile_pairs(j, i, i + run < pairs ? i + run : pairs, amx, next < pairs ? next : -1);
+            used = 1;
+            i = claim_ahead ? next : __atomic_fetch_add(&handed_out, run, __ATOMIC_RELAXED);
+        }
+        if (used && amx) tile_release();
+    }
+}
+
+/* y [rows, n_out] = x [rows, k_in] . W^T (+ bias [n_out] unless NULL), all bfloat16; W packed by
+   kvseal_pack_tiles. Returns 0 (k_in % 32 is the caller's to check). */
+int kvseal_linear_tiles(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, uint16_t *y, int64_t rows,
+                        int64_t n_out, int64_t k_in, int num_threads) {
+    const struct tile_job j = {x, packed, bias, y, rows, n_out, k_in, 0};
+    tile_run(&j, ((n_out + 15) / 16 + 1) / 2, num_threads);
+    return 0;
+}
+
+/* act [rows, inter] = silu(x W_gate^T) * (x W_up^T) in one pass over the MLP's fused gate/up
+   weight (packed [2 * inter, k_in], no bias), bit-equal to kvseal_linear_tiles then
+   kvseal_silu_mul_bf16: the [rows, 2 * inter] intermediate is never written. Returns -1,
+   computing nothing, unless inter is a multiple of 16 (gate and up panels then hold the same
+   features); else 0. */
+int kvseal_linear_silu_tiles(const uint16_t *x, const uint16_t *packed, uint16_t *act, int64_t rows, int64_t inter,
+                             int64_t k_in, int num_threads) {
+    if (inter % 16 != 0) return -1;
+    const struct tile_job j = {x, packed, NULL, act, rows, 2 * inter, k_in, inter / 16};
+    tile_run(&j, inter / 16, num_threads);
+    return 0;
+}
+#else
+int kvseal_linear_tiles(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, uint16_t *y, int64_t rows,
+                        int64_t n_out, int64_t k_in, int num_threads) {
+    (void)x;
+    (void)packed;
+    (void)bias;
+    (void)y;
+    (void)rows;
+    (void)n_out;
+    (void)k_in;
+    (void)num_threads;
+    return -1;
+}
+int kvseal_linear_silu_tiles(const uint16_t *x, const uint16_t *packed, uint16_t *act, int64_t rows, int64_t inter,
+                             int64_t k_in, int num_threads) {
+    (void)x;
+    (void)packed;
+    (void)act;
+    (void)rows;
+    (void)inter;
+    (void)k_in;
+    (void)num_threads;
+    return -1;
+}
+#endif

@@ -1,0 +1,146 @@
+"""Decode-only steps of a float32 or bfloat16 model in one native call (`csrc/decode_loop.c`).
+
+The per-layer forward calls ~20 small kernels per layer from Python; at one to eight decode
+rows that costs 4-6 ms a step, a sixth of a single-stream decode step. A step whose every row
+decodes one token (the common step once prompts are in) runs all layers in one C call instead:
+the same kernels, in the same order, on the same buffers, so its result is bit-equal to the
+per-layer path. A float32 model's linears must be kvseal's panels of one kind
+(`kvseal_decode_layers`), a bfloat16 model's tiles (`kvseal_decode_layers_bf16`). Steps with
+prefill chunks, models with per-head q/k norms, or other linears keep the per-layer path.
+
+The KV writes are the same bounds-checked kernel (`kvseal_write_slots`, which refuses a slot
+outside the pool writing nothing), and the pool records each layer the call wrote, exactly as
+`KVPool.write_by` does per layer (`KVPool.write_layers_by`), so the isolation checks of the
+next step see the same coverage either way.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from kvseal.kvcache.pool import KVPool
+from kvseal.ops.interface import DecodePlan, DecoderStack, DecoderWeights
+from kvseal.ops.native_kernels import NativeKernels
+from kvseal.ops.native_linears import Int8PanelLinear, PanelLinear, TileLinear
+from kvseal.ops.native_plans import NativeRows
+
+_TILES = -1  # the kind of a bfloat16 model whose every linear is a TileLinear
+
+
+class NativeDecodeLoop:
+    """The pointer table of one model's decoder weights, and the call that runs them."""
+
+    def __init__(self, stack: DecoderStack, kernels: NativeKernels, kind: int) -> None:
+        self.kernels, self.kind, self.stack = kernels, kind, stack
+        lib, ffi = kernels.lib, kernels.ffi
+        self.num_layers = len(stack.layers)
+        self.q_size = stack.heads * stack.head_dim
+        self.width = self.q_size + 2 * stack.kv_heads * stack.head_dim
+        self.dtype = torch.bfloat16 if kind == _TILES else torch.float32
+        self.per_layer = int(lib.KVSEAL_LAYER_POINTERS)
+        self.table = ffi.new("const void *[]", self.num_layers * self.per_layer)
+        self.step = ffi.new("struct kvseal_decode_step *")
+        self.step.num_layers, self.step.hidden, self.step.inter = self.num_layers, stack.hidden, stack.inter
+        self.step.heads, self.step.kv_heads, self.step.head_dim = stack.heads, stack.kv_heads, stack.head_dim
+        self.step.eps, self.step.scale = stack.final_eps, stack.head_dim**-0.5
+        weights = (lib.KVSEAL_W_QKV, lib.KVSEAL_W_O, lib.KVSEAL_W_GATE_UP, lib.KVSEAL_W_DOWN)
+        for index, layer in enumerate(stack.layers):
+            base = index * self.per_layer
+            for at, linear in zip(weights, _linears(layer)):
+                assert isinstance(linear, (TileLinear, PanelLinear, Int8PanelLinear)), "for_stack checked the kinds"
+                self.table[base + at] = self._pointer(linear.tiles if isinstance(linear, TileLinear) else linear.panels)
+                scale = linear.scale if isinstance(linear, Int8PanelLinear) else None
+                self.table[base + at + 1] = self._pointer(scale)
+                self.table[base + at + 2] = self._pointer(linear.bias)
+            self.table[base + lib.KVSEAL_INPUT_NORM] = self._pointer(layer.input_norm)
+            self.table[base + lib.KVSEAL_POST_NORM] = self._pointer(layer.post_norm)
+
+    @classmethod
+    def for_stack(cls, stack: DecoderStack, kernels: NativeKernels) -> NativeDecodeLoop | None:
+        """The loop for `stack`, or None if some part of it is not what the loop runs: norms of
+        the model's dtype and one eps; in a float32 model every linear a float32 or bfloat16
+        panel linear of one dtype, or every one an int8 panel linear; in a bfloat16 model every
+        linear a tile linear."""
+        dtype = stack.final_norm.dtype
+        norms = [stack.final_norm] + [n for layer in stack.layers for n in (layer.input_norm, layer.post_norm)]
+        eps = {stack.final_eps} | {e for layer in stack.layers for e in (layer.input_eps, layer.post_eps)}
+        kinds = {_kind(linear, dtype, kernels.lib) for layer in stack.layers for linear in _linears(layer)}
+        kind = kinds.pop() if len(kinds) == 1 else None
+        if kind is None or len(eps) != 1 or any(n.dtype != dtype or not n.is_contiguous() for n in norms):
+            return None
+        return cls(stack, kernels, kind)
+
+    def takes(self, plan: DecodePlan) -> bool:
+        return isinstance(plan, NativeRows)
+
+    def run(self, h: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, slots: torch.Tensor,
+            plan: DecodePlan, pool: KVPool) -> torch.Tensor:
+        assert isinstance(plan, NativeRows), "run only a plan it takes"
+        rows = h.shape[0]
+        tensors = (h, cos, signed_sin, slots, plan.tables, plan.context_lens)
+        if any(not t.is_contiguous() for t in tensors) or h.dtype != self.dtype or slots.shape != (rows,):
+            raise TypeError(f"the decode loop takes contiguous {self.dtype} rows and one int64 slot per row")
+        lib = self.kernels.lib
+        for layer in range(self.num_layers):
+            if pool.k[layer].dtype != self.dtype or not pool.k[layer].is_contiguous():
+                raise TypeError(f"the decode loop reads a contiguous {self.dtype} pool")
+            self.table[layer * self.per_layer + lib.KVSEAL_K_POOL] = self._pointer(pool.k[layer])
+            self.table[layer * self.per_layer + lib.KVSEAL_V_POOL] = self._pointer(pool.v[layer])
+        step = self.step
+        step.rows, step.num_pages, step.page_size = rows, pool.num_pages, pool.page_size
+        step.table_width, step.max_context = plan.tables.shape[1], plan.max_context
+        step.threads = torch.get_num_threads()
+        x, tmp = torch.empty_like(h), torch.empty_like(h)
+        qkv = torch.empty((rows, self.width), dtype=self.dtype)
+        q, attn = (torch.empty((rows, self.q_size), dtype=self.dtype) for _ in range(2))
+        gate_up = torch.empty((rows, 2 * self.stack.inter), dtype=self.dtype)
+        act = torch.empty((rows, self.stack.inter), dtype=self.dtype)
+        written = self.kernels.ffi.new("int64_t *")
+        status = 0
+        ptr = self.kernels.ptr
+        positions = [ptr(t) for t in (cos, signed_sin, slots, plan.tables, plan.context_lens)]
+
+        def store() -> int:
+            nonlocal status
+            final_norm = ptr(self.stack.final_norm)
+            if self.kind == _TILES:  # q is read in place from the qkv rows
+                status = lib.kvseal_decode_layers_bf16(step, self.table, final_norm,
+                                                       *(ptr(t) for t in (h, x, qkv, attn, tmp, gate_up, act)),
+                                                       *positions, written)
+            else:
+                status = lib.kvseal_decode_layers(self.kind, step, self.table, final_norm,
+                                                  *(ptr(t) for t in (h, x, qkv, q, attn, tmp, gate_up, act)),
+                                                  *positions, written)
+            return int(written[0])
+
+        pool.write_layers_by(slots, store)
+        if status == -1:
+            raise IndexError("a KV slot is outside the pool layer")
+        if status != 0:
+            raise MemoryError("a decode-loop kernel could not allocate its scratch")
+        return x
+
+    def _pointer(self, tensor: torch.Tensor | None) -> Any:
+        ffi = self.kernels.ffi
+        return ffi.NULL if tensor is None else ffi.cast("void *", tensor.data_ptr())
+
+
+def _kind(linear: nn.Module, dtype: torch.dtype, lib: Any) -> int | None:
+    """The loop's kind for one linear of a model of `dtype` (the header's enum
+    kvseal_panel_kind, or _TILES); None where the loop cannot run it."""
+    if dtype == torch.bfloat16:
+        return _TILES if isinstance(linear, TileLinear) else None
+    if dtype != torch.float32:
+        return None
+    if isinstance(linear, Int8PanelLinear):
+        return int(lib.KVSEAL_PANELS_I8)
+    if isinstance(linear, PanelLinear):
+        return int(lib.KVSEAL_PANELS_F32 if linear.panels.dtype == torch.float32 else lib.KVSEAL_PANELS_BF16)
+    return None
+
+
+def _linears(layer: DecoderWeights) -> tuple[nn.Module, ...]:
+    return layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj

@@ -1,0 +1,94 @@
+"""Linears over kvseal's packed weights (the C kernels of `csrc/linear_*.c`).
+
+A float32 model's linears hold their weight in 16-feature column panels (`PanelLinear`, float32
+or, for `--quantization bf16`, bfloat16-stored; `Int8PanelLinear` for `--quantization int8`);
+a bfloat16 model's hold it in AMX's tile layout (`TileLinear`, on AMX or AVX512-BF16 dot
+products). Each packed weight replaces the module's weight (no second copy), except for a
+lm_head tied to the embedding table, which keeps the table for the lookup: that head costs one
+extra copy of the table. The decode loop (`native_decode_loop.py`) reads these modules'
+weights directly.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kvseal.ops.native_kernels import NativeKernels, unpack_panels_i8
+
+
+class PanelLinear(nn.Module):
+    """`nn.Linear` (float32) whose weight is held in column panels for kvseal's C kernel, in
+    float32 or (weight_dtype bfloat16) rounded to bfloat16; the arithmetic is float32 either way."""
+
+    panels: torch.Tensor
+    bias: torch.Tensor | None
+
+    def __init__(self, linear: nn.Linear, kernels: NativeKernels, weight_dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.kernels = kernels
+        self.panels = nn.Parameter(kernels.pack_panels(linear.weight, weight_dtype), requires_grad=False)
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().float().clone(),
+                                                                   requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [..., in_features] float32 -> [..., out_features]
+        return self.kernels.linear_panels(x, self.panels, self.bias, self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.panels.dtype} panels"
+
+
+class TileLinear(nn.Module):
+    """`nn.Linear` (bfloat16) whose weight is held in AMX's tile layout for kvseal's C kernel
+    (`NativeKernels.linear_tiles`, on AMX or AVX512-BF16): bfloat16 in and out, float32 sums,
+    any row count."""
+
+    tiles: torch.Tensor
+    bias: torch.Tensor | None
+
+    def __init__(self, linear: nn.Linear, kernels: NativeKernels) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.kernels = kernels
+        self.tiles = nn.Parameter(kernels.pack_tiles(linear.weight), requires_grad=False)
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [..., in_features] bfloat16 -> [..., out_features]
+        return self.kernels.linear_tiles(x, self.tiles, self.bias, self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, tiles"
+
+
+class Int8PanelLinear(nn.Module):
+    """A float32 model's linear with an int8 weight held in 16-feature column panels
+    ([ceil(out / 16), in, 16]) and one float32 scale per output channel, for kvseal's C kernel:
+    weights converted to float32 in registers, float32 activations, the scale applied to each
+    output's sum, the bias (float32) added. One int8 copy of the weight."""
+
+    panels: torch.Tensor
+    scale: torch.Tensor
+    bias: torch.Tensor | None
+
+    def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+                 kernels: NativeKernels) -> None:
+        super().__init__()
+        self.out_features, self.in_features = qweight.shape
+        self.kernels = kernels
+        self.register_buffer("panels", kernels.pack_panels_i8(qweight))
+        self.register_buffer("scale", scale.float())
+        self.bias = None if bias is None else nn.Parameter(bias.detach().float().clone(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # float32 in and out, any leading shape, bias fused
+        return self.kernels.linear_i8(x, self.panels, self.scale, self.bias, self.out_features)
+
+    def int8_weight(self) -> torch.Tensor:
+        """Q [out, in] int8."""
+        return unpack_panels_i8(self.panels, self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8 per-channel, panels (C kernel)"
