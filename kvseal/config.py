@@ -27,6 +27,8 @@ SUPPORTED_ARCHITECTURES = (
 ScrubMode = Literal["off", "free", "alloc"]
 DEFAULT_MAX_PREFILL_CHUNK_TOKENS = 512  # a quarter of the default step budget
 DEFAULT_FAIR_SHARE_TOKENS = 256  # an eighth of the default step budget
+DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S = 5.0
+DEFAULT_GRAMMAR_COMPILE_WORKERS = 2
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Weight-only: "int8": per-output-channel int8 linears (kvseal.models.quant); "bf16": a float32
 # model whose linear weights are stored in bfloat16 and widened as they are read (half the bytes,
@@ -168,6 +170,28 @@ class SchedulerConfig:
                               f"(512, or the budget if smaller)")
 
 
+@dataclass(frozen=True)
+class GrammarConfig:
+    """Structured-output grammar compiles: each runs in one of `num_workers` worker processes
+    (tenants served round-robin, one compile each at a time) and is stopped after
+    `compile_timeout_s` seconds, the request refused with a 400."""
+
+    compile_timeout_s: float = DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S
+    num_workers: int = DEFAULT_GRAMMAR_COMPILE_WORKERS
+
+    def __post_init__(self) -> None:
+        timeout = self.compile_timeout_s
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not 0 < timeout < float("inf"):
+            raise ConfigError(f"--grammar-compile-timeout-s (grammar_compile_timeout_s) must be a number of seconds "
+                              f"> 0, got {timeout!r}; it is how long one structured-output grammar may compile "
+                              f"(default {DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S:g})")
+        workers = self.num_workers
+        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+            raise ConfigError(f"--grammar-compile-workers (grammar_compile_workers) must be a whole number >= 1, got "
+                              f"{workers!r}; with 2 or more, one tenant's slow grammar never holds up another's "
+                              f"(default {DEFAULT_GRAMMAR_COMPILE_WORKERS})")
+
+
 def cpu_has_native_bf16() -> bool:
     """True on CPUs with AVX512-BF16 or AMX-BF16, where bf16 matmuls run several times faster."""
     try:
@@ -202,6 +226,10 @@ class EngineArgs:
     # torch's default (one per core). A host shared with the frontend or other work may do better
     # with fewer: OpenMP workers wait at every op's barrier for a thread that is off-CPU.
     num_threads: int | None = None
+    # Structured output: how long one grammar may compile before the request is refused, and
+    # how many worker processes compile (GrammarConfig).
+    grammar_compile_timeout_s: float = DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S
+    grammar_compile_workers: int = DEFAULT_GRAMMAR_COMPILE_WORKERS
 
     def __post_init__(self) -> None:
         if self.dtype == "auto":
@@ -241,6 +269,11 @@ class EngineArgs:
             raise ConfigError(f"--threads (num_threads) must be a whole number >= 1, got {self.num_threads!r}; "
                               f"leave it unset for torch's default (one per core)")
         parse_bytes(self.kv_cache_memory)  # a malformed or negative size fails here, by name
+        _ = self.grammar_config  # a bad compile timeout or worker count fails here, by flag
+
+    @property
+    def grammar_config(self) -> GrammarConfig:
+        return GrammarConfig(self.grammar_compile_timeout_s, self.grammar_compile_workers)
 
     @property
     def resolved_max_prefill_chunk_tokens(self) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +12,7 @@ import pytest
 from char_model import make_char_model
 
 from kvseal import LLM, SamplingParams
+from kvseal.config import GrammarConfig
 from kvseal.errors import InvalidParameter
 from kvseal.structured.compiler import GrammarCompilerPool
 from kvseal.structured.schema import check_schema
@@ -22,9 +24,11 @@ SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "colour": 
 
 
 @pytest.fixture(scope="module")
-def char_llm(tmp_path_factory: pytest.TempPathFactory) -> LLM:
+def char_llm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LLM]:
     folder = make_char_model(tmp_path_factory.mktemp("char") / "char-llama")
-    return LLM(str(folder), kv_cache_tokens=1024, page_size=4, dtype="float32")
+    llm = LLM(str(folder), kv_cache_tokens=1024, page_size=4, dtype="float32")
+    yield llm
+    llm.engine.close()
 
 
 def test_json_schema_outputs_validate_in_a_mixed_batch(char_llm: LLM) -> None:
@@ -64,7 +68,7 @@ def test_invalid_schema_is_a_typed_error_naming_the_problem(schema: str, problem
 
 
 def test_grammar_cache_is_per_tenant(char_llm: LLM) -> None:
-    pool = GrammarCompilerPool(char_llm.get_tokenizer(), 128, (1,))
+    pool = GrammarCompilerPool(char_llm.get_tokenizer(), 128, (1,), GrammarConfig(num_workers=1))
     spec = StructuredOutput("json_schema", json.dumps(SCHEMA))
     first = pool.compile_now("alice", spec)
     assert pool.num_compiles == 1
@@ -88,3 +92,4 @@ def test_a_grammar_the_vocabulary_cannot_begin_is_refused(make_llm: Any) -> None
     with pytest.raises(InvalidParameter, match="no token that can begin") as info:
         llm.generate("w5", SamplingParams(structured=StructuredOutput("json_object")))
     assert info.value.param == "response_format" and not llm.engine.has_unfinished()
+    llm.engine.close()
