@@ -277,10 +277,11 @@ class _Slot:
     def _run(self) -> None:
         try:
             while not self._core.is_closed:
-                failure = self._ensure_worker()
+                self._ensure_worker()  # before taking: a job goes to a slot whose worker is ready
                 job = self._core.queue.take()
                 if job is None:
                     return
+                failure = self._ensure_worker()  # it may have died while idle
                 self._core.set_running(+1)
                 try:
                     self._serve(job, failure)

@@ -21,12 +21,20 @@ from kvseal.types import StructuredOutput
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0,
                                                                              "maximum": 9}},
           "required": ["ok", "n"], "additionalProperties": False}
-ENGINE = dict(kv_cache_tokens=1024, page_size=4, dtype="float32")
+# One grammar worker per engine: these tests are about the handoff, not about fairness.
+ENGINE = dict(kv_cache_tokens=1024, page_size=4, dtype="float32", grammar_compile_workers=1)
 
 
 @pytest.fixture(scope="module")
 def char_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_char_model(tmp_path_factory.mktemp("char") / "char-llama")
+
+
+@pytest.fixture(scope="module")
+def colocated(char_dir: Path) -> Iterator[LLM]:
+    llm = LLM(str(char_dir), **ENGINE)  # type: ignore[arg-type]
+    yield llm
+    llm.engine.close()
 
 
 @pytest.fixture(params=["tcp", "nixl"])
@@ -39,13 +47,13 @@ def pair(char_dir: Path, request: pytest.FixtureRequest) -> Iterator[PdPair]:
 
 @pytest.mark.parametrize("structured", [StructuredOutput("json_schema", json.dumps(SCHEMA)),
                                         StructuredOutput("json_object")])
-def test_structured_output_in_pd_equals_colocated(pair: PdPair, char_dir: Path,
+def test_structured_output_in_pd_equals_colocated(pair: PdPair, colocated: LLM,
                                                   structured: StructuredOutput) -> None:
     params = SamplingParams(max_tokens=60, temperature=0, structured=structured)
     prompt = pair.decode.engine.tokenize("hello")
     handoff = pair.generate(prompt, params)
     assert handoff.final.finish_reason in ("stop", "length") and handoff.final.error is None, handoff.final
-    expected = LLM(str(char_dir), **ENGINE).generate([prompt], params)[0]  # type: ignore[arg-type]
+    expected = colocated.generate([prompt], params)[0]
     assert handoff.token_ids == expected.token_ids
     text = "".join(o.new_text for o in handoff.outputs)
     assert text == expected.text
