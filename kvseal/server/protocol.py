@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from kvseal.structured.schema import MAX_TOOLS
 from kvseal.types import MAX_N
 
 INT32_MAX = 2**31 - 1
@@ -162,7 +163,7 @@ class NamedToolChoice(_Body):
 
 class ChatCompletionRequest(GenerationBody):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    tools: Annotated[list[ToolDef], Field(max_length=128)] | None = None
+    tools: Annotated[list[ToolDef], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None

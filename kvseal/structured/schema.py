@@ -6,8 +6,8 @@
 parsed by xgrammar here, so a schema it cannot turn into a grammar is a 400 naming the
 problem. The bounds keep that parse cheap (it grows faster than the nesting: 0.03 s at 64
 levels, a minute at 1,000); the compile itself is bounded by the engine's time budget
-(`--grammar-compile-timeout-s`). A request's tools are also bounded in number (`MAX_TOOLS`)
-and in total size (`MAX_TOOLS_CHARS`).
+(`--grammar-compile-timeout-s`). A request's tools are also bounded in number (`MAX_TOOLS`,
+in the chat request's body model) and in total size (`MAX_TOOLS_CHARS`).
 
 Pure functions; a big schema may take a few milliseconds, so callers run them off the event
 loop.
@@ -25,7 +25,7 @@ from kvseal.errors import InvalidParameter
 MAX_SCHEMA_CHARS = 64 * 1024
 MAX_SCHEMA_DEPTH = 64  # objects and arrays nested in the schema document
 MAX_SCHEMA_PROPERTIES = 5000  # "properties" entries over the whole schema (OpenAI's bound)
-MAX_TOOLS = 128  # OpenAI's bound
+MAX_TOOLS = 128  # OpenAI's bound, in the chat request's body model
 MAX_TOOLS_CHARS = 4 * MAX_SCHEMA_CHARS  # every tool definition of a request, as JSON
 
 _LOG_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")  # xgrammar's "[time] file.cc:123: " prefix
@@ -67,14 +67,12 @@ def check_schema_bounds(schema_json: str, where: str, param: str) -> None:
 
 
 def check_tools(tools: list[dict[str, Any]], grammar_tools: frozenset[str]) -> None:
-    """The door checks on a chat request's `tools` (param "tools"): their number, their total
-    size, every `parameters` schema's bounds, and the full check (xgrammar too) for the tools
-    whose schemas a required or named call's grammar is built from (`grammar_tools`, by name)."""
+    """The door checks on a chat request's `tools` (param "tools"; their number, at most
+    `MAX_TOOLS`, is bounded by the request body's model): their total size, every `parameters`
+    schema's bounds, and the full check (xgrammar too) for the tools whose schemas a required
+    or named call's grammar is built from (`grammar_tools`, by name)."""
     if is_active(Fault.SKIP_TOOL_DOOR_CHECKS):
         return
-    if len(tools) > MAX_TOOLS:
-        raise InvalidParameter(f"the request has {len(tools)} tools; the limit is {MAX_TOOLS}. Send fewer tools.",
-                               param="tools")
     total_chars = len(json.dumps(tools, separators=(",", ":"), ensure_ascii=False))
     if total_chars > MAX_TOOLS_CHARS:
         raise InvalidParameter(f"the tool definitions have {total_chars} characters as JSON; the limit is "

@@ -1,6 +1,10 @@
 """Structured output in PD mode: prefill samples the first token under the request's grammar;
 decode compiles the same grammar (per tenant, cached), advances it by that token and
-constrains the rest, so the output equals colocated generation and satisfies the grammar."""
+constrains the rest, so the output equals colocated generation and satisfies the grammar.
+
+Both roles compile off their loops, in their grammar worker processes under the time budget:
+the grammar scenario of tests/server/test_grammar_budget.py runs here against `serve --pd`
+(its checks are shown failing under their faults there)."""
 
 from __future__ import annotations
 
@@ -11,6 +15,7 @@ from pathlib import Path
 import jsonschema
 import pytest
 from char_model import make_char_model
+from grammar_scenario import GrammarServer, check_b_not_behind_a, check_disconnect_cancels_the_compile
 from pd_harness import PdPair
 
 from kvseal import LLM, SamplingParams
@@ -63,3 +68,19 @@ def test_structured_output_in_pd_equals_colocated(pair: PdPair, colocated: LLM,
     else:  # greedy json_object may run to max_tokens: every token was allowed, so a prefix of an object
         assert text.startswith("{")
     pair.assert_clean()
+
+
+@pytest.fixture(scope="module")
+def pd_server(char_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GrammarServer]:
+    server = GrammarServer(char_dir, tmp_path_factory.mktemp("pd-grammar-server"), pd=True).start()
+    yield server
+    server.terminate()
+
+
+def test_another_tenants_small_grammar_is_not_held_up_in_pd(pd_server: GrammarServer) -> None:
+    waited_s = check_b_not_behind_a(pd_server)
+    print(f"PD: tenant B's request took {waited_s:.3f} s while A's over-budget grammar compiled")
+
+
+def test_a_client_that_leaves_stops_its_compile_in_pd(pd_server: GrammarServer) -> None:
+    check_disconnect_cancels_the_compile(pd_server)
