@@ -12,10 +12,17 @@ import pytest
 from char_model import make_char_model
 
 from kvseal import LLM, SamplingParams
-from kvseal.config import GrammarConfig
-from kvseal.errors import InvalidParameter
+from kvseal.config import EngineArgs, GrammarConfig
+from kvseal.errors import ConfigError, InvalidParameter
 from kvseal.structured.compiler import GrammarCompilerPool
-from kvseal.structured.schema import check_schema
+from kvseal.structured.schema import (
+    MAX_SCHEMA_CHARS,
+    MAX_SCHEMA_DEPTH,
+    MAX_SCHEMA_PROPERTIES,
+    check_schema,
+    check_tools,
+    json_depth,
+)
 from kvseal.types import StructuredOutput
 
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "colour": {"enum": ["red", "green", "blue"]},
@@ -93,3 +100,54 @@ def test_a_grammar_the_vocabulary_cannot_begin_is_refused(make_llm: Any) -> None
         llm.generate("w5", SamplingParams(structured=StructuredOutput("json_object")))
     assert info.value.param == "response_format" and not llm.engine.has_unfinished()
     llm.engine.close()
+
+
+# ---- the door checks on a schema, and the budget's configuration ---------------------------
+
+def test_json_depth_skips_brackets_inside_strings() -> None:
+    assert json_depth('{"a": [1, {"b": "[[[{{{"}]}') == 3
+    assert json_depth('"{[}]"') == 0
+
+
+@pytest.mark.parametrize(("schema", "problem"), [
+    ("[" * (MAX_SCHEMA_DEPTH + 1) + "]" * (MAX_SCHEMA_DEPTH + 1), f"deep; the limit is {MAX_SCHEMA_DEPTH}"),
+    (json.dumps({"type": "object", "properties": {str(i): {} for i in range(MAX_SCHEMA_PROPERTIES + 1)}}),
+     f"properties; the limit is {MAX_SCHEMA_PROPERTIES}"),
+    ('{"type": "string", "description": "' + "x" * MAX_SCHEMA_CHARS + '"}', f"the limit is {MAX_SCHEMA_CHARS}"),
+    ('{"type": ', "not valid JSON"),
+])
+def test_schemas_over_a_door_bound_are_refused_naming_it(schema: str, problem: str) -> None:
+    with pytest.raises(InvalidParameter, match=problem) as info:
+        check_schema(schema)
+    assert info.value.param == "response_format"
+
+
+def test_tools_get_the_bounds_and_grammar_tools_the_full_check() -> None:
+    unsupported = {"type": "objectx"}  # xgrammar cannot build it; a template can still render it
+    tools = [{"type": "function", "function": {"name": "f", "parameters": unsupported}}]
+    check_tools(tools, frozenset())  # tool_choice auto: rendered, no grammar built from it
+    with pytest.raises(InvalidParameter, match=r"tools\[0\].function.parameters: .*objectx") as info:
+        check_tools(tools, frozenset({"f"}))  # required / named: the grammar is built from it
+    assert info.value.param == "tools"
+    nested = {"type": "array", "items": {}}
+    for _ in range(MAX_SCHEMA_DEPTH):
+        nested = {"type": "array", "items": nested}
+    with pytest.raises(InvalidParameter, match=f"the limit is {MAX_SCHEMA_DEPTH}"):
+        check_tools([{"type": "function", "function": {"name": "g", "parameters": nested}}], frozenset())
+
+
+@pytest.mark.parametrize(("field", "value", "flag"), [
+    ("grammar_compile_timeout_s", 0, "--grammar-compile-timeout-s"),
+    ("grammar_compile_timeout_s", float("inf"), "--grammar-compile-timeout-s"),
+    ("grammar_compile_workers", 0, "--grammar-compile-workers"),
+    ("grammar_compile_workers", 1.5, "--grammar-compile-workers"),
+])
+def test_a_bad_grammar_budget_is_refused_naming_the_flag(field: str, value: Any, flag: str) -> None:
+    with pytest.raises(ConfigError, match=flag):
+        EngineArgs(**{field: value})
+
+
+def test_llm_takes_the_grammar_budget() -> None:
+    assert EngineArgs(grammar_compile_timeout_s=2.5).grammar_config == GrammarConfig(2.5, 2)
+    with pytest.raises(ConfigError, match="--grammar-compile-timeout-s"):
+        LLM("unused", grammar_compile_timeout_s=-1)  # refused before any model is read
