@@ -162,7 +162,12 @@ class _PoolCore:
                 job.num_waiters += 1
                 self._cache.move_to_end(key)
                 return GrammarTicket(self, job)
-            job = self._cache[key] = CompileJob(tenant, spec)
+            job = CompileJob(tenant, spec)
+            if self.is_closed:
+                job.error = GrammarCompilerUnavailable("the engine is shutting down")
+                job.finished.set()
+                return GrammarTicket(self, job)
+            self._cache[key] = job
             while len(self._cache) > CACHE_ENTRIES:
                 self._cache.popitem(last=False)
             self.num_compiles += 1

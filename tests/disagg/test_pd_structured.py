@@ -16,10 +16,16 @@ import jsonschema
 import pytest
 from char_model import make_char_model
 from grammar_scenario import GrammarServer, check_b_not_behind_a, check_disconnect_cancels_the_compile
-from pd_harness import PdPair
+from grammar_schemas import SLOW_SCHEMA, spec
+from pd_harness import Handoff, PdPair
 
 from kvseal import LLM, SamplingParams
 from kvseal.config import EngineArgs
+from kvseal.disagg.msgs import PrefillMsg, PrefillRefusedMsg
+from kvseal.disagg.prefill import REQUEST_ABORTED
+from kvseal.kvcache.prefix_cache import namespace_of
+from kvseal.messages.convert import params_to_msg
+from kvseal.messages.msgs import AbortMsg
 from kvseal.models.loader import load_model
 from kvseal.types import StructuredOutput
 
@@ -67,6 +73,33 @@ def test_structured_output_in_pd_equals_colocated(pair: PdPair, colocated: LLM,
         jsonschema.validate(json.loads(text), SCHEMA)
     else:  # greedy json_object may run to max_tokens: every token was allowed, so a prefix of an object
         assert text.startswith("{")
+    pair.assert_clean()
+
+
+def test_an_abort_while_the_grammar_compiles_cancels_it_in_either_role(pair: PdPair) -> None:
+    """Decode holds a reservation request, and prefill a request, until its grammar compiled;
+    an abort meanwhile ends it (nothing reserved, nothing computed) and stops the compile."""
+    params = SamplingParams(max_tokens=4, temperature=0, structured=spec(SLOW_SCHEMA))
+    prompt = pair.decode.engine.tokenize("hello")
+    decode, prefill = pair.decode.engine, pair.prefill.engine
+    handoff = pair.reserve(prompt, params, wait=False)
+    pair.pump(lambda: decode.grammar_stats().num_running >= 1, "decode's compile to start")
+    pair.to_decode.send(AbortMsg(handoff.request_id, "alice", "client_disconnected"))
+    pair.pump(lambda: handoff.is_terminal, "the end of the aborted reservation request")
+    assert handoff.reserved is None and handoff.final.finish_reason == "abort"
+    pair.pump(lambda: decode.grammar_stats().num_cancelled == 1, "decode's compile to be stopped")
+
+    request_id = "pd-prefill-compiling"
+    started = pair.handoffs[request_id] = Handoff(request_id)
+    pair.to_prefill.send(PrefillMsg(request_id, "alice", prompt, params_to_msg(params), "transfer-unknown",
+                                    pair.decode.config.listen, pair.decode.instance_id, "unused", [],
+                                    namespace_of("alice")))
+    pair.pump(lambda: prefill.grammar_stats().num_running >= 1, "prefill's compile to start")
+    pair.to_prefill.send(AbortMsg(request_id, "alice", "client_disconnected"))
+    pair.pump(lambda: started.prefill_result is not None, "prefill's answer")
+    assert isinstance(started.prefill_result, PrefillRefusedMsg) and started.prefill_result.code == REQUEST_ABORTED
+    pair.pump(lambda: prefill.grammar_stats().num_cancelled == 1, "prefill's compile to be stopped")
+    assert not prefill.has_unfinished()
     pair.assert_clean()
 
 
