@@ -162,17 +162,13 @@ class _PoolCore:
                 job.num_waiters += 1
                 self._cache.move_to_end(key)
                 return GrammarTicket(self, job)
-            job = CompileJob(tenant, spec)
-            if self.is_closed:
-                job.error = GrammarCompilerUnavailable("the engine is shutting down")
-                job.finished.set()
-                return GrammarTicket(self, job)
-            self._cache[key] = job
+            job = self._cache[key] = CompileJob(tenant, spec)
             while len(self._cache) > CACHE_ENTRIES:
                 self._cache.popitem(last=False)
             self.num_compiles += 1
             self._start_slots()
-        self.queue.put(job)
+        if not self.queue.put(job):  # closed: nothing will compile it
+            self.finish(job, error=GrammarCompilerUnavailable("the engine is shutting down"))
         return GrammarTicket(self, job)
 
     def release(self, job: CompileJob) -> None:

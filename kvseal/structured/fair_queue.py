@@ -42,11 +42,15 @@ class FairCompileQueue:
         self._seq = itertools.count()
         self._is_closed = False
 
-    def put(self, job: CompileJob) -> None:
+    def put(self, job: CompileJob) -> bool:
+        """Queue `job`; False (not queued) once the line is closed."""
         with self._cond:
+            if self._is_closed:
+                return False
             job.seq = next(self._seq)
             self._by_tenant.setdefault(job.tenant, deque()).append(job)
             self._cond.notify()
+            return True
 
     def take(self) -> CompileJob | None:
         """The next job to run (its tenant is then running), waiting for one; None once closed."""

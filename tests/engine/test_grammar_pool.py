@@ -20,7 +20,7 @@ from processes import wait_for
 
 from kvseal._testing.faults import Fault, inject
 from kvseal.config import GrammarConfig
-from kvseal.errors import GrammarCompileTimeout, InvalidParameter, RequestRejected
+from kvseal.errors import GrammarCompilerUnavailable, GrammarCompileTimeout, InvalidParameter, RequestRejected
 from kvseal.structured.compiler import GrammarCompilerPool, GrammarPoolStats, GrammarTicket
 from kvseal.structured.fair_queue import CompileJob, FairCompileQueue
 from kvseal.types import StructuredOutput
@@ -223,3 +223,11 @@ def test_a_worker_that_dies_mid_compile_is_a_refusal_and_is_replaced(pool: Gramm
     error = _error_of(ticket)
     assert isinstance(error, InvalidParameter) and "stopped while compiling" in error.message
     _all_ready(pool)
+
+
+def test_a_closed_pool_refuses_at_once() -> None:
+    closed = GrammarCompilerPool(make_char_tokenizer(), 128, (1,), GrammarConfig(BUDGET_S, 1))
+    closed.close()
+    with pytest.raises(GrammarCompilerUnavailable, match="shutting down"):
+        closed.compile_now("alice", spec(SMALL_SCHEMA))
+    assert closed.worker_pids() == []
