@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from grammar_schemas import BIG_SCHEMA, SLOW_SCHEMA, small_schema
+from grammar_schemas import SLOW_SCHEMA, big_schema, small_schema
 from processes import LoggedProcess, free_port, kvseal_argv, wait_for
 
 from kvseal.structured.schema import (
@@ -121,7 +121,7 @@ def check_b_not_behind_a(server: GrammarServer) -> tuple[float, float]:
     with ThreadPoolExecutor(2) as executor:  # A's requests end right after their compiles (one token)
         slow = executor.submit(server.chat, "key-alice", response_format=schema_format(SLOW_SCHEMA), max_tokens=1)
         wait_for(lambda: server.metric("kvseal_grammar_compiles_running") >= 1, "A's compile to start")
-        big = executor.submit(server.chat, "key-alice", response_format=schema_format(BIG_SCHEMA), max_tokens=1)
+        big = executor.submit(server.chat, "key-alice", response_format=schema_format(big_schema()), max_tokens=1)
         wait_for(lambda: _num_compiles(server) >= 2, "A's second grammar to reach the compile pool")
         waited_s, a_ended = _b_request(server, slow, big)
         assert not a_ended, "tenant B's grammar waited behind tenant A's"

@@ -6,7 +6,8 @@
 - `BIG_SCHEMA`: 1,600 required properties, about 60K characters: huge but quick (a few tenths
   of a second), so it is always within the budget.
 - `SMALL_SCHEMA`: what another tenant sends meanwhile (milliseconds); `small_schema()` makes a
-  new one each time (a tenant's grammars are cached: a repeated one would not compile at all).
+  new one each time, `big_schema()` too (a tenant's compiled grammars are cached: a repeated
+  one would not compile at all).
 """
 
 from __future__ import annotations
@@ -29,9 +30,14 @@ assert all(len(json.dumps(s)) <= MAX_SCHEMA_CHARS for s in (SLOW_SCHEMA, BIG_SCH
 def spec(schema: dict[str, Any]) -> StructuredOutput:
     return StructuredOutput("json_schema", json.dumps(schema))
 
-_small_ids = itertools.count()
+_ids = itertools.count()
 
 
 def small_schema() -> dict[str, Any]:
     """`SMALL_SCHEMA` under a new title: a grammar no tenant has compiled yet."""
-    return SMALL_SCHEMA | {"title": f"small-{next(_small_ids)}"}
+    return SMALL_SCHEMA | {"title": f"small-{next(_ids)}"}
+
+
+def big_schema() -> dict[str, Any]:
+    """`BIG_SCHEMA` under a new title (a compiled one is cached for its tenant)."""
+    return BIG_SCHEMA | {"title": f"big-{next(_ids)}"}

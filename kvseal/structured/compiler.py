@@ -30,6 +30,7 @@ xgrammar's own compiler cache, which would be shared by all tenants, is switched
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 import weakref
@@ -49,6 +50,7 @@ from kvseal.structured.fair_queue import CompileJob, FairCompileQueue
 from kvseal.structured.grammars import compile_spec, new_compiler
 from kvseal.structured.msgs import GrammarJudgedMsg, JudgeGrammarMsg, WorkerSetupMsg
 from kvseal.structured.schema import describe_error
+from kvseal.structured.worker import NICENESS
 from kvseal.structured.workers import GrammarWorker, WorkerFailed
 from kvseal.types import StructuredOutput
 
@@ -276,6 +278,7 @@ class _Slot:
             self._thread.join(timeout_s)
 
     def _run(self) -> None:
+        _lower_thread_priority()  # its engine-side compiles yield to the forward passes, as the worker's do
         try:
             while not self._core.is_closed:
                 self._ensure_worker()  # before taking: a job goes to a slot whose worker is ready
@@ -385,6 +388,14 @@ class _Slot:
             self._core.finish(job, error=compile_error(job.spec, describe_error(exc)))
             return
         self._core.finish(job, compiled=compiled)
+
+
+def _lower_thread_priority() -> None:
+    """This thread only (Linux schedules threads as tasks; elsewhere nothing changes)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), os.getpriority(os.PRIO_PROCESS, 0) + NICENESS)
+    except (AttributeError, OSError):
+        pass
 
 
 def param_of(spec: StructuredOutput) -> str:

@@ -7,7 +7,8 @@ engine enforces the time budget by killing this process (SIGKILL) and starting a
 Contract: the protocol runs on stdin/stdout only (`structured/msgs.py`); anything else that
 writes to stdout is sent to stderr, which is the engine's log. The worker exits when the
 engine closes its stdin, and on its own within `PARENT_CHECK_S` once the engine process is
-gone, even in the middle of a compile (a compile must never outlive its engine).
+gone, even in the middle of a compile (a compile must never outlive its engine). It runs at
+a lower CPU priority (`NICENESS`) than the engine.
 """
 
 from __future__ import annotations
@@ -30,11 +31,15 @@ from kvseal.structured.msgs import (
 from kvseal.structured.schema import describe_error
 
 PARENT_CHECK_S = 0.2
+# Compiles yield the CPU to the engine's forward passes: a busy core must not stall the
+# engine's threads (each op waits for all of them) and so every tenant's decode steps.
+NICENESS = 10
 
 
 def main() -> int:
     protocol_out = os.dup(1)
     os.dup2(2, 1)  # stray prints (a library's) go to the log, never into the protocol
+    os.nice(NICENESS)
     _exit_with_parent(os.getppid())
     setup = read_to_worker(0)
     if not isinstance(setup, WorkerSetupMsg):

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 
 import pytest
 from char_model import make_char_tokenizer
-from grammar_schemas import BIG_SCHEMA, SLOW_SCHEMA, SMALL_SCHEMA, small_schema, spec
+from grammar_schemas import SLOW_SCHEMA, SMALL_SCHEMA, big_schema, small_schema, spec
 from processes import wait_for
 
 from kvseal._testing.faults import Fault, inject
@@ -115,7 +115,7 @@ def _check_small_grammar_does_not_wait(pool: GrammarCompilerPool) -> float:
     _all_ready(pool)
     slow = pool.compile("alice", spec(SLOW_SCHEMA))
     wait_for(lambda: pool.stats().num_running >= 1, "A's compile to start")
-    big = pool.compile("alice", spec(BIG_SCHEMA))
+    big = pool.compile("alice", spec(big_schema()))
     started_s = time.monotonic()
     pool.compile_now("bob", spec(small_schema()))
     waited_s = time.monotonic() - started_s
@@ -201,7 +201,7 @@ def test_a_compile_another_request_still_waits_for_keeps_running(pool: GrammarCo
     _all_ready(pool)
     first = pool.compile("dave", spec(SLOW_SCHEMA))
     second = pool.compile("dave", spec(SLOW_SCHEMA))  # the same tenant's same grammar: one compile
-    queued = pool.compile("dave", spec(BIG_SCHEMA))  # behind dave's running compile
+    queued = pool.compile("dave", spec(big_schema()))  # behind dave's running compile
     wait_for(lambda: pool.stats().num_running >= 1, "the compile to start")
     before = pool.stats()
     assert before.num_queued == 1
