@@ -31,6 +31,8 @@ NativeMode = Literal["auto", "require", "off"]
 NATIVE_MODES = ("auto", "require", "off")
 DEFAULT_MAX_PREFILL_CHUNK_TOKENS = 512  # a quarter of the default step budget
 DEFAULT_FAIR_SHARE_TOKENS = 256  # an eighth of the default step budget
+DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S = 5.0
+DEFAULT_GRAMMAR_COMPILE_WORKERS = 2
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Weight-only: "int8": per-output-channel int8 linears (kvseal.models.quant); "bf16": a float32
 # model whose linear weights are stored in bfloat16 and widened as they are read (half the bytes,
@@ -172,6 +174,28 @@ class SchedulerConfig:
                               f"(512, or the budget if smaller)")
 
 
+@dataclass(frozen=True)
+class GrammarConfig:
+    """Structured-output grammar compiles: each runs in one of `num_workers` worker processes
+    (tenants served round-robin, one compile each at a time) and is stopped after
+    `compile_timeout_s` seconds, the request refused with a 400."""
+
+    compile_timeout_s: float = DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S
+    num_workers: int = DEFAULT_GRAMMAR_COMPILE_WORKERS
+
+    def __post_init__(self) -> None:
+        timeout = self.compile_timeout_s
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not 0 < timeout < float("inf"):
+            raise ConfigError(f"--grammar-compile-timeout-s (grammar_compile_timeout_s) must be a number of seconds "
+                              f"> 0, got {timeout!r}; it is how long one structured-output grammar may compile "
+                              f"(default {DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S:g})")
+        workers = self.num_workers
+        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+            raise ConfigError(f"--grammar-compile-workers (grammar_compile_workers) must be a whole number >= 1, got "
+                              f"{workers!r}; with 2 or more, one tenant's slow grammar never holds up another's "
+                              f"(default {DEFAULT_GRAMMAR_COMPILE_WORKERS})")
+
+
 def cpu_has_native_bf16() -> bool:
     """True on CPUs with AVX512-BF16 or AMX-BF16, where bf16 matmuls run several times faster."""
     try:
@@ -209,6 +233,10 @@ class EngineArgs:
     # the kernels: the native ones built for this CPU at first start ("auto": if they build, else
     # torch's; "require": or start-up fails with the compiler's message) or torch's ("off")
     native: NativeMode = "auto"
+    # Structured output: how long one grammar may compile before the request is refused, and
+    # how many worker processes compile (GrammarConfig).
+    grammar_compile_timeout_s: float = DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S
+    grammar_compile_workers: int = DEFAULT_GRAMMAR_COMPILE_WORKERS
 
     def __post_init__(self) -> None:
         if self.dtype == "auto":
@@ -252,6 +280,11 @@ class EngineArgs:
                               f"native kernels where they build, else torch's ops; require: the native kernels or "
                               f"start-up fails; off: torch's ops)")
         parse_bytes(self.kv_cache_memory)  # a malformed or negative size fails here, by name
+        _ = self.grammar_config  # a bad compile timeout or worker count fails here, by flag
+
+    @property
+    def grammar_config(self) -> GrammarConfig:
+        return GrammarConfig(self.grammar_compile_timeout_s, self.grammar_compile_workers)
 
     @property
     def resolved_max_prefill_chunk_tokens(self) -> int:

@@ -62,6 +62,14 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, with_threads: bool 
                         "native kernels, built with the C compiler ($CC, else cc) at first start and cached, or "
                         "torch's ops if they cannot be built), require (the native kernels, or start-up fails with "
                         "the compiler's message), off (torch's ops); default auto")
+    parser.add_argument("--grammar-compile-timeout-s", type=float, default=d.grammar_compile_timeout_s,
+                        metavar="S", help="the longest one structured-output grammar (response_format json_schema, "
+                        "a required or named tool call) may compile; over it the compile is stopped and the "
+                        f"request gets a 400 (default: {d.grammar_compile_timeout_s:g})")
+    parser.add_argument("--grammar-compile-workers", type=int, default=d.grammar_compile_workers, metavar="N",
+                        help="grammar compile worker processes, shared by tenants round-robin with one compile "
+                        "each at a time; 2 or more keep one tenant's slow grammar from delaying another's "
+                        f"(default: {d.grammar_compile_workers})")
     if with_threads:
         parser.add_argument("--threads", type=int, default=None, metavar="N",
                             help="CPU threads torch uses in the engine (default: torch's own, one per core); "
@@ -77,4 +85,5 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
         max_prefill_chunk_tokens=ns.max_prefill_chunk_tokens, fair_share_tokens=ns.fair_share_tokens,
         kv_scrub=ns.kv_scrub, check_kv=ns.check_kv,
         enable_prefix_caching=ns.enable_prefix_caching, seed=ns.seed, num_threads=ns.threads, native=ns.native,
+        grammar_compile_timeout_s=ns.grammar_compile_timeout_s, grammar_compile_workers=ns.grammar_compile_workers,
     )

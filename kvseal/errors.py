@@ -53,6 +53,21 @@ class InvalidParameter(RequestRejected):
     code = "invalid_parameter"
 
 
+class GrammarCompileTimeout(InvalidParameter):
+    """A structured-output grammar did not compile within the engine's time budget
+    (`--grammar-compile-timeout-s`); the compile was stopped."""
+
+    code = "grammar_compile_timeout"
+
+
+class GrammarCompilerUnavailable(RequestRejected):
+    """The engine could not start a grammar worker process; not the client's fault."""
+
+    code = "grammar_compiler_unavailable"
+    http_status = 503
+    error_type = "service_unavailable"
+
+
 class ConfigError(KvsealError):
     """A configuration the server cannot honour (I2); start-up refuses it."""
 

@@ -54,6 +54,18 @@ class Fault(enum.Enum):
     # test can show that a stranger who knows a transfer id then lands bytes in decode's pages,
     # and that the tag check is what stops it.
     SKIP_STREAM_TAG_CHECK = "skip_stream_tag_check"
+    # Grammar compiles wait in one FIFO over all tenants, a tenant's compiles running side by
+    # side, so a test can show that another tenant's small grammar then waits behind them.
+    SHARED_GRAMMAR_QUEUE = "shared_grammar_queue"
+    # Grammar compiles get no time budget (the worker is never stopped for running over), so a
+    # test can show that the over-budget refusal is what frees the worker.
+    UNBUDGETED_GRAMMAR_COMPILE = "unbudgeted_grammar_compile"
+    # A compile whose every waiting request left (abort, disconnect) keeps running, so a test
+    # can show that the cancellation is what frees the worker, not the budget.
+    IGNORE_GRAMMAR_CANCEL = "ignore_grammar_cancel"
+    # Tool definitions skip the door checks response_format's schema gets (size, depth, count,
+    # the number and total size of tools), so a test can show that those checks refuse them.
+    SKIP_TOOL_DOOR_CHECKS = "skip_tool_door_checks"
 
 
 _active: set[Fault] = set()

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import logging
 import socket
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -38,9 +40,20 @@ from kvseal.engine.engine import LLMEngine
 from kvseal.errors import RequestRejected
 from kvseal.messages.convert import output_to_msg, params_from_msg
 from kvseal.messages.msgs import AbortMsg, OutputsMsg, RequestOutputMsg, RequestRejectedMsg
-from kvseal.types import ISOLATION_CHECK_FAILED, RequestOutput, TokenLogprobs
+from kvseal.structured.pending import PendingGrammars
+from kvseal.types import ISOLATION_CHECK_FAILED, RequestOutput, SamplingParams, TokenLogprobs
 
 logger = logging.getLogger("kvseal.disagg")
+
+
+@dataclass(frozen=True)
+class _AskedReservation:
+    """A reservation request that passed decode's re-check, waiting for its grammar to compile."""
+
+    frontend: bytes
+    msg: ReserveMsg
+    prompt: list[int]
+    params: SamplingParams
 
 
 class DecodeSteps:
@@ -60,6 +73,9 @@ class DecodeSteps:
         # transfer -> its commit, held until the receiver took in every write made before it
         # (a transport whose data does not share the commit's connection: tcp-stream)
         self._parked: dict[str, CommitMsg] = {}
+        # structured-output reservations whose grammar compiles off the loop (no pages held yet):
+        # a grammar that cannot compile is refused before any page is reserved
+        self._compiling: PendingGrammars[_AskedReservation] = PendingGrammars()
 
     def held(self) -> set[str]:
         return self.table.request_ids()
@@ -92,17 +108,41 @@ class DecodeSteps:
         try:
             params = params_from_msg(msg.params)
             prompt = admit(msg.prompt_token_ids, params, self.engine.limits)  # I1, decode's own limits
-            if self.table.has_request(msg.request_id) or self.engine.find(msg.request_id) is not None:
+            if (self.table.has_request(msg.request_id) or self.engine.find(msg.request_id) is not None
+                    or msg.request_id in self._compiling):
                 raise RequestRejected(f"request id {msg.request_id!r} is already in use on this decode engine")
-            if params.structured is not None:  # a bad grammar is a 400 now; `add_prefilled` reuses it (cached)
-                self.engine.grammars.compile_now(msg.tenant, params.structured)
         except RequestRejected as exc:
-            logger.warning("decode re-check refused request %s: %s", msg.request_id, exc.message)
-            self.replies.send(frontend, ReserveRefusedMsg(msg.request_id, msg.tenant, exc.code, exc.message,
-                                                          exc.param, exc.http_status))
+            self._refuse_reservation(frontend, msg, exc)
             return
-        self.table.add(Reservation(msg.request_id, msg.tenant, prompt, params, frontend, msg.cache_namespace))
+        asked = _AskedReservation(frontend, msg, prompt, params)
+        if params.structured is not None:  # compiled off the loop; reserved once it compiled (`tick`)
+            ticket = self.engine.grammars.compile(msg.tenant, params.structured)
+            self._compiling.add(msg.request_id, msg.tenant, ticket, asked)
+            return
+        self._add_reservation(asked, None)
+
+    def _add_reservation(self, asked: _AskedReservation, compiled_grammar: Any) -> None:
+        msg = asked.msg
+        self.table.add(Reservation(msg.request_id, msg.tenant, asked.prompt, asked.params, asked.frontend,
+                                   msg.cache_namespace, compiled_grammar=compiled_grammar))
         self._place_waiting()
+
+    def _refuse_reservation(self, frontend: bytes, msg: ReserveMsg, exc: RequestRejected) -> None:
+        logger.warning("decode re-check refused request %s: %s", msg.request_id, exc.message)
+        self.replies.send(frontend, ReserveRefusedMsg(msg.request_id, msg.tenant, exc.code, exc.message,
+                                                      exc.param, exc.http_status))
+
+    def _reserve_compiled(self) -> bool:
+        """Reserve for the requests whose grammar compiled; refuse those whose grammar did not."""
+        ready = self._compiling.take_ready()
+        for waiting in ready:
+            try:
+                compiled = waiting.ticket.result()
+            except RequestRejected as exc:
+                self._refuse_reservation(waiting.item.frontend, waiting.item.msg, exc)
+                continue
+            self._add_reservation(waiting.item, compiled)
+        return bool(ready)
 
     def _place_waiting(self) -> bool:
         placed = self.table.place_waiting()
@@ -162,7 +202,8 @@ class DecodeSteps:
         generator_state = torch.frombuffer(bytearray(msg.generator_state), dtype=torch.uint8)
         first = self.engine.add_prefilled(request_id, reservation.tenant, reservation.prompt_token_ids,
                                           reservation.params, msg.first_token, logprobs, generator_state,
-                                          reservation.cache_namespace, reservation.num_cached_tokens)
+                                          reservation.cache_namespace, reservation.num_cached_tokens,
+                                          reservation.compiled_grammar)
         logger.info("handoff of request %s verified: transfer %s from prefill %s to decode %s",
                     request_id, msg.transfer_id, msg.prefill_engine, self.instance_id)
         self._frontend_of[request_id] = reservation.frontend
@@ -184,6 +225,11 @@ class DecodeSteps:
                                                                        msg.message, msg.param, msg.http_status))
 
     def _abort(self, msg: AbortMsg) -> None:
+        asked = self._compiling.cancel(msg.request_id, msg.tenant)  # its compile is cancelled too
+        if asked is not None:
+            self.counters.failures["aborted"] += 1
+            self._report_unreserved(asked, msg.reason)
+            return
         reservation = self.table.by_request(msg.request_id)
         if reservation is not None and reservation.tenant == msg.tenant:
             self.counters.failures["aborted"] += 1
@@ -197,6 +243,11 @@ class DecodeSteps:
         else:  # reported once the transport confirms no write can land (`tick`)
             self._pending_errors[reservation.request_id] = (error, error_code)
 
+    def _report_unreserved(self, asked: _AskedReservation, error: str) -> None:
+        """The end of a request aborted while its grammar compiled: it never held a page."""
+        out = aborted_output(asked.msg.request_id, asked.msg.tenant, len(asked.prompt), 0, error, None)
+        self.replies.send(asked.frontend, OutputsMsg([out]))
+
     def _report_end(self, reservation: Reservation, error: str, error_code: str | None) -> None:
         out = aborted_output(reservation.request_id, reservation.tenant, reservation.num_prompt_tokens,
                              len(reservation.pages), error, error_code)
@@ -205,7 +256,8 @@ class DecodeSteps:
     def tick(self) -> bool:
         self.receiver.progress()  # what landed since the last iteration is copied in now, not at the commit
         self.counters.failures.update(self.receiver.take_refusals())
-        changed = self._verify_parked()
+        changed = self._reserve_compiled()
+        changed = self._verify_parked() or changed
         for reservation in self.table.expired():
             self.counters.num_reservations_expired += 1
             self.counters.failures["expired"] += 1
@@ -235,6 +287,8 @@ class DecodeSteps:
         return changed
 
     def abort_all(self, reason: str) -> None:
+        for _, asked in self._compiling.cancel_all():
+            self._report_unreserved(asked, reason)
         for request_id in list(self.table.request_ids()):
             reservation = self.table.by_request(request_id)
             if reservation is not None:

@@ -30,6 +30,7 @@ from kvseal.disagg.role import Replies, RoleSteps
 from kvseal.engine.engine import LLMEngine
 from kvseal.messages.convert import stats_to_msg
 from kvseal.messages.msgs import ShutdownMsg
+from kvseal.structured.compiler import GrammarPoolStats
 
 logger = logging.getLogger("kvseal.disagg")
 
@@ -50,6 +51,7 @@ class PdEngineLoop:
         self.info = info
         self._frontends: set[bytes] = set()
         self.is_stopped = False
+        self._grammar_stats_sent = GrammarPoolStats()
 
     def run(self) -> None:
         while self.run_once():
@@ -68,7 +70,8 @@ class PdEngineLoop:
             self.steps.on_outputs(self.engine.step())
             changed = True
         changed = self.steps.tick() or changed
-        if changed:
+        # the grammar pool also changes on its own threads (a worker ready, a compile stopped)
+        if changed or self.engine.grammar_stats() != self._grammar_stats_sent:
             self._broadcast_stats()
         return True
 
@@ -141,6 +144,7 @@ class PdEngineLoop:
 
     def _broadcast_stats(self) -> None:
         stats = self.stats()
+        self._grammar_stats_sent = self.engine.grammar_stats()
         for frontend in self._frontends:
             self.replies.send(frontend, stats)
 

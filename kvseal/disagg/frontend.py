@@ -441,7 +441,7 @@ class PdClient:
         return EngineStatsMsg(sum(s.num_running for s in stats), sum(s.num_waiting for s in stats),
                               sum(s.num_pages_used for s in stats), sum(s.num_pages_free for s in stats),
                               sum(s.num_preemptions for s in stats), sum(s.num_isolation_violations for s in stats),
-                              self._pages_scrubbed.total)
+                              self._pages_scrubbed.total, *_grammar_totals(stats))
 
     def _report_load(self) -> None:
         if self.on_load is not None:
@@ -519,3 +519,10 @@ class PdClient:
             elif route.prefill is link and not route.started_decoding:
                 self._try_send(route.decode, AbortMsg(route.handle.request_id, route.handle.tenant, reason))
                 self._end(route, EngineGone(reason))
+
+
+def _grammar_totals(stats: list[EngineStatsMsg]) -> tuple[int, int, int, int, int]:
+    """The engines' grammar compile figures, summed (each role compiles a request's grammar)."""
+    return (sum(s.num_grammar_workers_ready for s in stats), sum(s.num_grammar_compiles_running for s in stats),
+            sum(s.num_grammar_compiles_queued for s in stats), sum(s.num_grammar_compile_timeouts for s in stats),
+            sum(s.num_grammar_compiles_cancelled for s in stats))

@@ -17,6 +17,7 @@ import logging
 import socket
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from kvseal.admission import admit
 from kvseal.disagg.msgs import (
@@ -36,6 +37,7 @@ from kvseal.engine.engine import LLMEngine
 from kvseal.errors import RequestRejected
 from kvseal.messages.convert import params_from_msg
 from kvseal.messages.msgs import AbortMsg, TokenLogprobsMsg
+from kvseal.structured.pending import PendingGrammars
 from kvseal.types import ISOLATION_CHECK_FAILED, FinishReason, Request, RequestOutput, SamplingParams
 
 logger = logging.getLogger("kvseal.disagg")
@@ -73,6 +75,8 @@ class PrefillSteps:
         self.instance_id = instance_id
         self.counters = HandoffCounters()
         self._jobs: dict[str, Job] = {}
+        # structured-output jobs whose grammar compiles off the loop (not yet in the engine)
+        self._compiling: PendingGrammars[tuple[Job, list[int], SamplingParams]] = PendingGrammars()
         engine.before_free = self._hand_off
 
     def held(self) -> set[str]:
@@ -89,7 +93,7 @@ class PrefillSteps:
             case PrefillMsg():
                 self._prefill(sender, msg)
             case AbortMsg():
-                self.on_outputs(abort_owned(self.engine, msg))
+                self._abort(msg)
             case _:
                 return False
         return True
@@ -99,14 +103,53 @@ class PrefillSteps:
         try:
             params = params_from_msg(msg.params)
             prompt = admit(msg.prompt_token_ids, params, self.engine.limits)  # I1, prefill's own limits
-            self.engine.add_request(msg.request_id, prompt, first_token_params(params), msg.tenant,
-                                    cache_namespace=msg.cache_namespace)
+            if msg.request_id in self._compiling:
+                raise RequestRejected(f"request id {msg.request_id!r} is already in use on this prefill engine")
         except RequestRejected as exc:
-            logger.warning("prefill re-check refused request %s: %s", msg.request_id, exc.message)
-            self._refuse(job, exc.code, exc.message, exc.param, exc.http_status)
-            self._report(job)
+            self._refuse_rejected(job, exc)
+            return
+        if params.structured is not None:  # compiled off the loop; started once it compiled (`tick`)
+            ticket = self.engine.grammars.compile(msg.tenant, params.structured)
+            self._compiling.add(msg.request_id, msg.tenant, ticket, (job, prompt, params))
+            return
+        self._start(job, prompt, params, None)
+
+    def _start(self, job: Job, prompt: list[int], params: SamplingParams, compiled_grammar: Any) -> None:
+        msg = job.msg
+        try:
+            self.engine.add_request(msg.request_id, prompt, first_token_params(params), msg.tenant,
+                                    compiled_grammar=compiled_grammar, cache_namespace=msg.cache_namespace)
+        except RequestRejected as exc:
+            self._refuse_rejected(job, exc)
             return
         self._jobs[msg.request_id] = job
+
+    def _refuse_rejected(self, job: Job, exc: RequestRejected) -> None:
+        logger.warning("prefill re-check refused request %s: %s", job.msg.request_id, exc.message)
+        self._refuse(job, exc.code, exc.message, exc.param, exc.http_status)
+        self._report(job)
+
+    def _start_compiled(self) -> bool:
+        """Start the jobs whose grammar compiled; refuse those whose grammar did not."""
+        ready = self._compiling.take_ready()
+        for waiting in ready:
+            job, prompt, params = waiting.item
+            try:
+                compiled = waiting.ticket.result()
+            except RequestRejected as exc:
+                self._refuse_rejected(job, exc)
+                continue
+            self._start(job, prompt, params, compiled)
+        return bool(ready)
+
+    def _abort(self, msg: AbortMsg) -> None:
+        compiling = self._compiling.cancel(msg.request_id, msg.tenant)  # its compile is cancelled too
+        if compiling is None:
+            self.on_outputs(abort_owned(self.engine, msg))
+            return
+        job = compiling[0]
+        self._refuse(job, REQUEST_ABORTED, f"prefill did not complete the request: {msg.reason}", None, 500)
+        self._report(job)
 
     def _hand_off(self, request: Request) -> None:
         """The engine's `before_free` hook: the request still owns its pages here."""
@@ -182,7 +225,10 @@ class PrefillSteps:
         self.replies.send(job.frontend, job.result)
 
     def tick(self) -> bool:
-        return False
+        return self._start_compiled()
 
     def abort_all(self, reason: str) -> None:
+        for _, (job, _, _) in self._compiling.cancel_all():
+            self._refuse(job, REQUEST_ABORTED, f"prefill did not complete the request: {reason}", None, 500)
+            self._report(job)
         self.on_outputs(abort_every(self.engine, reason))

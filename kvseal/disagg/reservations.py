@@ -27,6 +27,7 @@ import secrets
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvseal.disagg.transport import KVReceiver
 from kvseal.kvcache.manager import KVCacheManager
@@ -49,6 +50,7 @@ class Reservation:
     num_cached_tokens: int = 0  # positions [0, this) are the prefix-cache hit (page-aligned)
     deadline_s: float = 0.0
     release_reason: str | None = None  # set once releasing: waiting for the receiver's confirmation
+    compiled_grammar: Any = None  # a structured-output request's grammar, compiled before the reservation
 
     @property
     def num_prompt_tokens(self) -> int:

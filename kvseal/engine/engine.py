@@ -34,7 +34,7 @@ from kvseal.models.packed import pack_model
 from kvseal.models.quant import quantize_model
 from kvseal.ops import select_ops
 from kvseal.prompting import encode_text
-from kvseal.structured.compiler import GrammarCompilerPool
+from kvseal.structured.compiler import GrammarCompilerPool, GrammarPoolStats
 from kvseal.structured.matching import new_matcher
 from kvseal.types import (
     DEFAULT_TENANT,
@@ -59,6 +59,7 @@ class EngineStats:
     num_preemptions: int
     num_isolation_violations: int  # requests ended because an isolation check refused their forward
     num_pages_scrubbed: int  # pages the scrub policy overwrote since start-up (KVCacheManager, I7)
+    grammar: GrammarPoolStats = GrammarPoolStats()  # structured-output compiles (workers, queue, stops)
 
 
 class LLMEngine:
@@ -88,6 +89,7 @@ class LLMEngine:
         self._num_preemptions = 0
         self._num_isolation_violations = 0
         self._grammars: GrammarCompilerPool | None = None
+        self._grammar_config = args.grammar_config
         # Called with a finishing request while it still owns its pages (finish_reason set);
         # the prefill role exports the request's KV here. None: nothing to do.
         self.before_free: Callable[[Request], None] | None = None
@@ -99,12 +101,12 @@ class LLMEngine:
             "kvseal engine: model=%s arch=%s dtype=%s max_model_len=%d kv_cache_tokens=%d (%d pages x %d) "
             "kv_bytes_per_token=%d max_num_batched_tokens=%d max_prefill_chunk_tokens=%d fair_share_tokens=%d "
             "attention_cost_context=%d max_num_seqs=%d kv_scrub=%s check_kv=%s prefix_caching=%s torch_threads=%d "
-            "native=%s ops=%s",
+            "native=%s ops=%s grammar_compile_timeout_s=%g grammar_compile_workers=%d",
             self.loaded.path, self.model_config.architecture, args.dtype, s.max_model_len, c.kv_cache_tokens,
             c.num_pages, c.page_size, args.capacity(self.model_config).bytes_per_token,
             s.max_num_batched_tokens, s.max_prefill_chunk_tokens, s.fair_share_tokens, s.attention_cost_context,
             s.max_num_seqs, c.kv_scrub, c.check_kv, c.enable_prefix_caching, torch.get_num_threads(),
-            args.native, self.ops.name,
+            args.native, self.ops.name, args.grammar_compile_timeout_s, args.grammar_compile_workers,
         )
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
@@ -116,11 +118,20 @@ class LLMEngine:
 
     @property
     def grammars(self) -> GrammarCompilerPool:
-        """The structured-output compiler (built at first use; most deployments never need it)."""
+        """The structured-output compiler (built at first use, its worker processes with it;
+        most deployments never need it)."""
         if self._grammars is None:
             self._grammars = GrammarCompilerPool(self.tokenizer, self.model_config.vocab_size,
-                                                 self.model_config.eos_token_ids)
+                                                 self.model_config.eos_token_ids, self._grammar_config)
         return self._grammars
+
+    def grammar_stats(self) -> GrammarPoolStats:
+        return self._grammars.stats() if self._grammars is not None else GrammarPoolStats()
+
+    def close(self) -> None:
+        """Stop what the engine runs besides its own thread (the grammar workers)."""
+        if self._grammars is not None:
+            self._grammars.close()
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                     tenant: str = DEFAULT_TENANT, compiled_grammar: Any = None,
@@ -151,7 +162,7 @@ class LLMEngine:
     def add_prefilled(self, request_id: str, tenant: str, prompt_token_ids: list[int], params: SamplingParams,
                       first_token: int, first_logprobs: TokenLogprobs | None,
                       generator_state: torch.Tensor, cache_namespace: str | None = None,
-                      num_cached_tokens: int = 0) -> RequestOutput:
+                      num_cached_tokens: int = 0, compiled_grammar: Any = None) -> RequestOutput:
         """Run a request whose prompt KV is already in pages it holds, written and recorded in
         every layer (a verified PD handoff), and whose first token was sampled elsewhere.
 
@@ -159,7 +170,8 @@ class LLMEngine:
         (None: derived from `tenant`); its own full prompt pages are published to the cache now.
         The caller has admitted it (I1) and verified the KV (I4); the engine only continues it.
         Returns the report of the first token (finished if that token ends the request). A
-        structured-output request's grammar is compiled here and advanced by the first token.
+        structured-output request's grammar (`compiled_grammar`, compiled off the loop by the
+        caller; without one it is compiled here, blocking) is advanced by the first token.
         """
         if request_id in self._outputs:
             raise InvalidParameter(f"request id {request_id!r} is already in use", param="request_id")
@@ -172,7 +184,8 @@ class LLMEngine:
                           max_num_pages=len(self.kv.allocator.pages_of(request_id)))
         self.kv.publish_written(request)
         if params.structured is not None:  # the first token was sampled under the same grammar
-            request.grammar = new_matcher(self.grammars.compile_now(tenant, params.structured))
+            request.grammar = new_matcher(compiled_grammar if compiled_grammar is not None
+                                          else self.grammars.compile_now(tenant, params.structured))
         state = self._outputs[request_id] = OutputState(request, self._decode_text, self.model_config.eos_token_ids)
         self.scheduler.add_running(request)
         state.append_token(first_token)
@@ -202,7 +215,7 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), self.kv.num_used_pages,
                            self.kv.num_free_pages, self._num_preemptions, self._num_isolation_violations,
-                           self.kv.num_pages_scrubbed)
+                           self.kv.num_pages_scrubbed, self.grammar_stats())
 
     def step(self) -> list[RequestOutput]:
         """One scheduler step and at most one forward. Returns one output per request that

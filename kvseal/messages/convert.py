@@ -66,4 +66,7 @@ def stats_to_msg(s: EngineStats) -> EngineStatsMsg:
         num_running=s.num_running, num_waiting=s.num_waiting, num_pages_used=s.num_pages_used,
         num_pages_free=s.num_pages_free, num_preemptions=s.num_preemptions,
         num_isolation_violations=s.num_isolation_violations, num_pages_scrubbed=s.num_pages_scrubbed,
+        num_grammar_workers_ready=s.grammar.num_workers_ready, num_grammar_compiles_running=s.grammar.num_running,
+        num_grammar_compiles_queued=s.grammar.num_queued, num_grammar_compile_timeouts=s.grammar.num_timeouts,
+        num_grammar_compiles_cancelled=s.grammar.num_cancelled,
     )

@@ -10,13 +10,11 @@ exception is an engine bug; it propagates and the process reports it and exits.
 from __future__ import annotations
 
 import logging
-from concurrent.futures import Future
-from typing import Any
 
 import zmq
 
 from kvseal.engine.engine import LLMEngine
-from kvseal.errors import RequestRejected
+from kvseal.errors import InvalidParameter, RequestRejected
 from kvseal.messages.codec import decode_to_engine, encode
 from kvseal.messages.convert import output_to_msg, params_from_msg, stats_to_msg
 from kvseal.messages.msgs import (
@@ -30,7 +28,8 @@ from kvseal.messages.msgs import (
     ShutdownMsg,
     ToEngineMsg,
 )
-from kvseal.structured.compiler import compiled_or_raise
+from kvseal.structured.compiler import GrammarPoolStats
+from kvseal.structured.pending import PendingGrammars
 from kvseal.types import SamplingParams
 
 logger = logging.getLogger("kvseal.engine")
@@ -50,8 +49,9 @@ class EngineLoop:
         if parent_fd is not None:
             self._poller.register(parent_fd, zmq.POLLIN)
         self.is_stopped = False
-        # structured-output requests whose grammar compiles on the worker thread (not yet in the engine)
-        self._compiling: dict[str, tuple[AddRequestMsg, SamplingParams, Future[Any]]] = {}
+        # structured-output requests whose grammar is compiling (not yet in the engine)
+        self._compiling: PendingGrammars[tuple[AddRequestMsg, SamplingParams]] = PendingGrammars()
+        self._grammar_stats_sent = GrammarPoolStats()
 
     def run(self) -> None:
         while self.run_once():
@@ -71,9 +71,18 @@ class EngineLoop:
         if self.engine.has_unfinished():
             self._step()
             changed = True
-        if changed:
-            self._send(stats_to_msg(self.engine.stats()))
+        if changed or self._grammar_stats_changed():
+            self._send_stats()
         return True
+
+    def _grammar_stats_changed(self) -> bool:
+        """The compile pool changes on its own threads (a worker ready, a compile stopped)."""
+        return self.engine.grammar_stats() != self._grammar_stats_sent
+
+    def _send_stats(self) -> None:
+        stats = self.engine.stats()
+        self._grammar_stats_sent = stats.grammar
+        self._send(stats_to_msg(stats))
 
     def _poll_ms(self, idle_poll_ms: int) -> int:
         if self.engine.has_unfinished():
@@ -104,8 +113,10 @@ class EngineLoop:
         try:
             params = params_from_msg(msg.params)
             if params.structured is not None:  # compiled off the loop; added once it is ready
-                future = self.engine.grammars.compile(msg.tenant, params.structured)
-                self._compiling[msg.request_id] = (msg, params, future)
+                if msg.request_id in self._compiling:
+                    raise InvalidParameter(f"request id {msg.request_id!r} is already in use", param="request_id")
+                ticket = self.engine.grammars.compile(msg.tenant, params.structured)
+                self._compiling.add(msg.request_id, msg.tenant, ticket, (msg, params))
                 return
             self.engine.add_request(msg.request_id, msg.prompt_token_ids, params, msg.tenant,
                                         cache_namespace=msg.cache_namespace)
@@ -113,12 +124,12 @@ class EngineLoop:
             self._reject(msg, exc)
 
     def _add_compiled(self) -> bool:
-        ready = [rid for rid, (_, _, future) in self._compiling.items() if future.done()]
-        for request_id in ready:
-            msg, params, future = self._compiling.pop(request_id)
+        ready = self._compiling.take_ready()
+        for waiting in ready:
+            msg, params = waiting.item
             try:
                 self.engine.add_request(msg.request_id, msg.prompt_token_ids, params, msg.tenant,
-                                        compiled_grammar=compiled_or_raise(future),
+                                        compiled_grammar=waiting.ticket.result(),
                                         cache_namespace=msg.cache_namespace)
             except RequestRejected as exc:
                 self._reject(msg, exc)
@@ -129,9 +140,9 @@ class EngineLoop:
         self._send(RequestRejectedMsg(msg.request_id, msg.tenant, exc.code, exc.message, exc.param, exc.http_status))
 
     def _abort(self, msg: AbortMsg) -> None:
-        compiling = self._compiling.get(msg.request_id)
-        if compiling is not None and compiling[0].tenant == msg.tenant:
-            self._send(OutputsMsg([self._abort_compiling(msg.request_id, msg.reason)]))
+        compiling = self._compiling.cancel(msg.request_id, msg.tenant)  # its compile is cancelled too
+        if compiling is not None:
+            self._send(OutputsMsg([_compile_aborted(compiling[0], msg.reason)]))
             return
         request = self.engine.find(msg.request_id)
         if request is None or request.tenant != msg.tenant:
@@ -143,16 +154,10 @@ class EngineLoop:
         assert out is not None, "abort of a request the scheduler holds reports it"
         return output_to_msg(out)
 
-    def _abort_compiling(self, request_id: str, reason: str) -> RequestOutputMsg:
-        """End a request still waiting for its grammar: it never reached the engine."""
-        msg, _, _ = self._compiling.pop(request_id)
-        return RequestOutputMsg(request_id, msg.tenant, [], "", True, "abort", None, len(msg.prompt_token_ids), 0,
-                                0, error=reason)
-
     def _shutdown(self, reason: str) -> None:
         live = self.engine.unfinished_ids()
         outputs = [self._abort_one(request_id, reason) for request_id in live]
-        outputs += [self._abort_compiling(request_id, reason) for request_id in list(self._compiling)]
+        outputs += [_compile_aborted(msg, reason) for _, (msg, _) in self._compiling.cancel_all()]
         if outputs:
             self._send(OutputsMsg(outputs))
         self._send(EngineStoppedMsg(len(outputs)))
@@ -165,3 +170,9 @@ class EngineLoop:
 
     def _send(self, msg: FromEngineMsg) -> None:
         self._outbox.send(encode(msg))
+
+
+def _compile_aborted(msg: AddRequestMsg, reason: str) -> RequestOutputMsg:
+    """The end of a request still waiting for its grammar: it never reached the engine."""
+    return RequestOutputMsg(msg.request_id, msg.tenant, [], "", True, "abort", None, len(msg.prompt_token_ids), 0, 0,
+                            error=reason)

@@ -175,6 +175,12 @@ class EngineStatsMsg(_Msg, frozen=True):
     num_preemptions: int
     num_isolation_violations: int = 0  # requests an isolation check (I3/I4) ended
     num_pages_scrubbed: int = 0  # pages the scrub policy (I7) overwrote since the engine started
+    # structured-output grammar compiles (kvseal.structured.compiler.GrammarPoolStats)
+    num_grammar_workers_ready: int = 0
+    num_grammar_compiles_running: int = 0
+    num_grammar_compiles_queued: int = 0
+    num_grammar_compile_timeouts: int = 0  # stopped at the time budget since the engine started
+    num_grammar_compiles_cancelled: int = 0  # stopped or dropped: every waiting request left
 
 
 ToEngineMsg = AddRequestMsg | AbortMsg | ShutdownMsg

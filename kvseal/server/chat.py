@@ -6,6 +6,7 @@ The conversation is rendered with the model's own chat template, exactly as the 
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from typing import Any
 
@@ -21,6 +22,7 @@ from kvseal.server.protocol import ChatCompletionRequest, NamedToolChoice
 from kvseal.server.sampling import build_sampling_params
 from kvseal.server.tools import HermesToolParser, ParsedToolCall, ToolCallStream, tool_setup
 from kvseal.server.transcript import Transcript, usage
+from kvseal.structured.schema import check_tools
 
 
 class ChatEndpoint:
@@ -34,6 +36,8 @@ class ChatEndpoint:
     async def prepare(self, body: ChatCompletionRequest, prompts: PromptEncoder, tenant: Tenant,
                       limits: AdmissionLimits, defaults: GenerationDefaults) -> Prepared:
         tools = tool_setup(body, self.tool_call_parser)
+        if tools.definitions is not None:  # the door checks response_format's schema gets, off the event loop
+            await asyncio.to_thread(check_tools, tools.definitions, tools.grammar_tools)
         conversation = [m.as_template_input() for m in body.messages]
         ids = await prompts.chat_ids(conversation, tenant.name, limits, body.truncate_prompt_tokens is not None,
                                      tools.definitions)

@@ -42,6 +42,19 @@ class ServerMetrics:
             "free, on hand-out with alloc, NaN-poisoned on free and zeroed on hand-out with --check-kv; stays 0 "
             "with --kv-scrub off (a page's next owner overwrites it)", registry=r)
         self._pages_scrubbed_seen = CumulativeTotal()
+        self.grammar_workers_ready = Gauge(
+            "kvseal_grammar_workers_ready", "Structured-output grammar worker processes started and serving",
+            registry=r)
+        self.grammar_compiles_running = Gauge(
+            "kvseal_grammar_compiles_running", "Grammar compiles running (at most one per tenant)", registry=r)
+        self.grammar_compiles_queued = Gauge(
+            "kvseal_grammar_compiles_queued", "Grammar compiles waiting for a worker", registry=r)
+        self.grammar_compile_timeouts = Gauge(
+            "kvseal_grammar_compile_timeouts", "Grammar compiles stopped at --grammar-compile-timeout-s (the "
+            "request got a 400) since the engine started", registry=r)
+        self.grammar_compiles_cancelled = Gauge(
+            "kvseal_grammar_compiles_cancelled", "Grammar compiles dropped or stopped because every request waiting "
+            "for them ended (abort, disconnect) since the engine started", registry=r)
         self.scrub_mode = Gauge(
             "kvseal_kv_scrub_mode", "1 for the engines' page scrub policy (I7): off, free, alloc or checked "
             "(--check-kv); PD engines that differ are listed as role=policy", ["mode"], registry=r)
@@ -82,6 +95,11 @@ class ServerMetrics:
         self.pages_free.set(stats.num_pages_free)
         self.preemptions.set(stats.num_preemptions)
         self.pages_scrubbed.inc(self._pages_scrubbed_seen.observe("engine", stats.num_pages_scrubbed))
+        self.grammar_workers_ready.set(stats.num_grammar_workers_ready)
+        self.grammar_compiles_running.set(stats.num_grammar_compiles_running)
+        self.grammar_compiles_queued.set(stats.num_grammar_compiles_queued)
+        self.grammar_compile_timeouts.set(stats.num_grammar_compile_timeouts)
+        self.grammar_compiles_cancelled.set(stats.num_grammar_compiles_cancelled)
 
     def record_scrub_mode(self, mode: str) -> None:
         """The one series at 1 names the engines' scrub policy as they run now."""
@@ -90,7 +108,8 @@ class ServerMetrics:
 
     def reset_engine_gauges(self) -> None:
         """The engine is gone: its last load figures are stale, report zero."""
-        for gauge in (self.running, self.waiting, self.pages_used, self.pages_free, self.preemptions):
+        for gauge in (self.running, self.waiting, self.pages_used, self.pages_free, self.preemptions,
+                      self.grammar_workers_ready, self.grammar_compiles_running, self.grammar_compiles_queued):
             gauge.set(0)
 
     def render(self) -> bytes:

@@ -18,6 +18,7 @@ Tokenization is bounded and fair:
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import re
 from collections import deque
@@ -101,10 +102,38 @@ class PromptEncoder:
 
     async def chat_ids(self, conversation: list[dict[str, Any]], tenant: str, limits: AdmissionLimits,
                        may_truncate: bool, tools: list[dict[str, Any]] | None = None) -> list[int]:
-        """`tools` (OpenAI tool definitions) go to the chat template, which renders them."""
+        """`tools` (OpenAI tool definitions) go to the chat template, which may render them;
+        either way they count against the prompt limit (`_check_tools_fit`)."""
+        tools_json = _tools_json(tools)
+        num_chars = num_visible_chars(tools_json)
         if not may_truncate:  # the template only adds tokens around the contents
-            self._check_chars(sum(num_visible_chars(_text_of(m)) for m in conversation), limits)
-        return await self._run(tenant, self._apply_chat_template, (conversation, tools))
+            num_chars += sum(num_visible_chars(_text_of(m)) for m in conversation)
+        self._check_chars(num_chars, limits)
+        ids = await self._run(tenant, self._apply_chat_template, (conversation, tools))
+        if tools:
+            await self._check_tools_fit(conversation, tools_json, tenant, limits, may_truncate)
+        return ids
+
+    async def _check_tools_fit(self, conversation: list[dict[str, Any]], tools_json: str, tenant: str,
+                               limits: AdmissionLimits, may_truncate: bool) -> None:
+        """Tool definitions count against the prompt limit as if the template rendered them
+        (as JSON) after the messages, whether it does or not: a required or named call's
+        grammar is built from them, and a template that leaves them out must not make them free.
+        A template that renders them has them in the prompt as well, where `admit` counts them."""
+        if not is_checking():
+            return
+        num_tool_tokens = len(await self._run(tenant, self._encode_plain, tools_json))
+        num_message_tokens = 0 if may_truncate else len(
+            await self._run(tenant, self._apply_chat_template, (conversation, None)))
+        limit = limits.max_prompt_tokens
+        if num_message_tokens + num_tool_tokens <= limit:
+            return
+        raise ContextLengthExceeded(
+            f"The tool definitions count as {num_tool_tokens} tokens against the prompt limit, and the messages "
+            f"have {num_message_tokens}; prompts may have at most {limit} tokens, tool definitions included. "
+            f"Send fewer or smaller tools, or shorten the messages.",
+            num_prompt_tokens=num_message_tokens + num_tool_tokens, max_tokens=0,
+            max_model_len=limits.max_model_len, kv_cache_tokens=limits.kv_cache_tokens)
 
     async def decode(self, token_ids: list[int], tenant: str) -> str:
         """Token ids back to text (special tokens kept), on the tokenizer thread."""
@@ -173,6 +202,10 @@ class PromptEncoder:
     def _encode(self, text: str) -> list[int]:
         return encode_text(self.tokenizer, text)
 
+    def _encode_plain(self, text: str) -> list[int]:
+        """A piece of text as it would be inside a prompt: no special tokens added."""
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
     def _apply_chat_template(self, args: tuple[list[dict[str, Any]], list[dict[str, Any]] | None]) -> list[int]:
         return render_chat(self.tokenizer, *args)
 
@@ -210,6 +243,11 @@ def _token_list_length_at_most(fields: dict[str, msgspec.Raw], field: str) -> in
     if not raw.startswith(b"[") or b'"' in raw:
         return None
     return raw.count(b",") + 1
+
+
+def _tools_json(tools: list[dict[str, Any]] | None) -> str:
+    """Tool definitions as compact JSON (how templates render them with `tojson`); "" for none."""
+    return json.dumps(tools, separators=(",", ":"), ensure_ascii=False) if tools else ""
 
 
 def _text_of(message: dict[str, Any]) -> str:

@@ -22,6 +22,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from kvseal.structured.schema import MAX_SCHEMA_CHARS, MAX_TOOLS
 from kvseal.types import MAX_N
 
 INT32_MAX = 2**31 - 1
@@ -34,9 +35,7 @@ MAX_STOP_CHARS = 256  # characters in one stop string
 MAX_STOP_TOKEN_IDS = 64
 MAX_MESSAGES = 2048  # messages per chat request
 MAX_CONTENT_PARTS = 1024  # parts of one message's content
-MAX_TOOLS = 128  # OpenAI's limit on tools (and so on the tool calls of one message)
 MAX_DESCRIPTION_CHARS = 4096  # a tool's or a response schema's description
-MAX_SCHEMA_CHARS = 65_536  # a JSON Schema (response_format's, a tool's parameters), as JSON text
 
 Name = Annotated[str, Field(max_length=MAX_NAME_CHARS)]
 FunctionName = Annotated[str, Field(min_length=1, max_length=MAX_FUNCTION_NAME_CHARS)]

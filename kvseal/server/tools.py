@@ -74,6 +74,7 @@ class ToolSetup:
     definitions: list[dict[str, Any]] | None  # for the chat template
     parse_calls: bool
     grammar: StructuredOutput | None  # enforced call (required / named)
+    grammar_tools: frozenset[str] = frozenset()  # names of the tools the grammar is built from
 
 
 def tool_setup(body: ChatCompletionRequest, parser: str | None) -> ToolSetup:
@@ -95,7 +96,15 @@ def tool_setup(body: ChatCompletionRequest, parser: str | None) -> ToolSetup:
     definitions = [t.model_dump(exclude_none=True) for t in body.tools]
     if choice == "none":
         return ToolSetup(definitions, False, None)
-    return ToolSetup(definitions, True, _enforced_call(body, choice))
+    grammar = _enforced_call(body, choice)
+    return ToolSetup(definitions, True, grammar, _grammar_tools(body, choice) if grammar is not None else frozenset())
+
+
+def _grammar_tools(body: ChatCompletionRequest, choice: Any) -> frozenset[str]:
+    assert body.tools is not None
+    if isinstance(choice, NamedToolChoice):
+        return frozenset([choice.function.name])
+    return frozenset(t.function.name for t in body.tools)
 
 
 def _enforced_call(body: ChatCompletionRequest, choice: Any) -> StructuredOutput | None:

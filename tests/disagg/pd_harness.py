@@ -8,12 +8,13 @@ broken prefill's links to decode) proves prefill's key, the one decode accepts a
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
-from processes import free_port
+from processes import WAIT_DEADLINE_S, free_port
 
 from kvseal.config import EngineArgs
 from kvseal.disagg.link_auth import secure_client
@@ -134,6 +135,8 @@ class PdPair:
         return self.rogue.get(self.decode.config.listen, self.keys.decode.public)
 
     def close(self) -> None:
+        for engine in (self.prefill.engine, self.decode.engine):
+            engine.close()  # their grammar workers
         self.rogue.close()
         for s in (self.to_prefill.socket, self.to_decode.socket):
             s.close(linger=0)
@@ -143,14 +146,23 @@ class PdPair:
         self.ctx.term()
 
     def pump(self, until: Callable[[], bool], what: str, max_iterations: int = MAX_ITERATIONS) -> None:
-        """Run both loops (and route replies) until `until()`; fail after a bounded number of turns."""
-        for _ in range(max_iterations):
+        """Run both loops (and route replies) until `until()`; fail after a bounded number of turns
+        (turns while a grammar compiles in a worker process do not count, up to WAIT_DEADLINE_S)."""
+        num_turns = 0
+        deadline_s = time.monotonic() + WAIT_DEADLINE_S
+        while num_turns < max_iterations:
             self.prefill.loop.run_once(idle_poll_ms=1)
             self.decode.loop.run_once(idle_poll_ms=1)
             self._route()
             if until():
                 return
+            if not (self._is_compiling() and time.monotonic() < deadline_s):
+                num_turns += 1
         raise AssertionError(f"gave up waiting for {what} after {max_iterations} iterations")
+
+    def _is_compiling(self) -> bool:
+        stats = [node.engine.grammar_stats() for node in (self.prefill, self.decode)]
+        return any(s.num_running or s.num_queued for s in stats)
 
     def _route(self) -> None:
         for frontend in (self.to_prefill, self.to_decode):

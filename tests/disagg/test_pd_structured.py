@@ -1,6 +1,10 @@
 """Structured output in PD mode: prefill samples the first token under the request's grammar;
 decode compiles the same grammar (per tenant, cached), advances it by that token and
-constrains the rest, so the output equals colocated generation and satisfies the grammar."""
+constrains the rest, so the output equals colocated generation and satisfies the grammar.
+
+Both roles compile off their loops, in their grammar worker processes under the time budget:
+the grammar scenario of tests/server/test_grammar_budget.py runs here against `serve --pd`
+(its checks are shown failing under their faults there)."""
 
 from __future__ import annotations
 
@@ -11,22 +15,37 @@ from pathlib import Path
 import jsonschema
 import pytest
 from char_model import make_char_model
-from pd_harness import PdPair
+from grammar_scenario import GrammarServer, check_b_not_behind_a, check_disconnect_cancels_the_compile
+from grammar_schemas import SLOW_SCHEMA, spec
+from pd_harness import Handoff, PdPair
 
 from kvseal import LLM, SamplingParams
 from kvseal.config import EngineArgs
+from kvseal.disagg.msgs import PrefillMsg, PrefillRefusedMsg
+from kvseal.disagg.prefill import REQUEST_ABORTED
+from kvseal.kvcache.prefix_cache import namespace_of
+from kvseal.messages.convert import params_to_msg
+from kvseal.messages.msgs import AbortMsg
 from kvseal.models.loader import load_model
 from kvseal.types import StructuredOutput
 
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0,
                                                                              "maximum": 9}},
           "required": ["ok", "n"], "additionalProperties": False}
-ENGINE = dict(kv_cache_tokens=1024, page_size=4, dtype="float32")
+# One grammar worker per engine: these tests are about the handoff, not about fairness.
+ENGINE = dict(kv_cache_tokens=1024, page_size=4, dtype="float32", grammar_compile_workers=1)
 
 
 @pytest.fixture(scope="module")
 def char_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_char_model(tmp_path_factory.mktemp("char") / "char-llama")
+
+
+@pytest.fixture(scope="module")
+def colocated(char_dir: Path) -> Iterator[LLM]:
+    llm = LLM(str(char_dir), **ENGINE)  # type: ignore[arg-type]
+    yield llm
+    llm.engine.close()
 
 
 @pytest.fixture(params=["tcp", "nixl"])
@@ -39,13 +58,13 @@ def pair(char_dir: Path, request: pytest.FixtureRequest) -> Iterator[PdPair]:
 
 @pytest.mark.parametrize("structured", [StructuredOutput("json_schema", json.dumps(SCHEMA)),
                                         StructuredOutput("json_object")])
-def test_structured_output_in_pd_equals_colocated(pair: PdPair, char_dir: Path,
+def test_structured_output_in_pd_equals_colocated(pair: PdPair, colocated: LLM,
                                                   structured: StructuredOutput) -> None:
     params = SamplingParams(max_tokens=60, temperature=0, structured=structured)
     prompt = pair.decode.engine.tokenize("hello")
     handoff = pair.generate(prompt, params)
     assert handoff.final.finish_reason in ("stop", "length") and handoff.final.error is None, handoff.final
-    expected = LLM(str(char_dir), **ENGINE).generate([prompt], params)[0]  # type: ignore[arg-type]
+    expected = colocated.generate([prompt], params)[0]
     assert handoff.token_ids == expected.token_ids
     text = "".join(o.new_text for o in handoff.outputs)
     assert text == expected.text
@@ -55,3 +74,47 @@ def test_structured_output_in_pd_equals_colocated(pair: PdPair, char_dir: Path,
     else:  # greedy json_object may run to max_tokens: every token was allowed, so a prefix of an object
         assert text.startswith("{")
     pair.assert_clean()
+
+
+def test_an_abort_while_the_grammar_compiles_cancels_it_in_either_role(pair: PdPair) -> None:
+    """Decode holds a reservation request, and prefill a request, until its grammar compiled;
+    an abort meanwhile ends it (nothing reserved, nothing computed) and stops the compile."""
+    params = SamplingParams(max_tokens=4, temperature=0, structured=spec(SLOW_SCHEMA))
+    prompt = pair.decode.engine.tokenize("hello")
+    decode, prefill = pair.decode.engine, pair.prefill.engine
+    handoff = pair.reserve(prompt, params, wait=False)
+    pair.pump(lambda: decode.grammar_stats().num_running >= 1, "decode's compile to start")
+    pair.to_decode.send(AbortMsg(handoff.request_id, "alice", "client_disconnected"))
+    pair.pump(lambda: handoff.is_terminal, "the end of the aborted reservation request")
+    assert handoff.reserved is None and handoff.final.finish_reason == "abort"
+    pair.pump(lambda: decode.grammar_stats().num_cancelled == 1, "decode's compile to be stopped")
+
+    request_id = "pd-prefill-compiling"
+    started = pair.handoffs[request_id] = Handoff(request_id)
+    pair.to_prefill.send(PrefillMsg(request_id, "alice", prompt, params_to_msg(params), "transfer-unknown",
+                                    pair.decode.config.listen, pair.decode.instance_id, "unused", [],
+                                    namespace_of("alice")))
+    pair.pump(lambda: prefill.grammar_stats().num_running >= 1, "prefill's compile to start")
+    pair.to_prefill.send(AbortMsg(request_id, "alice", "client_disconnected"))
+    pair.pump(lambda: started.prefill_result is not None, "prefill's answer")
+    assert isinstance(started.prefill_result, PrefillRefusedMsg) and started.prefill_result.code == REQUEST_ABORTED
+    pair.pump(lambda: prefill.grammar_stats().num_cancelled == 1, "prefill's compile to be stopped")
+    assert not prefill.has_unfinished()
+    pair.assert_clean()
+
+
+@pytest.fixture(scope="module")
+def pd_server(char_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GrammarServer]:
+    server = GrammarServer(char_dir, tmp_path_factory.mktemp("pd-grammar-server"), pd=True).start()
+    yield server
+    server.terminate()
+
+
+def test_another_tenants_small_grammar_is_not_held_up_in_pd(pd_server: GrammarServer) -> None:
+    alone_s, waited_s = check_b_not_behind_a(pd_server)
+    print(f"PD: tenant B's small-schema request took {waited_s:.3f} s while A's over-budget grammar "
+          f"compiled ({alone_s:.3f} s alone)")
+
+
+def test_a_client_that_leaves_stops_its_compile_in_pd(pd_server: GrammarServer) -> None:
+    check_disconnect_cancels_the_compile(pd_server)

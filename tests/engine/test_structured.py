@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -11,9 +12,17 @@ import pytest
 from char_model import make_char_model
 
 from kvseal import LLM, SamplingParams
-from kvseal.errors import InvalidParameter
+from kvseal.config import EngineArgs, GrammarConfig
+from kvseal.errors import ConfigError, InvalidParameter
 from kvseal.structured.compiler import GrammarCompilerPool
-from kvseal.structured.schema import check_schema
+from kvseal.structured.schema import (
+    MAX_SCHEMA_CHARS,
+    MAX_SCHEMA_DEPTH,
+    MAX_SCHEMA_PROPERTIES,
+    check_schema,
+    check_tools,
+    json_depth,
+)
 from kvseal.types import StructuredOutput
 
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "colour": {"enum": ["red", "green", "blue"]},
@@ -22,9 +31,11 @@ SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "colour": 
 
 
 @pytest.fixture(scope="module")
-def char_llm(tmp_path_factory: pytest.TempPathFactory) -> LLM:
+def char_llm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LLM]:
     folder = make_char_model(tmp_path_factory.mktemp("char") / "char-llama")
-    return LLM(str(folder), kv_cache_tokens=1024, page_size=4, dtype="float32")
+    llm = LLM(str(folder), kv_cache_tokens=1024, page_size=4, dtype="float32")
+    yield llm
+    llm.engine.close()
 
 
 def test_json_schema_outputs_validate_in_a_mixed_batch(char_llm: LLM) -> None:
@@ -64,7 +75,7 @@ def test_invalid_schema_is_a_typed_error_naming_the_problem(schema: str, problem
 
 
 def test_grammar_cache_is_per_tenant(char_llm: LLM) -> None:
-    pool = GrammarCompilerPool(char_llm.get_tokenizer(), 128, (1,))
+    pool = GrammarCompilerPool(char_llm.get_tokenizer(), 128, (1,), GrammarConfig(num_workers=1))
     spec = StructuredOutput("json_schema", json.dumps(SCHEMA))
     first = pool.compile_now("alice", spec)
     assert pool.num_compiles == 1
@@ -88,3 +99,55 @@ def test_a_grammar_the_vocabulary_cannot_begin_is_refused(make_llm: Any) -> None
     with pytest.raises(InvalidParameter, match="no token that can begin") as info:
         llm.generate("w5", SamplingParams(structured=StructuredOutput("json_object")))
     assert info.value.param == "response_format" and not llm.engine.has_unfinished()
+    llm.engine.close()
+
+
+# ---- the door checks on a schema, and the budget's configuration ---------------------------
+
+def test_json_depth_skips_brackets_inside_strings() -> None:
+    assert json_depth('{"a": [1, {"b": "[[[{{{"}]}') == 3
+    assert json_depth('"{[}]"') == 0
+
+
+@pytest.mark.parametrize(("schema", "problem"), [
+    ("[" * (MAX_SCHEMA_DEPTH + 1) + "]" * (MAX_SCHEMA_DEPTH + 1), f"deep; the limit is {MAX_SCHEMA_DEPTH}"),
+    (json.dumps({"type": "object", "properties": {str(i): {} for i in range(MAX_SCHEMA_PROPERTIES + 1)}}),
+     f"properties; the limit is {MAX_SCHEMA_PROPERTIES}"),
+    ('{"type": "string", "description": "' + "x" * MAX_SCHEMA_CHARS + '"}', f"the limit is {MAX_SCHEMA_CHARS}"),
+    ('{"type": ', "not valid JSON"),
+])
+def test_schemas_over_a_door_bound_are_refused_naming_it(schema: str, problem: str) -> None:
+    with pytest.raises(InvalidParameter, match=problem) as info:
+        check_schema(schema)
+    assert info.value.param == "response_format"
+
+
+def test_tools_get_the_bounds_and_grammar_tools_the_full_check() -> None:
+    unsupported = {"type": "objectx"}  # xgrammar cannot build it; a template can still render it
+    tools = [{"type": "function", "function": {"name": "f", "parameters": unsupported}}]
+    check_tools(tools, frozenset())  # tool_choice auto: rendered, no grammar built from it
+    with pytest.raises(InvalidParameter, match=r"tools\[0\].function.parameters: .*objectx") as info:
+        check_tools(tools, frozenset({"f"}))  # required / named: the grammar is built from it
+    assert info.value.param == "tools"
+    nested = {"type": "array", "items": {}}
+    for _ in range(MAX_SCHEMA_DEPTH):
+        nested = {"type": "array", "items": nested}
+    with pytest.raises(InvalidParameter, match=f"the limit is {MAX_SCHEMA_DEPTH}"):
+        check_tools([{"type": "function", "function": {"name": "g", "parameters": nested}}], frozenset())
+
+
+@pytest.mark.parametrize(("field", "value", "flag"), [
+    ("grammar_compile_timeout_s", 0, "--grammar-compile-timeout-s"),
+    ("grammar_compile_timeout_s", float("inf"), "--grammar-compile-timeout-s"),
+    ("grammar_compile_workers", 0, "--grammar-compile-workers"),
+    ("grammar_compile_workers", 1.5, "--grammar-compile-workers"),
+])
+def test_a_bad_grammar_budget_is_refused_naming_the_flag(field: str, value: Any, flag: str) -> None:
+    with pytest.raises(ConfigError, match=flag):
+        EngineArgs(**{field: value})
+
+
+def test_llm_takes_the_grammar_budget() -> None:
+    assert EngineArgs(grammar_compile_timeout_s=2.5).grammar_config == GrammarConfig(2.5, 2)
+    with pytest.raises(ConfigError, match="--grammar-compile-timeout-s"):
+        LLM("unused", grammar_compile_timeout_s=-1)  # refused before any model is read

@@ -7,12 +7,14 @@ every request with exactly one terminal report, and only lets a tenant abort its
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import msgspec
 import pytest
 import zmq
+from processes import WAIT_DEADLINE_S
 
 from kvseal.config import EngineArgs
 from kvseal.engine.engine import LLMEngine
@@ -64,12 +66,19 @@ class Harness:
         return received
 
     def run_until_finished(self, request_id: str) -> list[RequestOutputMsg]:
+        """Run until the request's final output; fail after 200 iterations (those spent waiting
+        for a grammar compiling in a worker process do not count, up to WAIT_DEADLINE_S)."""
         outputs: list[RequestOutputMsg] = []
-        for _ in range(200):
+        num_turns = 0
+        deadline_s = time.monotonic() + WAIT_DEADLINE_S
+        while num_turns < 200:
             outputs += [o for m in self.run() if isinstance(m, OutputsMsg) for o in m.outputs
                         if o.request_id == request_id]
             if outputs and outputs[-1].finished:
                 return outputs
+            stats = self.engine.grammar_stats()
+            if not ((stats.num_running or stats.num_queued) and time.monotonic() < deadline_s):
+                num_turns += 1
         raise AssertionError(f"{request_id} did not finish in 200 iterations")
 
     def close(self) -> None:

@@ -8,6 +8,7 @@ the loop (a request waiting for its grammar can still be aborted, and never reac
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Literal
 
@@ -75,9 +76,11 @@ def test_invalid_response_format_is_400_naming_the_problem(char_server: ServerPr
 
 
 @pytest.fixture(scope="module")
-def char_engine(char_dir: Path) -> LLMEngine:
-    return LLMEngine(EngineArgs(model=str(char_dir), dtype="float32", kv_cache_tokens=256, page_size=4,
-                                max_model_len=128))
+def char_engine(char_dir: Path) -> Iterator[LLMEngine]:
+    engine = LLMEngine(EngineArgs(model=str(char_dir), dtype="float32", kv_cache_tokens=256, page_size=4,
+                                  max_model_len=128, grammar_compile_workers=1))
+    yield engine
+    engine.close()
 
 
 def test_engine_loop_compiles_off_the_loop_and_can_abort_a_waiting_request(char_engine: LLMEngine) -> None:

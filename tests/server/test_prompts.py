@@ -4,12 +4,17 @@ the tokens' real bytes (a byte-level BPE tokenizer splits an emoji across tokens
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
+import pytest
+from char_model import make_char_tokenizer
 from tiny_models import make_tokenizer
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
+from kvseal._testing.faults import Fault, inject
 from kvseal.admission import AdmissionLimits
+from kvseal.errors import ContextLengthExceeded
 from kvseal.messages.msgs import TokenLogprobsMsg
 from kvseal.server.logprobs import TextOffsets, chat_logprobs, completion_logprobs
 from kvseal.server.prompts import PromptEncoder
@@ -66,3 +71,52 @@ def test_logprob_bytes_rebuild_the_text_and_offsets_line_up() -> None:
         if starts_a_character and (decoded := piece.decode("utf-8", errors="ignore")):
             assert TEXT[text_offset[index]:].startswith(decoded)
 
+
+
+# ---- tool definitions count against the prompt limit ---------------------------------------
+
+LOOKUP = {"type": "object", "properties": {"q": {"type": "string", "description": "x" * 300}}}
+TOOLS: list[dict[str, Any]] = [{"type": "function", "function": {"name": "lookup", "parameters": LOOKUP}}]
+CONVERSATION = [{"role": "user", "content": "hi"}]
+ROOMY = AdmissionLimits(max_model_len=1024, kv_cache_tokens=2048, vocab_size=128)
+TIGHT = AdmissionLimits(max_model_len=256, kv_cache_tokens=2048, vocab_size=128)  # the messages fit, the tools not
+
+
+def _char_encoder(renders_tools: bool) -> PromptEncoder:
+    """The character-level tokenizer; its template renders the tools, or (like many) leaves them out."""
+    tokenizer = make_char_tokenizer()
+    if not renders_tools:
+        tokenizer.chat_template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+                                   "{% if add_generation_prompt %}<assistant>{% endif %}")
+    return PromptEncoder(tokenizer)
+
+
+async def _chat_ids(encoder: PromptEncoder, limits: AdmissionLimits,
+                    tools: list[dict[str, Any]] | None) -> list[int]:
+    return await encoder.chat_ids(CONVERSATION, "alice", limits, False, tools)
+
+
+@pytest.mark.parametrize("renders_tools", [True, False])
+def test_tool_definitions_count_against_the_prompt_limit(renders_tools: bool) -> None:
+    """The tools count as if rendered, whether the template renders them or not: a required
+    call's grammar is built from them, and a template that leaves them out must not make them free."""
+    encoder = _char_encoder(renders_tools)
+
+    async def scenario() -> None:  # one event loop: the encoder's queue lives on it
+        with_tools = await _chat_ids(encoder, ROOMY, TOOLS)
+        assert (len(with_tools) > TIGHT.max_prompt_tokens) == renders_tools  # only a rendering template shows them
+        with pytest.raises(ContextLengthExceeded, match="tool definitions count as") as info:
+            await _chat_ids(encoder, TIGHT, TOOLS)
+        assert info.value.num_prompt_tokens > TIGHT.max_prompt_tokens
+        assert len(await _chat_ids(encoder, TIGHT, None)) < TIGHT.max_prompt_tokens, "the messages alone fit"
+
+    asyncio.run(scenario())
+    encoder.close()
+
+
+def test_the_tool_count_check_fails_without_the_front_door() -> None:
+    encoder = _char_encoder(renders_tools=False)
+    with inject(Fault.SKIP_FRONT_DOOR_ADMISSION), pytest.raises(pytest.fail.Exception):
+        with pytest.raises(ContextLengthExceeded):
+            asyncio.run(_chat_ids(encoder, TIGHT, TOOLS))
+    encoder.close()

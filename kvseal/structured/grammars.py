@@ -1,0 +1,51 @@
+"""What a `StructuredOutput` compiles to with xgrammar: one function, used by the grammar
+worker processes (which judge a grammar under the time budget) and by the engine (which
+compiles the grammars they accepted). Imports only xgrammar, so a worker starts lean.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+ANY_OBJECT = '{"type": "object"}'  # json_object: any JSON object (OpenAI), not any JSON value
+
+
+def compile_spec(compiler: Any, vocab_size: int, kind: str, schema: str | None) -> Any:
+    """The xgrammar `CompiledGrammar` for a structured-output spec (`StructuredOutput.kind`,
+    `.schema`). Raises RuntimeError or ValueError (xgrammar's) for a schema it refuses, and
+    ValueError for a grammar this vocabulary cannot even begin."""
+    if kind == "tool_call":
+        compiled = compiler.compile_grammar(tool_call_grammar(schema or ANY_OBJECT))
+    else:
+        json_schema = ANY_OBJECT if kind == "json_object" else schema
+        compiled = compiler.compile_json_schema(json_schema, any_whitespace=False, strict_mode=True)
+    _check_can_start(compiled, vocab_size)
+    return compiled
+
+
+def _check_can_start(compiled: Any, vocab_size: int) -> None:
+    """Refuse a grammar this vocabulary cannot even begin (e.g. no token spells "{"): the
+    request would have no token to sample."""
+    import xgrammar
+
+    bitmask = xgrammar.allocate_token_bitmask(1, vocab_size)
+    xgrammar.GrammarMatcher(compiled).fill_next_token_bitmask(bitmask, 0)
+    if not bool(bitmask.any()):
+        raise ValueError("this model's vocabulary has no token that can begin output matching the grammar")
+
+
+def tool_call_grammar(call_schema: str) -> Any:
+    """Hermes' format: `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>`, JSON per schema."""
+    import xgrammar
+
+    return xgrammar.Grammar.concat(xgrammar.Grammar.from_ebnf('root ::= "<tool_call>\\n"'),
+                                   xgrammar.Grammar.from_json_schema(call_schema, any_whitespace=False),
+                                   xgrammar.Grammar.from_ebnf('root ::= "\\n</tool_call>"'))
+
+
+def new_compiler(tokenizer_info: Any) -> Any:
+    """A compiler with xgrammar's own cache off: that cache would be shared by every tenant
+    (kvseal keeps its own, per tenant, I5). One thread: the budget is per compile."""
+    import xgrammar
+
+    return xgrammar.GrammarCompiler(tokenizer_info, max_threads=1, cache_enabled=False)
