@@ -118,8 +118,8 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
 
 @triton.jit
 def _prefill_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, q_start_ptr, q_len_ptr, ctx_ptr, out_ptr,
-                    stride_qt, stride_qh, stride_kt, stride_kh, stride_kp, stride_ks, stride_tr, stride_tp,
-                    stride_ot, stride_oh, scale,
+                    stride_qt, stride_qh, stride_kt, stride_kh, stride_kp, stride_ks, stride_vt, stride_vh,
+                    stride_tr, stride_tp, stride_ot, stride_oh, scale,
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, PAGED: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                     WIDEN: tl.constexpr):
@@ -148,13 +148,16 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, q_start_ptr, q_len_ptr, ctx
     for start in range(0, key_end, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         mask_n = offs_n < key_end
-        if PAGED:
-            at = _key_block_addresses(tables_ptr, c, offs_n, mask_n, kvh, stride_tr, stride_tp,
-                                      stride_kh, stride_kp, stride_ks, PAGE)
+        if PAGED:  # K and V pools share one layout
+            k_at = _key_block_addresses(tables_ptr, c, offs_n, mask_n, kvh, stride_tr, stride_tp,
+                                        stride_kh, stride_kp, stride_ks, PAGE)
+            v_at = k_at
         else:  # a fresh chunk: its keys are its own rows of this forward's k, v [T, KV, D]
-            at = (q_start + offs_n).to(tl.int64) * stride_kt + kvh * stride_kh
+            rows_n = (q_start + offs_n).to(tl.int64)
+            k_at = rows_n * stride_kt + kvh * stride_kh
+            v_at = rows_n * stride_vt + kvh * stride_vh
         kv_mask = mask_n[:, None] & mask_d[None, :]
-        k = tl.load(k_ptr + at[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        k = tl.load(k_ptr + k_at[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         s = _dot(q, tl.trans(k), WIDEN) * scale  # [BLOCK_M, BLOCK_N]
         visible = mask_n[None, :] & (offs_n[None, :] <= pos_m[:, None])
         s = tl.where(visible, s, float("-inf"))
@@ -163,7 +166,7 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, q_start_ptr, q_len_ptr, ctx
         alpha = tl.exp(m_i - m_safe)
         p = tl.exp(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + at[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_ptr + v_at[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, WIDEN)
         m_i = m_new
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -189,8 +192,8 @@ def fresh_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q
                             q_lens: torch.Tensor, out: torch.Tensor, max_q_len: int) -> None:
     """Causal attention of chunks that start at position 0, each over its own rows of this
     forward's k, v [T, KV, D] (no pool): chunk c is rows q_starts[c] .. + q_lens[c] - 1."""
-    if k.stride(-1) != 1 or v.stride(-1) != 1 or k.stride() != v.stride():
-        raise ValueError("fresh_prefill_attention needs k and v with the same strides and contiguous features")
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+        raise ValueError("fresh_prefill_attention needs q, k and v with contiguous features")
     _launch_prefill(q, k, v, q_starts, q_starts, q_lens, q_lens, out, max_q_len, paged=False)
 
 
@@ -203,8 +206,8 @@ def _launch_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tables: t
     if num_chunks == 0 or max_q_len == 0:
         return
     block_m = 16 if max_q_len <= 16 else 32
-    strides = ((0, k.stride(0), k.stride(1), k.stride(2), tables.stride(0), tables.stride(1)) if paged
-               else (k.stride(0), k.stride(1), 0, 0, 0, 0))
+    strides = ((0, k.stride(0), k.stride(1), k.stride(2), 0, 0, tables.stride(0), tables.stride(1)) if paged
+               else (k.stride(0), k.stride(1), 0, 0, v.stride(0), v.stride(1), 0, 0))
     page_size = k.shape[2] if paged else 1
     grid = (num_chunks, triton.cdiv(max_q_len, block_m), num_heads)
     _prefill_kernel[grid](

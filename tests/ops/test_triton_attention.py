@@ -138,7 +138,9 @@ def test_fresh_prefill_reads_only_its_own_rows(num_heads: int, num_kv: int, head
     total = int(q_starts[-1]) + q_lens[-1] + gap
     q = torch.full((total, num_heads, head_dim), float("nan"), dtype=dtype)
     k = torch.full((total, num_kv, head_dim), float("nan"), dtype=dtype)
-    v = torch.full_like(k, float("nan"))
+    # v: a view into wider rows (as of a fused qkv projection), k its own tensor (as after a
+    # per-head k norm): the two have different strides
+    v = torch.full((total, 3 * num_kv, head_dim), float("nan"), dtype=dtype)[:, num_kv : 2 * num_kv]
     for start, n in zip(q_starts.tolist(), q_lens):
         q[start : start + n] = torch.randn(n, num_heads, head_dim, generator=gen).to(dtype)
         k[start : start + n] = torch.randn(n, num_kv, head_dim, generator=gen).to(dtype)
