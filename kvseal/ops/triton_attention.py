@@ -46,6 +46,20 @@ def _dot(a, b, WIDEN: tl.constexpr):
 
 
 @triton.jit
+def _attend_block(s, v, m_i, l_i, acc, WIDEN: tl.constexpr):
+    """One key block of the online softmax: s [M, N] masked scores (-inf where not visible),
+    v [N, D]; returns the running max, sum and weighted values. A row that has seen no visible
+    key yet keeps max -inf, sum 0 and values 0."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(m_i - m_safe)
+    p = tl.exp(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, WIDEN)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _key_block_addresses(tables_ptr, row, offs_n, mask_n, kvh, stride_tr, stride_tp,
                          stride_kh, stride_kp, stride_ks, PAGE: tl.constexpr):
     """Element offsets (without the feature offset) of keys offs_n of `row` in a pool layer."""
@@ -84,14 +98,9 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, ctx_ptr, out_ptr,
         k = tl.load(k_ptr + at[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         s = _dot(q, tl.trans(k), WIDEN) * scale  # [BLOCK_G, BLOCK_N]
         s = tl.where(mask_n[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_ptr + at[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, WIDEN)
-        m_i = m_new
-    out = acc / l_i[:, None]
+        m_i, l_i, acc = _attend_block(s, v, m_i, l_i, acc, WIDEN)
+    out = acc / l_i[:, None]  # every row sees slot 0 at least
     tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=mask_g[:, None] & mask_d[None, :])
 
@@ -161,15 +170,9 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, q_start_ptr, q_len_ptr, ctx
         s = _dot(q, tl.trans(k), WIDEN) * scale  # [BLOCK_M, BLOCK_N]
         visible = mask_n[None, :] & (offs_n[None, :] <= pos_m[:, None])
         s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a padded query row sees nothing yet
-        alpha = tl.exp(m_i - m_safe)
-        p = tl.exp(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_ptr + v_at[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, WIDEN)
-        m_i = m_new
-    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        m_i, l_i, acc = _attend_block(s, v, m_i, l_i, acc, WIDEN)
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # padded query rows (not stored) saw nothing
     tl.store(out_ptr + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
 
