@@ -12,32 +12,34 @@ every tenant shares.
 from __future__ import annotations
 
 import json
-
-from pydantic import BaseModel
+from typing import Any
 
 from kvseal._testing.faults import Fault, is_active
 from kvseal.admission import AdmissionLimits
 from kvseal.errors import InvalidParameter
 from kvseal.server.prompts import num_visible_chars
-from kvseal.server.protocol import ChatMessage, ToolDef
+from kvseal.server.protocol import ChatMessage
 
 
-def check_template_text(messages: list[ChatMessage], tools: list[ToolDef] | None, limits: AdmissionLimits,
-                        max_token_chars: int) -> None:
-    """Raise `InvalidParameter` when the tools, or the messages' tool-call arguments, have more
-    characters than a prompt can hold."""
+def check_tool_call_arguments(messages: list[ChatMessage], limits: AdmissionLimits, max_token_chars: int) -> None:
+    """Raise `InvalidParameter` when the messages' tool-call arguments have more characters
+    than a prompt can hold (checked at the door, before the request takes a slot)."""
     if is_active(Fault.SKIP_DOOR_CHECKS):
         return
-    limit = limits.max_prompt_tokens * max_token_chars
-    tools_chars = sum(num_visible_chars(_json_text(tool)) for tool in tools or [])
-    _require_within("tools", "the tool definitions (as JSON)", tools_chars, limit, limits)
     arguments = (call.function.arguments for message in messages for call in message.tool_calls or [])
-    _require_within("messages", "the tool calls' arguments", sum(num_visible_chars(a) for a in arguments), limit,
-                    limits)
+    _require_within("messages", "the tool calls' arguments", sum(num_visible_chars(a) for a in arguments),
+                    limits.max_prompt_tokens * max_token_chars, limits)
 
 
-def _json_text(tool: BaseModel) -> str:
-    return json.dumps(tool.model_dump(exclude_none=True))
+def check_tools_text(tools: list[dict[str, Any]], limits: AdmissionLimits, max_token_chars: int) -> None:
+    """Raise `InvalidParameter` when the tool definitions have more characters than a prompt can
+    hold. Run after each tool's own door checks (`structured.schema.check_tools`), so a tool
+    over a schema limit is refused naming that limit."""
+    if is_active(Fault.SKIP_DOOR_CHECKS):
+        return
+    tools_chars = sum(num_visible_chars(json.dumps(tool)) for tool in tools)
+    _require_within("tools", "the tool definitions (as JSON)", tools_chars,
+                    limits.max_prompt_tokens * max_token_chars, limits)
 
 
 def _require_within(param: str, what: str, num_chars: int, limit: int, limits: AdmissionLimits) -> None:

@@ -14,6 +14,7 @@ from kvseal.admission import AdmissionLimits
 from kvseal.errors import InvalidParameter
 from kvseal.messages.msgs import RequestOutputMsg, TokenLogprobsMsg
 from kvseal.server.auth import Tenant
+from kvseal.server.bounds import check_tools_text
 from kvseal.server.endpoint import Prepared, ResponseIds
 from kvseal.server.generation_defaults import GenerationDefaults
 from kvseal.server.logprobs import chat_logprobs
@@ -38,6 +39,7 @@ class ChatEndpoint:
         tools = tool_setup(body, self.tool_call_parser)
         if tools.definitions is not None:  # the door checks response_format's schema gets, off the event loop
             await asyncio.to_thread(check_tools, tools.definitions, tools.grammar_tools)
+            check_tools_text(tools.definitions, limits, prompts.max_token_chars)
         conversation = [m.as_template_input() for m in body.messages]
         ids = await prompts.chat_ids(conversation, tenant.name, limits, body.truncate_prompt_tokens is not None,
                                      tools.definitions)

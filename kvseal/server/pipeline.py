@@ -29,7 +29,7 @@ from kvseal.messages.msgs import ABORT_CLIENT_DISCONNECTED, AddRequestMsg
 from kvseal.server import errors
 from kvseal.server.auth import authorization_of
 from kvseal.server.body import parse_body, read_body, require_json
-from kvseal.server.bounds import check_template_text
+from kvseal.server.bounds import check_tool_call_arguments
 from kvseal.server.call import Call
 from kvseal.server.choices import ChoiceGroup
 from kvseal.server.collect import respond_when_done
@@ -91,7 +91,7 @@ async def _admit_and_submit(request: Request, state: AppState, endpoint: Endpoin
     if body.model is not None and body.model != state.model_name:
         raise errors.model_not_found(body.model, state.model_name)
     if isinstance(body, ChatCompletionRequest):
-        check_template_text(body.messages, body.tools, state.limits, state.prompts.max_token_chars)
+        check_tool_call_arguments(body.messages, state.limits, state.prompts.max_token_chars)
     call.take_slot(tenant)
     prepared = await endpoint.prepare(body, state.prompts, tenant, state.limits, state.defaults)
     call.prompt_for_audit = prepared.prompt_for_audit

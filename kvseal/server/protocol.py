@@ -22,7 +22,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from kvseal.structured.schema import MAX_SCHEMA_CHARS, MAX_TOOLS
+from kvseal.structured.schema import MAX_TOOLS
 from kvseal.types import MAX_N
 
 INT32_MAX = 2**31 - 1
@@ -43,15 +43,6 @@ Description = Annotated[str, Field(max_length=MAX_DESCRIPTION_CHARS)]
 StopString = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
 
 
-def bounded_schema(schema: dict[str, Any] | None) -> dict[str, Any] | None:
-    """A JSON Schema of at most `MAX_SCHEMA_CHARS` characters as JSON text (a ValueError names both)."""
-    if schema is not None:
-        num_chars = len(json.dumps(schema))
-        if num_chars > MAX_SCHEMA_CHARS:
-            raise ValueError(f"the schema has {num_chars} characters as JSON; at most {MAX_SCHEMA_CHARS}")
-    return schema
-
-
 class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
@@ -65,11 +56,6 @@ class JsonSchemaFormat(_Body):
     description: Description | None = None
     json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
     strict: bool | None = None
-
-    @field_validator("json_schema")
-    @classmethod
-    def _bounded_schema(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        return bounded_schema(value)
 
 
 class ResponseFormat(_Body):
@@ -183,11 +169,6 @@ class FunctionDef(_Body):
     description: Description | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
-
-    @field_validator("parameters")
-    @classmethod
-    def _bounded_schema(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        return bounded_schema(value)
 
 
 class ToolDef(_Body):

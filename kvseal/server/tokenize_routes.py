@@ -35,7 +35,7 @@ from kvseal.server import errors
 from kvseal.server.audit import AuditRecord, Outcome, clip_optional
 from kvseal.server.auth import Tenant, authorization_of
 from kvseal.server.body import parse_body, read_body, require_json
-from kvseal.server.bounds import check_template_text
+from kvseal.server.bounds import check_tool_call_arguments
 from kvseal.server.errors import ApiError
 from kvseal.server.prompts import check_token_list_before_parsing, prescan_token_list
 from kvseal.server.protocol import INT32_MAX, MAX_MESSAGES, MAX_NAME_CHARS, ChatMessage, _Body
@@ -128,7 +128,7 @@ async def _tokenize(data: bytes, state: AppState, tenant: Tenant, call: TokenCal
     call.model = body.model
     _check_model(body.model, state)
     if isinstance(body, TokenizeChatBody):
-        check_template_text(body.messages, None, state.limits, state.prompts.max_token_chars)
+        check_tool_call_arguments(body.messages, state.limits, state.prompts.max_token_chars)
         ids = await state.prompts.chat_ids([m.as_template_input() for m in body.messages], tenant.name,
                                            state.limits, may_truncate=False)
     else:

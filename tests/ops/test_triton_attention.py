@@ -5,18 +5,15 @@ its output NaN)."""
 
 from __future__ import annotations
 
-import importlib
 import math
-import os
-import sys
 
 import pytest
 import torch
 
-os.environ["TRITON_INTERPRET"] = "1"  # read by Triton when the kernels' module is imported
-if "kvseal.ops.triton_attention" in sys.modules:  # imported without the interpreter earlier
-    importlib.reload(sys.modules["kvseal.ops.triton_attention"])
-triton_attention = importlib.import_module("kvseal.ops.triton_attention")
+from kvseal.ops import triton_attention
+
+# tests/ops/conftest.py switched the interpreter on before this import
+assert triton_attention.WIDEN_DOTS, "kvseal.ops.triton_attention was imported before TRITON_INTERPRET=1"
 
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
 

@@ -4,9 +4,6 @@ second chunk attends over the pool), decode, and a prefix-cache hit."""
 
 from __future__ import annotations
 
-import importlib
-import os
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -14,13 +11,10 @@ from typing import Any
 import pytest
 
 from kvseal import SamplingParams
-from kvseal.ops import TorchOps
+from kvseal.ops import TorchOps, triton_attention, triton_backend
 
-os.environ["TRITON_INTERPRET"] = "1"  # read by Triton when the kernels' module is imported
-for module in ("kvseal.ops.triton_attention", "kvseal.ops.triton_backend"):
-    if module in sys.modules:  # imported without the interpreter earlier in this process
-        importlib.reload(sys.modules[module])
-triton_backend = importlib.import_module("kvseal.ops.triton_backend")
+# tests/ops/conftest.py switched the interpreter on before this import
+assert triton_attention.WIDEN_DOTS, "kvseal.ops.triton_attention was imported before TRITON_INTERPRET=1"
 
 SHARED = list(range(30, 62))  # 32 tokens: whole pages, so a second request hits the cache
 PROMPTS = [SHARED + [5, 6, 7], list(range(100, 147)), [9, 10], SHARED + [11]]
