@@ -6,6 +6,7 @@ import argparse
 import logging
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from kvseal.bench.cli import add_bench_parser
 from kvseal.canary import add_canary_arguments, cmd_canary
@@ -13,8 +14,11 @@ from kvseal.capacity import KvCapacity, bytes_per_element, parse_bytes
 from kvseal.config import DTYPES
 from kvseal.disagg.args import add_engine_node_arguments, add_pd_serve_arguments
 from kvseal.engine_args import add_engine_arguments, dtype_arg, engine_args_from
-from kvseal.errors import KvsealError
+from kvseal.errors import ConfigError, KvsealError
 from kvseal.server import add_serve_arguments
+
+if TYPE_CHECKING:
+    from kvseal.engine_api import EngineBackend
 
 
 def _cmd_generate(ns: argparse.Namespace) -> int:
@@ -76,9 +80,28 @@ def _plan_dims(ns: argparse.Namespace) -> tuple[int, int, int, str]:
 
 
 def _cmd_serve(ns: argparse.Namespace) -> int:
-    from kvseal.server import serve
+    from kvseal.server import ServerConfig, serve
 
-    return serve(ns)
+    return serve(ServerConfig.from_namespace(ns), lambda: _engine_backend(ns))
+
+
+def _engine_backend(ns: argparse.Namespace) -> EngineBackend:
+    """`serve`'s engines: one colocated engine process, or PD engines (`--pd`, `--prefill/--decode`)."""
+    from kvseal.disagg.topology import PdTopology
+
+    topology = PdTopology.from_namespace(ns)
+    args = engine_args_from(ns)
+    if topology is None:
+        from kvseal.engine.client import EngineClient
+
+        return EngineClient(args, ns.log_level)
+    if args.num_threads is not None:
+        raise ConfigError("--threads sets the colocated engine's CPU threads; with --pd give "
+                          "--pd-threads PREFILL,DECODE, with --prefill/--decode give each "
+                          "`kvseal engine` its own --threads")
+    from kvseal.disagg.serve import start_pd_backend
+
+    return start_pd_backend(topology, args, ns)
 
 
 def _cmd_engine(ns: argparse.Namespace) -> int:

@@ -14,17 +14,18 @@ import zmq
 
 from kvseal.disagg.args import DEFAULT_DRAIN_S, DEFAULT_KV_TRANSPORT, DEFAULT_RESERVATION_TIMEOUT_S, KV_TRANSPORTS
 from kvseal.disagg.decode import DecodeSteps
-from kvseal.disagg.engine_loop import PdEngineLoop
 from kvseal.disagg.link_auth import LinkGuard
 from kvseal.disagg.link_keys import KEYS_HINT, EngineLinkKeys, load_key_pair, load_public_keys
 from kvseal.disagg.msgs import EngineInfoMsg, Role
 from kvseal.disagg.prefill import PrefillSteps
 from kvseal.disagg.role import Replies, RoleSteps
+from kvseal.disagg.router_link import IDLE_POLL_MS, RouterLink
 from kvseal.disagg.stream import StreamReceiver, StreamSender
 from kvseal.disagg.tcp import TcpReceiver, TcpSender
 from kvseal.disagg.transport import KVReceiver, KVSender
 from kvseal.disagg.wire import PeerLinks, tcp_endpoint
 from kvseal.engine.engine import LLMEngine
+from kvseal.engine.loop import EngineLoop
 from kvseal.errors import ConfigError
 
 logger = logging.getLogger("kvseal.disagg")
@@ -96,7 +97,10 @@ def kv_layout(engine: LLMEngine, kv_transport: str) -> str:
 
 
 class EngineNode:
-    """One engine of one role on the network; `loop.run()` serves until `ShutdownMsg`."""
+    """One engine of one role on the network; `loop.run()` serves until `ShutdownMsg`.
+
+    The loop is every engine's (`EngineLoop`); the role adds its link (`RouterLink`: the
+    ROUTER behind the `LinkGuard`) and its steps (`PrefillSteps` or `DecodeSteps`)."""
 
     def __init__(self, engine: LLMEngine, config: NodeConfig, ctx: zmq.Context | None = None) -> None:
         """`ctx`: this engine's own ZMQ context (its ZAP handler is the context's); a new one by default."""
@@ -109,7 +113,12 @@ class EngineNode:
         self.links = PeerLinks(self.ctx, config.link_keys.own)
         replies = Replies(self.router)
         self.steps = self._steps(replies)
-        self.loop = PdEngineLoop(engine, self.steps, self.router, replies, self._info(), self.guard)
+        self.link = RouterLink(engine, self.steps, self.router, replies, self._info(), self.guard)
+        self.loop = EngineLoop(engine, self.link, self.steps, IDLE_POLL_MS)
+
+    def check_integrity(self) -> None:
+        """For tests: the engine's invariants, with the role's held requests (reservations)."""
+        self.link.check_integrity()
 
     def _bind(self) -> zmq.Socket:
         router = self.ctx.socket(zmq.ROUTER)

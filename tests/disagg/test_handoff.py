@@ -56,7 +56,7 @@ def test_concurrent_handoffs_equal_colocated(pair: PdPair, llama_dir: Path) -> N
     for handoff in handoffs:
         pair.wait(handoff)
     assert [h.token_ids for h in handoffs] == expected
-    assert pair.decode.loop.stats().num_transfers == len(PROMPTS)
+    assert pair.decode.link.stats().num_transfers == len(PROMPTS)
     pair.assert_clean()
 
 

@@ -80,7 +80,7 @@ def test_prefill_refuses_what_its_pool_cannot_hold_and_decode_releases(make_pair
     assert handoff.rejected.code == "context_length_exceeded"
     assert isinstance(handoff.prefill_result, PrefillRefusedMsg)
     assert handoff.outputs == [] and pair.decode.engine.stats().num_running == 0
-    assert pair.decode.loop.stats().handoff_failures == {"prefill_refused": 1}
+    assert pair.decode.link.stats().handoff_failures == {"prefill_refused": 1}
     pair.assert_clean()
 
 
@@ -169,7 +169,7 @@ def test_a_forged_commit_does_not_touch_the_reservation(make_pair: Any) -> None:
     rogue_commit(pair, handoff, 30, [30, 30], tenant="mallory")  # another tenant's commit
     pair.pump(lambda: handoff.is_terminal, "the expiry")
     assert_refused_by_decode(handoff, "no KV arrived", HANDOFF_FAILED)
-    assert pair.decode.loop.stats().handoff_failures == {"identity_mismatch": 1, "expired": 1}
+    assert pair.decode.link.stats().handoff_failures == {"identity_mismatch": 1, "expired": 1}
     pair.assert_clean()
 
 
@@ -191,8 +191,8 @@ def test_decode_refuses_writes_it_did_not_authorize(make_pair: Any, llama_dir: P
     _, page_size, head_dim = pair.decode.engine.kv.pool.page_shape()
     half = page_size * head_dim * 4 // 2  # the right total, but frames that cut a page in two (float32)
     link.send(KVBlockMsg(r.transfer_id, 0, "k", 0, 30), [page[:half], page[half:]])
-    pair.pump(lambda: sum(pair.decode.loop.stats().handoff_failures.values()) == 6, "the refusals")
-    assert pair.decode.loop.stats().handoff_failures == {
+    pair.pump(lambda: sum(pair.decode.link.stats().handoff_failures.values()) == 6, "the refusals")
+    assert pair.decode.link.stats().handoff_failures == {
         "unauthorized_transfer": 1, "write_outside_reservation": 2, "bad_block_address": 1, "bad_block_size": 2}
     assert all(torch.equal(a, b) for a, b in zip(before, pair.decode.engine.kv.pool.k)), "a refused write landed"
     # The reservation is intact and a correct handoff still completes.
@@ -232,8 +232,8 @@ def test_prefill_own_isolation_check_reaches_the_client_as_such(make_pair: Any) 
     assert victim.rejected is None
     assert isinstance(victim.prefill_result, PrefillRefusedMsg)
     assert victim.prefill_result.code == ISOLATION_CHECK_FAILED
-    assert pair.prefill.loop.stats().engine.num_isolation_violations == 1, "PD engines report their checks"
-    assert pair.prefill.loop.stats().handoff_failures == {ISOLATION_CHECK_FAILED: 1}
+    assert pair.prefill.link.stats().engine.num_isolation_violations == 1, "PD engines report their checks"
+    assert pair.prefill.link.stats().handoff_failures == {ISOLATION_CHECK_FAILED: 1}
     pair.assert_clean()
 
 
@@ -254,7 +254,7 @@ def test_a_reservation_without_commit_expires_and_is_released(make_pair: Any) ->
     assert pair.decode.engine.kv.num_used_pages == len(handoff.reserved.pages)  # type: ignore[union-attr]
     pair.pump(lambda: handoff.is_terminal, "the expiry")
     assert_refused_by_decode(handoff, "no KV arrived from prefill", HANDOFF_FAILED)
-    assert pair.decode.loop.stats().num_reservations_expired == 1
+    assert pair.decode.link.stats().num_reservations_expired == 1
     pair.assert_clean()
 
 

@@ -14,7 +14,7 @@ from processes import free_port
 
 from kvseal import LLM, SamplingParams
 from kvseal.cli import main
-from kvseal.disagg.serve import num_usable_cores, pd_threads
+from kvseal.disagg.topology import num_usable_cores, pd_threads
 
 FLAGS = [*ENGINE_FLAGS, "--kv-cache-tokens", "1024", "--max-model-len", "512"]
 

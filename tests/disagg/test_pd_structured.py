@@ -23,7 +23,6 @@ from kvseal import LLM, SamplingParams
 from kvseal.config import EngineArgs
 from kvseal.disagg.msgs import PrefillMsg, PrefillRefusedMsg
 from kvseal.disagg.prefill import REQUEST_ABORTED
-from kvseal.kvcache.prefix_cache import namespace_of
 from kvseal.messages.convert import params_to_msg
 from kvseal.messages.msgs import AbortMsg
 from kvseal.models.loader import load_model
@@ -92,8 +91,8 @@ def test_an_abort_while_the_grammar_compiles_cancels_it_in_either_role(pair: PdP
     request_id = "pd-prefill-compiling"
     started = pair.handoffs[request_id] = Handoff(request_id)
     pair.to_prefill.send(PrefillMsg(request_id, "alice", prompt, params_to_msg(params), "transfer-unknown",
-                                    pair.decode.config.listen, pair.decode.instance_id, "unused", [],
-                                    namespace_of("alice")))
+                                    pair.decode.config.listen, pair.decode.config.link_keys.own.public,
+                                    pair.decode.instance_id, "unused", b"unused", []))
     pair.pump(lambda: prefill.grammar_stats().num_running >= 1, "prefill's compile to start")
     pair.to_prefill.send(AbortMsg(request_id, "alice", "client_disconnected"))
     pair.pump(lambda: started.prefill_result is not None, "prefill's answer")
