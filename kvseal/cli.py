@@ -11,10 +11,10 @@ from typing import TYPE_CHECKING
 from kvseal.bench.cli import add_bench_parser
 from kvseal.canary import add_canary_arguments, cmd_canary
 from kvseal.capacity import KvCapacity, bytes_per_element, parse_bytes
-from kvseal.config import DTYPES
 from kvseal.disagg.args import add_engine_node_arguments, add_pd_serve_arguments
 from kvseal.engine_args import add_engine_arguments, dtype_arg, engine_args_from
 from kvseal.errors import ConfigError, KvsealError
+from kvseal.no_torch import keep_torch_out
 from kvseal.server import add_serve_arguments
 
 if TYPE_CHECKING:
@@ -37,7 +37,7 @@ def _cmd_generate(ns: argparse.Namespace) -> int:
 
 def _cmd_plan(ns: argparse.Namespace) -> int:
     layers, kv_heads, head_dim, source = _plan_dims(ns)
-    cap = KvCapacity.for_dims(layers, kv_heads, head_dim, bytes_per_element(DTYPES[ns.dtype]), ns.page_size, ns.tp)
+    cap = KvCapacity.for_dims(layers, kv_heads, head_dim, bytes_per_element(ns.dtype), ns.page_size, ns.tp)
     cap = cap.with_tokens(ns.kv_cache_tokens) if ns.kv_cache_tokens else cap.with_memory(parse_bytes(ns.kv_memory))
     needed = ns.max_model_len * ns.kv_headroom
     per_rank = cap.num_kv_heads_per_rank
@@ -180,8 +180,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _runs_no_model(ns: argparse.Namespace) -> bool:
+    """Commands whose process only tokenizes or talks HTTP: bench, canary, and the colocated
+    frontend (its engine is a child process; a PD frontend converts a GGUF for its tokenizer)."""
+    colocated = ns.command == "serve" and not (ns.pd or ns.prefill or ns.decode)
+    return colocated or ns.command in ("bench", "canary")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
+    if argv is None and _runs_no_model(ns):  # this process is the command's own, not a caller's (tests)
+        keep_torch_out()
     logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return int(ns.func(ns))

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-import torch
-
-from kvseal.capacity import KvCapacity, bytes_per_element, check_headroom, parse_bytes
+from kvseal.capacity import ELEMENT_BYTES, KvCapacity, bytes_per_element, check_headroom, parse_bytes
 from kvseal.errors import ConfigError, ModelLoadError
+
+if TYPE_CHECKING:  # configuration is read without torch (the frontend, `kvseal plan`)
+    import torch
 
 logger = logging.getLogger("kvseal")
 
@@ -33,7 +34,7 @@ DEFAULT_MAX_PREFILL_CHUNK_TOKENS = 512  # a quarter of the default step budget
 DEFAULT_FAIR_SHARE_TOKENS = 256  # an eighth of the default step budget
 DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S = 5.0
 DEFAULT_GRAMMAR_COMPILE_WORKERS = 2
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = tuple(ELEMENT_BYTES)  # the names `--dtype` takes (after "auto" is resolved)
 # Weight-only: "int8": per-output-channel int8 linears (kvseal.models.quant); "bf16": a float32
 # model whose linear weights are stored in bfloat16 and widened as they are read (half the bytes,
 # float32 arithmetic; kvseal.models.packed, needs the native kernels).
@@ -68,7 +69,7 @@ class ModelConfig:
                 f"num_key_value_heads={self.num_kv_heads}"
             )
 
-    def attention_cost_context(self, dtype: torch.dtype) -> int:
+    def attention_cost_context(self, dtype: torch.dtype | str) -> int:
         """The context length at which one token's attention costs what its linear layers cost.
 
         A token at context c costs about 1 + c / this, in tokens of linear work: the ratio of
@@ -80,7 +81,8 @@ class ModelConfig:
         q_out, kv_out = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         linear = self.hidden_size * (2 * q_out + 2 * kv_out) + 3 * self.hidden_size * self.intermediate_size
         pair = 2 * self.num_heads * self.head_dim
-        return max(1, round(linear / pair / (1 if dtype == torch.float32 else 2)))
+        is_float32 = str(dtype).removeprefix("torch.") == "float32"
+        return max(1, round(linear / pair / (1 if is_float32 else 2)))
 
     @classmethod
     def from_hf(cls, hf: Any) -> ModelConfig:
@@ -196,6 +198,13 @@ class GrammarConfig:
                               f"(default {DEFAULT_GRAMMAR_COMPILE_WORKERS})")
 
 
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a `DTYPES` name (imports torch: engine side only)."""
+    import torch
+
+    return getattr(torch, name)  # type: ignore[no-any-return]
+
+
 def cpu_has_native_bf16() -> bool:
     """True on CPUs with AVX512-BF16 or AMX-BF16, where bf16 matmuls run several times faster."""
     try:
@@ -295,10 +304,10 @@ class EngineArgs:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+        return torch_dtype(self.dtype)
 
     def capacity(self, model: ModelConfig) -> KvCapacity:
-        per_elem = bytes_per_element(self.torch_dtype)
+        per_elem = bytes_per_element(self.dtype)
         base = KvCapacity.for_dims(model.num_layers, model.num_kv_heads, model.head_dim, per_elem, self.page_size)
         if self.kv_cache_tokens is not None:
             return base.with_tokens(self.kv_cache_tokens)
@@ -318,7 +327,7 @@ class EngineArgs:
                             self.enable_prefix_caching)
         sched = SchedulerConfig(max_model_len, self.max_num_batched_tokens, self.max_num_seqs,
                                 self.resolved_max_prefill_chunk_tokens, self.fair_share_tokens,
-                                model.attention_cost_context(self.torch_dtype))
+                                model.attention_cost_context(self.dtype))
         return cache, sched
 
     def _resolve_max_model_len(self, model: ModelConfig, capacity: KvCapacity) -> int:

@@ -6,11 +6,12 @@ import enum
 import hashlib
 import time
 from dataclasses import dataclass, field
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from kvseal.errors import InvalidParameter
+
+if TYPE_CHECKING:  # the vocabulary stays importable without torch (the frontend, canary, bench)
+    import torch
 
 DEFAULT_TENANT = "default"
 # `RequestOutput.error_code` of a request ended because an isolation check tripped (I3/I4).

@@ -25,7 +25,8 @@ from kvseal.disagg.frontend import PdClient
 from kvseal.disagg.link_keys import EngineLinkKeys
 from kvseal.disagg.node import NodeConfig
 from kvseal.disagg.topology import PdTopology
-from kvseal.models.loader import convert_gguf, resolve_model_path
+from kvseal.model_files import resolve_model_path
+from kvseal.models.loader import convert_gguf
 
 logger = logging.getLogger("kvseal.server")
 
