@@ -51,11 +51,12 @@ import torch
 import zmq
 
 from kvseal.config import EngineArgs
+from kvseal.disagg.config import NodeConfig
 from kvseal.disagg.link_auth import secure_client
 from kvseal.disagg.link_keys import EngineLinkKeys, KeyPair
 from kvseal.disagg.msgs import KVBlockMsg, PdMsg, PrefillMsg, ReservedMsg, ReserveMsg, decode, encode
 from kvseal.disagg.nixl import POLL_SLEEP_S, NixlReceiver, NixlSender, make_agent
-from kvseal.disagg.node import EngineNode, NodeConfig
+from kvseal.disagg.node import EngineNode
 from kvseal.disagg.stream import StreamReceiver, StreamSender, split_address
 from kvseal.disagg.tcp import TcpReceiver, TcpSender
 from kvseal.disagg.transport import KINDS, KVReceiver, KVSender, PushPlan

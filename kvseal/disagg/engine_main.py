@@ -17,7 +17,8 @@ from types import FrameType
 import torch
 
 from kvseal.config import EngineArgs
-from kvseal.disagg.node import EngineNode, NodeConfig
+from kvseal.disagg.config import NodeConfig
+from kvseal.disagg.node import EngineNode
 from kvseal.engine.engine import LLMEngine
 from kvseal.heap import freeze_startup_heap
 from kvseal.messages.msgs import ABORT_SERVER_SHUTDOWN

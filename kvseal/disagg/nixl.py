@@ -70,7 +70,7 @@ import msgspec
 import numpy as np
 import torch
 
-from kvseal.disagg.args import DEFAULT_DRAIN_S
+from kvseal.disagg.config import DEFAULT_DRAIN_S
 from kvseal.disagg.msgs import KVKind
 from kvseal.disagg.transport import (
     KINDS,

@@ -20,10 +20,10 @@ from multiprocessing.process import BaseProcess
 from pathlib import Path
 
 from kvseal.config import EngineArgs
+from kvseal.disagg.config import NodeConfig
 from kvseal.disagg.engine_main import run_engine_process
 from kvseal.disagg.frontend import PdClient
 from kvseal.disagg.link_keys import EngineLinkKeys
-from kvseal.disagg.node import NodeConfig
 from kvseal.disagg.topology import PdTopology
 from kvseal.model_files import resolve_model_path
 from kvseal.models.loader import convert_gguf

@@ -17,6 +17,7 @@ import zmq
 from processes import WAIT_DEADLINE_S, free_port
 
 from kvseal.config import EngineArgs
+from kvseal.disagg.config import NodeConfig
 from kvseal.disagg.link_auth import secure_client
 from kvseal.disagg.link_keys import EngineLinkKeys, KeyPair
 from kvseal.disagg.msgs import (
@@ -30,7 +31,7 @@ from kvseal.disagg.msgs import (
     decode,
     encode,
 )
-from kvseal.disagg.node import EngineNode, NodeConfig
+from kvseal.disagg.node import EngineNode
 from kvseal.disagg.transport import PushPlan
 from kvseal.disagg.wire import PeerLink, PeerLinks
 from kvseal.engine.engine import LLMEngine

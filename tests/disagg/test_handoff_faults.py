@@ -17,9 +17,10 @@ from test_handoff import GREEDY, args, colocated
 
 from kvseal import SamplingParams
 from kvseal._testing.faults import Fault, inject
+from kvseal.disagg.config import NodeConfig
 from kvseal.disagg.msgs import HANDOFF_FAILED, CommitMsg, KVBlockMsg, PrefillRefusedMsg, WrittenRangeMsg, decode
 from kvseal.disagg.nixl import ArenaPages, NixlSender, decode_address, part_sizes
-from kvseal.disagg.node import EngineNode, NodeConfig
+from kvseal.disagg.node import EngineNode
 from kvseal.disagg.tcp import TcpReceiver, TcpSender
 from kvseal.disagg.transport import PushPlan, RunsMemo, copy_pages, joint_runs
 from kvseal.disagg.wire import PeerLinks
