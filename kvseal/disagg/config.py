@@ -5,6 +5,7 @@ Cheap to import (no torch): the command line builds its parsers from it."""
 from __future__ import annotations
 
 import argparse
+import importlib.util
 from dataclasses import dataclass, field
 
 from kvseal.disagg.link_keys import KEYS_HINT, EngineLinkKeys, load_key_pair, load_public_keys
@@ -53,6 +54,9 @@ class NodeConfig:
             raise ConfigError(f"--role must be prefill or decode, got {self.role!r}")
         if self.kv_transport not in KV_TRANSPORTS:
             raise ConfigError(f"--kv-transport must be one of {', '.join(KV_TRANSPORTS)}, got {self.kv_transport!r}")
+        if self.kv_transport == "nixl" and importlib.util.find_spec("nixl") is None:
+            raise ConfigError("--kv-transport nixl needs the nixl package, an optional extra: pip install "
+                              "'kvseal[nixl]' (or use the built-in tcp-stream transport, the default)")
         if self.transfer_drain_s < 0:
             raise ConfigError(f"transfer_drain_s must be >= 0, got {self.transfer_drain_s}")
         if self.reservation_timeout_s <= 0:

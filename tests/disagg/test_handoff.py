@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 from pd_harness import PdPair
+from transports import NIXL
 
 from kvseal import LLM, SamplingParams
 from kvseal.config import EngineArgs
@@ -25,7 +26,7 @@ def args(llama_dir: Path, **kwargs: Any) -> EngineArgs:
     return EngineArgs(**base)
 
 
-@pytest.fixture(params=["tcp", "tcp-stream", "nixl"])
+@pytest.fixture(params=["tcp", "tcp-stream", NIXL])
 def pair(llama_dir: Path, request: pytest.FixtureRequest) -> Iterator[PdPair]:
     loaded = load_model(str(llama_dir), args(llama_dir).torch_dtype)
     pd = PdPair(args(llama_dir), args(llama_dir), loaded=loaded, kv_transport=request.param)

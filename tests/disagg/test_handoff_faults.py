@@ -14,6 +14,7 @@ import zmq
 from pd_harness import Handoff, PdPair
 from processes import free_port
 from test_handoff import GREEDY, args, colocated
+from transports import NIXL, needs_nixl
 
 from kvseal import SamplingParams
 from kvseal._testing.faults import Fault, inject
@@ -39,7 +40,7 @@ def loaded(llama_dir: Path) -> Any:
 
 
 # the fault tests every transport must pass
-TRANSPORTS = pytest.mark.parametrize("kv_transport", ["tcp", "tcp-stream", "nixl"])
+TRANSPORTS = pytest.mark.parametrize("kv_transport", ["tcp", "tcp-stream", NIXL])
 
 
 @pytest.fixture
@@ -340,6 +341,7 @@ def test_an_uncompilable_grammar_is_refused_by_decode_before_it_reserves(make_pa
     pair.assert_clean()
 
 
+@needs_nixl
 def test_a_nixl_write_into_another_reservations_slots_is_refused(llama_dir: Path, loaded: Any) -> None:
     """NIXL lets a peer write anywhere in decode's registered arena; decode takes a transfer's
     arena pages only if every one carries that transfer's tag. A broken prefill writes transfer
@@ -538,6 +540,7 @@ def assert_landed_exactly(pair: PdPair, handoff: Handoff, src: list[int], num_wr
 
 
 @pytest.mark.parametrize("max_direct_runs", [0, 64])
+@needs_nixl
 def test_nixl_lands_the_same_kv_read_from_the_pool_in_place_or_gathered(llama_dir: Path, loaded: Any,
                                                                        max_direct_runs: int) -> None:
     """Prefill's pages in 8 runs: read in place (up to 64 runs allowed) or gathered into staging
@@ -561,6 +564,7 @@ def test_nixl_lands_the_same_kv_read_from_the_pool_in_place_or_gathered(llama_di
         pair.close()
 
 
+@needs_nixl
 def test_nixl_a_fragmented_arena_gives_a_transfer_several_runs_and_it_still_lands(llama_dir: Path,
                                                                                    loaded: Any) -> None:
     """With no run of free arena pages long enough, a transfer gets the lowest free ones (its
@@ -606,6 +610,7 @@ def test_tcp_gathered_pages_land_exactly(make_pair: Any) -> None:
     pair.assert_clean()
 
 
+@needs_nixl
 def test_nixl_arena_pages_stay_taken_until_no_write_can_land(llama_dir: Path, loaded: Any) -> None:
     """A cancelled transfer's arena pages go to no other transfer while a write of it could still
     land (no notification, no word from prefill); once prefill says it is done they do."""

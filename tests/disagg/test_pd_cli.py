@@ -11,6 +11,7 @@ import httpx
 import pytest
 from pd_servers import ENGINE_FLAGS, LinkKeyFiles, Proc
 from processes import free_port
+from transports import NIXL
 
 from kvseal import LLM, SamplingParams
 from kvseal.cli import main
@@ -54,7 +55,7 @@ def test_bad_thread_counts_are_refused_naming_the_flag(argv: list[str], flag: st
     assert f"kvseal: error: {flag}" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("kv_transport", ["tcp-stream", "nixl"])  # tcp: in-process tests
+@pytest.mark.parametrize("kv_transport", ["tcp-stream", NIXL])  # tcp: in-process tests
 def test_serve_pd_runs_both_roles_and_equals_colocated(tmp_path: Path, kv_transport: str) -> None:
     import sys
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 from pd_harness import Handoff, PdPair
 from test_handoff import args
+from transports import NIXL
 
 from kvseal import LLM, SamplingParams
 from kvseal._testing.faults import Fault, inject
@@ -34,7 +35,7 @@ def loaded(llama_dir: Path) -> Any:
     return load_model(str(llama_dir), args(llama_dir).torch_dtype)
 
 
-@pytest.fixture(params=["tcp", "tcp-stream", "nixl"])
+@pytest.fixture(params=["tcp", "tcp-stream", NIXL])
 def make_pair(llama_dir: Path, loaded: Any, request: pytest.FixtureRequest) -> Iterator[Any]:
     pairs: list[PdPair] = []
 

@@ -18,6 +18,7 @@ from char_model import make_char_model
 from grammar_scenario import GrammarServer, check_b_not_behind_a, check_disconnect_cancels_the_compile
 from grammar_schemas import SLOW_SCHEMA, spec
 from pd_harness import Handoff, PdPair
+from transports import NIXL
 
 from kvseal import LLM, SamplingParams
 from kvseal.config import EngineArgs
@@ -47,7 +48,7 @@ def colocated(char_dir: Path) -> Iterator[LLM]:
     llm.engine.close()
 
 
-@pytest.fixture(params=["tcp", "nixl"])
+@pytest.fixture(params=["tcp", NIXL])
 def pair(char_dir: Path, request: pytest.FixtureRequest) -> Iterator[PdPair]:
     args = EngineArgs(model=str(char_dir), **ENGINE)  # type: ignore[arg-type]
     pd = PdPair(args, args, loaded=load_model(str(char_dir), args.torch_dtype), kv_transport=request.param)
