@@ -17,7 +17,7 @@ from kvseal.disagg.config import EngineKeyFiles, NodeConfig, PdServeArgs, node_c
 from kvseal.engine_args import add_engine_arguments, engine_args_from
 from kvseal.errors import ConfigError, KvsealError
 from kvseal.flags import add_flags, flag
-from kvseal.no_torch import keep_torch_out
+from kvseal.no_torch import tokenize_without_torch
 from kvseal.server import add_serve_arguments
 
 if TYPE_CHECKING:
@@ -218,7 +218,7 @@ def _runs_no_model(ns: argparse.Namespace) -> bool:
 def main(argv: Sequence[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
     if argv is None and _runs_no_model(ns):  # this process is the command's own, not a caller's (tests)
-        keep_torch_out()
+        tokenize_without_torch()
     logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return int(ns.func(ns))

@@ -250,7 +250,7 @@ class EngineArgs:
         "(AVX512-BF16 or AMX), else float32", type=dtype_arg))
     quantization: str = field(default="none", metadata=flag(
         f"weight-only quantization of the linear layers: {', '.join(QUANTIZATIONS)} (default: none); the "
-        f"activations and KV cache stay in --dtype", choices=QUANTIZATIONS))
+        f"activations and KV cache stay in --dtype"))  # checked in __post_init__, with what each one does
     max_model_len: int | Literal["auto"] | None = field(default=None, metadata=flag(
         "context window in tokens, or auto (clamped to the KV pool); default: the model's",
         type=max_model_len_arg))

@@ -27,12 +27,23 @@ def test_importing_it_loads_no_torch(what: str) -> None:
     assert out.stdout.strip() == "[]", f"{what} imports torch"
 
 
-def test_a_process_that_keeps_torch_out_still_tokenizes(tmp_path: object) -> None:
-    """transformers' tokenizer without torch (what `kvseal serve`'s frontend and `kvseal bench` run)."""
-    code = ("from kvseal.no_torch import keep_torch_out\nassert keep_torch_out()\n"
-            "from kvseal.bench.dataset import load_tokenizer\n"
-            "tokenizer = load_tokenizer(None)\nprint(tokenizer.encode('hello world'))\n"
-            "import sys\nprint(sys.modules['torch'])")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
-    ids, torch_module = out.stdout.strip().splitlines()
-    assert ids.startswith("[") and len(ids) > 2 and torch_module == "None"
+def _tokenize_in_a_process(setup: str) -> tuple[str, str]:
+    """(the default tokenizer's ids of a mixed text, whether torch got loaded) in a new process."""
+    code = (f"import sys\n{setup}\nfrom kvseal.bench.dataset import load_tokenizer\n"
+            "print(load_tokenizer(None).encode('Hello <|im_start|>user\\n¿Qué tal? w100 w101'))\n"
+            "print('torch' in sys.modules)")
+    ids, torch_loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                                       check=True).stdout.strip().splitlines()
+    return ids, torch_loaded
+
+
+def test_a_process_that_tokenizes_without_torch_gives_the_same_tokens() -> None:
+    """transformers' tokenizer without torch (what `kvseal serve`'s frontend and `kvseal bench` run)
+    encodes as it does with torch, and torch stays importable for whoever needs it (xgrammar)."""
+    without = _tokenize_in_a_process("from kvseal.no_torch import tokenize_without_torch\n"
+                                     "assert tokenize_without_torch()")
+    with_torch = _tokenize_in_a_process("import torch")
+    assert without[0] == with_torch[0] and len(without[0]) > 10
+    assert (without[1], with_torch[1]) == ("False", "True")
+    importable = "from kvseal.no_torch import tokenize_without_torch\ntokenize_without_torch()\nimport torch"
+    subprocess.run([sys.executable, "-c", importable], timeout=120, check=True)
