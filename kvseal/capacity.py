@@ -1,4 +1,4 @@
-"""KV capacity arithmetic (DESIGN §4), shared by start-up (I2) and `kvseal plan`.
+"""KV capacity arithmetic (docs/ARCHITECTURE.md, "Configuration (I2)"), shared by start-up (I2) and `kvseal plan`.
 
 bytes per token = 2 (K and V) x layers x kv_heads_per_rank x head_dim x bytes per element
 pool tokens     = floor(kv memory / page bytes) x page_size

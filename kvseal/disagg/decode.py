@@ -1,4 +1,5 @@
-"""The decode role's steps: reserve, receive, verify, then run like any engine (DESIGN.md §3).
+"""The decode role's steps: reserve, receive, verify, then run like any engine
+(docs/ARCHITECTURE.md, "Prefill/decode disaggregation").
 
 Nothing of a handed-off request runs before `verify_commit` accepted it. Every way a
 reservation can end (commit refused, prefill's abort, the frontend's abort, expiry) releases

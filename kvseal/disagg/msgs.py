@@ -1,4 +1,5 @@
-"""Every message of prefill/decode disaggregation, one per protocol step (DESIGN.md §3).
+"""Every message of prefill/decode disaggregation, one per protocol step
+(docs/ARCHITECTURE.md, "Prefill/decode disaggregation").
 
 They travel over ZMQ (a DEALER per peer, a ROUTER per engine) as msgpack, decoded only into
 `PdMsg`, the one registry. The colocated engine's messages that mean the same thing in PD

@@ -1,4 +1,5 @@
-"""Decode's reservation table: pages in the "receiving" state (DESIGN.md §3, steps 1, 4, 5).
+"""Decode's reservation table: pages in the "receiving" state
+(docs/ARCHITECTURE.md, "The handoff, as implemented": steps 1, 4, 5).
 
 A reservation owns its pages in the allocator under its request id and tenant, but is not a
 running request: the scheduler never sees it, so it is never preempted and its pages are

@@ -1,5 +1,6 @@
 """The PD handoff between two real engines over loopback TCP: it equals colocated generation
-token for token, and every step of the protocol fails closed when broken (DESIGN.md §3)."""
+token for token, and every step of the protocol fails closed when broken
+(docs/ARCHITECTURE.md, "Prefill/decode disaggregation")."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The incident, replayed against real PD processes (DESIGN.md §1).
+"""The incident, replayed against real PD processes (README.md and docs/SECURITY.md tell it).
 
 Decode's pool and limit are larger than prefill's; one tenant sends prompts sized between
 the two, mixed into concurrent traffic from other tenants; every prompt repeats its own
