@@ -1,5 +1,6 @@
-"""NIXL is an optional extra. The one workaround of its internals (`kvseal.disagg.nixl.progress_delay`) rests on the pinned
-version: the extra pins it, and that version's agent is built the way the workaround assumes."""
+"""NIXL is an optional extra. The one workaround of its internals (`kvseal.disagg.nixl.progress_delay`)
+rests on the pinned version: the extra pins it, and that version's agent is built the way the
+workaround assumes."""
 
 from __future__ import annotations
 
