@@ -36,7 +36,6 @@ from kvseal.disagg.msgs import (
     encode,
 )
 from kvseal.disagg.stream import record_tag, sealed_record
-from kvseal.kvcache.prefix_cache import namespace_of
 from kvseal.messages.convert import params_to_msg
 from kvseal.types import SamplingParams
 
@@ -45,10 +44,10 @@ def control_messages(prompt_len: int) -> list[tuple[bytes, bytes]]:
     """(request, reply) pairs of one PD request's control traffic, encoded."""
     prompt, params = list(range(1000, 1000 + prompt_len)), params_to_msg(SamplingParams(max_tokens=16))
     pages, key = list(range(prompt_len // 16 + 1)), os.urandom(32)
-    reserve = ReserveMsg("req-1", "alice", prompt, params, namespace_of("alice"))
+    reserve = ReserveMsg("req-1", "alice", prompt, params)
     reserved = ReservedMsg("req-1", "alice", "t" * 32, pages, 16, "127.0.0.1:5555", key, 0)
     prefill = PrefillMsg("req-1", "alice", prompt, params, "t" * 32, "127.0.0.1:5556", b"k" * 40, "decode-1",
-                         "127.0.0.1:5555", key, pages, namespace_of("alice"), 0)
+                         "127.0.0.1:5555", key, pages, 0)
     done = PrefillDoneMsg("req-1", "t" * 32, "prefill-1", prompt_len, 1 << 20, 0.1)
     return [(encode(reserve), encode(reserved)), (encode(prefill), encode(done))]
 

@@ -38,7 +38,7 @@ import kvseal.engine.engine as engine_module
 from kvseal import LLM, SamplingParams
 from kvseal._testing.faults import Fault, inject
 from kvseal.kvcache.records import WriteRecords
-from kvseal.models.loader import default_model_path
+from kvseal.model_files import default_model_path
 
 WORDS = ("the of and to in is was for on that with as by at from his her it an were are which this be or "
          "river mountain city garden music science history letter window morning").split()

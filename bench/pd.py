@@ -51,18 +51,18 @@ import torch
 import zmq
 
 from kvseal.config import EngineArgs
+from kvseal.disagg.config import NodeConfig
 from kvseal.disagg.link_auth import secure_client
 from kvseal.disagg.link_keys import EngineLinkKeys, KeyPair
 from kvseal.disagg.msgs import KVBlockMsg, PdMsg, PrefillMsg, ReservedMsg, ReserveMsg, decode, encode
 from kvseal.disagg.nixl import POLL_SLEEP_S, NixlReceiver, NixlSender, make_agent
-from kvseal.disagg.node import EngineNode, NodeConfig
+from kvseal.disagg.node import EngineNode
 from kvseal.disagg.stream import StreamReceiver, StreamSender, split_address
 from kvseal.disagg.tcp import TcpReceiver, TcpSender
 from kvseal.disagg.transport import KINDS, KVReceiver, KVSender, PushPlan
 from kvseal.disagg.wire import PeerLinks
 from kvseal.engine.engine import LLMEngine
 from kvseal.kvcache.pool import KVPool
-from kvseal.kvcache.prefix_cache import namespace_of
 from kvseal.messages.convert import params_to_msg
 from kvseal.messages.msgs import OutputsMsg
 from kvseal.models.loader import load_model
@@ -125,28 +125,28 @@ class Pair:
 
     def reserve(self, prompt: list[int]) -> ReservedMsg:
         request_id = f"bench-{next(self._ids)}"
-        # A namespace of its own per request: no prefix-cache hit, every handoff moves the whole prompt.
-        self.to_decode.send(encode(ReserveMsg(request_id, "bench", prompt, params_to_msg(PARAMS),
-                                              namespace_of(request_id))))
+        # A tenant (so a prefix-cache namespace) of its own per request: no prefix-cache hit, every
+        # handoff moves the whole prompt.
+        self.to_decode.send(encode(ReserveMsg(request_id, request_id, prompt, params_to_msg(PARAMS))))
         reserved = self.pump_until(self.to_decode, lambda m: isinstance(m, ReservedMsg))
         assert isinstance(reserved, ReservedMsg)
         return reserved
 
     def first_token(self, prompt: list[int]) -> None:
         r = self.reserve(prompt)
-        self.to_prefill.send(encode(PrefillMsg(r.request_id, "bench", prompt, params_to_msg(PARAMS), r.transfer_id,
+        self.to_prefill.send(encode(PrefillMsg(r.request_id, r.request_id, prompt, params_to_msg(PARAMS), r.transfer_id,
                                                self.decode.config.listen, self.decode.config.link_keys.own.public,
                                                self.decode.instance_id, r.kv_address, r.transfer_key, r.pages,
-                                               namespace_of(r.request_id), r.num_cached_tokens)))
+                                               r.num_cached_tokens)))
         self.pump_until(self.to_decode, lambda m: isinstance(m, OutputsMsg) and any(
             o.request_id == r.request_id and o.new_token_ids for o in m.outputs))
 
 
 def ttft_colocated(engine: LLMEngine, prompt: list[int], n: int) -> float:
     start = time.perf_counter()
-    # A namespace of its own per request, as PD's `reserve`: no prefix-cache hit (the cache is on
-    # by default), so both sides compute the whole prompt.
-    engine.add_request(f"colocated-{n}", prompt, PARAMS, cache_namespace=namespace_of(f"colocated-{n}"))
+    # A tenant (so a namespace) of its own per request, as PD's `reserve`: no prefix-cache hit (the
+    # cache is on by default), so both sides compute the whole prompt.
+    engine.add_request(f"colocated-{n}", prompt, PARAMS, tenant=f"colocated-{n}")
     while not any(o.new_token_ids for o in engine.step()):
         pass
     while engine.has_unfinished():

@@ -247,7 +247,7 @@ def _single_sequence_logits(model: Any, ids: list[int], dtype: torch.dtype) -> t
 
 
 def bench_teacher_forced() -> dict[str, Any]:
-    from kvseal.config import DTYPES
+    from kvseal.config import torch_dtype
     from kvseal.models.loader import load_model
     from kvseal.models.quant import quantize_model
     from kvseal.ops import select_ops
@@ -260,9 +260,9 @@ def bench_teacher_forced() -> dict[str, Any]:
     teacher: dict[str, dict[str, float]] = {}
     reference_top1: torch.Tensor | None = None
     for name, (dtype, quant) in variants.items():
-        loaded = load_model(None, DTYPES[dtype])
+        loaded = load_model(None, torch_dtype(dtype))
         tokenizer = loaded.tokenizer
-        model = loaded.model.to(DTYPES[dtype])
+        model = loaded.model.to(torch_dtype(dtype))
         if quant.startswith("fbgemm"):
             fbgemm_model(model, lm_head_only=quant == "fbgemm-head")
         elif quant == "bf16":
@@ -273,7 +273,7 @@ def bench_teacher_forced() -> dict[str, Any]:
             quantize_model(model, "int8", ops, lm_head=quant == "int8")
         model.use_ops(ops)
         ids = list(tokenizer.encode(TEXT, add_special_tokens=False))
-        logits = _single_sequence_logits(model, ids, DTYPES[dtype])[:-1].float()
+        logits = _single_sequence_logits(model, ids, torch_dtype(dtype))[:-1].float()
         nll = F.cross_entropy(logits, torch.tensor(ids[1:]))
         top1 = logits.argmax(-1)
         if reference_top1 is None:

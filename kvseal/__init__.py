@@ -10,8 +10,7 @@ from kvseal.errors import (
     RequestRejected,
 )
 from kvseal.types import FinishReason, RequestOutput, SamplingParams
-
-__version__ = "0.1.0"
+from kvseal.version import __version__ as __version__
 
 __all__ = [
     "LLM", "ConfigError", "ContextLengthExceeded", "FinishReason", "InvalidParameter", "IsolationViolation",

@@ -1,4 +1,4 @@
-"""KV capacity arithmetic (DESIGN §4), shared by start-up (I2) and `kvseal plan`.
+"""KV capacity arithmetic (docs/ARCHITECTURE.md, "Configuration (I2)"), shared by start-up (I2) and `kvseal plan`.
 
 bytes per token = 2 (K and V) x layers x kv_heads_per_rank x head_dim x bytes per element
 pool tokens     = floor(kv memory / page bytes) x page_size
@@ -9,10 +9,12 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, replace
-
-import torch
+from typing import TYPE_CHECKING
 
 from kvseal.errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -42,8 +44,14 @@ def check_headroom(headroom: float) -> float:
     return float(headroom)
 
 
-def bytes_per_element(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+# Bytes per element of each dtype the KV cache may hold (no torch needed: `kvseal plan` and the
+# frontend import this module).
+ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def bytes_per_element(dtype: torch.dtype | str) -> int:
+    """Of a torch dtype or its name ("bfloat16")."""
+    return ELEMENT_BYTES[str(dtype).removeprefix("torch.")]
 
 
 @dataclass(frozen=True)

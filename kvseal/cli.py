@@ -6,15 +6,55 @@ import argparse
 import logging
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kvseal.bench.cli import add_bench_parser
 from kvseal.canary import add_canary_arguments, cmd_canary
 from kvseal.capacity import KvCapacity, bytes_per_element, parse_bytes
-from kvseal.config import DTYPES
-from kvseal.disagg.args import add_engine_node_arguments, add_pd_serve_arguments
-from kvseal.engine_args import add_engine_arguments, dtype_arg, engine_args_from
-from kvseal.errors import KvsealError
+from kvseal.config import EngineArgs
+from kvseal.disagg.config import EngineKeyFiles, NodeConfig, PdServeArgs, node_config_from
+from kvseal.engine_args import add_engine_arguments, engine_args_from
+from kvseal.errors import ConfigError, KvsealError
+from kvseal.flags import add_flags, flag
+from kvseal.no_torch import tokenize_without_torch
 from kvseal.server import add_serve_arguments
+
+if TYPE_CHECKING:
+    from kvseal.engine_api import EngineBackend
+
+
+@dataclass(frozen=True)
+class GenerateArgs:
+    """`kvseal generate`'s own flags (the engine's are `EngineArgs`')."""
+
+    prompt: str = field(metadata=flag("the prompt to complete (with --chat: the user message)", name="prompt"))
+    max_tokens: int = field(default=64, metadata=flag("tokens to generate at most"))
+    temperature: float = field(default=0.0, metadata=flag("sampling temperature; 0 is greedy"))
+    sampling_seed: int | None = field(default=None, metadata=flag("the request's sampling seed", type=int))
+    chat: bool = field(default=False, metadata=flag("wrap the prompt in the model's chat template",
+                                                    action="store_true"))
+
+
+@dataclass(frozen=True)
+class PlanArgs:
+    """`kvseal plan`'s own flags: the model's dimensions without a model, and tensor parallelism. The
+    pool's flags are `EngineArgs`' (`PLAN_ENGINE_FLAGS`), with serve's names and defaults."""
+
+    num_layers: int | None = field(default=None, metadata=flag("decoder layers (with --num-kv-heads and "
+                                                               "--head-dim, in place of --model)", type=int))
+    num_kv_heads: int | None = field(default=None, metadata=flag("KV heads of the whole model", type=int))
+    head_dim: int | None = field(default=None, metadata=flag("dimension of one attention head", type=int))
+    tp: int = field(default=1, metadata=flag("tensor-parallel ranks (KV heads are split across them)"))
+
+
+PLAN_ENGINE_FLAGS = ("model", "dtype", "kv_cache_memory", "kv_cache_tokens", "max_model_len", "page_size",
+                     "kv_headroom")
+# `--dtype auto` picks by the serving host's CPU, which plan cannot see: it says what it assumes.
+PLAN_AUTO_DTYPE = "bfloat16"
+PLAN_AUTO_WHY = ("auto: plan cannot probe the serving host's CPU; it assumes bfloat16, what auto picks on CPUs "
+                 "with AVX512-BF16 or AMX (elsewhere auto picks float32: twice the bytes per token, half the "
+                 "pool; pass --dtype float32 to plan for that)")
 
 
 def _cmd_generate(ns: argparse.Namespace) -> int:
@@ -32,16 +72,20 @@ def _cmd_generate(ns: argparse.Namespace) -> int:
 
 
 def _cmd_plan(ns: argparse.Namespace) -> int:
+    if not isinstance(ns.max_model_len, int):
+        raise ConfigError("plan needs --max-model-len N, the context in tokens to check the pool against")
     layers, kv_heads, head_dim, source = _plan_dims(ns)
-    cap = KvCapacity.for_dims(layers, kv_heads, head_dim, bytes_per_element(DTYPES[ns.dtype]), ns.page_size, ns.tp)
-    cap = cap.with_tokens(ns.kv_cache_tokens) if ns.kv_cache_tokens else cap.with_memory(parse_bytes(ns.kv_memory))
+    dtype = PLAN_AUTO_DTYPE if ns.dtype == "auto" else ns.dtype
+    cap = KvCapacity.for_dims(layers, kv_heads, head_dim, bytes_per_element(dtype), ns.page_size, ns.tp)
+    cap = cap.with_tokens(ns.kv_cache_tokens) if ns.kv_cache_tokens else cap.with_memory(
+        parse_bytes(ns.kv_cache_memory))
     needed = ns.max_model_len * ns.kv_headroom
     per_rank = cap.num_kv_heads_per_rank
     memory = f"{cap.kv_memory_bytes:,} bytes" if cap.kv_memory_bytes is not None else "(from --kv-cache-tokens)"
     rows = [
         ("model", source),
         ("layers x kv_heads/rank x head_dim", f"{layers} x {per_rank} (of {kv_heads}, tp={ns.tp}) x {head_dim}"),
-        ("dtype", f"{ns.dtype} ({cap.element_bytes} bytes)"),
+        ("dtype", f"{dtype} ({cap.element_bytes} bytes)" + (f"; {PLAN_AUTO_WHY}" if ns.dtype == "auto" else "")),
         ("KV bytes per token",
          f"2 x {layers} x {per_rank} x {head_dim} x {cap.element_bytes} = {cap.bytes_per_token:,}"),
         ("page", f"{ns.page_size} tokens = {cap.page_bytes:,} bytes"),
@@ -76,14 +120,32 @@ def _plan_dims(ns: argparse.Namespace) -> tuple[int, int, int, str]:
 
 
 def _cmd_serve(ns: argparse.Namespace) -> int:
-    from kvseal.server import serve
+    from kvseal.server import ServerConfig, serve
 
-    return serve(ns)
+    return serve(ServerConfig.from_namespace(ns), lambda: _engine_backend(ns))
+
+
+def _engine_backend(ns: argparse.Namespace) -> EngineBackend:
+    """`serve`'s engines: one colocated engine process, or PD engines (`--pd`, `--prefill/--decode`)."""
+    from kvseal.disagg.topology import PdTopology
+
+    topology = PdTopology.from_namespace(ns)
+    args = engine_args_from(ns)
+    if topology is None:
+        from kvseal.engine.client import EngineClient
+
+        return EngineClient(args, ns.log_level)
+    if args.num_threads is not None:
+        raise ConfigError("--threads sets the colocated engine's CPU threads; with --pd give "
+                          "--pd-threads PREFILL,DECODE, with --prefill/--decode give each "
+                          "`kvseal engine` its own --threads")
+    from kvseal.disagg.serve import start_pd_backend
+
+    return start_pd_backend(topology, args, ns)
 
 
 def _cmd_engine(ns: argparse.Namespace) -> int:
     from kvseal.disagg.engine_main import serve_engine
-    from kvseal.disagg.node import node_config_from
 
     config = node_config_from(ns)  # its keys first: an engine without them never gets further
     return serve_engine(engine_args_from(ns), config)
@@ -115,36 +177,25 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="complete one prompt offline and print the text")
     add_engine_arguments(gen)
-    gen.add_argument("prompt")
-    gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--sampling-seed", type=int, default=None)
-    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    add_flags(gen, GenerateArgs)
     gen.set_defaults(func=_cmd_generate)
 
     plan = sub.add_parser("plan", help="print KV capacity arithmetic without loading weights")
-    plan.add_argument("--model", default=None, help="folder with config.json, or a .gguf file")
-    plan.add_argument("--num-layers", type=int)
-    plan.add_argument("--num-kv-heads", type=int)
-    plan.add_argument("--head-dim", type=int)
-    plan.add_argument("--kv-memory", default="2GiB", help="KV cache memory budget per rank (e.g. 64GiB)")
-    plan.add_argument("--kv-cache-tokens", type=int, default=None, help="give the pool in tokens instead")
-    plan.add_argument("--max-model-len", type=int, required=True)
-    plan.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (KV heads are split across them)")
-    plan.add_argument("--dtype", type=dtype_arg, default="bfloat16")
-    plan.add_argument("--page-size", type=int, default=16)
-    plan.add_argument("--kv-headroom", type=float, default=1.0)
+    add_flags(plan, EngineArgs, only=PLAN_ENGINE_FLAGS)
+    add_flags(plan, PlanArgs)
     plan.set_defaults(func=_cmd_plan)
 
     serve = sub.add_parser("serve", help="OpenAI-compatible multi-tenant HTTP server")
-    add_engine_arguments(serve)
+    add_engine_arguments(serve, model_positional=True)
     add_serve_arguments(serve)
-    add_pd_serve_arguments(serve)
+    add_flags(serve.add_argument_group("prefill/decode disaggregation"), PdServeArgs)
+    add_flags(serve, NodeConfig, only=("kv_transport", "reservation_timeout_s"))  # with --pd
     serve.set_defaults(func=_cmd_serve)
 
     engine = sub.add_parser("engine", help="one prefill or decode engine for a PD frontend (kvseal serve --prefill)")
-    add_engine_arguments(engine, with_threads=False)
-    add_engine_node_arguments(engine)  # its --threads sets both the node's and EngineArgs' threads
+    add_engine_arguments(engine)
+    add_flags(engine, NodeConfig)
+    add_flags(engine, EngineKeyFiles)
     engine.set_defaults(func=_cmd_engine)
 
     _add_keys_parser(sub)
@@ -157,8 +208,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _runs_no_model(ns: argparse.Namespace) -> bool:
+    """Commands whose process only tokenizes or talks HTTP: bench, canary, and the colocated
+    frontend (its engine is a child process; a PD frontend converts a GGUF for its tokenizer)."""
+    colocated = ns.command == "serve" and not (ns.pd or ns.prefill or ns.decode)
+    return colocated or ns.command in ("bench", "canary")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
+    if argv is None and _runs_no_model(ns):  # this process is the command's own, not a caller's (tests)
+        tokenize_without_torch()
     logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return int(ns.func(ns))

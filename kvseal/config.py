@@ -7,14 +7,17 @@ configuration the server cannot honour (I2).
 
 from __future__ import annotations
 
+import argparse
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-import torch
-
-from kvseal.capacity import KvCapacity, bytes_per_element, check_headroom, parse_bytes
+from kvseal.capacity import ELEMENT_BYTES, KvCapacity, bytes_per_element, check_headroom, parse_bytes
 from kvseal.errors import ConfigError, ModelLoadError
+from kvseal.flags import flag
+
+if TYPE_CHECKING:  # configuration is read without torch (the frontend, `kvseal plan`)
+    import torch
 
 logger = logging.getLogger("kvseal")
 
@@ -33,7 +36,7 @@ DEFAULT_MAX_PREFILL_CHUNK_TOKENS = 512  # a quarter of the default step budget
 DEFAULT_FAIR_SHARE_TOKENS = 256  # an eighth of the default step budget
 DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S = 5.0
 DEFAULT_GRAMMAR_COMPILE_WORKERS = 2
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = tuple(ELEMENT_BYTES)  # the names `--dtype` takes (after "auto" is resolved)
 # Weight-only: "int8": per-output-channel int8 linears (kvseal.models.quant); "bf16": a float32
 # model whose linear weights are stored in bfloat16 and widened as they are read (half the bytes,
 # float32 arithmetic; kvseal.models.packed, needs the native kernels).
@@ -68,7 +71,7 @@ class ModelConfig:
                 f"num_key_value_heads={self.num_kv_heads}"
             )
 
-    def attention_cost_context(self, dtype: torch.dtype) -> int:
+    def attention_cost_context(self, dtype: torch.dtype | str) -> int:
         """The context length at which one token's attention costs what its linear layers cost.
 
         A token at context c costs about 1 + c / this, in tokens of linear work: the ratio of
@@ -80,7 +83,8 @@ class ModelConfig:
         q_out, kv_out = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         linear = self.hidden_size * (2 * q_out + 2 * kv_out) + 3 * self.hidden_size * self.intermediate_size
         pair = 2 * self.num_heads * self.head_dim
-        return max(1, round(linear / pair / (1 if dtype == torch.float32 else 2)))
+        is_float32 = str(dtype).removeprefix("torch.") == "float32"
+        return max(1, round(linear / pair / (1 if is_float32 else 2)))
 
     @classmethod
     def from_hf(cls, hf: Any) -> ModelConfig:
@@ -196,6 +200,13 @@ class GrammarConfig:
                               f"(default {DEFAULT_GRAMMAR_COMPILE_WORKERS})")
 
 
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a `DTYPES` name (imports torch: engine side only)."""
+    import torch
+
+    return getattr(torch, name)  # type: ignore[no-any-return]
+
+
 def cpu_has_native_bf16() -> bool:
     """True on CPUs with AVX512-BF16 or AMX-BF16, where bf16 matmuls run several times faster."""
     try:
@@ -206,37 +217,95 @@ def cpu_has_native_bf16() -> bool:
     return bool({"avx512_bf16", "amx_bf16"} & set(flags.split()))
 
 
+_DTYPE_ALIASES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16",
+                  "fp16": "float16", "float16": "float16", "half": "float16"}
+
+
+def dtype_arg(value: str) -> str:
+    """`--dtype`: auto, or a dtype name or alias (bf16, fp32, ...) turned into its `DTYPES` name."""
+    if value == "auto":
+        return value
+    if value not in _DTYPE_ALIASES:
+        raise argparse.ArgumentTypeError(f"dtype must be auto or one of {', '.join(_DTYPE_ALIASES)}")
+    return _DTYPE_ALIASES[value]
+
+
+def max_model_len_arg(value: str) -> int | str:
+    """`--max-model-len`: a whole number of tokens, or auto."""
+    return "auto" if value == "auto" else int(value)
+
+
 @dataclass(frozen=True)
 class EngineArgs:
-    """What the user asks for. Values may be "auto"/None; `resolve()` decides them."""
+    """What the user asks for. Values may be "auto"/None; `resolve()` decides them.
 
-    model: str | None = None
-    dtype: str = "auto"  # bfloat16 where the CPU multiplies bf16 natively, else float32
-    quantization: str = "none"  # one of QUANTIZATIONS; the activations and KV cache stay in `dtype`
-    max_model_len: int | Literal["auto"] | None = None
-    kv_cache_tokens: int | None = None
-    kv_cache_memory: str | int = "2GiB"
-    kv_headroom: float = 1.0
-    page_size: int = 16
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 256
-    max_prefill_chunk_tokens: int | None = None  # None: 512, or the whole budget if smaller
-    fair_share_tokens: int = DEFAULT_FAIR_SHARE_TOKENS
-    kv_scrub: ScrubMode = "off"
-    check_kv: bool = False
-    enable_prefix_caching: bool = True  # reuse full KV pages of earlier prompts of the same tenant (I5)
-    seed: int = 0  # torch's global seed; unseeded requests draw their own from the OS, never from this
+    Each field is also the command-line flag of `serve`, `engine` and `generate` (and, where it
+    applies, `plan`), and a keyword of `LLM(...)`: see `kvseal.flags`.
+    """
+
+    model: str | None = field(default=None, metadata=flag(
+        "local model folder (config.json, *.safetensors, tokenizer) or .gguf file (default: SmolLM2-135M)"))
+    dtype: str = field(default="auto", metadata=flag(
+        "float32, bfloat16 or float16 (bf16, fp32 ...); auto: bfloat16 where the CPU multiplies bf16 natively "
+        "(AVX512-BF16 or AMX), else float32", type=dtype_arg))
+    quantization: str = field(default="none", metadata=flag(
+        f"weight-only quantization of the linear layers: {', '.join(QUANTIZATIONS)} (default: none); the "
+        f"activations and KV cache stay in --dtype"))  # checked in __post_init__, with what each one does
+    max_model_len: int | Literal["auto"] | None = field(default=None, metadata=flag(
+        "context window in tokens, or auto (clamped to the KV pool); default: the model's",
+        type=max_model_len_arg))
+    kv_cache_tokens: int | None = field(default=None, metadata=flag(
+        "KV pool size in tokens (rounded up to whole pages)", type=int))
+    kv_cache_memory: str | int = field(default="2GiB", metadata=flag(
+        "KV pool budget per rank when --kv-cache-tokens is not given (e.g. 2GiB, 64GiB)", deprecated=("--kv-memory",)))
+    kv_headroom: float = field(default=1.0, metadata=flag(
+        "the pool must hold max_model_len x this many tokens, or start-up fails (I2)"))
+    page_size: int = field(default=16, metadata=flag("tokens per KV page"))
+    max_num_batched_tokens: int = field(default=2048, metadata=flag(
+        "token budget of one step (prefill chunks + decodes)"))
+    max_num_seqs: int = field(default=256, metadata=flag("running requests at most"))
+    # None: 512, or the whole budget if smaller
+    max_prefill_chunk_tokens: int | None = field(default=None, metadata=flag(
+        "most prefill tokens one request gets per step, so other requests and tenants share the budget "
+        "(default: 512, or --max-num-batched-tokens if smaller)", type=int))
+    fair_share_tokens: int = field(default=DEFAULT_FAIR_SHARE_TOKENS, metadata=flag(
+        "while other tenants have requests in flight, the most prefill work (in tokens; a token deep in a long "
+        "prompt counts for more, by its attention) a tenant gets in one step, unless it has the least prefill "
+        f"left: keeps steps short while another tenant waits (default: {DEFAULT_FAIR_SHARE_TOKENS})"))
+    kv_scrub: ScrubMode = field(default="off", metadata=flag(
+        "zero KV pages when freed (free) or when handed out (alloc); off: the next owner's writes (I7)",
+        choices=("off", "free", "alloc")))
+    check_kv: bool = field(default=False, metadata=flag(
+        "checked mode: NaN-poison freed pages and verify every read slot was written by its reader (I4)",
+        action="store_true"))
+    # reuse full KV pages of earlier prompts of the same tenant (I5)
+    enable_prefix_caching: bool = field(default=True, metadata=flag(
+        "turn off the prefix cache (on by default; per tenant, I5): every prompt is prefilled in full",
+        name="--no-prefix-caching", action="store_false"))
+    # torch's global seed; unseeded requests draw their own from the OS, never from this
+    seed: int = field(default=0, metadata=flag("torch's global seed (unseeded requests draw from the OS)"))
     # torch's intra-op CPU threads in the engine process, set before the model loads; None keeps
     # torch's default (one per core). A host shared with the frontend or other work may do better
     # with fewer: OpenMP workers wait at every op's barrier for a thread that is off-CPU.
-    num_threads: int | None = None
+    num_threads: int | None = field(default=None, metadata=flag(
+        "CPU threads torch uses in the engine (default: torch's own, one per core); on a host shared with other "
+        "work fewer can be much faster (serve --pd: --pd-threads)", name="--threads", type=int, metavar="N"))
     # the kernels: the native ones built for this CPU at first start ("auto": if they build, else
     # torch's; "require": or start-up fails with the compiler's message) or torch's ("off")
-    native: NativeMode = "auto"
+    native: NativeMode = field(default="auto", metadata=flag(
+        "the engine's kernels: auto (kvseal's native kernels, built with the C compiler ($CC, else cc) at first "
+        "start and cached, or torch's ops if they cannot be built), require (the native kernels, or start-up "
+        "fails with the compiler's message), off (torch's ops); default auto", choices=NATIVE_MODES))
     # Structured output: how long one grammar may compile before the request is refused, and
     # how many worker processes compile (GrammarConfig).
-    grammar_compile_timeout_s: float = DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S
-    grammar_compile_workers: int = DEFAULT_GRAMMAR_COMPILE_WORKERS
+    grammar_compile_timeout_s: float = field(default=DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S, metadata=flag(
+        "the longest one structured-output grammar (response_format json_schema, a required or named tool call) "
+        "may compile; over it the compile is stopped and the request gets a 400 "
+        f"(default: {DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S:g})", metavar="S"))
+    grammar_compile_workers: int = field(default=DEFAULT_GRAMMAR_COMPILE_WORKERS, metadata=flag(
+        "grammar compile worker processes, shared by tenants round-robin with one compile each at a time; 2 or "
+        f"more keep one tenant's slow grammar from delaying another's (default: {DEFAULT_GRAMMAR_COMPILE_WORKERS})",
+        metavar="N"))
 
     def __post_init__(self) -> None:
         if self.dtype == "auto":
@@ -295,10 +364,10 @@ class EngineArgs:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+        return torch_dtype(self.dtype)
 
     def capacity(self, model: ModelConfig) -> KvCapacity:
-        per_elem = bytes_per_element(self.torch_dtype)
+        per_elem = bytes_per_element(self.dtype)
         base = KvCapacity.for_dims(model.num_layers, model.num_kv_heads, model.head_dim, per_elem, self.page_size)
         if self.kv_cache_tokens is not None:
             return base.with_tokens(self.kv_cache_tokens)
@@ -318,7 +387,7 @@ class EngineArgs:
                             self.enable_prefix_caching)
         sched = SchedulerConfig(max_model_len, self.max_num_batched_tokens, self.max_num_seqs,
                                 self.resolved_max_prefill_chunk_tokens, self.fair_share_tokens,
-                                model.attention_cost_context(self.torch_dtype))
+                                model.attention_cost_context(self.dtype))
         return cache, sched
 
     def _resolve_max_model_len(self, model: ModelConfig, capacity: KvCapacity) -> int:

@@ -3,19 +3,29 @@
 from __future__ import annotations
 
 import enum
+import hashlib
 import time
 from dataclasses import dataclass, field
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from kvseal.errors import InvalidParameter
+
+if TYPE_CHECKING:  # the vocabulary stays importable without torch (the frontend, canary, bench)
+    import torch
 
 DEFAULT_TENANT = "default"
 # `RequestOutput.error_code` of a request ended because an isolation check tripped (I3/I4).
 ISOLATION_CHECK_FAILED = "isolation_check_failed"
 SAMPLING_EPS = 1e-5
 MAX_N = 16  # most choices one request may ask for
+
+
+def namespace_of(tenant: str) -> str:
+    """The prefix-cache namespace of a tenant (I5): a framed hash over the tenant id, the only
+    way a namespace is made. Engines derive it from the request's tenant themselves; no message
+    and no caller carries one."""
+    framed = b"kvseal-prefix-namespace\x00" + len(tenant).to_bytes(8, "big") + tenant.encode()
+    return hashlib.sha256(framed).hexdigest()
 
 
 class FinishReason(enum.StrEnum):
@@ -131,13 +141,14 @@ class Request:
     a forward of it, or shared prefix-cache pages of its namespace; it is reset to 0 on
     preemption. `num_cached_tokens` is how many prompt tokens its first schedule found in
     the prefix cache (usage, I8); `page_hashes` the chained hashes of its full pages so far.
+    `cache_namespace` is derived from `tenant` (I5) and cannot be given.
     """
 
     request_id: str
     tenant: str
     prompt_token_ids: list[int]
     params: SamplingParams
-    cache_namespace: str = ""
+    cache_namespace: str = field(init=False)
     num_cached_tokens: int = 0
     page_hashes: list[bytes] = field(default_factory=list)
     output_token_ids: list[int] = field(default_factory=list)
@@ -151,6 +162,9 @@ class Request:
     generator: torch.Generator | None = None
     grammar: Any = None  # an xgrammar GrammarMatcher when params.structured is set
     arrival_s: float = field(default_factory=time.monotonic)
+
+    def __post_init__(self) -> None:
+        self.cache_namespace = namespace_of(self.tenant)
 
     @property
     def num_prompt_tokens(self) -> int:

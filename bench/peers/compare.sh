@@ -47,7 +47,7 @@ export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-${KV_MEMORY%GiB}}"
 
 MODEL_DIR="$OUT/model"
 python "$PEERS_DIR/export_model.py" "$MODEL_DIR" --dtype "$DTYPE"
-kvseal plan --model "$MODEL_DIR" --kv-memory "$KV_MEMORY" --max-model-len "$MAX_MODEL_LEN" --dtype "$DTYPE" \
+kvseal plan --model "$MODEL_DIR" --kv-cache-memory "$KV_MEMORY" --max-model-len "$MAX_MODEL_LEN" --dtype "$DTYPE" \
   --page-size "$PAGE_SIZE" | tee "$OUT/kvseal_plan.txt"
 
 bench() {  # bench PID LABEL CONCURRENCY NUM_PROMPTS SEED [RESULT_JSON]: kvseal's client

@@ -19,7 +19,8 @@ import shutil
 import sys
 from pathlib import Path
 
-from kvseal.models.loader import convert_gguf, resolve_model_path
+from kvseal.model_files import resolve_model_path
+from kvseal.models.loader import convert_gguf
 
 
 def hf_folder(model: str | None) -> Path:

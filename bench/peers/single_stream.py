@@ -69,7 +69,7 @@ print(json.dumps({"prefill_s": prefill_s, "decode_tok_s": decode_tok_s}))
 
 
 def default_gguf() -> str:
-    from kvseal.models.loader import default_model_path
+    from kvseal.model_files import default_model_path
 
     return str(default_model_path())
 

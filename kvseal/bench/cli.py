@@ -16,6 +16,7 @@ from kvseal.errors import KvsealError
 if TYPE_CHECKING:
     from kvseal.bench.serve import ServeBenchConfig
 
+DEFAULT_ENDPOINT = "/v1/completions"
 _LONG_OPTIONS = ("long_api_key", "long_input_len", "long_output_len", "long_concurrency", "long_max_requests")
 
 
@@ -28,18 +29,24 @@ def add_bench_parser(sub: Any) -> None:
 
 
 def _add_serve(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--base-url", required=True, help="OpenAI base URL, e.g. http://127.0.0.1:8000/v1")
+    p.add_argument("--base-url", required=True, help="the server, as vLLM's bench takes it (http://127.0.0.1:8000) "
+                   "or as an OpenAI base URL (http://127.0.0.1:8000/v1)")
+    p.add_argument("--endpoint", default=DEFAULT_ENDPOINT, help="path of the completions API under the server's "
+                   f"root, as in `vllm bench serve` (default {DEFAULT_ENDPOINT})")
     p.add_argument("--model", required=True, help="model name the server serves")
     p.add_argument("--api-key", default=None)
     p.add_argument("--tokenizer", default=None, help="local model folder whose vocabulary the random "
                    "prompts use (default: the default model's)")
     p.add_argument("--num-prompts", type=int, default=200)
     load = p.add_mutually_exclusive_group()
-    load.add_argument("--concurrency", type=int, default=None, help="requests in flight (default 32)")
+    load.add_argument("--concurrency", "--max-concurrency", dest="concurrency", type=int, default=None,
+                      help="requests in flight (default 32); --max-concurrency is vLLM's name")
     load.add_argument("--request-rate", type=float, default=None,
                       help="Poisson arrivals at this many requests/s, no concurrency limit")
-    p.add_argument("--input-len", type=int, default=256)
-    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--input-len", "--random-input-len", dest="input_len", type=int, default=256,
+                   help="prompt tokens per request (--random-input-len: vLLM's name)")
+    p.add_argument("--output-len", "--random-output-len", dest="output_len", type=int, default=128,
+                   help="output tokens per request (--random-output-len: vLLM's name)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
     p.add_argument("--server-pid", type=int, default=None,
@@ -77,7 +84,7 @@ def config_from(ns: argparse.Namespace) -> ServeBenchConfig:
     else:
         shape = LoadShape(concurrency=32 if ns.concurrency is None else ns.concurrency, request_rate=math.inf)
     return ServeBenchConfig(
-        endpoint=Endpoint(ns.base_url, ns.model, ns.api_key), shape=shape, num_prompts=ns.num_prompts,
+        endpoint=Endpoint(ns.base_url, ns.model, ns.api_key, ns.endpoint), shape=shape, num_prompts=ns.num_prompts,
         input_len=ns.input_len, output_len=ns.output_len, seed=ns.seed, tokenizer=ns.tokenizer,
         server_pid=ns.server_pid, admin_key=ns.admin_key, request_timeout_s=ns.request_timeout, label=ns.label,
         progress=not ns.no_progress,
@@ -111,7 +118,7 @@ def _run_fairness(ns: argparse.Namespace, config: ServeBenchConfig) -> dict[str,
 
     overrides = {field: getattr(ns, f"long_{field}") for field in ("input_len", "output_len", "concurrency",
                                                                      "max_requests")}
-    long = LongTenant(Endpoint(ns.base_url, ns.model, ns.long_api_key),
+    long = LongTenant(Endpoint(ns.base_url, ns.model, ns.long_api_key, ns.endpoint),
                       **{k: v for k, v in overrides.items() if v is not None})
     result = bench_fairness(config, long)
     print(format_summary(result["short_alone"], "Short tenant alone"))

@@ -38,15 +38,22 @@ class RequestResult:
 
 @dataclass(frozen=True)
 class Endpoint:
-    """Where and as whom requests go. `completions_url` is `base_url + "/completions"`."""
+    """Where and as whom requests go. `base_url` is the server's root (vLLM's bench form,
+    http://host:port) or its OpenAI base URL (http://host:port/v1): the completions URL is the
+    root + `endpoint` either way."""
 
     base_url: str
     model: str
     api_key: str | None = None
+    endpoint: str = "/v1/completions"
+
+    @property
+    def root_url(self) -> str:
+        return self.base_url.rstrip("/").removesuffix("/v1")
 
     @property
     def completions_url(self) -> str:
-        return self.base_url.rstrip("/") + "/completions"
+        return self.root_url + "/" + self.endpoint.lstrip("/")
 
     @property
     def headers(self) -> dict[str, str]:

@@ -9,6 +9,8 @@ special tokens, so no prompt contains BOS/EOS or a chat marker.
 from __future__ import annotations
 
 import random
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,12 +33,23 @@ def load_tokenizer(path: str | None) -> Any:
     from transformers import AutoTokenizer
 
     if path is None:
-        from kvseal.models.loader import convert_gguf, default_model_path
-
-        path = str(convert_gguf(default_model_path()))
+        path = str(_default_model_folder())
     if not Path(path).exists():
         raise KvsealError(f"tokenizer path {path} does not exist; pass --tokenizer with a local model folder")
     return AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
+def _default_model_folder() -> Path:
+    """The default model's converted folder; made (once) in a child process if missing, since the
+    conversion dequantizes weights with torch and the bench process keeps torch out."""
+    from kvseal.model_files import default_model_path, gguf_cache_dir
+
+    folder = gguf_cache_dir(default_model_path())
+    if not folder.exists():
+        convert = "from kvseal.model_files import default_model_path as d; from kvseal.models.loader import " \
+                  "convert_gguf; convert_gguf(d())"
+        subprocess.run([sys.executable, "-c", convert], check=True)
+    return folder
 
 
 def prompt_vocab(tokenizer: Any) -> list[int]:

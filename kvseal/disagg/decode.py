@@ -1,11 +1,12 @@
-"""The decode role's steps: reserve, receive, verify, then run like any engine (DESIGN.md §3).
+"""The decode role's steps: reserve, receive, verify, then run like any engine
+(docs/ARCHITECTURE.md, "Prefill/decode disaggregation").
 
 Nothing of a handed-off request runs before `verify_commit` accepted it. Every way a
 reservation can end (commit refused, prefill's abort, the frontend's abort, expiry) releases
 its pages under the reservation table's rule and reports one terminal, non-success output.
 
-Prefix cache (I5): a reservation starts on its hit in decode's cache (the tenant's namespace,
-from the frontend), reported as `ReservedMsg.num_cached_tokens`; the transfer and the
+Prefix cache (I5): a reservation starts on its hit in decode's cache (the namespace decode
+derives from the request's tenant), reported as `ReservedMsg.num_cached_tokens`; the transfer and the
 verification cover the prompt from there on, and after a verified commit the newly written
 full pages are published (`add_prefilled`), so the tenant's next request hits them.
 """
@@ -45,6 +46,8 @@ from kvseal.types import ISOLATION_CHECK_FAILED, RequestOutput, SamplingParams, 
 
 logger = logging.getLogger("kvseal.disagg")
 
+RECEIVING_POLL_MS = 2  # how often an idle decode engine holding reservations takes in landed KV
+
 
 @dataclass(frozen=True)
 class _AskedReservation:
@@ -82,6 +85,11 @@ class DecodeSteps:
 
     def num_reservations(self) -> int:
         return len(self.table)
+
+    def poll_ms(self, idle_poll_ms: int) -> int:
+        """While it holds reservations, a transport whose writes land outside the ROUTER (NIXL)
+        is taken in by `tick` while the rest is still on the wire: wake often."""
+        return min(idle_poll_ms, RECEIVING_POLL_MS) if len(self.table) else idle_poll_ms
 
     def wait_sockets(self) -> list[socket.socket]:
         return self.receiver.fds()
@@ -124,7 +132,7 @@ class DecodeSteps:
     def _add_reservation(self, asked: _AskedReservation, compiled_grammar: Any) -> None:
         msg = asked.msg
         self.table.add(Reservation(msg.request_id, msg.tenant, asked.prompt, asked.params, asked.frontend,
-                                   msg.cache_namespace, compiled_grammar=compiled_grammar))
+                                   compiled_grammar=compiled_grammar))
         self._place_waiting()
 
     def _refuse_reservation(self, frontend: bytes, msg: ReserveMsg, exc: RequestRejected) -> None:
@@ -202,7 +210,7 @@ class DecodeSteps:
         generator_state = torch.frombuffer(bytearray(msg.generator_state), dtype=torch.uint8)
         first = self.engine.add_prefilled(request_id, reservation.tenant, reservation.prompt_token_ids,
                                           reservation.params, msg.first_token, logprobs, generator_state,
-                                          reservation.cache_namespace, reservation.num_cached_tokens,
+                                          reservation.num_cached_tokens,
                                           reservation.compiled_grammar)
         logger.info("handoff of request %s verified: transfer %s from prefill %s to decode %s",
                     request_id, msg.transfer_id, msg.prefill_engine, self.instance_id)

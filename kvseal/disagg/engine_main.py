@@ -8,6 +8,7 @@ exits 0. A configuration it cannot honour (I2) stops it with exit status 2 befor
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import multiprocessing
 import signal
@@ -17,7 +18,8 @@ from types import FrameType
 import torch
 
 from kvseal.config import EngineArgs
-from kvseal.disagg.node import EngineNode, NodeConfig
+from kvseal.disagg.config import NodeConfig
+from kvseal.disagg.node import EngineNode
 from kvseal.engine.engine import LLMEngine
 from kvseal.heap import freeze_startup_heap
 from kvseal.messages.msgs import ABORT_SERVER_SHUTDOWN
@@ -34,7 +36,8 @@ def serve_engine(args: EngineArgs, config: NodeConfig, should_stop: Callable[[],
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    use_threads(config.num_threads)
+    if config.num_threads is not None:  # the engine sets torch's threads before any model work
+        args = dataclasses.replace(args, num_threads=config.num_threads)
     node = EngineNode(LLMEngine(args), config)
     freeze_startup_heap(f"engine ({config.role})")
     keys = config.link_keys
@@ -53,13 +56,6 @@ def serve_engine(args: EngineArgs, config: NodeConfig, should_stop: Callable[[],
         node.ctx.term()
     logger.info("kvseal engine (%s) stopped", config.role)
     return 0
-
-
-def use_threads(num_threads: int | None) -> None:
-    """Set torch's intra-op CPU threads for this process before any model work (None: keep
-    torch's default, one per core)."""
-    if num_threads is not None:
-        torch.set_num_threads(num_threads)
 
 
 def run_engine_process(args: EngineArgs, config: NodeConfig, log_level: str) -> None:

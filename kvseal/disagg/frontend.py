@@ -1,6 +1,5 @@
-"""The PD frontend's engine client: the same small interface as the colocated `EngineClient`
-(`start`, `submit`, `abort`, `abort_all`, `is_available`, `failure`, `num_in_flight`,
-`shutdown`), over running prefill and decode engines.
+"""The PD engine backend: `kvseal.engine_api.EngineBackend`, as the colocated `EngineClient`
+is, over running prefill and decode engines.
 
 Per request: ReserveMsg to the least-loaded decode engine; on `ReservedMsg`, PrefillMsg to
 the least-loaded prefill engine; then decode's outputs (first token only after decode
@@ -19,7 +18,7 @@ accepting only an engine that proves the public key configured for its address; 
 handshake is logged with what to check, and the engine stays down.
 
 Load and pool state: every engine reports `PdStatsMsg` (after changes and in answer to each
-`HelloMsg`); `on_load` gets the sum over the engines that are up, in the colocated engine's
+`HelloMsg`); `on_stats` gets the sum over the engines that are up, in the colocated engine's
 `EngineStatsMsg` shape, so `/metrics`' `kvseal_kv_pages_used`/`_free` and the request gauges
 mean the same in both modes (the canary's server evidence reads them). Its pages scrubbed is
 the total over every engine instance this client has heard from (`CumulativeTotal`): it does
@@ -40,11 +39,14 @@ from typing import cast
 import msgspec
 import zmq
 import zmq.asyncio
+from prometheus_client import CollectorRegistry
 from zmq.utils.monitor import parse_monitor_message
 
 from kvseal.disagg.link_auth import secure_client
 from kvseal.disagg.link_keys import EngineEndpoint, KeyPair
+from kvseal.disagg.metrics import PdMetrics
 from kvseal.disagg.msgs import (
+    TRANSFER_FAILED,
     EngineInfoMsg,
     HelloMsg,
     PdMsg,
@@ -59,8 +61,16 @@ from kvseal.disagg.msgs import (
     decode,
     encode,
 )
-from kvseal.disagg.prefill import TRANSFER_FAILED
 from kvseal.disagg.wire import tcp_endpoint
+from kvseal.engine_api import (
+    EngineGone,
+    EngineUnavailable,
+    IsolationBreach,
+    RequestEvent,
+    RequestHandle,
+    RequestObserver,
+    is_terminal,
+)
 from kvseal.errors import ConfigError
 from kvseal.messages.msgs import (
     AbortMsg,
@@ -71,16 +81,7 @@ from kvseal.messages.msgs import (
     RequestOutputMsg,
     RequestRejectedMsg,
 )
-from kvseal.server.engine_client import EngineUnavailable  # the pipeline answers it with 503
-from kvseal.server.metrics import CumulativeTotal
-from kvseal.server.request_handle import (
-    EngineGone,
-    IsolationBreach,
-    RequestEvent,
-    RequestHandle,
-    RequestObserver,
-    is_terminal,
-)
+from kvseal.totals import CumulativeTotal
 
 logger = logging.getLogger("kvseal.server")
 
@@ -154,13 +155,15 @@ def scrub_policy(infos: list[EngineInfoMsg]) -> str:
 
 class PdClient:
     def __init__(self, prefill: list[EngineEndpoint], decode: list[EngineEndpoint], tokenizer_path: str,
-                 link_key: KeyPair, on_stats: Callable[[EngineLink], None] = lambda link: None) -> None:
+                 link_key: KeyPair, stop_engines: Callable[[], None] = lambda: None) -> None:
+        """`stop_engines` runs last in `shutdown` (`serve --pd`: the engines it started)."""
         self._ctx = zmq.asyncio.Context()
         self._frontend_id = secrets.token_hex(4)
         self._link_key = link_key
         self.links = [self._link("prefill", a) for a in prefill] + [self._link("decode", a) for a in decode]
         self._tokenizer_path = tokenizer_path
-        self._on_stats = on_stats
+        self._stop_engines = stop_engines
+        self._on_link_stats: Callable[[EngineLink], None] = lambda link: None  # per-engine gauges
         self._routes: dict[str, PdRoute] = {}
         self._by_transfer: dict[str, PdRoute] = {}
         self._tasks: list[asyncio.Task[None]] = []
@@ -171,7 +174,7 @@ class PdClient:
         # Told the new limits when an engine (re)starts with different ones (the server admits with them).
         self.on_ready_change: Callable[[EngineReadyMsg], None] | None = None
         # Told the summed load of the engines that are up whenever one reports or goes down.
-        self.on_load: Callable[[EngineStatsMsg], None] | None = None
+        self.on_stats: Callable[[EngineStatsMsg], None] | None = None
         self._pages_scrubbed = CumulativeTotal()  # over engine instances (a restart is a new one)
 
     def _link(self, role: Role, engine: EngineEndpoint) -> EngineLink:
@@ -182,7 +185,11 @@ class PdClient:
         socket.connect(tcp_endpoint(engine.address))
         return EngineLink(role, engine.address, engine.public_key, socket)
 
-    # ---- the EngineClient interface -------------------------------------------------------
+    # ---- the EngineBackend interface ------------------------------------------------------
+
+    def add_metrics(self, registry: CollectorRegistry) -> None:
+        """Per-engine handoff gauges (`kvseal_pd_*`), from each engine's `PdStatsMsg`."""
+        self._on_link_stats = PdMetrics(registry).record
 
     @property
     def pid(self) -> int | None:
@@ -244,8 +251,7 @@ class PdClient:
         decode_link = self._pick("decode")
         handle = RequestHandle(msg.request_id, msg.tenant, observer)
         route = PdRoute(handle, msg, decode_link)
-        decode_link.send(ReserveMsg(msg.request_id, msg.tenant, msg.prompt_token_ids, msg.params,
-                                    msg.cache_namespace))  # the server's namespace of the tenant (I5)
+        decode_link.send(ReserveMsg(msg.request_id, msg.tenant, msg.prompt_token_ids, msg.params))
         decode_link.num_assigned += 1
         self._routes[msg.request_id] = route
         route.handle.route["decode_engine"] = decode_link.name
@@ -278,6 +284,7 @@ class PdClient:
         for link in self.links:
             link.socket.close(linger=0)
         self._ctx.term()
+        self._stop_engines()
 
     # ---- routing ----------------------------------------------------------------------------
 
@@ -315,7 +322,7 @@ class PdClient:
             case PdStatsMsg():
                 link.stats = msg
                 self._pages_scrubbed.observe(msg.instance_id, msg.engine.num_pages_scrubbed)
-                self._on_stats(link)
+                self._on_link_stats(link)
                 self._report_load()
             case ReservedMsg():
                 self._on_reserved(link, msg)
@@ -380,7 +387,7 @@ class PdClient:
             p = route.msg
             prefill.send(PrefillMsg(p.request_id, p.tenant, p.prompt_token_ids, p.params, msg.transfer_id,
                                     link.address, link.public_key, link.name, msg.kv_address, msg.transfer_key,
-                                    msg.pages, p.cache_namespace, msg.num_cached_tokens))
+                                    msg.pages, msg.num_cached_tokens))
         except EngineUnavailable as exc:
             self._try_send(link, AbortMsg(msg.request_id, msg.tenant, str(exc)))
             self._end(route, EngineGone(str(exc)))
@@ -444,8 +451,8 @@ class PdClient:
                               self._pages_scrubbed.total, *_grammar_totals(stats))
 
     def _report_load(self) -> None:
-        if self.on_load is not None:
-            self.on_load(self.load())
+        if self.on_stats is not None:
+            self.on_stats(self.load())
 
     @staticmethod
     def _try_send(link: EngineLink, msg: PdMsg) -> None:
@@ -509,7 +516,7 @@ class PdClient:
         """Fail every request that depends on `link` now; free what other engines hold for them."""
         link.is_up = False
         link.stats = None
-        self._on_stats(link)
+        self._on_link_stats(link)
         self._report_load()
         for route in list(self._routes.values()):
             if route.decode is link:

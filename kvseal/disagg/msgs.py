@@ -1,4 +1,5 @@
-"""Every message of prefill/decode disaggregation, one per protocol step (DESIGN.md §3).
+"""Every message of prefill/decode disaggregation, one per protocol step
+(docs/ARCHITECTURE.md, "Prefill/decode disaggregation").
 
 They travel over ZMQ (a DEALER per peer, a ROUTER per engine) as msgpack, decoded only into
 `PdMsg`, the one registry. The colocated engine's messages that mean the same thing in PD
@@ -48,6 +49,8 @@ KVKind = Literal["k", "v"]
 
 # `RequestOutputMsg.error_code` of a request whose KV handoff failed or was refused.
 HANDOFF_FAILED = "kv_handoff_failed"
+# `PrefillRefusedMsg.code` when prefill's push to decode failed (decode may not know: the frontend tells it)
+TRANSFER_FAILED = "kv_transfer_failed"
 
 
 class _Msg(msgspec.Struct, frozen=True, tag=True, forbid_unknown_fields=True):
@@ -125,14 +128,13 @@ class IntegrityReportMsg(_Msg, frozen=True):
 class ReserveMsg(_Msg, frozen=True):
     """Reserve decode pages for `prompt_token_ids` plus the first output token.
 
-    `cache_namespace` is the frontend's `namespace_of(authenticated tenant)` (I5), never a
-    client field: decode looks the prompt's leading full pages up in its prefix cache under it."""
+    Decode looks the prompt's leading full pages up in its prefix cache under the namespace it
+    derives from `tenant` (I5), the authenticated frontend's tenant."""
 
     request_id: str
     tenant: str
     prompt_token_ids: list[int]
     params: SamplingParamsMsg
-    cache_namespace: str
 
 
 class ReservedMsg(_Msg, frozen=True):
@@ -178,7 +180,6 @@ class PrefillMsg(_Msg, frozen=True):
     kv_address: str
     transfer_key: bytes  # `ReservedMsg.transfer_key`: prefill seals its KV records with it
     pages: list[int]  # decode's reserved pages, in position order
-    cache_namespace: str  # the authenticated tenant's namespace (I5): prefill's own prefix cache
     num_cached_tokens: int = 0  # decode already holds [0, this): push from here on (ReservedMsg)
 
 

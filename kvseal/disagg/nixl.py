@@ -54,7 +54,9 @@ transfer's keyed tag, which only a holder of the transfer key can make.
 from __future__ import annotations
 
 import base64
+import contextlib
 import hmac
+import importlib.metadata
 import ipaddress
 import logging
 import os
@@ -62,7 +64,7 @@ import socket
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,7 +72,7 @@ import msgspec
 import numpy as np
 import torch
 
-from kvseal.disagg.args import DEFAULT_DRAIN_S
+from kvseal.disagg.config import DEFAULT_DRAIN_S
 from kvseal.disagg.msgs import KVKind
 from kvseal.disagg.transport import (
     KINDS,
@@ -100,7 +102,8 @@ NUM_PARTS = 4  # WRITEs per push (groups of layers): decode copies one while the
 MAX_DIRECT_RUNS = 8
 NOTIF_WAIT_S = 5.0  # decode waits this long for the notification of a transfer prefill says is done
 POLL_SLEEP_S = 0.0002
-PROGRESS_DELAY_US = 500  # NIXL's progress thread sleeps this long between polls
+PROGRESS_DELAY_US = 500  # NIXL's progress thread sleeps this long between polls (`progress_delay`)
+NIXL_PINNED = "1.5.1"  # the version of the `nixl` extra, whose internals `progress_delay` relies on
 
 
 class NixlPeerMsg(msgspec.Struct, frozen=True, tag=True, forbid_unknown_fields=True):
@@ -242,23 +245,45 @@ def make_agent(name: str, listen_host: str) -> Any:
             os.environ.setdefault("UCX_NET_DEVICES", "lo")
         from nixl._api import nixl_agent, nixl_agent_config
     except ImportError as exc:
-        raise ConfigError(f"--kv-transport nixl needs the nixl package (pip install nixl==1.5.1): {exc}") from exc
+        raise ConfigError(f"--kv-transport nixl needs the nixl package, an optional extra: pip install "
+                          f"'kvseal[nixl]' ({exc})") from exc
     if "NIXL_LOG_LEVEL" not in os.environ:  # nixl logs every agent's start at INFO, on stdout
         logging.getLogger("nixl").setLevel(logging.WARNING)
-    bindings = sys.modules[nixl_agent.__module__].nixlBind
-    make_native = bindings.nixlAgent
-
-    def with_progress_delay(agent_name: str, config: Any) -> Any:
-        # nixl's Python API starts its progress thread with no delay between polls: half a core
-        # per idle agent. A short sleep between polls costs at most that much notification latency.
-        config.pthrDelay = PROGRESS_DELAY_US
-        return make_native(agent_name, config)
-
-    bindings.nixlAgent = with_progress_delay
+    config = nixl_agent_config(backends=["UCX"])
     try:
-        return nixl_agent(name, nixl_agent_config(backends=["UCX"]))
+        with progress_delay(nixl_agent, PROGRESS_DELAY_US):
+            return nixl_agent(name, config)
     except Exception as exc:  # nixl raises its own exception types from C++
         raise ConfigError(f"cannot start a NIXL agent with the UCX backend: {exc}") from exc
+
+
+@contextlib.contextmanager
+def progress_delay(agent_class: Any, delay_us: int) -> Iterator[None]:
+    """While an agent is made, its progress thread sleeps `delay_us` between polls.
+
+    The one workaround of NIXL's internals, pinned and tested: nixl's public API (1.5.1, the
+    version the `nixl` extra pins) starts the progress thread with no delay between polls, half
+    a core per idle agent, and has no setting for it; its progress thread cannot be dropped
+    either (a WRITE then completes only while the receiver polls, and prefill's `push` blocks
+    on it). So the native config's `pthrDelay` is set as `nixl_agent.__init__` builds it, only
+    on the pinned version, whose `__init__` `tests/disagg/test_nixl_pin.py` checks does what
+    this assumes; any other version gets nixl's default (and a warning)."""
+    version = importlib.metadata.version("nixl")
+    if version != NIXL_PINNED:
+        logger.warning("nixl %s is not the pinned %s: its progress thread runs without a delay between polls "
+                       "(about half a core per idle engine)", version, NIXL_PINNED)
+        yield
+        return
+    bindings = sys.modules[agent_class.__module__].nixlBind
+    make_native = bindings.nixlAgent
+
+    def with_delay(agent_name: str, native_config: Any) -> Any:
+        native_config.pthrDelay = delay_us
+        return make_native(agent_name, native_config)
+
+    bindings.nixlAgent = with_delay
+    try:
+        yield
     finally:
         bindings.nixlAgent = make_native
 

@@ -3,88 +3,29 @@ engine's `LinkGuard`), transport, role steps, loop."""
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import secrets
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import zmq
 
-from kvseal.disagg.args import DEFAULT_DRAIN_S, DEFAULT_KV_TRANSPORT, DEFAULT_RESERVATION_TIMEOUT_S, KV_TRANSPORTS
+from kvseal.disagg.config import NodeConfig
 from kvseal.disagg.decode import DecodeSteps
-from kvseal.disagg.engine_loop import PdEngineLoop
 from kvseal.disagg.link_auth import LinkGuard
-from kvseal.disagg.link_keys import KEYS_HINT, EngineLinkKeys, load_key_pair, load_public_keys
-from kvseal.disagg.msgs import EngineInfoMsg, Role
+from kvseal.disagg.msgs import EngineInfoMsg
 from kvseal.disagg.prefill import PrefillSteps
 from kvseal.disagg.role import Replies, RoleSteps
+from kvseal.disagg.router_link import IDLE_POLL_MS, RouterLink
 from kvseal.disagg.stream import StreamReceiver, StreamSender
 from kvseal.disagg.tcp import TcpReceiver, TcpSender
 from kvseal.disagg.transport import KVReceiver, KVSender
 from kvseal.disagg.wire import PeerLinks, tcp_endpoint
 from kvseal.engine.engine import LLMEngine
+from kvseal.engine.loop import EngineLoop
 from kvseal.errors import ConfigError
 
 logger = logging.getLogger("kvseal.disagg")
-
-
-@dataclass(frozen=True)
-class NodeConfig:
-    role: Role
-    listen: str  # HOST:PORT, bound exactly
-    kv_transport: str = DEFAULT_KV_TRANSPORT
-    reservation_timeout_s: float = DEFAULT_RESERVATION_TIMEOUT_S
-    # nixl: how long decode waits, after cancelling a transfer neither NIXL nor prefill confirmed
-    # over, before it releases the pages (NIXL cannot cancel a write in flight)
-    transfer_drain_s: float = DEFAULT_DRAIN_S
-    # torch's CPU threads in this engine; None keeps torch's default (one per core). Two engines
-    # on one host must split the cores: each running one thread per core oversubscribes them,
-    # and torch's OpenMP workers then wait at every op's barrier for a thread that is off-CPU.
-    num_threads: int | None = None
-    # I9: the engine's own key pair and who may talk to it (frontends; on decode, prefill peers)
-    link_keys: EngineLinkKeys = field(kw_only=True)
-
-    def __post_init__(self) -> None:
-        if self.role not in ("prefill", "decode"):
-            raise ConfigError(f"--role must be prefill or decode, got {self.role!r}")
-        if self.kv_transport not in KV_TRANSPORTS:
-            raise ConfigError(f"--kv-transport must be one of {', '.join(KV_TRANSPORTS)}, got {self.kv_transport!r}")
-        if self.transfer_drain_s < 0:
-            raise ConfigError(f"transfer_drain_s must be >= 0, got {self.transfer_drain_s}")
-        if self.reservation_timeout_s <= 0:
-            raise ConfigError(f"--reservation-timeout-s must be > 0, got {self.reservation_timeout_s}")
-        if self.role == "prefill" and self.link_keys.peers:
-            raise ConfigError("--peer-keys applies to --role decode only: a prefill engine takes messages from "
-                              "frontends only (give the prefill engines' public keys to the decode engines)")
-        if self.role == "decode" and not self.link_keys.peers:
-            raise ConfigError(f"a decode engine needs --peer-keys PATH[,PATH...]: the public keys of the prefill "
-                              f"engines that may send it KV and commits; {KEYS_HINT}")
-        if self.num_threads is not None and self.num_threads < 1:
-            raise ConfigError(f"--threads must be >= 1, got {self.num_threads}; leave it unset for one per core")
-        host, _, port = self.listen.rpartition(":")
-        if not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ConfigError(f"--listen must be HOST:PORT with a port in 1..65535, got {self.listen!r}")
-
-
-def node_config_from(ns: argparse.Namespace) -> NodeConfig:
-    return NodeConfig(ns.role, ns.listen, ns.kv_transport, ns.reservation_timeout_s, num_threads=ns.threads,
-                      link_keys=link_keys_from(ns))
-
-
-def link_keys_from(ns: argparse.Namespace) -> EngineLinkKeys:
-    """`--link-key`, `--frontend-keys`, `--peer-keys`: required on every address, loopback too
-    (any local process can reach a loopback port)."""
-    if not ns.link_key or not ns.frontend_keys:
-        peers = " and --peer-keys PATH[,PATH...] (the prefill engines' public keys)" if ns.role == "decode" else ""
-        raise ConfigError(f"kvseal engine (listening on {ns.listen}) needs keys: every engine link is authenticated "
-                          f"with CurveZMQ, on loopback too. Give --link-key FILE (this engine's NAME.key_secret), "
-                          f"--frontend-keys PATH[,PATH...] (the public keys of the frontends that may use it){peers}; "
-                          f"{KEYS_HINT}")
-    peers_spec = getattr(ns, "peer_keys", None)
-    return EngineLinkKeys(load_key_pair(ns.link_key), load_public_keys(ns.frontend_keys, "--frontend-keys"),
-                          load_public_keys(peers_spec, "--peer-keys") if peers_spec else ())
 
 
 def kv_layout(engine: LLMEngine, kv_transport: str) -> str:
@@ -96,7 +37,10 @@ def kv_layout(engine: LLMEngine, kv_transport: str) -> str:
 
 
 class EngineNode:
-    """One engine of one role on the network; `loop.run()` serves until `ShutdownMsg`."""
+    """One engine of one role on the network; `loop.run()` serves until `ShutdownMsg`.
+
+    The loop is every engine's (`EngineLoop`); the role adds its link (`RouterLink`: the
+    ROUTER behind the `LinkGuard`) and its steps (`PrefillSteps` or `DecodeSteps`)."""
 
     def __init__(self, engine: LLMEngine, config: NodeConfig, ctx: zmq.Context | None = None) -> None:
         """`ctx`: this engine's own ZMQ context (its ZAP handler is the context's); a new one by default."""
@@ -109,7 +53,12 @@ class EngineNode:
         self.links = PeerLinks(self.ctx, config.link_keys.own)
         replies = Replies(self.router)
         self.steps = self._steps(replies)
-        self.loop = PdEngineLoop(engine, self.steps, self.router, replies, self._info(), self.guard)
+        self.link = RouterLink(engine, self.steps, self.router, replies, self._info(), self.guard)
+        self.loop = EngineLoop(engine, self.link, self.steps, IDLE_POLL_MS)
+
+    def check_integrity(self) -> None:
+        """For tests: the engine's invariants, with the role's held requests (reservations)."""
+        self.link.check_integrity()
 
     def _bind(self) -> zmq.Socket:
         router = self.ctx.socket(zmq.ROUTER)

@@ -21,6 +21,7 @@ from typing import Any
 
 from kvseal.admission import admit
 from kvseal.disagg.msgs import (
+    TRANSFER_FAILED,
     CommitMsg,
     PdMsg,
     PrefillDoneMsg,
@@ -42,7 +43,6 @@ from kvseal.types import ISOLATION_CHECK_FAILED, FinishReason, Request, RequestO
 
 logger = logging.getLogger("kvseal.disagg")
 
-TRANSFER_FAILED = "kv_transfer_failed"
 REQUEST_ABORTED = "request_aborted"  # prefill's engine ended the request for any other reason
 
 
@@ -85,6 +85,9 @@ class PrefillSteps:
     def num_reservations(self) -> int:
         return 0
 
+    def poll_ms(self, idle_poll_ms: int) -> int:
+        return idle_poll_ms
+
     def wait_sockets(self) -> list[socket.socket]:
         return []  # prefill's sends block in `push`: nothing to wake for
 
@@ -118,7 +121,7 @@ class PrefillSteps:
         msg = job.msg
         try:
             self.engine.add_request(msg.request_id, prompt, first_token_params(params), msg.tenant,
-                                    compiled_grammar=compiled_grammar, cache_namespace=msg.cache_namespace)
+                                    compiled_grammar=compiled_grammar)
         except RequestRejected as exc:
             self._refuse_rejected(job, exc)
             return

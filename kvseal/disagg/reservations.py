@@ -1,4 +1,5 @@
-"""Decode's reservation table: pages in the "receiving" state (DESIGN.md §3, steps 1, 4, 5).
+"""Decode's reservation table: pages in the "receiving" state
+(docs/ARCHITECTURE.md, "The handoff, as implemented": steps 1, 4, 5).
 
 A reservation owns its pages in the allocator under its request id and tenant, but is not a
 running request: the scheduler never sees it, so it is never preempted and its pages are
@@ -31,7 +32,7 @@ from typing import Any
 
 from kvseal.disagg.transport import KVReceiver
 from kvseal.kvcache.manager import KVCacheManager
-from kvseal.types import Request, SamplingParams
+from kvseal.types import Request, SamplingParams, namespace_of
 
 TRANSFER_KEY_BYTES = 32
 
@@ -43,7 +44,6 @@ class Reservation:
     prompt_token_ids: list[int]
     params: SamplingParams
     frontend: bytes  # who asked (a ROUTER identity): replies and outputs go there
-    cache_namespace: str  # the authenticated tenant's prefix-cache namespace (I5), from the frontend
     transfer_id: str = ""
     transfer_key: bytes = field(default=b"", repr=False)  # the transfer's secret, drawn with its id
     pages: tuple[int, ...] = ()  # the cached (shared) pages first, then the own pages
@@ -100,7 +100,7 @@ class ReservationTable:
         r = reservation
         r.num_cached_tokens = self.kv.acquire_prefix(_probe(r))  # 0 with the cache off; the last token never hits
         # one run of consecutive pages where the pool has one: the transfer then moves a few large blocks
-        self.kv.reserve(r.request_id, r.tenant, r.num_tokens, r.cache_namespace, consecutive=True)
+        self.kv.reserve(r.request_id, r.tenant, r.num_tokens, namespace_of(r.tenant), consecutive=True)
         r.transfer_id = secrets.token_hex(16)
         r.transfer_key = secrets.token_bytes(TRANSFER_KEY_BYTES)
         r.pages = tuple(self.kv.allocator.pages_of(r.request_id))
@@ -154,4 +154,4 @@ class ReservationTable:
 def _probe(reservation: Reservation) -> Request:
     """The reservation as the prefix cache sees a new request: its prompt in its namespace."""
     r = reservation
-    return Request(r.request_id, r.tenant, r.prompt_token_ids, r.params, cache_namespace=r.cache_namespace)
+    return Request(r.request_id, r.tenant, r.prompt_token_ids, r.params)

@@ -1,7 +1,9 @@
 """What a role is: a few step functions the shared engine loop calls (no `if role ==` there).
 
-`handle` takes one received message, `on_outputs` the outputs of one engine step, `tick` runs
-once per loop iteration (deadlines), `held` names requests that own pages without running.
+`handle` takes one received message (from the engine's `RouterLink`), `on_outputs` the outputs
+of one engine step, `tick` runs once per loop iteration (deadlines), `poll_ms` says how long an
+idle loop may wait, `held` names requests that own pages without running. The loop itself is
+the colocated engine's (`kvseal.engine.loop.EngineLoop`).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import zmq
 
 from kvseal.disagg.msgs import PdMsg, Role, encode
 from kvseal.engine.engine import LLMEngine
+from kvseal.engine.loop import LoopSteps
 from kvseal.messages.msgs import AbortMsg, RequestOutputMsg
 from kvseal.types import RequestOutput
 
@@ -43,18 +46,12 @@ class Replies:
             pass  # that frontend is gone or not reading: it fails the request on its side
 
 
-class RoleSteps(Protocol):
+class RoleSteps(LoopSteps, Protocol):
     role: Role
     counters: HandoffCounters
 
     def handle(self, sender: bytes, msg: PdMsg, payload: list[memoryview]) -> bool:
         """Act on one message; False if this role does not take that message."""
-        ...
-
-    def on_outputs(self, outputs: list[RequestOutput]) -> None: ...
-
-    def tick(self) -> bool:
-        """Deadlines and retries; True if anything changed."""
         ...
 
     def held(self) -> set[str]: ...

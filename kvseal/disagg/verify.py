@@ -1,4 +1,5 @@
-"""Decode's verification of a commit, before it schedules a single step (I4, DESIGN.md §3.4).
+"""Decode's verification of a commit, before it schedules a single step (I4; docs/ARCHITECTURE.md,
+"The handoff, as implemented").
 
 A commit is accepted only if, word for word: it names a live reservation's transfer id; its
 request id and tenant are the reservation's; its token count is the prompt length; and for

@@ -28,7 +28,6 @@ from kvseal.engine.sampler import sample
 from kvseal.engine.scheduler import Scheduler
 from kvseal.errors import InvalidParameter, IsolationViolation
 from kvseal.kvcache.manager import KVCacheManager
-from kvseal.kvcache.prefix_cache import namespace_of
 from kvseal.models.loader import LoadedModel, load_model
 from kvseal.models.packed import pack_model
 from kvseal.models.quant import quantize_model
@@ -134,12 +133,11 @@ class LLMEngine:
             self._grammars.close()
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    tenant: str = DEFAULT_TENANT, compiled_grammar: Any = None,
-                    cache_namespace: str | None = None) -> Request:
+                    tenant: str = DEFAULT_TENANT, compiled_grammar: Any = None) -> Request:
         """Admit (I1) and queue a request; raises RequestRejected before any state exists.
 
-        `cache_namespace` keys its prefix-cache pages (I5): the server derives it from the
-        authenticated tenant; None derives it here from `tenant` the same way.
+        Its prefix-cache namespace is derived from `tenant` (I5, `Request.cache_namespace`); the
+        tenant comes from an authenticated frontend (I9) or the offline caller.
 
         A structured-output request takes its `compiled_grammar` from the caller (the engine
         loop compiles off the loop); without one it is compiled here, blocking (offline API)."""
@@ -150,8 +148,7 @@ class LLMEngine:
         # replay another's samples from the engine seed and arrival order.
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         generator = torch.Generator().manual_seed(seed)
-        namespace = cache_namespace if cache_namespace is not None else namespace_of(tenant)
-        request = Request(request_id, tenant, token_ids, params, cache_namespace=namespace, generator=generator)
+        request = Request(request_id, tenant, token_ids, params, generator=generator)
         if params.structured is not None:
             request.grammar = new_matcher(compiled_grammar if compiled_grammar is not None
                                           else self.grammars.compile_now(tenant, params.structured))
@@ -161,13 +158,13 @@ class LLMEngine:
 
     def add_prefilled(self, request_id: str, tenant: str, prompt_token_ids: list[int], params: SamplingParams,
                       first_token: int, first_logprobs: TokenLogprobs | None,
-                      generator_state: torch.Tensor, cache_namespace: str | None = None,
-                      num_cached_tokens: int = 0, compiled_grammar: Any = None) -> RequestOutput:
+                      generator_state: torch.Tensor, num_cached_tokens: int = 0,
+                      compiled_grammar: Any = None) -> RequestOutput:
         """Run a request whose prompt KV is already in pages it holds, written and recorded in
         every layer (a verified PD handoff), and whose first token was sampled elsewhere.
 
-        Its first `num_cached_tokens` positions are shared prefix-cache pages of `cache_namespace`
-        (None: derived from `tenant`); its own full prompt pages are published to the cache now.
+        Its first `num_cached_tokens` positions are shared prefix-cache pages of its tenant's
+        namespace; its own full prompt pages are published to the cache now.
         The caller has admitted it (I1) and verified the KV (I4); the engine only continues it.
         Returns the report of the first token (finished if that token ends the request). A
         structured-output request's grammar (`compiled_grammar`, compiled off the loop by the
@@ -177,9 +174,8 @@ class LLMEngine:
             raise InvalidParameter(f"request id {request_id!r} is already in use", param="request_id")
         generator = torch.Generator()
         generator.set_state(generator_state)
-        namespace = cache_namespace if cache_namespace is not None else namespace_of(tenant)
-        request = Request(request_id, tenant, list(prompt_token_ids), params, cache_namespace=namespace,
-                          num_cached_tokens=num_cached_tokens, generator=generator,
+        request = Request(request_id, tenant, list(prompt_token_ids), params, num_cached_tokens=num_cached_tokens,
+                          generator=generator,
                           num_computed_tokens=len(prompt_token_ids),
                           max_num_pages=len(self.kv.allocator.pages_of(request_id)))
         self.kv.publish_written(request)

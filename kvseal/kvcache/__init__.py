@@ -1,8 +1,5 @@
-"""Paged KV cache: allocator (ownership, I3), pool (tensors), write records (I3/I4), manager."""
+"""Paged KV cache: allocator (ownership, I3), pool (tensors), write records (I3/I4), manager.
 
-from kvseal.kvcache.allocator import OutOfPages, PageAllocator, PageOwner
-from kvseal.kvcache.manager import KVCacheManager
-from kvseal.kvcache.pool import KVPool
-from kvseal.kvcache.records import ForwardWrites, WriteRecords
-
-__all__ = ["ForwardWrites", "KVCacheManager", "KVPool", "OutOfPages", "PageAllocator", "PageOwner", "WriteRecords"]
+Import the module you need (`kvseal.kvcache.pool` for the tensors alone): this package imports
+nothing, so model code that reads the pool does not load the allocator.
+"""

@@ -2,8 +2,8 @@
 
 The chained hash of page i covers its own tokens and, through the hash of page i - 1, every
 earlier token: equal hashes mean equal whole prefixes, not just equal pages. The namespace
-is derived from the tenant on the server (`namespace_of`), never from a client field, so a
-key of one tenant can never equal a key of another.
+is derived from the request's tenant by the engine (`kvseal.types.namespace_of`, I5), never
+from a client field or a message, so a key of one tenant can never equal a key of another.
 """
 
 from __future__ import annotations
@@ -12,14 +12,11 @@ import hashlib
 from array import array
 
 from kvseal._testing.faults import Fault, is_active
+from kvseal.types import namespace_of
+
+__all__ = ["PageKey", "extend_page_hashes", "namespace_of", "page_key"]
 
 PageKey = tuple[str, bytes]  # (namespace, chained page hash)
-
-
-def namespace_of(tenant: str) -> str:
-    """Framed hash over the tenant id: the only way a namespace is made."""
-    framed = b"kvseal-prefix-namespace\x00" + len(tenant).to_bytes(8, "big") + tenant.encode()
-    return hashlib.sha256(framed).hexdigest()
 
 
 def page_key(namespace: str, page_hash: bytes) -> PageKey:

@@ -56,13 +56,12 @@ class TokenLogprobsMsg(msgspec.Struct, frozen=True, array_like=True):
 class AddRequestMsg(_Msg, frozen=True):
     """Run an admitted request. The frontend already ran `admit` (I1); the engine re-checks.
 
-    `cache_namespace` is derived by the server from the authenticated tenant (I5), never from
-    a client field; an engine with a prefix cache keys its entries by it.
+    `tenant` is the authenticated tenant; the engine derives the prefix-cache namespace from it
+    (I5), so no message can name another tenant's cache.
     """
 
     request_id: str
     tenant: str
-    cache_namespace: str
     prompt_token_ids: list[int]
     params: SamplingParamsMsg
 

@@ -11,7 +11,6 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-import kvseal
 from kvseal._testing.faults import Fault, is_active
 from kvseal.server import errors
 from kvseal.server.audit import clip
@@ -23,6 +22,7 @@ from kvseal.server.openapi import install_openapi
 from kvseal.server.pipeline import handle_generation
 from kvseal.server.state import AppState
 from kvseal.server.tokenize_routes import add_tokenize_routes
+from kvseal.version import __version__
 
 logger = logging.getLogger("kvseal.server")
 
@@ -33,7 +33,7 @@ CHAT = ChatEndpoint()
 def build_app(state: AppState) -> FastAPI:
     # No /docs or /redoc (their pages load scripts from a CDN); /openapi.json is served below,
     # behind an API key like every route that is not an operator probe.
-    app = FastAPI(title="kvseal", version=kvseal.__version__, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="kvseal", version=__version__, docs_url=None, redoc_url=None, openapi_url=None)
     _add_generation_routes(app, state, ChatEndpoint(state.config.tool_call_parser))
     _add_info_routes(app, state)
     add_tokenize_routes(app, state)

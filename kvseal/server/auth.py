@@ -1,4 +1,4 @@
-"""API keys → tenants, and the tenant-derived prefix-cache namespace (I5).
+"""API keys → tenants (the engines derive each tenant's prefix-cache namespace, I5).
 
 The keys file is JSON: `{"KEY": {"tenant": "NAME", "max_concurrent_requests": N,
 "max_tokens": N, "admin": true}}` (limits and admin optional). Keys are held only as SHA-256
@@ -18,7 +18,6 @@ from starlette.datastructures import Headers
 
 from kvseal._testing.faults import Fault, is_active
 from kvseal.errors import ConfigError
-from kvseal.kvcache.prefix_cache import namespace_of
 from kvseal.server import errors
 from kvseal.types import DEFAULT_TENANT
 
@@ -30,11 +29,6 @@ class Tenant:
     name: str
     max_concurrent_requests: int | None = None
     max_tokens: int | None = None
-
-    @property
-    def cache_namespace(self) -> str:
-        """Framed hash over the tenant id (I5): derived here, never taken from a client."""
-        return namespace_of(self.name)
 
 
 class ApiKeyTable:

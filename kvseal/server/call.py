@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import time
 
+from kvseal.engine_api import EngineGone, IsolationBreach, RequestEvent, isolation_failure
 from kvseal.messages.msgs import (
     ABORT_CLIENT_DISCONNECTED,
     ABORT_SERVER_SHUTDOWN,
@@ -32,7 +33,6 @@ from kvseal.server.auth import Tenant
 from kvseal.server.choices import ChoiceGroup, choice_msgs
 from kvseal.server.endpoint import AuditPrompt
 from kvseal.server.errors import ApiError
-from kvseal.server.request_handle import EngineGone, IsolationBreach, RequestEvent, isolation_failure
 from kvseal.server.state import AppState
 
 logger = logging.getLogger("kvseal.server")

@@ -20,8 +20,8 @@ from collections.abc import AsyncIterator
 
 import msgspec
 
+from kvseal.engine_api import RequestEvent, RequestObserver, is_terminal
 from kvseal.messages.msgs import AddRequestMsg, RequestOutputMsg, SamplingParamsMsg
-from kvseal.server.request_handle import RequestEvent, RequestObserver, is_terminal
 
 ChoiceEvent = tuple[int, RequestEvent]
 

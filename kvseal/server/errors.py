@@ -12,10 +12,10 @@ from typing import Any
 
 from starlette.responses import JSONResponse
 
+from kvseal.engine_api import EngineGone, RequestEvent, isolation_failure
 from kvseal.errors import RequestRejected
 from kvseal.messages.msgs import ABORT_SERVER_SHUTDOWN, RequestOutputMsg, RequestRejectedMsg
 from kvseal.server.audit import AUDIT_UNAVAILABLE, AuditLog
-from kvseal.server.request_handle import EngineGone, RequestEvent, isolation_failure
 from kvseal.types import ISOLATION_CHECK_FAILED
 
 

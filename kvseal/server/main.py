@@ -1,7 +1,9 @@
-"""`kvseal serve`: start the engine process, wait until it is ready, then serve HTTP.
+"""`kvseal serve`: start the engine backend, wait until it is ready, then serve HTTP.
 
-Start-up order: read the keys file and open the audit log (bad ones stop start-up), spawn
-the engine (its configuration errors, I2, stop start-up with their own message), load the
+The backend (`kvseal.engine_api.EngineBackend`: the colocated engine process, or PD engines)
+is made by the caller (`kvseal.cli`); this module knows only its interface.
+Start-up order: read the keys file and open the audit log (bad ones stop start-up), make
+the backend and start it (its configuration errors, I2, stop start-up with their own message), load the
 tokenizer the engine reports, log the resolved configuration, bind, log "ready". Shutdown
 (SIGTERM/SIGINT): refuse new requests with 503 (the listener stays open, so new connections
 get that answer), give in-flight ones the grace period, then abort the rest in the engine
@@ -13,19 +15,17 @@ way as one to the frontend alone.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 import math
 import signal
+from collections.abc import Callable
 from pathlib import Path
 
 import uvicorn
 import uvloop
 
-from kvseal.config import EngineArgs
-from kvseal.disagg.serve import PdTopology, start_pd_backend
-from kvseal.engine_args import engine_args_from
+from kvseal.engine_api import EngineBackend
 from kvseal.errors import ConfigError
 from kvseal.heap import freeze_startup_heap
 from kvseal.messages.msgs import ABORT_SERVER_SHUTDOWN
@@ -33,7 +33,6 @@ from kvseal.server.app import build_app
 from kvseal.server.audit import AuditLog
 from kvseal.server.auth import ApiKeyTable
 from kvseal.server.config import ServerConfig
-from kvseal.server.engine_client import EngineClient
 from kvseal.server.generation_defaults import GenerationDefaults
 from kvseal.server.metrics import ServerMetrics
 from kvseal.server.prompts import PromptEncoder
@@ -46,8 +45,9 @@ ABORT_MARGIN_S = 10.0  # after the grace period: time for aborted requests to se
 _DRAIN_POLL_S = 0.05
 
 
-def run(ns: argparse.Namespace) -> int:
-    config = ServerConfig.from_namespace(ns)
+def run(config: ServerConfig, make_backend: Callable[[], EngineBackend]) -> int:
+    """Serve until SIGTERM/SIGINT; `make_backend` is called once the keys and audit log are in
+    order (a backend may start engine processes as it is made)."""
     keys = ApiKeyTable.load(config.api_keys_path)
     if keys.is_open and not config.is_loopback:
         logger.warning("!" * 80)
@@ -56,15 +56,7 @@ def run(ns: argparse.Namespace) -> int:
         logger.warning("!" * 80)
     audit = _open_audit(config)
     try:
-        topology = PdTopology.from_namespace(ns)
-        engine_args = engine_args_from(ns)
-        if topology is not None:
-            if engine_args.num_threads is not None:
-                raise ConfigError("--threads sets the colocated engine's CPU threads; with --pd give "
-                                  "--pd-threads PREFILL,DECODE, with --prefill/--decode give each "
-                                  "`kvseal engine` its own --threads")
-            return uvloop.run(_serve_pd(config, engine_args, keys, audit, topology, ns))
-        return uvloop.run(_serve(config, engine_args, keys, audit))
+        return uvloop.run(_serve(config, make_backend, keys, audit))
     finally:
         audit.close()
 
@@ -76,14 +68,19 @@ def _open_audit(config: ServerConfig) -> AuditLog:
         raise ConfigError(f"cannot open the audit log {config.audit_log_path}: {exc}") from exc
 
 
-async def _serve(config: ServerConfig, engine_args: EngineArgs, keys: ApiKeyTable, audit: AuditLog) -> int:
+async def _serve(config: ServerConfig, make_backend: Callable[[], EngineBackend], keys: ApiKeyTable,
+                 audit: AuditLog) -> int:
     metrics = ServerMetrics()
-    engine = EngineClient(engine_args, config.log_level, metrics.record_stats)
+    engine = make_backend()
+    engine.on_stats = metrics.record_stats  # the engines' summed pools and load
+    engine.add_metrics(metrics.registry)
     try:
         state = await _start(config, engine, keys, metrics, audit)
         if state is None:
             return 0  # stopped by a signal before the engine was ready
         freeze_startup_heap("frontend")
+        # An engine restarted at the same address may bring other limits: the front door uses them (I1).
+        engine.on_ready_change = lambda info: setattr(state, "engine_info", info)
         server = KvsealServer(_uvicorn_config(config, state), lambda port: _log_ready(state, port),
                               lambda: _drain(state))
         try:
@@ -95,28 +92,7 @@ async def _serve(config: ServerConfig, engine_args: EngineArgs, keys: ApiKeyTabl
         await engine.shutdown()
 
 
-async def _serve_pd(config: ServerConfig, engine_args: EngineArgs, keys: ApiKeyTable, audit: AuditLog,
-                    topology: PdTopology, ns: argparse.Namespace) -> int:
-    """PD mode: the same server over prefill and decode engines (kvseal.disagg)."""
-    metrics = ServerMetrics()
-    backend = start_pd_backend(topology, engine_args, ns, metrics.registry)
-    backend.client.on_load = metrics.record_stats  # the engines' summed pools and load, as colocated
-    try:
-        state = await _start(config, backend.client, keys, metrics, audit)  # type: ignore[arg-type]
-        if state is None:
-            return 0
-        freeze_startup_heap("frontend")
-        # An engine restarted at the same address may bring other limits: the front door uses them (I1).
-        backend.client.on_ready_change = lambda info: setattr(state, "engine_info", info)
-        server = KvsealServer(_uvicorn_config(config, state), lambda port: _log_ready(state, port),
-                              lambda: _drain(state))
-        await server.serve()
-        return 0
-    finally:
-        await backend.shutdown()
-
-
-async def _start(config: ServerConfig, engine: EngineClient, keys: ApiKeyTable, metrics: ServerMetrics,
+async def _start(config: ServerConfig, engine: EngineBackend, keys: ApiKeyTable, metrics: ServerMetrics,
                  audit: AuditLog) -> AppState | None:
     """Wait for the engine; a SIGTERM/SIGINT meanwhile stops start-up cleanly (returns None)."""
     loop = asyncio.get_running_loop()

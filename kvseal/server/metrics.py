@@ -6,6 +6,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from kvseal.messages.msgs import EngineStatsMsg
 from kvseal.server.audit import AuditStats
+from kvseal.totals import CumulativeTotal
 
 _LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
@@ -114,23 +115,3 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
-
-
-class CumulativeTotal:
-    """A total that never goes backwards, over sources that each report a cumulative count.
-
-    A source's count grows while it lives; a source that restarts (a count below its last one)
-    starts again from 0, so all of its new count is new. A source that goes away keeps what it
-    added. Sources are named by the caller (an engine instance id; one per start)."""
-
-    def __init__(self) -> None:
-        self.total = 0
-        self._last: dict[str, int] = {}
-
-    def observe(self, source: str, count: int) -> int:
-        """Take `source`'s latest cumulative count; returns how much the total grew (>= 0)."""
-        last = self._last.get(source, 0)
-        grown = count - last if count >= last else count
-        self._last[source] = count
-        self.total += grown
-        return grown

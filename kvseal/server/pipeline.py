@@ -23,6 +23,7 @@ import uuid
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
+from kvseal.engine_api import EngineUnavailable
 from kvseal.errors import ContextLengthExceeded, RequestRejected
 from kvseal.messages.convert import params_to_msg
 from kvseal.messages.msgs import ABORT_CLIENT_DISCONNECTED, AddRequestMsg
@@ -34,7 +35,6 @@ from kvseal.server.call import Call
 from kvseal.server.choices import ChoiceGroup
 from kvseal.server.collect import respond_when_done
 from kvseal.server.endpoint import Endpoint, Formatter, ResponseIds
-from kvseal.server.engine_client import EngineUnavailable
 from kvseal.server.errors import ApiError
 from kvseal.server.features import features_used
 from kvseal.server.front_door import admit_at_the_door
@@ -100,8 +100,7 @@ async def _admit_and_submit(request: Request, state: AppState, endpoint: Endpoin
     params = await with_response_format(prepared.params, body.response_format)
     call.num_prompt_tokens = len(prompt_token_ids)
     fmt = endpoint.formatter(body, ResponseIds(call.request_id, state.model_name, int(time.time())), state.prompts)
-    msg = AddRequestMsg(call.request_id, tenant.name, tenant.cache_namespace, prompt_token_ids,
-                        params_to_msg(params))
+    msg = AddRequestMsg(call.request_id, tenant.name, prompt_token_ids, params_to_msg(params))
     _require_audit(state)
     return body, fmt, call.submit(msg)  # nothing after this line may fail before the response owns the call
 

@@ -6,11 +6,11 @@ import time
 from dataclasses import dataclass, field
 
 from kvseal.admission import AdmissionLimits
+from kvseal.engine_api import EngineBackend
 from kvseal.messages.msgs import EngineReadyMsg
 from kvseal.server.audit import AuditLog
 from kvseal.server.auth import ApiKeyTable
 from kvseal.server.config import ServerConfig
-from kvseal.server.engine_client import EngineClient
 from kvseal.server.generation_defaults import GenerationDefaults
 from kvseal.server.metrics import ServerMetrics
 from kvseal.server.prompts import PromptEncoder
@@ -20,7 +20,7 @@ from kvseal.server.tenant_gate import TenantGate
 @dataclass
 class AppState:
     config: ServerConfig
-    engine: EngineClient
+    engine: EngineBackend
     engine_info: EngineReadyMsg
     prompts: PromptEncoder
     keys: ApiKeyTable

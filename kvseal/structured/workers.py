@@ -15,7 +15,6 @@ import sys
 import time
 from pathlib import Path
 
-import kvseal
 from kvseal.structured.msgs import (
     FrameError,
     FromWorkerMsg,
@@ -111,6 +110,6 @@ class GrammarWorker:
 def _worker_env() -> dict[str, str]:
     """The engine's environment, with this kvseal first on the path: the worker runs the same
     code as the engine that starts it (a source checkout as much as an installed package)."""
-    root = str(Path(kvseal.__file__).resolve().parents[1])
+    root = str(Path(__file__).resolve().parents[2])  # where the kvseal package is
     path = os.environ.get("PYTHONPATH")
     return os.environ | {"PYTHONPATH": root if not path else os.pathsep.join([root, path])}

@@ -17,6 +17,7 @@ import zmq
 from processes import WAIT_DEADLINE_S, free_port
 
 from kvseal.config import EngineArgs
+from kvseal.disagg.config import NodeConfig
 from kvseal.disagg.link_auth import secure_client
 from kvseal.disagg.link_keys import EngineLinkKeys, KeyPair
 from kvseal.disagg.msgs import (
@@ -30,11 +31,10 @@ from kvseal.disagg.msgs import (
     decode,
     encode,
 )
-from kvseal.disagg.node import EngineNode, NodeConfig
+from kvseal.disagg.node import EngineNode
 from kvseal.disagg.transport import PushPlan
 from kvseal.disagg.wire import PeerLink, PeerLinks
 from kvseal.engine.engine import LLMEngine
-from kvseal.kvcache.prefix_cache import namespace_of
 from kvseal.messages.convert import params_to_msg
 from kvseal.messages.msgs import OutputsMsg, RequestOutputMsg, RequestRejectedMsg
 from kvseal.types import SamplingParams
@@ -188,7 +188,7 @@ class PdPair:
     def reserve(self, prompt: list[int], params: SamplingParams, tenant: str = "alice", wait: bool = True) -> Handoff:
         request_id = f"pd-{next(_ids)}"
         handoff = self.handoffs[request_id] = Handoff(request_id)
-        self.to_decode.send(ReserveMsg(request_id, tenant, prompt, params_to_msg(params), namespace_of(tenant)))
+        self.to_decode.send(ReserveMsg(request_id, tenant, prompt, params_to_msg(params)))
         if wait:
             self.pump(lambda: handoff.reserved is not None or handoff.refused is not None, "the reservation")
         return handoff
@@ -199,7 +199,7 @@ class PdPair:
         assert r is not None
         return PrefillMsg(handoff.request_id, tenant, prompt, params_to_msg(params), r.transfer_id,
                           self.decode.config.listen, self.keys.decode.public, self.decode.instance_id, r.kv_address,
-                          r.transfer_key, r.pages, namespace_of(tenant), r.num_cached_tokens)
+                          r.transfer_key, r.pages, r.num_cached_tokens)
 
     def generate(self, prompt: list[int], params: SamplingParams, tenant: str = "alice") -> Handoff:
         handoff = self.reserve(prompt, params, tenant)
@@ -222,6 +222,6 @@ class PdPair:
     def assert_clean(self) -> None:
         """Both engines' invariants hold and every page is free again."""
         for node in (self.prefill, self.decode):
-            node.loop.check_integrity()
+            node.check_integrity()
             assert node.engine.kv.num_used_pages == 0, f"{node.config.role} still holds pages"
             assert not node.steps.held()

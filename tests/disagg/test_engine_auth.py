@@ -33,7 +33,6 @@ from kvseal.disagg.msgs import (
     WrittenRangeMsg,
 )
 from kvseal.disagg.node import EngineNode
-from kvseal.kvcache.prefix_cache import namespace_of
 from kvseal.messages.convert import params_to_msg
 from kvseal.messages.msgs import AbortMsg, ShutdownMsg
 from kvseal.models.loader import load_model
@@ -66,7 +65,7 @@ def rogue_of(pair: PdPair, node: EngineNode, kind: str) -> Rogue:
 
 def probe(prompt: list[int] = SECRET_PROMPT, request_id: str = "rogue-1") -> ReserveMsg:
     """What the oracle asks decode: reserve alice's prompt in alice's namespace (a public hash)."""
-    return ReserveMsg(request_id, "alice", prompt, params_to_msg(GREEDY), namespace_of("alice"))
+    return ReserveMsg(request_id, "alice", prompt, params_to_msg(GREEDY))
 
 
 def frontend_msgs() -> list[PdMsg]:
@@ -125,7 +124,7 @@ def test_a_frontend_key_may_not_commit_or_send_kv(pair: PdPair) -> None:
                                   [WrittenRangeMsg(layer, 0, len(SECRET_PROMPT)) for layer in range(2)], 5, None,
                                   torch.Generator().get_state().numpy().tobytes(), "frontend"))
     pair.pump(lambda: pair.decode.guard.num_refused_messages == 1, "the refusal")
-    assert not handoff.outputs and pair.decode.loop.stats().num_refused_messages == 1
+    assert not handoff.outputs and pair.decode.link.stats().num_refused_messages == 1
     pair.to_decode.send(AbortMsg(handoff.request_id, "alice", "test over"))
     pair.pump(lambda: handoff.is_terminal, "the release")
     pair.assert_clean()
@@ -134,7 +133,8 @@ def test_a_frontend_key_may_not_commit_or_send_kv(pair: PdPair) -> None:
 def oracle(pair: PdPair, rogue: Rogue, prompt: list[int], request_id: str) -> ReservedMsg:
     """The rogue's question to decode, and its answer (the reservation is released after)."""
     rogue.send(probe(prompt, request_id))
-    pair.pump(lambda: any(isinstance(m, ReservedMsg) for m in rogue.collect()), "decode's answer")
+    pair.pump(lambda: any(isinstance(m, ReservedMsg) and m.request_id == request_id for m in rogue.collect()),
+              "decode's answer")  # to this question: an earlier answer is in `received` too
     reserved = next(m for m in rogue.received if isinstance(m, ReservedMsg) and m.request_id == request_id)
     rogue.send(AbortMsg(request_id, "alice", "the rogue is done"))
     pair.pump(lambda: pair.decode.steps.num_reservations() == 0, "the release")

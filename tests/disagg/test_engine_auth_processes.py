@@ -25,7 +25,8 @@ from test_engine_auth import SECRET_PROMPT, frontend_msgs, probe
 from kvseal.cli import build_parser
 from kvseal.disagg.link_keys import KeyPair, generate_keys, load_public_keys
 from kvseal.disagg.msgs import ReservedMsg
-from kvseal.disagg.serve import PdTopology, SpawnedEngines
+from kvseal.disagg.serve import SpawnedEngines
+from kvseal.disagg.topology import PdTopology
 from kvseal.engine_args import engine_args_from
 from kvseal.messages.msgs import AbortMsg
 

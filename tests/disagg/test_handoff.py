@@ -1,5 +1,6 @@
 """The PD handoff between two real engines over loopback TCP: it equals colocated generation
-token for token, and every step of the protocol fails closed when broken (DESIGN.md §3)."""
+token for token, and every step of the protocol fails closed when broken
+(docs/ARCHITECTURE.md, "Prefill/decode disaggregation")."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Any
 
 import pytest
 from pd_harness import PdPair
+from transports import NIXL
 
 from kvseal import LLM, SamplingParams
 from kvseal.config import EngineArgs
@@ -25,7 +27,7 @@ def args(llama_dir: Path, **kwargs: Any) -> EngineArgs:
     return EngineArgs(**base)
 
 
-@pytest.fixture(params=["tcp", "tcp-stream", "nixl"])
+@pytest.fixture(params=["tcp", "tcp-stream", NIXL])
 def pair(llama_dir: Path, request: pytest.FixtureRequest) -> Iterator[PdPair]:
     loaded = load_model(str(llama_dir), args(llama_dir).torch_dtype)
     pd = PdPair(args(llama_dir), args(llama_dir), loaded=loaded, kv_transport=request.param)
@@ -56,7 +58,7 @@ def test_concurrent_handoffs_equal_colocated(pair: PdPair, llama_dir: Path) -> N
     for handoff in handoffs:
         pair.wait(handoff)
     assert [h.token_ids for h in handoffs] == expected
-    assert pair.decode.loop.stats().num_transfers == len(PROMPTS)
+    assert pair.decode.link.stats().num_transfers == len(PROMPTS)
     pair.assert_clean()
 
 

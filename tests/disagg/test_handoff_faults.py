@@ -14,12 +14,14 @@ import zmq
 from pd_harness import Handoff, PdPair
 from processes import free_port
 from test_handoff import GREEDY, args, colocated
+from transports import NIXL, needs_nixl
 
 from kvseal import SamplingParams
 from kvseal._testing.faults import Fault, inject
+from kvseal.disagg.config import NodeConfig
 from kvseal.disagg.msgs import HANDOFF_FAILED, CommitMsg, KVBlockMsg, PrefillRefusedMsg, WrittenRangeMsg, decode
 from kvseal.disagg.nixl import ArenaPages, NixlSender, decode_address, part_sizes
-from kvseal.disagg.node import EngineNode, NodeConfig
+from kvseal.disagg.node import EngineNode
 from kvseal.disagg.tcp import TcpReceiver, TcpSender
 from kvseal.disagg.transport import PushPlan, RunsMemo, copy_pages, joint_runs
 from kvseal.disagg.wire import PeerLinks
@@ -38,7 +40,7 @@ def loaded(llama_dir: Path) -> Any:
 
 
 # the fault tests every transport must pass
-TRANSPORTS = pytest.mark.parametrize("kv_transport", ["tcp", "tcp-stream", "nixl"])
+TRANSPORTS = pytest.mark.parametrize("kv_transport", ["tcp", "tcp-stream", NIXL])
 
 
 @pytest.fixture
@@ -80,7 +82,7 @@ def test_prefill_refuses_what_its_pool_cannot_hold_and_decode_releases(make_pair
     assert handoff.rejected.code == "context_length_exceeded"
     assert isinstance(handoff.prefill_result, PrefillRefusedMsg)
     assert handoff.outputs == [] and pair.decode.engine.stats().num_running == 0
-    assert pair.decode.loop.stats().handoff_failures == {"prefill_refused": 1}
+    assert pair.decode.link.stats().handoff_failures == {"prefill_refused": 1}
     pair.assert_clean()
 
 
@@ -169,7 +171,7 @@ def test_a_forged_commit_does_not_touch_the_reservation(make_pair: Any) -> None:
     rogue_commit(pair, handoff, 30, [30, 30], tenant="mallory")  # another tenant's commit
     pair.pump(lambda: handoff.is_terminal, "the expiry")
     assert_refused_by_decode(handoff, "no KV arrived", HANDOFF_FAILED)
-    assert pair.decode.loop.stats().handoff_failures == {"identity_mismatch": 1, "expired": 1}
+    assert pair.decode.link.stats().handoff_failures == {"identity_mismatch": 1, "expired": 1}
     pair.assert_clean()
 
 
@@ -191,8 +193,8 @@ def test_decode_refuses_writes_it_did_not_authorize(make_pair: Any, llama_dir: P
     _, page_size, head_dim = pair.decode.engine.kv.pool.page_shape()
     half = page_size * head_dim * 4 // 2  # the right total, but frames that cut a page in two (float32)
     link.send(KVBlockMsg(r.transfer_id, 0, "k", 0, 30), [page[:half], page[half:]])
-    pair.pump(lambda: sum(pair.decode.loop.stats().handoff_failures.values()) == 6, "the refusals")
-    assert pair.decode.loop.stats().handoff_failures == {
+    pair.pump(lambda: sum(pair.decode.link.stats().handoff_failures.values()) == 6, "the refusals")
+    assert pair.decode.link.stats().handoff_failures == {
         "unauthorized_transfer": 1, "write_outside_reservation": 2, "bad_block_address": 1, "bad_block_size": 2}
     assert all(torch.equal(a, b) for a, b in zip(before, pair.decode.engine.kv.pool.k)), "a refused write landed"
     # The reservation is intact and a correct handoff still completes.
@@ -232,8 +234,8 @@ def test_prefill_own_isolation_check_reaches_the_client_as_such(make_pair: Any) 
     assert victim.rejected is None
     assert isinstance(victim.prefill_result, PrefillRefusedMsg)
     assert victim.prefill_result.code == ISOLATION_CHECK_FAILED
-    assert pair.prefill.loop.stats().engine.num_isolation_violations == 1, "PD engines report their checks"
-    assert pair.prefill.loop.stats().handoff_failures == {ISOLATION_CHECK_FAILED: 1}
+    assert pair.prefill.link.stats().engine.num_isolation_violations == 1, "PD engines report their checks"
+    assert pair.prefill.link.stats().handoff_failures == {ISOLATION_CHECK_FAILED: 1}
     pair.assert_clean()
 
 
@@ -254,7 +256,7 @@ def test_a_reservation_without_commit_expires_and_is_released(make_pair: Any) ->
     assert pair.decode.engine.kv.num_used_pages == len(handoff.reserved.pages)  # type: ignore[union-attr]
     pair.pump(lambda: handoff.is_terminal, "the expiry")
     assert_refused_by_decode(handoff, "no KV arrived from prefill", HANDOFF_FAILED)
-    assert pair.decode.loop.stats().num_reservations_expired == 1
+    assert pair.decode.link.stats().num_reservations_expired == 1
     pair.assert_clean()
 
 
@@ -339,6 +341,7 @@ def test_an_uncompilable_grammar_is_refused_by_decode_before_it_reserves(make_pa
     pair.assert_clean()
 
 
+@needs_nixl
 def test_a_nixl_write_into_another_reservations_slots_is_refused(llama_dir: Path, loaded: Any) -> None:
     """NIXL lets a peer write anywhere in decode's registered arena; decode takes a transfer's
     arena pages only if every one carries that transfer's tag. A broken prefill writes transfer
@@ -537,6 +540,7 @@ def assert_landed_exactly(pair: PdPair, handoff: Handoff, src: list[int], num_wr
 
 
 @pytest.mark.parametrize("max_direct_runs", [0, 64])
+@needs_nixl
 def test_nixl_lands_the_same_kv_read_from_the_pool_in_place_or_gathered(llama_dir: Path, loaded: Any,
                                                                        max_direct_runs: int) -> None:
     """Prefill's pages in 8 runs: read in place (up to 64 runs allowed) or gathered into staging
@@ -560,6 +564,7 @@ def test_nixl_lands_the_same_kv_read_from_the_pool_in_place_or_gathered(llama_di
         pair.close()
 
 
+@needs_nixl
 def test_nixl_a_fragmented_arena_gives_a_transfer_several_runs_and_it_still_lands(llama_dir: Path,
                                                                                    loaded: Any) -> None:
     """With no run of free arena pages long enough, a transfer gets the lowest free ones (its
@@ -605,6 +610,7 @@ def test_tcp_gathered_pages_land_exactly(make_pair: Any) -> None:
     pair.assert_clean()
 
 
+@needs_nixl
 def test_nixl_arena_pages_stay_taken_until_no_write_can_land(llama_dir: Path, loaded: Any) -> None:
     """A cancelled transfer's arena pages go to no other transfer while a write of it could still
     land (no notification, no word from prefill); once prefill says it is done they do."""

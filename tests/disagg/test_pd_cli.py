@@ -11,10 +11,11 @@ import httpx
 import pytest
 from pd_servers import ENGINE_FLAGS, LinkKeyFiles, Proc
 from processes import free_port
+from transports import NIXL
 
 from kvseal import LLM, SamplingParams
 from kvseal.cli import main
-from kvseal.disagg.serve import num_usable_cores, pd_threads
+from kvseal.disagg.topology import num_usable_cores, pd_threads
 
 FLAGS = [*ENGINE_FLAGS, "--kv-cache-tokens", "1024", "--max-model-len", "512"]
 
@@ -54,7 +55,7 @@ def test_bad_thread_counts_are_refused_naming_the_flag(argv: list[str], flag: st
     assert f"kvseal: error: {flag}" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("kv_transport", ["tcp-stream", "nixl"])  # tcp: in-process tests
+@pytest.mark.parametrize("kv_transport", ["tcp-stream", NIXL])  # tcp: in-process tests
 def test_serve_pd_runs_both_roles_and_equals_colocated(tmp_path: Path, kv_transport: str) -> None:
     import sys
 

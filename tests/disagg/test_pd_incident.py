@@ -1,4 +1,4 @@
-"""The incident, replayed against real PD processes (DESIGN.md §1).
+"""The incident, replayed against real PD processes (README.md and docs/SECURITY.md tell it).
 
 Decode's pool and limit are larger than prefill's; one tenant sends prompts sized between
 the two, mixed into concurrent traffic from other tenants; every prompt repeats its own
@@ -24,6 +24,7 @@ from marker_model import marker_prompt
 from pd_harness import PdPair
 from pd_servers import KEYS, PREFILL_FLAGS, PdCluster, PdFrontend, assert_engines_clean
 from processes import wait_for
+from transports import NIXL
 
 from kvseal import SamplingParams
 from kvseal._testing.faults import Fault, inject
@@ -179,7 +180,7 @@ def _scrubbed_since(frontend: PdFrontend, before: MetricsSnapshot) -> MetricsSna
     return after if (after.total(PAGES_SCRUBBED) or 0) > (before.total(PAGES_SCRUBBED) or 0) else None
 
 
-@pytest.mark.parametrize("kv_transport", ["tcp", "tcp-stream", "nixl"])
+@pytest.mark.parametrize("kv_transport", ["tcp", "tcp-stream", NIXL])
 def test_without_decode_verification_the_marker_check_catches_the_leak(marker_dir: Path, kv_transport: str) -> None:
     """The negative control, with both engines in this process (a fault switched on here is on
     in both, and only prefill runs prompts): with decode's verification switched off too, the

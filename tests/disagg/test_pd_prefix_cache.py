@@ -13,6 +13,7 @@ import pytest
 import torch
 from pd_harness import Handoff, PdPair
 from test_handoff import args
+from transports import NIXL
 
 from kvseal import LLM, SamplingParams
 from kvseal._testing.faults import Fault, inject
@@ -34,7 +35,7 @@ def loaded(llama_dir: Path) -> Any:
     return load_model(str(llama_dir), args(llama_dir).torch_dtype)
 
 
-@pytest.fixture(params=["tcp", "tcp-stream", "nixl"])
+@pytest.fixture(params=["tcp", "tcp-stream", NIXL])
 def make_pair(llama_dir: Path, loaded: Any, request: pytest.FixtureRequest) -> Iterator[Any]:
     pairs: list[PdPair] = []
 
@@ -169,11 +170,11 @@ def test_a_transfer_never_writes_a_cached_page(make_pair: Any, llama_dir: Path) 
         link = pair.peer_link()
         link.send(KVBlockMsg(r.transfer_id, 0, "k", 0, PAGE), [prefill_pool.export_pages(0, torch.arange(1))[0]
                   .view(torch.uint8).numpy().tobytes()])
-        pair.pump(lambda: pair.decode.loop.stats().handoff_failures.get("write_outside_reservation", 0) == 5,
+        pair.pump(lambda: pair.decode.link.stats().handoff_failures.get("write_outside_reservation", 0) == 5,
                   "the refusals")  # 2 layers x K/V of the push, and the single frame
     elif pair.prefill.config.kv_transport == "tcp-stream":  # every block starts at 0: refused, read into scratch
         pair.prefill.transport.push(plan, prefill_pool)  # type: ignore[union-attr]
-        pair.pump(lambda: pair.decode.loop.stats().handoff_failures.get("write_outside_reservation", 0) == 4,
+        pair.pump(lambda: pair.decode.link.stats().handoff_failures.get("write_outside_reservation", 0) == 4,
                   "the refusals")  # 2 layers x K/V of the push
     else:  # the transfer's address names arena pages from the hit on only: the sender refuses the rest
         with pytest.raises(TransportError, match="before the reservation's first writable page"):

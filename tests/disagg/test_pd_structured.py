@@ -18,12 +18,12 @@ from char_model import make_char_model
 from grammar_scenario import GrammarServer, check_b_not_behind_a, check_disconnect_cancels_the_compile
 from grammar_schemas import SLOW_SCHEMA, spec
 from pd_harness import Handoff, PdPair
+from transports import NIXL
 
 from kvseal import LLM, SamplingParams
 from kvseal.config import EngineArgs
 from kvseal.disagg.msgs import PrefillMsg, PrefillRefusedMsg
 from kvseal.disagg.prefill import REQUEST_ABORTED
-from kvseal.kvcache.prefix_cache import namespace_of
 from kvseal.messages.convert import params_to_msg
 from kvseal.messages.msgs import AbortMsg
 from kvseal.models.loader import load_model
@@ -48,7 +48,7 @@ def colocated(char_dir: Path) -> Iterator[LLM]:
     llm.engine.close()
 
 
-@pytest.fixture(params=["tcp", "nixl"])
+@pytest.fixture(params=["tcp", NIXL])
 def pair(char_dir: Path, request: pytest.FixtureRequest) -> Iterator[PdPair]:
     args = EngineArgs(model=str(char_dir), **ENGINE)  # type: ignore[arg-type]
     pd = PdPair(args, args, loaded=load_model(str(char_dir), args.torch_dtype), kv_transport=request.param)
@@ -94,8 +94,7 @@ def test_an_abort_while_the_grammar_compiles_cancels_it_in_either_role(pair: PdP
     pair.to_prefill.send(PrefillMsg(
         request_id, "alice", prompt, params_to_msg(params), transfer_id="transfer-unknown",
         decode_address=pair.decode.config.listen, decode_public_key=pair.decode.config.link_keys.own.public,
-        decode_engine=pair.decode.instance_id, kv_address="unused", transfer_key=bytes(32), pages=[],
-        cache_namespace=namespace_of("alice")))
+        decode_engine=pair.decode.instance_id, kv_address="unused", transfer_key=bytes(32), pages=[]))
     pair.pump(lambda: prefill.grammar_stats().num_running >= 1, "prefill's compile to start")
     pair.to_prefill.send(AbortMsg(request_id, "alice", "client_disconnected"))
     pair.pump(lambda: started.prefill_result is not None, "prefill's answer")

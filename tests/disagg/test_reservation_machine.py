@@ -55,7 +55,7 @@ class ReservationMachine(RuleBasedStateMachine):
         self.counter += 1
         name = f"t{tenant}"
         self.table.add(Reservation(f"r{self.counter}", name, self._prompt(prefix, suffix_len),
-                                   SamplingParams(max_tokens=3, temperature=0), b"frontend", namespace_of(name)))
+                                   SamplingParams(max_tokens=3, temperature=0), b"frontend"))
         self.table.place_waiting()
 
     def _placed(self) -> list[Reservation]:
@@ -70,7 +70,7 @@ class ReservationMachine(RuleBasedStateMachine):
             self.engine.kv.record_written(r.request_id, layer, r.num_cached_tokens, r.num_prompt_tokens)
         self.table.take(r)
         self.engine.add_prefilled(r.request_id, r.tenant, r.prompt_token_ids, r.params, 7, None,
-                                  torch.Generator().get_state(), r.cache_namespace, r.num_cached_tokens)
+                                  torch.Generator().get_state(), r.num_cached_tokens)
 
     @precondition(lambda self: len(self.table) > 0)
     @rule(data=st.data(), reason=st.sampled_from(["aborted", "prefill_refused", "identity_mismatch"]))
@@ -101,7 +101,7 @@ class ReservationMachine(RuleBasedStateMachine):
             assert allocator.num_shared_pages_of(r.request_id) == num_hit
             for page in r.pages[:num_hit]:
                 cached = allocator.cached_page(page)
-                assert cached is not None and cached.namespace == r.cache_namespace and cached.num_readers >= 1
+                assert cached is not None and cached.namespace == namespace_of(r.tenant) and cached.num_readers >= 1
 
     def teardown(self) -> None:
         for r in self._placed():

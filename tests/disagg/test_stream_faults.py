@@ -390,7 +390,7 @@ def test_a_stream_reset_mid_transfer_refuses_the_commit_and_releases(stream_pair
     rogue_commit(pair, handoff, 30, [30, 30])
     pair.pump(lambda: handoff.is_terminal, "the refusal")
     assert_refused_by_decode(handoff, "layer 1 V: only positions [0, 0)")
-    assert pair.decode.loop.stats().handoff_failures["stream_broken"] == 1
+    assert pair.decode.link.stats().handoff_failures["stream_broken"] == 1
     pair.assert_clean()
 
 
@@ -408,7 +408,7 @@ def test_an_abort_during_a_stream_transfer_releases_and_drops_the_rest(stream_pa
     receiver = pair.decode.transport
     pair.pump(lambda: len(receiver.fds()) == 1, "the rest of the stream")  # type: ignore[union-attr]
     assert all(torch.equal(a, b) for a, b in zip(before, pool.k + pool.v)), "KV landed after the release"
-    assert pair.decode.loop.stats().handoff_failures["unauthorized_transfer"] >= 1
+    assert pair.decode.link.stats().handoff_failures["unauthorized_transfer"] >= 1
     pair.assert_clean()
 
 
@@ -442,7 +442,7 @@ def test_a_rogue_stream_without_the_transfer_key_lands_no_byte_in_decodes_pool(s
         pair.pump(lambda: handoff.is_terminal, "the release")
         sock.close()
         return
-    pair.pump(lambda: pair.decode.loop.stats().handoff_failures.get("bad_tag", 0) == 1, "the refusal")
+    pair.pump(lambda: pair.decode.link.stats().handoff_failures.get("bad_tag", 0) == 1, "the refusal")
     assert all(torch.equal(a, b) for a, b in zip(before, pool.k + pool.v)), "a rogue byte landed in decode's pool"
     assert not receiver.landed(r.transfer_id).ranges  # type: ignore[union-attr]
     sock.settimeout(5.0)

@@ -48,7 +48,7 @@ def test_evicted_cached_pages_are_counted_as_freed_ones(kv_scrub: str, check_kv:
     """Pages go into the prefix cache unscrubbed; an eviction scrubs them as a free does (alloc
     mode zeroes them only when they are handed out again)."""
     kv = manager(kv_scrub, check_kv)
-    request = Request("a", "alice", list(range(2 * PAGE_SIZE + 1)), SamplingParams(), cache_namespace="ns")
+    request = Request("a", "alice", list(range(2 * PAGE_SIZE + 1)), SamplingParams())
     kv.reserve("a", "alice", request.num_tokens)
     for layer in range(NUM_LAYERS):
         kv.record_written("a", layer, 0, request.num_tokens)

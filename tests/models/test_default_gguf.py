@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvseal import LLM, SamplingParams
-from kvseal.models.loader import default_model_path
+from kvseal.model_files import default_model_path
 
 pytestmark = pytest.mark.slow
 

@@ -12,7 +12,8 @@ from safetensors.torch import load_file, save_file
 
 from kvseal import ModelLoadError
 from kvseal.cli import main
-from kvseal.models.loader import load_model, resolve_model_path
+from kvseal.model_files import resolve_model_path
+from kvseal.models.loader import load_model
 
 
 def _copy(src: Path, dst: Path) -> Path:

@@ -15,7 +15,7 @@ import httpx
 import openai
 from processes import LoggedProcess, free_port, kvseal_argv, read_jsonl, wait_for
 
-from kvseal.models.loader import DEFAULT_MODEL_FILE
+from kvseal.model_files import DEFAULT_MODEL_FILE
 
 ENGINE_FLAGS = ["--dtype", "float32", "--kv-cache-tokens", "2048", "--page-size", "4", "--max-model-len", "512",
                 "--max-num-batched-tokens", "256"]

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from server_process import ServerProcess, client_for
 
-from kvseal.models.loader import DEFAULT_MODEL_FILE
+from kvseal.model_files import DEFAULT_MODEL_FILE
 
 
 @pytest.mark.slow

@@ -25,6 +25,8 @@ from starlette.testclient import TestClient
 from tiny_models import make_tokenizer
 
 from kvseal.config import EngineArgs
+from kvseal.engine.client import EngineClient
+from kvseal.engine_api import EngineGone, IsolationBreach, RequestEvent
 from kvseal.messages.codec import encode
 from kvseal.messages.convert import params_to_msg
 from kvseal.messages.msgs import AbortMsg, AddRequestMsg, EngineReadyMsg, OutputsMsg, RequestOutputMsg
@@ -35,10 +37,8 @@ from kvseal.server.auth import ApiKeyTable, Tenant
 from kvseal.server.call import Call
 from kvseal.server.choices import ChoiceEvent, ChoiceGroup
 from kvseal.server.config import ServerConfig
-from kvseal.server.engine_client import EngineClient
 from kvseal.server.metrics import ServerMetrics
 from kvseal.server.prompts import PromptEncoder
-from kvseal.server.request_handle import EngineGone, IsolationBreach, RequestEvent
 from kvseal.server.state import AppState
 from kvseal.types import SamplingParams
 
@@ -51,7 +51,8 @@ ALICE = Tenant("alice")
 async def _ready_state(tmp_path: Path) -> AppState:
     """An AppState around an EngineClient whose engine has 'said ready' (no process started)."""
     metrics = ServerMetrics()
-    engine = EngineClient(EngineArgs(), "INFO", metrics.record_stats)
+    engine = EngineClient(EngineArgs(), "INFO")
+    engine.on_stats = metrics.record_stats
     engine._ready = asyncio.get_running_loop().create_future()
     engine._ready.set_result(READY)
     return AppState(ServerConfig(), engine, READY, PromptEncoder(make_tokenizer()), ApiKeyTable(), metrics,
@@ -71,7 +72,7 @@ def _submit(state: AppState, request_id: str) -> ChoiceGroup:
     call.take_slot(ALICE)
     call.http_done()
     params = params_to_msg(SamplingParams(max_tokens=4))
-    return call.submit(AddRequestMsg(request_id, ALICE.name, ALICE.cache_namespace, [5, 6], params))
+    return call.submit(AddRequestMsg(request_id, ALICE.name, [5, 6], params))
 
 
 def _output(request_id: str, tenant: str, finished: bool) -> RequestOutputMsg:
@@ -162,7 +163,7 @@ def test_a_failing_audit_log_never_reaches_the_receive_loop(tmp_path: Path) -> N
             for call in calls:
                 call.tenant = ALICE
                 params = params_to_msg(SamplingParams(max_tokens=4))
-                call.submit(AddRequestMsg(call.request_id, ALICE.name, ALICE.cache_namespace, [5, 6], params))
+                call.submit(AddRequestMsg(call.request_id, ALICE.name, [5, 6], params))
             state.engine._receive(encode(OutputsMsg([_output("cmpl-1", "alice", finished=True)])))
             state.engine._receive(encode(OutputsMsg([_output("cmpl-2", "alice", finished=True)])))
             assert all(call.is_done and call.is_withheld for call in calls)

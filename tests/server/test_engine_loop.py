@@ -17,10 +17,10 @@ import zmq
 from processes import WAIT_DEADLINE_S
 
 from kvseal.config import EngineArgs
+from kvseal.engine.colocated import colocated_loop
 from kvseal.engine.engine import LLMEngine
 from kvseal.messages.codec import decode_from_engine, encode
 from kvseal.messages.convert import params_to_msg
-from kvseal.messages.engine_loop import EngineLoop
 from kvseal.messages.msgs import (
     AbortMsg,
     AddRequestMsg,
@@ -52,7 +52,7 @@ class Harness:
         inbox.connect(f"inproc://to-{n}")
         outbox.connect(f"inproc://from-{n}")
         self.engine = engine
-        self.loop = EngineLoop(engine, inbox, outbox)
+        self.loop = colocated_loop(engine, inbox, outbox)
 
     def send(self, msg: ToEngineMsg) -> None:
         self.to_engine.send(encode(msg))
@@ -102,7 +102,7 @@ def harness(engine: LLMEngine) -> Iterator[Harness]:
 
 def add(request_id: str, prompt: list[int], tenant: str = "alice", **params: object) -> AddRequestMsg:
     sampling = SamplingParams(**{"max_tokens": 4, "temperature": 0.0, **params})  # type: ignore[arg-type]
-    return AddRequestMsg(request_id, tenant, f"ns-{tenant}", prompt, params_to_msg(sampling))
+    return AddRequestMsg(request_id, tenant, prompt, params_to_msg(sampling))
 
 
 def test_runs_a_request_to_one_terminal_output(harness: Harness) -> None:
@@ -130,7 +130,7 @@ def test_engine_rechecks_admission_and_reports_rejection(harness: Harness) -> No
 
 def test_invalid_sampling_params_are_a_rejection_not_a_crash(harness: Harness) -> None:
     good = add("bad-params", [10, 11])
-    harness.send(AddRequestMsg("bad-params", "alice", "ns", [10, 11], msgspec.structs.replace(good.params, top_p=0.0)))
+    harness.send(AddRequestMsg("bad-params", "alice", [10, 11], msgspec.structs.replace(good.params, top_p=0.0)))
     (rejected,) = [m for m in harness.run() if isinstance(m, RequestRejectedMsg)]
     assert rejected.code == "invalid_parameter" and rejected.param == "top_p"
 

@@ -1,6 +1,6 @@
 """I9 on the colocated link: the frontend and its engine talk over IPC sockets in a folder only
 the server's user may enter, so no other local user can connect to them (file permissions are
-that link's authentication; see `kvseal/server/engine_process.py`)."""
+that link's authentication; see `kvseal/engine/launcher.py`)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import stat
 from pathlib import Path
 
 from kvseal.config import EngineArgs
-from kvseal.server.engine_process import EngineProcess
+from kvseal.engine.launcher import EngineProcess
 
 
 def test_the_engine_sockets_live_in_a_folder_only_this_user_may_enter(tmp_path: Path) -> None:

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from kvseal.canary.evidence import MetricsSnapshot, _parse
 from kvseal.messages.msgs import EngineStatsMsg
-from kvseal.server.metrics import CumulativeTotal, ServerMetrics
+from kvseal.server.metrics import ServerMetrics
+from kvseal.totals import CumulativeTotal
 
 
 def test_a_cumulative_total_never_goes_backwards() -> None:

@@ -13,7 +13,8 @@ import openai
 import pytest
 from server_process import ISOLATION_MODES, KEYS, ServerProcess, client_for
 
-from kvseal.server.auth import Tenant
+from kvseal.messages.msgs import AddRequestMsg
+from kvseal.types import Request, SamplingParams, namespace_of
 
 PROMPTS = {
     "alice": ["w100 w101 w102", "w7 " * 40, "w300 w301 w302 w303 w304 w305 w306"],
@@ -67,7 +68,13 @@ def test_concurrent_streams_do_not_mix(mode_server: ServerProcess) -> None:
 
 
 def test_cache_namespace_is_derived_from_the_tenant_only() -> None:
-    assert Tenant("alice").cache_namespace == Tenant("alice", max_tokens=5).cache_namespace
-    assert Tenant("alice").cache_namespace != Tenant("bob").cache_namespace
-    assert Tenant("ab").cache_namespace != Tenant("a").cache_namespace  # framed, not just concatenated
-    assert len(Tenant("alice").cache_namespace) == 64
+    """I5 by construction: a request's namespace is its tenant's; no caller or message gives one."""
+    params = SamplingParams()
+    assert Request("r1", "alice", [1], params).cache_namespace == Request("r2", "alice", [2], params).cache_namespace
+    assert Request("r1", "alice", [1], params).cache_namespace == namespace_of("alice")
+    assert namespace_of("alice") != namespace_of("bob")
+    assert namespace_of("ab") != namespace_of("a")  # framed, not just concatenated
+    assert len(namespace_of("alice")) == 64
+    with pytest.raises(TypeError):
+        Request("r1", "alice", [1], params, cache_namespace=namespace_of("bob"))  # type: ignore[call-arg]
+    assert "cache_namespace" not in AddRequestMsg.__struct_fields__

@@ -1,4 +1,4 @@
-"""The engine process: load the model, say ready (or why not), then run `EngineLoop`.
+"""The colocated engine process: load the model, say ready (or why not), then run its loop.
 
 Started by the frontend with multiprocessing's "spawn" context (torch and fork do not mix).
 It ignores SIGINT and SIGTERM (the frontend decides when it stops, with `ShutdownMsg`, so a
@@ -66,9 +66,9 @@ def _connect(ctx: zmq.Context, addresses: EngineAddresses) -> tuple[zmq.Socket, 
 
 
 def _serve(args: EngineArgs, inbox: zmq.Socket, outbox: zmq.Socket) -> int:
+    from kvseal.engine.colocated import colocated_loop
     from kvseal.engine.engine import LLMEngine
     from kvseal.heap import freeze_startup_heap
-    from kvseal.messages.engine_loop import EngineLoop
 
     try:
         engine = LLMEngine(args)
@@ -80,7 +80,7 @@ def _serve(args: EngineArgs, inbox: zmq.Socket, outbox: zmq.Socket) -> int:
     freeze_startup_heap("engine")
     parent = multiprocessing.parent_process()
     try:
-        EngineLoop(engine, inbox, outbox, parent.sentinel if parent is not None else None).run()
+        colocated_loop(engine, inbox, outbox, parent.sentinel if parent is not None else None).run()
     except Exception as exc:
         logger.exception("engine loop failed; every in-flight request fails with it")
         outbox.send(encode(EngineFailedMsg(type(exc).__name__, f"engine loop failed: {exc}")))

@@ -1,9 +1,9 @@
-"""The networked engine's loop, the same for every role: receive, step, report.
+"""A networked engine's link, the same for every role: its ROUTER, within the shared loop.
 
-One iteration: read every waiting frame from the ROUTER (liveness and shutdown here, the
-rest to the role's `handle`), run one engine step if anything is unfinished and give its
-outputs to the role, let the role check its deadlines, and send stats to the frontends
-that asked (`HelloMsg`) when something changed. An undecodable frame is dropped and logged;
+It plugs into `kvseal.engine.loop.EngineLoop` (which steps the engine and calls the role's
+`tick` and `on_outputs`): it reads every waiting frame from the ROUTER (liveness, integrity and
+shutdown here, the rest to the role's `handle`) and sends stats to the frontends that asked
+(`HelloMsg`) when something changed. An undecodable frame is dropped and logged;
 it never reaches the engine. Every frame comes from a peer whose key the ROUTER's CURVE
 handshake accepted; a message its sender's role may not send is dropped, logged and counted
 (`LinkGuard.allows`, I9) before anything reads its fields.
@@ -30,17 +30,13 @@ from kvseal.disagg.role import Replies, RoleSteps
 from kvseal.engine.engine import LLMEngine
 from kvseal.messages.convert import stats_to_msg
 from kvseal.messages.msgs import ShutdownMsg
-from kvseal.structured.compiler import GrammarPoolStats
 
 logger = logging.getLogger("kvseal.disagg")
 
 IDLE_POLL_MS = 50  # an idle engine still runs the role's deadlines this often
-# ... and this often while it holds reservations: a transport whose writes land outside the
-# ROUTER (NIXL) is taken in by the role's `tick` while the rest is still on the wire.
-RECEIVING_POLL_MS = 2
 
 
-class PdEngineLoop:
+class RouterLink:
     def __init__(self, engine: LLMEngine, steps: RoleSteps, router: zmq.Socket, replies: Replies,
                  info: EngineInfoMsg, guard: LinkGuard) -> None:
         self.engine = engine
@@ -51,31 +47,8 @@ class PdEngineLoop:
         self.info = info
         self._frontends: set[bytes] = set()
         self.is_stopped = False
-        self._grammar_stats_sent = GrammarPoolStats()
 
-    def run(self) -> None:
-        while self.run_once():
-            pass
-
-    def run_once(self, idle_poll_ms: int = IDLE_POLL_MS) -> bool:
-        """One iteration; False once a `ShutdownMsg` stopped the loop."""
-        busy = self.engine.has_unfinished()
-        changed = False
-        idle_ms = min(idle_poll_ms, RECEIVING_POLL_MS) if self.steps.num_reservations() else idle_poll_ms
-        if self._wait(0 if busy else idle_ms):
-            changed = self._drain()
-        if self.is_stopped:
-            return False
-        if self.engine.has_unfinished():
-            self.steps.on_outputs(self.engine.step())
-            changed = True
-        changed = self.steps.tick() or changed
-        # the grammar pool also changes on its own threads (a worker ready, a compile stopped)
-        if changed or self.engine.grammar_stats() != self._grammar_stats_sent:
-            self._broadcast_stats()
-        return True
-
-    def _wait(self, timeout_ms: int) -> bool:
+    def wait(self, timeout_ms: int) -> bool:
         """Wait for the ROUTER, or for data on the role's own sockets (taken in by its `tick`);
         True if the ROUTER has messages."""
         extra = self.steps.wait_sockets()
@@ -84,7 +57,7 @@ class PdEngineLoop:
         readable, _, _ = zmq.select([self.router, *extra], [], [], timeout_ms / 1000)
         return self.router in readable
 
-    def _drain(self) -> bool:
+    def receive(self) -> bool:
         changed = False
         while not self.is_stopped:
             try:
@@ -142,9 +115,8 @@ class PdEngineLoop:
             num_refused_messages=self.guard.num_refused_messages,
         )
 
-    def _broadcast_stats(self) -> None:
+    def report_stats(self) -> None:
         stats = self.stats()
-        self._grammar_stats_sent = self.engine.grammar_stats()
         for frontend in self._frontends:
             self.replies.send(frontend, stats)
 

@@ -1,4 +1,5 @@
-"""The frontend's view of the engine process: submit, abort, route outputs, notice death.
+"""The colocated engine backend (`kvseal.engine_api.EngineBackend`): the frontend's view of its
+engine process. Submit, abort, route outputs, notice death.
 
 One receive task routes every engine message to its request's `RequestHandle`; one send
 task owns the outgoing socket, so `submit` and `abort` never block or await (they are safe
@@ -24,9 +25,19 @@ from collections.abc import Callable
 import msgspec
 import zmq
 import zmq.asyncio
+from prometheus_client import CollectorRegistry
 
 from kvseal.config import EngineArgs
-from kvseal.errors import KvsealError
+from kvseal.engine.launcher import EngineProcess
+from kvseal.engine_api import (
+    EngineGone,
+    EngineStartError,
+    EngineUnavailable,
+    IsolationBreach,
+    RequestHandle,
+    RequestObserver,
+    is_terminal,
+)
 from kvseal.messages.codec import decode_from_engine, encode
 from kvseal.messages.msgs import (
     ABORT_SERVER_SHUTDOWN,
@@ -43,32 +54,17 @@ from kvseal.messages.msgs import (
     ShutdownMsg,
     ToEngineMsg,
 )
-from kvseal.server.engine_process import EngineProcess
-from kvseal.server.request_handle import (
-    EngineGone,
-    IsolationBreach,
-    RequestHandle,
-    RequestObserver,
-    is_terminal,
-)
 
 logger = logging.getLogger("kvseal.server")
 
 _DRAIN_POLL_MS = 200  # after the process ends, collect what it sent just before
 
 
-class EngineStartError(KvsealError):
-    """The engine process could not load the model or refused the configuration."""
-
-
-class EngineUnavailable(KvsealError):
-    """The engine process is gone, failed, or the server is shutting down."""
-
-
 class EngineClient:
-    def __init__(self, args: EngineArgs, log_level: str, on_stats: Callable[[EngineStatsMsg], None]) -> None:
+    def __init__(self, args: EngineArgs, log_level: str) -> None:
         self._process = EngineProcess(args, log_level)
-        self._on_stats = on_stats
+        self.on_stats: Callable[[EngineStatsMsg], None] | None = None
+        self.on_ready_change: Callable[[EngineReadyMsg], None] | None = None  # one engine: its limits never change
         self._ctx = zmq.asyncio.Context()
         self._push = self._ctx.socket(zmq.PUSH)
         self._pull = self._ctx.socket(zmq.PULL)
@@ -121,6 +117,9 @@ class EngineClient:
         """Abort every in-flight request; each still ends with its own terminal output."""
         for handle in list(self._handles.values()):
             self.abort(handle.request_id, handle.tenant, reason)
+
+    def add_metrics(self, registry: CollectorRegistry) -> None:
+        pass  # the server's own gauges say all there is about one engine
 
     async def shutdown(self, timeout_s: float = 30.0) -> None:
         """Abort what is left in the engine, let it report, and wait for it to exit."""
@@ -184,7 +183,8 @@ class EngineClient:
             case RequestRejectedMsg():
                 self._route(msg)
             case EngineStatsMsg():
-                self._on_stats(msg)
+                if self.on_stats is not None:
+                    self.on_stats(msg)
             case EngineReadyMsg():
                 if self._ready is not None and not self._ready.done():
                     self._ready.set_result(msg)

@@ -1,4 +1,4 @@
-"""The engine process's loop: receive messages, step the engine, send what it produced.
+"""The colocated engine's part of the loop: its link to the one frontend, and its steps.
 
 Contract: every `AddRequestMsg` ends in exactly one terminal report for its request id,
 either a `RequestRejectedMsg` (the engine's admission re-check, I1, refused it; nothing was
@@ -10,10 +10,12 @@ exception is an engine bug; it propagates and the process reports it and exits.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import zmq
 
 from kvseal.engine.engine import LLMEngine
+from kvseal.engine.loop import EngineLoop
 from kvseal.errors import InvalidParameter, RequestRejected
 from kvseal.messages.codec import decode_to_engine, encode
 from kvseal.messages.convert import output_to_msg, params_from_msg, stats_to_msg
@@ -28,9 +30,8 @@ from kvseal.messages.msgs import (
     ShutdownMsg,
     ToEngineMsg,
 )
-from kvseal.structured.compiler import GrammarPoolStats
 from kvseal.structured.pending import PendingGrammars
-from kvseal.types import SamplingParams
+from kvseal.types import RequestOutput, SamplingParams
 
 logger = logging.getLogger("kvseal.engine")
 
@@ -38,67 +39,16 @@ IDLE_POLL_MS = 1000  # how long an idle loop sleeps in poll before re-checking i
 GRAMMAR_POLL_MS = 5  # how often a loop with only grammars compiling checks on them
 
 
-class EngineLoop:
-    def __init__(self, engine: LLMEngine, inbox: zmq.Socket, outbox: zmq.Socket, parent_fd: int | None = None) -> None:
+class ColocatedSteps:
+    """Add, abort and shut down on the frontend's word; structured requests wait for their
+    grammar off the loop and join the engine once it compiled."""
+
+    def __init__(self, engine: LLMEngine, send: Callable[[FromEngineMsg], None]) -> None:
         self.engine = engine
-        self._inbox = inbox
-        self._outbox = outbox
-        self._parent_fd = parent_fd
-        self._poller = zmq.Poller()
-        self._poller.register(inbox, zmq.POLLIN)
-        if parent_fd is not None:
-            self._poller.register(parent_fd, zmq.POLLIN)
+        self._send = send
         self.is_stopped = False
         # structured-output requests whose grammar is compiling (not yet in the engine)
         self._compiling: PendingGrammars[tuple[AddRequestMsg, SamplingParams]] = PendingGrammars()
-        self._grammar_stats_sent = GrammarPoolStats()
-
-    def run(self) -> None:
-        while self.run_once():
-            pass
-
-    def run_once(self, idle_poll_ms: int = IDLE_POLL_MS) -> bool:
-        """One iteration. Returns False once the loop has stopped (shutdown or parent gone)."""
-        events = dict(self._poller.poll(self._poll_ms(idle_poll_ms)))
-        if self._parent_fd is not None and self._parent_fd in events:
-            logger.error("the frontend process is gone; aborting every request and exiting")
-            self._shutdown("frontend process exited")
-            return False
-        changed = self._drain_inbox()
-        if self.is_stopped:
-            return False
-        changed |= self._add_compiled()
-        if self.engine.has_unfinished():
-            self._step()
-            changed = True
-        if changed or self._grammar_stats_changed():
-            self._send_stats()
-        return True
-
-    def _grammar_stats_changed(self) -> bool:
-        """The compile pool changes on its own threads (a worker ready, a compile stopped)."""
-        return self.engine.grammar_stats() != self._grammar_stats_sent
-
-    def _send_stats(self) -> None:
-        stats = self.engine.stats()
-        self._grammar_stats_sent = stats.grammar
-        self._send(stats_to_msg(stats))
-
-    def _poll_ms(self, idle_poll_ms: int) -> int:
-        if self.engine.has_unfinished():
-            return 0
-        return GRAMMAR_POLL_MS if self._compiling else idle_poll_ms
-
-    def _drain_inbox(self) -> bool:
-        changed = False
-        while not self.is_stopped:
-            try:
-                data = self._inbox.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return changed
-            self.handle(decode_to_engine(data))
-            changed = True
-        return changed
 
     def handle(self, msg: ToEngineMsg) -> None:
         match msg:
@@ -107,7 +57,25 @@ class EngineLoop:
             case AbortMsg():
                 self._abort(msg)
             case ShutdownMsg():
-                self._shutdown(msg.reason)
+                self.shutdown(msg.reason)
+
+    def poll_ms(self, idle_poll_ms: int) -> int:
+        return GRAMMAR_POLL_MS if self._compiling else idle_poll_ms
+
+    def tick(self) -> bool:
+        ready = self._compiling.take_ready()
+        for waiting in ready:
+            msg, params = waiting.item
+            try:
+                self.engine.add_request(msg.request_id, msg.prompt_token_ids, params, msg.tenant,
+                                        compiled_grammar=waiting.ticket.result())
+            except RequestRejected as exc:
+                self._reject(msg, exc)
+        return bool(ready)
+
+    def on_outputs(self, outputs: list[RequestOutput]) -> None:
+        if outputs:
+            self._send(OutputsMsg([output_to_msg(o) for o in outputs]))
 
     def _add(self, msg: AddRequestMsg) -> None:
         try:
@@ -118,22 +86,9 @@ class EngineLoop:
                 ticket = self.engine.grammars.compile(msg.tenant, params.structured)
                 self._compiling.add(msg.request_id, msg.tenant, ticket, (msg, params))
                 return
-            self.engine.add_request(msg.request_id, msg.prompt_token_ids, params, msg.tenant,
-                                        cache_namespace=msg.cache_namespace)
+            self.engine.add_request(msg.request_id, msg.prompt_token_ids, params, msg.tenant)
         except RequestRejected as exc:
             self._reject(msg, exc)
-
-    def _add_compiled(self) -> bool:
-        ready = self._compiling.take_ready()
-        for waiting in ready:
-            msg, params = waiting.item
-            try:
-                self.engine.add_request(msg.request_id, msg.prompt_token_ids, params, msg.tenant,
-                                        compiled_grammar=waiting.ticket.result(),
-                                        cache_namespace=msg.cache_namespace)
-            except RequestRejected as exc:
-                self._reject(msg, exc)
-        return bool(ready)
 
     def _reject(self, msg: AddRequestMsg, exc: RequestRejected) -> None:
         logger.warning("engine re-check rejected request %s: %s", msg.request_id, exc.message)
@@ -154,7 +109,8 @@ class EngineLoop:
         assert out is not None, "abort of a request the scheduler holds reports it"
         return output_to_msg(out)
 
-    def _shutdown(self, reason: str) -> None:
+    def shutdown(self, reason: str) -> None:
+        """Abort every request (running, queued, compiling), report them, say stopped."""
         live = self.engine.unfinished_ids()
         outputs = [self._abort_one(request_id, reason) for request_id in live]
         outputs += [_compile_aborted(msg, reason) for _, (msg, _) in self._compiling.cancel_all()]
@@ -163,13 +119,56 @@ class EngineLoop:
         self._send(EngineStoppedMsg(len(outputs)))
         self.is_stopped = True
 
-    def _step(self) -> None:
-        msgs = [output_to_msg(o) for o in self.engine.step()]
-        if msgs:
-            self._send(OutputsMsg(msgs))
 
-    def _send(self, msg: FromEngineMsg) -> None:
+class ColocatedLink:
+    """The frontend's two sockets (PULL in, PUSH out) and, when started by it, its process."""
+
+    def __init__(self, engine: LLMEngine, inbox: zmq.Socket, outbox: zmq.Socket, parent_fd: int | None) -> None:
+        self.engine = engine
+        self._inbox = inbox
+        self._outbox = outbox
+        self._parent_fd = parent_fd
+        self._poller = zmq.Poller()
+        self._poller.register(inbox, zmq.POLLIN)
+        if parent_fd is not None:
+            self._poller.register(parent_fd, zmq.POLLIN)
+        self.steps = ColocatedSteps(engine, self.send)
+
+    @property
+    def is_stopped(self) -> bool:
+        return self.steps.is_stopped
+
+    def wait(self, timeout_ms: int) -> bool:
+        events = dict(self._poller.poll(timeout_ms))
+        if self._parent_fd is not None and self._parent_fd in events:
+            logger.error("the frontend process is gone; aborting every request and exiting")
+            self.steps.shutdown("frontend process exited")
+        return bool(events)
+
+    def receive(self) -> bool:
+        changed = False
+        while not self.is_stopped:
+            try:
+                data = self._inbox.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return changed
+            self.steps.handle(decode_to_engine(data))
+            changed = True
+        return changed
+
+    def report_stats(self) -> None:
+        self.send(stats_to_msg(self.engine.stats()))
+
+    def send(self, msg: FromEngineMsg) -> None:
         self._outbox.send(encode(msg))
+
+
+def colocated_loop(engine: LLMEngine, inbox: zmq.Socket, outbox: zmq.Socket,
+                   parent_fd: int | None = None) -> EngineLoop:
+    """The loop of an engine serving one frontend over `inbox`/`outbox`; `parent_fd` becomes
+    readable when the frontend process ends (the engine then aborts everything and stops)."""
+    link = ColocatedLink(engine, inbox, outbox, parent_fd)
+    return EngineLoop(engine, link, link.steps, IDLE_POLL_MS)
 
 
 def _compile_aborted(msg: AddRequestMsg, reason: str) -> RequestOutputMsg:

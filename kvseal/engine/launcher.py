@@ -19,7 +19,7 @@ import tempfile
 from multiprocessing.process import BaseProcess
 
 from kvseal.config import EngineArgs
-from kvseal.messages.engine_proc import EngineAddresses, run_engine_process
+from kvseal.engine.process import EngineAddresses, run_engine_process
 
 
 class EngineProcess:

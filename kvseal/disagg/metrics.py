@@ -1,0 +1,50 @@
+"""The PD backend's own /metrics gauges: per engine and role, from each engine's `PdStatsMsg`."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Gauge
+
+if TYPE_CHECKING:
+    from kvseal.disagg.frontend import EngineLink
+
+
+class PdMetrics:
+    """Per-engine handoff metrics for /metrics, from each engine's `PdStatsMsg`."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        labels = ["role", "engine"]
+        r = registry
+        self.up = Gauge("kvseal_pd_engine_up", "1 while the engine answers", ["role", "address"], registry=r)
+        self.transfers = Gauge("kvseal_pd_kv_transfers", "KV handoffs completed", labels, registry=r)
+        self.bytes = Gauge("kvseal_pd_kv_transfer_bytes", "KV bytes moved by handoffs", labels, registry=r)
+        self.seconds = Gauge("kvseal_pd_kv_transfer_seconds", "Prefill admission to commit, summed over "
+                             "handoffs (divide by transfers for the mean)", labels, registry=r)
+        self.failures = Gauge("kvseal_pd_handoff_failures", "Handoffs that failed or were refused, by reason",
+                              [*labels, "reason"], registry=r)
+        self.expired = Gauge("kvseal_pd_reservations_expired", "Decode reservations released for lack of a "
+                             "commit", labels, registry=r)
+        self.reservations = Gauge("kvseal_pd_reservations", "Decode pages held for transfers, in reservations",
+                                  labels, registry=r)
+        self.pages_used = Gauge("kvseal_pd_kv_pages_used", "KV pages owned", labels, registry=r)
+        self.link_refusals = Gauge("kvseal_pd_link_refusals", "Engine link refusals (I9): CURVE handshakes from "
+                                   "keys on no allow-list (kind=handshake), and messages the sender's role may not "
+                                   "send (kind=message)", [*labels, "kind"], registry=r)
+
+    def record(self, link: EngineLink) -> None:
+        self.up.labels(role=link.role, address=link.address).set(1 if link.is_up else 0)
+        stats = link.stats
+        if stats is None:
+            return
+        labels = dict(role=stats.role, engine=stats.instance_id)
+        self.transfers.labels(**labels).set(stats.num_transfers)
+        self.bytes.labels(**labels).set(stats.num_transfer_bytes)
+        self.seconds.labels(**labels).set(stats.transfer_s_total)
+        self.expired.labels(**labels).set(stats.num_reservations_expired)
+        self.reservations.labels(**labels).set(stats.num_reservations)
+        self.pages_used.labels(**labels).set(stats.engine.num_pages_used)
+        self.link_refusals.labels(**labels, kind="handshake").set(stats.num_refused_handshakes)
+        self.link_refusals.labels(**labels, kind="message").set(stats.num_refused_messages)
+        for reason, count in stats.handoff_failures.items():
+            self.failures.labels(**labels, reason=reason).set(count)

@@ -1,0 +1,25 @@
+"""`kvseal bench serve` takes vLLM's bench forms: the server's root URL with --endpoint, and vLLM's flag names."""
+
+from __future__ import annotations
+
+from kvseal.bench.cli import config_from
+from kvseal.bench.client import Endpoint
+from kvseal.cli import build_parser
+
+
+def test_root_and_v1_base_urls_reach_the_same_completions_url() -> None:
+    assert Endpoint("http://h:8000", "m").completions_url == "http://h:8000/v1/completions"
+    assert Endpoint("http://h:8000/", "m").completions_url == "http://h:8000/v1/completions"
+    assert Endpoint("http://h:8000/v1", "m").completions_url == "http://h:8000/v1/completions"
+    assert Endpoint("http://h:8000", "m", endpoint="/x/completions").completions_url == "http://h:8000/x/completions"
+
+
+def test_vllm_flag_names_are_accepted_beside_kvseals() -> None:
+    parser = build_parser()
+    vllm = config_from(parser.parse_args(["bench", "serve", "--base-url", "http://h:8000", "--model", "m",
+                                          "--endpoint", "/v1/completions", "--max-concurrency", "4",
+                                          "--random-input-len", "32", "--random-output-len", "8"]))
+    ours = config_from(parser.parse_args(["bench", "serve", "--base-url", "http://h:8000/v1", "--model", "m",
+                                          "--concurrency", "4", "--input-len", "32", "--output-len", "8"]))
+    assert vllm.endpoint.completions_url == ours.endpoint.completions_url
+    assert (vllm.shape, vllm.input_len, vllm.output_len) == (ours.shape, ours.input_len, ours.output_len)

@@ -1,0 +1,80 @@
+"""Every flag of serve, engine, generate and plan is a config dataclass field's (kvseal/flags.py):
+defined once, the same name, type and default wherever it appears."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from kvseal.cli import GenerateArgs, PlanArgs, build_parser, main
+from kvseal.config import EngineArgs
+from kvseal.disagg.config import EngineKeyFiles, NodeConfig, PdServeArgs
+from kvseal.engine_args import engine_args_from
+from kvseal.flags import flag_fields
+from kvseal.server.config import ServerConfig
+
+CONFIGS = (EngineArgs, ServerConfig, PdServeArgs, NodeConfig, EngineKeyFiles, GenerateArgs, PlanArgs)
+COMMANDS = ("serve", "engine", "generate", "plan")
+
+
+def _subparser(name: str) -> argparse.ArgumentParser:
+    parser = build_parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return commands.choices[name]
+
+
+def _flag_dests() -> set[str]:
+    return {f.name for config in CONFIGS for f in flag_fields(config)}
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_flag_is_a_config_field(command: str) -> None:
+    dests = {a.dest for a in _subparser(command)._actions} - {"help", "model_positional"}
+    assert dests <= _flag_dests(), f"flags of {command} defined outside a config dataclass: {dests - _flag_dests()}"
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_no_flag_is_defined_twice(command: str) -> None:
+    options = [o for a in _subparser(command)._actions for o in a.option_strings]
+    assert len(options) == len(set(options))
+
+
+def test_plan_takes_serves_names_and_defaults() -> None:
+    plan, serve = _subparser("plan"), _subparser("serve")
+    serve_defaults = {a.dest: a.default for a in serve._actions if a.default != argparse.SUPPRESS}
+    for action in plan._actions:
+        if action.dest in serve_defaults and action.default != argparse.SUPPRESS:
+            assert action.default == serve_defaults[action.dest], action.dest
+    plan_options = {o for a in plan._actions for o in a.option_strings}
+    assert {"--kv-cache-memory", "--dtype", "--kv-cache-tokens", "--page-size"} <= plan_options
+    assert next(a.default for a in plan._actions if a.dest == "dtype") == "auto"
+
+
+def test_plan_says_what_auto_assumes_and_kv_memory_still_works(capsys: pytest.CaptureFixture[str]) -> None:
+    dims = ["--num-layers", "2", "--num-kv-heads", "1", "--head-dim", "4", "--max-model-len", "8"]
+    assert main(["plan", *dims, "--kv-memory", "64KiB"]) == 0
+    captured = capsys.readouterr()
+    assert "--kv-memory is deprecated; use --kv-cache-memory" in captured.err
+    assert "bfloat16 (2 bytes); auto: plan cannot probe" in captured.out
+    assert main(["plan", *dims, "--kv-cache-memory", "64KiB", "--dtype", "float32"]) == 0
+    out = capsys.readouterr().out
+    assert "float32 (4 bytes)" in out and "auto" not in out
+
+
+def test_serve_takes_the_model_as_a_positional_argument_or_as_model() -> None:
+    parser = build_parser()
+    assert engine_args_from(parser.parse_args(["serve", "/models/m"])).model == "/models/m"
+    assert engine_args_from(parser.parse_args(["serve", "--model", "/models/m"])).model == "/models/m"
+    with pytest.raises(Exception, match="given twice"):
+        engine_args_from(parser.parse_args(["serve", "/models/a", "--model", "/models/b"]))
+
+
+def test_the_engine_threads_flag_feeds_the_engine_and_the_node() -> None:
+    ns = build_parser().parse_args(["engine", "--role", "prefill", "--listen", "127.0.0.1:9", "--threads", "3"])
+    assert engine_args_from(ns).num_threads == 3 and ns.num_threads == 3
+
+
+def test_llm_takes_the_field_names() -> None:
+    names = {f.name for f in flag_fields(EngineArgs)}
+    assert {"kv_cache_memory", "max_model_len", "num_threads", "enable_prefix_caching"} <= names
