@@ -1,12 +1,20 @@
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import pytest
-import torch
+# The Triton kernels (the CUDA backend's) run in the tests on CPU tensors under Triton's
+# interpreter. Triton reads TRITON_INTERPRET once, when triton.language is first imported (its
+# own @jit helpers, tl.sum's combine function among them, are decorated then), and importing
+# transformers' model classes imports triton: so the variable is set here, before any test module
+# is collected. A GPU run that wants the compiled kernels sets TRITON_INTERPRET=0 itself.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 

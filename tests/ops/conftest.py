@@ -1,12 +1,7 @@
 """Fixtures of the ops tests.
 
-The Triton kernels (the CUDA backend's) run here on CPU tensors under Triton's interpreter,
-which Triton switches on when a kernel's module is imported with TRITON_INTERPRET=1: this file
-is imported before any test module of this folder, so it sets the variable first.
+The Triton kernels run here on CPU tensors under Triton's interpreter; tests/conftest.py switches
+it on before anything imports triton (see there why it cannot wait for this folder).
 """
 
-import os
-
-os.environ["TRITON_INTERPRET"] = "1"
-
-from built_kernels import tile_engine  # noqa: E402, F401  (a fixture)
+from built_kernels import tile_engine  # noqa: F401  (a fixture)
