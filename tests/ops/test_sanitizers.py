@@ -20,11 +20,12 @@ from kvseal.ops.native_build import SANITIZE, BuildConfig
 pytestmark = pytest.mark.sanitizers
 
 ROOT = Path(__file__).resolve().parents[2]
-# the kernel-level tests (an engine builds its own, unsanitized, kernels), and the decode loop on
-# the tests' kernels in an engine
+# the kernel-level tests (an engine builds its own, unsanitized, kernels), the decode loop on
+# the tests' kernels in an engine, and the write records' kernels
 KERNEL_TESTS = ["tests/ops/test_decode_attention.py", "tests/ops/test_prefill_attention.py",
                 "tests/ops/test_layer_ops.py", "tests/ops/test_linears.py",
-                "tests/ops/test_decode_loop.py::test_the_test_kernels_loop_equals_their_per_layer_ops"]
+                "tests/ops/test_decode_loop.py::test_the_test_kernels_loop_equals_their_per_layer_ops",
+                "tests/kvcache/test_record_kernels.py"]
 PROBE = """
 import sys
 sys.path.insert(0, "tests")
