@@ -61,7 +61,10 @@ def test_a_read_past_a_tensor_is_reported(sanitized_env: dict[str, str]) -> None
     done = subprocess.run([sys.executable, "-c", PROBE], cwd=ROOT, env=sanitized_env, capture_output=True, text=True,
                           timeout=600)
     assert done.returncode != 0 and "not reported" not in done.stdout
-    assert "AddressSanitizer: heap-buffer-overflow" in done.stderr, done.stderr[-3000:]
+    # a read past x's 1,600 bytes: a 64-byte vector load that starts inside it is an "unknown-crash"
+    # at the region's end, a narrower one a "heap-buffer-overflow"; either way ASan names the region
+    assert "ERROR: AddressSanitizer" in done.stderr and "to the right of 1600-byte region" in done.stderr, \
+        done.stderr[-3000:]
 
 
 def test_the_kernel_tests_pass_under_asan_and_ubsan(sanitized_env: dict[str, str]) -> None:
