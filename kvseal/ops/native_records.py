@@ -33,32 +33,35 @@ class NativeRecordKernels:
         self.kernels = kernels
         self._struct = kernels.ffi.new("struct kvseal_records *")
         self._bound: tuple[int, ...] = ()  # what _struct describes: the tensors' addresses and sizes
+        self._forward: tuple[Any, ...] = (None, None, None)  # the last writes advanced, and their pointers
 
     def check_forward(self, records: WriteRecords, writes: ForwardWrites, pages: torch.Tensor,
                       counts: torch.Tensor, slots: torch.Tensor) -> list[int] | None:
-        num_seqs = len(writes.request_ids)
-        _require_int64(writes.rows, writes.starts, pages, counts, slots)
-        if writes.rows.shape != (num_seqs,) or writes.starts.shape != (num_seqs,) or counts.shape != (2 * num_seqs,):
-            raise ValueError("the check takes one row, start and two counts per sequence")
+        num_seqs = len(writes.request_ids)  # the typed pointers refuse any dtype but int64
+        if writes.rows.shape != (num_seqs,) or writes.starts.shape != (num_seqs,) or counts.shape != (2 * num_seqs,) \
+                or not (writes.rows.is_contiguous() and writes.starts.is_contiguous() and pages.is_contiguous()
+                        and counts.is_contiguous() and slots.is_contiguous()):
+            raise ValueError("the check takes contiguous tensors: one row, start and two counts per sequence")
         refused = torch.empty(num_seqs, dtype=torch.int64)
-        ptr, counts_at = self.kernels.ptr, counts.data_ptr()
+        ptr, slot_counts = self.kernels.ptr, self.kernels.ffi.cast("int64_t *", counts.data_ptr() + 8 * num_seqs)
         num_refused = self.kernels.lib.kvseal_check_forward(
             self._records(records), ptr(writes.rows), ptr(writes.starts), num_seqs, ptr(pages), pages.numel(),
-            ptr(counts), ptr(slots), slots.numel(), self.kernels.ffi.cast("int64_t *", counts_at + 8 * num_seqs),
-            ptr(refused))
+            ptr(counts), ptr(slots), slots.numel(), slot_counts, ptr(refused))
         if num_refused < 0:
             raise ValueError("the counts do not add up to the pages and slots given")
         return refused.tolist() if num_refused else None
 
     def advance_prefix(self, records: WriteRecords, rows: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor,
                        layers: slice) -> None:
-        _require_int64(rows, starts, ends)
-        if not rows.shape == starts.shape == ends.shape or rows.dim() != 1:
-            raise ValueError("advance_prefix takes one row, start and end per sequence")
+        known = self._forward
+        if not (known[0] is rows and known[1] is starts and known[2] is ends):  # once a forward, not per report
+            if not rows.shape == starts.shape == ends.shape or rows.dim() != 1 \
+                    or not (rows.is_contiguous() and starts.is_contiguous() and ends.is_contiguous()):
+                raise ValueError("advance_prefix takes one row, start and end per sequence, contiguous")
+            ptr = self.kernels.ptr
+            self._forward = (rows, starts, ends, ptr(rows), ptr(starts), ptr(ends))
         begin, end, _ = layers.indices(records.num_layers)
-        ptr = self.kernels.ptr
-        self.kernels.lib.kvseal_advance_prefix(self._records(records), ptr(rows), ptr(starts), ptr(ends),
-                                               rows.shape[0], begin, end)
+        self.kernels.lib.kvseal_advance_prefix(self._records(records), *self._forward[3:], rows.shape[0], begin, end)
 
     def _records(self, records: WriteRecords) -> Any:
         """The struct describing `records`' tensors now (re-bound when one was replaced)."""
