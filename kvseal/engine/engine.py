@@ -77,7 +77,8 @@ class LLMEngine:
         self.limits = AdmissionLimits(self.scheduler_config.max_model_len, self.cache_config.kv_cache_tokens,
                                       self.model_config.vocab_size)
         cfg = self.model_config
-        self.kv = KVCacheManager(self.cache_config, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
+        self.kv = KVCacheManager(self.cache_config, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
+                                 record_kernels=self.ops.record_kernels())
         self.scheduler = Scheduler(self.scheduler_config, self.kv)
         model = quantize_model(self.loaded.model.to(args.torch_dtype), args.quantization, self.ops)
         if args.quantization != "int8":

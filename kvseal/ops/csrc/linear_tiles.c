@@ -56,7 +56,8 @@ void kvseal_pack_tiles(const uint16_t *w, uint16_t *packed, int64_t n_out, int64
 #if KVSEAL_AVX512BF16
 /* rows of a 16-column float32 tile (+ bias) into bfloat16 y, nr <= 16 valid columns: one
    vcvtneps2bf16 a row (round to nearest even; NaN stays NaN). */
-static void store_tile_rows(const float *c, int rows, const uint16_t *bias, uint16_t *y, int64_t ldy, int64_t nr) {
+static inline __attribute__((always_inline)) void store_tile_rows(const float *c, int rows, const uint16_t *bias,
+                                                                  uint16_t *y, int64_t ldy, int64_t nr) {
     const __mmask16 mask = (__mmask16)((1u << nr) - 1u);
     const __m512 b =
         bias == NULL
@@ -159,7 +160,8 @@ struct tile_job {
 
 /* silu(gate) * up rows from a gate tile and an up tile (float32 sums), rounded as the two-pass
    path rounds: gate and up to bfloat16 (the linear's output), silu(gate) to bfloat16, the product. */
-static void store_silu_rows(const float *gate, const float *up, int rows, uint16_t *act, int64_t ld) {
+static inline __attribute__((always_inline)) void store_silu_rows(const float *gate, const float *up, int rows,
+                                                                  uint16_t *act, int64_t ld) {
     const v16 one = (v16){0} + 1.0f;
     for (int r = 0; r < rows; r++) {
         const v16 g = round16_bf16(load16(gate + r * 16)), u = round16_bf16(load16(up + r * 16));
@@ -178,8 +180,11 @@ struct pending_chunk {
 };
 
 /* The pending chunk's rows [p->done, until) out, a row tile's share at a time: each linear
-   output + bias rounded once, or a fused gate/up's silu(gate) * up. */
-static void pending_rows(const struct tile_job *j, struct pending_chunk *p, int until) {
+   output + bias rounded once, or a fused gate/up's silu(gate) * up. Inlined, with the row stores
+   below, into the tile loop that calls it between k steps: as a call (its prologue, the SiLU's
+   constants loaded afresh) it cost 2-4% of the tile linears' time. */
+static inline __attribute__((always_inline)) void pending_rows(const struct tile_job *j, struct pending_chunk *p,
+                                                               int until) {
     const int rows = p->r0 + p->r1;
     if (until > rows) until = rows;
     while (p->done < until) {
