@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from kvseal._testing.faults import Fault, is_active
 from kvseal.admission import AdmissionLimits, admit
 from kvseal.config import EngineArgs, ModelConfig
 from kvseal.engine.batch import PreparedForward, build_forward_batch, check_forward
@@ -197,6 +198,10 @@ class LLMEngine:
         request = self.scheduler.find(request_id)
         if request is None:
             return None
+        if is_active(Fault.ABORT_KEEPS_PAGES):
+            request.finish_reason = FinishReason.ABORT
+            return self._outputs[request_id].report(finished=True, error=reason,
+                                                    num_kv_tokens_written=self.kv.num_written_tokens(request_id))
         return self._finish(request, FinishReason.ABORT, error=reason)
 
     def has_unfinished(self) -> bool:

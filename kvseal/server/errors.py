@@ -12,6 +12,7 @@ from typing import Any
 
 from starlette.responses import JSONResponse
 
+from kvseal._testing.faults import Fault, is_active
 from kvseal.engine_api import EngineGone, RequestEvent, isolation_failure
 from kvseal.errors import RequestRejected
 from kvseal.messages.msgs import ABORT_SERVER_SHUTDOWN, RequestOutputMsg, RequestRejectedMsg
@@ -155,7 +156,7 @@ def for_event(event: RequestEvent) -> ApiError | None:
     if isolation_failure(event) is not None:
         return isolation_check_failed()
     assert isinstance(event, RequestOutputMsg)
-    if event.finish_reason != "abort":
+    if event.finish_reason != "abort" or is_active(Fault.ABORT_AS_SUCCESS):
         return None
     if event.error == ABORT_SERVER_SHUTDOWN:
         return engine_unavailable("the server is shutting down")
