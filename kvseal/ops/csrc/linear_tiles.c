@@ -28,7 +28,9 @@
  *     lines between them so the prefetch spreads over the whole chunk. On a Zen 5 host it
  *     matches oneDNN at 2,048 rows and takes 0.7-0.86x its time at 8-32 rows (round 11).
  * A build without AVX512-BF16 has neither: the entry points answer -1 and the ops layer keeps
- * torch's linears.
+ * torch's linears (PackedLinear where oneDNN multiplies bfloat16, else nn.Linear). Called
+ * through TileLinear (kvseal/ops/native_linears.py) for a bfloat16 model's decoder linears and
+ * lm_head whose input width is a multiple of 32.
  *
  * The MLP's gate/up + SiLU (kvseal_linear_silu_tiles): each gate panel paired with the up panel
  * of the same features, the epilogue rounding gate and up to bfloat16 (the linear's output),
