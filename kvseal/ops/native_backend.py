@@ -12,7 +12,7 @@ made here, per call:
   AVX512-BF16, else the float32 kernel on rows widened once per layer (exact), each output
   rounded once. On CPUs whose AMX runs the tile linears, torch's SDPA (flash attention on AMX
   through oneDNN) is the faster for head dims the AMX kernel skips (not a multiple of 64: 101
-  against 140 ms for a 2,048-token step's 30 layers, docs/BENCHMARKS.md round 20), so those go
+  against 140 ms for a 2,048-token step's 30 layers, docs/benchmarks-archive.md round 20), so those go
   to SDPA; for multiples of 64 the kernel runs on AMX tiles itself (60 against 92 ms, round 22).
 - A chunk after a cached prefix: the same kernel, reading the chunk's own rows and its
   sequence's own pool slots 0..prefix-1 through its pages.

@@ -1,7 +1,8 @@
 /* The sampler's greedy choice: the row-wise argmax of a step's logits, torch.argmax's answer.
  * torch's CPU argmax walks a [32, 49,152] logits block (a 32-row decode step) one element at a
  * time: 1.8 ms of the step. bfloat16 logits are read as they are, each value widened exactly, so
- * a greedy row never needs a float32 copy of the logits. */
+ * a greedy row never needs a float32 copy of the logits. Called by NativeOps.argmax_rows: the
+ * sampler's whole batch when every row is plain greedy, and the greedy rows of a mixed batch. */
 
 #include "kvseal_ops.h"
 #include "vec.h"

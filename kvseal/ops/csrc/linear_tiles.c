@@ -19,8 +19,8 @@
  *     step; a chunk's outputs go out a row or two at a time between the next chunk's tile
  *     products, so the vector ports convert and store while the tiles compute. At 1-32 rows a
  *     pass over SmolLM2-135M's 270 MB of weights takes 10.5-13.4 ms (the memory's bandwidth)
- *     against oneDNN's 14.6-17.8 ms; at 2,048 rows 0.9x oneDNN's time (docs/BENCHMARKS.md,
- *     rounds 10 and 20).
+ *     against oneDNN's 14.6-17.8 ms; at 2,048 rows 0.9x oneDNN's time
+ *     (docs/benchmarks-archive.md, rounds 10 and 20).
  *   AVX512-BF16 (CPUs without AMX, such as AMD's Zen 4 and 5): one 64-byte tile row is exactly
  *     VDPBF16PS's operand (16 outputs' k-pairs) against x's pair broadcast: 8 rows x 2 panels
  *     in 16 accumulators, few-row blocks splitting k over more accumulators, the first chunk of
@@ -28,7 +28,9 @@
  *     lines between them so the prefetch spreads over the whole chunk. On a Zen 5 host it
  *     matches oneDNN at 2,048 rows and takes 0.7-0.86x its time at 8-32 rows (round 11).
  * A build without AVX512-BF16 has neither: the entry points answer -1 and the ops layer keeps
- * torch's linears.
+ * torch's linears (PackedLinear where oneDNN multiplies bfloat16, else nn.Linear). Called
+ * through TileLinear (kvseal/ops/native_linears.py) for a bfloat16 model's decoder linears and
+ * lm_head whose input width is a multiple of 32.
  *
  * The MLP's gate/up + SiLU (kvseal_linear_silu_tiles): each gate panel paired with the up panel
  * of the same features, the epilogue rounding gate and up to bfloat16 (the linear's output),

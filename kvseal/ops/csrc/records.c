@@ -11,7 +11,7 @@
  * own tables, slots and positions; nothing else. Every page id and slot is bounds-checked
  * before it indexes the records: one outside the pool refuses its sequence. The result is the
  * torch formulation's (records.py keeps it for a backend without these kernels):
- * tests/kvcache/test_native_records.py holds the two to the same answer on random batches. */
+ * tests/kvcache/test_record_kernels.py holds the two to the same answer on random batches. */
 
 #include "kvseal_ops.h"
 
