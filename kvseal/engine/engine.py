@@ -11,9 +11,10 @@ and the batch is built again without it: the other requests of the step still ru
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import secrets
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -245,16 +246,34 @@ class LLMEngine:
         produced a token or finished (including requests an isolation check ended)."""
         plan = self.scheduler.schedule()
         self._num_preemptions += len(plan.preempted)
-        prepared, chunks, refused = self._checked_forward(plan.chunks)
-        if prepared is None:
-            return refused
-        try:
+        with self._ranks():
+            prepared, chunks, refused = self._checked_forward(plan.chunks)
+            if prepared is None:
+                return refused
             with self.kv.recording(prepared.writes):
                 logits = self.runner.run(prepared.batch).raw_logits
+        return refused + self._update(chunks, logits)
+
+    @contextlib.contextmanager
+    def _ranks(self) -> Iterator[None]:
+        """A tensor-parallel step holds the ranks' group; a failed collective stops the ranks."""
+        if self.driver is None:
+            yield
+            return
+        try:
+            self.driver.raise_if_failed()
+            with self.driver.exclusive():
+                yield
         except RankFailure:
             self._fail_ranks()
             raise
-        return refused + self._update(chunks, logits)
+
+    def check_ranks(self) -> None:
+        """RankFailure (the ranks are stopped) if a tensor-parallel rank died or hung, also while
+        the engine is idle (its keep-alive found it); nothing for a single-process engine."""
+        if self.driver is not None and self.driver.failure is not None:
+            self._fail_ranks()
+            raise self.driver.failure
 
     def _fail_ranks(self) -> None:
         """A rank died or hung: the ranks are stopped (by PID) and this engine serves no more.
@@ -282,11 +301,7 @@ class LLMEngine:
 
     def _agree(self, prepared: PreparedForward, violations: list[IsolationViolation]) -> list[IsolationViolation]:
         assert self.driver is not None
-        try:
-            return self.driver.agree(prepared.batch, prepared.writes, prepared.writes.starts.tolist(), violations)
-        except RankFailure:
-            self._fail_ranks()
-            raise
+        return self.driver.agree(prepared.batch, prepared.writes, prepared.writes.starts.tolist(), violations)
 
     def _update(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> list[RequestOutput]:
         sampled = [c.request for c in chunks if c.is_last_chunk]

@@ -21,6 +21,10 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from kvseal._testing.faults import Fault
@@ -31,6 +35,7 @@ from kvseal.kvcache.records import ForwardWrites
 from kvseal.parallel.group import GroupSpec, RankFailure, RankGroup
 from kvseal.parallel.msgs import (
     InjectFaultMsg,
+    KeepAliveMsg,
     ReadyMsg,
     RefusalsMsg,
     StepMsg,
@@ -114,6 +119,46 @@ class TensorParallelDriver:
     def __init__(self, group: RankGroup, ranks: RankProcesses, kv: KVCacheManager) -> None:
         self.group, self.ranks, self.kv = group, ranks, kv
         self.ready: list[ReadyMsg] = []
+        # One caller of the group at a time: the engine's step (`exclusive`) or the keep-alive
+        # thread, which speaks only while the engine is idle.
+        self._lock = threading.Lock()
+        self._last_sent = time.monotonic()
+        self.failure: RankFailure | None = None  # the first failed collective, from either caller
+        self._stopped = threading.Event()
+        self._keep_alive: threading.Thread | None = None
+
+    @contextmanager
+    def exclusive(self) -> Iterator[None]:
+        """Hold the group for one engine step (its messages and its forward's collectives)."""
+        with self._lock:
+            try:
+                yield
+            except RankFailure as exc:
+                self.failure = self.failure or exc
+                raise
+            finally:
+                self._last_sent = time.monotonic()
+
+    def raise_if_failed(self) -> None:
+        """RankFailure if a collective failed since start (also one of an idle engine's keep-alives)."""
+        if self.failure is not None:
+            raise self.failure
+
+    def _keep_alive_loop(self) -> None:
+        interval_s = self.group.spec.timeout_s / 4
+        while not self._stopped.wait(interval_s / 2):
+            with self._lock:
+                if self._stopped.is_set() or self.failure is not None or not self.group.is_open:
+                    return
+                if time.monotonic() - self._last_sent < interval_s:
+                    continue
+                try:
+                    self.group.broadcast_bytes(encode(KeepAliveMsg()))
+                except RankFailure as exc:
+                    logger.error("tensor-parallel keep-alive: %s", exc)
+                    self.failure = exc
+                    return
+                self._last_sent = time.monotonic()
 
     @classmethod
     def start(cls, options: RankOptions, tp: int, timeout_s: float, kv: KVCacheManager,
@@ -135,6 +180,8 @@ class TensorParallelDriver:
         answers = [decode_from_rank(a) for a in self.group.all_gather_bytes(encode(mine))]
         self.ready = [a for a in answers if isinstance(a, ReadyMsg)]
         self.group.serving()
+        self._keep_alive = threading.Thread(target=self._keep_alive_loop, name="kvseal-tp-keep-alive", daemon=True)
+        self._keep_alive.start()
         return self.ready
 
     def agree(self, batch: ForwardBatch, writes: ForwardWrites, starts: list[int],
@@ -159,10 +206,14 @@ class TensorParallelDriver:
 
     def inject_fault_on_rank(self, rank: int, fault: Fault, active: bool = True) -> None:
         """Test-only: switch a `kvseal._testing` fault on (or off) in worker `rank` alone."""
-        self.group.broadcast_bytes(encode(InjectFaultMsg(rank, fault.value, active)))
+        with self.exclusive():
+            self.group.broadcast_bytes(encode(InjectFaultMsg(rank, fault.value, active)))
 
     def close(self) -> None:
         """Tell the ranks to stop, leave the group, and wait for them (killed past the wait)."""
+        self._stopped.set()
+        if self._keep_alive is not None:
+            self._keep_alive.join()
         told = self.group.is_open
         if told:
             try:

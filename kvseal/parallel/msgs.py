@@ -45,6 +45,11 @@ class StepMsg(msgspec.Struct, tag="step"):
     starts: list[int]
 
 
+class KeepAliveMsg(msgspec.Struct, tag="keep_alive"):
+    """Nothing to run: sent by an idle driver so that a worker's bounded wait for the next
+    message tells a quiet driver from a dead or hung one."""
+
+
 class StopMsg(msgspec.Struct, tag="stop"):
     """Leave the group and exit."""
 
@@ -73,7 +78,7 @@ class ReadyMsg(msgspec.Struct, tag="ready"):
     pool_bytes: int
 
 
-ToRankMsg = StepMsg | StopMsg | InjectFaultMsg
+ToRankMsg = StepMsg | KeepAliveMsg | StopMsg | InjectFaultMsg
 FromRankMsg = RefusalsMsg | ReadyMsg
 
 _encoder = msgspec.msgpack.Encoder()

@@ -32,6 +32,7 @@ from kvseal.ops import Ops, select_ops
 from kvseal.parallel.group import GroupSpec, RankFailure, RankGroup
 from kvseal.parallel.msgs import (
     InjectFaultMsg,
+    KeepAliveMsg,
     ReadyMsg,
     RefusalsMsg,
     StepMsg,
@@ -82,6 +83,8 @@ class WorkerRank:
             msg = decode_to_rank(self.group.broadcast_bytes(None))
             if isinstance(msg, StopMsg):
                 return
+            if isinstance(msg, KeepAliveMsg):
+                continue
             if isinstance(msg, InjectFaultMsg):
                 if msg.rank == self.spec.rank:
                     switch(Fault(msg.fault), msg.active)
