@@ -7,6 +7,7 @@ integration tier. Every wait is bounded by the engine's `tp_timeout_s`.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -15,7 +16,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import jsonschema
 import pytest
+from char_model import make_char_model
 from tiny_models import make_tiny_model
 
 from kvseal import LLM, FinishReason, SamplingParams
@@ -23,8 +26,10 @@ from kvseal._testing.faults import Fault, inject
 from kvseal.cli import main
 from kvseal.errors import ConfigError
 from kvseal.parallel.group import RankFailure
-from kvseal.types import ISOLATION_CHECK_FAILED
+from kvseal.types import ISOLATION_CHECK_FAILED, StructuredOutput
 
+SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "colour": {"enum": ["red", "green", "blue"]}},
+          "required": ["ok", "colour"], "additionalProperties": False}
 GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
 PROMPTS = [list(range(10, 17)), [20, 21, 22], list(range(30, 60)), list(range(100, 141))]
 # A pool of 96 tokens for 4 prompts growing to 51 tokens at most: preemption is forced.
@@ -85,6 +90,45 @@ def test_tp2_prefix_caching_seeded_samples_and_logprobs(tp2: LLM, model_dirs: di
             assert [t.logprob for t in g.logprobs] == pytest.approx([t.logprob for t in r.logprobs], abs=1e-4)
     assert got[0].num_cached_tokens > 0, "the second prompt starts on the first one's cached pages"
     tp2.engine.check_integrity()
+
+
+def test_tp2_structured_output_matches_tp1(tmp_path: Path) -> None:
+    """Grammar-constrained JSON: the mask applies on rank 0's gathered logits, as with one rank."""
+    folder = make_char_model(tmp_path / "char-llama")
+    spec = StructuredOutput("json_schema", json.dumps(SCHEMA))
+    params = [SamplingParams(max_tokens=60, temperature=t, seed=s, structured=spec) for t, s in [(0.0, None), (1.0, 1)]]
+    texts = {}
+    for tp in (1, 2):
+        llm = LLM(str(folder), kv_cache_tokens=1024, page_size=4, dtype="float32", tensor_parallel_size=tp)
+        try:
+            outs = llm.generate(["hi", "{"], params)
+        finally:
+            llm.engine.close()
+        for out in outs:
+            assert out.finish_reason is FinishReason.STOP, out.text
+            jsonschema.validate(json.loads(out.text), SCHEMA)
+        texts[tp] = [o.text for o in outs]
+    assert texts[1] == texts[2]
+
+
+@pytest.mark.slow
+def test_tp2_greedy_equals_tp1_on_the_default_model_with_preemption() -> None:
+    """SmolLM2-135M: 9 query heads and 3 KV heads over 2 ranks (6 + 3 and 2 + 1), in float32
+    (in bfloat16 the row-parallel partial sums round differently: greedy may part after many tokens)."""
+    prompts = ["The capital of France is", "Write a haiku about the sea.", "1, 2, 3, 4,", "def fibonacci(n):",
+               "Once upon a time"]
+    params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)  # 5 x ~40 tokens in a pool of 128
+    outs = {}
+    for tp in (1, 2):
+        llm = LLM(None, tensor_parallel_size=tp, dtype="float32", kv_cache_tokens=128, max_model_len=128,
+                  page_size=16, max_num_batched_tokens=64)
+        try:
+            outs[tp] = [o.token_ids for o in llm.generate(prompts, params)]
+            assert llm.engine.stats().num_preemptions > 0
+            llm.engine.check_integrity()
+        finally:
+            llm.engine.close()
+    assert outs[1] == outs[2]
 
 
 def _alice_then_bob(llm: LLM, *rank_1_faults: Fault) -> dict[str, Any]:
