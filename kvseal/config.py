@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -35,6 +36,7 @@ NATIVE_MODES = ("auto", "require", "off")
 DEFAULT_MAX_PREFILL_CHUNK_TOKENS = 512  # a quarter of the default step budget
 DEFAULT_FAIR_SHARE_TOKENS = 256  # an eighth of the default step budget
 DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S = 5.0
+DEFAULT_TP_TIMEOUT_S = 60.0  # a collective that waits this long for a rank: the rank is gone or hung
 DEFAULT_GRAMMAR_COMPILE_WORKERS = 2
 DTYPES = tuple(ELEMENT_BYTES)  # the names `--dtype` takes (after "auto" is resolved)
 # Weight-only: "int8": per-output-channel int8 linears (kvseal.models.quant); "bf16": a float32
@@ -306,6 +308,15 @@ class EngineArgs:
         "grammar compile worker processes, shared by tenants round-robin with one compile each at a time; 2 or "
         f"more keep one tenant's slow grammar from delaying another's (default: {DEFAULT_GRAMMAR_COMPILE_WORKERS})",
         metavar="N"))
+    # Tensor parallelism (kvseal/parallel): this many ranks, one process each, over torch.distributed
+    tensor_parallel_size: int = field(default=1, metadata=flag(
+        "tensor-parallel ranks: one process each (this one is rank 0), attention heads, KV heads, MLP and "
+        "vocabulary split across them over torch.distributed (gloo on CPU); default 1", aliases=("-tp",),
+        metavar="N"))
+    tp_timeout_s: float = field(default=DEFAULT_TP_TIMEOUT_S, metadata=flag(
+        "the longest one tensor-parallel collective (a step's message, a forward's all-reduce) may wait for a "
+        "rank; past it the engine fails closed: every in-flight request ends with an error "
+        f"(default: {DEFAULT_TP_TIMEOUT_S:g})", name="--tp-timeout", metavar="S"))
 
     def __post_init__(self) -> None:
         if self.dtype == "auto":
@@ -348,6 +359,14 @@ class EngineArgs:
             raise ConfigError(f"native must be one of {', '.join(NATIVE_MODES)}; got {self.native!r} (auto: kvseal's "
                               f"native kernels where they build, else torch's ops; require: the native kernels or "
                               f"start-up fails; off: torch's ops)")
+        if isinstance(self.tensor_parallel_size, bool) or not isinstance(self.tensor_parallel_size, int) \
+                or self.tensor_parallel_size < 1:
+            raise ConfigError(f"tensor_parallel_size (-tp) must be a whole number >= 1, got "
+                              f"{self.tensor_parallel_size!r}; 1 runs the model in one process")
+        if isinstance(self.tp_timeout_s, bool) or not isinstance(self.tp_timeout_s, (int, float)) \
+                or not math.isfinite(self.tp_timeout_s) or self.tp_timeout_s <= 0:
+            raise ConfigError(f"--tp-timeout must be a number of seconds > 0, got {self.tp_timeout_s!r} "
+                              f"(default {DEFAULT_TP_TIMEOUT_S:g})")
         parse_bytes(self.kv_cache_memory)  # a malformed or negative size fails here, by name
         _ = self.grammar_config  # a bad compile timeout or worker count fails here, by flag
 
@@ -368,7 +387,8 @@ class EngineArgs:
 
     def capacity(self, model: ModelConfig) -> KvCapacity:
         per_elem = bytes_per_element(self.dtype)
-        base = KvCapacity.for_dims(model.num_layers, model.num_kv_heads, model.head_dim, per_elem, self.page_size)
+        base = KvCapacity.for_dims(model.num_layers, model.num_kv_heads, model.head_dim, per_elem, self.page_size,
+                                   self.tensor_parallel_size)
         if self.kv_cache_tokens is not None:
             return base.with_tokens(self.kv_cache_tokens)
         return base.with_memory(parse_bytes(self.kv_cache_memory))

@@ -35,6 +35,14 @@ CONFIGS = {
     "qwen2": lambda: Qwen2Config(**_COMMON),
     "qwen3": lambda: Qwen3Config(**{**_COMMON, "tie_word_embeddings": True}, head_dim=32),
 }
+TP_CONFIGS = {
+    # tensor-parallel shapes: one KV head (replicated on every rank), and 3 KV heads of 6 query
+    # heads with an odd vocabulary (split unevenly over 2 ranks, as SmolLM2-135M's 3 of 9 are)
+    "llama_one_kv_head": lambda: LlamaConfig(**{**_COMMON, "num_key_value_heads": 1}),
+    "llama_odd_split": lambda: LlamaConfig(**{**_COMMON, "hidden_size": 96, "num_attention_heads": 6,
+                                              "num_key_value_heads": 3, "intermediate_size": 150,
+                                              "vocab_size": 509}),
+}
 
 
 def make_tokenizer() -> PreTrainedTokenizerFast:
@@ -52,7 +60,7 @@ def make_tokenizer() -> PreTrainedTokenizerFast:
 def make_tiny_model(arch: str, folder: Path, seed: int = 0) -> Path:
     """Write a random-weight model of `arch` into `folder`; return the folder."""
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(CONFIGS[arch]()).eval()
+    model = AutoModelForCausalLM.from_config({**CONFIGS, **TP_CONFIGS}[arch]()).eval()
     with torch.no_grad():  # larger weights than the init default: sharper, less tie-prone logits
         for p in model.parameters():
             if p.dim() == 2:

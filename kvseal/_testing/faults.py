@@ -83,6 +83,15 @@ def is_active(fault: Fault) -> bool:
     return fault in _active
 
 
+def switch(fault: Fault, active: bool) -> None:
+    """Turn a fault on or off in this process: a tensor-parallel worker rank's side of
+    `TensorParallelDriver.inject_fault_on_rank` (a test's call, never a flag or config)."""
+    if active:
+        _active.add(fault)
+    else:
+        _active.discard(fault)
+
+
 @contextlib.contextmanager
 def inject(fault: Fault) -> Iterator[None]:
     _active.add(fault)

@@ -21,6 +21,7 @@ from kvseal.config import EngineArgs
 from kvseal.disagg.config import NodeConfig
 from kvseal.disagg.node import EngineNode
 from kvseal.engine.engine import LLMEngine
+from kvseal.errors import ConfigError
 from kvseal.heap import freeze_startup_heap
 from kvseal.messages.msgs import ABORT_SERVER_SHUTDOWN
 
@@ -36,6 +37,10 @@ def serve_engine(args: EngineArgs, config: NodeConfig, should_stop: Callable[[],
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    if args.tensor_parallel_size > 1:  # a role moves KV through rank 0's pool only (issue 42, step 4)
+        raise ConfigError(f"--tensor-parallel-size {args.tensor_parallel_size} is not supported for PD roles yet: "
+                          f"a {config.role} engine exports or imports KV on one rank only. Serve the model "
+                          f"colocated (kvseal serve -tp N), or run PD engines with -tp 1")
     if config.num_threads is not None:  # the engine sets torch's threads before any model work
         args = dataclasses.replace(args, num_threads=config.num_threads)
     node = EngineNode(LLMEngine(args), config)

@@ -63,6 +63,7 @@ class ColocatedSteps:
         return GRAMMAR_POLL_MS if self._compiling else idle_poll_ms
 
     def tick(self) -> bool:
+        self.engine.check_ranks()  # a tensor-parallel rank lost while idle fails the engine now
         ready = self._compiling.take_ready()
         for waiting in ready:
             msg, params = waiting.item

@@ -11,9 +11,10 @@ and the batch is built again without it: the other requests of the step still ru
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import secrets
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,12 +28,15 @@ from kvseal.engine.model_runner import ModelRunner
 from kvseal.engine.output import OutputState, text_decoder
 from kvseal.engine.sampler import sample
 from kvseal.engine.scheduler import Scheduler
-from kvseal.errors import InvalidParameter, IsolationViolation
+from kvseal.errors import ConfigError, InvalidParameter, IsolationViolation
 from kvseal.kvcache.manager import KVCacheManager
+from kvseal.models.llama import CausalLM
 from kvseal.models.loader import LoadedModel, load_model
-from kvseal.models.packed import pack_model
-from kvseal.models.quant import quantize_model
+from kvseal.models.tensor_parallel import RankLayout
 from kvseal.ops import select_ops
+from kvseal.parallel.driver import RankOptions, TensorParallelDriver
+from kvseal.parallel.group import RankFailure
+from kvseal.parallel.worker import finish_model
 from kvseal.prompting import encode_text
 from kvseal.structured.compiler import GrammarCompilerPool, GrammarPoolStats
 from kvseal.structured.matching import new_matcher
@@ -70,7 +74,10 @@ class LLMEngine:
         # the kernels first (native: built now, or found in the user's cache; --native), so that
         # `--native require` without a compiler fails before the weights load
         self.ops = select_ops(args.native)
-        self.loaded = loaded or load_model(args.model, args.torch_dtype)
+        tp = args.tensor_parallel_size
+        if loaded is not None and tp > 1:
+            raise ConfigError("a tensor-parallel engine loads its own shards; pass the model by name, not loaded")
+        self.loaded = loaded or load_model(args.model, args.torch_dtype, rank=(0, tp) if tp > 1 else None)
         self.model_config: ModelConfig = self.loaded.config
         self.tokenizer: Any = self.loaded.tokenizer
         self._decode_text = text_decoder(self.tokenizer)
@@ -78,13 +85,16 @@ class LLMEngine:
         self.limits = AdmissionLimits(self.scheduler_config.max_model_len, self.cache_config.kv_cache_tokens,
                                       self.model_config.vocab_size)
         cfg = self.model_config
-        self.kv = KVCacheManager(self.cache_config, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
-                                 record_kernels=self.ops.record_kernels())
+        layout = RankLayout.of(cfg, 0, tp) if tp > 1 else None
+        num_kv_heads = layout.num_kv_heads if layout is not None else cfg.num_kv_heads
+        self.kv = KVCacheManager(self.cache_config, cfg.num_layers, num_kv_heads, cfg.head_dim,
+                                 record_kernels=self.ops.record_kernels(), mirrored=tp > 1)
         self.scheduler = Scheduler(self.scheduler_config, self.kv)
-        model = quantize_model(self.loaded.model.to(args.torch_dtype), args.quantization, self.ops)
-        if args.quantization != "int8":
-            model = pack_model(model, self.ops, weight_dtype=torch.bfloat16 if args.quantization == "bf16" else None)
-        model.use_ops(self.ops)
+        model = finish_model(self.loaded.model, args.torch_dtype, args.quantization, self.ops)
+        # Tensor parallelism: ranks 1..tp-1 in their own processes, driven from here (rank 0)
+        self.driver: TensorParallelDriver | None = None
+        if layout is not None:
+            self.driver = self._start_ranks(args, layout, model)
         self.runner = ModelRunner(model, self.kv.pool)
         self._outputs: dict[str, OutputState] = {}
         self._num_preemptions = 0
@@ -95,6 +105,22 @@ class LLMEngine:
         # the prefill role exports the request's KV here. None: nothing to do.
         self.before_free: Callable[[Request], None] | None = None
         self._log_config(args)
+
+    def _start_ranks(self, args: EngineArgs, layout: RankLayout, model: CausalLM) -> TensorParallelDriver:
+        options = RankOptions(str(self.loaded.path), args.dtype, args.quantization, args.native, args.seed,
+                              args.num_threads, self.cache_config.num_pages, self.cache_config.page_size,
+                              self.cache_config.check_kv)
+        driver, group = TensorParallelDriver.start(options, args.tensor_parallel_size, args.tp_timeout_s, self.kv)
+        try:
+            model.use_tensor_parallel(layout, group)
+            ready = driver.wait_ready(self.kv.pool.num_bytes, layout.num_kv_heads)
+        except Exception:
+            driver.close()
+            raise
+        logger.info("tensor parallel: %d ranks (pids %s), KV heads per rank %s, pool bytes per rank %s",
+                    args.tensor_parallel_size, driver.ranks.pids, [r.num_kv_heads for r in ready],
+                    [r.pool_bytes for r in ready])
+        return driver
 
     def _log_config(self, args: EngineArgs) -> None:
         c, s = self.cache_config, self.scheduler_config
@@ -133,6 +159,8 @@ class LLMEngine:
         """Stop what the engine runs besides its own thread (the grammar workers)."""
         if self._grammars is not None:
             self._grammars.close()
+        if self.driver is not None:
+            self.driver.close()
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                     tenant: str = DEFAULT_TENANT, compiled_grammar: Any = None) -> Request:
@@ -224,12 +252,41 @@ class LLMEngine:
         produced a token or finished (including requests an isolation check ended)."""
         plan = self.scheduler.schedule()
         self._num_preemptions += len(plan.preempted)
-        prepared, chunks, refused = self._checked_forward(plan.chunks)
-        if prepared is None:
-            return refused
-        with self.kv.recording(prepared.writes):
-            logits = self.runner.run(prepared.batch).raw_logits
+        with self._ranks():
+            prepared, chunks, refused = self._checked_forward(plan.chunks)
+            if prepared is None:
+                return refused
+            with self.kv.recording(prepared.writes):
+                logits = self.runner.run(prepared.batch).raw_logits
         return refused + self._update(chunks, logits)
+
+    @contextlib.contextmanager
+    def _ranks(self) -> Iterator[None]:
+        """A tensor-parallel step holds the ranks' group; a failed collective stops the ranks."""
+        if self.driver is None:
+            yield
+            return
+        try:
+            self.driver.raise_if_failed()
+            with self.driver.exclusive():
+                yield
+        except RankFailure:
+            self._fail_ranks()
+            raise
+
+    def check_ranks(self) -> None:
+        """RankFailure (the ranks are stopped) if a tensor-parallel rank died or hung, also while
+        the engine is idle (its keep-alive found it); nothing for a single-process engine."""
+        if self.driver is not None and self.driver.failure is not None:
+            self._fail_ranks()
+            raise self.driver.failure
+
+    def _fail_ranks(self) -> None:
+        """A rank died or hung: the ranks are stopped (by PID) and this engine serves no more.
+        The caller's exception ends every in-flight request with an error (fail closed)."""
+        assert self.driver is not None, "only a tensor-parallel engine has ranks to fail"
+        logger.error("a tensor-parallel rank failed; stopping the ranks (pids %s)", self.driver.ranks.pids)
+        self.driver.close()
 
     def _checked_forward(self, chunks: list[ScheduledChunk]
                          ) -> tuple[PreparedForward | None, list[ScheduledChunk], list[RequestOutput]]:
@@ -239,12 +296,18 @@ class LLMEngine:
         while chunks:
             prepared = build_forward_batch(chunks, self.kv)
             violations = check_forward(prepared, self.kv)
+            if self.driver is not None:  # every rank checks too; one rank's refusal refuses it on all
+                violations = self._agree(prepared, violations)
             if not violations:
                 return prepared, chunks, refused
             refused += [self._isolation_abort(v) for v in violations]
             dropped = {v.request_id for v in violations}
             chunks = [c for c in chunks if c.request.request_id not in dropped]
         return None, [], refused
+
+    def _agree(self, prepared: PreparedForward, violations: list[IsolationViolation]) -> list[IsolationViolation]:
+        assert self.driver is not None
+        return self.driver.agree(prepared.batch, prepared.writes, prepared.writes.starts.tolist(), violations)
 
     def _update(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> list[RequestOutput]:
         sampled = [c.request for c in chunks if c.is_last_chunk]

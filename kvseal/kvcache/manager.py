@@ -37,6 +37,7 @@ from kvseal._testing.faults import Fault, is_active
 from kvseal.config import CacheConfig
 from kvseal.errors import IsolationViolation
 from kvseal.kvcache.allocator import PageAllocator
+from kvseal.kvcache.mirror import LoggedRecords, OwnershipEvent
 from kvseal.kvcache.pool import KVPool
 from kvseal.kvcache.prefix_cache import extend_page_hashes, page_key
 from kvseal.kvcache.records import ForwardWrites, RecordKernels, WriteRecords
@@ -45,14 +46,16 @@ from kvseal.types import ForwardBatch, Request
 
 class KVCacheManager:
     def __init__(self, config: CacheConfig, num_layers: int, num_kv_heads: int, head_dim: int,
-                 record_kernels: RecordKernels | None = None) -> None:
+                 record_kernels: RecordKernels | None = None, mirrored: bool = False) -> None:
         """record_kernels: the ops layer's kernels for the always-on check and the records'
-        growth (`Ops.record_kernels`); None: torch ops, with the same answers."""
+        growth (`Ops.record_kernels`); None: torch ops, with the same answers. `mirrored`: log
+        every ownership change for other tensor-parallel ranks (`mirror.py`)."""
         self.config = config
         self.page_size = config.page_size
         self.allocator = PageAllocator(config.num_pages)
         self.num_layers = num_layers
-        self.records = WriteRecords(num_layers, config.num_pages, config.page_size, track_slots=config.check_kv,
+        records_type = LoggedRecords if mirrored else WriteRecords
+        self.records = records_type(num_layers, config.num_pages, config.page_size, track_slots=config.check_kv,
                                     kernels=record_kernels)
         self.pool = KVPool(num_layers, config.num_pages, config.page_size, num_kv_heads, head_dim, config.dtype,
                            observer=self.records)
@@ -100,7 +103,7 @@ class KVCacheManager:
         if self.config.kv_scrub == "alloc" or self.config.check_kv:
             # Checked mode: zero the NaN poison on hand-out. Attention reads whole pages and
             # masks the unwritten tail, and a masked NaN would still poison the sum.
-            self.pool.fill(new_pages, 0.0)
+            self._fill(new_pages, 0.0)
             self.num_pages_scrubbed += len(new_pages)
 
     def free(self, request_id: str) -> list[int]:
@@ -126,12 +129,22 @@ class KVCacheManager:
         if not pages:
             return
         if self.config.check_kv:
-            self.pool.fill(pages, float("nan"))
+            self._fill(pages, float("nan"))
         elif self.config.kv_scrub == "free":
-            self.pool.fill(pages, 0.0)
+            self._fill(pages, 0.0)
         else:
             return
         self.num_pages_scrubbed += len(pages)
+
+    def _fill(self, pages: list[int], value: float) -> None:
+        self.pool.fill(pages, value)
+        if isinstance(self.records, LoggedRecords):
+            self.records.log_fill(pages, value)
+
+    def drain_events(self) -> list[OwnershipEvent]:
+        """The ownership changes since the last call, for the other tensor-parallel ranks
+        (empty unless `mirrored`)."""
+        return self.records.drain() if isinstance(self.records, LoggedRecords) else []
 
     # --- prefix cache ----------------------------------------------------------------------
 

@@ -37,6 +37,11 @@ class KVPool:
         self.observer = observer
 
     @property
+    def num_bytes(self) -> int:
+        """The memory K and V of every layer take."""
+        return sum(t.numel() * t.element_size() for t in (*self.k, *self.v))
+
+    @property
     def num_slots(self) -> int:
         return self.num_pages * self.page_size
 

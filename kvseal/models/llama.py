@@ -22,6 +22,7 @@ from kvseal.config import ModelConfig
 from kvseal.kvcache.pool import KVPool
 from kvseal.models.attention import AttentionPlan, paged_attention
 from kvseal.models.rope import RotaryEmbedding
+from kvseal.models.tensor_parallel import RankCollectives, RankLayout
 from kvseal.ops import DecodeLoop, DecoderStack, DecoderWeights, NewTokens, Ops, TorchOps
 from kvseal.ops.torch_backend import rms_norm
 from kvseal.types import ForwardBatch
@@ -127,6 +128,16 @@ class CausalLM(nn.Module):
         # the linears are packed: it points at their weights); None where the ops have none.
         self._decode_loop: DecodeLoop | None = None
         self._decode_loop_built = False
+        # Tensor parallelism: this rank's slice of the model and the collectives joining the
+        # ranks (`use_tensor_parallel`); None: the whole model in this process.
+        self.layout: RankLayout | None = None
+        self.comm: RankCollectives | None = None
+
+    def use_tensor_parallel(self, layout: RankLayout, comm: RankCollectives) -> None:
+        """This module holds rank `layout.rank`'s shard (`tensor_parallel.RankLayout.shard`);
+        every forward joins the other ranks' through `comm`. Rank 0 returns the full logits."""
+        self.layout, self.comm = layout, comm
+        self._decode_loop, self._decode_loop_built = None, True  # a loop has no all-reduce between layers
 
     def use_ops(self, ops: Ops) -> None:
         """Run the forward with `ops` (call after the linears are in their final form)."""
@@ -140,28 +151,47 @@ class CausalLM(nn.Module):
         ops = self.ops
         plan = AttentionPlan.build(batch, pool, self.config.num_heads, ops)
         layers: list[DecoderLayer] = list(self.model.layers)  # type: ignore[arg-type]
-        h = self.model.embed_tokens(batch.input_ids).contiguous()  # [num_tokens, hidden], the residual stream
+        h = self._embed(batch.input_ids)  # [num_tokens, hidden], the residual stream
         # [num_tokens, head_dim] each; every position is below its sequence's context length
         cos, signed_sin = self.rope.cos_sin_rows(batch.positions, h.dtype, max(batch.context_lens, default=0))
         if plan.decode is not None and plan.is_decode_only and (loop := self.decode_loop()) is not None \
                 and loop.takes(plan.decode.plan):
             x = loop.run(h, cos, signed_sin, batch.slot_mapping, plan.decode.plan, pool)
             # a decode-only step samples every row, in order, but for a one-token prefill chunk
-            return self.lm_head(x if batch.logits_indices.numel() == x.shape[0] else x[batch.logits_indices])
+            return self._logits(x if batch.logits_indices.numel() == x.shape[0] else x[batch.logits_indices])
         first = layers[0].input_layernorm
         x = ops.add_rms_norm(h, None, first.weight, first.eps, torch.empty_like(h))  # the normed stream
         norms = [layer.input_layernorm for layer in layers[1:]] + [self.model.norm]
         rows = _sampled_rows(batch)
         for layer, next_norm in zip(layers, norms):
             last = layer is layers[-1] and rows is not None
-            attn = layer.self_attn(x, cos, signed_sin, batch, plan, pool, ops, rows if last else None)
+            attn = self._reduced(layer.self_attn(x, cos, signed_sin, batch, plan, pool, ops, rows if last else None))
             if last:  # from here on only the sampled tokens' stream
                 h, x = h[rows], torch.empty_like(attn)
             post = layer.post_attention_layernorm
             x = ops.add_rms_norm(h, attn, post.weight, post.eps, x)
-            mlp = layer.mlp(x, ops)
+            mlp = self._reduced(layer.mlp(x, ops))
             x = ops.add_rms_norm(h, mlp, next_norm.weight, next_norm.eps, x)
-        return self.lm_head(x if rows is not None else x[batch.logits_indices])
+        return self._logits(x if rows is not None else x[batch.logits_indices])
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.layout is None or self.comm is None:
+            return self.model.embed_tokens(input_ids).contiguous()
+        return self.layout.embed(self.model.embed_tokens, input_ids, self.comm).contiguous()
+
+    def _reduced(self, partial: torch.Tensor) -> torch.Tensor:
+        """A row-parallel linear's output: this rank's partial sum -> the sum over ranks."""
+        if self.comm is not None:
+            self.comm.all_reduce(partial)
+        return partial
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        """[num_samples, vocab]: the lm_head over x; under tensor parallelism each rank's vocabulary
+        block gathered on rank 0 (other ranks get their own block) and the padding cut off."""
+        logits = self.lm_head(x)
+        if self.layout is None or self.comm is None:
+            return logits
+        return self.comm.gather_vocab(logits.contiguous())[:, :self.layout.vocab_size]
 
     def decode_loop(self) -> DecodeLoop | None:
         """The ops' loop over this model's layers (built once), or None."""

@@ -24,6 +24,7 @@ from kvseal.config import ModelConfig
 from kvseal.errors import ModelLoadError
 from kvseal.model_files import gguf_cache_dir, resolve_model_path
 from kvseal.models.llama import PACKED_MODULES, CausalLM
+from kvseal.models.tensor_parallel import RankLayout
 
 logger = logging.getLogger("kvseal")
 
@@ -49,7 +50,10 @@ def plan_config(model: str | os.PathLike[str] | None) -> ModelConfig:
         raise ModelLoadError(f"cannot read GGUF metadata of {path}: {exc}") from exc
 
 
-def load_model(model: str | os.PathLike[str] | None, dtype: torch.dtype) -> LoadedModel:
+def load_model(model: str | os.PathLike[str] | None, dtype: torch.dtype,
+               rank: tuple[int, int] | None = None) -> LoadedModel:
+    """The model and its tokenizer; `rank` = (rank, tp): only that tensor-parallel rank's shard
+    of the weights (`tensor_parallel.RankLayout`), `config` still the whole model's."""
     path = resolve_model_path(model)
     folder = convert_gguf(path) if path.suffix == ".gguf" else path
     config = ModelConfig.from_hf(_load_hf_config(folder))
@@ -57,7 +61,8 @@ def load_model(model: str | os.PathLike[str] | None, dtype: torch.dtype) -> Load
     extra_eos = _generation_eos(folder) + ([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])
     eos = tuple(dict.fromkeys([*config.eos_token_ids, *extra_eos]))
     config = dataclasses.replace(config, eos_token_ids=eos)
-    module = _build_and_load(config, folder, dtype)
+    layout = RankLayout.of(config, *rank) if rank is not None else None
+    module = _build_and_load(config, folder, dtype, layout)
     return LoadedModel(module, config, tokenizer, path.stem if path.is_file() else path.name, path)
 
 
@@ -88,9 +93,10 @@ def _generation_eos(folder: Path) -> list[int]:
     return eos if isinstance(eos, list) else [] if eos is None else [eos]
 
 
-def _build_and_load(config: ModelConfig, folder: Path, dtype: torch.dtype) -> CausalLM:
+def _build_and_load(config: ModelConfig, folder: Path, dtype: torch.dtype,
+                    layout: RankLayout | None = None) -> CausalLM:
     with torch.device("meta"):
-        module = CausalLM(config)
+        module = CausalLM(config if layout is None else layout.rank_config(config))
     state = _read_safetensors(folder)
     params = [k for k in module.state_dict() if not (config.tie_word_embeddings and k == "lm_head.weight")]
     expected = {name for key in params for name in _checkpoint_names(key)}
@@ -101,6 +107,8 @@ def _build_and_load(config: ModelConfig, folder: Path, dtype: torch.dtype) -> Ca
     if missing or unexpected:
         raise ModelLoadError(f"weights in {folder} do not match {config.architecture}: "
                              f"missing {missing[:5]}, unexpected {unexpected[:5]}")
+    if layout is not None:  # this rank's slice of each tensor, before packing q/k/v and gate/up
+        state = {name: layout.shard(name, t) for name, t in state.items()}
     packed = {key: torch.cat([state[n] for n in _checkpoint_names(key)]).to(dtype) for key in params}
     module.load_state_dict(packed, strict=False, assign=True)
     if config.tie_word_embeddings:

@@ -1,0 +1,1 @@
+"""Tensor parallelism: one model over several processes, the isolation contract held on every rank."""

@@ -1,0 +1,225 @@
+"""Rank 0's side of tensor parallelism: start the worker ranks, send them each step, agree.
+
+The engine keeps its one scheduler, allocator and ownership records; this driver starts ranks
+1..N-1 (`python -m kvseal.parallel.worker`, each in a process group of its own, stopped by
+PID), joins them in the torch.distributed group, and for every forward:
+
+1. broadcasts a `StepMsg`: the ownership changes since the last step and the batch;
+2. every rank checks the batch against its own records (rank 0: the engine's check), and the
+   ranks all-gather their refusals: a sequence any rank refuses is refused on every rank;
+3. only a batch no rank refused runs, on every rank, joined by the forward's collectives.
+
+Any failed collective (a rank died, or hung past the timeout) raises `RankFailure`; the group is
+then unusable and the engine fails closed.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from kvseal._testing.faults import Fault
+from kvseal.config import NativeMode
+from kvseal.errors import IsolationViolation
+from kvseal.kvcache.manager import KVCacheManager
+from kvseal.kvcache.records import ForwardWrites
+from kvseal.parallel.group import GroupSpec, RankFailure, RankGroup
+from kvseal.parallel.msgs import (
+    InjectFaultMsg,
+    KeepAliveMsg,
+    ReadyMsg,
+    RefusalsMsg,
+    StepMsg,
+    StopMsg,
+    WorkerSpecMsg,
+    decode_from_rank,
+    encode,
+)
+from kvseal.types import ForwardBatch
+
+logger = logging.getLogger("kvseal")
+
+STOP_WAIT_S = 10.0  # how long a stopping rank may take before it is killed
+FAILED_STOP_WAIT_S = 1.0  # the same after the group failed (a rank may be hung: it never reads a stop)
+
+
+@dataclass(frozen=True)
+class RankOptions:
+    """How the worker ranks load and run (the engine's own settings, passed on)."""
+
+    model: str
+    dtype: str
+    quantization: str
+    native: NativeMode
+    seed: int
+    num_threads: int | None
+    num_pages: int
+    page_size: int
+    check_kv: bool
+
+
+def free_loopback_port() -> int:
+    """A TCP port free on 127.0.0.1 now (the rendezvous binds it next)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class RankProcesses:
+    """The worker ranks' processes, each the leader of its own process group: stopped by PID."""
+
+    def __init__(self, options: RankOptions, group: GroupSpec) -> None:
+        self.procs: list[subprocess.Popen[bytes]] = []
+        for rank in range(1, group.world_size):
+            spec = WorkerSpecMsg(options.model, options.dtype, options.quantization, options.native, options.seed,
+                                 options.num_threads, rank, group.world_size, group.init_method, group.timeout_s,
+                                 options.num_pages, options.page_size, options.check_kv)
+            self.procs.append(subprocess.Popen([sys.executable, "-m", "kvseal.parallel.worker", encode(spec).hex()],
+                                               start_new_session=True))
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+    def stop(self, wait_s: float = STOP_WAIT_S) -> None:
+        """Wait for each rank to exit, then kill what is left (its whole process group)."""
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=wait_s)
+            except subprocess.TimeoutExpired:
+                _kill_group(proc)
+                proc.wait()
+
+    def kill(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                _kill_group(proc)
+            proc.wait()
+
+
+def _kill_group(proc: subprocess.Popen[bytes]) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # the rank's own group (start_new_session): it and its children
+    except ProcessLookupError:
+        pass
+
+
+class TensorParallelDriver:
+    """Rank 0 of a tensor-parallel engine: the one caller of the collectives' message side."""
+
+    def __init__(self, group: RankGroup, ranks: RankProcesses, kv: KVCacheManager) -> None:
+        self.group, self.ranks, self.kv = group, ranks, kv
+        self.ready: list[ReadyMsg] = []
+        # One caller of the group at a time: the engine's step (`exclusive`) or the keep-alive
+        # thread, which speaks only while the engine is idle.
+        self._lock = threading.Lock()
+        self._last_sent = time.monotonic()
+        self.failure: RankFailure | None = None  # the first failed collective, from either caller
+        self._stopped = threading.Event()
+        self._keep_alive: threading.Thread | None = None
+
+    @contextmanager
+    def exclusive(self) -> Iterator[None]:
+        """Hold the group for one engine step (its messages and its forward's collectives)."""
+        with self._lock:
+            try:
+                yield
+            except RankFailure as exc:
+                self.failure = self.failure or exc
+                raise
+            finally:
+                self._last_sent = time.monotonic()
+
+    def raise_if_failed(self) -> None:
+        """RankFailure if a collective failed since start (also one of an idle engine's keep-alives)."""
+        if self.failure is not None:
+            raise self.failure
+
+    def _keep_alive_loop(self) -> None:
+        interval_s = self.group.spec.timeout_s / 4
+        while not self._stopped.wait(interval_s / 2):
+            with self._lock:
+                if self._stopped.is_set() or self.failure is not None or not self.group.is_open:
+                    return
+                if time.monotonic() - self._last_sent < interval_s:
+                    continue
+                try:
+                    self.group.broadcast_bytes(encode(KeepAliveMsg()))
+                except RankFailure as exc:
+                    logger.error("tensor-parallel keep-alive: %s", exc)
+                    self.failure = exc
+                    return
+                self._last_sent = time.monotonic()
+
+    @classmethod
+    def start(cls, options: RankOptions, tp: int, timeout_s: float, kv: KVCacheManager,
+              init_method: str | None = None) -> tuple[TensorParallelDriver, RankGroup]:
+        """Start ranks 1..tp-1 and join them (rank 0: this process). The caller loads its own
+        shard, gives it the group, then calls `wait_ready`."""
+        spec = GroupSpec(init_method or f"tcp://127.0.0.1:{free_loopback_port()}", tp, timeout_s)
+        ranks = RankProcesses(options, spec)
+        try:
+            group = RankGroup(spec, 0)
+        except RankFailure:
+            ranks.kill()
+            raise
+        return cls(group, ranks, kv), group
+
+    def wait_ready(self, pool_bytes: int, num_kv_heads: int) -> list[ReadyMsg]:
+        """Every rank's shard is loaded; their pools, rank order (rank 0's from the caller)."""
+        mine = ReadyMsg(0, num_kv_heads, self.kv.config.num_pages, pool_bytes)
+        answers = [decode_from_rank(a) for a in self.group.all_gather_bytes(encode(mine))]
+        self.ready = [a for a in answers if isinstance(a, ReadyMsg)]
+        self.group.serving()
+        self._keep_alive = threading.Thread(target=self._keep_alive_loop, name="kvseal-tp-keep-alive", daemon=True)
+        self._keep_alive.start()
+        return self.ready
+
+    def agree(self, batch: ForwardBatch, writes: ForwardWrites, starts: list[int],
+              violations: list[IsolationViolation]) -> list[IsolationViolation]:
+        """Send the step to every rank and gather every rank's refusals (rank 0's: `violations`).
+        Returns every violation; empty: every rank runs this batch next (`run`)."""
+        msg = StepMsg(self.kv.drain_events(), batch.input_ids.tolist(), batch.positions.tolist(),
+                      batch.slot_mapping.tolist(), list(batch.query_lens), list(batch.context_lens),
+                      [t.tolist() for t in batch.block_tables], batch.logits_indices.tolist(),
+                      list(writes.request_ids), starts)
+        self.group.broadcast_bytes(encode(msg))
+        mine = {writes.request_ids.index(v.request_id): str(v) for v in violations}
+        answers = [decode_from_rank(a) for a in self.group.all_gather_bytes(encode(RefusalsMsg(mine)))]
+        found = {v.request_id: v for v in violations}
+        for rank, answer in enumerate(answers):
+            if not isinstance(answer, RefusalsMsg):
+                continue
+            for index, why in sorted(answer.refused.items()):
+                request_id = writes.request_ids[index]
+                found.setdefault(request_id, IsolationViolation(request_id, f"on tensor-parallel rank {rank}: {why}"))
+        return list(found.values())
+
+    def inject_fault_on_rank(self, rank: int, fault: Fault, active: bool = True) -> None:
+        """Test-only: switch a `kvseal._testing` fault on (or off) in worker `rank` alone."""
+        with self.exclusive():
+            self.group.broadcast_bytes(encode(InjectFaultMsg(rank, fault.value, active)))
+
+    def close(self) -> None:
+        """Tell the ranks to stop, leave the group, and wait for them (killed past the wait)."""
+        self._stopped.set()
+        if self._keep_alive is not None:
+            self._keep_alive.join()
+        told = self.group.is_open
+        if told:
+            try:
+                self.group.broadcast_bytes(encode(StopMsg()))
+            except RankFailure as exc:
+                logger.warning("stopping the tensor-parallel ranks: %s", exc)
+                told = False
+        self.group.close()
+        self.ranks.stop(STOP_WAIT_S if told else FAILED_STOP_WAIT_S)

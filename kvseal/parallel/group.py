@@ -1,0 +1,127 @@
+"""The ranks' process group: torch.distributed (gloo on CPU), and typed messages over it.
+
+Rank 0 is the engine (the driver: scheduler, allocator and page ownership live there); ranks
+1..N-1 are workers. Everything between them goes through the one process group: the forward's
+collectives and the driver's step messages (msgspec bytes broadcast from rank 0; never pickle).
+Every collective is bounded by the group's timeout: a rank that died fails the next
+collective at once (its sockets close), a rank that hangs fails it after `timeout_s`; either
+way the caller gets `RankFailure` and the engine fails closed.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from kvseal.errors import KvsealError
+
+START_TIMEOUT_S = 300.0  # joining the group and loading a shard, every rank
+
+
+class RankFailure(KvsealError):
+    """A collective did not complete: a rank died, hung past the timeout, or the group is gone.
+    The group cannot be used again; the engine stops and fails every request it holds."""
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """Where and how the ranks meet (torch.distributed's TCP rendezvous)."""
+
+    init_method: str  # tcp://host:port; 127.0.0.1 unless the user names another address
+    world_size: int
+    timeout_s: float  # a collective's bound once every rank is loaded (`RankGroup.serving`)
+    backend: str = "gloo"
+
+    @property
+    def start_timeout_s(self) -> float:
+        """The bound while ranks start and load their shards (slower than any step)."""
+        return max(self.timeout_s, START_TIMEOUT_S)
+
+
+class RankGroup:
+    """This process's membership in the group: the forward's collectives and the message channel."""
+
+    def __init__(self, spec: GroupSpec, rank: int) -> None:
+        self.rank, self.world_size, self.spec = rank, spec.world_size, spec
+        try:
+            dist.init_process_group(spec.backend, init_method=spec.init_method, rank=rank, world_size=spec.world_size,
+                                    timeout=datetime.timedelta(seconds=spec.start_timeout_s))
+        except Exception as exc:  # torch raises several types for a rendezvous that fails
+            raise RankFailure(f"rank {rank} could not join the tensor-parallel group at {spec.init_method} "
+                              f"within {spec.start_timeout_s:g} s: {exc}") from exc
+        self._pg: Any = None  # the start-up (default) group until `serving`
+        self.is_open = True  # False after a failed collective: no more calls
+        self._joined = True  # until close(): the process's default group is this one
+
+    def serving(self) -> None:
+        """Every rank is loaded: from now on each collective waits at most `spec.timeout_s`
+        (a group of the same ranks with that timeout; every rank calls this once, in step)."""
+        timeout = datetime.timedelta(seconds=self.spec.timeout_s)
+        pg = None
+
+        def make() -> None:
+            nonlocal pg
+            pg = dist.new_group(list(range(self.world_size)), timeout=timeout, backend=self.spec.backend)
+
+        self._call(make)
+        self._pg = pg
+
+    def close(self) -> None:
+        self.is_open = False
+        if self._joined:
+            self._joined = False
+            try:
+                dist.destroy_process_group()
+            except Exception:  # a group whose peers are gone may fail to tear down; nothing to keep
+                pass
+
+    # ---- the forward's collectives (RankCollectives)
+
+    def all_reduce(self, t: torch.Tensor) -> None:
+        self._call(lambda: dist.all_reduce(t, group=self._pg))
+
+    def gather_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        parts = [torch.empty_like(logits) for _ in range(self.world_size)] if self.rank == 0 else None
+        self._call(lambda: dist.gather(logits, parts, dst=0, group=self._pg))
+        return torch.cat(parts, dim=-1) if parts is not None else logits
+
+    # ---- messages
+
+    def broadcast_bytes(self, data: bytes | None) -> bytes:
+        """Rank 0 sends `data`; every rank returns it."""
+        size = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64)
+        self._call(lambda: dist.broadcast(size, src=0, group=self._pg))
+        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data is not None and self.rank == 0 \
+            else torch.empty(int(size), dtype=torch.uint8)
+        if int(size):
+            self._call(lambda: dist.broadcast(buf, src=0, group=self._pg))
+        return buf.numpy().tobytes()
+
+    def all_gather_bytes(self, data: bytes) -> list[bytes]:
+        """Every rank's `data`, in rank order, on every rank."""
+        size = torch.tensor([len(data)], dtype=torch.int64)
+        sizes = [torch.empty_like(size) for _ in range(self.world_size)]
+        self._call(lambda: dist.all_gather(sizes, size, group=self._pg))
+        longest = max(int(s) for s in sizes)
+        if longest == 0:
+            return [b""] * self.world_size
+        mine = torch.zeros(longest, dtype=torch.uint8)
+        mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else mine[:0]
+        parts = [torch.empty_like(mine) for _ in range(self.world_size)]
+        self._call(lambda: dist.all_gather(parts, mine, group=self._pg))
+        return [p[:int(s)].numpy().tobytes() for p, s in zip(parts, sizes)]
+
+    def _call(self, collective: Callable[[], object]) -> None:
+        if not self.is_open:
+            raise RankFailure(f"rank {self.rank}: the tensor-parallel group is closed after an earlier failure")
+        try:
+            collective()
+        except Exception as exc:  # gloo raises RuntimeError (and DistBackendError) for a lost or late peer
+            self.is_open = False
+            raise RankFailure(f"rank {self.rank}: a tensor-parallel collective failed ({exc}); a rank died or "
+                              f"did not answer within the group's timeout") from exc

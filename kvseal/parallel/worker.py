@@ -1,0 +1,166 @@
+"""A worker rank (1..N-1): its shard of the model and of every KV page, driven by rank 0.
+
+It holds no scheduler and no allocator. Before each forward it replays the driver's ownership
+changes on its own write records (`kvcache/mirror.py`) and runs the always-on check (I3, I4)
+against them; the ranks exchange their refusals, and a forward runs only where no rank refused
+(`TensorParallelDriver.agree`). Its written prefixes advance only by its own pool's writes.
+
+Run as `python -m kvseal.parallel.worker SPEC` (SPEC: a `WorkerSpecMsg`, msgpack in hex), started
+by the driver in a process group of its own; it exits when the driver says stop or when any
+collective fails (the driver died or hung), and when its parent dies.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import signal
+import sys
+
+import torch
+
+from kvseal._testing.faults import Fault, is_active, switch
+from kvseal.kvcache.mirror import replay
+from kvseal.kvcache.pool import KVPool
+from kvseal.kvcache.records import WriteRecords
+from kvseal.models.llama import CausalLM
+from kvseal.models.loader import load_model
+from kvseal.models.packed import pack_model
+from kvseal.models.quant import quantize_model
+from kvseal.models.tensor_parallel import RankLayout
+from kvseal.ops import Ops, select_ops
+from kvseal.parallel.group import GroupSpec, RankFailure, RankGroup
+from kvseal.parallel.msgs import (
+    InjectFaultMsg,
+    KeepAliveMsg,
+    ReadyMsg,
+    RefusalsMsg,
+    StepMsg,
+    StopMsg,
+    WorkerSpecMsg,
+    decode_from_rank,
+    decode_spec,
+    decode_to_rank,
+    encode,
+)
+from kvseal.types import ForwardBatch
+
+logger = logging.getLogger("kvseal.parallel")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def finish_model(model: CausalLM, dtype: torch.dtype, quantization: str, ops: Ops) -> CausalLM:
+    """The loaded model (or shard) in its final form for `ops`: cast, quantized or packed."""
+    model = quantize_model(model.to(dtype), quantization, ops)
+    if quantization != "int8":
+        model = pack_model(model, ops, weight_dtype=torch.bfloat16 if quantization == "bf16" else None)
+    model.use_ops(ops)
+    return model
+
+
+class WorkerRank:
+    def __init__(self, spec: WorkerSpecMsg, group: RankGroup) -> None:
+        self.spec, self.group = spec, group
+        dtype = _DTYPES[spec.dtype]
+        loaded = load_model(spec.model, dtype, rank=(spec.rank, spec.world_size))
+        cfg = loaded.config
+        self.layout = RankLayout.of(cfg, spec.rank, spec.world_size)
+        self.model = finish_model(loaded.model, dtype, spec.quantization, select_ops(spec.native))
+        self.model.use_tensor_parallel(self.layout, group)
+        self.records = WriteRecords(cfg.num_layers, spec.num_pages, spec.page_size, track_slots=False)
+        self.pool = KVPool(cfg.num_layers, spec.num_pages, spec.page_size, self.layout.num_kv_heads, cfg.head_dim,
+                           dtype, observer=self.records)
+        if spec.check_kv:
+            self.pool.fill(list(range(spec.num_pages)), float("nan"))
+        group.all_gather_bytes(encode(ReadyMsg(spec.rank, self.layout.num_kv_heads, spec.num_pages,
+                                               self.pool.num_bytes)))
+        group.serving()
+
+    def serve(self) -> None:
+        """Run the driver's messages until it says stop; RankFailure when the group breaks."""
+        while True:
+            msg = decode_to_rank(self.group.broadcast_bytes(None))
+            if isinstance(msg, StopMsg):
+                return
+            if isinstance(msg, KeepAliveMsg):
+                continue
+            if isinstance(msg, InjectFaultMsg):
+                if msg.rank == self.spec.rank:
+                    switch(Fault(msg.fault), msg.active)
+                continue
+            self.step(msg)
+
+    def step(self, msg: StepMsg) -> None:
+        replay(msg.events, self.records, self.pool)
+        batch = _batch(msg)
+        if is_active(Fault.FOREIGN_PAGE):
+            batch = _foreign_first_page(batch, self.records, msg.request_ids[0])
+        starts = msg.starts
+        if is_active(Fault.PLACEHOLDER_PREFILL):  # test-only: this rank's prompts stand in for one token
+            starts = [end - 1 if start == 0 and end > 1 else start for start, end in zip(starts, msg.context_lens)]
+        writes = self.records.plan(msg.request_ids, starts, msg.context_lens)
+        refused = {} if is_active(Fault.BYPASS_KV_CHECKS) else self.records.check_forward(writes, batch)
+        answers = self.group.all_gather_bytes(encode(RefusalsMsg(refused)))
+        if any(_refuses(a) for a in answers):
+            return  # no rank runs this batch; the driver aborts the refused requests and builds another
+        with self.records.recording(writes):
+            self.model(batch, self.pool)
+
+
+def _refuses(answer: bytes) -> bool:
+    msg = decode_from_rank(answer)
+    return isinstance(msg, RefusalsMsg) and bool(msg.refused)
+
+
+def _batch(msg: StepMsg) -> ForwardBatch:
+    def ints(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64)
+
+    return ForwardBatch(input_ids=ints(msg.input_ids), positions=ints(msg.positions),
+                        slot_mapping=ints(msg.slot_mapping), query_lens=msg.query_lens,
+                        context_lens=msg.context_lens, block_tables=[ints(t) for t in msg.block_tables],
+                        logits_indices=ints(msg.logits_indices))
+
+
+def _foreign_first_page(batch: ForwardBatch, records: WriteRecords, request_id: str) -> ForwardBatch:
+    """Test-only: this rank's block table of the first sequence names another request's page."""
+    first = batch.block_tables[0]
+    own_row = int(records.plan([request_id], [0], [0]).rows[0])
+    foreign = ((records.page_row >= 0) & (records.page_row != own_row)).nonzero().flatten()
+    if foreign.numel() == 0:
+        return batch
+    tables = [first.clone(), *batch.block_tables[1:]]
+    tables[0][0] = foreign[0]
+    return ForwardBatch(batch.input_ids, batch.positions, batch.slot_mapping, batch.query_lens,
+                        batch.context_lens, tables, batch.logits_indices)
+
+
+def _die_with_parent() -> None:
+    """Linux: SIGKILL this rank when the process that started it (the driver) dies."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def main(argv: list[str]) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s rank %(process)d %(levelname)s %(message)s")
+    _die_with_parent()
+    spec = decode_spec(bytes.fromhex(argv[0]))
+    torch.manual_seed(spec.seed)
+    if spec.num_threads is not None:
+        torch.set_num_threads(spec.num_threads)
+    group = RankGroup(GroupSpec(spec.init_method, spec.world_size, spec.timeout_s), spec.rank)
+    try:
+        WorkerRank(spec, group).serve()
+    except RankFailure as exc:
+        logger.error("%s; this rank exits", exc)
+        return 1
+    finally:
+        group.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

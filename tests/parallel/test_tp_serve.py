@@ -1,0 +1,86 @@
+"""`kvseal serve -tp 2`: the HTTP server over a tensor-parallel engine, and its failure path.
+
+A rank that dies mid-stream fails the engine closed: the stream ends with an error event (never
+a finish from a half-computed step), /health says 503, and no request hangs. A new server
+serves again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent.parent / "server"))
+
+from processes import wait_for  # noqa: E402
+from server_process import ServerProcess  # noqa: E402
+from tiny_server_model import make_server_model  # noqa: E402
+
+BODY = {"prompt": "w5 w6", "max_tokens": 400, "ignore_eos": True, "stream": True}
+TP_FLAGS = ["--tensor-parallel-size", "2", "--tp-timeout", "10"]
+
+
+@pytest.fixture
+def tp_server(tmp_path: Path) -> Iterator[ServerProcess]:
+    model = make_server_model(tmp_path / "tiny-llama")
+    proc = ServerProcess(model, tmp_path / "server", extra_args=TP_FLAGS).start()
+    yield proc
+    proc.kill()
+
+
+def _rank_pids(server: ServerProcess) -> list[int]:
+    found = wait_for(lambda: re.search(r"tensor parallel: 2 ranks \(pids \[([\d, ]+)\]\)", server.log()),
+                     "the engine's tensor-parallel start-up line")
+    return [int(p) for p in found.group(1).split(",")]
+
+
+def test_tp2_server_answers_like_tp1_and_fails_closed_when_a_rank_dies(tp_server: ServerProcess,
+                                                                       tmp_path: Path) -> None:
+    body = {"prompt": "w5 w6 w7", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    got = httpx.post(f"{tp_server.base_url}/completions", json=body, timeout=60).json()
+    one = ServerProcess(make_server_model(tmp_path / "tiny-llama-1"), tmp_path / "one").start()
+    try:
+        ref = httpx.post(f"{one.base_url}/completions", json=body, timeout=60).json()
+    finally:
+        one.kill()
+    assert got["choices"][0]["text"] == ref["choices"][0]["text"]
+    (rank_pid,) = _rank_pids(tp_server)
+    with httpx.stream("POST", f"{tp_server.base_url}/completions", json=BODY, timeout=60) as response:
+        lines = response.iter_lines()
+        next(lines)
+        os.kill(rank_pid, signal.SIGKILL)
+        events = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+    assert "error" in events[-1] and events[-1]["error"]["code"] == "engine_unavailable"
+    assert not any(e.get("choices", [{}])[0].get("finish_reason") for e in events[:-1])
+    health = httpx.get(f"{tp_server.url}/health", timeout=10)
+    assert health.status_code == 503
+    assert httpx.post(f"{tp_server.base_url}/completions", json=body, timeout=60).status_code == 503
+
+
+@pytest.mark.parametrize("how", ["kill", "hang"])
+def test_a_rank_lost_while_idle_turns_health_503(tp_server: ServerProcess, how: str) -> None:
+    """No request in flight: the driver's keep-alive finds the lost rank within --tp-timeout."""
+    (rank_pid,) = _rank_pids(tp_server)
+    assert httpx.get(f"{tp_server.url}/health", timeout=10).status_code == 200
+    os.kill(rank_pid, signal.SIGKILL if how == "kill" else signal.SIGSTOP)
+    wait_for(lambda: httpx.get(f"{tp_server.url}/health", timeout=10).status_code == 503,
+             "health 503 after the rank was lost")
+    body = {"prompt": "w5", "max_tokens": 2}
+    assert httpx.post(f"{tp_server.base_url}/completions", json=body, timeout=60).status_code == 503
+    wait_for(lambda: _gone(rank_pid), "the lost rank stopped by its PID")
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
