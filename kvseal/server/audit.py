@@ -101,11 +101,14 @@ class AuditLog:
     """
 
     def __init__(self, path: str | None, include_prompts: bool, *, retry_s: float = RETRY_S,
-                 max_pending: int = MAX_PENDING_RECORDS, max_pending_bytes: int = MAX_PENDING_BYTES) -> None:
+                 max_pending: int = MAX_PENDING_RECORDS, max_pending_bytes: int = MAX_PENDING_BYTES,
+                 max_bytes: int | None = None, num_backups: int | None = None) -> None:
+        """`max_bytes` and `num_backups`: the file's rotation (`kvseal.server.audit_file`)."""
         self.path = path
         self.include_prompts = include_prompts
         self.retry_s = retry_s
-        self._file = AuditFile(path) if path is not None else None  # OSError here stops start-up
+        # OSError here stops start-up
+        self._file = AuditFile(path, max_bytes=max_bytes, num_backups=num_backups) if path is not None else None
         self._encoder = msgspec.json.Encoder()
         self._pending: deque[bytes] = deque()
         self._num_pending_bytes = 0
