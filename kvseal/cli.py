@@ -1,4 +1,4 @@
-"""`kvseal` command line: generate, plan, serve, engine, keys, bench, canary."""
+"""`kvseal` command line: generate, plan, serve, engine, keys, usage, audit, bench, canary."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from kvseal.auditlog.cli import add_auditlog_parsers
 from kvseal.bench.cli import add_bench_parser
 from kvseal.canary import add_canary_arguments, cmd_canary
 from kvseal.capacity import KvCapacity, bytes_per_element, parse_bytes
@@ -199,6 +200,8 @@ def build_parser() -> argparse.ArgumentParser:
     engine.set_defaults(func=_cmd_engine)
 
     _add_keys_parser(sub)
+
+    add_auditlog_parsers(sub)
 
     add_bench_parser(sub)
 

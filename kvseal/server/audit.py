@@ -15,6 +15,7 @@ again, and the records meanwhile wait in a bounded queue, written first once it 
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import time
@@ -30,6 +31,7 @@ from kvseal.server.audit_file import AuditFile
 Outcome = Literal["finished", "rejected", "aborted", "error", "isolation_violation"]
 RejectedBy = Literal["frontend", "engine"]  # which admission check refused the request (I1)
 
+KEY_ID_HEX_DIGITS = 12  # 48 bits: names a key among an operator's keys, useless for guessing a random one
 MAX_LOGGED_CHARS = 256  # every client-controlled string is clipped to this before it is logged
 AUDIT_UNAVAILABLE = "audit_unavailable"  # the error code, and the reason in a late record of a withheld answer
 RETRY_S = 1.0  # a failing audit file is tried again at most this often
@@ -46,6 +48,15 @@ def clip(text: str) -> str:
 
 def clip_optional(text: str | None) -> str | None:
     return None if text is None else clip(text)
+
+
+def key_id_of(authorization: str | None) -> str | None:
+    """The audit log's name for the API key in `Authorization: Bearer KEY`: the first 12 hex digits
+    of its SHA-256 (`printf %s KEY | sha256sum | cut -c1-12`), never the key. None without one."""
+    scheme, _, key = (authorization or "").strip().partition(" ")
+    if scheme.lower() != "bearer" or not key.strip():
+        return None
+    return hashlib.sha256(key.strip().encode()).hexdigest()[:KEY_ID_HEX_DIGITS]
 
 logger = logging.getLogger("kvseal.audit")
 
@@ -69,6 +80,7 @@ class AuditRecord(msgspec.Struct, frozen=True, omit_defaults=True):
     cached_tokens: int | None = None  # prompt tokens served from its tenant's prefix cache (I5)
     first_token_at: float | None = None
     user: str | None = None
+    key_id: str | None = None  # with --api-keys: which key the request came with (`key_id_of`)
     features: list[str] | None = None  # optional request fields used (names only, kvseal.server.features)
     prefill_engine: str | None = None  # PD mode: the engines that handled the request and the KV transfer id
     decode_engine: str | None = None
