@@ -155,14 +155,17 @@ def scrub_policy(infos: list[EngineInfoMsg]) -> str:
 
 class PdClient:
     def __init__(self, prefill: list[EngineEndpoint], decode: list[EngineEndpoint], tokenizer_path: str,
-                 link_key: KeyPair, stop_engines: Callable[[], None] = lambda: None) -> None:
-        """`stop_engines` runs last in `shutdown` (`serve --pd`: the engines it started)."""
+                 link_key: KeyPair, stop_engines: Callable[[], None] = lambda: None,
+                 add_engine_metrics: Callable[[CollectorRegistry], None] = lambda registry: None) -> None:
+        """`stop_engines` runs last in `shutdown`, and `add_engine_metrics` with `add_metrics`
+        (`serve --pd`: the engines it started and supervises)."""
         self._ctx = zmq.asyncio.Context()
         self._frontend_id = secrets.token_hex(4)
         self._link_key = link_key
         self.links = [self._link("prefill", a) for a in prefill] + [self._link("decode", a) for a in decode]
         self._tokenizer_path = tokenizer_path
         self._stop_engines = stop_engines
+        self._add_engine_metrics = add_engine_metrics
         self._on_link_stats: Callable[[EngineLink], None] = lambda link: None  # per-engine gauges
         self._routes: dict[str, PdRoute] = {}
         self._by_transfer: dict[str, PdRoute] = {}
@@ -190,6 +193,7 @@ class PdClient:
     def add_metrics(self, registry: CollectorRegistry) -> None:
         """Per-engine handoff gauges (`kvseal_pd_*`), from each engine's `PdStatsMsg`."""
         self._on_link_stats = PdMetrics(registry).record
+        self._add_engine_metrics(registry)
 
     @property
     def pid(self) -> int | None:
