@@ -33,6 +33,7 @@ PROCESS_MODULES = frozenset({
     "auditlog/test_usage_server.py",
     "disagg/test_engine_auth_processes.py", "disagg/test_pd_audit.py", "disagg/test_pd_cli.py",
     "disagg/test_pd_incident.py", "disagg/test_pd_kill.py", "disagg/test_pd_structured.py",
+    "disagg/test_pd_supervised.py",
     "engine/test_grammar_pool.py", "engine/test_structured.py",
     "ops/test_csrc.py", "ops/test_native_modes.py", "ops/test_packaging.py", "ops/test_sanitizers.py",
     "server/test_audit_log.py", "server/test_audit_outage.py", "server/test_default_model.py",

@@ -70,6 +70,8 @@ class SpawnedEngines:
         self._trackers = [RestartTracker(policy) for _ in self._configs]
         self._restart_at_s: list[float | None] = [None for _ in self._configs]  # monotonic time of a due restart
         self._is_given_up = [False for _ in self._configs]
+        self._last_event: list[str | None] = [None for _ in self._configs]  # for `why_down`
+        self._exit_why = ["" for _ in self._configs]
         self._is_stopping = False
         self._task: asyncio.Task[None] | None = None
         self._restarts_total: Counter | None = None
@@ -116,17 +118,28 @@ class SpawnedEngines:
                f"({describe_exit(process.exitcode)})")
         delay_s = tracker.next_delay_s()
         if delay_s is None:
-            logger.critical("%s; %s", why, tracker.gave_up() if tracker.policy.engine_restart_limit
-                            else "not restarted (--engine-restart-limit 0)")
+            self._last_event[index] = f"{why}; " + (tracker.gave_up() if tracker.policy.engine_restart_limit
+                                                    else "not restarted (--engine-restart-limit 0)")
+            logger.critical("%s", self._last_event[index])
             self._is_given_up[index] = True
             return
-        logger.error("%s; restarting it in %g s (restart %d in a row, at most %d)", why, delay_s,
-                     tracker.num_in_a_row, tracker.policy.engine_restart_limit)
+        self._exit_why[index] = why
+        self._last_event[index] = f"{why}; restarting it in {delay_s:g} s"
+        logger.error("%s (restart %d in a row, at most %d)", self._last_event[index], tracker.num_in_a_row,
+                     tracker.policy.engine_restart_limit)
         self._restart_at_s[index] = time.monotonic() + delay_s
+
+    def why_down(self, role: str) -> str | None:
+        """The last exit or restart of the `role` engine, if it had one (the frontend asks while
+        no `role` engine answers)."""
+        return next((event for config, event in zip(self._configs, self._last_event)
+                     if config.role == role and event is not None), None)
 
     def _restart(self, index: int) -> None:
         self._restart_at_s[index] = None
         self.processes[index] = self._spawn(self._configs[index])
+        self._last_event[index] = (f"{self._exit_why[index]}; restarted at {time.strftime('%H:%M:%S', time.gmtime())} "
+                                   f"UTC as pid {self.processes[index].pid}, waiting for it to answer")
         self._trackers[index].started()
         if self._restarts_total is not None:
             self._restarts_total.labels(role=self._configs[index].role).inc()
@@ -167,5 +180,4 @@ def start_pd_backend(topology: PdTopology, args: EngineArgs, ns: argparse.Namesp
     for endpoint in (*topology.prefill, *topology.decode):  # public keys: what an operator checks against
         logger.info("PD engine at %s must prove the public key %s", endpoint.address, endpoint.public_key.decode())
     return PdClient(list(topology.prefill), list(topology.decode), tokenizer_folder(args.model), topology.link_key,
-                    spawned.stop if spawned is not None else lambda: None,
-                    spawned.add_metrics if spawned is not None else lambda registry: None)
+                    spawned)
