@@ -47,7 +47,8 @@ def _add_predicate(parser: argparse.ArgumentParser) -> None:
                                       "means either value)")
     for name, what in (("tenant", "the tenant"), ("key-id", "the API key id (kvseal usage --by key)"),
                        ("model", "the model the request named"),
-                       ("engine", "an engine that handled it (a PD prefill or decode instance id)"),
+                       ("engine", "an engine that handled it: engine-PID (colocated) or a PD prefill or decode "
+                                  "instance id"),
                        ("endpoint", "the endpoint, e.g. /v1/chat/completions"), ("reason", "the reason code "
                         "(a rejection's, an abort's, an error's or an isolation check's)"),
                        ("request-id", "the request id (the x-request-id response header)")):

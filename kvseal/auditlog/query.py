@@ -71,7 +71,7 @@ def _any(values: tuple[str, ...], value: str | None) -> bool:
 
 
 def engines_of(r: LoggedRequest) -> list[str]:
-    return [e for e in (r.prefill_engine, r.decode_engine) if e is not None]
+    return [e for e in (r.engine, r.prefill_engine, r.decode_engine) if e is not None]
 
 
 def matching(records: Iterable[LoggedRequest], window: TimeWindow, predicate: Predicate) -> list[LoggedRequest]:

@@ -32,6 +32,7 @@ class LoggedRequest(msgspec.Struct, frozen=True):
     user: str | None = None
     key_id: str | None = None
     features: list[str] | None = None
+    engine: str | None = None
     prefill_engine: str | None = None
     decode_engine: str | None = None
     transfer_id: str | None = None

@@ -126,6 +126,7 @@ class EngineClient:
         if not self.is_available:
             raise EngineUnavailable(self.failure or "the server is shutting down")
         handle = RequestHandle(msg.request_id, msg.tenant, observer)
+        handle.route["engine"] = f"engine-{self._process.pid}"  # the process serving it (audit)
         self._handles[msg.request_id] = handle
         self._outbox.put_nowait(msg)
         return handle

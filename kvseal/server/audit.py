@@ -82,6 +82,7 @@ class AuditRecord(msgspec.Struct, frozen=True, omit_defaults=True):
     user: str | None = None
     key_id: str | None = None  # with --api-keys: which key the request came with (`key_id_of`)
     features: list[str] | None = None  # optional request fields used (names only, kvseal.server.features)
+    engine: str | None = None  # colocated: the engine process that handled it (`engine-PID`; a restart is a new one)
     prefill_engine: str | None = None  # PD mode: the engines that handled the request and the KV transfer id
     decode_engine: str | None = None
     transfer_id: str | None = None

@@ -17,6 +17,8 @@ import pytest
 from processes import wait_for
 from server_process import ServerProcess
 
+from kvseal.cli import main
+
 PROMPT = {"prompt": "w5 w6 w7", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
 LONG = {"prompt": "w5 w6", "max_tokens": 400, "ignore_eos": True, "stream": True}
 
@@ -66,7 +68,7 @@ def restarted_pids(server: ServerProcess) -> list[int]:
 
 
 def test_a_killed_engine_is_reaped_restarted_and_serves_the_same_answers(
-        start_server: Callable[..., ServerProcess]) -> None:
+        start_server: Callable[..., ServerProcess], capsys: pytest.CaptureFixture[str]) -> None:
     server = start_server("--engine-restart-backoff-s", "1")
     status, before = answer(server)
     assert status == 200
@@ -74,12 +76,8 @@ def test_a_killed_engine_is_reaped_restarted_and_serves_the_same_answers(
     last = kill_mid_stream(server, old_pid)
     assert last["error"]["code"] == "engine_unavailable"  # type: ignore[index]
     assert "killed by SIGKILL (signal 9)" in last["error"]["message"]  # type: ignore[index]
-    meanwhile = []
-    for _ in range(200):  # bounded: while it restarts, 503 naming why; then the same answer as before
-        status, text = answer(server)
-        meanwhile.append((status, text))
-        if status == 200:
-            break
+    meanwhile: list[tuple[int, str]] = []  # while it restarts, 503 naming why; then the same answer as before
+    wait_for(lambda: meanwhile.append(answer(server)) or meanwhile[-1][0] == 200, "serving again")
     assert meanwhile[-1] == (200, before), meanwhile[-3:]
     for status, text in meanwhile[:-1]:
         assert status == 503 and "exited unexpectedly (killed by SIGKILL (signal 9))" in text, text
@@ -89,8 +87,15 @@ def test_a_killed_engine_is_reaped_restarted_and_serves_the_same_answers(
     assert server.metric("kvseal_engine_up") == 1
     [new_pid] = restarted_pids(server)
     assert new_pid != old_pid and os.path.exists(f"/proc/{new_pid}")
-    errors = [r for r in server.audit_records() if r["outcome"] == "error"]
+    records = server.audit_records()
+    errors = [r for r in records if r["outcome"] == "error"]
     assert errors and all(r.get("output_tokens", 0) < LONG["max_tokens"] for r in errors)  # type: ignore[operator]
+    # the audit names the engine process: the dead one's requests are one query away
+    assert {r["engine"] for r in records if r["outcome"] == "finished"} == {f"engine-{old_pid}", f"engine-{new_pid}"}
+    assert main(["audit", "--audit-log", str(server.audit_path), "--engine", f"engine-{old_pid}", "--outcome",
+                 "error", "--format", "json"]) == 0
+    found = json.loads(capsys.readouterr().out)["requests"]
+    assert [r["request_id"] for r in found] == [errors[0]["request_id"]]
 
 
 def test_past_the_restart_limit_the_engine_stays_down_with_a_reason(
