@@ -20,6 +20,7 @@ import logging
 import math
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -115,13 +116,16 @@ class AuditLog:
 
     def __init__(self, path: str | None, include_prompts: bool, *, retry_s: float = RETRY_S,
                  max_pending: int = MAX_PENDING_RECORDS, max_pending_bytes: int = MAX_PENDING_BYTES,
-                 max_bytes: int | None = None, num_backups: int | None = None) -> None:
-        """`max_bytes` and `num_backups`: the file's rotation (`kvseal.server.audit_file`)."""
+                 max_bytes: int | None = None, max_age_s: float | None = None, num_backups: int | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
+        """`max_bytes`, `max_age_s` and `num_backups`: the file's rotation, `clock` the wall clock
+        its age is measured by (`kvseal.server.audit_file`)."""
         self.path = path
         self.include_prompts = include_prompts
         self.retry_s = retry_s
         # OSError here stops start-up
-        self._file = AuditFile(path, max_bytes=max_bytes, num_backups=num_backups) if path is not None else None
+        self._file = (AuditFile(path, max_bytes=max_bytes, max_age_s=max_age_s, num_backups=num_backups, clock=clock)
+                      if path is not None else None)
         self._encoder = msgspec.json.Encoder()
         self._pending: deque[bytes] = deque()
         self._num_pending_bytes = 0

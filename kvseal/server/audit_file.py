@@ -9,11 +9,13 @@ Contract of `AuditFile.append`:
 - Any failure raises `OSError` and closes the file; the next `append` opens the path again.
   Nothing here retries or waits: `kvseal.server.audit.AuditLog` decides when to try again.
 
-Rotation (`max_bytes`): a line that would take the file past `max_bytes` first closes it (fsync,
-then one atomic rename to `PATH.N`, N one more than the highest number already there) and goes
-to a new file at the path. Lines are appended whole, so every file holds whole lines, and a
-crash between the rename and the next open loses nothing (the next line opens a new file). A
-file never grows past `max_bytes` unless one line alone is longer. Rotated files keep their
+Rotation (`max_bytes`, `max_age_s`): a line that would take the file past `max_bytes`, or that
+comes `max_age_s` or more after the file's first line, first closes it (fsync, then one atomic
+rename to `PATH.N`, N one more than the highest number already there) and goes to a new file at
+the path (the age of a file found at start counts from its last write). Lines are appended
+whole, so every file holds whole lines, and a crash between the rename and the next open loses
+nothing (the next line opens a new file). A file never grows past `max_bytes` unless one line
+alone is longer. Rotated files keep their
 number for good: `PATH.1` is the oldest, readers (`kvseal.auditlog.files`) read them in number
 order, then `PATH`. With `num_backups` set, the oldest beyond that many are deleted after a
 rotation (logged at WARNING with the file's name: evidence is never deleted silently).
@@ -29,6 +31,8 @@ import errno
 import logging
 import os
 import re
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 _OPEN_FLAGS = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC
@@ -55,16 +59,23 @@ def rotated_files(path: Path) -> list[tuple[int, Path]]:
 
 
 class AuditFile:
-    def __init__(self, path: str, *, max_bytes: int | None = None, num_backups: int | None = None) -> None:
+    def __init__(self, path: str, *, max_bytes: int | None = None, max_age_s: float | None = None,
+                 num_backups: int | None = None, clock: Callable[[], float] = time.time) -> None:
         """Open (or create) `path` now: a path that cannot be opened raises `OSError` at start-up.
-        `max_bytes` None never rotates; `num_backups` None keeps every rotated file."""
+        `max_bytes` and `max_age_s` None never rotate; `num_backups` None keeps every rotated
+        file; `clock` is the wall clock the age is measured by."""
         if max_bytes is not None and max_bytes < 1:
             raise ValueError(f"max_bytes must be >= 1, got {max_bytes}")
+        if max_age_s is not None and not max_age_s > 0:
+            raise ValueError(f"max_age_s must be > 0, got {max_age_s}")
         if num_backups is not None and num_backups < 0:
             raise ValueError(f"num_backups must be >= 0, got {num_backups}")
         self.path = path
         self.max_bytes = max_bytes
+        self.max_age_s = max_age_s
         self.num_backups = num_backups
+        self._clock = clock
+        self._first_line_at: float | None = None  # wall time of the open file's first line (None: empty)
         self._fd: int | None = None
         self._identity: tuple[int, int] | None = None  # (device, inode) of the open file
         self._open()
@@ -74,13 +85,16 @@ class AuditFile:
         try:
             fd = self._current()
             size_before = os.fstat(fd).st_size
-            if self._is_full(size_before, len(line)):
+            now = self._clock()
+            if self._is_full(size_before, len(line)) or self._is_old(size_before, now):
                 self._rotate(fd)
                 fd, size_before = self._open(), 0
             written = os.write(fd, line)
             if written != len(line):
                 self._cut_back(fd, size_before)
                 raise OSError(errno.ENOSPC, f"only {written} of {len(line)} bytes could be written")
+            if size_before == 0:
+                self._first_line_at = now
         except OSError:
             self.close()
             raise
@@ -107,6 +121,10 @@ class AuditFile:
 
     def _is_full(self, size: int, num_line_bytes: int) -> bool:
         return self.max_bytes is not None and size > 0 and size + num_line_bytes > self.max_bytes
+
+    def _is_old(self, size: int, now: float) -> bool:
+        return (self.max_age_s is not None and size > 0 and self._first_line_at is not None
+                and now - self._first_line_at >= self.max_age_s)
 
     def _rotate(self, fd: int) -> None:
         """Close the file at the path as `PATH.N` (whole lines, fsynced) and delete backups beyond
@@ -144,6 +162,7 @@ class AuditFile:
         fd = os.open(self.path, _OPEN_FLAGS, _MODE)
         status = os.fstat(fd)
         self._fd, self._identity = fd, (status.st_dev, status.st_ino)
+        self._first_line_at = status.st_mtime if status.st_size else None
         return fd
 
     @staticmethod

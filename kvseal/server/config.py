@@ -31,8 +31,11 @@ class ServerConfig:
         "rotate the audit log before a line would take it past this size (e.g. 100MiB): the file is renamed "
         "FILE.N (N counts up; FILE.1 is the oldest) between whole lines and a new FILE started; default: never",
         type=parse_bytes, metavar="BYTES"))
+    audit_log_max_age_s: float | None = field(default=None, metadata=flag(
+        "also rotate the audit log before a line that comes this many seconds or more after the file's first "
+        "line (86400: a file per day at most); default: never", type=float, metavar="SECONDS"))
     audit_log_backups: int | None = field(default=None, metadata=flag(
-        "with --audit-log-max-bytes: keep only the newest N rotated files, deleting older ones (each deletion "
+        "with rotation: keep only the newest N rotated files, deleting older ones (each deletion "
         "logged); default: keep every one, since the audit log is an incident's evidence and is deleted only "
         "when the operator says how much to keep", type=int, metavar="N"))
     audit_log_prompts: bool = field(default=False, metadata=flag(
@@ -79,10 +82,16 @@ class ServerConfig:
             if self.audit_log_max_bytes < 1024:
                 raise ConfigError(f"--audit-log-max-bytes must be >= 1024 (one audit line is a few hundred "
                                   f"bytes), got {self.audit_log_max_bytes}")
+        if self.audit_log_max_age_s is not None:
+            if self.audit_log_path is None:
+                raise ConfigError("--audit-log-max-age-s rotates the audit log file: give --audit-log FILE too")
+            if not 0 < self.audit_log_max_age_s < math.inf:
+                raise ConfigError(f"--audit-log-max-age-s must be a number of seconds > 0, got "
+                                  f"{self.audit_log_max_age_s}")
         if self.audit_log_backups is not None:
-            if self.audit_log_max_bytes is None:
+            if self.audit_log_max_bytes is None and self.audit_log_max_age_s is None:
                 raise ConfigError("--audit-log-backups limits the rotated audit files: give --audit-log-max-bytes "
-                                  "too")
+                                  "or --audit-log-max-age-s too")
             if self.audit_log_backups < 0:
                 raise ConfigError(f"--audit-log-backups must be >= 0, got {self.audit_log_backups}")
 

@@ -111,9 +111,35 @@ def test_a_rotation_that_fails_keeps_the_lines_waiting(tmp_path: Path, monkeypat
 @pytest.mark.parametrize("kwargs, message", [
     ({"audit_log_max_bytes": 4096}, "give --audit-log FILE"),
     ({"audit_log_path": "a.jsonl", "audit_log_max_bytes": 100}, ">= 1024"),
-    ({"audit_log_path": "a.jsonl", "audit_log_backups": 3}, "give --audit-log-max-bytes"),
+    ({"audit_log_path": "a.jsonl", "audit_log_backups": 3}, "give --audit-log-max-bytes or --audit-log-max-age-s"),
+    ({"audit_log_max_age_s": 60.0}, "give --audit-log FILE"),
+    ({"audit_log_path": "a.jsonl", "audit_log_max_age_s": 0.0}, "> 0"),
     ({"audit_log_path": "a.jsonl", "audit_log_max_bytes": 4096, "audit_log_backups": -1}, ">= 0"),
 ])
 def test_bad_rotation_flags_are_refused(kwargs: dict[str, object], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         ServerConfig(**kwargs)  # type: ignore[arg-type]
+
+
+def test_a_file_is_rotated_once_its_first_line_is_older_than_the_age_limit(tmp_path: Path) -> None:
+    """`--audit-log-max-age-s`, measured by a clock the test sets (no waiting)."""
+    path = tmp_path / "audit.jsonl"
+    now = [5000.0]
+    log = AuditLog(str(path), include_prompts=False, max_age_s=3600.0, clock=lambda: now[0])
+    for index in range(10):  # a line every 20 minutes, a file an hour: three lines per file
+        log.write(record(index))
+        now[0] += 1200.0
+    log.close()
+    files = all_files(path)
+    assert [ids_in(f) for f in files] == [[f"cmpl-{i:05d}" for i in range(start, min(start + 3, 10))]
+                                          for start in range(0, 10, 3)]
+
+
+def test_a_file_found_at_start_ages_from_its_last_write(tmp_path: Path) -> None:
+    path = tmp_path / "audit.jsonl"
+    path.write_bytes(b'{"request_id": "old"}\n')
+    os.utime(path, (1000.0, 1000.0))
+    log = AuditLog(str(path), include_prompts=False, max_age_s=60.0, clock=lambda: 2000.0)
+    log.write(record(1))
+    log.close()
+    assert [ids_in(f) for f in all_files(path)] == [["old"], ["cmpl-00001"]]
