@@ -82,6 +82,7 @@ class EngineClient:
         self._send_task: asyncio.Task[None] | None = None
         self._ready: asyncio.Future[EngineReadyMsg] | None = None
         self._info: EngineReadyMsg | None = None  # the limits the frontend admits with
+        self._engine_name = "engine"  # `engine-PID` of the process started last, for the audit
         self._exited = asyncio.Event()
         self._is_shutting_down = False
         self._down: str | None = None  # why the engine cannot serve now; cleared when a restart is ready
@@ -116,6 +117,7 @@ class EngineClient:
 
     def _spawn(self) -> None:
         self._process.start()
+        self._engine_name = f"engine-{self._process.pid}"
         self._restarts.started()
         asyncio.get_running_loop().add_reader(self._process.sentinel, self._on_process_exit)
         self._receive_task = asyncio.create_task(self._receive_loop())
@@ -126,7 +128,7 @@ class EngineClient:
         if not self.is_available:
             raise EngineUnavailable(self.failure or "the server is shutting down")
         handle = RequestHandle(msg.request_id, msg.tenant, observer)
-        handle.route["engine"] = f"engine-{self._process.pid}"  # the process serving it (audit)
+        handle.route["engine"] = self._engine_name  # the process serving it (audit)
         self._handles[msg.request_id] = handle
         self._outbox.put_nowait(msg)
         return handle
