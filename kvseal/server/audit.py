@@ -15,10 +15,12 @@ again, and the records meanwhile wait in a bounded queue, written first once it 
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -30,6 +32,7 @@ from kvseal.server.audit_file import AuditFile
 Outcome = Literal["finished", "rejected", "aborted", "error", "isolation_violation"]
 RejectedBy = Literal["frontend", "engine"]  # which admission check refused the request (I1)
 
+KEY_ID_HEX_DIGITS = 12  # 48 bits: names a key among an operator's keys, useless for guessing a random one
 MAX_LOGGED_CHARS = 256  # every client-controlled string is clipped to this before it is logged
 AUDIT_UNAVAILABLE = "audit_unavailable"  # the error code, and the reason in a late record of a withheld answer
 RETRY_S = 1.0  # a failing audit file is tried again at most this often
@@ -46,6 +49,15 @@ def clip(text: str) -> str:
 
 def clip_optional(text: str | None) -> str | None:
     return None if text is None else clip(text)
+
+
+def key_id_of(authorization: str | None) -> str | None:
+    """The audit log's name for the API key in `Authorization: Bearer KEY`: the first 12 hex digits
+    of its SHA-256 (`printf %s KEY | sha256sum | cut -c1-12`), never the key. None without one."""
+    scheme, _, key = (authorization or "").strip().partition(" ")
+    if scheme.lower() != "bearer" or not key.strip():
+        return None
+    return hashlib.sha256(key.strip().encode()).hexdigest()[:KEY_ID_HEX_DIGITS]
 
 logger = logging.getLogger("kvseal.audit")
 
@@ -69,7 +81,9 @@ class AuditRecord(msgspec.Struct, frozen=True, omit_defaults=True):
     cached_tokens: int | None = None  # prompt tokens served from its tenant's prefix cache (I5)
     first_token_at: float | None = None
     user: str | None = None
+    key_id: str | None = None  # with --api-keys: which key the request came with (`key_id_of`)
     features: list[str] | None = None  # optional request fields used (names only, kvseal.server.features)
+    engine: str | None = None  # colocated: the engine process that handled it (`engine-PID`; a restart is a new one)
     prefill_engine: str | None = None  # PD mode: the engines that handled the request and the KV transfer id
     decode_engine: str | None = None
     transfer_id: str | None = None
@@ -101,11 +115,17 @@ class AuditLog:
     """
 
     def __init__(self, path: str | None, include_prompts: bool, *, retry_s: float = RETRY_S,
-                 max_pending: int = MAX_PENDING_RECORDS, max_pending_bytes: int = MAX_PENDING_BYTES) -> None:
+                 max_pending: int = MAX_PENDING_RECORDS, max_pending_bytes: int = MAX_PENDING_BYTES,
+                 max_bytes: int | None = None, max_age_s: float | None = None, num_backups: int | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
+        """`max_bytes`, `max_age_s` and `num_backups`: the file's rotation, `clock` the wall clock
+        its age is measured by (`kvseal.server.audit_file`)."""
         self.path = path
         self.include_prompts = include_prompts
         self.retry_s = retry_s
-        self._file = AuditFile(path) if path is not None else None  # OSError here stops start-up
+        # OSError here stops start-up
+        self._file = (AuditFile(path, max_bytes=max_bytes, max_age_s=max_age_s, num_backups=num_backups, clock=clock)
+                      if path is not None else None)
         self._encoder = msgspec.json.Encoder()
         self._pending: deque[bytes] = deque()
         self._num_pending_bytes = 0

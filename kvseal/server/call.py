@@ -44,6 +44,7 @@ class Call:
         self.endpoint = endpoint
         self.request_id = request_id
         self.tenant: Tenant | None = None
+        self.key_id: str | None = None  # with --api-keys: the audit log's name for the caller's key
         self.model: str | None = None
         self.user: str | None = None
         self.prompt_for_audit: AuditPrompt | None = None
@@ -80,7 +81,7 @@ class Call:
             handle = self.state.engine.submit(choice, group.observer_for(index))
             self.engine_ids.append(choice.request_id)
             if index == 0:
-                self._route = handle.route  # PD mode: the first choice's engines and transfer id (audit)
+                self._route = handle.route  # the first choice's engines (and PD transfer id), for the audit
         self._is_submitted = True
         return group
 
@@ -179,8 +180,10 @@ class Call:
             pages_reserved=out.num_pages_reserved if out is not None else None,
             kv_tokens_written=out.num_kv_tokens_written if out is not None else None,
             cached_tokens=out.num_cached_tokens if out is not None else None,
-            first_token_at=self._first_token_at, user=clip_optional(self.user), features=self.features,
-            prefill_engine=self._route.get("prefill_engine"), decode_engine=self._route.get("decode_engine"),
+            first_token_at=self._first_token_at, user=clip_optional(self.user), key_id=self.key_id,
+            features=self.features,
+            engine=self._route.get("engine"), prefill_engine=self._route.get("prefill_engine"),
+            decode_engine=self._route.get("decode_engine"),
             transfer_id=self._route.get("transfer_id"),
             prompt=self.prompt_for_audit if self.state.audit.include_prompts else None,
         )

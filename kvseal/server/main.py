@@ -63,7 +63,8 @@ def run(config: ServerConfig, make_backend: Callable[[], EngineBackend]) -> int:
 
 def _open_audit(config: ServerConfig) -> AuditLog:
     try:
-        return AuditLog(config.audit_log_path, config.audit_log_prompts)
+        return AuditLog(config.audit_log_path, config.audit_log_prompts, max_bytes=config.audit_log_max_bytes,
+                        max_age_s=config.audit_log_max_age_s, num_backups=config.audit_log_backups)
     except OSError as exc:
         raise ConfigError(f"cannot open the audit log {config.audit_log_path}: {exc}") from exc
 
@@ -136,11 +137,15 @@ def _log_config(state: AppState) -> None:
     tenants = ", ".join(t.name for t in state.keys.tenants)
     logger.info(
         "kvseal server: model=%s (%s, %s) max_model_len=%d kv_cache_tokens=%d (%d pages x %d) max_prompt_tokens=%d "
-        "host=%s port=%d api_keys=%s tenants=[%s] audit_log=%s audit_log_prompts=%s max_body_bytes=%d "
+        "host=%s port=%d api_keys=%s tenants=[%s] audit_log=%s audit_log_max_bytes=%s audit_log_max_age_s=%s "
+        "audit_log_backups=%s "
+        "audit_log_prompts=%s max_body_bytes=%d "
         "shutdown_grace_s=%g header_timeout_s=%g body_timeout_s=%g engine_pid=%s",
         state.model_name, info.architecture, info.model_path, info.max_model_len, info.kv_cache_tokens,
         info.num_pages, info.page_size, limits.max_prompt_tokens, c.host, c.port, c.api_keys_path or "(none)",
-        tenants, c.audit_log_path or "(kvseal.audit logger)", c.audit_log_prompts, c.max_body_bytes,
+        tenants, c.audit_log_path or "(kvseal.audit logger)", c.audit_log_max_bytes or "(no size limit)",
+        c.audit_log_max_age_s or "(no age limit)",
+        "(all kept)" if c.audit_log_backups is None else c.audit_log_backups, c.audit_log_prompts, c.max_body_bytes,
         c.shutdown_grace_s, c.header_timeout_s, c.body_timeout_s, info.pid,
     )
     logger.info("sampling defaults for omitted fields (--generation-config %s): %s", c.generation_config,

@@ -28,6 +28,7 @@ from kvseal.errors import ContextLengthExceeded, RequestRejected
 from kvseal.messages.convert import params_to_msg
 from kvseal.messages.msgs import ABORT_CLIENT_DISCONNECTED, AddRequestMsg
 from kvseal.server import errors
+from kvseal.server.audit import key_id_of
 from kvseal.server.auth import authorization_of
 from kvseal.server.body import parse_body, read_body, require_json
 from kvseal.server.bounds import check_tool_call_arguments
@@ -80,7 +81,9 @@ def _refuse(call: Call, err: ApiError) -> JSONResponse:
 
 async def _admit_and_submit(request: Request, state: AppState, endpoint: Endpoint,
                             call: Call) -> tuple[GenerationBody, Formatter, ChoiceGroup]:
-    tenant = call.tenant = state.keys.authenticate(authorization_of(request.headers))
+    authorization = authorization_of(request.headers)
+    tenant = call.tenant = state.keys.authenticate(authorization)
+    call.key_id = None if state.keys.is_open else key_id_of(authorization)
     if state.is_draining:
         raise errors.engine_unavailable("the server is shutting down")
     require_json(request)

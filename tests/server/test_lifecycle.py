@@ -103,7 +103,7 @@ def test_the_abort_check_fails_when_an_abort_is_served_as_a_success(
 
 
 def test_engine_death_fails_requests_and_health(start_server: Callable[..., ServerProcess]) -> None:
-    open_server = start_server()
+    open_server = start_server("--engine-restart-limit", "0")  # restarts: tests/server/test_engine_restart.py
     client = client_for(open_server, "EMPTY")
     out = client.completions.create(model=open_server.model_name, prompt="w5", max_tokens=2)
     assert open_server.audit_for(out.id)["tenant"] == "default"
