@@ -66,6 +66,10 @@ class Fault(enum.Enum):
     # Tool definitions skip the door checks response_format's schema gets (size, depth, count,
     # the number and total size of tools), so a test can show that those checks refuse them.
     SKIP_TOOL_DOOR_CHECKS = "skip_tool_door_checks"
+    # A reload of the API keys file adds its keys but keeps the old ones it no longer has, so a
+    # test can show that the revocation test notices a removed key that still works (and that
+    # its in-flight requests are not aborted).
+    KEEP_REVOKED_KEYS = "keep_revoked_keys"
 
 
 _active: set[Fault] = set()

@@ -36,6 +36,7 @@ def serve_engine(args: EngineArgs, config: NodeConfig, should_stop: Callable[[],
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # the frontend's "reload the API keys": sent to a group, not a stop
     if config.num_threads is not None:  # the engine sets torch's threads before any model work
         args = dataclasses.replace(args, num_threads=config.num_threads)
     node = EngineNode(LLMEngine(args), config)

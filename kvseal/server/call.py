@@ -29,7 +29,7 @@ from kvseal.messages.msgs import (
     RequestRejectedMsg,
 )
 from kvseal.server.audit import AuditRecord, Outcome, RejectedBy, clip, clip_optional
-from kvseal.server.auth import Tenant
+from kvseal.server.auth import ApiKey, Tenant
 from kvseal.server.choices import ChoiceGroup, choice_msgs
 from kvseal.server.endpoint import AuditPrompt
 from kvseal.server.errors import ApiError
@@ -44,6 +44,8 @@ class Call:
         self.endpoint = endpoint
         self.request_id = request_id
         self.tenant: Tenant | None = None
+        self.key_digest = b""
+        self.stopped_by: str | None = None  # why the operator ended it (`stop`), for a call not yet submitted
         self.model: str | None = None
         self.user: str | None = None
         self.prompt_for_audit: AuditPrompt | None = None
@@ -66,6 +68,17 @@ class Call:
     def is_withheld(self) -> bool:
         """The call ended but its audit line could not be written: its answer must not be sent."""
         return self.is_done and not self._is_audited
+
+    def authenticated(self, key: ApiKey) -> None:
+        """The request's key is known: from now on the operator can stop it (`stop`)."""
+        self.tenant, self.key_digest = key.tenant, key.digest
+        self.state.live_calls[self.request_id] = self
+
+    def stop(self, reason: str) -> None:
+        """End the request for the operator (key revoked, model disabled): a call not yet
+        submitted is refused when it would be (`require_not_stopped`), a submitted one aborted."""
+        self.stopped_by = reason
+        self.abort(reason)
 
     def take_slot(self, tenant: Tenant) -> None:
         """Count against the tenant's concurrency limit (raises `ApiError` 429)."""
@@ -154,6 +167,7 @@ class Call:
         if self.is_done:
             return
         self.is_done = True
+        self.state.live_calls.pop(self.request_id, None)
         self._release_slot()
         tenant = self.tenant.name if self.tenant is not None else ""
         self.state.metrics.record_outcome(tenant, outcome, reason if outcome == "rejected" else None)

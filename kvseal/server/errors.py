@@ -14,7 +14,13 @@ from starlette.responses import JSONResponse
 
 from kvseal.engine_api import EngineGone, RequestEvent, isolation_failure
 from kvseal.errors import RequestRejected
-from kvseal.messages.msgs import ABORT_SERVER_SHUTDOWN, RequestOutputMsg, RequestRejectedMsg
+from kvseal.messages.msgs import (
+    ABORT_KEY_REVOKED,
+    ABORT_MODEL_DISABLED,
+    ABORT_SERVER_SHUTDOWN,
+    RequestOutputMsg,
+    RequestRejectedMsg,
+)
 from kvseal.server.audit import AUDIT_UNAVAILABLE, AuditLog
 from kvseal.types import ISOLATION_CHECK_FAILED
 
@@ -118,6 +124,44 @@ def audit_unavailable(audit: AuditLog) -> ApiError:
                     retry_after_s=audit.retry_after_s)
 
 
+def model_disabled(model: str) -> ApiError:
+    """The operator's kill switch is on for `model` (`POST /admin/models/{id}/disable`)."""
+    return ApiError(503, f"The model '{model}' is disabled by the server's operator; requests for it are refused "
+                         f"until it is enabled again.", type="service_unavailable", code=ABORT_MODEL_DISABLED)
+
+
+def key_revoked() -> ApiError:
+    """The request's API key was removed or revoked while the request ran, and the operator
+    asked for its requests to end (`?abort=true`)."""
+    return ApiError(401, "The API key of this request was revoked by the server's operator while the request "
+                         "ran; the request was stopped and its output discarded.", code=ABORT_KEY_REVOKED)
+
+
+def stopped_by_operator(reason: str) -> ApiError:
+    """The error for a request the operator ended (`Call.stop`) with `reason`."""
+    return key_revoked() if reason == ABORT_KEY_REVOKED else model_disabled_in_flight()
+
+
+def model_disabled_in_flight() -> ApiError:
+    return ApiError(503, "The model was disabled by the server's operator while this request ran; the request was "
+                         "stopped and its output discarded.", type="service_unavailable", code=ABORT_MODEL_DISABLED)
+
+
+def invalid_keys_file(detail: str) -> ApiError:
+    return ApiError(400, f"The API keys file was not reloaded; the keys in use are unchanged. {detail}",
+                    code="invalid_keys_file")
+
+
+def no_keys_file() -> ApiError:
+    return ApiError(400, "This server was started without --api-keys: there is no keys file to reload. Restart it "
+                         "with --api-keys FILE to use API keys.", code="no_keys_file")
+
+
+def invalid_abort_param(value: str) -> ApiError:
+    return ApiError(400, f"'abort' must be true or false, got '{value[:32]}'.", code="invalid_parameter",
+                    param="abort")
+
+
 def request_aborted(detail: str) -> ApiError:
     """An admitted request the engine ended early: an error, never a success (I6)."""
     return ApiError(500, f"The request was aborted by the server: {detail}", type="server_error",
@@ -134,7 +178,8 @@ def isolation_check_failed() -> ApiError:
 
 def route_not_found(path: str) -> ApiError:
     return ApiError(404, f"No route {path}. Routes: POST /v1/completions, POST /v1/chat/completions, "
-                         f"GET /v1/models, GET /health, GET /metrics.", code="not_found")
+                         f"GET /v1/models, GET /health, GET /metrics, POST /admin/keys/reload, "
+                         f"POST /admin/models/{{id}}/disable|enable.", code="not_found")
 
 
 def method_not_allowed(method: str, path: str) -> ApiError:
@@ -159,4 +204,6 @@ def for_event(event: RequestEvent) -> ApiError | None:
         return None
     if event.error == ABORT_SERVER_SHUTDOWN:
         return engine_unavailable("the server is shutting down")
+    if event.error in (ABORT_KEY_REVOKED, ABORT_MODEL_DISABLED):
+        return stopped_by_operator(event.error)
     return request_aborted(event.error or "no reason given")

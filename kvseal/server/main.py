@@ -2,7 +2,8 @@
 
 The backend (`kvseal.engine_api.EngineBackend`: the colocated engine process, or PD engines)
 is made by the caller (`kvseal.cli`); this module knows only its interface.
-Start-up order: read the keys file and open the audit log (bad ones stop start-up), make
+SIGHUP, once the server is ready, reloads the keys file (`kvseal.server.admin`); before that
+it is logged and ignored. Start-up order: read the keys file and open the audit log (bad ones stop start-up), make
 the backend and start it (its configuration errors, I2, stop start-up with their own message), load the
 tokenizer the engine reports, log the resolved configuration, bind, log "ready". Shutdown
 (SIGTERM/SIGINT): refuse new requests with 503 (the listener stays open, so new connections
@@ -29,6 +30,7 @@ from kvseal.engine_api import EngineBackend
 from kvseal.errors import ConfigError
 from kvseal.heap import freeze_startup_heap
 from kvseal.messages.msgs import ABORT_SERVER_SHUTDOWN
+from kvseal.server.admin import reload_keys_on_signal
 from kvseal.server.app import build_app
 from kvseal.server.audit import AuditLog
 from kvseal.server.auth import ApiKeyTable
@@ -71,6 +73,9 @@ def _open_audit(config: ServerConfig) -> AuditLog:
 async def _serve(config: ServerConfig, make_backend: Callable[[], EngineBackend], keys: ApiKeyTable,
                  audit: AuditLog) -> int:
     metrics = ServerMetrics()
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGHUP, logger.warning, "SIGHUP before the server is ready: ignored; send it "
+                            "again once the server logs 'kvseal ready' to reload the API keys")
     engine = make_backend()
     engine.on_stats = metrics.record_stats  # the engines' summed pools and load
     engine.add_metrics(metrics.registry)
@@ -81,6 +86,7 @@ async def _serve(config: ServerConfig, make_backend: Callable[[], EngineBackend]
         freeze_startup_heap("frontend")
         # An engine restarted at the same address may bring other limits: the front door uses them (I1).
         engine.on_ready_change = lambda info: setattr(state, "engine_info", info)
+        loop.add_signal_handler(signal.SIGHUP, reload_keys_on_signal, state)
         server = KvsealServer(_uvicorn_config(config, state), lambda port: _log_ready(state, port),
                               lambda: _drain(state))
         try:
@@ -89,6 +95,7 @@ async def _serve(config: ServerConfig, make_backend: Callable[[], EngineBackend]
             state.prompts.close()
         return 0
     finally:
+        loop.remove_signal_handler(signal.SIGHUP)
         await engine.shutdown()
 
 

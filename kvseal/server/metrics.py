@@ -71,6 +71,9 @@ class ServerMetrics:
             "kvseal_audit_records_dropped", "Audit records lost because too many waited for a failing audit "
             "log; any non-zero value is an incident", registry=r)
         self._audit_seen = CumulativeTotal()
+        self.model_enabled = Gauge(
+            "kvseal_model_enabled", "1 while the model takes requests, 0 while the operator's kill switch is on "
+            "(POST /admin/models/{id}/disable)", ["model"], registry=r)
 
     def record_audit(self, stats: AuditStats) -> None:
         """The audit log's state (I8), as it is when /metrics is read."""
@@ -78,6 +81,9 @@ class ServerMetrics:
         self.audit_pending.set(stats.num_pending)
         self.audit_write_failures.inc(self._audit_seen.observe("failures", stats.num_write_failures))
         self.audit_dropped.inc(self._audit_seen.observe("dropped", stats.num_dropped))
+
+    def record_model_enabled(self, model: str, is_enabled: bool) -> None:
+        self.model_enabled.labels(model=model).set(1 if is_enabled else 0)
 
     def record_outcome(self, tenant: str, outcome: str, rejection_reason: str | None) -> None:
         self.requests.labels(tenant=tenant, outcome=outcome).inc()
