@@ -70,6 +70,9 @@ class Fault(enum.Enum):
     # test can show that the revocation test notices a removed key that still works (and that
     # its in-flight requests are not aborted).
     KEEP_REVOKED_KEYS = "keep_revoked_keys"
+    # Every tenant draws on one requests bucket and one tokens bucket (per kind, not per tenant),
+    # so a test can show that one tenant's use then gets another tenant 429s.
+    SHARED_RATE_LIMITS = "shared_rate_limits"
 
 
 _active: set[Fault] = set()

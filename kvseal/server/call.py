@@ -32,7 +32,7 @@ from kvseal.server.audit import AuditRecord, Outcome, RejectedBy, clip, clip_opt
 from kvseal.server.auth import ApiKey, Tenant
 from kvseal.server.choices import ChoiceGroup, choice_msgs
 from kvseal.server.endpoint import AuditPrompt
-from kvseal.server.errors import ApiError
+from kvseal.server.errors import REQUEST_ID_HEADER, ApiError
 from kvseal.server.state import AppState
 
 logger = logging.getLogger("kvseal.server")
@@ -96,6 +96,11 @@ class Call:
                 self._route = handle.route  # PD mode: the first choice's engines and transfer id (audit)
         self._is_submitted = True
         return group
+
+    def response_headers(self) -> dict[str, str]:
+        """The headers of every answer to the admitted request: its id and the tenant's rate limits."""
+        rate_headers = self.state.rates.headers(self.tenant) if self.tenant is not None else {}
+        return {REQUEST_ID_HEADER: self.request_id} | rate_headers
 
     def http_done(self) -> None:
         """The HTTP side is finished: the response was sent, failed, or its client is gone."""
@@ -173,6 +178,10 @@ class Call:
         self.state.metrics.record_outcome(tenant, outcome, reason if outcome == "rejected" else None)
         if out is not None:
             self.state.metrics.record_prefix_cache(tenant, out.num_prompt_tokens, out.num_cached_tokens)
+            self.state.metrics.record_usage(tenant, out.num_prompt_tokens, out.num_output_tokens,
+                                            out.num_cached_tokens)
+            if self.tenant is not None:  # its prompt tokens were counted when it was submitted
+                self.state.rates.charge_tokens(self.tenant, out.num_output_tokens)
         self._is_audited = self.state.audit.write(self._record(outcome, reason, http_status, out, rejected_by))
 
     def _release_slot(self) -> None:

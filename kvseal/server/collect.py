@@ -32,7 +32,7 @@ async def respond_when_done(request: Request, call: Call, group: ChoiceGroup, fm
             transcripts[index].add(event)
         if call.is_withheld:  # no success without its audit line (I8)
             return errors.response(errors.audit_unavailable(call.state.audit), call.request_id)
-        return JSONResponse(fmt.response(transcripts), headers={errors.REQUEST_ID_HEADER: call.request_id})
+        return JSONResponse(fmt.response(transcripts), headers=call.response_headers())
     finally:
         watcher.cancel()
         call.abort_on_exit()

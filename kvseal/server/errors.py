@@ -33,6 +33,8 @@ class ApiError(Exception):
     code: str | None = None
     param: str | None = None
     retry_after_s: int | None = None  # sent as Retry-After
+    headers: dict[str, str] | None = None  # more headers (the x-ratelimit-* of a 429)
+    detail: str | None = None  # a finer reason than `code` for metrics and the audit log
 
     def __str__(self) -> str:
         return self.message
@@ -40,7 +42,7 @@ class ApiError(Exception):
     @property
     def reason(self) -> str:
         """The label for metrics and the audit log."""
-        return self.code or self.type
+        return self.detail or self.code or self.type
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -51,6 +53,7 @@ REQUEST_ID_HEADER = "x-request-id"
 
 def response(err: ApiError, request_id: str | None = None) -> JSONResponse:
     headers = {REQUEST_ID_HEADER: request_id} if request_id else {}
+    headers |= err.headers or {}
     if err.retry_after_s is not None:
         headers["retry-after"] = str(err.retry_after_s)
     return JSONResponse(err.body(), status_code=err.status, headers=headers)
@@ -107,7 +110,24 @@ def invalid_json(detail: str) -> ApiError:
 
 def concurrency_limit(tenant: str, limit: int) -> ApiError:
     return ApiError(429, f"Tenant '{tenant}' already has {limit} requests in flight, its limit. Retry when "
-                         f"one finishes.", type="rate_limit_error", code="rate_limit_exceeded")
+                         f"one finishes.", type="rate_limit_error", code="rate_limit_exceeded",
+                    detail="concurrency_limit_exceeded")
+
+
+def rate_limit(tenant: str, kind: str, limit: int, num_requested: int, retry_after_s: int) -> ApiError:
+    """Over the tenant's requests or tokens per minute (`server.rate_limits`)."""
+    return ApiError(429, f"Rate limit reached for tenant '{tenant}' on {kind} per minute: limit {limit}, "
+                         f"requested {num_requested}. Retry in {retry_after_s} s, or ask the operator for a higher "
+                         f"limit.", type="rate_limit_error", code="rate_limit_exceeded",
+                    retry_after_s=retry_after_s, detail=f"{kind}_per_minute_exceeded")
+
+
+def rate_limit_never(tenant: str, kind: str, limit: int, num_requested: int) -> ApiError:
+    """A request larger than the whole per-minute limit: retrying cannot help."""
+    return ApiError(429, f"Request too large for tenant '{tenant}' on {kind} per minute: limit {limit}, requested "
+                         f"{num_requested}. Send a smaller request (a shorter prompt), or ask the operator for a "
+                         f"higher limit.", type="rate_limit_error", code="rate_limit_exceeded",
+                    detail=f"{kind}_per_minute_exceeded")
 
 
 def engine_unavailable(detail: str) -> ApiError:

@@ -2,13 +2,14 @@
 
 API key → tenant (401) → not shutting down (503) → JSON content type (415) → body within
 its size (413) and time (408) → a token-id list that cannot fit (400, pre-scanned before the
-full parse) → valid body, every field within its bound (400) → served model (404) → chat: tool
-definitions and tool-call arguments that a prompt could hold (400) → tenant concurrency slot
-(429) → a prompt that cannot fit (400, before tokenizing) → tokenize (fair across tenants) →
-`admit` with the engine's limits (I1, 400 `context_length_exceeded`) → an audit log that can
-be written (503 `audit_unavailable`, I8) → not stopped by the operator meanwhile (key revoked
-401, model disabled 503) → engine → stream or JSON. A disabled model (the operator's kill
-switch) is refused with 503 `model_disabled` right after the served-model check.
+full parse) → valid body, every field within its bound (400) → served model (404) → model not
+disabled by the operator (503 `model_disabled`) → chat: tool definitions and tool-call
+arguments that a prompt could hold (400) → tenant concurrency slot (429) → tenant requests
+per minute (429) → a prompt that cannot fit (400, before tokenizing) → tokenize (fair across
+tenants) → `admit` with the engine's limits (I1, 400 `context_length_exceeded`) → an audit
+log that can be written (503 `audit_unavailable`, I8) → not stopped by the operator meanwhile
+(key revoked 401, model disabled 503) → tenant tokens per minute, for the prompt (429) →
+engine → stream or JSON.
 
 Nothing is sent to the engine before `admit` accepted the request; a refusal is terminal and
 leaves its audit record. Whatever happens after submission, the request ends in the engine
@@ -99,6 +100,7 @@ async def _admit_and_submit(request: Request, state: AppState, endpoint: Endpoin
     if isinstance(body, ChatCompletionRequest):
         check_tool_call_arguments(body.messages, state.limits, state.prompts.max_token_chars)
     call.take_slot(tenant)
+    state.rates.take_request(tenant)
     prepared = await endpoint.prepare(body, state.prompts, tenant, state.limits, state.defaults)
     call.prompt_for_audit = prepared.prompt_for_audit
     call.num_prompt_tokens = len(prepared.prompt_token_ids)
@@ -110,6 +112,7 @@ async def _admit_and_submit(request: Request, state: AppState, endpoint: Endpoin
     _require_audit(state)
     if call.stopped_by is not None:  # its key was revoked or the model disabled while it was prepared
         raise errors.stopped_by_operator(call.stopped_by)
+    state.rates.take_prompt_tokens(tenant, len(prompt_token_ids))  # last: a refusal after it would waste them
     return body, fmt, call.submit(msg)  # nothing after this line may fail before the response owns the call
 
 

@@ -15,6 +15,7 @@ from kvseal.server.config import ServerConfig
 from kvseal.server.generation_defaults import GenerationDefaults
 from kvseal.server.metrics import ServerMetrics
 from kvseal.server.prompts import PromptEncoder
+from kvseal.server.rate_limits import RateLimits
 from kvseal.server.tenant_gate import TenantGate
 
 
@@ -39,6 +40,7 @@ class AppState:
     metrics: ServerMetrics
     audit: AuditLog
     gate: TenantGate = field(default_factory=TenantGate)
+    rates: RateLimits = field(default_factory=RateLimits)
     defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
     created: int = field(default_factory=lambda: int(time.time()))
     is_draining: bool = False
