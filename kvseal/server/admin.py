@@ -80,6 +80,9 @@ def reload_keys(state: AppState, trigger: Trigger, by: ApiKey | None, *, abort: 
     if is_active(Fault.KEEP_REVOKED_KEYS):  # test-only: removed keys stay valid
         kept = {k.digest for k in table.keys}
         table = ApiKeyTable(table.keys + [k for k in state.keys.keys if k.digest not in kept])
+    if not any(k.is_admin for k in table.keys):
+        logger.warning("the reloaded keys file has no admin key: /admin and /metrics now refuse every key; SIGHUP "
+                       "still reloads the file")
     change = KeysChange.between(state.keys, table)
     state.keys = table
     valid = {k.digest for k in table.keys}
