@@ -94,6 +94,11 @@ class ApiKeyTable:
             return [self._open_key.tenant]
         return sorted({k.tenant for k in self._keys}, key=lambda t: t.name)
 
+    def current(self, tenant: Tenant) -> Tenant:
+        """`tenant` with the limits the table gives it now (they may have changed since a request
+        authenticated); as it was if the table no longer has it."""
+        return next((t for t in self.tenants if t.name == tenant.name), tenant)
+
     @classmethod
     def load(cls, path: str | None) -> ApiKeyTable:
         """The table of the keys file at `path` (open without one); `ConfigError` naming what is

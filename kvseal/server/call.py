@@ -97,10 +97,13 @@ class Call:
         self._is_submitted = True
         return group
 
+    def rate_headers(self) -> dict[str, str]:
+        """The tenant's x-ratelimit-* headers as they stand now (none before authentication)."""
+        return self.state.rates.headers(self.state.keys.current(self.tenant)) if self.tenant is not None else {}
+
     def response_headers(self) -> dict[str, str]:
-        """The headers of every answer to the admitted request: its id and the tenant's rate limits."""
-        rate_headers = self.state.rates.headers(self.tenant) if self.tenant is not None else {}
-        return {REQUEST_ID_HEADER: self.request_id} | rate_headers
+        """The headers of a successful answer: the request id and the tenant's rate limits."""
+        return {REQUEST_ID_HEADER: self.request_id} | self.rate_headers()
 
     def http_done(self) -> None:
         """The HTTP side is finished: the response was sent, failed, or its client is gone."""
@@ -181,7 +184,7 @@ class Call:
             self.state.metrics.record_usage(tenant, out.num_prompt_tokens, out.num_output_tokens,
                                             out.num_cached_tokens)
             if self.tenant is not None:  # its prompt tokens were counted when it was submitted
-                self.state.rates.charge_tokens(self.tenant, out.num_output_tokens)
+                self.state.rates.charge_tokens(self.state.keys.current(self.tenant), out.num_output_tokens)
         self._is_audited = self.state.audit.write(self._record(outcome, reason, http_status, out, rejected_by))
 
     def _release_slot(self) -> None:

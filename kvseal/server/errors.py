@@ -51,8 +51,9 @@ class ApiError(Exception):
 REQUEST_ID_HEADER = "x-request-id"
 
 
-def response(err: ApiError, request_id: str | None = None) -> JSONResponse:
-    headers = {REQUEST_ID_HEADER: request_id} if request_id else {}
+def response(err: ApiError, request_id: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
+    """`err` in OpenAI's shape; `headers` (a tenant's x-ratelimit-*) under the error's own."""
+    headers = (headers or {}) | ({REQUEST_ID_HEADER: request_id} if request_id else {})
     headers |= err.headers or {}
     if err.retry_after_s is not None:
         headers["retry-after"] = str(err.retry_after_s)

@@ -78,7 +78,7 @@ async def handle_generation(request: Request, state: AppState, endpoint: Endpoin
 
 def _refuse(call: Call, err: ApiError) -> JSONResponse:
     call.reject(err)
-    return errors.response(err, call.request_id)
+    return errors.response(err, call.request_id, call.rate_headers())
 
 
 async def _admit_and_submit(request: Request, state: AppState, endpoint: Endpoint,

@@ -145,3 +145,11 @@ def test_rejections_are_counted_per_tenant_and_reason(quota_server: ServerProces
                           headers={"Authorization": "Bearer key-bob"}, timeout=60)
     assert error_of(response, 404)
     assert count() == before + 1
+
+
+def test_refusals_of_a_limited_tenant_carry_its_headers_too(quota_server: ServerProcess) -> None:
+    response = httpx.post(f"{quota_server.base_url}/completions", json={"prompt": "w5", "model": "nope"},
+                          headers={"Authorization": "Bearer key-tpm"}, timeout=60)
+    assert error_of(response, 404)["code"] == "model_not_found"
+    assert response.headers["x-ratelimit-limit-tokens"] == str(TPM)
+    assert "x-ratelimit-limit-requests" not in response.headers  # tenant tpm has no requests limit
