@@ -87,9 +87,10 @@ def reload_keys(state: AppState, trigger: Trigger, by: ApiKey | None, *, abort: 
     state.keys = table
     valid = {k.digest for k in table.keys}
     num_aborted = _stop_calls(state, lambda c: c.key_digest not in valid, ABORT_KEY_REVOKED) if abort else 0
-    logger.warning("API keys reloaded from %s (%s): %d keys, %d added, %d removed, tenants changed %s, %d in-flight "
-                   "requests aborted", path, trigger, len(table.keys), len(change.keys_added),
-                   len(change.keys_removed), change.tenants_changed, num_aborted)
+    logger.warning("API keys reloaded from %s (%s): %d keys, %d added, %d removed, %d in-flight requests aborted; "
+                   "tenants now [%s], changed %s", path, trigger, len(table.keys), len(change.keys_added),
+                   len(change.keys_removed), num_aborted, ", ".join(t.describe() for t in table.tenants),
+                   change.tenants_changed)
     _audit(state, "keys_reloaded", trigger, by, keys_added=change.keys_added, keys_removed=change.keys_removed,
            tenants_changed=change.tenants_changed, num_aborted=num_aborted)
     return {"object": "keys.reload", "num_keys": len(table.keys), "tenants": [t.name for t in table.tenants],

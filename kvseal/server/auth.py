@@ -56,6 +56,13 @@ class Tenant:
     requests_per_minute: int | None = None
     tokens_per_minute: int | None = None
 
+    def describe(self) -> str:
+        """For the logs: the name and the limits it has."""
+        limits = {"concurrency": self.max_concurrent_requests, "max_tokens": self.max_tokens,
+                  "rpm": self.requests_per_minute, "tpm": self.tokens_per_minute}
+        set_limits = " ".join(f"{k}={v}" for k, v in limits.items() if v is not None)
+        return f"{self.name}({set_limits})" if set_limits else self.name
+
 
 @dataclass(frozen=True)
 class ApiKey:

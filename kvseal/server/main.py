@@ -140,7 +140,7 @@ def _uvicorn_config(config: ServerConfig, state: AppState) -> uvicorn.Config:
 
 def _log_config(state: AppState) -> None:
     c, info, limits = state.config, state.engine_info, state.limits
-    tenants = ", ".join(t.name for t in state.keys.tenants)
+    tenants = ", ".join(t.describe() for t in state.keys.tenants)
     logger.info(
         "kvseal server: model=%s (%s, %s) max_model_len=%d kv_cache_tokens=%d (%d pages x %d) max_prompt_tokens=%d "
         "host=%s port=%d api_keys=%s tenants=[%s] audit_log=%s audit_log_prompts=%s max_body_bytes=%d "
