@@ -47,7 +47,7 @@ Trigger = Literal["http", "sighup"]
 
 @dataclass(frozen=True)
 class KeysChange:
-    """What a reload changed, keys named by fingerprint."""
+    """What a reload changed, keys named by `ApiKey.key_id`."""
 
     keys_added: list[str]
     keys_removed: list[str]
@@ -60,8 +60,8 @@ class KeysChange:
         old_tenants = {t.name: t for t in old.tenants}
         new_tenants = {t.name: t for t in new.tenants}
         changed = sorted(n for n in old_tenants.keys() | new_tenants.keys() if old_tenants.get(n) != new_tenants.get(n))
-        return cls(sorted(k.fingerprint for d, k in new_keys.items() if d not in old_keys),
-                   sorted(k.fingerprint for d, k in old_keys.items() if d not in new_keys), changed)
+        return cls(sorted(k.key_id for d, k in new_keys.items() if d not in old_keys),
+                   sorted(k.key_id for d, k in old_keys.items() if d not in new_keys), changed)
 
 
 def reload_keys(state: AppState, trigger: Trigger, by: ApiKey | None, *, abort: bool) -> dict[str, Any]:
@@ -131,8 +131,8 @@ def _stop_calls(state: AppState, matches: Callable[[LiveCall], bool], reason: st
 
 def _audit(state: AppState, action: AdminAction, trigger: Trigger, by: ApiKey | None, **fields: Any) -> None:
     by_tenant = by.tenant.name if by is not None and by.digest else None
-    by_key = by.fingerprint if by is not None and by.digest else None
-    state.audit.write(AdminRecord(action, time.time(), trigger, by_tenant, by_key, **fields))
+    by_key_id = by.key_id if by is not None and by.digest else None
+    state.audit.write(AdminRecord(action, time.time(), trigger, by_tenant, by_key_id, **fields))
 
 
 def add_admin_routes(app: FastAPI, state: AppState) -> None:

@@ -87,10 +87,10 @@ class AdminRecord(msgspec.Struct, frozen=True, omit_defaults=True):
     admin_action: AdminAction
     at: float  # Unix time, seconds
     trigger: Literal["http", "sighup"]
-    by_tenant: str | None = None  # the admin key's tenant and fingerprint (http); none for a signal
-    by_key: str | None = None
+    by_tenant: str | None = None  # the admin key's tenant and key id (http); none for a signal
+    by_key_id: str | None = None
     model: str | None = None
-    keys_added: list[str] | None = None  # key fingerprints (`ApiKey.fingerprint`), never keys
+    keys_added: list[str] | None = None  # key ids (`ApiKey.key_id`), never keys
     keys_removed: list[str] | None = None  # removed or revoked
     tenants_changed: list[str] | None = None  # tenants whose limits changed
     num_aborted: int | None = None  # in-flight requests ended by the action (abort=true)

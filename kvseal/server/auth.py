@@ -8,7 +8,7 @@ The keys file is JSON, one entry per key:
 Every field but `tenant` is optional. A key may be written as its digest, `"sha256:<64 hex>"`
 (`printf %s KEY | sha256sum`), so the file need not hold the secret itself. Keys are held only
 as SHA-256 digests, compared in constant time, and never logged (the audit log names a key by
-its `fingerprint`). A `"revoked": true` entry is refused like a missing one; it lets the
+its `key_id`). A `"revoked": true` entry is refused like a missing one; it lets the
 operator keep a record of the key in the file.
 
 Admin keys are entries with `"admin": true` in the same file: the operator routes (`/metrics`,
@@ -46,6 +46,7 @@ _HEX_DIGEST = re.compile(r"[0-9a-f]{64}")
 # and four tenants at their cap still fit one batch together. Set `max_concurrent_requests` in
 # the keys file for a tenant that needs more (a benchmark client, a batch job).
 DEFAULT_MAX_CONCURRENT_REQUESTS = 64
+KEY_ID_HEX_DIGITS = 12  # 48 bits: names a key among an operator's keys, useless for guessing a random one
 
 
 @dataclass(frozen=True)
@@ -73,10 +74,10 @@ class ApiKey:
     is_admin: bool = False
 
     @property
-    def fingerprint(self) -> str:
-        """How logs and the audit log name the key: the start of its SHA-256 (which the keys file
-        may hold as `sha256:<hex>`); too short to test guesses of a random key against."""
-        return f"{_HASHED_PREFIX}{self.digest.hex()[:12]}"
+    def key_id(self) -> str:
+        """How the audit log names the key: the first 12 hex digits of its SHA-256 (of what a
+        `sha256:<hex>` entry holds); too short to test guesses of a random key against."""
+        return self.digest.hex()[:KEY_ID_HEX_DIGITS]
 
 
 class ApiKeyTable:

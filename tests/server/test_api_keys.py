@@ -95,7 +95,7 @@ def test_hashed_and_revoked_entries(tmp_path: Path) -> None:
     for header in ("Bearer k-old", f"Bearer sha256:{digest}"):
         with pytest.raises(ApiError):
             table.authenticate(header)
-    assert [k.fingerprint for k in table.keys if k.tenant.name == "h"] == [f"sha256:{digest[:12]}"]
+    assert [k.key_id for k in table.keys if k.tenant.name == "h"] == [digest[:12]]
     for bad in ({"sha256:abc": {"tenant": "h"}}, {f"sha256:{digest.upper()}": {"tenant": "h"}},
                 {"k-hashed": {"tenant": "h"}, f"sha256:{digest}": {"tenant": "h"}},
                 {"k": {"tenant": "h", "revoked": "yes"}}):
