@@ -224,3 +224,18 @@ def test_the_revocation_test_fails_when_a_reload_keeps_removed_keys(server_model
         assert complete(faulty, "key-alice").status_code == 200  # what it caught: the removed key still works
     finally:
         faulty.terminate()
+
+
+def test_without_a_keys_file_there_is_nothing_to_reload_and_the_switch_is_open(server_model_dir: Path,
+                                                                                tmp_path: Path) -> None:
+    open_server = ServerProcess(server_model_dir, tmp_path / "open").start()  # loopback, no --api-keys
+    try:
+        assert error_of(reload(open_server), 400)["code"] == "no_keys_file"
+        assert admin(open_server, f"/admin/models/{open_server.model_name}/disable", {}).json()["disabled"] is True
+        assert _model_card(open_server, "anything")["disabled"] is True  # everyone is the operator here
+        assert error_of(complete(open_server, "anything"), 503)["code"] == "model_disabled"
+        assert admin(open_server, f"/admin/models/{open_server.model_name}/enable", {}).status_code == 200
+        assert complete(open_server, "anything").status_code == 200
+        assert "x-ratelimit-limit-requests" not in complete(open_server, "anything").headers
+    finally:
+        open_server.terminate()
