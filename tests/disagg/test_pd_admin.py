@@ -1,11 +1,12 @@
 """The operator's actions on `kvseal serve --pd` (a frontend over a prefill and a decode engine):
 the kill switch with and without abort, and a key revoked by a reload with abort, end their
-requests in both engines with the right error and audit record (tests/server/test_admin.py
+requests in both engines with the right error and audit record; SIGHUP reloads the keys (tests/server/test_admin.py
 covers the same frontend over a colocated engine in detail)."""
 
 from __future__ import annotations
 
 import json
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -73,6 +74,11 @@ def test_kill_switch_and_revocation_in_pd_mode(tmp_path: Path) -> None:
         assert _record(audit, request_id)["reason"] == "api_key_revoked"
         assert _complete(url, "key-alice").status_code == 401
         assert _complete(url, "key-bob").status_code == 200
+        keys.write_text(json.dumps(KEYS | {"key-carol": {"tenant": "carol"}}))
+        assert server.proc is not None
+        server.proc.send_signal(signal.SIGHUP)
+        wait_for(lambda: _complete(url, "key-carol").status_code == 200, "the SIGHUP reload to add carol's key")
+        assert _complete(url, "key-alice").status_code == 200
         server.assert_running()
     finally:
         assert server.terminate() == 0
