@@ -76,7 +76,7 @@ class Call:
 
     def stop(self, reason: str) -> None:
         """End the request for the operator (key revoked, model disabled): a call not yet
-        submitted is refused when it would be (`require_not_stopped`), a submitted one aborted."""
+        submitted is refused by the pipeline right before it would be, a submitted one aborted."""
         self.stopped_by = reason
         self.abort(reason)
 

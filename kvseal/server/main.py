@@ -2,8 +2,7 @@
 
 The backend (`kvseal.engine_api.EngineBackend`: the colocated engine process, or PD engines)
 is made by the caller (`kvseal.cli`); this module knows only its interface.
-SIGHUP, once the server is ready, reloads the keys file (`kvseal.server.admin`); before that
-it is logged and ignored. Start-up order: read the keys file and open the audit log (bad ones stop start-up), make
+Start-up order: read the keys file and open the audit log (bad ones stop start-up), make
 the backend and start it (its configuration errors, I2, stop start-up with their own message), load the
 tokenizer the engine reports, log the resolved configuration, bind, log "ready". Shutdown
 (SIGTERM/SIGINT): refuse new requests with 503 (the listener stays open, so new connections
@@ -11,7 +10,8 @@ get that answer), give in-flight ones the grace period, then abort the rest in t
 (their clients get an error, never a fake finish), stop the engine, exit 0. The engine
 process ignores SIGTERM and SIGINT and stops only on the frontend's `ShutdownMsg`, so a
 signal to the whole process group (systemd, `kill -TERM -PGID`, `tini -g`) drains the same
-way as one to the frontend alone.
+way as one to the frontend alone. SIGHUP, once the server is ready, reloads the keys file
+(`kvseal.server.admin`; the engines ignore it); before that it is logged and ignored.
 """
 
 from __future__ import annotations
