@@ -86,6 +86,7 @@ class ApiKeyTable:
     def __init__(self, keys: list[ApiKey] | None = None) -> None:
         self._keys = keys
         self._open_key = ApiKey(b"", Tenant(DEFAULT_TENANT), is_admin=True)
+        self._tenants_by_name = {k.tenant.name: k.tenant for k in keys or ()}
 
     @property
     def is_open(self) -> bool:
@@ -100,12 +101,12 @@ class ApiKeyTable:
     def tenants(self) -> list[Tenant]:
         if self._keys is None:
             return [self._open_key.tenant]
-        return sorted({k.tenant for k in self._keys}, key=lambda t: t.name)
+        return sorted(self._tenants_by_name.values(), key=lambda t: t.name)
 
     def current(self, tenant: Tenant) -> Tenant:
         """`tenant` with the limits the table gives it now (they may have changed since a request
         authenticated); as it was if the table no longer has it."""
-        return next((t for t in self.tenants if t.name == tenant.name), tenant)
+        return self._tenants_by_name.get(tenant.name, tenant)
 
     @classmethod
     def load(cls, path: str | None) -> ApiKeyTable:
