@@ -74,6 +74,13 @@ class Fault(enum.Enum):
     # `[DONE]` after what was generated, a non-streamed answer is a 200, so a test can show that
     # the lifecycle test notices an abort passed off as a finished answer.
     ABORT_AS_SUCCESS = "abort_as_success"
+    # A reload of the API keys file adds its keys but keeps the old ones it no longer has, so a
+    # test can show that the revocation test notices a removed key that still works (and that
+    # its in-flight requests are not aborted).
+    KEEP_REVOKED_KEYS = "keep_revoked_keys"
+    # Every tenant draws on one requests bucket and one tokens bucket (per kind, not per tenant),
+    # so a test can show that one tenant's use then gets another tenant 429s.
+    SHARED_RATE_LIMITS = "shared_rate_limits"
 
 
 _active: set[Fault] = set()

@@ -91,6 +91,27 @@ class AuditRecord(msgspec.Struct, frozen=True, omit_defaults=True):
     written_late: bool = False  # the file failed when the request ended: written once it worked again
 
 
+AdminAction = Literal["keys_reloaded", "keys_reload_refused", "model_disabled", "model_enabled"]
+
+
+class AdminRecord(msgspec.Struct, frozen=True, omit_defaults=True):
+    """One operator action on the running server (`kvseal.server.admin`), in the same log as
+    the requests it affects. A line is an admin record when it has `admin_action`."""
+
+    admin_action: AdminAction
+    at: float  # Unix time, seconds
+    trigger: Literal["http", "sighup"]
+    by_tenant: str | None = None  # the admin key's tenant and key id (http); none for a signal
+    by_key_id: str | None = None
+    model: str | None = None
+    keys_added: list[str] | None = None  # key ids (`ApiKey.key_id`), never keys
+    keys_removed: list[str] | None = None  # removed or revoked
+    tenants_changed: list[str] | None = None  # tenants whose limits changed
+    num_aborted: int | None = None  # in-flight requests ended by the action (abort=true)
+    reason: str | None = None  # why a reload was refused
+    written_late: bool = False
+
+
 @dataclass(frozen=True)
 class AuditStats:
     """For /metrics."""
@@ -150,7 +171,7 @@ class AuditLog:
     def stats(self) -> AuditStats:
         return AuditStats(self._failure is None, self._num_write_failures, len(self._pending), self._num_dropped)
 
-    def write(self, record: AuditRecord) -> bool:
+    def write(self, record: AuditRecord | AdminRecord) -> bool:
         """Append `record`'s line; True once it is written. Never raises."""
         if self._failure is None or self._recovered():
             try:
@@ -178,7 +199,7 @@ class AuditLog:
         if self._file is not None:
             self._file.close()
 
-    def _encode(self, record: AuditRecord) -> bytes:
+    def _encode(self, record: AuditRecord | AdminRecord) -> bytes:
         return self._encoder.encode(record) + b"\n"
 
     def _append(self, line: bytes) -> None:
@@ -214,11 +235,12 @@ class AuditLog:
                          AUDIT_UNAVAILABLE, self.retry_s, exc_info=not isinstance(exc, OSError))
         self._failure = f"cannot write the audit log: {exc}"
 
-    def _keep(self, record: AuditRecord) -> None:
+    def _keep(self, record: AuditRecord | AdminRecord) -> None:
         try:
             line = self._encode(late(record))
         except Exception:  # a record that cannot be encoded is lost, not raised
-            logger.exception("cannot encode the audit record of %s", record.request_id)
+            logger.exception("cannot encode the audit record of %s",
+                             record.request_id if isinstance(record, AuditRecord) else record.admin_action)
             self._num_dropped += 1
             return
         if (len(self._pending) >= self._max_pending
@@ -236,8 +258,8 @@ class AuditLog:
         self._num_dropped += 1
 
 
-def late(record: AuditRecord) -> AuditRecord:
+def late(record: AuditRecord | AdminRecord) -> AuditRecord | AdminRecord:
     """The record as written after the file failed: a finished request's answer was withheld."""
-    if record.outcome == "finished":
+    if isinstance(record, AuditRecord) and record.outcome == "finished":
         return msgspec.structs.replace(record, outcome="error", reason=AUDIT_UNAVAILABLE, written_late=True)
     return msgspec.structs.replace(record, written_late=True)

@@ -21,9 +21,10 @@ class ServerConfig:
     host: str = field(default="127.0.0.1", metadata=flag("address to bind (default: loopback only)"))
     port: int = field(default=8000, metadata=flag("port to bind"))
     api_keys_path: str | None = field(default=None, metadata=flag(
-        'JSON file {"KEY": {"tenant": NAME, "max_concurrent_requests": N, "max_tokens": N, "admin": BOOL}}; '
-        "without it every request runs as tenant 'default' and /metrics is open; with it /metrics needs an "
-        "admin key", name="--api-keys", metavar="FILE"))
+        'JSON file {"KEY" or "sha256:HEX": {"tenant": NAME, "max_concurrent_requests": N (default 64), '
+        '"max_tokens": N, "requests_per_minute": N, "tokens_per_minute": N, "admin": BOOL, "revoked": BOOL}}, '
+        "reloaded on SIGHUP and POST /admin/keys/reload; without it every request runs as tenant 'default' and "
+        "/metrics and /admin are open; with it they need an admin key", name="--api-keys", metavar="FILE"))
     audit_log_path: str | None = field(default=None, metadata=flag(
         "append one JSON line per request here (default: the 'kvseal.audit' logger)", name="--audit-log",
         metavar="FILE"))
