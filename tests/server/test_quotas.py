@@ -25,7 +25,8 @@ from test_http_errors import error_of
 RPM = 6  # one request refills every 10 s
 TPM = 30  # one token refills every 2 s
 QUOTA_KEYS = KEYS | {"key-rpm": {"tenant": "rpm", "requests_per_minute": RPM},
-                     "key-tpm": {"tenant": "tpm", "tokens_per_minute": TPM}}
+                     "key-tpm": {"tenant": "tpm", "tokens_per_minute": TPM},
+                     "key-stream": {"tenant": "stream", "requests_per_minute": 100}}
 
 
 @pytest.fixture(scope="module")
@@ -153,3 +154,13 @@ def test_refusals_of_a_limited_tenant_carry_its_headers_too(quota_server: Server
     assert error_of(response, 404)["code"] == "model_not_found"
     assert response.headers["x-ratelimit-limit-tokens"] == str(TPM)
     assert "x-ratelimit-limit-requests" not in response.headers  # tenant tpm has no requests limit
+
+
+def test_a_stream_carries_the_headers(quota_server: ServerProcess) -> None:
+    with httpx.stream("POST", f"{quota_server.base_url}/completions", timeout=60,
+                      json={"prompt": "w5", "max_tokens": 2, "stream": True},
+                      headers={"Authorization": "Bearer key-stream"}) as response:
+        assert response.status_code == 200
+        assert response.headers["x-ratelimit-limit-requests"] == "100"
+        assert response.headers["x-ratelimit-remaining-requests"] == "99"  # its first request
+        assert list(response.iter_lines())[-2] == "data: [DONE]"
