@@ -48,7 +48,10 @@ TESTS_DIR = Path(__file__).parent
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    no_cuda = pytest.mark.skip(reason="needs a CUDA device; torch sees none here (bench/gpu/run.sh runs these)")
     for item in items:
+        if item.get_closest_marker("gpu") and not torch.cuda.is_available():
+            item.add_marker(no_cuda)
         path = item.path.relative_to(TESTS_DIR).as_posix()
         if (PROCESS_FIXTURES & set(getattr(item, "fixturenames", ())) or path in PROCESS_MODULES
                 or f"{path}::{item.name.split('[')[0]}" in PROCESS_TESTS
