@@ -22,6 +22,7 @@ import torch
 from kvseal.admission import AdmissionLimits, admit
 from kvseal.config import EngineArgs, ModelConfig
 from kvseal.engine.batch import PreparedForward, build_forward_batch, check_forward
+from kvseal.engine.gpu_memory import plan_gpu_pool
 from kvseal.engine.model_runner import ModelRunner
 from kvseal.engine.output import OutputState, text_decoder
 from kvseal.engine.sampler import sample
@@ -32,6 +33,7 @@ from kvseal.models.loader import LoadedModel, load_model
 from kvseal.models.packed import pack_model
 from kvseal.models.quant import quantize_model
 from kvseal.ops import select_ops
+from kvseal.ops.device import DeviceInfo, resolve_device
 from kvseal.prompting import encode_text
 from kvseal.structured.compiler import GrammarCompilerPool, GrammarPoolStats
 from kvseal.structured.matching import new_matcher
@@ -66,23 +68,35 @@ class LLMEngine:
         torch.manual_seed(args.seed)
         if args.num_threads is not None:
             torch.set_num_threads(args.num_threads)
-        # the kernels first (native: built now, or found in the user's cache; --native), so that
-        # `--native require` without a compiler fails before the weights load
-        self.ops = select_ops(args.native)
+        # the device, then the kernels (native: built now, or found in the user's cache; --native),
+        # so that `--device cuda` without a GPU or `--native require` without a compiler fails
+        # before the weights load
+        args = args.on_device(resolve_device(args.device))
+        self.args = args
+        self.device = DeviceInfo.of(args.device)
+        self.ops = select_ops(args.native, args.device, attention_backend=args.attention_backend)
+        free_before_weights = self.device.free_bytes
         self.loaded = loaded or load_model(args.model, args.torch_dtype)
         self.model_config: ModelConfig = self.loaded.config
         self.tokenizer: Any = self.loaded.tokenizer
         self._decode_text = text_decoder(self.tokenizer)
-        self.cache_config, self.scheduler_config = args.resolve(self.model_config)
+        if not args.is_pool_sized_by_device:  # a pool that cannot be honoured fails before the weights move
+            args.resolve(self.model_config)
+        model = self.loaded.model.to(device=args.device, dtype=args.torch_dtype)
+        model = quantize_model(model, args.quantization, self.ops)
+        if args.quantization != "int8":
+            model = pack_model(model, self.ops, weight_dtype=torch.bfloat16 if args.quantization == "bf16" else None)
+        model.use_ops(self.ops)
+        self.gpu_memory = None if not args.is_pool_sized_by_device or free_before_weights is None else plan_gpu_pool(
+            model, free_before_weights, args.gpu_memory_utilization, args.max_num_batched_tokens,
+            min(args.max_num_seqs, args.max_num_batched_tokens), args.page_size, args.torch_dtype)
+        kv_memory = None if self.gpu_memory is None else self.gpu_memory.require_room()
+        self.cache_config, self.scheduler_config = args.resolve(self.model_config, kv_memory)
         self.limits = AdmissionLimits(self.scheduler_config.max_model_len, self.cache_config.kv_cache_tokens,
                                       self.model_config.vocab_size)
         cfg = self.model_config
         self.kv = KVCacheManager(self.cache_config, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
         self.scheduler = Scheduler(self.scheduler_config, self.kv)
-        model = quantize_model(self.loaded.model.to(args.torch_dtype), args.quantization, self.ops)
-        if args.quantization != "int8":
-            model = pack_model(model, self.ops, weight_dtype=torch.bfloat16 if args.quantization == "bf16" else None)
-        model.use_ops(self.ops)
         self.runner = ModelRunner(model, self.kv.pool)
         self._outputs: dict[str, OutputState] = {}
         self._num_preemptions = 0
@@ -100,12 +114,13 @@ class LLMEngine:
             "kvseal engine: model=%s arch=%s dtype=%s max_model_len=%d kv_cache_tokens=%d (%d pages x %d) "
             "kv_bytes_per_token=%d max_num_batched_tokens=%d max_prefill_chunk_tokens=%d fair_share_tokens=%d "
             "attention_cost_context=%d max_num_seqs=%d kv_scrub=%s check_kv=%s prefix_caching=%s torch_threads=%d "
-            "native=%s ops=%s grammar_compile_timeout_s=%g grammar_compile_workers=%d",
+            "native=%s ops=%s grammar_compile_timeout_s=%g grammar_compile_workers=%d device=%s (%s) kv_pool_bytes=%d",
             self.loaded.path, self.model_config.architecture, args.dtype, s.max_model_len, c.kv_cache_tokens,
             c.num_pages, c.page_size, args.capacity(self.model_config).bytes_per_token,
             s.max_num_batched_tokens, s.max_prefill_chunk_tokens, s.fair_share_tokens, s.attention_cost_context,
             s.max_num_seqs, c.kv_scrub, c.check_kv, c.enable_prefix_caching, torch.get_num_threads(),
             args.native, self.ops.name, args.grammar_compile_timeout_s, args.grammar_compile_workers,
+            args.device, self.device.describe(), self.kv.pool.num_bytes,
         )
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:

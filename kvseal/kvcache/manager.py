@@ -49,9 +49,10 @@ class KVCacheManager:
         self.page_size = config.page_size
         self.allocator = PageAllocator(config.num_pages)
         self.num_layers = num_layers
-        self.records = WriteRecords(num_layers, config.num_pages, config.page_size, track_slots=config.check_kv)
+        self.records = WriteRecords(num_layers, config.num_pages, config.page_size, track_slots=config.check_kv,
+                                    device=config.device)
         self.pool = KVPool(num_layers, config.num_pages, config.page_size, num_kv_heads, head_dim, config.dtype,
-                           observer=self.records)
+                           observer=self.records, device=config.device)
         self.num_pages_scrubbed = 0  # pages overwritten by the scrub policy (I7) since start-up
         if config.check_kv:
             self.pool.fill(list(range(config.num_pages)), float("nan"))

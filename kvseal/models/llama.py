@@ -141,7 +141,9 @@ class CausalLM(nn.Module):
         plan = AttentionPlan.build(batch, pool, self.config.num_heads, ops)
         layers: list[DecoderLayer] = list(self.model.layers)  # type: ignore[arg-type]
         h = self.model.embed_tokens(batch.input_ids).contiguous()  # [num_tokens, hidden], the residual stream
-        cos, signed_sin = (t.reshape(t.shape[0], -1).contiguous() for t in self.rope.cos_sin(batch.positions, h.dtype))
+        num_positions = max(batch.context_lens, default=0)  # 1 + the largest position, known on the host
+        cos, signed_sin = (t.reshape(t.shape[0], -1).contiguous()
+                           for t in self.rope.cos_sin(batch.positions, h.dtype, num_positions))
         if plan.decode is not None and plan.is_decode_only and (loop := self.decode_loop()) is not None \
                 and loop.takes(plan.decode.plan):
             x = loop.run(h, cos, signed_sin, batch.slot_mapping, plan.decode.plan, pool)
