@@ -89,9 +89,17 @@ def _generation_eos(folder: Path) -> list[int]:
 
 
 def _build_and_load(config: ModelConfig, folder: Path, dtype: torch.dtype) -> CausalLM:
+    return model_from_state_dict(config, _read_safetensors(folder), dtype, str(folder))
+
+
+def model_from_state_dict(config: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype,
+                          source: str = "the state dict") -> CausalLM:
+    """kvseal's model of `config` from a Hugging Face checkpoint's tensors (names as in its
+    safetensors; q/k/v and gate/up are packed here), on the tensors' device, in `dtype`.
+    ModelLoadError when the names do not match the architecture."""
     with torch.device("meta"):
         module = CausalLM(config)
-    state = _read_safetensors(folder)
+    state = dict(state)
     params = [k for k in module.state_dict() if not (config.tie_word_embeddings and k == "lm_head.weight")]
     expected = {name for key in params for name in _checkpoint_names(key)}
     if config.tie_word_embeddings:
@@ -99,7 +107,7 @@ def _build_and_load(config: ModelConfig, folder: Path, dtype: torch.dtype) -> Ca
     missing = sorted(expected - set(state))
     unexpected = sorted(k for k in set(state) - expected if "rotary_emb" not in k)
     if missing or unexpected:
-        raise ModelLoadError(f"weights in {folder} do not match {config.architecture}: "
+        raise ModelLoadError(f"weights in {source} do not match {config.architecture}: "
                              f"missing {missing[:5]}, unexpected {unexpected[:5]}")
     packed = {key: torch.cat([state[n] for n in _checkpoint_names(key)]).to(dtype) for key in params}
     module.load_state_dict(packed, strict=False, assign=True)
