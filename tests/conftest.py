@@ -29,7 +29,8 @@ torch.set_num_threads(2)
 # a process, by its module, by name, or by the `slow` and `sanitizers` markers.
 PROCESS_FIXTURES = frozenset({"server", "char_server", "bench_server", "pd_cluster"})
 PROCESS_MODULES = frozenset({
-    "bench/test_bench_serve.py", "bench/test_gpu_bench.py", "bench/test_quant_decode_peers.py", "canary/test_kvseal_canary.py",
+    "bench/test_bench_serve.py", "bench/test_gpu_bench.py", "bench/test_quant_decode_peers.py",
+    "canary/test_kvseal_canary.py",
     "disagg/test_engine_auth_processes.py", "disagg/test_pd_audit.py", "disagg/test_pd_cli.py",
     "disagg/test_pd_incident.py", "disagg/test_pd_kill.py", "disagg/test_pd_structured.py",
     "engine/test_grammar_pool.py", "engine/test_structured.py",

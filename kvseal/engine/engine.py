@@ -22,7 +22,7 @@ import torch
 from kvseal.admission import AdmissionLimits, admit
 from kvseal.config import EngineArgs, ModelConfig
 from kvseal.engine.batch import PreparedForward, build_forward_batch, check_forward
-from kvseal.engine.gpu_memory import plan_gpu_pool
+from kvseal.engine.gpu_memory import model_bytes, plan_gpu_pool
 from kvseal.engine.model_runner import ModelRunner
 from kvseal.engine.output import OutputState, text_decoder
 from kvseal.engine.sampler import sample
@@ -77,6 +77,8 @@ class LLMEngine:
         self.ops = select_ops(args.native, args.device, attention_backend=args.attention_backend)
         free_before_weights = self.device.free_bytes
         self.loaded = loaded or load_model(args.model, args.torch_dtype)
+        if free_before_weights is not None and next(self.loaded.model.parameters()).device.type == "cuda":
+            free_before_weights += model_bytes(self.loaded.model)  # given on the GPU: its weights were not free
         self.model_config: ModelConfig = self.loaded.config
         self.tokenizer: Any = self.loaded.tokenizer
         self._decode_text = text_decoder(self.tokenizer)
