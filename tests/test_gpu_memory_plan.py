@@ -15,7 +15,8 @@ from kvseal import ConfigError
 from kvseal.capacity import GIB, GpuMemoryPlan, KvCapacity
 from kvseal.cli import main
 from kvseal.config import EngineArgs
-from kvseal.engine.gpu_memory import model_bytes
+from kvseal.engine.gpu_memory import model_bytes, profiling_batch
+from kvseal.kvcache.pool import KVPool
 from kvseal.models.loader import load_model, plan_config
 
 
@@ -88,6 +89,18 @@ def test_plan_refuses_a_gpu_too_small_for_the_weights(tmp_path: Path, capsys: py
     assert rc == 1 and "REFUSED: no GPU memory is left for the KV pool" in capsys.readouterr().out
     assert main(["plan", "--model", str(tmp_path), "--device", "cuda", "--max-model-len", "8192"]) == 2
     assert "give --gpu-memory" in capsys.readouterr().err
+
+
+def test_the_profiling_forward_is_a_full_step_of_one_fresh_prompt(llama_dir: Path) -> None:
+    """The batch the GPU's activation peak is measured with (here on the CPU): a full step's
+    tokens as one fresh prompt whose last rows are sampled, through the model into a scratch pool."""
+    model = load_model(llama_dir, torch.float32).model
+    batch = profiling_batch(num_tokens=40, num_sampled=8, page_size=16, device=torch.device("cpu"))
+    pool = KVPool(model.config.num_layers, 3, 16, model.config.num_kv_heads, model.config.head_dim, torch.float32)
+    logits = model(batch, pool)
+    assert logits.shape == (8, model.config.vocab_size) and torch.isfinite(logits).all()
+    assert batch.logits_indices.tolist() == list(range(32, 40))
+    assert pool.k[0].flatten(1, 2)[:, :40].abs().sum() > 0  # every token's KV went to the scratch pool
 
 
 @pytest.mark.gpu

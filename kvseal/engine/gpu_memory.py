@@ -48,8 +48,9 @@ def measure_activation_peak(model: CausalLM, num_tokens: int, num_sampled: int, 
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
     before = torch.cuda.memory_allocated(device)
-    logits = model(batch, pool)
-    torch.log_softmax(logits.float(), dim=-1)  # the sampler's float32 rows
+    with torch.inference_mode():
+        logits = model(batch, pool)
+        torch.log_softmax(logits.float(), dim=-1)  # the sampler's float32 rows
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - before
     del pool, batch, logits
