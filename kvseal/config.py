@@ -360,8 +360,10 @@ class EngineArgs:
         "grammar compile worker processes, shared by tenants round-robin with one compile each at a time; 2 or "
         f"more keep one tenant's slow grammar from delaying another's (default: {DEFAULT_GRAMMAR_COMPILE_WORKERS})",
         metavar="N"))
-    # whether `dtype` was given as auto (decided for the device: `on_device`); not a flag
-    is_auto_dtype: bool = field(default=False, init=False, repr=False, compare=False)
+    # whether `dtype` was given as auto and decided here for the device (`on_device` decides it
+    # again once an "auto" device is known); not a flag. An init field so that arguments copied
+    # field by field (`EngineArgs(**vars(args))`, `dataclasses.replace`) keep it.
+    is_auto_dtype: bool = field(default=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES:

@@ -48,6 +48,8 @@ def test_auto_dtype_is_bfloat16_on_cuda_and_a_given_dtype_stays() -> None:
     assert EngineArgs().on_device("cuda").dtype == "bfloat16"
     assert EngineArgs(dtype="float32").on_device("cuda").dtype == "float32"
     assert EngineArgs(dtype="float16", device="cuda").dtype == "float16"
+    copied = EngineArgs(**vars(EngineArgs()))  # what `kvseal generate` hands LLM(...)
+    assert copied.on_device("cuda").dtype == "bfloat16"
 
 
 @pytest.mark.parametrize("command", ["generate", "serve", "engine"])
