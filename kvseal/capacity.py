@@ -16,6 +16,7 @@ from kvseal.errors import ConfigError
 if TYPE_CHECKING:
     import torch
 
+GIB = 2**30
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
@@ -119,3 +120,75 @@ class KvCapacity:
             f"{self.bytes_per_token} bytes per token. Fix: give the KV cache at least "
             f"{needed * self.bytes_per_token} bytes (kv_cache_tokens >= {needed}){lower}."
         )
+
+
+@dataclass(frozen=True)
+class GpuMemoryPlan:
+    """The KV pool on a GPU (`--gpu-memory-utilization`), shared by start-up and `kvseal plan`:
+
+    budget = free device memory at start-up (before the weights load) x utilization
+    KV pool = budget - weights - activation peak (a profiling forward of a full step's tokens)
+
+    The engine measures the weights and the peak; `kvseal plan` estimates the peak
+    (`estimate_activation_bytes`) and counts the weights from the config (`weight_bytes`).
+    """
+
+    free_bytes: int
+    utilization: float
+    weights_bytes: int
+    activation_peak_bytes: int
+
+    @property
+    def budget_bytes(self) -> int:
+        return int(self.free_bytes * self.utilization)
+
+    @property
+    def kv_bytes(self) -> int:
+        """What is left for the KV pool (negative: nothing, and start-up is refused)."""
+        return self.budget_bytes - self.weights_bytes - self.activation_peak_bytes
+
+    def require_room(self) -> int:
+        """`kv_bytes`, or ConfigError naming the numbers where nothing is left for the pool."""
+        if self.kv_bytes > 0:
+            return self.kv_bytes
+        raise ConfigError(
+            f"no GPU memory is left for the KV pool: {self.free_bytes / GIB:.2f} GiB free x gpu_memory_utilization "
+            f"{self.utilization} = {self.budget_bytes / GIB:.2f} GiB, less {self.weights_bytes / GIB:.2f} GiB of "
+            f"weights and an activation peak of {self.activation_peak_bytes / GIB:.2f} GiB. Fix: raise "
+            f"--gpu-memory-utilization, lower --max-num-batched-tokens (the activation peak), free the GPU, or use a "
+            f"smaller model or dtype"
+        )
+
+    def rows(self) -> list[tuple[str, str]]:
+        """The figures as `kvseal plan` prints them and the engine logs them."""
+        return [
+            ("GPU memory free", f"{self.free_bytes / GIB:.2f} GiB x gpu_memory_utilization {self.utilization} "
+                                f"= {self.budget_bytes / GIB:.2f} GiB"),
+            ("weights", f"{self.weights_bytes / GIB:.2f} GiB"),
+            ("activation peak", f"{self.activation_peak_bytes / GIB:.2f} GiB"),
+            ("left for the KV pool", f"{self.kv_bytes / GIB:.2f} GiB ({self.kv_bytes:,} bytes)"),
+        ]
+
+
+
+def weight_bytes(vocab_size: int, hidden: int, intermediate: int, num_layers: int, num_heads: int,
+                 num_kv_heads: int, head_dim: int, element_bytes: int, tied_embeddings: bool,
+                 attention_bias: bool = False, qk_norm: bool = False, o_bias: bool = False) -> int:
+    """A Llama-family decoder's parameter bytes (what the engine's model holds), from its config."""
+    q, kv = num_heads * head_dim, num_kv_heads * head_dim
+    attention = hidden * (q + 2 * kv) + q * hidden + (q + 2 * kv if attention_bias else 0) \
+        + (hidden if o_bias else 0) + (2 * head_dim if qk_norm else 0)
+    layer = attention + 3 * hidden * intermediate + 2 * hidden
+    embeddings = vocab_size * hidden * (1 if tied_embeddings else 2)
+    return (embeddings + num_layers * layer + hidden) * element_bytes
+
+
+def estimate_activation_bytes(num_tokens: int, hidden: int, intermediate: int, num_heads: int, num_kv_heads: int,
+                              head_dim: int, vocab_size: int, num_seqs: int, element_bytes: int) -> int:
+    """An upper estimate of one step's activation peak for `kvseal plan` (the engine measures
+    it): a layer's live tensors for `num_tokens` tokens (the residual stream and its norm, the
+    fused qkv rows, attention's output, the gate/up rows and their product) and the float32
+    logits of `num_seqs` sampled rows, twice (the sampler's copies)."""
+    qkv = (num_heads + 2 * num_kv_heads) * head_dim
+    per_token = 3 * hidden + qkv + num_heads * head_dim + 3 * intermediate
+    return num_tokens * per_token * element_bytes + 2 * num_seqs * vocab_size * 4

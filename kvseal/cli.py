@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING
 from kvseal.auditlog.cli import add_auditlog_parsers
 from kvseal.bench.cli import add_bench_parser
 from kvseal.canary import add_canary_arguments, cmd_canary
-from kvseal.capacity import KvCapacity, bytes_per_element, parse_bytes
-from kvseal.config import EngineArgs
+from kvseal.capacity import GpuMemoryPlan, KvCapacity, bytes_per_element, parse_bytes
+from kvseal.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineArgs, default_dtype
 from kvseal.disagg.config import EngineKeyFiles, NodeConfig, PdServeArgs, node_config_from
 from kvseal.engine.supervisor import RestartPolicy
 from kvseal.engine_args import add_engine_arguments, engine_args_from
@@ -48,10 +48,16 @@ class PlanArgs:
     num_kv_heads: int | None = field(default=None, metadata=flag("KV heads of the whole model", type=int))
     head_dim: int | None = field(default=None, metadata=flag("dimension of one attention head", type=int))
     tp: int = field(default=1, metadata=flag("tensor-parallel ranks (KV heads are split across them)"))
+    gpu_memory: str | None = field(default=None, metadata=flag(
+        "with --device cuda: the GPU's free memory at start-up (e.g. 80GiB, 141GB); the pool is what "
+        "--gpu-memory-utilization of it leaves after the weights and the activation peak", metavar="BYTES"))
+    activation_memory: str | None = field(default=None, metadata=flag(
+        "with --device cuda: the activation peak to plan for (the engine measures it with a profiling forward); "
+        "default: an estimate from the model and --max-num-batched-tokens", metavar="BYTES"))
 
 
 PLAN_ENGINE_FLAGS = ("model", "dtype", "kv_cache_memory", "kv_cache_tokens", "max_model_len", "page_size",
-                     "kv_headroom")
+                     "kv_headroom", "device", "gpu_memory_utilization", "max_num_batched_tokens", "max_num_seqs")
 # `--dtype auto` picks by the serving host's CPU, which plan cannot see: it says what it assumes.
 PLAN_AUTO_DTYPE = "bfloat16"
 PLAN_AUTO_WHY = ("auto: plan cannot probe the serving host's CPU; it assumes bfloat16, what auto picks on CPUs "
@@ -77,17 +83,31 @@ def _cmd_plan(ns: argparse.Namespace) -> int:
     if not isinstance(ns.max_model_len, int):
         raise ConfigError("plan needs --max-model-len N, the context in tokens to check the pool against")
     layers, kv_heads, head_dim, source = _plan_dims(ns)
-    dtype = PLAN_AUTO_DTYPE if ns.dtype == "auto" else ns.dtype
+    on_gpu = ns.device == "cuda"
+    dtype = default_dtype("cuda") if on_gpu and ns.dtype == "auto" else PLAN_AUTO_DTYPE if ns.dtype == "auto" \
+        else ns.dtype
     cap = KvCapacity.for_dims(layers, kv_heads, head_dim, bytes_per_element(dtype), ns.page_size, ns.tp)
-    cap = cap.with_tokens(ns.kv_cache_tokens) if ns.kv_cache_tokens else cap.with_memory(
-        parse_bytes(ns.kv_cache_memory))
+    gpu = _plan_gpu(ns, dtype) if on_gpu and not ns.kv_cache_tokens and ns.kv_cache_memory is None else None
+    if gpu is not None:
+        for name, value in gpu.rows():
+            print(f"{name:<33}  {value}")
+        try:
+            cap = cap.with_memory(gpu.require_room())
+        except KvsealError as exc:
+            print(f"REFUSED: {exc}")
+            return 1
+    elif ns.kv_cache_tokens:
+        cap = cap.with_tokens(ns.kv_cache_tokens)
+    else:
+        cap = cap.with_memory(parse_bytes(ns.kv_cache_memory or DEFAULT_CPU_KV_CACHE_MEMORY))
     needed = ns.max_model_len * ns.kv_headroom
     per_rank = cap.num_kv_heads_per_rank
     memory = f"{cap.kv_memory_bytes:,} bytes" if cap.kv_memory_bytes is not None else "(from --kv-cache-tokens)"
     rows = [
         ("model", source),
         ("layers x kv_heads/rank x head_dim", f"{layers} x {per_rank} (of {kv_heads}, tp={ns.tp}) x {head_dim}"),
-        ("dtype", f"{dtype} ({cap.element_bytes} bytes)" + (f"; {PLAN_AUTO_WHY}" if ns.dtype == "auto" else "")),
+        ("dtype", f"{dtype} ({cap.element_bytes} bytes)"
+         + (f"; {PLAN_AUTO_WHY}" if ns.dtype == "auto" and not on_gpu else "")),
         ("KV bytes per token",
          f"2 x {layers} x {per_rank} x {head_dim} x {cap.element_bytes} = {cap.bytes_per_token:,}"),
         ("page", f"{ns.page_size} tokens = {cap.page_bytes:,} bytes"),
@@ -105,6 +125,20 @@ def _cmd_plan(ns: argparse.Namespace) -> int:
         return 1
     print(f"OK: the pool holds {cap.pool_tokens / ns.max_model_len:.2f} full-length requests")
     return 0
+
+
+def _plan_gpu(ns: argparse.Namespace, dtype: str) -> GpuMemoryPlan:
+    """The GPU pool's arithmetic of `--device cuda`, as the engine does it, from the config alone."""
+    if ns.gpu_memory is None or ns.model is None:
+        raise ConfigError("plan --device cuda sizes the pool from the GPU's memory: give --gpu-memory (its free "
+                          "memory, e.g. 80GiB) and --model (the weights' size comes from its config), or size the "
+                          "pool with --kv-cache-memory or --kv-cache-tokens")
+    from kvseal.models.loader import plan_config
+
+    cfg = plan_config(ns.model)
+    activation = parse_bytes(ns.activation_memory) if ns.activation_memory is not None else \
+        cfg.activation_estimate(dtype, ns.max_num_batched_tokens, min(ns.max_num_seqs, ns.max_num_batched_tokens))
+    return GpuMemoryPlan(parse_bytes(ns.gpu_memory), ns.gpu_memory_utilization, cfg.weight_bytes(dtype), activation)
 
 
 def _plan_dims(ns: argparse.Namespace) -> tuple[int, int, int, str]:

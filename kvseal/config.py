@@ -8,12 +8,21 @@ configuration the server cannot honour (I2).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
-from kvseal.capacity import ELEMENT_BYTES, KvCapacity, bytes_per_element, check_headroom, parse_bytes
+from kvseal.capacity import (
+    ELEMENT_BYTES,
+    KvCapacity,
+    bytes_per_element,
+    check_headroom,
+    estimate_activation_bytes,
+    parse_bytes,
+    weight_bytes,
+)
 from kvseal.errors import ConfigError, ModelLoadError
 from kvseal.flags import flag
 
@@ -33,6 +42,13 @@ ScrubMode = Literal["off", "free", "alloc"]
 # the torch ops; "require" the native kernels or start-up fails; "off" the torch ops.
 NativeMode = Literal["auto", "require", "off"]
 NATIVE_MODES = ("auto", "require", "off")
+# Where the engine runs (`kvseal.ops.device.resolve_device`): "auto" CUDA when torch sees a GPU.
+DEVICES = ("auto", "cpu", "cuda")
+# The attention kernels: "auto" the device's own (native or torch on CPU, per --native; Triton on
+# CUDA); "triton" the Triton kernels on any device (on CPU only under TRITON_INTERPRET=1: tests).
+ATTENTION_BACKENDS = ("auto", "triton")
+DEFAULT_CPU_KV_CACHE_MEMORY = "2GiB"
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 DEFAULT_MAX_PREFILL_CHUNK_TOKENS = 512  # a quarter of the default step budget
 DEFAULT_FAIR_SHARE_TOKENS = 256  # an eighth of the default step budget
 DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S = 5.0
@@ -88,6 +104,20 @@ class ModelConfig:
         is_float32 = str(dtype).removeprefix("torch.") == "float32"
         return max(1, round(linear / pair / (1 if is_float32 else 2)))
 
+    def weight_bytes(self, dtype: str) -> int:
+        """The bytes of the model's parameters in `dtype` (what the engine's model holds), from
+        the config alone (`kvseal plan`)."""
+        return weight_bytes(self.vocab_size, self.hidden_size, self.intermediate_size, self.num_layers, self.num_heads,
+                            self.num_kv_heads, self.head_dim, bytes_per_element(dtype), self.tie_word_embeddings,
+                            self.attention_bias, self.has_qk_norm,
+                            self.attention_bias and self.architecture != "Qwen2ForCausalLM")
+
+    def activation_estimate(self, dtype: str, num_tokens: int, num_seqs: int) -> int:
+        """`kvseal plan`'s estimate of a step's activation peak (the engine measures it)."""
+        return estimate_activation_bytes(num_tokens, self.hidden_size, self.intermediate_size, self.num_heads,
+                                         self.num_kv_heads, self.head_dim, self.vocab_size, num_seqs,
+                                         bytes_per_element(dtype))
+
     @classmethod
     def from_hf(cls, hf: Any) -> ModelConfig:
         architecture = _architecture_of(hf)
@@ -138,8 +168,11 @@ class CacheConfig:
     kv_scrub: ScrubMode = "off"
     check_kv: bool = False
     enable_prefix_caching: bool = True  # per-tenant prefix cache (I5)
+    device: str = "cpu"  # where the pool and its write records live: "cpu" or "cuda"
 
     def __post_init__(self) -> None:
+        if self.device not in ("cpu", "cuda"):
+            raise ConfigError(f"the KV cache's device must be cpu or cuda, got {self.device!r}")
         if self.page_size < 1 or self.num_pages < 1:
             raise ConfigError(f"page_size ({self.page_size}) and num_pages ({self.num_pages}) must be >= 1")
         if self.kv_scrub not in ("off", "free", "alloc"):
@@ -223,6 +256,14 @@ _DTYPE_ALIASES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "
                   "fp16": "float16", "float16": "float16", "half": "float16"}
 
 
+def default_dtype(device: str) -> str:
+    """What `--dtype auto` means on `device`: bfloat16 on CUDA; on the CPU (and for "auto" until
+    the engine decides the device) bfloat16 where the CPU multiplies it natively, else float32."""
+    if device == "cuda":
+        return "bfloat16"
+    return "bfloat16" if cpu_has_native_bf16() else "float32"
+
+
 def dtype_arg(value: str) -> str:
     """`--dtype`: auto, or a dtype name or alias (bf16, fp32, ...) turned into its `DTYPES` name."""
     if value == "auto":
@@ -248,8 +289,8 @@ class EngineArgs:
     model: str | None = field(default=None, metadata=flag(
         "local model folder (config.json, *.safetensors, tokenizer) or .gguf file (default: SmolLM2-135M)"))
     dtype: str = field(default="auto", metadata=flag(
-        "float32, bfloat16 or float16 (bf16, fp32 ...); auto: bfloat16 where the CPU multiplies bf16 natively "
-        "(AVX512-BF16 or AMX), else float32", type=dtype_arg))
+        "float32, bfloat16 or float16 (bf16, fp32 ...); auto: bfloat16 on CUDA, and on CPU where it multiplies "
+        "bf16 natively (AVX512-BF16 or AMX), else float32", type=dtype_arg))
     quantization: str = field(default="none", metadata=flag(
         f"weight-only quantization of the linear layers: {', '.join(QUANTIZATIONS)} (default: none); the "
         f"activations and KV cache stay in --dtype"))  # checked in __post_init__, with what each one does
@@ -258,8 +299,21 @@ class EngineArgs:
         type=max_model_len_arg))
     kv_cache_tokens: int | None = field(default=None, metadata=flag(
         "KV pool size in tokens (rounded up to whole pages)", type=int))
-    kv_cache_memory: str | int = field(default="2GiB", metadata=flag(
-        "KV pool budget per rank when --kv-cache-tokens is not given (e.g. 2GiB, 64GiB)", deprecated=("--kv-memory",)))
+    kv_cache_memory: str | int | None = field(default=None, metadata=flag(
+        "KV pool budget per rank when --kv-cache-tokens is not given (e.g. 2GiB, 64GiB); default: "
+        f"{DEFAULT_CPU_KV_CACHE_MEMORY} on CPU, on CUDA what --gpu-memory-utilization leaves",
+        deprecated=("--kv-memory",)))
+    gpu_memory_utilization: float = field(default=DEFAULT_GPU_MEMORY_UTILIZATION, metadata=flag(
+        "on CUDA, the fraction of the device's free memory at start-up the engine may use: the KV pool gets what "
+        "is left of it after the weights and the activation peak of a profiling forward (unless "
+        f"--kv-cache-memory or --kv-cache-tokens size it); default {DEFAULT_GPU_MEMORY_UTILIZATION}"))
+    device: str = field(default="auto", metadata=flag(
+        "where the engine runs: auto (CUDA when torch sees a GPU, else the CPU), cpu, or cuda (start-up fails "
+        "without a GPU)", choices=DEVICES))
+    attention_backend: str = field(default="auto", metadata=flag(
+        "the attention kernels: auto (the device's: kvseal's native or torch's on CPU per --native, Triton on CUDA) "
+        "or triton (the Triton kernels on any device; on CPU only under Triton's interpreter, TRITON_INTERPRET=1, "
+        "which is for tests)", choices=ATTENTION_BACKENDS))
     kv_headroom: float = field(default=1.0, metadata=flag(
         "the pool must hold max_model_len x this many tokens, or start-up fails (I2)"))
     page_size: int = field(default=16, metadata=flag("tokens per KV page"))
@@ -317,10 +371,21 @@ class EngineArgs:
         "the longest one tensor-parallel collective (a step's message, a forward's all-reduce) may wait for a "
         "rank; past it the engine fails closed: every in-flight request ends with an error "
         f"(default: {DEFAULT_TP_TIMEOUT_S:g})", name="--tp-timeout", metavar="S"))
+    # whether `dtype` was given as auto and decided here for the device (`on_device` decides it
+    # again once an "auto" device is known); not a flag. An init field so that arguments copied
+    # field by field (`EngineArgs(**vars(args))`, `dataclasses.replace`) keep it.
+    is_auto_dtype: bool = field(default=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if self.dtype == "auto":
-            object.__setattr__(self, "dtype", "bfloat16" if cpu_has_native_bf16() else "float32")
+        if self.device not in DEVICES:
+            raise ConfigError(f"device must be one of {', '.join(DEVICES)}; got {self.device!r} (auto: CUDA when "
+                              f"torch sees a GPU, else the CPU)")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ConfigError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}; got "
+                              f"{self.attention_backend!r}")
+        if self.dtype == "auto":  # `on_device` decides again once an "auto" device is known
+            object.__setattr__(self, "is_auto_dtype", True)
+            object.__setattr__(self, "dtype", default_dtype(self.device))
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be auto or one of {', '.join(DTYPES)}; got {self.dtype!r}")
         if self.quantization not in QUANTIZATIONS:
@@ -367,8 +432,21 @@ class EngineArgs:
                 or not math.isfinite(self.tp_timeout_s) or self.tp_timeout_s <= 0:
             raise ConfigError(f"--tp-timeout must be a number of seconds > 0, got {self.tp_timeout_s!r} "
                               f"(default {DEFAULT_TP_TIMEOUT_S:g})")
-        parse_bytes(self.kv_cache_memory)  # a malformed or negative size fails here, by name
+        if self.kv_cache_memory is not None:
+            parse_bytes(self.kv_cache_memory)  # a malformed or negative size fails here, by name
+        utilization = self.gpu_memory_utilization
+        if isinstance(utilization, bool) or not isinstance(utilization, int | float) or not 0 < utilization <= 1:
+            raise ConfigError(f"--gpu-memory-utilization must be a fraction in (0, 1], got {utilization!r}; it is "
+                              f"the share of the GPU's free memory the engine may use (default "
+                              f"{DEFAULT_GPU_MEMORY_UTILIZATION})")
         _ = self.grammar_config  # a bad compile timeout or worker count fails here, by flag
+
+    def on_device(self, device: str) -> EngineArgs:
+        """These arguments with the device decided ("cpu" or "cuda"); a dtype given as auto is
+        decided again for it (bfloat16 on CUDA)."""
+        if device not in ("cpu", "cuda"):
+            raise ConfigError(f"on_device takes cpu or cuda, got {device!r}")
+        return dataclasses.replace(self, device=device, dtype="auto" if self.is_auto_dtype else self.dtype)
 
     @property
     def grammar_config(self) -> GrammarConfig:
@@ -385,17 +463,30 @@ class EngineArgs:
     def torch_dtype(self) -> torch.dtype:
         return torch_dtype(self.dtype)
 
-    def capacity(self, model: ModelConfig) -> KvCapacity:
+    @property
+    def is_pool_sized_by_device(self) -> bool:
+        """Whether the KV pool is what the GPU's memory leaves (CUDA, neither --kv-cache-tokens
+        nor --kv-cache-memory given): the engine measures it (`kvseal.capacity.GpuMemoryPlan`)."""
+        return self.device == "cuda" and self.kv_cache_tokens is None and self.kv_cache_memory is None
+
+    def capacity(self, model: ModelConfig, kv_memory_bytes: int | None = None) -> KvCapacity:
+        """The pool: --kv-cache-tokens, else --kv-cache-memory, else `kv_memory_bytes` (what the
+        GPU's memory leaves, measured by the engine; the CPU default where none is given)."""
         per_elem = bytes_per_element(self.dtype)
         base = KvCapacity.for_dims(model.num_layers, model.num_kv_heads, model.head_dim, per_elem, self.page_size,
                                    self.tensor_parallel_size)
         if self.kv_cache_tokens is not None:
             return base.with_tokens(self.kv_cache_tokens)
-        return base.with_memory(parse_bytes(self.kv_cache_memory))
+        if self.kv_cache_memory is not None:
+            return base.with_memory(parse_bytes(self.kv_cache_memory))
+        if kv_memory_bytes is not None:
+            return base.with_memory(kv_memory_bytes)
+        return base.with_memory(parse_bytes(DEFAULT_CPU_KV_CACHE_MEMORY))
 
-    def resolve(self, model: ModelConfig) -> tuple[CacheConfig, SchedulerConfig]:
-        """Decide every "auto" and refuse what cannot be honoured (I2)."""
-        capacity = self.capacity(model)
+    def resolve(self, model: ModelConfig, kv_memory_bytes: int | None = None) -> tuple[CacheConfig, SchedulerConfig]:
+        """Decide every "auto" and refuse what cannot be honoured (I2). `kv_memory_bytes`: the
+        pool's bytes when the device's memory sizes it (`is_pool_sized_by_device`)."""
+        capacity = self.capacity(model, kv_memory_bytes)
         max_model_len = self._resolve_max_model_len(model, capacity)
         if model.sliding_window is not None and max_model_len > model.sliding_window:
             raise ConfigError(
@@ -403,8 +494,10 @@ class EngineArgs:
                 f"attends over the full context; set max_model_len <= {model.sliding_window}"
             )
         capacity.require_fits(max_model_len, self.kv_headroom)
+        # an undecided device (torch-free callers: `kvseal plan`, tests) plans for the CPU; the
+        # engine decides it first (`on_device`)
         cache = CacheConfig(self.page_size, capacity.num_pages, self.torch_dtype, self.kv_scrub, self.check_kv,
-                            self.enable_prefix_caching)
+                            self.enable_prefix_caching, "cpu" if self.device == "auto" else self.device)
         sched = SchedulerConfig(max_model_len, self.max_num_batched_tokens, self.max_num_seqs,
                                 self.resolved_max_prefill_chunk_tokens, self.fair_share_tokens,
                                 model.attention_cost_context(self.dtype))

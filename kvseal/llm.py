@@ -23,7 +23,7 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
-        known = {f.name for f in dataclasses.fields(EngineArgs)}
+        known = {f.name for f in dataclasses.fields(EngineArgs) if f.init}
         unknown = sorted(set(engine_args) - known)
         if unknown:
             raise TypeError(f"LLM() got unknown arguments {unknown}; known: {sorted(known)}")

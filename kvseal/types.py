@@ -257,7 +257,9 @@ class ForwardBatch:
     slot_mapping: torch.Tensor  # [num_tokens] int64: pool slot each new token's KV goes to
     query_lens: list[int]
     context_lens: list[int]
-    block_tables: list[torch.Tensor]  # per sequence: [ceil(context_len / page_size)] int64 page ids
+    # per sequence: [ceil(context_len / page_size)] int64 page ids, on the host (the tensors
+    # above are on the pool's device)
+    block_tables: list[torch.Tensor]
     logits_indices: torch.Tensor  # [num_samples] int64 into the flattened tokens
 
     @property

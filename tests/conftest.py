@@ -29,8 +29,8 @@ torch.set_num_threads(2)
 # a process, by its module, by name, or by the `slow` and `sanitizers` markers.
 PROCESS_FIXTURES = frozenset({"server", "char_server", "bench_server", "pd_cluster"})
 PROCESS_MODULES = frozenset({
-    "bench/test_bench_serve.py", "bench/test_quant_decode_peers.py", "canary/test_kvseal_canary.py",
-    "auditlog/test_usage_server.py",
+    "auditlog/test_usage_server.py", "bench/test_bench_serve.py", "bench/test_gpu_bench.py",
+    "bench/test_quant_decode_peers.py", "canary/test_kvseal_canary.py",
     "disagg/test_engine_auth_processes.py", "disagg/test_pd_audit.py", "disagg/test_pd_cli.py",
     "disagg/test_pd_incident.py", "disagg/test_pd_kill.py", "disagg/test_pd_structured.py",
     "disagg/test_pd_supervised.py",
@@ -52,7 +52,10 @@ TESTS_DIR = Path(__file__).parent
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    no_cuda = pytest.mark.skip(reason="needs a CUDA device; torch sees none here (bench/gpu/run.sh runs these)")
     for item in items:
+        if item.get_closest_marker("gpu") and not torch.cuda.is_available():
+            item.add_marker(no_cuda)
         path = item.path.relative_to(TESTS_DIR).as_posix()
         if (PROCESS_FIXTURES & set(getattr(item, "fixturenames", ())) or path in PROCESS_MODULES
                 or f"{path}::{item.name.split('[')[0]}" in PROCESS_TESTS

@@ -44,6 +44,11 @@ class EngineNode:
 
     def __init__(self, engine: LLMEngine, config: NodeConfig, ctx: zmq.Context | None = None) -> None:
         """`ctx`: this engine's own ZMQ context (its ZAP handler is the context's); a new one by default."""
+        device = engine.kv.pool.device
+        if device.type != "cpu" and config.kv_transport != "tcp-stream":  # before anything listens
+            raise ConfigError(f"--kv-transport {config.kv_transport} moves KV straight out of a host pool; with the "
+                              f"pool on {device} use --kv-transport tcp-stream (it stages KV through pinned host "
+                              f"memory), or --device cpu")
         self.engine = engine
         self.config = config
         self.ctx = ctx or zmq.Context()

@@ -13,6 +13,11 @@ header, the record's tag, then the payload:
 
 `push` returns once the kernel holds every byte (the pool may be reused right after).
 
+A pool on a GPU is staged through pinned host memory, on both sides: the sender copies each
+block's pages (all heads, the partial last page zeroed past `end`) into a pinned buffer and sends
+that; the receiver reads a block into a pinned buffer and copies it into the reservation's pages
+once every byte arrived (only then is it recorded as landed). The wire format is the same.
+
 Records are sealed (I9): the tag is HMAC-SHA256, truncated to 16 bytes, under the transfer's
 secret key (`ReservedMsg.transfer_key`, which reaches prefill only over authenticated links and
 never travels on this stream) over the record's number in its transfer, its prefix and its
@@ -51,7 +56,7 @@ import torch
 
 from kvseal._testing.faults import Fault, is_active
 from kvseal.disagg.msgs import KVBlockMsg, KVStreamEndMsg, StreamHeaderMsg, decode_stream_header, encode_stream_header
-from kvseal.disagg.tcp import PoolBytes
+from kvseal.disagg.tcp import PoolBytes, flat_bytes
 from kvseal.disagg.transport import KINDS, Landing, OneAddress, PushPlan, TransportError, check_pool_pages, page_runs
 from kvseal.kvcache.pool import KVPool
 
@@ -103,6 +108,8 @@ class StreamSender:
 
     def _records(self, plan: PushPlan, pool: KVPool) -> tuple[list[bytes | memoryview], int]:
         """The push as buffers for `sendmsg`: per layer and K/V a block record, then the end."""
+        if pool.device.type != "cpu":
+            return staged_records(plan, pool)
         if self._pool_bytes is None or self._pool_bytes.pool is not pool:
             self._pool_bytes = PoolBytes(pool)  # the pool's tensors never move
         in_place, page_size = self._pool_bytes, pool.page_size
@@ -150,6 +157,36 @@ class StreamSender:
     def close(self) -> None:
         for address in list(self._sockets):
             self._drop(address)
+
+
+def host_buffer(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    """A host buffer for staging a GPU pool's pages: pinned (page-locked, so the device copies
+    it by DMA), from torch's caching host allocator, which reuses freed buffers. Plain memory
+    where no GPU is present (the staged path's tests on CPU)."""
+    return torch.empty(shape, dtype=dtype, pin_memory=torch.cuda.is_available())
+
+
+def staged_records(plan: PushPlan, pool: KVPool) -> tuple[list[bytes | memoryview], int]:
+    """`StreamSender._records` for a pool on a GPU: each block's pages of every head copied into
+    a pinned host buffer (the partial last page zeroed past `end`), sent from there. The same
+    records and payload bytes as from a host pool."""
+    buffers: list[bytes | memoryview] = []
+    num_bytes, page_size = 0, pool.page_size
+    numbers = itertools.count()
+    for layer, first, pages, num_full in plan.sent_layers(page_size):
+        end = plan.written[layer]
+        blocks = pool.export_pages(layer, torch.tensor(pages, dtype=torch.int64))  # K, V [kv_heads, n, page_size, D]
+        for kind, block in zip(KINDS, blocks):
+            staged = host_buffer(block.shape, block.dtype)
+            staged.copy_(block)
+            if num_full < len(pages):
+                staged[:, -1, end % page_size:] = 0
+            frame = flat_bytes(staged)  # holds `staged` alive until the kernel took the bytes
+            header = KVBlockMsg(plan.transfer_id, layer, kind, first * page_size, end)
+            buffers += [sealed_record(header, frame.nbytes, plan.transfer_key, next(numbers)), frame]
+            num_bytes += frame.nbytes
+    buffers.append(sealed_record(KVStreamEndMsg(plan.transfer_id, num_bytes), 0, plan.transfer_key, next(numbers)))
+    return buffers, num_bytes
 
 
 def _tail(source: torch.Tensor, page: int, num_positions: int) -> torch.Tensor:
@@ -216,6 +253,9 @@ class _Block:
     num_bytes: int
     index: int = 0
     offset: int = 0
+    # a pool on a GPU: the pinned host buffer `views` point into ([kv_heads, num_pages, page_size,
+    # head_dim]), copied into the reservation's pages once the block is complete
+    staged: torch.Tensor | None = None
 
 
 @dataclass
@@ -246,7 +286,8 @@ class StreamReceiver(OneAddress):
     def __init__(self, pool: KVPool, num_layers: int, host: str) -> None:
         self._pool = pool
         self._num_layers = num_layers
-        self._pool_bytes = PoolBytes(pool)
+        self._on_host = pool.device.type == "cpu"  # else each block is staged in pinned host memory
+        self._pool_bytes = PoolBytes(pool) if self._on_host else None
         num_kv_heads, page_size, head_dim = pool.page_shape()
         self._page_bytes = page_size * head_dim * pool.k[0].element_size()
         self._head_bytes = pool.num_pages * self._page_bytes
@@ -399,7 +440,7 @@ class StreamReceiver(OneAddress):
             block.index, block.offset = block.index + 1, 0
         if block.index == len(block.views):
             conn.block = None
-            self._landed(block.header, block.num_bytes)
+            self._landed(block.header, block.num_bytes, block.staged)
         return num
 
     def _read_header(self, conn: _Connection) -> int:
@@ -448,7 +489,25 @@ class StreamReceiver(OneAddress):
             logger.warning("refused a KV block for transfer %s: %s", header.transfer_id, why)
             conn.discard = conn.payload_bytes
             return
-        conn.block = _Block(header, self._views(header), conn.payload_bytes)
+        if self._on_host:
+            conn.block = _Block(header, self._views(header), conn.payload_bytes)
+            return
+        staged = self._staging_buffer(header)
+        conn.block = _Block(header, [flat_bytes(staged)], conn.payload_bytes, staged=staged)
+
+    def _staging_buffer(self, header: KVBlockMsg) -> torch.Tensor:
+        """A pinned host buffer for one block of a GPU pool: [kv_heads, num_pages, page_size, head_dim]."""
+        num_kv_heads, page_size, head_dim = self._pool.page_shape()
+        num_pages = -(-header.end // page_size) - header.start // page_size
+        return host_buffer((num_kv_heads, num_pages, page_size, head_dim), self._pool.k[0].dtype)
+
+    def _land_staged(self, header: KVBlockMsg, transfer: _Transfer, staged: torch.Tensor) -> None:
+        """Copy a complete staged block into its reservation pages of the GPU pool (synchronous:
+        the block counts as landed only once its bytes are in the pool)."""
+        page_size = self._pool.page_size
+        lo = (header.start - transfer.start) // page_size
+        pages = torch.tensor(transfer.pages[lo:lo + staged.shape[1]], dtype=torch.int64)
+        self._pool.import_pages(header.layer, header.kind, pages, staged)
 
     def _verify_tag(self, transfer_id: str, head: bytearray, tag: bytearray) -> None:
         """Count the record as its transfer's next, or close the stream: a record proves it was
@@ -495,6 +554,7 @@ class StreamReceiver(OneAddress):
         transfer, page_size = self._transfers[header.transfer_id], self._pool.page_size
         lo = (header.start - transfer.start) // page_size  # indexes into the reservation's pages
         hi = -(-(header.end - transfer.start) // page_size)
+        assert self._pool_bytes is not None, "a host pool's blocks land in place"
         whole = self._pool_bytes.layer(header.layer)[KINDS.index(header.kind)]
         pieces: list[tuple[int, int]] = []  # (byte offset in one head, length)
         for index, first_page, count in transfer.runs:
@@ -507,10 +567,12 @@ class StreamReceiver(OneAddress):
             views += [whole[base + offset:base + offset + length] for offset, length in pieces]
         return views
 
-    def _landed(self, header: KVBlockMsg, num_bytes: int) -> None:
+    def _landed(self, header: KVBlockMsg, num_bytes: int, staged: torch.Tensor | None = None) -> None:
         transfer = self._transfers.get(header.transfer_id)
         if transfer is None:
             return  # cancelled while it arrived (`cancel` turns the rest into a discard): never here
+        if staged is not None:
+            self._land_staged(header, transfer, staged)
         page_size = self._pool.page_size
         last = -(-(header.end - transfer.start) // page_size) - 1
         tail = header.end - transfer.start - last * page_size

@@ -50,15 +50,13 @@ def build_forward_batch(chunks: list[ScheduledChunk], kv: KVCacheManager) -> Pre
         query_lens.append(end - start)
         if chunk.is_last_chunk:
             logits_indices.append(len(input_ids) - 1)
-    batch = ForwardBatch(
-        input_ids=torch.tensor(input_ids, dtype=torch.int64),
-        positions=torch.tensor(positions, dtype=torch.int64),
-        slot_mapping=torch.tensor(new_slots, dtype=torch.int64),
-        query_lens=query_lens,
-        context_lens=context_lens,
-        block_tables=block_tables,
-        logits_indices=torch.tensor(logits_indices, dtype=torch.int64),
-    )
+    # the token tensors go to the pool's device in one copy; the block tables stay on the host
+    # (the attention plan pads and moves them once per forward, the check once per step)
+    numbers = torch.tensor(input_ids + positions + new_slots + logits_indices, dtype=torch.int64)
+    ids, pos, slots, sampled = numbers.to(kv.pool.device, non_blocking=True).split(
+        [len(input_ids), len(positions), len(new_slots), len(logits_indices)])
+    batch = ForwardBatch(input_ids=ids, positions=pos, slot_mapping=slots, query_lens=query_lens,
+                         context_lens=context_lens, block_tables=block_tables, logits_indices=sampled)
     writes = kv.plan_writes([c.request.request_id for c in chunks], starts, context_lens)
     return PreparedForward(batch, writes)
 

@@ -24,6 +24,7 @@ from kvseal._testing.faults import Fault, is_active
 from kvseal.admission import AdmissionLimits, admit
 from kvseal.config import EngineArgs, ModelConfig
 from kvseal.engine.batch import PreparedForward, build_forward_batch, check_forward
+from kvseal.engine.gpu_memory import model_bytes, plan_gpu_pool
 from kvseal.engine.model_runner import ModelRunner
 from kvseal.engine.output import OutputState, text_decoder
 from kvseal.engine.sampler import sample
@@ -34,6 +35,7 @@ from kvseal.models.llama import CausalLM
 from kvseal.models.loader import LoadedModel, load_model
 from kvseal.models.tensor_parallel import RankLayout
 from kvseal.ops import select_ops
+from kvseal.ops.device import DeviceInfo, resolve_device
 from kvseal.parallel.driver import RankOptions, TensorParallelDriver
 from kvseal.parallel.group import RankFailure
 from kvseal.parallel.worker import finish_model
@@ -71,17 +73,34 @@ class LLMEngine:
         torch.manual_seed(args.seed)
         if args.num_threads is not None:
             torch.set_num_threads(args.num_threads)
-        # the kernels first (native: built now, or found in the user's cache; --native), so that
-        # `--native require` without a compiler fails before the weights load
-        self.ops = select_ops(args.native)
+        # the device, then the kernels (native: built now, or found in the user's cache; --native),
+        # so that `--device cuda` without a GPU or `--native require` without a compiler fails
+        # before the weights load
+        args = args.on_device(resolve_device(args.device))
+        self.args = args
+        self.device = DeviceInfo.of(args.device)
+        self.ops = select_ops(args.native, args.device, attention_backend=args.attention_backend)
         tp = args.tensor_parallel_size
         if loaded is not None and tp > 1:
             raise ConfigError("a tensor-parallel engine loads its own shards; pass the model by name, not loaded")
+        if tp > 1 and args.device != "cpu":
+            raise ConfigError(f"--tensor-parallel-size {tp} runs its ranks on the CPU over gloo; on {args.device} "
+                              f"it is not built yet (NCCL ranks): use -tp 1 there, or --device cpu")
+        free_before_weights = self.device.free_bytes
         self.loaded = loaded or load_model(args.model, args.torch_dtype, rank=(0, tp) if tp > 1 else None)
+        if free_before_weights is not None and next(self.loaded.model.parameters()).device.type == "cuda":
+            free_before_weights += model_bytes(self.loaded.model)  # given on the GPU: its weights were not free
         self.model_config: ModelConfig = self.loaded.config
         self.tokenizer: Any = self.loaded.tokenizer
         self._decode_text = text_decoder(self.tokenizer)
-        self.cache_config, self.scheduler_config = args.resolve(self.model_config)
+        if not args.is_pool_sized_by_device:  # a pool that cannot be honoured fails before the weights move
+            args.resolve(self.model_config)
+        model = finish_model(self.loaded.model.to(device=args.device), args.torch_dtype, args.quantization, self.ops)
+        self.gpu_memory = None if not args.is_pool_sized_by_device or free_before_weights is None else plan_gpu_pool(
+            model, free_before_weights, args.gpu_memory_utilization, args.max_num_batched_tokens,
+            min(args.max_num_seqs, args.max_num_batched_tokens), args.page_size, args.torch_dtype)
+        kv_memory = None if self.gpu_memory is None else self.gpu_memory.require_room()
+        self.cache_config, self.scheduler_config = args.resolve(self.model_config, kv_memory)
         self.limits = AdmissionLimits(self.scheduler_config.max_model_len, self.cache_config.kv_cache_tokens,
                                       self.model_config.vocab_size)
         cfg = self.model_config
@@ -90,7 +109,6 @@ class LLMEngine:
         self.kv = KVCacheManager(self.cache_config, cfg.num_layers, num_kv_heads, cfg.head_dim,
                                  record_kernels=self.ops.record_kernels(), mirrored=tp > 1)
         self.scheduler = Scheduler(self.scheduler_config, self.kv)
-        model = finish_model(self.loaded.model, args.torch_dtype, args.quantization, self.ops)
         # Tensor parallelism: ranks 1..tp-1 in their own processes, driven from here (rank 0)
         self.driver: TensorParallelDriver | None = None
         if layout is not None:
@@ -128,12 +146,13 @@ class LLMEngine:
             "kvseal engine: model=%s arch=%s dtype=%s max_model_len=%d kv_cache_tokens=%d (%d pages x %d) "
             "kv_bytes_per_token=%d max_num_batched_tokens=%d max_prefill_chunk_tokens=%d fair_share_tokens=%d "
             "attention_cost_context=%d max_num_seqs=%d kv_scrub=%s check_kv=%s prefix_caching=%s torch_threads=%d "
-            "native=%s ops=%s grammar_compile_timeout_s=%g grammar_compile_workers=%d",
+            "native=%s ops=%s grammar_compile_timeout_s=%g grammar_compile_workers=%d device=%s (%s) kv_pool_bytes=%d",
             self.loaded.path, self.model_config.architecture, args.dtype, s.max_model_len, c.kv_cache_tokens,
             c.num_pages, c.page_size, args.capacity(self.model_config).bytes_per_token,
             s.max_num_batched_tokens, s.max_prefill_chunk_tokens, s.fair_share_tokens, s.attention_cost_context,
             s.max_num_seqs, c.kv_scrub, c.check_kv, c.enable_prefix_caching, torch.get_num_threads(),
             args.native, self.ops.name, args.grammar_compile_timeout_s, args.grammar_compile_workers,
+            args.device, self.device.describe(), self.kv.pool.num_bytes,
         )
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:

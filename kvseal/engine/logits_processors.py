@@ -41,28 +41,30 @@ def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Tens
     if not any(r.params.has_penalties for r in requests):
         return logits
     vocab_size = logits.shape[-1]
-    output_counts = token_counts([r.output_token_ids for r in requests], vocab_size)  # [B, V]
+    device = logits.device
+    output_counts = token_counts([r.output_token_ids for r in requests], vocab_size, device)  # [B, V]
     logits = logits.clone()
-    repetition = torch.tensor([r.params.repetition_penalty for r in requests], dtype=logits.dtype)
-    if bool((repetition != 1).any()):
-        seen = (token_counts([r.prompt_token_ids for r in requests], vocab_size) > 0) | (output_counts > 0)
+    repetition = torch.tensor([r.params.repetition_penalty for r in requests], dtype=logits.dtype, device=device)
+    if any(r.params.repetition_penalty != 1 for r in requests):
+        seen = (token_counts([r.prompt_token_ids for r in requests], vocab_size, device) > 0) | (output_counts > 0)
         penalty = torch.where(seen, repetition[:, None], torch.ones_like(logits))
         logits = torch.where(logits > 0, logits / penalty, logits * penalty)
-    frequency = torch.tensor([r.params.frequency_penalty for r in requests], dtype=logits.dtype)
-    presence = torch.tensor([r.params.presence_penalty for r in requests], dtype=logits.dtype)
+    frequency = torch.tensor([r.params.frequency_penalty for r in requests], dtype=logits.dtype, device=device)
+    presence = torch.tensor([r.params.presence_penalty for r in requests], dtype=logits.dtype, device=device)
     logits -= frequency[:, None] * output_counts
     logits -= presence[:, None] * (output_counts > 0).to(logits.dtype)
     return logits
 
 
-def token_counts(sequences: list[list[int]], vocab_size: int) -> torch.Tensor:
-    """[len(sequences), vocab_size] float32: how often each token occurs in each sequence."""
+def token_counts(sequences: list[list[int]], vocab_size: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """[len(sequences), vocab_size] float32 on `device`: how often each token occurs in each sequence."""
     max_len = max((len(s) for s in sequences), default=0)
     padded = torch.full((len(sequences), max_len), vocab_size, dtype=torch.int64)  # vocab_size: padding column
     for row, seq in enumerate(sequences):
         if seq:
             padded[row, :len(seq)] = torch.tensor(seq, dtype=torch.int64)
-    counts = torch.zeros(len(sequences), vocab_size + 1)
+    padded = padded.to(device, non_blocking=True)
+    counts = torch.zeros(len(sequences), vocab_size + 1, device=device)
     counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=counts.dtype))
     return counts[:, :vocab_size]
 
@@ -76,8 +78,8 @@ def _add_logit_bias(logits: torch.Tensor, requests: list[Request]) -> torch.Tens
             biases.append(bias)
     if not rows:
         return logits
-    index = (torch.tensor(rows), torch.tensor(tokens))
-    return logits.index_put(index, torch.tensor(biases, dtype=logits.dtype), accumulate=True)
+    index = (torch.tensor(rows, device=logits.device), torch.tensor(tokens, device=logits.device))
+    return logits.index_put(index, torch.tensor(biases, dtype=logits.dtype, device=logits.device), accumulate=True)
 
 
 def _ban_early_stop_tokens(logits: torch.Tensor, requests: list[Request],
@@ -90,8 +92,8 @@ def _ban_early_stop_tokens(logits: torch.Tensor, requests: list[Request],
         tokens.extend(banned)
     if not rows:
         return logits
-    index = (torch.tensor(rows), torch.tensor(tokens))
-    return logits.index_put(index, torch.tensor(float("-inf"), dtype=logits.dtype))
+    index = (torch.tensor(rows, device=logits.device), torch.tensor(tokens, device=logits.device))
+    return logits.index_put(index, torch.tensor(float("-inf"), dtype=logits.dtype, device=logits.device))
 
 
 def _banned_stop_tokens(request: Request, eos_token_ids: tuple[int, ...]) -> list[int]:

@@ -4,6 +4,10 @@ Everything is tensor arithmetic over [num_requests, vocab]; per-request values (
 top_k, top_p, penalties, biases) are gathered into per-row tensors. The only per-row Python
 work is drawing each random row's noise from its own generator.
 
+Device: the arithmetic runs where the logits are (the engine's device); a random row's noise is
+drawn on the host from its request's CPU generator and copied over, so a seed gives the same
+draws on any device and a generator's state moves with a PD handoff as it is.
+
 Determinism: each request samples with its own `torch.Generator` (seeded from its `seed`, or
 from the OS random source when it has none). A random row is chosen by the exponential race
 (argmax of probs / q with q ~ Exp(1) drawn from the request's generator), which samples
@@ -42,19 +46,21 @@ def sample(logits: torch.Tensor, requests: list[Request], eos_token_ids: tuple[i
 
 def _choose(logits: torch.Tensor, requests: list[Request], ops: Ops) -> torch.Tensor:
     """[num_requests] int64: argmax for greedy rows, a draw from the filtered distribution otherwise."""
-    greedy = torch.tensor([r.params.is_greedy for r in requests])
+    device = logits.device
     tokens = ops.argmax_rows(logits)
-    if bool(greedy.all()):
+    if all(r.params.is_greedy for r in requests):
         return tokens
+    greedy = torch.tensor([r.params.is_greedy for r in requests], device=device)
     temperature = torch.tensor([1.0 if r.params.is_greedy else r.params.temperature for r in requests],
-                               dtype=logits.dtype)
+                               dtype=logits.dtype, device=device)
     scaled = _top_k(logits / temperature[:, None], requests)
     probs = _top_p(torch.softmax(scaled, dim=-1), requests)
-    noise = torch.ones_like(probs)  # greedy rows: any positive value, their draw is discarded
+    noise = torch.ones(probs.shape, dtype=probs.dtype)  # greedy rows: any positive value, their draw is discarded
     for row, request in enumerate(requests):
         if not request.params.is_greedy:
             noise[row].exponential_(generator=request.generator)
     noise.clamp_(min=torch.finfo(noise.dtype).tiny)  # a zero draw would divide by zero
+    noise = noise.to(device, non_blocking=True)
     drawn = (probs / noise).argmax(dim=-1)
     return torch.where(greedy, tokens, drawn)
 
@@ -62,9 +68,10 @@ def _choose(logits: torch.Tensor, requests: list[Request], ops: Ops) -> torch.Te
 def _top_k(scaled: torch.Tensor, requests: list[Request]) -> torch.Tensor:
     """Keep, per row, the logits at least as large as the row's k-th largest."""
     vocab_size = scaled.shape[-1]
-    top_k = torch.tensor([min(r.params.top_k, vocab_size) if r.params.top_k > 0 else vocab_size for r in requests])
-    if bool((top_k == vocab_size).all()):
+    wanted = [min(r.params.top_k, vocab_size) if r.params.top_k > 0 else vocab_size for r in requests]
+    if all(k == vocab_size for k in wanted):
         return scaled
+    top_k = torch.tensor(wanted, device=scaled.device)
     kth = scaled.sort(dim=-1, descending=True).values.gather(1, (top_k - 1)[:, None])  # [B, 1]
     return scaled.masked_fill(scaled < kth, float("-inf"))
 
@@ -72,9 +79,9 @@ def _top_k(scaled: torch.Tensor, requests: list[Request]) -> torch.Tensor:
 def _top_p(probs: torch.Tensor, requests: list[Request]) -> torch.Tensor:
     """Per row, keep the smallest set of most likely tokens whose mass reaches top_p (at least
     one). The result is not renormalized: the exponential race does not need it."""
-    top_p = torch.tensor([r.params.top_p for r in requests], dtype=probs.dtype)
-    if bool((top_p >= 1).all()):
+    if all(r.params.top_p >= 1 for r in requests):
         return probs
+    top_p = torch.tensor([r.params.top_p for r in requests], dtype=probs.dtype, device=probs.device)
     sorted_probs, order = probs.sort(dim=-1, descending=True)
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
     drop = mass_before >= top_p[:, None]

@@ -56,9 +56,9 @@ class KVCacheManager:
         self.num_layers = num_layers
         records_type = LoggedRecords if mirrored else WriteRecords
         self.records = records_type(num_layers, config.num_pages, config.page_size, track_slots=config.check_kv,
-                                    kernels=record_kernels)
+                                    kernels=record_kernels, device=config.device)
         self.pool = KVPool(num_layers, config.num_pages, config.page_size, num_kv_heads, head_dim, config.dtype,
-                           observer=self.records)
+                           observer=self.records, device=config.device)
         self.num_pages_scrubbed = 0  # pages overwritten by the scrub policy (I7) since start-up
         if config.check_kv:
             self.pool.fill(list(range(config.num_pages)), float("nan"))

@@ -63,8 +63,8 @@ class LoggedRecords(WriteRecords):
     """`WriteRecords` that also log every ownership change (once it succeeded) for the other ranks."""
 
     def __init__(self, num_layers: int, num_pages: int, page_size: int, track_slots: bool,
-                 kernels: RecordKernels | None = None) -> None:
-        super().__init__(num_layers, num_pages, page_size, track_slots, kernels)
+                 kernels: RecordKernels | None = None, device: str = "cpu") -> None:
+        super().__init__(num_layers, num_pages, page_size, track_slots, kernels, device)
         self.events: list[OwnershipEvent] = []
 
     def drain(self) -> list[OwnershipEvent]:

@@ -24,21 +24,29 @@ class LayerWriteObserver(Protocol):
 
 class KVPool:
     def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, observer: LayerWriteObserver | None = None) -> None:
+                 head_dim: int, dtype: torch.dtype, observer: LayerWriteObserver | None = None,
+                 device: str = "cpu") -> None:
         self.page_size = page_size
         self.num_pages = num_pages
         # Head-major, so that one head's context is contiguous for the attention matmuls.
         shape = (num_kv_heads, num_pages, page_size, head_dim)
-        # k[layer], v[layer]: [num_kv_heads, num_pages, page_size, head_dim], on huge pages where
-        # the kernel grants them (a decode step streams every row's context: `kvseal/hugepages.py`).
-        # Tuples: a pool's tensors never change (the decode loop binds their addresses once).
-        self.k = tuple(huge_zeros(shape, dtype) for _ in range(num_layers))
-        self.v = tuple(huge_zeros(shape, dtype) for _ in range(num_layers))
+        # k[layer], v[layer]: [num_kv_heads, num_pages, page_size, head_dim] on `device`; on the
+        # CPU on huge pages where the kernel grants them (a decode step streams every row's
+        # context: `kvseal/hugepages.py`). Tuples: a pool's tensors never change (the decode loop
+        # binds their addresses once).
+        self.device = torch.device(device)
+        self.k = tuple(self._zeros(shape, dtype) for _ in range(num_layers))
+        self.v = tuple(self._zeros(shape, dtype) for _ in range(num_layers))
         self.observer = observer
+
+    def _zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        if self.device.type == "cpu":
+            return huge_zeros(shape, dtype)
+        return torch.zeros(shape, dtype=dtype, device=self.device)
 
     @property
     def num_bytes(self) -> int:
-        """The memory K and V of every layer take."""
+        """The pool's bytes (K and V, every layer)."""
         return sum(t.numel() * t.element_size() for t in (*self.k, *self.v))
 
     @property
@@ -81,7 +89,9 @@ class KVPool:
 
     def export_pages(self, layer: int, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Stage K and V of `pages` ([n] page ids) of one layer into two contiguous buffers
-        [num_kv_heads, n, page_size, head_dim]: one descriptor each for a transport."""
+        [num_kv_heads, n, page_size, head_dim] on the pool's device: one descriptor each for a
+        transport."""
+        pages = pages.to(self.device, non_blocking=True)
         return (torch.index_select(self.k[layer], 1, pages).contiguous(),
                 torch.index_select(self.v[layer], 1, pages).contiguous())
 
@@ -89,7 +99,8 @@ class KVPool:
         """Write a staged buffer [num_kv_heads, n, page_size, head_dim] into `pages` of one layer
         (K for kind "k", V for "v"). Records nothing: the caller does, once every write landed."""
         target = self.k[layer] if kind == "k" else self.v[layer]
-        target.index_copy_(1, pages, data.to(target.dtype))
+        target.index_copy_(1, pages.to(self.device, non_blocking=True),
+                           data.to(device=self.device, dtype=target.dtype, non_blocking=True))
 
     def page_shape(self) -> tuple[int, int, int]:
         """(num_kv_heads, page_size, head_dim) of one page of one layer."""
@@ -98,7 +109,7 @@ class KVPool:
 
     def fill(self, pages: list[int], value: float) -> None:
         """Overwrite every slot of `pages` in every layer (scrub with 0, poison with NaN)."""
-        index = torch.tensor(pages, dtype=torch.int64)
+        index = torch.tensor(pages, dtype=torch.int64, device=self.device)
         for k, v in zip(self.k, self.v):
             k.index_fill_(1, index, value)
             v.index_fill_(1, index, value)

@@ -72,14 +72,17 @@ class RecordKernels(Protocol):
 
 class WriteRecords:
     def __init__(self, num_layers: int, num_pages: int, page_size: int, track_slots: bool,
-                 kernels: RecordKernels | None = None) -> None:
+                 kernels: RecordKernels | None = None, device: str = "cpu") -> None:
         self.num_layers = num_layers
         self.kernels = kernels  # None: the check and the growth in torch ops
         self.page_size = page_size
-        self.prefix = torch.zeros(num_layers, 8, dtype=torch.int64)  # [num_layers, num_rows]; grows
-        self.page_row = torch.full((num_pages,), FREE_ROW, dtype=torch.int64)
-        self.page_namespace = torch.full((num_pages,), -1, dtype=torch.int64)  # namespace id of a cached page
-        self.row_namespace = torch.full((8,), -1, dtype=torch.int64)  # [num_rows]; grows with prefix
+        # Every record lives on the pool's device: the forward advances them as each layer's
+        # write happens, and the check of a batch reads them, without a trip to the host.
+        self.device = dev = torch.device(device)
+        self.prefix = torch.zeros(num_layers, 8, dtype=torch.int64, device=dev)  # [num_layers, num_rows]; grows
+        self.page_row = torch.full((num_pages,), FREE_ROW, dtype=torch.int64, device=dev)
+        self.page_namespace = torch.full((num_pages,), -1, dtype=torch.int64, device=dev)  # of a cached page
+        self.row_namespace = torch.full((8,), -1, dtype=torch.int64, device=dev)  # [num_rows]; grows with prefix
         self._namespace_ids: dict[str, int] = {}
         self._rows: dict[str, int] = {}
         self._num_tokens_owned: dict[str, int] = {}
@@ -88,9 +91,13 @@ class WriteRecords:
         # torch ops the next prefix [L, S] (None with the kernels, which compute it per call)
         self._forward: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None
         self.track_slots = track_slots
-        self.page_generation = torch.zeros(num_pages if track_slots else 0, dtype=torch.int64)
+        self.page_generation = torch.zeros(num_pages if track_slots else 0, dtype=torch.int64, device=dev)
         self.slot_generation = torch.full((num_layers, num_pages * page_size if track_slots else 0), -1,
-                                          dtype=torch.int64)
+                                          dtype=torch.int64, device=dev)
+
+    def _index(self, values: list[int]) -> torch.Tensor:
+        """An int64 index tensor on the records' device."""
+        return torch.tensor(values, dtype=torch.int64).to(self.device, non_blocking=True)
 
     # --- ownership periods ---------------------------------------------------------------
 
@@ -101,10 +108,10 @@ class WriteRecords:
         if row is None:
             row = self._open_row(request_id, namespace)
         self._num_tokens_owned[request_id] = self._num_tokens_owned.get(request_id, 0) + len(pages) * self.page_size
-        index = torch.tensor(pages, dtype=torch.int64)
+        index = self._index(pages)
         self.page_row[index] = row
         if self.track_slots:
-            self.page_generation[index] = torch.tensor(generations, dtype=torch.int64)
+            self.page_generation[index] = self._index(generations)
             self._forget_slots(index)
 
     def share(self, request_id: str, namespace: str, num_pages: int) -> None:
@@ -132,7 +139,7 @@ class WriteRecords:
 
     def evict(self, pages: list[int]) -> None:
         """Cached `pages` leave the cache: free, nothing in them counts as written."""
-        index = torch.tensor(pages, dtype=torch.int64)
+        index = self._index(pages)
         self.page_row[index] = FREE_ROW
         self.page_namespace[index] = -1
         if self.track_slots:
@@ -141,7 +148,7 @@ class WriteRecords:
     def take_back(self, request_id: str, pages: list[int]) -> None:
         """Every own page of the request is returned: its ownership period, and its row, end.
         (Cached pages it read stay cached.)"""
-        index = torch.tensor(pages, dtype=torch.int64)
+        index = self._index(pages)
         self.page_row[index] = FREE_ROW
         if self.track_slots:
             self._forget_slots(index)
@@ -169,7 +176,7 @@ class WriteRecords:
         return self._free_rows.pop()
 
     def _forget_slots(self, pages: torch.Tensor) -> None:
-        offsets = torch.arange(self.page_size, dtype=torch.int64)
+        offsets = torch.arange(self.page_size, dtype=torch.int64, device=self.device)
         self.slot_generation[:, (pages[:, None] * self.page_size + offsets).reshape(-1)] = -1
 
     # --- what was written ----------------------------------------------------------------
@@ -200,12 +207,13 @@ class WriteRecords:
             )
         self.prefix[layer, row] = end
         if self.track_slots and slots is not None:
+            slots = slots.to(self.device)
             self.slot_generation[layer, slots] = self.page_generation[slots // self.page_size]
 
     def plan(self, request_ids: list[str], starts: list[int], ends: list[int]) -> ForwardWrites:
-        rows = torch.tensor([self._rows.get(r, -1) for r in request_ids], dtype=torch.int64)
-        return ForwardWrites(request_ids, rows, torch.tensor(starts, dtype=torch.int64),
-                             torch.tensor(ends, dtype=torch.int64))
+        # one host-to-device copy for the three: [3, num_seqs]
+        numbers = self._index([self._rows.get(r, -1) for r in request_ids] + starts + ends).view(3, -1)
+        return ForwardWrites(request_ids, numbers[0], numbers[1], numbers[2])
 
     @contextlib.contextmanager
     def recording(self, writes: ForwardWrites) -> Iterator[None]:
@@ -249,23 +257,31 @@ class WriteRecords:
     # --- the always-on check ---------------------------------------------------------------
 
     def check_forward(self, writes: ForwardWrites, batch: ForwardBatch) -> dict[int, str]:
-        """I3 + I4 for a whole batch, vectorized. Returns {sequence index: why it is refused}.
+        """I3 + I4 for a whole batch, as batched tensor ops on the records' device, read back
+        once. Returns {sequence index: why it is refused}.
 
         A sequence is refused if it holds no pages, if its block table names a page that is
         neither its own nor a cached page of its namespace, if its new tokens' slots name a
         page it does not own (a cached page is never written), or if some layer's written
-        prefix does not reach
-        the first position this forward writes (then [prefix, start) would be read unwritten).
+        prefix does not reach the first position this forward writes (then [prefix, start)
+        would be read unwritten). Only a refused sequence costs more (its reason is spelled
+        out from the records).
         """
         if self.kernels is not None:
             return self._check_forward_native(writes, batch, self.kernels)
+        pages, seq_of_page, is_read = self._batch_pages(writes, batch)
+        foreign = self._foreign_pages(writes, pages, seq_of_page, is_read)  # [num_page_refs] bool
+        short = self.prefix.index_select(1, writes.rows.clamp(min=0)) < writes.starts  # [num_layers, num_seqs]
+        num_seqs = len(writes.request_ids)
+        num_foreign = torch.zeros(num_seqs, dtype=torch.int64, device=self.device)
+        num_foreign.index_add_(0, seq_of_page, foreign.long())
+        # per sequence, a bit per reason: 1 holds no pages, 2 a foreign page, 4 an unwritten position
+        reasons = (writes.rows < 0).long() | (num_foreign > 0).long() << 1 | short.any(0).long() << 2
+        codes = reasons.tolist()  # the one read-back of the step's check
         refused: dict[int, str] = {}
-        unknown = writes.rows < 0
-        if bool(unknown.any()):
-            for i in unknown.nonzero().flatten().tolist():
-                refused[i] = f"request {writes.request_ids[i]} holds no KV pages"
-        self._check_pages(writes, batch, refused)
-        self._check_coverage(writes, refused)
+        for i, code in enumerate(codes):
+            if code:
+                refused[i] = self._why(i, code, writes, pages, seq_of_page, foreign, short)
         return refused
 
     def _check_forward_native(self, writes: ForwardWrites, batch: ForwardBatch,
@@ -283,7 +299,7 @@ class WriteRecords:
         if reason == REFUSE_NO_PAGES:
             return f"request {writes.request_ids[i]} holds no KV pages"
         if reason == REFUSE_FOREIGN:
-            return self._foreign_pages(i, writes, batch)
+            return self._foreign_pages_message(i, writes, batch)
         assert reason == REFUSE_UNCOVERED, f"unknown refusal {reason}"
         row, start, end = int(writes.rows[i]), int(writes.starts[i]), int(writes.ends[i])
         written = self.prefix[:, row]
@@ -292,7 +308,7 @@ class WriteRecords:
                 f"for [0, {int(written[layer])}) and this forward writes [{start}, {end}): it would read KV slots "
                 f"it never wrote")
 
-    def _foreign_pages(self, i: int, writes: ForwardWrites, batch: ForwardBatch) -> str:
+    def _foreign_pages_message(self, i: int, writes: ForwardWrites, batch: ForwardBatch) -> str:
         row, first = int(writes.rows[i]), sum(batch.query_lens[:i])
         writes_to = (batch.slot_mapping[first:first + batch.query_lens[i]] // self.page_size).tolist()
         named = sorted({p for p in batch.block_tables[i].tolist() if not self._may_use(row, p, is_read=True)}
@@ -306,41 +322,42 @@ class WriteRecords:
         return owner == row or (is_read and owner == CACHED_ROW
                                 and int(self.page_namespace[page]) == int(self.row_namespace[row]))
 
-    def _check_pages(self, writes: ForwardWrites, batch: ForwardBatch, refused: dict[int, str]) -> None:
+    def _batch_pages(self, writes: ForwardWrites, batch: ForwardBatch
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Every page each sequence reads (its block table), then every page it writes (its new
+        slots), on the records' device: (pages, the sequence of each, whether it is a read)."""
         num_seqs = len(writes.request_ids)
-        # every page a sequence reads (its block table), then every page it writes (its new slots)
-        pages = torch.cat([*batch.block_tables, batch.slot_mapping // self.page_size])
-        counts = torch.tensor([int(t.shape[0]) for t in batch.block_tables] + list(batch.query_lens),
-                              dtype=torch.int64)
-        seq_of_page = torch.arange(num_seqs).repeat(2).repeat_interleave(counts)
+        tables = torch.cat(batch.block_tables).to(self.device, non_blocking=True) if batch.block_tables \
+            else torch.zeros(0, dtype=torch.int64, device=self.device)
+        pages = torch.cat([tables, batch.slot_mapping.to(self.device, non_blocking=True) // self.page_size])
+        counts = [int(t.shape[0]) for t in batch.block_tables] + list(batch.query_lens)
+        seq_of_page = torch.arange(num_seqs).repeat(2).repeat_interleave(torch.tensor(counts, dtype=torch.int64))
+        is_read = torch.arange(int(seq_of_page.shape[0])) < sum(counts[:num_seqs])
+        return pages, seq_of_page.to(self.device, non_blocking=True), is_read.to(self.device, non_blocking=True)
+
+    def _foreign_pages(self, writes: ForwardWrites, pages: torch.Tensor, seq_of_page: torch.Tensor,
+                       is_read: torch.Tensor) -> torch.Tensor:
+        """[num_page_refs] bool: a page that is neither the sequence's own nor (read only) a
+        cached page of its namespace."""
         rows = writes.rows[seq_of_page]
         owner = self.page_row[pages]
-        not_own = owner != rows
-        if not bool(not_own.any()):  # the common step: every page is the sequence's own
-            return
-        is_read = torch.arange(int(pages.shape[0])) < int(counts[:num_seqs].sum())
         shared = ((owner == CACHED_ROW) & is_read
                   & (self.page_namespace[pages] == self.row_namespace[rows.clamp(min=0)]))
-        foreign = not_own & ~shared
-        if not bool(foreign.any()):
-            return
-        for i in seq_of_page[foreign].unique().tolist():
-            named = sorted(set(pages[foreign & (seq_of_page == i)].tolist()))
-            refused.setdefault(i, f"request {writes.request_ids[i]} would read or write pages {named[:8]} "
-                                  f"it does not own")
+        return (owner != rows) & ~shared
 
-    def _check_coverage(self, writes: ForwardWrites, refused: dict[int, str]) -> None:
-        written = self.prefix.index_select(1, writes.rows.clamp(min=0))  # [num_layers, num_seqs]
-        short = written < writes.starts
-        uncovered = short.any(0)
-        if not bool(uncovered.any()):
-            return
-        for i in uncovered.nonzero().flatten().tolist():
-            layer = int(short[:, i].nonzero()[0])
-            start, end, have = int(writes.starts[i]), int(writes.ends[i]), int(written[layer, i])
-            refused.setdefault(i, f"request {writes.request_ids[i]} would attend to positions [0, {end}) but "
-                                  f"layer {layer} holds KV for [0, {have}) and this forward writes "
-                                  f"[{start}, {end}): it would read KV slots it never wrote")
+    def _why(self, i: int, code: int, writes: ForwardWrites, pages: torch.Tensor, seq_of_page: torch.Tensor,
+             foreign: torch.Tensor, short: torch.Tensor) -> str:
+        request_id = writes.request_ids[i]
+        if code & 1:
+            return f"request {request_id} holds no KV pages"
+        if code & 2:
+            named = sorted(set(pages[foreign & (seq_of_page == i)].tolist()))
+            return f"request {request_id} would read or write pages {named[:8]} it does not own"
+        layer = int(short[:, i].nonzero()[0])
+        start, end = int(writes.starts[i]), int(writes.ends[i])
+        have = int(self.prefix[layer, int(writes.rows[i])])
+        return (f"request {request_id} would attend to positions [0, {end}) but layer {layer} holds KV for "
+                f"[0, {have}) and this forward writes [{start}, {end}): it would read KV slots it never wrote")
 
     def check_integrity(self, pages_of: dict[str, tuple[list[int], list[int]]], cached: dict[int, str]) -> None:
         """The records agree with the allocator: each owned page names its owner's row, each
@@ -348,8 +365,8 @@ class WriteRecords:
         the pages its request holds. `pages_of`: request id -> (shared pages, own pages)."""
         holders = {r: p for r, p in pages_of.items() if p[0] or p[1]}
         assert set(self._rows) == set(holders), "write records and allocator disagree on who holds pages"
-        expected = torch.full_like(self.page_row, FREE_ROW)
-        expected_namespace = torch.full_like(self.page_namespace, -1)
+        expected = torch.full_like(self.page_row, FREE_ROW, device="cpu")
+        expected_namespace = torch.full_like(self.page_namespace, -1, device="cpu")
         for page, namespace in cached.items():
             expected[page] = CACHED_ROW
             expected_namespace[page] = self._namespace_ids.get(namespace, -2)
@@ -358,13 +375,14 @@ class WriteRecords:
             owned = (len(shared) + len(pages)) * self.page_size
             assert self._num_tokens_owned[request_id] == owned, f"{request_id}: owned positions disagree"
             assert int(self.prefix[:, self._rows[request_id]].max()) <= owned, f"{request_id}: prefix past its pages"
-        assert torch.equal(expected, self.page_row), "a page's owner row disagrees with the allocator"
-        assert torch.equal(expected_namespace, self.page_namespace), "a cached page's namespace disagrees"
+        assert torch.equal(expected, self.page_row.cpu()), "a page's owner row disagrees with the allocator"
+        assert torch.equal(expected_namespace, self.page_namespace.cpu()), "a cached page's namespace disagrees"
 
     # --- checked mode ----------------------------------------------------------------------
 
     def unwritten_slots(self, context_slots: torch.Tensor, new_slots: torch.Tensor) -> torch.Tensor:
         """Checked mode: [num_layers, num_context] bool, True where a context slot was neither
         written in its page's current ownership period nor is written by this forward."""
+        context_slots, new_slots = context_slots.to(self.device), new_slots.to(self.device)
         owner_wrote = self.slot_generation[:, context_slots] == self.page_generation[context_slots // self.page_size]
         return ~(owner_wrote | torch.isin(context_slots, new_slots))

@@ -53,12 +53,13 @@ class AttentionPlan:
             else:
                 prefills.append(_prefill_span(token_start, query_len, context_len, batch.block_tables[i]))
             token_start += query_len
-        fresh = [_fresh_group(length, starts) for length, starts in fresh_starts.items()]
+        fresh = [_fresh_group(length, starts, batch.input_ids.device) for length, starts in fresh_starts.items()]
         if not decode_rows:
             return cls(None, prefills, fresh)
         token_idx = None
         if len(decode_rows) < len(batch.query_lens):
-            token_idx = torch.tensor([0, *batch.query_lens]).cumsum(0)[torch.tensor(decode_rows)]
+            token_idx = torch.tensor([0, *batch.query_lens]).cumsum(0)[torch.tensor(decode_rows)].to(
+                batch.input_ids.device, non_blocking=True)
         context_lens = [batch.context_lens[i] for i in decode_rows]
         tables = _padded_tables([batch.block_tables[i] for i in decode_rows])
         return cls(DecodeRows(token_idx, ops.plan_decode(tables, context_lens, pool, num_heads)), prefills, fresh)
@@ -76,12 +77,13 @@ def _prefill_span(token_start: int, query_len: int, context_len: int, pages: tor
                        torch.tensor([token_start], dtype=torch.int64))
 
 
-def _fresh_group(length: int, starts: list[int]) -> FreshPrefills:
+def _fresh_group(length: int, starts: list[int], device: torch.device) -> FreshPrefills:
     first = torch.tensor(starts, dtype=torch.int64)
+    on_device = first.to(device, non_blocking=True)
     if starts == list(range(starts[0], starts[0] + len(starts) * length, length)):  # back to back
-        return FreshPrefills(length, None, starts[0], first)
+        return FreshPrefills(length, None, starts[0], on_device)
     token_idx = (first[:, None] + torch.arange(length)[None, :]).reshape(-1)
-    return FreshPrefills(length, token_idx, starts[0], first)
+    return FreshPrefills(length, token_idx.to(device, non_blocking=True), starts[0], on_device)
 
 
 def _padded_tables(rows: list[torch.Tensor]) -> torch.Tensor:

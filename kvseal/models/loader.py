@@ -95,9 +95,18 @@ def _generation_eos(folder: Path) -> list[int]:
 
 def _build_and_load(config: ModelConfig, folder: Path, dtype: torch.dtype,
                     layout: RankLayout | None = None) -> CausalLM:
+    return model_from_state_dict(config, _read_safetensors(folder), dtype, str(folder), layout)
+
+
+def model_from_state_dict(config: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype,
+                          source: str = "the state dict", layout: RankLayout | None = None) -> CausalLM:
+    """kvseal's model of `config` from a Hugging Face checkpoint's tensors (names as in its
+    safetensors; q/k/v and gate/up are packed here), on the tensors' device, in `dtype`; with a
+    tensor-parallel `layout`, that rank's shard. ModelLoadError when the names do not match the
+    architecture."""
     with torch.device("meta"):
         module = CausalLM(config if layout is None else layout.rank_config(config))
-    state = _read_safetensors(folder)
+    state = dict(state)
     params = [k for k in module.state_dict() if not (config.tie_word_embeddings and k == "lm_head.weight")]
     expected = {name for key in params for name in _checkpoint_names(key)}
     if config.tie_word_embeddings:
@@ -105,7 +114,7 @@ def _build_and_load(config: ModelConfig, folder: Path, dtype: torch.dtype,
     missing = sorted(expected - set(state))
     unexpected = sorted(k for k in set(state) - expected if "rotary_emb" not in k)
     if missing or unexpected:
-        raise ModelLoadError(f"weights in {folder} do not match {config.architecture}: "
+        raise ModelLoadError(f"weights in {source} do not match {config.architecture}: "
                              f"missing {missing[:5]}, unexpected {unexpected[:5]}")
     if layout is not None:  # this rank's slice of each tensor, before packing q/k/v and gate/up
         state = {name: layout.shard(name, t) for name, t in state.items()}

@@ -31,10 +31,12 @@ class RotaryEmbedding:
         else:
             inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf, torch.device("cpu"))
             self.inv_freq, self.scaling = inv_freq.float(), float(scaling)
-        # dtype -> (cos, signed_sin) [num_positions, head_dim] for positions 0..num_positions-1
-        self._tables: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
+        # (dtype, device) -> (cos, signed_sin) [num_positions, head_dim] for positions 0..num_positions-1,
+        # computed on the CPU and copied to the device once per growth
+        self._tables: dict[tuple[torch.dtype, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype,
+                num_positions: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Computed in float32, then cast to the activations' dtype (as transformers does).
         positions: [num_tokens] -> cos, signed_sin: [num_tokens, 1, head_dim], where signed_sin
         is sin with its first half negated (the sign rotate-half puts on x's second half).
@@ -43,30 +45,35 @@ class RotaryEmbedding:
         next power of two), the same elementwise float32 arithmetic per position, so the
         values are those of computing them for `positions` directly. Positions past
         MAX_TABLE_POSITIONS are computed directly (a table that long would cost more memory
-        than it saves time)."""
-        num_positions = int(positions.max()) + 1 if positions.numel() else 0
+        than it saves time). `num_positions`: 1 + the largest position, where the caller knows it
+        on the host (else it is read from `positions`, a device sync on a GPU); the rows are on
+        `positions`' device."""
+        if num_positions is None:
+            num_positions = int(positions.max()) + 1 if positions.numel() else 0
         if not 0 < num_positions <= MAX_TABLE_POSITIONS:
-            return self._rows(positions, dtype)
-        cos, signed_sin = self._table(num_positions, dtype)
+            cos, signed_sin = self._rows(positions.cpu(), dtype)
+            return cos.to(positions.device), signed_sin.to(positions.device)
+        cos, signed_sin = self._table(num_positions, dtype, positions.device)
         return cos[positions][:, None, :], signed_sin[positions][:, None, :]
 
     def cos_sin_rows(self, positions: torch.Tensor, dtype: torch.dtype,
                      num_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
         """`cos_sin` as two contiguous [num_tokens, head_dim] tensors, for a caller that knows a
         bound on the positions: `num_positions` > every position (a forward's longest context),
-        so there is no pass over `positions` to find it. The same values."""
+        so there is no pass over `positions` to find it (a device sync on a GPU). The same
+        values, on `positions`' device."""
         if not 0 < num_positions <= MAX_TABLE_POSITIONS:
-            cos, signed_sin = self._rows(positions, dtype)
-            return cos[:, 0].contiguous(), signed_sin[:, 0].contiguous()
-        cos, signed_sin = self._table(num_positions, dtype)
+            cos, signed_sin = self._rows(positions.cpu(), dtype)
+            return cos[:, 0].contiguous().to(positions.device), signed_sin[:, 0].contiguous().to(positions.device)
+        cos, signed_sin = self._table(num_positions, dtype, positions.device)
         return cos[positions], signed_sin[positions]
 
-    def _table(self, num_positions: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        table = self._tables.get(dtype)
+    def _table(self, num_positions: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        table = self._tables.get((dtype, device))
         if table is None or table[0].shape[0] < num_positions:
             size = 1 << max(num_positions - 1, 0).bit_length()
             cos, signed_sin = self._rows(torch.arange(size, dtype=torch.int64), dtype)
-            table = self._tables[dtype] = (cos[:, 0], signed_sin[:, 0])
+            table = self._tables[(dtype, device)] = (cos[:, 0].to(device), signed_sin[:, 0].to(device))
         return table
 
     def _rows(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -5,8 +5,12 @@
 - `require`: the native kernels, or start-up fails (ConfigError) with the compiler's message.
 - `off`: the torch ops, no compiler run.
 
-Backends are chosen by device type (`BACKENDS`). A new one (CUDA/Triton) is its module, with a
-class implementing `interface.Ops`, and one line here.
+Backends are chosen by device type (`BACKENDS`): on "cuda" the Triton backend (`TritonOps`),
+whatever `--native` says of the CPU kernels (`require` is refused there: they are CPU kernels).
+`--attention-backend triton` runs the Triton backend on the CPU too, on CPU tensors under
+Triton's interpreter (`TRITON_INTERPRET=1`): how the tests hold the CUDA backend to the torch
+ops on machines without a GPU. A new backend is its module, a class implementing
+`interface.Ops`, and one line here.
 """
 
 from __future__ import annotations
@@ -45,16 +49,47 @@ def cpu_ops(native: NativeMode, build: BuildConfig) -> Ops:
     return NativeOps(kernels, TorchOps())
 
 
+def cuda_ops(native: NativeMode, build: BuildConfig) -> Ops:
+    """The Triton backend (Triton attention, torch's CUDA ops for the rest)."""
+    if native == "require":
+        raise ConfigError("--native require asks for kvseal's native kernels, which are CPU kernels; on --device cuda "
+                          "the Triton backend runs: drop --native require (or pass --device cpu)")
+    from kvseal.ops.triton_backend import TritonOps  # imports triton: only where it runs
+
+    logger.info("ops: triton (attention), torch's CUDA ops for the linears (cuBLAS)")
+    return TritonOps()
+
+
+def triton_on_cpu() -> Ops:
+    """The Triton backend on CPU tensors: under Triton's interpreter only."""
+    import triton
+
+    if not triton.knobs.runtime.interpret:
+        raise ConfigError("--attention-backend triton on --device cpu runs the Triton kernels under Triton's "
+                          "interpreter, which is off: set TRITON_INTERPRET=1 before starting (it is slow, for tests), "
+                          "or leave --attention-backend auto")
+    from kvseal.ops.triton_backend import TritonOps
+
+    logger.warning("ops: triton under Triton's interpreter on CPU tensors (TRITON_INTERPRET=1): for tests, slow")
+    return TritonOps()
+
+
 # device type -> its backend
-BACKENDS: dict[str, Callable[[NativeMode, BuildConfig], Ops]] = {"cpu": cpu_ops}
+BACKENDS: dict[str, Callable[[NativeMode, BuildConfig], Ops]] = {"cpu": cpu_ops, "cuda": cuda_ops}
 
 
-def select_ops(native: NativeMode = "auto", device: str = "cpu", build: BuildConfig | None = None) -> Ops:
-    """The ops for `device`. Raises ConfigError for `native="require"` without kernels, or a
-    device no backend runs on."""
+def select_ops(native: NativeMode = "auto", device: str = "cpu", build: BuildConfig | None = None,
+               attention_backend: str = "auto") -> Ops:
+    """The ops for `device` ("cpu" or "cuda"; `--attention-backend triton`: the Triton backend
+    there). Raises ConfigError for `native="require"` without kernels, or a device no backend
+    runs on."""
     if native not in NATIVE_MODES:
         raise ConfigError(f"native must be one of {', '.join(NATIVE_MODES)}; got {native!r}")
+    if attention_backend not in ("auto", "triton"):
+        raise ConfigError(f"attention_backend must be auto or triton; got {attention_backend!r}")
     backend = BACKENDS.get(device)
     if backend is None:
         raise ConfigError(f"no ops backend for device {device!r}; there is one for {', '.join(BACKENDS)}")
+    if attention_backend == "triton" and device == "cpu":
+        return triton_on_cpu()
     return backend(native, build or BuildConfig.from_environment())

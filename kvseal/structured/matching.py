@@ -33,7 +33,19 @@ def apply_grammar_masks(logits: torch.Tensor, requests: list[Request]) -> torch.
     for row in rows:
         requests[row].grammar.fill_next_token_bitmask(bitmask, row)
     logits = logits.clone()
-    xgrammar.apply_token_bitmask_inplace(logits, bitmask, indices=rows)
+    if logits.device.type == "cpu":
+        xgrammar.apply_token_bitmask_inplace(logits, bitmask, indices=rows)
+        return logits
+    return _apply_bitmask(logits, bitmask.to(logits.device, non_blocking=True), rows)
+
+
+def _apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """xgrammar's bitmask [B, ceil(V / 32)] int32 (bit j of word w: token 32 w + j allowed) as
+    torch ops on logits' device: forbidden tokens of `rows` get -inf."""
+    bits = torch.arange(32, dtype=torch.int32, device=logits.device)
+    allowed = ((bitmask[:, :, None] >> bits) & 1).bool().reshape(bitmask.shape[0], -1)[:, :logits.shape[-1]]
+    index = torch.tensor(rows, dtype=torch.int64, device=logits.device)
+    logits[index] = logits[index].masked_fill(~allowed[index], float("-inf"))
     return logits
 
 

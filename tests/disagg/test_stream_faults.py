@@ -66,9 +66,13 @@ def make_pool() -> KVPool:
     return pool
 
 
-@pytest.fixture
-def receiver() -> Iterator[StreamReceiver]:
+@pytest.fixture(params=["in-place", "staged"])
+def receiver(request: pytest.FixtureRequest) -> Iterator[StreamReceiver]:
+    """Decode's receiver: blocks land in the pool in place (a host pool), or are staged in a host
+    buffer and copied in once complete (what a GPU pool does; `test_stream_staging.py`)."""
     r = StreamReceiver(make_pool(), NUM_LAYERS, "127.0.0.1")
+    if request.param == "staged":
+        r._on_host, r._pool_bytes = False, None
     yield r
     r.close()
 

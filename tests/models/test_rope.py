@@ -22,7 +22,7 @@ def test_table_rows_are_bit_equal_to_direct_rows_as_the_table_grows(dtype: torch
         want_cos, want_sin = rope._rows(positions, dtype)
         assert cos.shape == want_cos.shape == (positions.numel(), 1, want_cos.shape[-1])
         assert torch.equal(cos, want_cos) and torch.equal(signed_sin, want_sin)
-    assert rope._tables[dtype][0].shape[0] == 1024  # grown to the next power of two
+    assert rope._tables[(dtype, torch.device("cpu"))][0].shape[0] == 1024  # grown to the next power of two
 
 
 def test_positions_past_the_table_limit_and_empty_batches_are_computed_directly() -> None:
