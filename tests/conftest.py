@@ -34,7 +34,7 @@ PROCESS_MODULES = frozenset({
     "disagg/test_pd_incident.py", "disagg/test_pd_kill.py", "disagg/test_pd_structured.py",
     "engine/test_grammar_pool.py", "engine/test_structured.py",
     "ops/test_csrc.py", "ops/test_native_modes.py", "ops/test_packaging.py", "ops/test_sanitizers.py",
-    "parallel/test_tensor_parallel.py",
+    "parallel/test_tensor_parallel.py", "parallel/test_tp_nodes.py", "parallel/test_tp_serve.py",
     "server/test_audit_log.py", "server/test_audit_outage.py", "server/test_default_model.py",
     "server/test_door_bounds.py", "server/test_engine_threads.py", "server/test_frontend_guards.py",
     "server/test_grammar_budget.py", "server/test_isolation_events.py", "server/test_lifecycle.py",

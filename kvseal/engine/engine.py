@@ -33,7 +33,7 @@ from kvseal.models.llama import CausalLM
 from kvseal.models.loader import LoadedModel, load_model
 from kvseal.models.tensor_parallel import RankLayout
 from kvseal.ops import select_ops
-from kvseal.parallel.driver import RankOptions, TensorParallelDriver
+from kvseal.parallel.driver import RankOptions, RankPlacement, TensorParallelDriver
 from kvseal.parallel.group import RankFailure
 from kvseal.parallel.worker import finish_model
 from kvseal.prompting import encode_text
@@ -74,6 +74,9 @@ class LLMEngine:
         # `--native require` without a compiler fails before the weights load
         self.ops = select_ops(args.native)
         tp = args.tensor_parallel_size
+        if args.node_rank != 0:
+            raise ConfigError(f"--node-rank {args.node_rank} holds worker ranks only: run `kvseal tp-node` there; "
+                              f"the engine (and its scheduler) runs on node 0")
         if loaded is not None and tp > 1:
             raise ConfigError("a tensor-parallel engine loads its own shards; pass the model by name, not loaded")
         self.loaded = loaded or load_model(args.model, args.torch_dtype, rank=(0, tp) if tp > 1 else None)
@@ -108,7 +111,9 @@ class LLMEngine:
         options = RankOptions(str(self.loaded.path), args.dtype, args.quantization, args.native, args.seed,
                               args.num_threads, self.cache_config.num_pages, self.cache_config.page_size,
                               self.cache_config.check_kv)
-        driver, group = TensorParallelDriver.start(options, args.tensor_parallel_size, args.tp_timeout_s, self.kv)
+        place = RankPlacement(args.tensor_parallel_size, args.nnodes, args.master_addr, args.master_port,
+                              args.tp_timeout_s)
+        driver, group = TensorParallelDriver.start(options, place, self.kv)
         try:
             model.use_tensor_parallel(layout, group)
             ready = driver.wait_ready(self.kv.pool.num_bytes, layout.num_kv_heads)

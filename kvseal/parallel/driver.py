@@ -32,7 +32,7 @@ from kvseal.config import NativeMode
 from kvseal.errors import IsolationViolation
 from kvseal.kvcache.manager import KVCacheManager
 from kvseal.kvcache.records import ForwardWrites
-from kvseal.parallel.group import GroupSpec, RankFailure, RankGroup
+from kvseal.parallel.group import GroupSpec, RankFailure, RankGroup, listen_for_ranks
 from kvseal.parallel.msgs import (
     InjectFaultMsg,
     KeepAliveMsg,
@@ -53,6 +53,21 @@ FAILED_STOP_WAIT_S = 1.0  # the same after the group failed (a rank may be hung:
 
 
 @dataclass(frozen=True)
+class RankPlacement:
+    """Where the ranks are: how many, over how many nodes, where rank 0 listens, their timeout."""
+
+    world_size: int
+    nnodes: int
+    master_addr: str
+    master_port: int  # 0: a free port (one node)
+    timeout_s: float
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.world_size // self.nnodes
+
+
+@dataclass(frozen=True)
 class RankOptions:
     """How the worker ranks load and run (the engine's own settings, passed on)."""
 
@@ -67,22 +82,15 @@ class RankOptions:
     check_kv: bool
 
 
-def free_loopback_port() -> int:
-    """A TCP port free on 127.0.0.1 now (the rendezvous binds it next)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class RankProcesses:
     """The worker ranks' processes, each the leader of its own process group: stopped by PID."""
 
-    def __init__(self, options: RankOptions, group: GroupSpec) -> None:
+    def __init__(self, options: RankOptions, group: GroupSpec, ranks: range) -> None:
         self.procs: list[subprocess.Popen[bytes]] = []
-        for rank in range(1, group.world_size):
+        for rank in ranks:
             spec = WorkerSpecMsg(options.model, options.dtype, options.quantization, options.native, options.seed,
-                                 options.num_threads, rank, group.world_size, group.init_method, group.timeout_s,
-                                 options.num_pages, options.page_size, options.check_kv)
+                                 options.num_threads, rank, group.world_size, group.master_addr, group.master_port,
+                                 group.timeout_s, options.num_pages, options.page_size, options.check_kv)
             self.procs.append(subprocess.Popen([sys.executable, "-m", "kvseal.parallel.worker", encode(spec).hex()],
                                                start_new_session=True))
 
@@ -116,8 +124,8 @@ def _kill_group(proc: subprocess.Popen[bytes]) -> None:
 class TensorParallelDriver:
     """Rank 0 of a tensor-parallel engine: the one caller of the collectives' message side."""
 
-    def __init__(self, group: RankGroup, ranks: RankProcesses, kv: KVCacheManager) -> None:
-        self.group, self.ranks, self.kv = group, ranks, kv
+    def __init__(self, group: RankGroup, ranks: RankProcesses, kv: KVCacheManager, listener: socket.socket) -> None:
+        self.group, self.ranks, self.kv, self._listener = group, ranks, kv, listener
         self.ready: list[ReadyMsg] = []
         # One caller of the group at a time: the engine's step (`exclusive`) or the keep-alive
         # thread, which speaks only while the engine is idle.
@@ -161,18 +169,21 @@ class TensorParallelDriver:
                 self._last_sent = time.monotonic()
 
     @classmethod
-    def start(cls, options: RankOptions, tp: int, timeout_s: float, kv: KVCacheManager,
-              init_method: str | None = None) -> tuple[TensorParallelDriver, RankGroup]:
-        """Start ranks 1..tp-1 and join them (rank 0: this process). The caller loads its own
-        shard, gives it the group, then calls `wait_ready`."""
-        spec = GroupSpec(init_method or f"tcp://127.0.0.1:{free_loopback_port()}", tp, timeout_s)
-        ranks = RankProcesses(options, spec)
+    def start(cls, options: RankOptions, place: RankPlacement, kv: KVCacheManager) -> tuple[TensorParallelDriver,
+                                                                                          RankGroup]:
+        """Start this node's ranks 1..ranks_per_node-1 and join every rank (rank 0: this process;
+        other nodes' ranks come from their `kvseal tp-node`). The caller loads its own shard,
+        gives it the group, then calls `wait_ready`."""
+        listener = listen_for_ranks(place.master_addr, place.master_port)
+        spec = GroupSpec(place.master_addr, int(listener.getsockname()[1]), place.world_size, place.timeout_s)
+        ranks = RankProcesses(options, spec, range(1, place.ranks_per_node))
         try:
-            group = RankGroup(spec, 0)
+            group = RankGroup(spec, 0, listener)
         except RankFailure:
             ranks.kill()
+            listener.close()
             raise
-        return cls(group, ranks, kv), group
+        return cls(group, ranks, kv, listener), group
 
     def wait_ready(self, pool_bytes: int, num_kv_heads: int) -> list[ReadyMsg]:
         """Every rank's shard is loaded; their pools, rank order (rank 0's from the caller)."""
@@ -180,6 +191,10 @@ class TensorParallelDriver:
         answers = [decode_from_rank(a) for a in self.group.all_gather_bytes(encode(mine))]
         self.ready = [a for a in answers if isinstance(a, ReadyMsg)]
         self.group.serving()
+        differ = [r.rank for r in self.ready if r.num_pages != mine.num_pages]
+        if differ:  # page ids name the same page on every rank, or ownership means nothing
+            raise RankFailure(f"ranks {differ} allocated another number of KV pages than rank 0's "
+                              f"{mine.num_pages}: start every node with the same engine flags and model")
         self._keep_alive = threading.Thread(target=self._keep_alive_loop, name="kvseal-tp-keep-alive", daemon=True)
         self._keep_alive.start()
         return self.ready
@@ -222,4 +237,5 @@ class TensorParallelDriver:
                 logger.warning("stopping the tensor-parallel ranks: %s", exc)
                 told = False
         self.group.close()
+        self._listener.close()
         self.ranks.stop(STOP_WAIT_S if told else FAILED_STOP_WAIT_S)

@@ -151,7 +151,7 @@ def main(argv: list[str]) -> int:
     torch.manual_seed(spec.seed)
     if spec.num_threads is not None:
         torch.set_num_threads(spec.num_threads)
-    group = RankGroup(GroupSpec(spec.init_method, spec.world_size, spec.timeout_s), spec.rank)
+    group = RankGroup(GroupSpec(spec.master_addr, spec.master_port, spec.world_size, spec.timeout_s), spec.rank)
     try:
         WorkerRank(spec, group).serve()
     except RankFailure as exc:
