@@ -18,7 +18,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -124,8 +123,8 @@ def _kill_group(proc: subprocess.Popen[bytes]) -> None:
 class TensorParallelDriver:
     """Rank 0 of a tensor-parallel engine: the one caller of the collectives' message side."""
 
-    def __init__(self, group: RankGroup, ranks: RankProcesses, kv: KVCacheManager, listener: socket.socket) -> None:
-        self.group, self.ranks, self.kv, self._listener = group, ranks, kv, listener
+    def __init__(self, group: RankGroup, ranks: RankProcesses, kv: KVCacheManager) -> None:
+        self.group, self.ranks, self.kv = group, ranks, kv
         self.ready: list[ReadyMsg] = []
         # One caller of the group at a time: the engine's step (`exclusive`) or the keep-alive
         # thread, which speaks only while the engine is idle.
@@ -178,12 +177,11 @@ class TensorParallelDriver:
         spec = GroupSpec(place.master_addr, int(listener.getsockname()[1]), place.world_size, place.timeout_s)
         ranks = RankProcesses(options, spec, range(1, place.ranks_per_node))
         try:
-            group = RankGroup(spec, 0, listener)
+            group = RankGroup(spec, 0, listener)  # it takes the socket over
         except RankFailure:
             ranks.kill()
-            listener.close()
             raise
-        return cls(group, ranks, kv, listener), group
+        return cls(group, ranks, kv), group
 
     def wait_ready(self, pool_bytes: int, num_kv_heads: int) -> list[ReadyMsg]:
         """Every rank's shard is loaded; their pools, rank order (rank 0's from the caller)."""
@@ -237,5 +235,4 @@ class TensorParallelDriver:
                 logger.warning("stopping the tensor-parallel ranks: %s", exc)
                 told = False
         self.group.close()
-        self._listener.close()
         self.ranks.stop(STOP_WAIT_S if told else FAILED_STOP_WAIT_S)

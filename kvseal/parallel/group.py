@@ -55,12 +55,20 @@ class RankGroup:
 
     def __init__(self, spec: GroupSpec, rank: int, listener: socket.socket | None = None) -> None:
         """Join the group as `rank`; rank 0 serves the store on `listener` (bound by the caller
-        to master_addr:master_port, so torch binds nothing of its own there)."""
+        to master_addr:master_port, so torch binds nothing of its own there), which it takes over."""
         self.rank, self.world_size, self.spec = rank, spec.world_size, spec
         start = datetime.timedelta(seconds=spec.start_timeout_s)
         try:
             store = dist.TCPStore(spec.master_addr, spec.master_port, spec.world_size, rank == 0, start,
                                   master_listen_fd=listener.fileno() if listener is not None else None)
+        except Exception as exc:  # the store failed: the socket is still ours to close
+            if listener is not None:
+                listener.close()
+            raise RankFailure(f"rank {rank} could not join the tensor-parallel group at {spec.address} "
+                              f"within {spec.start_timeout_s:g} s: {exc}") from exc
+        if listener is not None:
+            listener.detach()  # the store owns the socket now and closes it with the group
+        try:
             dist.init_process_group(spec.backend, store=store, rank=rank, world_size=spec.world_size, timeout=start,
                                     pg_options=self._options(start))
         except Exception as exc:  # torch raises several types for a rendezvous that fails

@@ -8,11 +8,16 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 from processes import free_port, kvseal_argv
 from tiny_models import make_tiny_model
 
 from kvseal import LLM, SamplingParams
+from kvseal.config import CacheConfig
 from kvseal.errors import ConfigError
+from kvseal.kvcache.manager import KVCacheManager
+from kvseal.parallel.driver import RankOptions, RankPlacement, TensorParallelDriver
+from kvseal.parallel.group import RankFailure
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
 PROMPTS = [list(range(10, 17)), list(range(30, 60))]
@@ -71,3 +76,28 @@ def test_node_flags_are_checked() -> None:
         LLM(None, tensor_parallel_size=2, master_addr="0.0.0.0")
     with pytest.raises(ConfigError, match="tp-node"):
         LLM(None, tensor_parallel_size=2, nnodes=2, node_rank=1, master_port=1234)
+
+
+def test_kvseal_generate_takes_tp(model: Path) -> None:
+    """`kvseal generate -tp 2` prints what `kvseal generate` does (vLLM's flag name)."""
+    texts = []
+    for extra in ([], ["-tp", "2"]):
+        argv = kvseal_argv(["generate", "--model", str(model), "w5 w6 w7", "--max-tokens", "6", *FLAGS, *extra])
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        texts.append(done.stdout.strip().splitlines()[-1])
+    assert texts[0] == texts[1] and texts[0]
+
+
+def test_a_rank_that_cannot_load_its_shard_fails_start_up(tmp_path: Path) -> None:
+    """The worker joins, then fails to load: rank 0's wait for it fails at once (its socket
+    closed), not after the start-up timeout, and the rank is gone."""
+    kv = KVCacheManager(CacheConfig(4, 8, torch.float32), num_layers=2, num_kv_heads=1, head_dim=16, mirrored=True)
+    options = RankOptions(str(tmp_path / "no-such-model"), "float32", "none", "off", 0, 1, 8, 4, False)
+    driver, _ = TensorParallelDriver.start(options, RankPlacement(2, 1, "127.0.0.1", 0, 20.0), kv)
+    try:
+        with pytest.raises(RankFailure):
+            driver.wait_ready(kv.pool.num_bytes, 1)
+    finally:
+        driver.close()
+    assert all(p.poll() is not None for p in driver.ranks.procs)
