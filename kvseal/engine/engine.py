@@ -131,12 +131,14 @@ class LLMEngine:
             "kvseal engine: model=%s arch=%s dtype=%s max_model_len=%d kv_cache_tokens=%d (%d pages x %d) "
             "kv_bytes_per_token=%d max_num_batched_tokens=%d max_prefill_chunk_tokens=%d fair_share_tokens=%d "
             "attention_cost_context=%d max_num_seqs=%d kv_scrub=%s check_kv=%s prefix_caching=%s torch_threads=%d "
-            "native=%s ops=%s grammar_compile_timeout_s=%g grammar_compile_workers=%d",
+            "native=%s ops=%s grammar_compile_timeout_s=%g grammar_compile_workers=%d tensor_parallel_size=%d "
+            "tp_timeout_s=%g nnodes=%d master=%s:%d",
             self.loaded.path, self.model_config.architecture, args.dtype, s.max_model_len, c.kv_cache_tokens,
             c.num_pages, c.page_size, args.capacity(self.model_config).bytes_per_token,
             s.max_num_batched_tokens, s.max_prefill_chunk_tokens, s.fair_share_tokens, s.attention_cost_context,
             s.max_num_seqs, c.kv_scrub, c.check_kv, c.enable_prefix_caching, torch.get_num_threads(),
             args.native, self.ops.name, args.grammar_compile_timeout_s, args.grammar_compile_workers,
+            args.tensor_parallel_size, args.tp_timeout_s, args.nnodes, args.master_addr, args.master_port,
         )
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
