@@ -21,15 +21,19 @@ from kvseal._testing.faults import Fault, inject
 from kvseal.config import CacheConfig
 from kvseal.engine.batch import PreparedForward, build_forward_batch, check_forward
 from kvseal.kvcache.manager import KVCacheManager
+from kvseal.kvcache.records import RecordKernels
+from kvseal.ops import select_ops
 from kvseal.types import Request, SamplingParams, ScheduledChunk
 
 NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE = 30, 3, 64, 16
 
 
-def decode_state(num_seqs: int, context: int) -> tuple[KVCacheManager, list[ScheduledChunk]]:
+def decode_state(num_seqs: int, context: int,
+                 kernels: RecordKernels | None) -> tuple[KVCacheManager, list[ScheduledChunk]]:
     """Every request has `context - 1` tokens written in every layer and decodes one more."""
     num_pages = num_seqs * -(-context // PAGE_SIZE)
-    kv = KVCacheManager(CacheConfig(PAGE_SIZE, num_pages, torch.bfloat16), NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM)
+    kv = KVCacheManager(CacheConfig(PAGE_SIZE, num_pages, torch.bfloat16), NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM,
+                        record_kernels=kernels)
     chunks = []
     for i in range(num_seqs):
         request = Request(f"r{i}", "t", list(range(context - 1)), SamplingParams(max_tokens=2))
@@ -52,8 +56,7 @@ def cpu_ms(fn: Callable[[], object], repeats: int) -> float:
 
 def record_one_forward(kv: KVCacheManager, prepared: PreparedForward) -> None:
     with kv.recording(prepared.writes):
-        for layer in range(NUM_LAYERS):
-            kv.records.on_layer_write(layer, prepared.batch.slot_mapping)
+        kv.records.on_layers_write(NUM_LAYERS, prepared.batch.slot_mapping)
 
 
 def main() -> None:
@@ -63,18 +66,23 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=200)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    kv, chunks = decode_state(args.num_seqs, args.context)
+    native = select_ops("require").record_kernels()
+    for name, kernels in (("torch ops", None), ("native", native)):
+        print(f"{name}: CPU ms per decode step (batch {args.num_seqs}, context {args.context}, {NUM_LAYERS} layers): "
+              + measure(args.num_seqs, args.context, kernels, args.repeats))
+
+
+def measure(num_seqs: int, context: int, kernels: RecordKernels | None, repeats: int) -> str:
+    kv, chunks = decode_state(num_seqs, context, kernels)
     prepared = build_forward_batch(chunks, kv)
     assert check_forward(prepared, kv) == []
-    build = cpu_ms(lambda: build_forward_batch(chunks, kv), args.repeats)
-    check = cpu_ms(lambda: check_forward(prepared, kv), args.repeats)
+    build = cpu_ms(lambda: build_forward_batch(chunks, kv), repeats)
+    check = cpu_ms(lambda: check_forward(prepared, kv), repeats)
     with inject(Fault.BYPASS_KV_CHECKS):
-        bypassed = cpu_ms(lambda: check_forward(prepared, kv), args.repeats)
-    record = cpu_ms(lambda: record_one_forward(kv, prepared), args.repeats)
-    print(f"CPU ms per decode step (batch {args.num_seqs}, context {args.context}, {NUM_LAYERS} layers): "
-          f"batch build {build:.3f}; check_forward {check:.3f} (bypassed {bypassed:.4f}); "
-          f"write records of one forward {record:.3f}")
-
+        bypassed = cpu_ms(lambda: check_forward(prepared, kv), repeats)
+    record = cpu_ms(lambda: record_one_forward(kv, prepared), repeats)
+    return (f"batch build {build:.3f}; check_forward {check:.3f} (bypassed {bypassed:.4f}); "
+            f"write records of one forward {record:.3f}")
 
 if __name__ == "__main__":
     main()

@@ -1,4 +1,4 @@
-"""`kvseal` command line: generate, plan, serve, engine, keys, bench, canary."""
+"""`kvseal` command line: generate, plan, serve, engine, keys, usage, audit, bench, canary."""
 
 from __future__ import annotations
 
@@ -9,14 +9,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from kvseal.auditlog.cli import add_auditlog_parsers
 from kvseal.bench.cli import add_bench_parser
 from kvseal.canary import add_canary_arguments, cmd_canary
 from kvseal.capacity import KvCapacity, bytes_per_element, parse_bytes
 from kvseal.config import EngineArgs
 from kvseal.disagg.config import EngineKeyFiles, NodeConfig, PdServeArgs, node_config_from
+from kvseal.engine.supervisor import RestartPolicy
 from kvseal.engine_args import add_engine_arguments, engine_args_from
 from kvseal.errors import ConfigError, KvsealError
-from kvseal.flags import add_flags, flag
+from kvseal.flags import add_flags, flag, values_of
 from kvseal.no_torch import tokenize_without_torch
 from kvseal.server import add_serve_arguments
 
@@ -132,17 +134,18 @@ def _engine_backend(ns: argparse.Namespace) -> EngineBackend:
 
     topology = PdTopology.from_namespace(ns)
     args = engine_args_from(ns)
+    restart = RestartPolicy(**values_of(ns, RestartPolicy))
     if topology is None:
         from kvseal.engine.client import EngineClient
 
-        return EngineClient(args, ns.log_level)
+        return EngineClient(args, ns.log_level, restart)
     if args.num_threads is not None:
         raise ConfigError("--threads sets the colocated engine's CPU threads; with --pd give "
                           "--pd-threads PREFILL,DECODE, with --prefill/--decode give each "
                           "`kvseal engine` its own --threads")
     from kvseal.disagg.serve import start_pd_backend
 
-    return start_pd_backend(topology, args, ns)
+    return start_pd_backend(topology, args, ns, restart)
 
 
 def _cmd_engine(ns: argparse.Namespace) -> int:
@@ -195,6 +198,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="OpenAI-compatible multi-tenant HTTP server")
     add_engine_arguments(serve, model_positional=True)
     add_serve_arguments(serve)
+    add_flags(serve.add_argument_group("engine supervision (colocated, and the engines serve --pd starts)"),
+              RestartPolicy)
     add_flags(serve.add_argument_group("prefill/decode disaggregation"), PdServeArgs)
     add_flags(serve, NodeConfig, only=("kv_transport", "reservation_timeout_s"))  # with --pd
     serve.set_defaults(func=_cmd_serve)
@@ -206,6 +211,8 @@ def build_parser() -> argparse.ArgumentParser:
     engine.set_defaults(func=_cmd_engine)
 
     _add_keys_parser(sub)
+
+    add_auditlog_parsers(sub)
 
     add_bench_parser(sub)
 

@@ -75,7 +75,8 @@ class RequestHandle:
         self._observer = observer
         self._queue: asyncio.Queue[RequestEvent] = asyncio.Queue()
         self.is_terminal = False
-        self.route: dict[str, str] = {}  # PD mode: prefill_engine, decode_engine, transfer_id (audit)
+        # the engines that handled it, for the audit: colocated `engine`; PD prefill_engine, decode_engine, transfer_id
+        self.route: dict[str, str] = {}
 
     def deliver(self, event: RequestEvent) -> None:
         assert not self.is_terminal, f"event for request {self.request_id} after its terminal event"

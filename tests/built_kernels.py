@@ -11,6 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from kvseal.kvcache.records import RecordKernels
 from kvseal.ops.native_backend import NativeOps
 from kvseal.ops.native_build import BuildConfig, NativeBuildError
 from kvseal.ops.native_kernels import NativeKernels
@@ -59,3 +60,14 @@ def tile_engine(request: pytest.FixtureRequest) -> Iterator[str]:
         yield request.param
     finally:
         KERNELS.set_tile_engine(KERNELS.tile_engine)
+
+
+@pytest.fixture(params=["torch", "native"])
+def record_kernels(request: pytest.FixtureRequest) -> RecordKernels | None:
+    """The write records' kernels in turn: none (the records' torch ops), then the native ones
+    (`csrc/records.c`) the engine hands them where it runs the C ops."""
+    if request.param == "torch":
+        return None
+    if KERNELS is None:
+        pytest.skip("no C compiler: the native kernels are not built")
+    return native_ops().record_kernels()

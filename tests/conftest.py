@@ -30,13 +30,16 @@ torch.set_num_threads(2)
 PROCESS_FIXTURES = frozenset({"server", "char_server", "bench_server", "pd_cluster"})
 PROCESS_MODULES = frozenset({
     "bench/test_bench_serve.py", "bench/test_quant_decode_peers.py", "canary/test_kvseal_canary.py",
+    "auditlog/test_usage_server.py",
     "disagg/test_engine_auth_processes.py", "disagg/test_pd_audit.py", "disagg/test_pd_cli.py",
     "disagg/test_pd_incident.py", "disagg/test_pd_kill.py", "disagg/test_pd_structured.py",
+    "disagg/test_pd_supervised.py",
     "engine/test_grammar_pool.py", "engine/test_structured.py",
     "ops/test_csrc.py", "ops/test_native_modes.py", "ops/test_packaging.py", "ops/test_sanitizers.py",
     "parallel/test_tensor_parallel.py", "parallel/test_tp_nodes.py", "parallel/test_tp_serve.py",
     "server/test_audit_log.py", "server/test_audit_outage.py", "server/test_default_model.py",
-    "server/test_door_bounds.py", "server/test_engine_threads.py", "server/test_frontend_guards.py",
+    "server/test_door_bounds.py", "server/test_engine_restart.py", "server/test_engine_threads.py",
+    "server/test_frontend_guards.py",
     "server/test_grammar_budget.py", "server/test_isolation_events.py", "server/test_lifecycle.py",
     "server/test_parity_default_model.py", "server/test_parity_structured.py", "server/test_parity_tokenize.py",
     "server/test_prefix_cache_api.py", "server/test_quantization.py", "server/test_tenancy.py",

@@ -10,11 +10,12 @@ import pytest
 from kvseal.cli import GenerateArgs, PlanArgs, build_parser, main
 from kvseal.config import EngineArgs
 from kvseal.disagg.config import EngineKeyFiles, NodeConfig, PdServeArgs
+from kvseal.engine.supervisor import RestartPolicy
 from kvseal.engine_args import engine_args_from
 from kvseal.flags import flag_fields
 from kvseal.server.config import ServerConfig
 
-CONFIGS = (EngineArgs, ServerConfig, PdServeArgs, NodeConfig, EngineKeyFiles, GenerateArgs, PlanArgs)
+CONFIGS = (EngineArgs, ServerConfig, PdServeArgs, NodeConfig, EngineKeyFiles, GenerateArgs, PlanArgs, RestartPolicy)
 COMMANDS = ("serve", "engine", "generate", "plan")
 
 

@@ -66,6 +66,21 @@ class Fault(enum.Enum):
     # Tool definitions skip the door checks response_format's schema gets (size, depth, count,
     # the number and total size of tools), so a test can show that those checks refuse them.
     SKIP_TOOL_DOOR_CHECKS = "skip_tool_door_checks"
+    # An aborted request keeps its pages and its place in the scheduler (I6): the abort reports
+    # the request ended but frees nothing, so a test can show that the abort test sees the pages
+    # still in use.
+    ABORT_KEEPS_PAGES = "abort_keeps_pages"
+    # The frontend answers an aborted request as a success (I6): no error, the stream ends with
+    # `[DONE]` after what was generated, a non-streamed answer is a 200, so a test can show that
+    # the lifecycle test notices an abort passed off as a finished answer.
+    ABORT_AS_SUCCESS = "abort_as_success"
+    # A reload of the API keys file adds its keys but keeps the old ones it no longer has, so a
+    # test can show that the revocation test notices a removed key that still works (and that
+    # its in-flight requests are not aborted).
+    KEEP_REVOKED_KEYS = "keep_revoked_keys"
+    # Every tenant draws on one requests bucket and one tokens bucket (per kind, not per tenant),
+    # so a test can show that one tenant's use then gets another tenant 429s.
+    SHARED_RATE_LIMITS = "shared_rate_limits"
 
 
 _active: set[Fault] = set()

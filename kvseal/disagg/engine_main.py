@@ -37,6 +37,7 @@ def serve_engine(args: EngineArgs, config: NodeConfig, should_stop: Callable[[],
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # the frontend's "reload the API keys": sent to a group, not a stop
     if args.tensor_parallel_size > 1:  # a role moves KV through rank 0's pool only (issue 42, step 4)
         raise ConfigError(f"--tensor-parallel-size {args.tensor_parallel_size} is not supported for PD roles yet: "
                           f"a {config.role} engine exports or imports KV on one rank only. Serve the model "

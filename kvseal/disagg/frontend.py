@@ -34,7 +34,7 @@ import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import cast
+from typing import Protocol, cast
 
 import msgspec
 import zmq
@@ -121,6 +121,20 @@ class EngineLink:
             raise EngineUnavailable(f"the {self.role} engine at {self.address} is not connected ({error})")
 
 
+class EngineSupervisor(Protocol):
+    """The engines a frontend started itself and keeps running (`kvseal.disagg.serve`)."""
+
+    def why_down(self, role: Role) -> str | None:
+        """What the supervisor knows of a `role` engine that is not up: exited, restarting, given up."""
+        ...
+
+    def add_metrics(self, registry: CollectorRegistry) -> None: ...
+
+    def stop(self) -> None:
+        """Stop every engine (blocking)."""
+        ...
+
+
 @dataclass
 class PdRoute:
     """Where one request is: its engines, transfer id and stage (for routing and the audit)."""
@@ -155,14 +169,14 @@ def scrub_policy(infos: list[EngineInfoMsg]) -> str:
 
 class PdClient:
     def __init__(self, prefill: list[EngineEndpoint], decode: list[EngineEndpoint], tokenizer_path: str,
-                 link_key: KeyPair, stop_engines: Callable[[], None] = lambda: None) -> None:
-        """`stop_engines` runs last in `shutdown` (`serve --pd`: the engines it started)."""
+                 link_key: KeyPair, supervisor: EngineSupervisor | None = None) -> None:
+        """`supervisor`: the engines this frontend started (`serve --pd`), stopped last in `shutdown`."""
         self._ctx = zmq.asyncio.Context()
         self._frontend_id = secrets.token_hex(4)
         self._link_key = link_key
         self.links = [self._link("prefill", a) for a in prefill] + [self._link("decode", a) for a in decode]
         self._tokenizer_path = tokenizer_path
-        self._stop_engines = stop_engines
+        self._supervisor = supervisor
         self._on_link_stats: Callable[[EngineLink], None] = lambda link: None  # per-engine gauges
         self._routes: dict[str, PdRoute] = {}
         self._by_transfer: dict[str, PdRoute] = {}
@@ -190,6 +204,8 @@ class PdClient:
     def add_metrics(self, registry: CollectorRegistry) -> None:
         """Per-engine handoff gauges (`kvseal_pd_*`), from each engine's `PdStatsMsg`."""
         self._on_link_stats = PdMetrics(registry).record
+        if self._supervisor is not None:
+            self._supervisor.add_metrics(registry)
 
     @property
     def pid(self) -> int | None:
@@ -205,8 +221,12 @@ class PdClient:
             return "the server is shutting down"
         for role in ("prefill", "decode"):
             if not any(link.is_up for link in self.links if link.role == role):
-                return f"no {role} engine is reachable"
+                return self._unreachable(role)
         return None
+
+    def _unreachable(self, role: Role) -> str:
+        why = self._supervisor.why_down(role) if self._supervisor is not None else None
+        return f"no {role} engine is reachable" + (f" ({why})" if why else "")
 
     @property
     def num_in_flight(self) -> int:
@@ -284,7 +304,8 @@ class PdClient:
         for link in self.links:
             link.socket.close(linger=0)
         self._ctx.term()
-        self._stop_engines()
+        if self._supervisor is not None:
+            self._supervisor.stop()
 
     # ---- routing ----------------------------------------------------------------------------
 
@@ -294,7 +315,7 @@ class PdClient:
             raise EngineUnavailable("the server is shutting down")
         up = [link for link in self.links if link.role == role and link.is_up]
         if not up:
-            raise EngineUnavailable(f"no {role} engine is reachable")
+            raise EngineUnavailable(self._unreachable(role))
         turn = next(self._round_robin)
         return min(up, key=lambda link: (link.num_assigned, (up.index(link) - turn) % len(up)))
 

@@ -15,8 +15,9 @@ Two gates, both on the engine's one ROUTER:
    and shuts the engine down; a peer (a prefill engine, on decode) sends KV, commits and
    transfer aborts. A message outside its sender's role is dropped, logged and counted.
 
-So the tenant and cache namespace an engine acts on (`ReserveMsg`, `PrefillMsg`) come only
-from an authenticated frontend, and commits only from an authenticated prefill engine.
+So the tenant an engine acts on (`ReserveMsg`, `PrefillMsg`), and with it the cache namespace
+the engine derives from it, comes only from an authenticated frontend, and commits only from
+an authenticated prefill engine.
 """
 
 from __future__ import annotations

@@ -1,4 +1,9 @@
-"""The PD backend's own /metrics gauges: per engine and role, from each engine's `PdStatsMsg`."""
+"""The PD backend's own /metrics gauges: per engine and role, from each engine's `PdStatsMsg`.
+
+A series labelled with an engine instance lives while that instance is up: when its engine goes
+down (died, hung, restarted as a new instance) its series are removed, so /metrics never shows
+a dead engine's last figures as if they were current. `kvseal_pd_engine_up` stays, by address.
+"""
 
 from __future__ import annotations
 
@@ -31,12 +36,30 @@ class PdMetrics:
         self.link_refusals = Gauge("kvseal_pd_link_refusals", "Engine link refusals (I9): CURVE handshakes from "
                                    "keys on no allow-list (kind=handshake), and messages the sender's role may not "
                                    "send (kind=message)", [*labels, "kind"], registry=r)
+        self._instance_gauges = (self.transfers, self.bytes, self.seconds, self.expired, self.reservations,
+                                 self.pages_used)
+        self._shown: dict[tuple[str, str], str] = {}  # (role, address) -> the instance its series are of
+        self._failure_reasons: dict[str, set[str]] = {}  # instance -> reasons with a series
+
+    def _forget(self, role: str, instance_id: str) -> None:
+        """Remove every series of the instance `instance_id`."""
+        for gauge in self._instance_gauges:
+            _remove(gauge, role, instance_id)
+        for kind in ("handshake", "message"):
+            _remove(self.link_refusals, role, instance_id, kind)
+        for reason in self._failure_reasons.pop(instance_id, set()):
+            _remove(self.failures, role, instance_id, reason)
 
     def record(self, link: EngineLink) -> None:
         self.up.labels(role=link.role, address=link.address).set(1 if link.is_up else 0)
         stats = link.stats
+        shown = self._shown.get((link.role, link.address))
+        if shown is not None and (stats is None or stats.instance_id != shown):
+            self._forget(link.role, shown)
+            del self._shown[(link.role, link.address)]
         if stats is None:
             return
+        self._shown[(link.role, link.address)] = stats.instance_id
         labels = dict(role=stats.role, engine=stats.instance_id)
         self.transfers.labels(**labels).set(stats.num_transfers)
         self.bytes.labels(**labels).set(stats.num_transfer_bytes)
@@ -48,3 +71,11 @@ class PdMetrics:
         self.link_refusals.labels(**labels, kind="message").set(stats.num_refused_messages)
         for reason, count in stats.handoff_failures.items():
             self.failures.labels(**labels, reason=reason).set(count)
+            self._failure_reasons.setdefault(stats.instance_id, set()).add(reason)
+
+
+def _remove(gauge: Gauge, *label_values: str) -> None:
+    try:
+        gauge.remove(*label_values)
+    except KeyError:
+        pass  # never set

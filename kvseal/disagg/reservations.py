@@ -14,7 +14,8 @@ A reservation that sees no commit before its deadline is expired under the same 
 Reservations that cannot get pages yet wait in FIFO order (they hold nothing while waiting).
 
 Prefix cache (I5): when a reservation gets its pages it first takes its hit in the prefix
-cache, in the namespace the frontend derived from the authenticated tenant: the cached pages
+cache, in the namespace decode derives from the reservation's tenant (`namespace_of`; the
+tenant comes only from an authenticated frontend, I9): the cached pages
 holding the prompt's leading full pages, shared read-only (a reader reference each, so they
 cannot be evicted while it holds them). Its own pages follow; the receiver is authorized for
 the own pages only, from the hit's end on, so no transfer can write a cached page. Every way

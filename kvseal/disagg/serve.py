@@ -4,6 +4,12 @@
 decode engine on loopback ports of this host (multiprocessing "spawn", so they exit with the
 frontend) and stops them on the way out. The frontend loads no weights, only the tokenizer.
 
+`--pd` supervises the engines it started (`kvseal.engine.supervisor`): one that dies is reaped
+at once (no `<defunct>` child) with its exit logged, and started again at the same address with
+the same keys after the policy's backoff, up to its limit. The frontend notices the death on its
+own link (its requests fail with errors, /health 503 while a role has no engine) and uses the
+new instance as soon as it introduces itself, as it does for external engines that come back.
+
 Keys (I9): with `--prefill/--decode` the frontend proves `--link-key` and expects each engine
 to prove the public key given for it (`--prefill-keys`, `--decode-keys`, in address order).
 `--pd` makes throw-away key pairs for itself and both engines at every start; an engine gets
@@ -14,10 +20,14 @@ its private pipe (never in argv or the environment, which `ps` and /proc show).
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import multiprocessing
+import time
 from multiprocessing.process import BaseProcess
 from pathlib import Path
+
+from prometheus_client import CollectorRegistry, Counter
 
 from kvseal.config import EngineArgs
 from kvseal.disagg.config import NodeConfig
@@ -25,12 +35,14 @@ from kvseal.disagg.engine_main import run_engine_process
 from kvseal.disagg.frontend import PdClient
 from kvseal.disagg.link_keys import EngineLinkKeys
 from kvseal.disagg.topology import PdTopology
+from kvseal.engine.supervisor import RestartPolicy, RestartTracker, describe_exit
 from kvseal.model_files import resolve_model_path
 from kvseal.models.loader import convert_gguf
 
 logger = logging.getLogger("kvseal.server")
 
 STOP_TIMEOUT_S = 30.0
+WATCH_INTERVAL_S = 0.1  # how often the supervisor looks for engines that ended
 
 
 def tokenizer_folder(model: str | None) -> str:
@@ -42,26 +54,102 @@ def tokenizer_folder(model: str | None) -> str:
 class SpawnedEngines:
     """`--pd`: one prefill and one decode engine, children of the frontend process."""
 
-    def __init__(self, topology: PdTopology, args: EngineArgs, ns: argparse.Namespace) -> None:
-        ctx = multiprocessing.get_context("spawn")
+    def __init__(self, topology: PdTopology, args: EngineArgs, ns: argparse.Namespace,
+                 restart: RestartPolicy | None = None) -> None:
+        """`restart` None: never restarted (`supervise` still reaps and logs an engine that dies)."""
         prefill_threads, decode_threads = topology.spawn_threads
         prefill_keys, decode_keys = spawned_link_keys(topology)
-        configs = [NodeConfig("prefill", topology.prefill[0].address, ns.kv_transport, ns.reservation_timeout_s,
-                              num_threads=prefill_threads, link_keys=prefill_keys),
-                   NodeConfig("decode", topology.decode[0].address, ns.kv_transport, ns.reservation_timeout_s,
-                              num_threads=decode_threads, link_keys=decode_keys)]
-        log_level = getattr(ns, "log_level", "INFO")
-        self.processes: list[BaseProcess] = [
-            ctx.Process(target=run_engine_process, args=(args, config, log_level), name=f"kvseal-{config.role}",
-                        daemon=False)
-            for config in configs]
-        for process in self.processes:
-            process.start()
+        self._args = args
+        self._configs = [
+            NodeConfig("prefill", topology.prefill[0].address, ns.kv_transport, ns.reservation_timeout_s,
+                       num_threads=prefill_threads, link_keys=prefill_keys),
+            NodeConfig("decode", topology.decode[0].address, ns.kv_transport, ns.reservation_timeout_s,
+                       num_threads=decode_threads, link_keys=decode_keys)]
+        self._log_level = getattr(ns, "log_level", "INFO")
+        policy = restart or RestartPolicy(engine_restart_limit=0)
+        self._trackers = [RestartTracker(policy) for _ in self._configs]
+        self._restart_at_s: list[float | None] = [None for _ in self._configs]  # monotonic time of a due restart
+        self._is_given_up = [False for _ in self._configs]
+        self._last_event: list[str | None] = [None for _ in self._configs]  # for `why_down`
+        self._exit_why = ["" for _ in self._configs]
+        self._is_stopping = False
+        self._task: asyncio.Task[None] | None = None
+        self._restarts_total: Counter | None = None
+        self.processes: list[BaseProcess] = [self._spawn(config) for config in self._configs]
         logger.info("--pd: started prefill engine (pid %s) at %s with %d torch threads and decode engine (pid %s) "
                     "at %s with %d torch threads", self.processes[0].pid, topology.prefill[0].address,
                     prefill_threads, self.processes[1].pid, topology.decode[0].address, decode_threads)
 
+    def _spawn(self, config: NodeConfig) -> BaseProcess:
+        ctx = multiprocessing.get_context("spawn")
+        process = ctx.Process(target=run_engine_process, args=(self._args, config, self._log_level),
+                              name=f"kvseal-{config.role}", daemon=False)
+        process.start()
+        return process
+
+    def add_metrics(self, registry: CollectorRegistry) -> None:
+        self._restarts_total = Counter("kvseal_engine_restarts", "Engine processes restarted after they died",
+                                       ["role"], registry=registry)
+        for config in self._configs:
+            self._restarts_total.labels(role=config.role)
+
+    def supervise(self) -> None:
+        """Watch the engines from the running event loop until `stop`."""
+        self._task = asyncio.get_running_loop().create_task(self._watch())
+
+    async def _watch(self) -> None:
+        while not self._is_stopping:
+            for index in range(len(self.processes)):
+                self._check(index)
+            await asyncio.sleep(WATCH_INTERVAL_S)
+
+    def _check(self, index: int) -> None:
+        """Reap an engine that ended and plan its restart; start it when that is due."""
+        process, config, tracker = self.processes[index], self._configs[index], self._trackers[index]
+        due_s = self._restart_at_s[index]
+        if due_s is not None:
+            if time.monotonic() >= due_s:
+                self._restart(index)
+            return
+        if self._is_given_up[index] or process.exitcode is None:
+            return  # alive, or ended and not to be restarted
+        process.join()  # reaped: no <defunct> child
+        why = (f"the {config.role} engine (pid {process.pid}) at {config.listen} exited "
+               f"({describe_exit(process.exitcode)})")
+        delay_s = tracker.next_delay_s()
+        if delay_s is None:
+            self._last_event[index] = f"{why}; " + (tracker.gave_up() if tracker.policy.engine_restart_limit
+                                                    else "not restarted (--engine-restart-limit 0)")
+            logger.critical("%s", self._last_event[index])
+            self._is_given_up[index] = True
+            return
+        self._exit_why[index] = why
+        self._last_event[index] = f"{why}; restarting it in {delay_s:g} s"
+        logger.error("%s (restart %d in a row, at most %d)", self._last_event[index], tracker.num_in_a_row,
+                     tracker.policy.engine_restart_limit)
+        self._restart_at_s[index] = time.monotonic() + delay_s
+
+    def why_down(self, role: str) -> str | None:
+        """The last exit or restart of the `role` engine, if it had one (the frontend asks while
+        no `role` engine answers)."""
+        return next((event for config, event in zip(self._configs, self._last_event)
+                     if config.role == role and event is not None), None)
+
+    def _restart(self, index: int) -> None:
+        self._restart_at_s[index] = None
+        self.processes[index] = self._spawn(self._configs[index])
+        self._last_event[index] = (f"{self._exit_why[index]}; restarted at {time.strftime('%H:%M:%S', time.gmtime())} "
+                                   f"UTC as pid {self.processes[index].pid}, waiting for it to answer")
+        self._trackers[index].started()
+        if self._restarts_total is not None:
+            self._restarts_total.labels(role=self._configs[index].role).inc()
+        logger.warning("restarted the %s engine at %s (pid %s)", self._configs[index].role,
+                       self._configs[index].listen, self.processes[index].pid)
+
     def stop(self) -> None:
+        self._is_stopping = True
+        if self._task is not None:
+            self._task.cancel()
         for process in self.processes:
             if process.is_alive():
                 process.terminate()
@@ -82,10 +170,14 @@ def spawned_link_keys(topology: PdTopology) -> tuple[EngineLinkKeys, EngineLinkK
             EngineLinkKeys(keys.decode, (frontend,), (keys.prefill.public_key(),)))
 
 
-def start_pd_backend(topology: PdTopology, args: EngineArgs, ns: argparse.Namespace) -> PdClient:
-    """The PD backend (and, for --pd, its engines, stopped by its `shutdown`); `start()` waits for them."""
-    spawned = SpawnedEngines(topology, args, ns) if topology.spawn else None
+def start_pd_backend(topology: PdTopology, args: EngineArgs, ns: argparse.Namespace,
+                     restart: RestartPolicy | None = None) -> PdClient:
+    """The PD backend (and, for --pd, its engines, supervised under `restart` from the running
+    event loop and stopped by its `shutdown`); `start()` waits for them."""
+    spawned = SpawnedEngines(topology, args, ns, restart) if topology.spawn else None
+    if spawned is not None:
+        spawned.supervise()
     for endpoint in (*topology.prefill, *topology.decode):  # public keys: what an operator checks against
         logger.info("PD engine at %s must prove the public key %s", endpoint.address, endpoint.public_key.decode())
     return PdClient(list(topology.prefill), list(topology.decode), tokenizer_folder(args.model), topology.link_key,
-                    spawned.stop if spawned is not None else lambda: None)
+                    spawned)

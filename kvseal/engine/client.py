@@ -1,11 +1,14 @@
 """The colocated engine backend (`kvseal.engine_api.EngineBackend`): the frontend's view of its
-engine process. Submit, abort, route outputs, notice death.
+engine process. Submit, abort, route outputs, notice death, restart.
 
 One receive task routes every engine message to its request's `RequestHandle`; one send
 task owns the outgoing socket, so `submit` and `abort` never block or await (they are safe
 to call from cleanup code running under cancellation). When the process ends for any
-reason other than a requested shutdown, every in-flight request gets `EngineGone` at once
-and new submissions raise `EngineUnavailable`: nothing waits on a dead engine.
+reason other than a requested shutdown, it is reaped, every in-flight request gets
+`EngineGone` at once and new submissions raise `EngineUnavailable`: nothing waits on a dead
+engine. It is then started again at the same private sockets (`kvseal.engine.supervisor`:
+backoff and a limit), with a fresh outgoing socket so nothing queued for the dead engine
+reaches the new one; the frontend serves again once the new engine says it is ready.
 
 The receive loop fails closed. Every output names its tenant; one that does not match its
 request's tenant ends that request with `IsolationBreach` (and is aborted in the engine),
@@ -25,10 +28,11 @@ from collections.abc import Callable
 import msgspec
 import zmq
 import zmq.asyncio
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, Counter
 
 from kvseal.config import EngineArgs
 from kvseal.engine.launcher import EngineProcess
+from kvseal.engine.supervisor import RestartPolicy, RestartTracker, describe_exit
 from kvseal.engine_api import (
     EngineGone,
     EngineStartError,
@@ -61,8 +65,11 @@ _DRAIN_POLL_MS = 200  # after the process ends, collect what it sent just before
 
 
 class EngineClient:
-    def __init__(self, args: EngineArgs, log_level: str) -> None:
+    def __init__(self, args: EngineArgs, log_level: str, restart: RestartPolicy | None = None) -> None:
+        """`restart` None never restarts the engine (`RestartPolicy(engine_restart_limit=0)`)."""
         self._process = EngineProcess(args, log_level)
+        self._restarts = RestartTracker(restart or RestartPolicy(engine_restart_limit=0))
+        self._restarts_total: Counter | None = None
         self.on_stats: Callable[[EngineStatsMsg], None] | None = None
         self.on_ready_change: Callable[[EngineReadyMsg], None] | None = None  # one engine: its limits never change
         self._ctx = zmq.asyncio.Context()
@@ -71,10 +78,19 @@ class EngineClient:
         self._handles: dict[str, RequestHandle] = {}
         self._outbox: asyncio.Queue[ToEngineMsg] = asyncio.Queue()
         self._tasks: list[asyncio.Task[None]] = []
+        self._receive_task: asyncio.Task[None] | None = None
+        self._send_task: asyncio.Task[None] | None = None
         self._ready: asyncio.Future[EngineReadyMsg] | None = None
+        self._info: EngineReadyMsg | None = None  # the limits the frontend admits with
+        self._engine_name = "engine"  # `engine-PID` of the process started last, for the audit
         self._exited = asyncio.Event()
         self._is_shutting_down = False
-        self.failure: str | None = None
+        self._down: str | None = None  # why the engine cannot serve now; cleared when a restart is ready
+        self._broken: str | None = None  # the frontend's own routing failed: until the server restarts
+
+    @property
+    def failure(self) -> str | None:
+        return self._broken or self._down
 
     @property
     def pid(self) -> int | None:
@@ -95,22 +111,31 @@ class EngineClient:
         self._ready = loop.create_future()
         self._push.bind(self._process.addresses.to_engine)
         self._pull.bind(self._process.addresses.from_engine)
+        self._spawn()
+        self._info = await self._ready
+        return self._info
+
+    def _spawn(self) -> None:
         self._process.start()
-        loop.add_reader(self._process.sentinel, self._on_process_exit)
-        self._tasks = [asyncio.create_task(self._receive_loop()), asyncio.create_task(self._send_loop())]
-        return await self._ready
+        self._engine_name = f"engine-{self._process.pid}"
+        self._restarts.started()
+        asyncio.get_running_loop().add_reader(self._process.sentinel, self._on_process_exit)
+        self._receive_task = asyncio.create_task(self._receive_loop())
+        self._send_task = asyncio.create_task(self._send_loop())
+        self._tasks += [self._receive_task, self._send_task]
 
     def submit(self, msg: AddRequestMsg, observer: RequestObserver) -> RequestHandle:
         if not self.is_available:
             raise EngineUnavailable(self.failure or "the server is shutting down")
         handle = RequestHandle(msg.request_id, msg.tenant, observer)
+        handle.route["engine"] = self._engine_name  # the process serving it (audit)
         self._handles[msg.request_id] = handle
         self._outbox.put_nowait(msg)
         return handle
 
     def abort(self, request_id: str, tenant: str, reason: str) -> None:
         """Ask the engine to end the request; its terminal output arrives as usual."""
-        if request_id in self._handles and self.failure is None:
+        if request_id in self._handles and self._down is None:
             self._outbox.put_nowait(AbortMsg(request_id, tenant, reason))
 
     def abort_all(self, reason: str) -> None:
@@ -119,13 +144,16 @@ class EngineClient:
             self.abort(handle.request_id, handle.tenant, reason)
 
     def add_metrics(self, registry: CollectorRegistry) -> None:
-        pass  # the server's own gauges say all there is about one engine
+        """`kvseal_engine_restarts_total`; the server's own gauges say the rest about one engine."""
+        self._restarts_total = Counter("kvseal_engine_restarts", "Engine processes restarted after they died",
+                                       ["role"], registry=registry)
+        self._restarts_total.labels(role="engine")
 
     async def shutdown(self, timeout_s: float = 30.0) -> None:
         """Abort what is left in the engine, let it report, and wait for it to exit."""
         self._is_shutting_down = True
         if self._process.is_alive():
-            if self._ready is not None and self._ready.done() and self.failure is None:
+            if self._ready is not None and self._ready.done() and self._down is None:
                 self._outbox.put_nowait(ShutdownMsg(ABORT_SERVER_SHUTDOWN))
                 await self._wait_exit(timeout_s)
             self._process.kill()
@@ -160,7 +188,8 @@ class EngineClient:
         logger.critical("the frontend's engine receive loop failed; aborting and failing every in-flight "
                         "request and refusing new ones until the server is restarted", exc_info=exc)
         self.abort_all(ABORT_SERVER_SHUTDOWN)
-        self._fail(f"the frontend failed while routing engine outputs ({type(exc).__name__})")
+        self._broken = f"the frontend failed while routing engine outputs ({type(exc).__name__})"
+        self._fail(self._broken)
 
     async def _send_loop(self) -> None:
         while True:
@@ -214,8 +243,8 @@ class EngineClient:
         handle.deliver(IsolationBreach(message))
 
     def _fail(self, message: str) -> None:
-        if self.failure is None:
-            self.failure = message
+        if self._down is None:
+            self._down = message
             if not self._is_shutting_down:
                 logger.error("engine unavailable: %s; failing %d in-flight requests", message, len(self._handles))
         if self._ready is not None and not self._ready.done():
@@ -236,13 +265,65 @@ class EngineClient:
         self._tasks.append(asyncio.create_task(self._after_exit()))
 
     async def _after_exit(self) -> None:
-        self._tasks[0].cancel()  # the receive loop: drain below instead, then stop
+        assert self._receive_task is not None and self._send_task is not None
+        self._receive_task.cancel()  # drain below instead, then stop
+        self._send_task.cancel()  # what it still holds was for the dead engine
         await self._drain()
-        self._process.join()
+        self._process.join()  # reaped: no <defunct> child
         code = self._process.exitcode
-        if not (self._is_shutting_down and code == 0):
-            self._fail(f"the engine process exited unexpectedly (exit code {code})")
+        if self._is_shutting_down:
+            if code != 0:
+                self._fail(f"the engine process exited unexpectedly ({describe_exit(code)})")
+            self._exited.set()
+            return
+        why = f"the engine process exited unexpectedly ({describe_exit(code)})"
+        delay_s = self._restarts.next_delay_s() if self._info is not None else None  # never at start-up
+        if delay_s is None:
+            self._fail(why if self._info is None or not self._restarts.policy.engine_restart_limit
+                       else f"{why}; it was {self._restarts.gave_up()}")
+            if self._info is not None and self._restarts.policy.engine_restart_limit:
+                logger.critical("engine unavailable until the server is restarted: %s", self._down)
+            self._exited.set()
+            return
+        self._down = None
+        self._fail(f"{why}; restarting it in {delay_s:g} s (restart {self._restarts.num_in_a_row} in a row, at most "
+                   f"{self._restarts.policy.engine_restart_limit})")
         self._exited.set()
+        await asyncio.sleep(delay_s)
+        if not self._is_shutting_down:
+            await self._restart()
+
+    async def _restart(self) -> None:
+        """Start a new engine process at the same sockets; serve again once it is ready (if it
+        dies first, its exit is handled as any other)."""
+        self._reset_outgoing()
+        self._ready = asyncio.get_running_loop().create_future()
+        self._exited = asyncio.Event()
+        self._spawn()
+        if self._restarts_total is not None:
+            self._restarts_total.labels(role="engine").inc()
+        logger.warning("restarting the engine (pid %s): %s", self._process.pid, self._down)
+        try:
+            info = await self._ready
+        except EngineStartError:
+            return  # logged by `_fail`; the process exits and `_after_exit` decides again
+        if self._is_shutting_down or self._broken is not None:
+            return
+        self._down = None
+        logger.warning("the engine restarted (pid %s) and is serving again", info.pid)
+        if self._info is not None and (info.max_model_len, info.kv_cache_tokens) != (
+                self._info.max_model_len, self._info.kv_cache_tokens) and self.on_ready_change is not None:
+            self.on_ready_change(info)
+        self._info = info
+
+    def _reset_outgoing(self) -> None:
+        """A new PUSH socket at a new address and an empty outbox: nothing queued for the dead
+        engine reaches its successor."""
+        self._push.close(linger=0)
+        while not self._outbox.empty():
+            self._outbox.get_nowait()
+        self._push = self._ctx.socket(zmq.PUSH)
+        self._push.bind(self._process.new_inbox())
 
     async def _drain(self) -> None:
         while await self._pull.poll(timeout=_DRAIN_POLL_MS):

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from kvseal._testing.faults import Fault, is_active
 from kvseal.admission import AdmissionLimits, admit
 from kvseal.config import EngineArgs, ModelConfig
 from kvseal.engine.batch import PreparedForward, build_forward_batch, check_forward
@@ -89,7 +90,8 @@ class LLMEngine:
         cfg = self.model_config
         layout = RankLayout.of(cfg, 0, tp) if tp > 1 else None
         num_kv_heads = layout.num_kv_heads if layout is not None else cfg.num_kv_heads
-        self.kv = KVCacheManager(self.cache_config, cfg.num_layers, num_kv_heads, cfg.head_dim, mirrored=tp > 1)
+        self.kv = KVCacheManager(self.cache_config, cfg.num_layers, num_kv_heads, cfg.head_dim,
+                                 record_kernels=self.ops.record_kernels(), mirrored=tp > 1)
         self.scheduler = Scheduler(self.scheduler_config, self.kv)
         model = finish_model(self.loaded.model, args.torch_dtype, args.quantization, self.ops)
         # Tensor parallelism: ranks 1..tp-1 in their own processes, driven from here (rank 0)
@@ -231,6 +233,10 @@ class LLMEngine:
         request = self.scheduler.find(request_id)
         if request is None:
             return None
+        if is_active(Fault.ABORT_KEEPS_PAGES):
+            request.finish_reason = FinishReason.ABORT
+            return self._outputs[request_id].report(finished=True, error=reason,
+                                                    num_kv_tokens_written=self.kv.num_written_tokens(request_id))
         return self._finish(request, FinishReason.ABORT, error=reason)
 
     def has_unfinished(self) -> bool:

@@ -31,12 +31,21 @@ class EngineProcess:
         self._dir = private_socket_dir()
         self.addresses = EngineAddresses(f"ipc://{self._dir}/to_engine", f"ipc://{self._dir}/from_engine")
         self._proc: BaseProcess | None = None
+        self._num_starts = 0
+
+    def new_inbox(self) -> str:
+        """A fresh address for the frontend's messages to the next process started (a restart):
+        nothing the frontend queued for a dead engine can reach its successor."""
+        self.addresses = EngineAddresses(f"ipc://{self._dir}/to_engine.{self._num_starts}",
+                                         self.addresses.from_engine)
+        return self.addresses.to_engine
 
     def start(self) -> None:
         ctx = multiprocessing.get_context("spawn")
         self._proc = ctx.Process(target=run_engine_process, args=(self._args, self.addresses, self._log_level),
                                  name="kvseal-engine", daemon=True)
         self._proc.start()
+        self._num_starts += 1
 
     @property
     def _started(self) -> BaseProcess:

@@ -2,7 +2,8 @@
 
 Started by the frontend with multiprocessing's "spawn" context (torch and fork do not mix).
 It ignores SIGINT and SIGTERM (the frontend decides when it stops, with `ShutdownMsg`, so a
-signal to the whole process group drains like one to the frontend) and exits on its own
+signal to the whole process group drains like one to the frontend), and SIGHUP (the frontend's
+"reload the API keys"; an engine has none) and exits on its own
 when the frontend process disappears. Exit status 0 after a shutdown, 1 on any failure,
 which it reports first with `EngineFailedMsg` when it still can.
 """
@@ -46,6 +47,7 @@ def run_engine_process(args: EngineArgs, addresses: EngineAddresses, log_level: 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s[engine]: %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     ctx = zmq.Context()
     inbox, outbox = _connect(ctx, addresses)
     try:

@@ -40,20 +40,23 @@ from kvseal.kvcache.allocator import PageAllocator
 from kvseal.kvcache.mirror import LoggedRecords, OwnershipEvent
 from kvseal.kvcache.pool import KVPool
 from kvseal.kvcache.prefix_cache import extend_page_hashes, page_key
-from kvseal.kvcache.records import ForwardWrites, WriteRecords
+from kvseal.kvcache.records import ForwardWrites, RecordKernels, WriteRecords
 from kvseal.types import ForwardBatch, Request
 
 
 class KVCacheManager:
     def __init__(self, config: CacheConfig, num_layers: int, num_kv_heads: int, head_dim: int,
-                 mirrored: bool = False) -> None:
-        """`mirrored`: log every ownership change for other tensor-parallel ranks (`mirror.py`)."""
+                 record_kernels: RecordKernels | None = None, mirrored: bool = False) -> None:
+        """record_kernels: the ops layer's kernels for the always-on check and the records'
+        growth (`Ops.record_kernels`); None: torch ops, with the same answers. `mirrored`: log
+        every ownership change for other tensor-parallel ranks (`mirror.py`)."""
         self.config = config
         self.page_size = config.page_size
         self.allocator = PageAllocator(config.num_pages)
         self.num_layers = num_layers
         records_type = LoggedRecords if mirrored else WriteRecords
-        self.records = records_type(num_layers, config.num_pages, config.page_size, track_slots=config.check_kv)
+        self.records = records_type(num_layers, config.num_pages, config.page_size, track_slots=config.check_kv,
+                                    kernels=record_kernels)
         self.pool = KVPool(num_layers, config.num_pages, config.page_size, num_kv_heads, head_dim, config.dtype,
                            observer=self.records)
         self.num_pages_scrubbed = 0  # pages overwritten by the scrub policy (I7) since start-up

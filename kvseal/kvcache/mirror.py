@@ -17,7 +17,7 @@ import msgspec
 
 from kvseal.errors import IsolationViolation
 from kvseal.kvcache.pool import KVPool
-from kvseal.kvcache.records import WriteRecords
+from kvseal.kvcache.records import RecordKernels, WriteRecords
 
 logger = logging.getLogger("kvseal")
 
@@ -62,8 +62,9 @@ OwnershipEvent = HandOutEvent | ShareEvent | PublishEvent | EvictEvent | TakeBac
 class LoggedRecords(WriteRecords):
     """`WriteRecords` that also log every ownership change (once it succeeded) for the other ranks."""
 
-    def __init__(self, num_layers: int, num_pages: int, page_size: int, track_slots: bool) -> None:
-        super().__init__(num_layers, num_pages, page_size, track_slots)
+    def __init__(self, num_layers: int, num_pages: int, page_size: int, track_slots: bool,
+                 kernels: RecordKernels | None = None) -> None:
+        super().__init__(num_layers, num_pages, page_size, track_slots, kernels)
         self.events: list[OwnershipEvent] = []
 
     def drain(self) -> list[OwnershipEvent]:

@@ -30,9 +30,10 @@ class KVPool:
         # Head-major, so that one head's context is contiguous for the attention matmuls.
         shape = (num_kv_heads, num_pages, page_size, head_dim)
         # k[layer], v[layer]: [num_kv_heads, num_pages, page_size, head_dim], on huge pages where
-        # the kernel grants them (a decode step streams every row's context: `kvseal/hugepages.py`)
-        self.k = [huge_zeros(shape, dtype) for _ in range(num_layers)]
-        self.v = [huge_zeros(shape, dtype) for _ in range(num_layers)]
+        # the kernel grants them (a decode step streams every row's context: `kvseal/hugepages.py`).
+        # Tuples: a pool's tensors never change (the decode loop binds their addresses once).
+        self.k = tuple(huge_zeros(shape, dtype) for _ in range(num_layers))
+        self.v = tuple(huge_zeros(shape, dtype) for _ in range(num_layers))
         self.observer = observer
 
     @property

@@ -15,6 +15,10 @@ Always on, at O(1) cost per sequence per step:
   that starts on cached pages starts its row at their end in every layer: a page is only
   published (`publish`) once every layer's prefix covers it.
 
+The check and the growth run in one native call each where the ops layer has them
+(`RecordKernels`, passed in by the engine: kvseal/ops/csrc/records.c); otherwise, and as the
+reference the native ones are tested against, in torch ops here. Both give the same answer.
+
 Checked mode (`--check-kv`) adds per-slot, per-layer records for the deeper verification:
 `slot_generation[layer, slot]` is the page generation under which the slot was last written
 (-1: not since the page was handed out); a slot counts as written by the current owner only
@@ -26,6 +30,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -34,6 +39,8 @@ from kvseal.types import ForwardBatch
 
 FREE_ROW = -1
 CACHED_ROW = -2  # page_row of a page held by the prefix cache
+# Why the check refuses a sequence (`RecordKernels.check_forward`), in the order they are tried.
+REFUSE_NO_PAGES, REFUSE_FOREIGN, REFUSE_UNCOVERED = 1, 2, 3
 
 
 @dataclass(frozen=True)
@@ -47,9 +54,27 @@ class ForwardWrites:
     ends: torch.Tensor  # [num_seqs] int64
 
 
+class RecordKernels(Protocol):
+    """The always-on check and the prefixes' growth in one call each (the ops layer's native
+    kernels). Both read and write the records' tensors as they are at the call."""
+
+    def check_forward(self, records: WriteRecords, writes: ForwardWrites, pages: torch.Tensor,
+                      counts: torch.Tensor, slots: torch.Tensor) -> list[int] | None:
+        """Why each sequence of `writes` is refused (REFUSE_*, the first that applies), 0 where
+        it may run; None when none is refused. pages: the block tables one after the other;
+        counts [2 * num_seqs]: each table's length, then each sequence's new tokens; slots:
+        the new tokens' pool slots (the batch's slot mapping)."""
+
+    def advance_prefix(self, records: WriteRecords, rows: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor,
+                       layers: slice) -> None:
+        """In each of `layers`, row rows[i]'s prefix grows to ends[i] where it reaches starts[i]."""
+
+
 class WriteRecords:
-    def __init__(self, num_layers: int, num_pages: int, page_size: int, track_slots: bool) -> None:
+    def __init__(self, num_layers: int, num_pages: int, page_size: int, track_slots: bool,
+                 kernels: RecordKernels | None = None) -> None:
         self.num_layers = num_layers
+        self.kernels = kernels  # None: the check and the growth in torch ops
         self.page_size = page_size
         self.prefix = torch.zeros(num_layers, 8, dtype=torch.int64)  # [num_layers, num_rows]; grows
         self.page_row = torch.full((num_pages,), FREE_ROW, dtype=torch.int64)
@@ -59,7 +84,9 @@ class WriteRecords:
         self._rows: dict[str, int] = {}
         self._num_tokens_owned: dict[str, int] = {}
         self._free_rows: list[int] = list(range(7, -1, -1))
-        self._forward: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, next prefix [L, S])
+        # inside `recording`: (rows, starts, ends) of the forward's known rows, and with the
+        # torch ops the next prefix [L, S] (None with the kernels, which compute it per call)
+        self._forward: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None
         self.track_slots = track_slots
         self.page_generation = torch.zeros(num_pages if track_slots else 0, dtype=torch.int64)
         self.slot_generation = torch.full((num_layers, num_pages * page_size if track_slots else 0), -1,
@@ -187,10 +214,13 @@ class WriteRecords:
         A sequence's prefix grows to `end` only if it already reached `start` (the write is
         contiguous); otherwise it stays, so records never claim more than was written.
         """
-        known = writes.rows >= 0
-        rows, starts, ends = writes.rows[known], writes.starts[known], writes.ends[known]
-        current = self.prefix.index_select(1, rows)  # [num_layers, num_seqs]
-        self._forward = rows, torch.where(current >= starts, torch.maximum(current, ends), current)
+        if self.kernels is not None:  # they skip unknown rows and compute each layer's growth
+            self._forward = writes.rows, writes.starts, writes.ends, None
+        else:
+            known = writes.rows >= 0
+            rows, starts, ends = writes.rows[known], writes.starts[known], writes.ends[known]
+            current = self.prefix.index_select(1, rows)  # [num_layers, num_seqs]
+            self._forward = rows, starts, ends, torch.where(current >= starts, torch.maximum(current, ends), current)
         try:
             yield
         finally:
@@ -207,8 +237,12 @@ class WriteRecords:
 
     def _advance(self, layers: slice, slots: torch.Tensor) -> None:
         if self._forward is not None:
-            rows, next_prefix = self._forward
-            self.prefix[layers].index_copy_(1, rows, next_prefix[layers])
+            rows, starts, ends, next_prefix = self._forward
+            if next_prefix is None:
+                assert self.kernels is not None
+                self.kernels.advance_prefix(self, rows, starts, ends, layers)
+            else:
+                self.prefix[layers].index_copy_(1, rows, next_prefix[layers])
         if self.track_slots:
             self.slot_generation[layers, slots] = self.page_generation[slots // self.page_size]
 
@@ -223,6 +257,8 @@ class WriteRecords:
         prefix does not reach
         the first position this forward writes (then [prefix, start) would be read unwritten).
         """
+        if self.kernels is not None:
+            return self._check_forward_native(writes, batch, self.kernels)
         refused: dict[int, str] = {}
         unknown = writes.rows < 0
         if bool(unknown.any()):
@@ -231,6 +267,44 @@ class WriteRecords:
         self._check_pages(writes, batch, refused)
         self._check_coverage(writes, refused)
         return refused
+
+    def _check_forward_native(self, writes: ForwardWrites, batch: ForwardBatch,
+                              kernels: RecordKernels) -> dict[int, str]:
+        tables = batch.block_tables
+        pages = torch.cat(tables) if tables else torch.empty(0, dtype=torch.int64)
+        counts = torch.tensor([int(t.shape[0]) for t in tables] + list(batch.query_lens), dtype=torch.int64)
+        reasons = kernels.check_forward(self, writes, pages, counts, batch.slot_mapping)
+        if reasons is None:
+            return {}
+        return {i: self._refusal(reason, i, writes, batch) for i, reason in enumerate(reasons) if reason}
+
+    def _refusal(self, reason: int, i: int, writes: ForwardWrites, batch: ForwardBatch) -> str:
+        """The message for sequence i's refusal (the torch check's words)."""
+        if reason == REFUSE_NO_PAGES:
+            return f"request {writes.request_ids[i]} holds no KV pages"
+        if reason == REFUSE_FOREIGN:
+            return self._foreign_pages(i, writes, batch)
+        assert reason == REFUSE_UNCOVERED, f"unknown refusal {reason}"
+        row, start, end = int(writes.rows[i]), int(writes.starts[i]), int(writes.ends[i])
+        written = self.prefix[:, row]
+        layer = int((written < start).nonzero()[0])
+        return (f"request {writes.request_ids[i]} would attend to positions [0, {end}) but layer {layer} holds KV "
+                f"for [0, {int(written[layer])}) and this forward writes [{start}, {end}): it would read KV slots "
+                f"it never wrote")
+
+    def _foreign_pages(self, i: int, writes: ForwardWrites, batch: ForwardBatch) -> str:
+        row, first = int(writes.rows[i]), sum(batch.query_lens[:i])
+        writes_to = (batch.slot_mapping[first:first + batch.query_lens[i]] // self.page_size).tolist()
+        named = sorted({p for p in batch.block_tables[i].tolist() if not self._may_use(row, p, is_read=True)}
+                       | {p for p in writes_to if not self._may_use(row, p, is_read=False)})
+        return f"request {writes.request_ids[i]} would read or write pages {named[:8]} it does not own"
+
+    def _may_use(self, row: int, page: int, is_read: bool) -> bool:
+        if not 0 <= page < self.page_row.shape[0]:
+            return False
+        owner = int(self.page_row[page])
+        return owner == row or (is_read and owner == CACHED_ROW
+                                and int(self.page_namespace[page]) == int(self.row_namespace[row]))
 
     def _check_pages(self, writes: ForwardWrites, batch: ForwardBatch, refused: dict[int, str]) -> None:
         num_seqs = len(writes.request_ids)

@@ -69,6 +69,8 @@ class AddRequestMsg(_Msg, frozen=True):
 # Reasons the frontend gives in `AbortMsg` / `ShutdownMsg`; they come back in the output's `error`.
 ABORT_CLIENT_DISCONNECTED = "client_disconnected"
 ABORT_SERVER_SHUTDOWN = "server_shutdown"
+ABORT_KEY_REVOKED = "api_key_revoked"  # the operator removed or revoked the request's API key (abort=true)
+ABORT_MODEL_DISABLED = "model_disabled"  # the operator disabled the model (abort=true)
 
 
 class AbortMsg(_Msg, frozen=True):

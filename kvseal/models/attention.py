@@ -86,7 +86,10 @@ def _fresh_group(length: int, starts: list[int]) -> FreshPrefills:
 
 def _padded_tables(rows: list[torch.Tensor]) -> torch.Tensor:
     """[B, max_pages]: each row's pages padded with its own last page (never another request's)."""
-    num_pages = torch.tensor([int(r.shape[0]) for r in rows])
+    lengths = [int(r.shape[0]) for r in rows]
+    if min(lengths) == max(lengths):  # nothing to pad (most decode steps): one op instead of four
+        return torch.stack(rows)
+    num_pages = torch.tensor(lengths)
     pages = pad_sequence(rows, batch_first=True, padding_value=-1)  # [B, max_pages]
     last = pages.gather(1, (num_pages - 1)[:, None])
     return torch.where(pages < 0, last, pages)

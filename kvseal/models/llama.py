@@ -152,11 +152,13 @@ class CausalLM(nn.Module):
         plan = AttentionPlan.build(batch, pool, self.config.num_heads, ops)
         layers: list[DecoderLayer] = list(self.model.layers)  # type: ignore[arg-type]
         h = self._embed(batch.input_ids)  # [num_tokens, hidden], the residual stream
-        cos, signed_sin = (t.reshape(t.shape[0], -1).contiguous() for t in self.rope.cos_sin(batch.positions, h.dtype))
+        # [num_tokens, head_dim] each; every position is below its sequence's context length
+        cos, signed_sin = self.rope.cos_sin_rows(batch.positions, h.dtype, max(batch.context_lens, default=0))
         if plan.decode is not None and plan.is_decode_only and (loop := self.decode_loop()) is not None \
                 and loop.takes(plan.decode.plan):
             x = loop.run(h, cos, signed_sin, batch.slot_mapping, plan.decode.plan, pool)
-            return self._logits(x[batch.logits_indices])
+            # a decode-only step samples every row, in order, but for a one-token prefill chunk
+            return self._logits(x if batch.logits_indices.numel() == x.shape[0] else x[batch.logits_indices])
         first = layers[0].input_layernorm
         x = ops.add_rms_norm(h, None, first.weight, first.eps, torch.empty_like(h))  # the normed stream
         norms = [layer.input_layernorm for layer in layers[1:]] + [self.model.norm]

@@ -3,11 +3,11 @@
 `pack_model` swaps every linear of the decoder layers and the lm_head for the module the ops
 give it (`Ops.linear`): with the native kernels, a float32 model's weights in kvseal's 16-feature
 column panels (faster than oneDNN at every batch size measured here, 1 to 256 rows;
-docs/BENCHMARKS.md, "Round 5") and a bfloat16 model's in AMX's tile layout where the build runs
+docs/benchmarks-archive.md, "Round 5") and a bfloat16 model's in AMX's tile layout where the build runs
 the tile linears (at decode sizes they stream the weights faster than oneDNN on AMX and on
 AVX512-BF16 hosts, and lead it at prefill sizes: rounds 11 and 20); with the torch ops, or for a
 width the tiles cannot step through, oneDNN's blocked layout where oneDNN multiplies the dtype
-(docs/BENCHMARKS.md, "Engine speed, round 2"). Same inputs, outputs and dtype as `nn.Linear`,
+(docs/benchmarks-archive.md, "Round 2"). Same inputs, outputs and dtype as `nn.Linear`,
 to the last bits of another order of sums.
 
 Either packed weight replaces the module's weight (no second copy), except for a lm_head tied

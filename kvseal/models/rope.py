@@ -50,6 +50,17 @@ class RotaryEmbedding:
         cos, signed_sin = self._table(num_positions, dtype)
         return cos[positions][:, None, :], signed_sin[positions][:, None, :]
 
+    def cos_sin_rows(self, positions: torch.Tensor, dtype: torch.dtype,
+                     num_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`cos_sin` as two contiguous [num_tokens, head_dim] tensors, for a caller that knows a
+        bound on the positions: `num_positions` > every position (a forward's longest context),
+        so there is no pass over `positions` to find it. The same values."""
+        if not 0 < num_positions <= MAX_TABLE_POSITIONS:
+            cos, signed_sin = self._rows(positions, dtype)
+            return cos[:, 0].contiguous(), signed_sin[:, 0].contiguous()
+        cos, signed_sin = self._table(num_positions, dtype)
+        return cos[positions], signed_sin[positions]
+
     def _table(self, num_positions: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         table = self._tables.get(dtype)
         if table is None or table[0].shape[0] < num_positions:

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from kvseal.kvcache.pool import KVPool
+from kvseal.kvcache.records import RecordKernels
 
 
 @dataclass(frozen=True)
@@ -200,3 +201,10 @@ class Ops(Protocol):
     def argmax_rows(self, x: torch.Tensor) -> torch.Tensor:
         """x [rows, n] -> [rows] int64: `x.argmax(dim=-1)` (the first index of the largest value;
         the first NaN where a row has one); bfloat16 rows as their float32 widening."""
+
+    # ---- the isolation records
+
+    def record_kernels(self) -> RecordKernels | None:
+        """Kernels for the always-on check (I3, I4) and the write records' growth
+        (`kvcache/records.py`), or None: the records' own torch ops. Either gives the same
+        answer; the check runs before every forward whichever it is."""

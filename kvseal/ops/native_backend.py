@@ -12,7 +12,7 @@ made here, per call:
   AVX512-BF16, else the float32 kernel on rows widened once per layer (exact), each output
   rounded once. On CPUs whose AMX runs the tile linears, torch's SDPA (flash attention on AMX
   through oneDNN) is the faster for head dims the AMX kernel skips (not a multiple of 64: 101
-  against 140 ms for a 2,048-token step's 30 layers, docs/BENCHMARKS.md round 20), so those go
+  against 140 ms for a 2,048-token step's 30 layers, docs/benchmarks-archive.md round 20), so those go
   to SDPA; for multiples of 64 the kernel runs on AMX tiles itself (60 against 92 ms, round 22).
 - A chunk after a cached prefix: the same kernel, reading the chunk's own rows and its
   sequence's own pool slots 0..prefix-1 through its pages.
@@ -29,11 +29,13 @@ import torch
 from torch import nn
 
 from kvseal.kvcache.pool import KVPool
+from kvseal.kvcache.records import RecordKernels
 from kvseal.ops.interface import DecodeLoop, DecodePlan, DecoderStack, FreshPrefills, NewTokens, PrefillSpan
 from kvseal.ops.native_decode_loop import NativeDecodeLoop
 from kvseal.ops.native_kernels import TILE_K_MULTIPLE, CachedPrefix, NativeKernels, takes_kv_rows
 from kvseal.ops.native_linears import Int8PanelLinear, PanelLinear, TileLinear
 from kvseal.ops.native_plans import NativeRows
+from kvseal.ops.native_records import NativeRecordKernels
 from kvseal.ops.torch_backend import TorchOps
 
 _NATIVE_DTYPES = (torch.float32, torch.bfloat16)
@@ -173,6 +175,13 @@ class NativeOps:
         if x.dtype not in _NATIVE_DTYPES or not x.is_contiguous() or x.dim() != 2 or x.shape[-1] == 0:
             return self.fallback.argmax_rows(x)
         return self.kernels.argmax_rows(x)
+
+    # ---- the isolation records
+
+    def record_kernels(self) -> RecordKernels | None:
+        """One C call for the always-on check and one for the records' growth a step
+        (`csrc/records.c`) instead of about twenty torch ops."""
+        return NativeRecordKernels(self.kernels)
 
 
 def fused_rows(tokens: NewTokens) -> bool:

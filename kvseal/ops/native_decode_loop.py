@@ -46,6 +46,8 @@ class NativeDecodeLoop:
         self.step.num_layers, self.step.hidden, self.step.inter = self.num_layers, stack.hidden, stack.inter
         self.step.heads, self.step.kv_heads, self.step.head_dim = stack.heads, stack.kv_heads, stack.head_dim
         self.step.eps, self.step.scale = stack.final_eps, stack.head_dim**-0.5
+        self._bound_pool: tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]] | None = None
+        self._scratch: tuple[torch.Tensor, ...] = ()  # the internal buffers of the last row count
         weights = (lib.KVSEAL_W_QKV, lib.KVSEAL_W_O, lib.KVSEAL_W_GATE_UP, lib.KVSEAL_W_DOWN)
         for index, layer in enumerate(stack.layers):
             base = index * self.per_layer
@@ -84,20 +86,13 @@ class NativeDecodeLoop:
         if any(not t.is_contiguous() for t in tensors) or h.dtype != self.dtype or slots.shape != (rows,):
             raise TypeError(f"the decode loop takes contiguous {self.dtype} rows and one int64 slot per row")
         lib = self.kernels.lib
-        for layer in range(self.num_layers):
-            if pool.k[layer].dtype != self.dtype or not pool.k[layer].is_contiguous():
-                raise TypeError(f"the decode loop reads a contiguous {self.dtype} pool")
-            self.table[layer * self.per_layer + lib.KVSEAL_K_POOL] = self._pointer(pool.k[layer])
-            self.table[layer * self.per_layer + lib.KVSEAL_V_POOL] = self._pointer(pool.v[layer])
+        self._bind(pool)
         step = self.step
         step.rows, step.num_pages, step.page_size = rows, pool.num_pages, pool.page_size
         step.table_width, step.max_context = plan.tables.shape[1], plan.max_context
         step.threads = torch.get_num_threads()
-        x, tmp = torch.empty_like(h), torch.empty_like(h)
-        qkv = torch.empty((rows, self.width), dtype=self.dtype)
-        q, attn = (torch.empty((rows, self.q_size), dtype=self.dtype) for _ in range(2))
-        gate_up = torch.empty((rows, 2 * self.stack.inter), dtype=self.dtype)
-        act = torch.empty((rows, self.stack.inter), dtype=self.dtype)
+        x = torch.empty_like(h)  # returned: never one of the reused buffers
+        tmp, qkv, q, attn, gate_up, act = self._buffers(rows)
         written = self.kernels.ffi.new("int64_t *")
         status = 0
         ptr = self.kernels.ptr
@@ -122,6 +117,30 @@ class NativeDecodeLoop:
         if status != 0:
             raise MemoryError("a decode-loop kernel could not allocate its scratch")
         return x
+
+    def _bind(self, pool: KVPool) -> None:
+        """The pool's K and V tensors into the pointer table, once per pool (its tensors never
+        change: `KVPool.k` and `.v` are tuples)."""
+        if self._bound_pool is not None and self._bound_pool[0] is pool.k and self._bound_pool[1] is pool.v:
+            return
+        lib = self.kernels.lib
+        if len(pool.k) != self.num_layers:
+            raise TypeError(f"the decode loop runs {self.num_layers} layers, the pool has {len(pool.k)}")
+        for layer, (k, v) in enumerate(zip(pool.k, pool.v)):
+            if k.dtype != self.dtype or v.dtype != self.dtype or not (k.is_contiguous() and v.is_contiguous()):
+                raise TypeError(f"the decode loop reads a contiguous {self.dtype} pool")
+            self.table[layer * self.per_layer + lib.KVSEAL_K_POOL] = self._pointer(k)
+            self.table[layer * self.per_layer + lib.KVSEAL_V_POOL] = self._pointer(v)
+        self._bound_pool = pool.k, pool.v  # held: the table's addresses stay valid
+
+    def _buffers(self, rows: int) -> tuple[torch.Tensor, ...]:
+        """The loop's internal buffers for `rows` rows (tmp, qkv, q, attn, gate_up, act), reused
+        while the row count stays: nothing outside the call ever sees them."""
+        if not self._scratch or self._scratch[0].shape[0] != rows:
+            hidden, inter, dtype = self.stack.hidden, self.stack.inter, self.dtype
+            self._scratch = tuple(torch.empty((rows, width), dtype=dtype) for width in (
+                hidden, self.width, self.q_size, self.q_size, 2 * inter, inter))
+        return self._scratch
 
     def _pointer(self, tensor: torch.Tensor | None) -> Any:
         ffi = self.kernels.ffi

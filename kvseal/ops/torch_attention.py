@@ -86,7 +86,8 @@ class GatheredRows(DecodePlan):
             v_pages, value_bags = torch.empty(buffer_shape, dtype=pool.v[0].dtype), None
         return cls(tables.reshape(-1), masked_out[None, :, None, :], k_pages, v_pages, value_bags)
 
-    def gather(self, pool: KVPool, layer: int, buffer: torch.Tensor, source: list[torch.Tensor]) -> torch.Tensor:
+    def gather(self, pool: KVPool, layer: int, buffer: torch.Tensor,
+               source: tuple[torch.Tensor, ...]) -> torch.Tensor:
         """The rows' pages of `layer` of `source` (pool.k or pool.v) ->
         [num_kv_heads, num_decodes, max_pages * page_size, head_dim]."""
         torch.index_select(source[layer], 1, self.pages, out=buffer)

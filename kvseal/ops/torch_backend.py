@@ -16,6 +16,7 @@ from torch import nn
 
 from kvseal.errors import ConfigError
 from kvseal.kvcache.pool import KVPool
+from kvseal.kvcache.records import RecordKernels
 from kvseal.ops import torch_attention
 from kvseal.ops.interface import DecodeLoop, DecodePlan, DecoderStack, FreshPrefills, NewTokens, PrefillSpan
 from kvseal.ops.torch_linears import Int8PackLinear, PackedLinear, int8_compute_dtype, onednn_bf16
@@ -101,6 +102,9 @@ class TorchOps:
 
     def argmax_rows(self, x: torch.Tensor) -> torch.Tensor:
         return x.argmax(dim=-1)
+
+    def record_kernels(self) -> RecordKernels | None:
+        return None  # the records' own torch ops
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -13,6 +13,7 @@ from starlette.responses import JSONResponse, Response
 
 from kvseal._testing.faults import Fault, is_active
 from kvseal.server import errors
+from kvseal.server.admin import add_admin_routes
 from kvseal.server.audit import clip
 from kvseal.server.auth import authorization_of
 from kvseal.server.chat import ChatEndpoint
@@ -37,6 +38,7 @@ def build_app(state: AppState) -> FastAPI:
     _add_generation_routes(app, state, ChatEndpoint(state.config.tool_call_parser))
     _add_info_routes(app, state)
     add_tokenize_routes(app, state)
+    add_admin_routes(app, state)
     _add_error_handlers(app)
     install_openapi(app, {COMPLETIONS.path: COMPLETIONS.body_model, CHAT.path: CHAT.body_model})
     _add_openapi_route(app, state)
@@ -68,20 +70,20 @@ def _add_info_routes(app: FastAPI, state: AppState) -> None:
     @app.get("/v1/models", response_model=None)
     async def list_models(request: Request) -> Response:
         try:
-            state.keys.authenticate(authorization_of(request.headers))
+            key = state.keys.identify(authorization_of(request.headers))
         except ApiError as err:
             return errors.response(err)
-        return JSONResponse({"object": "list", "data": [_model_card(state)]})
+        return JSONResponse({"object": "list", "data": [_model_card(state, key.is_admin)]})
 
     @app.get("/v1/models/{model:path}", response_model=None)
     async def retrieve_model(model: str, request: Request) -> Response:
         try:
-            state.keys.authenticate(authorization_of(request.headers))
+            key = state.keys.identify(authorization_of(request.headers))
             if model != state.model_name:
                 raise errors.model_not_found(model, state.model_name)
         except ApiError as err:
             return errors.response(err)
-        return JSONResponse(_model_card(state))
+        return JSONResponse(_model_card(state, key.is_admin))
 
     @app.get("/health", response_model=None)
     async def health() -> Response:
@@ -102,12 +104,17 @@ def _add_info_routes(app: FastAPI, state: AppState) -> None:
         if state.engine.failure is not None:
             state.metrics.reset_engine_gauges()
         state.metrics.record_audit(state.audit.stats)
+        state.metrics.record_model_enabled(state.model_name, state.model_name not in state.disabled_models)
         return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
-def _model_card(state: AppState) -> dict[str, object]:
-    return {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "kvseal",
-            "max_model_len": state.engine_info.max_model_len}
+def _model_card(state: AppState, is_admin: bool) -> dict[str, object]:
+    """vLLM's card; an admin also sees whether the kill switch is on (`disabled`)."""
+    card: dict[str, object] = {"id": state.model_name, "object": "model", "created": state.created,
+                               "owned_by": "kvseal", "max_model_len": state.engine_info.max_model_len}
+    if is_admin:
+        card["disabled"] = state.model_name in state.disabled_models
+    return card
 
 
 def _add_error_handlers(app: FastAPI) -> None:

@@ -15,10 +15,12 @@ again, and the records meanwhile wait in a bounded queue, written first once it 
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -30,6 +32,7 @@ from kvseal.server.audit_file import AuditFile
 Outcome = Literal["finished", "rejected", "aborted", "error", "isolation_violation"]
 RejectedBy = Literal["frontend", "engine"]  # which admission check refused the request (I1)
 
+KEY_ID_HEX_DIGITS = 12  # 48 bits: names a key among an operator's keys, useless for guessing a random one
 MAX_LOGGED_CHARS = 256  # every client-controlled string is clipped to this before it is logged
 AUDIT_UNAVAILABLE = "audit_unavailable"  # the error code, and the reason in a late record of a withheld answer
 RETRY_S = 1.0  # a failing audit file is tried again at most this often
@@ -46,6 +49,15 @@ def clip(text: str) -> str:
 
 def clip_optional(text: str | None) -> str | None:
     return None if text is None else clip(text)
+
+
+def key_id_of(authorization: str | None) -> str | None:
+    """The audit log's name for the API key in `Authorization: Bearer KEY`: the first 12 hex digits
+    of its SHA-256 (`printf %s KEY | sha256sum | cut -c1-12`), never the key. None without one."""
+    scheme, _, key = (authorization or "").strip().partition(" ")
+    if scheme.lower() != "bearer" or not key.strip():
+        return None
+    return hashlib.sha256(key.strip().encode()).hexdigest()[:KEY_ID_HEX_DIGITS]
 
 logger = logging.getLogger("kvseal.audit")
 
@@ -69,12 +81,35 @@ class AuditRecord(msgspec.Struct, frozen=True, omit_defaults=True):
     cached_tokens: int | None = None  # prompt tokens served from its tenant's prefix cache (I5)
     first_token_at: float | None = None
     user: str | None = None
+    key_id: str | None = None  # with --api-keys: which key the request came with (`key_id_of`)
     features: list[str] | None = None  # optional request fields used (names only, kvseal.server.features)
+    engine: str | None = None  # colocated: the engine process that handled it (`engine-PID`; a restart is a new one)
     prefill_engine: str | None = None  # PD mode: the engines that handled the request and the KV transfer id
     decode_engine: str | None = None
     transfer_id: str | None = None
     prompt: str | list[int] | list[dict[str, Any]] | None = None
     written_late: bool = False  # the file failed when the request ended: written once it worked again
+
+
+AdminAction = Literal["keys_reloaded", "keys_reload_refused", "model_disabled", "model_enabled"]
+
+
+class AdminRecord(msgspec.Struct, frozen=True, omit_defaults=True):
+    """One operator action on the running server (`kvseal.server.admin`), in the same log as
+    the requests it affects. A line is an admin record when it has `admin_action`."""
+
+    admin_action: AdminAction
+    at: float  # Unix time, seconds
+    trigger: Literal["http", "sighup"]
+    by_tenant: str | None = None  # the admin key's tenant and key id (http); none for a signal
+    by_key_id: str | None = None
+    model: str | None = None
+    keys_added: list[str] | None = None  # key ids (`ApiKey.key_id`), never keys
+    keys_removed: list[str] | None = None  # removed or revoked
+    tenants_changed: list[str] | None = None  # tenants whose limits changed
+    num_aborted: int | None = None  # in-flight requests ended by the action (abort=true)
+    reason: str | None = None  # why a reload was refused
+    written_late: bool = False
 
 
 @dataclass(frozen=True)
@@ -101,11 +136,17 @@ class AuditLog:
     """
 
     def __init__(self, path: str | None, include_prompts: bool, *, retry_s: float = RETRY_S,
-                 max_pending: int = MAX_PENDING_RECORDS, max_pending_bytes: int = MAX_PENDING_BYTES) -> None:
+                 max_pending: int = MAX_PENDING_RECORDS, max_pending_bytes: int = MAX_PENDING_BYTES,
+                 max_bytes: int | None = None, max_age_s: float | None = None, num_backups: int | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
+        """`max_bytes`, `max_age_s` and `num_backups`: the file's rotation, `clock` the wall clock
+        its age is measured by (`kvseal.server.audit_file`)."""
         self.path = path
         self.include_prompts = include_prompts
         self.retry_s = retry_s
-        self._file = AuditFile(path) if path is not None else None  # OSError here stops start-up
+        # OSError here stops start-up
+        self._file = (AuditFile(path, max_bytes=max_bytes, max_age_s=max_age_s, num_backups=num_backups, clock=clock)
+                      if path is not None else None)
         self._encoder = msgspec.json.Encoder()
         self._pending: deque[bytes] = deque()
         self._num_pending_bytes = 0
@@ -130,7 +171,7 @@ class AuditLog:
     def stats(self) -> AuditStats:
         return AuditStats(self._failure is None, self._num_write_failures, len(self._pending), self._num_dropped)
 
-    def write(self, record: AuditRecord) -> bool:
+    def write(self, record: AuditRecord | AdminRecord) -> bool:
         """Append `record`'s line; True once it is written. Never raises."""
         if self._failure is None or self._recovered():
             try:
@@ -158,7 +199,7 @@ class AuditLog:
         if self._file is not None:
             self._file.close()
 
-    def _encode(self, record: AuditRecord) -> bytes:
+    def _encode(self, record: AuditRecord | AdminRecord) -> bytes:
         return self._encoder.encode(record) + b"\n"
 
     def _append(self, line: bytes) -> None:
@@ -194,11 +235,12 @@ class AuditLog:
                          AUDIT_UNAVAILABLE, self.retry_s, exc_info=not isinstance(exc, OSError))
         self._failure = f"cannot write the audit log: {exc}"
 
-    def _keep(self, record: AuditRecord) -> None:
+    def _keep(self, record: AuditRecord | AdminRecord) -> None:
         try:
             line = self._encode(late(record))
         except Exception:  # a record that cannot be encoded is lost, not raised
-            logger.exception("cannot encode the audit record of %s", record.request_id)
+            logger.exception("cannot encode the audit record of %s",
+                             record.request_id if isinstance(record, AuditRecord) else record.admin_action)
             self._num_dropped += 1
             return
         if (len(self._pending) >= self._max_pending
@@ -216,8 +258,8 @@ class AuditLog:
         self._num_dropped += 1
 
 
-def late(record: AuditRecord) -> AuditRecord:
+def late(record: AuditRecord | AdminRecord) -> AuditRecord | AdminRecord:
     """The record as written after the file failed: a finished request's answer was withheld."""
-    if record.outcome == "finished":
+    if isinstance(record, AuditRecord) and record.outcome == "finished":
         return msgspec.structs.replace(record, outcome="error", reason=AUDIT_UNAVAILABLE, written_late=True)
     return msgspec.structs.replace(record, written_late=True)

@@ -29,10 +29,10 @@ from kvseal.messages.msgs import (
     RequestRejectedMsg,
 )
 from kvseal.server.audit import AuditRecord, Outcome, RejectedBy, clip, clip_optional
-from kvseal.server.auth import Tenant
+from kvseal.server.auth import ApiKey, Tenant
 from kvseal.server.choices import ChoiceGroup, choice_msgs
 from kvseal.server.endpoint import AuditPrompt
-from kvseal.server.errors import ApiError
+from kvseal.server.errors import REQUEST_ID_HEADER, ApiError
 from kvseal.server.state import AppState
 
 logger = logging.getLogger("kvseal.server")
@@ -44,6 +44,9 @@ class Call:
         self.endpoint = endpoint
         self.request_id = request_id
         self.tenant: Tenant | None = None
+        self.key_id: str | None = None  # with --api-keys: the audit log's name for the caller's key
+        self.key_digest = b""
+        self.stopped_by: str | None = None  # why the operator ended it (`stop`), for a call not yet submitted
         self.model: str | None = None
         self.user: str | None = None
         self.prompt_for_audit: AuditPrompt | None = None
@@ -67,6 +70,18 @@ class Call:
         """The call ended but its audit line could not be written: its answer must not be sent."""
         return self.is_done and not self._is_audited
 
+    def authenticated(self, key: ApiKey) -> None:
+        """The request's key is known: from now on the operator can stop it (`stop`)."""
+        self.tenant, self.key_digest = key.tenant, key.digest
+        self.key_id = key.key_id if key.digest else None  # the open server's one key has no digest
+        self.state.live_calls[self.request_id] = self
+
+    def stop(self, reason: str) -> None:
+        """End the request for the operator (key revoked, model disabled): a call not yet
+        submitted is refused by the pipeline right before it would be, a submitted one aborted."""
+        self.stopped_by = reason
+        self.abort(reason)
+
     def take_slot(self, tenant: Tenant) -> None:
         """Count against the tenant's concurrency limit (raises `ApiError` 429)."""
         self.state.gate.acquire(tenant)
@@ -80,9 +95,17 @@ class Call:
             handle = self.state.engine.submit(choice, group.observer_for(index))
             self.engine_ids.append(choice.request_id)
             if index == 0:
-                self._route = handle.route  # PD mode: the first choice's engines and transfer id (audit)
+                self._route = handle.route  # the first choice's engines (and PD transfer id), for the audit
         self._is_submitted = True
         return group
+
+    def rate_headers(self) -> dict[str, str]:
+        """The tenant's x-ratelimit-* headers as they stand now (none before authentication)."""
+        return self.state.rates.headers(self.state.keys.current(self.tenant)) if self.tenant is not None else {}
+
+    def response_headers(self) -> dict[str, str]:
+        """The headers of a successful answer: the request id and the tenant's rate limits."""
+        return {REQUEST_ID_HEADER: self.request_id} | self.rate_headers()
 
     def http_done(self) -> None:
         """The HTTP side is finished: the response was sent, failed, or its client is gone."""
@@ -154,11 +177,16 @@ class Call:
         if self.is_done:
             return
         self.is_done = True
+        self.state.live_calls.pop(self.request_id, None)
         self._release_slot()
         tenant = self.tenant.name if self.tenant is not None else ""
         self.state.metrics.record_outcome(tenant, outcome, reason if outcome == "rejected" else None)
         if out is not None:
             self.state.metrics.record_prefix_cache(tenant, out.num_prompt_tokens, out.num_cached_tokens)
+            self.state.metrics.record_usage(tenant, out.num_prompt_tokens, out.num_output_tokens,
+                                            out.num_cached_tokens)
+            if self.tenant is not None:  # its prompt tokens were counted when it was submitted
+                self.state.rates.charge_tokens(self.state.keys.current(self.tenant), out.num_output_tokens)
         self._is_audited = self.state.audit.write(self._record(outcome, reason, http_status, out, rejected_by))
 
     def _release_slot(self) -> None:
@@ -179,8 +207,10 @@ class Call:
             pages_reserved=out.num_pages_reserved if out is not None else None,
             kv_tokens_written=out.num_kv_tokens_written if out is not None else None,
             cached_tokens=out.num_cached_tokens if out is not None else None,
-            first_token_at=self._first_token_at, user=clip_optional(self.user), features=self.features,
-            prefill_engine=self._route.get("prefill_engine"), decode_engine=self._route.get("decode_engine"),
+            first_token_at=self._first_token_at, user=clip_optional(self.user), key_id=self.key_id,
+            features=self.features,
+            engine=self._route.get("engine"), prefill_engine=self._route.get("prefill_engine"),
+            decode_engine=self._route.get("decode_engine"),
             transfer_id=self._route.get("transfer_id"),
             prompt=self.prompt_for_audit if self.state.audit.include_prompts else None,
         )

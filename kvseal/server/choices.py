@@ -1,9 +1,9 @@
 """`n` choices from one prompt: one engine request per choice, one request for the call.
 
 Each choice is its own engine request (id `<request id>-<i>` when n > 1, the request id
-itself when n == 1), so the prompt's KV is computed once per choice: kvseal has no prefix
-cache to share it read-only yet. Choice i of a seeded request uses seed + i, so the request
-is reproducible and its choices differ.
+itself when n == 1), so each choice computes the prompt's KV itself, except the full pages it
+finds already published in the tenant's prefix cache when it is scheduled. Choice i of a
+seeded request uses seed + i, so the request is reproducible and its choices differ.
 
 The group observes every choice's handle and is the call's single view of them: it forwards
 progress, and reports one terminal event when the last choice has ended (a failure wins over

@@ -27,12 +27,12 @@ async def respond_when_done(request: Request, call: Call, group: ChoiceGroup, fm
         async for index, event in group.events():
             err = errors.for_event(event)
             if err is not None:
-                return errors.response(err, call.request_id)
+                return errors.response(err, call.request_id, call.rate_headers())
             assert isinstance(event, RequestOutputMsg)
             transcripts[index].add(event)
         if call.is_withheld:  # no success without its audit line (I8)
-            return errors.response(errors.audit_unavailable(call.state.audit), call.request_id)
-        return JSONResponse(fmt.response(transcripts), headers={errors.REQUEST_ID_HEADER: call.request_id})
+            return errors.response(errors.audit_unavailable(call.state.audit), call.request_id, call.rate_headers())
+        return JSONResponse(fmt.response(transcripts), headers=call.response_headers())
     finally:
         watcher.cancel()
         call.abort_on_exit()

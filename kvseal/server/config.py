@@ -7,6 +7,7 @@ import ipaddress
 import math
 from dataclasses import dataclass, field
 
+from kvseal.capacity import parse_bytes
 from kvseal.errors import ConfigError
 from kvseal.flags import add_flags, flag, values_of
 
@@ -20,12 +21,24 @@ class ServerConfig:
     host: str = field(default="127.0.0.1", metadata=flag("address to bind (default: loopback only)"))
     port: int = field(default=8000, metadata=flag("port to bind"))
     api_keys_path: str | None = field(default=None, metadata=flag(
-        'JSON file {"KEY": {"tenant": NAME, "max_concurrent_requests": N, "max_tokens": N, "admin": BOOL}}; '
-        "without it every request runs as tenant 'default' and /metrics is open; with it /metrics needs an "
-        "admin key", name="--api-keys", metavar="FILE"))
+        'JSON file {"KEY" or "sha256:HEX": {"tenant": NAME, "max_concurrent_requests": N (default 64), '
+        '"max_tokens": N, "requests_per_minute": N, "tokens_per_minute": N, "admin": BOOL, "revoked": BOOL}}, '
+        "reloaded on SIGHUP and POST /admin/keys/reload; without it every request runs as tenant 'default' and "
+        "/metrics and /admin are open; with it they need an admin key", name="--api-keys", metavar="FILE"))
     audit_log_path: str | None = field(default=None, metadata=flag(
         "append one JSON line per request here (default: the 'kvseal.audit' logger)", name="--audit-log",
         metavar="FILE"))
+    audit_log_max_bytes: int | None = field(default=None, metadata=flag(
+        "rotate the audit log before a line would take it past this size (e.g. 100MiB): the file is renamed "
+        "FILE.N (N counts up; FILE.1 is the oldest) between whole lines and a new FILE started; default: never",
+        type=parse_bytes, metavar="BYTES"))
+    audit_log_max_age_s: float | None = field(default=None, metadata=flag(
+        "also rotate the audit log before a line that comes this many seconds or more after the file's first "
+        "line (86400: a file per day at most); default: never", type=float, metavar="SECONDS"))
+    audit_log_backups: int | None = field(default=None, metadata=flag(
+        "with rotation: keep only the newest N rotated files, deleting older ones (each deletion "
+        "logged); default: keep every one, since the audit log is an incident's evidence and is deleted only "
+        "when the operator says how much to keep", type=int, metavar="N"))
     audit_log_prompts: bool = field(default=False, metadata=flag(
         "also write prompt text into the audit log (off by default)", action="store_true"))
     served_model_name: str | None = field(default=None, metadata=flag(
@@ -52,6 +65,7 @@ class ServerConfig:
             raise ConfigError(f"--tool-call-parser must be 'hermes', got {self.tool_call_parser!r}")
         if self.generation_config not in ("auto", "vllm"):
             raise ConfigError(f"--generation-config must be 'auto' or 'vllm', got {self.generation_config!r}")
+        self._check_audit_rotation()
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"--port must be in [0, 65535], got {self.port}")
         if self.max_body_bytes < 1024:
@@ -61,6 +75,26 @@ class ServerConfig:
         for name, value in (("--header-timeout-s", self.header_timeout_s), ("--body-timeout-s", self.body_timeout_s)):
             if not 0 < value < math.inf:
                 raise ConfigError(f"{name} must be a number of seconds > 0, got {value}")
+
+    def _check_audit_rotation(self) -> None:
+        if self.audit_log_max_bytes is not None:
+            if self.audit_log_path is None:
+                raise ConfigError("--audit-log-max-bytes rotates the audit log file: give --audit-log FILE too")
+            if self.audit_log_max_bytes < 1024:
+                raise ConfigError(f"--audit-log-max-bytes must be >= 1024 (one audit line is a few hundred "
+                                  f"bytes), got {self.audit_log_max_bytes}")
+        if self.audit_log_max_age_s is not None:
+            if self.audit_log_path is None:
+                raise ConfigError("--audit-log-max-age-s rotates the audit log file: give --audit-log FILE too")
+            if not 0 < self.audit_log_max_age_s < math.inf:
+                raise ConfigError(f"--audit-log-max-age-s must be a number of seconds > 0, got "
+                                  f"{self.audit_log_max_age_s}")
+        if self.audit_log_backups is not None:
+            if self.audit_log_max_bytes is None and self.audit_log_max_age_s is None:
+                raise ConfigError("--audit-log-backups limits the rotated audit files: give --audit-log-max-bytes "
+                                  "or --audit-log-max-age-s too")
+            if self.audit_log_backups < 0:
+                raise ConfigError(f"--audit-log-backups must be >= 0, got {self.audit_log_backups}")
 
     @property
     def is_loopback(self) -> bool:

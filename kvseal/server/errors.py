@@ -12,9 +12,16 @@ from typing import Any
 
 from starlette.responses import JSONResponse
 
+from kvseal._testing.faults import Fault, is_active
 from kvseal.engine_api import EngineGone, RequestEvent, isolation_failure
 from kvseal.errors import RequestRejected
-from kvseal.messages.msgs import ABORT_SERVER_SHUTDOWN, RequestOutputMsg, RequestRejectedMsg
+from kvseal.messages.msgs import (
+    ABORT_KEY_REVOKED,
+    ABORT_MODEL_DISABLED,
+    ABORT_SERVER_SHUTDOWN,
+    RequestOutputMsg,
+    RequestRejectedMsg,
+)
 from kvseal.server.audit import AUDIT_UNAVAILABLE, AuditLog
 from kvseal.types import ISOLATION_CHECK_FAILED
 
@@ -27,6 +34,8 @@ class ApiError(Exception):
     code: str | None = None
     param: str | None = None
     retry_after_s: int | None = None  # sent as Retry-After
+    headers: dict[str, str] | None = None  # more headers (the x-ratelimit-* of a 429)
+    detail: str | None = None  # a finer reason than `code` for metrics and the audit log
 
     def __str__(self) -> str:
         return self.message
@@ -34,7 +43,7 @@ class ApiError(Exception):
     @property
     def reason(self) -> str:
         """The label for metrics and the audit log."""
-        return self.code or self.type
+        return self.detail or self.code or self.type
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -43,8 +52,10 @@ class ApiError(Exception):
 REQUEST_ID_HEADER = "x-request-id"
 
 
-def response(err: ApiError, request_id: str | None = None) -> JSONResponse:
-    headers = {REQUEST_ID_HEADER: request_id} if request_id else {}
+def response(err: ApiError, request_id: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
+    """`err` in OpenAI's shape; `headers` (a tenant's x-ratelimit-*) under the error's own."""
+    headers = (headers or {}) | ({REQUEST_ID_HEADER: request_id} if request_id else {})
+    headers |= err.headers or {}
     if err.retry_after_s is not None:
         headers["retry-after"] = str(err.retry_after_s)
     return JSONResponse(err.body(), status_code=err.status, headers=headers)
@@ -101,7 +112,24 @@ def invalid_json(detail: str) -> ApiError:
 
 def concurrency_limit(tenant: str, limit: int) -> ApiError:
     return ApiError(429, f"Tenant '{tenant}' already has {limit} requests in flight, its limit. Retry when "
-                         f"one finishes.", type="rate_limit_error", code="rate_limit_exceeded")
+                         f"one finishes.", type="rate_limit_error", code="rate_limit_exceeded",
+                    detail="concurrency_limit_exceeded")
+
+
+def rate_limit(tenant: str, kind: str, limit: int, num_requested: int, retry_after_s: int) -> ApiError:
+    """Over the tenant's requests or tokens per minute (`server.rate_limits`)."""
+    return ApiError(429, f"Rate limit reached for tenant '{tenant}' on {kind} per minute: limit {limit}, "
+                         f"requested {num_requested}. Retry in {retry_after_s} s, or ask the operator for a higher "
+                         f"limit.", type="rate_limit_error", code="rate_limit_exceeded",
+                    retry_after_s=retry_after_s, detail=f"{kind}_per_minute_exceeded")
+
+
+def rate_limit_never(tenant: str, kind: str, limit: int, num_requested: int) -> ApiError:
+    """A request larger than the whole per-minute limit: retrying cannot help."""
+    return ApiError(429, f"Request too large for tenant '{tenant}' on {kind} per minute: limit {limit}, requested "
+                         f"{num_requested}. Send a smaller request (a shorter prompt), or ask the operator for a "
+                         f"higher limit.", type="rate_limit_error", code="rate_limit_exceeded",
+                    detail=f"{kind}_per_minute_exceeded")
 
 
 def engine_unavailable(detail: str) -> ApiError:
@@ -116,6 +144,44 @@ def audit_unavailable(audit: AuditLog) -> ApiError:
                          f"no request it cannot record. The operator has been alerted; retry in "
                          f"{audit.retry_after_s} s.", type="service_unavailable", code=AUDIT_UNAVAILABLE,
                     retry_after_s=audit.retry_after_s)
+
+
+def model_disabled(model: str) -> ApiError:
+    """The operator's kill switch is on for `model` (`POST /admin/models/{id}/disable`)."""
+    return ApiError(503, f"The model '{model}' is disabled by the server's operator; requests for it are refused "
+                         f"until it is enabled again.", type="service_unavailable", code=ABORT_MODEL_DISABLED)
+
+
+def key_revoked() -> ApiError:
+    """The request's API key was removed or revoked while the request ran, and the operator
+    asked for its requests to end (`?abort=true`)."""
+    return ApiError(401, "The API key of this request was revoked by the server's operator while the request "
+                         "ran; the request was stopped and its output discarded.", code=ABORT_KEY_REVOKED)
+
+
+def stopped_by_operator(reason: str) -> ApiError:
+    """The error for a request the operator ended (`Call.stop`) with `reason`."""
+    return key_revoked() if reason == ABORT_KEY_REVOKED else model_disabled_in_flight()
+
+
+def model_disabled_in_flight() -> ApiError:
+    return ApiError(503, "The model was disabled by the server's operator while this request ran; the request was "
+                         "stopped and its output discarded.", type="service_unavailable", code=ABORT_MODEL_DISABLED)
+
+
+def invalid_keys_file(detail: str) -> ApiError:
+    return ApiError(400, f"The API keys file was not reloaded; the keys in use are unchanged. {detail}",
+                    code="invalid_keys_file")
+
+
+def no_keys_file() -> ApiError:
+    return ApiError(400, "This server was started without --api-keys: there is no keys file to reload. Restart it "
+                         "with --api-keys FILE to use API keys.", code="no_keys_file")
+
+
+def invalid_abort_param(value: str) -> ApiError:
+    return ApiError(400, f"'abort' must be true or false, got '{value[:32]}'.", code="invalid_parameter",
+                    param="abort")
 
 
 def request_aborted(detail: str) -> ApiError:
@@ -134,7 +200,8 @@ def isolation_check_failed() -> ApiError:
 
 def route_not_found(path: str) -> ApiError:
     return ApiError(404, f"No route {path}. Routes: POST /v1/completions, POST /v1/chat/completions, "
-                         f"GET /v1/models, GET /health, GET /metrics.", code="not_found")
+                         f"GET /v1/models, GET /health, GET /metrics, POST /admin/keys/reload, "
+                         f"POST /admin/models/{{id}}/disable|enable.", code="not_found")
 
 
 def method_not_allowed(method: str, path: str) -> ApiError:
@@ -155,8 +222,10 @@ def for_event(event: RequestEvent) -> ApiError | None:
     if isolation_failure(event) is not None:
         return isolation_check_failed()
     assert isinstance(event, RequestOutputMsg)
-    if event.finish_reason != "abort":
+    if event.finish_reason != "abort" or is_active(Fault.ABORT_AS_SUCCESS):
         return None
     if event.error == ABORT_SERVER_SHUTDOWN:
         return engine_unavailable("the server is shutting down")
+    if event.error in (ABORT_KEY_REVOKED, ABORT_MODEL_DISABLED):
+        return stopped_by_operator(event.error)
     return request_aborted(event.error or "no reason given")

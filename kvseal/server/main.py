@@ -10,7 +10,8 @@ get that answer), give in-flight ones the grace period, then abort the rest in t
 (their clients get an error, never a fake finish), stop the engine, exit 0. The engine
 process ignores SIGTERM and SIGINT and stops only on the frontend's `ShutdownMsg`, so a
 signal to the whole process group (systemd, `kill -TERM -PGID`, `tini -g`) drains the same
-way as one to the frontend alone.
+way as one to the frontend alone. SIGHUP, once the server is ready, reloads the keys file
+(`kvseal.server.admin`; the engines ignore it); before that it is logged and ignored.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from kvseal.engine_api import EngineBackend
 from kvseal.errors import ConfigError
 from kvseal.heap import freeze_startup_heap
 from kvseal.messages.msgs import ABORT_SERVER_SHUTDOWN
+from kvseal.server.admin import reload_keys_on_signal
 from kvseal.server.app import build_app
 from kvseal.server.audit import AuditLog
 from kvseal.server.auth import ApiKeyTable
@@ -63,7 +65,8 @@ def run(config: ServerConfig, make_backend: Callable[[], EngineBackend]) -> int:
 
 def _open_audit(config: ServerConfig) -> AuditLog:
     try:
-        return AuditLog(config.audit_log_path, config.audit_log_prompts)
+        return AuditLog(config.audit_log_path, config.audit_log_prompts, max_bytes=config.audit_log_max_bytes,
+                        max_age_s=config.audit_log_max_age_s, num_backups=config.audit_log_backups)
     except OSError as exc:
         raise ConfigError(f"cannot open the audit log {config.audit_log_path}: {exc}") from exc
 
@@ -71,6 +74,9 @@ def _open_audit(config: ServerConfig) -> AuditLog:
 async def _serve(config: ServerConfig, make_backend: Callable[[], EngineBackend], keys: ApiKeyTable,
                  audit: AuditLog) -> int:
     metrics = ServerMetrics()
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGHUP, logger.warning, "SIGHUP before the server is ready: ignored; send it "
+                            "again once the server logs 'kvseal ready' to reload the API keys")
     engine = make_backend()
     engine.on_stats = metrics.record_stats  # the engines' summed pools and load
     engine.add_metrics(metrics.registry)
@@ -81,6 +87,7 @@ async def _serve(config: ServerConfig, make_backend: Callable[[], EngineBackend]
         freeze_startup_heap("frontend")
         # An engine restarted at the same address may bring other limits: the front door uses them (I1).
         engine.on_ready_change = lambda info: setattr(state, "engine_info", info)
+        loop.add_signal_handler(signal.SIGHUP, reload_keys_on_signal, state)
         server = KvsealServer(_uvicorn_config(config, state), lambda port: _log_ready(state, port),
                               lambda: _drain(state))
         try:
@@ -89,6 +96,7 @@ async def _serve(config: ServerConfig, make_backend: Callable[[], EngineBackend]
             state.prompts.close()
         return 0
     finally:
+        loop.remove_signal_handler(signal.SIGHUP)
         await engine.shutdown()
 
 
@@ -133,14 +141,18 @@ def _uvicorn_config(config: ServerConfig, state: AppState) -> uvicorn.Config:
 
 def _log_config(state: AppState) -> None:
     c, info, limits = state.config, state.engine_info, state.limits
-    tenants = ", ".join(t.name for t in state.keys.tenants)
+    tenants = ", ".join(t.describe() for t in state.keys.tenants)
     logger.info(
         "kvseal server: model=%s (%s, %s) max_model_len=%d kv_cache_tokens=%d (%d pages x %d) max_prompt_tokens=%d "
-        "host=%s port=%d api_keys=%s tenants=[%s] audit_log=%s audit_log_prompts=%s max_body_bytes=%d "
+        "host=%s port=%d api_keys=%s tenants=[%s] audit_log=%s audit_log_max_bytes=%s audit_log_max_age_s=%s "
+        "audit_log_backups=%s "
+        "audit_log_prompts=%s max_body_bytes=%d "
         "shutdown_grace_s=%g header_timeout_s=%g body_timeout_s=%g engine_pid=%s",
         state.model_name, info.architecture, info.model_path, info.max_model_len, info.kv_cache_tokens,
         info.num_pages, info.page_size, limits.max_prompt_tokens, c.host, c.port, c.api_keys_path or "(none)",
-        tenants, c.audit_log_path or "(kvseal.audit logger)", c.audit_log_prompts, c.max_body_bytes,
+        tenants, c.audit_log_path or "(kvseal.audit logger)", c.audit_log_max_bytes or "(no size limit)",
+        c.audit_log_max_age_s or "(no age limit)",
+        "(all kept)" if c.audit_log_backups is None else c.audit_log_backups, c.audit_log_prompts, c.max_body_bytes,
         c.shutdown_grace_s, c.header_timeout_s, c.body_timeout_s, info.pid,
     )
     logger.info("sampling defaults for omitted fields (--generation-config %s): %s", c.generation_config,

@@ -17,8 +17,17 @@ class ServerMetrics:
         r = self.registry
         self.requests = Counter("kvseal_requests", "Generation requests by tenant and outcome",
                                 ["tenant", "outcome"], registry=r)
-        self.rejections = Counter("kvseal_rejections", "Requests refused before generation, by reason",
-                                  ["reason"], registry=r)
+        self.rejections = Counter("kvseal_rejections", "Requests refused before generation, by tenant and reason "
+                                  "(rate limits: requests_per_minute_exceeded, tokens_per_minute_exceeded, "
+                                  "concurrency_limit_exceeded)", ["tenant", "reason"], registry=r)
+        # Metering: the tokens of every request that reached the engine, as its usage reports them
+        # (aborted ones included: their tokens were computed). Cached tokens are part of the prompt's.
+        self.prompt_tokens = Counter("kvseal_prompt_tokens", "Prompt tokens by tenant (usage.prompt_tokens)",
+                                     ["tenant"], registry=r)
+        self.completion_tokens = Counter("kvseal_completion_tokens", "Generated tokens by tenant "
+                                         "(usage.completion_tokens)", ["tenant"], registry=r)
+        self.cached_tokens = Counter("kvseal_cached_tokens", "Prompt tokens served from the tenant's prefix cache "
+                                     "(usage.prompt_tokens_details.cached_tokens)", ["tenant"], registry=r)
         self.isolation_violations = Counter(
             "kvseal_isolation_violations", "Requests failed closed because an isolation check tripped (engine or "
             "frontend); any non-zero value is an incident", registry=r)
@@ -71,6 +80,9 @@ class ServerMetrics:
             "kvseal_audit_records_dropped", "Audit records lost because too many waited for a failing audit "
             "log; any non-zero value is an incident", registry=r)
         self._audit_seen = CumulativeTotal()
+        self.model_enabled = Gauge(
+            "kvseal_model_enabled", "1 while the model takes requests, 0 while the operator's kill switch is on "
+            "(POST /admin/models/{id}/disable)", ["model"], registry=r)
 
     def record_audit(self, stats: AuditStats) -> None:
         """The audit log's state (I8), as it is when /metrics is read."""
@@ -79,10 +91,20 @@ class ServerMetrics:
         self.audit_write_failures.inc(self._audit_seen.observe("failures", stats.num_write_failures))
         self.audit_dropped.inc(self._audit_seen.observe("dropped", stats.num_dropped))
 
+    def record_model_enabled(self, model: str, is_enabled: bool) -> None:
+        self.model_enabled.labels(model=model).set(1 if is_enabled else 0)
+
     def record_outcome(self, tenant: str, outcome: str, rejection_reason: str | None) -> None:
         self.requests.labels(tenant=tenant, outcome=outcome).inc()
         if rejection_reason is not None:
-            self.rejections.labels(reason=rejection_reason).inc()
+            self.rejections.labels(tenant=tenant, reason=rejection_reason).inc()
+
+    def record_usage(self, tenant: str, num_prompt_tokens: int, num_completion_tokens: int,
+                     num_cached_tokens: int) -> None:
+        """One request's tokens, as its usage reports them."""
+        self.prompt_tokens.labels(tenant=tenant).inc(num_prompt_tokens)
+        self.completion_tokens.labels(tenant=tenant).inc(num_completion_tokens)
+        self.cached_tokens.labels(tenant=tenant).inc(num_cached_tokens)
 
     def record_prefix_cache(self, tenant: str, num_prompt_tokens: int, num_cached_tokens: int) -> None:
         """One request that reached the engine: its prompt tokens queried, those served from the cache hit."""

@@ -2,11 +2,14 @@
 
 API key → tenant (401) → not shutting down (503) → JSON content type (415) → body within
 its size (413) and time (408) → a token-id list that cannot fit (400, pre-scanned before the
-full parse) → valid body, every field within its bound (400) → served model (404) → chat: tool
-definitions and tool-call arguments that a prompt could hold (400) → tenant concurrency slot
-(429) → a prompt that cannot fit (400, before tokenizing) → tokenize (fair across tenants) →
-`admit` with the engine's limits (I1, 400 `context_length_exceeded`) → an audit log that can
-be written (503 `audit_unavailable`, I8) → engine → stream or JSON.
+full parse) → valid body, every field within its bound (400) → served model (404) → model not
+disabled by the operator (503 `model_disabled`) → chat: tool definitions and tool-call
+arguments that a prompt could hold (400) → tenant concurrency slot (429) → tenant requests
+per minute (429) → a prompt that cannot fit (400, before tokenizing) → tokenize (fair across
+tenants) → `admit` with the engine's limits (I1, 400 `context_length_exceeded`) → an audit
+log that can be written (503 `audit_unavailable`, I8) → not stopped by the operator meanwhile
+(key revoked 401, model disabled 503) → tenant tokens per minute, for the prompt (429) →
+engine → stream or JSON.
 
 Nothing is sent to the engine before `admit` accepted the request; a refusal is terminal and
 leaves its audit record. Whatever happens after submission, the request ends in the engine
@@ -75,12 +78,14 @@ async def handle_generation(request: Request, state: AppState, endpoint: Endpoin
 
 def _refuse(call: Call, err: ApiError) -> JSONResponse:
     call.reject(err)
-    return errors.response(err, call.request_id)
+    return errors.response(err, call.request_id, call.rate_headers())
 
 
 async def _admit_and_submit(request: Request, state: AppState, endpoint: Endpoint,
                             call: Call) -> tuple[GenerationBody, Formatter, ChoiceGroup]:
-    tenant = call.tenant = state.keys.authenticate(authorization_of(request.headers))
+    key = state.keys.identify(authorization_of(request.headers))
+    call.authenticated(key)
+    tenant = key.tenant
     if state.is_draining:
         raise errors.engine_unavailable("the server is shutting down")
     require_json(request)
@@ -90,9 +95,12 @@ async def _admit_and_submit(request: Request, state: AppState, endpoint: Endpoin
     call.model, call.user, call.features = body.model, body.user, features_used(body)
     if body.model is not None and body.model != state.model_name:
         raise errors.model_not_found(body.model, state.model_name)
+    if state.model_name in state.disabled_models:
+        raise errors.model_disabled(state.model_name)
     if isinstance(body, ChatCompletionRequest):
         check_tool_call_arguments(body.messages, state.limits, state.prompts.max_token_chars)
     call.take_slot(tenant)
+    state.rates.take_request(tenant)
     prepared = await endpoint.prepare(body, state.prompts, tenant, state.limits, state.defaults)
     call.prompt_for_audit = prepared.prompt_for_audit
     call.num_prompt_tokens = len(prepared.prompt_token_ids)
@@ -102,6 +110,9 @@ async def _admit_and_submit(request: Request, state: AppState, endpoint: Endpoin
     fmt = endpoint.formatter(body, ResponseIds(call.request_id, state.model_name, int(time.time())), state.prompts)
     msg = AddRequestMsg(call.request_id, tenant.name, prompt_token_ids, params_to_msg(params))
     _require_audit(state)
+    if call.stopped_by is not None:  # its key was revoked or the model disabled while it was prepared
+        raise errors.stopped_by_operator(call.stopped_by)
+    state.rates.take_prompt_tokens(tenant, len(prompt_token_ids))  # last: a refusal after it would waste them
     return body, fmt, call.submit(msg)  # nothing after this line may fail before the response owns the call
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from kvseal.admission import AdmissionLimits
 from kvseal.engine_api import EngineBackend
@@ -14,7 +15,19 @@ from kvseal.server.config import ServerConfig
 from kvseal.server.generation_defaults import GenerationDefaults
 from kvseal.server.metrics import ServerMetrics
 from kvseal.server.prompts import PromptEncoder
+from kvseal.server.rate_limits import RateLimits
 from kvseal.server.tenant_gate import TenantGate
+
+
+class LiveCall(Protocol):
+    """A generation request between authentication and its terminal state (`server.call.Call`)."""
+
+    request_id: str
+    key_digest: bytes  # of the API key it authenticated with
+
+    def stop(self, reason: str) -> None:
+        """End it for the operator: refused before it reaches the engine, aborted there after."""
+        ...
 
 
 @dataclass
@@ -27,9 +40,12 @@ class AppState:
     metrics: ServerMetrics
     audit: AuditLog
     gate: TenantGate = field(default_factory=TenantGate)
+    rates: RateLimits = field(default_factory=RateLimits)
     defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
     created: int = field(default_factory=lambda: int(time.time()))
     is_draining: bool = False
+    live_calls: dict[str, LiveCall] = field(default_factory=dict)  # by request id
+    disabled_models: set[str] = field(default_factory=set)  # the operator's kill switch (`server.admin`)
 
     @property
     def model_name(self) -> str:

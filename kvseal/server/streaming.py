@@ -38,7 +38,7 @@ class EventStreamResponse(StreamingResponse):
 
     def __init__(self, call: Call, group: ChoiceGroup, fmt: Formatter, include_usage: bool) -> None:
         super().__init__(_events(call, group, fmt, include_usage), media_type="text/event-stream",
-                         headers={errors.REQUEST_ID_HEADER: call.request_id, "cache-control": "no-cache"})
+                         headers=call.response_headers() | {"cache-control": "no-cache"})
         self._call = call
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

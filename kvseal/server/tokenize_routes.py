@@ -32,7 +32,7 @@ from kvseal._testing.faults import Fault, is_active
 from kvseal.admission import AdmissionLimits
 from kvseal.errors import ContextLengthExceeded, InvalidParameter, RequestRejected
 from kvseal.server import errors
-from kvseal.server.audit import AuditRecord, Outcome, clip_optional
+from kvseal.server.audit import AuditRecord, Outcome, clip_optional, key_id_of
 from kvseal.server.auth import Tenant, authorization_of
 from kvseal.server.body import parse_body, read_body, require_json
 from kvseal.server.bounds import check_tool_call_arguments
@@ -69,6 +69,7 @@ class TokenCall:
     request_id: str = field(default_factory=lambda: f"tok-{uuid.uuid4().hex}")
     received_at: float = field(default_factory=time.time)
     tenant: str | None = None
+    key_id: str | None = None
     model: str | None = None
     num_tokens: int | None = None  # the ids /tokenize produced, or the ids /detokenize was sent
 
@@ -77,7 +78,8 @@ class TokenCall:
             request_id=self.request_id, endpoint=self.endpoint, tenant=self.tenant, outcome=outcome,
             received_at=self.received_at, finished_at=time.time(), http_status=err.status if err else None,
             model=clip_optional(self.model), reason=err.reason if err else None,
-            rejected_by="frontend" if outcome == "rejected" else None, prompt_tokens=self.num_tokens)
+            rejected_by="frontend" if outcome == "rejected" else None, prompt_tokens=self.num_tokens,
+            key_id=self.key_id)
 
 
 Handler = Callable[[bytes, AppState, Tenant, TokenCall], Awaitable[dict[str, Any]]]
@@ -95,8 +97,9 @@ def add_tokenize_routes(app: FastAPI, state: AppState) -> None:
 
 async def _answer(request: Request, state: AppState, call: TokenCall, handler: Handler) -> Response:
     try:
-        tenant = state.keys.authenticate(authorization_of(request.headers))
-        call.tenant = tenant.name
+        authorization = authorization_of(request.headers)
+        tenant = state.keys.authenticate(authorization)
+        call.tenant, call.key_id = tenant.name, None if state.keys.is_open else key_id_of(authorization)
         require_json(request)
         data = await read_body(request, state.config.max_body_bytes, state.config.body_timeout_s)
         check_token_list_before_parsing(data, state.limits)

@@ -8,6 +8,8 @@ from typing import Any
 from tiny_models import EOS_ID, words
 
 from kvseal import FinishReason, SamplingParams
+from kvseal._testing.faults import Fault, inject
+from kvseal.types import RequestOutput
 
 PROMPT = list(range(20, 32))
 OTHERS = [list(range(50, 90)), [7, 8], list(range(120, 133))]
@@ -74,19 +76,32 @@ def test_eos_stops_unless_ignored(make_llm: Callable[..., Any]) -> None:
             assert len(out.token_ids) == 40 and EOS_ID not in out.token_ids
 
 
-def test_abort_frees_pages_at_once_for_running_and_queued(make_llm: Callable[..., Any]) -> None:
-    llm = make_llm(max_num_seqs=1)
-    engine = llm.engine
+def _abort_the_running_request(engine: Any) -> RequestOutput | None:
     engine.add_request("running", PROMPT, SamplingParams(max_tokens=50, ignore_eos=True))
     engine.add_request("queued", PROMPT, SamplingParams(max_tokens=50, ignore_eos=True))
     engine.step()
     assert engine.kv.num_used_pages > 0
-    aborted = engine.abort("running", "client went away")
+    return engine.abort("running", "client went away")
+
+
+def test_abort_frees_pages_at_once_for_running_and_queued(make_llm: Callable[..., Any]) -> None:
+    engine = make_llm(max_num_seqs=1).engine
+    aborted = _abort_the_running_request(engine)
     assert aborted is not None and aborted.finish_reason is FinishReason.ABORT and aborted.error == "client went away"
     assert engine.kv.num_used_pages == 0
     assert engine.abort("queued") is not None and not engine.has_unfinished()
     assert engine.abort("unknown") is None
     engine.check_integrity()
+
+
+def test_the_abort_test_fails_when_an_abort_keeps_its_pages(make_llm: Callable[..., Any]) -> None:
+    """The negative control of the test above (I6): with the fault, the abort still reports the
+    request ended with its error, and the page count is what shows the pages were not freed."""
+    engine = make_llm(max_num_seqs=1).engine
+    with inject(Fault.ABORT_KEEPS_PAGES):
+        aborted = _abort_the_running_request(engine)
+    assert aborted is not None and aborted.finish_reason is FinishReason.ABORT
+    assert engine.kv.num_used_pages > 0 and engine.has_unfinished()
 
 
 def test_chat_applies_the_template(make_llm: Callable[..., Any]) -> None:

@@ -3,7 +3,8 @@
 Per request and per layer, the manager knows how many leading positions are written in the
 current ownership of its pages; the check before every forward refuses a sequence whose
 attended context those records (plus the forward's own writes) do not cover, or whose block
-table names a page it does not own.
+table names a page it does not own. Every test runs twice: with the records' torch ops, and with
+the native kernels the engine hands them where it runs the C ops (`csrc/records.c`).
 """
 
 from __future__ import annotations
@@ -17,14 +18,15 @@ from kvseal.config import CacheConfig
 from kvseal.engine.batch import PreparedForward, check_forward
 from kvseal.errors import IsolationViolation
 from kvseal.kvcache.manager import KVCacheManager
+from kvseal.kvcache.records import RecordKernels
 from kvseal.types import ForwardBatch
 
 NUM_LAYERS, PAGE_SIZE = 3, 4
 
 
-def make_kv(check_kv: bool = False) -> KVCacheManager:
+def make_kv(kernels: RecordKernels | None, check_kv: bool = False) -> KVCacheManager:
     config = CacheConfig(page_size=PAGE_SIZE, num_pages=8, dtype=torch.float32, check_kv=check_kv)
-    return KVCacheManager(config, NUM_LAYERS, num_kv_heads=1, head_dim=2)
+    return KVCacheManager(config, NUM_LAYERS, num_kv_heads=1, head_dim=2, record_kernels=kernels)
 
 
 def prepare(kv: KVCacheManager, spans: dict[str, tuple[int, int]]) -> PreparedForward:
@@ -51,8 +53,8 @@ def write_layers(kv: KVCacheManager, prepared: PreparedForward, layers: range) -
             kv.pool.write(layer, slots, kv_values, kv_values)
 
 
-def test_a_forward_is_recorded_per_layer_as_each_layer_writes() -> None:
-    kv = make_kv()
+def test_a_forward_is_recorded_per_layer_as_each_layer_writes(record_kernels: RecordKernels | None) -> None:
+    kv = make_kv(record_kernels)
     kv.reserve("a", "alice", 9)
     prefill = prepare(kv, {"a": (0, 6)})
     assert check_forward(prefill, kv) == []
@@ -68,11 +70,12 @@ def test_a_forward_is_recorded_per_layer_as_each_layer_writes() -> None:
 
 
 @pytest.mark.parametrize("check_kv", [False, True])
-def test_one_call_for_a_run_of_layers_records_as_a_call_per_layer(check_kv: bool) -> None:
+def test_one_call_for_a_run_of_layers_records_as_a_call_per_layer(check_kv: bool,
+                                                                 record_kernels: RecordKernels | None) -> None:
     """The decode loop writes every layer in one native call and reports the layers it wrote at
     once (`KVPool.write_layers_by`): the records must end exactly as after one report per layer,
     also when the call stopped early, in both modes, for sequences at different positions."""
-    per_layer, at_once = make_kv(check_kv), make_kv(check_kv)
+    per_layer, at_once = make_kv(record_kernels, check_kv), make_kv(record_kernels, check_kv)
     for kv in (per_layer, at_once):
         kv.reserve("a", "alice", 9)
         kv.reserve("b", "bob", 9)
@@ -95,8 +98,8 @@ def test_one_call_for_a_run_of_layers_records_as_a_call_per_layer(check_kv: bool
     assert at_once.written_prefix("b") == [5] * NUM_LAYERS
 
 
-def test_only_the_uncovered_sequence_is_refused() -> None:
-    kv = make_kv()
+def test_only_the_uncovered_sequence_is_refused(record_kernels: RecordKernels | None) -> None:
+    kv = make_kv(record_kernels)
     for request_id in ("a", "b"):
         kv.reserve(request_id, request_id, 8)
     write_layers(kv, prepare(kv, {"a": (0, 5)}), range(NUM_LAYERS))
@@ -104,8 +107,8 @@ def test_only_the_uncovered_sequence_is_refused() -> None:
     assert [v.request_id for v in refused] == ["b"]
 
 
-def test_a_block_table_naming_a_foreign_page_is_refused() -> None:
-    kv = make_kv()
+def test_a_block_table_naming_a_foreign_page_is_refused(record_kernels: RecordKernels | None) -> None:
+    kv = make_kv(record_kernels)
     kv.reserve("a", "alice", 8)
     kv.reserve("b", "bob", 8)
     prepared = prepare(kv, {"a": (0, 8), "b": (0, 8)})
@@ -121,8 +124,8 @@ def test_a_block_table_naming_a_foreign_page_is_refused() -> None:
     assert [v.request_id for v in check_forward(forged, kv)] == ["b"]
 
 
-def test_records_start_unwritten_in_every_new_ownership_period() -> None:
-    kv = make_kv()
+def test_records_start_unwritten_in_every_new_ownership_period(record_kernels: RecordKernels | None) -> None:
+    kv = make_kv(record_kernels)
     kv.reserve("a", "alice", 8)
     write_layers(kv, prepare(kv, {"a": (0, 8)}), range(NUM_LAYERS))
     pages = kv.allocator.pages_of("a")
@@ -135,8 +138,8 @@ def test_records_start_unwritten_in_every_new_ownership_period() -> None:
     assert kv.written_prefix("a") == [0, 0, 0]
 
 
-def test_record_written_accepts_contiguous_growth_only() -> None:
-    kv = make_kv()
+def test_record_written_accepts_contiguous_growth_only(record_kernels: RecordKernels | None) -> None:
+    kv = make_kv(record_kernels)
     kv.reserve("a", "alice", 8)
     for layer in range(NUM_LAYERS):
         kv.record_written("a", layer, 0, 5)
@@ -154,8 +157,8 @@ def test_record_written_accepts_contiguous_growth_only() -> None:
     assert kv.written_prefix("a") == [8, 5, 5]
 
 
-def test_transport_writes_cover_a_decode_only_when_every_layer_arrived() -> None:
-    kv = make_kv()
+def test_transport_writes_cover_a_decode_only_when_every_layer_arrived(record_kernels: RecordKernels | None) -> None:
+    kv = make_kv(record_kernels)
     kv.reserve("a", "alice", 9)
     for layer in range(NUM_LAYERS - 1):
         kv.record_written("a", layer, 0, 8)
@@ -164,10 +167,10 @@ def test_transport_writes_cover_a_decode_only_when_every_layer_arrived() -> None
     assert check_forward(prepare(kv, {"a": (8, 9)}), kv) == []
 
 
-def test_checked_mode_verifies_slots_the_records_only_claim() -> None:
+def test_checked_mode_verifies_slots_the_records_only_claim(record_kernels: RecordKernels | None) -> None:
     """Checked mode does not trust the prefix: a record with no pool write behind it (a
     bookkeeping bug) passes the always-on check but not the per-slot verification."""
-    kv = make_kv(check_kv=True)
+    kv = make_kv(record_kernels, check_kv=True)
     kv.reserve("a", "alice", 9)
     write_layers(kv, prepare(kv, {"a": (0, 4)}), range(NUM_LAYERS))
     for layer in range(NUM_LAYERS):
@@ -178,8 +181,8 @@ def test_checked_mode_verifies_slots_the_records_only_claim() -> None:
     assert "4 KV slots it never wrote (first at position 4, layer 0)" in str(violation)
 
 
-def test_checked_mode_refuses_a_layer_the_forward_never_wrote() -> None:
-    kv = make_kv(check_kv=True)
+def test_checked_mode_refuses_a_layer_the_forward_never_wrote(record_kernels: RecordKernels | None) -> None:
+    kv = make_kv(record_kernels, check_kv=True)
     kv.reserve("a", "alice", 9)
     write_layers(kv, prepare(kv, {"a": (0, 8)}), range(NUM_LAYERS))
     assert check_forward(prepare(kv, {"a": (8, 9)}), kv) == []
@@ -188,8 +191,8 @@ def test_checked_mode_refuses_a_layer_the_forward_never_wrote() -> None:
     assert "1 KV slots it never wrote (first at position 3, layer 2)" in str(violation)
 
 
-def test_integrity_check_fails_when_records_and_allocator_disagree() -> None:
-    kv = make_kv()
+def test_integrity_check_fails_when_records_and_allocator_disagree(record_kernels: RecordKernels | None) -> None:
+    kv = make_kv(record_kernels)
     kv.reserve("a", "alice", 8)
     kv.reserve("b", "bob", 4)
     kv.check_integrity()

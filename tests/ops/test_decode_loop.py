@@ -158,3 +158,37 @@ def test_a_slot_outside_the_pool_is_refused_and_nothing_is_written_or_recorded(m
         pool.observer = observer
     assert recorded == [], "no layer recorded as written"
     assert all(_same(a, b) for a, b in zip(before, (*pool.k, *pool.v)))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_one_token_prefill_chunk_in_a_loop_step_is_not_sampled(make_llm: Callable[..., Any], dtype: str) -> None:
+    """One-token prefill chunks past a prompt's first position are decode rows to the attention,
+    so a step of them and decodes runs in the loop, but only the chunk that ends a prompt is
+    sampled: the logits must be those of the sampled rows, in order. The long prompt comes first,
+    so its unsampled row is ahead of the others' sampled ones."""
+    prompts = [list(range(30, 42)), [5, 6], [7, 8], [9, 10]]
+    sizes = dict(max_num_batched_tokens=4, max_prefill_chunk_tokens=1)
+    llm = make_llm(dtype=dtype, **sizes)
+    logits_rows: list[tuple[int, int]] = []
+    model = llm.engine.runner.model
+    loop = model.decode_loop()
+    assert loop is not None
+    run = loop.run
+
+    def counted(h: torch.Tensor, *args: Any) -> torch.Tensor:
+        logits_rows.append((h.shape[0], int(model._step_batch.logits_indices.numel())))
+        return run(h, *args)
+
+    forward = model.forward
+
+    def remembered(batch: Any, pool: Any) -> torch.Tensor:
+        model._step_batch = batch
+        return forward(batch, pool)
+
+    loop.run = counted  # type: ignore[method-assign]
+    model.forward = remembered  # type: ignore[method-assign]
+    looped = llm.generate(prompts, PARAMS)
+    assert any(0 < sampled < rows for rows, sampled in logits_rows), "a loop step had an unsampled row"
+    plain = _without_loop(make_llm(dtype=dtype, **sizes)).generate(prompts, PARAMS)
+    for a, b in zip(looped, plain):
+        assert a.token_ids == b.token_ids and a.logprobs == b.logprobs

@@ -20,11 +20,12 @@ from kvseal.ops.native_build import SANITIZE, BuildConfig
 pytestmark = pytest.mark.sanitizers
 
 ROOT = Path(__file__).resolve().parents[2]
-# the kernel-level tests (an engine builds its own, unsanitized, kernels), and the decode loop on
-# the tests' kernels in an engine
+# the kernel-level tests (an engine builds its own, unsanitized, kernels), the decode loop on
+# the tests' kernels in an engine, and the write records' kernels
 KERNEL_TESTS = ["tests/ops/test_decode_attention.py", "tests/ops/test_prefill_attention.py",
                 "tests/ops/test_layer_ops.py", "tests/ops/test_linears.py",
-                "tests/ops/test_decode_loop.py::test_the_test_kernels_loop_equals_their_per_layer_ops"]
+                "tests/ops/test_decode_loop.py::test_the_test_kernels_loop_equals_their_per_layer_ops",
+                "tests/kvcache/test_record_kernels.py"]
 PROBE = """
 import sys
 sys.path.insert(0, "tests")
@@ -60,7 +61,10 @@ def test_a_read_past_a_tensor_is_reported(sanitized_env: dict[str, str]) -> None
     done = subprocess.run([sys.executable, "-c", PROBE], cwd=ROOT, env=sanitized_env, capture_output=True, text=True,
                           timeout=600)
     assert done.returncode != 0 and "not reported" not in done.stdout
-    assert "AddressSanitizer: heap-buffer-overflow" in done.stderr, done.stderr[-3000:]
+    # a read past x's 1,600 bytes: a 64-byte vector load that starts inside it is an "unknown-crash"
+    # at the region's end, a narrower one a "heap-buffer-overflow"; either way ASan names the region
+    assert "ERROR: AddressSanitizer" in done.stderr and "to the right of 1600-byte region" in done.stderr, \
+        done.stderr[-3000:]
 
 
 def test_the_kernel_tests_pass_under_asan_and_ubsan(sanitized_env: dict[str, str]) -> None:

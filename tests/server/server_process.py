@@ -89,7 +89,7 @@ class ServerProcess(LoggedProcess):
     def audit_for(self, request_id: str) -> dict[str, Any]:
         """The one audit record of a request, once written (fails if there are several)."""
         def find() -> list[dict[str, Any]]:
-            return [r for r in self.audit_records() if r["request_id"] == request_id]
+            return [r for r in self.audit_records() if r.get("request_id") == request_id]
 
         records = wait_for(find, f"the audit record of {request_id}")
         assert len(records) == 1, f"{len(records)} audit records for {request_id}"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 from typing import Any
@@ -9,7 +10,7 @@ from typing import Any
 import pytest
 
 from kvseal.errors import ConfigError
-from kvseal.server.auth import ApiKeyTable, Tenant
+from kvseal.server.auth import DEFAULT_MAX_CONCURRENT_REQUESTS, ApiKeyTable, Tenant
 from kvseal.server.config import ServerConfig
 from kvseal.server.errors import ApiError
 
@@ -84,3 +85,25 @@ def test_admin_keys_gate_the_operator_routes(tmp_path: Path) -> None:
     ApiKeyTable().authenticate_admin(None)  # without a keys file the routes stay open
     with pytest.raises(ConfigError, match="admin"):
         load(tmp_path, {"k": {"tenant": "a", "admin": "yes"}})
+
+
+def test_hashed_and_revoked_entries(tmp_path: Path) -> None:
+    digest = hashlib.sha256(b"k-hashed").hexdigest()
+    table = load(tmp_path, {f"sha256:{digest}": {"tenant": "h"}, "k-old": {"tenant": "h", "revoked": True},
+                            "k-a": {"tenant": "a"}})
+    assert table.authenticate("Bearer k-hashed").name == "h"
+    for header in ("Bearer k-old", f"Bearer sha256:{digest}"):
+        with pytest.raises(ApiError):
+            table.authenticate(header)
+    assert [k.key_id for k in table.keys if k.tenant.name == "h"] == [digest[:12]]
+    for bad in ({"sha256:abc": {"tenant": "h"}}, {f"sha256:{digest.upper()}": {"tenant": "h"}},
+                {"k-hashed": {"tenant": "h"}, f"sha256:{digest}": {"tenant": "h"}},
+                {"k": {"tenant": "h", "revoked": "yes"}}):
+        with pytest.raises(ConfigError):
+            load(tmp_path, bad)
+
+
+def test_a_tenant_without_a_concurrency_limit_gets_the_default(tmp_path: Path) -> None:
+    table = load(tmp_path, {"k": {"tenant": "a", "requests_per_minute": 5, "tokens_per_minute": 100}})
+    assert table.authenticate("Bearer k") == Tenant("a", DEFAULT_MAX_CONCURRENT_REQUESTS, None, 5, 100)
+    assert ApiKeyTable.load(None).authenticate(None).max_concurrent_requests is None  # one tenant: no cap

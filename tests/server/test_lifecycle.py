@@ -27,9 +27,9 @@ BODY = {"prompt": "w5 w6", "max_tokens": 300, "ignore_eos": True, "stream": True
 def start_server(server_model_dir: Path, tmp_path: Path) -> Iterator[Callable[..., ServerProcess]]:
     started: list[ServerProcess] = []
 
-    def start(*extra_args: str, own_process_group: bool = False) -> ServerProcess:
+    def start(*extra_args: str, own_process_group: bool = False, faults: list[str] | None = None) -> ServerProcess:
         started.append(ServerProcess(server_model_dir, tmp_path / str(len(started)), extra_args=list(extra_args),
-                                     own_process_group=own_process_group))
+                                     own_process_group=own_process_group, faults=faults))
         return started[-1].start()
 
     yield start
@@ -62,27 +62,48 @@ def test_sigterm_lets_in_flight_requests_finish_then_exits_zero(start_server: Ca
     assert "frontend: " in log and "engine: " in log and log.count("start-up objects frozen") == 2
 
 
-def test_sigterm_past_the_grace_period_aborts_with_an_error(start_server: Callable[..., ServerProcess]) -> None:
-    open_server = start_server("--shutdown-grace-s", "0")
+def _stream_then_sigterm(open_server: ServerProcess) -> tuple[list[str], str]:
+    """A long stream, and SIGTERM once its first event is in: the stream's remaining lines."""
     with httpx.stream("POST", f"{open_server.base_url}/completions", json=BODY | {"max_tokens": 500},
                       timeout=60) as response:
         lines = response.iter_lines()
         next(lines)
-        request_id = response.headers["x-request-id"]
         assert open_server.proc is not None
         open_server.proc.send_signal(signal.SIGTERM)
-        rest = list(lines)
+        return list(lines), response.headers["x-request-id"]
+
+
+def _ends_in_an_abort_error(rest: list[str]) -> bool:
+    """I6: an aborted stream ends with an error event, then `[DONE]`; no chunk claims a finish."""
     events = _events(iter(rest))
-    assert events[-1]["error"]["code"] == "engine_unavailable" and "shutting down" in events[-1]["error"]["message"]
-    assert rest[-2:] == ["data: [DONE]", ""]
-    assert not any(c.get("choices", [{}])[0].get("finish_reason") for c in events[:-1])
+    error = events[-1].get("error", {}) if events else {}
+    return (error.get("code") == "engine_unavailable" and "shutting down" in error.get("message", "")
+            and rest[-2:] == ["data: [DONE]", ""]
+            and not any(c.get("choices", [{}])[0].get("finish_reason") for c in events[:-1]))
+
+
+def test_sigterm_past_the_grace_period_aborts_with_an_error(start_server: Callable[..., ServerProcess]) -> None:
+    open_server = start_server("--shutdown-grace-s", "0")
+    rest, request_id = _stream_then_sigterm(open_server)
+    assert _ends_in_an_abort_error(rest)
     assert open_server.terminate() == 0
     record = open_server.audit_for(request_id)
     assert record["outcome"] == "aborted" and record["reason"] == "server_shutdown"
 
 
+def test_the_abort_check_fails_when_an_abort_is_served_as_a_success(
+        start_server: Callable[..., ServerProcess]) -> None:
+    """The negative control of the test above (I6): a frontend that passes an abort off as a
+    finished answer ends the stream with a chunk that claims a finish and no error."""
+    open_server = start_server("--shutdown-grace-s", "0", faults=["abort_as_success"])
+    rest, _ = _stream_then_sigterm(open_server)
+    assert not _ends_in_an_abort_error(rest)
+    assert rest[-2:] == ["data: [DONE]", ""] and not any('"error"' in line for line in rest)
+    open_server.terminate()
+
+
 def test_engine_death_fails_requests_and_health(start_server: Callable[..., ServerProcess]) -> None:
-    open_server = start_server()
+    open_server = start_server("--engine-restart-limit", "0")  # restarts: tests/server/test_engine_restart.py
     client = client_for(open_server, "EMPTY")
     out = client.completions.create(model=open_server.model_name, prompt="w5", max_tokens=2)
     assert open_server.audit_for(out.id)["tenant"] == "default"

@@ -40,7 +40,11 @@
  *     reduced together (a CPU without AVX512-BF16).
  * With every page in L2, 30 layers at 32 rows took 5.9 ms (8.2 before the values pass widened
  * once per row and the AMX scores left by gather); over 30 layers' pools from memory 0.92x the
- * earlier time (bench/attention_ab.py). */
+ * earlier time (bench/attention_ab.py).
+ *
+ * Called by NativeOps.decode_attention (kvseal/ops/native_backend.py) and the decode loop
+ * (decode_loop.c). Pools of another dtype run the torch formulation (kvseal/ops/torch_attention.py:
+ * batched matmuls over gathered pages, V read in place by an embedding bag in float32). */
 
 #include "kvseal_ops.h"
 #include "tiles.h"

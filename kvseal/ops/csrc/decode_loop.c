@@ -8,7 +8,10 @@
  * (a slot outside the pool: -1, nothing written in that layer), and *layers_written tells the
  * caller which layers to record (KVPool.write_layers_by), so the next step's isolation checks
  * see the same coverage as after the per-layer path. The bfloat16 loop reads q in place from
- * the qkv rows. */
+ * the qkv rows.
+ *
+ * Driven by kvseal/ops/native_decode_loop.py (NativeOps.decode_loop), which CausalLM.forward
+ * calls for a step whose every row decodes one token. */
 
 #include <string.h>
 

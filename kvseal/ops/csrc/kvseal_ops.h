@@ -209,6 +209,42 @@ int kvseal_decode_layers_bf16(const struct kvseal_decode_step *step, const void 
                               const uint16_t *signed_sin, const int64_t *slots, const int64_t *tables,
                               const int64_t *context_lens, int64_t *layers_written);
 
+/* ---- the always-on isolation check and the write records' growth (records.c) ---- */
+
+/* The write records of kvseal/kvcache/records.py: page_row [num_pages] the record row of each
+   page's owner (KVSEAL_FREE_ROW, or KVSEAL_CACHED_ROW for a page the prefix cache holds),
+   page_namespace [num_pages] a cached page's namespace id, row_namespace [num_rows] each row's,
+   prefix [num_layers, num_rows] how many leading positions of each row are written per layer. */
+#define KVSEAL_FREE_ROW -1
+#define KVSEAL_CACHED_ROW -2
+struct kvseal_records {
+    const int64_t *page_row, *page_namespace, *row_namespace;
+    int64_t *prefix;
+    int64_t num_pages, page_size, num_layers, num_rows;
+};
+
+/* Why a sequence may not run (kvseal_check_forward's refused[i]; 0: it may). */
+#define KVSEAL_REFUSE_NO_PAGES 1  /* its row is -1: the request holds no pages */
+#define KVSEAL_REFUSE_FOREIGN 2   /* it names a page it may not use (or one outside the pool) */
+#define KVSEAL_REFUSE_UNCOVERED 3 /* some layer's written prefix does not reach its first new position */
+
+/* The always-on check (I3, I4) of one forward of num_seqs sequences: sequence i is record row
+   rows[i] (-1: none), writes positions from starts[i] on, reads the pages of its block table
+   (page_counts[i] of `pages`, the tables one after the other) and writes the slots of its new
+   tokens (slot_counts[i] of `slots`). It may run if every page it reads is its own or a cached
+   page of its row's namespace, every page it writes is its own, and every layer's prefix
+   reaches starts[i]. refused[i] = why not (KVSEAL_REFUSE_*), the first reason in that order, or
+   0. Returns how many are refused; -1, reading neither, if the counts are not num_pages pages
+   and num_slots slots. */
+int64_t kvseal_check_forward(const struct kvseal_records *records, const int64_t *rows, const int64_t *starts,
+                             int64_t num_seqs, const int64_t *pages, int64_t num_pages, const int64_t *page_counts,
+                             const int64_t *slots, int64_t num_slots, const int64_t *slot_counts, int64_t *refused);
+
+/* One forward's write in layers [layer_begin, layer_end): each row's prefix (rows[i] >= 0) grows
+   to ends[i] where it already reaches starts[i] (contiguous growth), else stays. */
+void kvseal_advance_prefix(const struct kvseal_records *records, const int64_t *rows, const int64_t *starts,
+                           const int64_t *ends, int64_t num_seqs, int64_t layer_begin, int64_t layer_end);
+
 /* ---- the sampler's greedy choice (argmax.c) ---- */
 
 /* out [rows] = the first index of each row's largest value of x [rows, n] (n > 0), or of its

@@ -17,7 +17,10 @@
  * torch; it differs only in a NaN's sign and in flushing results below bfloat16's normal range
  * to zero, which torch's conversion never reaches in practice); SiLU takes recip16 (vrcp14ps and
  * a Newton step with AVX-512), whose last-bit differences vanish in the rounding but for a few
- * ulp-boundary cases. */
+ * ulp-boundary cases.
+ *
+ * Called by NativeOps.add_rms_norm, gate_up_silu (the SiLU pass where the linear's own fused
+ * kernel declines), rope_ and write_kv (kvseal/ops/native_backend.py), and by the decode loop. */
 
 #include "kvseal_ops.h"
 #include "vec.h"

@@ -7,7 +7,11 @@
  * the sums once, at the store, then the bias is added. A decode step reads a quarter of the
  * float32 bytes: 1.6-2.7x faster than torch's int8pack at one row on AVX2. One row runs four
  * independent chains over K with the next 512 bytes prefetched; more rows go in 6-row blocks,
- * 96-row blocks of x, panels split statically over the threads. */
+ * 96-row blocks of x, panels split statically over the threads.
+ *
+ * Packed by kvseal_pack_panels_i8 and called through Int8PanelLinear (kvseal/ops/native_linears.py).
+ * A bfloat16 model, or an engine without these kernels, multiplies the same int8 weights with
+ * torch's _weight_int8pack_mm instead (Int8PackLinear, kvseal/ops/torch_linears.py). */
 
 #include "kvseal_ops.h"
 #include "panels.h"

@@ -39,7 +39,11 @@
  * the SiLU are the two-pass path's, so the result is bit-equal to it.
  *
  * Measured against oneDNN's packed weights: 1.1-2x faster at one row and 1.1-1.5x at 32-256
- * rows (docs/BENCHMARKS.md, round 5). */
+ * rows (docs/benchmarks-archive.md, round 5).
+ *
+ * Called through PanelLinear (kvseal/ops/native_linears.py), which kvseal/models/packed.py puts in
+ * place of every decoder linear and the lm_head of a float32 model; without these kernels the
+ * same linears use oneDNN's packed layout (PackedLinear, kvseal/ops/torch_linears.py). */
 
 #include "kvseal_ops.h"
 #include "panels.h"

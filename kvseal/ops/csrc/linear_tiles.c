@@ -19,8 +19,8 @@
  *     step; a chunk's outputs go out a row or two at a time between the next chunk's tile
  *     products, so the vector ports convert and store while the tiles compute. At 1-32 rows a
  *     pass over SmolLM2-135M's 270 MB of weights takes 10.5-13.4 ms (the memory's bandwidth)
- *     against oneDNN's 14.6-17.8 ms; at 2,048 rows 0.9x oneDNN's time (docs/BENCHMARKS.md,
- *     rounds 10 and 20).
+ *     against oneDNN's 14.6-17.8 ms; at 2,048 rows 0.9x oneDNN's time
+ *     (docs/benchmarks-archive.md, rounds 10 and 20).
  *   AVX512-BF16 (CPUs without AMX, such as AMD's Zen 4 and 5): one 64-byte tile row is exactly
  *     VDPBF16PS's operand (16 outputs' k-pairs) against x's pair broadcast: 8 rows x 2 panels
  *     in 16 accumulators, few-row blocks splitting k over more accumulators, the first chunk of
@@ -28,7 +28,9 @@
  *     lines between them so the prefetch spreads over the whole chunk. On a Zen 5 host it
  *     matches oneDNN at 2,048 rows and takes 0.7-0.86x its time at 8-32 rows (round 11).
  * A build without AVX512-BF16 has neither: the entry points answer -1 and the ops layer keeps
- * torch's linears.
+ * torch's linears (PackedLinear where oneDNN multiplies bfloat16, else nn.Linear). Called
+ * through TileLinear (kvseal/ops/native_linears.py) for a bfloat16 model's decoder linears and
+ * lm_head whose input width is a multiple of 32.
  *
  * The MLP's gate/up + SiLU (kvseal_linear_silu_tiles): each gate panel paired with the up panel
  * of the same features, the epilogue rounding gate and up to bfloat16 (the linear's output),
@@ -56,7 +58,8 @@ void kvseal_pack_tiles(const uint16_t *w, uint16_t *packed, int64_t n_out, int64
 #if KVSEAL_AVX512BF16
 /* rows of a 16-column float32 tile (+ bias) into bfloat16 y, nr <= 16 valid columns: one
    vcvtneps2bf16 a row (round to nearest even; NaN stays NaN). */
-static void store_tile_rows(const float *c, int rows, const uint16_t *bias, uint16_t *y, int64_t ldy, int64_t nr) {
+static inline __attribute__((always_inline)) void store_tile_rows(const float *c, int rows, const uint16_t *bias,
+                                                                  uint16_t *y, int64_t ldy, int64_t nr) {
     const __mmask16 mask = (__mmask16)((1u << nr) - 1u);
     const __m512 b =
         bias == NULL
@@ -159,7 +162,8 @@ struct tile_job {
 
 /* silu(gate) * up rows from a gate tile and an up tile (float32 sums), rounded as the two-pass
    path rounds: gate and up to bfloat16 (the linear's output), silu(gate) to bfloat16, the product. */
-static void store_silu_rows(const float *gate, const float *up, int rows, uint16_t *act, int64_t ld) {
+static inline __attribute__((always_inline)) void store_silu_rows(const float *gate, const float *up, int rows,
+                                                                  uint16_t *act, int64_t ld) {
     const v16 one = (v16){0} + 1.0f;
     for (int r = 0; r < rows; r++) {
         const v16 g = round16_bf16(load16(gate + r * 16)), u = round16_bf16(load16(up + r * 16));
@@ -178,8 +182,11 @@ struct pending_chunk {
 };
 
 /* The pending chunk's rows [p->done, until) out, a row tile's share at a time: each linear
-   output + bias rounded once, or a fused gate/up's silu(gate) * up. */
-static void pending_rows(const struct tile_job *j, struct pending_chunk *p, int until) {
+   output + bias rounded once, or a fused gate/up's silu(gate) * up. Inlined, with the row stores
+   below, into the tile loop that calls it between k steps: as a call (its prologue, the SiLU's
+   constants loaded afresh) it cost 2-4% of the tile linears' time. */
+static inline __attribute__((always_inline)) void pending_rows(const struct tile_job *j, struct pending_chunk *p,
+                                                               int until) {
     const int rows = p->r0 + p->r1;
     if (until > rows) until = rows;
     while (p->done < until) {

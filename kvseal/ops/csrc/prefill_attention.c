@@ -29,11 +29,15 @@
  * tiles of 32 keys x 16 features, each output scaled by 1 / sum and rounded once: 60 against
  * SDPA's 92 ms for a 2,048-token step's 30 layers. Without AMX the dot-product kernel takes
  * under half of SDPA's bfloat16 time. (For other head dims on AMX hosts SDPA is the faster and
- * the ops layer sends those chunks there; a build without AVX512-BF16 runs the float32 kernel on
- * rows widened once per layer.)
+ * the ops layer sends those chunks there, NativeOps.sdpa_leads_fresh_prefill in
+ * kvseal/ops/native_backend.py; a build without AVX512-BF16 runs the float32 kernel on rows
+ * widened once per layer.)
  *
  * One driver (fresh_attention) runs every variant: a pack and a block function, the block's row
- * count and the per-thread tile set-up per kernel (struct fresh_kernel). */
+ * count and the per-thread tile set-up per kernel (struct fresh_kernel).
+ *
+ * Called by NativeOps.fresh_attention and NativeOps.prefix_attention (kvseal/ops/native_backend.py);
+ * dtypes and head sizes these kernels do not take run torch's SDPA (kvseal/ops/torch_attention.py). */
 
 #include "kvseal_ops.h"
 #include "tiles.h"

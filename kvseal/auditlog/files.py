@@ -1,0 +1,134 @@
+"""Reading an audit log across its rotated files, and the time windows queries take."""
+
+from __future__ import annotations
+
+import gzip
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import IO, cast
+
+import msgspec
+
+from kvseal.auditlog.record import LoggedRequest
+from kvseal.errors import KvsealError
+from kvseal.server.audit_file import rotated_files
+
+
+class AuditLogError(KvsealError):
+    """The audit log cannot be read, or a query was given a bad value."""
+
+
+def log_files(path: Path) -> list[Path]:
+    """`path`'s rotated files, oldest first, then `path` itself; AuditLogError when there are none."""
+    files = [rotated for _, rotated in rotated_files(path)]
+    if path.is_file():
+        files.append(path)
+    if not files:
+        raise AuditLogError(f"no audit log at {path} (nor rotated files {path}.N): give the path that "
+                            f"kvseal serve --audit-log was given")
+    return files
+
+
+@dataclass
+class AuditLogReader:
+    """Every record of one audit log, oldest file first. A line that is not a record (a file
+    edited by hand, another program's output) is skipped and counted, never silently."""
+
+    path: Path
+    num_skipped: int = 0
+    first_skipped: str | None = None  # where and why, for the warning
+    files: list[Path] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.files = log_files(self.path)
+
+    def records(self) -> Iterator[LoggedRequest]:
+        decoder = msgspec.json.Decoder(LoggedRequest)
+        for file in self.files:
+            try:
+                with _open(file) as lines:
+                    for number, line in enumerate(lines, 1):
+                        if line.strip():
+                            yield from self._decoded(decoder, line, f"{file}:{number}")
+            except (OSError, EOFError) as exc:  # unreadable, or a damaged or cut .gz
+                raise AuditLogError(f"cannot read the audit log file {file}: {exc}") from exc
+
+    def _decoded(self, decoder: msgspec.json.Decoder[LoggedRequest], line: bytes,
+                 where: str) -> Iterator[LoggedRequest]:
+        try:
+            yield decoder.decode(line)
+        except msgspec.DecodeError as exc:
+            self._skip(f"{where}: {exc}")
+
+    def _skip(self, where: str) -> None:
+        self.num_skipped += 1
+        if self.first_skipped is None:
+            self.first_skipped = where
+
+
+def _open(file: Path) -> IO[bytes]:
+    try:
+        return cast(IO[bytes], gzip.open(file, "rb")) if file.suffix == ".gz" else file.open("rb")
+    except OSError as exc:
+        raise AuditLogError(f"cannot read the audit log file {file}: {exc}") from exc
+
+
+def parse_time(text: str) -> float:
+    """Unix seconds from `text`: a number (Unix seconds) or ISO 8601 (`2026-12-05T06:00:00Z`,
+    `2026-12-05 06:00`, `2026-12-05`; a time without a zone is UTC)."""
+    try:
+        seconds = float(text)
+    except ValueError:
+        pass
+    else:
+        if not math.isfinite(seconds):
+            raise AuditLogError(f"cannot read {text!r} as a time: give Unix seconds or ISO 8601, e.g. "
+                                f"2026-12-05T06:00:00Z")
+        return seconds
+    try:
+        moment = datetime.fromisoformat(text.strip())
+    except ValueError:
+        raise AuditLogError(f"cannot read {text!r} as a time: give Unix seconds or ISO 8601, e.g. "
+                            f"2026-12-05T06:00:00Z") from None
+    return (moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)).timestamp()
+
+
+def iso(seconds: float | None) -> str:
+    """Unix seconds as ISO 8601 in UTC, to the millisecond ('' for None)."""
+    if seconds is None:
+        return ""
+    return datetime.fromtimestamp(seconds, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+@dataclass(frozen=True)
+class TimeWindow:
+    """[since, until) in Unix seconds; either end may be open."""
+
+    since: float | None = None
+    until: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.since is not None and self.until is not None and self.until <= self.since:
+            raise AuditLogError(f"--until ({iso(self.until)}) must be after --since ({iso(self.since)})")
+
+    @classmethod
+    def parse(cls, since: str | None, until: str | None) -> TimeWindow:
+        return cls(None if since is None else parse_time(since), None if until is None else parse_time(until))
+
+    @property
+    def is_bounded(self) -> bool:
+        return self.since is not None and self.until is not None
+
+    def holds(self, moment: float) -> bool:
+        """`moment` lies in the window."""
+        return (self.since is None or moment >= self.since) and (self.until is None or moment < self.until)
+
+    def overlaps(self, start: float, end: float) -> bool:
+        """Some instant of [start, end] lies in the window: the request was in flight during it."""
+        return (self.since is None or end >= self.since) and (self.until is None or start < self.until)
+
+    def describe(self) -> str:
+        return f"[{iso(self.since) or 'the start'}, {iso(self.until) or 'the end'})"

@@ -1,0 +1,173 @@
+"""Operator actions on a running server: reload the API keys, and the model's kill switch.
+
+    POST /admin/keys/reload[?abort=true]        re-read --api-keys (SIGHUP does the same, without abort)
+    POST /admin/models/{id}/disable[?abort=true] new requests for the model get 503 model_disabled
+    POST /admin/models/{id}/enable
+
+Each needs an admin key (an entry with `"admin": true` in the keys file; open without a keys
+file, as /metrics is): 401 without a valid key, 403 for a tenant's key. The answers and errors
+are JSON in OpenAI's shape.
+
+A reload replaces the whole table at once: an added key works for the next request, a removed
+or revoked one is refused (401) from the next request on. Requests already in flight with a key
+no longer in the table finish, unless `abort=true`: then each ends with 401 `api_key_revoked`
+(an error event in a stream) and is audited with that reason. A file that does not parse is
+refused whole with the reason (400 `invalid_keys_file`, or a log line for SIGHUP) and the old
+table stays. Limits (concurrency, max_tokens, rates) change with the table, for the next request.
+
+Disabling the model lets in-flight requests finish, or with `abort=true` ends them with 503
+`model_disabled`. Every action, a refused reload included, is one `AdminRecord` in the audit log.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from fastapi import FastAPI
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from kvseal._testing.faults import Fault, is_active
+from kvseal.errors import ConfigError
+from kvseal.messages.msgs import ABORT_KEY_REVOKED, ABORT_MODEL_DISABLED
+from kvseal.server import errors
+from kvseal.server.audit import AdminAction, AdminRecord
+from kvseal.server.auth import ApiKey, ApiKeyTable, authorization_of
+from kvseal.server.errors import ApiError
+from kvseal.server.state import AppState, LiveCall
+
+logger = logging.getLogger("kvseal.server")
+
+Trigger = Literal["http", "sighup"]
+
+
+@dataclass(frozen=True)
+class KeysChange:
+    """What a reload changed, keys named by `ApiKey.key_id`."""
+
+    keys_added: list[str]
+    keys_removed: list[str]
+    tenants_changed: list[str]  # tenants whose limits differ (added and removed tenants too)
+
+    @classmethod
+    def between(cls, old: ApiKeyTable, new: ApiKeyTable) -> KeysChange:
+        old_keys = {k.digest: k for k in old.keys}
+        new_keys = {k.digest: k for k in new.keys}
+        old_tenants = {t.name: t for t in old.tenants}
+        new_tenants = {t.name: t for t in new.tenants}
+        changed = sorted(n for n in old_tenants.keys() | new_tenants.keys() if old_tenants.get(n) != new_tenants.get(n))
+        return cls(sorted(k.key_id for d, k in new_keys.items() if d not in old_keys),
+                   sorted(k.key_id for d, k in old_keys.items() if d not in new_keys), changed)
+
+
+def reload_keys(state: AppState, trigger: Trigger, by: ApiKey | None, *, abort: bool) -> dict[str, Any]:
+    """Replace the key table with the file's; `ApiError` 400 (and the old table kept) when the
+    file cannot be read or parsed. With `abort`, end the in-flight requests of keys no longer in
+    the table."""
+    path = state.config.api_keys_path
+    if path is None:
+        raise errors.no_keys_file()
+    try:
+        table = ApiKeyTable.load(path)
+    except ConfigError as exc:
+        logger.error("the API keys file was not reloaded (%s); the keys in use are unchanged", exc)
+        _audit(state, "keys_reload_refused", trigger, by, reason=str(exc))
+        raise errors.invalid_keys_file(str(exc)) from exc
+    if is_active(Fault.KEEP_REVOKED_KEYS):  # test-only: removed keys stay valid
+        kept = {k.digest for k in table.keys}
+        table = ApiKeyTable(table.keys + [k for k in state.keys.keys if k.digest not in kept])
+    if not any(k.is_admin for k in table.keys):
+        logger.warning("the reloaded keys file has no admin key: /admin and /metrics now refuse every key; SIGHUP "
+                       "still reloads the file")
+    change = KeysChange.between(state.keys, table)
+    state.keys = table
+    valid = {k.digest for k in table.keys}
+    num_aborted = _stop_calls(state, lambda c: c.key_digest not in valid, ABORT_KEY_REVOKED) if abort else 0
+    logger.warning("API keys reloaded from %s (%s): %d keys, %d added, %d removed, %d in-flight requests aborted; "
+                   "tenants now [%s], changed %s", path, trigger, len(table.keys), len(change.keys_added),
+                   len(change.keys_removed), num_aborted, ", ".join(t.describe() for t in table.tenants),
+                   change.tenants_changed)
+    _audit(state, "keys_reloaded", trigger, by, keys_added=change.keys_added, keys_removed=change.keys_removed,
+           tenants_changed=change.tenants_changed, num_aborted=num_aborted)
+    return {"object": "keys.reload", "num_keys": len(table.keys), "tenants": [t.name for t in table.tenants],
+            "keys_added": change.keys_added, "keys_removed": change.keys_removed,
+            "tenants_changed": change.tenants_changed, "num_aborted": num_aborted}
+
+
+def reload_keys_on_signal(state: AppState) -> None:
+    """SIGHUP: reload without aborting; a refused file is logged (and audited), never raised."""
+    try:
+        reload_keys(state, "sighup", None, abort=False)
+    except ApiError as err:
+        logger.error("SIGHUP: %s", err.message)
+
+
+def set_model_disabled(state: AppState, model: str, is_disabled: bool, by: ApiKey | None, *,
+                       abort: bool) -> dict[str, Any]:
+    """The kill switch; `ApiError` 404 for a model this server does not serve."""
+    if model != state.model_name:
+        raise errors.model_not_found(model, state.model_name)
+    if is_disabled:
+        state.disabled_models.add(model)
+    else:
+        state.disabled_models.discard(model)
+    num_aborted = _stop_calls(state, lambda c: True, ABORT_MODEL_DISABLED) if is_disabled and abort else 0
+    action: AdminAction = "model_disabled" if is_disabled else "model_enabled"
+    logger.warning("%s: %s by the operator; %d in-flight requests aborted", action, model, num_aborted)
+    _audit(state, action, "http", by, model=model, num_aborted=num_aborted if is_disabled else None)
+    return {"id": model, "object": "model", "disabled": is_disabled, "num_aborted": num_aborted}
+
+
+def _stop_calls(state: AppState, matches: Callable[[LiveCall], bool], reason: str) -> int:
+    calls = [c for c in state.live_calls.values() if matches(c)]
+    for call in calls:
+        call.stop(reason)
+    return len(calls)
+
+
+def _audit(state: AppState, action: AdminAction, trigger: Trigger, by: ApiKey | None, **fields: Any) -> None:
+    by_tenant = by.tenant.name if by is not None and by.digest else None
+    by_key_id = by.key_id if by is not None and by.digest else None
+    state.audit.write(AdminRecord(action, time.time(), trigger, by_tenant, by_key_id, **fields))
+
+
+def add_admin_routes(app: FastAPI, state: AppState) -> None:
+    @app.post("/admin/keys/reload", response_model=None)
+    async def reload(request: Request) -> Response:
+        try:
+            by = state.keys.authenticate_admin(authorization_of(request.headers))
+            return JSONResponse(reload_keys(state, "http", by, abort=_abort_param(request)))
+        except ApiError as err:
+            return errors.response(err)
+
+    @app.post("/admin/models/{model:path}/disable", response_model=None)
+    async def disable(model: str, request: Request) -> Response:
+        return _switch(state, request, model, is_disabled=True)
+
+    @app.post("/admin/models/{model:path}/enable", response_model=None)
+    async def enable(model: str, request: Request) -> Response:
+        return _switch(state, request, model, is_disabled=False)
+
+
+def _switch(state: AppState, request: Request, model: str, *, is_disabled: bool) -> Response:
+    try:
+        by = state.keys.authenticate_admin(authorization_of(request.headers))
+        abort = _abort_param(request)
+        if abort and not is_disabled:
+            raise errors.invalid_abort_param("true (enable ends no request)")
+        return JSONResponse(set_model_disabled(state, model, is_disabled, by, abort=abort))
+    except ApiError as err:
+        return errors.response(err)
+
+
+def _abort_param(request: Request) -> bool:
+    value = request.query_params.get("abort", "false")
+    if value.lower() in ("true", "1"):
+        return True
+    if value.lower() in ("false", "0"):
+        return False
+    raise errors.invalid_abort_param(value)

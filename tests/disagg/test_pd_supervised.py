@@ -1,0 +1,117 @@
+"""`kvseal serve --pd` supervises the engines it started: an engine killed by its PID is reaped
+(no <defunct> child), its exit logged, its requests fail with errors (never a 200 with another
+marker's text), it is restarted at the same address, and the frontend serves again with the
+new instance; the dead instance's per-engine series leave /metrics."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from itertools import count
+from pathlib import Path
+
+import httpx
+import pytest
+from marker_model import marker_prompt
+from pd_servers import ENGINE_FLAGS, KEYS, Proc
+from processes import free_port, wait_for
+
+FLAGS = [*ENGINE_FLAGS, "--kv-cache-tokens", "1024", "--max-model-len", "512"]
+MAX_TOKENS = 6
+_markers = count(300)
+
+
+class PdServe(Proc):
+    def __init__(self, model: Path, workdir: Path) -> None:
+        self.port = free_port()
+        keys = workdir / "keys.json"
+        workdir.mkdir(parents=True, exist_ok=True)
+        keys.write_text(json.dumps(KEYS))
+        super().__init__("serve-pd", ["serve", "--pd", "--model", str(model), "--port", str(self.port),
+                                      "--api-keys", str(keys), "--audit-log", str(workdir / "audit.jsonl"),
+                                      "--engine-restart-backoff-s", "0.5", *FLAGS], workdir)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def engine_pid(self, role: str) -> int:
+        """The newest pid of the `role` engine, from the log (started, or restarted)."""
+        pids = re.findall(rf"(?:{role} engine \(pid |restarted the {role} engine at \S+ \(pid )(\d+)\)", self.log())
+        return int(pids[-1])
+
+    def metrics(self) -> str:
+        return httpx.get(f"{self.url}/metrics", headers={"Authorization": "Bearer key-ops"}, timeout=10).text
+
+    def instance(self, role: str) -> str | None:
+        match = re.search(rf'kvseal_pd_kv_pages_used{{engine="({role}-[^"]+)",role="{role}"}}', self.metrics())
+        return match.group(1) if match else None
+
+
+@pytest.fixture
+def pd_serve(marker_dir: Path, tmp_path: Path) -> Iterator[PdServe]:
+    server = PdServe(marker_dir, tmp_path)
+    server.start()
+    try:
+        server.wait_until_healthy(server.url)
+        yield server
+    finally:
+        server.kill()
+
+
+def send(server: PdServe, length: int = 40) -> tuple[int, int, str]:
+    """(marker, status, text) of one request of alice; for an error, its message."""
+    marker = next(_markers)
+    response = httpx.post(f"{server.url}/v1/completions", headers={"Authorization": "Bearer key-alice"}, timeout=60,
+                          json={"prompt": marker_prompt(marker, length), "max_tokens": MAX_TOKENS, "temperature": 0})
+    if response.status_code != 200:
+        assert response.status_code >= 500 and response.json()["error"]["code"], response.text
+        return marker, response.status_code, response.json()["error"]["message"]
+    return marker, 200, response.json()["choices"][0]["text"]
+
+
+def assert_own_or_error(results: list[tuple[int, int, str]]) -> None:
+    for marker, status, text in results:
+        assert status >= 500 or text.split() == [f"w{marker}"] * MAX_TOKENS, (marker, status, text)
+
+
+def is_reaped(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def serves_again(server: PdServe) -> bool:
+    result = send(server)
+    assert_own_or_error([result])
+    return result[1] == 200
+
+
+@pytest.mark.parametrize("role", ["decode", "prefill"])
+def test_a_killed_engine_is_restarted_and_its_series_dropped(pd_serve: PdServe, role: str) -> None:
+    assert serves_again(pd_serve)
+    old_pid, old_instance = pd_serve.engine_pid(role), wait_for(lambda: pd_serve.instance(role), "its series")
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        futures = [pool.submit(send, pd_serve, 200) for _ in range(4)]
+        os.kill(old_pid, signal.SIGKILL)
+        results = [f.result() for f in futures]
+    assert_own_or_error(results)
+    wait_for(lambda: f"restarted the {role} engine" in pd_serve.log(), "the restart")
+    meanwhile = [send(pd_serve) for _ in range(3)]
+    assert_own_or_error(meanwhile)
+    for _, status, text in meanwhile:  # while it loads: 503 saying what happened
+        assert status == 200 or (f"no {role} engine is reachable (the {role} engine (pid {old_pid})" in text
+                                 and "exited (killed by SIGKILL (signal 9)); restarted at " in text), text
+    wait_for(lambda: serves_again(pd_serve), "serving again", deadline_s=120)
+    assert is_reaped(old_pid)
+    assert re.search(rf"the {role} engine \(pid {old_pid}\) at \S+ exited \(killed by SIGKILL \(signal 9\)\); "
+                     rf"restarting it in 0.5 s", pd_serve.log())
+    new_instance = wait_for(lambda: pd_serve.instance(role), "the new instance's series")
+    metrics = pd_serve.metrics()
+    assert new_instance != old_instance and f'engine="{old_instance}"' not in metrics
+    assert f'kvseal_engine_restarts_total{{role="{role}"}} 1.0' in metrics
+    assert pd_serve.engine_pid(role) != old_pid
+    assert pd_serve.terminate() == 0

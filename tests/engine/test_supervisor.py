@@ -1,0 +1,47 @@
+"""The restart policy: backoff doubling to its cap, the limit in a row, a stable run ending the
+row, exits in words, and bad flags refused."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvseal.engine import supervisor
+from kvseal.engine.supervisor import MAX_BACKOFF_S, RestartPolicy, RestartTracker, describe_exit
+from kvseal.errors import ConfigError
+
+
+def test_backoff_doubles_up_to_its_cap() -> None:
+    policy = RestartPolicy(engine_restart_limit=10, engine_restart_backoff_s=1.5)
+    assert [policy.delay_s(n) for n in (1, 2, 3)] == [1.5, 3.0, 6.0]
+    assert policy.delay_s(10) == MAX_BACKOFF_S
+
+
+def test_the_limit_counts_restarts_in_a_row(monkeypatch: pytest.MonkeyPatch) -> None:
+    now = [1000.0]
+    monkeypatch.setattr(supervisor.time, "monotonic", lambda: now[0])
+    tracker = RestartTracker(RestartPolicy(engine_restart_limit=2, engine_restart_backoff_s=1.0))
+    tracker.started()
+    assert tracker.next_delay_s() == 1.0
+    tracker.started()
+    assert tracker.next_delay_s() == 2.0
+    tracker.started()
+    assert tracker.next_delay_s() is None and "2 times in a row" in tracker.gave_up()
+    now[0] += supervisor.STABLE_AFTER_S  # the last restart stayed up long enough: a new row
+    assert tracker.next_delay_s() == 1.0 and tracker.num_restarts == 3
+
+
+def test_limit_zero_never_restarts() -> None:
+    assert RestartTracker(RestartPolicy(engine_restart_limit=0)).next_delay_s() is None
+
+
+def test_exits_in_words() -> None:
+    assert describe_exit(-9) == "killed by SIGKILL (signal 9)"
+    assert describe_exit(1) == "exit code 1" and describe_exit(None) == "exit status unknown"
+
+
+@pytest.mark.parametrize("kwargs, flag", [({"engine_restart_limit": -1}, "--engine-restart-limit"),
+                                          ({"engine_restart_backoff_s": -1.0}, "--engine-restart-backoff-s"),
+                                          ({"engine_restart_backoff_s": float("inf")}, "--engine-restart-backoff-s")])
+def test_bad_flags_are_refused(kwargs: dict[str, float], flag: str) -> None:
+    with pytest.raises(ConfigError, match=flag):
+        RestartPolicy(**kwargs)  # type: ignore[arg-type]

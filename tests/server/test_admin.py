@@ -1,0 +1,241 @@
+"""Operating a running server: the keys file reloaded live (HTTP and SIGHUP), hashed keys,
+revocation with and without aborting in-flight requests, and the model's kill switch.
+
+One server of its own (its keys file is rewritten by the tests; each test puts the original
+back), plus one with the `KEEP_REVOKED_KEYS` fault to show the revocation test notices a
+reload that keeps removed keys.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from processes import wait_for
+from server_process import KEYS, ServerProcess
+from test_http_errors import error_of
+
+ADMIN = {"Authorization": "Bearer key-ops"}
+STREAM = {"prompt": "w5 w6", "max_tokens": 500, "ignore_eos": True, "stream": True}
+
+
+def _start(model_dir: Path, workdir: Path, faults: list[str] | None = None) -> ServerProcess:
+    return ServerProcess(model_dir, workdir, keys=KEYS, faults=faults).start()
+
+
+@pytest.fixture(scope="module")
+def admin_server(server_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    proc = _start(server_model_dir, tmp_path_factory.mktemp("admin-server"))
+    yield proc
+    proc.terminate()
+
+
+@pytest.fixture
+def srv(admin_server: ServerProcess) -> Iterator[ServerProcess]:
+    """The admin server; its keys and model state are put back after the test."""
+    yield admin_server
+    write_keys(admin_server, KEYS)
+    assert reload(admin_server).status_code == 200
+    assert admin(admin_server, f"/admin/models/{admin_server.model_name}/enable").status_code == 200
+
+
+def write_keys(server: ServerProcess, keys: Any) -> None:
+    path = server.audit_path.parent / "keys.json"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(keys if isinstance(keys, str) else json.dumps(keys))
+    tmp.replace(path)  # as an operator's editor or config tool would: never a half-written file
+
+
+def admin(server: ServerProcess, path: str, headers: dict[str, str] | None = None) -> httpx.Response:
+    return httpx.post(f"{server.url}{path}", headers=ADMIN if headers is None else headers, timeout=30)
+
+
+def reload(server: ServerProcess, query: str = "") -> httpx.Response:
+    return admin(server, f"/admin/keys/reload{query}")
+
+
+def complete(server: ServerProcess, key: str) -> httpx.Response:
+    return httpx.post(f"{server.base_url}/completions", json={"prompt": "w5", "max_tokens": 2},
+                      headers={"Authorization": f"Bearer {key}"}, timeout=60)
+
+
+def admin_records(server: ServerProcess) -> list[dict[str, Any]]:
+    return [r for r in server.audit_records() if "admin_action" in r]
+
+
+def key_id(key: str) -> str:
+    """As the audit log names a key (`printf %s KEY | sha256sum | cut -c1-12`)."""
+    return hashlib.sha256(key.encode()).hexdigest()[:12]
+
+
+def _stream_then(server: ServerProcess, key: str, action: Any) -> tuple[list[str], str, Any]:
+    """Start a long stream with `key`, run `action()` once its first chunk is out, read the rest."""
+    url = f"{server.base_url}/completions"
+    with httpx.stream("POST", url, json=STREAM, headers={"Authorization": f"Bearer {key}"}, timeout=60) as response:
+        assert response.status_code == 200
+        lines = response.iter_lines()
+        next(lines)
+        result = action()
+        rest = list(lines)
+        return rest, response.headers["x-request-id"], result
+
+
+def _events(lines: list[str]) -> list[dict[str, Any]]:
+    return [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+
+
+def check_revocation_without_abort(server: ServerProcess) -> None:
+    """A reload that drops alice's key: her next request is 401, her stream in flight finishes,
+    bob is untouched, and a key added in the same reload works at once."""
+    keys = {k: v for k, v in KEYS.items() if k != "key-alice"} | {"key-carol": {"tenant": "carol"}}
+    write_keys(server, keys)
+    rest, request_id, answer = _stream_then(server, "key-alice", lambda: reload(server))
+    assert answer.status_code == 200, answer.text
+    assert error_of(complete(server, "key-alice"), 401)["code"] == "invalid_api_key"
+    summary = answer.json()
+    assert summary["keys_removed"] == [key_id("key-alice")]
+    assert summary["keys_added"] == [key_id("key-carol")]
+    assert summary["num_aborted"] == 0
+    assert complete(server, "key-carol").status_code == 200
+    assert complete(server, "key-bob").status_code == 200
+    assert _events(rest)[-1]["choices"][0]["finish_reason"] == "length"  # in flight: it finished
+    assert server.audit_for(request_id)["outcome"] == "finished"
+
+
+def test_a_reload_adds_and_revokes_keys_at_once(srv: ServerProcess) -> None:
+    check_revocation_without_abort(srv)
+    record = admin_records(srv)[-1]
+    assert record["admin_action"] == "keys_reloaded" and record["trigger"] == "http"
+    assert (record["by_tenant"], record["by_key_id"]) == ("ops", key_id("key-ops"))
+    assert record["keys_removed"] == [key_id("key-alice")] and record["tenants_changed"] == ["alice", "carol"]
+    assert "key-alice" not in srv.audit_path.read_text() and "key-alice" not in srv.log()
+
+
+def test_a_reload_with_abort_ends_the_revoked_keys_requests(srv: ServerProcess) -> None:
+    write_keys(srv, {k: v for k, v in KEYS.items() if k != "key-alice"})
+    rest, request_id, answer = _stream_then(srv, "key-alice", lambda: reload(srv, "?abort=true"))
+    assert answer.json()["num_aborted"] == 1
+    events = _events(rest)
+    assert events[-1]["error"]["code"] == "api_key_revoked"
+    assert not any(e.get("choices", [{}])[0].get("finish_reason") for e in events[:-1])
+    record = srv.audit_for(request_id)
+    assert (record["outcome"], record["reason"], record["tenant"]) == ("aborted", "api_key_revoked", "alice")
+    assert admin_records(srv)[-1]["num_aborted"] == 1
+
+
+def test_abort_ends_only_the_revoked_keys_requests(srv: ServerProcess) -> None:
+    write_keys(srv, {k: v for k, v in KEYS.items() if k != "key-alice"})
+    rest, request_id, answer = _stream_then(srv, "key-bob", lambda: reload(srv, "?abort=true"))
+    assert answer.json()["num_aborted"] == 0
+    assert _events(rest)[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_a_malformed_keys_file_is_refused_whole_and_the_old_table_stays(srv: ServerProcess) -> None:
+    for content, reason in (("{not json", "cannot read"), ({"key-x": {"tenant": "x", "max_tokens": 0}}, "max_tokens"),
+                            ({"key-x": {"tenant": "x", "requests_per_minute": "many"}}, "requests_per_minute")):
+        write_keys(srv, content)
+        err = error_of(reload(srv), 400)
+        assert err["code"] == "invalid_keys_file" and reason in err["message"]
+        assert complete(srv, "key-alice").status_code == 200  # the old table
+        assert error_of(complete(srv, "key-x"), 401)
+        record = admin_records(srv)[-1]
+        assert record["admin_action"] == "keys_reload_refused" and reason in record["reason"]
+
+
+def test_sighup_reloads_the_keys(srv: ServerProcess) -> None:
+    write_keys(srv, KEYS | {"key-dave": {"tenant": "dave"}})
+    assert error_of(complete(srv, "key-dave"), 401)
+    assert srv.proc is not None
+    num_records = len(admin_records(srv))
+    srv.proc.send_signal(signal.SIGHUP)
+    wait_for(lambda: len(admin_records(srv)) > num_records, "the SIGHUP reload's audit record")
+    assert complete(srv, "key-dave").status_code == 200
+    record = admin_records(srv)[-1]
+    assert (record["admin_action"], record["trigger"]) == ("keys_reloaded", "sighup") and "by_tenant" not in record
+    srv.assert_running()
+
+
+def test_hashed_keys_authenticate_and_malformed_hashes_are_refused(srv: ServerProcess) -> None:
+    digest = hashlib.sha256(b"key-hashed-erin").hexdigest()
+    write_keys(srv, KEYS | {f"sha256:{digest}": {"tenant": "erin"}})
+    assert reload(srv).status_code == 200
+    assert complete(srv, "key-hashed-erin").status_code == 200
+    assert error_of(complete(srv, f"sha256:{digest}"), 401)  # the digest is not the key
+    write_keys(srv, KEYS | {"sha256:ABC": {"tenant": "erin"}})
+    assert "sha256" in error_of(reload(srv), 400)["message"]
+
+
+def test_admin_routes_need_an_admin_key(srv: ServerProcess) -> None:
+    paths = ["/admin/keys/reload", f"/admin/models/{srv.model_name}/disable", f"/admin/models/{srv.model_name}/enable"]
+    for path in paths:
+        assert error_of(admin(srv, path, {}), 401)["code"] == "invalid_api_key"
+        assert error_of(admin(srv, path, {"Authorization": "Bearer nope"}), 401)["code"] == "invalid_api_key"
+        err = error_of(admin(srv, path, {"Authorization": "Bearer key-alice"}), 403)
+        assert (err["code"], err["type"]) == ("admin_key_required", "permission_error")
+    assert complete(srv, "key-alice").status_code == 200  # nothing was disabled
+    assert error_of(reload(srv, "?abort=maybe"), 400)["param"] == "abort"
+    assert error_of(admin(srv, "/admin/models/other/disable"), 404)["code"] == "model_not_found"
+
+
+def _model_card(server: ServerProcess, key: str) -> dict[str, Any]:
+    response = httpx.get(f"{server.base_url}/models", headers={"Authorization": f"Bearer {key}"}, timeout=10)
+    return dict(response.json()["data"][0])
+
+
+def test_the_kill_switch_refuses_new_requests_and_lets_in_flight_ones_finish(srv: ServerProcess) -> None:
+    path = f"/admin/models/{srv.model_name}/disable"
+    rest, request_id, answer = _stream_then(srv, "key-alice", lambda: admin(srv, path))
+    assert answer.json() == {"id": srv.model_name, "object": "model", "disabled": True, "num_aborted": 0}
+    err = error_of(complete(srv, "key-bob"), 503)
+    assert err["code"] == "model_disabled" and srv.model_name in err["message"]
+    assert _events(rest)[-1]["choices"][0]["finish_reason"] == "length"
+    assert _model_card(srv, "key-ops")["disabled"] is True
+    assert "disabled" not in _model_card(srv, "key-alice")  # the state is the operator's
+    assert srv.metric(f'kvseal_model_enabled{{model="{srv.model_name}"}}') == 0
+    assert admin(srv, f"/admin/models/{srv.model_name}/enable").json()["disabled"] is False
+    assert complete(srv, "key-bob").status_code == 200
+    assert srv.metric(f'kvseal_model_enabled{{model="{srv.model_name}"}}') == 1
+    actions = [r["admin_action"] for r in admin_records(srv)[-2:]]
+    assert actions == ["model_disabled", "model_enabled"]
+
+
+def test_the_kill_switch_with_abort_ends_in_flight_requests(srv: ServerProcess) -> None:
+    path = f"/admin/models/{srv.model_name}/disable?abort=true"
+    rest, request_id, answer = _stream_then(srv, "key-alice", lambda: admin(srv, path))
+    assert answer.json()["num_aborted"] == 1
+    assert _events(rest)[-1]["error"]["code"] == "model_disabled"
+    record = srv.audit_for(request_id)
+    assert (record["outcome"], record["reason"]) == ("aborted", "model_disabled")
+    assert admin_records(srv)[-1]["num_aborted"] == 1
+    assert error_of(admin(srv, f"/admin/models/{srv.model_name}/enable?abort=true"), 400)["param"] == "abort"
+
+
+def test_the_revocation_test_fails_when_a_reload_keeps_removed_keys(server_model_dir: Path, tmp_path: Path) -> None:
+    faulty = _start(server_model_dir, tmp_path / "faulty", faults=["keep_revoked_keys"])
+    try:
+        with pytest.raises(AssertionError):
+            check_revocation_without_abort(faulty)
+        assert complete(faulty, "key-alice").status_code == 200  # what it caught: the removed key still works
+    finally:
+        faulty.terminate()
+
+
+def test_without_a_keys_file_there_is_nothing_to_reload_and_the_switch_is_open(server_model_dir: Path,
+                                                                                tmp_path: Path) -> None:
+    open_server = ServerProcess(server_model_dir, tmp_path / "open").start()  # loopback, no --api-keys
+    try:
+        assert error_of(reload(open_server), 400)["code"] == "no_keys_file"
+        assert admin(open_server, f"/admin/models/{open_server.model_name}/disable", {}).json()["disabled"] is True
+        assert _model_card(open_server, "anything")["disabled"] is True  # everyone is the operator here
+        assert error_of(complete(open_server, "anything"), 503)["code"] == "model_disabled"
+        assert admin(open_server, f"/admin/models/{open_server.model_name}/enable", {}).status_code == 200
+        assert complete(open_server, "anything").status_code == 200
+        assert "x-ratelimit-limit-requests" not in complete(open_server, "anything").headers
+    finally:
+        open_server.terminate()

@@ -1,0 +1,114 @@
+"""Supervised colocated engine: an engine killed by its PID is reaped and restarted with
+backoff; the requests it held and those sent meanwhile get errors (never a 200 with wrong
+text), then the server serves the same answers again; past the restart limit it stays down
+with a 503 that says why."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from processes import wait_for
+from server_process import ServerProcess
+
+from kvseal.cli import main
+
+PROMPT = {"prompt": "w5 w6 w7", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+LONG = {"prompt": "w5 w6", "max_tokens": 400, "ignore_eos": True, "stream": True}
+
+
+@pytest.fixture
+def start_server(server_model_dir: Path, tmp_path: Path) -> Iterator[Callable[..., ServerProcess]]:
+    started: list[ServerProcess] = []
+
+    def start(*extra_args: str) -> ServerProcess:
+        started.append(ServerProcess(server_model_dir, tmp_path / str(len(started)), extra_args=list(extra_args)))
+        return started[-1].start()
+
+    yield start
+    for proc in started:
+        proc.kill()
+
+
+def is_reaped(pid: int) -> bool:
+    """The process is gone, not a <defunct> zombie waiting for its parent."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def kill_mid_stream(server: ServerProcess, pid: int) -> dict[str, object]:
+    """SIGKILL the engine while a stream runs; the stream's last event (an error)."""
+    with httpx.stream("POST", f"{server.base_url}/completions", json=LONG, timeout=60) as response:
+        lines = response.iter_lines()
+        next(lines)
+        os.kill(pid, signal.SIGKILL)
+        events = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+    return events[-1]
+
+
+def answer(server: ServerProcess) -> tuple[int, str]:
+    response = httpx.post(f"{server.base_url}/completions", json=PROMPT, timeout=60)
+    if response.status_code != 200:
+        assert response.json()["error"]["code"] == "engine_unavailable", response.text
+        return response.status_code, response.json()["error"]["message"]
+    return 200, response.json()["choices"][0]["text"]
+
+
+def restarted_pids(server: ServerProcess) -> list[int]:
+    return [int(pid) for pid in re.findall(r"restarting the engine \(pid (\d+)\)", server.log())]
+
+
+def test_a_killed_engine_is_reaped_restarted_and_serves_the_same_answers(
+        start_server: Callable[..., ServerProcess], capsys: pytest.CaptureFixture[str]) -> None:
+    server = start_server("--engine-restart-backoff-s", "1")
+    status, before = answer(server)
+    assert status == 200
+    old_pid = server.engine_pid
+    last = kill_mid_stream(server, old_pid)
+    assert last["error"]["code"] == "engine_unavailable"  # type: ignore[index]
+    assert "killed by SIGKILL (signal 9)" in last["error"]["message"]  # type: ignore[index]
+    meanwhile: list[tuple[int, str]] = []  # while it restarts, 503 naming why; then the same answer as before
+    wait_for(lambda: meanwhile.append(answer(server)) or meanwhile[-1][0] == 200, "serving again")
+    assert meanwhile[-1] == (200, before), meanwhile[-3:]
+    for status, text in meanwhile[:-1]:
+        assert status == 503 and "exited unexpectedly (killed by SIGKILL (signal 9))" in text, text
+    assert is_reaped(old_pid)
+    assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+    assert server.metric('kvseal_engine_restarts_total{role="engine"}') == 1
+    assert server.metric("kvseal_engine_up") == 1
+    [new_pid] = restarted_pids(server)
+    assert new_pid != old_pid and os.path.exists(f"/proc/{new_pid}")
+    records = server.audit_records()
+    errors = [r for r in records if r["outcome"] == "error"]
+    assert errors and all(r.get("output_tokens", 0) < LONG["max_tokens"] for r in errors)  # type: ignore[operator]
+    # the audit names the engine process: the dead one's requests are one query away
+    assert {r["engine"] for r in records if r["outcome"] == "finished"} == {f"engine-{old_pid}", f"engine-{new_pid}"}
+    assert main(["audit", "--audit-log", str(server.audit_path), "--engine", f"engine-{old_pid}", "--outcome",
+                 "error", "--format", "json"]) == 0
+    found = json.loads(capsys.readouterr().out)["requests"]
+    assert [r["request_id"] for r in found] == [errors[0]["request_id"]]
+
+
+def test_past_the_restart_limit_the_engine_stays_down_with_a_reason(
+        start_server: Callable[..., ServerProcess]) -> None:
+    server = start_server("--engine-restart-limit", "1", "--engine-restart-backoff-s", "0")
+    os.kill(server.engine_pid, signal.SIGKILL)
+    wait_for(lambda: restarted_pids(server) and answer(server)[0] == 200, "the restarted engine")
+    [pid] = restarted_pids(server)
+    os.kill(pid, signal.SIGTERM)  # the engine ignores SIGTERM: only a kill stops it
+    os.kill(pid, signal.SIGKILL)
+    wait_for(lambda: "not restarted again" in answer(server)[1], "the given-up 503")
+    health = httpx.get(f"{server.url}/health", timeout=10)
+    assert health.status_code == 503 and "--engine-restart-limit 1" in health.json()["error"]["message"]
+    assert is_reaped(pid) and len(restarted_pids(server)) == 1
+    assert server.metric("kvseal_engine_up") == 0
+    assert server.terminate() == 0
