@@ -47,7 +47,8 @@ class PlanArgs:
                                                                "--head-dim, in place of --model)", type=int))
     num_kv_heads: int | None = field(default=None, metadata=flag("KV heads of the whole model", type=int))
     head_dim: int | None = field(default=None, metadata=flag("dimension of one attention head", type=int))
-    tp: int = field(default=1, metadata=flag("tensor-parallel ranks (KV heads are split across them)"))
+    tp: int = field(default=1, metadata=flag("tensor-parallel ranks (KV heads are split across them)",
+                                             aliases=("--tensor-parallel-size", "-tp")))
     gpu_memory: str | None = field(default=None, metadata=flag(
         "with --device cuda: the GPU's free memory at start-up (e.g. 80GiB, 141GB); the pool is what "
         "--gpu-memory-utilization of it leaves after the weights and the activation peak", metavar="BYTES"))
@@ -189,6 +190,12 @@ def _cmd_engine(ns: argparse.Namespace) -> int:
     return serve_engine(engine_args_from(ns), config)
 
 
+def _cmd_tp_node(ns: argparse.Namespace) -> int:
+    from kvseal.parallel.node import run_node
+
+    return run_node(engine_args_from(ns))
+
+
 def _cmd_keys_generate(ns: argparse.Namespace) -> int:
     from kvseal.disagg.link_keys import generate_keys
 
@@ -243,6 +250,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_auditlog_parsers(sub)
 
     add_bench_parser(sub)
+
+    tp_node = sub.add_parser("tp-node", help="the tensor-parallel ranks of a node other than 0 (--node-rank 1..): "
+                             "same flags as node 0's engine")
+    add_engine_arguments(tp_node, model_positional=True)
+    tp_node.set_defaults(func=_cmd_tp_node)
 
     canary = sub.add_parser("canary", help="tenant-isolation canary run against an OpenAI-compatible server")
     add_canary_arguments(canary)

@@ -375,6 +375,17 @@ class EngineArgs:
     # again once an "auto" device is known); not a flag. An init field so that arguments copied
     # field by field (`EngineArgs(**vars(args))`, `dataclasses.replace`) keep it.
     is_auto_dtype: bool = field(default=False, repr=False, compare=False)
+    # Where the ranks meet (torch.distributed's TCP store, on rank 0's node) and how many nodes
+    # hold them; nodes other than 0 run `kvseal tp-node` with the same flags and their --node-rank
+    master_addr: str = field(default="127.0.0.1", metadata=flag(
+        "the address rank 0 listens on for the other tensor-parallel ranks (default 127.0.0.1: one node); "
+        "with --nnodes > 1 an address the other nodes reach"))
+    master_port: int = field(default=0, metadata=flag(
+        "the port rank 0 listens on for the other ranks (default 0: a free port, one node only)", metavar="PORT"))
+    nnodes: int = field(default=1, metadata=flag(
+        "nodes the tensor-parallel ranks are spread over, tensor_parallel_size / nnodes ranks each", metavar="N"))
+    node_rank: int = field(default=0, metadata=flag(
+        "this node's index (0: the engine, with ranks 0..; others: `kvseal tp-node`)", metavar="I"))
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES:
@@ -432,6 +443,7 @@ class EngineArgs:
                 or not math.isfinite(self.tp_timeout_s) or self.tp_timeout_s <= 0:
             raise ConfigError(f"--tp-timeout must be a number of seconds > 0, got {self.tp_timeout_s!r} "
                               f"(default {DEFAULT_TP_TIMEOUT_S:g})")
+        self._check_nodes()
         if self.kv_cache_memory is not None:
             parse_bytes(self.kv_cache_memory)  # a malformed or negative size fails here, by name
         utilization = self.gpu_memory_utilization
@@ -447,6 +459,27 @@ class EngineArgs:
         if device not in ("cpu", "cuda"):
             raise ConfigError(f"on_device takes cpu or cuda, got {device!r}")
         return dataclasses.replace(self, device=device, dtype="auto" if self.is_auto_dtype else self.dtype)
+
+    def _check_nodes(self) -> None:
+        tp, nnodes = self.tensor_parallel_size, self.nnodes
+        if isinstance(nnodes, bool) or not isinstance(nnodes, int) or nnodes < 1 or tp % nnodes:
+            raise ConfigError(f"--nnodes must be a whole number >= 1 that divides --tensor-parallel-size {tp}, got "
+                              f"{nnodes!r}: each node runs tensor_parallel_size / nnodes ranks")
+        if isinstance(self.node_rank, bool) or not isinstance(self.node_rank, int) \
+                or not 0 <= self.node_rank < nnodes:
+            raise ConfigError(f"--node-rank must be in 0..{nnodes - 1} (--nnodes {nnodes}), got {self.node_rank!r}")
+        if isinstance(self.master_port, bool) or not isinstance(self.master_port, int) \
+                or not 0 <= self.master_port < 65536:
+            raise ConfigError(f"--master-port must be a TCP port (0..65535), got {self.master_port!r}")
+        if nnodes > 1 and self.master_port == 0:
+            raise ConfigError("--nnodes > 1 needs --master-port: every node must know where rank 0 listens")
+        if not self.master_addr or self.master_addr in ("0.0.0.0", "::", "*"):
+            raise ConfigError(f"--master-addr must name one address rank 0 listens on, got {self.master_addr!r}; "
+                              f"a wildcard would take rank connections on every interface")
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.tensor_parallel_size // self.nnodes
 
     @property
     def grammar_config(self) -> GrammarConfig:

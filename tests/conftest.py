@@ -36,7 +36,7 @@ PROCESS_MODULES = frozenset({
     "disagg/test_pd_supervised.py",
     "engine/test_grammar_pool.py", "engine/test_structured.py",
     "ops/test_csrc.py", "ops/test_native_modes.py", "ops/test_packaging.py", "ops/test_sanitizers.py",
-    "parallel/test_tensor_parallel.py",
+    "parallel/test_tensor_parallel.py", "parallel/test_tp_nodes.py", "parallel/test_tp_serve.py",
     "server/test_audit_log.py", "server/test_audit_outage.py", "server/test_default_model.py",
     "server/test_door_bounds.py", "server/test_engine_restart.py", "server/test_engine_threads.py",
     "server/test_frontend_guards.py",

@@ -82,6 +82,10 @@ class Fault(enum.Enum):
     # so a test can show that one tenant's use then gets another tenant 429s.
     SHARED_RATE_LIMITS = "shared_rate_limits"
 
+    # One tensor-parallel rank stores each decoded token's K/V one slot over, within its page (a
+    # kernel writing the wrong slot), so a test can show that checked mode's per-slot records on
+    # that rank refuse the next read of the slot it never wrote, where the always-on check does not.
+    MISPLACED_KV_WRITE = "misplaced_kv_write"
 
 _active: set[Fault] = set()
 

@@ -36,7 +36,7 @@ from kvseal.models.loader import LoadedModel, load_model
 from kvseal.models.tensor_parallel import RankLayout
 from kvseal.ops import select_ops
 from kvseal.ops.device import DeviceInfo, resolve_device
-from kvseal.parallel.driver import RankOptions, TensorParallelDriver
+from kvseal.parallel.driver import RankOptions, RankPlacement, TensorParallelDriver
 from kvseal.parallel.group import RankFailure
 from kvseal.parallel.worker import finish_model
 from kvseal.prompting import encode_text
@@ -81,6 +81,9 @@ class LLMEngine:
         self.device = DeviceInfo.of(args.device)
         self.ops = select_ops(args.native, args.device, attention_backend=args.attention_backend)
         tp = args.tensor_parallel_size
+        if args.node_rank != 0:
+            raise ConfigError(f"--node-rank {args.node_rank} holds worker ranks only: run `kvseal tp-node` there; "
+                              f"the engine (and its scheduler) runs on node 0")
         if loaded is not None and tp > 1:
             raise ConfigError("a tensor-parallel engine loads its own shards; pass the model by name, not loaded")
         if tp > 1 and args.device != "cpu":
@@ -128,7 +131,9 @@ class LLMEngine:
         options = RankOptions(str(self.loaded.path), args.dtype, args.quantization, args.native, args.seed,
                               args.num_threads, self.cache_config.num_pages, self.cache_config.page_size,
                               self.cache_config.check_kv)
-        driver, group = TensorParallelDriver.start(options, args.tensor_parallel_size, args.tp_timeout_s, self.kv)
+        place = RankPlacement(args.tensor_parallel_size, args.nnodes, args.master_addr, args.master_port,
+                              args.tp_timeout_s)
+        driver, group = TensorParallelDriver.start(options, place, self.kv)
         try:
             model.use_tensor_parallel(layout, group)
             ready = driver.wait_ready(self.kv.pool.num_bytes, layout.num_kv_heads)
@@ -146,13 +151,15 @@ class LLMEngine:
             "kvseal engine: model=%s arch=%s dtype=%s max_model_len=%d kv_cache_tokens=%d (%d pages x %d) "
             "kv_bytes_per_token=%d max_num_batched_tokens=%d max_prefill_chunk_tokens=%d fair_share_tokens=%d "
             "attention_cost_context=%d max_num_seqs=%d kv_scrub=%s check_kv=%s prefix_caching=%s torch_threads=%d "
-            "native=%s ops=%s grammar_compile_timeout_s=%g grammar_compile_workers=%d device=%s (%s) kv_pool_bytes=%d",
+            "native=%s ops=%s grammar_compile_timeout_s=%g grammar_compile_workers=%d device=%s (%s) kv_pool_bytes=%d "
+            "tensor_parallel_size=%d tp_timeout_s=%g nnodes=%d master=%s:%d",
             self.loaded.path, self.model_config.architecture, args.dtype, s.max_model_len, c.kv_cache_tokens,
             c.num_pages, c.page_size, args.capacity(self.model_config).bytes_per_token,
             s.max_num_batched_tokens, s.max_prefill_chunk_tokens, s.fair_share_tokens, s.attention_cost_context,
             s.max_num_seqs, c.kv_scrub, c.check_kv, c.enable_prefix_caching, torch.get_num_threads(),
             args.native, self.ops.name, args.grammar_compile_timeout_s, args.grammar_compile_workers,
             args.device, self.device.describe(), self.kv.pool.num_bytes,
+            args.tensor_parallel_size, args.tp_timeout_s, args.nnodes, args.master_addr, args.master_port,
         )
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -32,7 +31,7 @@ from kvseal.config import NativeMode
 from kvseal.errors import IsolationViolation
 from kvseal.kvcache.manager import KVCacheManager
 from kvseal.kvcache.records import ForwardWrites
-from kvseal.parallel.group import GroupSpec, RankFailure, RankGroup
+from kvseal.parallel.group import GroupSpec, RankFailure, RankGroup, listen_for_ranks
 from kvseal.parallel.msgs import (
     InjectFaultMsg,
     KeepAliveMsg,
@@ -53,6 +52,21 @@ FAILED_STOP_WAIT_S = 1.0  # the same after the group failed (a rank may be hung:
 
 
 @dataclass(frozen=True)
+class RankPlacement:
+    """Where the ranks are: how many, over how many nodes, where rank 0 listens, their timeout."""
+
+    world_size: int
+    nnodes: int
+    master_addr: str
+    master_port: int  # 0: a free port (one node)
+    timeout_s: float
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.world_size // self.nnodes
+
+
+@dataclass(frozen=True)
 class RankOptions:
     """How the worker ranks load and run (the engine's own settings, passed on)."""
 
@@ -67,22 +81,15 @@ class RankOptions:
     check_kv: bool
 
 
-def free_loopback_port() -> int:
-    """A TCP port free on 127.0.0.1 now (the rendezvous binds it next)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class RankProcesses:
     """The worker ranks' processes, each the leader of its own process group: stopped by PID."""
 
-    def __init__(self, options: RankOptions, group: GroupSpec) -> None:
+    def __init__(self, options: RankOptions, group: GroupSpec, ranks: range) -> None:
         self.procs: list[subprocess.Popen[bytes]] = []
-        for rank in range(1, group.world_size):
+        for rank in ranks:
             spec = WorkerSpecMsg(options.model, options.dtype, options.quantization, options.native, options.seed,
-                                 options.num_threads, rank, group.world_size, group.init_method, group.timeout_s,
-                                 options.num_pages, options.page_size, options.check_kv)
+                                 options.num_threads, rank, group.world_size, group.master_addr, group.master_port,
+                                 group.timeout_s, options.num_pages, options.page_size, options.check_kv)
             self.procs.append(subprocess.Popen([sys.executable, "-m", "kvseal.parallel.worker", encode(spec).hex()],
                                                start_new_session=True))
 
@@ -161,14 +168,16 @@ class TensorParallelDriver:
                 self._last_sent = time.monotonic()
 
     @classmethod
-    def start(cls, options: RankOptions, tp: int, timeout_s: float, kv: KVCacheManager,
-              init_method: str | None = None) -> tuple[TensorParallelDriver, RankGroup]:
-        """Start ranks 1..tp-1 and join them (rank 0: this process). The caller loads its own
-        shard, gives it the group, then calls `wait_ready`."""
-        spec = GroupSpec(init_method or f"tcp://127.0.0.1:{free_loopback_port()}", tp, timeout_s)
-        ranks = RankProcesses(options, spec)
+    def start(cls, options: RankOptions, place: RankPlacement, kv: KVCacheManager) -> tuple[TensorParallelDriver,
+                                                                                          RankGroup]:
+        """Start this node's ranks 1..ranks_per_node-1 and join every rank (rank 0: this process;
+        other nodes' ranks come from their `kvseal tp-node`). The caller loads its own shard,
+        gives it the group, then calls `wait_ready`."""
+        listener = listen_for_ranks(place.master_addr, place.master_port)
+        spec = GroupSpec(place.master_addr, int(listener.getsockname()[1]), place.world_size, place.timeout_s)
+        ranks = RankProcesses(options, spec, range(1, place.ranks_per_node))
         try:
-            group = RankGroup(spec, 0)
+            group = RankGroup(spec, 0, listener)  # it takes the socket over
         except RankFailure:
             ranks.kill()
             raise
@@ -180,6 +189,10 @@ class TensorParallelDriver:
         answers = [decode_from_rank(a) for a in self.group.all_gather_bytes(encode(mine))]
         self.ready = [a for a in answers if isinstance(a, ReadyMsg)]
         self.group.serving()
+        differ = [r.rank for r in self.ready if r.num_pages != mine.num_pages]
+        if differ:  # page ids name the same page on every rank, or ownership means nothing
+            raise RankFailure(f"ranks {differ} allocated another number of KV pages than rank 0's "
+                              f"{mine.num_pages}: start every node with the same engine flags and model")
         self._keep_alive = threading.Thread(target=self._keep_alive_loop, name="kvseal-tp-keep-alive", daemon=True)
         self._keep_alive.start()
         return self.ready

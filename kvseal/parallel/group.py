@@ -11,6 +11,7 @@ way the caller gets `RankFailure` and the engine fails closed.
 from __future__ import annotations
 
 import datetime
+import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -30,12 +31,18 @@ class RankFailure(KvsealError):
 
 @dataclass(frozen=True)
 class GroupSpec:
-    """Where and how the ranks meet (torch.distributed's TCP rendezvous)."""
+    """Where and how the ranks meet: torch.distributed's TCP store on rank 0's node at
+    master_addr:master_port (127.0.0.1 unless the user names another address; never a wildcard)."""
 
-    init_method: str  # tcp://host:port; 127.0.0.1 unless the user names another address
+    master_addr: str
+    master_port: int
     world_size: int
     timeout_s: float  # a collective's bound once every rank is loaded (`RankGroup.serving`)
     backend: str = "gloo"
+
+    @property
+    def address(self) -> str:
+        return f"{self.master_addr}:{self.master_port}"
 
     @property
     def start_timeout_s(self) -> float:
@@ -46,17 +53,39 @@ class GroupSpec:
 class RankGroup:
     """This process's membership in the group: the forward's collectives and the message channel."""
 
-    def __init__(self, spec: GroupSpec, rank: int) -> None:
+    def __init__(self, spec: GroupSpec, rank: int, listener: socket.socket | None = None) -> None:
+        """Join the group as `rank`; rank 0 serves the store on `listener` (bound by the caller
+        to master_addr:master_port, so torch binds nothing of its own there), which it takes over."""
         self.rank, self.world_size, self.spec = rank, spec.world_size, spec
+        start = datetime.timedelta(seconds=spec.start_timeout_s)
         try:
-            dist.init_process_group(spec.backend, init_method=spec.init_method, rank=rank, world_size=spec.world_size,
-                                    timeout=datetime.timedelta(seconds=spec.start_timeout_s))
+            store = dist.TCPStore(spec.master_addr, spec.master_port, spec.world_size, rank == 0, start,
+                                  master_listen_fd=listener.fileno() if listener is not None else None)
+        except Exception as exc:  # the store failed: the socket is still ours to close
+            if listener is not None:
+                listener.close()
+            raise RankFailure(f"rank {rank} could not join the tensor-parallel group at {spec.address} "
+                              f"within {spec.start_timeout_s:g} s: {exc}") from exc
+        if listener is not None:
+            listener.detach()  # the store owns the socket now and closes it with the group
+        try:
+            dist.init_process_group(spec.backend, store=store, rank=rank, world_size=spec.world_size, timeout=start,
+                                    pg_options=self._options(start))
         except Exception as exc:  # torch raises several types for a rendezvous that fails
-            raise RankFailure(f"rank {rank} could not join the tensor-parallel group at {spec.init_method} "
+            raise RankFailure(f"rank {rank} could not join the tensor-parallel group at {spec.address} "
                               f"within {spec.start_timeout_s:g} s: {exc}") from exc
         self._pg: Any = None  # the start-up (default) group until `serving`
         self.is_open = True  # False after a failed collective: no more calls
         self._joined = True  # until close(): the process's default group is this one
+
+    def _options(self, timeout: datetime.timedelta) -> Any:
+        """gloo on the address this host reaches the master by (loopback for a loopback master)."""
+        if self.spec.backend != "gloo":
+            return None
+        options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname=local_address_towards(self.spec.master_addr))]
+        options._timeout = timeout
+        return options
 
     def serving(self) -> None:
         """Every rank is loaded: from now on each collective waits at most `spec.timeout_s`
@@ -66,7 +95,8 @@ class RankGroup:
 
         def make() -> None:
             nonlocal pg
-            pg = dist.new_group(list(range(self.world_size)), timeout=timeout, backend=self.spec.backend)
+            pg = dist.new_group(list(range(self.world_size)), timeout=timeout, backend=self.spec.backend,
+                                pg_options=self._options(timeout))
 
         self._call(make)
         self._pg = pg
@@ -125,3 +155,25 @@ class RankGroup:
             self.is_open = False
             raise RankFailure(f"rank {self.rank}: a tensor-parallel collective failed ({exc}); a rank died or "
                               f"did not answer within the group's timeout") from exc
+
+
+def local_address_towards(addr: str) -> str:
+    """This host's address on the route to `addr` (no packet is sent): 127.0.0.1 for a loopback
+    master, the interface's own address otherwise; never a wildcard."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((addr, 9))
+        return str(probe.getsockname()[0])
+
+
+def listen_for_ranks(addr: str, port: int) -> socket.socket:
+    """Rank 0's store socket on addr:port (0: a free port), bound before any rank starts."""
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        listener.bind((addr, port))
+    except OSError as exc:
+        listener.close()
+        raise RankFailure(f"cannot listen for tensor-parallel ranks on {addr}:{port}: {exc}; pick another "
+                          f"--master-port") from exc
+    listener.listen(128)
+    return listener

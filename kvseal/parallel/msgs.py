@@ -23,7 +23,8 @@ class WorkerSpecMsg(msgspec.Struct, tag="worker_spec"):
     num_threads: int | None
     rank: int
     world_size: int
-    init_method: str
+    master_addr: str
+    master_port: int
     timeout_s: float
     num_pages: int
     page_size: int

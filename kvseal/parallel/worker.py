@@ -22,7 +22,7 @@ import torch
 from kvseal._testing.faults import Fault, is_active, switch
 from kvseal.kvcache.mirror import replay
 from kvseal.kvcache.pool import KVPool
-from kvseal.kvcache.records import WriteRecords
+from kvseal.kvcache.records import ForwardWrites, WriteRecords
 from kvseal.models.llama import CausalLM
 from kvseal.models.loader import load_model
 from kvseal.models.packed import pack_model
@@ -68,7 +68,7 @@ class WorkerRank:
         self.layout = RankLayout.of(cfg, spec.rank, spec.world_size)
         self.model = finish_model(loaded.model, dtype, spec.quantization, select_ops(spec.native))
         self.model.use_tensor_parallel(self.layout, group)
-        self.records = WriteRecords(cfg.num_layers, spec.num_pages, spec.page_size, track_slots=False)
+        self.records = WriteRecords(cfg.num_layers, spec.num_pages, spec.page_size, track_slots=spec.check_kv)
         self.pool = KVPool(cfg.num_layers, spec.num_pages, spec.page_size, self.layout.num_kv_heads, cfg.head_dim,
                            dtype, observer=self.records)
         if spec.check_kv:
@@ -100,12 +100,42 @@ class WorkerRank:
         if is_active(Fault.PLACEHOLDER_PREFILL):  # test-only: this rank's prompts stand in for one token
             starts = [end - 1 if start == 0 and end > 1 else start for start, end in zip(starts, msg.context_lens)]
         writes = self.records.plan(msg.request_ids, starts, msg.context_lens)
-        refused = {} if is_active(Fault.BYPASS_KV_CHECKS) else self.records.check_forward(writes, batch)
+        refused = {} if is_active(Fault.BYPASS_KV_CHECKS) else self.check(writes, batch)
+        if is_active(Fault.MISPLACED_KV_WRITE):
+            batch = _misplaced_decode_writes(batch)
         answers = self.group.all_gather_bytes(encode(RefusalsMsg(refused)))
         if any(_refuses(a) for a in answers):
             return  # no rank runs this batch; the driver aborts the refused requests and builds another
         with self.records.recording(writes):
             self.model(batch, self.pool)
+
+
+    def check(self, writes: ForwardWrites, batch: ForwardBatch) -> dict[int, str]:
+        """This rank's refusals: the always-on check (I3, I4), and in checked mode the per-slot
+        verification of every context slot against this rank's own slot records."""
+        refused = self.records.check_forward(writes, batch)
+        if not self.spec.check_kv:
+            return refused
+        new_slots = batch.slot_mapping.split(batch.query_lens)
+        for i, (table, end, slots) in enumerate(zip(batch.block_tables, batch.context_lens, new_slots)):
+            if i not in refused and bool(self.records.unwritten_slots(self._context_slots(table, end), slots).any()):
+                refused[i] = (f"request {writes.request_ids[i]} would read KV slots this rank never wrote "
+                              f"(checked mode)")
+        return refused
+
+    def _context_slots(self, table: torch.Tensor, context_len: int) -> torch.Tensor:
+        positions = torch.arange(context_len)
+        return table[positions // self.spec.page_size] * self.spec.page_size + positions % self.spec.page_size
+
+
+def _misplaced_decode_writes(batch: ForwardBatch) -> ForwardBatch:
+    """Test-only: each one-token row's K/V goes to the neighbouring slot of its page (slot ^ 1)."""
+    slots = batch.slot_mapping.clone()
+    ends = torch.tensor(batch.query_lens).cumsum(0)
+    decodes = ends[torch.tensor(batch.query_lens) == 1] - 1
+    slots[decodes] ^= 1
+    return ForwardBatch(batch.input_ids, batch.positions, slots, batch.query_lens, batch.context_lens,
+                        batch.block_tables, batch.logits_indices)
 
 
 def _refuses(answer: bytes) -> bool:
@@ -151,7 +181,7 @@ def main(argv: list[str]) -> int:
     torch.manual_seed(spec.seed)
     if spec.num_threads is not None:
         torch.set_num_threads(spec.num_threads)
-    group = RankGroup(GroupSpec(spec.init_method, spec.world_size, spec.timeout_s), spec.rank)
+    group = RankGroup(GroupSpec(spec.master_addr, spec.master_port, spec.world_size, spec.timeout_s), spec.rank)
     try:
         WorkerRank(spec, group).serve()
     except RankFailure as exc:

@@ -45,13 +45,17 @@ def _rank_pids(server: ServerProcess) -> list[int]:
 def test_tp2_server_answers_like_tp1_and_fails_closed_when_a_rank_dies(tp_server: ServerProcess,
                                                                        tmp_path: Path) -> None:
     body = {"prompt": "w5 w6 w7", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
-    got = httpx.post(f"{tp_server.base_url}/completions", json=body, timeout=60).json()
+    sampled = {"prompt": "w9 w10", "max_tokens": 6, "temperature": 0.9, "seed": 5, "n": 2, "logprobs": 2}
+    got = [httpx.post(f"{tp_server.base_url}/completions", json=b, timeout=60).json() for b in (body, sampled)]
     one = ServerProcess(make_server_model(tmp_path / "tiny-llama-1"), tmp_path / "one").start()
     try:
-        ref = httpx.post(f"{one.base_url}/completions", json=body, timeout=60).json()
+        ref = [httpx.post(f"{one.base_url}/completions", json=b, timeout=60).json() for b in (body, sampled)]
     finally:
         one.kill()
-    assert got["choices"][0]["text"] == ref["choices"][0]["text"]
+    for g, r in zip(got, ref):
+        assert [c["text"] for c in g["choices"]] == [c["text"] for c in r["choices"]]
+    assert len(got[1]["choices"]) == 2
+    assert [c["logprobs"]["tokens"] for c in got[1]["choices"]] == [c["logprobs"]["tokens"] for c in ref[1]["choices"]]
     (rank_pid,) = _rank_pids(tp_server)
     with httpx.stream("POST", f"{tp_server.base_url}/completions", json=BODY, timeout=60) as response:
         lines = response.iter_lines()

@@ -1,0 +1,53 @@
+"""`kvseal tp-node`: a node other than 0 of a multi-node tensor-parallel engine.
+
+It runs no engine and no scheduler: it starts this node's worker ranks
+(node_rank * ranks_per_node ..), which join rank 0 at --master-addr:--master-port, and waits
+for them. Its pool size comes from the same flags as node 0's (the model's config.json only);
+rank 0 refuses a rank whose page count differs from its own.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+from types import FrameType
+
+from kvseal.config import EngineArgs
+from kvseal.errors import ConfigError
+from kvseal.model_files import resolve_model_path
+from kvseal.models.loader import plan_config
+from kvseal.parallel.driver import RankOptions, RankProcesses
+from kvseal.parallel.group import GroupSpec
+
+logger = logging.getLogger("kvseal")
+
+POLL_S = 0.5
+
+
+def run_node(args: EngineArgs) -> int:
+    """Start this node's ranks and wait until every one exits; its exit status is the worst."""
+    if args.node_rank == 0:
+        raise ConfigError("tp-node runs the ranks of a node other than 0 (--node-rank 1..); node 0 runs the engine "
+                          "(kvseal serve, kvseal generate, LLM(...)) with --nnodes and --master-port")
+    path = resolve_model_path(args.model)
+    cache, _ = args.resolve(plan_config(path))
+    options = RankOptions(str(path), args.dtype, args.quantization, args.native, args.seed, args.num_threads,
+                          cache.num_pages, cache.page_size, cache.check_kv)
+    spec = GroupSpec(args.master_addr, args.master_port, args.tensor_parallel_size, args.tp_timeout_s)
+    first = args.node_rank * args.ranks_per_node
+    ranks = RankProcesses(options, spec, range(first, first + args.ranks_per_node))
+    logger.info("tp-node %d: ranks %d..%d (pids %s) joining rank 0 at %s", args.node_rank, first,
+                first + args.ranks_per_node - 1, ranks.pids, spec.address)
+    stop = {"signal": 0}
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        stop["signal"] = signum
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    while not stop["signal"] and any(p.poll() is None for p in ranks.procs):
+        time.sleep(POLL_S)
+    if stop["signal"]:
+        ranks.kill()
+    return max((p.wait() for p in ranks.procs), default=0)
