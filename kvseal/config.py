@@ -315,7 +315,8 @@ class EngineArgs:
         metavar="N"))
     tp_timeout_s: float = field(default=DEFAULT_TP_TIMEOUT_S, metadata=flag(
         "the longest one tensor-parallel collective (a step's message, a forward's all-reduce) may wait for a "
-        "rank; past it the engine fails closed: every in-flight request ends with an error "
+        "rank (start-up, loading the shards: at least 300 s); past it the engine fails closed: every in-flight "
+        "request ends with an error "
         f"(default: {DEFAULT_TP_TIMEOUT_S:g})", name="--tp-timeout", metavar="S"))
     # Where the ranks meet (torch.distributed's TCP store, on rank 0's node) and how many nodes
     # hold them; nodes other than 0 run `kvseal tp-node` with the same flags and their --node-rank
