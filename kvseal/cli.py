@@ -125,16 +125,17 @@ def _plan_dims(ns: argparse.Namespace) -> tuple[int, int, int, str]:
 def _cmd_serve(ns: argparse.Namespace) -> int:
     from kvseal.server import ServerConfig, serve
 
-    return serve(ServerConfig.from_namespace(ns), lambda: _engine_backend(ns))
+    config = ServerConfig.from_namespace(ns)
+    restart = RestartPolicy(**values_of(ns, RestartPolicy))  # bad flags stop start-up before anything runs
+    return serve(config, lambda: _engine_backend(ns, restart))
 
 
-def _engine_backend(ns: argparse.Namespace) -> EngineBackend:
+def _engine_backend(ns: argparse.Namespace, restart: RestartPolicy) -> EngineBackend:
     """`serve`'s engines: one colocated engine process, or PD engines (`--pd`, `--prefill/--decode`)."""
     from kvseal.disagg.topology import PdTopology
 
     topology = PdTopology.from_namespace(ns)
     args = engine_args_from(ns)
-    restart = RestartPolicy(**values_of(ns, RestartPolicy))
     if topology is None:
         from kvseal.engine.client import EngineClient
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Any
 
 from kvseal.auditlog.files import AuditLogError, AuditLogReader, TimeWindow, iso
 from kvseal.auditlog.output import FORMATS, csv_text, json_text, table
@@ -87,15 +88,35 @@ def cmd_audit(ns: argparse.Namespace) -> int:
                             "ended)")
     reader = AuditLogReader(Path(ns.audit_log))
     found = matching(reader.records(), window, predicate)
+    # the operator's actions in the window (a key revoked, the model disabled): when a fault was
+    # stopped is part of an incident's answer
+    actions = [a for a in reader.admin_actions if isinstance(a.get("at"), int | float) and window.holds(a["at"])]
     summary: dict[str, object] = {"window": {"since": window.since, "until": window.until},
                                   "predicate": predicate.describe(),
-                                  "files": [str(f) for f in reader.files]}
+                                  "files": [str(f) for f in reader.files], "admin_actions": actions}
     if ns.affected:
         _print_affected(Affected.among(found), window, predicate, summary, ns.format)
     else:
         _print_requests(found, window, predicate, summary, ns.format)
+    _print_admin_actions(actions, ns.format)
     warn_skipped(reader)
     return 0
+
+
+ADMIN_COLUMNS = ("at", "admin_action", "trigger", "by_tenant", "model", "num_aborted", "reason")
+
+
+def _print_admin_actions(actions: list[dict[str, Any]], fmt: str) -> None:
+    """After the requests, in a table, the operator's actions in the window (JSON has them in
+    its object; CSV, one table per file, names their count on stderr)."""
+    if not actions or fmt == "json":
+        return
+    if fmt == "csv":
+        print(f"kvseal: {len(actions)} admin action(s) in the window (see --format table or json)", file=sys.stderr)
+        return
+    rows = [{c: iso(a["at"]) if c == "at" else a.get(c, "") for c in ADMIN_COLUMNS} for a in actions]
+    sys.stdout.write("\n" + table(rows, ADMIN_COLUMNS))
+    print(f"{len(actions)} admin action(s) in the window")
 
 
 def _print_requests(found: list[LoggedRequest], window: TimeWindow, predicate: Predicate,

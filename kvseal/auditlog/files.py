@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import IO, cast
+from typing import IO, Any, cast
 
 import msgspec
 
@@ -40,6 +40,8 @@ class AuditLogReader:
     path: Path
     num_skipped: int = 0
     first_skipped: str | None = None  # where and why, for the warning
+    # the operator's actions (lines with `admin_action`: key reloads, a model disabled), as read
+    admin_actions: list[dict[str, Any]] = field(default_factory=list)
     files: list[Path] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -61,6 +63,14 @@ class AuditLogReader:
         try:
             yield decoder.decode(line)
         except msgspec.DecodeError as exc:
+            if b'"admin_action"' in line:  # an operator's action, not a request: kept apart
+                try:
+                    action = msgspec.json.decode(line)
+                except msgspec.DecodeError:
+                    action = None
+                if isinstance(action, dict) and "admin_action" in action:
+                    self.admin_actions.append(action)
+                    return
             self._skip(f"{where}: {exc}")
 
     def _skip(self, where: str) -> None:

@@ -6,9 +6,9 @@ task owns the outgoing socket, so `submit` and `abort` never block or await (the
 to call from cleanup code running under cancellation). When the process ends for any
 reason other than a requested shutdown, it is reaped, every in-flight request gets
 `EngineGone` at once and new submissions raise `EngineUnavailable`: nothing waits on a dead
-engine. It is then started again at the same private sockets (`kvseal.engine.supervisor`:
-backoff and a limit), with a fresh outgoing socket so nothing queued for the dead engine
-reaches the new one; the frontend serves again once the new engine says it is ready.
+engine. It is then started again in the same private socket folder (`kvseal.engine.supervisor`:
+backoff and a limit), with a fresh outgoing socket at a new address so nothing queued for the
+dead engine reaches the new one; the frontend serves again once the new engine says it is ready.
 
 The receive loop fails closed. Every output names its tenant; one that does not match its
 request's tenant ends that request with `IsolationBreach` (and is aborted in the engine),
@@ -276,26 +276,32 @@ class EngineClient:
                 self._fail(f"the engine process exited unexpectedly ({describe_exit(code)})")
             self._exited.set()
             return
-        why = f"the engine process exited unexpectedly ({describe_exit(code)})"
-        delay_s = self._restarts.next_delay_s() if self._info is not None else None  # never at start-up
-        if delay_s is None:
-            self._fail(why if self._info is None or not self._restarts.policy.engine_restart_limit
-                       else f"{why}; it was {self._restarts.gave_up()}")
-            if self._info is not None and self._restarts.policy.engine_restart_limit:
-                logger.critical("engine unavailable until the server is restarted: %s", self._down)
-            self._exited.set()
-            return
-        self._down = None
-        self._fail(f"{why}; restarting it in {delay_s:g} s (restart {self._restarts.num_in_a_row} in a row, at most "
-                   f"{self._restarts.policy.engine_restart_limit})")
+        delay_s = self._failed_by_exit(f"the engine process exited unexpectedly ({describe_exit(code)})")
         self._exited.set()
-        await asyncio.sleep(delay_s)
-        if not self._is_shutting_down:
-            await self._restart()
+        if delay_s is not None:
+            await asyncio.sleep(delay_s)
+            if not self._is_shutting_down:
+                await self._restart()
+
+    def _failed_by_exit(self, why: str) -> float | None:
+        """Fail what the dead engine held and say why; the wait before its restart, or None when
+        it stays down (past the limit, or it died before it was ever ready: a start-up error)."""
+        delay_s = self._restarts.next_delay_s() if self._info is not None else None
+        policy = self._restarts.policy
+        if delay_s is None:
+            gave_up = self._info is not None and policy.engine_restart_limit > 0
+            self._fail(f"{why}; it was {self._restarts.gave_up()}" if gave_up else why)
+            if gave_up:
+                logger.critical("engine unavailable until the server is restarted: %s", self._down)
+            return None
+        self._down = None  # replaced by why, whatever the engine said before it died
+        self._fail(f"{why}; restarting it in {delay_s:g} s (restart {self._restarts.num_in_a_row} in a row, at most "
+                   f"{policy.engine_restart_limit})")
+        return delay_s
 
     async def _restart(self) -> None:
-        """Start a new engine process at the same sockets; serve again once it is ready (if it
-        dies first, its exit is handled as any other)."""
+        """Start a new engine process; serve again once it is ready (if it dies first, its exit is
+        handled as any other)."""
         self._reset_outgoing()
         self._ready = asyncio.get_running_loop().create_future()
         self._exited = asyncio.Event()

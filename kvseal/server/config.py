@@ -14,6 +14,14 @@ from kvseal.flags import add_flags, flag, values_of
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
 
 
+def _size(text: str) -> int:
+    """A size flag's value ('100MiB'); argparse reports a bad one as the flag's error."""
+    try:
+        return parse_bytes(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     """The HTTP frontend's settings; each field with a flag is `kvseal serve`'s flag (`kvseal.flags`)."""
@@ -31,7 +39,7 @@ class ServerConfig:
     audit_log_max_bytes: int | None = field(default=None, metadata=flag(
         "rotate the audit log before a line would take it past this size (e.g. 100MiB): the file is renamed "
         "FILE.N (N counts up; FILE.1 is the oldest) between whole lines and a new FILE started; default: never",
-        type=parse_bytes, metavar="BYTES"))
+        type=_size, metavar="BYTES"))
     audit_log_max_age_s: float | None = field(default=None, metadata=flag(
         "also rotate the audit log before a line that comes this many seconds or more after the file's first "
         "line (86400: a file per day at most); default: never", type=float, metavar="SECONDS"))

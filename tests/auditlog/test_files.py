@@ -12,7 +12,7 @@ import pytest
 from kvseal.auditlog.files import AuditLogError, AuditLogReader, TimeWindow, iso, parse_time
 from kvseal.auditlog.record import LoggedRequest
 from kvseal.cli import main
-from kvseal.server.audit import AuditRecord
+from kvseal.server.audit import AdminRecord, AuditRecord
 
 
 def line(request_id: str, at: float) -> bytes:
@@ -68,3 +68,23 @@ def test_bad_input_is_one_line_and_a_non_zero_exit(tmp_path: Path, args: list[st
     assert main([a.replace("{log}", str(tmp_path / "audit.jsonl")) for a in args]) != 0
     out, err = capsys.readouterr()
     assert out == "" and err.count("\n") == 1 and message in err, err
+
+
+def test_admin_lines_are_the_operators_actions_not_unreadable_lines(tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """The server writes its admin records (`AdminRecord`) into the same log: the reader keeps them
+    apart instead of counting them as lines it could not read, and `kvseal audit` lists those in
+    its window after the requests."""
+    path = tmp_path / "audit.jsonl"
+    disabled = msgspec.json.encode(AdminRecord(admin_action="model_disabled", at=150.0, trigger="http",
+                                               by_tenant="ops", model="m", num_aborted=2)) + b"\n"
+    reloaded = msgspec.json.encode(AdminRecord(admin_action="keys_reloaded", at=500.0, trigger="sighup")) + b"\n"
+    path.write_bytes(line("r1", 100) + disabled + line("r2", 200) + reloaded)
+    reader = AuditLogReader(path)
+    assert [r.request_id for r in reader.records()] == ["r1", "r2"]
+    assert reader.num_skipped == 0
+    assert [a["admin_action"] for a in reader.admin_actions] == ["model_disabled", "keys_reloaded"]
+    assert main(["audit", "--audit-log", str(path), "--since", "0", "--until", "300"]) == 0
+    out, err = capsys.readouterr()
+    assert "model_disabled" in out and "keys_reloaded" not in out and "1 admin action(s) in the window" in out
+    assert "skipped" not in err

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from kvseal.cli import main
 from kvseal.engine import supervisor
 from kvseal.engine.supervisor import MAX_BACKOFF_S, RestartPolicy, RestartTracker, describe_exit
 from kvseal.errors import ConfigError
@@ -45,3 +46,20 @@ def test_exits_in_words() -> None:
 def test_bad_flags_are_refused(kwargs: dict[str, float], flag: str) -> None:
     with pytest.raises(ConfigError, match=flag):
         RestartPolicy(**kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["serve", "--engine-restart-limit", "-1"], "--engine-restart-limit must be an integer >= 0"),
+    (["serve", "--audit-log-max-bytes", "10MiB"], "--audit-log-max-bytes rotates the audit log file: give --audit-log"),
+])
+def test_bad_serve_flags_stop_start_up_with_one_line(argv: list[str], message: str,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(argv) == 2
+    assert f"kvseal: error: {message}" in capsys.readouterr().err
+
+
+def test_an_unreadable_size_is_the_flags_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "--audit-log", "a.jsonl", "--audit-log-max-bytes", "lots"])
+    assert exit_info.value.code == 2
+    assert "argument --audit-log-max-bytes: cannot read 'lots' as a size" in capsys.readouterr().err
