@@ -369,7 +369,8 @@ class EngineArgs:
         metavar="N"))
     tp_timeout_s: float = field(default=DEFAULT_TP_TIMEOUT_S, metadata=flag(
         "the longest one tensor-parallel collective (a step's message, a forward's all-reduce) may wait for a "
-        "rank; past it the engine fails closed: every in-flight request ends with an error "
+        "rank (start-up, loading the shards: at least 300 s); past it the engine fails closed: every in-flight "
+        "request ends with an error "
         f"(default: {DEFAULT_TP_TIMEOUT_S:g})", name="--tp-timeout", metavar="S"))
     # whether `dtype` was given as auto and decided here for the device (`on_device` decides it
     # again once an "auto" device is known); not a flag. An init field so that arguments copied

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -47,6 +48,8 @@ from kvseal.types import ForwardBatch
 
 logger = logging.getLogger("kvseal")
 
+WORKER_MODULE = "kvseal.parallel.worker"
+JOIN_POLL_S = 0.2  # how often rank 0 looks at its ranks while the group forms
 STOP_WAIT_S = 10.0  # how long a stopping rank may take before it is killed
 FAILED_STOP_WAIT_S = 1.0  # the same after the group failed (a rank may be hung: it never reads a stop)
 
@@ -90,7 +93,7 @@ class RankProcesses:
             spec = WorkerSpecMsg(options.model, options.dtype, options.quantization, options.native, options.seed,
                                  options.num_threads, rank, group.world_size, group.master_addr, group.master_port,
                                  group.timeout_s, options.num_pages, options.page_size, options.check_kv)
-            self.procs.append(subprocess.Popen([sys.executable, "-m", "kvseal.parallel.worker", encode(spec).hex()],
+            self.procs.append(subprocess.Popen([sys.executable, "-m", WORKER_MODULE, encode(spec).hex()],
                                                start_new_session=True))
 
     @property
@@ -111,6 +114,30 @@ class RankProcesses:
             if proc.poll() is None:
                 _kill_group(proc)
             proc.wait()
+
+
+def _join_watching(spec: GroupSpec, listener: socket.socket, ranks: RankProcesses) -> RankGroup:
+    """Rank 0 joins the group (taking the socket over) while watching this node's ranks: one that
+    exits before the group forms fails start-up at once, not after the start-up timeout."""
+    joined: list[RankGroup | RankFailure] = []
+
+    def join() -> None:
+        try:
+            joined.append(RankGroup(spec, 0, listener))
+        except RankFailure as exc:
+            joined.append(exc)
+
+    thread = threading.Thread(target=join, name="kvseal-tp-join", daemon=True)
+    thread.start()
+    while thread.is_alive():
+        thread.join(JOIN_POLL_S)
+        exited = [(p.pid, p.returncode) for p in ranks.procs if p.poll() is not None]
+        if exited and thread.is_alive():
+            raise RankFailure(f"tensor-parallel ranks exited before joining the group (pid, exit code): {exited}; "
+                              f"their errors are in the log above")
+    if isinstance(joined[0], RankFailure):
+        raise joined[0]
+    return joined[0]
 
 
 def _kill_group(proc: subprocess.Popen[bytes]) -> None:
@@ -177,7 +204,7 @@ class TensorParallelDriver:
         spec = GroupSpec(place.master_addr, int(listener.getsockname()[1]), place.world_size, place.timeout_s)
         ranks = RankProcesses(options, spec, range(1, place.ranks_per_node))
         try:
-            group = RankGroup(spec, 0, listener)  # it takes the socket over
+            group = _join_watching(spec, listener, ranks)
         except RankFailure:
             ranks.kill()
             raise

@@ -239,9 +239,12 @@ def test_a_dead_or_hung_rank_fails_the_engine_closed(model_dirs: dict[str, Path]
         again.engine.close()
 
 
-def test_plan_prints_the_pages_every_rank_allocates(model_dirs: dict[str, Path],
+@pytest.mark.parametrize(("arch", "kv_heads"), [("llama_odd_split", [2, 1]), ("llama_one_kv_head", [1, 1])])
+def test_plan_prints_the_pages_every_rank_allocates(model_dirs: dict[str, Path], arch: str, kv_heads: list[int],
                                                    capsys: pytest.CaptureFixture[str]) -> None:
-    model = model_dirs["llama_odd_split"]  # 3 KV heads over 2 ranks: rank 0 holds 2, rank 1 holds 1
+    """3 KV heads over 2 ranks: rank 0 holds 2, rank 1 holds 1, and plan sizes pages by the larger;
+    one KV head over 2 ranks: replicated, both pools alike."""
+    model = model_dirs[arch]
     flags = ["--kv-cache-memory", "300KiB", "--max-model-len", "64", "--dtype", "float32", "--page-size", "4"]
     assert main(["plan", "--model", str(model), "--tp", "2", *flags]) == 0
     out = capsys.readouterr().out
@@ -254,9 +257,8 @@ def test_plan_prints_the_pages_every_rank_allocates(model_dirs: dict[str, Path],
         assert driver is not None
         assert llm.engine.cache_config.num_pages == num_pages
         assert [r.num_pages for r in driver.ready] == [num_pages, num_pages]
-        assert [r.num_kv_heads for r in driver.ready] == [2, 1]
-        assert driver.ready[0].pool_bytes == num_pages * page_bytes  # the largest rank's pool: plan's
-        assert driver.ready[1].pool_bytes == num_pages * page_bytes // 2
+        assert [r.num_kv_heads for r in driver.ready] == kv_heads
+        assert [r.pool_bytes for r in driver.ready] == [num_pages * page_bytes * h // kv_heads[0] for h in kv_heads]
     finally:
         llm.engine.close()
 

@@ -101,3 +101,21 @@ def test_a_rank_that_cannot_load_its_shard_fails_start_up(tmp_path: Path) -> Non
     finally:
         driver.close()
     assert all(p.poll() is not None for p in driver.ranks.procs)
+
+
+def test_serve_pd_refuses_tp_before_any_engine_starts(model: Path) -> None:
+    argv = kvseal_argv(["serve", "--model", str(model), "--pd", "-tp", "2", "--port", str(free_port()), *FLAGS])
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert "not supported with PD engines yet" in done.stderr and "exited" not in done.stderr
+
+
+def test_a_rank_that_exits_before_joining_fails_start_up_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Not after the start-up timeout (300 s): rank 0 watches its ranks while the group forms."""
+    import kvseal.parallel.driver as driver_module
+
+    monkeypatch.setattr(driver_module, "WORKER_MODULE", "kvseal.parallel.no_such_module")
+    kv = KVCacheManager(CacheConfig(4, 8, torch.float32), num_layers=2, num_kv_heads=1, head_dim=16, mirrored=True)
+    options = RankOptions("unused", "float32", "none", "off", 0, 1, 8, 4, False)
+    with pytest.raises(RankFailure, match="exited before joining"):
+        TensorParallelDriver.start(options, RankPlacement(2, 1, "127.0.0.1", 0, 20.0), kv)

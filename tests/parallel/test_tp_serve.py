@@ -26,12 +26,13 @@ from tiny_server_model import make_server_model  # noqa: E402
 
 BODY = {"prompt": "w5 w6", "max_tokens": 400, "ignore_eos": True, "stream": True}
 TP_FLAGS = ["--tensor-parallel-size", "2", "--tp-timeout", "10"]
+NO_RESTART = ["--engine-restart-limit", "0"]  # these tests look at the failed state itself
 
 
 @pytest.fixture
 def tp_server(tmp_path: Path) -> Iterator[ServerProcess]:
     model = make_server_model(tmp_path / "tiny-llama")
-    proc = ServerProcess(model, tmp_path / "server", extra_args=TP_FLAGS).start()
+    proc = ServerProcess(model, tmp_path / "server", extra_args=[*TP_FLAGS, *NO_RESTART]).start()
     yield proc
     proc.kill()
 
@@ -88,3 +89,30 @@ def _gone(pid: int) -> bool:
     except ProcessLookupError:
         return True
     return False
+
+
+def test_a_supervised_tp_engine_restarts_with_new_ranks_and_serves_again(tmp_path: Path) -> None:
+    """With restarts on, the engine that failed closed is started again, ranks and all."""
+    model = make_server_model(tmp_path / "tiny-llama")
+    server = ServerProcess(model, tmp_path / "server", extra_args=[*TP_FLAGS, "--engine-restart-limit", "2",
+                                                                   "--engine-restart-backoff-s", "0"]).start()
+    try:
+        body = {"prompt": "w5 w6 w7", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+        before = httpx.post(f"{server.base_url}/completions", json=body, timeout=60).json()
+        (first_rank,) = _rank_pids(server)
+        with httpx.stream("POST", f"{server.base_url}/completions", json=BODY, timeout=60) as response:
+            lines = response.iter_lines()
+            next(lines)
+            os.kill(first_rank, signal.SIGKILL)
+            events = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+        assert "error" in events[-1]
+        found = wait_for(lambda: len(re.findall(r"tensor parallel: 2 ranks \(pids \[(\d+)\]\)", server.log())) > 1
+                         and re.findall(r"tensor parallel: 2 ranks \(pids \[(\d+)\]\)", server.log()),
+                         "the restarted engine's ranks", deadline_s=180)
+        assert int(found[-1]) != first_rank
+        wait_for(lambda: httpx.get(f"{server.url}/health", timeout=10).status_code == 200, "health 200 again",
+                 deadline_s=180)
+        after = httpx.post(f"{server.base_url}/completions", json=body, timeout=60).json()
+        assert after["choices"][0]["text"] == before["choices"][0]["text"]
+    finally:
+        server.kill()
