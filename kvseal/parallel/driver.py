@@ -126,6 +126,8 @@ def _join_watching(spec: GroupSpec, listener: socket.socket, ranks: RankProcesse
             joined.append(RankGroup(spec, 0, listener))
         except RankFailure as exc:
             joined.append(exc)
+        except Exception as exc:  # after a failed start-up the store may still time out here: never unhandled
+            joined.append(RankFailure(f"rank 0 could not join the tensor-parallel group at {spec.address}: {exc}"))
 
     thread = threading.Thread(target=join, name="kvseal-tp-join", daemon=True)
     thread.start()
