@@ -28,7 +28,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from kvseal._testing.faults import Fault
-from kvseal.config import NativeMode
 from kvseal.errors import IsolationViolation
 from kvseal.kvcache.manager import KVCacheManager
 from kvseal.kvcache.records import ForwardWrites
@@ -36,6 +35,7 @@ from kvseal.parallel.group import GroupSpec, RankFailure, RankGroup, listen_for_
 from kvseal.parallel.msgs import (
     InjectFaultMsg,
     KeepAliveMsg,
+    RankOptions,
     ReadyMsg,
     RefusalsMsg,
     StepMsg,
@@ -69,30 +69,13 @@ class RankPlacement:
         return self.world_size // self.nnodes
 
 
-@dataclass(frozen=True)
-class RankOptions:
-    """How the worker ranks load and run (the engine's own settings, passed on)."""
-
-    model: str
-    dtype: str
-    quantization: str
-    native: NativeMode
-    seed: int
-    num_threads: int | None
-    num_pages: int
-    page_size: int
-    check_kv: bool
-
-
 class RankProcesses:
     """The worker ranks' processes, each the leader of its own process group: stopped by PID."""
 
     def __init__(self, options: RankOptions, group: GroupSpec, ranks: range) -> None:
         self.procs: list[subprocess.Popen[bytes]] = []
         for rank in ranks:
-            spec = WorkerSpecMsg(options.model, options.dtype, options.quantization, options.native, options.seed,
-                                 options.num_threads, rank, group.world_size, group.master_addr, group.master_port,
-                                 group.timeout_s, options.num_pages, options.page_size, options.check_kv)
+            spec = WorkerSpecMsg(options, rank, group.world_size, group.master_addr, group.master_port, group.timeout_s)
             self.procs.append(subprocess.Popen([sys.executable, "-m", WORKER_MODULE, encode(spec).hex()],
                                                start_new_session=True))
 

@@ -12,8 +12,8 @@ from kvseal.config import NativeMode
 from kvseal.kvcache.mirror import OwnershipEvent
 
 
-class WorkerSpecMsg(msgspec.Struct, tag="worker_spec"):
-    """What a worker rank needs to start: given on its command line (msgpack, hex)."""
+class RankOptions(msgspec.Struct, frozen=True):
+    """How the worker ranks load and run (the engine's own settings, passed on)."""
 
     model: str
     dtype: str
@@ -21,14 +21,20 @@ class WorkerSpecMsg(msgspec.Struct, tag="worker_spec"):
     native: NativeMode
     seed: int
     num_threads: int | None
+    num_pages: int
+    page_size: int
+    check_kv: bool
+
+
+class WorkerSpecMsg(msgspec.Struct, tag="worker_spec"):
+    """What a worker rank needs to start: given on its command line (msgpack, hex)."""
+
+    options: RankOptions
     rank: int
     world_size: int
     master_addr: str
     master_port: int
     timeout_s: float
-    num_pages: int
-    page_size: int
-    check_kv: bool
 
 
 class StepMsg(msgspec.Struct, tag="step"):

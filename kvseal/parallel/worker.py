@@ -62,18 +62,19 @@ def finish_model(model: CausalLM, dtype: torch.dtype, quantization: str, ops: Op
 class WorkerRank:
     def __init__(self, spec: WorkerSpecMsg, group: RankGroup) -> None:
         self.spec, self.group = spec, group
-        dtype = _DTYPES[spec.dtype]
-        loaded = load_model(spec.model, dtype, rank=(spec.rank, spec.world_size))
+        dtype = _DTYPES[spec.options.dtype]
+        loaded = load_model(spec.options.model, dtype, rank=(spec.rank, spec.world_size))
         cfg = loaded.config
         self.layout = RankLayout.of(cfg, spec.rank, spec.world_size)
-        self.model = finish_model(loaded.model, dtype, spec.quantization, select_ops(spec.native))
+        self.model = finish_model(loaded.model, dtype, spec.options.quantization, select_ops(spec.options.native))
         self.model.use_tensor_parallel(self.layout, group)
-        self.records = WriteRecords(cfg.num_layers, spec.num_pages, spec.page_size, track_slots=spec.check_kv)
-        self.pool = KVPool(cfg.num_layers, spec.num_pages, spec.page_size, self.layout.num_kv_heads, cfg.head_dim,
-                           dtype, observer=self.records)
-        if spec.check_kv:
-            self.pool.fill(list(range(spec.num_pages)), float("nan"))
-        group.all_gather_bytes(encode(ReadyMsg(spec.rank, self.layout.num_kv_heads, spec.num_pages,
+        options = spec.options
+        self.records = WriteRecords(cfg.num_layers, options.num_pages, options.page_size, track_slots=options.check_kv)
+        self.pool = KVPool(cfg.num_layers, options.num_pages, options.page_size, self.layout.num_kv_heads,
+                           cfg.head_dim, dtype, observer=self.records)
+        if spec.options.check_kv:
+            self.pool.fill(list(range(spec.options.num_pages)), float("nan"))
+        group.all_gather_bytes(encode(ReadyMsg(spec.rank, self.layout.num_kv_heads, spec.options.num_pages,
                                                self.pool.num_bytes)))
         group.serving()
 
@@ -114,7 +115,7 @@ class WorkerRank:
         """This rank's refusals: the always-on check (I3, I4), and in checked mode the per-slot
         verification of every context slot against this rank's own slot records."""
         refused = self.records.check_forward(writes, batch)
-        if not self.spec.check_kv:
+        if not self.spec.options.check_kv:
             return refused
         new_slots = batch.slot_mapping.split(batch.query_lens)
         for i, (table, end, slots) in enumerate(zip(batch.block_tables, batch.context_lens, new_slots)):
@@ -125,7 +126,8 @@ class WorkerRank:
 
     def _context_slots(self, table: torch.Tensor, context_len: int) -> torch.Tensor:
         positions = torch.arange(context_len)
-        return table[positions // self.spec.page_size] * self.spec.page_size + positions % self.spec.page_size
+        page_size = self.spec.options.page_size
+        return table[positions // page_size] * page_size + positions % page_size
 
 
 def _misplaced_decode_writes(batch: ForwardBatch) -> ForwardBatch:
@@ -178,9 +180,9 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s rank %(process)d %(levelname)s %(message)s")
     _die_with_parent()
     spec = decode_spec(bytes.fromhex(argv[0]))
-    torch.manual_seed(spec.seed)
-    if spec.num_threads is not None:
-        torch.set_num_threads(spec.num_threads)
+    torch.manual_seed(spec.options.seed)
+    if spec.options.num_threads is not None:
+        torch.set_num_threads(spec.options.num_threads)
     group = RankGroup(GroupSpec(spec.master_addr, spec.master_port, spec.world_size, spec.timeout_s), spec.rank)
     try:
         WorkerRank(spec, group).serve()
