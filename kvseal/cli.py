@@ -174,10 +174,6 @@ def _engine_backend(ns: argparse.Namespace, restart: RestartPolicy) -> EngineBac
         from kvseal.engine.client import EngineClient
 
         return EngineClient(args, ns.log_level, restart)
-    if args.tensor_parallel_size > 1:  # refused here, before any engine starts (kvseal engine refuses it too)
-        raise ConfigError(f"--tensor-parallel-size {args.tensor_parallel_size} is not supported with PD engines yet: "
-                          f"they export and import KV on one rank only. Serve the model colocated "
-                          f"(kvseal serve -tp N without --pd), or run PD with -tp 1")
     if args.num_threads is not None:
         raise ConfigError("--threads sets the colocated engine's CPU threads; with --pd give "
                           "--pd-threads PREFILL,DECODE, with --prefill/--decode give each "

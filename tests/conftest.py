@@ -27,13 +27,13 @@ torch.set_num_threads(2)
 # default model; the fast tier (`-m "not integration"`, what a contributor runs while working) is
 # the rest: in-process, on tiny models. A test is in the integration tier by a fixture that starts
 # a process, by its module, by name, or by the `slow` and `sanitizers` markers.
-PROCESS_FIXTURES = frozenset({"server", "char_server", "bench_server", "pd_cluster"})
+PROCESS_FIXTURES = frozenset({"server", "char_server", "bench_server", "pd_cluster", "pd_tp_cluster"})
 PROCESS_MODULES = frozenset({
     "auditlog/test_usage_server.py", "bench/test_bench_serve.py", "bench/test_gpu_bench.py",
     "bench/test_quant_decode_peers.py", "canary/test_kvseal_canary.py",
     "disagg/test_engine_auth_processes.py", "disagg/test_pd_audit.py", "disagg/test_pd_cli.py",
     "disagg/test_pd_incident.py", "disagg/test_pd_kill.py", "disagg/test_pd_structured.py",
-    "disagg/test_pd_supervised.py",
+    "disagg/test_pd_supervised.py", "disagg/test_pd_tp.py",
     "engine/test_grammar_pool.py", "engine/test_structured.py",
     "ops/test_csrc.py", "ops/test_native_modes.py", "ops/test_packaging.py", "ops/test_sanitizers.py",
     "parallel/test_tensor_parallel.py", "parallel/test_tp_nodes.py", "parallel/test_tp_serve.py",

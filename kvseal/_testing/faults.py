@@ -86,6 +86,11 @@ class Fault(enum.Enum):
     # kernel writing the wrong slot), so a test can show that checked mode's per-slot records on
     # that rank refuse the next read of the slot it never wrote, where the always-on check does not.
     MISPLACED_KV_WRITE = "misplaced_kv_write"
+    # A tensor-parallel decode rank drops its shard of an imported PD handoff (a scatter that never
+    # reached its pool): nothing is written or recorded there, so a test can show that the rank's
+    # report refuses the handoff, and with decode's verification skipped, that the rank's own
+    # always-on check refuses the first decode step.
+    DROP_IMPORT_SHARD = "drop_import_shard"
 
 _active: set[Fault] = set()
 

@@ -36,11 +36,12 @@ from kvseal.disagg.msgs import (
 from kvseal.disagg.reservations import Reservation, ReservationTable
 from kvseal.disagg.role import HandoffCounters, Replies, abort_every, abort_owned, aborted_output
 from kvseal.disagg.transport import KVReceiver
-from kvseal.disagg.verify import Expected, verify_commit
+from kvseal.disagg.verify import Expected, Refusal, verify_commit
 from kvseal.engine.engine import LLMEngine
 from kvseal.errors import RequestRejected
 from kvseal.messages.convert import output_to_msg, params_from_msg
 from kvseal.messages.msgs import AbortMsg, OutputsMsg, RequestOutputMsg, RequestRejectedMsg
+from kvseal.parallel.handoff import RankHandoff
 from kvseal.structured.pending import PendingGrammars
 from kvseal.types import ISOLATION_CHECK_FAILED, RequestOutput, SamplingParams, TokenLogprobs
 
@@ -63,9 +64,10 @@ class DecodeSteps:
     role: Role = "decode"
 
     def __init__(self, engine: LLMEngine, receiver: KVReceiver, replies: Replies, reservation_timeout_s: float,
-                 instance_id: str) -> None:
+                 instance_id: str, handoff: RankHandoff | None = None) -> None:
         self.engine = engine
         self.receiver = receiver
+        self.handoff = handoff  # tensor parallelism: a verified handoff is scattered to the ranks
         self.table = ReservationTable(engine.kv, receiver, reservation_timeout_s)
         self.replies = replies
         self.instance_id = instance_id
@@ -187,6 +189,8 @@ class DecodeSteps:
                             reservation.num_cached_tokens)
         refusal = None if is_active(Fault.SKIP_HANDOFF_VERIFY) else verify_commit(
             expected, msg, self.receiver.landed(msg.transfer_id))
+        if refusal is None and self.handoff is not None:
+            refusal = self._scatter(reservation)
         if refusal is not None:
             logger.error("handoff of request %s (transfer %s from %s) refused: %s", msg.request_id,
                          msg.transfer_id, msg.prefill_engine, refusal.message)
@@ -196,6 +200,16 @@ class DecodeSteps:
                                   ISOLATION_CHECK_FAILED)
             return
         self._start(reservation, msg)
+
+    def _scatter(self, reservation: Reservation) -> Refusal | None:
+        """Tensor parallelism: every rank takes its heads of the verified KV; a rank whose own
+        records do not show all of it refuses the handoff on every rank (I4, per rank)."""
+        assert self.handoff is not None
+        why = self.handoff.scatter(reservation.request_id, list(reservation.pages), reservation.num_cached_tokens,
+                                   reservation.num_prompt_tokens)
+        if why is None or is_active(Fault.SKIP_HANDOFF_VERIFY):
+            return None
+        return Refusal("missing_kv_on_rank", why)
 
     def _start(self, reservation: Reservation, msg: CommitMsg) -> None:
         landing = self.receiver.landed(msg.transfer_id)

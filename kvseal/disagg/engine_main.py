@@ -4,6 +4,8 @@ It loads the model, binds exactly `--listen`, logs "ready", and serves frontends
 engines until SIGTERM/SIGINT (or, when started by `kvseal serve --pd`, until its parent
 exits): then it aborts what it holds (reservations are released under the usual rule) and
 exits 0. A configuration it cannot honour (I2) stops it with exit status 2 before it binds.
+With `-tp N` it drives N ranks (`kvseal/parallel/`, the handoff: `parallel/handoff.py`); a rank
+that dies or hangs (`RankFailure`) ends every request it holds with an error, and it exits 1.
 """
 
 from __future__ import annotations
@@ -21,9 +23,9 @@ from kvseal.config import EngineArgs
 from kvseal.disagg.config import NodeConfig
 from kvseal.disagg.node import EngineNode
 from kvseal.engine.engine import LLMEngine
-from kvseal.errors import ConfigError
 from kvseal.heap import freeze_startup_heap
 from kvseal.messages.msgs import ABORT_SERVER_SHUTDOWN
+from kvseal.parallel.group import RankFailure
 
 logger = logging.getLogger("kvseal.disagg")
 
@@ -38,10 +40,6 @@ def serve_engine(args: EngineArgs, config: NodeConfig, should_stop: Callable[[],
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)  # the frontend's "reload the API keys": sent to a group, not a stop
-    if args.tensor_parallel_size > 1:  # a role moves KV through rank 0's pool only (issue 42, step 4)
-        raise ConfigError(f"--tensor-parallel-size {args.tensor_parallel_size} is not supported for PD roles yet: "
-                          f"a {config.role} engine exports or imports KV on one rank only. Serve the model "
-                          f"colocated (kvseal serve -tp N), or run PD engines with -tp 1")
     if config.num_threads is not None:  # the engine sets torch's threads before any model work
         args = dataclasses.replace(args, num_threads=config.num_threads)
     node = EngineNode(LLMEngine(args), config)
@@ -52,16 +50,23 @@ def serve_engine(args: EngineArgs, config: NodeConfig, should_stop: Callable[[],
                 config.role, config.listen, node.instance_id, config.kv_transport, config.reservation_timeout_s,
                 torch.get_num_threads(), keys.own.name, keys.own.public.decode(),
                 ",".join(k.name for k in keys.frontends), ",".join(k.name for k in keys.peers) or "(none)")
+    status = 0
     try:
         while not stop["signal"] and not should_stop() and node.loop.run_once():
-            pass
+            node.engine.check_ranks()  # a tensor-parallel rank lost while idle fails the engine now
         if not node.loop.is_stopped:
             node.steps.abort_all(ABORT_SERVER_SHUTDOWN)
+    except RankFailure as exc:  # fail closed: every held request ends with an error, then exit
+        logger.error("kvseal engine (%s): a tensor-parallel rank failed: %s; aborting every request", config.role,
+                     exc)
+        node.engine.close()  # stops the ranks (by PID) and the grammar workers
+        node.steps.abort_all(f"a tensor-parallel rank of the {config.role} engine failed")
+        status = 1
     finally:
         node.close()
         node.ctx.term()
     logger.info("kvseal engine (%s) stopped", config.role)
-    return 0
+    return status
 
 
 def run_engine_process(args: EngineArgs, config: NodeConfig, log_level: str) -> None:

@@ -17,6 +17,7 @@ from kvseal.disagg.msgs import EngineInfoMsg
 from kvseal.disagg.prefill import PrefillSteps
 from kvseal.disagg.role import Replies, RoleSteps
 from kvseal.disagg.router_link import IDLE_POLL_MS, RouterLink
+from kvseal.disagg.sharded import StagedReceiver
 from kvseal.disagg.stream import StreamReceiver, StreamSender
 from kvseal.disagg.tcp import TcpReceiver, TcpSender
 from kvseal.disagg.transport import KVReceiver, KVSender
@@ -24,6 +25,8 @@ from kvseal.disagg.wire import PeerLinks, tcp_endpoint
 from kvseal.engine.engine import LLMEngine
 from kvseal.engine.loop import EngineLoop
 from kvseal.errors import ConfigError
+from kvseal.kvcache.pool import KVPool
+from kvseal.parallel.handoff import RankHandoff
 
 logger = logging.getLogger("kvseal.disagg")
 
@@ -51,6 +54,8 @@ class EngineNode:
                               f"memory), or --device cpu")
         self.engine = engine
         self.config = config
+        # tensor parallelism: rank 0 stages full pages for the transports (`parallel/handoff.py`)
+        self.handoff = None if engine.driver is None else RankHandoff(engine.driver, engine.model_config, engine.kv)
         self.ctx = ctx or zmq.Context()
         self.instance_id = f"{config.role}-{config.listen}-{secrets.token_hex(4)}"
         self.guard = LinkGuard(self.ctx, config.link_keys, f"kvseal-{self.instance_id}")
@@ -80,14 +85,20 @@ class EngineNode:
 
     def _steps(self, replies: Replies) -> RoleSteps:
         if self.config.role == "decode":
-            self.transport: KVReceiver | KVSender = self._receiver()
-            return DecodeSteps(self.engine, self.transport, replies, self.config.reservation_timeout_s,
-                               self.instance_id)
+            receiver = self._receiver()
+            self.transport: KVReceiver | KVSender = receiver
+            return DecodeSteps(self.engine, receiver, replies, self.config.reservation_timeout_s,
+                               self.instance_id, self.handoff)
         self.transport = self._sender()
-        return PrefillSteps(self.engine, self.transport, self.links, replies, self.instance_id)
+        return PrefillSteps(self.engine, self.transport, self.links, replies, self.instance_id, self.handoff)
 
     def _receiver(self) -> KVReceiver:
-        pool, host = self.engine.kv.pool, self.config.listen.rpartition(":")[0]
+        if self.handoff is None:
+            return self._transport_receiver(self.engine.kv.pool)
+        return StagedReceiver(self._transport_receiver(self.handoff.wire), self.handoff)
+
+    def _transport_receiver(self, pool: KVPool) -> KVReceiver:
+        host = self.config.listen.rpartition(":")[0]
         if self.config.kv_transport == "nixl":
             from kvseal.disagg.nixl import NixlReceiver  # imports nixl: only when asked for
 

@@ -38,6 +38,7 @@ from kvseal.engine.engine import LLMEngine
 from kvseal.errors import RequestRejected
 from kvseal.messages.convert import params_from_msg
 from kvseal.messages.msgs import AbortMsg, TokenLogprobsMsg
+from kvseal.parallel.handoff import RankHandoff
 from kvseal.structured.pending import PendingGrammars
 from kvseal.types import ISOLATION_CHECK_FAILED, FinishReason, Request, RequestOutput, SamplingParams
 
@@ -67,9 +68,10 @@ class PrefillSteps:
     role: Role = "prefill"
 
     def __init__(self, engine: LLMEngine, sender: KVSender, links: PeerLinks, replies: Replies,
-                 instance_id: str) -> None:
+                 instance_id: str, handoff: RankHandoff | None = None) -> None:
         self.engine = engine
         self.sender = sender
+        self.handoff = handoff  # tensor parallelism: the ranks' heads are gathered before a push
         self.links = links
         self.replies = replies
         self.instance_id = instance_id
@@ -175,11 +177,18 @@ class PrefillSteps:
 
     def _push(self, job: Job, request: Request) -> int:
         kv, msg = self.engine.kv, job.msg
-        written = kv.written_prefix(request.request_id)
         start = msg.num_cached_tokens  # decode holds [0, start) in its own cache: not sent
-        plan = PushPlan(msg.transfer_id, kv.allocator.pages_of(request.request_id), written, msg.kv_address,
-                        list(msg.pages), start, transfer_key=msg.transfer_key, decode_key=msg.decode_public_key)
-        num_bytes = self.sender.push(plan, kv.pool)
+        pages = kv.allocator.pages_of(request.request_id)
+        pool, written, staged = kv.pool, kv.written_prefix(request.request_id), pages[start // kv.page_size:]
+        if self.handoff is not None:  # every rank's heads, and what every rank wrote (the least of them)
+            pool, written = self.handoff.wire, self.handoff.gather(request.request_id, staged)
+        plan = PushPlan(msg.transfer_id, pages, written, msg.kv_address, list(msg.pages), start,
+                        transfer_key=msg.transfer_key, decode_key=msg.decode_public_key)
+        try:
+            num_bytes = self.sender.push(plan, pool)
+        finally:
+            if self.handoff is not None:  # the push returned: nothing reads the staged pages any more
+                self.handoff.clear(staged)
         first = request.output_logprobs[0] if request.output_logprobs else None
         assert request.generator is not None, "every engine request samples with its own generator"
         commit = CommitMsg(

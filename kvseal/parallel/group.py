@@ -120,6 +120,18 @@ class RankGroup:
         self._call(lambda: dist.gather(logits, parts, dst=0, group=self._pg))
         return torch.cat(parts, dim=-1) if parts is not None else logits
 
+    # ---- a PD handoff's head shards (`parallel/handoff.py`): same-sized byte tensors on every rank
+
+    def gather_to_first(self, t: torch.Tensor) -> list[torch.Tensor] | None:
+        """Every rank's `t` (one shape and dtype on all), in rank order, on rank 0; None elsewhere."""
+        parts = [torch.empty_like(t) for _ in range(self.world_size)] if self.rank == 0 else None
+        self._call(lambda: dist.gather(t, parts, dst=0, group=self._pg))
+        return parts
+
+    def scatter_from_first(self, parts: list[torch.Tensor] | None, out: torch.Tensor) -> None:
+        """Rank 0's `parts[r]` into rank r's `out` (rank 0 passes the parts, the others None)."""
+        self._call(lambda: dist.scatter(out, parts, src=0, group=self._pg))
+
     # ---- messages
 
     def broadcast_bytes(self, data: bytes | None) -> bytes:

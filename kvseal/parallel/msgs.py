@@ -52,6 +52,30 @@ class StepMsg(msgspec.Struct, tag="step"):
     starts: list[int]
 
 
+class ExportMsg(msgspec.Struct, tag="export"):
+    """PD prefill: the ownership changes since the last step, then every rank reports its written
+    prefix of `request_id` and sends rank 0 its KV heads of `pages` (`parallel/handoff.py`)."""
+
+    events: list[OwnershipEvent]
+    request_id: str
+    pages: list[int]
+    shard_heads: int  # every rank's shard is padded to this many heads (the largest rank's)
+
+
+class ImportMsg(msgspec.Struct, tag="import"):
+    """PD decode, after rank 0 verified the commit: the ownership changes since the last step,
+    then rank 0 scatters each rank its heads of positions [start, end) of `request_id`, whose
+    pages (position order, from position 0) are `pages`; every rank writes its shard into its
+    own pool, records it, and reports its written prefix (`ShardReportMsg`)."""
+
+    events: list[OwnershipEvent]
+    request_id: str
+    pages: list[int]
+    start: int  # page-aligned: decode's prefix-cache hit ends here
+    end: int
+    shard_heads: int
+
+
 class KeepAliveMsg(msgspec.Struct, tag="keep_alive"):
     """Nothing to run: sent by an idle driver so that a worker's bounded wait for the next
     message tells a quiet driver from a dead or hung one."""
@@ -76,6 +100,14 @@ class RefusalsMsg(msgspec.Struct, tag="refusals"):
     refused: dict[int, str]
 
 
+class ShardReportMsg(msgspec.Struct, tag="shard_report"):
+    """A rank's written prefix of one request, per layer, from its own write records: what a PD
+    handoff may send (prefill: the least over the ranks) or what landed on it (decode)."""
+
+    rank: int
+    written: list[int]
+
+
 class ReadyMsg(msgspec.Struct, tag="ready"):
     """A rank is loaded: its shard's KV heads and pool, for the driver's start-up log and checks."""
 
@@ -85,8 +117,8 @@ class ReadyMsg(msgspec.Struct, tag="ready"):
     pool_bytes: int
 
 
-ToRankMsg = StepMsg | KeepAliveMsg | StopMsg | InjectFaultMsg
-FromRankMsg = RefusalsMsg | ReadyMsg
+ToRankMsg = StepMsg | ExportMsg | ImportMsg | KeepAliveMsg | StopMsg | InjectFaultMsg
+FromRankMsg = RefusalsMsg | ReadyMsg | ShardReportMsg
 
 _encoder = msgspec.msgpack.Encoder()
 _to_rank = msgspec.msgpack.Decoder(ToRankMsg)

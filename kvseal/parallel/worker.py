@@ -20,6 +20,7 @@ import sys
 import torch
 
 from kvseal._testing.faults import Fault, is_active, switch
+from kvseal.errors import IsolationViolation
 from kvseal.kvcache.mirror import replay
 from kvseal.kvcache.pool import KVPool
 from kvseal.kvcache.records import ForwardWrites, WriteRecords
@@ -30,11 +31,15 @@ from kvseal.models.quant import quantize_model
 from kvseal.models.tensor_parallel import RankLayout
 from kvseal.ops import Ops, select_ops
 from kvseal.parallel.group import GroupSpec, RankFailure, RankGroup
+from kvseal.parallel.handoff import empty_shard, moved_pages, record_landed, shard_bytes, write_shard
 from kvseal.parallel.msgs import (
+    ExportMsg,
+    ImportMsg,
     InjectFaultMsg,
     KeepAliveMsg,
     ReadyMsg,
     RefusalsMsg,
+    ShardReportMsg,
     StepMsg,
     StopMsg,
     WorkerSpecMsg,
@@ -90,6 +95,12 @@ class WorkerRank:
                 if msg.rank == self.spec.rank:
                     switch(Fault(msg.fault), msg.active)
                 continue
+            if isinstance(msg, ExportMsg):
+                self.export(msg)
+                continue
+            if isinstance(msg, ImportMsg):
+                self.import_shard(msg)
+                continue
             self.step(msg)
 
     def step(self, msg: StepMsg) -> None:
@@ -110,6 +121,28 @@ class WorkerRank:
         with self.records.recording(writes):
             self.model(batch, self.pool)
 
+    def export(self, msg: ExportMsg) -> None:
+        """PD prefill: report this rank's written prefix of the request, send rank 0 its heads."""
+        replay(msg.events, self.records, self.pool)
+        report = ShardReportMsg(self.spec.rank, self.records.written_prefix(msg.request_id))
+        self.group.all_gather_bytes(encode(report))
+        self.group.gather_to_first(shard_bytes(self.pool, msg.pages, msg.shard_heads))
+
+    def import_shard(self, msg: ImportMsg) -> None:
+        """PD decode: write this rank's heads of a verified handoff into its pool, record them only
+        once they are there, and report what its own records say (rank 0 refuses a short one)."""
+        replay(msg.events, self.records, self.pool)
+        pages = moved_pages(msg, self.spec.options.page_size)
+        shard = empty_shard(self.pool, len(pages), msg.shard_heads)
+        self.group.scatter_from_first(None, shard)
+        if not is_active(Fault.DROP_IMPORT_SHARD):  # test-only: this rank's shard never reaches its pool
+            write_shard(self.pool, pages, shard, slice(0, self.layout.num_kv_heads))
+            try:
+                record_landed(self.records, msg, self.spec.options.page_size)
+            except IsolationViolation as violation:
+                logger.error("tensor-parallel rank refuses to record an imported handoff: %s", violation)
+        report = ShardReportMsg(self.spec.rank, self.records.written_prefix(msg.request_id))
+        self.group.all_gather_bytes(encode(report))
 
     def check(self, writes: ForwardWrites, batch: ForwardBatch) -> dict[int, str]:
         """This rank's refusals: the always-on check (I3, I4), and in checked mode the per-slot

@@ -45,3 +45,26 @@ def pd_cluster(marker_dir: Path, tmp_path_factory: pytest.TempPathFactory,
         cluster.frontend.terminate()
         cluster.prefill.terminate()
         cluster.decode.terminate()
+
+
+@pytest.fixture(scope="session")
+def pd_tp_cluster(marker_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[PdCluster]:
+    """The incident's cluster with -tp 2 on both engines (each its rank 0 and one worker rank),
+    over the default transport: the incident replay under tensor parallelism."""
+    workdir = tmp_path_factory.mktemp("pd-tp-cluster")
+    flags = ["--kv-transport", "tcp-stream", "--tensor-parallel-size", "2", "--tp-timeout", "20"]
+    prefill = PdEngine("prefill", marker_dir, workdir, [*PREFILL_FLAGS, *flags]).start()
+    decode = PdEngine("decode", marker_dir, workdir, [*DECODE_FLAGS, *flags]).start()
+    cluster = None
+    try:
+        prefill.wait_ready()
+        decode.wait_ready()
+        frontend = PdFrontend([prefill], [decode], marker_dir, workdir, KEYS).start()
+        cluster = PdCluster(marker_dir, workdir, prefill, decode, frontend, "tcp-stream")
+        frontend.wait_healthy()
+        yield cluster
+    finally:
+        if cluster is not None:
+            cluster.frontend.terminate()
+        prefill.terminate()
+        decode.terminate()

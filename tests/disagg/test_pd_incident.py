@@ -14,6 +14,10 @@ switched off too, the marker check catches the leak). The switches are test-only
 from __future__ import annotations
 
 import itertools
+import os
+import re
+import signal
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -91,6 +95,32 @@ def assert_normal_traffic_answered(results: list[Result]) -> None:
 
 
 def test_the_incident_prompts_get_400_and_never_reach_an_engine(pd_cluster: PdCluster) -> None:
+    replay_the_incident(pd_cluster)
+
+
+def test_the_incident_replay_with_tp2_on_both_sides_then_a_dead_decode_rank_fails_closed(
+        pd_tp_cluster: PdCluster) -> None:
+    """The same replay with `-tp 2` on prefill and decode: every handoff gathers both ranks' KV
+    heads on prefill and scatters them on decode (`parallel/handoff.py`); every answer is its own
+    marker, as with TP=1 and colocated, and both engines drain clean. Then decode's worker rank is
+    killed: the next request gets an error, never a 200, well within the timeouts; decode exits 1
+    (its ranks stopped by PID) and prefill's pages are free."""
+    cluster = pd_tp_cluster
+    replay_the_incident(cluster)
+    assert cluster.frontend.metric("kvseal_pd_kv_transfers", role="decode") >= 7
+    found = re.search(r"tensor parallel: 2 ranks \(pids \[(\d+)\]\)", cluster.decode.log())
+    assert found is not None, "decode's tensor-parallel start-up line"
+    os.kill(int(found.group(1)), signal.SIGKILL)
+    started = time.monotonic()
+    result = send(cluster.frontend, "alice", 40)
+    assert result.status >= 500 and result.text == "", result
+    assert time.monotonic() - started < 30
+    assert cluster.decode.proc is not None and cluster.decode.proc.wait(timeout=30) == 1
+    assert "a tensor-parallel rank failed" in cluster.decode.log()
+    assert_engines_clean(cluster.prefill)
+
+
+def replay_the_incident(pd_cluster: PdCluster) -> None:
     frontend = pd_cluster.frontend
     assert "admitting against the smallest" in frontend.log()
     results = traffic(frontend, oversized=[300, 480, 700])

@@ -103,13 +103,6 @@ def test_a_rank_that_cannot_load_its_shard_fails_start_up(tmp_path: Path) -> Non
     assert all(p.poll() is not None for p in driver.ranks.procs)
 
 
-def test_serve_pd_refuses_tp_before_any_engine_starts(model: Path) -> None:
-    argv = kvseal_argv(["serve", "--model", str(model), "--pd", "-tp", "2", "--port", str(free_port()), *FLAGS])
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
-    assert done.returncode != 0
-    assert "not supported with PD engines yet" in done.stderr and "exited" not in done.stderr
-
-
 def test_a_rank_that_exits_before_joining_fails_start_up_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
     """Not after the start-up timeout (300 s): rank 0 watches its ranks while the group forms."""
     import kvseal.parallel.driver as driver_module

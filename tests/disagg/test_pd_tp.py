@@ -1,0 +1,99 @@
+"""PD with tensor-parallel engines (kvseal/parallel/handoff.py): full pages on the wire, each rank's
+KV heads gathered on prefill and scattered on decode, every rank's records checked.
+
+Both engines run in this process (`PdPair`); one of them is tensor-parallel, its worker rank in a
+process of its own (gloo over 127.0.0.1, every wait bounded by `tp_timeout_s`): torch.distributed
+has one default group per process, so TP=2 on both sides runs as processes, in the incident replay
+(test_pd_incident.py, `pd_tp_cluster`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pd_harness import PdPair
+from tiny_models import make_tiny_model
+
+from kvseal import LLM, SamplingParams
+from kvseal._testing.faults import Fault, inject
+from kvseal.config import EngineArgs
+from kvseal.types import ISOLATION_CHECK_FAILED
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+PROMPTS = [list(range(10, 13)), list(range(40, 48)), list(range(100, 137)), [7]]
+BASE: dict[str, Any] = dict(kv_cache_tokens=256, page_size=4, max_num_batched_tokens=32, dtype="float32",
+                            max_model_len=128, tp_timeout_s=20.0)
+
+
+@pytest.fixture(scope="module")
+def odd_split_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """3 KV heads: 2 + 1 over two ranks, so the ranks' shards differ in size (padded on the wire)."""
+    return make_tiny_model("llama_odd_split", tmp_path_factory.mktemp("pd-tp") / "odd")
+
+
+def _args(model: Path, tp: int) -> EngineArgs:
+    return EngineArgs(model=str(model), tensor_parallel_size=tp, **BASE)
+
+
+def _colocated(model: Path) -> list[list[int]]:
+    llm = LLM(str(model), **BASE)
+    return [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+
+
+@pytest.fixture
+def tp_pair(odd_split_dir: Path, request: pytest.FixtureRequest) -> Iterator[PdPair]:
+    prefill_tp, decode_tp = request.param
+    pair = PdPair(_args(odd_split_dir, prefill_tp), _args(odd_split_dir, decode_tp), kv_transport="tcp-stream")
+    yield pair
+    pair.close()
+
+
+@pytest.mark.parametrize("tp_pair", [(2, 1), (1, 2)], indirect=True, ids=["tp2-tp1", "tp1-tp2"])
+def test_pd_with_tp_equals_colocated(tp_pair: PdPair, odd_split_dir: Path) -> None:
+    """Greedy output of PD with TP on either side or both equals the colocated engine's, the
+    handoffs run side by side, and every page on both sides is free afterwards."""
+    expected = _colocated(odd_split_dir)
+    handoffs = [tp_pair.reserve(p, GREEDY) for p in PROMPTS]
+    for handoff, prompt in zip(handoffs, PROMPTS):
+        tp_pair.to_prefill.send(tp_pair.prefill_msg(handoff, prompt, GREEDY))
+    for handoff in handoffs:
+        tp_pair.wait(handoff)
+    assert [h.token_ids for h in handoffs] == expected
+    tp_pair.assert_clean()
+    for node in (tp_pair.prefill, tp_pair.decode):
+        assert node.engine.stats().num_isolation_violations == 0
+        if node.handoff is not None:  # nothing of any handoff stays in rank 0's staging pool
+            assert all(not bool(t.any()) for t in (*node.handoff.wire.k, *node.handoff.wire.v))
+
+
+@pytest.mark.parametrize("tp_pair", [(1, 2)], indirect=True, ids=["tp1-tp2"])
+def test_a_decode_rank_that_drops_its_shard_is_caught_on_every_layer_of_defence(tp_pair: PdPair) -> None:
+    """DROP_IMPORT_SHARD on decode's rank 1 only: its own records show nothing landed, so its
+    report refuses the handoff; with decode's verification skipped too, rank 1's always-on check
+    refuses the first decode step; with that check bypassed on rank 1 as well (the negative
+    control), the request is answered from KV that never landed there."""
+    pair, driver = tp_pair, tp_pair.decode.engine.driver
+    assert driver is not None
+    prompt = list(range(60, 90))
+    expected = pair.generate(prompt, GREEDY).token_ids
+    driver.inject_fault_on_rank(1, Fault.DROP_IMPORT_SHARD)
+
+    refused = pair.generate(prompt, GREEDY)
+    assert refused.final.error_code == ISOLATION_CHECK_FAILED and refused.token_ids == [], refused.final
+    assert "did not land on tensor-parallel rank(s) 1" in (refused.final.error or "")
+    assert pair.decode.steps.counters.failures["missing_kv_on_rank"] == 1
+    with inject(Fault.SKIP_HANDOFF_VERIFY):
+        stepped = pair.generate(prompt, GREEDY)
+        assert stepped.final.error_code == ISOLATION_CHECK_FAILED, stepped.final
+        assert "on tensor-parallel rank 1" in (stepped.final.error or "")
+        driver.inject_fault_on_rank(1, Fault.BYPASS_KV_CHECKS)
+        leaked = pair.generate(prompt, GREEDY)
+    driver.inject_fault_on_rank(1, Fault.BYPASS_KV_CHECKS, active=False)
+    driver.inject_fault_on_rank(1, Fault.DROP_IMPORT_SHARD, active=False)
+    assert leaked.final.finish_reason == "length" and leaked.final.error_code is None
+    assert leaked.token_ids != expected, "rank 1 attended to KV that never landed there"
+    assert pair.generate(prompt, GREEDY).token_ids == expected  # the faults off: served again
+    pair.assert_clean()
