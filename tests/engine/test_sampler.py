@@ -96,3 +96,50 @@ def test_changes_logits_says_whether_the_processors_change_anything(params: dict
     assert (processed is not logits) == changes
     if not changes:
         assert torch.equal(processed, logits)
+
+
+def test_a_random_row_is_drawn_from_its_distribution_and_never_from_zero_mass() -> None:
+    """The inverse-CDF draw (blocks, then the token inside one) against the probabilities: three
+    rows over a vocabulary that is not a whole number of blocks, with tokens of zero mass (as top-k
+    or top-p leave them), including whole zero blocks and the last token of the vocabulary."""
+    from kvseal.engine.sampler import DRAW_BLOCK, _draw
+
+    vocab = 3 * DRAW_BLOCK + 37
+    probs = torch.zeros(3, vocab)
+    probs[0, [0, DRAW_BLOCK - 1, DRAW_BLOCK, DRAW_BLOCK + 1, vocab - 2, vocab - 1]] = torch.tensor(
+        [0.1, 0.2, 0.15, 0.15, 0.25, 0.15])
+    probs[1, 2 * DRAW_BLOCK + 5:2 * DRAW_BLOCK + 9] = torch.tensor([2.0, 0.0, 1.0, 1.0])  # unnormalized
+    probs[2] = torch.softmax(torch.randn(vocab, generator=torch.Generator().manual_seed(3)), dim=-1)
+    probs[2, ::2] = 0.0
+    draws = 20_000
+    requests = [_request(i, seed=7, temperature=1.0) for i in range(3)]
+    counts = torch.zeros(3, vocab)
+    for _ in range(draws):
+        counts[torch.arange(3), _draw(probs, requests)] += 1
+    assert not (counts[probs == 0] > 0).any(), "a token of zero mass was drawn"
+    expected = probs / probs.sum(dim=-1, keepdim=True)
+    frequencies = counts / draws
+    for row in (0, 1):  # few tokens: each one's frequency within 5 standard errors
+        support = expected[row] > 0
+        sd = (expected[row][support] * (1 - expected[row][support]) / draws).sqrt()
+        assert ((frequencies[row][support] - expected[row][support]).abs() < 5 * sd).all()
+    # many small tokens: the mass drawn from each half block matches the half block's mass
+    halves = torch.nn.functional.pad(torch.stack([frequencies[2], expected[2]]), (0, 4 * DRAW_BLOCK - vocab))
+    by_half = halves.view(2, 8, DRAW_BLOCK // 2).sum(dim=-1)
+    assert (by_half[0] - by_half[1]).abs().max() < 0.02
+
+
+def test_a_row_draws_one_number_per_step_whatever_the_batch_holds() -> None:
+    """A seeded row's token depends on its own generator only: alone, or beside greedy and other
+    random rows, it draws the same token, and its generator advanced by one draw either way."""
+    from kvseal.engine.sampler import _draw
+
+    probs = torch.softmax(torch.randn(4, VOCAB, generator=torch.Generator().manual_seed(5)), dim=-1)
+    alone = _request(0, seed=11, temperature=1.0)
+    beside = [_request(9, temperature=0.0), _request(0, seed=11, temperature=1.0), _request(4, temperature=1.0),
+              _request(5, temperature=0.0)]
+    token_alone = _draw(probs[1:2], [alone])[0]
+    token_beside = _draw(probs, beside)[1]
+    assert token_alone == token_beside
+    assert alone.generator is not None and beside[1].generator is not None
+    assert torch.equal(alone.generator.get_state(), beside[1].generator.get_state())
