@@ -14,6 +14,13 @@ step and one token sampled (prefix caching off, no request decoding). Greedy tok
 (equal engines give equal tokens).
 
     python bench/engine_ab.py --a /path/to/base --b . --dtype bfloat16 --bursts 16
+
+The same tree under two environments (an OpenMP setting, say) is an A/B too, and
+--competitor-duty runs a third process beside them that burns that share of one core in short
+bursts (--competitor-period-ms), the way a load generator or a frontend takes CPU from a
+2-core engine: it tells how much a step loses to a preempted thread.
+
+    python bench/engine_ab.py --a . --b . --env-b OMP_WAIT_POLICY=PASSIVE --competitor-duty 0.25
 """
 
 from __future__ import annotations
@@ -79,11 +86,21 @@ def worker(args: argparse.Namespace) -> None:
               flush=True)
 
 
-def start(tree: Path, argv: list[str]) -> subprocess.Popen[str]:
-    env = {**os.environ, "PYTHONPATH": str(tree)}
+def start(tree: Path, argv: list[str], extra_env: list[str]) -> subprocess.Popen[str]:
+    env = {**os.environ, "PYTHONPATH": str(tree), **dict(kv.split("=", 1) for kv in extra_env)}
     proc = subprocess.Popen([sys.executable, __file__, "--worker", *argv], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True, env=env, cwd="/")
     return proc
+
+
+def compete(duty: float, period_ms: float) -> None:
+    """Burn `duty` of one core: busy for duty x period, asleep for the rest, until killed."""
+    busy_s, idle_s = duty * period_ms / 1000, (1 - duty) * period_ms / 1000
+    while True:
+        until = time.perf_counter() + busy_s
+        while time.perf_counter() < until:
+            pass
+        time.sleep(idle_s)
 
 
 def ask(proc: subprocess.Popen[str], what: str) -> dict[str, Any]:
@@ -118,18 +135,31 @@ def main() -> None:
     parser.add_argument("--bursts", type=int, default=16, help="bursts of each kind per tree")
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--env-a", action="append", default=[], metavar="KEY=VALUE", help="more environment for A")
+    parser.add_argument("--env-b", action="append", default=[], metavar="KEY=VALUE", help="more environment for B")
+    parser.add_argument("--kinds", default="decode,prefill", help="which bursts, in order (default decode,prefill)")
+    parser.add_argument("--competitor-duty", type=float, default=0.0,
+                        help="share of one core a third process burns while the bursts run (default 0: none)")
+    parser.add_argument("--competitor-period-ms", type=float, default=40.0)
+    parser.add_argument("--competitor", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         worker(args)
         return
+    if args.competitor:
+        compete(args.competitor_duty, args.competitor_period_ms)
+        return
     argv = sys.argv[1:]
-    procs = {"a": start(args.a.resolve(), argv), "b": start(args.b.resolve(), argv)}
+    procs = {"a": start(args.a.resolve(), argv, args.env_a), "b": start(args.b.resolve(), argv, args.env_b)}
+    competitor = None
     try:
         for name, proc in procs.items():
             assert proc.stdout is not None
             ready = json.loads(proc.stdout.readline())
             print(json.dumps({name: ready["kvseal"]}), flush=True)
-        for kind in ("decode", "prefill"):
+        if args.competitor_duty > 0:
+            competitor = subprocess.Popen([sys.executable, __file__, "--competitor", *argv])
+        for kind in args.kinds.split(","):
             if kind == "prefill":
                 for proc in procs.values():
                     ask(proc, "end-decode")
@@ -141,6 +171,9 @@ def main() -> None:
             print(json.dumps({"kind": kind, **summary(bursts, "s"), **summary(bursts, "cpu_s"), "tokens_equal": same,
                               "loadavg": os.getloadavg()}), flush=True)
     finally:
+        if competitor is not None:
+            competitor.kill()
+            competitor.wait(timeout=10)
         for proc in procs.values():
             assert proc.stdin is not None
             proc.stdin.close()
