@@ -1,8 +1,9 @@
 """Token sampling for a whole batch: logits processors, greedy, temperature, top-k, top-p.
 
-Everything is tensor arithmetic over [num_requests, vocab]; per-request values (temperature,
-top_k, top_p, penalties, biases) are gathered into per-row tensors. The only per-row Python
-work is drawing each random row's noise from its own generator.
+Everything is tensor arithmetic over [num_requests, vocab] (or one kernel call: `Ops.argmax_rows`,
+`Ops.draw_rows`); per-request values (temperature, top_k, top_p, penalties, biases) are gathered
+into per-row tensors. The only per-row Python work is drawing each random row's uniform from its
+own generator.
 
 Device: the arithmetic runs where the logits are (the engine's device); a random row's draw is
 taken on the host from its request's CPU generator and copied over, so a seed gives the same
@@ -11,7 +12,8 @@ draws on any device and a generator's state moves with a PD handoff as it is.
 Determinism: each request samples with its own `torch.Generator` (seeded from its `seed`, or
 from the OS random source when it has none). A random row is chosen by inverting its
 cumulative distribution: one uniform u in [0, 1) drawn from the request's generator, and the
-first token whose cumulative mass (float64) exceeds u times the row's total. That samples
+first token whose cumulative mass exceeds u times the row's total (`ops/torch_sampling.py`;
+`Ops.draw_rows` for rows that ask for temperature alone, in one pass). That samples
 exactly from `probs` and consumes one number per row and step whatever the batch holds, so
 greedy and seeded outputs are reproducible across batch compositions, preemption and
 chunking, up to floating-point differences in the logits themselves (different batch shapes
@@ -30,6 +32,7 @@ import torch
 
 from kvseal.engine.logits_processors import apply_logits_processors, changes_logits
 from kvseal.ops import Ops
+from kvseal.ops.torch_sampling import draw_from_probs
 from kvseal.types import Request, TokenLogprobs
 
 
@@ -38,60 +41,44 @@ def sample(logits: torch.Tensor, requests: list[Request], eos_token_ids: tuple[i
     """logits: [num_requests, vocab], one row per request that reached its last token, float32
     or the model's bfloat16. A batch of plain greedy rows (no processor, no logprobs) takes the
     argmax of the rows as they are (`ops.argmax_rows`: the same token as of their float32
-    widening). Everything else runs in float32."""
-    if all(r.params.is_greedy and r.params.logprobs is None for r in requests) \
-            and not changes_logits(requests, eos_token_ids):
+    widening), and so does a batch with random rows but no processor and no logprobs (the
+    draws widen each value exactly as they read it). Everything else runs in float32."""
+    plain = not changes_logits(requests, eos_token_ids) and all(r.params.logprobs is None for r in requests)
+    if plain and all(r.params.is_greedy for r in requests):
         return [(token, None) for token in ops.argmax_rows(logits).tolist()]
+    if plain:
+        return [(token, None) for token in _choose(logits, requests, ops).tolist()]
     logits = apply_logits_processors(logits.float(), requests, eos_token_ids)
     tokens = _choose(logits, requests, ops)
     return list(zip(tokens.tolist(), _logprobs(logits, tokens, requests)))
 
 
 def _choose(logits: torch.Tensor, requests: list[Request], ops: Ops) -> torch.Tensor:
-    """[num_requests] int64: argmax for greedy rows, a draw from the filtered distribution otherwise."""
+    """[num_requests] int64: argmax for greedy rows; for a random row, a draw from its filtered
+    distribution. A row that asks for temperature alone is always drawn by `ops.draw_rows` and
+    one with top-k or top-p always from its filtered probabilities, whatever else the batch holds."""
     device = logits.device
-    greedy_rows = [r.params.is_greedy for r in requests]
-    if all(greedy_rows):
+    if all(r.params.is_greedy for r in requests):
         return ops.argmax_rows(logits)
     temperature = torch.tensor([1.0 if r.params.is_greedy else r.params.temperature for r in requests],
-                               dtype=logits.dtype, device=device)
-    scaled = _top_k(logits / temperature[:, None], requests)
-    drawn = _draw(_top_p(torch.softmax(scaled, dim=-1), requests), requests)
-    if not any(greedy_rows):
-        return drawn
-    return torch.where(torch.tensor(greedy_rows, device=device), ops.argmax_rows(logits), drawn)
-
-
-DRAW_BLOCK = 512  # tokens summed together in a draw's first level
-
-
-def _draw(probs: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-    """[num_requests] int64: per row, the token at which the cumulative mass first exceeds u x
-    the row's total, u ~ U[0, 1) from the row's generator (a greedy row draws nothing: any u does).
-
-    In two levels: the block of DRAW_BLOCK tokens where the target falls (blocks summed in
-    float32, pairwise, then accumulated in float64), then the token inside it (float64); a
-    full-vocabulary float64 cumsum costs twice as much. The draw is exact up to the float32
-    rounding the probabilities themselves carry. Comparisons
-    are strict ("exceeds"), so a token or block of zero mass (cut by top-k or top-p) is never
-    chosen; should rounding leave the target at or past the block's own total, the block's last
-    token of nonzero mass is taken."""
-    draws = [torch.rand((), dtype=torch.float64, generator=r.generator).item() if not r.params.is_greedy else 0.0
-             for r in requests]
-    rows, vocab = probs.shape
-    num_blocks = -(-vocab // DRAW_BLOCK)
-    if num_blocks * DRAW_BLOCK != vocab:
-        probs = torch.nn.functional.pad(probs, (0, num_blocks * DRAW_BLOCK - vocab))
-    blocks = probs.view(rows, num_blocks, DRAW_BLOCK)
-    block_cumulative = blocks.sum(dim=-1).to(torch.float64).cumsum(dim=-1)  # [rows, num_blocks]
-    targets = torch.tensor(draws, dtype=torch.float64).to(probs.device, non_blocking=True) * block_cumulative[:, -1]
-    chosen = torch.searchsorted(block_cumulative, targets[:, None], right=True)[:, 0].clamp_(max=num_blocks - 1)
-    row_index = torch.arange(rows, device=probs.device)
-    before = torch.where(chosen > 0, block_cumulative[row_index, (chosen - 1).clamp(min=0)], 0.0)
-    block = blocks[row_index, chosen]  # [rows, DRAW_BLOCK]
-    inner = torch.searchsorted(block.to(torch.float64).cumsum(dim=-1), (targets - before)[:, None], right=True)[:, 0]
-    last = torch.where(block > 0, torch.arange(DRAW_BLOCK, device=probs.device), -1).amax(dim=-1)
-    return chosen * DRAW_BLOCK + torch.minimum(inner, last)
+                               dtype=torch.float32)
+    u = torch.tensor([0.0 if r.params.is_greedy else torch.rand((), dtype=torch.float64, generator=r.generator).item()
+                      for r in requests], dtype=torch.float64)
+    filtered = {i for i, r in enumerate(requests) if not r.params.is_greedy and (r.params.top_k > 0 or
+                                                                                 r.params.top_p < 1)}
+    plain = [i for i, r in enumerate(requests) if not r.params.is_greedy and i not in filtered]
+    if len(plain) == len(requests):
+        return ops.draw_rows(logits, temperature.to(device), u.to(device))
+    tokens = ops.argmax_rows(logits)  # the greedy rows' answer; random rows are overwritten
+    if plain:
+        rows = torch.tensor(plain, device=device)
+        tokens[rows] = ops.draw_rows(logits[rows].contiguous(), temperature[plain].to(device), u[plain].to(device))
+    if filtered:
+        ordered = sorted(filtered)
+        rows, chosen = torch.tensor(ordered, device=device), [requests[i] for i in ordered]
+        scaled = _top_k(logits[rows].float() / temperature[ordered].to(device)[:, None], chosen)
+        tokens[rows] = draw_from_probs(_top_p(torch.softmax(scaled, dim=-1), chosen), u[ordered])
+    return tokens
 
 
 def _top_k(scaled: torch.Tensor, requests: list[Request]) -> torch.Tensor:

@@ -17,7 +17,7 @@ from torch import nn
 from kvseal.errors import ConfigError
 from kvseal.kvcache.pool import KVPool
 from kvseal.kvcache.records import RecordKernels
-from kvseal.ops import torch_attention
+from kvseal.ops import torch_attention, torch_sampling
 from kvseal.ops.interface import DecodeLoop, DecodePlan, DecoderStack, FreshPrefills, NewTokens, PrefillSpan
 from kvseal.ops.torch_linears import Int8PackLinear, PackedLinear, int8_compute_dtype, onednn_bf16
 
@@ -102,6 +102,9 @@ class TorchOps:
 
     def argmax_rows(self, x: torch.Tensor) -> torch.Tensor:
         return x.argmax(dim=-1)
+
+    def draw_rows(self, x: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        return torch_sampling.draw_rows(x, temperature, u)
 
     def record_kernels(self) -> RecordKernels | None:
         return None  # the records' own torch ops

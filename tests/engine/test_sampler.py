@@ -4,6 +4,8 @@ their float32 widening. Either way the tokens are those of the float32 logits.""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 from built_kernels import KERNELS, native_ops
@@ -12,6 +14,7 @@ from kvseal import SamplingParams
 from kvseal.engine.logits_processors import apply_logits_processors, changes_logits
 from kvseal.engine.sampler import sample
 from kvseal.ops import Ops, TorchOps
+from kvseal.ops.torch_sampling import DRAW_BLOCK, draw_from_probs
 from kvseal.types import Request
 
 VOCAB = 1000
@@ -98,48 +101,93 @@ def test_changes_logits_says_whether_the_processors_change_anything(params: dict
         assert torch.equal(processed, logits)
 
 
-def test_a_random_row_is_drawn_from_its_distribution_and_never_from_zero_mass() -> None:
-    """The inverse-CDF draw (blocks, then the token inside one) against the probabilities: three
-    rows over a vocabulary that is not a whole number of blocks, with tokens of zero mass (as top-k
-    or top-p leave them), including whole zero blocks and the last token of the vocabulary."""
-    from kvseal.engine.sampler import DRAW_BLOCK, _draw
 
+Drawer = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (probs, u) -> tokens
+
+
+@pytest.fixture(params=["probs", "torch", "native"])
+def drawer(request: pytest.FixtureRequest) -> Drawer:
+    """The three ways a random row is drawn: from filtered probabilities (top-k/top-p rows), and
+    from logits at temperature 1 by each backend's `draw_rows` (a zero probability is a -inf logit)."""
+    if request.param == "probs":
+        return draw_from_probs
+    ops: Ops = TorchOps() if request.param == "torch" else _native_or_skip()
+    return lambda probs, u: ops.draw_rows(probs.log(), torch.ones(probs.shape[0]), u)
+
+
+def _native_or_skip() -> Ops:
+    if KERNELS is None:
+        pytest.skip("no C compiler: the native kernels are not built")
+    return native_ops()
+
+
+def test_a_random_row_is_drawn_from_its_distribution_and_never_from_zero_mass(drawer: Drawer) -> None:
+    """Inverse-CDF draws (blocks, then the token inside one) against the probabilities: three
+    rows over a vocabulary that is not a whole number of blocks, with tokens of zero mass (as
+    top-k, top-p or a grammar mask leave them), whole zero blocks and the vocabulary's last token."""
     vocab = 3 * DRAW_BLOCK + 37
     probs = torch.zeros(3, vocab)
     probs[0, [0, DRAW_BLOCK - 1, DRAW_BLOCK, DRAW_BLOCK + 1, vocab - 2, vocab - 1]] = torch.tensor(
         [0.1, 0.2, 0.15, 0.15, 0.25, 0.15])
-    probs[1, 2 * DRAW_BLOCK + 5:2 * DRAW_BLOCK + 9] = torch.tensor([2.0, 0.0, 1.0, 1.0])  # unnormalized
+    probs[1, 2 * DRAW_BLOCK + 5:2 * DRAW_BLOCK + 9] = torch.tensor([0.5, 0.0, 0.25, 0.25])
     probs[2] = torch.softmax(torch.randn(vocab, generator=torch.Generator().manual_seed(3)), dim=-1)
     probs[2, ::2] = 0.0
-    draws = 20_000
-    requests = [_request(i, seed=7, temperature=1.0) for i in range(3)]
+    probs[2] /= probs[2].sum()
+    rounds, per_round = 10, 2000
+    generator = torch.Generator().manual_seed(7)
     counts = torch.zeros(3, vocab)
-    for _ in range(draws):
-        counts[torch.arange(3), _draw(probs, requests)] += 1
+    for _ in range(rounds):  # per_round copies of the three rows in one batch
+        tokens = drawer(probs.repeat(per_round, 1), torch.rand(3 * per_round, dtype=torch.float64,
+                                                                 generator=generator)).view(per_round, 3)
+        for row in range(3):
+            counts[row] += torch.bincount(tokens[:, row], minlength=vocab)
+    draws = rounds * per_round
     assert not (counts[probs == 0] > 0).any(), "a token of zero mass was drawn"
-    expected = probs / probs.sum(dim=-1, keepdim=True)
     frequencies = counts / draws
     for row in (0, 1):  # few tokens: each one's frequency within 5 standard errors
-        support = expected[row] > 0
-        sd = (expected[row][support] * (1 - expected[row][support]) / draws).sqrt()
-        assert ((frequencies[row][support] - expected[row][support]).abs() < 5 * sd).all()
+        support = probs[row] > 0
+        sd = (probs[row][support] * (1 - probs[row][support]) / draws).sqrt()
+        assert ((frequencies[row][support] - probs[row][support]).abs() < 5 * sd).all()
     # many small tokens: the mass drawn from each half block matches the half block's mass
-    halves = torch.nn.functional.pad(torch.stack([frequencies[2], expected[2]]), (0, 4 * DRAW_BLOCK - vocab))
+    halves = torch.nn.functional.pad(torch.stack([frequencies[2], probs[2]]), (0, 4 * DRAW_BLOCK - vocab))
     by_half = halves.view(2, 8, DRAW_BLOCK // 2).sum(dim=-1)
     assert (by_half[0] - by_half[1]).abs().max() < 0.02
 
 
-def test_a_row_draws_one_number_per_step_whatever_the_batch_holds() -> None:
-    """A seeded row's token depends on its own generator only: alone, or beside greedy and other
-    random rows, it draws the same token, and its generator advanced by one draw either way."""
-    from kvseal.engine.sampler import _draw
+def test_the_native_draw_agrees_with_torchs_and_reads_bfloat16_as_its_widening() -> None:
+    """The kernel's one pass and torch's softmax-then-search pick the same token for the same u
+    (they may differ only where u falls within float rounding of a boundary), at temperatures
+    other than 1; bfloat16 logits draw what their exact float32 widening draws; a row with a NaN
+    takes torch's path and gets torch's answer."""
+    native = _native_or_skip()
+    generator = torch.Generator().manual_seed(11)
+    logits = (torch.randn(64, 5000, generator=generator) * 3).to(torch.bfloat16)
+    temperature = torch.rand(64, generator=generator) + 0.3
+    same = 0
+    for _ in range(20):
+        u = torch.rand(64, dtype=torch.float64, generator=generator)
+        expected = TorchOps().draw_rows(logits.float(), temperature, u)
+        assert torch.equal(native.draw_rows(logits, temperature, u), native.draw_rows(logits.float(), temperature, u))
+        same += int((native.draw_rows(logits.float(), temperature, u) == expected).sum())
+    assert same >= 0.999 * 20 * 64
+    with_nan = logits.float()
+    with_nan[5, 17] = float("nan")
+    u = torch.rand(64, dtype=torch.float64, generator=generator)
+    assert torch.equal(native.draw_rows(with_nan, temperature, u), TorchOps().draw_rows(with_nan, temperature, u))
 
-    probs = torch.softmax(torch.randn(4, VOCAB, generator=torch.Generator().manual_seed(5)), dim=-1)
-    alone = _request(0, seed=11, temperature=1.0)
-    beside = [_request(9, temperature=0.0), _request(0, seed=11, temperature=1.0), _request(4, temperature=1.0),
-              _request(5, temperature=0.0)]
-    token_alone = _draw(probs[1:2], [alone])[0]
-    token_beside = _draw(probs, beside)[1]
-    assert token_alone == token_beside
-    assert alone.generator is not None and beside[1].generator is not None
-    assert torch.equal(alone.generator.get_state(), beside[1].generator.get_state())
+
+def test_a_row_draws_one_number_per_step_whatever_the_batch_holds(ops: Ops) -> None:
+    """A seeded row's token depends on its own generator only: alone, or beside greedy rows, rows
+    with top-k or top-p and other random rows, it samples the same token, and its generator has
+    advanced by one draw either way."""
+    logits = torch.randn(5, VOCAB, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    alone = _request(0, seed=11, temperature=0.8)
+    beside = [_request(9, temperature=0.0), _request(0, seed=11, temperature=0.8), _request(4, temperature=1.0),
+              _request(5, temperature=0.0), _request(6, temperature=1.0, top_p=0.9)]
+    token_alone = sample(logits[1:2], [alone], EOS, ops)[0][0]
+    assert sample(logits, beside[:4], EOS, ops)[1][0] == token_alone  # temperature alone: `draw_rows`
+    again = _request(0, seed=11, temperature=0.8)
+    beside[1] = again
+    assert sample(logits, beside, EOS, ops)[1][0] == token_alone  # beside a top-p row
+    assert alone.generator is not None and again.generator is not None
+    assert torch.equal(alone.generator.get_state(), again.generator.get_state())

@@ -252,4 +252,15 @@ void kvseal_advance_prefix(const struct kvseal_records *records, const int64_t *
 void kvseal_argmax_rows(const float *x, int64_t rows, int64_t n, int64_t *out, int num_threads);
 void kvseal_argmax_rows_bf16(const uint16_t *x, int64_t rows, int64_t n, int64_t *out, int num_threads);
 
+/* ---- the sampler's random draw (sample.c) ---- */
+
+/* out [rows] = per row r of x [rows, n], the first token whose cumulative weight exceeds
+   u[r] * the row's total, weights exp(x / T - max x / T) with 1/T = inv_temperature[r] and a
+   -inf logit weighing 0. Returns 0, or -1 where some row has a NaN or no token of weight (or
+   the vocabulary is too large): the caller then takes the torch path for the batch. */
+int kvseal_draw_rows(const float *x, int64_t rows, int64_t n, const float *inv_temperature, const double *u,
+                     int64_t *out, int num_threads);
+int kvseal_draw_rows_bf16(const uint16_t *x, int64_t rows, int64_t n, const float *inv_temperature, const double *u,
+                          int64_t *out, int num_threads);
+
 #endif
