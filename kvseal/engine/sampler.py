@@ -32,7 +32,7 @@ import torch
 
 from kvseal.engine.logits_processors import apply_logits_processors, changes_logits
 from kvseal.ops import Ops
-from kvseal.ops.torch_sampling import draw_from_probs
+from kvseal.ops.torch_sampling import draw_from_probs, top_p_filter
 from kvseal.types import Request, TokenLogprobs
 
 
@@ -55,55 +55,42 @@ def sample(logits: torch.Tensor, requests: list[Request], eos_token_ids: tuple[i
 
 def _choose(logits: torch.Tensor, requests: list[Request], ops: Ops) -> torch.Tensor:
     """[num_requests] int64: argmax for greedy rows; for a random row, a draw from its filtered
-    distribution. A row that asks for temperature alone is always drawn by `ops.draw_rows` and
-    one with top-k or top-p always from its filtered probabilities, whatever else the batch holds."""
+    distribution. A row without top-k is always drawn by `ops.draw_rows` (temperature and top-p)
+    and one with top-k always from its filtered probabilities, whatever else the batch holds."""
     device = logits.device
     if all(r.params.is_greedy for r in requests):
         return ops.argmax_rows(logits)
     temperature = torch.tensor([1.0 if r.params.is_greedy else r.params.temperature for r in requests],
                                dtype=torch.float32)
+    top_p = torch.tensor([r.params.top_p for r in requests], dtype=torch.float32)
     u = torch.tensor([0.0 if r.params.is_greedy else torch.rand((), dtype=torch.float64, generator=r.generator).item()
                       for r in requests], dtype=torch.float64)
-    filtered = {i for i, r in enumerate(requests) if not r.params.is_greedy and (r.params.top_k > 0 or
-                                                                                 r.params.top_p < 1)}
-    plain = [i for i, r in enumerate(requests) if not r.params.is_greedy and i not in filtered]
+    with_top_k = {i for i, r in enumerate(requests) if not r.params.is_greedy and r.params.top_k > 0}
+    plain = [i for i, r in enumerate(requests) if not r.params.is_greedy and i not in with_top_k]
     if len(plain) == len(requests):
-        return ops.draw_rows(logits, temperature.to(device), u.to(device))
+        return ops.draw_rows(logits, temperature.to(device), top_p.to(device), u.to(device))
     tokens = ops.argmax_rows(logits)  # the greedy rows' answer; random rows are overwritten
     if plain:
         rows = torch.tensor(plain, device=device)
-        tokens[rows] = ops.draw_rows(logits[rows].contiguous(), temperature[plain].to(device), u[plain].to(device))
-    if filtered:
-        ordered = sorted(filtered)
+        tokens[rows] = ops.draw_rows(logits[rows].contiguous(), temperature[plain].to(device),
+                                     top_p[plain].to(device), u[plain].to(device))
+    if with_top_k:
+        ordered = sorted(with_top_k)
         rows, chosen = torch.tensor(ordered, device=device), [requests[i] for i in ordered]
-        scaled = _top_k(logits[rows].float() / temperature[ordered].to(device)[:, None], chosen)
-        tokens[rows] = draw_from_probs(_top_p(torch.softmax(scaled, dim=-1), chosen), u[ordered])
+        k = [min(r.params.top_k, logits.shape[-1]) for r in chosen]
+        scaled = _top_k(logits[rows].float() / temperature[ordered].to(device)[:, None], k)
+        probs = torch.softmax(scaled, dim=-1)
+        if bool((top_p[ordered] < 1).any()):
+            probs = top_p_filter(probs, top_p[ordered], candidates=max(k))
+        tokens[rows] = draw_from_probs(probs, u[ordered])
     return tokens
 
 
-def _top_k(scaled: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+def _top_k(scaled: torch.Tensor, k: list[int]) -> torch.Tensor:
     """Keep, per row, the logits at least as large as the row's k-th largest."""
-    vocab_size = scaled.shape[-1]
-    wanted = [min(r.params.top_k, vocab_size) if r.params.top_k > 0 else vocab_size for r in requests]
-    if all(k == vocab_size for k in wanted):
-        return scaled
-    top_k = torch.tensor(wanted, device=scaled.device)
-    kth = scaled.topk(max(wanted), dim=-1).values.gather(1, (top_k - 1)[:, None])  # [B, 1]
+    top_k = torch.tensor(k, device=scaled.device)
+    kth = scaled.topk(max(k), dim=-1).values.gather(1, (top_k - 1)[:, None])  # [B, 1]
     return scaled.masked_fill(scaled < kth, float("-inf"))
-
-
-def _top_p(probs: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-    """Per row, keep the smallest set of most likely tokens whose mass reaches top_p (at least
-    one). The result is not renormalized: a draw scales by its row's total."""
-    if all(r.params.top_p >= 1 for r in requests):
-        return probs
-    top_p = torch.tensor([r.params.top_p for r in requests], dtype=probs.dtype, device=probs.device)
-    sorted_probs, order = probs.sort(dim=-1, descending=True)
-    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-    drop = mass_before >= top_p[:, None]
-    drop[:, 0] = False  # the most likely token always stays, however small top_p is
-    sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-    return torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
 
 
 def _logprobs(logits: torch.Tensor, tokens: torch.Tensor, requests: list[Request]) -> list[TokenLogprobs | None]:

@@ -202,10 +202,12 @@ class Ops(Protocol):
         """x [rows, n] -> [rows] int64: `x.argmax(dim=-1)` (the first index of the largest value;
         the first NaN where a row has one); bfloat16 rows as their float32 widening."""
 
-    def draw_rows(self, x: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-        """x [rows, n] logits, temperature [rows] float32 (> 0), u [rows] float64 in [0, 1) ->
-        [rows] int64: per row, the first token whose cumulative weight exceeds u x the row's
-        total, weights softmax(x / temperature) (inverse-CDF sampling; `torch_sampling.py`)."""
+    def draw_rows(self, x: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
+                  u: torch.Tensor) -> torch.Tensor:
+        """x [rows, n] logits, temperature [rows] float32 (> 0), top_p [rows] float32 (1: no
+        cut), u [rows] float64 in [0, 1) -> [rows] int64: per row, the first token whose
+        cumulative weight exceeds u x the total, weights softmax(x / temperature) cut to the
+        top-p nucleus (inverse-CDF sampling; `torch_sampling.py`)."""
 
     # ---- the isolation records
 

@@ -176,15 +176,17 @@ class NativeOps:
             return self.fallback.argmax_rows(x)
         return self.kernels.argmax_rows(x)
 
-    def draw_rows(self, x: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-        """The kernel (`csrc/sample.c`): one pass over the logits as they are (bfloat16 read in
-        place), 4.6 against 0.5 ms on a 32-row step's [32, 49,152] logits. A row with a NaN or no
-        token of weight takes the torch path, as torch answers it."""
+    def draw_rows(self, x: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
+                  u: torch.Tensor) -> torch.Tensor:
+        """The kernel (`csrc/sample.c`) over the logits as they are (bfloat16 read in place): on a
+        32-row step's [32, 49,152] logits 0.45 against 4.6 ms at temperature 1, ~5 against ~55 ms
+        with top_p 0.95 (no sort). A row with a NaN or no token of weight takes the torch path,
+        as torch answers it."""
         if x.dtype in _NATIVE_DTYPES and x.is_contiguous() and x.dim() == 2 and x.shape[-1] > 0:
-            drawn = self.kernels.draw_rows(x, temperature, u)
+            drawn = self.kernels.draw_rows(x, temperature, top_p, u)
             if drawn is not None:
                 return drawn
-        return self.fallback.draw_rows(x, temperature, u)
+        return self.fallback.draw_rows(x, temperature, top_p, u)
 
     # ---- the isolation records
 

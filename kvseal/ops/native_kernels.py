@@ -354,20 +354,24 @@ class NativeKernels:
         kernel(self.ptr(x), x.shape[0], x.shape[1], self.ptr(out), torch.get_num_threads())
         return out
 
-    def draw_rows(self, x: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor) -> torch.Tensor | None:
-        """x [rows, n] float32 or bfloat16 logits, temperature [rows] (> 0), u [rows] in [0, 1)
-        -> [rows] int64 (`csrc/sample.c`), or None where a row has a NaN or no token of weight."""
+    def draw_rows(self, x: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
+                  u: torch.Tensor) -> torch.Tensor | None:
+        """x [rows, n] float32 or bfloat16 logits, temperature [rows] (> 0), top_p [rows] (1: no
+        cut), u [rows] in [0, 1) -> [rows] int64 (`csrc/sample.c`), or None where a row has a NaN
+        or no token of weight."""
         dtype = _row_dtype("draw_rows", x)
         rows = x.shape[0]
-        if x.dim() != 2 or x.shape[1] == 0 or temperature.shape != (rows,) or u.shape != (rows,):
-            raise ValueError(f"draw_rows takes [rows, n > 0] logits and one temperature and u per row, got "
-                             f"{tuple(x.shape)}, {tuple(temperature.shape)}, {tuple(u.shape)}")
+        if x.dim() != 2 or x.shape[1] == 0 or any(t.shape != (rows,) for t in (temperature, top_p, u)):
+            raise ValueError(f"draw_rows takes [rows, n > 0] logits and one temperature, top_p and u per row, "
+                             f"got {tuple(x.shape)}, {tuple(temperature.shape)}, {tuple(top_p.shape)}, "
+                             f"{tuple(u.shape)}")
         inverse = (1.0 / temperature.to(torch.float32)).contiguous()
+        nucleus = top_p.to(torch.float32).contiguous()
         draws = u.to(torch.float64).contiguous()
         out = torch.empty(rows, dtype=torch.int64)
         kernel = self.lib.kvseal_draw_rows if dtype == torch.float32 else self.lib.kvseal_draw_rows_bf16
-        status = kernel(self.ptr(x), rows, x.shape[1], self.ptr(inverse), self.ptr(draws), self.ptr(out),
-                        torch.get_num_threads())
+        status = kernel(self.ptr(x), rows, x.shape[1], self.ptr(inverse), self.ptr(nucleus), self.ptr(draws),
+                        self.ptr(out), torch.get_num_threads())
         return out if status == 0 else None
 
 

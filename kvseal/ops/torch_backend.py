@@ -103,8 +103,9 @@ class TorchOps:
     def argmax_rows(self, x: torch.Tensor) -> torch.Tensor:
         return x.argmax(dim=-1)
 
-    def draw_rows(self, x: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-        return torch_sampling.draw_rows(x, temperature, u)
+    def draw_rows(self, x: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
+                  u: torch.Tensor) -> torch.Tensor:
+        return torch_sampling.draw_rows(x, temperature, top_p, u)
 
     def record_kernels(self) -> RecordKernels | None:
         return None  # the records' own torch ops

@@ -38,8 +38,26 @@ def draw_from_probs(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return chosen * DRAW_BLOCK + torch.minimum(inner, last)
 
 
-def draw_rows(logits: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """logits [rows, vocab], temperature [rows] (> 0), u [rows] float64 -> [rows] int64: a draw
-    from each row's softmax(logits / temperature)."""
+def top_p_filter(probs: torch.Tensor, top_p: torch.Tensor, candidates: int | None = None) -> torch.Tensor:
+    """Per row, keep the smallest set of most likely tokens whose mass reaches top_p [rows] (at
+    least one); the rest become 0. Not renormalized: a draw scales by its row's total. With
+    `candidates` (top-k rows: no row has more nonzero tokens), only that many are sorted."""
+    if candidates is not None and candidates < probs.shape[-1]:
+        sorted_probs, order = probs.topk(candidates, dim=-1)
+    else:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    drop = mass_before >= top_p.to(probs.device, probs.dtype)[:, None]
+    drop[:, 0] = False  # the most likely token always stays, however small top_p is
+    sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+    return torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+
+
+def draw_rows(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """logits [rows, vocab], temperature [rows] (> 0), top_p [rows] (1: no cut), u [rows] float64
+    -> [rows] int64: a draw from each row's softmax(logits / temperature), cut to its top-p nucleus."""
     scaled = logits.float() / temperature.to(logits.device, torch.float32)[:, None]
-    return draw_from_probs(torch.softmax(scaled, dim=-1), u)
+    probs = torch.softmax(scaled, dim=-1)
+    if bool((top_p < 1).any()):
+        probs = top_p_filter(probs, top_p)
+    return draw_from_probs(probs, u)

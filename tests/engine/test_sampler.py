@@ -112,7 +112,7 @@ def drawer(request: pytest.FixtureRequest) -> Drawer:
     if request.param == "probs":
         return draw_from_probs
     ops: Ops = TorchOps() if request.param == "torch" else _native_or_skip()
-    return lambda probs, u: ops.draw_rows(probs.log(), torch.ones(probs.shape[0]), u)
+    return lambda probs, u: ops.draw_rows(probs.log(), torch.ones(probs.shape[0]), torch.ones(probs.shape[0]), u)
 
 
 def _native_or_skip() -> Ops:
@@ -163,17 +163,46 @@ def test_the_native_draw_agrees_with_torchs_and_reads_bfloat16_as_its_widening()
     generator = torch.Generator().manual_seed(11)
     logits = (torch.randn(64, 5000, generator=generator) * 3).to(torch.bfloat16)
     temperature = torch.rand(64, generator=generator) + 0.3
-    same = 0
+    top_p = torch.where(torch.arange(64) % 2 == 0, 1.0, torch.rand(64, generator=generator) * 0.9 + 0.05)
+    untied = torch.randn(64, 5000, generator=generator) * 3  # bfloat16 ties make a nucleus's edge ambiguous
+    same = same_top_p = 0
     for _ in range(20):
         u = torch.rand(64, dtype=torch.float64, generator=generator)
-        expected = TorchOps().draw_rows(logits.float(), temperature, u)
-        assert torch.equal(native.draw_rows(logits, temperature, u), native.draw_rows(logits.float(), temperature, u))
-        same += int((native.draw_rows(logits.float(), temperature, u) == expected).sum())
+        expected = TorchOps().draw_rows(logits.float(), temperature, torch.ones(64), u)
+        drawn = native.draw_rows(logits.float(), temperature, torch.ones(64), u)
+        assert torch.equal(native.draw_rows(logits, temperature, torch.ones(64), u), drawn)
+        same += int((drawn == expected).sum())
+        same_top_p += int((native.draw_rows(untied, temperature, top_p, u) ==
+                           TorchOps().draw_rows(untied, temperature, top_p, u)).sum())
     assert same >= 0.999 * 20 * 64
+    assert same_top_p >= 0.99 * 20 * 64
     with_nan = logits.float()
     with_nan[5, 17] = float("nan")
     u = torch.rand(64, dtype=torch.float64, generator=generator)
-    assert torch.equal(native.draw_rows(with_nan, temperature, u), TorchOps().draw_rows(with_nan, temperature, u))
+    assert torch.equal(native.draw_rows(with_nan, temperature, top_p, u),
+                       TorchOps().draw_rows(with_nan, temperature, top_p, u))
+
+
+@pytest.mark.parametrize("backend", ["torch", "native"])
+def test_top_p_keeps_the_heaviest_tokens_up_to_the_mass_and_draws_only_them(backend: str) -> None:
+    """The nucleus: tokens kept while the heavier ones hold less than top_p of the mass (so the
+    token that crosses it is kept), at least the heaviest one however small top_p is; nothing
+    outside it is ever drawn, and inside it the draws follow the renormalized weights. Weights
+    chosen so the nucleus boundary falls inside one histogram bucket of the kernel (0.30 and 0.29)."""
+    ops: Ops = TorchOps() if backend == "torch" else _native_or_skip()
+    weights = torch.zeros(4 * DRAW_BLOCK)
+    weights[[7, 900, 901, 1500, 2000]] = torch.tensor([0.30, 0.29, 0.20, 0.11, 0.10])
+    logits = weights.log()[None].repeat(20_000, 1)
+    ones = torch.ones(20_000)
+    u = torch.rand(20_000, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    cases = {0.5: {7: 0.30, 900: 0.29}, 0.6: {7: 0.30, 900: 0.29, 901: 0.20}, 1e-6: {7: 1.0}}
+    for top_p, kept in cases.items():
+        counts = torch.bincount(ops.draw_rows(logits, ones, ones * top_p, u), minlength=logits.shape[1])
+        assert set(counts.nonzero().flatten().tolist()) == set(kept), top_p
+        total = sum(kept.values())
+        for token, weight in kept.items():
+            share = weight / total
+            assert abs(counts[token].item() / 20_000 - share) < 5 * (share * (1 - share) / 20_000) ** 0.5 + 1e-9
 
 
 def test_a_row_draws_one_number_per_step_whatever_the_batch_holds(ops: Ops) -> None:

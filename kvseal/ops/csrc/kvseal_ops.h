@@ -256,11 +256,13 @@ void kvseal_argmax_rows_bf16(const uint16_t *x, int64_t rows, int64_t n, int64_t
 
 /* out [rows] = per row r of x [rows, n], the first token whose cumulative weight exceeds
    u[r] * the row's total, weights exp(x / T - max x / T) with 1/T = inv_temperature[r] and a
-   -inf logit weighing 0. Returns 0, or -1 where some row has a NaN or no token of weight (or
-   the vocabulary is too large): the caller then takes the torch path for the batch. */
-int kvseal_draw_rows(const float *x, int64_t rows, int64_t n, const float *inv_temperature, const double *u,
-                     int64_t *out, int num_threads);
-int kvseal_draw_rows_bf16(const uint16_t *x, int64_t rows, int64_t n, const float *inv_temperature, const double *u,
-                          int64_t *out, int num_threads);
+   -inf logit weighing 0; where top_p[r] < 1, only over the row's top-p nucleus (the heaviest
+   tokens whose weight first reaches top_p of the total, ties in index order). Returns 0, or -1
+   where some row has a NaN or no token of weight (or the vocabulary is too large, or memory ran
+   out): the caller then takes the torch path for the batch. */
+int kvseal_draw_rows(const float *x, int64_t rows, int64_t n, const float *inv_temperature, const float *top_p,
+                     const double *u, int64_t *out, int num_threads);
+int kvseal_draw_rows_bf16(const uint16_t *x, int64_t rows, int64_t n, const float *inv_temperature, const float *top_p,
+                          const double *u, int64_t *out, int num_threads);
 
 #endif
