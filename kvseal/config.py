@@ -387,6 +387,11 @@ class EngineArgs:
         "nodes the tensor-parallel ranks are spread over, tensor_parallel_size / nnodes ranks each", metavar="N"))
     node_rank: int = field(default=0, metadata=flag(
         "this node's index (0: the engine, with ranks 0..; others: `kvseal tp-node`)", metavar="I"))
+    # The ranks' shared key across nodes (kvseal/parallel/tp_key.py); one node makes a fresh one
+    tp_key_file: str | None = field(default=None, metadata=flag(
+        "with --nnodes > 1 (required): the key every tensor-parallel rank proves before the group carries "
+        "anything, the same file on every node, mode 0600 (`kvseal keys tp-key FILE` writes one); one node makes "
+        "a fresh key at every start", metavar="PATH"))
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES:
@@ -474,6 +479,10 @@ class EngineArgs:
             raise ConfigError(f"--master-port must be a TCP port (0..65535), got {self.master_port!r}")
         if nnodes > 1 and self.master_port == 0:
             raise ConfigError("--nnodes > 1 needs --master-port: every node must know where rank 0 listens")
+        if nnodes > 1 and self.tp_key_file is None:
+            raise ConfigError("--nnodes > 1 needs --tp-key-file: every rank proves it holds that key before it gets "
+                              "any step, so a process that reaches --master-port is not a rank; make one with "
+                              "`kvseal keys tp-key FILE` and copy it (mode 0600) to every node")
         if not self.master_addr or self.master_addr in ("0.0.0.0", "::", "*"):
             raise ConfigError(f"--master-addr must name one address rank 0 listens on, got {self.master_addr!r}; "
                               f"a wildcard would take rank connections on every interface")

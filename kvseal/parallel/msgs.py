@@ -27,7 +27,8 @@ class RankOptions(msgspec.Struct, frozen=True):
 
 
 class WorkerSpecMsg(msgspec.Struct, tag="worker_spec"):
-    """What a worker rank needs to start: given on its command line (msgpack, hex)."""
+    """What a worker rank needs to start: given on its command line (msgpack, hex), which any local
+    user can read in /proc/PID/cmdline, so nothing secret (the ranks' key comes on stdin)."""
 
     options: RankOptions
     rank: int
