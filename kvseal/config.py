@@ -379,10 +379,11 @@ class EngineArgs:
     # Where the ranks meet (torch.distributed's TCP store, on rank 0's node) and how many nodes
     # hold them; nodes other than 0 run `kvseal tp-node` with the same flags and their --node-rank
     master_addr: str = field(default="127.0.0.1", metadata=flag(
-        "the address rank 0 listens on for the other tensor-parallel ranks (default 127.0.0.1: one node); "
-        "with --nnodes > 1 an address the other nodes reach"))
+        "the address the tensor-parallel ranks connect over (default 127.0.0.1: one node); with --nnodes > 1 "
+        "the address rank 0 listens on, one the other nodes reach"))
     master_port: int = field(default=0, metadata=flag(
-        "the port rank 0 listens on for the other ranks (default 0: a free port, one node only)", metavar="PORT"))
+        "with --nnodes > 1 the port rank 0 listens on for the other ranks (one node: unused, its ranks meet in "
+        "a file store in a private folder)", metavar="PORT"))
     nnodes: int = field(default=1, metadata=flag(
         "nodes the tensor-parallel ranks are spread over, tensor_parallel_size / nnodes ranks each", metavar="N"))
     node_rank: int = field(default=0, metadata=flag(

@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -65,7 +67,7 @@ class RankPlacement:
     world_size: int
     nnodes: int
     master_addr: str
-    master_port: int  # 0: a free port (one node)
+    master_port: int  # several nodes only (one node meets in a private file store)
     timeout_s: float
 
     @property
@@ -79,7 +81,8 @@ class RankProcesses:
     def __init__(self, options: RankOptions, group: GroupSpec, ranks: range, key: bytes) -> None:
         self.procs: list[subprocess.Popen[bytes]] = []
         for rank in ranks:
-            spec = WorkerSpecMsg(options, rank, group.world_size, group.master_addr, group.master_port, group.timeout_s)
+            spec = WorkerSpecMsg(options, rank, group.world_size, group.master_addr, group.master_port, group.timeout_s,
+                                 group.store_path)
             proc = subprocess.Popen([sys.executable, "-m", WORKER_MODULE, encode(spec).hex()],
                                     stdin=subprocess.PIPE, start_new_session=True)
             self.procs.append(proc)
@@ -116,7 +119,7 @@ def _hand_over(proc: subprocess.Popen[bytes], key: bytes) -> None:
         pass
 
 
-def _join_watching(spec: GroupSpec, listener: socket.socket, ranks: RankProcesses, key: bytes) -> RankGroup:
+def _join_watching(spec: GroupSpec, listener: socket.socket | None, ranks: RankProcesses, key: bytes) -> RankGroup:
     """Rank 0 joins the group (taking the socket over) while watching this node's ranks: one that
     exits before the group forms fails start-up at once, not after the start-up timeout."""
     joined: list[RankGroup | RankFailure] = []
@@ -140,6 +143,24 @@ def _join_watching(spec: GroupSpec, listener: socket.socket, ranks: RankProcesse
     if isinstance(joined[0], RankFailure):
         raise joined[0]
     return joined[0]
+
+
+def _meeting_place(place: RankPlacement) -> tuple[socket.socket | None, GroupSpec]:
+    """Several nodes: the TCP store on rank 0's socket at master_addr:master_port, bound before any
+    rank starts. One node: a file store in a folder of this user's alone (mkdtemp: 0700), so no
+    other local user can rewrite the addresses the ranks connect to (and sit between two ranks)."""
+    if place.nnodes > 1:
+        listener = listen_for_ranks(place.master_addr, place.master_port)
+        return listener, GroupSpec(place.master_addr, int(listener.getsockname()[1]), place.world_size,
+                                   place.timeout_s)
+    folder = tempfile.mkdtemp(prefix="kvseal-tp-")
+    return None, GroupSpec(place.master_addr, 0, place.world_size, place.timeout_s,
+                           store_path=os.path.join(folder, "store"))
+
+
+def _remove_store(spec: GroupSpec) -> None:
+    if spec.store_path is not None:
+        shutil.rmtree(os.path.dirname(spec.store_path), ignore_errors=True)
 
 
 def _kill_group(proc: subprocess.Popen[bytes]) -> None:
@@ -205,13 +226,13 @@ class TensorParallelDriver:
         if key is None and place.nnodes > 1:
             raise RankFailure("ranks on several nodes share the operator's key (--tp-key-file); none was given")
         key = key if key is not None else new_secret()
-        listener = listen_for_ranks(place.master_addr, place.master_port)
-        spec = GroupSpec(place.master_addr, int(listener.getsockname()[1]), place.world_size, place.timeout_s)
+        listener, spec = _meeting_place(place)
         ranks = RankProcesses(options, spec, range(1, place.ranks_per_node), key)
         try:
             group = _join_watching(spec, listener, ranks, key)
         except RankFailure:
             ranks.kill()
+            _remove_store(spec)
             raise
         return cls(group, ranks, kv), group
 
@@ -268,3 +289,4 @@ class TensorParallelDriver:
                 told = False
         self.group.close()
         self.ranks.stop(STOP_WAIT_S if told else FAILED_STOP_WAIT_S)
+        _remove_store(self.group.spec)

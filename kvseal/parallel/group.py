@@ -39,18 +39,21 @@ class RankFailure(KvsealError):
 
 @dataclass(frozen=True)
 class GroupSpec:
-    """Where and how the ranks meet: torch.distributed's TCP store on rank 0's node at
-    master_addr:master_port (127.0.0.1 unless the user names another address; never a wildcard)."""
+    """Where and how the ranks meet. Several nodes: torch.distributed's TCP store on rank 0's node
+    at master_addr:master_port (127.0.0.1 unless the user names another address; never a
+    wildcard). One node (`store_path`): a file store in rank 0's private folder (0700), so no other
+    user can read or write the addresses the ranks connect to, and none can get between them."""
 
     master_addr: str
     master_port: int
     world_size: int
     timeout_s: float  # a collective's bound once every rank is loaded (`RankGroup.serving`)
     backend: str = "gloo"
+    store_path: str | None = None
 
     @property
     def address(self) -> str:
-        return f"{self.master_addr}:{self.master_port}"
+        return self.store_path if self.store_path is not None else f"{self.master_addr}:{self.master_port}"
 
     @property
     def start_timeout_s(self) -> float:
@@ -69,8 +72,7 @@ class RankGroup:
         self._key = key  # until `serving` has authenticated the serving group too
         start = datetime.timedelta(seconds=spec.start_timeout_s)
         try:
-            store = dist.TCPStore(spec.master_addr, spec.master_port, spec.world_size, rank == 0, start,
-                                  master_listen_fd=listener.fileno() if listener is not None else None)
+            store = _open_store(spec, rank, start, listener)
         except Exception as exc:  # the store failed: the socket is still ours to close
             if listener is not None:
                 listener.close()
@@ -208,6 +210,16 @@ class RankGroup:
             self.is_open = False
             raise RankFailure(f"rank {self.rank}: a tensor-parallel collective failed ({exc}); a rank died or "
                               f"did not answer within the group's timeout") from exc
+
+
+def _open_store(spec: GroupSpec, rank: int, timeout: datetime.timedelta,
+                listener: socket.socket | None) -> dist.Store:
+    if spec.store_path is not None:
+        store = dist.FileStore(spec.store_path, spec.world_size)
+        store.set_timeout(timeout)
+        return store
+    return dist.TCPStore(spec.master_addr, spec.master_port, spec.world_size, rank == 0, timeout,
+                         master_listen_fd=listener.fileno() if listener is not None else None)
 
 
 def local_address_towards(addr: str) -> str:

@@ -36,6 +36,7 @@ class WorkerSpecMsg(msgspec.Struct, tag="worker_spec"):
     master_addr: str
     master_port: int
     timeout_s: float
+    store_path: str | None = None  # one node: the file store in rank 0's private folder (not secret)
 
 
 class StepMsg(msgspec.Struct, tag="step"):

@@ -224,8 +224,8 @@ def main(argv: list[str]) -> int:
     if spec.options.num_threads is not None:
         torch.set_num_threads(spec.options.num_threads)
     try:
-        group = RankGroup(GroupSpec(spec.master_addr, spec.master_port, spec.world_size, spec.timeout_s), spec.rank,
-                          key)
+        group = RankGroup(GroupSpec(spec.master_addr, spec.master_port, spec.world_size, spec.timeout_s,
+                                    store_path=spec.store_path), spec.rank, key)
     except RankFailure as exc:
         logger.error("%s; this rank exits", exc)
         return 1

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -48,10 +49,14 @@ def test_tp2_ranks_authenticate_and_serve_with_the_key_outside_argv_and_environm
             shown = Path(f"/proc/{pid}/{name}").read_bytes()
             for form in (key, key.hex().encode(), key.hex().upper().encode()):
                 assert form not in shown, f"the ranks' key is in worker {pid}'s /proc/{name}"
+        store = llm.engine.driver.group.spec.store_path
+        assert store is not None and stat.S_IMODE(Path(store).parent.stat().st_mode) == 0o700, \
+            "one node meets in a file store no other user can open"
         out = llm.generate([ALICES_PROMPT], GREEDY)[0]
         assert out.finish_reason is FinishReason.LENGTH and len(out.token_ids) == 4
     finally:
         llm.engine.close()
+    assert not Path(store).parent.exists(), "the store's folder goes with the engine"
 
 
 @pytest.mark.parametrize("check", ["on", "off"])
