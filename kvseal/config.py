@@ -376,8 +376,9 @@ class EngineArgs:
     # again once an "auto" device is known); not a flag. An init field so that arguments copied
     # field by field (`EngineArgs(**vars(args))`, `dataclasses.replace`) keep it.
     is_auto_dtype: bool = field(default=False, repr=False, compare=False)
-    # Where the ranks meet (torch.distributed's TCP store, on rank 0's node) and how many nodes
-    # hold them; nodes other than 0 run `kvseal tp-node` with the same flags and their --node-rank
+    # Where the ranks meet (several nodes: torch.distributed's TCP store on rank 0's node; one node:
+    # a file store in a private folder) and how many nodes hold them; nodes other than 0 run
+    # `kvseal tp-node` with the same flags and their --node-rank
     master_addr: str = field(default="127.0.0.1", metadata=flag(
         "the address the tensor-parallel ranks connect over (default 127.0.0.1: one node); with --nnodes > 1 "
         "the address rank 0 listens on, one the other nodes reach"))
