@@ -18,6 +18,7 @@ spec on argv is not secret, and every rank proves the key as the group forms (`r
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -112,11 +113,11 @@ def _hand_over(proc: subprocess.Popen[bytes], key: bytes) -> None:
     """Write the key into the rank's stdin pipe and close it: readable by that process alone (its
     /proc/PID/fd is its user's, like its memory), where argv and the environment show in /proc."""
     assert proc.stdin is not None
-    try:
-        proc.stdin.write(key)  # 32 bytes: within the pipe's buffer, never blocks
-        proc.stdin.close()
-    except BrokenPipeError:  # the rank died at once: `_join_watching` sees it exit
-        pass
+    with contextlib.suppress(BrokenPipeError):  # the rank died at once: `_join_watching` sees it exit
+        try:
+            proc.stdin.write(key)  # 32 bytes: within the pipe's buffer, never blocks
+        finally:
+            proc.stdin.close()
 
 
 def _join_watching(spec: GroupSpec, listener: socket.socket | None, ranks: RankProcesses, key: bytes) -> RankGroup:
