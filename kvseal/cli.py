@@ -205,14 +205,28 @@ def _cmd_keys_generate(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_keys_tp_key(ns: argparse.Namespace) -> int:
+    from kvseal.parallel.tp_key import write_tp_key
+
+    path = write_tp_key(ns.file)
+    print(f"{path}  (secret, mode 0600: copy it to every node, give it as --tp-key-file to the engine and "
+          f"every `kvseal tp-node`)")
+    return 0
+
+
 def _add_keys_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    keys = sub.add_parser("keys", help="CURVE keys of the PD engine links (every link is authenticated)")
+    keys = sub.add_parser("keys", help="keys of the PD engine links (CURVE) and of multi-node tensor-parallel ranks "
+                          "(every link is authenticated)")
     keys_sub = keys.add_subparsers(dest="keys_command", required=True)
     generate = keys_sub.add_parser("generate", help="write NAME.key (public) and NAME.key_secret (0600) per name")
     generate.add_argument("--dir", required=True, help="where to write them (made with mode 0700 if missing)")
     generate.add_argument("names", nargs="+", metavar="NAME",
                           help="one key pair per name, e.g. frontend prefill-0 decode-0")
     generate.set_defaults(func=_cmd_keys_generate)
+    tp_key = keys_sub.add_parser("tp-key", help="write a tensor-parallel ranks' key (mode 0600) for --tp-key-file "
+                                 "(--nnodes > 1); never overwrites a file")
+    tp_key.add_argument("file", metavar="FILE", help="where to write it (a new file)")
+    tp_key.set_defaults(func=_cmd_keys_tp_key)
 
 
 def build_parser() -> argparse.ArgumentParser:

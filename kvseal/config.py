@@ -376,17 +376,24 @@ class EngineArgs:
     # again once an "auto" device is known); not a flag. An init field so that arguments copied
     # field by field (`EngineArgs(**vars(args))`, `dataclasses.replace`) keep it.
     is_auto_dtype: bool = field(default=False, repr=False, compare=False)
-    # Where the ranks meet (torch.distributed's TCP store, on rank 0's node) and how many nodes
-    # hold them; nodes other than 0 run `kvseal tp-node` with the same flags and their --node-rank
+    # Where the ranks meet (several nodes: torch.distributed's TCP store on rank 0's node; one node:
+    # a file store in a private folder) and how many nodes hold them; nodes other than 0 run
+    # `kvseal tp-node` with the same flags and their --node-rank
     master_addr: str = field(default="127.0.0.1", metadata=flag(
-        "the address rank 0 listens on for the other tensor-parallel ranks (default 127.0.0.1: one node); "
-        "with --nnodes > 1 an address the other nodes reach"))
+        "the address the tensor-parallel ranks connect over (default 127.0.0.1: one node); with --nnodes > 1 "
+        "the address rank 0 listens on, one the other nodes reach"))
     master_port: int = field(default=0, metadata=flag(
-        "the port rank 0 listens on for the other ranks (default 0: a free port, one node only)", metavar="PORT"))
+        "with --nnodes > 1 the port rank 0 listens on for the other ranks (one node: unused, its ranks meet in "
+        "a file store in a private folder)", metavar="PORT"))
     nnodes: int = field(default=1, metadata=flag(
         "nodes the tensor-parallel ranks are spread over, tensor_parallel_size / nnodes ranks each", metavar="N"))
     node_rank: int = field(default=0, metadata=flag(
         "this node's index (0: the engine, with ranks 0..; others: `kvseal tp-node`)", metavar="I"))
+    # The ranks' shared key across nodes (kvseal/parallel/tp_key.py); one node makes a fresh one
+    tp_key_file: str | None = field(default=None, metadata=flag(
+        "with --nnodes > 1 (required): the key every tensor-parallel rank proves before the group carries "
+        "anything, the same file on every node, mode 0600 (`kvseal keys tp-key FILE` writes one); one node makes "
+        "a fresh key at every start", metavar="PATH"))
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES:
@@ -474,6 +481,10 @@ class EngineArgs:
             raise ConfigError(f"--master-port must be a TCP port (0..65535), got {self.master_port!r}")
         if nnodes > 1 and self.master_port == 0:
             raise ConfigError("--nnodes > 1 needs --master-port: every node must know where rank 0 listens")
+        if nnodes > 1 and self.tp_key_file is None:
+            raise ConfigError("--nnodes > 1 needs --tp-key-file: every rank proves it holds that key before it gets "
+                              "any step, so a process that reaches --master-port is not a rank; make one with "
+                              "`kvseal keys tp-key FILE` and copy it (mode 0600) to every node")
         if not self.master_addr or self.master_addr in ("0.0.0.0", "::", "*"):
             raise ConfigError(f"--master-addr must name one address rank 0 listens on, got {self.master_addr!r}; "
                               f"a wildcard would take rank connections on every interface")

@@ -91,6 +91,11 @@ class Fault(enum.Enum):
     # report refuses the handoff, and with decode's verification skipped, that the rank's own
     # always-on check refuses the first decode step.
     DROP_IMPORT_SHARD = "drop_import_shard"
+    # A tensor-parallel rank accepts every rank's handshake tag without checking it (the world
+    # before rank-link authentication: whoever joins the rendezvous is a rank), so a test can
+    # show that a rogue joining as rank 1 without the key then gets the ranks' step messages,
+    # every tenant's token ids among them, and that the tag check is what stops it.
+    SKIP_RANK_AUTH = "skip_rank_auth"
 
 _active: set[Fault] = set()
 

@@ -38,6 +38,7 @@ from kvseal.ops import select_ops
 from kvseal.ops.device import DeviceInfo, resolve_device
 from kvseal.parallel.driver import RankOptions, RankPlacement, TensorParallelDriver
 from kvseal.parallel.group import RankFailure
+from kvseal.parallel.tp_key import engine_secret
 from kvseal.parallel.worker import finish_model
 from kvseal.prompting import encode_text
 from kvseal.structured.compiler import GrammarCompilerPool, GrammarPoolStats
@@ -133,7 +134,8 @@ class LLMEngine:
                               self.cache_config.check_kv)
         place = RankPlacement(args.tensor_parallel_size, args.nnodes, args.master_addr, args.master_port,
                               args.tp_timeout_s)
-        driver, group = TensorParallelDriver.start(options, place, self.kv)
+        key = engine_secret(args.tp_key_file, args.nnodes)  # one node: fresh, in memory only
+        driver, group = TensorParallelDriver.start(options, place, self.kv, key)
         try:
             model.use_tensor_parallel(layout, group)
             ready = driver.wait_ready(self.kv.pool.num_bytes, layout.num_kv_heads)

@@ -11,16 +11,22 @@ PID), joins them in the torch.distributed group, and for every forward:
 
 Any failed collective (a rank died, or hung past the timeout) raises `RankFailure`; the group is
 then unusable and the engine fails closed.
+
+The ranks' key (`tp_key.py`) reaches each worker on its stdin pipe, never its command line: the
+spec on argv is not secret, and every rank proves the key as the group forms (`rank_auth.py`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -44,6 +50,7 @@ from kvseal.parallel.msgs import (
     decode_from_rank,
     encode,
 )
+from kvseal.parallel.tp_key import new_secret
 from kvseal.types import ForwardBatch
 
 logger = logging.getLogger("kvseal")
@@ -61,7 +68,7 @@ class RankPlacement:
     world_size: int
     nnodes: int
     master_addr: str
-    master_port: int  # 0: a free port (one node)
+    master_port: int  # several nodes only (one node meets in a private file store)
     timeout_s: float
 
     @property
@@ -72,12 +79,15 @@ class RankPlacement:
 class RankProcesses:
     """The worker ranks' processes, each the leader of its own process group: stopped by PID."""
 
-    def __init__(self, options: RankOptions, group: GroupSpec, ranks: range) -> None:
+    def __init__(self, options: RankOptions, group: GroupSpec, ranks: range, key: bytes) -> None:
         self.procs: list[subprocess.Popen[bytes]] = []
         for rank in ranks:
-            spec = WorkerSpecMsg(options, rank, group.world_size, group.master_addr, group.master_port, group.timeout_s)
-            self.procs.append(subprocess.Popen([sys.executable, "-m", WORKER_MODULE, encode(spec).hex()],
-                                               start_new_session=True))
+            spec = WorkerSpecMsg(options, rank, group.world_size, group.master_addr, group.master_port, group.timeout_s,
+                                 group.store_path)
+            proc = subprocess.Popen([sys.executable, "-m", WORKER_MODULE, encode(spec).hex()],
+                                    stdin=subprocess.PIPE, start_new_session=True)
+            self.procs.append(proc)
+            _hand_over(proc, key)
 
     @property
     def pids(self) -> list[int]:
@@ -99,14 +109,25 @@ class RankProcesses:
             proc.wait()
 
 
-def _join_watching(spec: GroupSpec, listener: socket.socket, ranks: RankProcesses) -> RankGroup:
+def _hand_over(proc: subprocess.Popen[bytes], key: bytes) -> None:
+    """Write the key into the rank's stdin pipe and close it: readable by that process alone (its
+    /proc/PID/fd is its user's, like its memory), where argv and the environment show in /proc."""
+    assert proc.stdin is not None
+    with contextlib.suppress(BrokenPipeError):  # the rank died at once: `_join_watching` sees it exit
+        try:
+            proc.stdin.write(key)  # 32 bytes: within the pipe's buffer, never blocks
+        finally:
+            proc.stdin.close()
+
+
+def _join_watching(spec: GroupSpec, listener: socket.socket | None, ranks: RankProcesses, key: bytes) -> RankGroup:
     """Rank 0 joins the group (taking the socket over) while watching this node's ranks: one that
     exits before the group forms fails start-up at once, not after the start-up timeout."""
     joined: list[RankGroup | RankFailure] = []
 
     def join() -> None:
         try:
-            joined.append(RankGroup(spec, 0, listener))
+            joined.append(RankGroup(spec, 0, key, listener))
         except RankFailure as exc:
             joined.append(exc)
         except Exception as exc:  # after a failed start-up the store may still time out here: never unhandled
@@ -123,6 +144,24 @@ def _join_watching(spec: GroupSpec, listener: socket.socket, ranks: RankProcesse
     if isinstance(joined[0], RankFailure):
         raise joined[0]
     return joined[0]
+
+
+def _meeting_place(place: RankPlacement) -> tuple[socket.socket | None, GroupSpec]:
+    """Several nodes: the TCP store on rank 0's socket at master_addr:master_port, bound before any
+    rank starts. One node: a file store in a folder of this user's alone (mkdtemp: 0700), so no
+    other local user can rewrite the addresses the ranks connect to (and sit between two ranks)."""
+    if place.nnodes > 1:
+        listener = listen_for_ranks(place.master_addr, place.master_port)
+        return listener, GroupSpec(place.master_addr, int(listener.getsockname()[1]), place.world_size,
+                                   place.timeout_s)
+    folder = tempfile.mkdtemp(prefix="kvseal-tp-")
+    return None, GroupSpec(place.master_addr, 0, place.world_size, place.timeout_s,
+                           store_path=os.path.join(folder, "store"))
+
+
+def _remove_store(spec: GroupSpec) -> None:
+    if spec.store_path is not None:
+        shutil.rmtree(os.path.dirname(spec.store_path), ignore_errors=True)
 
 
 def _kill_group(proc: subprocess.Popen[bytes]) -> None:
@@ -180,18 +219,21 @@ class TensorParallelDriver:
                 self._last_sent = time.monotonic()
 
     @classmethod
-    def start(cls, options: RankOptions, place: RankPlacement, kv: KVCacheManager) -> tuple[TensorParallelDriver,
-                                                                                          RankGroup]:
+    def start(cls, options: RankOptions, place: RankPlacement, kv: KVCacheManager,
+              key: bytes | None = None) -> tuple[TensorParallelDriver, RankGroup]:
         """Start this node's ranks 1..ranks_per_node-1 and join every rank (rank 0: this process;
-        other nodes' ranks come from their `kvseal tp-node`). The caller loads its own shard,
-        gives it the group, then calls `wait_ready`."""
-        listener = listen_for_ranks(place.master_addr, place.master_port)
-        spec = GroupSpec(place.master_addr, int(listener.getsockname()[1]), place.world_size, place.timeout_s)
-        ranks = RankProcesses(options, spec, range(1, place.ranks_per_node))
+        other nodes' ranks come from their `kvseal tp-node`), each proving `key` (None: a fresh one,
+        one node only). The caller loads its own shard, gives it the group, then calls `wait_ready`."""
+        if key is None and place.nnodes > 1:
+            raise RankFailure("ranks on several nodes share the operator's key (--tp-key-file); none was given")
+        key = key if key is not None else new_secret()
+        listener, spec = _meeting_place(place)
+        ranks = RankProcesses(options, spec, range(1, place.ranks_per_node), key)
         try:
-            group = _join_watching(spec, listener, ranks)
+            group = _join_watching(spec, listener, ranks, key)
         except RankFailure:
             ranks.kill()
+            _remove_store(spec)
             raise
         return cls(group, ranks, kv), group
 
@@ -248,3 +290,4 @@ class TensorParallelDriver:
                 told = False
         self.group.close()
         self.ranks.stop(STOP_WAIT_S if told else FAILED_STOP_WAIT_S)
+        _remove_store(self.group.spec)

@@ -6,11 +6,15 @@ collectives and the driver's step messages (msgspec bytes broadcast from rank 0;
 Every collective is bounded by the group's timeout: a rank that died fails the next
 collective at once (its sockets close), a rank that hangs fails it after `timeout_s`; either
 way the caller gets `RankFailure` and the engine fails closed.
+
+Every group is authenticated as it forms, before it carries anything (`rank_auth.py`): each rank
+proves it holds the engine's key (`tp_key.py`) to every other rank, or the group is refused.
 """
 
 from __future__ import annotations
 
 import datetime
+import logging
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,7 +23,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from kvseal._testing.faults import Fault, is_active
 from kvseal.errors import KvsealError
+from kvseal.parallel.rank_auth import NONCE_BYTES, TAG_BYTES, new_nonce, refused_ranks, tag_of
+
+logger = logging.getLogger("kvseal.parallel")
 
 START_TIMEOUT_S = 300.0  # joining the group and loading a shard, every rank
 
@@ -31,18 +39,21 @@ class RankFailure(KvsealError):
 
 @dataclass(frozen=True)
 class GroupSpec:
-    """Where and how the ranks meet: torch.distributed's TCP store on rank 0's node at
-    master_addr:master_port (127.0.0.1 unless the user names another address; never a wildcard)."""
+    """Where and how the ranks meet. Several nodes: torch.distributed's TCP store on rank 0's node
+    at master_addr:master_port (127.0.0.1 unless the user names another address; never a
+    wildcard). One node (`store_path`): a file store in rank 0's private folder (0700), so no other
+    user can read or write the addresses the ranks connect to, and none can get between them."""
 
     master_addr: str
     master_port: int
     world_size: int
     timeout_s: float  # a collective's bound once every rank is loaded (`RankGroup.serving`)
     backend: str = "gloo"
+    store_path: str | None = None
 
     @property
     def address(self) -> str:
-        return f"{self.master_addr}:{self.master_port}"
+        return self.store_path if self.store_path is not None else f"{self.master_addr}:{self.master_port}"
 
     @property
     def start_timeout_s(self) -> float:
@@ -53,14 +64,15 @@ class GroupSpec:
 class RankGroup:
     """This process's membership in the group: the forward's collectives and the message channel."""
 
-    def __init__(self, spec: GroupSpec, rank: int, listener: socket.socket | None = None) -> None:
-        """Join the group as `rank`; rank 0 serves the store on `listener` (bound by the caller
-        to master_addr:master_port, so torch binds nothing of its own there), which it takes over."""
+    def __init__(self, spec: GroupSpec, rank: int, key: bytes, listener: socket.socket | None = None) -> None:
+        """Join the group as `rank` and prove `key` to every other rank (and they to this one), or
+        RankFailure; rank 0 serves the store on `listener` (bound by the caller to
+        master_addr:master_port, so torch binds nothing of its own there), which it takes over."""
         self.rank, self.world_size, self.spec = rank, spec.world_size, spec
+        self._key = key  # until `serving` has authenticated the serving group too
         start = datetime.timedelta(seconds=spec.start_timeout_s)
         try:
-            store = dist.TCPStore(spec.master_addr, spec.master_port, spec.world_size, rank == 0, start,
-                                  master_listen_fd=listener.fileno() if listener is not None else None)
+            store = _open_store(spec, rank, start, listener)
         except Exception as exc:  # the store failed: the socket is still ours to close
             if listener is not None:
                 listener.close()
@@ -77,6 +89,11 @@ class RankGroup:
         self._pg: Any = None  # the start-up (default) group until `serving`
         self.is_open = True  # False after a failed collective: no more calls
         self._joined = True  # until close(): the process's default group is this one
+        try:
+            self._authenticate("start")
+        except RankFailure:
+            self.close()  # a peer died or hung mid-handshake: the caller never gets this object to close
+            raise
 
     def _options(self, timeout: datetime.timedelta) -> Any:
         """gloo on the address this host reaches the master by (loopback for a loopback master)."""
@@ -100,6 +117,32 @@ class RankGroup:
 
         self._call(make)
         self._pg = pg
+        # Its ranks' connections were set up anew through the store, which anyone who reaches it can write.
+        self._authenticate("serving")
+        self._key = b""
+
+    def _authenticate(self, label: str) -> None:
+        """Every rank of the current group holds the key, or RankFailure (the group closed on this
+        rank) before anything else moves: `rank_auth.py` says why two all-gathers suffice."""
+        nonces = self._all_gather_fixed(new_nonce(), NONCE_BYTES)
+        tags = self._all_gather_fixed(tag_of(self._key, label, self.world_size, self.rank, nonces), TAG_BYTES)
+        refused = refused_ranks(self._key, label, self.rank, nonces, tags)
+        if not refused or is_active(Fault.SKIP_RANK_AUTH):
+            return
+        self.close()
+        failure = RankFailure(
+            f"rank {self.rank} refuses the tensor-parallel group at {self.spec.address}: rank(s) {refused} did not "
+            f"prove they hold the engine's key ({label} handshake), so nothing of the model, a batch or KV was "
+            f"sent; a process that is not one of this engine's ranks joined, or the nodes' --tp-key-file differ")
+        logger.error("%s", failure)
+        raise failure
+
+    def _all_gather_fixed(self, data: bytes, size: int) -> list[bytes]:
+        """Every rank's `size` bytes, in rank order: no length from a peer sizes anything."""
+        mine = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        parts = [torch.empty(size, dtype=torch.uint8) for _ in range(self.world_size)]
+        self._call(lambda: dist.all_gather(parts, mine, group=self._pg))
+        return [p.numpy().tobytes() for p in parts]
 
     def close(self) -> None:
         self.is_open = False
@@ -167,6 +210,16 @@ class RankGroup:
             self.is_open = False
             raise RankFailure(f"rank {self.rank}: a tensor-parallel collective failed ({exc}); a rank died or "
                               f"did not answer within the group's timeout") from exc
+
+
+def _open_store(spec: GroupSpec, rank: int, timeout: datetime.timedelta,
+                listener: socket.socket | None) -> dist.Store:
+    if spec.store_path is not None:
+        store = dist.FileStore(spec.store_path, spec.world_size)
+        store.set_timeout(timeout)
+        return store
+    return dist.TCPStore(spec.master_addr, spec.master_port, spec.world_size, rank == 0, timeout,
+                         master_listen_fd=listener.fileno() if listener is not None else None)
 
 
 def local_address_towards(addr: str) -> str:

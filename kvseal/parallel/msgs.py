@@ -27,7 +27,8 @@ class RankOptions(msgspec.Struct, frozen=True):
 
 
 class WorkerSpecMsg(msgspec.Struct, tag="worker_spec"):
-    """What a worker rank needs to start: given on its command line (msgpack, hex)."""
+    """What a worker rank needs to start: given on its command line (msgpack, hex), which any local
+    user can read in /proc/PID/cmdline, so nothing secret (the ranks' key comes on stdin)."""
 
     options: RankOptions
     rank: int
@@ -35,6 +36,7 @@ class WorkerSpecMsg(msgspec.Struct, tag="worker_spec"):
     master_addr: str
     master_port: int
     timeout_s: float
+    store_path: str | None = None  # one node: the file store in rank 0's private folder (not secret)
 
 
 class StepMsg(msgspec.Struct, tag="step"):

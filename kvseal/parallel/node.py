@@ -3,7 +3,9 @@
 It runs no engine and no scheduler: it starts this node's worker ranks
 (node_rank * ranks_per_node ..), which join rank 0 at --master-addr:--master-port, and waits
 for them. Its pool size comes from the same flags as node 0's (the model's config.json only);
-rank 0 refuses a rank whose page count differs from its own.
+rank 0 refuses a rank whose page count differs from its own. Its ranks prove the key in
+--tp-key-file (the same file as node 0's) before the group carries anything; without a key file,
+or with one others may read, it refuses to start.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from kvseal.model_files import resolve_model_path
 from kvseal.models.loader import plan_config
 from kvseal.parallel.driver import RankOptions, RankProcesses
 from kvseal.parallel.group import GroupSpec
+from kvseal.parallel.tp_key import engine_secret
 
 logger = logging.getLogger("kvseal")
 
@@ -30,13 +33,14 @@ def run_node(args: EngineArgs) -> int:
     if args.node_rank == 0:
         raise ConfigError("tp-node runs the ranks of a node other than 0 (--node-rank 1..); node 0 runs the engine "
                           "(kvseal serve, kvseal generate, LLM(...)) with --nnodes and --master-port")
+    key = engine_secret(args.tp_key_file, args.nnodes)  # before anything starts: a bad key file stops here
     path = resolve_model_path(args.model)
     cache, _ = args.resolve(plan_config(path))
     options = RankOptions(str(path), args.dtype, args.quantization, args.native, args.seed, args.num_threads,
                           cache.num_pages, cache.page_size, cache.check_kv)
     spec = GroupSpec(args.master_addr, args.master_port, args.tensor_parallel_size, args.tp_timeout_s)
     first = args.node_rank * args.ranks_per_node
-    ranks = RankProcesses(options, spec, range(first, first + args.ranks_per_node))
+    ranks = RankProcesses(options, spec, range(first, first + args.ranks_per_node), key)
     logger.info("tp-node %d: ranks %d..%d (pids %s) joining rank 0 at %s", args.node_rank, first,
                 first + args.ranks_per_node - 1, ranks.pids, spec.address)
     stop = {"signal": 0}

@@ -5,9 +5,10 @@ changes on its own write records (`kvcache/mirror.py`) and runs the always-on ch
 against them; the ranks exchange their refusals, and a forward runs only where no rank refused
 (`TensorParallelDriver.agree`). Its written prefixes advance only by its own pool's writes.
 
-Run as `python -m kvseal.parallel.worker SPEC` (SPEC: a `WorkerSpecMsg`, msgpack in hex), started
-by the driver in a process group of its own; it exits when the driver says stop or when any
-collective fails (the driver died or hung), and when its parent dies.
+Run as `python -m kvseal.parallel.worker SPEC` (SPEC: a `WorkerSpecMsg`, msgpack in hex; nothing
+secret), started by the driver in a process group of its own, the ranks' key on its stdin; it
+exits when the driver says stop or when any collective fails (the driver died or hung), and when
+its parent dies.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import sys
 import torch
 
 from kvseal._testing.faults import Fault, is_active, switch
-from kvseal.errors import IsolationViolation
+from kvseal.errors import ConfigError, IsolationViolation
 from kvseal.kvcache.mirror import replay
 from kvseal.kvcache.pool import KVPool
 from kvseal.kvcache.records import ForwardWrites, WriteRecords
@@ -48,6 +49,7 @@ from kvseal.parallel.msgs import (
     decode_to_rank,
     encode,
 )
+from kvseal.parallel.tp_key import read_secret
 from kvseal.types import ForwardBatch
 
 logger = logging.getLogger("kvseal.parallel")
@@ -213,10 +215,20 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s rank %(process)d %(levelname)s %(message)s")
     _die_with_parent()
     spec = decode_spec(bytes.fromhex(argv[0]))
+    try:
+        key = read_secret(sys.stdin.buffer)
+    except ConfigError as exc:
+        logger.error("%s", exc)
+        return 2
     torch.manual_seed(spec.options.seed)
     if spec.options.num_threads is not None:
         torch.set_num_threads(spec.options.num_threads)
-    group = RankGroup(GroupSpec(spec.master_addr, spec.master_port, spec.world_size, spec.timeout_s), spec.rank)
+    try:
+        group = RankGroup(GroupSpec(spec.master_addr, spec.master_port, spec.world_size, spec.timeout_s,
+                                    store_path=spec.store_path), spec.rank, key)
+    except RankFailure as exc:
+        logger.error("%s; this rank exits", exc)
+        return 1
     try:
         WorkerRank(spec, group).serve()
     except RankFailure as exc:

@@ -18,6 +18,7 @@ from kvseal.errors import ConfigError
 from kvseal.kvcache.manager import KVCacheManager
 from kvseal.parallel.driver import RankOptions, RankPlacement, TensorParallelDriver
 from kvseal.parallel.group import RankFailure
+from kvseal.parallel.tp_key import write_tp_key
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
 PROMPTS = [list(range(10, 17)), list(range(30, 60))]
@@ -31,10 +32,16 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture
-def node_1(model: Path) -> Iterator[tuple[subprocess.Popen[bytes], int]]:
+def tp_key(tmp_path: Path) -> Path:
+    return write_tp_key(tmp_path / "tp.key")
+
+
+@pytest.fixture
+def node_1(model: Path, tp_key: Path) -> Iterator[tuple[subprocess.Popen[bytes], int]]:
     port = free_port()
     argv = kvseal_argv(["tp-node", str(model), "-tp", "2", "--nnodes", "2", "--node-rank", "1",
-                        "--master-addr", "127.0.0.1", "--master-port", str(port), *FLAGS])
+                        "--master-addr", "127.0.0.1", "--master-port", str(port), "--tp-key-file", str(tp_key),
+                        *FLAGS])
     proc = subprocess.Popen(argv, start_new_session=True)
     yield proc, port
     if proc.poll() is None:
@@ -54,10 +61,11 @@ def _listeners(port: int) -> list[str]:
 
 
 def test_two_nodes_over_loopback_generate_what_one_process_does(
-        model: Path, node_1: tuple[subprocess.Popen[bytes], int]) -> None:
+        model: Path, node_1: tuple[subprocess.Popen[bytes], int], tp_key: Path) -> None:
     proc, port = node_1
     expected = [o.token_ids for o in LLM(str(model), **ENGINE).generate(PROMPTS, GREEDY)]
-    llm = LLM(str(model), tensor_parallel_size=2, nnodes=2, node_rank=0, master_port=port, **ENGINE)
+    llm = LLM(str(model), tensor_parallel_size=2, nnodes=2, node_rank=0, master_port=port, tp_key_file=str(tp_key),
+              **ENGINE)
     try:
         assert _listeners(port) == ["0100007F"], "rank 0 listens on 127.0.0.1 only, never a wildcard"
         assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == expected
@@ -75,7 +83,9 @@ def test_node_flags_are_checked() -> None:
     with pytest.raises(ConfigError, match="wildcard"):
         LLM(None, tensor_parallel_size=2, master_addr="0.0.0.0")
     with pytest.raises(ConfigError, match="tp-node"):
-        LLM(None, tensor_parallel_size=2, nnodes=2, node_rank=1, master_port=1234)
+        LLM(None, tensor_parallel_size=2, nnodes=2, node_rank=1, master_port=1234, tp_key_file="unused")
+    with pytest.raises(ConfigError, match="--tp-key-file"):
+        LLM(None, tensor_parallel_size=2, nnodes=2, master_port=1234)
 
 
 def test_kvseal_generate_takes_tp(model: Path) -> None:
