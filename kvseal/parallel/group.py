@@ -217,6 +217,14 @@ def _open_store(spec: GroupSpec, rank: int, timeout: datetime.timedelta,
     if spec.store_path is not None:
         store = dist.FileStore(spec.store_path, spec.world_size)
         store.set_timeout(timeout)
+        # Every rank checks in before any group forms. torch.distributed numbers a process's
+        # groups from a counter that a failed init_process_group still advances, so a rank 0
+        # left waiting there for a rank that died would name the next engine's group (in the
+        # same process) differently from its fresh workers', and they would never meet. Here a
+        # missing rank leaves rank 0 waiting on the store, before the counter moves; the driver
+        # removes the store's folder when it gives up, which ends the wait at once.
+        store.set(f"kvseal/joined/{rank}", b"1")
+        store.wait([f"kvseal/joined/{r}" for r in range(spec.world_size)])
         return store
     return dist.TCPStore(spec.master_addr, spec.master_port, spec.world_size, rank == 0, timeout,
                          master_listen_fd=listener.fileno() if listener is not None else None)

@@ -113,8 +113,12 @@ def test_a_rank_that_cannot_load_its_shard_fails_start_up(tmp_path: Path) -> Non
     assert all(p.poll() is not None for p in driver.ranks.procs)
 
 
-def test_a_rank_that_exits_before_joining_fails_start_up_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Not after the start-up timeout (300 s): rank 0 watches its ranks while the group forms."""
+def test_a_rank_that_exits_before_joining_fails_start_up_at_once(monkeypatch: pytest.MonkeyPatch,
+                                                                 model: Path) -> None:
+    """Not after the start-up timeout (300 s): rank 0 watches its ranks while the group forms.
+    And the failed start leaves nothing behind: the next tensor-parallel engine in the same
+    process starts and serves (a rank 0 that had entered torch.distributed's group set-up would
+    have advanced its group counter, and its next group would never meet its fresh workers')."""
     import kvseal.parallel.driver as driver_module
 
     monkeypatch.setattr(driver_module, "WORKER_MODULE", "kvseal.parallel.no_such_module")
@@ -122,3 +126,9 @@ def test_a_rank_that_exits_before_joining_fails_start_up_at_once(monkeypatch: py
     options = RankOptions("unused", "float32", "none", "off", 0, 1, 8, 4, False)
     with pytest.raises(RankFailure, match="exited before joining"):
         TensorParallelDriver.start(options, RankPlacement(2, 1, "127.0.0.1", 0, 20.0), kv)
+    monkeypatch.undo()
+    llm = LLM(str(model), tensor_parallel_size=2, tp_timeout_s=60.0, **ENGINE)  # type: ignore[arg-type]
+    try:
+        assert len(llm.generate(PROMPTS[:1], GREEDY)[0].token_ids) == GREEDY.max_tokens
+    finally:
+        llm.engine.close()
