@@ -223,7 +223,7 @@ def _open_store(spec: GroupSpec, rank: int, timeout: datetime.timedelta,
         # same process) differently from its fresh workers', and they would never meet. Here a
         # missing rank leaves rank 0 waiting on the store, before the counter moves; the driver
         # removes the store's folder when it gives up, which ends the wait at once.
-        store.set(f"kvseal/joined/{rank}", b"1")
+        store.set(f"kvseal/joined/{rank}", "1")
         store.wait([f"kvseal/joined/{r}" for r in range(spec.world_size)])
         return store
     return dist.TCPStore(spec.master_addr, spec.master_port, spec.world_size, rank == 0, timeout,
