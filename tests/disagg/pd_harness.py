@@ -208,6 +208,16 @@ class PdPair:
             self.wait(handoff)
         return handoff
 
+    def generate_all(self, prompts: list[list[int]], params: SamplingParams) -> list[Handoff]:
+        """Reserve every prompt, then hand them all to prefill at once and wait for every end:
+        the handoffs run side by side."""
+        handoffs = [self.reserve(p, params) for p in prompts]
+        for handoff, prompt in zip(handoffs, prompts):
+            self.to_prefill.send(self.prefill_msg(handoff, prompt, params))
+        for handoff in handoffs:
+            self.wait(handoff)
+        return handoffs
+
     def generate_start(self, prompt: list[int], params: SamplingParams, tenant: str = "alice") -> Handoff:
         """Hand a request off and return once decode reported its first token."""
         handoff = self.reserve(prompt, params, tenant)

@@ -52,11 +52,7 @@ def test_greedy_pd_equals_colocated_token_for_token(pair: PdPair, llama_dir: Pat
 
 def test_concurrent_handoffs_equal_colocated(pair: PdPair, llama_dir: Path) -> None:
     expected = colocated(llama_dir, PROMPTS, GREEDY)
-    handoffs = [pair.reserve(p, GREEDY) for p in PROMPTS]
-    for handoff, prompt in zip(handoffs, PROMPTS):
-        pair.to_prefill.send(pair.prefill_msg(handoff, prompt, GREEDY))
-    for handoff in handoffs:
-        pair.wait(handoff)
+    handoffs = pair.generate_all(PROMPTS, GREEDY)
     assert [h.token_ids for h in handoffs] == expected
     assert pair.decode.link.stats().num_transfers == len(PROMPTS)
     pair.assert_clean()

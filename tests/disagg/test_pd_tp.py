@@ -56,11 +56,7 @@ def test_pd_with_tp_equals_colocated(tp_pair: PdPair, odd_split_dir: Path) -> No
     """Greedy output of PD with TP on either side or both equals the colocated engine's, the
     handoffs run side by side, and every page on both sides is free afterwards."""
     expected = _colocated(odd_split_dir)
-    handoffs = [tp_pair.reserve(p, GREEDY) for p in PROMPTS]
-    for handoff, prompt in zip(handoffs, PROMPTS):
-        tp_pair.to_prefill.send(tp_pair.prefill_msg(handoff, prompt, GREEDY))
-    for handoff in handoffs:
-        tp_pair.wait(handoff)
+    handoffs = tp_pair.generate_all(PROMPTS, GREEDY)
     assert [h.token_ids for h in handoffs] == expected
     tp_pair.assert_clean()
     for node in (tp_pair.prefill, tp_pair.decode):
