@@ -21,7 +21,8 @@ def draw_from_probs(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
     Comparisons are strict ("exceeds"), so a token or block of zero mass (cut by top-k or top-p)
     is never chosen; should rounding leave the target at or past the block's own total, the
-    block's last token of nonzero mass is taken."""
+    block's last token of nonzero mass is taken. A row whose mass is not a positive number (all
+    zero, or NaN) takes its argmax, as torch answers it."""
     rows, vocab = probs.shape
     num_blocks = -(-vocab // DRAW_BLOCK)
     if num_blocks * DRAW_BLOCK != vocab:
@@ -35,7 +36,14 @@ def draw_from_probs(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     block = blocks[row_index, chosen]  # [rows, DRAW_BLOCK]
     inner = torch.searchsorted(block.to(torch.float64).cumsum(dim=-1), (targets - before)[:, None], right=True)[:, 0]
     last = torch.where(block > 0, torch.arange(DRAW_BLOCK, device=probs.device), -1).amax(dim=-1)
-    return chosen * DRAW_BLOCK + torch.minimum(inner, last)
+    drawn = chosen * DRAW_BLOCK + torch.minimum(inner, last)
+    total = block_cumulative[:, -1]
+    valid = torch.isfinite(total) & (total > 0)
+    if bool(valid.all()):
+        return drawn
+    # a row with no distribution (every logit -inf, or a NaN: nothing to invert) answers as
+    # torch.argmax does, the first NaN or else token 0, never an index outside the vocabulary
+    return torch.where(valid, drawn, probs[:, :vocab].argmax(dim=-1))
 
 
 def top_p_filter(probs: torch.Tensor, top_p: torch.Tensor, candidates: int | None = None) -> torch.Tensor:

@@ -220,3 +220,18 @@ def test_a_row_draws_one_number_per_step_whatever_the_batch_holds(ops: Ops) -> N
     assert sample(logits, beside, EOS, ops)[1][0] == token_alone  # beside a top-p row
     assert alone.generator is not None and again.generator is not None
     assert torch.equal(alone.generator.get_state(), again.generator.get_state())
+
+
+@pytest.mark.parametrize("kind", [{}, {"top_p": 0.5}, {"top_k": 5}])
+def test_a_random_row_with_no_distribution_still_gets_a_token_of_the_vocabulary(ops: Ops,
+                                                                               kind: dict[str, object]) -> None:
+    """Every logit -inf (all banned) or a NaN: nothing to invert, and the row answers as torch's
+    argmax does (token 0 here), never an index outside the vocabulary (which would stop the engine
+    when it detokenizes), beside a row that samples as usual."""
+    logits = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(9))
+    logits[0] = float("-inf")
+    logits[1, 7] = float("nan")
+    requests = [_request(i, seed=3, temperature=1.0, **kind) for i in range(3)]
+    tokens = [token for token, _ in sample(logits, requests, EOS, ops)]
+    assert tokens[:2] == [0, 0]
+    assert 0 <= tokens[2] < VOCAB
