@@ -225,13 +225,15 @@ def test_a_row_draws_one_number_per_step_whatever_the_batch_holds(ops: Ops) -> N
 @pytest.mark.parametrize("kind", [{}, {"top_p": 0.5}, {"top_k": 5}])
 def test_a_random_row_with_no_distribution_still_gets_a_token_of_the_vocabulary(ops: Ops,
                                                                                kind: dict[str, object]) -> None:
-    """Every logit -inf (all banned) or a NaN: nothing to invert, and the row answers as torch's
-    argmax does (token 0 here), never an index outside the vocabulary (which would stop the engine
-    when it detokenizes), beside a row that samples as usual."""
-    logits = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(9))
+    """Every logit -inf (all banned), a NaN, or +inf logits (a repetition_penalty that rounds to
+    0 divides by it): nothing to invert, and the row answers as torch's argmax does on its softmax
+    (token 0 here), never an index outside the vocabulary (which would stop the engine when it
+    detokenizes), beside a row that samples as usual."""
+    logits = torch.randn(4, VOCAB, generator=torch.Generator().manual_seed(9))
     logits[0] = float("-inf")
     logits[1, 7] = float("nan")
-    requests = [_request(i, seed=3, temperature=1.0, **kind) for i in range(3)]
+    logits[2, [5, 9]] = float("inf")
+    requests = [_request(i, seed=3, temperature=1.0, **kind) for i in range(4)]
     tokens = [token for token, _ in sample(logits, requests, EOS, ops)]
-    assert tokens[:2] == [0, 0]
-    assert 0 <= tokens[2] < VOCAB
+    assert tokens[:3] == [0, 0, 0]
+    assert 0 <= tokens[3] < VOCAB

@@ -64,14 +64,14 @@ static inline float weight1(float x, float inv_t, float top) { return x == -INFI
         return top;                              \
     }
 
-/* One row at temperature alone: the token drawn, or -1 where the row has a NaN or no token of
-   nonzero weight (the caller then takes the torch path, which answers those rows as torch does). */
+/* One row at temperature alone: the token drawn, or -1 where the row has a NaN, a +inf or no
+   token of nonzero weight (the caller then takes the torch path, which answers those rows as torch does). */
 #define DEFINE_DRAW(NAME, T, LOAD16, AT, TOP)                                                                  \
     static int64_t NAME(const T *x, int64_t n, float inv_t, double u) {                                        \
         double sums[SAMPLE_MAX_BLOCKS];                                                                        \
         const int64_t num_blocks = (n + SAMPLE_BLOCK - 1) / SAMPLE_BLOCK;                                      \
         float top = TOP(x, n);                                                                                 \
-        if (top != top || top == -INFINITY) return -1;                                                         \
+        if (top != top || isinf(top)) return -1;                                                               \
         top *= inv_t;                                                                                          \
         double total = 0.0;                                                                                    \
         for (int64_t b = 0; b < num_blocks; b++) {                                                             \
@@ -120,7 +120,7 @@ DEFINE_DRAW(draw_row_bf16, uint16_t, load16_bf16, BF16_AT, row_top_bf16)
 #define DEFINE_WEIGHTS(NAME, T, LOAD16, AT, TOP)                              \
     static double NAME(const T *x, int64_t n, float inv_t, float *w) {        \
         float top = TOP(x, n);                                                \
-        if (top != top || top == -INFINITY) return -1.0;                      \
+        if (top != top || isinf(top)) return -1.0;                            \
         top *= inv_t;                                                         \
         double total = 0.0;                                                   \
         for (int64_t b = 0; b < n; b += SAMPLE_BLOCK) {                       \
