@@ -39,10 +39,10 @@ from kvseal.types import Request, TokenLogprobs
 def sample(logits: torch.Tensor, requests: list[Request], eos_token_ids: tuple[int, ...],
            ops: Ops) -> list[tuple[int, TokenLogprobs | None]]:
     """logits: [num_requests, vocab], one row per request that reached its last token, float32
-    or the model's bfloat16. A batch of plain greedy rows (no processor, no logprobs) takes the
-    argmax of the rows as they are (`ops.argmax_rows`: the same token as of their float32
-    widening), and so does a batch with random rows but no processor and no logprobs (the
-    draws widen each value exactly as they read it). Everything else runs in float32."""
+    or the model's bfloat16. A batch with no processor and no logprobs reads the rows as they
+    are: `ops.argmax_rows` for greedy rows, `ops.draw_rows` for random ones, both widening each
+    value exactly as they read it (the same token as of the float32 widening). Everything else
+    runs on the float32 widening."""
     plain = not changes_logits(requests, eos_token_ids) and all(r.params.logprobs is None for r in requests)
     if plain and all(r.params.is_greedy for r in requests):
         return [(token, None) for token in ops.argmax_rows(logits).tolist()]
