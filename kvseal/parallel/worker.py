@@ -79,9 +79,9 @@ class WorkerRank:
         self.records = WriteRecords(cfg.num_layers, options.num_pages, options.page_size, track_slots=options.check_kv)
         self.pool = KVPool(cfg.num_layers, options.num_pages, options.page_size, self.layout.num_kv_heads,
                            cfg.head_dim, dtype, observer=self.records)
-        if spec.options.check_kv:
-            self.pool.fill(list(range(spec.options.num_pages)), float("nan"))
-        group.all_gather_bytes(encode(ReadyMsg(spec.rank, self.layout.num_kv_heads, spec.options.num_pages,
+        if options.check_kv:
+            self.pool.fill(list(range(options.num_pages)), float("nan"))
+        group.all_gather_bytes(encode(ReadyMsg(spec.rank, self.layout.num_kv_heads, options.num_pages,
                                                self.pool.num_bytes)))
         group.serving()
 
