@@ -99,7 +99,8 @@ class LLMEngine:
         self._decode_text = text_decoder(self.tokenizer)
         if not args.is_pool_sized_by_device:  # a pool that cannot be honoured fails before the weights move
             args.resolve(self.model_config)
-        model = finish_model(self.loaded.model.to(device=args.device), args.torch_dtype, args.quantization, self.ops)
+        model = finish_model(self.loaded.model.to(device=args.device), args.torch_dtype, args.quantization, self.ops,
+                             tp)
         self.gpu_memory = None if not args.is_pool_sized_by_device or free_before_weights is None else plan_gpu_pool(
             model, free_before_weights, args.gpu_memory_utilization, args.max_num_batched_tokens,
             min(args.max_num_seqs, args.max_num_batched_tokens), args.page_size, args.torch_dtype)

@@ -165,12 +165,13 @@ class CausalLM(nn.Module):
         rows = _sampled_rows(batch)
         for layer, next_norm in zip(layers, norms):
             last = layer is layers[-1] and rows is not None
-            attn = self._reduced(layer.self_attn(x, cos, signed_sin, batch, plan, pool, ops, rows if last else None))
+            attn = self._reduced(layer.self_attn(x, cos, signed_sin, batch, plan, pool, ops, rows if last else None),
+                                 h.dtype)
             if last:  # from here on only the sampled tokens' stream
                 h, x = h[rows], torch.empty_like(attn)
             post = layer.post_attention_layernorm
             x = ops.add_rms_norm(h, attn, post.weight, post.eps, x)
-            mlp = self._reduced(layer.mlp(x, ops))
+            mlp = self._reduced(layer.mlp(x, ops), h.dtype)
             x = ops.add_rms_norm(h, mlp, next_norm.weight, next_norm.eps, x)
         return self._logits(x if rows is not None else x[batch.logits_indices])
 
@@ -179,11 +180,12 @@ class CausalLM(nn.Module):
             return self.model.embed_tokens(input_ids).contiguous()
         return self.layout.embed(self.model.embed_tokens, input_ids, self.comm).contiguous()
 
-    def _reduced(self, partial: torch.Tensor) -> torch.Tensor:
-        """A row-parallel linear's output: this rank's partial sum -> the sum over ranks."""
+    def _reduced(self, partial: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """A row-parallel linear's output: this rank's partial sum (float32 where the linear is a
+        `WidePartialLinear`) -> the sum over ranks, rounded to `dtype` once, after the sum."""
         if self.comm is not None:
             self.comm.all_reduce(partial)
-        return partial
+        return partial.to(dtype)
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         """[num_samples, vocab]: the lm_head over x; under tensor parallelism each rank's vocabulary

@@ -15,6 +15,13 @@ Rank r of N holds:
 The forward then needs one all-reduce after o_proj, one after down_proj, one after the
 embedding lookup (each rank looks up only its own rows) and a gather of the lm_head's logits
 (`RankCollectives`). Norms, RoPE and q/k norms are replicated.
+
+Rounding: in a bfloat16 (or float16) model the row-parallel linears' partial sums stay float32
+(`WidePartialLinear`), are all-reduced in float32 and rounded to the model's dtype once, where
+one rank's linear rounds its whole sum: so TP=N is greedy-equal to TP=1 (the sums differ only in
+float32 order), where partials each rounded to bfloat16 part from it within a few tokens. The
+embedding's all-reduce needs no widening: every position holds one rank's row and zeros
+elsewhere, a sum that is exact in any dtype.
 """
 
 from __future__ import annotations
@@ -25,9 +32,13 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+from torch import nn
 
 from kvseal.config import ModelConfig
 from kvseal.errors import ConfigError
+from kvseal.ops import Ops
+
+ROW_PARALLEL_LINEARS = (("self_attn", "o_proj"), ("mlp", "down_proj"))  # their outputs are summed over ranks
 
 
 class RankCollectives(Protocol):
@@ -136,3 +147,56 @@ def check_splittable(cfg: ModelConfig, tp: int) -> None:
             f"tensor_parallel_size={tp} exceeds the model's {cfg.num_kv_heads} KV heads, so each KV head is "
             f"replicated; that needs tp to be a multiple of the KV heads and each KV head's {group} query heads "
             f"to split evenly over its replicas. Use tensor_parallel_size <= {cfg.num_kv_heads}")
+
+
+class WidePartialLinear(nn.Module):
+    """A row-parallel linear's shard whose output, this rank's partial sum, is float32: x [..., in]
+    in the model's dtype -> [..., out] float32, every product and sum of the model's-dtype linear
+    carried in float32 and never rounded (bfloat16 products are exact in float32). The caller
+    all-reduces it and rounds once (`CausalLM._reduced`).
+
+    On the CPU its weight is a float32 copy (exact) multiplied by the ops' float32 linear: twice
+    the bytes of the bfloat16 shard for these two linears. On CUDA it keeps the model's weight and
+    asks cuBLAS for a float32 output of the bfloat16 product (`torch.mm(..., out_dtype=)`)."""
+
+    def __init__(self, linear: nn.Linear, ops: Ops) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.is_cuda = linear.weight.device.type == "cuda"
+        bias = None if linear.bias is None else linear.bias.detach().float()
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        if self.is_cuda:
+            self.weight_t = nn.Parameter(linear.weight.detach().t(), requires_grad=False)  # [in, out]
+            return
+        wide = nn.Linear(self.in_features, self.out_features, bias=False, dtype=torch.float32)
+        with torch.no_grad():
+            wide.weight.copy_(linear.weight)
+        self.inner = ops.linear(wide, torch.float32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        if self.is_cuda:
+            out = torch.mm(flat, self.weight_t, out_dtype=torch.float32)
+        else:
+            out = self.inner(flat.float())
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, float32 partial sums"
+
+
+def widen_row_parallel(model: nn.Module, ops: Ops) -> int:
+    """Swap each decoder layer's o_proj and down_proj `nn.Linear` in a non-float32 model for a
+    `WidePartialLinear`, in place; returns how many were swapped (float32 models: none, their
+    partials are float32 already)."""
+    count = 0
+    for layer in model.model.layers:  # type: ignore[union-attr]
+        for owner_name, attr in ROW_PARALLEL_LINEARS:
+            owner = getattr(layer, owner_name)
+            linear = getattr(owner, attr)
+            if isinstance(linear, nn.Linear) and linear.weight.dtype != torch.float32:
+                setattr(owner, attr, WidePartialLinear(linear, ops))
+                count += 1
+    return count

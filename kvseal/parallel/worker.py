@@ -29,7 +29,7 @@ from kvseal.models.llama import CausalLM
 from kvseal.models.loader import load_model
 from kvseal.models.packed import pack_model
 from kvseal.models.quant import quantize_model
-from kvseal.models.tensor_parallel import RankLayout
+from kvseal.models.tensor_parallel import RankLayout, widen_row_parallel
 from kvseal.ops import Ops, select_ops
 from kvseal.parallel.group import GroupSpec, RankFailure, RankGroup
 from kvseal.parallel.handoff import empty_shard, moved_pages, record_landed, shard_bytes, write_shard
@@ -57,9 +57,14 @@ logger = logging.getLogger("kvseal.parallel")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def finish_model(model: CausalLM, dtype: torch.dtype, quantization: str, ops: Ops) -> CausalLM:
-    """The loaded model (or shard) in its final form for `ops`: cast, quantized or packed."""
-    model = quantize_model(model.to(dtype), quantization, ops)
+def finish_model(model: CausalLM, dtype: torch.dtype, quantization: str, ops: Ops, tp: int = 1) -> CausalLM:
+    """The loaded model (or shard of `tp` ranks) in its final form for `ops`: cast, quantized or
+    packed; a shard's row-parallel linears keep float32 partial sums (`WidePartialLinear`) unless
+    int8-quantized (the int8 kernels round their output to the model's dtype)."""
+    model = model.to(dtype)
+    if tp > 1 and quantization == "none" and (wide := widen_row_parallel(model, ops)):
+        logger.info("tensor parallel: %d row-parallel linears sum their partials in float32", wide)
+    model = quantize_model(model, quantization, ops)
     if quantization != "int8":
         model = pack_model(model, ops, weight_dtype=torch.bfloat16 if quantization == "bf16" else None)
     model.use_ops(ops)
@@ -73,7 +78,8 @@ class WorkerRank:
         loaded = load_model(spec.options.model, dtype, rank=(spec.rank, spec.world_size))
         cfg = loaded.config
         self.layout = RankLayout.of(cfg, spec.rank, spec.world_size)
-        self.model = finish_model(loaded.model, dtype, spec.options.quantization, select_ops(spec.options.native))
+        self.model = finish_model(loaded.model, dtype, spec.options.quantization, select_ops(spec.options.native),
+                                  spec.world_size)
         self.model.use_tensor_parallel(self.layout, group)
         options = spec.options
         self.records = WriteRecords(cfg.num_layers, options.num_pages, options.page_size, track_slots=options.check_kv)
