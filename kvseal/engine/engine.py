@@ -90,6 +90,8 @@ class LLMEngine:
         if tp > 1 and args.device != "cpu":
             raise ConfigError(f"--tensor-parallel-size {tp} runs its ranks on the CPU over gloo; on {args.device} "
                               f"it is not built yet (NCCL ranks): use -tp 1 there, or --device cpu")
+        # the ranks' key file (exists, 0600, a key) before the weights load: a bad one fails in a second
+        tp_key = engine_secret(args.tp_key_file, args.nnodes) if tp > 1 else None
         free_before_weights = self.device.free_bytes
         self.loaded = loaded or load_model(args.model, args.torch_dtype, rank=(0, tp) if tp > 1 else None)
         if free_before_weights is not None and next(self.loaded.model.parameters()).device.type == "cuda":
@@ -117,7 +119,8 @@ class LLMEngine:
         # Tensor parallelism: ranks 1..tp-1 in their own processes, driven from here (rank 0)
         self.driver: TensorParallelDriver | None = None
         if layout is not None:
-            self.driver = self._start_ranks(args, layout, model)
+            assert tp_key is not None  # drawn or read above whenever tp > 1
+            self.driver = self._start_ranks(args, layout, model, tp_key)
         self.runner = ModelRunner(model, self.kv.pool)
         self._outputs: dict[str, OutputState] = {}
         self._num_preemptions = 0
@@ -129,13 +132,12 @@ class LLMEngine:
         self.before_free: Callable[[Request], None] | None = None
         self._log_config(args)
 
-    def _start_ranks(self, args: EngineArgs, layout: RankLayout, model: CausalLM) -> TensorParallelDriver:
+    def _start_ranks(self, args: EngineArgs, layout: RankLayout, model: CausalLM, key: bytes) -> TensorParallelDriver:
         options = RankOptions(str(self.loaded.path), args.dtype, args.quantization, args.native, args.seed,
                               args.num_threads, self.cache_config.num_pages, self.cache_config.page_size,
                               self.cache_config.check_kv)
         place = RankPlacement(args.tensor_parallel_size, args.nnodes, args.master_addr, args.master_port,
                               args.tp_timeout_s)
-        key = engine_secret(args.tp_key_file, args.nnodes)  # one node: fresh, in memory only
         driver, group = TensorParallelDriver.start(options, place, self.kv, key)
         try:
             model.use_tensor_parallel(layout, group)

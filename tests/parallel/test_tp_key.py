@@ -12,6 +12,8 @@ import pytest
 
 from kvseal.cli import main
 from kvseal.config import EngineArgs
+from kvseal.engine import engine as engine_module
+from kvseal.engine.engine import LLMEngine
 from kvseal.errors import ConfigError
 from kvseal.parallel.node import run_node
 from kvseal.parallel.rank_auth import new_nonce, refused_ranks, tag_of
@@ -64,6 +66,27 @@ def test_tp_node_refuses_a_missing_or_group_readable_key_file(tmp_path: Path,
     with pytest.raises(ConfigError, match="no key file"):
         run_node(EngineArgs(model=str(tmp_path / "no-model"), tensor_parallel_size=2, nnodes=2, node_rank=1,
                             master_port=29999, tp_key_file=str(tmp_path / "absent.key")))
+
+
+@pytest.mark.parametrize("nnodes", [1, 2])
+def test_node_0_checks_its_key_file_before_the_model_loads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                           nnodes: int) -> None:
+    """The engine (node 0, or a one-node engine given a key file) refuses a missing, group-readable
+    or malformed --tp-key-file before it loads any weights, as every `kvseal tp-node` does."""
+    monkeypatch.setattr(engine_module, "load_model", lambda *a, **k: pytest.fail("the model loaded before the key"))
+    flags = dict(model=str(tmp_path / "no-model"), tensor_parallel_size=2, nnodes=nnodes, master_port=29999)
+    open_key = write_tp_key(tmp_path / "open.key")
+    open_key.chmod(0o640)
+    malformed = tmp_path / "malformed.key"
+    malformed.write_text("00" * (KEY_BYTES - 1) + "\n")
+    malformed.chmod(0o600)
+    for key_file, why in [(tmp_path / "absent.key", "no key file"), (open_key, "chmod 600"),
+                          (malformed, "64 hex digits")]:
+        with pytest.raises(ConfigError, match=why):
+            LLMEngine(EngineArgs(**flags, tp_key_file=str(key_file)))  # type: ignore[arg-type]
+    if nnodes > 1:
+        with pytest.raises(ConfigError, match="needs --tp-key-file"):
+            LLMEngine(EngineArgs(**flags))  # type: ignore[arg-type]
 
 
 def test_one_node_draws_a_fresh_key_several_need_the_file(tmp_path: Path) -> None:
