@@ -365,8 +365,8 @@ class EngineArgs:
     # Tensor parallelism (kvseal/parallel): this many ranks, one process each, over torch.distributed
     tensor_parallel_size: int = field(default=1, metadata=flag(
         "tensor-parallel ranks: one process each (this one is rank 0), attention heads, KV heads, MLP and "
-        "vocabulary split across them over torch.distributed (gloo on CPU); default 1", aliases=("-tp",),
-        metavar="N"))
+        "vocabulary split across them over torch.distributed (gloo on CPU; nccl on CUDA, one GPU a rank); "
+        "default 1", aliases=("-tp",), metavar="N"))
     tp_timeout_s: float = field(default=DEFAULT_TP_TIMEOUT_S, metadata=flag(
         "the longest one tensor-parallel collective (a step's message, a forward's all-reduce) may wait for a "
         "rank (start-up, loading the shards: at least 300 s); past it the engine fails closed: every in-flight "

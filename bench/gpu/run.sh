@@ -41,7 +41,7 @@ fi
 step environment 20 python -c "import json, sys; sys.path.insert(0, 'bench/gpu'); import common; print(json.dumps(common.environment()))"
 
 # 2. the gpu-marked tests (the compiled Triton kernels: no interpreter)
-GPU_TESTS="tests/engine/test_device.py tests/kvcache/test_device_checks.py tests/disagg/test_stream_staging.py tests/test_gpu_memory_plan.py"
+GPU_TESTS="tests/engine/test_device.py tests/kvcache/test_device_checks.py tests/disagg/test_stream_staging.py tests/test_gpu_memory_plan.py tests/parallel/test_tp_cuda.py"
 step gpu-tests 100 env TRITON_INTERPRET=0 python -m pytest -q -p no:cacheprovider -m gpu -rA \
     --junitxml="$OUT/gpu-tests.xml" $GPU_TESTS
 

@@ -38,6 +38,7 @@ from kvseal.ops import select_ops
 from kvseal.ops.device import DeviceInfo, resolve_device
 from kvseal.parallel.driver import RankOptions, RankPlacement, TensorParallelDriver
 from kvseal.parallel.group import RankFailure
+from kvseal.parallel.rank_device import RankDevice
 from kvseal.parallel.tp_key import engine_secret
 from kvseal.parallel.worker import finish_model
 from kvseal.prompting import encode_text
@@ -87,9 +88,11 @@ class LLMEngine:
                               f"the engine (and its scheduler) runs on node 0")
         if loaded is not None and tp > 1:
             raise ConfigError("a tensor-parallel engine loads its own shards; pass the model by name, not loaded")
-        if tp > 1 and args.device != "cpu":
-            raise ConfigError(f"--tensor-parallel-size {tp} runs its ranks on the CPU over gloo; on {args.device} "
-                              f"it is not built yet (NCCL ranks): use -tp 1 there, or --device cpu")
+        # rank 0's device (cuda:0 on CUDA, its forward's collectives over nccl): ConfigError now where
+        # this node has fewer GPUs than ranks
+        self.rank_device = RankDevice.here(args.device, 0, args.ranks_per_node) if tp > 1 else None
+        if self.rank_device is not None:
+            self.rank_device.enter()
         # the ranks' key file (exists, 0600, a key) before the weights load: a bad one fails in a second
         tp_key = engine_secret(args.tp_key_file, args.nnodes) if tp > 1 else None
         free_before_weights = self.device.free_bytes
@@ -135,19 +138,20 @@ class LLMEngine:
     def _start_ranks(self, args: EngineArgs, layout: RankLayout, model: CausalLM, key: bytes) -> TensorParallelDriver:
         options = RankOptions(str(self.loaded.path), args.dtype, args.quantization, args.native, args.seed,
                               args.num_threads, self.cache_config.num_pages, self.cache_config.page_size,
-                              self.cache_config.check_kv)
+                              self.cache_config.check_kv, args.device, args.attention_backend)
         place = RankPlacement(args.tensor_parallel_size, args.nnodes, args.master_addr, args.master_port,
                               args.tp_timeout_s)
         driver, group = TensorParallelDriver.start(options, place, self.kv, key)
         try:
             model.use_tensor_parallel(layout, group)
-            ready = driver.wait_ready(self.kv.pool.num_bytes, layout.num_kv_heads)
+            assert self.rank_device is not None  # chosen in __init__ whenever tp > 1
+            ready = driver.wait_ready(self.kv.pool.num_bytes, layout.num_kv_heads, self.rank_device)
         except Exception:
             driver.close()
             raise
-        logger.info("tensor parallel: %d ranks (pids %s), KV heads per rank %s, pool bytes per rank %s",
-                    args.tensor_parallel_size, driver.ranks.pids, [r.num_kv_heads for r in ready],
-                    [r.pool_bytes for r in ready])
+        logger.info("tensor parallel: %d ranks (pids %s), KV heads per rank %s, pool bytes per rank %s, forward "
+                    "collectives over %s", args.tensor_parallel_size, driver.ranks.pids,
+                    [r.num_kv_heads for r in ready], [r.pool_bytes for r in ready], group.forward_backend)
         return driver
 
     def _log_config(self, args: EngineArgs) -> None:

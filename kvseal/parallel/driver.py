@@ -50,6 +50,7 @@ from kvseal.parallel.msgs import (
     decode_from_rank,
     encode,
 )
+from kvseal.parallel.rank_device import CPU_RANK, RankDevice
 from kvseal.parallel.tp_key import new_secret
 from kvseal.types import ForwardBatch
 
@@ -79,11 +80,11 @@ class RankPlacement:
 class RankProcesses:
     """The worker ranks' processes, each the leader of its own process group: stopped by PID."""
 
-    def __init__(self, options: RankOptions, group: GroupSpec, ranks: range, key: bytes) -> None:
+    def __init__(self, options: RankOptions, group: GroupSpec, ranks: range, key: bytes, ranks_per_node: int) -> None:
         self.procs: list[subprocess.Popen[bytes]] = []
         for rank in ranks:
             spec = WorkerSpecMsg(options, rank, group.world_size, group.master_addr, group.master_port, group.timeout_s,
-                                 group.store_path)
+                                 group.store_path, ranks_per_node=ranks_per_node)
             proc = subprocess.Popen([sys.executable, "-m", WORKER_MODULE, encode(spec).hex()],
                                     stdin=subprocess.PIPE, start_new_session=True)
             self.procs.append(proc)
@@ -228,7 +229,7 @@ class TensorParallelDriver:
             raise RankFailure("ranks on several nodes share the operator's key (--tp-key-file); none was given")
         key = key if key is not None else new_secret()
         listener, spec = _meeting_place(place)
-        ranks = RankProcesses(options, spec, range(1, place.ranks_per_node), key)
+        ranks = RankProcesses(options, spec, range(1, place.ranks_per_node), key, place.ranks_per_node)
         try:
             group = _join_watching(spec, listener, ranks, key)
         except RankFailure:
@@ -237,12 +238,13 @@ class TensorParallelDriver:
             raise
         return cls(group, ranks, kv), group
 
-    def wait_ready(self, pool_bytes: int, num_kv_heads: int) -> list[ReadyMsg]:
-        """Every rank's shard is loaded; their pools, rank order (rank 0's from the caller)."""
+    def wait_ready(self, pool_bytes: int, num_kv_heads: int, device: RankDevice = CPU_RANK) -> list[ReadyMsg]:
+        """Every rank's shard is loaded; their pools, rank order (rank 0's from the caller). Rank 0's
+        forward runs on `device` (the workers chose theirs of the same kind)."""
         mine = ReadyMsg(0, num_kv_heads, self.kv.config.num_pages, pool_bytes)
         answers = [decode_from_rank(a) for a in self.group.all_gather_bytes(encode(mine))]
         self.ready = [a for a in answers if isinstance(a, ReadyMsg)]
-        self.group.serving()
+        self.group.serving(device)
         differ = [r.rank for r in self.ready if r.num_pages != mine.num_pages]
         if differ:  # page ids name the same page on every rank, or ownership means nothing
             raise RankFailure(f"ranks {differ} allocated another number of KV pages than rank 0's "

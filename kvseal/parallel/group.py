@@ -1,11 +1,17 @@
-"""The ranks' process group: torch.distributed (gloo on CPU), and typed messages over it.
+"""The ranks' process groups: torch.distributed, and typed messages over it.
 
 Rank 0 is the engine (the driver: scheduler, allocator and page ownership live there); ranks
-1..N-1 are workers. Everything between them goes through the one process group: the forward's
-collectives and the driver's step messages (msgspec bytes broadcast from rank 0; never pickle).
-Every collective is bounded by the group's timeout: a rank that died fails the next
+1..N-1 are workers. Everything between them goes through one gloo group on the CPU: the driver's
+step messages (msgspec bytes broadcast from rank 0; never pickle), the refusals, a handoff's
+shards, and on the CPU the forward's collectives too. On CUDA the forward's collectives go
+through a second group, nccl on each rank's GPU (`rank_device.RankDevice`), formed once the gloo
+group is authenticated and authenticated itself before it carries anything.
+Every gloo collective is bounded by the group's timeout: a rank that died fails the next
 collective at once (its sockets close), a rank that hangs fails it after `timeout_s`; either
-way the caller gets `RankFailure` and the engine fails closed.
+way the caller gets `RankFailure` and the engine fails closed. An nccl collective runs
+asynchronously on the GPU: past the same timeout torch's NCCL watchdog aborts it and ends the
+process (its default error handling), which the driver and the frontend see as a rank, or the
+engine, gone.
 
 Every group is authenticated as it forms, before it carries anything (`rank_auth.py`): each rank
 proves it holds the engine's key (`tp_key.py`) to every other rank, or the group is refused.
@@ -26,6 +32,7 @@ import torch.distributed as dist
 from kvseal._testing.faults import Fault, is_active
 from kvseal.errors import KvsealError
 from kvseal.parallel.rank_auth import NONCE_BYTES, TAG_BYTES, new_nonce, refused_ranks, tag_of
+from kvseal.parallel.rank_device import CPU_RANK, RankDevice
 
 logger = logging.getLogger("kvseal.parallel")
 
@@ -87,6 +94,8 @@ class RankGroup:
             raise RankFailure(f"rank {rank} could not join the tensor-parallel group at {spec.address} "
                               f"within {spec.start_timeout_s:g} s: {exc}") from exc
         self._pg: Any = None  # the start-up (default) group until `serving`
+        self._forward_pg: Any = None  # the forward's collectives: the gloo group (None) or an nccl group
+        self.rank_device = CPU_RANK  # where this rank's forward runs (`serving`)
         self.is_open = True  # False after a failed collective: no more calls
         self._joined = True  # until close(): the process's default group is this one
         try:
@@ -104,28 +113,34 @@ class RankGroup:
         options._timeout = timeout
         return options
 
-    def serving(self) -> None:
+    def serving(self, device: RankDevice = CPU_RANK) -> None:
         """Every rank is loaded: from now on each collective waits at most `spec.timeout_s`
-        (a group of the same ranks with that timeout; every rank calls this once, in step)."""
+        (a group of the same ranks with that timeout; every rank calls this once, in step, with
+        the same kind of device). Where `device` has a forward group (nccl), it forms here too."""
         timeout = datetime.timedelta(seconds=self.spec.timeout_s)
-        pg = None
-
-        def make() -> None:
-            nonlocal pg
-            pg = dist.new_group(list(range(self.world_size)), timeout=timeout, backend=self.spec.backend,
-                                pg_options=self._options(timeout))
-
-        self._call(make)
-        self._pg = pg
+        self._pg = self._new_group(self.spec.backend, timeout, self._options(timeout))
         # Its ranks' connections were set up anew through the store, which anyone who reaches it can write.
         self._authenticate("serving")
+        if device.has_forward_group:  # so were the nccl group's (its unique id travels through the store)
+            self._forward_pg = self._new_group(device.forward_backend, timeout, None)
+            self.rank_device = device
+            self._authenticate("forward", self._forward_pg, device.device)
         self._key = b""
 
-    def _authenticate(self, label: str) -> None:
-        """Every rank of the current group holds the key, or RankFailure (the group closed on this
-        rank) before anything else moves: `rank_auth.py` says why two all-gathers suffice."""
-        nonces = self._all_gather_fixed(new_nonce(), NONCE_BYTES)
-        tags = self._all_gather_fixed(tag_of(self._key, label, self.world_size, self.rank, nonces), TAG_BYTES)
+    def _new_group(self, backend: str, timeout: datetime.timedelta, options: Any) -> Any:
+        made: list[Any] = []
+        self._call(lambda: made.append(dist.new_group(list(range(self.world_size)), timeout=timeout,
+                                                      backend=backend, pg_options=options)))
+        return made[0]
+
+    def _authenticate(self, label: str, pg: Any = None, device: str = "cpu") -> None:
+        """Every rank of group `pg` (None: the current gloo group) holds the key, or RankFailure (the
+        groups closed on this rank) before anything else moves: `rank_auth.py` says why two
+        all-gathers suffice."""
+        pg = pg if pg is not None else self._pg
+        nonces = self._all_gather_fixed(new_nonce(), NONCE_BYTES, pg, device)
+        tags = self._all_gather_fixed(tag_of(self._key, label, self.world_size, self.rank, nonces), TAG_BYTES, pg,
+                                      device)
         refused = refused_ranks(self._key, label, self.rank, nonces, tags)
         if not refused or is_active(Fault.SKIP_RANK_AUTH):
             return
@@ -137,12 +152,13 @@ class RankGroup:
         logger.error("%s", failure)
         raise failure
 
-    def _all_gather_fixed(self, data: bytes, size: int) -> list[bytes]:
-        """Every rank's `size` bytes, in rank order: no length from a peer sizes anything."""
-        mine = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        parts = [torch.empty(size, dtype=torch.uint8) for _ in range(self.world_size)]
-        self._call(lambda: dist.all_gather(parts, mine, group=self._pg))
-        return [p.numpy().tobytes() for p in parts]
+    def _all_gather_fixed(self, data: bytes, size: int, pg: Any, device: str) -> list[bytes]:
+        """Every rank's `size` bytes over `pg` (tensors on `device`), in rank order: no length from a
+        peer sizes anything."""
+        mine = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
+        parts = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(self.world_size)]
+        self._call(lambda: dist.all_gather(parts, mine, group=pg))
+        return [p.cpu().numpy().tobytes() for p in parts]
 
     def close(self) -> None:
         self.is_open = False
@@ -153,17 +169,24 @@ class RankGroup:
             except Exception:  # a group whose peers are gone may fail to tear down; nothing to keep
                 pass
 
-    # ---- the forward's collectives (RankCollectives)
+    # ---- the forward's collectives (RankCollectives): the nccl group on CUDA, else the gloo group
+
+    @property
+    def forward_backend(self) -> str:
+        return self.rank_device.forward_backend
 
     def all_reduce(self, t: torch.Tensor) -> None:
-        self._call(lambda: dist.all_reduce(t, group=self._pg))
+        pg = self._forward_pg if self._forward_pg is not None else self._pg
+        self._call(lambda: dist.all_reduce(t, group=pg))
 
     def gather_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        pg = self._forward_pg if self._forward_pg is not None else self._pg
         parts = [torch.empty_like(logits) for _ in range(self.world_size)] if self.rank == 0 else None
-        self._call(lambda: dist.gather(logits, parts, dst=0, group=self._pg))
+        self._call(lambda: dist.gather(logits, parts, dst=0, group=pg))
         return torch.cat(parts, dim=-1) if parts is not None else logits
 
-    # ---- a PD handoff's head shards (`parallel/handoff.py`): same-sized byte tensors on every rank
+    # ---- a PD handoff's head shards (`parallel/handoff.py`): same-sized byte tensors on every rank,
+    # on the CPU (the gloo group), whatever the ranks' device
 
     def gather_to_first(self, t: torch.Tensor) -> list[torch.Tensor] | None:
         """Every rank's `t` (one shape and dtype on all), in rank order, on rank 0; None elsewhere."""

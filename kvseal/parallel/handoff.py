@@ -40,15 +40,16 @@ from kvseal.parallel.msgs import ExportMsg, ImportMsg, ShardReportMsg, decode_fr
 
 def shard_bytes(pool: KVPool, pages: list[int], shard_heads: int, heads: slice | None = None) -> torch.Tensor:
     """`heads` (default: every head) of `pages` of every layer, K then V, padded with zero heads to
-    `shard_heads`, as one byte tensor [layers, 2, shard_heads, len(pages), page_size, head_dim]."""
-    index = torch.tensor(pages, dtype=torch.int64)
+    `shard_heads`, as one byte tensor [layers, 2, shard_heads, len(pages), page_size, head_dim], on
+    the CPU (the gloo group carries it) whatever the pool's device."""
+    index = torch.tensor(pages, dtype=torch.int64, device=pool.device)
     rows = [torch.stack([t[heads or slice(None)].index_select(1, index) for t in (k, v)])
             for k, v in zip(pool.k, pool.v)]
     shard = torch.stack(rows)
     padding = shard_heads - shard.shape[2]
     if padding:
         shard = torch.cat([shard, shard.new_zeros(shard.shape[0], 2, padding, *shard.shape[3:])], dim=2)
-    return shard.contiguous().view(torch.uint8)
+    return shard.contiguous().view(torch.uint8).cpu()
 
 
 def empty_shard(pool: KVPool, num_pages: int, shard_heads: int) -> torch.Tensor:
@@ -59,10 +60,10 @@ def empty_shard(pool: KVPool, num_pages: int, shard_heads: int) -> torch.Tensor:
 
 
 def write_shard(pool: KVPool, pages: list[int], shard: torch.Tensor, heads: slice) -> None:
-    """The first heads of a `shard_bytes` tensor into `heads` of `pages` of every layer."""
-    values = shard.view(pool.k[0].dtype)
+    """The first heads of a `shard_bytes` tensor (on the CPU) into `heads` of `pages` of every layer."""
+    values = shard.view(pool.k[0].dtype).to(pool.device)
     count = heads.stop - heads.start
-    index = torch.tensor(pages, dtype=torch.int64)
+    index = torch.tensor(pages, dtype=torch.int64, device=pool.device)
     for layer, (k, v) in enumerate(zip(pool.k, pool.v)):
         k[heads].index_copy_(1, index, values[layer, 0, :count])
         v[heads].index_copy_(1, index, values[layer, 1, :count])

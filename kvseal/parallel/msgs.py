@@ -24,6 +24,8 @@ class RankOptions(msgspec.Struct, frozen=True):
     num_pages: int
     page_size: int
     check_kv: bool
+    device: str = "cpu"  # "cpu" or "cuda" (each rank: cuda:<local rank>, `rank_device.RankDevice`)
+    attention_backend: str = "auto"
 
 
 class WorkerSpecMsg(msgspec.Struct, tag="worker_spec"):
@@ -37,6 +39,7 @@ class WorkerSpecMsg(msgspec.Struct, tag="worker_spec"):
     master_port: int
     timeout_s: float
     store_path: str | None = None  # one node: the file store in rank 0's private folder (not secret)
+    ranks_per_node: int = 1  # this rank's local rank is rank % ranks_per_node (its GPU on CUDA)
 
 
 class StepMsg(msgspec.Struct, tag="step"):

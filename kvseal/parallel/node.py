@@ -19,8 +19,10 @@ from kvseal.config import EngineArgs
 from kvseal.errors import ConfigError
 from kvseal.model_files import resolve_model_path
 from kvseal.models.loader import plan_config
+from kvseal.ops.device import resolve_device
 from kvseal.parallel.driver import RankOptions, RankProcesses
 from kvseal.parallel.group import GroupSpec
+from kvseal.parallel.rank_device import RankDevice
 from kvseal.parallel.tp_key import engine_secret
 
 logger = logging.getLogger("kvseal")
@@ -34,13 +36,19 @@ def run_node(args: EngineArgs) -> int:
         raise ConfigError("tp-node runs the ranks of a node other than 0 (--node-rank 1..); node 0 runs the engine "
                           "(kvseal serve, kvseal generate, LLM(...)) with --nnodes and --master-port")
     key = engine_secret(args.tp_key_file, args.nnodes)  # before anything starts: a bad key file stops here
+    device = resolve_device(args.device)
+    if device == "cuda" and args.kv_cache_tokens is None and args.kv_cache_memory is None:
+        raise ConfigError("tp-node on cuda needs the pool's size given (--kv-cache-tokens or --kv-cache-memory, the "
+                          "same as node 0's): node 0 sizes a pool by its GPU's free memory, which this node cannot "
+                          "know, and every rank must hold the same number of pages")
+    RankDevice.here(device, 0, args.ranks_per_node)  # a GPU for every local rank, or ConfigError now
     path = resolve_model_path(args.model)
     cache, _ = args.resolve(plan_config(path))
     options = RankOptions(str(path), args.dtype, args.quantization, args.native, args.seed, args.num_threads,
-                          cache.num_pages, cache.page_size, cache.check_kv)
+                          cache.num_pages, cache.page_size, cache.check_kv, device, args.attention_backend)
     spec = GroupSpec(args.master_addr, args.master_port, args.tensor_parallel_size, args.tp_timeout_s)
     first = args.node_rank * args.ranks_per_node
-    ranks = RankProcesses(options, spec, range(first, first + args.ranks_per_node), key)
+    ranks = RankProcesses(options, spec, range(first, first + args.ranks_per_node), key, args.ranks_per_node)
     logger.info("tp-node %d: ranks %d..%d (pids %s) joining rank 0 at %s", args.node_rank, first,
                 first + args.ranks_per_node - 1, ranks.pids, spec.address)
     stop = {"signal": 0}

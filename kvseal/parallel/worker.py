@@ -49,6 +49,7 @@ from kvseal.parallel.msgs import (
     decode_to_rank,
     encode,
 )
+from kvseal.parallel.rank_device import RankDevice
 from kvseal.parallel.tp_key import read_secret
 from kvseal.types import ForwardBatch
 
@@ -72,24 +73,28 @@ def finish_model(model: CausalLM, dtype: torch.dtype, quantization: str, ops: Op
 
 
 class WorkerRank:
-    def __init__(self, spec: WorkerSpecMsg, group: RankGroup) -> None:
-        self.spec, self.group = spec, group
-        dtype = _DTYPES[spec.options.dtype]
-        loaded = load_model(spec.options.model, dtype, rank=(spec.rank, spec.world_size))
+    def __init__(self, spec: WorkerSpecMsg, group: RankGroup, device: RankDevice) -> None:
+        """Load this rank's shard onto `device` (its model, pool, write records and every batch),
+        report ready, and join the serving group (and on CUDA the forward's nccl group)."""
+        self.spec, self.group, self.device = spec, group, device.device
+        options = spec.options
+        dtype = _DTYPES[options.dtype]
+        loaded = load_model(options.model, dtype, rank=(spec.rank, spec.world_size))
         cfg = loaded.config
         self.layout = RankLayout.of(cfg, spec.rank, spec.world_size)
-        self.model = finish_model(loaded.model, dtype, spec.options.quantization, select_ops(spec.options.native),
+        ops = select_ops(options.native, options.device, attention_backend=options.attention_backend)
+        self.model = finish_model(loaded.model.to(device=self.device), dtype, options.quantization, ops,
                                   spec.world_size)
         self.model.use_tensor_parallel(self.layout, group)
-        options = spec.options
-        self.records = WriteRecords(cfg.num_layers, options.num_pages, options.page_size, track_slots=options.check_kv)
+        self.records = WriteRecords(cfg.num_layers, options.num_pages, options.page_size, track_slots=options.check_kv,
+                                    device=self.device)
         self.pool = KVPool(cfg.num_layers, options.num_pages, options.page_size, self.layout.num_kv_heads,
-                           cfg.head_dim, dtype, observer=self.records)
+                           cfg.head_dim, dtype, observer=self.records, device=self.device)
         if options.check_kv:
             self.pool.fill(list(range(options.num_pages)), float("nan"))
         group.all_gather_bytes(encode(ReadyMsg(spec.rank, self.layout.num_kv_heads, options.num_pages,
                                                self.pool.num_bytes)))
-        group.serving()
+        group.serving(device)
 
     def serve(self) -> None:
         """Run the driver's messages until it says stop; RankFailure when the group breaks."""
@@ -113,7 +118,7 @@ class WorkerRank:
 
     def step(self, msg: StepMsg) -> None:
         replay(msg.events, self.records, self.pool)
-        batch = _batch(msg)
+        batch = _batch(msg, self.device)
         if is_active(Fault.FOREIGN_PAGE):
             batch = _foreign_first_page(batch, self.records, msg.request_ids[0])
         starts = msg.starts
@@ -186,14 +191,16 @@ def _refuses(answer: bytes) -> bool:
     return isinstance(msg, RefusalsMsg) and bool(msg.refused)
 
 
-def _batch(msg: StepMsg) -> ForwardBatch:
-    def ints(values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int64)
-
-    return ForwardBatch(input_ids=ints(msg.input_ids), positions=ints(msg.positions),
-                        slot_mapping=ints(msg.slot_mapping), query_lens=msg.query_lens,
-                        context_lens=msg.context_lens, block_tables=[ints(t) for t in msg.block_tables],
-                        logits_indices=ints(msg.logits_indices))
+def _batch(msg: StepMsg, device: str) -> ForwardBatch:
+    """The step's batch as the engine builds it (`engine/batch.py`): the token tensors on the
+    rank's device in one copy, the block tables on the host."""
+    numbers = torch.tensor(msg.input_ids + msg.positions + msg.slot_mapping + msg.logits_indices, dtype=torch.int64)
+    ids, pos, slots, sampled = numbers.to(device, non_blocking=True).split(
+        [len(msg.input_ids), len(msg.positions), len(msg.slot_mapping), len(msg.logits_indices)])
+    return ForwardBatch(input_ids=ids, positions=pos, slot_mapping=slots, query_lens=msg.query_lens,
+                        context_lens=msg.context_lens,
+                        block_tables=[torch.tensor(t, dtype=torch.int64) for t in msg.block_tables],
+                        logits_indices=sampled)
 
 
 def _foreign_first_page(batch: ForwardBatch, records: WriteRecords, request_id: str) -> ForwardBatch:
@@ -204,7 +211,7 @@ def _foreign_first_page(batch: ForwardBatch, records: WriteRecords, request_id: 
     if foreign.numel() == 0:
         return batch
     tables = [first.clone(), *batch.block_tables[1:]]
-    tables[0][0] = foreign[0]
+    tables[0][0] = int(foreign[0])
     return ForwardBatch(batch.input_ids, batch.positions, batch.slot_mapping, batch.query_lens,
                         batch.context_lens, tables, batch.logits_indices)
 
@@ -230,13 +237,19 @@ def main(argv: list[str]) -> int:
     if spec.options.num_threads is not None:
         torch.set_num_threads(spec.options.num_threads)
     try:
+        device = RankDevice.here(spec.options.device, spec.rank % spec.ranks_per_node, spec.ranks_per_node)
+    except ConfigError as exc:
+        logger.error("%s", exc)
+        return 2
+    device.enter()
+    try:
         group = RankGroup(GroupSpec(spec.master_addr, spec.master_port, spec.world_size, spec.timeout_s,
                                     store_path=spec.store_path), spec.rank, key)
     except RankFailure as exc:
         logger.error("%s; this rank exits", exc)
         return 1
     try:
-        WorkerRank(spec, group).serve()
+        WorkerRank(spec, group, device).serve()
     except RankFailure as exc:
         logger.error("%s; this rank exits", exc)
         return 1
