@@ -29,11 +29,21 @@ CURVE, so CURVE's own cost on the KV frames is visible; tcp-stream's records car
     python bench/pd.py --skip-ttft --repeats 9 --transports tcp,tcp-stream  # both TCP data paths
     python bench/pd.py --skip-ttft --page-order shuffled  # scattered pages on both sides
     python bench/pd.py --skip-ttft --page-order shuffled-prefill  # scattered on prefill's side only
+    python bench/pd.py --tp 2 --repeats 5   # only the tensor-parallel part of a handoff, TP=2
+
+3. With --tp N (N > 1), instead of 1 and 2: what tensor parallelism adds to a handoff. The wire
+   carries full pages at any N (the transfer is the one measured at TP=1), so a TP=N handoff is
+   the TP=1 handoff plus prefill's gather (every rank's KV heads of the prompt's pages to rank 0's
+   staging pool, `parallel/handoff.py` `RankHandoff.gather`) and decode's scatter (rank 0 hands
+   each rank its heads and every rank reports them recorded, `RankHandoff.scatter`). Both are
+   timed on one TP=N engine in this process (torch.distributed allows one group a process): the
+   gather of a prompt it prefilled, the scatter into a fresh reservation of the same length.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import multiprocessing
 import os
@@ -66,6 +76,7 @@ from kvseal.kvcache.pool import KVPool
 from kvseal.messages.convert import params_to_msg
 from kvseal.messages.msgs import OutputsMsg
 from kvseal.models.loader import load_model
+from kvseal.parallel.handoff import RankHandoff
 from kvseal.types import SamplingParams
 
 MiB = 1024 * 1024
@@ -485,6 +496,7 @@ def main() -> None:
     parser.add_argument("--transports", default="tcp,nixl", help="comma-separated KV transports to measure")
     parser.add_argument("--skip-ttft", action="store_true", help="measure only the KV transfer throughput")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--tp", type=int, default=1, help="N > 1: time only a TP=N handoff's gather and scatter")
     parser.add_argument("--page-order", choices=("consecutive", "shuffled", "shuffled-prefill"), default="consecutive",
                         help="prefill's and decode's pages for the transfer: consecutive (a fresh pool), shuffled, "
                              "or shuffled on prefill's side only (decode's reservations take a run of pages)")
@@ -493,6 +505,10 @@ def main() -> None:
         torch.set_num_threads(ns.threads)
     args = EngineArgs(model=ns.model, dtype=ns.dtype, max_model_len=ns.prompt_len + 16,
                       kv_cache_tokens=4 * (ns.prompt_len + 16))
+    if ns.tp > 1:
+        print(json.dumps(measure_tp_handoff(dataclasses.replace(args, tensor_parallel_size=ns.tp), ns.prompt_len,
+                                            ns.repeats), indent=2))
+        return
     loaded = load_model(args.model, args.torch_dtype)
     transports = ns.transports.split(",")
     result: dict[str, Any] = {
@@ -507,6 +523,42 @@ def main() -> None:
     result.update(measure_transfers(args, loaded, transports, ns.prompt_len, ns.repeats, ns.page_order))
     result["load_average_after"] = os.getloadavg()
     print(json.dumps(result, indent=2))
+
+
+def measure_tp_handoff(args: EngineArgs, prompt_len: int, repeats: int) -> dict[str, Any]:
+    """Seconds of RankHandoff.gather and .scatter of a prefilled prompt's pages, per repeat."""
+    engine = LLMEngine(args)
+    try:
+        prompt = [int(t) for t in torch.randint(100, engine.model_config.vocab_size - 100, (prompt_len,),
+                                                generator=torch.Generator().manual_seed(0))]
+        engine.add_request("tp-handoff", prompt, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+        while not engine.step():  # until the prompt is prefilled (its first token)
+            pass
+        assert engine.driver is not None
+        handoff = RankHandoff(engine.driver, engine.model_config, engine.kv)
+        pages = engine.kv.block_table("tp-handoff", prompt_len).tolist()
+        gather_s, scatter_s = [], []
+        for n in range(repeats + 1):  # the first: warm-up
+            start = time.perf_counter()
+            handoff.gather("tp-handoff", pages)
+            gather_s.append(time.perf_counter() - start)
+            handoff.clear(pages)
+            receiver = f"tp-import-{n}"  # as decode: a fresh reservation of the prompt's length
+            engine.kv.reserve(receiver, "bench", prompt_len)
+            reserved = engine.kv.block_table(receiver, prompt_len).tolist()
+            start = time.perf_counter()
+            refused = handoff.scatter(receiver, reserved, 0, prompt_len)
+            scatter_s.append(time.perf_counter() - start)
+            assert refused is None, refused
+            handoff.clear(reserved)
+            engine.kv.free(receiver)
+    finally:
+        engine.close()
+    kv_bytes = handoff.wire.num_bytes * prompt_len // engine.cache_config.kv_cache_tokens  # every KV head
+    return {"tp": args.tensor_parallel_size, "prompt_len": prompt_len, "dtype": args.dtype,
+            "kv_bytes_of_prompt": kv_bytes, "gather_s": gather_s[1:], "scatter_s": scatter_s[1:],
+            "gather_median_s": statistics.median(gather_s[1:]), "scatter_median_s": statistics.median(scatter_s[1:]),
+            "load_average": os.getloadavg()}
 
 
 def measure_ttft(args: EngineArgs, loaded: Any, transport: str, prompt_len: int, repeats: int) -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """Tensor parallelism on one host: TP=1 against TP=2, same workload, fresh processes, alternating.
 
-The default model (SmolLM2-135M) in float32: batch throughput (--num-prompts prompts of
+The default model (SmolLM2-135M) in --dtype (default float32): batch throughput (--num-prompts prompts of
 --prompt-len tokens, --output-len out, EOS ignored) and single-stream decode, for three
 configurations: TP=1 with --threads torch threads, TP=1 with one thread, and TP=2 with
 --threads / 2 threads per rank (the same cores as the first). On a CPU host TP adds two
@@ -27,7 +27,7 @@ from kvseal import LLM, SamplingParams
 
 def measure(tp: int, threads: int, args: argparse.Namespace) -> dict[str, Any]:
     max_model_len = args.prompt_len + args.output_len
-    llm = LLM(None, dtype="float32", tensor_parallel_size=tp, num_threads=threads, max_model_len=max_model_len,
+    llm = LLM(None, dtype=args.dtype, tensor_parallel_size=tp, num_threads=threads, max_model_len=max_model_len,
               kv_cache_tokens=args.num_prompts * max_model_len, max_num_batched_tokens=1024)
     try:
         prompts = [[(7 * i + 13 * j) % 40000 + 100 for j in range(args.prompt_len)] for i in range(args.num_prompts)]
@@ -52,6 +52,7 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--dtype", default="float32", help="float32 (default) or bfloat16")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--one", nargs=2, type=int, help=argparse.SUPPRESS)  # tp, threads: one run in this process
     parser.add_argument("--out", help="also write the JSON result here")
@@ -62,7 +63,7 @@ def main() -> None:
     configs = [(1, args.threads), (1, 1), (2, max(1, args.threads // 2))]
     runs: dict[str, list[dict[str, Any]]] = {f"tp{tp}_threads{t}": [] for tp, t in configs}
     base = [sys.executable, __file__, "--num-prompts", str(args.num_prompts), "--prompt-len", str(args.prompt_len),
-            "--output-len", str(args.output_len), "--threads", str(args.threads)]
+            "--output-len", str(args.output_len), "--threads", str(args.threads), "--dtype", args.dtype]
     for _ in range(args.rounds):
         for tp, threads in configs:
             out = subprocess.run([*base, "--one", str(tp), str(threads)], capture_output=True, text=True, check=True,
