@@ -83,6 +83,7 @@ def test_tp2_greedy_equals_tp1_in_bfloat16(model_dirs: dict[str, Path], arch: st
     expected = _generate(one)
     two = _llm(model_dirs[arch], tensor_parallel_size=2, **bf16)
     try:
+        assert two.engine.driver is not None and two.engine.driver.group.forward_backend == "gloo"  # the CPU's
         assert _generate(two) == expected
         assert two.engine.stats().num_preemptions > 0, "the small pool must force preemption"
     finally:
