@@ -153,35 +153,18 @@ class WidePartialLinear(nn.Module):
     """A row-parallel linear's shard whose output, this rank's partial sum, is float32: x [..., in]
     in the model's dtype -> [..., out] float32, every product and sum of the model's-dtype linear
     carried in float32 and never rounded (bfloat16 products are exact in float32). The caller
-    all-reduces it and rounds once (`CausalLM._reduced`).
-
-    On the CPU its weight is a float32 copy (exact) multiplied by the ops' float32 linear: twice
-    the bytes of the bfloat16 shard for these two linears. On CUDA it keeps the model's weight and
-    asks cuBLAS for a float32 output of the bfloat16 product (`torch.mm(..., out_dtype=)`)."""
+    all-reduces it and rounds once (`CausalLM._reduced`). The ops run it
+    (`Ops.partial_sum_linear`): kvseal's tile kernels with a float32 output where they run (the
+    weight held once, as tiles), cuBLAS's float32 output on CUDA, else a float32 copy of the
+    weight (twice its bytes)."""
 
     def __init__(self, linear: nn.Linear, ops: Ops) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.is_cuda = linear.weight.device.type == "cuda"
-        bias = None if linear.bias is None else linear.bias.detach().float()
-        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
-        if self.is_cuda:
-            self.weight_t = nn.Parameter(linear.weight.detach().t(), requires_grad=False)  # [in, out]
-            return
-        wide = nn.Linear(self.in_features, self.out_features, bias=False, dtype=torch.float32)
-        with torch.no_grad():
-            wide.weight.copy_(linear.weight)
-        self.inner = ops.linear(wide, torch.float32)
+        self.inner = ops.partial_sum_linear(linear)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features)
-        if self.is_cuda:
-            out = torch.mm(flat, self.weight_t, out_dtype=torch.float32)
-        else:
-            out = self.inner(flat.float())
-        if self.bias is not None:
-            out = out + self.bias
-        return out.reshape(*x.shape[:-1], self.out_features)
+        return self.inner(x)  # type: ignore[no-any-return]
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, float32 partial sums"

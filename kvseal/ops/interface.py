@@ -162,6 +162,12 @@ class Ops(Protocol):
         linear itself where nothing faster applies. ConfigError where this backend cannot store
         weights in `weight_dtype`."""
 
+    def partial_sum_linear(self, linear: nn.Linear) -> nn.Module:
+        """A module for `linear` (bfloat16 or float16) whose output is its float32 sums, never
+        rounded, plus the bias in float32: x [..., in] in the linear's dtype -> [..., out]
+        float32. A tensor-parallel rank's row-parallel linear: the ranks' partial sums are
+        added before their one rounding, as one rank's whole linear rounds."""
+
     def int8_linear(self, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
                     model_dtype: torch.dtype) -> nn.Module:
         """A linear of a `model_dtype` model whose weight is qweight [out, in] int8 times

@@ -33,10 +33,11 @@ from kvseal.kvcache.records import RecordKernels
 from kvseal.ops.interface import DecodeLoop, DecodePlan, DecoderStack, FreshPrefills, NewTokens, PrefillSpan
 from kvseal.ops.native_decode_loop import NativeDecodeLoop
 from kvseal.ops.native_kernels import TILE_K_MULTIPLE, CachedPrefix, NativeKernels, takes_kv_rows
-from kvseal.ops.native_linears import Int8PanelLinear, PanelLinear, TileLinear
+from kvseal.ops.native_linears import Int8PanelLinear, PanelLinear, SumTileLinear, TileLinear
 from kvseal.ops.native_plans import NativeRows
 from kvseal.ops.native_records import NativeRecordKernels
 from kvseal.ops.torch_backend import TorchOps
+from kvseal.ops.torch_linears import SumCopyLinear
 
 _NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -124,6 +125,14 @@ class NativeOps:
                 and linear.in_features % TILE_K_MULTIPLE == 0:
             return TileLinear(linear, self.kernels)
         return self.fallback.linear(linear, weight_dtype)
+
+    def partial_sum_linear(self, linear: nn.Linear) -> nn.Module:
+        """The tiles' float32 sums where the tile linears run (one copy of the weight); else a
+        float32 copy over the panels."""
+        if linear.weight.dtype == torch.bfloat16 and self.kernels.tile_engine != self.kernels.TILES_NONE \
+                and linear.in_features % TILE_K_MULTIPLE == 0:
+            return SumTileLinear(linear, self.kernels)
+        return SumCopyLinear(linear, lambda wide: self.linear(wide, torch.float32))
 
     def int8_linear(self, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
                     model_dtype: torch.dtype) -> nn.Module:

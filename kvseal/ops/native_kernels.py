@@ -231,6 +231,24 @@ class NativeKernels:
             raise RuntimeError("tile linear: this build has neither AMX nor AVX512-BF16")
         return out.view(*x.shape[:-1], n_out)
 
+    def linear_tiles_f32(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+                         n_out: int) -> torch.Tensor:
+        """`linear_tiles` with its float32 sums (+ bias, float32) returned as they are, never
+        rounded: x [..., K] bfloat16 -> [..., n_out] float32. Rounded to bfloat16, each output is
+        `linear_tiles`' (bias rounded to bfloat16). RuntimeError where this build has no tile engine."""
+        k_in = packed.shape[1] * TILE_K_MULTIPLE
+        if x.dtype != torch.bfloat16 or x.shape[-1] != k_in:
+            raise TypeError(f"expected bfloat16 [..., {k_in}] activations, got {x.dtype} {tuple(x.shape)}")
+        if bias is not None and (bias.dtype != torch.float32 or bias.shape != (n_out,) or not bias.is_contiguous()):
+            raise TypeError("the float32-output tile linear takes a contiguous float32 [n_out] bias")
+        rows = x.reshape(-1, k_in).contiguous()
+        out = torch.empty((rows.shape[0], n_out), dtype=torch.float32)
+        if rows.shape[0] and self.lib.kvseal_linear_tiles_f32(self.ptr(rows), self.ptr(packed), self.ptr(bias),
+                                                              self.ptr(out), rows.shape[0], n_out, k_in,
+                                                              torch.get_num_threads()):
+            raise RuntimeError("tile linear: this build has neither AMX nor AVX512-BF16")
+        return out.view(*x.shape[:-1], n_out)
+
     def linear_silu(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
                     inter: int) -> torch.Tensor | None:
         """silu(x W_gate^T) * (x W_up^T) [rows, inter] in one pass over the fused [2 * inter, K]

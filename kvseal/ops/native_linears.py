@@ -63,6 +63,29 @@ class TileLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, tiles"
 
 
+class SumTileLinear(nn.Module):
+    """A bfloat16 linear over tiles whose output is its float32 sums, never rounded (+ the bias in
+    float32): x [..., in] bfloat16 -> [..., out] float32 (`Ops.partial_sum_linear`). The weight is
+    held once, as tiles, like `TileLinear`'s."""
+
+    tiles: torch.Tensor
+    bias: torch.Tensor | None
+
+    def __init__(self, linear: nn.Linear, kernels: NativeKernels) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.kernels = kernels
+        self.tiles = nn.Parameter(kernels.pack_tiles(linear.weight), requires_grad=False)
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().float().clone(),
+                                                                   requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.kernels.linear_tiles_f32(x, self.tiles, self.bias, self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, tiles, float32 sums"
+
+
 class Int8PanelLinear(nn.Module):
     """A float32 model's linear with an int8 weight held in 16-feature column panels
     ([ceil(out / 16), in, 16]) and one float32 scale per output channel, for kvseal's C kernel:

@@ -19,7 +19,14 @@ from kvseal.kvcache.pool import KVPool
 from kvseal.kvcache.records import RecordKernels
 from kvseal.ops import torch_attention, torch_sampling
 from kvseal.ops.interface import DecodeLoop, DecodePlan, DecoderStack, FreshPrefills, NewTokens, PrefillSpan
-from kvseal.ops.torch_linears import Int8PackLinear, PackedLinear, int8_compute_dtype, onednn_bf16
+from kvseal.ops.torch_linears import (
+    Int8PackLinear,
+    PackedLinear,
+    SumCopyLinear,
+    SumMmLinear,
+    int8_compute_dtype,
+    onednn_bf16,
+)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -71,6 +78,12 @@ class TorchOps:
         packs = (dtype == torch.float32 and torch.backends.mkldnn.is_available()) \
             or (dtype == torch.bfloat16 and onednn_bf16())
         return PackedLinear(linear) if packs else linear
+
+    def partial_sum_linear(self, linear: nn.Linear) -> nn.Module:
+        """cuBLAS's float32 output on CUDA; on the CPU a float32 copy of the weight."""
+        if linear.weight.device.type == "cuda":
+            return SumMmLinear(linear)
+        return SumCopyLinear(linear, lambda wide: self.linear(wide, torch.float32))
 
     def int8_linear(self, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
                     model_dtype: torch.dtype) -> nn.Module:

@@ -17,6 +17,8 @@ its compute dtype (`int8_compute_dtype`) and casts the activations to it and the
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -47,6 +49,44 @@ class PackedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, oneDNN-packed"
+
+
+class SumCopyLinear(nn.Module):
+    """A bfloat16 (or float16) linear whose output is its float32 sums, never rounded (+ the bias
+    in float32), through a float32 copy of the weight (exact: the products of two bfloat16 values
+    are exact in float32) run by `inner_linear` (the backend's float32 linear): twice the weight's
+    bytes. x [..., in] in the model's dtype -> [..., out] float32."""
+
+    def __init__(self, linear: nn.Linear, inner_linear: Callable[[nn.Linear], nn.Module]) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        wide = nn.Linear(self.in_features, self.out_features, bias=linear.bias is not None, dtype=torch.float32)
+        with torch.no_grad():
+            wide.weight.copy_(linear.weight)
+            if linear.bias is not None:
+                wide.bias.copy_(linear.bias)
+        self.inner = inner_linear(wide)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x.float())  # type: ignore[no-any-return]
+
+
+class SumMmLinear(nn.Module):
+    """`SumCopyLinear` on CUDA: cuBLAS asked for the bfloat16 product's float32 output
+    (`torch.mm(..., out_dtype=torch.float32)`), the weight kept once in the model's dtype."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight_t = nn.Parameter(linear.weight.detach().t(), requires_grad=False)  # [in, out]
+        bias = None if linear.bias is None else linear.bias.detach().float()
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.mm(x.reshape(-1, self.in_features), self.weight_t, out_dtype=torch.float32)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*x.shape[:-1], self.out_features)
 
 
 def int8_compute_dtype(model_dtype: torch.dtype) -> torch.dtype:

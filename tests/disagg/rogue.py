@@ -20,12 +20,17 @@ MAX_TURNS = 4000
 
 
 class Rogue:
-    def __init__(self, address: str, own: KeyPair | None, server_key: bytes | None) -> None:
+    def __init__(self, address: str, own: KeyPair | None, server_key: bytes | None,
+                 handshake_ivl_ms: int | None = None) -> None:
         """`own` None: plain ZMQ, no CURVE at all; else a CURVE client proving `own` to a server
-        that proves `server_key` (public keys are public: a rogue may know the engine's)."""
+        that proves `server_key` (public keys are public: a rogue may know the engine's).
+        handshake_ivl_ms: give up a handshake the server never answers after that long (libzmq's
+        default: 30 s)."""
         self.ctx = zmq.Context()
         self.socket = self.ctx.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.LINGER, 0)
+        if handshake_ivl_ms is not None:
+            self.socket.setsockopt(zmq.HANDSHAKE_IVL, handshake_ivl_ms)
         if own is not None:
             assert server_key is not None
             secure_client(self.socket, own, server_key)

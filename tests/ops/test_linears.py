@@ -15,8 +15,8 @@ from kvseal import ConfigError
 from kvseal.models.quant import dequantize_int8, dequantized_weight, quantize_int8
 from kvseal.ops import TorchOps
 from kvseal.ops.native_kernels import unpack_panels_i8
-from kvseal.ops.native_linears import Int8PanelLinear, PanelLinear, TileLinear
-from kvseal.ops.torch_linears import Int8PackLinear, PackedLinear, onednn_bf16
+from kvseal.ops.native_linears import Int8PanelLinear, PanelLinear, SumTileLinear, TileLinear
+from kvseal.ops.torch_linears import Int8PackLinear, PackedLinear, SumCopyLinear, onednn_bf16
 
 BF16 = torch.bfloat16
 
@@ -80,6 +80,39 @@ def test_tile_linear_matches_f_linear(bias: bool, rows: int, n_out: int, tile_en
     assert out.dtype == torch.bfloat16 and out.shape == (rows, n_out)
     assert (out != expected).float().mean().item() < 0.01
     torch.testing.assert_close(out.float(), expected.float(), rtol=2.0**-7, atol=1e-2)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 3, 21, 45, 300])
+@pytest.mark.parametrize("n_out", [40, 64])
+def test_float32_tile_sums_round_to_the_tile_linear(bias: bool, rows: int, n_out: int, tile_engine: str) -> None:
+    """The float32-output tile linear (a TP rank's partial sums) writes the sums the bfloat16
+    one rounds: rounded, bit-equal to it; unrounded, the exact products summed in float32."""
+    torch.manual_seed(rows + n_out)
+    linear = nn.Linear(96, n_out, bias=bias).to(torch.bfloat16)
+    x = torch.randn(rows, 96).to(torch.bfloat16)
+    sums = SumTileLinear(linear, kernels())(x)
+    assert sums.dtype == torch.float32 and sums.shape == (rows, n_out)
+    assert torch.equal(sums.to(torch.bfloat16), TileLinear(linear, kernels())(x))
+    exact = F.linear(x.double(), linear.weight.double(), None if linear.bias is None else linear.bias.double())
+    torch.testing.assert_close(sums.double(), exact, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("native", ["off", "auto"])
+def test_each_backend_gives_float32_partial_sums(native: str) -> None:
+    """Ops.partial_sum_linear: the tiles' float32 output where the tile linears run (one copy of
+    the weight), else a float32 copy; float32 out, unrounded, either way."""
+    if native == "auto" and KERNELS is None:
+        pytest.skip("no C compiler: the native kernels are not built")
+    ops = native_ops() if native == "auto" else TorchOps()
+    linear = nn.Linear(64, 24, bias=True).to(torch.bfloat16)
+    x = torch.randn(5, 64).to(torch.bfloat16)
+    module = ops.partial_sum_linear(linear)
+    assert isinstance(module, SumTileLinear if native == "auto" and HAS_TILES else SumCopyLinear)
+    exact = F.linear(x.double(), linear.weight.double(), linear.bias.double())
+    out = module(x)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), exact, rtol=1e-5, atol=1e-5)
 
 
 def test_tile_linear_refuses_what_it_cannot_multiply() -> None:

@@ -116,6 +116,13 @@ void kvseal_pack_tiles(const uint16_t *w, uint16_t *packed, int64_t n_out, int64
    float32 sums each rounded once. Returns 0, or -1 where the build has no tile engine. */
 int kvseal_linear_tiles(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, uint16_t *y, int64_t rows,
                         int64_t n_out, int64_t k_in, int num_threads);
+/* kvseal_linear_tiles with the float32 sums (+ bias [n_out] float32 unless NULL) written as
+   they are, never rounded: y [rows, n_out] float32. Each output rounded to bfloat16 is
+   kvseal_linear_tiles' (with the bias rounded to bfloat16). A tensor-parallel rank's
+   row-parallel partial sums, added over the ranks before their one rounding. Returns 0, or -1
+   where the build has no tile engine. */
+int kvseal_linear_tiles_f32(const uint16_t *x, const uint16_t *packed, const float *bias, float *y, int64_t rows,
+                            int64_t n_out, int64_t k_in, int num_threads);
 /* act [rows, inter] = silu(x W_gate^T) * (x W_up^T) over tiles of the fused [2 * inter, k_in]
    gate/up weight, bit-equal to kvseal_linear_tiles then kvseal_silu_mul_bf16. Returns -1,
    computing nothing, unless inter % 16 == 0 and the build has a tile engine; else 0. */

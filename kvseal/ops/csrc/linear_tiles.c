@@ -71,6 +71,15 @@ static inline __attribute__((always_inline)) void store_tile_rows(const float *c
     }
 }
 
+/* store_tile_rows without the rounding: rows of the float32 tile (+ float32 bias) into float32 y. */
+static inline __attribute__((always_inline)) void store_tile_rows_f32(const float *c, int rows, const float *bias,
+                                                                      float *y, int64_t ldy, int64_t nr) {
+    const __mmask16 mask = (__mmask16)((1u << nr) - 1u);
+    const __m512 b = bias == NULL ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(mask, bias);
+    for (int r = 0; r < rows; r++)
+        _mm512_mask_storeu_ps(y + r * ldy, mask, _mm512_add_ps(_mm512_loadu_ps(c + r * 16), b));
+}
+
 /* One row block of the dot-product engine: R rows of x against panels b0 and b1 over every k,
    sums into c0 and c1 (16 floats a row). A B tile's 64-byte row is 16 outputs' (k, k + 1)
    weight pairs, exactly vdpbf16ps's operand, against x's pair broadcast. S accumulators per
@@ -158,6 +167,8 @@ struct tile_job {
     const uint16_t *x, *packed, *bias;
     uint16_t *y;
     int64_t rows, n_out, k_in, half;
+    float *yf;             /* a plain linear's float32 outputs instead of y (kvseal_linear_tiles_f32), or NULL */
+    const float *bias_f32; /* its bias, or NULL */
 };
 
 /* silu(gate) * up rows from a gate tile and an up tile (float32 sums), rounded as the two-pass
@@ -199,6 +210,12 @@ static inline __attribute__((always_inline)) void pending_rows(const struct tile
         } else {
             for (int t = 0; t < 1 + p->two; t++) {
                 const int64_t pt = t ? p->b : p->a, nr = j->n_out - pt * 16 < 16 ? j->n_out - pt * 16 : 16;
+                if (j->yf != NULL) {
+                    store_tile_rows_f32(p->c[2 * t + tile] + first * 16, count,
+                                        j->bias_f32 == NULL ? NULL : j->bias_f32 + pt * 16,
+                                        j->yf + m * j->n_out + pt * 16, j->n_out, nr);
+                    continue;
+                }
                 store_tile_rows(p->c[2 * t + tile] + first * 16, count, j->bias == NULL ? NULL : j->bias + pt * 16,
                                 j->y + m * j->n_out + pt * 16, j->n_out, nr);
             }
@@ -342,7 +359,15 @@ static void tile_run(const struct tile_job *j, int64_t pairs, int num_threads) {
    kvseal_pack_tiles. Returns 0 (k_in % 32 is the caller's to check). */
 int kvseal_linear_tiles(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, uint16_t *y, int64_t rows,
                         int64_t n_out, int64_t k_in, int num_threads) {
-    const struct tile_job j = {x, packed, bias, y, rows, n_out, k_in, 0};
+    const struct tile_job j = {x, packed, bias, y, rows, n_out, k_in, 0, NULL, NULL};
+    tile_run(&j, ((n_out + 15) / 16 + 1) / 2, num_threads);
+    return 0;
+}
+
+/* kvseal_linear_tiles, the float32 sums (+ float32 bias) written unrounded into y. Returns 0. */
+int kvseal_linear_tiles_f32(const uint16_t *x, const uint16_t *packed, const float *bias, float *y, int64_t rows,
+                            int64_t n_out, int64_t k_in, int num_threads) {
+    const struct tile_job j = {x, packed, NULL, NULL, rows, n_out, k_in, 0, y, bias};
     tile_run(&j, ((n_out + 15) / 16 + 1) / 2, num_threads);
     return 0;
 }
@@ -355,13 +380,25 @@ int kvseal_linear_tiles(const uint16_t *x, const uint16_t *packed, const uint16_
 int kvseal_linear_silu_tiles(const uint16_t *x, const uint16_t *packed, uint16_t *act, int64_t rows, int64_t inter,
                              int64_t k_in, int num_threads) {
     if (inter % 16 != 0) return -1;
-    const struct tile_job j = {x, packed, NULL, act, rows, 2 * inter, k_in, inter / 16};
+    const struct tile_job j = {x, packed, NULL, act, rows, 2 * inter, k_in, inter / 16, NULL, NULL};
     tile_run(&j, inter / 16, num_threads);
     return 0;
 }
 #else
 int kvseal_linear_tiles(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, uint16_t *y, int64_t rows,
                         int64_t n_out, int64_t k_in, int num_threads) {
+    (void)x;
+    (void)packed;
+    (void)bias;
+    (void)y;
+    (void)rows;
+    (void)n_out;
+    (void)k_in;
+    (void)num_threads;
+    return -1;
+}
+int kvseal_linear_tiles_f32(const uint16_t *x, const uint16_t *packed, const float *bias, float *y, int64_t rows,
+                            int64_t n_out, int64_t k_in, int num_threads) {
     (void)x;
     (void)packed;
     (void)bias;
