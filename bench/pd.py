@@ -98,6 +98,7 @@ class Pair:
         self.kv_transport = kv_transport
         self.frontend_key = frontend = KeyPair.ephemeral("bench-frontend")
         prefill_key, decode_key = KeyPair.ephemeral("bench-prefill"), KeyPair.ephemeral("bench-decode")
+        args = dataclasses.replace(args, pd_role=True)  # a TP engine's staging pool inside the KV budget
         self.prefill = EngineNode(LLMEngine(args, loaded), NodeConfig(
             "prefill", free_address(), kv_transport, link_keys=EngineLinkKeys(prefill_key, (frontend.public_key(),))))
         # A 2,048-token prefill takes a minute on a loaded 2-core host: longer than the default timeout.

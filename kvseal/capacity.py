@@ -2,6 +2,11 @@
 
 bytes per token = 2 (K and V) x layers x kv_heads_per_rank x head_dim x bytes per element
 pool tokens     = floor(kv memory / page bytes) x page_size
+
+A tensor-parallel engine serving a PD role (`kvseal engine --role`, tp > 1) also holds, on rank
+0, a staging pool of the same pages with every KV head (the wire carries full pages:
+`kvseal/parallel/handoff.py`). Its budget then pays for both on rank 0:
+pool pages = floor(kv memory / (page bytes + staging page bytes)).
 """
 
 from __future__ import annotations
@@ -64,13 +69,16 @@ class KvCapacity:
     page_size: int
     num_pages: int = 0
     kv_memory_bytes: int | None = None
+    staging_kv_heads: int = 0  # rank 0's staging pool of a PD role under TP: every KV head; else 0
 
     @classmethod
     def for_dims(cls, num_layers: int, num_kv_heads: int, head_dim: int, element_bytes: int,
-                 page_size: int, tp: int = 1) -> KvCapacity:
+                 page_size: int, tp: int = 1, pd_role: bool = False) -> KvCapacity:
+        """pd_role: the engine serves a PD role (its rank 0 stages full pages when tp > 1)."""
         if min(num_layers, num_kv_heads, head_dim, element_bytes, page_size, tp) < 1:
             raise ConfigError("layers, kv heads, head_dim, page_size and tp must all be >= 1")
-        return cls(num_layers, math.ceil(num_kv_heads / tp), head_dim, element_bytes, page_size)
+        return cls(num_layers, math.ceil(num_kv_heads / tp), head_dim, element_bytes, page_size,
+                   staging_kv_heads=num_kv_heads if pd_role and tp > 1 else 0)
 
     @property
     def bytes_per_token(self) -> int:
@@ -81,18 +89,30 @@ class KvCapacity:
         return self.bytes_per_token * self.page_size
 
     @property
+    def staging_page_bytes(self) -> int:
+        """One page of rank 0's staging pool (0 where there is none)."""
+        return 2 * self.num_layers * self.staging_kv_heads * self.head_dim * self.element_bytes * self.page_size
+
+    @property
+    def staging_bytes(self) -> int:
+        return self.num_pages * self.staging_page_bytes
+
+    @property
     def pool_tokens(self) -> int:
         return self.num_pages * self.page_size
 
     def with_memory(self, kv_memory_bytes: int) -> KvCapacity:
         """A pool of as many whole pages as `kv_memory_bytes` holds; at least one, or ConfigError."""
-        if kv_memory_bytes < self.page_bytes:
+        per_page = self.page_bytes + self.staging_page_bytes
+        if kv_memory_bytes < per_page:
+            staging = f", plus {self.staging_page_bytes} bytes of rank 0's PD staging pool" \
+                if self.staging_page_bytes else ""
             raise ConfigError(
                 f"kv_cache_memory={kv_memory_bytes} bytes holds no KV page: one page of {self.page_size} tokens "
-                f"takes {self.page_bytes} bytes ({self.bytes_per_token} bytes per token). Give the KV cache more "
-                f"memory (e.g. kv_cache_memory=2GiB) or size it in tokens with kv_cache_tokens"
+                f"takes {self.page_bytes} bytes ({self.bytes_per_token} bytes per token){staging}. Give the KV "
+                f"cache more memory (e.g. kv_cache_memory=2GiB) or size it in tokens with kv_cache_tokens"
             )
-        return replace(self, num_pages=kv_memory_bytes // self.page_bytes, kv_memory_bytes=kv_memory_bytes)
+        return replace(self, num_pages=kv_memory_bytes // per_page, kv_memory_bytes=kv_memory_bytes)
 
     def with_tokens(self, kv_cache_tokens: int) -> KvCapacity:
         """A pool of whole pages holding at least `kv_cache_tokens` (>= 1) tokens."""

@@ -49,6 +49,10 @@ class PlanArgs:
     head_dim: int | None = field(default=None, metadata=flag("dimension of one attention head", type=int))
     tp: int = field(default=1, metadata=flag("tensor-parallel ranks (KV heads are split across them)",
                                              aliases=("--tensor-parallel-size", "-tp")))
+    pd_role: bool = field(default=False, metadata=flag(
+        "plan a PD role's engine (kvseal engine --role prefill|decode): with --tp above 1 its rank 0 also "
+        "stages full pages (every KV head) for the wire, and on the CPU the KV memory pays for them",
+        action="store_true"))
     gpu_memory: str | None = field(default=None, metadata=flag(
         "with --device cuda: the GPU's free memory at start-up (e.g. 80GiB, 141GB); the pool is what "
         "--gpu-memory-utilization of it leaves after the weights and the activation peak", metavar="BYTES"))
@@ -87,7 +91,8 @@ def _cmd_plan(ns: argparse.Namespace) -> int:
     on_gpu = ns.device == "cuda"
     dtype = default_dtype("cuda") if on_gpu and ns.dtype == "auto" else PLAN_AUTO_DTYPE if ns.dtype == "auto" \
         else ns.dtype
-    cap = KvCapacity.for_dims(layers, kv_heads, head_dim, bytes_per_element(dtype), ns.page_size, ns.tp)
+    cap = KvCapacity.for_dims(layers, kv_heads, head_dim, bytes_per_element(dtype), ns.page_size, ns.tp,
+                              ns.pd_role and not on_gpu)
     gpu = _plan_gpu(ns, dtype) if on_gpu and not ns.kv_cache_tokens and ns.kv_cache_memory is None else None
     if gpu is not None:
         for name, value in gpu.rows():
@@ -114,6 +119,10 @@ def _cmd_plan(ns: argparse.Namespace) -> int:
         ("page", f"{ns.page_size} tokens = {cap.page_bytes:,} bytes"),
         ("KV memory", memory),
         ("pool", f"{cap.num_pages:,} pages = {cap.pool_tokens:,} tokens"),
+        *([("PD staging (rank 0)", f"{cap.num_pages:,} pages x {cap.staging_page_bytes:,} bytes (all {kv_heads} KV "
+            f"heads) = {cap.staging_bytes:,} bytes; with the pool {cap.num_pages * cap.page_bytes:,} bytes: "
+            f"{cap.num_pages * cap.page_bytes + cap.staging_bytes:,} bytes on rank 0")]
+          if cap.staging_kv_heads else []),
         ("max_model_len x headroom", f"{ns.max_model_len:,} x {ns.kv_headroom} = {needed:,.0f} tokens"),
     ]
     width = max(len(r[0]) for r in rows)

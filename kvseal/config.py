@@ -376,6 +376,12 @@ class EngineArgs:
     # again once an "auto" device is known); not a flag. An init field so that arguments copied
     # field by field (`EngineArgs(**vars(args))`, `dataclasses.replace`) keep it.
     is_auto_dtype: bool = field(default=False, repr=False, compare=False)
+    # whether this engine serves a PD role (`kvseal engine --role`, `EngineNode`): under tensor
+    # parallelism its rank 0 then holds a staging pool of full pages in host memory, which a CPU
+    # engine's KV budget pays for (`capacity.KvCapacity`; on CUDA the budget is the GPU's and the
+    # staging pool lies outside it); not a flag (the role's entry point sets it). An init field
+    # for the same reason as is_auto_dtype.
+    pd_role: bool = field(default=False, repr=False, compare=False)
     # Where the ranks meet (several nodes: torch.distributed's TCP store on rank 0's node; one node:
     # a file store in a private folder) and how many nodes hold them; nodes other than 0 run
     # `kvseal tp-node` with the same flags and their --node-rank
@@ -519,7 +525,7 @@ class EngineArgs:
         GPU's memory leaves, measured by the engine; the CPU default where none is given)."""
         per_elem = bytes_per_element(self.dtype)
         base = KvCapacity.for_dims(model.num_layers, model.num_kv_heads, model.head_dim, per_elem, self.page_size,
-                                   self.tensor_parallel_size)
+                                   self.tensor_parallel_size, self.pd_role and self.device == "cpu")
         if self.kv_cache_tokens is not None:
             return base.with_tokens(self.kv_cache_tokens)
         if self.kv_cache_memory is not None:

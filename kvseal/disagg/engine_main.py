@@ -42,7 +42,7 @@ def serve_engine(args: EngineArgs, config: NodeConfig, should_stop: Callable[[],
     signal.signal(signal.SIGHUP, signal.SIG_IGN)  # the frontend's "reload the API keys": sent to a group, not a stop
     if config.num_threads is not None:  # the engine sets torch's threads before any model work
         args = dataclasses.replace(args, num_threads=config.num_threads)
-    node = EngineNode(LLMEngine(args), config)
+    node = EngineNode(LLMEngine(dataclasses.replace(args, pd_role=True)), config)
     freeze_startup_heap(f"engine ({config.role})")
     keys = config.link_keys
     logger.info("kvseal engine ready: role=%s listening on %s (instance %s, kv transport %s, reservation "

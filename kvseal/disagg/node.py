@@ -54,8 +54,16 @@ class EngineNode:
                               f"memory), or --device cpu")
         self.engine = engine
         self.config = config
-        # tensor parallelism: rank 0 stages full pages for the transports (`parallel/handoff.py`)
+        # tensor parallelism: rank 0 stages full pages for the transports (`parallel/handoff.py`), a
+        # pool the KV budget paid for when the engine was sized for a PD role
+        if engine.driver is not None and not engine.args.pd_role:
+            raise ConfigError("a tensor-parallel engine serving a PD role stages full pages on rank 0, and its KV "
+                              "budget must pay for them: build its EngineArgs with pd_role=True (kvseal engine does)")
         self.handoff = None if engine.driver is None else RankHandoff(engine.driver, engine.model_config, engine.kv)
+        if self.handoff is not None:
+            logger.info("tensor parallel, %s: rank 0 stages full pages for the PD wire: %d pages, %d bytes of host "
+                        "memory, %s", config.role, self.handoff.wire.num_pages, self.handoff.wire.num_bytes,
+                        "inside the KV budget" if device.type == "cpu" else "outside the GPU's KV budget")
         self.ctx = ctx or zmq.Context()
         self.instance_id = f"{config.role}-{config.listen}-{secrets.token_hex(4)}"
         self.guard = LinkGuard(self.ctx, config.link_keys, f"kvseal-{self.instance_id}")

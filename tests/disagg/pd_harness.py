@@ -7,6 +7,7 @@ broken prefill's links to decode) proves prefill's key, the one decode accepts a
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections.abc import Callable
@@ -111,6 +112,7 @@ class PdPair:
                  loaded: Any = None, kv_transport: str = "tcp", transfer_drain_s: float = 5.0) -> None:
         self.ctx = zmq.Context()  # the test's own sockets; each engine has its own context
         self.keys = keys = PdKeys.ephemeral()
+        prefill_args, decode_args = (dataclasses.replace(a, pd_role=True) for a in (prefill_args, decode_args))
         self.prefill = EngineNode(LLMEngine(prefill_args, loaded),
                                   NodeConfig("prefill", f"127.0.0.1:{free_port()}", kv_transport,
                                              link_keys=keys.of_prefill()))

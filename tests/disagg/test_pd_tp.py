@@ -9,17 +9,23 @@ has one default group per process, so TP=2 on both sides runs as processes, in t
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from pd_harness import PdPair
+from pd_harness import PdKeys, PdPair
 from tiny_models import make_tiny_model
 
 from kvseal import LLM, SamplingParams
 from kvseal._testing.faults import Fault, inject
+from kvseal.cli import main
 from kvseal.config import EngineArgs
+from kvseal.disagg.config import NodeConfig
+from kvseal.disagg.node import EngineNode
+from kvseal.engine.engine import LLMEngine
+from kvseal.errors import ConfigError
 from kvseal.types import ISOLATION_CHECK_FAILED
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
@@ -93,3 +99,40 @@ def test_a_decode_rank_that_drops_its_shard_is_caught_on_every_layer_of_defence(
     assert leaked.token_ids != expected, "rank 1 attended to KV that never landed there"
     assert pair.generate(prompt, GREEDY).token_ids == expected  # the faults off: served again
     pair.assert_clean()
+
+
+def test_the_kv_budget_pays_for_rank_0s_staging_pool_as_plan_prints_it(odd_split_dir: Path,
+                                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """A PD role's TP engine holds on rank 0 its pool and a staging pool of the same pages with
+    every KV head: on the CPU, --kv-cache-memory pays for both (not 2.5x the budget on rank 0),
+    and `kvseal plan --tp 2 --pd-role` prints the pages and bytes the engine allocates. A TP
+    engine not sized for a role is refused a role."""
+    sized = {**BASE, "kv_cache_tokens": None, "kv_cache_memory": "300KiB", "max_model_len": 64}
+    flags = ["--model", str(odd_split_dir), "--tp", "2", "--kv-cache-memory", "300KiB", "--max-model-len", "64",
+             "--dtype", "float32", "--page-size", "4"]
+    assert main(["plan", *flags, "--pd-role"]) == 0
+    out = capsys.readouterr().out
+    num_pages = int(re.search(r"pool\s+([\d,]+) pages", out).group(1).replace(",", ""))  # type: ignore[union-attr]
+    staging = re.search(r"PD staging \(rank 0\)\s+[\d,]+ pages x [\d,]+ bytes \(all 3 KV heads\) = ([\d,]+) bytes; "
+                        r"with the pool ([\d,]+) bytes: ([\d,]+) bytes on rank 0", out)
+    assert staging is not None, out
+    staging_bytes, pool_bytes, total = (int(g.replace(",", "")) for g in staging.groups())
+    assert main(["plan", *flags]) == 0  # the colocated engine: no staging, more pages
+    assert num_pages < int(re.search(r"pool\s+([\d,]+) pages", capsys.readouterr().out)  # type: ignore[union-attr]
+                           .group(1).replace(",", ""))
+    args = EngineArgs(model=str(odd_split_dir), tensor_parallel_size=2, **sized)
+    pair = PdPair(args, EngineArgs(model=str(odd_split_dir), **sized), kv_transport="tcp-stream")
+    try:
+        engine, handoff = pair.prefill.engine, pair.prefill.handoff
+        assert handoff is not None and engine.cache_config.num_pages == num_pages
+        assert (handoff.wire.num_bytes, engine.kv.pool.num_bytes) == (staging_bytes, pool_bytes)
+        assert total == staging_bytes + pool_bytes <= 300 * 1024
+        assert pair.generate(PROMPTS[2], GREEDY).token_ids == _colocated(odd_split_dir)[2]
+    finally:
+        pair.close()
+    unsized = LLMEngine(args)
+    try:
+        with pytest.raises(ConfigError, match="pd_role=True"):
+            EngineNode(unsized, NodeConfig("prefill", "127.0.0.1:1", link_keys=PdKeys.ephemeral().of_prefill()))
+    finally:
+        unsized.close()
