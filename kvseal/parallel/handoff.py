@@ -43,13 +43,18 @@ def shard_bytes(pool: KVPool, pages: list[int], shard_heads: int, heads: slice |
     `shard_heads`, as one byte tensor [layers, 2, shard_heads, len(pages), page_size, head_dim], on
     the CPU (the gloo group carries it) whatever the pool's device."""
     index = torch.tensor(pages, dtype=torch.int64, device=pool.device)
-    rows = [torch.stack([t[heads or slice(None)].index_select(1, index) for t in (k, v)])
-            for k, v in zip(pool.k, pool.v)]
-    shard = torch.stack(rows)
-    padding = shard_heads - shard.shape[2]
-    if padding:
-        shard = torch.cat([shard, shard.new_zeros(shard.shape[0], 2, padding, *shard.shape[3:])], dim=2)
-    return shard.contiguous().view(torch.uint8).cpu()
+    _, page_size, head_dim = pool.page_shape()
+    shard = torch.empty((len(pool.k), 2, shard_heads, len(pages), page_size, head_dim), dtype=pool.k[0].dtype,
+                        device=pool.device)
+    count = None
+    for layer, (k, v) in enumerate(zip(pool.k, pool.v)):  # each page read once, straight into place
+        for kind, t in enumerate((k, v)):
+            part = t[heads or slice(None)]
+            count = part.shape[0]
+            torch.index_select(part, 1, index, out=shard[layer, kind, :count])
+    if count is not None and count < shard_heads:
+        shard[:, :, count:].zero_()  # padding heads: zero, never memory
+    return shard.view(torch.uint8).cpu()
 
 
 def empty_shard(pool: KVPool, num_pages: int, shard_heads: int) -> torch.Tensor:
