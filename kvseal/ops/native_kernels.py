@@ -218,34 +218,27 @@ class NativeKernels:
         """x: [..., K] bfloat16; packed from `pack_tiles` -> [..., n_out] bfloat16 = x W^T (+ bias),
         float32 sums rounded once, on AMX or AVX512-BF16 (`tile_engine`). RuntimeError where
         this build has neither."""
-        k_in = packed.shape[1] * TILE_K_MULTIPLE
-        if x.dtype != torch.bfloat16 or x.shape[-1] != k_in:
-            raise TypeError(f"expected bfloat16 [..., {k_in}] activations, got {x.dtype} {tuple(x.shape)}")
-        if bias is not None and (bias.dtype != torch.bfloat16 or bias.shape != (n_out,) or not bias.is_contiguous()):
-            raise TypeError("the tile linear takes a contiguous bfloat16 [n_out] bias")
-        rows = x.reshape(-1, k_in).contiguous()
-        out = torch.empty((rows.shape[0], n_out), dtype=torch.bfloat16)
-        if rows.shape[0] and self.lib.kvseal_linear_tiles(self.ptr(rows), self.ptr(packed), self.ptr(bias),
-                                                          self.ptr(out), rows.shape[0], n_out, k_in,
-                                                          torch.get_num_threads()):
-            raise RuntimeError("tile linear: this build has neither AMX nor AVX512-BF16")
-        return out.view(*x.shape[:-1], n_out)
+        return self._tiles_call(self.lib.kvseal_linear_tiles, x, packed, bias, n_out, torch.bfloat16)
 
     def linear_tiles_f32(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
                          n_out: int) -> torch.Tensor:
         """`linear_tiles` with its float32 sums (+ bias, float32) returned as they are, never
         rounded: x [..., K] bfloat16 -> [..., n_out] float32. Rounded to bfloat16, each output is
         `linear_tiles`' (bias rounded to bfloat16). RuntimeError where this build has no tile engine."""
+        return self._tiles_call(self.lib.kvseal_linear_tiles_f32, x, packed, bias, n_out, torch.float32)
+
+    def _tiles_call(self, kernel: Any, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n_out: int,
+                    dtype: torch.dtype) -> torch.Tensor:
+        """One tile linear whose output and bias are `dtype`."""
         k_in = packed.shape[1] * TILE_K_MULTIPLE
         if x.dtype != torch.bfloat16 or x.shape[-1] != k_in:
             raise TypeError(f"expected bfloat16 [..., {k_in}] activations, got {x.dtype} {tuple(x.shape)}")
-        if bias is not None and (bias.dtype != torch.float32 or bias.shape != (n_out,) or not bias.is_contiguous()):
-            raise TypeError("the float32-output tile linear takes a contiguous float32 [n_out] bias")
+        if bias is not None and (bias.dtype != dtype or bias.shape != (n_out,) or not bias.is_contiguous()):
+            raise TypeError(f"the tile linear takes a contiguous {dtype} [n_out] bias")
         rows = x.reshape(-1, k_in).contiguous()
-        out = torch.empty((rows.shape[0], n_out), dtype=torch.float32)
-        if rows.shape[0] and self.lib.kvseal_linear_tiles_f32(self.ptr(rows), self.ptr(packed), self.ptr(bias),
-                                                              self.ptr(out), rows.shape[0], n_out, k_in,
-                                                              torch.get_num_threads()):
+        out = torch.empty((rows.shape[0], n_out), dtype=dtype)
+        if rows.shape[0] and kernel(self.ptr(rows), self.ptr(packed), self.ptr(bias), self.ptr(out), rows.shape[0],
+                                    n_out, k_in, torch.get_num_threads()):
             raise RuntimeError("tile linear: this build has neither AMX nor AVX512-BF16")
         return out.view(*x.shape[:-1], n_out)
 

@@ -40,20 +40,29 @@ class PanelLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.panels.dtype} panels"
 
 
-class TileLinear(nn.Module):
-    """`nn.Linear` (bfloat16) whose weight is held in AMX's tile layout for kvseal's C kernel
-    (`NativeKernels.linear_tiles`, on AMX or AVX512-BF16): bfloat16 in and out, float32 sums,
-    any row count."""
+class _TileWeights(nn.Module):
+    """A bfloat16 linear's weight in AMX's tile layout for kvseal's C kernels (the weight held
+    once, as tiles), and its bias in `bias_dtype`."""
 
     tiles: torch.Tensor
     bias: torch.Tensor | None
 
-    def __init__(self, linear: nn.Linear, kernels: NativeKernels) -> None:
+    def __init__(self, linear: nn.Linear, kernels: NativeKernels, bias_dtype: torch.dtype) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.kernels = kernels
         self.tiles = nn.Parameter(kernels.pack_tiles(linear.weight), requires_grad=False)
-        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().to(bias_dtype).clone(),
+                                                                   requires_grad=False)
+
+
+class TileLinear(_TileWeights):
+    """`nn.Linear` (bfloat16) whose weight is held in AMX's tile layout for kvseal's C kernel
+    (`NativeKernels.linear_tiles`, on AMX or AVX512-BF16): bfloat16 in and out, float32 sums,
+    any row count."""
+
+    def __init__(self, linear: nn.Linear, kernels: NativeKernels) -> None:
+        super().__init__(linear, kernels, torch.bfloat16)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., in_features] bfloat16 -> [..., out_features]
@@ -63,21 +72,13 @@ class TileLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, tiles"
 
 
-class SumTileLinear(nn.Module):
+class SumTileLinear(_TileWeights):
     """A bfloat16 linear over tiles whose output is its float32 sums, never rounded (+ the bias in
-    float32): x [..., in] bfloat16 -> [..., out] float32 (`Ops.partial_sum_linear`). The weight is
-    held once, as tiles, like `TileLinear`'s."""
-
-    tiles: torch.Tensor
-    bias: torch.Tensor | None
+    float32): x [..., in] bfloat16 -> [..., out] float32 (`Ops.partial_sum_linear`). Not a
+    `TileLinear`: the decode loop and the fused gate/up never take it for one."""
 
     def __init__(self, linear: nn.Linear, kernels: NativeKernels) -> None:
-        super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.kernels = kernels
-        self.tiles = nn.Parameter(kernels.pack_tiles(linear.weight), requires_grad=False)
-        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().float().clone(),
-                                                                   requires_grad=False)
+        super().__init__(linear, kernels, torch.float32)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.kernels.linear_tiles_f32(x, self.tiles, self.bias, self.out_features)

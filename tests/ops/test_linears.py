@@ -91,7 +91,9 @@ def test_float32_tile_sums_round_to_the_tile_linear(bias: bool, rows: int, n_out
     torch.manual_seed(rows + n_out)
     linear = nn.Linear(96, n_out, bias=bias).to(torch.bfloat16)
     x = torch.randn(rows, 96).to(torch.bfloat16)
-    sums = SumTileLinear(linear, kernels())(x)
+    module = SumTileLinear(linear, kernels())
+    assert not isinstance(module, TileLinear)  # the decode loop and fused gate/up take TileLinears only
+    sums = module(x)
     assert sums.dtype == torch.float32 and sums.shape == (rows, n_out)
     assert torch.equal(sums.to(torch.bfloat16), TileLinear(linear, kernels())(x))
     exact = F.linear(x.double(), linear.weight.double(), None if linear.bias is None else linear.bias.double())
