@@ -185,18 +185,17 @@ class RankGroup:
         self._call(lambda: dist.gather(logits, parts, dst=0, group=pg))
         return torch.cat(parts, dim=-1) if parts is not None else logits
 
-    # ---- a PD handoff's head shards (`parallel/handoff.py`): same-sized byte tensors on every rank,
-    # on the CPU (the gloo group), whatever the ranks' device
+    # ---- a PD handoff's head shards (`parallel/handoff.py`): byte tensors between rank 0 and one
+    # other rank, on the CPU (the gloo group), whatever the ranks' device; each side sizes its
+    # buffer from its own layout, never from a length a peer sent
 
-    def gather_to_first(self, t: torch.Tensor) -> list[torch.Tensor] | None:
-        """Every rank's `t` (one shape and dtype on all), in rank order, on rank 0; None elsewhere."""
-        parts = [torch.empty_like(t) for _ in range(self.world_size)] if self.rank == 0 else None
-        self._call(lambda: dist.gather(t, parts, dst=0, group=self._pg))
-        return parts
+    def send(self, t: torch.Tensor, dst: int) -> None:
+        """`t` to rank `dst`, which receives it into a buffer of the same size (`recv`)."""
+        self._call(lambda: dist.send(t, dst=dst, group=self._pg))
 
-    def scatter_from_first(self, parts: list[torch.Tensor] | None, out: torch.Tensor) -> None:
-        """Rank 0's `parts[r]` into rank r's `out` (rank 0 passes the parts, the others None)."""
-        self._call(lambda: dist.scatter(out, parts, src=0, group=self._pg))
+    def recv(self, out: torch.Tensor, src: int) -> None:
+        """Rank `src`'s `send` into `out`."""
+        self._call(lambda: dist.recv(out, src=src, group=self._pg))
 
     # ---- messages
 

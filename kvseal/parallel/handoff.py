@@ -9,12 +9,14 @@ engine of any M ranks.
 
 - Prefill (`gather`): before the push, every rank reports its written prefix of the request from
   its own write records and sends rank 0 its heads of the request's pages (an `ExportMsg`, one
-  all-gather, one gather). What is pushed and committed is the least any rank wrote: a rank that
-  did not write a position never lets it leave.
+  all-gather, then each rank's exact heads point to point; rank 0 copies its own from its pool).
+  What is pushed and committed is the least any rank wrote: a rank that did not write a position
+  never lets it leave.
 - Decode (`scatter`): after rank 0 verified the commit against the wire pool's landing records,
-  it scatters each rank its heads of the transferred positions (an `ImportMsg`, one scatter); each
-  rank writes them into its own pool, records them in its own write records only once they are
-  there, and reports its written prefix (one all-gather). A rank whose prefix falls short refuses
+  it sends each rank its heads of the transferred positions (an `ImportMsg`, point to point;
+  rank 0 copies its own into its pool); each rank writes them into its own pool, records them in
+  its own write records only once they are there, and reports its written prefix (one
+  all-gather). A rank whose prefix falls short refuses
   the handoff for all; were that refusal bypassed, the rank's always-on check refuses the first
   decode step (I4), and a refusal on any rank aborts the request on all.
 
@@ -38,40 +40,43 @@ from kvseal.parallel.driver import TensorParallelDriver
 from kvseal.parallel.msgs import ExportMsg, ImportMsg, ShardReportMsg, decode_from_rank, encode
 
 
-def shard_bytes(pool: KVPool, pages: list[int], shard_heads: int, heads: slice | None = None) -> torch.Tensor:
-    """`heads` (default: every head) of `pages` of every layer, K then V, padded with zero heads to
-    `shard_heads`, as one byte tensor [layers, 2, shard_heads, len(pages), page_size, head_dim], on
-    the CPU (the gloo group carries it) whatever the pool's device."""
+def shard_bytes(pool: KVPool, pages: list[int], heads: slice | None = None) -> torch.Tensor:
+    """`heads` (default: every head) of `pages` of every layer, K then V, as one byte tensor
+    [layers, 2, heads, len(pages), page_size, head_dim], on the CPU (the gloo group carries it)
+    whatever the pool's device: each page read once, straight into its place."""
     index = torch.tensor(pages, dtype=torch.int64, device=pool.device)
-    _, page_size, head_dim = pool.page_shape()
-    shard = torch.empty((len(pool.k), 2, shard_heads, len(pages), page_size, head_dim), dtype=pool.k[0].dtype,
-                        device=pool.device)
-    count = None
-    for layer, (k, v) in enumerate(zip(pool.k, pool.v)):  # each page read once, straight into place
-        for kind, t in enumerate((k, v)):
-            part = t[heads or slice(None)]
-            count = part.shape[0]
-            torch.index_select(part, 1, index, out=shard[layer, kind, :count])
-    if count is not None and count < shard_heads:
-        shard[:, :, count:].zero_()  # padding heads: zero, never memory
-    return shard.view(torch.uint8).cpu()
+    picked = heads or slice(0, pool.k[0].shape[0])
+    shard = empty_shard(pool, len(pages), picked.stop - picked.start, pool.device)
+    values = shard.view(pool.k[0].dtype)
+    for layer, (k, v) in enumerate(zip(pool.k, pool.v)):
+        torch.index_select(k[picked], 1, index, out=values[layer, 0])
+        torch.index_select(v[picked], 1, index, out=values[layer, 1])
+    return shard.cpu()
 
 
-def empty_shard(pool: KVPool, num_pages: int, shard_heads: int) -> torch.Tensor:
-    """A receive buffer shaped like `shard_bytes` of `num_pages` pages."""
+def empty_shard(pool: KVPool, num_pages: int, num_heads: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """A buffer shaped like `shard_bytes` of `num_pages` pages and `num_heads` heads."""
     _, page_size, head_dim = pool.page_shape()
-    shape = (len(pool.k), 2, shard_heads, num_pages, page_size, head_dim)
-    return torch.empty(shape, dtype=pool.k[0].dtype).view(torch.uint8)
+    shape = (len(pool.k), 2, num_heads, num_pages, page_size, head_dim)
+    return torch.empty(shape, dtype=pool.k[0].dtype, device=device).view(torch.uint8)
 
 
 def write_shard(pool: KVPool, pages: list[int], shard: torch.Tensor, heads: slice) -> None:
-    """The first heads of a `shard_bytes` tensor (on the CPU) into `heads` of `pages` of every layer."""
+    """A `shard_bytes` tensor of `heads` (on the CPU) into `heads` of `pages` of every layer."""
     values = shard.view(pool.k[0].dtype).to(pool.device)
-    count = heads.stop - heads.start
     index = torch.tensor(pages, dtype=torch.int64, device=pool.device)
     for layer, (k, v) in enumerate(zip(pool.k, pool.v)):
-        k[heads].index_copy_(1, index, values[layer, 0, :count])
-        v[heads].index_copy_(1, index, values[layer, 1, :count])
+        k[heads].index_copy_(1, index, values[layer, 0])
+        v[heads].index_copy_(1, index, values[layer, 1])
+
+
+def copy_heads(source: KVPool, target: KVPool, pages: list[int], heads: slice) -> None:
+    """`heads` of `pages` of every layer from `source` into `target` (rank 0's own heads between
+    its pool and the staging pool: no byte shard in between)."""
+    index = torch.tensor(pages, dtype=torch.int64, device=target.device)
+    for layer in range(len(target.k)):
+        for src, dst in ((source.k[layer], target.k[layer]), (source.v[layer], target.v[layer])):
+            dst[heads].index_copy_(1, index, src[heads].index_select(1, index.to(src.device)).to(dst.device))
 
 
 def record_landed(records: WriteRecords, msg: ImportMsg, page_size: int) -> None:
@@ -94,7 +99,6 @@ class RankHandoff:
         self.driver, self.kv = driver, kv
         world = driver.group.world_size
         self.layouts = [RankLayout.of(cfg, rank, world) for rank in range(world)]
-        self.shard_heads = max(layout.num_kv_heads for layout in self.layouts)
         pool = kv.pool
         _, page_size, head_dim = pool.page_shape()
         self.wire = KVPool(len(pool.k), pool.num_pages, page_size, cfg.num_kv_heads, head_dim, pool.k[0].dtype)
@@ -106,36 +110,36 @@ class RankHandoff:
     def gather(self, request_id: str, pages: list[int]) -> list[int]:
         """Every rank's heads of `pages` into the wire pool; returns, per layer, the least written
         prefix of the request over the ranks (what may be pushed and committed)."""
-        msg = ExportMsg(self.kv.drain_events(), request_id, list(pages), self.shard_heads)
+        msg = ExportMsg(self.kv.drain_events(), request_id, list(pages))
         group = self.driver.group
         with self.driver.exclusive():
             group.broadcast_bytes(encode(msg))
             answers = group.all_gather_bytes(encode(ShardReportMsg(0, self.kv.written_prefix(request_id))))
-            parts = group.gather_to_first(shard_bytes(self.kv.pool, pages, self.shard_heads))
-        assert parts is not None, "rank 0 receives the gather"
-        done: set[int] = set()
-        for rank, part in enumerate(parts):
-            if self.layouts[rank].kv_head_start not in done:  # a replicated head: its first rank's copy
-                done.add(self.layouts[rank].kv_head_start)
-                write_shard(self.wire, pages, part, self._heads(rank))
+            copy_heads(self.kv.pool, self.wire, pages, self._heads(0))
+            done = {self.layouts[0].kv_head_start}
+            for rank in range(1, len(self.layouts)):  # each rank's exact heads, sized by its layout here
+                part = empty_shard(self.wire, len(pages), self.layouts[rank].num_kv_heads)
+                group.recv(part, rank)
+                if self.layouts[rank].kv_head_start not in done:  # a replicated head: its first rank's copy
+                    done.add(self.layouts[rank].kv_head_start)
+                    write_shard(self.wire, pages, part, self._heads(rank))
         reports = [decode_from_rank(a) for a in answers]
         written = [r.written for r in reports if isinstance(r, ShardReportMsg)]
-        if len(written) != len(parts):
+        if len(written) != len(self.layouts):
             raise IsolationViolation(request_id, "a tensor-parallel rank did not report its written prefix")
         return [min(layer) for layer in zip(*written)]
 
     def scatter(self, request_id: str, pages: list[int], start: int, end: int) -> str | None:
-        """Hand every rank its heads of positions [start, end) from the wire pool (rank 0 writes its
+        """Hand every rank its heads of positions [start, end) from the wire pool (rank 0 copies its
         own; the caller records rank 0's); None when every other rank reports them written, else why not."""
-        msg = ImportMsg(self.kv.drain_events(), request_id, list(pages), start, end, self.shard_heads)
+        msg = ImportMsg(self.kv.drain_events(), request_id, list(pages), start, end)
         moved = moved_pages(msg, self.kv.page_size)
-        parts = [shard_bytes(self.wire, moved, self.shard_heads, self._heads(r)) for r in range(len(self.layouts))]
         group = self.driver.group
         with self.driver.exclusive():
             group.broadcast_bytes(encode(msg))
-            mine = torch.empty_like(parts[0])
-            group.scatter_from_first(parts, mine)
-            write_shard(self.kv.pool, moved, mine, self._heads(0))
+            for rank in range(1, len(self.layouts)):
+                group.send(shard_bytes(self.wire, moved, self._heads(rank)), rank)
+            copy_heads(self.wire, self.kv.pool, moved, self._heads(0))
             answers = group.all_gather_bytes(encode(ShardReportMsg(0, [])))
         short = []
         for answer in answers[1:]:

@@ -64,7 +64,6 @@ class ExportMsg(msgspec.Struct, tag="export"):
     events: list[OwnershipEvent]
     request_id: str
     pages: list[int]
-    shard_heads: int  # every rank's shard is padded to this many heads (the largest rank's)
 
 
 class ImportMsg(msgspec.Struct, tag="import"):
@@ -78,7 +77,6 @@ class ImportMsg(msgspec.Struct, tag="import"):
     pages: list[int]
     start: int  # page-aligned: decode's prefix-cache hit ends here
     end: int
-    shard_heads: int
 
 
 class KeepAliveMsg(msgspec.Struct, tag="keep_alive"):

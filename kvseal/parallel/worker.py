@@ -139,15 +139,15 @@ class WorkerRank:
         replay(msg.events, self.records, self.pool)
         report = ShardReportMsg(self.spec.rank, self.records.written_prefix(msg.request_id))
         self.group.all_gather_bytes(encode(report))
-        self.group.gather_to_first(shard_bytes(self.pool, msg.pages, msg.shard_heads))
+        self.group.send(shard_bytes(self.pool, msg.pages), 0)
 
     def import_shard(self, msg: ImportMsg) -> None:
         """PD decode: write this rank's heads of a verified handoff into its pool, record them only
         once they are there, and report what its own records say (rank 0 refuses a short one)."""
         replay(msg.events, self.records, self.pool)
         pages = moved_pages(msg, self.spec.options.page_size)
-        shard = empty_shard(self.pool, len(pages), msg.shard_heads)
-        self.group.scatter_from_first(None, shard)
+        shard = empty_shard(self.pool, len(pages), self.layout.num_kv_heads)  # sized by this rank's own layout
+        self.group.recv(shard, 0)
         if not is_active(Fault.DROP_IMPORT_SHARD):  # test-only: this rank's shard never reaches its pool
             write_shard(self.pool, pages, shard, slice(0, self.layout.num_kv_heads))
             try:

@@ -136,3 +136,16 @@ def test_the_kv_budget_pays_for_rank_0s_staging_pool_as_plan_prints_it(odd_split
             EngineNode(unsized, NodeConfig("prefill", "127.0.0.1:1", link_keys=PdKeys.ephemeral().of_prefill()))
     finally:
         unsized.close()
+
+
+@pytest.mark.parametrize("sides", [(2, 1), (1, 2)], ids=["tp2-tp1", "tp1-tp2"])
+def test_pd_with_a_replicated_kv_head_equals_colocated(tmp_path: Path, sides: tuple[int, int]) -> None:
+    """One KV head over two ranks: both hold it. Prefill's rank 0 stages its own copy and
+    discards rank 1's; decode's rank 0 hands rank 1 the same head it keeps."""
+    model = make_tiny_model("llama_one_kv_head", tmp_path / "one")
+    pair = PdPair(_args(model, sides[0]), _args(model, sides[1]), kv_transport="tcp-stream")
+    try:
+        assert [h.token_ids for h in pair.generate_all(PROMPTS, GREEDY)] == _colocated(model)
+        pair.assert_clean()
+    finally:
+        pair.close()
