@@ -73,7 +73,9 @@ def test_tp2_greedy_equals_tp1_with_preemption(model_dirs: dict[str, Path], arch
         two.engine.close()
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "llama_one_kv_head"])
+# the two that part from TP=1 with bfloat16 partials (qwen2 and qwen3 did not, so they would
+# prove nothing here; their shards are held to TP=1 in float32 above)
+@pytest.mark.parametrize("arch", ["llama", "llama_one_kv_head"])
 def test_tp2_greedy_equals_tp1_in_bfloat16(model_dirs: dict[str, Path], arch: str) -> None:
     """bfloat16: the row-parallel partial sums are all-reduced in float32 and rounded once, as one
     rank rounds its whole linear (`WidePartialLinear`); rounded to bfloat16 before the sum, the
