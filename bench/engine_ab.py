@@ -137,12 +137,18 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--env-a", action="append", default=[], metavar="KEY=VALUE", help="more environment for A")
     parser.add_argument("--env-b", action="append", default=[], metavar="KEY=VALUE", help="more environment for B")
-    parser.add_argument("--kinds", default="decode,prefill", help="which bursts, in order (default decode,prefill)")
+    parser.add_argument("--kinds", default="decode,prefill",
+                        help="which bursts, in order (default decode,prefill; decode cannot follow prefill, which "
+                             "ends the decoding requests)")
     parser.add_argument("--competitor-duty", type=float, default=0.0,
                         help="share of one core a third process burns while the bursts run (default 0: none)")
     parser.add_argument("--competitor-period-ms", type=float, default=40.0)
     parser.add_argument("--competitor", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    kinds = args.kinds.split(",")
+    if any(k not in ("decode", "prefill") for k in kinds) or ("prefill" in kinds and "decode" in kinds
+                                                              and kinds.index("decode") > kinds.index("prefill")):
+        parser.error("--kinds takes decode and/or prefill, decode first: the prefill bursts end the decoding requests")
     if args.worker:
         worker(args)
         return
