@@ -6,7 +6,7 @@ import argparse
 import logging
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from kvseal.auditlog.cli import add_auditlog_parsers
@@ -199,10 +199,16 @@ def _cmd_engine(ns: argparse.Namespace) -> int:
     return serve_engine(engine_args_from(ns), config)
 
 
+def tp_node_args(ns: argparse.Namespace) -> EngineArgs:
+    """`kvseal tp-node`'s engine arguments: node 0's flags, and --pd-role where node 0 serves a PD
+    role (its pool is then sized with rank 0's staging pool, and every rank holds as many pages)."""
+    return replace(engine_args_from(ns), pd_role=ns.pd_role)
+
+
 def _cmd_tp_node(ns: argparse.Namespace) -> int:
     from kvseal.parallel.node import run_node
 
-    return run_node(engine_args_from(ns))
+    return run_node(tp_node_args(ns))
 
 
 def _cmd_keys_generate(ns: argparse.Namespace) -> int:
@@ -277,6 +283,9 @@ def build_parser() -> argparse.ArgumentParser:
     tp_node = sub.add_parser("tp-node", help="the tensor-parallel ranks of a node other than 0 (--node-rank 1..): "
                              "same flags as node 0's engine")
     add_engine_arguments(tp_node, model_positional=True)
+    tp_node.add_argument("--pd-role", action="store_true",
+                         help="node 0 runs a PD role (kvseal engine --role ... -tp N): size the pool as it does, "
+                              "with its rank 0's staging pool inside the same KV memory")
     tp_node.set_defaults(func=_cmd_tp_node)
 
     canary = sub.add_parser("canary", help="tenant-isolation canary run against an OpenAI-compatible server")

@@ -248,7 +248,9 @@ class TensorParallelDriver:
         differ = [r.rank for r in self.ready if r.num_pages != mine.num_pages]
         if differ:  # page ids name the same page on every rank, or ownership means nothing
             raise RankFailure(f"ranks {differ} allocated another number of KV pages than rank 0's "
-                              f"{mine.num_pages}: start every node with the same engine flags and model")
+                              f"{mine.num_pages}: start every node with the same engine flags and model (a PD role's "
+                              f"node 0 sizes its pool with rank 0's staging pool: pass --pd-role to every "
+                              f"kvseal tp-node)")
         self._keep_alive = threading.Thread(target=self._keep_alive_loop, name="kvseal-tp-keep-alive", daemon=True)
         self._keep_alive.start()
         return self.ready

@@ -37,6 +37,7 @@ def run_node(args: EngineArgs) -> int:
                           "(kvseal serve, kvseal generate, LLM(...)) with --nnodes and --master-port")
     key = engine_secret(args.tp_key_file, args.nnodes)  # before anything starts: a bad key file stops here
     device = resolve_device(args.device)
+    args = args.on_device(device)  # as node 0's engine decides it: the same dtype and pool arithmetic
     if device == "cuda" and args.kv_cache_tokens is None and args.kv_cache_memory is None:
         raise ConfigError("tp-node on cuda needs the pool's size given (--kv-cache-tokens or --kv-cache-memory, the "
                           "same as node 0's): node 0 sizes a pool by its GPU's free memory, which this node cannot "

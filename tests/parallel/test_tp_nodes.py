@@ -13,9 +13,11 @@ from processes import free_port, kvseal_argv
 from tiny_models import make_tiny_model
 
 from kvseal import LLM, SamplingParams
-from kvseal.config import CacheConfig
+from kvseal.cli import build_parser, tp_node_args
+from kvseal.config import CacheConfig, EngineArgs
 from kvseal.errors import ConfigError
 from kvseal.kvcache.manager import KVCacheManager
+from kvseal.models.loader import plan_config
 from kvseal.parallel.driver import RankOptions, RankPlacement, TensorParallelDriver
 from kvseal.parallel.group import RankFailure
 from kvseal.parallel.tp_key import write_tp_key
@@ -132,3 +134,22 @@ def test_a_rank_that_exits_before_joining_fails_start_up_at_once(monkeypatch: py
         assert len(llm.generate(PROMPTS[:1], GREEDY)[0].token_ids) == GREEDY.max_tokens
     finally:
         llm.engine.close()
+
+
+def test_a_tp_node_of_a_pd_role_sizes_its_pool_as_node_0_does(model: Path, tp_key: Path) -> None:
+    """Node 0 of a PD role's TP engine sizes its pool with rank 0's staging pool inside the KV
+    memory; `kvseal tp-node --pd-role` resolves the same number of pages (without it, fewer pages
+    on node 0 than on node 1, which the driver refuses at start)."""
+    memory = ["--kv-cache-memory", "300KiB", "--max-model-len", "64", "--page-size", "4", "--dtype", "float32"]
+    argv = ["tp-node", str(model), "-tp", "2", "--nnodes", "2", "--node-rank", "1", "--master-port", "1234",
+            "--tp-key-file", str(tp_key), *memory]
+    config = plan_config(model)
+    node_0 = EngineArgs(model=str(model), tensor_parallel_size=2, kv_cache_memory="300KiB", max_model_len=64,
+                        page_size=4, dtype="float32", pd_role=True)
+    pages = node_0.on_device("cpu").resolve(config)[0].num_pages  # as the engine and run_node resolve them
+
+    def node_1_pages(*flags: str) -> int:
+        return tp_node_args(build_parser().parse_args([*argv, *flags])).on_device("cpu").resolve(config)[0].num_pages
+
+    assert node_1_pages("--pd-role") == pages
+    assert node_1_pages() > pages
