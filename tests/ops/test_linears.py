@@ -100,6 +100,21 @@ def test_float32_tile_sums_round_to_the_tile_linear(bias: bool, rows: int, n_out
     torch.testing.assert_close(sums.double(), exact, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("rows", [45, 300])
+def test_tile_linear_over_several_weight_groups(rows: int, tile_engine: str) -> None:
+    """A weight too large for one thread's L2 group (K = 2,048: 128 KiB a panel pair, 33 pairs,
+    the last panel alone) goes in several groups, each passed over by every 32-row chunk with the
+    weight tiles streamed: every output is the exact float32 sum, and rounds to the bfloat16
+    tile linear's output."""
+    torch.manual_seed(rows)
+    linear = nn.Linear(2048, 1040, bias=True).to(torch.bfloat16)
+    x = torch.randn(rows, 2048).to(torch.bfloat16)
+    sums = SumTileLinear(linear, kernels())(x)
+    exact = F.linear(x.double(), linear.weight.double(), linear.bias.double())
+    torch.testing.assert_close(sums.double(), exact, rtol=1e-5, atol=1e-4)
+    assert torch.equal(sums.to(torch.bfloat16), TileLinear(linear, kernels())(x))
+
+
 @pytest.mark.parametrize("native", ["off", "auto"])
 def test_each_backend_gives_float32_partial_sums(native: str) -> None:
     """Ops.partial_sum_linear: the tiles' float32 output where the tile linears run (one copy of

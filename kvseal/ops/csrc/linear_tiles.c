@@ -5,9 +5,10 @@
  * the layout TDPBF16PS reads, zero-padded past N); K must be a multiple of 32.
  *
  * Blocking. Each step computes 32 rows x 2 panels (a panel pair) over every k, blocked as a
- * GEMM: groups of panel pairs stay in L2 (TILE_GROUP_BYTES) while every 32-row chunk passes over
- * them, so the weights come from memory once, and a chunk's rows stay in L1 across the group's
- * pairs. Threads claim runs of consecutive pairs from a shared counter, so each streams its
+ * GEMM: groups of panel pairs stay in L2 (TILE_GROUP_BYTES, _AMX) while every 32-row chunk passes
+ * over them, so the weights come from memory once, and a chunk's rows stay in L1 across the
+ * group's pairs (on AMX the weight tiles of such passes load with the hint that keeps them out of
+ * L1, load_weight_tile). Threads claim runs of consecutive pairs from a shared counter, so each streams its
  * weights in order: below 256 rows short runs (about 8 a thread), so a thread the frontend
  * preempts holds no fixed share for the other to wait on; from 256 rows one run a thread, since
  * every run re-reads all the rows. At decode sizes (<= 32 rows) a thread claims its next run
@@ -156,8 +157,16 @@ static void dot_chunk(const uint16_t *a, int64_t k_in, const uint16_t *b0, const
     }
 }
 
-/* Bytes of weights a thread keeps in L2 while every row chunk passes over them. */
+/* Bytes of weights a thread keeps in L2 while every row chunk passes over them (AMX hosts have
+   2 MiB of L2 a core, Zen 4 and 5 1 MiB). On AMX the thread's pairs are split into equal groups
+   under that size: every group re-reads all of x, so a last group of a pair or two cost a whole
+   pass (a 2,048-row, K = 1,536 linear on two threads: 9 pairs a thread went as 5 + 4 with 512 KiB;
+   with 1 MiB and equal groups, 9; with the streamed weight tiles, a 2,048-token prefill step
+   0.946x). */
 #define TILE_GROUP_BYTES (512 * 1024)
+#define TILE_GROUP_BYTES_AMX (1024 * 1024)
+/* Rows of x a tile product takes at once (two row tiles): a chunk. */
+#define TILE_CHUNK_ROWS 32
 
 /* One tile product: x [rows, k_in] against packed panels. A plain linear writes y [rows, n_out]
    (+ bias); with `half` > 0 it is the MLP's fused gate/up weight ([2 * half * 16, k_in]) and
@@ -225,12 +234,27 @@ static inline __attribute__((always_inline)) void pending_rows(const struct tile
 }
 
 #if KVSEAL_AMX
+/* A weight tile: where several row chunks pass over the same panels (prefill), loaded with the
+   hint that it is reused from L2 but not soon (TILELOADDT1), so that it does not push the chunk's
+   rows of x out of L1; they are reused by every pair of the group, the weights only by the next
+   chunk. With plain loads both came from L2, whose bandwidth (two A and two B tiles for four tile
+   products) held the 32-row x 576 tile products at 2.4 TFLOPS; streamed: 2.9-3.2 TFLOPS (two
+   threads, 2,048 rows; with K = 1,536 a chunk's rows never fit L1 and it makes no difference),
+   a 2,048-token prefill step 0.94x. At decode sizes each weight tile is read once, from memory:
+   plain loads, as before. */
+#define load_weight_tile(tile, from, streamed)            \
+    do {                                                  \
+        if (streamed) _tile_stream_loadd(tile, from, 64); \
+        else _tile_loadd(tile, from, 64);                 \
+    } while (0)
+
 /* One 32-row chunk of x (a; r1 rows in its second row tile) against panel b0 and, if two,
    panel b1, over every k: the four sums into c; the pending chunk's rows go out between the
    k steps (all of them by the end). */
 static void amx_chunk_overlapped(const uint16_t *a, int64_t k_in, const uint16_t *b0, const uint16_t *b1, int r1,
                                  int two, float c[4][256], const struct tile_job *j, struct pending_chunk *p) {
     const int64_t kblocks = k_in / 32;
+    const int streamed = j->rows > TILE_CHUNK_ROWS;
     const int rows = p->c == NULL ? 0 : p->r0 + p->r1;
     const int per_step = (int)((rows + kblocks - 1) / kblocks);
     _tile_zero(0);
@@ -241,14 +265,14 @@ static void amx_chunk_overlapped(const uint16_t *a, int64_t k_in, const uint16_t
     }
     for (int64_t kb = 0; kb < kblocks; kb++) {
         _tile_loadd(4, a + kb * 32, k_in * 2);
-        _tile_loadd(6, b0 + kb * 512, 64);
+        load_weight_tile(6, b0 + kb * 512, streamed);
         _tile_dpbf16ps(0, 4, 6);
         if (r1) {
             _tile_loadd(5, a + 16 * k_in + kb * 32, k_in * 2);
             _tile_dpbf16ps(1, 5, 6);
         }
         if (two) {
-            _tile_loadd(7, b1 + kb * 512, 64);
+            load_weight_tile(7, b1 + kb * 512, streamed);
             _tile_dpbf16ps(2, 4, 7);
             if (r1) _tile_dpbf16ps(3, 5, 7);
         }
@@ -283,7 +307,6 @@ static void amx_chunk_overlapped(const uint16_t *a, int64_t k_in, const uint16_t
    chunk's rows stay in L1 across the group's pairs. after: the first pair of the thread's next
    run (-1: none); with at most TILE_CHUNK_ROWS rows (one chunk: decode) the last pair prefetches
    it, so that a run does not start on weights still in memory. */
-#define TILE_CHUNK_ROWS 32
 static void tile_pairs(const struct tile_job *j, int64_t i_begin, int64_t i_end, int amx, int64_t after) {
     const int one_chunk = j->rows <= TILE_CHUNK_ROWS;
     float c[2][4][256]; /* on AMX: the chunk being computed, and the one whose outputs go out meanwhile */
@@ -291,7 +314,9 @@ static void tile_pairs(const struct tile_job *j, int64_t i_begin, int64_t i_end,
     struct pending_chunk pending = {0};
     int conf0 = -1, conf1 = -1;
     const int64_t panels = (j->n_out + 15) / 16, kblocks = j->k_in / 32, pair_bytes = 2 * j->k_in * 32;
-    const int64_t group = TILE_GROUP_BYTES / pair_bytes > 1 ? TILE_GROUP_BYTES / pair_bytes : 1;
+    const int64_t most = (amx ? TILE_GROUP_BYTES_AMX : TILE_GROUP_BYTES) / pair_bytes, pairs = i_end - i_begin;
+    const int64_t groups = most > 1 ? (pairs + most - 1) / most : pairs;
+    const int64_t group = amx && groups > 1 ? (pairs + groups - 1) / groups : (most > 1 ? most : 1);
     for (int64_t g = i_begin; g < i_end; g += group) {
         const int64_t g_end = g + group < i_end ? g + group : i_end;
         for (int64_t m0 = 0; m0 < j->rows; m0 += TILE_CHUNK_ROWS) {
