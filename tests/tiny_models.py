@@ -45,6 +45,13 @@ TP_CONFIGS = {
 }
 
 
+# the kernels' own shapes: a head dim of 64, which the prefill attention kernel takes on AMX
+KERNEL_CONFIGS = {
+    "llama_head_dim_64": lambda: LlamaConfig(**{**_COMMON, "hidden_size": 128, "num_attention_heads": 2,
+                                                "num_key_value_heads": 1}),
+}
+
+
 def make_tokenizer() -> PreTrainedTokenizerFast:
     vocab = {f"w{i}": i for i in range(VOCAB_SIZE)} | {"<unk>": 0, "</s>": EOS_ID, "<s>": BOS_ID}
     for special in ("w0", f"w{EOS_ID}", f"w{BOS_ID}"):
@@ -60,7 +67,7 @@ def make_tokenizer() -> PreTrainedTokenizerFast:
 def make_tiny_model(arch: str, folder: Path, seed: int = 0) -> Path:
     """Write a random-weight model of `arch` into `folder`; return the folder."""
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config({**CONFIGS, **TP_CONFIGS}[arch]()).eval()
+    model = AutoModelForCausalLM.from_config({**CONFIGS, **TP_CONFIGS, **KERNEL_CONFIGS}[arch]()).eval()
     with torch.no_grad():  # larger weights than the init default: sharper, less tie-prone logits
         for p in model.parameters():
             if p.dim() == 2:

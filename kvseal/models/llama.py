@@ -159,6 +159,10 @@ class CausalLM(nn.Module):
             x = loop.run(h, cos, signed_sin, batch.slot_mapping, plan.decode.plan, pool)
             # a decode-only step samples every row, in order, but for a one-token prefill chunk
             return self._logits(x if batch.logits_indices.numel() == x.shape[0] else x[batch.logits_indices])
+        if plan.decode is None and not plan.prefills and len(plan.fresh) == 1 \
+                and (loop := self.decode_loop()) is not None and loop.takes_fresh(plan.fresh[0]):
+            return self._logits(loop.run_fresh(h, cos, signed_sin, batch.slot_mapping, plan.fresh[0],
+                                               batch.logits_indices, pool))
         first = layers[0].input_layernorm
         x = ops.add_rms_norm(h, None, first.weight, first.eps, torch.empty_like(h))  # the normed stream
         norms = [layer.input_layernorm for layer in layers[1:]] + [self.model.norm]

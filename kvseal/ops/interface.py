@@ -111,7 +111,8 @@ class DecoderStack:
 
 
 class DecodeLoop(Protocol):
-    """Every layer of a decode-only step in one call (a backend's `decode_loop`)."""
+    """Every layer of a decode-only step in one call (a backend's `decode_loop`), and where the
+    backend can, every layer of a step of fresh prefill chunks only."""
 
     def takes(self, plan: DecodePlan) -> bool:
         """Whether `run` takes a step whose decode rows this plan describes."""
@@ -123,6 +124,16 @@ class DecodeLoop(Protocol):
         [B, hidden] (the lm_head's input), bit-equal to the per-layer ops. Writes each layer's
         K/V through the pool's recorded write (`KVPool.write_layers_by`); IndexError, writing
         nothing more, for a slot outside the pool."""
+
+    def takes_fresh(self, group: FreshPrefills) -> bool:
+        """Whether `run_fresh` takes a step whose every token is in this group of fresh chunks."""
+
+    def run_fresh(self, h: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, slots: torch.Tensor,
+                  group: FreshPrefills, sampled: torch.Tensor, pool: KVPool) -> torch.Tensor:
+        """`run` for a step of fresh chunks only (`group`'s, back to back from token 0): each chunk
+        attends to its own tokens. Returns the final-normed stream of the `sampled` tokens only
+        ([len(sampled), hidden]; the last layer's tail runs on those alone), bit-equal to the
+        per-layer ops; the pool's writes as `run`'s."""
 
 
 class Ops(Protocol):

@@ -174,7 +174,9 @@ class NativeOps:
     def decode_loop(self, stack: DecoderStack) -> DecodeLoop | None:
         if stack.final_norm.dtype not in _NATIVE_DTYPES:
             return None
-        return NativeDecodeLoop.for_stack(stack, self.kernels)
+        bf16 = torch.bfloat16
+        fresh = self.kernels.has_prefill_attention(bf16) and not self.sdpa_leads_fresh_prefill(bf16, stack.head_dim)
+        return NativeDecodeLoop.for_stack(stack, self.kernels, fresh_prefill=fresh)
 
     # ---- the sampler
 

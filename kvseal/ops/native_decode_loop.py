@@ -1,12 +1,20 @@
-"""Decode-only steps of a float32 or bfloat16 model in one native call (`csrc/decode_loop.c`).
+"""Decode-only steps of a float32 or bfloat16 model in one native call (`csrc/decode_loop.c`),
+and steps of fresh prefill chunks only of a bfloat16 model.
 
 The per-layer forward calls ~20 small kernels per layer from Python; at one to eight decode
 rows that costs 4-6 ms a step, a sixth of a single-stream decode step. A step whose every row
 decodes one token (the common step once prompts are in) runs all layers in one C call instead:
 the same kernels, in the same order, on the same buffers, so its result is bit-equal to the
 per-layer path. A float32 model's linears must be kvseal's panels of one kind
-(`kvseal_decode_layers`), a bfloat16 model's tiles (`kvseal_decode_layers_bf16`). Steps with
-prefill chunks, models with per-head q/k norms, or other linears keep the per-layer path.
+(`kvseal_decode_layers`), a bfloat16 model's tiles (`kvseal_decode_layers_bf16`). Models with
+per-head q/k norms, or other linears keep the per-layer path.
+
+A step whose every token is in fresh prefill chunks of one length, back to back (one prompt, or a
+wave of equal prompts: the step that decides a request's time to first token) runs the same way
+in a bfloat16 model whose fresh chunks the prefill attention kernel takes
+(`kvseal_prefill_layers_bf16`): ~20 Python calls a layer are ~5 ms of a 256-token prompt's ~50 ms
+step. Other prefill steps (decode rows or chunks after a cached prefix beside them, unequal
+lengths) keep the per-layer path.
 
 The KV writes are the same bounds-checked kernel (`kvseal_write_slots`, which refuses a slot
 outside the pool writing nothing), and the pool records each layer the call wrote, exactly as
@@ -22,7 +30,7 @@ import torch
 from torch import nn
 
 from kvseal.kvcache.pool import KVPool
-from kvseal.ops.interface import DecodePlan, DecoderStack, DecoderWeights
+from kvseal.ops.interface import DecodePlan, DecoderStack, DecoderWeights, FreshPrefills
 from kvseal.ops.native_kernels import NativeKernels
 from kvseal.ops.native_linears import Int8PanelLinear, PanelLinear, TileLinear
 from kvseal.ops.native_plans import NativeRows
@@ -33,8 +41,12 @@ _TILES = -1  # the kind of a bfloat16 model whose every linear is a TileLinear
 class NativeDecodeLoop:
     """The pointer table of one model's decoder weights, and the call that runs them."""
 
-    def __init__(self, stack: DecoderStack, kernels: NativeKernels, kind: int) -> None:
+    def __init__(self, stack: DecoderStack, kernels: NativeKernels, kind: int, fresh_prefill: bool = False) -> None:
         self.kernels, self.kind, self.stack = kernels, kind, stack
+        # fresh prefill steps too: a bfloat16 tile model whose fresh chunks the kernel runs
+        self.fresh_prefill = fresh_prefill and kind == _TILES
+        self._gate_up_scratch = any(layer.gate_up_proj.bias is not None for layer in stack.layers) \
+            or stack.inter % 16 != 0  # the fused gate/up + SiLU declines: the two passes need it
         lib, ffi = kernels.lib, kernels.ffi
         self.num_layers = len(stack.layers)
         self.q_size = stack.heads * stack.head_dim
@@ -61,7 +73,8 @@ class NativeDecodeLoop:
             self.table[base + lib.KVSEAL_POST_NORM] = self._pointer(layer.post_norm)
 
     @classmethod
-    def for_stack(cls, stack: DecoderStack, kernels: NativeKernels) -> NativeDecodeLoop | None:
+    def for_stack(cls, stack: DecoderStack, kernels: NativeKernels,
+                  fresh_prefill: bool = False) -> NativeDecodeLoop | None:
         """The loop for `stack`, or None if some part of it is not what the loop runs: norms of
         the model's dtype and one eps; in a float32 model every linear a float32 or bfloat16
         panel linear of one dtype, or every one an int8 panel linear; in a bfloat16 model every
@@ -73,7 +86,7 @@ class NativeDecodeLoop:
         kind = kinds.pop() if len(kinds) == 1 else None
         if kind is None or len(eps) != 1 or any(n.dtype != dtype or not n.is_contiguous() for n in norms):
             return None
-        return cls(stack, kernels, kind)
+        return cls(stack, kernels, kind, fresh_prefill)
 
     def takes(self, plan: DecodePlan) -> bool:
         return isinstance(plan, NativeRows)
@@ -117,6 +130,53 @@ class NativeDecodeLoop:
         if status != 0:
             raise MemoryError("a decode-loop kernel could not allocate its scratch")
         return x
+
+    def takes_fresh(self, group: FreshPrefills) -> bool:
+        return self.fresh_prefill and group.token_idx is None and group.token_start == 0
+
+    def run_fresh(self, h: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, slots: torch.Tensor,
+                  group: FreshPrefills, sampled: torch.Tensor, pool: KVPool) -> torch.Tensor:
+        rows, length, starts = h.shape[0], group.length, group.starts
+        tensors = (h, cos, signed_sin, slots, starts, sampled)
+        if not self.takes_fresh(group) or any(not t.is_contiguous() for t in tensors) or h.dtype != self.dtype \
+                or slots.shape != (rows,) or starts.numel() * length != rows:
+            raise TypeError("the prefill loop takes contiguous bfloat16 rows, one int64 slot per row, and fresh "
+                            "chunks back to back over every row")
+        # the kernels index rows by these: each must be a row of this step
+        if sampled.dtype != torch.int64 or sampled.dim() != 1 \
+                or (sampled.numel() and (int(sampled.min()) < 0 or int(sampled.max()) >= rows)) \
+                or int(starts.min()) < 0 or int(starts.max()) + length > rows:
+            raise IndexError("a sampled row or a chunk lies outside the step's rows")
+        lib = self.kernels.lib
+        self._bind(pool)
+        step = self.step
+        step.rows, step.num_pages, step.page_size = rows, pool.num_pages, pool.page_size
+        step.table_width, step.max_context = 0, 0
+        step.threads = torch.get_num_threads()
+        stack, n = self.stack, sampled.numel()
+        x = torch.empty_like(h)
+        qkv, attn = torch.empty((rows, self.width), dtype=h.dtype), torch.empty((rows, self.q_size), dtype=h.dtype)
+        tmp, act = torch.empty_like(h), torch.empty((rows, stack.inter), dtype=h.dtype)
+        gate_up = torch.empty((rows, 2 * stack.inter) if self._gate_up_scratch else (1,), dtype=h.dtype)
+        hs, xs = torch.empty((n, stack.hidden), dtype=h.dtype), torch.empty((n, stack.hidden), dtype=h.dtype)
+        written = self.kernels.ffi.new("int64_t *")
+        status = 0
+        ptr = self.kernels.ptr
+
+        def store() -> int:
+            nonlocal status
+            status = lib.kvseal_prefill_layers_bf16(
+                step, self.table, ptr(stack.final_norm), *(ptr(t) for t in (h, x, qkv, attn, tmp, gate_up, act, cos,
+                                                                                signed_sin, slots, starts)),
+                starts.numel(), length, ptr(sampled), n, ptr(hs), ptr(xs), written)
+            return int(written[0])
+
+        pool.write_layers_by(slots, store)
+        if status == -1:
+            raise IndexError("a KV slot is outside the pool layer")
+        if status != 0:
+            raise MemoryError("a prefill-loop kernel could not allocate its scratch")
+        return xs
 
     def _bind(self, pool: KVPool) -> None:
         """The pool's K and V tensors into the pointer table, once per pool (its tensors never

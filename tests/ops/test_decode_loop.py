@@ -192,3 +192,119 @@ def test_a_one_token_prefill_chunk_in_a_loop_step_is_not_sampled(make_llm: Calla
     plain = _without_loop(make_llm(dtype=dtype, **sizes)).generate(prompts, PARAMS)
     for a, b in zip(looped, plain):
         assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
+
+
+# ---- steps of fresh prefill chunks only (`run_fresh`, kvseal_prefill_layers_bf16) ----
+
+FRESH_SIZES = dict(dtype="bfloat16", max_num_batched_tokens=256, max_prefill_chunk_tokens=256)
+EQUAL_PROMPTS = [list(range(20, 44)), list(range(60, 84)), list(range(100, 124))]  # one step, one group of three
+
+
+@pytest.fixture(scope="module")
+def head_dim_64(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A head dim the prefill attention kernel takes on AMX too (the tiny models' 16 it leaves to SDPA there)."""
+    from tiny_models import make_tiny_model
+
+    return str(make_tiny_model("llama_head_dim_64", tmp_path_factory.mktemp("head-dim-64")))
+
+
+def _count_fresh_steps(llm: Any) -> list[int]:
+    loop = llm.engine.runner.model.decode_loop()
+    assert loop is not None
+    calls: list[int] = []
+    run = loop.run_fresh
+
+    def counted(h: torch.Tensor, *args: Any) -> torch.Tensor:
+        calls.append(h.shape[0])
+        return run(h, *args)
+
+    loop.run_fresh = counted  # type: ignore[method-assign]
+    return calls
+
+
+@NEEDS_TILES
+@pytest.mark.parametrize("prompts", [
+    EQUAL_PROMPTS, [list(range(30, 70))], [list(range(5, 17)), list(range(40, 60))],
+    [[(7 * i + j) % 500 + 3 for j in range(100)] for i in range(3)]])  # 300 rows: o/down_proj with the norm fused
+def test_fresh_prefill_steps_in_the_loop_equal_the_per_layer_forward(make_llm: Callable[..., Any], head_dim_64: str,
+                                                                     prompts: list[list[int]]) -> None:
+    """Equal prompts prefilled in one step (one group of chunks), one prompt alone: in the loop,
+    tokens and logprobs bit-equal to the per-layer forward. Prompts of unequal lengths (two
+    groups) keep the per-layer forward."""
+    sizes = {**FRESH_SIZES, "max_num_batched_tokens": 512, "max_prefill_chunk_tokens": 512, "kv_cache_tokens": 1024}
+    llm = make_llm(model=head_dim_64, **sizes)
+    calls = _count_fresh_steps(llm)
+    looped = llm.generate(prompts, PARAMS)
+    equal = len({len(p) for p in prompts}) == 1
+    assert calls == ([sum(map(len, prompts))] if equal else []), "one prefill step in the loop, or none"
+    plain = _without_loop(make_llm(model=head_dim_64, **sizes)).generate(prompts, PARAMS)
+    for a, b in zip(looped, plain):
+        assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
+
+
+@NEEDS_TILES
+def test_an_unsampled_fresh_chunk_runs_in_the_loop(make_llm: Callable[..., Any], head_dim_64: str) -> None:
+    """A long prompt's first chunk is fresh but not sampled (its step returns no logits), the
+    next chunk continues the cached prefix: the same tokens either way."""
+    sizes = {**FRESH_SIZES, "max_num_batched_tokens": 16, "max_prefill_chunk_tokens": 16}
+    prompt = [list(range(40, 76))]
+    llm = make_llm(model=head_dim_64, **sizes)
+    calls = _count_fresh_steps(llm)
+    looped = llm.generate(prompt, PARAMS)
+    assert calls == [16]
+    plain = _without_loop(make_llm(model=head_dim_64, **sizes)).generate(prompt, PARAMS)
+    assert looped[0].token_ids == plain[0].token_ids and looped[0].logprobs == plain[0].logprobs
+
+
+def test_a_float32_model_keeps_fresh_prefills_per_layer(make_llm: Callable[..., Any], head_dim_64: str) -> None:
+    loop = make_llm(model=head_dim_64).engine.runner.model.decode_loop()
+    assert loop is not None and not loop.fresh_prefill  # the prefill loop runs tile linears only
+
+
+@NEEDS_TILES
+def test_fresh_loop_writes_and_records_what_the_per_layer_forward_does(make_llm: Callable[..., Any],
+                                                                        head_dim_64: str) -> None:
+    engines = []
+    for loop in (True, False):
+        llm = make_llm(model=head_dim_64, **FRESH_SIZES)
+        calls = _count_fresh_steps(llm) if loop else None
+        if not loop:
+            _without_loop(llm)
+        engine = llm.engine
+        for i, prompt in enumerate(EQUAL_PROMPTS):
+            engine.add_request(f"r{i}", prompt, PARAMS)
+        engine.step()  # the prefill, every prompt in one group
+        assert calls is None or calls == [72]
+        engines.append(engine)
+    looped, plain = engines
+    for layer in range(len(looped.kv.pool.k)):
+        assert _same(looped.kv.pool.k[layer], plain.kv.pool.k[layer])
+        assert _same(looped.kv.pool.v[layer], plain.kv.pool.v[layer])
+    assert torch.equal(looped.kv.records.prefix, plain.kv.records.prefix)
+
+
+@NEEDS_TILES
+def test_the_fresh_loop_refuses_rows_outside_the_step_and_slots_outside_the_pool(make_llm: Callable[..., Any],
+                                                                                  head_dim_64: str) -> None:
+    from kvseal.engine.batch import build_forward_batch
+    from kvseal.models.attention import AttentionPlan
+
+    engine = make_llm(model=head_dim_64, **FRESH_SIZES).engine
+    engine.add_request("r0", EQUAL_PROMPTS[0], PARAMS)
+    model, pool = engine.runner.model, engine.kv.pool
+    batch = build_forward_batch(engine.scheduler.schedule().chunks, engine.kv).batch
+    plan = AttentionPlan.build(batch, pool, model.config.num_heads, model.ops)
+    loop = model.decode_loop()
+    assert plan.decode is None and len(plan.fresh) == 1 and loop is not None and loop.takes_fresh(plan.fresh[0])
+    h = model.model.embed_tokens(batch.input_ids).contiguous()
+    cos, sin = model.rope.cos_sin_rows(batch.positions, h.dtype, max(batch.context_lens))
+    before = [t.clone() for t in (*pool.k, *pool.v)]
+    rows = h.shape[0]
+    with pytest.raises(IndexError, match="outside the step"):  # a sampled row past the step's rows
+        loop.run_fresh(h.clone(), cos, sin, batch.slot_mapping, plan.fresh[0], torch.tensor([rows]), pool)
+    bad_slots = batch.slot_mapping.clone()
+    bad_slots[-1] = pool.num_slots
+    with pytest.raises(IndexError, match="outside the pool"):
+        loop.run_fresh(h.clone(), cos, sin, bad_slots, plan.fresh[0], batch.logits_indices, pool)
+    assert all(_same(a, b) for a, b in zip(before, (*pool.k, *pool.v))), "nothing written"
+    assert int(engine.kv.records.prefix.max()) == 0, "no layer recorded as written"

@@ -197,6 +197,28 @@ def test_residual_add_rounds_ties_and_extremes_as_torch() -> None:
     assert h[0, 0] == 1.0 and h[0, 1] == 1 + 2.0**-6 and torch.isinf(h[0, 2])
 
 
+# 45: under 256 rows (the two calls); 300: the rows split over the threads, a partial last chunk;
+# 2,048 x 40 outputs: three panels, the last partial
+@pytest.mark.parametrize("rows, n_out, k_in", [(45, 64, 96), (300, 64, 96), (2048, 40, 64)])
+def test_tile_linear_with_add_and_norm_equals_the_two_calls(rows: int, n_out: int, k_in: int,
+                                                             tile_engine: str) -> None:
+    """o_proj or down_proj, then the residual add and RMSNorm, in one call
+    (kvseal_linear_tiles_add_norm_bf16, the prefill loop's): the linear's outputs, the residual
+    stream and the normed rows bit-equal to kvseal_linear_tiles then kvseal_add_rms_norm_bf16."""
+    k = kernels()
+    x, weight, bias = _randn(rows, k_in, seed=4), _randn(n_out, k_in, seed=5, scale=0.2), _randn(n_out, seed=6)
+    h, norm = _randn(rows, n_out, seed=7), _randn(n_out, seed=8)
+    tiles = k.pack_tiles(weight)
+    y = k.linear_tiles(x, tiles, bias, n_out)
+    h_two, out_two = h.clone(), torch.empty_like(h)
+    k.add_rms_norm(h_two, y, norm, 1e-5, out_two)
+    y_one, h_one, out_one = torch.empty_like(y), h.clone(), torch.empty_like(h)
+    status = k.lib.kvseal_linear_tiles_add_norm_bf16(*map(k.ptr, (x, tiles, bias, y_one, h_one, norm)), 1e-5,
+                                                     k.ptr(out_one), rows, n_out, k_in, torch.get_num_threads())
+    assert status == 0
+    assert torch.equal(y_one, y) and torch.equal(h_one, h_two) and torch.equal(out_one, out_two)
+
+
 @pytest.mark.parametrize("rows, inter", [(3, 64), (20, 36)])  # 36: a tail; 20: the rows split over threads
 def test_silu_mul_rounds_as_torch(rows: int, inter: int) -> None:
     gate_up = _randn(rows, 2 * inter, seed=4, scale=3.0)

@@ -112,3 +112,64 @@ int kvseal_decode_layers_bf16(const struct kvseal_decode_step *step, const void 
     }
     return 0;
 }
+
+/* A step of fresh prefill chunks only, every layer in one call: num_chunks chunks of `length`
+   tokens back to back (rows = num_chunks * length, chunk i's rows from starts[i], each at
+   positions 0..length-1), as the per-layer forward runs it: the same kernels in the same order
+   (the prefill attention over each chunk's own rows), and the last layer's tail (o_proj, MLP,
+   final norm) on the `num_sampled` sampled rows only, gathered into hs and xs. A 256-token
+   prompt's step spends ~5 ms of ~50 in the per-layer forward's ~20 Python calls a layer.
+   Returns as kvseal_decode_layers_bf16 (-2 also where the build has no bfloat16 prefill
+   attention); the final-normed rows are in xs ([num_sampled, hidden]). */
+int kvseal_prefill_layers_bf16(const struct kvseal_decode_step *step, const void *const *layers,
+                               const uint16_t *final_norm, uint16_t *h, uint16_t *x, uint16_t *qkv, uint16_t *attn,
+                               uint16_t *tmp, uint16_t *gate_up, uint16_t *act, const uint16_t *cos,
+                               const uint16_t *signed_sin, const int64_t *slots, const int64_t *starts,
+                               int64_t num_chunks, int64_t length, const int64_t *sampled, int64_t num_sampled,
+                               uint16_t *hs, uint16_t *xs, int64_t *layers_written) {
+    const int64_t num_layers = step->num_layers, rows = step->rows, hidden = step->hidden, heads = step->heads;
+    const int64_t kv_heads = step->kv_heads, head_dim = step->head_dim, inter = step->inter;
+    const int64_t num_slots = step->num_pages * step->page_size;
+    const float eps = step->eps, scale = step->scale;
+    const int threads = step->threads;
+    const int64_t q_size = heads * head_dim, kv_size = kv_heads * head_dim, width = q_size + 2 * kv_size;
+    *layers_written = 0;
+    kvseal_add_rms_norm_bf16(h, NULL, layers[KVSEAL_INPUT_NORM], eps, x, rows, hidden, threads);
+    for (int64_t l = 0; l < num_layers; l++) {
+        const void *const *w = layers + l * KVSEAL_LAYER_POINTERS;
+        if (kvseal_linear_tiles(x, w[KVSEAL_W_QKV], w[KVSEAL_B_QKV], qkv, rows, width, hidden, threads)) return -2;
+        kvseal_rope_bf16(qkv, cos, signed_sin, rows, width, heads + kv_heads, head_dim, threads);
+        if (kvseal_write_slots_bf16(qkv + q_size, qkv + q_size + kv_size, width, slots, (uint16_t *)w[KVSEAL_K_POOL],
+                                    (uint16_t *)w[KVSEAL_V_POOL], rows, kv_heads, head_dim, num_slots))
+            return -1;
+        *layers_written = l + 1;
+        const int status = kvseal_prefill_attention_bf16(qkv, width, starts, num_chunks, length, heads, kv_heads,
+                                                         head_dim, scale, attn, 0, NULL, NULL, NULL, 0, 1, threads);
+        if (status) return -2;
+        int64_t n = rows;
+        uint16_t *hn = h, *xn = x, *an = attn;
+        if (l + 1 == num_layers) { /* only the sampled rows' stream from here on */
+            for (int64_t i = 0; i < num_sampled; i++) {
+                memcpy(qkv + i * q_size, attn + sampled[i] * q_size, sizeof(uint16_t) * q_size);
+                memcpy(hs + i * hidden, h + sampled[i] * hidden, sizeof(uint16_t) * hidden);
+            }
+            n = num_sampled, hn = hs, xn = xs, an = qkv;
+        }
+        if (kvseal_linear_tiles_add_norm_bf16(an, w[KVSEAL_W_O], w[KVSEAL_B_O], tmp, hn, w[KVSEAL_POST_NORM], eps, xn,
+                                              n, hidden, q_size, threads))
+            return -2;
+        if (w[KVSEAL_B_GATE_UP] != NULL
+            || kvseal_linear_silu_tiles(xn, w[KVSEAL_W_GATE_UP], act, n, inter, hidden, threads)) {
+            if (kvseal_linear_tiles(xn, w[KVSEAL_W_GATE_UP], w[KVSEAL_B_GATE_UP], gate_up, n, 2 * inter, hidden,
+                                    threads))
+                return -2;
+            kvseal_silu_mul_bf16(gate_up, act, n, inter, threads);
+        }
+        const uint16_t *next_norm =
+            l + 1 < num_layers ? (const uint16_t *)w[KVSEAL_LAYER_POINTERS + KVSEAL_INPUT_NORM] : final_norm;
+        if (kvseal_linear_tiles_add_norm_bf16(act, w[KVSEAL_W_DOWN], w[KVSEAL_B_DOWN], tmp, hn, next_norm, eps, xn, n,
+                                              hidden, inter, threads))
+            return -2;
+    }
+    return 0;
+}

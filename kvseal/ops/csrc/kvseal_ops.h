@@ -114,6 +114,12 @@ int kvseal_tiles_engine(int engine);
 void kvseal_pack_tiles(const uint16_t *w, uint16_t *packed, int64_t n_out, int64_t k_in);
 /* y [rows, n_out] = x [rows, k_in] . W^T (+ bias [n_out] unless NULL), bfloat16 in and out,
    float32 sums each rounded once. Returns 0, or -1 where the build has no tile engine. */
+/* kvseal_linear_tiles into y, then kvseal_add_rms_norm_bf16(h, y, weight, eps, out): bit-equal
+   to the two calls, from 256 rows with the rows split between the threads so that each adds
+   and norms the rows it just computed. Returns 0, or -1 where the build has no tile engine. */
+int kvseal_linear_tiles_add_norm_bf16(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, uint16_t *y,
+                                      uint16_t *h, const uint16_t *weight, float eps, uint16_t *out, int64_t rows,
+                                      int64_t n_out, int64_t k_in, int num_threads);
 int kvseal_linear_tiles(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, uint16_t *y, int64_t rows,
                         int64_t n_out, int64_t k_in, int num_threads);
 /* kvseal_linear_tiles with the float32 sums (+ bias [n_out] float32 unless NULL) written as
@@ -215,6 +221,18 @@ int kvseal_decode_layers_bf16(const struct kvseal_decode_step *step, const void 
                               uint16_t *tmp, uint16_t *gate_up, uint16_t *act, const uint16_t *cos,
                               const uint16_t *signed_sin, const int64_t *slots, const int64_t *tables,
                               const int64_t *context_lens, int64_t *layers_written);
+
+/* A step of fresh prefill chunks only (num_chunks chunks of `length` rows back to back, starts
+   [num_chunks] their first rows), in the bfloat16 loop's buffers plus gate_up [rows, 2 * inter]
+   (used where the gate/up has a bias) and the last layer's sampled rows: sampled [num_sampled]
+   row indices, hs and xs [num_sampled, hidden] (xs: the final-normed stream out; qkv must hold
+   num_sampled x heads * head_dim). Returns as kvseal_decode_layers_bf16. */
+int kvseal_prefill_layers_bf16(const struct kvseal_decode_step *step, const void *const *layers,
+                               const uint16_t *final_norm, uint16_t *h, uint16_t *x, uint16_t *qkv, uint16_t *attn,
+                               uint16_t *tmp, uint16_t *gate_up, uint16_t *act, const uint16_t *cos,
+                               const uint16_t *signed_sin, const int64_t *slots, const int64_t *starts,
+                               int64_t num_chunks, int64_t length, const int64_t *sampled, int64_t num_sampled,
+                               uint16_t *hs, uint16_t *xs, int64_t *layers_written);
 
 /* ---- the always-on isolation check and the write records' growth (records.c) ---- */
 

@@ -136,29 +136,8 @@ int kvseal_write_slots_bf16(const uint16_t *k_new, const uint16_t *v_new, int64_
 void kvseal_add_rms_norm_bf16(uint16_t *h, const uint16_t *delta, const uint16_t *weight, float eps, uint16_t *out,
                               int64_t rows, int64_t dim, int num_threads) {
 #pragma omp parallel for num_threads(rows >= 64 ? num_threads : 1) schedule(static)
-    for (int64_t r = 0; r < rows; r++) {
-        uint16_t *hr = h + r * dim, *o = out + r * dim;
-        const uint16_t *dr = delta == NULL ? NULL : delta + r * dim;
-        v16 acc = {0};
-        int64_t i = 0;
-        for (; i + 16 <= dim; i += 16) {
-            v16 x = load16_bf16(hr + i);
-            if (dr != NULL) {
-                x = round16_bf16(x + load16_bf16(dr + i));
-                store16_bf16(hr + i, x);
-            }
-            acc += x * x;
-        }
-        float sum = hsum8(fold16(acc));
-        for (; i < dim; i++) {
-            if (dr != NULL) hr[i] = to_bf16(widen_bf16_1(hr[i]) + widen_bf16_1(dr[i]));
-            sum += widen_bf16_1(hr[i]) * widen_bf16_1(hr[i]);
-        }
-        const float rstd = 1.0f / sqrtf(sum / (float)dim + eps);
-        for (i = 0; i + 16 <= dim; i += 16)
-            store16_bf16(o + i, round16_bf16(load16_bf16(hr + i) * rstd) * load16_bf16(weight + i));
-        for (; i < dim; i++) o[i] = to_bf16(round_bf16_1(widen_bf16_1(hr[i]) * rstd) * widen_bf16_1(weight[i]));
-    }
+    for (int64_t r = 0; r < rows; r++)
+        add_rms_norm_row_bf16(h + r * dim, delta == NULL ? NULL : delta + r * dim, weight, eps, out + r * dim, dim);
 }
 
 /* gate_up [rows, 2 * inter] (gate, then up) -> out [rows, inter] = bf16(bf16(silu(gate)) * up). */

@@ -38,6 +38,8 @@
  * silu(gate) to bfloat16, then the product, as the two passes round: bit-equal to them, with the
  * [rows, 2 * inter] intermediate never written. */
 
+#include <omp.h>
+
 #include "kvseal_ops.h"
 #include "tiles.h"
 #include "vec.h"
@@ -389,6 +391,41 @@ int kvseal_linear_tiles(const uint16_t *x, const uint16_t *packed, const uint16_
     return 0;
 }
 
+/* y = x W^T (+ bias) as kvseal_linear_tiles, then h += y and out = RMSNorm(h) * weight as
+   kvseal_add_rms_norm_bf16 (the residual add and norm after a decoder layer's o_proj or
+   down_proj), bit-equal to the two calls. From TILE_SPLIT_ROWS rows the threads split the rows
+   instead of the panel pairs, each multiplying its chunks by every pair and then adding and
+   norming the rows it just wrote, from its own cache; the separate norm read each row from
+   memory, half of them written by the other core. Each thread reads the whole weight (a
+   2,048-token step: o_proj + norm 0.80 -> 0.66 ms, down_proj + norm 1.51 -> 1.45 ms). Fewer rows
+   run the two calls (the weight read twice would cost more there). Returns 0. */
+int kvseal_linear_tiles_add_norm_bf16(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, uint16_t *y,
+                                      uint16_t *h, const uint16_t *weight, float eps, uint16_t *out, int64_t rows,
+                                      int64_t n_out, int64_t k_in, int num_threads) {
+    if (rows < TILE_SPLIT_ROWS || num_threads < 2) {
+        kvseal_linear_tiles(x, packed, bias, y, rows, n_out, k_in, num_threads);
+        kvseal_add_rms_norm_bf16(h, y, weight, eps, out, rows, n_out, num_threads);
+        return 0;
+    }
+    const int64_t pairs = ((n_out + 15) / 16 + 1) / 2, chunks = (rows + TILE_CHUNK_ROWS - 1) / TILE_CHUNK_ROWS;
+    const int amx = kvseal_amx_linears;
+#pragma omp parallel num_threads(num_threads)
+    {
+        const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+        const int64_t r0 = chunks * t / nt * TILE_CHUNK_ROWS, r_end = chunks * (t + 1) / nt * TILE_CHUNK_ROWS;
+        const int64_t r1 = r_end < rows ? r_end : rows;
+        if (r1 > r0) {
+            const struct tile_job mine = {x + r0 * k_in, packed, bias, y + r0 * n_out, r1 - r0,
+                                          n_out,         k_in,   0,    NULL,           NULL};
+            tile_pairs(&mine, 0, pairs, amx, -1);
+            if (amx) tile_release();
+            for (int64_t r = r0; r < r1; r++)
+                add_rms_norm_row_bf16(h + r * n_out, y + r * n_out, weight, eps, out + r * n_out, n_out);
+        }
+    }
+    return 0;
+}
+
 /* kvseal_linear_tiles, the float32 sums (+ float32 bias) written unrounded into y. Returns 0. */
 int kvseal_linear_tiles_f32(const uint16_t *x, const uint16_t *packed, const float *bias, float *y, int64_t rows,
                             int64_t n_out, int64_t k_in, int num_threads) {
@@ -410,6 +447,23 @@ int kvseal_linear_silu_tiles(const uint16_t *x, const uint16_t *packed, uint16_t
     return 0;
 }
 #else
+int kvseal_linear_tiles_add_norm_bf16(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, uint16_t *y,
+                                      uint16_t *h, const uint16_t *weight, float eps, uint16_t *out, int64_t rows,
+                                      int64_t n_out, int64_t k_in, int num_threads) {
+    (void)x;
+    (void)packed;
+    (void)bias;
+    (void)y;
+    (void)h;
+    (void)weight;
+    (void)eps;
+    (void)out;
+    (void)rows;
+    (void)n_out;
+    (void)k_in;
+    (void)num_threads;
+    return -1;
+}
 int kvseal_linear_tiles(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, uint16_t *y, int64_t rows,
                         int64_t n_out, int64_t k_in, int num_threads) {
     (void)x;

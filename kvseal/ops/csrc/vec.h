@@ -193,4 +193,31 @@ static inline v16 recip16(v16 d) {
 DEFINE_SILU_MUL(silu_mul8, v8, v8i, exp_v, DIVIDE)
 DEFINE_SILU_MUL(silu_mul16, v16, v16i, exp_v16, TIMES_RECIP16)
 
+/* One row of the bfloat16 residual add + RMSNorm: hr [dim] += dr (unless NULL), rounded to
+   bfloat16, in place; o = bf16(bf16(hr * rstd) * weight), rstd = 1 / sqrt(mean(hr^2) + eps) in
+   float32 (transformers' bfloat16 RMSNorm). kvseal_add_rms_norm_bf16 runs it over rows, and the
+   tile linear whose outputs it adds (kvseal_linear_tiles_add_norm_bf16) on rows it just wrote. */
+static inline void add_rms_norm_row_bf16(uint16_t *hr, const uint16_t *dr, const uint16_t *weight, float eps,
+                                         uint16_t *o, int64_t dim) {
+    v16 acc = {0};
+    int64_t i = 0;
+    for (; i + 16 <= dim; i += 16) {
+        v16 x = load16_bf16(hr + i);
+        if (dr != NULL) {
+            x = round16_bf16(x + load16_bf16(dr + i));
+            store16_bf16(hr + i, x);
+        }
+        acc += x * x;
+    }
+    float sum = hsum8(fold16(acc));
+    for (; i < dim; i++) {
+        if (dr != NULL) hr[i] = to_bf16(widen_bf16_1(hr[i]) + widen_bf16_1(dr[i]));
+        sum += widen_bf16_1(hr[i]) * widen_bf16_1(hr[i]);
+    }
+    const float rstd = 1.0f / sqrtf(sum / (float)dim + eps);
+    for (i = 0; i + 16 <= dim; i += 16)
+        store16_bf16(o + i, round16_bf16(load16_bf16(hr + i) * rstd) * load16_bf16(weight + i));
+    for (; i < dim; i++) o[i] = to_bf16(round_bf16_1(widen_bf16_1(hr[i]) * rstd) * widen_bf16_1(weight[i]));
+}
+
 #endif
