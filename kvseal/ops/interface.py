@@ -125,15 +125,17 @@ class DecodeLoop(Protocol):
         K/V through the pool's recorded write (`KVPool.write_layers_by`); IndexError, writing
         nothing more, for a slot outside the pool."""
 
-    def takes_fresh(self, group: FreshPrefills) -> bool:
-        """Whether `run_fresh` takes a step whose every token is in this group of fresh chunks."""
+    def takes_fresh(self, group: FreshPrefills, decode: DecodePlan | None) -> bool:
+        """Whether `run_fresh` takes a step of `decode`'s rows (none: no decode rows) as its first
+        tokens, then this group of fresh chunks, and nothing else."""
 
     def run_fresh(self, h: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, slots: torch.Tensor,
-                  group: FreshPrefills, sampled: torch.Tensor, pool: KVPool) -> torch.Tensor:
-        """`run` for a step of fresh chunks only (`group`'s, back to back from token 0): each chunk
-        attends to its own tokens. Returns the final-normed stream of the `sampled` tokens only
-        ([len(sampled), hidden]; the last layer's tail runs on those alone), bit-equal to the
-        per-layer ops; the pool's writes as `run`'s."""
+                  group: FreshPrefills, decode: DecodePlan | None, sampled: torch.Tensor,
+                  pool: KVPool) -> torch.Tensor:
+        """`run` for a step of `decode`'s rows (if any) first, then `group`'s fresh chunks back to
+        back: each decode row attends to its own slots, each chunk to its own tokens. Returns the
+        final-normed stream of the `sampled` tokens only ([len(sampled), hidden]; the last layer's
+        tail runs on those alone), bit-equal to the per-layer ops; the pool's writes as `run`'s."""
 
 
 class Ops(Protocol):

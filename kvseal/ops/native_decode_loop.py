@@ -1,5 +1,5 @@
 """Decode-only steps of a float32 or bfloat16 model in one native call (`csrc/decode_loop.c`),
-and steps of fresh prefill chunks only of a bfloat16 model.
+and a bfloat16 model's steps of fresh prefill chunks.
 
 The per-layer forward calls ~20 small kernels per layer from Python; at one to eight decode
 rows that costs 4-6 ms a step, a sixth of a single-stream decode step. A step whose every row
@@ -9,12 +9,12 @@ per-layer path. A float32 model's linears must be kvseal's panels of one kind
 (`kvseal_decode_layers`), a bfloat16 model's tiles (`kvseal_decode_layers_bf16`). Models with
 per-head q/k norms, or other linears keep the per-layer path.
 
-A step whose every token is in fresh prefill chunks of one length, back to back (one prompt, or a
-wave of equal prompts: the step that decides a request's time to first token) runs the same way
-in a bfloat16 model whose fresh chunks the prefill attention kernel takes
-(`kvseal_prefill_layers_bf16`): ~20 Python calls a layer are ~5 ms of a 256-token prompt's ~50 ms
-step. Other prefill steps (decode rows or chunks after a cached prefix beside them, unequal
-lengths) keep the per-layer path.
+A step of fresh prefill chunks of one length, back to back, after the step's decode rows or none
+(one prompt, a wave of equal prompts, or the next prompts of a wave while the first ones decode:
+the steps that decide a request's time to first token) runs the same way in a bfloat16 model
+whose fresh chunks the prefill attention kernel takes (`kvseal_prefill_layers_bf16`): ~20 Python
+calls a layer are ~5 ms of a 256-token prompt's ~50 ms step. Other prefill steps (chunks after a
+cached prefix, unequal lengths, decode rows after the chunks) keep the per-layer path.
 
 The KV writes are the same bounds-checked kernel (`kvseal_write_slots`, which refuses a slot
 outside the pool writing nothing), and the pool records each layer the call wrote, exactly as
@@ -131,17 +131,19 @@ class NativeDecodeLoop:
             raise MemoryError("a decode-loop kernel could not allocate its scratch")
         return x
 
-    def takes_fresh(self, group: FreshPrefills) -> bool:
-        return self.fresh_prefill and group.token_idx is None and group.token_start == 0
+    def takes_fresh(self, group: FreshPrefills, decode: DecodePlan | None) -> bool:
+        decodes = 0 if decode is None else decode.context_lens.numel() if isinstance(decode, NativeRows) else -1
+        return self.fresh_prefill and group.token_idx is None and group.token_start == decodes
 
     def run_fresh(self, h: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, slots: torch.Tensor,
-                  group: FreshPrefills, sampled: torch.Tensor, pool: KVPool) -> torch.Tensor:
-        rows, length, starts = h.shape[0], group.length, group.starts
+                  group: FreshPrefills, decode: DecodePlan | None, sampled: torch.Tensor,
+                  pool: KVPool) -> torch.Tensor:
+        rows, length, starts, decodes = h.shape[0], group.length, group.starts, group.token_start
         tensors = (h, cos, signed_sin, slots, starts, sampled)
-        if not self.takes_fresh(group) or any(not t.is_contiguous() for t in tensors) or h.dtype != self.dtype \
-                or slots.shape != (rows,) or starts.numel() * length != rows:
-            raise TypeError("the prefill loop takes contiguous bfloat16 rows, one int64 slot per row, and fresh "
-                            "chunks back to back over every row")
+        if not self.takes_fresh(group, decode) or any(not t.is_contiguous() for t in tensors) \
+                or h.dtype != self.dtype or slots.shape != (rows,) or decodes + starts.numel() * length != rows:
+            raise TypeError("the prefill loop takes contiguous bfloat16 rows, one int64 slot per row, the decode "
+                            "rows first and fresh chunks back to back over every other row")
         # the kernels index rows by these: each must be a row of this step
         if sampled.dtype != torch.int64 or sampled.dim() != 1 \
                 or (sampled.numel() and (int(sampled.min()) < 0 or int(sampled.max()) >= rows)) \
@@ -151,7 +153,13 @@ class NativeDecodeLoop:
         self._bind(pool)
         step = self.step
         step.rows, step.num_pages, step.page_size = rows, pool.num_pages, pool.page_size
+        tables = context_lens = None
         step.table_width, step.max_context = 0, 0
+        if isinstance(decode, NativeRows) and decodes:
+            tables, context_lens = decode.tables, decode.context_lens
+            if not (tables.is_contiguous() and context_lens.is_contiguous()):
+                raise TypeError("the prefill loop reads the decode rows' tables and context lengths in place")
+            step.table_width, step.max_context = tables.shape[1], decode.max_context
         step.threads = torch.get_num_threads()
         stack, n = self.stack, sampled.numel()
         x = torch.empty_like(h)
@@ -167,8 +175,9 @@ class NativeDecodeLoop:
             nonlocal status
             status = lib.kvseal_prefill_layers_bf16(
                 step, self.table, ptr(stack.final_norm), *(ptr(t) for t in (h, x, qkv, attn, tmp, gate_up, act, cos,
-                                                                                signed_sin, slots, starts)),
-                starts.numel(), length, ptr(sampled), n, ptr(hs), ptr(xs), written)
+                                                                                signed_sin, slots)),
+                decodes, ptr(tables), ptr(context_lens), ptr(starts), starts.numel(), length, ptr(sampled), n,
+                ptr(hs), ptr(xs), written)
             return int(written[0])
 
         pool.write_layers_by(slots, store)

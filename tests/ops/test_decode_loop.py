@@ -295,16 +295,50 @@ def test_the_fresh_loop_refuses_rows_outside_the_step_and_slots_outside_the_pool
     batch = build_forward_batch(engine.scheduler.schedule().chunks, engine.kv).batch
     plan = AttentionPlan.build(batch, pool, model.config.num_heads, model.ops)
     loop = model.decode_loop()
-    assert plan.decode is None and len(plan.fresh) == 1 and loop is not None and loop.takes_fresh(plan.fresh[0])
+    assert plan.decode is None and len(plan.fresh) == 1 and loop is not None \
+        and loop.takes_fresh(plan.fresh[0], None)
     h = model.model.embed_tokens(batch.input_ids).contiguous()
     cos, sin = model.rope.cos_sin_rows(batch.positions, h.dtype, max(batch.context_lens))
     before = [t.clone() for t in (*pool.k, *pool.v)]
     rows = h.shape[0]
     with pytest.raises(IndexError, match="outside the step"):  # a sampled row past the step's rows
-        loop.run_fresh(h.clone(), cos, sin, batch.slot_mapping, plan.fresh[0], torch.tensor([rows]), pool)
+        loop.run_fresh(h.clone(), cos, sin, batch.slot_mapping, plan.fresh[0], None, torch.tensor([rows]), pool)
     bad_slots = batch.slot_mapping.clone()
     bad_slots[-1] = pool.num_slots
     with pytest.raises(IndexError, match="outside the pool"):
-        loop.run_fresh(h.clone(), cos, sin, bad_slots, plan.fresh[0], batch.logits_indices, pool)
+        loop.run_fresh(h.clone(), cos, sin, bad_slots, plan.fresh[0], None, batch.logits_indices, pool)
     assert all(_same(a, b) for a, b in zip(before, (*pool.k, *pool.v))), "nothing written"
     assert int(engine.kv.records.prefix.max()) == 0, "no layer recorded as written"
+
+
+def _wave(llm: Any, params: SamplingParams) -> dict[str, Any]:
+    """Two prompts prefilled, then two more while the first two decode (decode rows first, then
+    one fresh group: the loop's mixed step), all run to the end; the outputs by request id."""
+    engine, outputs = llm.engine, {}
+    for i, prompt in enumerate(EQUAL_PROMPTS[:2]):
+        engine.add_request(f"a{i}", prompt, params)
+    for out in engine.step():
+        outputs[out.request_id] = out
+    engine.add_request("b0", list(range(200, 224)), params)
+    engine.add_request("b1", list(range(300, 324)), params)
+    while engine.has_unfinished():
+        for out in engine.step():
+            outputs[out.request_id] = out
+    return outputs
+
+
+@NEEDS_TILES
+def test_a_step_of_decode_rows_then_fresh_chunks_runs_in_the_loop(make_llm: Callable[..., Any],
+                                                                  head_dim_64: str) -> None:
+    """The next prompts of a wave start while the first ones decode: the step's decode rows
+    come first, then one group of fresh chunks. In the loop (decode attention over the pool for
+    the first rows, prefill attention over their own rows for the rest), tokens and logprobs
+    bit-equal to the per-layer forward."""
+    llm = make_llm(model=head_dim_64, **FRESH_SIZES)
+    calls = _count_fresh_steps(llm)
+    looped = _wave(llm, PARAMS)
+    assert calls == [48, 2 + 48], "the first prefill alone, then two decode rows and two chunks"
+    plain = _wave(_without_loop(make_llm(model=head_dim_64, **FRESH_SIZES)), PARAMS)
+    assert looped.keys() == plain.keys()
+    for request_id, out in looped.items():
+        assert out.token_ids == plain[request_id].token_ids and out.logprobs == plain[request_id].logprobs

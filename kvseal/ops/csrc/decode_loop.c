@@ -113,8 +113,9 @@ int kvseal_decode_layers_bf16(const struct kvseal_decode_step *step, const void 
     return 0;
 }
 
-/* A step of fresh prefill chunks only, every layer in one call: num_chunks chunks of `length`
-   tokens back to back (rows = num_chunks * length, chunk i's rows from starts[i], each at
+/* A step of fresh prefill chunks, after num_decodes decode rows or none, every layer in one call:
+   rows 0..num_decodes-1 decode one token each (tables, context_lens: as kvseal_decode_attention),
+   then num_chunks chunks of `length` tokens back to back (chunk i's rows from starts[i], each at
    positions 0..length-1), as the per-layer forward runs it: the same kernels in the same order
    (the prefill attention over each chunk's own rows), and the last layer's tail (o_proj, MLP,
    final norm) on the `num_sampled` sampled rows only, gathered into hs and xs. A 256-token
@@ -124,12 +125,13 @@ int kvseal_decode_layers_bf16(const struct kvseal_decode_step *step, const void 
 int kvseal_prefill_layers_bf16(const struct kvseal_decode_step *step, const void *const *layers,
                                const uint16_t *final_norm, uint16_t *h, uint16_t *x, uint16_t *qkv, uint16_t *attn,
                                uint16_t *tmp, uint16_t *gate_up, uint16_t *act, const uint16_t *cos,
-                               const uint16_t *signed_sin, const int64_t *slots, const int64_t *starts,
+                               const uint16_t *signed_sin, const int64_t *slots, int64_t num_decodes,
+                               const int64_t *tables, const int64_t *context_lens, const int64_t *starts,
                                int64_t num_chunks, int64_t length, const int64_t *sampled, int64_t num_sampled,
                                uint16_t *hs, uint16_t *xs, int64_t *layers_written) {
     const int64_t num_layers = step->num_layers, rows = step->rows, hidden = step->hidden, heads = step->heads;
     const int64_t kv_heads = step->kv_heads, head_dim = step->head_dim, inter = step->inter;
-    const int64_t num_slots = step->num_pages * step->page_size;
+    const int64_t num_pages = step->num_pages, page_size = step->page_size, num_slots = num_pages * page_size;
     const float eps = step->eps, scale = step->scale;
     const int threads = step->threads;
     const int64_t q_size = heads * head_dim, kv_size = kv_heads * head_dim, width = q_size + 2 * kv_size;
@@ -139,13 +141,20 @@ int kvseal_prefill_layers_bf16(const struct kvseal_decode_step *step, const void
         const void *const *w = layers + l * KVSEAL_LAYER_POINTERS;
         if (kvseal_linear_tiles(x, w[KVSEAL_W_QKV], w[KVSEAL_B_QKV], qkv, rows, width, hidden, threads)) return -2;
         kvseal_rope_bf16(qkv, cos, signed_sin, rows, width, heads + kv_heads, head_dim, threads);
-        if (kvseal_write_slots_bf16(qkv + q_size, qkv + q_size + kv_size, width, slots, (uint16_t *)w[KVSEAL_K_POOL],
-                                    (uint16_t *)w[KVSEAL_V_POOL], rows, kv_heads, head_dim, num_slots))
+        uint16_t *k_pool = (uint16_t *)w[KVSEAL_K_POOL], *v_pool = (uint16_t *)w[KVSEAL_V_POOL];
+        if (kvseal_write_slots_bf16(qkv + q_size, qkv + q_size + kv_size, width, slots, k_pool, v_pool, rows, kv_heads,
+                                    head_dim, num_slots))
             return -1;
         *layers_written = l + 1;
-        const int status = kvseal_prefill_attention_bf16(qkv, width, starts, num_chunks, length, heads, kv_heads,
-                                                         head_dim, scale, attn, 0, NULL, NULL, NULL, 0, 1, threads);
-        if (status) return -2;
+        if (num_decodes > 0
+            && kvseal_decode_attention_bf16(qkv, width, k_pool, v_pool, tables, context_lens, attn, q_size, num_decodes,
+                                            kv_heads, heads / kv_heads, head_dim, num_pages, page_size,
+                                            step->table_width, step->max_context, scale, KVSEAL_SCORES_AMX, threads))
+            return -2;
+        if (num_chunks > 0
+            && kvseal_prefill_attention_bf16(qkv, width, starts, num_chunks, length, heads, kv_heads, head_dim, scale,
+                                             attn, 0, NULL, NULL, NULL, 0, 1, threads))
+            return -2;
         int64_t n = rows;
         uint16_t *hn = h, *xn = x, *an = attn;
         if (l + 1 == num_layers) { /* only the sampled rows' stream from here on */

@@ -222,15 +222,18 @@ int kvseal_decode_layers_bf16(const struct kvseal_decode_step *step, const void 
                               const uint16_t *signed_sin, const int64_t *slots, const int64_t *tables,
                               const int64_t *context_lens, int64_t *layers_written);
 
-/* A step of fresh prefill chunks only (num_chunks chunks of `length` rows back to back, starts
-   [num_chunks] their first rows), in the bfloat16 loop's buffers plus gate_up [rows, 2 * inter]
+/* A step of fresh prefill chunks (num_chunks chunks of `length` rows back to back, starts
+   [num_chunks] their first rows) after num_decodes decode rows (tables, context_lens and the
+   step's table_width, max_context as kvseal_decode_layers_bf16; NULL and 0 for none), in the
+   bfloat16 loop's buffers plus gate_up [rows, 2 * inter]
    (used where the gate/up has a bias) and the last layer's sampled rows: sampled [num_sampled]
    row indices, hs and xs [num_sampled, hidden] (xs: the final-normed stream out; qkv must hold
    num_sampled x heads * head_dim). Returns as kvseal_decode_layers_bf16. */
 int kvseal_prefill_layers_bf16(const struct kvseal_decode_step *step, const void *const *layers,
                                const uint16_t *final_norm, uint16_t *h, uint16_t *x, uint16_t *qkv, uint16_t *attn,
                                uint16_t *tmp, uint16_t *gate_up, uint16_t *act, const uint16_t *cos,
-                               const uint16_t *signed_sin, const int64_t *slots, const int64_t *starts,
+                               const uint16_t *signed_sin, const int64_t *slots, int64_t num_decodes,
+                               const int64_t *tables, const int64_t *context_lens, const int64_t *starts,
                                int64_t num_chunks, int64_t length, const int64_t *sampled, int64_t num_sampled,
                                uint16_t *hs, uint16_t *xs, int64_t *layers_written);
 
