@@ -24,6 +24,7 @@ next step see the same coverage either way.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -106,29 +107,17 @@ class NativeDecodeLoop:
         step.threads = torch.get_num_threads()
         x = torch.empty_like(h)  # returned: never one of the reused buffers
         tmp, qkv, q, attn, gate_up, act = self._buffers(rows)
-        written = self.kernels.ffi.new("int64_t *")
-        status = 0
         ptr = self.kernels.ptr
         positions = [ptr(t) for t in (cos, signed_sin, slots, plan.tables, plan.context_lens)]
-
-        def store() -> int:
-            nonlocal status
-            final_norm = ptr(self.stack.final_norm)
-            if self.kind == _TILES:  # q is read in place from the qkv rows
-                status = lib.kvseal_decode_layers_bf16(step, self.table, final_norm,
-                                                       *(ptr(t) for t in (h, x, qkv, attn, tmp, gate_up, act)),
-                                                       *positions, written)
-            else:
-                status = lib.kvseal_decode_layers(self.kind, step, self.table, final_norm,
-                                                  *(ptr(t) for t in (h, x, qkv, q, attn, tmp, gate_up, act)),
-                                                  *positions, written)
-            return int(written[0])
-
-        pool.write_layers_by(slots, store)
-        if status == -1:
-            raise IndexError("a KV slot is outside the pool layer")
-        if status != 0:
-            raise MemoryError("a decode-loop kernel could not allocate its scratch")
+        final_norm = ptr(self.stack.final_norm)
+        if self.kind == _TILES:  # q is read in place from the qkv rows
+            self._store_layers(slots, pool, lambda written: lib.kvseal_decode_layers_bf16(
+                step, self.table, final_norm, *(ptr(t) for t in (h, x, qkv, attn, tmp, gate_up, act)), *positions,
+                written))
+        else:
+            self._store_layers(slots, pool, lambda written: lib.kvseal_decode_layers(
+                self.kind, step, self.table, final_norm, *(ptr(t) for t in (h, x, qkv, q, attn, tmp, gate_up, act)),
+                *positions, written))
         return x
 
     def takes_fresh(self, group: FreshPrefills, decode: DecodePlan | None) -> bool:
@@ -167,25 +156,32 @@ class NativeDecodeLoop:
         tmp, act = torch.empty_like(h), torch.empty((rows, stack.inter), dtype=h.dtype)
         gate_up = torch.empty((rows, 2 * stack.inter) if self._gate_up_scratch else (1,), dtype=h.dtype)
         hs, xs = torch.empty((n, stack.hidden), dtype=h.dtype), torch.empty((n, stack.hidden), dtype=h.dtype)
+        ptr = self.kernels.ptr
+        self._store_layers(slots, pool, lambda written: lib.kvseal_prefill_layers_bf16(
+            step, self.table, ptr(stack.final_norm), *(ptr(t) for t in (h, x, qkv, attn, tmp, gate_up, act, cos,
+                                                                            signed_sin, slots)),
+            decodes, ptr(tables), ptr(context_lens), ptr(starts), starts.numel(), length, ptr(sampled), n, ptr(hs),
+            ptr(xs), written))
+        return xs
+
+    def _store_layers(self, slots: torch.Tensor, pool: KVPool, call: Callable[[Any], int]) -> None:
+        """Run a loop kernel (`call(written)`: its status; it counts the layers whose K/V it
+        stored into *written) as the pool's recorded write of `slots`; IndexError for a slot
+        outside the pool (nothing written in that layer), MemoryError if a kernel could not
+        allocate its scratch."""
         written = self.kernels.ffi.new("int64_t *")
         status = 0
-        ptr = self.kernels.ptr
 
         def store() -> int:
             nonlocal status
-            status = lib.kvseal_prefill_layers_bf16(
-                step, self.table, ptr(stack.final_norm), *(ptr(t) for t in (h, x, qkv, attn, tmp, gate_up, act, cos,
-                                                                                signed_sin, slots)),
-                decodes, ptr(tables), ptr(context_lens), ptr(starts), starts.numel(), length, ptr(sampled), n,
-                ptr(hs), ptr(xs), written)
+            status = call(written)
             return int(written[0])
 
         pool.write_layers_by(slots, store)
         if status == -1:
             raise IndexError("a KV slot is outside the pool layer")
         if status != 0:
-            raise MemoryError("a prefill-loop kernel could not allocate its scratch")
-        return xs
+            raise MemoryError("a loop kernel could not allocate its scratch")
 
     def _bind(self, pool: KVPool) -> None:
         """The pool's K and V tensors into the pointer table, once per pool (its tensors never

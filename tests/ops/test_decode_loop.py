@@ -30,18 +30,19 @@ def _without_loop(llm: Any) -> Any:
     return llm
 
 
-def _count_loop_steps(llm: Any) -> list[int]:
-    """Wrap the model's loop so each decode-only step that ran in it is counted."""
+def _count_loop_steps(llm: Any, method: str = "run") -> list[int]:
+    """Wrap the model's loop so each step that ran in it (decode-only: `run`; with fresh
+    chunks: `run_fresh`) is counted by its rows."""
     loop = llm.engine.runner.model.decode_loop()
     assert loop is not None
     calls: list[int] = []
-    run = loop.run
+    run = getattr(loop, method)
 
     def counted(h: torch.Tensor, *args: Any) -> torch.Tensor:
         calls.append(h.shape[0])
         return run(h, *args)
 
-    loop.run = counted  # type: ignore[method-assign]
+    setattr(loop, method, counted)
     return calls
 
 
@@ -98,6 +99,15 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return bool(torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0)))  # a poisoned (NaN) slot equals itself
 
 
+def _assert_same_pools(looped: Any, plain: Any) -> None:
+    """Both engines' pools hold the same K/V, and their write records (the coverage the next
+    step's isolation check reads) agree layer by layer."""
+    for layer in range(len(looped.kv.pool.k)):
+        assert _same(looped.kv.pool.k[layer], plain.kv.pool.k[layer])
+        assert _same(looped.kv.pool.v[layer], plain.kv.pool.v[layer])
+    assert torch.equal(looped.kv.records.prefix, plain.kv.records.prefix)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_loop_writes_and_records_what_the_per_layer_forward_does(make_llm: Callable[..., Any], dtype: str) -> None:
     """After the same steps, both engines' pools hold the same K/V and their write records
@@ -113,11 +123,7 @@ def test_loop_writes_and_records_what_the_per_layer_forward_does(make_llm: Calla
         for _ in range(6):  # the prompts' prefills, then decode-only steps
             engine.step()
         engines.append(engine)
-    looped, plain = engines
-    for layer in range(len(looped.kv.pool.k)):
-        assert _same(looped.kv.pool.k[layer], plain.kv.pool.k[layer])
-        assert _same(looped.kv.pool.v[layer], plain.kv.pool.v[layer])
-    assert torch.equal(looped.kv.records.prefix, plain.kv.records.prefix)
+    _assert_same_pools(*engines)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -208,20 +214,6 @@ def head_dim_64(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(make_tiny_model("llama_head_dim_64", tmp_path_factory.mktemp("head-dim-64")))
 
 
-def _count_fresh_steps(llm: Any) -> list[int]:
-    loop = llm.engine.runner.model.decode_loop()
-    assert loop is not None
-    calls: list[int] = []
-    run = loop.run_fresh
-
-    def counted(h: torch.Tensor, *args: Any) -> torch.Tensor:
-        calls.append(h.shape[0])
-        return run(h, *args)
-
-    loop.run_fresh = counted  # type: ignore[method-assign]
-    return calls
-
-
 @NEEDS_TILES
 @pytest.mark.parametrize("prompts", [
     EQUAL_PROMPTS, [list(range(30, 70))], [list(range(5, 17)), list(range(40, 60))],
@@ -233,7 +225,7 @@ def test_fresh_prefill_steps_in_the_loop_equal_the_per_layer_forward(make_llm: C
     groups) keep the per-layer forward."""
     sizes = {**FRESH_SIZES, "max_num_batched_tokens": 512, "max_prefill_chunk_tokens": 512, "kv_cache_tokens": 1024}
     llm = make_llm(model=head_dim_64, **sizes)
-    calls = _count_fresh_steps(llm)
+    calls = _count_loop_steps(llm, "run_fresh")
     looped = llm.generate(prompts, PARAMS)
     equal = len({len(p) for p in prompts}) == 1
     assert calls == ([sum(map(len, prompts))] if equal else []), "one prefill step in the loop, or none"
@@ -249,7 +241,7 @@ def test_an_unsampled_fresh_chunk_runs_in_the_loop(make_llm: Callable[..., Any],
     sizes = {**FRESH_SIZES, "max_num_batched_tokens": 16, "max_prefill_chunk_tokens": 16}
     prompt = [list(range(40, 76))]
     llm = make_llm(model=head_dim_64, **sizes)
-    calls = _count_fresh_steps(llm)
+    calls = _count_loop_steps(llm, "run_fresh")
     looped = llm.generate(prompt, PARAMS)
     assert calls == [16]
     plain = _without_loop(make_llm(model=head_dim_64, **sizes)).generate(prompt, PARAMS)
@@ -267,7 +259,7 @@ def test_fresh_loop_writes_and_records_what_the_per_layer_forward_does(make_llm:
     engines = []
     for loop in (True, False):
         llm = make_llm(model=head_dim_64, **FRESH_SIZES)
-        calls = _count_fresh_steps(llm) if loop else None
+        calls = _count_loop_steps(llm, "run_fresh") if loop else None
         if not loop:
             _without_loop(llm)
         engine = llm.engine
@@ -276,11 +268,7 @@ def test_fresh_loop_writes_and_records_what_the_per_layer_forward_does(make_llm:
         engine.step()  # the prefill, every prompt in one group
         assert calls is None or calls == [72]
         engines.append(engine)
-    looped, plain = engines
-    for layer in range(len(looped.kv.pool.k)):
-        assert _same(looped.kv.pool.k[layer], plain.kv.pool.k[layer])
-        assert _same(looped.kv.pool.v[layer], plain.kv.pool.v[layer])
-    assert torch.equal(looped.kv.records.prefix, plain.kv.records.prefix)
+    _assert_same_pools(*engines)
 
 
 @NEEDS_TILES
@@ -335,7 +323,7 @@ def test_a_step_of_decode_rows_then_fresh_chunks_runs_in_the_loop(make_llm: Call
     the first rows, prefill attention over their own rows for the rest), tokens and logprobs
     bit-equal to the per-layer forward."""
     llm = make_llm(model=head_dim_64, **FRESH_SIZES)
-    calls = _count_fresh_steps(llm)
+    calls = _count_loop_steps(llm, "run_fresh")
     looped = _wave(llm, PARAMS)
     assert calls == [48, 2 + 48], "the first prefill alone, then two decode rows and two chunks"
     plain = _wave(_without_loop(make_llm(model=head_dim_64, **FRESH_SIZES)), PARAMS)

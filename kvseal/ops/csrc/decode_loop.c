@@ -74,43 +74,10 @@ int kvseal_decode_layers_bf16(const struct kvseal_decode_step *step, const void 
                               uint16_t *tmp, uint16_t *gate_up, uint16_t *act, const uint16_t *cos,
                               const uint16_t *signed_sin, const int64_t *slots, const int64_t *tables,
                               const int64_t *context_lens, int64_t *layers_written) {
-    const int64_t num_layers = step->num_layers, rows = step->rows, hidden = step->hidden, heads = step->heads;
-    const int64_t kv_heads = step->kv_heads, head_dim = step->head_dim, inter = step->inter;
-    const int64_t num_pages = step->num_pages, page_size = step->page_size, table_width = step->table_width;
-    const int64_t max_context = step->max_context;
-    const float eps = step->eps, scale = step->scale;
-    const int threads = step->threads;
-    const int64_t q_size = heads * head_dim, kv_size = kv_heads * head_dim, width = q_size + 2 * kv_size;
-    *layers_written = 0;
-    kvseal_add_rms_norm_bf16(h, NULL, layers[KVSEAL_INPUT_NORM], eps, x, rows, hidden, threads);
-    for (int64_t l = 0; l < num_layers; l++) {
-        const void *const *w = layers + l * KVSEAL_LAYER_POINTERS;
-        uint16_t *k_pool = (uint16_t *)w[KVSEAL_K_POOL], *v_pool = (uint16_t *)w[KVSEAL_V_POOL];
-        if (kvseal_linear_tiles(x, w[KVSEAL_W_QKV], w[KVSEAL_B_QKV], qkv, rows, width, hidden, threads)) return -2;
-        kvseal_rope_bf16(qkv, cos, signed_sin, rows, width, heads + kv_heads, head_dim, threads);
-        if (kvseal_write_slots_bf16(qkv + q_size, qkv + q_size + kv_size, width, slots, k_pool, v_pool, rows, kv_heads,
-                                    head_dim, num_pages * page_size))
-            return -1;
-        *layers_written = l + 1;
-        if (kvseal_decode_attention_bf16(qkv, width, k_pool, v_pool, tables, context_lens, attn, q_size, rows, kv_heads,
-                                         heads / kv_heads, head_dim, num_pages, page_size, table_width, max_context,
-                                         scale, KVSEAL_SCORES_AMX, threads))
-            return -2;
-        if (kvseal_linear_tiles(attn, w[KVSEAL_W_O], w[KVSEAL_B_O], tmp, rows, hidden, q_size, threads)) return -2;
-        kvseal_add_rms_norm_bf16(h, tmp, w[KVSEAL_POST_NORM], eps, x, rows, hidden, threads);
-        if (w[KVSEAL_B_GATE_UP] != NULL
-            || kvseal_linear_silu_tiles(x, w[KVSEAL_W_GATE_UP], act, rows, inter, hidden, threads)) {
-            if (kvseal_linear_tiles(x, w[KVSEAL_W_GATE_UP], w[KVSEAL_B_GATE_UP], gate_up, rows, 2 * inter, hidden,
-                                    threads))
-                return -2;
-            kvseal_silu_mul_bf16(gate_up, act, rows, inter, threads);
-        }
-        if (kvseal_linear_tiles(act, w[KVSEAL_W_DOWN], w[KVSEAL_B_DOWN], tmp, rows, hidden, inter, threads)) return -2;
-        const uint16_t *next_norm =
-            l + 1 < num_layers ? (const uint16_t *)w[KVSEAL_LAYER_POINTERS + KVSEAL_INPUT_NORM] : final_norm;
-        kvseal_add_rms_norm_bf16(h, tmp, next_norm, eps, x, rows, hidden, threads);
-    }
-    return 0;
+    /* every row a decode row, no chunk, every row's stream out in x */
+    return kvseal_prefill_layers_bf16(step, layers, final_norm, h, x, qkv, attn, tmp, gate_up, act, cos, signed_sin,
+                                      slots, step->rows, tables, context_lens, NULL, 0, 0, NULL, 0, NULL, NULL,
+                                      layers_written);
 }
 
 /* A step of fresh prefill chunks, after num_decodes decode rows or none, every layer in one call:
@@ -121,7 +88,9 @@ int kvseal_decode_layers_bf16(const struct kvseal_decode_step *step, const void 
    final norm) on the `num_sampled` sampled rows only, gathered into hs and xs. A 256-token
    prompt's step spends ~5 ms of ~50 in the per-layer forward's ~20 Python calls a layer.
    Returns as kvseal_decode_layers_bf16 (-2 also where the build has no bfloat16 prefill
-   attention); the final-normed rows are in xs ([num_sampled, hidden]). */
+   attention); the final-normed rows are in xs ([num_sampled, hidden]), or with sampled NULL
+   every row's in x (the decode loop: kvseal_decode_layers_bf16 is this with every row a decode
+   row; below 256 rows the o_proj and down_proj calls are the two calls they fuse). */
 int kvseal_prefill_layers_bf16(const struct kvseal_decode_step *step, const void *const *layers,
                                const uint16_t *final_norm, uint16_t *h, uint16_t *x, uint16_t *qkv, uint16_t *attn,
                                uint16_t *tmp, uint16_t *gate_up, uint16_t *act, const uint16_t *cos,
@@ -157,7 +126,7 @@ int kvseal_prefill_layers_bf16(const struct kvseal_decode_step *step, const void
             return -2;
         int64_t n = rows;
         uint16_t *hn = h, *xn = x, *an = attn;
-        if (l + 1 == num_layers) { /* only the sampled rows' stream from here on */
+        if (l + 1 == num_layers && sampled != NULL) { /* only the sampled rows' stream from here on */
             for (int64_t i = 0; i < num_sampled; i++) {
                 memcpy(qkv + i * q_size, attn + sampled[i] * q_size, sizeof(uint16_t) * q_size);
                 memcpy(hs + i * hidden, h + sampled[i] * hidden, sizeof(uint16_t) * hidden);
