@@ -38,6 +38,9 @@ class AttentionPlan:
     decode: DecodeRows | None
     prefills: list[PrefillSpan]
     fresh: list[FreshPrefills]
+    # the decode rows, if any, are the forward's first tokens (the scheduler puts running
+    # requests first: a wave's next prompts prefill after its first ones' decode rows)
+    decodes_lead: bool = True
 
     @classmethod
     def build(cls, batch: ForwardBatch, pool: KVPool, num_heads: int, ops: Ops) -> AttentionPlan:
@@ -56,13 +59,15 @@ class AttentionPlan:
         fresh = [_fresh_group(length, starts, batch.input_ids.device) for length, starts in fresh_starts.items()]
         if not decode_rows:
             return cls(None, prefills, fresh)
+        decodes_lead = decode_rows == list(range(len(decode_rows)))  # one token each: tokens 0..D-1
         token_idx = None
         if len(decode_rows) < len(batch.query_lens):
             token_idx = torch.tensor([0, *batch.query_lens]).cumsum(0)[torch.tensor(decode_rows)].to(
                 batch.input_ids.device, non_blocking=True)
         context_lens = [batch.context_lens[i] for i in decode_rows]
         tables = _padded_tables([batch.block_tables[i] for i in decode_rows])
-        return cls(DecodeRows(token_idx, ops.plan_decode(tables, context_lens, pool, num_heads)), prefills, fresh)
+        return cls(DecodeRows(token_idx, ops.plan_decode(tables, context_lens, pool, num_heads)), prefills, fresh,
+                   decodes_lead)
 
     @property
     def is_decode_only(self) -> bool:

@@ -159,7 +159,7 @@ class CausalLM(nn.Module):
             x = loop.run(h, cos, signed_sin, batch.slot_mapping, plan.decode.plan, pool)
             # a decode-only step samples every row, in order, but for a one-token prefill chunk
             return self._logits(x if batch.logits_indices.numel() == x.shape[0] else x[batch.logits_indices])
-        if not plan.prefills and len(plan.fresh) == 1 and _decodes_lead(plan) \
+        if not plan.prefills and len(plan.fresh) == 1 and plan.decodes_lead \
                 and (loop := self.decode_loop()) is not None \
                 and loop.takes_fresh(plan.fresh[0], None if plan.decode is None else plan.decode.plan):
             return self._logits(loop.run_fresh(h, cos, signed_sin, batch.slot_mapping, plan.fresh[0],
@@ -222,18 +222,6 @@ def _weights(layer: DecoderLayer) -> DecoderWeights:
     return DecoderWeights(attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj, layer.input_layernorm.weight,
                           layer.post_attention_layernorm.weight, layer.input_layernorm.eps,
                           layer.post_attention_layernorm.eps)
-
-
-def _decodes_lead(plan: AttentionPlan) -> bool:
-    """Whether the step's decode rows, if any, are its first tokens and its one fresh group
-    follows them (the scheduler puts running requests first: a wave's next prompts start while
-    its first ones decode)."""
-    if plan.decode is None:
-        return True
-    rows, first_fresh = plan.decode.token_idx, plan.fresh[0].token_start
-    # token_idx is ascending and distinct: first 0, last first_fresh - 1, first_fresh of them
-    return rows is not None and rows.numel() == first_fresh > 0 and int(rows[0]) == 0 \
-        and int(rows[-1]) == first_fresh - 1
 
 
 def _sampled_rows(batch: ForwardBatch) -> torch.Tensor | None:

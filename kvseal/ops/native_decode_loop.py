@@ -121,7 +121,9 @@ class NativeDecodeLoop:
         return x
 
     def takes_fresh(self, group: FreshPrefills, decode: DecodePlan | None) -> bool:
-        decodes = 0 if decode is None else decode.context_lens.numel() if isinstance(decode, NativeRows) else -1
+        if decode is not None and not isinstance(decode, NativeRows):  # another backend's decode plan
+            return False
+        decodes = 0 if decode is None else decode.context_lens.numel()
         return self.fresh_prefill and group.token_idx is None and group.token_start == decodes
 
     def run_fresh(self, h: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, slots: torch.Tensor,

@@ -316,9 +316,9 @@ static void tile_pairs(const struct tile_job *j, int64_t i_begin, int64_t i_end,
     struct pending_chunk pending = {0};
     int conf0 = -1, conf1 = -1;
     const int64_t panels = (j->n_out + 15) / 16, kblocks = j->k_in / 32, pair_bytes = 2 * j->k_in * 32;
-    const int64_t most = (amx ? TILE_GROUP_BYTES_AMX : TILE_GROUP_BYTES) / pair_bytes, pairs = i_end - i_begin;
-    const int64_t groups = most > 1 ? (pairs + most - 1) / most : pairs;
-    const int64_t group = amx && groups > 1 ? (pairs + groups - 1) / groups : (most > 1 ? most : 1);
+    const int64_t fit = (amx ? TILE_GROUP_BYTES_AMX : TILE_GROUP_BYTES) / pair_bytes, most = fit > 1 ? fit : 1;
+    const int64_t pairs = i_end - i_begin, groups = (pairs + most - 1) / most;
+    const int64_t group = amx && groups > 1 ? (pairs + groups - 1) / groups : most;
     for (int64_t g = i_begin; g < i_end; g += group) {
         const int64_t g_end = g + group < i_end ? g + group : i_end;
         for (int64_t m0 = 0; m0 < j->rows; m0 += TILE_CHUNK_ROWS) {
