@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvseal.hugepages import HUGE_PAGE, huge_empty, huge_zeros
+from kvseal.hugepages import HUGE_PAGE, SMALL_CHUNK, huge_empty, huge_zeros
 from kvseal.kvcache.pool import KVPool
 
 _THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
@@ -33,6 +33,15 @@ def _mapping_of(address: int) -> dict[str, str] | None:
     return fields
 
 
+def _mapping_start(address: int) -> int:
+    """The first address of the mapping that holds `address` (/proc/self/maps)."""
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        low, high = (int(x, 16) for x in line.split(" ", 1)[0].split("-"))
+        if low <= address < high:
+            return low
+    raise LookupError(hex(address))
+
+
 def _kib(fields: dict[str, str], name: str) -> int:
     return int(fields[name].split()[0])
 
@@ -49,9 +58,35 @@ def test_a_large_tensor_starts_on_a_huge_page_and_is_an_ordinary_contiguous_tens
     assert int(t.count_nonzero()) == 64
 
 
-def test_a_small_tensor_is_plain() -> None:
-    t = huge_empty((4, 8), torch.float32)
-    assert t.shape == (4, 8) and t.is_contiguous() and t.untyped_storage().nbytes() == 4 * 8 * 4
+@pytest.mark.skipif(not _SMAPS.exists(), reason="no /proc/self/smaps here")
+def test_small_tensors_are_carved_side_by_side_from_an_advised_chunk() -> None:
+    """Most packed weights are under one huge page: they share advised chunks instead of each
+    taking ordinary heap pages (the decode step streams them all)."""
+    tensors = [huge_empty((n, 64), dtype) for n, dtype in ((4, torch.float32), (3, torch.bfloat16), (700, torch.int8))]
+    for t, (n, dtype) in zip(tensors, ((4, torch.float32), (3, torch.bfloat16), (700, torch.int8))):
+        assert t.shape == (n, 64) and t.dtype == dtype and t.is_contiguous() and t.data_ptr() % 4096 == 0
+    first, second, third = (t.data_ptr() for t in tensors)
+    assert second - first == 4096 and third - second == 4096, "consecutive, each on its own 4 KB boundary"
+    for t in tensors:  # each is its own memory: writing one leaves the others as they were
+        t.fill_(1)
+    tensors[1].zero_()
+    assert int(tensors[0].sum()) == 4 * 64 and int(tensors[2].sum()) == 700 * 64 and not tensors[1].any()
+    mapping = _mapping_of(first)
+    assert mapping is not None and _kib(mapping, "Size") >= SMALL_CHUNK // 1024
+    if _THP.exists() and "[never]" not in _THP.read_text():
+        assert "hg" in mapping["VmFlags"].split(), "the chunk is advised onto huge pages"
+
+
+@pytest.mark.skipif(not _SMAPS.exists(), reason="no /proc/self/smaps here")
+def test_a_small_tensor_that_does_not_fit_the_rest_of_its_chunk_starts_a_new_one() -> None:
+    size = HUGE_PAGE - 4096  # the largest small tensor: a chunk holds SMALL_CHUNK // HUGE_PAGE of them
+    tensors = [huge_empty((size,), torch.uint8) for _ in range(SMALL_CHUNK // HUGE_PAGE + 2)]
+    starts = sorted(t.data_ptr() for t in tensors)
+    assert all(b - a >= size for a, b in zip(starts, starts[1:])), "no two overlap"
+    chunks = {_mapping_start(t.data_ptr()) for t in tensors}
+    assert len(chunks) >= 2, "the tensors that did not fit went to a new chunk"
+    for t in tensors:  # each lies wholly inside its chunk's mapping
+        assert _mapping_start(t.data_ptr() + size - 1) == _mapping_start(t.data_ptr())
 
 
 @pytest.mark.skipif(not _SMAPS.exists(), reason="no /proc/self/smaps here")
