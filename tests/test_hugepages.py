@@ -1,7 +1,8 @@
 """`huge_empty` / `huge_zeros`: tensors that start on a 2 MB boundary of their own mapping,
 advised onto huge pages where the kernel offers them, holding no memory until written, and
 otherwise exactly the tensors `torch.empty` / `torch.zeros` would give (the KV pool and the
-packed weights are made with them)."""
+packed weights are made with them); `BackgroundTouch`, which commits a pool's memory while the
+weights load."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvseal.hugepages import HUGE_PAGE, SMALL_CHUNK, huge_empty, huge_zeros
+from kvseal.hugepages import HUGE_PAGE, SMALL_CHUNK, BackgroundTouch, huge_empty, huge_zeros
 from kvseal.kvcache.pool import KVPool
 
 _THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
@@ -111,3 +112,31 @@ def test_the_pool_is_made_of_huge_page_tensors() -> None:
     pool = KVPool(num_layers=2, num_pages=1024, page_size=16, num_kv_heads=2, head_dim=32, dtype=torch.float32)
     for tensor in pool.k + pool.v:  # 4 MB per layer: each one starts on a huge page
         assert tensor.data_ptr() % HUGE_PAGE == 0 and tensor.is_contiguous() and not tensor.any()
+
+
+def test_a_background_touch_writes_zeros_over_every_tensor_by_the_time_wait_returns() -> None:
+    tensors = [torch.full((n, 300), 7.0) for n in (1, 50, 3000)] + [huge_empty((4, HUGE_PAGE), torch.uint8)]
+    tensors[-1].fill_(9)
+    touch = BackgroundTouch(tensors)
+    touch.wait()
+    assert all(not t.any() for t in tensors)
+    touch.wait()  # a second wait has nothing left to do
+
+
+def test_a_background_touch_takes_only_contiguous_cpu_tensors() -> None:
+    with pytest.raises(TypeError, match="contiguous CPU"):
+        BackgroundTouch([torch.zeros(4, 4).t()])
+    with pytest.raises(TypeError, match="contiguous CPU"):
+        BackgroundTouch([torch.zeros(4, 4, device="meta")])
+
+
+def test_a_pool_touched_later_reads_zero_and_is_the_same_pool_once_waited_for() -> None:
+    pool = KVPool(num_layers=3, num_pages=600, page_size=16, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16,
+                  touch_later=True)
+    pool.wait_touched()
+    pool.wait_touched()
+    for tensor in pool.k + pool.v:  # 2.4 MB a layer: each its own huge-page mapping
+        assert tensor.shape == (2, 600, 16, 64) and tensor.data_ptr() % HUGE_PAGE == 0 and not tensor.any()
+    assert pool.has_geometry(3, 600, 16, 2, 64, torch.bfloat16)
+    assert not pool.has_geometry(3, 600, 16, 2, 64, torch.float32)
+    assert not pool.has_geometry(2, 600, 16, 2, 64, torch.bfloat16)

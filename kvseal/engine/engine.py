@@ -31,8 +31,9 @@ from kvseal.engine.sampler import sample
 from kvseal.engine.scheduler import Scheduler
 from kvseal.errors import ConfigError, InvalidParameter, IsolationViolation
 from kvseal.kvcache.manager import KVCacheManager
+from kvseal.kvcache.pool import KVPool
 from kvseal.models.llama import CausalLM
-from kvseal.models.loader import LoadedModel, load_model
+from kvseal.models.loader import LoadedModel, folder_config, load_model
 from kvseal.models.tensor_parallel import RankLayout
 from kvseal.ops import select_ops
 from kvseal.ops.device import DeviceInfo, resolve_device
@@ -96,6 +97,7 @@ class LLMEngine:
         # the ranks' key file (exists, 0600, a key) before the weights load: a bad one fails in a second
         tp_key = engine_secret(args.tp_key_file, args.nnodes) if tp > 1 else None
         free_before_weights = self.device.free_bytes
+        pool_ahead = self._pool_while_loading(args, loaded)
         self.loaded = loaded or load_model(args.model, args.torch_dtype, rank=(0, tp) if tp > 1 else None)
         if free_before_weights is not None and next(self.loaded.model.parameters()).device.type == "cuda":
             free_before_weights += model_bytes(self.loaded.model)  # given on the GPU: its weights were not free
@@ -117,7 +119,7 @@ class LLMEngine:
         layout = RankLayout.of(cfg, 0, tp) if tp > 1 else None
         num_kv_heads = layout.num_kv_heads if layout is not None else cfg.num_kv_heads
         self.kv = KVCacheManager(self.cache_config, cfg.num_layers, num_kv_heads, cfg.head_dim,
-                                 record_kernels=self.ops.record_kernels(), mirrored=tp > 1)
+                                 record_kernels=self.ops.record_kernels(), mirrored=tp > 1, pool=pool_ahead)
         self.scheduler = Scheduler(self.scheduler_config, self.kv)
         # Tensor parallelism: ranks 1..tp-1 in their own processes, driven from here (rank 0)
         self.driver: TensorParallelDriver | None = None
@@ -134,6 +136,20 @@ class LLMEngine:
         # the prefill role exports the request's KV here. None: nothing to do.
         self.before_free: Callable[[Request], None] | None = None
         self._log_config(args)
+
+    @staticmethod
+    def _pool_while_loading(args: EngineArgs, loaded: LoadedModel | None) -> KVPool | None:
+        """A one-process CPU engine's pool, built before the weights load, so that its memory is
+        committed (`KVPool(touch_later=True)`) while they load and pack on the other core: the
+        first touch of a 2 GiB pool is most of a cold start on this project's VMs (4-10 s). Its
+        dimensions are the ones the engine resolves after loading (the model folder's config.json;
+        a pool that cannot be honoured fails here, before the weights load). None elsewhere."""
+        if args.device != "cpu" or args.tensor_parallel_size > 1 or args.is_pool_sized_by_device:
+            return None
+        cfg = loaded.config if loaded is not None else folder_config(args.model)
+        cache, _ = args.resolve(cfg)
+        return KVPool(cfg.num_layers, cache.num_pages, cache.page_size, cfg.num_kv_heads, cfg.head_dim, cache.dtype,
+                      device=cache.device, touch_later=True)
 
     def _start_ranks(self, args: EngineArgs, layout: RankLayout, model: CausalLM, key: bytes) -> TensorParallelDriver:
         options = RankOptions(str(self.loaded.path), args.dtype, args.quantization, args.native, args.seed,

@@ -46,10 +46,13 @@ from kvseal.types import ForwardBatch, Request
 
 class KVCacheManager:
     def __init__(self, config: CacheConfig, num_layers: int, num_kv_heads: int, head_dim: int,
-                 record_kernels: RecordKernels | None = None, mirrored: bool = False) -> None:
+                 record_kernels: RecordKernels | None = None, mirrored: bool = False,
+                 pool: KVPool | None = None) -> None:
         """record_kernels: the ops layer's kernels for the always-on check and the records'
         growth (`Ops.record_kernels`); None: torch ops, with the same answers. `mirrored`: log
-        every ownership change for other tensor-parallel ranks (`mirror.py`)."""
+        every ownership change for other tensor-parallel ranks (`mirror.py`). `pool`: one built
+        ahead (its memory committed while the weights loaded), unused, of these dimensions;
+        None: built here."""
         self.config = config
         self.page_size = config.page_size
         self.allocator = PageAllocator(config.num_pages)
@@ -57,8 +60,15 @@ class KVCacheManager:
         records_type = LoggedRecords if mirrored else WriteRecords
         self.records = records_type(num_layers, config.num_pages, config.page_size, track_slots=config.check_kv,
                                     kernels=record_kernels, device=config.device)
-        self.pool = KVPool(num_layers, config.num_pages, config.page_size, num_kv_heads, head_dim, config.dtype,
-                           observer=self.records, device=config.device)
+        if pool is None:
+            pool = KVPool(num_layers, config.num_pages, config.page_size, num_kv_heads, head_dim, config.dtype,
+                          device=config.device)
+        elif not pool.has_geometry(num_layers, config.num_pages, config.page_size, num_kv_heads, head_dim,
+                                   config.dtype) or pool.observer is not None:
+            raise ValueError("the pool built ahead is not this cache's (other dimensions) or is in use")
+        pool.wait_touched()
+        pool.observer = self.records
+        self.pool = pool
         self.num_pages_scrubbed = 0  # pages overwritten by the scrub policy (I7) since start-up
         if config.check_kv:
             self.pool.fill(list(range(config.num_pages)), float("nan"))

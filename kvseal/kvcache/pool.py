@@ -12,7 +12,7 @@ from typing import Protocol
 
 import torch
 
-from kvseal.hugepages import huge_zeros
+from kvseal.hugepages import BackgroundTouch, huge_empty, huge_zeros
 
 
 class LayerWriteObserver(Protocol):
@@ -25,7 +25,10 @@ class LayerWriteObserver(Protocol):
 class KVPool:
     def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, observer: LayerWriteObserver | None = None,
-                 device: str = "cpu") -> None:
+                 device: str = "cpu", touch_later: bool = False) -> None:
+        """touch_later (CPU): the tensors are fresh mappings, which read zero, and a background
+        thread commits their memory (`BackgroundTouch`) until `wait_touched()`, which must come
+        before the pool's first use; else they are written (zeros) here."""
         self.page_size = page_size
         self.num_pages = num_pages
         # Head-major, so that one head's context is contiguous for the attention matmuls.
@@ -35,14 +38,28 @@ class KVPool:
         # context: `kvseal/hugepages.py`). Tuples: a pool's tensors never change (the decode loop
         # binds their addresses once).
         self.device = torch.device(device)
-        self.k = tuple(self._zeros(shape, dtype) for _ in range(num_layers))
-        self.v = tuple(self._zeros(shape, dtype) for _ in range(num_layers))
+        later = touch_later and self.device.type == "cpu"
+        self.k = tuple(self._zeros(shape, dtype, later) for _ in range(num_layers))
+        self.v = tuple(self._zeros(shape, dtype, later) for _ in range(num_layers))
         self.observer = observer
+        self._touch = BackgroundTouch([*self.k, *self.v]) if later else None
 
-    def _zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    def _zeros(self, shape: tuple[int, ...], dtype: torch.dtype, later: bool) -> torch.Tensor:
         if self.device.type == "cpu":
-            return huge_zeros(shape, dtype)
+            return huge_empty(shape, dtype) if later else huge_zeros(shape, dtype)
         return torch.zeros(shape, dtype=dtype, device=self.device)
+
+    def wait_touched(self) -> None:
+        """Return once the pool's memory is committed (at once unless built with touch_later)."""
+        if self._touch is not None:
+            self._touch.wait()
+            self._touch = None
+
+    def has_geometry(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
+                     dtype: torch.dtype) -> bool:
+        """Whether this pool is the one these dimensions describe."""
+        return (len(self.k), self.num_pages, self.page_size, self.k[0].dtype, tuple(self.k[0].shape)) == (
+            num_layers, num_pages, page_size, dtype, (num_kv_heads, num_pages, page_size, head_dim))
 
     @property
     def num_bytes(self) -> int:

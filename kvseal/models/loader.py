@@ -50,6 +50,13 @@ def plan_config(model: str | os.PathLike[str] | None) -> ModelConfig:
         raise ModelLoadError(f"cannot read GGUF metadata of {path}: {exc}") from exc
 
 
+def folder_config(model: str | os.PathLike[str] | None) -> ModelConfig:
+    """The dimensions `load_model` will build: config.json of the folder it reads (a GGUF file
+    converted to one first, as `load_model` would, once per file). No weights are read."""
+    path = resolve_model_path(model)
+    return ModelConfig.from_hf(_load_hf_config(convert_gguf(path) if path.suffix == ".gguf" else path))
+
+
 def load_model(model: str | os.PathLike[str] | None, dtype: torch.dtype,
                rank: tuple[int, int] | None = None) -> LoadedModel:
     """The model and its tokenizer; `rank` = (rank, tp): only that tensor-parallel rank's shard
