@@ -1,5 +1,6 @@
-"""Two trees' engines, A/B in short alternating bursts: decode steps at concurrency c, and prefill
-steps of long prompts, the default model (or --model), one engine per tree in its own process.
+"""Two trees' engines, A/B in short alternating bursts: decode steps at concurrency c, prefill
+steps of long prompts, and served-style waves of prompts, the default model (or --model), one
+engine per tree in its own process.
 
 `bench/engine_speed.py` runs one tree at a time for tens of seconds; on a host whose load swings
 by several times from minute to minute (other jobs), two such runs are not comparable. Here
@@ -10,8 +11,12 @@ of the process's CPU time (with --threads 1 the work itself, which other jobs mo
 the wall time). Both engines run the same requests in the same order, so burst i is the same
 work in each: a decode burst is --steps engine steps of c requests decoding (every request forced
 to run long), a prefill burst is --prompts fresh prompts of --prompt-len tokens prefilled in one
-step and one token sampled (prefix caching off, no request decoding). Greedy tokens are compared
-(equal engines give equal tokens).
+step and one token sampled (prefix caching off, no request decoding), and a wave burst is
+--prompts prompts arriving at once, timed until every one has its first token, each decoding
+from its first token on, as a served wave runs them (with --budget 2048, the server's default
+step budget, the wave's later steps carry the decode rows of its earlier prompts, and a prompt
+the budget splits continues in the next step). Greedy tokens are compared (equal engines give
+equal tokens).
 
     python bench/engine_ab.py --a /path/to/base --b . --dtype bfloat16 --bursts 16
 
@@ -48,8 +53,8 @@ def worker(args: argparse.Namespace) -> None:
     context = args.prompt_len + args.steps * (args.bursts + 2) + 8
     llm = LLM(model=args.model, dtype=args.dtype, max_model_len=max(context, args.prompt_len + 8),
               kv_cache_tokens=max(args.concurrency * context, args.prompts * (args.prompt_len + 8)) + 1024,
-              max_num_seqs=max(args.concurrency, args.prompts), max_num_batched_tokens=max(2048, args.prompts *
-                                                                                          args.prompt_len),
+              max_num_seqs=max(args.concurrency, args.prompts),
+              max_num_batched_tokens=args.budget or max(2048, args.prompts * args.prompt_len),
               max_prefill_chunk_tokens=max(2048, args.prompt_len), enable_prefix_caching=False)
     engine, rng = llm.engine, random.Random(args.seed)
     vocab = engine.model_config.vocab_size
@@ -79,11 +84,26 @@ def worker(args: argparse.Namespace) -> None:
                     tokens += out.new_token_ids[-1:]
                     if out.finished:
                         pending.discard(out.request_id)
+        elif command == "wave":  # with no request decoding: until every prompt has its first token
+            firsts: dict[str, int] = {}
+            wave = [f"w{prefills}-{i}" for i in range(args.prompts)]
+            for request_id in wave:
+                engine.add_request(request_id, [rng.randrange(100, vocab - 100) for _ in range(args.prompt_len)],
+                                   long_run)
+            prefills += 1
+            while len(firsts) < len(wave):
+                for out in engine.step():
+                    if out.new_token_ids:
+                        firsts.setdefault(out.request_id, out.new_token_ids[0])
+            tokens = [firsts[request_id] for request_id in wave]
         else:  # "end-decode": the decoding requests end, untimed
             for request_id in decoding:
                 engine.abort(request_id)
-        print(json.dumps({"s": time.perf_counter() - start, "cpu_s": time.process_time() - cpu, "tokens": tokens}),
-              flush=True)
+        seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu
+        if command == "wave":  # the wave's requests end, untimed
+            for request_id in wave:
+                engine.abort(request_id)
+        print(json.dumps({"s": seconds, "cpu_s": cpu_seconds, "tokens": tokens}), flush=True)
 
 
 def start(tree: Path, argv: list[str], extra_env: list[str]) -> subprocess.Popen[str]:
@@ -133,6 +153,8 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=4, help="prompts per prefill burst")
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--bursts", type=int, default=16, help="bursts of each kind per tree")
+    parser.add_argument("--budget", type=int, default=0,
+                        help="max_num_batched_tokens (default: a prefill burst's prompts in one step, at least 2048)")
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--env-a", action="append", default=[], metavar="KEY=VALUE", help="more environment for A")
@@ -146,9 +168,10 @@ def main() -> None:
     parser.add_argument("--competitor", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     kinds = args.kinds.split(",")
-    if any(k not in ("decode", "prefill") for k in kinds) or ("prefill" in kinds and "decode" in kinds
-                                                              and kinds.index("decode") > kinds.index("prefill")):
-        parser.error("--kinds takes decode and/or prefill, decode first: the prefill bursts end the decoding requests")
+    ends = [kinds.index(k) for k in ("prefill", "wave") if k in kinds]
+    if any(k not in ("decode", "prefill", "wave") for k in kinds) or ("decode" in kinds and ends
+                                                                       and kinds.index("decode") > min(ends)):
+        parser.error("--kinds takes decode, prefill and/or wave, decode first: the others end the decoding requests")
     if args.worker:
         worker(args)
         return
@@ -166,7 +189,7 @@ def main() -> None:
         if args.competitor_duty > 0:
             competitor = subprocess.Popen([sys.executable, __file__, "--competitor", *argv])
         for kind in args.kinds.split(","):
-            if kind == "prefill":
+            if kind != "decode":
                 for proc in procs.values():
                     ask(proc, "end-decode")
             bursts: dict[str, list[dict[str, Any]]] = {"a": [], "b": []}

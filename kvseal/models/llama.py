@@ -159,10 +159,9 @@ class CausalLM(nn.Module):
             x = loop.run(h, cos, signed_sin, batch.slot_mapping, plan.decode.plan, pool)
             # a decode-only step samples every row, in order, but for a one-token prefill chunk
             return self._logits(x if batch.logits_indices.numel() == x.shape[0] else x[batch.logits_indices])
-        if not plan.prefills and len(plan.fresh) == 1 and plan.decodes_lead \
-                and (loop := self.decode_loop()) is not None \
-                and loop.takes_fresh(plan.fresh[0], None if plan.decode is None else plan.decode.plan):
-            return self._logits(loop.run_fresh(h, cos, signed_sin, batch.slot_mapping, plan.fresh[0],
+        if (plan.fresh or plan.prefills) and plan.decodes_lead and (loop := self.decode_loop()) is not None \
+                and loop.takes_fresh(plan.fresh, plan.prefills, None if plan.decode is None else plan.decode.plan):
+            return self._logits(loop.run_fresh(h, cos, signed_sin, batch.slot_mapping, plan.fresh, plan.prefills,
                                                None if plan.decode is None else plan.decode.plan,
                                                batch.logits_indices, pool))
         first = layers[0].input_layernorm

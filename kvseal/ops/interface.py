@@ -125,17 +125,22 @@ class DecodeLoop(Protocol):
         K/V through the pool's recorded write (`KVPool.write_layers_by`); IndexError, writing
         nothing more, for a slot outside the pool."""
 
-    def takes_fresh(self, group: FreshPrefills, decode: DecodePlan | None) -> bool:
+    def takes_fresh(self, groups: Sequence[FreshPrefills], spans: Sequence[PrefillSpan],
+                    decode: DecodePlan | None) -> bool:
         """Whether `run_fresh` takes a step of `decode`'s rows (none: no decode rows) as its first
-        tokens, then this group of fresh chunks, and nothing else."""
+        tokens, then these groups' fresh chunks and these chunks after a cached prefix, and
+        nothing else."""
 
     def run_fresh(self, h: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, slots: torch.Tensor,
-                  group: FreshPrefills, decode: DecodePlan | None, sampled: torch.Tensor,
-                  pool: KVPool) -> torch.Tensor:
-        """`run` for a step of `decode`'s rows (if any) first, then `group`'s fresh chunks back to
-        back: each decode row attends to its own slots, each chunk to its own tokens. Returns the
-        final-normed stream of the `sampled` tokens only ([len(sampled), hidden]; the last layer's
-        tail runs on those alone), bit-equal to the per-layer ops; the pool's writes as `run`'s."""
+                  groups: Sequence[FreshPrefills], spans: Sequence[PrefillSpan], decode: DecodePlan | None,
+                  sampled: torch.Tensor, pool: KVPool) -> torch.Tensor:
+        """`run` for a prefill step: `decode`'s rows (if any) first, then over every other row the
+        fresh chunks of `groups` (of one length each, in any order) and the `spans` (chunks that
+        continue a cached prefix): each decode row attends to its own slots, each fresh chunk to
+        its own tokens, each span to its own tokens and its prefix's slots through its own pages.
+        Returns the final-normed stream of the `sampled` tokens only ([len(sampled), hidden]; the
+        last layer's tail runs on those alone), bit-equal to the per-layer ops; the pool's writes
+        as `run`'s."""
 
 
 class Ops(Protocol):

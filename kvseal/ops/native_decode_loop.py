@@ -9,12 +9,13 @@ per-layer path. A float32 model's linears must be kvseal's panels of one kind
 (`kvseal_decode_layers`), a bfloat16 model's tiles (`kvseal_decode_layers_bf16`). Models with
 per-head q/k norms, or other linears keep the per-layer path.
 
-A step of fresh prefill chunks of one length, back to back, after the step's decode rows or none
-(one prompt, a wave of equal prompts, or the next prompts of a wave while the first ones decode:
-the steps that decide a request's time to first token) runs the same way in a bfloat16 model
-whose fresh chunks the prefill attention kernel takes (`kvseal_prefill_layers_bf16`): ~20 Python
-calls a layer are ~5 ms of a 256-token prompt's ~50 ms step. Other prefill steps (chunks after a
-cached prefix, unequal lengths, decode rows after the chunks) keep the per-layer path.
+A step of fresh prefill chunks (prompts from their first token, of any lengths) after the step's
+decode rows or none (one prompt, a wave of prompts, or the next prompts of a wave while the
+first ones decode: the steps that decide a request's time to first token) runs the same way in
+a bfloat16 model whose fresh chunks the prefill attention kernel takes
+(`kvseal_prefill_layers_bf16`, one attention call per group of equal lengths): ~20 Python calls
+a layer are ~5 ms of a 256-token prompt's ~50 ms step. Other prefill steps (a chunk after a
+cached prefix, decode rows after the chunks) keep the per-layer path.
 
 The KV writes are the same bounds-checked kernel (`kvseal_write_slots`, which refuses a slot
 outside the pool writing nothing), and the pool records each layer the call wrote, exactly as
@@ -24,18 +25,19 @@ next step see the same coverage either way.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
 from kvseal.kvcache.pool import KVPool
-from kvseal.ops.interface import DecodePlan, DecoderStack, DecoderWeights, FreshPrefills
+from kvseal.ops.interface import DecodePlan, DecoderStack, DecoderWeights, FreshPrefills, PrefillSpan
 from kvseal.ops.native_kernels import NativeKernels
 from kvseal.ops.native_linears import Int8PanelLinear, PanelLinear, TileLinear
 from kvseal.ops.native_plans import NativeRows
 
+_NO_ROWS = torch.zeros(0, dtype=torch.int64)
 _TILES = -1  # the kind of a bfloat16 model whose every linear is a TileLinear
 
 
@@ -120,25 +122,31 @@ class NativeDecodeLoop:
                 *positions, written))
         return x
 
-    def takes_fresh(self, group: FreshPrefills, decode: DecodePlan | None) -> bool:
+    def takes_fresh(self, groups: Sequence[FreshPrefills], spans: Sequence[PrefillSpan],
+                    decode: DecodePlan | None) -> bool:
         if decode is not None and not isinstance(decode, NativeRows):  # another backend's decode plan
             return False
-        decodes = 0 if decode is None else decode.context_lens.numel()
-        return self.fresh_prefill and group.token_idx is None and group.token_start == decodes
+        return self.fresh_prefill and (len(groups) > 0 or len(spans) > 0)
 
     def run_fresh(self, h: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, slots: torch.Tensor,
-                  group: FreshPrefills, decode: DecodePlan | None, sampled: torch.Tensor,
-                  pool: KVPool) -> torch.Tensor:
-        rows, length, starts, decodes = h.shape[0], group.length, group.starts, group.token_start
+                  groups: Sequence[FreshPrefills], spans: Sequence[PrefillSpan], decode: DecodePlan | None,
+                  sampled: torch.Tensor, pool: KVPool) -> torch.Tensor:
+        rows = h.shape[0]
+        decodes = decode.context_lens.numel() if isinstance(decode, NativeRows) else 0
+        starts = groups[0].starts if len(groups) == 1 else torch.cat([g.starts for g in groups] or [_NO_ROWS])
+        sizes = torch.tensor([[g.starts.numel(), g.length] for g in groups], dtype=torch.int64).reshape(-1, 2)
+        span_rows, span_pages = self._span_arguments(spans, pool, decodes, rows)
         tensors = (h, cos, signed_sin, slots, starts, sampled)
-        if not self.takes_fresh(group, decode) or any(not t.is_contiguous() for t in tensors) \
-                or h.dtype != self.dtype or slots.shape != (rows,) or decodes + starts.numel() * length != rows:
+        covered = decodes + int((sizes[:, 0] * sizes[:, 1]).sum()) + sum(span.token_end - span.token_start
+                                                                          for span in spans)
+        if not self.takes_fresh(groups, spans, decode) or any(not t.is_contiguous() for t in tensors) \
+                or h.dtype != self.dtype or slots.shape != (rows,) or starts.dtype != torch.int64 or covered != rows:
             raise TypeError("the prefill loop takes contiguous bfloat16 rows, one int64 slot per row, the decode "
-                            "rows first and fresh chunks back to back over every other row")
-        # the kernels index rows by these: each must be a row of this step
+                            "rows first and prefill chunks over every other row")
+        # the kernels index rows by these: each must be a row of this step, and no chunk a decode row
         if sampled.dtype != torch.int64 or sampled.dim() != 1 \
                 or (sampled.numel() and (int(sampled.min()) < 0 or int(sampled.max()) >= rows)) \
-                or int(starts.min()) < 0 or int(starts.max()) + length > rows:
+                or any(int(g.starts.min()) < decodes or int(g.starts.max()) + g.length > rows for g in groups):
             raise IndexError("a sampled row or a chunk lies outside the step's rows")
         lib = self.kernels.lib
         self._bind(pool)
@@ -162,9 +170,33 @@ class NativeDecodeLoop:
         self._store_layers(slots, pool, lambda written: lib.kvseal_prefill_layers_bf16(
             step, self.table, ptr(stack.final_norm), *(ptr(t) for t in (h, x, qkv, attn, tmp, gate_up, act, cos,
                                                                             signed_sin, slots)),
-            decodes, ptr(tables), ptr(context_lens), ptr(starts), starts.numel(), length, ptr(sampled), n, ptr(hs),
-            ptr(xs), written))
+            decodes, ptr(tables), ptr(context_lens), ptr(starts), ptr(sizes), len(groups), ptr(span_rows), len(spans),
+            ptr(span_pages), ptr(sampled), n, ptr(hs), ptr(xs), written))
         return xs
+
+    @staticmethod
+    def _span_arguments(spans: Sequence[PrefillSpan], pool: KVPool, decodes: int,
+                        rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The kernel's spans ([len(spans), 4] int64: first row, rows, prefix slots, offset of the
+        span's pages) and their pages, one after another. Checked as the per-layer prefix
+        attention checks them: each span's rows are rows of this step after the decode rows,
+        and each page its prefix reads is a page of the pool (the kernel reads those slots)."""
+        entries, pages, offset = [], [], 0
+        for span in spans:
+            prefix = span.context_len - (span.token_end - span.token_start)
+            if span.pages.dtype != torch.int64 or span.pages.dim() != 1:
+                raise TypeError("a span's pages must be a 1-D int64 tensor")
+            if span.token_start < decodes or span.token_end > rows or span.token_end <= span.token_start:
+                raise IndexError("a chunk lies outside the step's rows")
+            used = span.pages[: -(-prefix // pool.page_size)]
+            if prefix <= 0 or used.numel() * pool.page_size < prefix or int(used.min()) < 0 \
+                    or int(used.max()) >= pool.num_pages:
+                raise IndexError("a page of the cached prefix is outside the pool")
+            entries.append((span.token_start, span.token_end - span.token_start, prefix, offset))
+            pages.append(used)
+            offset += used.numel()
+        return (torch.tensor(entries, dtype=torch.int64).reshape(-1, 4),
+                torch.cat(pages).contiguous() if pages else _NO_ROWS)
 
     def _store_layers(self, slots: torch.Tensor, pool: KVPool, call: Callable[[Any], int]) -> None:
         """Run a loop kernel (`call(written)`: its status; it counts the layers whose K/V it

@@ -217,33 +217,34 @@ def head_dim_64(tmp_path_factory: pytest.TempPathFactory) -> str:
 @NEEDS_TILES
 @pytest.mark.parametrize("prompts", [
     EQUAL_PROMPTS, [list(range(30, 70))], [list(range(5, 17)), list(range(40, 60))],
+    [list(range(5, 29)), list(range(40, 53)), list(range(70, 94)), [3]],  # 24, 13, 24, 1: three groups, one split
     [[(7 * i + j) % 500 + 3 for j in range(100)] for i in range(3)]])  # 300 rows: o/down_proj with the norm fused
 def test_fresh_prefill_steps_in_the_loop_equal_the_per_layer_forward(make_llm: Callable[..., Any], head_dim_64: str,
                                                                      prompts: list[list[int]]) -> None:
-    """Equal prompts prefilled in one step (one group of chunks), one prompt alone: in the loop,
-    tokens and logprobs bit-equal to the per-layer forward. Prompts of unequal lengths (two
-    groups) keep the per-layer forward."""
+    """Prompts prefilled in one step (equal ones: one group of chunks; unequal ones: a group per
+    length, the chunks of a length not all side by side), one prompt alone: in the loop, tokens
+    and logprobs bit-equal to the per-layer forward."""
     sizes = {**FRESH_SIZES, "max_num_batched_tokens": 512, "max_prefill_chunk_tokens": 512, "kv_cache_tokens": 1024}
     llm = make_llm(model=head_dim_64, **sizes)
     calls = _count_loop_steps(llm, "run_fresh")
     looped = llm.generate(prompts, PARAMS)
-    equal = len({len(p) for p in prompts}) == 1
-    assert calls == ([sum(map(len, prompts))] if equal else []), "one prefill step in the loop, or none"
+    assert calls == [sum(map(len, prompts))], "the prefill step in the loop"
     plain = _without_loop(make_llm(model=head_dim_64, **sizes)).generate(prompts, PARAMS)
     for a, b in zip(looped, plain):
         assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
 
 
 @NEEDS_TILES
-def test_an_unsampled_fresh_chunk_runs_in_the_loop(make_llm: Callable[..., Any], head_dim_64: str) -> None:
+def test_a_long_prompts_chunks_run_in_the_loop(make_llm: Callable[..., Any], head_dim_64: str) -> None:
     """A long prompt's first chunk is fresh but not sampled (its step returns no logits), the
-    next chunk continues the cached prefix: the same tokens either way."""
+    next chunks continue the cached prefix (the last one sampled): all in the loop, the same
+    tokens and logprobs as the per-layer forward."""
     sizes = {**FRESH_SIZES, "max_num_batched_tokens": 16, "max_prefill_chunk_tokens": 16}
     prompt = [list(range(40, 76))]
     llm = make_llm(model=head_dim_64, **sizes)
     calls = _count_loop_steps(llm, "run_fresh")
     looped = llm.generate(prompt, PARAMS)
-    assert calls == [16]
+    assert calls == [16, 16, 4]
     plain = _without_loop(make_llm(model=head_dim_64, **sizes)).generate(prompt, PARAMS)
     assert looped[0].token_ids == plain[0].token_ids and looped[0].logprobs == plain[0].logprobs
 
@@ -284,17 +285,17 @@ def test_the_fresh_loop_refuses_rows_outside_the_step_and_slots_outside_the_pool
     plan = AttentionPlan.build(batch, pool, model.config.num_heads, model.ops)
     loop = model.decode_loop()
     assert plan.decode is None and len(plan.fresh) == 1 and loop is not None \
-        and loop.takes_fresh(plan.fresh[0], None)
+        and loop.takes_fresh(plan.fresh, plan.prefills, None)
     h = model.model.embed_tokens(batch.input_ids).contiguous()
     cos, sin = model.rope.cos_sin_rows(batch.positions, h.dtype, max(batch.context_lens))
     before = [t.clone() for t in (*pool.k, *pool.v)]
     rows = h.shape[0]
     with pytest.raises(IndexError, match="outside the step"):  # a sampled row past the step's rows
-        loop.run_fresh(h.clone(), cos, sin, batch.slot_mapping, plan.fresh[0], None, torch.tensor([rows]), pool)
+        loop.run_fresh(h.clone(), cos, sin, batch.slot_mapping, plan.fresh, [], None, torch.tensor([rows]), pool)
     bad_slots = batch.slot_mapping.clone()
     bad_slots[-1] = pool.num_slots
     with pytest.raises(IndexError, match="outside the pool"):
-        loop.run_fresh(h.clone(), cos, sin, bad_slots, plan.fresh[0], None, batch.logits_indices, pool)
+        loop.run_fresh(h.clone(), cos, sin, bad_slots, plan.fresh, [], None, batch.logits_indices, pool)
     assert all(_same(a, b) for a, b in zip(before, (*pool.k, *pool.v))), "nothing written"
     assert int(engine.kv.records.prefix.max()) == 0, "no layer recorded as written"
 
@@ -330,3 +331,81 @@ def test_a_step_of_decode_rows_then_fresh_chunks_runs_in_the_loop(make_llm: Call
     assert looped.keys() == plain.keys()
     for request_id, out in looped.items():
         assert out.token_ids == plain[request_id].token_ids and out.logprobs == plain[request_id].logprobs
+
+
+SPLIT_SIZES = {**FRESH_SIZES, "max_num_batched_tokens": 40, "max_prefill_chunk_tokens": 40}
+SPLIT_PROMPTS = [list(range(20, 44)), list(range(60, 84)), list(range(100, 124))]  # 24 tokens each
+
+
+def _split_wave(engine: Any, params: SamplingParams, steps: int | None = None) -> dict[str, Any]:
+    """Three 24-token prompts under a 40-token budget: the first step prefills one whole and the
+    first 16 tokens of the next (two fresh groups); the second decodes the first, continues the
+    split one after its cached 16 (a span) and prefills the third (a fresh chunk). Runs `steps`
+    steps, or to the end; the outputs by request id."""
+    outputs = {}
+    for i, prompt in enumerate(SPLIT_PROMPTS):
+        engine.add_request(f"s{i}", prompt, params)
+    done = 0
+    while engine.has_unfinished() and (steps is None or done < steps):
+        for out in engine.step():
+            outputs[out.request_id] = out
+        done += 1
+    return outputs
+
+
+@NEEDS_TILES
+def test_a_step_of_decode_rows_a_continued_chunk_and_fresh_chunks_runs_in_the_loop(
+        make_llm: Callable[..., Any], head_dim_64: str) -> None:
+    """A wave whose budget splits a prompt: its continuation (attending to its cached prefix
+    through its own pages) rides in the loop with the decode rows and the next fresh prompt.
+    Tokens, logprobs, pool contents and write records equal to the per-layer forward."""
+    looped_llm = make_llm(model=head_dim_64, **SPLIT_SIZES)
+    calls = _count_loop_steps(looped_llm, "run_fresh")
+    looped = _split_wave(looped_llm.engine, PARAMS)
+    assert calls[:2] == [24 + 16, 1 + 8 + 24], "both prefill steps in the loop"
+    plain_llm = _without_loop(make_llm(model=head_dim_64, **SPLIT_SIZES))
+    plain = _split_wave(plain_llm.engine, PARAMS)
+    assert looped.keys() == plain.keys() == {"s0", "s1", "s2"}
+    for request_id, out in looped.items():
+        assert out.token_ids == plain[request_id].token_ids and out.logprobs == plain[request_id].logprobs
+    engines = []
+    for loop in (True, False):
+        llm = make_llm(model=head_dim_64, **SPLIT_SIZES)
+        if not loop:
+            _without_loop(llm)
+        _split_wave(llm.engine, PARAMS, steps=2)
+        engines.append(llm.engine)
+    _assert_same_pools(*engines)
+
+
+@NEEDS_TILES
+def test_the_loop_refuses_a_continued_chunk_whose_prefix_pages_leave_the_pool(make_llm: Callable[..., Any],
+                                                                              head_dim_64: str) -> None:
+    import dataclasses
+
+    from kvseal.engine.batch import build_forward_batch
+    from kvseal.models.attention import AttentionPlan
+
+    engine = make_llm(model=head_dim_64, **SPLIT_SIZES).engine
+    _split_wave(engine, PARAMS, steps=1)
+    model, pool = engine.runner.model, engine.kv.pool
+    batch = build_forward_batch(engine.scheduler.schedule().chunks, engine.kv).batch
+    plan = AttentionPlan.build(batch, pool, model.config.num_heads, model.ops)
+    loop = model.decode_loop()
+    assert loop is not None and len(plan.prefills) == 1 and plan.decode is not None
+    span = plan.prefills[0]
+    h = model.model.embed_tokens(batch.input_ids).contiguous()
+    cos, sin = model.rope.cos_sin_rows(batch.positions, h.dtype, max(batch.context_lens))
+    before = [t.clone() for t in (*pool.k, *pool.v)]
+    records = engine.kv.records.prefix.clone()
+    for pages in (torch.full_like(span.pages, pool.num_pages), torch.full_like(span.pages, -1)):
+        bad = dataclasses.replace(span, pages=pages)
+        with pytest.raises(IndexError, match="outside the pool"):
+            loop.run_fresh(h.clone(), cos, sin, batch.slot_mapping, plan.fresh, [bad], plan.decode.plan,
+                           batch.logits_indices, pool)
+    with pytest.raises(IndexError, match="outside the step"):  # a span over the decode row
+        loop.run_fresh(h.clone(), cos, sin, batch.slot_mapping, plan.fresh,
+                       [dataclasses.replace(span, token_start=0, token_end=span.token_end - span.token_start)],
+                       plan.decode.plan, batch.logits_indices, pool)
+    assert all(_same(a, b) for a, b in zip(before, (*pool.k, *pool.v))), "nothing written"
+    assert torch.equal(engine.kv.records.prefix, records), "no layer recorded as written"

@@ -76,15 +76,18 @@ int kvseal_decode_layers_bf16(const struct kvseal_decode_step *step, const void 
                               const int64_t *context_lens, int64_t *layers_written) {
     /* every row a decode row, no chunk, every row's stream out in x */
     return kvseal_prefill_layers_bf16(step, layers, final_norm, h, x, qkv, attn, tmp, gate_up, act, cos, signed_sin,
-                                      slots, step->rows, tables, context_lens, NULL, 0, 0, NULL, 0, NULL, NULL,
-                                      layers_written);
+                                      slots, step->rows, tables, context_lens, NULL, NULL, 0, NULL, 0, NULL, NULL, 0,
+                                      NULL, NULL, layers_written);
 }
 
 /* A step of fresh prefill chunks, after num_decodes decode rows or none, every layer in one call:
    rows 0..num_decodes-1 decode one token each (tables, context_lens: as kvseal_decode_attention),
-   then num_chunks chunks of `length` tokens back to back (chunk i's rows from starts[i], each at
-   positions 0..length-1), as the per-layer forward runs it: the same kernels in the same order
-   (the prefill attention over each chunk's own rows), and the last layer's tail (o_proj, MLP,
+   then the chunks, in num_groups groups of equal lengths (group g: groups[2g] chunks of
+   groups[2g + 1] tokens; starts: each chunk's first row, group by group; a chunk's tokens at
+   positions 0..length-1), then num_spans chunks that continue a cached prefix (spans as in
+   kvseal_ops.h: each attends to its own rows and its prefix's slots through its own pages), as the
+   per-layer forward runs it: the same kernels in the same order (the prefill attention over each
+   chunk's own rows, one call a group, one a span), and the last layer's tail (o_proj, MLP,
    final norm) on the `num_sampled` sampled rows only, gathered into hs and xs. A 256-token
    prompt's step spends ~5 ms of ~50 in the per-layer forward's ~20 Python calls a layer.
    Returns as kvseal_decode_layers_bf16 (-2 also where the build has no bfloat16 prefill
@@ -96,8 +99,9 @@ int kvseal_prefill_layers_bf16(const struct kvseal_decode_step *step, const void
                                uint16_t *tmp, uint16_t *gate_up, uint16_t *act, const uint16_t *cos,
                                const uint16_t *signed_sin, const int64_t *slots, int64_t num_decodes,
                                const int64_t *tables, const int64_t *context_lens, const int64_t *starts,
-                               int64_t num_chunks, int64_t length, const int64_t *sampled, int64_t num_sampled,
-                               uint16_t *hs, uint16_t *xs, int64_t *layers_written) {
+                               const int64_t *groups, int64_t num_groups, const int64_t *spans, int64_t num_spans,
+                               const int64_t *span_pages, const int64_t *sampled, int64_t num_sampled, uint16_t *hs,
+                               uint16_t *xs, int64_t *layers_written) {
     const int64_t num_layers = step->num_layers, rows = step->rows, hidden = step->hidden, heads = step->heads;
     const int64_t kv_heads = step->kv_heads, head_dim = step->head_dim, inter = step->inter;
     const int64_t num_pages = step->num_pages, page_size = step->page_size, num_slots = num_pages * page_size;
@@ -120,10 +124,17 @@ int kvseal_prefill_layers_bf16(const struct kvseal_decode_step *step, const void
                                             kv_heads, heads / kv_heads, head_dim, num_pages, page_size,
                                             step->table_width, step->max_context, scale, KVSEAL_SCORES_AMX, threads))
             return -2;
-        if (num_chunks > 0
-            && kvseal_prefill_attention_bf16(qkv, width, starts, num_chunks, length, heads, kv_heads, head_dim, scale,
-                                             attn, 0, NULL, NULL, NULL, 0, 1, threads))
-            return -2;
+        for (int64_t g = 0, first = 0; g < num_groups; first += groups[2 * g], g++)
+            if (kvseal_prefill_attention_bf16(qkv, width, starts + first, groups[2 * g], groups[2 * g + 1], heads,
+                                              kv_heads, head_dim, scale, attn, 0, NULL, NULL, NULL, 0, 1, threads))
+                return -2;
+        for (int64_t s = 0; s < num_spans; s++) {
+            const int64_t *span = spans + 4 * s; /* first row, rows, prefix slots, pages offset */
+            if (kvseal_prefill_attention_bf16(qkv, width, span, 1, span[1], heads, kv_heads, head_dim, scale, attn,
+                                              span[2], span_pages + span[3], k_pool, v_pool, num_slots * head_dim,
+                                              page_size, threads))
+                return -2;
+        }
         int64_t n = rows;
         uint16_t *hn = h, *xn = x, *an = attn;
         if (l + 1 == num_layers && sampled != NULL) { /* only the sampled rows' stream from here on */

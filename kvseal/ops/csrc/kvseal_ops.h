@@ -222,8 +222,11 @@ int kvseal_decode_layers_bf16(const struct kvseal_decode_step *step, const void 
                               const uint16_t *signed_sin, const int64_t *slots, const int64_t *tables,
                               const int64_t *context_lens, int64_t *layers_written);
 
-/* A step of fresh prefill chunks (num_chunks chunks of `length` rows back to back, starts
-   [num_chunks] their first rows) after num_decodes decode rows (tables, context_lens and the
+/* A prefill step: fresh chunks in num_groups groups, group g groups[2g] chunks of groups[2g + 1]
+   rows each (starts: every chunk's first row, group by group), and num_spans chunks that continue
+   a cached prefix (span s: spans[4s .. 4s + 3] = its first row, its rows, its prefix's slots, the
+   offset of its pages in span_pages), over the rows after num_decodes decode rows (tables,
+   context_lens and the
    step's table_width, max_context as kvseal_decode_layers_bf16; NULL and 0 for none), in the
    bfloat16 loop's buffers plus gate_up [rows, 2 * inter]
    (used where the gate/up has a bias) and the last layer's sampled rows: sampled [num_sampled]
@@ -234,8 +237,9 @@ int kvseal_prefill_layers_bf16(const struct kvseal_decode_step *step, const void
                                uint16_t *tmp, uint16_t *gate_up, uint16_t *act, const uint16_t *cos,
                                const uint16_t *signed_sin, const int64_t *slots, int64_t num_decodes,
                                const int64_t *tables, const int64_t *context_lens, const int64_t *starts,
-                               int64_t num_chunks, int64_t length, const int64_t *sampled, int64_t num_sampled,
-                               uint16_t *hs, uint16_t *xs, int64_t *layers_written);
+                               const int64_t *groups, int64_t num_groups, const int64_t *spans, int64_t num_spans,
+                               const int64_t *span_pages, const int64_t *sampled, int64_t num_sampled, uint16_t *hs,
+                               uint16_t *xs, int64_t *layers_written);
 
 /* ---- the always-on isolation check and the write records' growth (records.c) ---- */
 
