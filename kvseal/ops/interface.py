@@ -112,7 +112,8 @@ class DecoderStack:
 
 class DecodeLoop(Protocol):
     """Every layer of a decode-only step in one call (a backend's `decode_loop`), and where the
-    backend can, every layer of a step of fresh prefill chunks after its decode rows, if any."""
+    backend can, every layer of a prefill step (fresh chunks and chunks after a cached prefix)
+    after its decode rows, if any."""
 
     def takes(self, plan: DecodePlan) -> bool:
         """Whether `run` takes a step whose decode rows this plan describes."""

@@ -1,5 +1,5 @@
 """Decode-only steps of a float32 or bfloat16 model in one native call (`csrc/decode_loop.c`),
-and a bfloat16 model's steps of fresh prefill chunks.
+and a bfloat16 model's prefill steps.
 
 The per-layer forward calls ~20 small kernels per layer from Python; at one to eight decode
 rows that costs 4-6 ms a step, a sixth of a single-stream decode step. A step whose every row
@@ -14,8 +14,10 @@ decode rows or none (one prompt, a wave of prompts, or the next prompts of a wav
 first ones decode: the steps that decide a request's time to first token) runs the same way in
 a bfloat16 model whose fresh chunks the prefill attention kernel takes
 (`kvseal_prefill_layers_bf16`, one attention call per group of equal lengths): ~20 Python calls
-a layer are ~5 ms of a 256-token prompt's ~50 ms step. Other prefill steps (a chunk after a
-cached prefix, decode rows after the chunks) keep the per-layer path.
+a layer are ~5 ms of a 256-token prompt's ~50 ms step. So does a step whose chunks continue a
+cached prefix (the rest of a prompt the budget split, a long prompt's later chunks: one
+attention call each, over its own rows and its prefix's pages, checked as the per-layer path
+checks them). Decode rows after the chunks keep the per-layer path.
 
 The KV writes are the same bounds-checked kernel (`kvseal_write_slots`, which refuses a slot
 outside the pool writing nothing), and the pool records each layer the call wrote, exactly as
@@ -33,7 +35,7 @@ from torch import nn
 
 from kvseal.kvcache.pool import KVPool
 from kvseal.ops.interface import DecodePlan, DecoderStack, DecoderWeights, FreshPrefills, PrefillSpan
-from kvseal.ops.native_kernels import NativeKernels
+from kvseal.ops.native_kernels import NativeKernels, prefix_pages
 from kvseal.ops.native_linears import Int8PanelLinear, PanelLinear, TileLinear
 from kvseal.ops.native_plans import NativeRows
 
@@ -184,14 +186,10 @@ class NativeDecodeLoop:
         entries, pages, offset = [], [], 0
         for span in spans:
             prefix = span.context_len - (span.token_end - span.token_start)
-            if span.pages.dtype != torch.int64 or span.pages.dim() != 1:
-                raise TypeError("a span's pages must be a 1-D int64 tensor")
-            if span.token_start < decodes or span.token_end > rows or span.token_end <= span.token_start:
+            if span.token_start < decodes or span.token_end > rows or span.token_end <= span.token_start \
+                    or prefix <= 0:
                 raise IndexError("a chunk lies outside the step's rows")
-            used = span.pages[: -(-prefix // pool.page_size)]
-            if prefix <= 0 or used.numel() * pool.page_size < prefix or int(used.min()) < 0 \
-                    or int(used.max()) >= pool.num_pages:
-                raise IndexError("a page of the cached prefix is outside the pool")
+            used = prefix_pages(span.pages, prefix, pool.page_size, pool.num_pages)
             entries.append((span.token_start, span.token_end - span.token_start, prefix, offset))
             pages.append(used)
             offset += used.numel()

@@ -35,6 +35,21 @@ class CachedPrefix:
     v: torch.Tensor
 
 
+def prefix_pages(pages: torch.Tensor, length: int, page_size: int, num_pages: int) -> torch.Tensor:
+    """The pages a prefill kernel reads for a cached prefix of `length` slots: the first
+    ceil(length / page_size) of `pages`, each checked to be a page of a pool of `num_pages`
+    (the kernel reads those slots, nothing else of the pool). TypeError for pages that are not
+    1-D int64; IndexError for a prefix longer than its pages or a page outside the pool."""
+    if pages.dtype != torch.int64 or pages.dim() != 1:
+        raise TypeError("the cached prefix's pages must be a contiguous 1-D int64 tensor")
+    if length > pages.numel() * page_size:
+        raise IndexError("the cached prefix is longer than its pages")
+    used = pages[: -(-length // page_size)]
+    if used.numel() and (int(used.min()) < 0 or int(used.max()) >= num_pages):
+        raise IndexError("a page of the cached prefix is outside the pool")
+    return used
+
+
 class NativeKernels:
     """The compiled kernels of one build (`native_build.load_once`)."""
 
@@ -158,14 +173,10 @@ class NativeKernels:
                 or k.shape[3] != head_dim or not (k.is_contiguous() and v.is_contiguous()):
             raise TypeError("the cached prefix's K and V must be contiguous [kv_heads, pages, page_size, head_dim] "
                             "layers of the rows' dtype")
-        if pages.dtype != torch.int64 or pages.dim() != 1 or not pages.is_contiguous():
+        if not pages.is_contiguous():
             raise TypeError("the cached prefix's pages must be a contiguous 1-D int64 tensor")
         num_pages, page_size = k.shape[1], k.shape[2]
-        if prefix.length > pages.numel() * page_size:
-            raise IndexError("the cached prefix is longer than its pages")
-        used = pages[: -(-prefix.length // page_size)]
-        if int(used.min()) < 0 or int(used.max()) >= num_pages:
-            raise IndexError("a page of the cached prefix is outside the pool")
+        prefix_pages(pages, prefix.length, page_size, num_pages)
         return prefix.length, self.ptr(pages), self.ptr(k), self.ptr(v), num_pages * page_size * head_dim, page_size
 
     # ---- linears
