@@ -523,8 +523,14 @@ class EngineArgs:
     def capacity(self, model: ModelConfig, kv_memory_bytes: int | None = None) -> KvCapacity:
         """The pool: --kv-cache-tokens, else --kv-cache-memory, else `kv_memory_bytes` (what the
         GPU's memory leaves, measured by the engine; the CPU default where none is given)."""
+        return self.capacity_for(model.num_layers, model.num_kv_heads, model.head_dim, kv_memory_bytes)
+
+    def capacity_for(self, num_layers: int, num_kv_heads: int, head_dim: int,
+                     kv_memory_bytes: int | None = None) -> KvCapacity:
+        """`capacity` from the three dimensions it depends on (torch-free callers that have no
+        `ModelConfig`: the engine process's early pool reservation, `kvseal.kvcache.reserve`)."""
         per_elem = bytes_per_element(self.dtype)
-        base = KvCapacity.for_dims(model.num_layers, model.num_kv_heads, model.head_dim, per_elem, self.page_size,
+        base = KvCapacity.for_dims(num_layers, num_kv_heads, head_dim, per_elem, self.page_size,
                                    self.tensor_parallel_size, self.pd_role and self.device == "cpu")
         if self.kv_cache_tokens is not None:
             return base.with_tokens(self.kv_cache_tokens)

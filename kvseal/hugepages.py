@@ -11,7 +11,9 @@ The mapping is 2 MB longer than the tensor, so that the tensor can start on a bo
 slack is never written, so it is never resident. (Carved from a `torch.empty` buffer instead,
 the slack could be heap memory already resident, and would stay so: 66 MB more RSS for the
 default model and a 2 GiB pool, measured.) Where the advice is refused (THP off or `never`,
-not Linux) the tensor is the same, on ordinary pages.
+not Linux) the tensor is the same, on ordinary pages. The mappings themselves, and the thread that commits
+memory ahead of use, are torch-free (`kvseal.pagemem`): the engine process reserves its KV pool
+with them before it imports torch, and the pool becomes tensors over the same mappings.
 
 Most packed weights are smaller than a huge page (every linear of SmolLM2-135M is 0.2-1.8 MB:
 together 212 of the 270 MB a decode step reads), so allocations under one huge page are carved,
@@ -29,18 +31,13 @@ on 2 MB pages.
 
 from __future__ import annotations
 
-import ctypes
-import logging
 import mmap
 import threading
 from collections.abc import Sequence
 
 import torch
 
-logger = logging.getLogger("kvseal")
-
-HUGE_PAGE = 2 * 1024 * 1024
-
+from kvseal.pagemem import HUGE_PAGE, AdvisedMapping, BackgroundTouch, advised_mapping
 
 SMALL_CHUNK = 32 * HUGE_PAGE
 _SMALL_ALIGN = 4096
@@ -48,17 +45,16 @@ _SMALL_ALIGN = 4096
 
 def _advised_region(nbytes: int) -> torch.Tensor:
     """`nbytes` of a fresh private anonymous mapping, as a uint8 tensor starting on a 2 MB
-    boundary and advised onto huge pages (ordinary pages where the advice is refused)."""
-    # private and anonymous (not mmap's default of shared, which is shmem: no THP, and shared
-    # with a forked child); nothing is resident until written
-    region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    whole = torch.frombuffer(region, dtype=torch.uint8)  # the tensor keeps the mapping alive
-    offset = -whole.data_ptr() % HUGE_PAGE
-    try:
-        region.madvise(mmap.MADV_HUGEPAGE, offset, -(-nbytes // HUGE_PAGE) * HUGE_PAGE)
-    except OSError as error:  # THP compiled out or set to `never`: ordinary pages
-        logger.debug("madvise(MADV_HUGEPAGE) refused (%s): ordinary pages", error)
-    return whole[offset:offset + nbytes]
+    boundary and advised onto huge pages (`kvseal.pagemem.advised_mapping`)."""
+    return mapping_tensor(advised_mapping(nbytes), torch.uint8)
+
+
+def mapping_tensor(mapping: AdvisedMapping, dtype: torch.dtype, shape: Sequence[int] | None = None) -> torch.Tensor:
+    """The span of `mapping` as a `dtype` tensor (of `shape`, or flat); the tensor keeps the
+    mapping alive."""
+    whole = torch.frombuffer(mapping.region, dtype=torch.uint8)
+    flat = whole[mapping.offset:mapping.offset + mapping.nbytes].view(dtype)
+    return flat if shape is None else flat.view(tuple(shape))
 
 
 class _SmallArena:
@@ -101,42 +97,8 @@ def huge_zeros(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
     return huge_empty(shape, dtype).zero_()
 
 
-class BackgroundTouch:
-    """Commits fresh tensors' memory ahead of their use: a thread writes zeros over them (what a
-    fresh mapping reads anyway), one tensor at a time, while the caller goes on; `wait()` takes
-    the ones left from the caller's thread too and returns when every one is written.
-
-    On a host that backs a VM's memory lazily, the first write of each page costs far more than
-    the write (this project's 2-vCPU VMs: ~5 s per GiB on one vCPU for memory the host had taken
-    back, 0.2 s where it had not). A vCPU waiting on such a fault does nothing else, so the
-    thread takes one core's worth of it while the other core loads the weights."""
-
-    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
-        if any(t.device.type != "cpu" or not t.is_contiguous() for t in tensors):
-            raise TypeError("a background touch writes contiguous CPU tensors only")
-        self._left = list(reversed(tensors))
-        self._lock = threading.Lock()
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="kvseal-touch", daemon=True)
-        self._thread.start()
-
-    def _next(self) -> torch.Tensor | None:
-        with self._lock:
-            return self._left.pop() if self._left else None
-
-    def _touch_left(self) -> None:
-        while (tensor := self._next()) is not None:  # ctypes calls run without the GIL
-            ctypes.memset(tensor.data_ptr(), 0, tensor.numel() * tensor.element_size())
-
-    def _run(self) -> None:
-        try:
-            self._touch_left()
-        except BaseException as error:  # noqa: BLE001 - handed to wait()'s caller
-            self._error = error
-
-    def wait(self) -> None:
-        """Every tensor written (zeros); re-raises what stopped the thread."""
-        self._touch_left()
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
+def touch_tensors(tensors: Sequence[torch.Tensor]) -> BackgroundTouch:
+    """`BackgroundTouch` over contiguous CPU tensors (held until it is done with them)."""
+    if any(t.device.type != "cpu" or not t.is_contiguous() for t in tensors):
+        raise TypeError("a background touch writes contiguous CPU tensors only")
+    return BackgroundTouch([(t.data_ptr(), t.numel() * t.element_size()) for t in tensors], keep=tuple(tensors))

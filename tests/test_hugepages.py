@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvseal.hugepages import HUGE_PAGE, SMALL_CHUNK, BackgroundTouch, huge_empty, huge_zeros
+from kvseal.hugepages import HUGE_PAGE, SMALL_CHUNK, huge_empty, huge_zeros, touch_tensors
 from kvseal.kvcache.pool import KVPool
 
 _THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
@@ -117,7 +117,7 @@ def test_the_pool_is_made_of_huge_page_tensors() -> None:
 def test_a_background_touch_writes_zeros_over_every_tensor_by_the_time_wait_returns() -> None:
     tensors = [torch.full((n, 300), 7.0) for n in (1, 50, 3000)] + [huge_empty((4, HUGE_PAGE), torch.uint8)]
     tensors[-1].fill_(9)
-    touch = BackgroundTouch(tensors)
+    touch = touch_tensors(tensors)
     touch.wait()
     assert all(not t.any() for t in tensors)
     touch.wait()  # a second wait has nothing left to do
@@ -125,9 +125,9 @@ def test_a_background_touch_writes_zeros_over_every_tensor_by_the_time_wait_retu
 
 def test_a_background_touch_takes_only_contiguous_cpu_tensors() -> None:
     with pytest.raises(TypeError, match="contiguous CPU"):
-        BackgroundTouch([torch.zeros(4, 4).t()])
+        touch_tensors([torch.zeros(4, 4).t()])
     with pytest.raises(TypeError, match="contiguous CPU"):
-        BackgroundTouch([torch.zeros(4, 4, device="meta")])
+        touch_tensors([torch.zeros(4, 4, device="meta")])
 
 
 def test_a_pool_touched_later_reads_zero_and_is_the_same_pool_once_waited_for() -> None:

@@ -17,6 +17,8 @@ NO_MODEL = {
     "kvseal canary": "import kvseal.canary.cli, kvseal.canary.runner",
     "kvseal bench": "import kvseal.bench.cli, kvseal.bench.serve, kvseal.bench.fairness",
     "the command line": "import kvseal.cli; kvseal.cli.build_parser()",
+    # the engine process reserves its KV pool before it imports torch (kvseal.kvcache.reserve)
+    "the engine process's entry and its pool reservation": "import kvseal.engine.process, kvseal.kvcache.reserve",
 }
 
 

@@ -32,6 +32,7 @@ from kvseal.engine.scheduler import Scheduler
 from kvseal.errors import ConfigError, InvalidParameter, IsolationViolation
 from kvseal.kvcache.manager import KVCacheManager
 from kvseal.kvcache.pool import KVPool
+from kvseal.kvcache.reserve import PoolGeometry, PoolReservation
 from kvseal.models.llama import CausalLM
 from kvseal.models.loader import LoadedModel, folder_config, load_model
 from kvseal.models.tensor_parallel import RankLayout
@@ -72,7 +73,10 @@ class EngineStats:
 
 
 class LLMEngine:
-    def __init__(self, args: EngineArgs, loaded: LoadedModel | None = None) -> None:
+    def __init__(self, args: EngineArgs, loaded: LoadedModel | None = None,
+                 pool_reservation: PoolReservation | None = None) -> None:
+        """pool_reservation: the pool's memory, reserved before torch was imported
+        (`kvseal.kvcache.reserve`); adopted if it is exactly the pool resolved here, else released."""
         torch.manual_seed(args.seed)
         if args.num_threads is not None:
             torch.set_num_threads(args.num_threads)
@@ -97,7 +101,11 @@ class LLMEngine:
         # the ranks' key file (exists, 0600, a key) before the weights load: a bad one fails in a second
         tp_key = engine_secret(args.tp_key_file, args.nnodes) if tp > 1 else None
         free_before_weights = self.device.free_bytes
-        pool_ahead = self._pool_while_loading(args, loaded)
+        try:
+            pool_ahead = self._pool_while_loading(args, loaded, pool_reservation)
+        finally:
+            if pool_reservation is not None and (pool_ahead is None or pool_ahead.reserved is not pool_reservation):
+                pool_reservation.release()
         self.loaded = loaded or load_model(args.model, args.torch_dtype, rank=(0, tp) if tp > 1 else None)
         if free_before_weights is not None and next(self.loaded.model.parameters()).device.type == "cuda":
             free_before_weights += model_bytes(self.loaded.model)  # given on the GPU: its weights were not free
@@ -138,18 +146,25 @@ class LLMEngine:
         self._log_config(args)
 
     @staticmethod
-    def _pool_while_loading(args: EngineArgs, loaded: LoadedModel | None) -> KVPool | None:
+    def _pool_while_loading(args: EngineArgs, loaded: LoadedModel | None,
+                            reservation: PoolReservation | None) -> KVPool | None:
         """A one-process CPU engine's pool, built before the weights load, so that its memory is
         committed (`KVPool(touch_later=True)`) while they load and pack on the other core: the
         first touch of a 2 GiB pool is most of a cold start on this project's VMs (4-10 s). Its
         dimensions are the ones the engine resolves after loading (the model folder's config.json;
-        a pool that cannot be honoured fails here, before the weights load). None elsewhere."""
+        a pool that cannot be honoured fails here, before the weights load); the reservation's
+        mappings where it is exactly this pool. None elsewhere."""
         if args.device != "cpu" or args.tensor_parallel_size > 1 or args.is_pool_sized_by_device:
             return None
         cfg = loaded.config if loaded is not None else folder_config(args.model)
         cache, _ = args.resolve(cfg)
-        return KVPool(cfg.num_layers, cache.num_pages, cache.page_size, cfg.num_kv_heads, cfg.head_dim, cache.dtype,
-                      device=cache.device, touch_later=True)
+        dims = (cfg.num_layers, cache.num_pages, cache.page_size, cfg.num_kv_heads, cfg.head_dim)
+        geometry = PoolGeometry(*dims, str(cache.dtype).removeprefix("torch."))
+        if reservation is not None and reservation.geometry != geometry:
+            logger.info("the KV pool reserved at start-up (%s) is not the one resolved (%s): built again",
+                        reservation.geometry, geometry)
+            reservation = None
+        return KVPool(*dims, cache.dtype, device=cache.device, touch_later=True, reserved=reservation)
 
     def _start_ranks(self, args: EngineArgs, layout: RankLayout, model: CausalLM, key: bytes) -> TensorParallelDriver:
         options = RankOptions(str(self.loaded.path), args.dtype, args.quantization, args.native, args.seed,
@@ -177,13 +192,13 @@ class LLMEngine:
             "kv_bytes_per_token=%d max_num_batched_tokens=%d max_prefill_chunk_tokens=%d fair_share_tokens=%d "
             "attention_cost_context=%d max_num_seqs=%d kv_scrub=%s check_kv=%s prefix_caching=%s torch_threads=%d "
             "native=%s ops=%s grammar_compile_timeout_s=%g grammar_compile_workers=%d device=%s (%s) kv_pool_bytes=%d "
-            "tensor_parallel_size=%d tp_timeout_s=%g nnodes=%d master=%s:%d",
+            "kv_pool_reserved_early=%s tensor_parallel_size=%d tp_timeout_s=%g nnodes=%d master=%s:%d",
             self.loaded.path, self.model_config.architecture, args.dtype, s.max_model_len, c.kv_cache_tokens,
             c.num_pages, c.page_size, args.capacity(self.model_config).bytes_per_token,
             s.max_num_batched_tokens, s.max_prefill_chunk_tokens, s.fair_share_tokens, s.attention_cost_context,
             s.max_num_seqs, c.kv_scrub, c.check_kv, c.enable_prefix_caching, torch.get_num_threads(),
             args.native, self.ops.name, args.grammar_compile_timeout_s, args.grammar_compile_workers,
-            args.device, self.device.describe(), self.kv.pool.num_bytes,
+            args.device, self.device.describe(), self.kv.pool.num_bytes, self.kv.pool.reserved is not None,
             args.tensor_parallel_size, args.tp_timeout_s, args.nnodes, args.master_addr, args.master_port,
         )
 

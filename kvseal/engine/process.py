@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 import zmq
 
 from kvseal.config import EngineArgs
+from kvseal.kvcache.reserve import reserve_cpu_pool
 from kvseal.messages.codec import encode
 from kvseal.messages.msgs import EngineFailedMsg, EngineReadyMsg
 
@@ -68,12 +69,15 @@ def _connect(ctx: zmq.Context, addresses: EngineAddresses) -> tuple[zmq.Socket, 
 
 
 def _serve(args: EngineArgs, inbox: zmq.Socket, outbox: zmq.Socket) -> int:
+    # The pool's memory first, before the imports below load torch: committing it is most of a
+    # cold start (`kvseal.kvcache.reserve`); the engine adopts it or releases it.
+    reservation = reserve_cpu_pool(args)
     from kvseal.engine.colocated import colocated_loop
     from kvseal.engine.engine import LLMEngine
     from kvseal.heap import freeze_startup_heap
 
     try:
-        engine = LLMEngine(args)
+        engine = LLMEngine(args, pool_reservation=reservation)
         outbox.send(encode(_ready_msg(engine)))
     except Exception as exc:  # any start-up failure is reported, typed, to the frontend
         logger.error("engine start-up failed: %s", exc)

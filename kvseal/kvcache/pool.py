@@ -12,7 +12,9 @@ from typing import Protocol
 
 import torch
 
-from kvseal.hugepages import BackgroundTouch, huge_empty, huge_zeros
+from kvseal.hugepages import huge_empty, huge_zeros, mapping_tensor, touch_tensors
+from kvseal.kvcache.reserve import PoolGeometry, PoolReservation
+from kvseal.pagemem import BackgroundTouch
 
 
 class LayerWriteObserver(Protocol):
@@ -25,10 +27,12 @@ class LayerWriteObserver(Protocol):
 class KVPool:
     def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, observer: LayerWriteObserver | None = None,
-                 device: str = "cpu", touch_later: bool = False) -> None:
+                 device: str = "cpu", touch_later: bool = False, reserved: PoolReservation | None = None) -> None:
         """touch_later (CPU): the tensors are fresh mappings, which read zero, and a background
-        thread commits their memory (`BackgroundTouch`) until `wait_touched()`, which must come
-        before the pool's first use; else they are written (zeros) here."""
+        thread commits their memory (`kvseal.pagemem.BackgroundTouch`) until `wait_touched()`,
+        which must come before the pool's first use; else they are written (zeros) here.
+        reserved (CPU): the tensors are the mappings of this reservation, which must be of
+        exactly this pool (ValueError otherwise), committed as touch_later's are."""
         self.page_size = page_size
         self.num_pages = num_pages
         # Head-major, so that one head's context is contiguous for the attention matmuls.
@@ -38,11 +42,21 @@ class KVPool:
         # context: `kvseal/hugepages.py`). Tuples: a pool's tensors never change (the decode loop
         # binds their addresses once).
         self.device = torch.device(device)
-        later = touch_later and self.device.type == "cpu"
-        self.k = tuple(self._zeros(shape, dtype, later) for _ in range(num_layers))
-        self.v = tuple(self._zeros(shape, dtype, later) for _ in range(num_layers))
         self.observer = observer
-        self._touch = BackgroundTouch([*self.k, *self.v]) if later else None
+        self.reserved = reserved  # the reservation whose mappings the tensors are, if any
+        self._touch: BackgroundTouch | PoolReservation | None
+        if reserved is not None:
+            geometry = PoolGeometry(num_layers, num_pages, page_size, num_kv_heads, head_dim,
+                                    str(dtype).removeprefix("torch."))
+            if reserved.geometry != geometry or self.device.type != "cpu":
+                raise ValueError(f"the reservation holds {reserved.geometry}, not this pool ({geometry}, {device})")
+            tensors = [mapping_tensor(m, dtype, shape) for m in reserved.mappings]
+            self._touch = reserved
+        else:
+            later = touch_later and self.device.type == "cpu"
+            tensors = [self._zeros(shape, dtype, later) for _ in range(2 * num_layers)]
+            self._touch = touch_tensors(tensors) if later else None
+        self.k, self.v = tuple(tensors[:num_layers]), tuple(tensors[num_layers:])
 
     def _zeros(self, shape: tuple[int, ...], dtype: torch.dtype, later: bool) -> torch.Tensor:
         if self.device.type == "cpu":

@@ -60,6 +60,10 @@ def test_sigterm_lets_in_flight_requests_finish_then_exits_zero(start_server: Ca
     assert "kvseal ready" in log and "shutting down" in log and "Traceback" not in log
     # both processes took their start-up heap out of garbage collection (kvseal/heap.py)
     assert "frontend: " in log and "engine: " in log and log.count("start-up objects frozen") == 2
+    # the engine process reserved its KV pool before it imported torch, and adopted it
+    # (kvseal/kvcache/reserve.py; not where a GPU device node makes --device auto undecided)
+    gpu_node = any(Path(node).exists() for node in ("/dev/nvidiactl", "/dev/kfd"))
+    assert f"kv_pool_reserved_early={not gpu_node}" in log
 
 
 def _stream_then_sigterm(open_server: ServerProcess) -> tuple[list[str], str]:
