@@ -64,7 +64,7 @@ bench_vllm() {  # bench_vllm LABEL CONCURRENCY NUM_PROMPTS SEED RESULT_JSON: vLL
     --dataset-name random --random-input-len "$INPUT_LEN" --random-output-len "$OUTPUT_LEN" \
     --random-range-ratio 0 --ignore-eos --num-prompts "$3" --max-concurrency "$2" --seed "$4" \
     --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,99 --label "$1" --disable-tqdm \
-    --save-result --result-dir "$(dirname "$5")" --result-filename "$(basename "$5")"
+    --save-result --save-detailed --result-dir "$(dirname "$5")" --result-filename "$(basename "$5")"
 }
 
 run_point() {  # run_point CLIENT PID SERVER CONCURRENCY SEED RESULT_JSON
