@@ -101,6 +101,7 @@ class LLMEngine:
         # the ranks' key file (exists, 0600, a key) before the weights load: a bad one fails in a second
         tp_key = engine_secret(args.tp_key_file, args.nnodes) if tp > 1 else None
         free_before_weights = self.device.free_bytes
+        pool_ahead: KVPool | None = None
         try:
             pool_ahead = self._pool_while_loading(args, loaded, pool_reservation)
         finally:

@@ -13,6 +13,7 @@ import torch
 
 from kvseal.config import EngineArgs
 from kvseal.engine.engine import LLMEngine
+from kvseal.errors import ConfigError
 from kvseal.kvcache.pool import KVPool
 from kvseal.kvcache.reserve import PoolGeometry, PoolReservation, early_geometry, reserve_cpu_pool
 from kvseal.models.loader import folder_config
@@ -70,6 +71,15 @@ def test_a_reservation_of_another_pool_is_released_and_the_engine_builds_its_own
     with pytest.raises(RuntimeError, match="released"):
         other.wait()
     assert len(_greedy(engine)) == 6
+
+
+def test_an_engine_that_cannot_start_releases_the_reservation_and_says_why(llama_dir: Path) -> None:
+    args = _args(llama_dir, max_model_len=100_000)  # past the model's 256 positions: resolve() refuses it
+    reservation = reserve_cpu_pool(args)
+    assert reservation is not None
+    with pytest.raises(ConfigError, match="max_position_embeddings"):
+        LLMEngine(args, pool_reservation=reservation)
+    assert all(m.region.closed for m in reservation.mappings)
 
 
 def test_a_pool_refuses_a_reservation_of_other_dimensions(llama_dir: Path) -> None:
