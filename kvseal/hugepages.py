@@ -11,9 +11,10 @@ The mapping is 2 MB longer than the tensor, so that the tensor can start on a bo
 slack is never written, so it is never resident. (Carved from a `torch.empty` buffer instead,
 the slack could be heap memory already resident, and would stay so: 66 MB more RSS for the
 default model and a 2 GiB pool, measured.) Where the advice is refused (THP off or `never`,
-not Linux) the tensor is the same, on ordinary pages. The mappings themselves, and the thread that commits
-memory ahead of use, are torch-free (`kvseal.pagemem`): the engine process reserves its KV pool
-with them before it imports torch, and the pool becomes tensors over the same mappings.
+not Linux) the tensor is the same, on ordinary pages. The mappings themselves, and the thread
+that commits memory ahead of use, are torch-free (`kvseal.pagemem`): the engine process reserves
+its KV pool with them before it imports torch, and the pool becomes tensors over the same
+mappings.
 
 Most packed weights are smaller than a huge page (every linear of SmolLM2-135M is 0.2-1.8 MB:
 together 212 of the 270 MB a decode step reads), so allocations under one huge page are carved,

@@ -49,10 +49,6 @@ class PoolGeometry:
     dtype: str  # a `kvseal.config.DTYPES` name
 
     @property
-    def tensor_shape(self) -> tuple[int, int, int, int]:
-        return (self.num_kv_heads, self.num_pages, self.page_size, self.head_dim)
-
-    @property
     def tensor_bytes(self) -> int:
         return self.num_kv_heads * self.num_pages * self.page_size * self.head_dim * bytes_per_element(self.dtype)
 
