@@ -12,6 +12,7 @@ of the B/A ratios of adjacent passes. Outputs are compared bit for bit, and by t
 difference where they are not bit-equal.
 
     python bench/attention_ab.py --a /path/to/base --b . --rows 8 32 --context 320
+    python bench/attention_ab.py --a /path/to/base --b . --dtype bfloat16 --context 320 --prompt-pages 16
 """
 
 from __future__ import annotations
@@ -31,12 +32,24 @@ from kvseal.ops.native_kernels import NativeKernels
 LAYERS, KV_HEADS, PAGES, PAGE_SIZE, HEAD_DIM, HEADS = 30, 3, 2048, 16, 64, 9
 
 
+def page_tables(rows: int, per_row: int, prompt_pages: int | None) -> torch.Tensor:
+    """[rows, per_row] page ids. prompt_pages None: each row's pages consecutive. Else as a
+    fresh pool hands them out while the rows run together: each row's first prompt_pages pages
+    one consecutive run (its prompt's, allocated at once), every later page appended one step at
+    a time by each row in turn, so that row's next page is `rows` pages further on."""
+    first = 7  # the rows' pages start away from the pool's first page, as a running pool's would
+    if prompt_pages is None or prompt_pages >= per_row:
+        return torch.arange(rows * per_row, dtype=torch.int64).view(rows, per_row) + first
+    prompt = torch.arange(rows * prompt_pages, dtype=torch.int64).view(rows, prompt_pages)
+    later = torch.arange(rows * (per_row - prompt_pages), dtype=torch.int64).view(per_row - prompt_pages, rows).T
+    return torch.cat([prompt, later + rows * prompt_pages], dim=1) + first
+
+
 def compare(a: NativeKernels, b: NativeKernels, pools: list[tuple[torch.Tensor, torch.Tensor]],
-            rows: int, context: int, rounds: int) -> dict[str, Any]:
+            rows: int, context: int, rounds: int, prompt_pages: int | None = None) -> dict[str, Any]:
     dtype = pools[0][0].dtype
     per_row = -(-context // PAGE_SIZE)
-    first = 7  # the rows' pages start away from the pool's first page, as a running pool's would
-    tables = torch.arange(rows * per_row, dtype=torch.int64).view(rows, per_row) + first
+    tables = page_tables(rows, per_row, prompt_pages)
     lens = torch.full((rows,), context, dtype=torch.int64) - torch.arange(rows) % PAGE_SIZE  # ragged last pages
     queries = [torch.randn(rows, HEADS, HEAD_DIM, dtype=dtype) for _ in range(LAYERS)]
 
@@ -44,7 +57,8 @@ def compare(a: NativeKernels, b: NativeKernels, pools: list[tuple[torch.Tensor, 
         return [kernels.decode_attention(q, k, v, tables, lens, context) for (k, v), q in zip(pools, queries)]
 
     times, outputs = alternate({"a": partial(layers, a), "b": partial(layers, b)}, rounds)
-    return {"rows": rows, "context": context, **ratio_summary(times, "a", "b", ms_digits=2),
+    return {"rows": rows, "context": context, "prompt_pages": prompt_pages,
+            **ratio_summary(times, "a", "b", ms_digits=2),
             "bit_equal": all(torch.equal(x, y) for x, y in zip(outputs["a"], outputs["b"])),
             "max_abs_diff": max(float((x - y).abs().max()) for x, y in zip(outputs["a"], outputs["b"]))}
 
@@ -57,6 +71,9 @@ def main() -> None:
     parser.add_argument("--context", type=int, nargs="+", default=[320])
     parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="the pool's dtype")
+    parser.add_argument("--prompt-pages", type=int, default=None,
+                        help="each row's first N pages consecutive, the later ones interleaved with the other "
+                             "rows' as decode steps append them (default: every page of a row consecutive)")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
     a, b = library_of(args.a.resolve()), library_of(args.b.resolve())
@@ -65,7 +82,7 @@ def main() -> None:
              for _ in range(LAYERS)]
     for context in args.context:
         for rows in args.rows:
-            result = compare(a, b, pools, rows, context, args.rounds)
+            result = compare(a, b, pools, rows, context, args.rounds, args.prompt_pages)
             print(json.dumps({**result, "threads": torch.get_num_threads()}), flush=True)
 
 
