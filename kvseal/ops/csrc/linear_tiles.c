@@ -25,9 +25,9 @@
  *   AVX512-BF16 (CPUs without AMX, such as AMD's Zen 4 and 5): one 64-byte tile row is exactly
  *     VDPBF16PS's operand (16 outputs' k-pairs) against x's pair broadcast: 8 rows x 2 panels
  *     in 16 accumulators, few-row blocks splitting k over more accumulators, the first chunk of
- *     rows prefetching the next pair's weights a line per k-pair, its row blocks dividing those
- *     lines between them so the prefetch spreads over the whole chunk. On a Zen 5 host it
- *     matches oneDNN at 2,048 rows and takes 0.7-0.86x its time at 8-32 rows (round 11).
+ *     rows prefetching the next pair's weights into L2 a line per k-pair, its row blocks
+ *     dividing those lines between them so the prefetch spreads over the whole chunk. On a Zen 5
+ *     host it matches oneDNN at 2,048 rows and takes 0.7-0.86x its time at 8-32 rows (round 11).
  * A build without AVX512-BF16 has neither: the entry points answer -1 and the ops layer keeps
  * torch's linears (PackedLinear where oneDNN multiplies bfloat16, else nn.Linear). Called
  * through TileLinear (kvseal/ops/native_linears.py) for a bfloat16 model's decoder linears and
@@ -88,9 +88,15 @@ static inline __attribute__((always_inline)) void store_tile_rows_f32(const floa
    weight pairs, exactly vdpbf16ps's operand, against x's pair broadcast. S accumulators per
    row and panel take alternate k-pairs, so that a block of few rows (decode) still has enough
    independent sums in flight to hide the instruction's latency. p0, p1 (unless NULL): panels to
-   prefetch into L1 so that the next panels' weights come from memory while these are
-   multiplied: their line of k-pair k for every k with k % shares == share (the chunk's row
-   blocks divide the lines between them). */
+   prefetch so that the next panels' weights come from memory while these are multiplied: their
+   line of k-pair k for every k with k % shares == share (the chunk's row blocks divide the
+   lines between them). Into L2 (prefetcht1), not L1: on a Zen 4 host the L1 requests held the
+   core's few L1 miss buffers, which the demand loads of the pair in hand then waited on, while
+   the weights of the next pair need to be near, not in L1, when its pass starts (the lines
+   arrive in L1 by the hardware prefetcher as the pass streams them). The stack of SmolLM2's
+   linears from memory (bench/linears_ab.py --dtype bfloat16, 16 alternating rounds): 0.87x the
+   time at 8 rows, 0.88x at 16, 1.0x at 1 and 32; the engine's c=8 decode step 0.825x, a
+   2,048-token prefill step 0.997x (bench/engine_ab.py). */
 static inline __attribute__((always_inline)) void dot_block(const uint16_t *a, int64_t k_in, const uint16_t *b0,
                                                             const uint16_t *b1, const int R, const int S, float *c0,
                                                             float *c1, const uint16_t *p0, const uint16_t *p1,
@@ -107,8 +113,8 @@ static inline __attribute__((always_inline)) void dot_block(const uint16_t *a, i
             const __m512bh w1 = (__m512bh)_mm512_loadu_si512(b1 + (kp + s) * 32);
             if (p0 != NULL) {
                 if (turn == share) {
-                    __builtin_prefetch(p0 + (kp + s) * 32, 0, 3);
-                    __builtin_prefetch(p1 + (kp + s) * 32, 0, 3);
+                    __builtin_prefetch(p0 + (kp + s) * 32, 0, 2);
+                    __builtin_prefetch(p1 + (kp + s) * 32, 0, 2);
                 }
                 if (++turn == shares) turn = 0;
             }
