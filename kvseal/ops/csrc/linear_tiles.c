@@ -365,15 +365,14 @@ static void tile_pairs(const struct tile_job *j, int64_t i_begin, int64_t i_end,
    18 runs of one pair, not 9 of two that split 5 + 4 between two threads; a 32-row stack of
    linears 0.97x the time on a Zen 4 host): on a host whose cores the frontend shares, a
    preempted thread then holds no fixed half for the other to wait on. From TILE_SPLIT_ROWS
-   rows on each thread takes one contiguous half: every run re-reads all the rows, which short runs would multiply. At
-   decode sizes (one chunk of rows) each thread takes its next run before it works on the one in
-   hand, so that it can prefetch the next run's first weights (tile_pairs' `after`); with two
-   halves, claiming ahead would take the other thread's half. */
+   rows on each thread takes one contiguous half: every run re-reads all the rows, which short
+   runs would multiply. At decode sizes (one chunk of rows) each thread takes its next run
+   before it works on the one in hand, so that it can prefetch the next run's first weights
+   (tile_pairs' `after`); with two halves, claiming ahead would take the other thread's half. */
 #define TILE_SPLIT_ROWS 256
 static void tile_run(const struct tile_job *j, int64_t pairs, int num_threads) {
-    const int64_t run = j->rows >= TILE_SPLIT_ROWS      ? (pairs + num_threads - 1) / num_threads
-                        : pairs / (8 * num_threads) > 1 ? pairs / (8 * num_threads)
-                                                        : 1;
+    const int64_t short_run = pairs / (8 * num_threads) > 1 ? pairs / (8 * num_threads) : 1;
+    const int64_t run = j->rows >= TILE_SPLIT_ROWS ? (pairs + num_threads - 1) / num_threads : short_run;
     const int amx = kvseal_amx_linears;
     int64_t handed_out = 0;
     const int claim_ahead = j->rows <= TILE_CHUNK_ROWS;
