@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
+import signal
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -166,23 +168,46 @@ def _plan_dims(ns: argparse.Namespace) -> tuple[int, int, int, str]:
 
 
 def _cmd_serve(ns: argparse.Namespace) -> int:
-    from kvseal.server import ServerConfig, serve
+    from kvseal.server import ServerConfig, open_front_door, serve
 
     config = ServerConfig.from_namespace(ns)
     restart = RestartPolicy(**values_of(ns, RestartPolicy))  # bad flags stop start-up before anything runs
-    return serve(config, lambda: _engine_backend(ns, restart))
+    if not _is_colocated(ns):
+        return serve(config, lambda: _engine_backend(ns, restart))
+    # The colocated engine process starts as soon as the flags, keys and audit log are in order:
+    # its start-up (seconds: torch, the weights, the pool) then overlaps the frontend's own
+    # imports (transformers, FastAPI) on the other core instead of following them.
+    from kvseal.engine.client import EngineClient
+
+    args = engine_args_from(ns)
+    files = open_front_door(config)
+    if ns.own_process:  # a SIGTERM before the server's loop answers it unwinds through the clean-ups below
+        signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    with contextlib.ExitStack() as until_served:
+        until_served.callback(files.audit.close)
+        engine = EngineClient(args, ns.log_level, restart)
+        until_served.callback(engine.discard_early)
+        engine.start_early()
+        if ns.own_process:  # only now: nothing above imports transformers
+            tokenize_without_torch()
+        until_served.pop_all()  # from here `serve` closes the files
+    try:
+        return serve(config, lambda: engine, files)
+    finally:
+        engine.discard_early()  # where the server stopped before taking the engine over
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
 
 
 def _engine_backend(ns: argparse.Namespace, restart: RestartPolicy) -> EngineBackend:
-    """`serve`'s engines: one colocated engine process, or PD engines (`--pd`, `--prefill/--decode`)."""
+    """`serve --pd` (or `--prefill/--decode`)'s engines."""
     from kvseal.disagg.topology import PdTopology
 
     topology = PdTopology.from_namespace(ns)
+    assert topology is not None, "a colocated engine is started by _cmd_serve"
     args = engine_args_from(ns)
-    if topology is None:
-        from kvseal.engine.client import EngineClient
-
-        return EngineClient(args, ns.log_level, restart)
     if args.num_threads is not None:
         raise ConfigError("--threads sets the colocated engine's CPU threads; with --pd give "
                           "--pd-threads PREFILL,DECODE, with --prefill/--decode give each "
@@ -294,16 +319,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _is_colocated(ns: argparse.Namespace) -> bool:
+    return ns.command == "serve" and not (ns.pd or ns.prefill or ns.decode)
+
+
 def _runs_no_model(ns: argparse.Namespace) -> bool:
     """Commands whose process only tokenizes or talks HTTP: bench, canary, and the colocated
     frontend (its engine is a child process; a PD frontend converts a GGUF for its tokenizer)."""
-    colocated = ns.command == "serve" and not (ns.pd or ns.prefill or ns.decode)
-    return colocated or ns.command in ("bench", "canary")
+    return _is_colocated(ns) or ns.command in ("bench", "canary")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
-    if argv is None and _runs_no_model(ns):  # this process is the command's own, not a caller's (tests)
+    ns.own_process = argv is None  # this process is the command's own, not a caller's (tests)
+    if ns.own_process and _runs_no_model(ns) and not _is_colocated(ns):  # the colocated frontend: in _cmd_serve
         tokenize_without_torch()
     logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

@@ -87,6 +87,7 @@ class EngineClient:
         self._is_shutting_down = False
         self._down: str | None = None  # why the engine cannot serve now; cleared when a restart is ready
         self._broken: str | None = None  # the frontend's own routing failed: until the server restarts
+        self._started_early = False  # the process runs, started by start_early; `start` takes it over
 
     @property
     def failure(self) -> str | None:
@@ -105,6 +106,22 @@ class EngineClient:
     def num_in_flight(self) -> int:
         return len(self._handles)
 
+    def start_early(self) -> None:
+        """Start the engine process now, before the frontend loads its own modules and runs its
+        event loop: the engine's start-up (torch, the weights, the pool) then overlaps the
+        frontend's on the other core. `start` takes the process over; `discard_early` stops it
+        where the server stops before that."""
+        self._process.start()
+        self._started_early = True
+
+    def discard_early(self) -> None:
+        """Stop a process `start_early` started and `start` never took over (start-up failed)."""
+        if self._started_early:
+            self._started_early = False
+            self._process.kill()
+            self._process.join(timeout_s=10.0)
+            self._process.cleanup()
+
     async def start(self) -> EngineReadyMsg:
         """Spawn the engine and wait until it is ready; raise `EngineStartError` if it is not."""
         loop = asyncio.get_running_loop()
@@ -116,7 +133,10 @@ class EngineClient:
         return self._info
 
     def _spawn(self) -> None:
-        self._process.start()
+        if self._started_early:  # it connects to the addresses bound in `start`
+            self._started_early = False
+        else:
+            self._process.start()
         self._engine_name = f"engine-{self._process.pid}"
         self._restarts.started()
         asyncio.get_running_loop().add_reader(self._process.sentinel, self._on_process_exit)

@@ -14,13 +14,27 @@ from kvseal.server.config import ServerConfig, add_serve_arguments
 
 if TYPE_CHECKING:
     from kvseal.engine_api import EngineBackend
+    from kvseal.server.files import FrontDoorFiles
 
-__all__ = ["ServerConfig", "add_serve_arguments", "serve"]
+__all__ = ["ServerConfig", "add_serve_arguments", "open_front_door", "serve"]
 
 
-def serve(config: ServerConfig, make_backend: Callable[[], EngineBackend]) -> int:
+def open_front_door(config: ServerConfig) -> FrontDoorFiles:
+    """The API keys and the audit log, read and opened before any engine starts: a bad keys file
+    or an audit log that cannot be opened stops start-up first (ConfigError). Cheap: none of the
+    HTTP server's modules load."""
+    from kvseal.server.files import FrontDoorFiles
+
+    return FrontDoorFiles.open(config)
+
+
+def serve(config: ServerConfig, make_backend: Callable[[], EngineBackend], files: FrontDoorFiles | None = None) -> int:
     """Run the server over the backend `make_backend` makes, until SIGTERM/SIGINT; returns the
-    process exit status."""
-    from kvseal.server.main import run
+    process exit status. `files`: from `open_front_door` (opened here if None); closed here."""
+    files = files if files is not None else open_front_door(config)
+    try:
+        from kvseal.server.main import run
 
-    return run(config, make_backend)
+        return run(config, make_backend, files)
+    finally:
+        files.audit.close()

@@ -27,7 +27,6 @@ import uvicorn
 import uvloop
 
 from kvseal.engine_api import EngineBackend
-from kvseal.errors import ConfigError
 from kvseal.heap import freeze_startup_heap
 from kvseal.messages.msgs import ABORT_SERVER_SHUTDOWN
 from kvseal.server.admin import reload_keys_on_signal
@@ -35,6 +34,7 @@ from kvseal.server.app import build_app
 from kvseal.server.audit import AuditLog
 from kvseal.server.auth import ApiKeyTable
 from kvseal.server.config import ServerConfig
+from kvseal.server.files import FrontDoorFiles
 from kvseal.server.generation_defaults import GenerationDefaults
 from kvseal.server.metrics import ServerMetrics
 from kvseal.server.prompts import PromptEncoder
@@ -47,28 +47,16 @@ ABORT_MARGIN_S = 10.0  # after the grace period: time for aborted requests to se
 _DRAIN_POLL_S = 0.05
 
 
-def run(config: ServerConfig, make_backend: Callable[[], EngineBackend]) -> int:
-    """Serve until SIGTERM/SIGINT; `make_backend` is called once the keys and audit log are in
-    order (a backend may start engine processes as it is made)."""
-    keys = ApiKeyTable.load(config.api_keys_path)
-    if keys.is_open and not config.is_loopback:
+def run(config: ServerConfig, make_backend: Callable[[], EngineBackend], files: FrontDoorFiles) -> int:
+    """Serve until SIGTERM/SIGINT; `make_backend` is called in the event loop (a backend may
+    start engine processes as it is made, or have started them already). `files`: the keys and
+    audit log, in order (`kvseal.server.open_front_door`); the caller closes them."""
+    if files.keys.is_open and not config.is_loopback:
         logger.warning("!" * 80)
         logger.warning("NO API KEYS and bound to %s: anyone who can reach this address can use the server "
                        "as tenant 'default'. Pass --api-keys FILE, or bind 127.0.0.1.", config.host)
         logger.warning("!" * 80)
-    audit = _open_audit(config)
-    try:
-        return uvloop.run(_serve(config, make_backend, keys, audit))
-    finally:
-        audit.close()
-
-
-def _open_audit(config: ServerConfig) -> AuditLog:
-    try:
-        return AuditLog(config.audit_log_path, config.audit_log_prompts, max_bytes=config.audit_log_max_bytes,
-                        max_age_s=config.audit_log_max_age_s, num_backups=config.audit_log_backups)
-    except OSError as exc:
-        raise ConfigError(f"cannot open the audit log {config.audit_log_path}: {exc}") from exc
+    return uvloop.run(_serve(config, make_backend, files.keys, files.audit))
 
 
 async def _serve(config: ServerConfig, make_backend: Callable[[], EngineBackend], keys: ApiKeyTable,

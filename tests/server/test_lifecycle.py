@@ -5,6 +5,7 @@ Each test starts its own server without an API keys file (the single tenant `def
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -238,3 +239,46 @@ def test_a_bad_keys_file_stops_start_up(server_model_dir: Path, tmp_path: Path) 
     keys.write_text('{"super-secret": {"tenant": ""}}')
     done = _serve("--model", str(server_model_dir), "--api-keys", str(keys))
     assert done.returncode == 2 and "tenant" in done.stderr and "super-secret" not in done.stderr
+    assert "kvseal[engine]" not in done.stderr, "the keys are read before any engine starts"
+
+
+def _spawned_engine(frontend_pid: int) -> int | None:
+    """The frontend's engine child (multiprocessing's spawn_main; its other child is the resource
+    tracker), or None while it has none."""
+    children = Path(f"/proc/{frontend_pid}/task/{frontend_pid}/children").read_text().split()
+    for child in map(int, children):
+        with contextlib.suppress(OSError):
+            if b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes():
+                return child
+    return None
+
+
+def test_a_sigterm_while_the_server_starts_leaves_no_engine_and_no_socket_folder(server_model_dir: Path,
+                                                                              tmp_path: Path) -> None:
+    """The colocated engine process starts before the frontend loads FastAPI and transformers. A
+    SIGTERM as soon as that process exists (the frontend still loading) stops the server, the
+    engine with it, and the engine's socket folder (created under TMPDIR) is removed."""
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    with (tmp_path / "server.log").open("wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "kvseal.cli", "serve", "--port", str(free_port()),
+                                 "--model", str(server_model_dir), "--dtype", "float32"],
+                                env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        engine_pid = wait_for(lambda: proc.poll() is None and _spawned_engine(proc.pid), "the engine process")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=WAIT_DEADLINE_S) in (0, 128 + signal.SIGTERM)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+    def engine_gone() -> bool:
+        try:
+            os.kill(engine_pid, 0)
+        except ProcessLookupError:
+            return True
+        return False
+
+    wait_for(engine_gone, "the engine process to exit with its frontend")
+    assert not list(tmp_path.glob("kvseal-*")), "the engine's socket folder is removed"
+    assert "kvseal ready" not in (tmp_path / "server.log").read_text()
