@@ -2,7 +2,8 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Callable
+import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +64,19 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
                 or f"{path}::{item.name.split('[')[0]}" in PROCESS_TESTS
                 or item.get_closest_marker("slow") or item.get_closest_marker("sanitizers")):
             item.add_marker(pytest.mark.integration)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_server_folders_left(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The session's temporary folder (TMPDIR, for every process the tests start): when the last
+    test is done, no engine socket folder (`kvseal-*`) or rank group store (`kvseal-tp-*`) may be
+    left in it, whichever way its server, engine or ranks were stopped, SIGKILL included."""
+    scratch = tmp_path_factory.mktemp("tmpdir")
+    os.environ["TMPDIR"] = str(scratch)
+    tempfile.tempdir = None  # this process's next mkdtemp reads TMPDIR again
+    yield scratch
+    left = sorted(path.name for path in scratch.glob("kvseal-*"))
+    assert not left, f"folders the servers, engines or ranks left behind in {scratch}: {left}"
 
 
 @pytest.fixture(scope="session")

@@ -29,7 +29,7 @@ class EngineProcess:
         self._args = args
         self._log_level = log_level
         self._dir = private_socket_dir()
-        self.addresses = EngineAddresses(f"ipc://{self._dir}/to_engine", f"ipc://{self._dir}/from_engine")
+        self.addresses = EngineAddresses(f"ipc://{self._dir}/to_engine", f"ipc://{self._dir}/from_engine", self._dir)
         self._proc: BaseProcess | None = None
         self._num_starts = 0
 
@@ -37,7 +37,7 @@ class EngineProcess:
         """A fresh address for the frontend's messages to the next process started (a restart):
         nothing the frontend queued for a dead engine can reach its successor."""
         self.addresses = EngineAddresses(f"ipc://{self._dir}/to_engine.{self._num_starts}",
-                                         self.addresses.from_engine)
+                                         self.addresses.from_engine, self._dir)
         return self.addresses.to_engine
 
     def start(self) -> None:

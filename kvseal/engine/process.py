@@ -4,8 +4,9 @@ Started by the frontend with multiprocessing's "spawn" context (torch and fork d
 It ignores SIGINT and SIGTERM (the frontend decides when it stops, with `ShutdownMsg`, so a
 signal to the whole process group drains like one to the frontend), and SIGHUP (the frontend's
 "reload the API keys"; an engine has none) and exits on its own
-when the frontend process disappears. Exit status 0 after a shutdown, 1 on any failure,
-which it reports first with `EngineFailedMsg` when it still can.
+when the frontend process disappears (then it also removes the frontend's socket folder, which
+nothing else is left to remove). Exit status 0 after a shutdown, 1 on any failure, which it
+reports first with `EngineFailedMsg` when it still can.
 """
 
 from __future__ import annotations
@@ -13,8 +14,10 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
+import shutil
 import signal
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -37,10 +40,12 @@ LINGER_MS = 5_000
 
 @dataclass(frozen=True)
 class EngineAddresses:
-    """ZMQ endpoints; the frontend binds both, the engine connects."""
+    """ZMQ endpoints; the frontend binds both, the engine connects. `folder`: the private folder
+    that holds them, which the engine removes if it outlives the frontend."""
 
     to_engine: str
     from_engine: str
+    folder: str | None = None
 
 
 def run_engine_process(args: EngineArgs, addresses: EngineAddresses, log_level: str) -> None:
@@ -49,6 +54,8 @@ def run_engine_process(args: EngineArgs, addresses: EngineAddresses, log_level: 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    if addresses.folder is not None:  # the engine's own scratch (a rank group's file store) goes in the
+        tempfile.tempdir = addresses.folder  # frontend's private folder: removed with it, by whoever outlives
     ctx = zmq.Context()
     inbox, outbox = _connect(ctx, addresses)
     try:
@@ -56,6 +63,9 @@ def run_engine_process(args: EngineArgs, addresses: EngineAddresses, log_level: 
     finally:
         inbox.close(linger=0)
         outbox.close(linger=LINGER_MS)
+        parent = multiprocessing.parent_process()
+        if addresses.folder is not None and parent is not None and not parent.is_alive():
+            shutil.rmtree(addresses.folder, ignore_errors=True)  # a killed frontend removes nothing
         ctx.term()
 
 

@@ -18,6 +18,7 @@ spec on argv is not secret, and every rank proves the key as the group forms (`r
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import os
@@ -156,13 +157,28 @@ def _meeting_place(place: RankPlacement) -> tuple[socket.socket | None, GroupSpe
         return listener, GroupSpec(place.master_addr, int(listener.getsockname()[1]), place.world_size,
                                    place.timeout_s)
     folder = tempfile.mkdtemp(prefix="kvseal-tp-")
+    _STORE_FOLDERS.add(folder)
     return None, GroupSpec(place.master_addr, 0, place.world_size, place.timeout_s,
                            store_path=os.path.join(folder, "store"))
 
 
+_STORE_FOLDERS: set[str] = set()  # this process's file stores not yet removed
+
+
 def _remove_store(spec: GroupSpec) -> None:
     if spec.store_path is not None:
-        shutil.rmtree(os.path.dirname(spec.store_path), ignore_errors=True)
+        folder = os.path.dirname(spec.store_path)
+        shutil.rmtree(folder, ignore_errors=True)
+        _STORE_FOLDERS.discard(folder)
+
+
+@atexit.register
+def _remove_stores_left() -> None:
+    """A process that exits without closing its driver (`kvseal generate`, a failed engine)
+    leaves no store folder behind; only a killed one does."""
+    for folder in list(_STORE_FOLDERS):
+        shutil.rmtree(folder, ignore_errors=True)
+    _STORE_FOLDERS.clear()
 
 
 def _kill_group(proc: subprocess.Popen[bytes]) -> None:

@@ -33,7 +33,7 @@ def start_server(server_model_dir: Path, tmp_path: Path) -> Iterator[Callable[..
 
     yield start
     for proc in started:
-        proc.kill()
+        proc.stop()  # SIGTERM (then SIGKILL): the server removes its engine's socket folder
 
 
 def is_reaped(pid: int) -> bool:

@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -35,7 +36,7 @@ def start_server(server_model_dir: Path, tmp_path: Path) -> Iterator[Callable[..
 
     yield start
     for proc in started:
-        proc.kill()
+        proc.stop()  # SIGTERM (then SIGKILL): the server removes its engine's socket folder
 
 
 def _events(lines: Iterator[str]) -> list[dict]:
@@ -207,8 +208,12 @@ def _content_length(data: bytes) -> int:
 
 
 def test_engine_exits_when_the_frontend_is_killed(start_server: Callable[..., ServerProcess]) -> None:
+    """The orphaned engine stops, and removes the socket folder its SIGKILLed frontend cannot."""
+    folders_before = set(Path(tempfile.gettempdir()).glob("kvseal-*"))
     open_server = start_server()
     engine_pid = open_server.engine_pid
+    [folder] = set(Path(tempfile.gettempdir()).glob("kvseal-*")) - folders_before
+    assert (folder / "from_engine").exists()
     open_server.kill()
 
     def engine_gone() -> bool:
@@ -219,6 +224,7 @@ def test_engine_exits_when_the_frontend_is_killed(start_server: Callable[..., Se
         return False
 
     wait_for(engine_gone, "the orphaned engine process to exit")
+    assert not folder.exists(), "the engine removes the socket folder when its frontend is gone"
 
 
 def _serve(*args: str) -> subprocess.CompletedProcess[str]:
