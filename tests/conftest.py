@@ -1,8 +1,11 @@
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -66,17 +69,47 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.integration)
 
 
+LEFT_PROCESS_GRACE_S = 20.0  # an orphaned engine notices its frontend is gone within a second or two
+
+
 @pytest.fixture(scope="session", autouse=True)
-def no_server_folders_left(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """The session's temporary folder (TMPDIR, for every process the tests start): when the last
-    test is done, no engine socket folder (`kvseal-*`) or rank group store (`kvseal-tp-*`) may be
-    left in it, whichever way its server, engine or ranks were stopped, SIGKILL included."""
+def nothing_left_behind(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The session's temporary folder is TMPDIR for every process the tests start. When the last
+    test is done, no process started with it may still run (a server, engine, rank or grammar
+    worker a test did not stop, or one that outlived its parent), and no engine socket folder
+    (`kvseal-*`) or rank group store (`kvseal-tp-*`) may be left in it, whichever way its server,
+    engine or ranks were stopped, SIGKILL included."""
     scratch = tmp_path_factory.mktemp("tmpdir")
     os.environ["TMPDIR"] = str(scratch)
     tempfile.tempdir = None  # this process's next mkdtemp reads TMPDIR again
     yield scratch
+    deadline = time.monotonic() + LEFT_PROCESS_GRACE_S
+    while (running := _started_with_tmpdir(scratch)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    for pid in running:  # stopped by PID, so that they do not outlive the session either
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    assert not running, f"processes the tests left running: {running}"
     left = sorted(path.name for path in scratch.glob("kvseal-*"))
     assert not left, f"folders the servers, engines or ranks left behind in {scratch}: {left}"
+
+
+def _started_with_tmpdir(scratch: Path) -> dict[int, str]:
+    """Live processes (not zombies) but this one whose environment has TMPDIR=scratch: pid -> command line."""
+    wanted = b"TMPDIR=" + bytes(scratch)
+    found = {}
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        try:
+            if wanted not in (proc / "environ").read_bytes().split(b"\0"):
+                continue
+            if (proc / "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                continue
+            found[int(proc.name)] = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:200]
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+    return found
 
 
 @pytest.fixture(scope="session")
