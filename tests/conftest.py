@@ -89,13 +89,15 @@ def nothing_left_behind(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pa
     for pid in running:  # stopped by PID, so that they do not outlive the session either
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-    assert not running, f"processes the tests left running: {running}"
     left = sorted(path.name for path in scratch.glob("kvseal-*"))
-    assert not left, f"folders the servers, engines or ranks left behind in {scratch}: {left}"
+    assert not running and not left, (f"processes the tests left running: {running}; folders the servers, "
+                                      f"engines or ranks left behind in {scratch}: {left}")
 
 
 def _started_with_tmpdir(scratch: Path) -> dict[int, str]:
-    """Live processes (not zombies) but this one whose environment has TMPDIR=scratch: pid -> command line."""
+    """Live processes (not zombies) whose environment has TMPDIR=scratch: pid -> command line. Not
+    this one, nor its own multiprocessing resource tracker (started by the in-process tests that
+    spawn engines; it exits with this process, as it does under any program that spawns)."""
     wanted = b"TMPDIR=" + bytes(scratch)
     found = {}
     for proc in Path("/proc").iterdir():
@@ -104,9 +106,11 @@ def _started_with_tmpdir(scratch: Path) -> dict[int, str]:
         try:
             if wanted not in (proc / "environ").read_bytes().split(b"\0"):
                 continue
-            if (proc / "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+            state, parent = (proc / "stat").read_text().rsplit(")", 1)[1].split()[:2]
+            command = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            if state == "Z" or (int(parent) == os.getpid() and "multiprocessing.resource_tracker" in command):
                 continue
-            found[int(proc.name)] = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:200]
+            found[int(proc.name)] = command[:200]
         except OSError:  # gone meanwhile, or not ours to read
             continue
     return found
