@@ -34,7 +34,7 @@ torch.set_num_threads(2)
 PROCESS_FIXTURES = frozenset({"server", "char_server", "bench_server", "pd_cluster", "pd_tp_cluster"})
 PROCESS_MODULES = frozenset({
     "auditlog/test_usage_server.py", "bench/test_bench_serve.py", "bench/test_gpu_bench.py",
-    "bench/test_quant_decode_peers.py", "canary/test_kvseal_canary.py",
+    "bench/test_q4_dequant.py", "bench/test_quant_decode_peers.py", "canary/test_kvseal_canary.py",
     "disagg/test_engine_auth_processes.py", "disagg/test_pd_audit.py", "disagg/test_pd_cli.py",
     "disagg/test_pd_incident.py", "disagg/test_pd_kill.py", "disagg/test_pd_structured.py",
     "disagg/test_pd_supervised.py", "disagg/test_pd_tp.py",
