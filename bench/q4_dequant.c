@@ -47,16 +47,28 @@ static struct dequant dequant_constants(void) {
     return c;
 }
 
+/* A block's d and m, each feature's twice in a row (features 0-7 in d0/m0, 8-15 in d1/m1): the
+   lanes of a pair of k in vdpbf16ps operand order. */
+struct scales {
+    __m512 d0, d1, m0, m1;
+};
+
+static inline struct scales block_scales(const struct dequant *c, const uint8_t *block) {
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)block));
+    const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(block + 32)));
+    return (struct scales){_mm512_permutexvar_ps(c->dup_lo, d), _mm512_permutexvar_ps(c->dup_hi, d),
+                           _mm512_permutexvar_ps(c->dup_lo, m), _mm512_permutexvar_ps(c->dup_hi, m)};
+}
+
 /* k-pair p of a block: the 16 features' bfloat16 weights (k, k + 1), in vdpbf16ps operand order. */
-static inline __m512bh pair_weights(const struct dequant *c, const uint8_t *block, int p, __m512 d0, __m512 d1,
-                                    __m512 m0, __m512 m1) {
+static inline __m512bh pair_weights(const struct dequant *c, const uint8_t *block, int p, const struct scales *s) {
     const __m128i raw = _mm_loadu_si128((const __m128i *)(block + 64 + 16 * p));
     const __m512i q0 = _mm512_and_si512(
         _mm512_srlv_epi32(_mm512_cvtepu8_epi32(_mm_shuffle_epi8(raw, c->bytes_lo)), c->shifts), c->fifteen);
     const __m512i q1 = _mm512_and_si512(
         _mm512_srlv_epi32(_mm512_cvtepu8_epi32(_mm_shuffle_epi8(raw, c->bytes_hi)), c->shifts), c->fifteen);
-    return _mm512_cvtne2ps_pbh(_mm512_fmadd_ps(d1, _mm512_cvtepi32_ps(q1), m1),
-                               _mm512_fmadd_ps(d0, _mm512_cvtepi32_ps(q0), m0));
+    return _mm512_cvtne2ps_pbh(_mm512_fmadd_ps(s->d1, _mm512_cvtepi32_ps(q1), s->m1),
+                               _mm512_fmadd_ps(s->d0, _mm512_cvtepi32_ps(q0), s->m0));
 }
 
 /* One panel (16 features) against x [rows, k]: y [rows, 16] (row stride ldy). */
@@ -64,11 +76,8 @@ static void panel(const struct dequant *c, const uint16_t *x, int64_t k, const u
                   int64_t ldy, __m512bh *buffer) {
     for (int64_t b = 0; b < k / 32; b++) {
         const uint8_t *block = w + b * BLOCK_BYTES;
-        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)block));
-        const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(block + 32)));
-        const __m512 d0 = _mm512_permutexvar_ps(c->dup_lo, d), d1 = _mm512_permutexvar_ps(c->dup_hi, d);
-        const __m512 m0 = _mm512_permutexvar_ps(c->dup_lo, m), m1 = _mm512_permutexvar_ps(c->dup_hi, m);
-        for (int p = 0; p < 16; p++) buffer[b * 16 + p] = pair_weights(c, block, p, d0, d1, m0, m1);
+        const struct scales sc = block_scales(c, block);
+        for (int p = 0; p < 16; p++) buffer[b * 16 + p] = pair_weights(c, block, p, &sc);
     }
     for (int r0 = 0; r0 < rows; r0 += 8) {
         __m512 even[8], odd[8];
@@ -90,16 +99,13 @@ static void panel_one_row(const struct dequant *c, const uint16_t *x, int64_t k,
     __m512 even = _mm512_setzero_ps(), odd = _mm512_setzero_ps();
     for (int64_t b = 0; b < k / 32; b++) {
         const uint8_t *block = w + b * BLOCK_BYTES;
-        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)block));
-        const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(block + 32)));
-        const __m512 d0 = _mm512_permutexvar_ps(c->dup_lo, d), d1 = _mm512_permutexvar_ps(c->dup_hi, d);
-        const __m512 m0 = _mm512_permutexvar_ps(c->dup_lo, m), m1 = _mm512_permutexvar_ps(c->dup_hi, m);
+        const struct scales sc = block_scales(c, block);
         for (int p = 0; p < 16; p += 2) {
             int32_t a, b2;
             memcpy(&a, x + b * 32 + 2 * p, sizeof a);
             memcpy(&b2, x + b * 32 + 2 * p + 2, sizeof b2);
-            even = _mm512_dpbf16_ps(even, (__m512bh)_mm512_set1_epi32(a), pair_weights(c, block, p, d0, d1, m0, m1));
-            odd = _mm512_dpbf16_ps(odd, (__m512bh)_mm512_set1_epi32(b2), pair_weights(c, block, p + 1, d0, d1, m0, m1));
+            even = _mm512_dpbf16_ps(even, (__m512bh)_mm512_set1_epi32(a), pair_weights(c, block, p, &sc));
+            odd = _mm512_dpbf16_ps(odd, (__m512bh)_mm512_set1_epi32(b2), pair_weights(c, block, p + 1, &sc));
         }
     }
     _mm512_storeu_ps(y, _mm512_add_ps(even, odd));
@@ -141,13 +147,10 @@ static int weights_are_exact(const uint8_t *w, int64_t k) {
     const struct dequant c = dequant_constants();
     for (int64_t b = 0; b < k / 32; b++) {
         const uint8_t *block = w + b * BLOCK_BYTES;
-        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)block));
-        const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(block + 32)));
-        const __m512 d0 = _mm512_permutexvar_ps(c.dup_lo, d), d1 = _mm512_permutexvar_ps(c.dup_hi, d);
-        const __m512 m0 = _mm512_permutexvar_ps(c.dup_lo, m), m1 = _mm512_permutexvar_ps(c.dup_hi, m);
+        const struct scales sc = block_scales(&c, block);
         for (int p = 0; p < 16; p++) {
             uint16_t got[32];
-            const __m512bh pair = pair_weights(&c, block, p, d0, d1, m0, m1);
+            const __m512bh pair = pair_weights(&c, block, p, &sc);
             memcpy(got, &pair, sizeof got);
             for (int f = 0; f < 16; f++)
                 if (got[2 * f] != reference_weight(block, f, 2 * p)
