@@ -9,6 +9,7 @@ engine processes too); nothing else here changes what the process does.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -30,6 +31,15 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def process_gone(pid: int) -> bool:
+    """No process has this PID (signal 0 only asks whether one exists)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
 
 
 def wait_for(condition: Callable[[], Any], what: str, deadline_s: float = WAIT_DEADLINE_S) -> Any:

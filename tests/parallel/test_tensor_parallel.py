@@ -19,6 +19,7 @@ from typing import Any
 import jsonschema
 import pytest
 from char_model import make_char_model
+from processes import process_gone
 from tiny_models import make_tiny_model
 
 from kvseal import LLM, FinishReason, SamplingParams
@@ -225,14 +226,6 @@ def test_a_coverage_bypass_on_the_driver_is_caught_by_rank_1(tp2: LLM) -> None:
     assert _refused(outs["bob"]) and "rank 1" in outs["bob"].error
 
 
-def _pid_gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    return False
-
-
 @pytest.mark.parametrize("how", ["kill", "hang"])
 def test_a_dead_or_hung_rank_fails_the_engine_closed(model_dirs: dict[str, Path], how: str) -> None:
     llm = _llm(model_dirs["llama"], tensor_parallel_size=2, tp_timeout_s=3.0)
@@ -246,7 +239,7 @@ def test_a_dead_or_hung_rank_fails_the_engine_closed(model_dirs: dict[str, Path]
         for _ in range(20):
             llm.engine.step()
     for _ in range(100):
-        if _pid_gone(pid) or os.waitpid(pid, os.WNOHANG) != (0, 0):
+        if process_gone(pid) or os.waitpid(pid, os.WNOHANG) != (0, 0):
             break
         time.sleep(0.1)
     assert driver.ranks.procs[0].poll() is not None, "the failed engine stopped its rank"

@@ -20,7 +20,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "server"))
 
-from processes import wait_for  # noqa: E402
+from processes import process_gone, wait_for  # noqa: E402
 from server_process import ServerProcess  # noqa: E402
 from tiny_server_model import make_server_model  # noqa: E402
 
@@ -80,15 +80,7 @@ def test_a_rank_lost_while_idle_turns_health_503(tp_server: ServerProcess, how: 
              "health 503 after the rank was lost")
     body = {"prompt": "w5", "max_tokens": 2}
     assert httpx.post(f"{tp_server.base_url}/completions", json=body, timeout=60).status_code == 503
-    wait_for(lambda: _gone(rank_pid), "the lost rank stopped by its PID")
-
-
-def _gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    return False
+    wait_for(lambda: process_gone(rank_pid), "the lost rank stopped by its PID")
 
 
 def test_a_supervised_tp_engine_restarts_with_new_ranks_and_serves_again(tmp_path: Path) -> None:

@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from processes import WAIT_DEADLINE_S, free_port, wait_for
+from processes import WAIT_DEADLINE_S, free_port, process_gone, wait_for
 from server_process import ServerProcess, client_for
 
 BODY = {"prompt": "w5 w6", "max_tokens": 300, "ignore_eos": True, "stream": True}
@@ -215,15 +215,7 @@ def test_engine_exits_when_the_frontend_is_killed(start_server: Callable[..., Se
     [folder] = set(Path(tempfile.gettempdir()).glob("kvseal-*")) - folders_before
     assert (folder / "from_engine").exists()
     open_server.kill()
-
-    def engine_gone() -> bool:
-        try:
-            os.kill(engine_pid, 0)  # signal 0: only asks whether the process exists
-        except ProcessLookupError:
-            return True
-        return False
-
-    wait_for(engine_gone, "the orphaned engine process to exit")
+    wait_for(lambda: process_gone(engine_pid), "the orphaned engine process to exit")
     assert not folder.exists(), "the engine removes the socket folder when its frontend is gone"
 
 
@@ -277,14 +269,6 @@ def test_a_sigterm_while_the_server_starts_leaves_no_engine_and_no_socket_folder
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-
-    def engine_gone() -> bool:
-        try:
-            os.kill(engine_pid, 0)
-        except ProcessLookupError:
-            return True
-        return False
-
-    wait_for(engine_gone, "the engine process to exit with its frontend")
+    wait_for(lambda: process_gone(engine_pid), "the engine process to exit with its frontend")
     assert not list(tmp_path.glob("kvseal-*")), "the engine's socket folder is removed"
     assert "kvseal ready" not in (tmp_path / "server.log").read_text()
