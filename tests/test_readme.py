@@ -21,7 +21,8 @@ def test_readme_has_serve_and_test_commands_first() -> None:
 def test_the_check_script_runs_every_check() -> None:
     commands = [line for line in (ROOT / "tools" / "check.sh").read_text().splitlines()
                 if line and not line.startswith(("#", "set ", "cd "))]
-    assert commands == ["ruff check .", "mypy kvseal", "lint-imports", 'python -m pytest -q --durations=20 "$@"']
+    pytest = 'python -m pytest -q -n 2 --dist loadfile --durations=20 "$@"'
+    assert commands == ["ruff check .", "mypy kvseal", "lint-imports", pytest]
 
 
 def test_ci_runs_the_readme_test_command() -> None:
