@@ -23,6 +23,7 @@ from kvseal.config import GrammarConfig
 from kvseal.errors import GrammarCompilerUnavailable, GrammarCompileTimeout, InvalidParameter, RequestRejected
 from kvseal.structured.compiler import GrammarCompilerPool, GrammarPoolStats, GrammarTicket
 from kvseal.structured.fair_queue import CompileJob, FairCompileQueue
+from kvseal.structured.worker import MAX_NICENESS, NICENESS
 from kvseal.types import StructuredOutput
 
 BUDGET_S = 4.0
@@ -51,6 +52,14 @@ def _error_of(ticket: GrammarTicket) -> RequestRejected | None:
     except RequestRejected as exc:
         return exc
     return None
+
+
+def test_workers_run_one_niceness_step_below_the_engine(pool: GrammarCompilerPool) -> None:
+    """The slot threads that start the workers run at NICENESS themselves; a worker must not add
+    it a second time (it sat at 19 then, and a busy engine starved its compiles past the budget)."""
+    _all_ready(pool)
+    expected = min(os.getpriority(os.PRIO_PROCESS, 0) + NICENESS, MAX_NICENESS)
+    assert [os.getpriority(os.PRIO_PROCESS, pid) for pid in pool.worker_pids()] == [expected] * NUM_WORKERS
 
 
 # ---- the line: per tenant FIFO, tenants round-robin, one running each ----------------------
