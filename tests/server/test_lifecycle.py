@@ -143,13 +143,18 @@ def test_engine_death_fails_requests_and_health(start_server: Callable[..., Serv
 def test_sigterm_to_the_whole_process_group_drains_too(start_server: Callable[..., ServerProcess]) -> None:
     """systemd's KillMode=control-group, `kill -TERM -PGID`, `tini -g`: the engine gets SIGTERM
     too, ignores it, and the frontend drains as usual; meanwhile new connections get 503."""
-    group_server = start_server("--shutdown-grace-s", "120", own_process_group=True)
+    # The drain lasts as long as the in-flight request: 1,000 tokens (~0.5 s on the tiny model; 300
+    # took 0.2 s), and the probes' client is made before the signal (making one costs ~0.1 s), so
+    # that a test slowed by other work on the host still asks while the server drains.
+    group_server = start_server("--shutdown-grace-s", "120", "--max-model-len", "1024", own_process_group=True)
     assert group_server.proc is not None
-    with httpx.stream("POST", f"{group_server.base_url}/completions", json=BODY, timeout=60) as response:
+    with (httpx.Client(timeout=30, headers={"Connection": "close"}) as probes,
+          httpx.stream("POST", f"{group_server.base_url}/completions", json=BODY | {"max_tokens": 1000},
+                       timeout=60) as response):
         lines = response.iter_lines()
         next(lines)
         os.killpg(group_server.proc.pid, signal.SIGTERM)
-        refused = wait_for(lambda: _status_while_draining(group_server), "a 503 while draining")
+        refused = wait_for(lambda: _status_while_draining(group_server, probes), "a 503 while draining")
         rest = list(lines)
         request_id = response.headers["x-request-id"]
     assert refused == 503
@@ -160,9 +165,9 @@ def test_sigterm_to_the_whole_process_group_drains_too(start_server: Callable[..
     assert "exited unexpectedly" not in group_server.log()
 
 
-def _status_while_draining(server: ServerProcess) -> int | None:
+def _status_while_draining(server: ServerProcess, client: httpx.Client) -> int | None:
     """A new connection's answer once draining began (None before: health still says 200)."""
-    response = httpx.post(f"{server.base_url}/completions", json={"prompt": "w5", "max_tokens": 1}, timeout=30)
+    response = client.post(f"{server.base_url}/completions", json={"prompt": "w5", "max_tokens": 1})
     if response.status_code == 200:
         return None
     assert response.json()["error"]["code"] == "engine_unavailable"
