@@ -172,21 +172,24 @@ class EngineClient:
     async def shutdown(self, timeout_s: float = 30.0) -> None:
         """Abort what is left in the engine, let it report, and wait for it to exit."""
         self._is_shutting_down = True
-        if self._process.is_alive():
-            if self._ready is not None and self._ready.done() and self._down is None:
-                self._outbox.put_nowait(ShutdownMsg(ABORT_SERVER_SHUTDOWN))
+        try:
+            if self._process.is_alive():
+                if self._ready is not None and self._ready.done() and self._down is None:
+                    self._outbox.put_nowait(ShutdownMsg(ABORT_SERVER_SHUTDOWN))
+                    await self._wait_exit(timeout_s)
+                self._process.kill()
                 await self._wait_exit(timeout_s)
+            for task in self._tasks:
+                task.cancel()
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+            self._fail_handles("the server is shutting down")
+            self._push.close(linger=0)
+            self._pull.close(linger=0)
+            self._ctx.term()
+            self._process.join()
+        finally:  # however the stop ends (an exception, a cancel), the socket folder goes
             self._process.kill()
-            await self._wait_exit(timeout_s)
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        self._fail_handles("the server is shutting down")
-        self._push.close(linger=0)
-        self._pull.close(linger=0)
-        self._ctx.term()
-        self._process.join()
-        self._process.cleanup()
+            self._process.cleanup()
 
     async def _wait_exit(self, timeout_s: float) -> None:
         try:

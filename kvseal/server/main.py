@@ -10,17 +10,19 @@ get that answer), give in-flight ones the grace period, then abort the rest in t
 (their clients get an error, never a fake finish), stop the engine, exit 0. The engine
 process ignores SIGTERM and SIGINT and stops only on the frontend's `ShutdownMsg`, so a
 signal to the whole process group (systemd, `kill -TERM -PGID`, `tini -g`) drains the same
-way as one to the frontend alone. SIGHUP, once the server is ready, reloads the keys file
+way as one to the frontend alone. A signal once the engine is stopping is logged and ignored
+(`_StopSignals`). SIGHUP, once the server is ready, reloads the keys file
 (`kvseal.server.admin`; the engines ignore it); before that it is logged and ignored.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import signal
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import uvicorn
@@ -45,6 +47,7 @@ logger = logging.getLogger("kvseal.server")
 
 ABORT_MARGIN_S = 10.0  # after the grace period: time for aborted requests to send their errors
 _DRAIN_POLL_S = 0.05
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 def run(config: ServerConfig, make_backend: Callable[[], EngineBackend], files: FrontDoorFiles) -> int:
@@ -56,20 +59,35 @@ def run(config: ServerConfig, make_backend: Callable[[], EngineBackend], files: 
         logger.warning("NO API KEYS and bound to %s: anyone who can reach this address can use the server "
                        "as tenant 'default'. Pass --api-keys FILE, or bind 127.0.0.1.", config.host)
         logger.warning("!" * 80)
-    return uvloop.run(_serve(config, make_backend, files.keys, files.audit))
+    with _handlers_put_back(*_STOP_SIGNALS, signal.SIGHUP):
+        return uvloop.run(_serve(config, make_backend, files.keys, files.audit))
+
+
+@contextlib.contextmanager
+def _handlers_put_back(*signals: signal.Signals) -> Iterator[None]:
+    """The event loop's signal handlers stay until it closes, which leaves the default actions
+    (die at once): put back the ones that were there before (the `serve` command's)."""
+    previous = {sig: signal.getsignal(sig) for sig in signals}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            if handler is not None:  # (None: one not installed from Python, left as it is)
+                signal.signal(sig, handler)
 
 
 async def _serve(config: ServerConfig, make_backend: Callable[[], EngineBackend], keys: ApiKeyTable,
                  audit: AuditLog) -> int:
     metrics = ServerMetrics()
     loop = asyncio.get_running_loop()
+    stop = _StopSignals(loop)
     loop.add_signal_handler(signal.SIGHUP, logger.warning, "SIGHUP before the server is ready: ignored; send it "
                             "again once the server logs 'kvseal ready' to reload the API keys")
     engine = make_backend()
     engine.on_stats = metrics.record_stats  # the engines' summed pools and load
     engine.add_metrics(metrics.registry)
     try:
-        state = await _start(config, engine, keys, metrics, audit)
+        state = await _start(config, engine, keys, metrics, audit, stop.requested)
         if state is None:
             return 0  # stopped by a signal before the engine was ready
         freeze_startup_heap("frontend")
@@ -78,37 +96,64 @@ async def _serve(config: ServerConfig, make_backend: Callable[[], EngineBackend]
         loop.add_signal_handler(signal.SIGHUP, reload_keys_on_signal, state)
         server = KvsealServer(_uvicorn_config(config, state), lambda port: _log_ready(state, port),
                               lambda: _drain(state))
+        stop.serving(server)
         try:
             await server.serve()
         finally:
             state.prompts.close()
         return 0
     finally:
-        loop.remove_signal_handler(signal.SIGHUP)
+        stop.stopping_engines()  # from here to the event loop's close
         await engine.shutdown()
 
 
+class _StopSignals:
+    """SIGTERM and SIGINT, from the event loop's start to its end, in one handler: before the
+    engine is ready they stop start-up; while serving they begin uvicorn's shutdown (which drains
+    first, for at most the grace period and the abort margin, whatever else comes); while the engines
+    stop, they are logged and ignored, as that stop is bounded and must finish: a signal's default
+    action there would end the frontend before it removed the engine's socket folder (SIGHUP's
+    too, once it no longer reloads keys). So they stay until the event loop closes."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self.requested = asyncio.Event()
+        self._server: KvsealServer | None = None
+        self._engines_stopping = False
+        for sig in _STOP_SIGNALS:
+            loop.add_signal_handler(sig, self._on_signal, sig)
+
+    def serving(self, server: KvsealServer) -> None:
+        self._server = server
+        if self.requested.is_set():  # a signal came between start-up and now: shut down at once
+            server.handle_exit(signal.SIGTERM, None)
+
+    def stopping_engines(self) -> None:
+        self._engines_stopping = True
+        self._loop.add_signal_handler(signal.SIGHUP, self._on_signal, signal.SIGHUP)
+
+    def _on_signal(self, sig: signal.Signals) -> None:
+        if self._engines_stopping:
+            logger.info("%s while the engines stop: already stopping", sig.name)
+            return
+        self.requested.set()
+        if self._server is not None:
+            self._server.handle_exit(sig, None)
+
+
 async def _start(config: ServerConfig, engine: EngineBackend, keys: ApiKeyTable, metrics: ServerMetrics,
-                 audit: AuditLog) -> AppState | None:
-    """Wait for the engine; a SIGTERM/SIGINT meanwhile stops start-up cleanly (returns None)."""
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    try:
-        starting = asyncio.ensure_future(engine.start())
-        stopping = asyncio.ensure_future(stop.wait())
-        await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
-        stopping.cancel()
-        if not starting.done():
-            logger.info("stopped before the engine was ready")
-            starting.cancel()
-            return None
-        info = starting.result()
-        prompts = await asyncio.to_thread(PromptEncoder.load, info.tokenizer_path)
-    finally:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.remove_signal_handler(sig)
+                 audit: AuditLog, stop: asyncio.Event) -> AppState | None:
+    """Wait for the engine; a SIGTERM/SIGINT meanwhile (`stop`) stops start-up cleanly (returns None)."""
+    starting = asyncio.ensure_future(engine.start())
+    stopping = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    stopping.cancel()
+    if not starting.done():
+        logger.info("stopped before the engine was ready")
+        starting.cancel()
+        return None
+    info = starting.result()
+    prompts = await asyncio.to_thread(PromptEncoder.load, info.tokenizer_path)
     defaults = GenerationDefaults.load(config.generation_config, _model_dir(info.model_path))
     state = AppState(config, engine, info, prompts, keys, metrics, audit, defaults=defaults)
     _log_config(state)

@@ -5,8 +5,10 @@
   new connections are answered (503 while draining) rather than refused, and in-flight
   requests get the grace period. Only then does uvicorn stop accepting connections and give
   what is left `timeout_graceful_shutdown` seconds.
-- uvicorn re-raises the captured signal after a graceful shutdown, which would end the
-  process with -SIGTERM; kvseal handles the signal itself and exits 0 instead.
+- Signals are not uvicorn's to install: kvseal's handler (`kvseal.server.main`) covers start-up,
+  serving and the engines' stop alike and tells uvicorn through `handle_exit`. (uvicorn's own
+  would also re-raise the signal after a graceful shutdown, ending the process with -SIGTERM;
+  kvseal exits 0 instead.)
 - A connection whose request headers have not all arrived `header_timeout_s` after it
   opened (or after its last response, on a keep-alive connection) is closed: slow clients
   cannot hold connections forever.
@@ -19,15 +21,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import signal
-import threading
 from collections.abc import Awaitable, Callable, Generator
 from typing import Any
 
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
-
-_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 class KvsealServer(uvicorn.Server):
@@ -48,15 +46,10 @@ class KvsealServer(uvicorn.Server):
 
     @contextlib.contextmanager
     def capture_signals(self) -> Generator[None, None, None]:
-        if threading.current_thread() is not threading.main_thread():
-            yield
-            return
-        original = {sig: signal.signal(sig, self.handle_exit) for sig in _SIGNALS}
-        try:
-            yield
-        finally:
-            for sig, handler in original.items():
-                signal.signal(sig, handler)
+        """SIGTERM and SIGINT stay with the handler `kvseal.server.main` installs for the server's
+        whole life, which calls `handle_exit`: uvicorn's own handler would be taken down when it
+        stops serving, leaving the default action (die at once) while the engines stop."""
+        yield
 
 
 def protocol_with_header_timeout(header_timeout_s: float) -> type[HttpToolsProtocol]:

@@ -165,6 +165,38 @@ def test_sigterm_to_the_whole_process_group_drains_too(start_server: Callable[..
     assert "exited unexpectedly" not in group_server.log()
 
 
+def test_a_second_sigterm_while_the_engine_stops_is_ignored_and_the_socket_folder_goes(
+        start_server: Callable[..., ServerProcess], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once uvicorn has stopped, the frontend stops its engine (a message, then a bounded wait) and
+    removes the engine's socket folder. A SIGTERM then (a supervisor that signals twice, a
+    second Ctrl-C) is logged and ignored: with the signal's default action the frontend died
+    there and the folder was left. The engine is held (SIGSTOP) so the stop lasts."""
+    sockets = tmp_path / "sockets"
+    sockets.mkdir()
+    monkeypatch.setenv("TMPDIR", str(sockets))
+    server = start_server()
+    assert server.proc is not None and len(list(sockets.glob("kvseal-*"))) == 1
+    engine_pid = server.engine_pid
+    os.kill(engine_pid, signal.SIGSTOP)
+    try:
+        server.proc.send_signal(signal.SIGTERM)
+        wait_for(lambda: "Finished server process" in server.log(), "uvicorn to stop serving")
+        server.proc.send_signal(signal.SIGTERM)
+        wait_for(lambda: _running_and_logged(server, "SIGTERM while the engines stop: already stopping"),
+                 "the second SIGTERM to be logged")
+    finally:
+        os.kill(engine_pid, signal.SIGCONT)
+    assert server.terminate() == 0
+    wait_for(lambda: process_gone(engine_pid), "the engine process to exit")
+    assert not list(sockets.glob("kvseal-*")), "the engine's socket folder is removed"
+    assert "Traceback" not in server.log()
+
+
+def _running_and_logged(server: ServerProcess, line: str) -> bool:
+    server.assert_running()  # fails at once, with the log, where the signal ended it
+    return line in server.log()
+
+
 def _status_while_draining(server: ServerProcess, client: httpx.Client) -> int | None:
     """A new connection's answer once draining began (None before: health still says 200)."""
     response = client.post(f"{server.base_url}/completions", json={"prompt": "w5", "max_tokens": 1})
