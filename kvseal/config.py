@@ -216,8 +216,9 @@ class SchedulerConfig:
 @dataclass(frozen=True)
 class GrammarConfig:
     """Structured-output grammar compiles: each runs in one of `num_workers` worker processes
-    (tenants served round-robin, one compile each at a time) and is stopped after
-    `compile_timeout_s` seconds, the request refused with a 400."""
+    (tenants served round-robin, one compile each at a time) and is stopped once it has used
+    `compile_timeout_s` seconds of its worker's CPU time (or waited ten times that on a host too
+    busy to give it the CPU), the request refused with a 400."""
 
     compile_timeout_s: float = DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S
     num_workers: int = DEFAULT_GRAMMAR_COMPILE_WORKERS
@@ -226,7 +227,8 @@ class GrammarConfig:
         timeout = self.compile_timeout_s
         if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not 0 < timeout < float("inf"):
             raise ConfigError(f"--grammar-compile-timeout-s (grammar_compile_timeout_s) must be a number of seconds "
-                              f"> 0, got {timeout!r}; it is how long one structured-output grammar may compile "
+                              f"> 0, got {timeout!r}; it is the CPU time one structured-output grammar may take to "
+                              f"compile "
                               f"(default {DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S:g})")
         workers = self.num_workers
         if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
@@ -355,8 +357,9 @@ class EngineArgs:
     # Structured output: how long one grammar may compile before the request is refused, and
     # how many worker processes compile (GrammarConfig).
     grammar_compile_timeout_s: float = field(default=DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S, metadata=flag(
-        "the longest one structured-output grammar (response_format json_schema, a required or named tool call) "
-        "may compile; over it the compile is stopped and the request gets a 400 "
+        "the CPU time one structured-output grammar (response_format json_schema, a required or named tool call) "
+        "may take to compile (a compile also waits at most ten times this on a busy host); over it the compile is "
+        "stopped and the request gets a 400 "
         f"(default: {DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S:g})", metavar="S"))
     grammar_compile_workers: int = field(default=DEFAULT_GRAMMAR_COMPILE_WORKERS, metadata=flag(
         "grammar compile worker processes, shared by tenants round-robin with one compile each at a time; 2 or "

@@ -54,8 +54,9 @@ class InvalidParameter(RequestRejected):
 
 
 class GrammarCompileTimeout(InvalidParameter):
-    """A structured-output grammar did not compile within the engine's time budget
-    (`--grammar-compile-timeout-s`); the compile was stopped."""
+    """A structured-output grammar did not compile within the engine's budget
+    (`--grammar-compile-timeout-s` of its worker's CPU time, or ten times that in wall time on a
+    host too busy to give it the CPU); the compile was stopped."""
 
     code = "grammar_compile_timeout"
 

@@ -2,16 +2,16 @@
 cached per tenant.
 
 A compile runs in two steps. A worker process (`structured/worker.py`) compiles the grammar
-first, under the time budget (`GrammarConfig.compile_timeout_s`): xgrammar's compile cannot
-be interrupted from Python, so a compile that runs over is stopped by killing the worker
-(SIGKILL, its own PID), which is replaced, and the request gets a 400
-(`GrammarCompileTimeout`). A grammar the worker compiled in time is then compiled again here,
-on the same slot's thread, for the engine to use: that compile does the same work the worker
-just finished within the budget. (Shipping the worker's compiled grammar back instead costs
-more: xgrammar 0.2.8's `CompiledGrammar.serialize_json` repeats the whole automaton once per
-rule, so its size grows with the square of the schema; measured on a 49K vocabulary, a
-50-property schema compiles in 26 ms but serializes to 17 MB in 0.65 s and takes 0.27 s to
-read back.)
+first, under the budget (`GrammarConfig.compile_timeout_s` of the worker's CPU time, and ten
+times that in wall time: `CompileBudget`): xgrammar's compile cannot be interrupted from
+Python, so a compile that runs over is stopped by killing the worker (SIGKILL, its own PID),
+which is replaced, and the request gets a 400 (`GrammarCompileTimeout`). A grammar the
+worker compiled in time is then compiled again here, on the same slot's thread, for the
+engine to use: that compile does the same work the worker just finished within the budget.
+(Shipping the worker's compiled grammar back instead costs more: xgrammar 0.2.8's
+`CompiledGrammar.serialize_json` repeats the whole automaton once per rule, so its size grows
+with the square of the schema; measured on a 49K vocabulary, a 50-property schema compiles in
+26 ms but serializes to 17 MB in 0.65 s and takes 0.27 s to read back.)
 
 Fairness (`structured/fair_queue.py`): `num_workers` slots, each a worker process and a
 thread; compiles wait per tenant, first in first out, and tenants are served round-robin with
@@ -58,7 +58,8 @@ logger = logging.getLogger("kvseal.structured")
 
 CACHE_ENTRIES = 256  # compiled grammars kept, over all tenants (least recently used evicted)
 WORKER_START_S = 120.0  # importing xgrammar (and torch) on a loaded host
-CANCEL_CHECK_S = 0.02  # how often a slot waiting on its worker looks for cancellation
+CANCEL_CHECK_S = 0.02  # how often a slot waiting on its worker looks for cancellation (and its CPU time)
+WALL_CAP_FACTOR = 10.0  # a compile waits at most this many times its CPU budget, however starved its worker
 CLOSE_WAIT_S = 5.0
 
 CacheKey = tuple[str, str, str | None]
@@ -198,10 +199,10 @@ class _PoolCore:
             self._num_cancelled += 1
         self.finish(job, error=InvalidParameter("the request ended before its grammar compiled"))
 
-    def finish_timeout(self, job: CompileJob) -> None:
+    def finish_timeout(self, job: CompileJob, starved: bool) -> None:
         with self._lock:
             self._num_timeouts += 1
-        self.finish(job, error=timeout_error(job.spec, self.config.compile_timeout_s))
+        self.finish(job, error=timeout_error(job.spec, self.config.compile_timeout_s, starved))
 
     def set_running(self, delta: int) -> None:
         with self._lock:
@@ -338,16 +339,15 @@ class _Slot:
         """The worker's verdict on the job's grammar; None if the compile was stopped."""
         assert self._worker is not None, "a slot serves only with its worker running"
         budget_s = None if is_active(Fault.UNBUDGETED_GRAMMAR_COMPILE) else self._core.config.compile_timeout_s
-        deadline_s = time.monotonic() + budget_s if budget_s is not None else None
         try:
+            budget = CompileBudget(self._worker, budget_s)
             self._worker.send(JudgeGrammarMsg(job.spec.kind, job.spec.schema))
             while True:
-                stop = self._why_stop(job, deadline_s)
+                stop = self._why_stop(job, budget)
                 if stop is not None:
                     self._stop_compile(job, stop)
                     return None
-                wait_s = CANCEL_CHECK_S if deadline_s is None else min(CANCEL_CHECK_S, deadline_s - time.monotonic())
-                verdict = self._worker.poll(wait_s)
+                verdict = self._worker.poll(budget.wait_s())
                 if verdict is not None:
                     return verdict
         except WorkerFailed as exc:
@@ -357,22 +357,25 @@ class _Slot:
                                                                   "compiling it"))
             return None
 
-    def _why_stop(self, job: CompileJob, deadline_s: float | None) -> str | None:
+    def _why_stop(self, job: CompileJob, budget: CompileBudget) -> str | None:
         if self._core.is_closed:
             return "closed"
         if job.is_abandoned:
             return "cancelled"
-        if deadline_s is not None and time.monotonic() >= deadline_s:
-            return "timeout"
-        return None
+        return budget.why_spent()
 
     def _stop_compile(self, job: CompileJob, why: str) -> None:
         """Kill the worker in the middle of `job` (it is started again for the next job)."""
         self._stop_worker()
+        budget_s = self._core.config.compile_timeout_s
         if why == "timeout":
-            logger.warning("a grammar of tenant %s did not compile within %g s; its worker was stopped", job.tenant,
-                           self._core.config.compile_timeout_s)
-            self._core.finish_timeout(job)
+            logger.warning("a grammar of tenant %s used its %g s of compile CPU time; its worker was stopped",
+                           job.tenant, budget_s)
+            self._core.finish_timeout(job, starved=False)
+        elif why == "starved":
+            logger.warning("a grammar of tenant %s did not compile within %g s (its worker got too little CPU on "
+                           "this busy host); its worker was stopped", job.tenant, budget_s * WALL_CAP_FACTOR)
+            self._core.finish_timeout(job, starved=True)
         elif why == "cancelled":
             self._core.finish_cancelled(job)
         else:
@@ -388,6 +391,46 @@ class _Slot:
             self._core.finish(job, error=compile_error(job.spec, describe_error(exc)))
             return
         self._core.finish(job, compiled=compiled)
+
+
+class CompileBudget:
+    """One compile's budget, counted in the worker's own CPU time: what the grammar costs to
+    compile, whatever else keeps the host's cores busy. Counted in wall time, a worker at nice
+    10 beside a busy engine (about a tenth of a core) stopped ordinary schemas as too complex,
+    so whether a request was refused depended on other tenants' load. The wait is still
+    bounded in wall time (`WALL_CAP_FACTOR` times the budget): a worker starved for that long
+    is stopped as over budget too. Where the system does not report a process's CPU time, the
+    budget counts wall time. `budget_s` None (a test-only fault) sets no budget."""
+
+    def __init__(self, worker: GrammarWorker, budget_s: float | None) -> None:
+        self._worker = worker
+        self._budget_s = budget_s
+        self._cpu_start_s = worker.cpu_s()
+        self._wall_start_s = time.monotonic()
+
+    def _wall_s(self) -> float:
+        return time.monotonic() - self._wall_start_s
+
+    def spent_s(self) -> float:
+        """Seconds of the budget used: the worker's CPU time since the compile was sent."""
+        cpu_s = self._worker.cpu_s()
+        if self._cpu_start_s is None or cpu_s is None:
+            return self._wall_s()
+        return cpu_s - self._cpu_start_s
+
+    def why_spent(self) -> str | None:
+        """"timeout" (the CPU budget is used up), "starved" (the wall-clock cap passed first), or None."""
+        if self._budget_s is None:
+            return None
+        if self.spent_s() >= self._budget_s:
+            return "timeout"
+        return "starved" if self._wall_s() >= self._budget_s * WALL_CAP_FACTOR else None
+
+    def wait_s(self) -> float:
+        """How long to wait for the worker's answer before looking again."""
+        if self._budget_s is None:
+            return CANCEL_CHECK_S
+        return max(min(CANCEL_CHECK_S, self._budget_s * WALL_CAP_FACTOR - self._wall_s()), 0.0)
 
 
 def _lower_thread_priority() -> None:
@@ -408,13 +451,19 @@ def compile_error(spec: StructuredOutput, problem: str) -> InvalidParameter:
     return InvalidParameter(f"cannot compile the {what} grammar: {problem}", param=param_of(spec))
 
 
-def timeout_error(spec: StructuredOutput, timeout_s: float) -> GrammarCompileTimeout:
+def timeout_error(spec: StructuredOutput, timeout_s: float, starved: bool = False) -> GrammarCompileTimeout:
     what = "the tool call grammar (from the tools' parameters)" if spec.kind == "tool_call" else \
         "the response_format grammar"
+    if starved:
+        return GrammarCompileTimeout(
+            f"compiling {what} did not finish within {timeout_s * WALL_CAP_FACTOR:g} s: the server is too busy to "
+            f"give its compile the CPU time it may use ({timeout_s:g} s, this server's limit, "
+            f"--grammar-compile-timeout-s), and it was stopped. Retry later, or send a smaller schema.",
+            param=param_of(spec))
     return GrammarCompileTimeout(
-        f"compiling {what} took longer than {timeout_s:g} s, this server's limit (--grammar-compile-timeout-s), "
-        f"and was stopped. Send a smaller or simpler schema (fewer optional properties, less nesting).",
-        param=param_of(spec))
+        f"compiling {what} took more than {timeout_s:g} s of CPU time, this server's limit "
+        f"(--grammar-compile-timeout-s), and was stopped. Send a smaller or simpler schema (fewer optional "
+        f"properties, less nesting).", param=param_of(spec))
 
 
 def compiled_or_raise(ticket: GrammarTicket) -> Any:

@@ -5,7 +5,7 @@
 `MAX_SCHEMA_PROPERTIES` properties in all. A grammar that will be built from a schema is also
 parsed by xgrammar here, so a schema it cannot turn into a grammar is a 400 naming the
 problem. The bounds keep that parse cheap (it grows faster than the nesting: 0.03 s at 64
-levels, a minute at 1,000); the compile itself is bounded by the engine's time budget
+levels, a minute at 1,000); the compile itself is bounded by the engine's CPU-time budget
 (`--grammar-compile-timeout-s`). A request's tools are also bounded in number (`MAX_TOOLS`,
 in the chat request's body model) and in total size (`MAX_TOOLS_CHARS`).
 

@@ -29,6 +29,7 @@ from kvseal.structured.msgs import (
 logger = logging.getLogger("kvseal.structured")
 
 KILL_WAIT_S = 10.0  # a SIGKILLed process is reaped within this (it cannot refuse)
+_CLOCK_TICKS_S = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100  # /proc's unit of CPU time
 
 
 class WorkerFailed(Exception):
@@ -62,6 +63,18 @@ class GrammarWorker:
             self.kill()
             raise WorkerFailed("the grammar worker did not start in time" if ready is None else
                                f"the grammar worker answered {type(ready).__name__} instead of ready")
+
+    def cpu_s(self) -> float | None:
+        """The CPU seconds (user and system) the worker process has used, or None where the
+        system does not say (no `/proc`) or the process is gone."""
+        if self._proc is None:
+            return None
+        try:
+            stat = Path(f"/proc/{self._proc.pid}/stat").read_text()
+        except OSError:
+            return None
+        fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) ": field 3, the state, on
+        return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS_S  # fields 14 and 15: utime, stime
 
     def send(self, msg: JudgeGrammarMsg) -> None:
         self._write(msg)

@@ -1,4 +1,4 @@
-"""The grammar compile pool: tenants served round-robin, each compile under the time budget,
+"""The grammar compile pool: tenants served round-robin, each compile under the CPU-time budget,
 a compile nobody waits for stopped; real worker processes on the character-level vocabulary.
 
 Each check is also run with the test-only fault that breaks what it guards, and must fail.
@@ -8,6 +8,7 @@ pending; "the budget stopped it" and "the cancellation stopped it" are the pool'
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -21,7 +22,7 @@ from processes import wait_for
 from kvseal._testing.faults import Fault, inject
 from kvseal.config import GrammarConfig
 from kvseal.errors import GrammarCompilerUnavailable, GrammarCompileTimeout, InvalidParameter, RequestRejected
-from kvseal.structured.compiler import GrammarCompilerPool, GrammarPoolStats, GrammarTicket
+from kvseal.structured.compiler import WALL_CAP_FACTOR, GrammarCompilerPool, GrammarPoolStats, GrammarTicket
 from kvseal.structured.fair_queue import CompileJob, FairCompileQueue
 from kvseal.structured.worker import MAX_NICENESS, NICENESS
 from kvseal.types import StructuredOutput
@@ -174,6 +175,54 @@ def test_an_over_budget_grammar_is_refused_and_its_worker_replaced(pool: Grammar
 def test_the_budget_check_fails_without_a_budget(pool: GrammarCompilerPool) -> None:
     with inject(Fault.UNBUDGETED_GRAMMAR_COMPILE), pytest.raises(AssertionError, match="stopped"):
         _check_over_budget_is_refused(pool, deadline_s=BUDGET_S + 4.0)
+
+
+@contextlib.contextmanager
+def _workers_held(pool: GrammarCompilerPool) -> Iterator[None]:
+    """Every worker stopped (SIGSTOP), as a worker starved of CPU by a busy host would be:
+    wall time passes while its CPU time stands still."""
+    pids = pool.worker_pids()
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):  # one the pool stopped (and replaced) meanwhile
+                os.kill(pid, signal.SIGCONT)
+
+
+def test_the_budget_counts_the_workers_cpu_time_not_the_wait(pool: GrammarCompilerPool) -> None:
+    """A grammar that needs far less CPU than the budget compiles even when its worker gets no
+    CPU for longer than the budget (counted in wall time, it was refused as too complex)."""
+    _all_ready(pool)
+    before = pool.stats()
+    with _workers_held(pool):
+        ticket = pool.compile("frank", spec(big_schema()))
+        wait_for(lambda: pool.stats().num_running >= 1, "the compile to start")
+        time.sleep(BUDGET_S + 1.0)
+        assert not ticket.done(), f"the compile ended while its worker was held: {_error_of(ticket)}"
+    wait_for(ticket.done, "the compile to end", STOP_DEADLINE_S)
+    assert _error_of(ticket) is None and ticket.result() is not None
+    assert pool.stats().num_timeouts == before.num_timeouts
+
+
+def test_a_worker_starved_past_the_wall_clock_cap_is_stopped_and_the_request_told_why() -> None:
+    """However small the grammar, a request waits at most `WALL_CAP_FACTOR` times the budget."""
+    budget_s = 0.3
+    starved = GrammarCompilerPool(make_char_tokenizer(), 128, (1,), GrammarConfig(budget_s, 1))
+    try:
+        starved.compile_now("warm-up", spec(SMALL_SCHEMA))
+        with _workers_held(starved):
+            ticket = starved.compile("grace", spec(small_schema()))
+            wait_for(ticket.done, "the starved compile to be stopped", budget_s * WALL_CAP_FACTOR + 30)
+        error = _error_of(ticket)
+        assert isinstance(error, GrammarCompileTimeout), error
+        assert "too busy" in error.message and "Retry later" in error.message
+        assert f"{budget_s * WALL_CAP_FACTOR:g} s" in error.message and "--grammar-compile-timeout-s" in error.message
+        assert starved.stats().num_timeouts == 1
+    finally:
+        starved.close()
 
 
 # ---- cancellation ----------------------------------------------------------------------------
