@@ -217,8 +217,8 @@ class SchedulerConfig:
 class GrammarConfig:
     """Structured-output grammar compiles: each runs in one of `num_workers` worker processes
     (tenants served round-robin, one compile each at a time) and is stopped once it has used
-    `compile_timeout_s` seconds of its worker's CPU time (or waited ten times that on a host too
-    busy to give it the CPU), the request refused with a 400."""
+    `compile_timeout_s` seconds of its worker's CPU time, the request refused with a 400 (or has
+    waited ten times that on a host too busy to give it the CPU: a 503)."""
 
     compile_timeout_s: float = DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S
     num_workers: int = DEFAULT_GRAMMAR_COMPILE_WORKERS

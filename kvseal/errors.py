@@ -55,14 +55,14 @@ class InvalidParameter(RequestRejected):
 
 class GrammarCompileTimeout(InvalidParameter):
     """A structured-output grammar did not compile within the engine's budget
-    (`--grammar-compile-timeout-s` of its worker's CPU time, or ten times that in wall time on a
-    host too busy to give it the CPU); the compile was stopped."""
+    (`--grammar-compile-timeout-s` of its worker's CPU time); the compile was stopped."""
 
     code = "grammar_compile_timeout"
 
 
 class GrammarCompilerUnavailable(RequestRejected):
-    """The engine could not start a grammar worker process; not the client's fault."""
+    """The engine could not start a grammar worker process, or could not give a compile its CPU
+    time (a host too busy for ten times the budget); not the client's fault: retry."""
 
     code = "grammar_compiler_unavailable"
     http_status = 503

@@ -5,9 +5,10 @@ A compile runs in two steps. A worker process (`structured/worker.py`) compiles 
 first, under the budget (`GrammarConfig.compile_timeout_s` of the worker's CPU time, and ten
 times that in wall time: `CompileBudget`): xgrammar's compile cannot be interrupted from
 Python, so a compile that runs over is stopped by killing the worker (SIGKILL, its own PID),
-which is replaced, and the request gets a 400 (`GrammarCompileTimeout`). A grammar the
-worker compiled in time is then compiled again here, on the same slot's thread, for the
-engine to use: that compile does the same work the worker just finished within the budget.
+which is replaced, and the request gets a 400 (`GrammarCompileTimeout`; a 503 where the wall
+time ran out first: the host, not the schema, was the problem). A grammar the worker
+compiled in time is then compiled again here, on the same slot's thread, for the engine to
+use: that compile does the same work the worker just finished within the budget.
 (Shipping the worker's compiled grammar back instead costs more: xgrammar 0.2.8's
 `CompiledGrammar.serialize_json` repeats the whole automaton once per rule, so its size grows
 with the square of the schema; measured on a 49K vocabulary, a 50-property schema compiles in
@@ -202,7 +203,8 @@ class _PoolCore:
     def finish_timeout(self, job: CompileJob, starved: bool) -> None:
         with self._lock:
             self._num_timeouts += 1
-        self.finish(job, error=timeout_error(job.spec, self.config.compile_timeout_s, starved))
+        budget_s = self.config.compile_timeout_s
+        self.finish(job, error=starved_error(job.spec, budget_s) if starved else timeout_error(job.spec, budget_s))
 
     def set_running(self, delta: int) -> None:
         with self._lock:
@@ -451,19 +453,22 @@ def compile_error(spec: StructuredOutput, problem: str) -> InvalidParameter:
     return InvalidParameter(f"cannot compile the {what} grammar: {problem}", param=param_of(spec))
 
 
-def timeout_error(spec: StructuredOutput, timeout_s: float, starved: bool = False) -> GrammarCompileTimeout:
+def timeout_error(spec: StructuredOutput, timeout_s: float) -> GrammarCompileTimeout:
     what = "the tool call grammar (from the tools' parameters)" if spec.kind == "tool_call" else \
         "the response_format grammar"
-    if starved:
-        return GrammarCompileTimeout(
-            f"compiling {what} did not finish within {timeout_s * WALL_CAP_FACTOR:g} s: the server is too busy to "
-            f"give its compile the CPU time it may use ({timeout_s:g} s, this server's limit, "
-            f"--grammar-compile-timeout-s), and it was stopped. Retry later, or send a smaller schema.",
-            param=param_of(spec))
     return GrammarCompileTimeout(
         f"compiling {what} took more than {timeout_s:g} s of CPU time, this server's limit "
         f"(--grammar-compile-timeout-s), and was stopped. Send a smaller or simpler schema (fewer optional "
         f"properties, less nesting).", param=param_of(spec))
+
+
+def starved_error(spec: StructuredOutput, timeout_s: float) -> GrammarCompilerUnavailable:
+    """A 503, not a 400: the schema was not shown to be too costly, the host was too busy."""
+    what = "tool call" if spec.kind == "tool_call" else "response_format"
+    return GrammarCompilerUnavailable(
+        f"the server is too busy to compile the {what} grammar now: its compile got too little CPU time in "
+        f"{timeout_s * WALL_CAP_FACTOR:g} s (it may use {timeout_s:g} s of CPU time, --grammar-compile-timeout-s) "
+        f"and was stopped. Retry later.")
 
 
 def compiled_or_raise(ticket: GrammarTicket) -> Any:
