@@ -10,14 +10,20 @@ Tokenization is bounded and fair:
   longer than `max_prompt_tokens` is too long as it is. Big bodies are pre-scanned for an
   over-long token-id list before the full JSON parse (which holds the GIL while it builds
   every int).
-- Tokenization runs on one worker thread (off the event loop, never concurrently: fast
-  tokenizers are not safe for that), fed by per-tenant queues served round-robin. A tenant
-  with a long queue delays another tenant's prompt by at most the one job already running.
+- Tokenization runs off the event loop in two lanes, each one worker thread fed by per-tenant
+  queues served round-robin (the second with its own copy of the tokenizer, made on first
+  use: a fast tokenizer is not safe to encode with from two threads at once). Prompts within
+  the bound above go to the first lane, where a tenant with a long queue delays another
+  tenant's prompt by at most the one job already running, and that job is bounded. Prompts
+  over the bound, which only a request asking for truncation gets past the door
+  (`truncate_prompt_tokens`: tokenized whole, then cut), go to the second: one of them can
+  take seconds (15 MB of text: ~10 s), and it never holds up the bounded ones.
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import logging
 import re
@@ -43,9 +49,9 @@ _BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 @dataclass
 class _Job:
-    fn: Callable[[Any], list[int]]
+    fn: Callable[[Any, Any], Any]  # (the lane's tokenizer, arg)
     arg: Any
-    done: asyncio.Future[list[int]]
+    done: asyncio.Future[Any]
 
 
 class _FairQueue:
@@ -71,14 +77,60 @@ class _FairQueue:
         return job
 
 
+class _Lane:
+    """One tokenizer thread fed by a `_FairQueue` (started on first use, in the event loop). With
+    `own_copy`, the thread copies the tokenizer before its first job and uses only that copy."""
+
+    def __init__(self, tokenizer: Any, name: str, own_copy: bool = False) -> None:
+        self._source = tokenizer
+        self._tokenizer = None if own_copy else tokenizer
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+        self._queue: _FairQueue | None = None
+        self._serving: asyncio.Task[None] | None = None
+
+    async def run(self, tenant: str, fn: Callable[[Any, Any], Any], arg: Any) -> Any:
+        if self._queue is None:
+            self._queue = _FairQueue()
+            self._serving = asyncio.create_task(self._serve(self._queue))
+        job = _Job(fn, arg, asyncio.get_running_loop().create_future())
+        self._queue.put(tenant, job)
+        return await job.done
+
+    async def _serve(self, queue: _FairQueue) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            job = await queue.get()
+            if job.done.done():  # its request was cancelled while it waited
+                continue
+            try:
+                result = await loop.run_in_executor(self._worker, self._call, job.fn, job.arg)
+            except Exception as exc:  # InvalidParameter from a template, or a tokenizer failure
+                if not job.done.done():
+                    job.done.set_exception(exc)
+                continue
+            if not job.done.done():
+                job.done.set_result(result)
+
+    def _call(self, fn: Callable[[Any, Any], Any], arg: Any) -> Any:
+        """In the lane's thread."""
+        if self._tokenizer is None:
+            self._tokenizer = copy.deepcopy(self._source)  # ~0.15 s for a 49K vocabulary, once
+        return fn(self._tokenizer, arg)
+
+    def close(self) -> None:
+        """Stop the worker; jobs still queued are cancelled."""
+        if self._serving is not None:
+            self._serving.cancel()
+        self._worker.shutdown(wait=False, cancel_futures=True)
+
+
 class PromptEncoder:
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         self.max_token_chars = _longest_token_chars(tokenizer)
         self._byte_decoder = _byte_level_decoder(tokenizer)
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvseal-tokenizer")
-        self._queue: _FairQueue | None = None
-        self._serving: asyncio.Task[None] | None = None
+        self._lane = _Lane(tokenizer, "kvseal-tokenizer")
+        self._long_lane = _Lane(tokenizer, "kvseal-tokenizer-long", own_copy=True)
         self._token_texts: dict[int, str] = {}
 
     @classmethod
@@ -96,20 +148,21 @@ class PromptEncoder:
             if not may_truncate:
                 check_context(len(single), 0, limits)
             return single
+        num_chars = num_visible_chars(single)
         if not may_truncate:
-            self._check_chars(num_visible_chars(single), limits)
-        return await self._run(tenant, self._encode, single)
+            self._check_chars(num_chars, limits)
+        return await self._lane_for(num_chars, limits).run(tenant, encode_text, single)
 
     async def chat_ids(self, conversation: list[dict[str, Any]], tenant: str, limits: AdmissionLimits,
                        may_truncate: bool, tools: list[dict[str, Any]] | None = None) -> list[int]:
         """`tools` (OpenAI tool definitions) go to the chat template, which may render them;
         either way they count against the prompt limit (`_check_tools_fit`)."""
         tools_json = _tools_json(tools)
-        num_chars = num_visible_chars(tools_json)
-        if not may_truncate:  # the template only adds tokens around the contents
-            num_chars += sum(num_visible_chars(_text_of(m)) for m in conversation)
-        self._check_chars(num_chars, limits)
-        ids = await self._run(tenant, self._apply_chat_template, (conversation, tools))
+        num_tools_chars = num_visible_chars(tools_json)
+        num_chars = num_tools_chars + sum(num_visible_chars(_text_of(m)) for m in conversation)
+        # the template only adds tokens around the contents; truncation may cut the messages, not the tools
+        self._check_chars(num_tools_chars if may_truncate else num_chars, limits)
+        ids = await self._lane_for(num_chars, limits).run(tenant, _apply_chat_template, (conversation, tools))
         if tools:
             await self._check_tools_fit(conversation, tools_json, tenant, limits, may_truncate)
         return ids
@@ -122,9 +175,9 @@ class PromptEncoder:
         A template that renders them has them in the prompt as well, where `admit` counts them."""
         if not is_checking():
             return
-        num_tool_tokens = len(await self._run(tenant, self._encode_plain, tools_json))
+        num_tool_tokens = len(await self._lane.run(tenant, _encode_plain, tools_json))
         num_message_tokens = 0 if may_truncate else len(
-            await self._run(tenant, self._apply_chat_template, (conversation, None)))
+            await self._lane.run(tenant, _apply_chat_template, (conversation, None)))
         limit = limits.max_prompt_tokens
         if num_message_tokens + num_tool_tokens <= limit:
             return
@@ -137,7 +190,7 @@ class PromptEncoder:
 
     async def decode(self, token_ids: list[int], tenant: str) -> str:
         """Token ids back to text (special tokens kept), on the tokenizer thread."""
-        return str(await self._run(tenant, self.tokenizer.decode, token_ids))
+        return str(await self._lane.run(tenant, _decode, token_ids))
 
     def token_text(self, token_id: int) -> str:
         """The text of one token, as logprobs report it."""
@@ -159,10 +212,9 @@ class PromptEncoder:
         return self.token_text(token_id).encode("utf-8")
 
     def close(self) -> None:
-        """Stop the tokenizer worker; jobs still queued are cancelled."""
-        if self._serving is not None:
-            self._serving.cancel()
-        self._worker.shutdown(wait=False, cancel_futures=True)
+        """Stop the tokenizer workers; jobs still queued are cancelled."""
+        self._lane.close()
+        self._long_lane.close()
 
     def _check_chars(self, num_chars: int, limits: AdmissionLimits) -> None:
         limit = limits.max_prompt_tokens
@@ -176,38 +228,22 @@ class PromptEncoder:
             num_prompt_tokens=at_least, max_tokens=0, max_model_len=limits.max_model_len,
             kv_cache_tokens=limits.kv_cache_tokens)
 
-    async def _run(self, tenant: str, fn: Callable[[Any], Any], arg: Any) -> Any:
-        if self._queue is None:
-            self._queue = _FairQueue()
-            self._serving = asyncio.create_task(self._serve(self._queue))
-        job = _Job(fn, arg, asyncio.get_running_loop().create_future())
-        self._queue.put(tenant, job)
-        return await job.done
+    def _lane_for(self, num_chars: int, limits: AdmissionLimits) -> _Lane:
+        """The long lane for a text over the character bound (let in only to be truncated)."""
+        return self._lane if num_chars <= limits.max_prompt_tokens * self.max_token_chars else self._long_lane
 
-    async def _serve(self, queue: _FairQueue) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            job = await queue.get()
-            if job.done.done():  # its request was cancelled while it waited
-                continue
-            try:
-                result = await loop.run_in_executor(self._worker, job.fn, job.arg)
-            except Exception as exc:  # InvalidParameter from a template, or a tokenizer failure
-                if not job.done.done():
-                    job.done.set_exception(exc)
-                continue
-            if not job.done.done():
-                job.done.set_result(result)
 
-    def _encode(self, text: str) -> list[int]:
-        return encode_text(self.tokenizer, text)
+def _encode_plain(tokenizer: Any, text: str) -> list[int]:
+    """A piece of text as it would be inside a prompt: no special tokens added."""
+    return list(tokenizer.encode(text, add_special_tokens=False))
 
-    def _encode_plain(self, text: str) -> list[int]:
-        """A piece of text as it would be inside a prompt: no special tokens added."""
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
 
-    def _apply_chat_template(self, args: tuple[list[dict[str, Any]], list[dict[str, Any]] | None]) -> list[int]:
-        return render_chat(self.tokenizer, *args)
+def _apply_chat_template(tokenizer: Any, args: tuple[list[dict[str, Any]], list[dict[str, Any]] | None]) -> list[int]:
+    return render_chat(tokenizer, *args)
+
+
+def _decode(tokenizer: Any, token_ids: list[int]) -> str:
+    return str(tokenizer.decode(token_ids))
 
 
 def check_token_list_before_parsing(data: bytes, limits: AdmissionLimits) -> None:

@@ -41,6 +41,36 @@ def test_one_tenants_queue_does_not_delay_another_tenant() -> None:
     assert finished == ["alice0", "bob0", "alice1", "alice2", "alice3"]
 
 
+@pytest.mark.parametrize("route", ["completions", "chat"])
+def test_a_prompt_over_the_bound_let_in_for_truncation_does_not_hold_up_others(route: str) -> None:
+    """`truncate_prompt_tokens` lets a prompt past the character bound: tokenized whole, ~1.6 s
+    here for a million words (15 MB: ~10 s). It runs in its own lane, so bob's ordinary prompt,
+    sent after it, is done first (on one tokenizer thread it waited for the whole job)."""
+    encoder = PromptEncoder(make_tokenizer())
+    long_text = "w5 " * 1_000_000
+    assert len(long_text) > LIMITS.max_prompt_tokens * encoder.max_token_chars  # over the bound
+    finished: list[str] = []
+
+    async def encode(tenant: str, text: str, may_truncate: bool) -> list[int]:
+        if route == "chat":
+            ids = await encoder.chat_ids([{"role": "user", "content": text}], tenant, LIMITS, may_truncate)
+        else:
+            ids = await encoder.completion_ids(text, tenant, LIMITS, may_truncate)
+        finished.append(tenant)
+        return ids
+
+    async def scenario() -> list[int]:
+        long = asyncio.create_task(encode("alice", long_text, may_truncate=True))
+        await asyncio.sleep(0.05)  # alice's job is running
+        await encode("bob", "w5 w6", may_truncate=False)
+        return await long
+
+    long_ids = asyncio.run(scenario())
+    encoder.close()
+    assert finished == ["bob", "alice"]
+    assert long_ids.count(5) >= 1_000_000  # tokenized whole (the engine cuts it)
+
+
 def _byte_level_tokenizer() -> PreTrainedTokenizerFast:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
