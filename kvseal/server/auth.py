@@ -42,9 +42,10 @@ _FIELDS = {"tenant", "max_concurrent_requests", "max_tokens", "requests_per_minu
            "revoked"}
 _HASHED_PREFIX = "sha256:"
 _HEX_DIGEST = re.compile(r"[0-9a-f]{64}")
-# The concurrency cap of a tenant whose entry sets none. A quarter of the engine's default batch
-# (`--max-num-seqs` 256): one tenant's flood queues at the door (429) instead of in the engine,
-# and four tenants at their cap still fit one batch together. Set `max_concurrent_requests` in
+# The concurrency cap of a tenant whose entry sets none, in sequences (a request with n choices
+# takes n). A quarter of the engine's default batch (`--max-num-seqs` 256): one tenant's flood
+# queues at the door (429) instead of in the engine, and four tenants at their cap still fit
+# one batch together. Set `max_concurrent_requests` in
 # the keys file for a tenant that needs more (a benchmark client, a batch job).
 DEFAULT_MAX_CONCURRENT_REQUESTS = 64
 

@@ -56,7 +56,7 @@ class Call:
         self.is_done = False
         self._is_audited = False
         self._is_http_done = False
-        self._has_slot = False
+        self._num_slots = 0  # taken against the tenant's concurrency limit
         self._is_submitted = False
         self._received_at = time.time()
         self._received_s = time.monotonic()
@@ -82,10 +82,10 @@ class Call:
         self.stopped_by = reason
         self.abort(reason)
 
-    def take_slot(self, tenant: Tenant) -> None:
-        """Count against the tenant's concurrency limit (raises `ApiError` 429)."""
-        self.state.gate.acquire(tenant)
-        self._has_slot = True
+    def take_slots(self, tenant: Tenant, num_choices: int) -> None:
+        """Count against the tenant's concurrency limit, one slot per choice (raises `ApiError` 429)."""
+        self.state.gate.acquire(tenant, num_choices)
+        self._num_slots = num_choices
 
     def submit(self, msg: AddRequestMsg) -> ChoiceGroup:
         """Submit one engine request per choice (`n`); the group reports to this call."""
@@ -190,9 +190,9 @@ class Call:
         self._is_audited = self.state.audit.write(self._record(outcome, reason, http_status, out, rejected_by))
 
     def _release_slot(self) -> None:
-        if self._has_slot and self.is_done and self._is_http_done and self.tenant is not None:
-            self._has_slot = False
-            self.state.gate.release(self.tenant)
+        if self._num_slots and self.is_done and self._is_http_done and self.tenant is not None:
+            self.state.gate.release(self.tenant, self._num_slots)
+            self._num_slots = 0
 
     def _record(self, outcome: Outcome, reason: str | None, http_status: int | None,
                 out: RequestOutputMsg | None, rejected_by: RejectedBy | None) -> AuditRecord:

@@ -110,9 +110,18 @@ def invalid_json(detail: str) -> ApiError:
                     code="invalid_json")
 
 
-def concurrency_limit(tenant: str, limit: int) -> ApiError:
-    return ApiError(429, f"Tenant '{tenant}' already has {limit} requests in flight, its limit. Retry when "
-                         f"one finishes.", type="rate_limit_error", code="rate_limit_exceeded",
+def concurrency_limit(tenant: str, limit: int, num_slots: int) -> ApiError:
+    what = "a request" if num_slots == 1 else f"{num_slots} more (one per choice, n={num_slots})"
+    return ApiError(429, f"Tenant '{tenant}' may have {limit} requests in flight, each choice of a request with n > 1 "
+                         f"counting as one, and has no room for {what}. Retry when one finishes.",
+                    type="rate_limit_error", code="rate_limit_exceeded", detail="concurrency_limit_exceeded")
+
+
+def concurrency_limit_never(tenant: str, limit: int, num_slots: int) -> ApiError:
+    """A request with more choices than the tenant may have in flight at all: retrying cannot help."""
+    return ApiError(429, f"Request too large for tenant '{tenant}': n={num_slots} choices count as {num_slots} "
+                         f"requests in flight, and its limit is {limit}. Ask for fewer choices, or ask the operator "
+                         f"for a higher limit.", type="rate_limit_error", code="rate_limit_exceeded",
                     detail="concurrency_limit_exceeded")
 
 

@@ -99,7 +99,7 @@ async def _admit_and_submit(request: Request, state: AppState, endpoint: Endpoin
         raise errors.model_disabled(state.model_name)
     if isinstance(body, ChatCompletionRequest):
         check_tool_call_arguments(body.messages, state.limits, state.prompts.max_token_chars)
-    call.take_slot(tenant)
+    call.take_slots(tenant, body.n or 1)
     state.rates.take_request(tenant)
     prepared = await endpoint.prepare(body, state.prompts, tenant, state.limits, state.defaults)
     call.prompt_for_audit = prepared.prompt_for_audit

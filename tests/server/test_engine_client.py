@@ -69,7 +69,7 @@ def _close(state: AppState) -> None:
 def _submit(state: AppState, request_id: str) -> ChoiceGroup:
     call = Call(state, "/v1/completions", request_id)
     call.tenant = ALICE
-    call.take_slot(ALICE)
+    call.take_slots(ALICE, 1)
     call.http_done()
     params = params_to_msg(SamplingParams(max_tokens=4))
     return call.submit(AddRequestMsg(request_id, ALICE.name, [5, 6], params))
