@@ -1,8 +1,9 @@
 """Per-request changes to the logits before sampling, applied to the whole batch at once.
 
-Order (vLLM's): grammar mask, logit_bias, the min_tokens ban on stop tokens, then the
-penalties: repetition (prompt and output tokens, as transformers' and vLLM's
-`repetition_penalty`: a positive logit is divided by it, a negative one multiplied),
+Order (vLLM's): grammar mask, logit_bias, the min_tokens ban on stop tokens (lifted from a
+row whose grammar allows nothing but the end: the grammar wins), then the penalties:
+repetition (prompt and output tokens, as transformers' and vLLM's `repetition_penalty`: a
+positive logit is divided by it, a negative one multiplied),
 frequency (minus `frequency_penalty` x the token's count in the output) and presence (minus
 `presence_penalty` once the token appears in the output), OpenAI's definitions.
 
@@ -84,7 +85,10 @@ def _add_logit_bias(logits: torch.Tensor, requests: list[Request]) -> torch.Tens
 
 def _ban_early_stop_tokens(logits: torch.Tensor, requests: list[Request],
                            eos_token_ids: tuple[int, ...]) -> torch.Tensor:
-    """min_tokens: stop tokens cannot be sampled before that many tokens were produced."""
+    """min_tokens: stop tokens cannot be sampled before that many tokens were produced, while
+    anything else can. The grammar wins: a row whose grammar (already applied to `logits`)
+    allows nothing but the banned tokens keeps them, so a complete answer ends the request
+    (stop) before min_tokens instead of leaving no token to sample."""
     rows, tokens = [], []
     for row, request in enumerate(requests):
         banned = _banned_stop_tokens(request, eos_token_ids)
@@ -93,7 +97,21 @@ def _ban_early_stop_tokens(logits: torch.Tensor, requests: list[Request],
     if not rows:
         return logits
     index = (torch.tensor(rows, device=logits.device), torch.tensor(tokens, device=logits.device))
-    return logits.index_put(index, torch.tensor(float("-inf"), dtype=logits.dtype, device=logits.device))
+    banned_logits = logits.index_put(index, torch.tensor(float("-inf"), dtype=logits.dtype, device=logits.device))
+    return _unban_where_only_the_end_is_left(logits, banned_logits, requests)
+
+
+def _unban_where_only_the_end_is_left(logits: torch.Tensor, banned_logits: torch.Tensor,
+                                      requests: list[Request]) -> torch.Tensor:
+    """logits, banned_logits: [num_requests, vocab], before and after the ban. A row with a
+    grammar that the ban left without any token takes its row from `logits`; every other row
+    (all rows without a grammar) is `banned_logits`' as it is. No host sync."""
+    has_grammar = [r.grammar is not None for r in requests]
+    if not any(has_grammar):
+        return banned_logits
+    grammar_rows = torch.tensor(has_grammar, device=logits.device)  # [num_requests] bool
+    emptied = torch.isneginf(banned_logits).all(dim=-1) & grammar_rows  # [num_requests] bool
+    return torch.where(emptied[:, None], logits, banned_logits)
 
 
 def _banned_stop_tokens(request: Request, eos_token_ids: tuple[int, ...]) -> list[int]:

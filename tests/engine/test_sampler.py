@@ -102,6 +102,35 @@ def test_changes_logits_says_whether_the_processors_change_anything(params: dict
 
 
 
+class _Allows:
+    """A grammar that allows exactly `tokens` next (xgrammar's bitmask layout: bit j of word w
+    is token 32 w + j)."""
+
+    def __init__(self, *tokens: int) -> None:
+        self.tokens = tokens
+
+    def fill_next_token_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        bitmask[row] = 0
+        for token in self.tokens:
+            bitmask[row, token // 32] |= 1 << (token % 32)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_the_min_tokens_ban_yields_to_a_grammar_that_allows_only_the_end(temperature: float, ops: Ops) -> None:
+    """The grammar wins: a row whose grammar allows nothing but stop tokens samples one of them
+    before min_tokens (its answer is complete, the request ends) instead of a token the grammar
+    refuses; a row whose grammar allows anything else, and a row without a grammar, keep the ban."""
+    logits = _logits(3, 4).float()
+    logits[:, EOS[0]] = 60.0  # the end leads every row
+    requests = [_request(i, seed=5, temperature=temperature, min_tokens=2, stop_token_ids=[9]) for i in range(3)]
+    requests[0].grammar = _Allows(EOS[0], 9)  # a complete answer: only the end is left
+    requests[1].grammar = _Allows(EOS[0], 9, 42)  # the end, or one more token
+    tokens = [token for token, _ in sample(logits, requests, EOS, ops)]
+    assert tokens[0] == EOS[0]
+    assert tokens[1] == 42
+    assert tokens[2] not in (EOS[0], 9)
+
+
 Drawer = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (probs, u) -> tokens
 
 

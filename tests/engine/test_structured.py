@@ -23,7 +23,7 @@ from kvseal.structured.schema import (
     check_tools,
     json_depth,
 )
-from kvseal.types import StructuredOutput
+from kvseal.types import RequestOutput, StructuredOutput
 
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "colour": {"enum": ["red", "green", "blue"]},
                                            "n": {"type": "integer", "minimum": 0, "maximum": 9}},
@@ -59,6 +59,49 @@ def test_json_object_output_is_an_object(char_llm: LLM) -> None:
             assert isinstance(json.loads(out.text), dict)
         else:  # cut by max_tokens: every token so far was allowed, so it is a prefix of an object
             assert out.text.startswith("{")
+
+
+TOOL_CALL = {"type": "object", "properties": {"name": {"const": "f"}, "arguments": {
+    "type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["a"], "additionalProperties": False}},
+    "required": ["name", "arguments"]}
+
+
+@pytest.mark.parametrize(("spec", "min_tokens"), [
+    (StructuredOutput("json_schema", '{"type": "boolean"}'), 20),
+    (StructuredOutput("json_schema", '{"enum": ["a"]}'), 5),
+    (StructuredOutput("json_object"), 30),
+    (StructuredOutput("tool_call", json.dumps(TOOL_CALL)), 80),
+])
+@pytest.mark.parametrize(("temperature", "seed"), [(0.0, None), (1.0, 0)])
+def test_a_complete_answer_ends_the_request_before_min_tokens(
+        spec: StructuredOutput, min_tokens: int, temperature: float, seed: int | None, char_llm: LLM) -> None:
+    """The grammar wins over min_tokens: once it allows only the end, the request stops with its
+    answer, the same one as without min_tokens (the grammar never allowed the end earlier),
+    never an abort for a token the grammar refuses."""
+    def run(min_tokens: int) -> RequestOutput:
+        return char_llm.generate("hi", SamplingParams(max_tokens=120, min_tokens=min_tokens, temperature=temperature,
+                                                      seed=seed, structured=spec))[0]
+
+    free, held = run(0), run(min_tokens)
+    assert (held.finish_reason.value, held.stop_reason, held.error) == ("stop", None, None), held.text
+    assert len(held.token_ids) < min_tokens, "the case under test: the answer is shorter than min_tokens"
+    assert (held.text, held.token_ids) == (free.text, free.token_ids)
+    char_llm.engine.check_integrity()
+
+
+def test_min_tokens_holds_the_end_while_the_grammar_allows_more(char_llm: LLM) -> None:
+    """An integer in [1, 99]: after one digit the grammar allows the end or a second digit, so
+    min_tokens bans the end; after two only the end is left, and the request stops there."""
+    spec = StructuredOutput("json_schema", json.dumps({"type": "integer", "minimum": 1, "maximum": 99}))
+    seeds = range(8)
+    free = char_llm.generate(["hi"] * len(seeds), [SamplingParams(max_tokens=30, temperature=1.0, seed=s,
+                                                                  structured=spec) for s in seeds])
+    held = char_llm.generate(["hi"] * len(seeds), [SamplingParams(max_tokens=30, min_tokens=5, temperature=1.0, seed=s,
+                                                                  structured=spec) for s in seeds])
+    assert any(len(out.text) == 1 for out in free), "without min_tokens some answers are one digit"
+    for out in held:
+        assert out.finish_reason.value == "stop" and len(out.text) == 2 and 10 <= int(out.text) <= 99, out.text
+    char_llm.engine.check_integrity()
 
 
 @pytest.mark.parametrize(("schema", "problem"), [
