@@ -75,6 +75,68 @@ def test_invalid_response_format_is_400_naming_the_problem(char_server: ServerPr
     assert error["param"] == "response_format" and problem in error["message"]
 
 
+BOOLEAN_FORMAT = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "boolean"}}}
+ENUM_FORMAT = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"enum": ["a"]}}}
+CALL_F = [{"type": "function", "function": {"name": "f", "parameters": {
+    "type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["a"], "additionalProperties": False}}}]
+CHAT = {"messages": [{"role": "user", "content": "hi"}]}
+
+
+def _post(server: ServerProcess, path: str, body: dict) -> httpx.Response:
+    return httpx.post(f"{server.base_url}{path}", json=body, timeout=60, headers={"Authorization": "Bearer key-alice"})
+
+
+def _stream_events(server: ServerProcess, path: str, body: dict) -> tuple[httpx.Response, list[dict]]:
+    """The response and its `data:` events before `[DONE]`, which must end the stream."""
+    with httpx.stream("POST", f"{server.base_url}{path}", json=body | {"stream": True}, timeout=60,
+                      headers={"Authorization": "Bearer key-alice"}) as response:
+        data = [line[len("data: "):] for line in response.iter_lines() if line.startswith("data: ")]
+    assert data and data[-1] == "[DONE]", data
+    return response, [json.loads(d) for d in data[:-1]]
+
+
+@pytest.mark.parametrize(("path", "body", "answer"), [
+    ("/chat/completions", CHAT | {"response_format": BOOLEAN_FORMAT, "min_tokens": 20}, "false"),
+    ("/chat/completions", CHAT | {"response_format": {"type": "json_object"}, "min_tokens": 20}, "{}"),
+    ("/completions", {"prompt": "x", "response_format": ENUM_FORMAT, "min_tokens": 5, "n": 2}, '"a"'),
+])
+def test_min_tokens_with_a_grammar_ends_with_the_complete_answer(char_server: ServerProcess, path: str, body: dict,
+                                                                 answer: str) -> None:
+    """The grammar wins over min_tokens: once the answer is complete the request stops (200,
+    finish_reason stop, audited as finished), streamed or not; never a 500 or an error event."""
+    body = body | {"temperature": 0, "max_tokens": 30}
+    response = _post(char_server, path, body)
+    assert response.status_code == 200, response.text
+    choices = response.json()["choices"]
+    assert len(choices) == body.get("n", 1)
+    for choice in choices:
+        text = choice["message"]["content"] if "messages" in body else choice["text"]
+        assert (text, choice["finish_reason"]) == (answer, "stop")
+    assert response.json()["usage"]["completion_tokens"] < body["min_tokens"] * len(choices), "the case under test"
+    assert char_server.audit_for(response.headers["x-request-id"])["outcome"] == "finished"
+    streamed, events = _stream_events(char_server, path, body)
+    assert streamed.status_code == 200 and not [e for e in events if "error" in e], events
+    for index in range(len(choices)):
+        mine = [c for e in events for c in e["choices"] if c["index"] == index]
+        text = "".join((c["delta"].get("content") or "") if "messages" in body else c["text"] for c in mine)
+        assert (text, mine[-1]["finish_reason"]) == (answer, "stop")
+
+
+def test_min_tokens_with_a_required_tool_call_ends_with_the_call(char_server: ServerProcess) -> None:
+    body = CHAT | {"tools": CALL_F, "tool_choice": "required", "min_tokens": 90, "temperature": 0, "max_tokens": 120}
+    response = _post(char_server, "/chat/completions", body)
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] < body["min_tokens"], "the case under test"
+    choice = response.json()["choices"][0]
+    (call,) = choice["message"]["tool_calls"]
+    assert call["function"]["name"] == "f" and isinstance(json.loads(call["function"]["arguments"])["a"], bool)
+    assert choice["finish_reason"] == "tool_calls"
+    streamed, events = _stream_events(char_server, "/chat/completions", body)
+    assert streamed.status_code == 200 and not [e for e in events if "error" in e], events
+    assert [d["function"]["name"] for e in events for c in e["choices"] for d in c["delta"].get("tool_calls") or []
+            if d.get("function", {}).get("name")] == ["f"]
+
+
 @pytest.fixture(scope="module")
 def char_engine(char_dir: Path) -> Iterator[LLMEngine]:
     engine = LLMEngine(EngineArgs(model=str(char_dir), dtype="float32", kv_cache_tokens=256, page_size=4,
