@@ -35,7 +35,7 @@ from kvseal.disagg.msgs import (
 )
 from kvseal.disagg.reservations import Reservation, ReservationTable
 from kvseal.disagg.role import HandoffCounters, Replies, abort_every, abort_owned, aborted_output
-from kvseal.disagg.transport import KVReceiver
+from kvseal.disagg.transport import KVReceiver, log_refused_block
 from kvseal.disagg.verify import Expected, Refusal, verify_commit
 from kvseal.engine.engine import LLMEngine
 from kvseal.errors import RequestRejected
@@ -169,7 +169,7 @@ class DecodeSteps:
         why = self.receiver.deliver(msg, payload) if payload else "missing_payload"
         if why is not None:
             self.counters.failures[why] += 1
-            logger.warning("refused a KV frame for transfer %s: %s", msg.transfer_id, why)
+            log_refused_block(msg.transfer_id, why)
 
     # ---- step 4: verify the commit, then run ------------------------------------------
 

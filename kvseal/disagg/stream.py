@@ -35,9 +35,11 @@ reservation's pages (no copy out of library buffers). A block is recorded as lan
 every byte of it arrived; a header it refuses has its payload read into a scratch buffer and
 dropped; a payload length no block can have closes the connection. `cancel` is final at once:
 it is the only writer, and a block of a cancelled transfer still on the wire goes to the
-scratch buffer from then on. The commit travels on ZMQ, so it can overtake the data: decode
-verifies a commit only once the transfer is `settled` here, i.e. its `KVStreamEndMsg` was read
-(every block before it was too) or the stream carrying it broke.
+scratch buffer from then on; its later records (verified under the retired seal) are refused
+as `cancelled`, the benign reason, never as an unauthorized transfer. The commit travels on
+ZMQ, so it can overtake the data: decode verifies a commit only once the transfer is `settled`
+here, i.e. its `KVStreamEndMsg` was read (every block before it was too) or the stream
+carrying it broke.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ import logging
 import select
 import socket
 import struct
-from collections import Counter, OrderedDict
+from collections import Counter
 from dataclasses import dataclass, field
 
 import msgspec
@@ -57,7 +59,18 @@ import torch
 from kvseal._testing.faults import Fault, is_active
 from kvseal.disagg.msgs import KVBlockMsg, KVStreamEndMsg, StreamHeaderMsg, decode_stream_header, encode_stream_header
 from kvseal.disagg.tcp import PoolBytes, flat_bytes
-from kvseal.disagg.transport import KINDS, Landing, OneAddress, PushPlan, TransportError, check_pool_pages, page_runs
+from kvseal.disagg.transport import (
+    CANCELLED,
+    KINDS,
+    Landing,
+    OneAddress,
+    PushPlan,
+    RecentlyEnded,
+    TransportError,
+    check_pool_pages,
+    log_refused_block,
+    page_runs,
+)
 from kvseal.kvcache.pool import KVPool
 
 logger = logging.getLogger("kvseal.disagg")
@@ -68,7 +81,6 @@ MAGIC = b"KVS2"  # v2: every record carries a tag after its header
 TAG_BYTES = 16  # HMAC-SHA256, truncated
 TAG_DOMAIN = b"kvseal/kv-stream-record/v2\0"
 RECORD_NUMBER = struct.Struct("!Q")
-MAX_RETIRED = 4096  # ended transfers whose late records are still verified (then dropped)
 MAX_HEADER_BYTES = 4096
 CONNECT_TIMEOUT_S = 3.0
 SEND_TIMEOUT_S = 30.0  # one sendmsg that moves nothing for this long: the link is stalled
@@ -296,8 +308,8 @@ class StreamReceiver(OneAddress):
         self._listener.setblocking(False)
         self._address = f"{host}:{self._listener.getsockname()[1]}"
         self._transfers: dict[str, _Transfer] = {}
-        # cancelled transfers' seals, newest last: their late records are verified, then dropped
-        self._retired: OrderedDict[str, _Seal] = OrderedDict()
+        # ended transfers' seals: their late records are verified, then dropped (as `CANCELLED`)
+        self._retired: RecentlyEnded[_Seal] = RecentlyEnded()
         self._settled: set[str] = set()  # authorized transfers whose stream ended or broke
         self._connections: list[_Connection] = []
         self._scratch = bytearray(SCRATCH_BYTES)
@@ -343,9 +355,7 @@ class StreamReceiver(OneAddress):
     def _retire(self, transfer_id: str, seal: _Seal) -> None:
         """Keep an ended transfer's seal a while: a record of it still on the wire is verified
         and dropped (the stream stays in step); one older than that closes the stream."""
-        self._retired[transfer_id] = seal
-        while len(self._retired) > MAX_RETIRED:
-            self._retired.popitem(last=False)
+        self._retired.add(transfer_id, seal)
 
     def fds(self) -> list[socket.socket]:
         """What to wait on for data (the listener and every connection)."""
@@ -486,7 +496,7 @@ class StreamReceiver(OneAddress):
         why = self._check(header, conn.payload_bytes)
         if why is not None:
             self.refusals[why] += 1
-            logger.warning("refused a KV block for transfer %s: %s", header.transfer_id, why)
+            log_refused_block(header.transfer_id, why)
             conn.discard = conn.payload_bytes
             return
         if self._on_host:
@@ -535,8 +545,8 @@ class StreamReceiver(OneAddress):
 
     def _check(self, header: KVBlockMsg, num_bytes: int) -> str | None:
         transfer = self._transfers.get(header.transfer_id)
-        if transfer is None:
-            return "unauthorized_transfer"
+        if transfer is None:  # its tag verified: an ended transfer's (or the tag check is off)
+            return CANCELLED if header.transfer_id in self._retired else "unauthorized_transfer"
         page_size = self._pool.page_size
         if not 0 <= header.layer < self._num_layers or header.kind not in KINDS:
             return "bad_block_address"

@@ -12,7 +12,9 @@ landed.
 The receiver runs inside decode's engine loop: it copies the frames (straight from ZMQ's
 receive buffers) into the pool only for an authorized transfer, only into that reservation's
 pages, and records what landed. Because it is the only writer and runs on decode's own
-thread, `cancel` is immediately final.
+thread, `cancel` is immediately final; a frame of a transfer it cancelled a short while ago is
+refused as `cancelled` (a client disconnect racing the push), any other unknown id as
+`unauthorized_transfer`.
 """
 
 from __future__ import annotations
@@ -30,10 +32,12 @@ import zmq
 
 from kvseal.disagg.msgs import KVBlockMsg
 from kvseal.disagg.transport import (
+    CANCELLED,
     KINDS,
     Landing,
     OneAddress,
     PushPlan,
+    RecentlyEnded,
     RunsMemo,
     TransportError,
     check_pool_pages,
@@ -206,6 +210,7 @@ class TcpReceiver(OneAddress):
         self._runs: dict[str, list[tuple[int, int, int]]] = {}  # page_runs of each transfer's pages
         self._starts: dict[str, int] = {}  # the first position each transfer may write
         self._landed: dict[str, Landing] = {}
+        self._cancelled: RecentlyEnded[None] = RecentlyEnded()  # their late frames are refused as `CANCELLED`
 
     def authorize(self, transfer_id: str, pages: list[int], start: int = 0, *, key: bytes) -> None:
         """`key` is not needed here: KV frames arrive on the CURVE link of an authenticated peer
@@ -238,7 +243,8 @@ class TcpReceiver(OneAddress):
         pass
 
     def cancel(self, transfer_id: str) -> bool:
-        self._pages.pop(transfer_id, None)
+        if self._pages.pop(transfer_id, None) is not None:
+            self._cancelled.add(transfer_id, None)
         self._runs.pop(transfer_id, None)
         self._starts.pop(transfer_id, None)
         self._landed.pop(transfer_id, None)
@@ -250,7 +256,7 @@ class TcpReceiver(OneAddress):
         whole pages of one head; only [start, end) lands (the rest of the last page is zeroed)."""
         pages = self._pages.get(header.transfer_id)
         if pages is None:
-            return "unauthorized_transfer"
+            return CANCELLED if header.transfer_id in self._cancelled else "unauthorized_transfer"
         landing, base = self._landed[header.transfer_id], self._starts[header.transfer_id]
         num_bytes = sum(frame.nbytes for frame in payload)
         why = self._check(header, landing, num_bytes, base)

@@ -15,16 +15,22 @@ Two sides, each small:
 
 Decode trusts neither the sender's claim nor the sender: it compares the commit against its
 receiver's landing records (`verify.py`).
+
+A write refused because its transfer ended here a short while ago (cancelled: the client went
+away, an abort, an expiry) is refused as `CANCELLED`, the benign reason; one for a transfer this
+receiver never authorized (or ended too long ago to remember, `RecentlyEnded`) keeps its alarm
+reason. Either way nothing of it lands.
 """
 
 from __future__ import annotations
 
 import ctypes
+import logging
 import socket
-from collections import Counter, defaultdict
+from collections import Counter, OrderedDict, defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Generic, Protocol, TypeVar
 
 import numpy as np
 import torch
@@ -33,10 +39,18 @@ from kvseal.disagg.msgs import KVBlockMsg, KVKind
 from kvseal.errors import KvsealError
 from kvseal.kvcache.pool import KVPool
 
+logger = logging.getLogger("kvseal.disagg")
+
 KINDS: tuple[KVKind, KVKind] = ("k", "v")
 # `copy_pages` does one memmove per head and run up to this many runs, and numpy's indexed copy
 # (one C loop) past it: 23,040 one-page memmoves through ctypes cost ~60 ms here, np.take ~10.
 MAX_MEMMOVE_RUNS = 16
+# The refusal reason (a metrics label) of a write or commit that arrives for a transfer decode
+# ended a short while ago: a client disconnect or abort racing the handoff, not an attack.
+CANCELLED = "cancelled"
+MAX_RECENTLY_ENDED = 4096  # ended transfers remembered per receiver or table (the oldest forgotten first)
+
+V = TypeVar("V")
 
 
 class TransportError(KvsealError):
@@ -63,6 +77,42 @@ class Landing:
                 break
             prefix = max(prefix, end)
         return prefix
+
+
+class RecentlyEnded(Generic[V]):
+    """The transfers that ended here last, newest last, at most `max_len` of them (adding one
+    more forgets the oldest), each with what its owner keeps of it. Tells a late write or commit of
+    a transfer decode itself ended (refused as `CANCELLED`) from one of a transfer it never knew
+    (refused as an alarm); memory stays bounded however many transfers end."""
+
+    def __init__(self, max_len: int = MAX_RECENTLY_ENDED) -> None:
+        assert max_len > 0
+        self.max_len = max_len
+        self._ended: OrderedDict[str, V] = OrderedDict()
+
+    def add(self, transfer_id: str, value: V) -> None:
+        self._ended[transfer_id] = value
+        self._ended.move_to_end(transfer_id)
+        while len(self._ended) > self.max_len:
+            self._ended.popitem(last=False)
+
+    def get(self, transfer_id: str) -> V | None:
+        return self._ended.get(transfer_id)
+
+    def __contains__(self, transfer_id: object) -> bool:
+        return transfer_id in self._ended
+
+    def __len__(self) -> int:
+        return len(self._ended)
+
+
+def log_refused_block(transfer_id: str, why: str) -> None:
+    """Log a refused KV block: at INFO when its transfer ended here (`CANCELLED`, benign), else at
+    WARNING with the alarm reason."""
+    if why == CANCELLED:
+        logger.info("dropped a late KV block for transfer %s: the transfer was cancelled here", transfer_id)
+    else:
+        logger.warning("refused a KV block for transfer %s: %s", transfer_id, why)
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from kvseal.disagg.msgs import HANDOFF_FAILED, CommitMsg, KVBlockMsg, PrefillRef
 from kvseal.disagg.nixl import ArenaPages, NixlSender, decode_address, part_sizes
 from kvseal.disagg.node import EngineNode
 from kvseal.disagg.tcp import TcpReceiver, TcpSender
-from kvseal.disagg.transport import PushPlan, RunsMemo, copy_pages, joint_runs
+from kvseal.disagg.transport import CANCELLED, PushPlan, RecentlyEnded, RunsMemo, copy_pages, joint_runs
 from kvseal.disagg.wire import PeerLinks
 from kvseal.errors import ConfigError
 from kvseal.kvcache.pool import KVPool
@@ -675,6 +675,30 @@ def test_tcp_frames_cut_anywhere_land_in_scattered_or_consecutive_pages(pages: l
     others = [page for page in range(12) if page not in pages]
     assert (pool.v[1][:, others] == STALE).all() and all((t == STALE).all() for t in (*pool.k, pool.v[0]))
     assert receiver.deliver(KVBlockMsg("t-1", 1, "k", 0, 14), frames[:-1]) == "bad_block_size"
+
+
+def test_tcp_receiver_refuses_a_cancelled_transfers_frame_as_cancelled_and_an_unknown_ones_as_unauthorized() -> None:
+    pool = KVPool(2, 12, 4, 2, 3, torch.float32)
+    for tensor in pool.k + pool.v:
+        tensor.fill_(STALE)
+    receiver = TcpReceiver(pool, 2, "test")
+    receiver.authorize("t-1", [4, 5], key=b"")
+    assert receiver.cancel("t-1") and receiver.cancel("never")
+    frame = [memoryview(bytes(2 * 2 * 4 * 3 * 4))]  # [kv_heads, pages, page_size, head_dim], float32
+    assert receiver.deliver(KVBlockMsg("t-1", 0, "k", 0, 8), frame) == CANCELLED
+    assert receiver.deliver(KVBlockMsg("never", 0, "k", 0, 8), frame) == "unauthorized_transfer"
+    assert all((t == STALE).all() for t in pool.k + pool.v), "a refused frame landed"
+
+
+def test_recently_ended_transfers_are_bounded_forgetting_the_oldest_first() -> None:
+    ended: RecentlyEnded[int] = RecentlyEnded(max_len=3)
+    for number in range(5):
+        ended.add(f"t-{number}", number)
+    assert len(ended) == 3 and "t-0" not in ended and "t-1" not in ended
+    assert [ended.get(f"t-{n}") for n in range(2, 5)] == [2, 3, 4]
+    ended.add("t-2", 2)  # seen again: newest now, so t-3 is the next to go
+    ended.add("t-5", 5)
+    assert "t-3" not in ended and "t-2" in ended
 
 
 def test_tcp_receiver_refuses_to_authorize_pages_outside_its_pool() -> None:

@@ -31,7 +31,7 @@ from kvseal.disagg.stream import (
     sealed_record,
     split_address,
 )
-from kvseal.disagg.transport import PushPlan, TransportError
+from kvseal.disagg.transport import CANCELLED, PushPlan, RecentlyEnded, TransportError
 from kvseal.kvcache.pool import KVPool
 from kvseal.messages.msgs import AbortMsg
 from kvseal.models.loader import load_model
@@ -144,8 +144,8 @@ def test_a_short_payload_is_refused_and_the_stream_stays_in_step(receiver: Strea
 
 def test_a_cancelled_transfers_late_records_never_land_and_the_stream_stays_in_step(receiver: StreamReceiver) -> None:
     """The rest of a block on the wire when its transfer is cancelled, and the transfer's later
-    records (still sealed with its key), are read and dropped; the next transfer on the same
-    stream lands."""
+    records (still sealed with its key), are read and dropped, refused as `cancelled` (a client
+    gone mid-handoff, not an unauthorized transfer); the next transfer on the same stream lands."""
     receiver.authorize("t-1", [3, 4, 5, 6], key=KEY)
     sock, seal = connect(receiver), Sealer()
     half = block_bytes(4) // 2
@@ -169,7 +169,24 @@ def test_a_cancelled_transfers_late_records_never_land_and_the_stream_stays_in_s
     after = snapshot(receiver)
     assert all(torch.equal(a, b) for i, (a, b) in enumerate(zip(before, after)) if i != 0), "t-1 landed after cancel"
     assert torch.equal(before[0][:, [3, 4, 5, 6]], after[0][:, [3, 4, 5, 6]])
-    assert receiver.take_refusals() == {"unauthorized_transfer": 1}
+    assert receiver.take_refusals() == {CANCELLED: 1}
+    sock.close()
+
+
+def test_a_transfer_ended_longer_ago_than_the_receiver_remembers_is_a_stranger_again(receiver: StreamReceiver) -> None:
+    """The memory of ended transfers is bounded: past it, the oldest one's late record no longer
+    verifies (`bad_tag`, the stream closed), exactly as a transfer that never existed."""
+    receiver._retired = RecentlyEnded(max_len=1)
+    receiver.authorize("t-1", [3, 4], key=KEY)
+    receiver.authorize("t-2", [5, 6], key=KEY)
+    assert receiver.cancel("t-1") and receiver.cancel("t-2")  # t-1 is forgotten
+    before = snapshot(receiver)
+    sock, seal = connect(receiver), Sealer()
+    sock.sendall(seal(KVBlockMsg("t-2", 0, "k", 0, 8), block_bytes(2)) + b"\x7f" * block_bytes(2))
+    sock.sendall(seal(KVBlockMsg("t-1", 0, "k", 0, 8), block_bytes(2)) + b"\x7f" * block_bytes(2))
+    take_in(receiver, lambda: len(receiver.fds()) == 1, "the stream closed")
+    assert receiver.take_refusals() == {CANCELLED: 1, "bad_tag": 1}
+    assert unchanged(receiver, before), "a late block landed"
     sock.close()
 
 
@@ -412,7 +429,8 @@ def test_an_abort_during_a_stream_transfer_releases_and_drops_the_rest(stream_pa
     receiver = pair.decode.transport
     pair.pump(lambda: len(receiver.fds()) == 1, "the rest of the stream")  # type: ignore[union-attr]
     assert all(torch.equal(a, b) for a, b in zip(before, pool.k + pool.v)), "KV landed after the release"
-    assert pair.decode.link.stats().handoff_failures["unauthorized_transfer"] >= 1
+    failures = pair.decode.link.stats().handoff_failures
+    assert failures[CANCELLED] >= 1 and "unauthorized_transfer" not in failures, failures
     pair.assert_clean()
 
 
