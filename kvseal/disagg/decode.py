@@ -35,7 +35,7 @@ from kvseal.disagg.msgs import (
 )
 from kvseal.disagg.reservations import Reservation, ReservationTable
 from kvseal.disagg.role import HandoffCounters, Replies, abort_every, abort_owned, aborted_output
-from kvseal.disagg.transport import KVReceiver, log_refused_block
+from kvseal.disagg.transport import CANCELLED, KVReceiver, log_refused_block
 from kvseal.disagg.verify import Expected, Refusal, verify_commit
 from kvseal.engine.engine import LLMEngine
 from kvseal.errors import RequestRejected
@@ -180,10 +180,8 @@ class DecodeSteps:
             return
         reservation = self.table.by_transfer(msg.transfer_id)
         if reservation is None or reservation.request_id != msg.request_id or reservation.tenant != msg.tenant:
-            self.counters.failures["unknown_transfer" if reservation is None else "identity_mismatch"] += 1
-            logger.error("refused a commit for transfer %s (request %s): no matching reservation",
-                         msg.transfer_id, msg.request_id)
-            return  # a forged or stale commit: the reservation, if any, is not touched
+            self._refuse_unmatched_commit(msg, reservation)
+            return
         expected = Expected(reservation.transfer_id, reservation.request_id, reservation.tenant,
                             reservation.num_prompt_tokens, self.engine.model_config.num_layers,
                             reservation.num_cached_tokens)
@@ -200,6 +198,22 @@ class DecodeSteps:
                                   ISOLATION_CHECK_FAILED)
             return
         self._start(reservation, msg)
+
+    def _refuse_unmatched_commit(self, msg: CommitMsg, reservation: Reservation | None) -> None:
+        """Refuse a commit no live reservation matches; the reservation, if any, is not touched.
+        A late commit of a reservation released here (the client went away, an abort, an
+        expiry: its request id and tenant match) is `CANCELLED`, logged at INFO; any other, a
+        forged or stale one, is an alarm logged at ERROR."""
+        released = self.table.released(msg.transfer_id)
+        if reservation is None and released is not None and \
+                (released.request_id, released.tenant) == (msg.request_id, msg.tenant):
+            self.counters.failures[CANCELLED] += 1
+            logger.info("dropped a late commit for transfer %s (request %s): its reservation was already "
+                        "released (%s)", msg.transfer_id, msg.request_id, released.reason)
+            return
+        self.counters.failures["unknown_transfer" if reservation is None else "identity_mismatch"] += 1
+        logger.error("refused a commit for transfer %s (request %s): no matching reservation",
+                     msg.transfer_id, msg.request_id)
 
     def _scatter(self, reservation: Reservation) -> Refusal | None:
         """Tensor parallelism: every rank takes its heads of the verified KV; a rank whose own

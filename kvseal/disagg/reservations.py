@@ -12,6 +12,9 @@ never handed to anyone else. It leaves the table only by
 
 A reservation that sees no commit before its deadline is expired under the same rule.
 Reservations that cannot get pages yet wait in FIFO order (they hold nothing while waiting).
+The table remembers the last `MAX_RECENTLY_ENDED` released transfers (`released`), so decode
+tells a commit that arrives after its reservation ended (a client disconnect racing the
+handoff) from a commit for a transfer it never reserved.
 
 Prefix cache (I5): when a reservation gets its pages it first takes its hit in the prefix
 cache, in the namespace decode derives from the reservation's tenant (`namespace_of`; the
@@ -31,7 +34,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvseal.disagg.transport import KVReceiver
+from kvseal.disagg.transport import KVReceiver, RecentlyEnded
 from kvseal.kvcache.manager import KVCacheManager
 from kvseal.types import Request, SamplingParams, namespace_of
 
@@ -63,6 +66,15 @@ class Reservation:
         return len(self.prompt_token_ids) + 1
 
 
+@dataclass(frozen=True)
+class Released:
+    """What the table keeps of a released reservation's transfer, for its late commit."""
+
+    request_id: str
+    tenant: str
+    reason: str
+
+
 class ReservationTable:
     def __init__(self, kv: KVCacheManager, receiver: KVReceiver, timeout_s: float) -> None:
         self.kv = kv
@@ -71,6 +83,7 @@ class ReservationTable:
         self._by_transfer: dict[str, Reservation] = {}
         self._by_request: dict[str, Reservation] = {}
         self._waiting: deque[Reservation] = deque()
+        self._released: RecentlyEnded[Released] = RecentlyEnded()
         self.num_expired = 0
 
     def __len__(self) -> int:
@@ -114,6 +127,11 @@ class ReservationTable:
         reservation = self._by_transfer.get(transfer_id)
         return reservation if reservation is not None and reservation.release_reason is None else None
 
+    def released(self, transfer_id: str) -> Released | None:
+        """The transfer of a reservation released here lately (not taken), or None: never
+        reserved, taken by its commit, or released too long ago to remember."""
+        return self._released.get(transfer_id)
+
     def by_request(self, request_id: str) -> Reservation | None:
         return self._by_request.get(request_id)
 
@@ -130,7 +148,9 @@ class ReservationTable:
             self._waiting.remove(reservation)
             self._forget(reservation)
             return True
-        reservation.release_reason = reservation.release_reason or reason
+        if reservation.release_reason is None:
+            reservation.release_reason = reason
+            self._released.add(reservation.transfer_id, Released(reservation.request_id, reservation.tenant, reason))
         if not self.receiver.cancel(reservation.transfer_id):
             return False
         self.kv.free(reservation.request_id)

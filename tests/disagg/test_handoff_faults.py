@@ -4,6 +4,7 @@ over KV this request's transfer did not write, and leaves both engines clean (I1
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -106,11 +107,11 @@ def rogue_push(pair: PdPair, handoff: Handoff, written: list[int]) -> int:
 
 
 def rogue_commit(pair: PdPair, handoff: Handoff, num_tokens: int, written: list[int],
-                 tenant: str = "alice") -> None:
+                 tenant: str = "alice", transfer_id: str | None = None) -> None:
     r = handoff.reserved
     assert r is not None
     pair.peer_link().send(CommitMsg(
-        r.transfer_id, handoff.request_id, tenant, num_tokens,
+        r.transfer_id if transfer_id is None else transfer_id, handoff.request_id, tenant, num_tokens,
         [WrittenRangeMsg(layer, 0, end) for layer, end in enumerate(written)], 5, None,
         torch.Generator().get_state().numpy().tobytes(), "rogue"))
 
@@ -201,6 +202,57 @@ def test_decode_refuses_writes_it_did_not_authorize(make_pair: Any, llama_dir: P
     pair.to_prefill.send(pair.prefill_msg(handoff, PROMPT, GREEDY))
     pair.wait(handoff)
     assert handoff.token_ids == colocated(llama_dir, [PROMPT], GREEDY)[0]
+    pair.assert_clean()
+
+
+# ---- late writes and commits of a released reservation (a client gone mid-handoff) ----------
+
+@pytest.mark.parametrize("kv_transport", ["tcp", "tcp-stream"])
+def test_late_kv_and_commit_of_an_aborted_reservation_are_refused_as_cancelled(
+        make_pair: Any, caplog: pytest.LogCaptureFixture) -> None:
+    """The client goes away mid-handoff: decode releases the reservation on the frontend's abort,
+    then prefill's blocks and commit (already under way) arrive. Nothing of them lands and the
+    pages stay free; they are counted as `cancelled` and logged at INFO, not as an unauthorized or
+    unknown transfer (the alarms a forged transfer raises, below)."""
+    pair = make_pair()
+    handoff = pair.reserve(PROMPT, GREEDY)
+    assert handoff.reserved is not None
+    transfer_id = handoff.reserved.transfer_id
+    pair.to_decode.send(AbortMsg(handoff.request_id, "alice", "client_disconnected"))
+    pair.pump(lambda: handoff.is_terminal, "the release")
+    assert handoff.final.finish_reason == "abort" and pair.decode.engine.kv.num_used_pages == 0
+    pool = pair.decode.engine.kv.pool
+    before = [t.clone() for t in pool.k + pool.v]
+    num_late = 2 * NUM_LAYERS + 1  # a block per layer and K/V, then the commit
+    with caplog.at_level(logging.INFO, logger="kvseal.disagg"):
+        rogue_push(pair, handoff, [30, 30])
+        rogue_commit(pair, handoff, 30, [30, 30])
+        stats = pair.decode.link.stats
+        pair.pump(lambda: sum(stats().handoff_failures.values()) == 1 + num_late, "the late blocks and commit")
+    assert pair.decode.link.stats().handoff_failures == {"aborted": 1, CANCELLED: num_late}
+    assert all(torch.equal(a, b) for a, b in zip(before, pool.k + pool.v)), "a late write landed"
+    late = [r for r in caplog.records if transfer_id in r.getMessage()]
+    assert len(late) == num_late and all(r.levelno == logging.INFO for r in late), [r.getMessage() for r in late]
+    assert handoff.token_ids == []
+    pair.assert_clean()
+
+
+def test_a_commit_for_a_transfer_never_reserved_still_raises_the_alarm(
+        make_pair: Any, caplog: pytest.LogCaptureFixture) -> None:
+    """Only a released reservation's own commit (its request id and tenant) is `cancelled`: one
+    naming a transfer decode never reserved, or a released transfer under another identity, is
+    counted as `unknown_transfer` and logged at ERROR."""
+    pair = make_pair()
+    released = pair.reserve(PROMPT, GREEDY)
+    pair.to_decode.send(AbortMsg(released.request_id, "alice", "client_disconnected"))
+    pair.pump(lambda: released.is_terminal, "the release")
+    with caplog.at_level(logging.INFO, logger="kvseal.disagg"):
+        rogue_commit(pair, released, 30, [30, 30], transfer_id="f" * 32)  # an id decode never drew
+        rogue_commit(pair, released, 30, [30, 30], tenant="mallory")  # the released id, another tenant
+        pair.pump(lambda: pair.decode.link.stats().handoff_failures.get("unknown_transfer", 0) == 2, "the refusals")
+    assert pair.decode.link.stats().handoff_failures == {"aborted": 1, "unknown_transfer": 2}
+    refusals = [r for r in caplog.records if "commit" in r.getMessage()]
+    assert len(refusals) == 2 and all(r.levelno == logging.ERROR for r in refusals)
     pair.assert_clean()
 
 
