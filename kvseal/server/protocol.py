@@ -12,7 +12,8 @@ limit). The static bounds are here; prompt text and token ids are bounded by the
 prompt limit (I1, checked before tokenizing or parsing them: `kvseal.server.prompts`), and the
 text the chat template renders besides the messages' contents by `kvseal.server.bounds`.
 JSON nesting is bounded by the parser (a body nested deeper than its recursion limit is
-`invalid_json`), and the whole body by --max-body-bytes.
+`invalid_json`), the JSON text of tool call arguments by `MAX_ARGUMENTS_DEPTH`, and the whole
+body by --max-body-bytes.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from kvseal.structured.schema import MAX_TOOLS
+from kvseal.structured.schema import MAX_SCHEMA_DEPTH, MAX_TOOLS, json_depth
 from kvseal.types import MAX_N
 
 INT32_MAX = 2**31 - 1
@@ -36,6 +37,7 @@ MAX_STOP_TOKEN_IDS = 64
 MAX_MESSAGES = 2048  # messages per chat request
 MAX_CONTENT_PARTS = 1024  # parts of one message's content
 MAX_DESCRIPTION_CHARS = 4096  # a tool's or a response schema's description
+MAX_ARGUMENTS_DEPTH = MAX_SCHEMA_DEPTH  # objects and arrays nested in one tool call's arguments
 
 Name = Annotated[str, Field(max_length=MAX_NAME_CHARS)]
 FunctionName = Annotated[str, Field(min_length=1, max_length=MAX_FUNCTION_NAME_CHARS)]
@@ -128,6 +130,12 @@ class FunctionCall(_Body):
     @field_validator("arguments")
     @classmethod
     def _json_text(cls, value: str) -> str:
+        """JSON text nested at most `MAX_ARGUMENTS_DEPTH` deep, checked before parsing it: the
+        parser, and a template's `tojson`, recurse as deep as the text nests."""
+        depth = json_depth(value)
+        if depth > MAX_ARGUMENTS_DEPTH:
+            raise ValueError(f"tool call arguments nest objects and arrays {depth} deep; the limit is "
+                             f"{MAX_ARGUMENTS_DEPTH}. Send flatter arguments")
         try:
             json.loads(value)
         except ValueError:

@@ -20,6 +20,7 @@ from kvseal.server.body import parse_body
 from kvseal.server.errors import ApiError
 from kvseal.server.protocol import (
     INT32_MAX,
+    MAX_ARGUMENTS_DEPTH,
     MAX_CONTENT_PARTS,
     MAX_DESCRIPTION_CHARS,
     MAX_FUNCTION_NAME_CHARS,
@@ -165,6 +166,16 @@ def _call(**function: Any) -> dict[str, Any]:
     return {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"} | function}
 
 
+def _assistant_calls(arguments: str) -> dict[str, Any]:
+    return {"role": "assistant", "content": None, "tool_calls": [_call(arguments=arguments)]}
+
+
+def nested_arguments(depth: int) -> str:
+    """Arguments nested `depth` deep: far past the limit, stdlib json's parser would recurse past
+    Python's recursion limit (a RecursionError, once a 500)."""
+    return "[" * depth + "]" * depth
+
+
 # (model, param, body at the limit, body one past it)
 BOUNDS: list[tuple[Any, str, Callable[[int], dict[str, Any]], int]] = [
     (CompletionRequest, "model", lambda n: {"prompt": "w5", "model": "m" * n}, MAX_NAME_CHARS),
@@ -192,6 +203,10 @@ BOUNDS: list[tuple[Any, str, Callable[[int], dict[str, Any]], int]] = [
         "type": "json_schema", "json_schema": {"name": "s", "description": "d" * n}}), MAX_DESCRIPTION_CHARS),
     (ChatCompletionRequest, "max_completion_tokens", lambda n: _chat(max_completion_tokens=n), INT32_MAX),
     (TokenizeChatBody, "messages", lambda n: {"messages": [{"role": "user", "content": "w"}] * n}, MAX_MESSAGES),
+    (ChatCompletionRequest, "messages", lambda n: _chat(messages=[_assistant_calls(nested_arguments(n))]),
+     MAX_ARGUMENTS_DEPTH),
+    (TokenizeChatBody, "messages", lambda n: {"messages": [_assistant_calls(nested_arguments(n))]},
+     MAX_ARGUMENTS_DEPTH),
     (DetokenizeBody, "model", lambda n: {"tokens": [1], "model": "m" * n}, MAX_NAME_CHARS),
 ]
 
@@ -206,6 +221,18 @@ def test_each_field_bound_refuses_one_past_its_limit(model: Any, param: str, bod
     err = info.value
     assert (err.status, err.code, err.param) == (400, "invalid_parameter", param), err
     assert str(limit) in err.message, err.message
+
+
+@pytest.mark.parametrize("model", [ChatCompletionRequest, TokenizeChatBody])
+def test_arguments_nested_past_the_parsers_recursion_limit_are_a_400(model: Any) -> None:
+    body = {"messages": [{"role": "user", "content": "w5"}, _assistant_calls(nested_arguments(960))], "max_tokens": 3}
+    if model is TokenizeChatBody:
+        del body["max_tokens"]
+    with pytest.raises(ApiError) as info:
+        parse_body(model, json.dumps(body).encode())
+    err = info.value
+    assert (err.status, err.code, err.param) == (400, "invalid_parameter", "messages"), err
+    assert str(MAX_ARGUMENTS_DEPTH) in err.message and "recursion" not in err.message, err.message
 
 
 def test_a_bound_is_a_400_in_the_openai_shape_over_http(server: ServerProcess) -> None:
