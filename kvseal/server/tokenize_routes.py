@@ -15,7 +15,6 @@ body is refused from a scan, before its ids are parsed). Every call leaves an au
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 import uuid
@@ -23,6 +22,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Annotated, Any
 
+import pydantic_core
 from fastapi import FastAPI
 from pydantic import Field
 from starlette.requests import Request
@@ -143,9 +143,11 @@ async def _tokenize(data: bytes, state: AppState, tenant: Tenant, call: TokenCal
 
 
 def _tokenize_body(data: bytes) -> TokenizeCompletionBody | TokenizeChatBody:
-    """The chat shape when the body has `messages`, the prompt shape otherwise."""
+    """The chat shape when the body has `messages`, the prompt shape otherwise. The shape is
+    sniffed with the parser `parse_body` uses (pydantic's), whose nesting limit makes a deep
+    body a ValueError, so the sniff refuses what `parse_body` refuses, in its words."""
     try:
-        raw = json.loads(data)
+        raw = pydantic_core.from_json(data)
     except ValueError:
         raw = None  # parse_body below reports the JSON error in the usual shape
     if isinstance(raw, dict) and "messages" in raw:

@@ -121,6 +121,15 @@ def test_malformed_json_is_400(server: ServerProcess, content: bytes) -> None:
     assert err["code"] in ("invalid_json", "invalid_parameter")
 
 
+@pytest.mark.parametrize("content", [b"[" * 100_000 + b"]" * 100_000,
+                                     b'{"prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}"], ids=["array", "prompt"])
+def test_deeply_nested_body_is_invalid_json_on_every_route(server: ServerProcess, content: bytes) -> None:
+    """/tokenize once sniffed the body with stdlib json first: a RecursionError, a 500."""
+    for path in ("/v1/completions", "/tokenize"):
+        response = httpx.post(f"{server.url}{path}", content=content, headers=ALICE | JSON, timeout=60)
+        assert error_of(response, 400)["code"] == "invalid_json", path
+
+
 def test_unknown_model_is_404(server: ServerProcess, alice: openai.OpenAI) -> None:
     with pytest.raises(openai.NotFoundError) as info:
         alice.completions.create(model="gpt-17", prompt="w5")
