@@ -33,8 +33,11 @@ CHAT = ChatEndpoint()
 
 def build_app(state: AppState) -> FastAPI:
     # No /docs or /redoc (their pages load scripts from a CDN); /openapi.json is served below,
-    # behind an API key like every route that is not an operator probe.
-    app = FastAPI(title="kvseal", version=__version__, docs_url=None, redoc_url=None, openapi_url=None)
+    # behind an API key like every route that is not an operator probe. A path with a trailing
+    # slash is a 404 like any unknown path, never a redirect to a URL built from the client's
+    # Host header.
+    app = FastAPI(title="kvseal", version=__version__, docs_url=None, redoc_url=None, openapi_url=None,
+                  redirect_slashes=False)
     _add_generation_routes(app, state, ChatEndpoint(state.config.tool_call_parser))
     _add_info_routes(app, state)
     add_tokenize_routes(app, state)

@@ -196,3 +196,13 @@ def test_tenant_concurrency_over_limit_is_429(server: ServerProcess) -> None:
 def test_unknown_route_and_method(server: ServerProcess) -> None:
     assert error_of(httpx.get(f"{server.url}/v1/nothing"), 404)["code"] == "not_found"
     assert error_of(httpx.get(f"{server.base_url}/completions"), 405)["code"] == "method_not_allowed"
+
+
+def test_a_trailing_slash_is_a_404_not_a_redirect(server: ServerProcess) -> None:
+    """No 307 to a URL built from the client's Host header."""
+    for path in ("/v1/completions/", "/v1/chat/completions/", "/tokenize/"):
+        response = httpx.post(f"{server.url}{path}", json={"prompt": "w5"}, headers=ALICE | {"Host": "evil.example"},
+                              timeout=10)
+        assert "location" not in response.headers, path
+        err = error_of(response, 404)
+        assert err["code"] == "not_found", path
