@@ -10,6 +10,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
 
 from kvseal._testing.faults import Fault, is_active
 from kvseal.server import errors
@@ -120,11 +121,17 @@ def _model_card(state: AppState, is_admin: bool) -> dict[str, object]:
     return card
 
 
+def served_routes(app: FastAPI) -> list[str]:
+    """Every route the app serves, as "METHOD /path" (path parameters without their converters)."""
+    return [f"{method} {route.path_format}" for route in app.routes if isinstance(route, Route)
+            for method in sorted(route.methods or ()) if method != "HEAD"]
+
+
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> Response:
         if exc.status_code == 404:
-            return errors.response(errors.route_not_found(clip(request.url.path)))
+            return errors.response(errors.route_not_found(clip(request.url.path), served_routes(app)))
         if exc.status_code == 405:
             return errors.response(errors.method_not_allowed(request.method, request.url.path))
         return errors.response(ApiError(exc.status_code, clip(str(exc.detail))))

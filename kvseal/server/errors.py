@@ -207,10 +207,9 @@ def isolation_check_failed() -> ApiError:
                     type="server_error", code=ISOLATION_CHECK_FAILED)
 
 
-def route_not_found(path: str) -> ApiError:
-    return ApiError(404, f"No route {path}. Routes: POST /v1/completions, POST /v1/chat/completions, "
-                         f"GET /v1/models, GET /health, GET /metrics, POST /admin/keys/reload, "
-                         f"POST /admin/models/{{id}}/disable|enable.", code="not_found")
+def route_not_found(path: str, routes: list[str]) -> ApiError:
+    """`routes`: every route the server serves, as "METHOD /path"."""
+    return ApiError(404, f"No route {path}. Routes: {', '.join(routes)}.", code="not_found")
 
 
 def method_not_allowed(method: str, path: str) -> ApiError:

@@ -206,3 +206,12 @@ def test_a_trailing_slash_is_a_404_not_a_redirect(server: ServerProcess) -> None
         assert "location" not in response.headers, path
         err = error_of(response, 404)
         assert err["code"] == "not_found", path
+
+
+def test_the_404_lists_every_served_route(server: ServerProcess) -> None:
+    message = error_of(httpx.get(f"{server.url}/v1/nothing"), 404)["message"]
+    for route in ("POST /v1/completions", "POST /v1/chat/completions", "GET /v1/models", "GET /v1/models/{model}",
+                  "POST /tokenize", "POST /detokenize", "GET /health", "GET /metrics", "GET /openapi.json",
+                  "POST /admin/keys/reload", "POST /admin/models/{model}/disable",
+                  "POST /admin/models/{model}/enable"):
+        assert route in message, route
