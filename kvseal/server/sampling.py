@@ -52,12 +52,13 @@ def build_sampling_params(body: GenerationBody, *, max_tokens: int | None, num_p
 
 
 def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
-    """OpenAI sends token ids as JSON object keys (strings); each must be a decimal integer."""
+    """OpenAI sends token ids as JSON object keys (strings); each must be a decimal integer in
+    ASCII digits (`str.isdecimal` alone would take any script's digits, which `int` reads)."""
     pairs = []
     for key, value in (bias or {}).items():
-        if not key.isdecimal():
-            raise InvalidParameter(f"logit_bias keys must be token ids (decimal integers), got {key!r}",
-                                   param="logit_bias")
+        if not (key.isascii() and key.isdecimal()):
+            raise InvalidParameter(f"logit_bias keys must be token ids (decimal integers in ASCII digits 0-9), "
+                                   f"got {key!r}", param="logit_bias")
         pairs.append((int(key), value))
     return tuple(pairs)
 

@@ -77,6 +77,8 @@ def test_underflowing_sampling_values_are_served(server: ServerProcess, extreme:
     ({"prompt": "w5", "logit_bias": {"w5": 1}}, "logit_bias"),
     ({"prompt": "w5", "logit_bias": {"5": 101}}, "logit_bias"),
     ({"prompt": "w5", "logit_bias": {"600": 1}}, "logit_bias"),
+    ({"prompt": "w5", "logit_bias": {"\u0663": 1}}, "logit_bias"),  # ARABIC-INDIC DIGIT THREE
+    ({"prompt": "w5", "logit_bias": {"\uff13": 1}}, "logit_bias"),  # FULLWIDTH DIGIT THREE
     ({"prompt": "w5", "stop_token_ids": [600]}, "stop_token_ids"),
     ({"prompt": "w5", "stop_token_ids": "5"}, "stop_token_ids"),
     ({"prompt": "w5", "echo": True}, "echo"),
