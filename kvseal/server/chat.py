@@ -44,7 +44,8 @@ class ChatEndpoint:
         ids = await prompts.chat_ids(conversation, tenant.name, limits, body.truncate_prompt_tokens is not None,
                                      tools.definitions)
         params = build_sampling_params(body, max_tokens=_asked_max_tokens(body), num_prompt_tokens=len(ids),
-                                       limits=limits, logprobs=_logprobs(body), tenant=tenant, defaults=defaults)
+                                       limits=limits, logprobs=_logprobs(body), tenant=tenant, defaults=defaults,
+                                       max_tokens_param=_max_tokens_param(body))
         if tools.grammar is not None:
             params = dataclasses.replace(params, structured=tools.grammar)
         return Prepared(ids, params, conversation)
@@ -61,6 +62,11 @@ def _asked_max_tokens(body: ChatCompletionRequest) -> int | None:
         raise InvalidParameter("max_tokens and max_completion_tokens disagree; send only max_completion_tokens",
                                param="max_completion_tokens")
     return body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+
+
+def _max_tokens_param(body: ChatCompletionRequest) -> str:
+    """The field the client asked for its output length in, for the errors about it."""
+    return "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
 
 
 def _logprobs(body: ChatCompletionRequest) -> int | None:

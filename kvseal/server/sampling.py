@@ -23,16 +23,19 @@ NEUTRAL = GenerationDefaults()
 
 def build_sampling_params(body: GenerationBody, *, max_tokens: int | None, num_prompt_tokens: int,
                           limits: AdmissionLimits, logprobs: int | None, tenant: Tenant,
-                          defaults: GenerationDefaults = NEUTRAL) -> SamplingParams:
-    """`max_tokens` is what the client asked for; `num_prompt_tokens` counts the prompt before
-    any truncation the request asked for; `defaults` fill the sampling fields it omitted."""
+                          defaults: GenerationDefaults = NEUTRAL,
+                          max_tokens_param: str = "max_tokens") -> SamplingParams:
+    """`max_tokens` is what the client asked for, in the field `max_tokens_param` (which its
+    errors name); `num_prompt_tokens` counts the prompt before any truncation the request asked
+    for; `defaults` fill the sampling fields it omitted."""
     if body.truncate_prompt_tokens is not None:
         num_prompt_tokens = min(num_prompt_tokens, body.truncate_prompt_tokens)
     check_context(num_prompt_tokens, 1 if max_tokens is None else max_tokens, limits)
     if body.stream_options is not None and not body.stream:
         raise InvalidParameter("stream_options is only allowed with stream=true", param="stream_options")
     return SamplingParams(
-        max_tokens=_max_tokens(max_tokens, max(1, limits.max_model_len - num_prompt_tokens), tenant),
+        max_tokens=_max_tokens(max_tokens, max(1, limits.max_model_len - num_prompt_tokens), tenant,
+                               max_tokens_param),
         temperature=defaults.temperature if body.temperature is None else body.temperature,
         top_p=defaults.top_p if body.top_p is None else body.top_p,
         top_k=defaults.top_k if body.top_k is None else body.top_k,
@@ -63,11 +66,11 @@ def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
     return tuple(pairs)
 
 
-def _max_tokens(asked: int | None, remaining: int, tenant: Tenant) -> int:
+def _max_tokens(asked: int | None, remaining: int, tenant: Tenant, param: str) -> int:
     cap = tenant.max_tokens
     if asked is None:
         return remaining if cap is None else min(remaining, cap)
     if cap is not None and asked > cap:
-        raise InvalidParameter(f"max_tokens={asked} exceeds the limit of tenant '{tenant.name}', {cap}; "
-                               f"ask for at most {cap} tokens", param="max_tokens")
+        raise InvalidParameter(f"{param}={asked} exceeds the limit of tenant '{tenant.name}', {cap}; "
+                               f"ask for at most {cap} tokens", param=param)
     return asked

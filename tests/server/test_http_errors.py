@@ -175,6 +175,9 @@ def test_tenant_max_tokens_cap(server: ServerProcess) -> None:
     capped = {"Authorization": "Bearer key-capped"}
     err = error_of(post(server, "/completions", {"prompt": "w5", "max_tokens": 33}, headers=capped), 400)
     assert err["param"] == "max_tokens" and "32" in err["message"]
+    asked = {"messages": [{"role": "user", "content": "w5"}], "max_completion_tokens": 33}
+    err = error_of(post(server, "/chat/completions", asked, headers=capped), 400)
+    assert err["param"] == "max_completion_tokens" and err["message"].startswith("max_completion_tokens=33 ")
     chat = post(server, "/chat/completions", {"messages": [{"role": "user", "content": "w5"}], "ignore_eos": True},
                 headers=capped)
     assert chat.status_code == 200 and chat.json()["usage"]["completion_tokens"] == 32
