@@ -158,7 +158,7 @@ def _switch(state: AppState, request: Request, model: str, *, is_disabled: bool)
         by = state.keys.authenticate_admin(authorization_of(request.headers))
         abort = _abort_param(request)
         if abort and not is_disabled:
-            raise errors.invalid_abort_param("true (enable ends no request)")
+            raise errors.abort_only_on_disable()
         return JSONResponse(set_model_disabled(state, model, is_disabled, by, abort=abort))
     except ApiError as err:
         return errors.response(err)

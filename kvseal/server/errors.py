@@ -193,6 +193,11 @@ def invalid_abort_param(value: str) -> ApiError:
                     param="abort")
 
 
+def abort_only_on_disable() -> ApiError:
+    return ApiError(400, "'abort' applies only to disable: enabling the model ends no request. Send the enable "
+                         "call without abort=true.", code="invalid_parameter", param="abort")
+
+
 def request_aborted(detail: str) -> ApiError:
     """An admitted request the engine ended early: an error, never a success (I6)."""
     return ApiError(500, f"The request was aborted by the server: {detail}", type="server_error",

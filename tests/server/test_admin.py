@@ -213,7 +213,9 @@ def test_the_kill_switch_with_abort_ends_in_flight_requests(srv: ServerProcess) 
     record = srv.audit_for(request_id)
     assert (record["outcome"], record["reason"]) == ("aborted", "model_disabled")
     assert admin_records(srv)[-1]["num_aborted"] == 1
-    assert error_of(admin(srv, f"/admin/models/{srv.model_name}/enable?abort=true"), 400)["param"] == "abort"
+    err = error_of(admin(srv, f"/admin/models/{srv.model_name}/enable?abort=true"), 400)
+    assert err["param"] == "abort" and "applies only to disable" in err["message"], err
+    assert "must be true or false" not in err["message"], err
 
 
 def test_the_revocation_test_fails_when_a_reload_keeps_removed_keys(server_model_dir: Path, tmp_path: Path) -> None:
