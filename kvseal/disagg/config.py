@@ -70,7 +70,7 @@ class NodeConfig:
         if self.num_threads is not None and self.num_threads < 1:
             raise ConfigError(f"--threads must be >= 1, got {self.num_threads}; leave it unset for one per core")
         host, _, port = self.listen.rpartition(":")
-        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        if not host or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
             raise ConfigError(f"--listen must be HOST:PORT with a port in 1..65535, got {self.listen!r}")
 
 

@@ -92,7 +92,7 @@ SCRATCH_BYTES = 1024 * 1024
 
 def split_address(address: str) -> tuple[str, int]:
     host, _, port = address.rpartition(":")
-    if not host or not port.isdigit():
+    if not host or not (port.isascii() and port.isdigit()):
         raise TransportError(f"not a HOST:PORT KV address: {address!r}")
     return host, int(port)
 

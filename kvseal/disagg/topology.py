@@ -87,7 +87,7 @@ def _addresses(value: str, flag: str) -> tuple[str, ...]:
     addresses = tuple(a.strip() for a in value.split(",") if a.strip())
     for address in addresses:
         host, _, port = address.rpartition(":")
-        if not host or not port.isdigit():
+        if not host or not (port.isascii() and port.isdigit()):
             raise ConfigError(f"{flag} takes HOST:PORT[,HOST:PORT...]; {address!r} is not HOST:PORT")
     if len(set(addresses)) != len(addresses):
         raise ConfigError(f"{flag} lists an address twice: {value}")
@@ -101,7 +101,7 @@ def pd_threads(value: str, num_cores: int) -> tuple[int, int]:
     if value == "auto":
         return max(1, num_cores - num_cores // 2), max(1, num_cores // 2)
     parts = value.split(",")
-    if len(parts) != 2 or not all(p.strip().isdigit() and int(p) >= 1 for p in parts):
+    if len(parts) != 2 or not all(p.strip().isascii() and p.strip().isdigit() and int(p) >= 1 for p in parts):
         raise ConfigError(f"--pd-threads takes auto or PREFILL,DECODE (two counts >= 1), got {value!r}")
     return int(parts[0]), int(parts[1])
 

@@ -18,7 +18,7 @@ async def read_body(request: Request, max_bytes: int, timeout_s: float) -> bytes
     """The whole body, or `ApiError` 413 as soon as it exceeds `max_bytes` (read no further),
     or 408 when it has not all arrived `timeout_s` after the headers (a slow client)."""
     declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > max_bytes:
+    if declared.isascii() and declared.isdigit() and int(declared) > max_bytes:
         raise errors.body_too_large(max_bytes)
     try:
         async with asyncio.timeout(timeout_s):

@@ -33,6 +33,9 @@ def decode_keys(tmp_path: Path) -> list[str]:
     (["serve", "--pd", "--prefill", "127.0.0.1:9", "--decode", "127.0.0.1:10"], "--pd starts its own"),
     (["serve", "--prefill", "nonsense", "--decode", "127.0.0.1:9"], "not HOST:PORT"),
     (["engine", "--role", "decode", "--listen", "127.0.0.1"], "--listen"),  # no port
+    # digits `str.isdigit` takes but `int` does not (a ValueError's traceback before)
+    (["engine", "--role", "decode", "--listen", "127.0.0.1:\u00b2"], "--listen"),
+    (["serve", "--prefill", "127.0.0.1:\u00b2", "--decode", "127.0.0.1:9"], "not HOST:PORT"),
     (["engine", "--role", "decode", "--listen", "127.0.0.1:9", "--reservation-timeout-s", "0"],
      "--reservation-timeout-s"),
 ])
@@ -47,6 +50,7 @@ def test_bad_pd_flags_are_refused_before_anything_starts(argv: list[str], what: 
     (["engine", "--role", "decode", "--listen", "127.0.0.1:9", "--threads", "0"], "--threads"),
     (["serve", "--pd", "--pd-threads", "0,1"], "--pd-threads"),
     (["serve", "--pd", "--pd-threads", "2"], "--pd-threads"),
+    (["serve", "--pd", "--pd-threads", "\u00b2,1"], "--pd-threads"),
     (["serve", "--prefill", "127.0.0.1:9", "--decode", "127.0.0.1:10", "--pd-threads", "1,1"], "--pd-threads"),
 ])
 def test_bad_thread_counts_are_refused_naming_the_flag(argv: list[str], flag: str, decode_keys: list[str],
