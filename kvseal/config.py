@@ -218,7 +218,7 @@ class GrammarConfig:
     """Structured-output grammar compiles: each runs in one of `num_workers` worker processes
     (tenants served round-robin, one compile each at a time) and is stopped once it has used
     `compile_timeout_s` seconds of its worker's CPU time, the request refused with a 400 (or has
-    waited ten times that on a host too busy to give it the CPU: a 503)."""
+    waited thirty times that on a host too busy to give it the CPU: a 503)."""
 
     compile_timeout_s: float = DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S
     num_workers: int = DEFAULT_GRAMMAR_COMPILE_WORKERS
@@ -358,7 +358,7 @@ class EngineArgs:
     # how many worker processes compile (GrammarConfig).
     grammar_compile_timeout_s: float = field(default=DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S, metadata=flag(
         "the CPU time one structured-output grammar (response_format json_schema, a required or named tool call) "
-        "may take to compile (a compile also waits at most ten times this on a busy host); over it the compile is "
+        "may take to compile (a compile also waits at most thirty times this on a busy host); over it the compile is "
         "stopped and the request gets a 400 "
         f"(default: {DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S:g})", metavar="S"))
     grammar_compile_workers: int = field(default=DEFAULT_GRAMMAR_COMPILE_WORKERS, metadata=flag(

@@ -62,7 +62,7 @@ class GrammarCompileTimeout(InvalidParameter):
 
 class GrammarCompilerUnavailable(RequestRejected):
     """The engine could not start a grammar worker process, or could not give a compile its CPU
-    time (a host too busy for ten times the budget); not the client's fault: retry."""
+    time (a host too busy for thirty times the budget); not the client's fault: retry."""
 
     code = "grammar_compiler_unavailable"
     http_status = 503

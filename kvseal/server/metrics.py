@@ -61,7 +61,7 @@ class ServerMetrics:
             "kvseal_grammar_compiles_queued", "Grammar compiles waiting for a worker", registry=r)
         self.grammar_compile_timeouts = Gauge(
             "kvseal_grammar_compile_timeouts", "Grammar compiles stopped at --grammar-compile-timeout-s of CPU "
-            "time (the request got a 400), or at ten times it in wall time on a busy host (a 503), since the engine "
+            "time (the request got a 400), or at thirty times it in wall time on a busy host (a 503), since the engine "
             "started", registry=r)
         self.grammar_compiles_cancelled = Gauge(
             "kvseal_grammar_compiles_cancelled", "Grammar compiles dropped or stopped because every request waiting "

@@ -2,8 +2,8 @@
 cached per tenant.
 
 A compile runs in two steps. A worker process (`structured/worker.py`) compiles the grammar
-first, under the budget (`GrammarConfig.compile_timeout_s` of the worker's CPU time, and ten
-times that in wall time: `CompileBudget`): xgrammar's compile cannot be interrupted from
+first, under the budget (`GrammarConfig.compile_timeout_s` of the worker's CPU time, and
+thirty times that in wall time: `CompileBudget`): xgrammar's compile cannot be interrupted from
 Python, so a compile that runs over is stopped by killing the worker (SIGKILL, its own PID),
 which is replaced, and the request gets a 400 (`GrammarCompileTimeout`; a 503 where the wall
 time ran out first: the host, not the schema, was the problem). A grammar the worker
@@ -60,7 +60,10 @@ logger = logging.getLogger("kvseal.structured")
 CACHE_ENTRIES = 256  # compiled grammars kept, over all tenants (least recently used evicted)
 WORKER_START_S = 120.0  # importing xgrammar (and torch) on a loaded host
 CANCEL_CHECK_S = 0.02  # how often a slot waiting on its worker looks for cancellation (and its CPU time)
-WALL_CAP_FACTOR = 10.0  # a compile waits at most this many times its CPU budget, however starved its worker
+# A compile waits at most this many times its CPU budget, however starved its worker: at nice 10
+# a worker gets ~10% of a core beside one busy task at nice 0 (CFS weights 110 against 1024),
+# ~5% beside two, so a budget's worth of CPU arrives within ~20 times it on a busy host.
+WALL_CAP_FACTOR = 30.0
 CLOSE_WAIT_S = 5.0
 
 CacheKey = tuple[str, str, str | None]

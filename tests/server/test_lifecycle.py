@@ -166,13 +166,13 @@ def test_sigterm_to_the_whole_process_group_drains_too(start_server: Callable[..
 
 
 def test_a_second_sigterm_while_the_engine_stops_is_ignored_and_the_socket_folder_goes(
-        start_server: Callable[..., ServerProcess], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        start_server: Callable[..., ServerProcess], monkeypatch: pytest.MonkeyPatch) -> None:
     """Once uvicorn has stopped, the frontend stops its engine (a message, then a bounded wait) and
     removes the engine's socket folder. A SIGTERM then (a supervisor that signals twice, a
     second Ctrl-C) is logged and ignored: with the signal's default action the frontend died
     there and the folder was left. The engine is held (SIGSTOP) so the stop lasts."""
-    sockets = tmp_path / "sockets"
-    sockets.mkdir()
+    # A short folder (an IPC socket's path must fit 107 bytes; tmp_path under xdist is too long)
+    sockets = Path(tempfile.mkdtemp(prefix="s", dir=os.environ["TMPDIR"]))
     monkeypatch.setenv("TMPDIR", str(sockets))
     server = start_server()
     assert server.proc is not None and len(list(sockets.glob("kvseal-*"))) == 1
