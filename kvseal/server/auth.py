@@ -41,6 +41,9 @@ from kvseal.types import DEFAULT_TENANT
 _FIELDS = {"tenant", "max_concurrent_requests", "max_tokens", "requests_per_minute", "tokens_per_minute", "admin",
            "revoked"}
 _HASHED_PREFIX = "sha256:"
+# What the audit log's answers (`kvseal usage`, `kvseal audit`) show for requests made without a
+# tenant (refused before their key was read): a tenant of that name would share their rows.
+_RESERVED_TENANT_NAMES = ("-",)
 _HEX_DIGEST = re.compile(r"[0-9a-f]{64}")
 # The concurrency cap of a tenant whose entry sets none, in sequences (a request with n choices
 # takes n). A quarter of the engine's default batch (`--max-num-seqs` 256): one tenant's flood
@@ -116,7 +119,7 @@ class ApiKeyTable:
         if path is None:
             return cls()
         try:
-            raw = json.loads(Path(path).read_text())
+            raw = json.loads(Path(path).read_text(), object_pairs_hook=_object_without_repeated_names)
         except (OSError, ValueError) as exc:
             raise ConfigError(f"cannot read the API keys file {path}: {exc}") from exc
         return cls(_parse_keys(raw, path))
@@ -170,6 +173,17 @@ def _digest(key: str) -> bytes:
     return hashlib.sha256(key.encode()).digest()
 
 
+def _object_without_repeated_names(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object, refused (ValueError) when a name appears twice in it: `json` keeps the
+    last one silently, so a key listed twice (a copy-paste slip) would speak for the tenant of
+    its last entry. The message never names the key: it is a secret."""
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        raise ValueError("a name appears twice in one JSON object: an API key listed twice, or a field repeated "
+                         "in one entry; keep one")
+    return obj
+
+
 def _parse_keys(raw: Any, path: str) -> list[ApiKey]:
     if not isinstance(raw, dict) or not raw:
         raise ConfigError(f"{path} must be a non-empty JSON object mapping each API key to "
@@ -220,6 +234,10 @@ def _parse_entry(entry: Any, where: str) -> Tenant:
     name = entry.get("tenant")
     if not isinstance(name, str) or not name.strip():
         raise ConfigError(f'{where}: "tenant" must be a non-empty string')
+    if not name.isprintable() or name in _RESERVED_TENANT_NAMES:
+        reserved = " or ".join(map(repr, _RESERVED_TENANT_NAMES))
+        raise ConfigError(f'{where}: "tenant" must be printable and not {reserved} (what `kvseal usage` and '
+                          f"`kvseal audit` show for requests no tenant made), got {name!r}")
     concurrency = _positive(entry, "max_concurrent_requests", where) or DEFAULT_MAX_CONCURRENT_REQUESTS
     return Tenant(name, concurrency, _positive(entry, "max_tokens", where),
                   _positive(entry, "requests_per_minute", where), _positive(entry, "tokens_per_minute", where))

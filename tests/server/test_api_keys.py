@@ -43,6 +43,11 @@ def test_bad_authorization_is_401(tmp_path: Path, header: str | None) -> None:
     {"secret-key-1": {"tenant": "a", "max_tokens": 0}}, {"secret-key-1": {"tenant": "a", "max_tokens": True}},
     {"secret-key-1": {"tenant": "a", "rate": 1}}, {"secret key": {"tenant": "a"}},
     {"secret-key-1": {"tenant": "a", "max_tokens": 5}, "secret-key-2": {"tenant": "a"}},
+    # a key listed twice: `json` would keep the last entry, moving the key to another tenant
+    '{"secret-key-1": {"tenant": "a"}, "secret-key-1": {"tenant": "b"}}',
+    '{"secret-key-1": {"tenant": "a", "tenant": "b"}}',  # a field repeated in one entry
+    {"secret-key-1": {"tenant": "-"}},  # what the audit log's answers show for requests no tenant made
+    {"secret-key-1": {"tenant": "a\u0000b"}}, {"secret-key-1": {"tenant": "a\nb"}},
 ])
 def test_bad_keys_file_stops_start_up_without_echoing_keys(tmp_path: Path, content: Any) -> None:
     with pytest.raises(ConfigError) as info:
