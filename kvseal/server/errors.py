@@ -110,11 +110,17 @@ def invalid_json(detail: str) -> ApiError:
                     code="invalid_json")
 
 
+# A slot frees when one of the tenant's requests ends, which nothing here can foresee: a short
+# wait before the client asks again (OpenAI's client honours Retry-After).
+CONCURRENCY_RETRY_AFTER_S = 1
+
+
 def concurrency_limit(tenant: str, limit: int, num_slots: int) -> ApiError:
     what = "a request" if num_slots == 1 else f"{num_slots} more (one per choice, n={num_slots})"
     return ApiError(429, f"Tenant '{tenant}' may have {limit} requests in flight, each choice of a request with n > 1 "
                          f"counting as one, and has no room for {what}. Retry when one finishes.",
-                    type="rate_limit_error", code="rate_limit_exceeded", detail="concurrency_limit_exceeded")
+                    type="rate_limit_error", code="rate_limit_exceeded", detail="concurrency_limit_exceeded",
+                    retry_after_s=CONCURRENCY_RETRY_AFTER_S)
 
 
 def concurrency_limit_never(tenant: str, limit: int, num_slots: int) -> ApiError:

@@ -45,7 +45,8 @@ def test_choices_in_flight_count_against_the_cap(capped_server: ServerProcess) -
                       timeout=60) as first:
         lines = first.iter_lines()
         next(lines)  # in flight
-        assert "no room for 2 more" in _error(_post(capped_server, {"n": 2}, FOUR))["message"]
+        refused = _post(capped_server, {"n": 2}, FOUR)
+        assert "no room for 2 more" in _error(refused)["message"] and refused.headers["retry-after"] == "1"
         assert _post(capped_server, {"n": 1}, FOUR).status_code == 200
         assert _post(capped_server, {"n": 16}, OTHER).status_code == 200  # the default cap, 64
         list(lines)
@@ -53,6 +54,8 @@ def test_choices_in_flight_count_against_the_cap(capped_server: ServerProcess) -
 
 
 def test_a_request_with_more_choices_than_the_cap_is_refused_for_good(capped_server: ServerProcess) -> None:
-    error = _error(_post(capped_server, {"n": 5}, FOUR))
+    refused = _post(capped_server, {"n": 5}, FOUR)
+    error = _error(refused)
     assert "n=5" in error["message"] and "fewer choices" in error["message"]
+    assert "retry-after" not in refused.headers  # waiting cannot help
     assert _post(capped_server, {"n": 4}, FOUR).status_code == 200  # nothing was left taken
