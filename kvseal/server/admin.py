@@ -165,7 +165,10 @@ def _switch(state: AppState, request: Request, model: str, *, is_disabled: bool)
 
 
 def _abort_param(request: Request) -> bool:
-    value = request.query_params.get("abort", "false")
+    values = request.query_params.getlist("abort")
+    if len(values) > 1:
+        raise errors.repeated_abort_param(len(values))
+    value = values[0] if values else "false"
     if value.lower() in ("true", "1"):
         return True
     if value.lower() in ("false", "0"):

@@ -171,7 +171,8 @@ def key_revoked() -> ApiError:
     """The request's API key was removed or revoked while the request ran, and the operator
     asked for its requests to end (`?abort=true`)."""
     return ApiError(401, "The API key of this request was revoked by the server's operator while the request "
-                         "ran; the request was stopped and its output discarded.", code=ABORT_KEY_REVOKED)
+                         "ran; the request was stopped (a stream ends here; an answer not yet sent is not sent).",
+                    code=ABORT_KEY_REVOKED)
 
 
 def stopped_by_operator(reason: str) -> ApiError:
@@ -181,7 +182,8 @@ def stopped_by_operator(reason: str) -> ApiError:
 
 def model_disabled_in_flight() -> ApiError:
     return ApiError(503, "The model was disabled by the server's operator while this request ran; the request was "
-                         "stopped and its output discarded.", type="service_unavailable", code=ABORT_MODEL_DISABLED)
+                         "stopped (a stream ends here; an answer not yet sent is not sent).",
+                    type="service_unavailable", code=ABORT_MODEL_DISABLED)
 
 
 def invalid_keys_file(detail: str) -> ApiError:
@@ -192,6 +194,11 @@ def invalid_keys_file(detail: str) -> ApiError:
 def no_keys_file() -> ApiError:
     return ApiError(400, "This server was started without --api-keys: there is no keys file to reload. Restart it "
                          "with --api-keys FILE to use API keys.", code="no_keys_file")
+
+
+def repeated_abort_param(num_values: int) -> ApiError:
+    return ApiError(400, f"'abort' was given {num_values} times; give it once (true or false).",
+                    code="invalid_parameter", param="abort")
 
 
 def invalid_abort_param(value: str) -> ApiError:
