@@ -168,7 +168,11 @@ def generate_keys(folder: str | Path, names: list[str]) -> list[tuple[Path, Path
                               f"starting with a letter or digit)")
     if len(set(names)) != len(names):
         raise ConfigError(f"a key name is given twice: {' '.join(names)}")
-    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    try:
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"cannot write keys to {folder}: {exc.strerror or exc} (give a folder, or a path "
+                          f"where one can be made)") from exc
     taken = [p for n in names for p in (folder / f"{n}{PUBLIC_SUFFIX}", folder / f"{n}{SECRET_SUFFIX}") if p.exists()]
     if taken:
         raise ConfigError(f"{', '.join(map(str, taken))} exists already; keys are never overwritten (remove it "

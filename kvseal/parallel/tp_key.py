@@ -69,6 +69,9 @@ def write_tp_key(path: str | Path) -> Path:
     except FileExistsError as exc:
         raise ConfigError(f"{path} exists already; a key is never overwritten (remove it first, and copy the "
                           f"new one to every node)") from exc
+    except OSError as exc:
+        raise ConfigError(f"cannot write keys to {path}: {exc.strerror or exc} (its folder must exist and be "
+                          f"writable)") from exc
     with os.fdopen(fd, "w", encoding="ascii") as out:
         out.write(new_secret().hex() + "\n")
     return path

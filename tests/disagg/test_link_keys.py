@@ -50,6 +50,14 @@ def test_generate_refuses_a_name_that_is_not_a_plain_file_name(tmp_path: Path, n
     assert "key name" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("folder", ["a-file", "a-file/sub"])
+def test_generate_refuses_a_folder_that_cannot_be_made(tmp_path: Path, folder: str,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "a-file").write_text("{}")
+    assert main(["keys", "generate", "--dir", str(tmp_path / folder), "a"]) == 2
+    assert f"cannot write keys to {tmp_path / folder}: " in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("listen", ["127.0.0.1:9", "10.0.0.5:9"])
 @pytest.mark.parametrize("role", ["prefill", "decode"])
 def test_an_engine_without_keys_refuses_to_start_naming_the_flags(listen: str, role: str,

@@ -36,6 +36,13 @@ def test_keys_tp_key_writes_a_0600_key_and_never_overwrites(tmp_path: Path,
     assert "never overwritten" in capsys.readouterr().err
 
 
+def test_keys_tp_key_refuses_a_folder_that_does_not_exist(tmp_path: Path,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "no-folder" / "tp.key"
+    assert main(["keys", "tp-key", str(path)]) == 2
+    assert f"cannot write keys to {path}: " in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("mode", [0o640, 0o604, 0o660])
 def test_a_key_file_others_may_read_is_refused(tmp_path: Path, mode: int) -> None:
     path = write_tp_key(tmp_path / "tp.key")
