@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvseal.errors import KvsealError
+from kvseal.output_files import check_output_file
 
 if TYPE_CHECKING:
     from kvseal.bench.serve import ServeBenchConfig
@@ -98,6 +99,8 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
     given = [name for name in _LONG_OPTIONS if getattr(ns, name) is not None]
     if given and not ns.fairness:
         raise KvsealError(f"--{given[0].replace('_', '-')} only applies to the fairness mode; add --fairness")
+    if ns.result_json is not None:
+        check_output_file(ns.result_json, "--result-json", make_folder=True)
     if ns.fairness:
         result = _run_fairness(ns, config)
     else:
@@ -106,7 +109,6 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
         result = bench_serve(config)
         print(format_summary(result))
     if ns.result_json is not None:
-        ns.result_json.parent.mkdir(parents=True, exist_ok=True)
         ns.result_json.write_text(json.dumps(result, indent=1) + "\n")
     return 0 if result["failed"] == 0 else 1
 

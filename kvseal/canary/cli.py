@@ -7,6 +7,7 @@ import logging
 import sys
 
 from kvseal.canary.config import CanaryConfig, load_keys
+from kvseal.output_files import check_output_file
 
 
 def add_canary_arguments(parser: argparse.ArgumentParser) -> None:
@@ -48,6 +49,8 @@ def cmd_canary(ns: argparse.Namespace) -> int:
     from kvseal.canary.session import run_canary
 
     config = config_from(ns)
+    if config.report_path:
+        check_output_file(config.report_path, "--report")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request would bury the summary
     report = run_canary(config, show_progress=False if ns.no_progress else None)
     if config.report_path:

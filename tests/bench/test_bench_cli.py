@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
+
 from kvseal.bench.cli import config_from
 from kvseal.bench.client import Endpoint
-from kvseal.cli import build_parser
+from kvseal.cli import build_parser, main
 
 
 def test_root_and_v1_base_urls_reach_the_same_completions_url() -> None:
@@ -23,3 +27,11 @@ def test_vllm_flag_names_are_accepted_beside_kvseals() -> None:
                                           "--concurrency", "4", "--input-len", "32", "--output-len", "8"]))
     assert vllm.endpoint.completions_url == ours.endpoint.completions_url
     assert (vllm.shape, vllm.input_len, vllm.output_len) == (ours.shape, ours.input_len, ours.output_len)
+
+
+def test_a_result_json_that_is_a_folder_is_refused_before_any_request(tmp_path: Path,
+                                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["bench", "serve", "--base-url", "http://127.0.0.1:9", "--model", "m",
+            "--tokenizer", str(tmp_path / "not-read"), "--result-json", str(tmp_path)]
+    assert main(argv) == 2
+    assert f"--result-json {tmp_path} is a folder" in capsys.readouterr().err
