@@ -36,7 +36,11 @@ def load_tokenizer(path: str | None) -> Any:
         path = str(_default_model_folder())
     if not Path(path).exists():
         raise KvsealError(f"tokenizer path {path} does not exist; pass --tokenizer with a local model folder")
-    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise KvsealError(f"cannot load a tokenizer from {path} ({' '.join(str(exc).split())}); pass --tokenizer "
+                          f"with a local model folder holding tokenizer.json or tokenizer_config.json") from exc
 
 
 def _default_model_folder() -> Path:

@@ -35,3 +35,10 @@ def test_a_result_json_that_is_a_folder_is_refused_before_any_request(tmp_path: 
             "--tokenizer", str(tmp_path / "not-read"), "--result-json", str(tmp_path)]
     assert main(argv) == 2
     assert f"--result-json {tmp_path} is a folder" in capsys.readouterr().err
+
+
+def test_a_tokenizer_folder_without_a_tokenizer_is_refused(tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["bench", "serve", "--base-url", "http://127.0.0.1:9", "--model", "m", "--tokenizer", str(tmp_path)]
+    assert main(argv) == 2
+    assert f"cannot load a tokenizer from {tmp_path}" in capsys.readouterr().err
