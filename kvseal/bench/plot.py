@@ -24,6 +24,9 @@ def load_result(path: Path) -> dict[str, Any]:
         result = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise KvsealError(f"cannot read benchmark result {path}: {exc}") from exc
+    if not isinstance(result, dict):
+        raise KvsealError(f"{path} is not a benchmark result (a JSON object); give result JSONs written by "
+                          f"`kvseal bench serve --result-json` or `vllm bench serve`")
     missing = [k for k in ("max_concurrency", *(key for key, _ in PANELS)) if result.get(k) is None]
     if missing:
         raise KvsealError(f"{path} has no {', '.join(missing)}: plot needs results of runs with --concurrency")

@@ -42,3 +42,12 @@ def test_a_tokenizer_folder_without_a_tokenizer_is_refused(tmp_path: Path,
     argv = ["bench", "serve", "--base-url", "http://127.0.0.1:9", "--model", "m", "--tokenizer", str(tmp_path)]
     assert main(argv) == 2
     assert f"cannot load a tokenizer from {tmp_path}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("text", ["[]", "[{\"max_concurrency\": 1}]", "3"])
+def test_plot_refuses_a_json_that_is_not_a_result_naming_the_file(tmp_path: Path, text: str,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    result = tmp_path / "list.json"
+    result.write_text(text)
+    assert main(["bench", "plot", str(result), "-o", str(tmp_path / "p.png")]) == 2
+    assert f"{result} is not a benchmark result" in capsys.readouterr().err
