@@ -14,6 +14,7 @@ from kvseal.bench.dataset import BenchRequest, load_tokenizer, prompt_vocab, ran
 from kvseal.bench.memory import ServerSample, ServerSampler, require_process
 from kvseal.bench.metrics import compute_metrics, per_request_lists
 from kvseal.bench.runner import LoadShape, RunOutcome, check_server, http_client, run_requests
+from kvseal.errors import KvsealError
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,14 @@ class ServeBenchConfig:
     request_timeout_s: float = 600.0
     label: str | None = None
     progress: bool = True
+
+    def __post_init__(self) -> None:
+        for flag, count in (("--num-prompts", self.num_prompts), ("--input-len", self.input_len),
+                            ("--output-len", self.output_len)):
+            if count < 1:
+                raise KvsealError(f"{flag} must be >= 1 (got {count})")
+        if not self.request_timeout_s > 0:  # NaN too
+            raise KvsealError(f"--request-timeout must be > 0 seconds (got {self.request_timeout_s})")
 
     @property
     def max_connections(self) -> int:

@@ -51,3 +51,16 @@ def test_plot_refuses_a_json_that_is_not_a_result_naming_the_file(tmp_path: Path
     result.write_text(text)
     assert main(["bench", "plot", str(result), "-o", str(tmp_path / "p.png")]) == 2
     assert f"{result} is not a benchmark result" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("flag", "value", "expected"), [
+    ("--num-prompts", "-3", "--num-prompts must be >= 1 (got -3)"),
+    ("--num-prompts", "0", "--num-prompts must be >= 1 (got 0)"),
+    ("--request-timeout", "0", "--request-timeout must be > 0 seconds (got 0.0)"),
+    ("--request-timeout", "nan", "--request-timeout must be > 0 seconds (got nan)"),
+])
+def test_bench_serve_refuses_nothing_to_send_or_no_time_to_wait(flag: str, value: str, expected: str,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["bench", "serve", "--base-url", "http://127.0.0.1:9", "--model", "m", "--tokenizer", "no-such-folder"]
+    assert main([*argv, flag, value]) == 2
+    assert expected in capsys.readouterr().err
