@@ -54,6 +54,9 @@ DEFAULT_FAIR_SHARE_TOKENS = 256  # an eighth of the default step budget
 DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S = 5.0
 DEFAULT_TP_TIMEOUT_S = 60.0  # a collective that waits this long for a rank: the rank is gone or hung
 DEFAULT_GRAMMAR_COMPILE_WORKERS = 2
+# Most CPU threads (--threads, --pd-threads) or grammar compile workers one engine may ask for:
+# far past any host's cores, and below the counts at which OpenMP's thread pool crashes the process.
+MAX_NUM_THREADS = 1024
 DTYPES = tuple(ELEMENT_BYTES)  # the names `--dtype` takes (after "auto" is resolved)
 # Weight-only: "int8": per-output-channel int8 linears (kvseal.models.quant); "bf16": a float32
 # model whose linear weights are stored in bfloat16 and widened as they are read (half the bytes,
@@ -231,10 +234,10 @@ class GrammarConfig:
                               f"compile "
                               f"(default {DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S:g})")
         workers = self.num_workers
-        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
-            raise ConfigError(f"--grammar-compile-workers (grammar_compile_workers) must be a whole number >= 1, got "
-                              f"{workers!r}; with 2 or more, one tenant's slow grammar never holds up another's "
-                              f"(default {DEFAULT_GRAMMAR_COMPILE_WORKERS})")
+        if isinstance(workers, bool) or not isinstance(workers, int) or not 1 <= workers <= MAX_NUM_THREADS:
+            raise ConfigError(f"--grammar-compile-workers (grammar_compile_workers) must be a whole number from 1 to "
+                              f"{MAX_NUM_THREADS}, got {workers!r}; with 2 or more, one tenant's slow grammar never "
+                              f"holds up another's (default {DEFAULT_GRAMMAR_COMPILE_WORKERS})")
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -445,9 +448,10 @@ class EngineArgs:
                               f"{self.fair_share_tokens!r}; it is the most prefill work a tenant gets in a step "
                               f"while other tenants wait (default {DEFAULT_FAIR_SHARE_TOKENS})")
         if self.num_threads is not None and (isinstance(self.num_threads, bool) or not isinstance(self.num_threads, int)
-                                             or self.num_threads < 1):
-            raise ConfigError(f"--threads (num_threads) must be a whole number >= 1, got {self.num_threads!r}; "
-                              f"leave it unset for torch's default (one per core)")
+                                             or not 1 <= self.num_threads <= MAX_NUM_THREADS):
+            raise ConfigError(f"--threads (num_threads) must be a whole number from 1 to {MAX_NUM_THREADS}, got "
+                              f"{self.num_threads!r}; more threads than cores only wait on each other, so leave it "
+                              f"unset for torch's default (one per core)")
         if self.native not in NATIVE_MODES:
             raise ConfigError(f"native must be one of {', '.join(NATIVE_MODES)}; got {self.native!r} (auto: kvseal's "
                               f"native kernels where they build, else torch's ops; require: the native kernels or "

@@ -12,6 +12,7 @@ from kvseal.config import EngineArgs
 from kvseal.disagg.config import EngineKeyFiles, NodeConfig, PdServeArgs
 from kvseal.engine.supervisor import RestartPolicy
 from kvseal.engine_args import engine_args_from
+from kvseal.errors import ConfigError
 from kvseal.flags import flag_fields
 from kvseal.server.config import ServerConfig
 
@@ -79,3 +80,17 @@ def test_the_engine_threads_flag_feeds_the_engine_and_the_node() -> None:
 def test_llm_takes_the_field_names() -> None:
     names = {f.name for f in flag_fields(EngineArgs)}
     assert {"kv_cache_memory", "max_model_len", "num_threads", "enable_prefix_caching"} <= names
+
+
+@pytest.mark.parametrize("flags", [["--threads", "100000"], ["--grammar-compile-workers", "100000"]])
+def test_thread_and_worker_counts_have_a_ceiling(flags: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    # 100000 OpenMP threads crashed the process (SIGSEGV) instead of refusing the flag
+    assert main(["generate", "hi", "--model", "/no/such/model", *flags]) == 2
+    assert "from 1 to 1024" in capsys.readouterr().err
+
+
+def test_pd_threads_have_a_ceiling() -> None:
+    from kvseal.disagg.topology import pd_threads
+    assert pd_threads("1024,1", 2) == (1024, 1)
+    with pytest.raises(ConfigError, match="from 1 to 1024"):
+        pd_threads("100000,1", 2)

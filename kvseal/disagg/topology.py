@@ -9,6 +9,7 @@ import os
 import socket
 from dataclasses import dataclass, field
 
+from kvseal.config import MAX_NUM_THREADS
 from kvseal.disagg.link_keys import (
     KEYS_HINT,
     EngineEndpoint,
@@ -101,8 +102,10 @@ def pd_threads(value: str, num_cores: int) -> tuple[int, int]:
     if value == "auto":
         return max(1, num_cores - num_cores // 2), max(1, num_cores // 2)
     parts = value.split(",")
-    if len(parts) != 2 or not all(p.strip().isascii() and p.strip().isdigit() and int(p) >= 1 for p in parts):
-        raise ConfigError(f"--pd-threads takes auto or PREFILL,DECODE (two counts >= 1), got {value!r}")
+    if len(parts) != 2 or not all(p.strip().isascii() and p.strip().isdigit() and 1 <= int(p) <= MAX_NUM_THREADS
+                                  for p in parts):
+        raise ConfigError(f"--pd-threads takes auto or PREFILL,DECODE (two counts from 1 to {MAX_NUM_THREADS}), "
+                          f"got {value!r}")
     return int(parts[0]), int(parts[1])
 
 
