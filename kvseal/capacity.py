@@ -41,12 +41,17 @@ def parse_bytes(value: str | int) -> int:
     return int(float(match.group(1)) * _UNITS[unit])
 
 
+# Most full-length requests --kv-headroom may ask the pool to hold: far past any batch, and keeps
+# max_model_len x headroom a token count an int holds.
+MAX_KV_HEADROOM = 10_000.0
+
+
 def check_headroom(headroom: float) -> float:
-    """kv_headroom must be a finite number >= 1 (how many full-length requests the pool holds)."""
+    """kv_headroom must be a number from 1 to MAX_KV_HEADROOM (how many full-length requests the pool holds)."""
     if isinstance(headroom, bool) or not isinstance(headroom, (int, float)) or not math.isfinite(headroom) \
-            or headroom < 1.0:
-        raise ConfigError(f"kv_headroom must be a finite number >= 1.0, got {headroom!r}; it is how many "
-                          f"full-length requests the KV pool must hold, e.g. 1.0 (the default) or 2.0")
+            or not 1.0 <= headroom <= MAX_KV_HEADROOM:
+        raise ConfigError(f"kv_headroom must be a number from 1.0 to {MAX_KV_HEADROOM:g}, got {headroom!r}; it is "
+                          f"how many full-length requests the KV pool must hold, e.g. 1.0 (the default) or 2.0")
     return float(headroom)
 
 

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from kvseal.auditlog.cli import add_auditlog_parsers
 from kvseal.bench.cli import add_bench_parser
 from kvseal.canary import add_canary_arguments, cmd_canary
-from kvseal.capacity import GpuMemoryPlan, KvCapacity, bytes_per_element, parse_bytes
+from kvseal.capacity import GpuMemoryPlan, KvCapacity, bytes_per_element, check_headroom, parse_bytes
 from kvseal.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineArgs, default_dtype
 from kvseal.disagg.config import EngineKeyFiles, NodeConfig, PdServeArgs, node_config_from
 from kvseal.engine.supervisor import RestartPolicy
@@ -89,6 +89,7 @@ def _cmd_generate(ns: argparse.Namespace) -> int:
 def _cmd_plan(ns: argparse.Namespace) -> int:
     if not isinstance(ns.max_model_len, int):
         raise ConfigError("plan needs --max-model-len N, the context in tokens to check the pool against")
+    check_headroom(ns.kv_headroom)  # a bad flag is a kvseal: error, not a REFUSED plan
     layers, kv_heads, head_dim, source = _plan_dims(ns)
     on_gpu = ns.device == "cuda"
     dtype = default_dtype("cuda") if on_gpu and ns.dtype == "auto" else PLAN_AUTO_DTYPE if ns.dtype == "auto" \

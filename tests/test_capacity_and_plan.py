@@ -109,7 +109,7 @@ def test_a_pool_smaller_than_the_headroom_gives_no_zero_advice() -> None:
     with pytest.raises(ConfigError) as info:
         cap.require_fits(8, headroom=5.0)
     assert "lower max_model_len" not in str(info.value) and "kv_cache_tokens >= 40" in str(info.value)
-    with pytest.raises(ConfigError, match="kv_headroom must be a finite number"):
+    with pytest.raises(ConfigError, match="kv_headroom must be a number from 1.0 to 10000"):
         cap.require_fits(8, headroom=float("inf"))
 
 
@@ -121,3 +121,11 @@ def test_plan_reports_bad_values_without_a_traceback(argv: list[str], capsys: py
     assert rc in (1, 2) and ("kvseal: error:" in said or "REFUSED:" in said)
     assert argv[0].removeprefix("--").replace("-", "_") in said and argv[1] in said
     assert "max_model_len to 0" not in said and "Traceback" not in said
+
+
+@pytest.mark.parametrize("command", [["plan", *INCIDENT_DIMS, "--kv-memory", "64GiB", "--max-model-len", "100"],
+                                     ["generate", "hi", "--model", "/no/such/model"]])
+def test_a_huge_headroom_is_a_flag_error(command: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    # 1e308 x max_model_len overflowed to infinity: an OverflowError traceback, not naming the flag
+    assert main([*command, "--kv-headroom", "1e308"]) == 2
+    assert "kvseal: error: kv_headroom must be a number from 1.0 to 10000" in capsys.readouterr().err
