@@ -6,6 +6,7 @@ import argparse
 import contextlib
 import logging
 import signal
+import socket
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -26,6 +27,7 @@ from kvseal.server import add_serve_arguments
 
 if TYPE_CHECKING:
     from kvseal.engine_api import EngineBackend
+    from kvseal.server import ServerConfig
 
 
 @dataclass(frozen=True)
@@ -169,18 +171,26 @@ def _plan_dims(ns: argparse.Namespace) -> tuple[int, int, int, str]:
 
 
 def _cmd_serve(ns: argparse.Namespace) -> int:
-    from kvseal.server import ServerConfig, open_front_door, serve
+    from kvseal.server import ServerConfig, bind_listener, serve
 
     config = ServerConfig.from_namespace(ns)
     restart = RestartPolicy(**values_of(ns, RestartPolicy))  # bad flags stop start-up before anything runs
-    if not _is_colocated(ns):
-        return serve(config, lambda: _engine_backend(ns, restart))
-    # The colocated engine process starts as soon as the flags, keys and audit log are in order:
-    # its start-up (seconds: torch, the weights, the pool) then overlaps the frontend's own
-    # imports (transformers, FastAPI) on the other core instead of following them.
-    from kvseal.engine.client import EngineClient
+    args = engine_args_from(ns) if _is_colocated(ns) else None
+    # Bound before any engine starts: an address that cannot be listened on fails here, by name.
+    with bind_listener(config.host, config.port) as listener:
+        if args is None:
+            return serve(config, lambda: _engine_backend(ns, restart), listener)
+        return _serve_colocated(ns, config, args, restart, listener)
 
-    args = engine_args_from(ns)
+
+def _serve_colocated(ns: argparse.Namespace, config: ServerConfig, args: EngineArgs, restart: RestartPolicy,
+                     listener: socket.socket) -> int:
+    """The colocated engine process starts as soon as the flags, keys and audit log are in order:
+    its start-up (seconds: torch, the weights, the pool) then overlaps the frontend's own
+    imports (transformers, FastAPI) on the other core instead of following them."""
+    from kvseal.engine.client import EngineClient
+    from kvseal.server import open_front_door, serve
+
     files = open_front_door(config)
     if ns.own_process:  # a SIGTERM before the server's loop answers it unwinds through the clean-ups below
         signal.signal(signal.SIGTERM, _exit_on_sigterm)
@@ -193,7 +203,7 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
             tokenize_without_torch()
         until_served.pop_all()  # from here `serve` closes the files
     try:
-        return serve(config, lambda: engine, files)
+        return serve(config, lambda: engine, listener, files)
     finally:
         engine.discard_early()  # where the server stopped before taking the engine over
 

@@ -4,7 +4,8 @@ The backend (`kvseal.engine_api.EngineBackend`: the colocated engine process, or
 is made by the caller (`kvseal.cli`); this module knows only its interface.
 Start-up order: read the keys file and open the audit log (bad ones stop start-up), make
 the backend and start it (its configuration errors, I2, stop start-up with their own message), load the
-tokenizer the engine reports, log the resolved configuration, bind, log "ready". Shutdown
+tokenizer the engine reports, log the resolved configuration, listen on the socket the caller
+bound before any engine started (`kvseal.server.listener`), log "ready". Shutdown
 (SIGTERM/SIGINT): refuse new requests with 503 (the listener stays open, so new connections
 get that answer), give in-flight ones the grace period, then abort the rest in the engine
 (their clients get an error, never a fake finish), stop the engine, exit 0. The engine
@@ -22,6 +23,7 @@ import contextlib
 import logging
 import math
 import signal
+import socket
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -50,7 +52,8 @@ _DRAIN_POLL_S = 0.05
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
-def run(config: ServerConfig, make_backend: Callable[[], EngineBackend], files: FrontDoorFiles) -> int:
+def run(config: ServerConfig, make_backend: Callable[[], EngineBackend], listener: socket.socket,
+        files: FrontDoorFiles) -> int:
     """Serve until SIGTERM/SIGINT; `make_backend` is called in the event loop (a backend may
     start engine processes as it is made, or have started them already). `files`: the keys and
     audit log, in order (`kvseal.server.open_front_door`); the caller closes them."""
@@ -60,7 +63,7 @@ def run(config: ServerConfig, make_backend: Callable[[], EngineBackend], files: 
                        "as tenant 'default'. Pass --api-keys FILE, or bind 127.0.0.1.", config.host)
         logger.warning("!" * 80)
     with _handlers_put_back(*_STOP_SIGNALS, signal.SIGHUP):
-        return uvloop.run(_serve(config, make_backend, files.keys, files.audit))
+        return uvloop.run(_serve(config, make_backend, listener, files.keys, files.audit))
 
 
 @contextlib.contextmanager
@@ -76,8 +79,8 @@ def _handlers_put_back(*signals: signal.Signals) -> Iterator[None]:
                 signal.signal(sig, handler)
 
 
-async def _serve(config: ServerConfig, make_backend: Callable[[], EngineBackend], keys: ApiKeyTable,
-                 audit: AuditLog) -> int:
+async def _serve(config: ServerConfig, make_backend: Callable[[], EngineBackend], listener: socket.socket,
+                 keys: ApiKeyTable, audit: AuditLog) -> int:
     metrics = ServerMetrics()
     loop = asyncio.get_running_loop()
     stop = _StopSignals(loop)
@@ -98,7 +101,7 @@ async def _serve(config: ServerConfig, make_backend: Callable[[], EngineBackend]
                               lambda: _drain(state))
         stop.serving(server)
         try:
-            await server.serve()
+            await server.serve(sockets=[listener])
         finally:
             state.prompts.close()
         return 0

@@ -309,3 +309,28 @@ def test_a_sigterm_while_the_server_starts_leaves_no_engine_and_no_socket_folder
     wait_for(lambda: process_gone(engine_pid), "the engine process to exit with its frontend")
     assert not list(tmp_path.glob("kvseal-*")), "the engine's socket folder is removed"
     assert "kvseal ready" not in (tmp_path / "server.log").read_text()
+
+
+def test_an_address_that_cannot_be_listened_on_stops_start_up_before_the_engine(server_model_dir: Path,
+                                                                                 tmp_path: Path) -> None:
+    """A port another socket holds: `kvseal: error:` naming the address, exit 2, before any engine
+    started (uvicorn used to fail only after the model loaded, exit 3, with no such line)."""
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        done = subprocess.run([sys.executable, "-m", "kvseal.cli", "serve", "--port", str(port), "--model",
+                               str(server_model_dir), "--dtype", "float32"],
+                              capture_output=True, text=True, env=env, timeout=WAIT_DEADLINE_S * 3)
+    assert done.returncode == 2, done.stderr
+    assert f"kvseal: error: cannot listen on 127.0.0.1:{port}: Address already in use" in done.stderr
+    assert "kvseal[engine]" not in done.stderr and "Traceback" not in done.stderr
+    assert not list(tmp_path.glob("kvseal-*")), "no engine started, so no socket folder"
+
+
+@pytest.mark.parametrize("host", ["999.1.1.1", "::1.2"])
+def test_a_host_that_does_not_resolve_stops_start_up(host: str, server_model_dir: Path) -> None:
+    done = _serve("--model", str(server_model_dir), "--host", host)
+    assert done.returncode == 2, done.stderr
+    assert f"kvseal: error: cannot listen on {host}:" in done.stderr and "kvseal[engine]" not in done.stderr
