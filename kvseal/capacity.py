@@ -55,6 +55,16 @@ def check_headroom(headroom: float) -> float:
     return float(headroom)
 
 
+def check_kv_heads_split(num_kv_heads: int, tp: int) -> None:
+    """The KV heads split over `tp` ranks: fewer ranks than heads split them as evenly as they go
+    (`kvseal.models.tensor_parallel`); more ranks replicate each head, so tp must be a multiple of
+    the heads. (The engine also checks that each head's query group splits over its replicas.)"""
+    if tp > num_kv_heads and tp % num_kv_heads:
+        raise ConfigError(f"tensor_parallel_size={tp} exceeds the model's {num_kv_heads} KV heads, so each KV head "
+                          f"is replicated; that needs tp to be a multiple of the KV heads. Use tensor_parallel_size "
+                          f"<= {num_kv_heads} or a multiple of it")
+
+
 # Bytes per element of each dtype the KV cache may hold (no torch needed: `kvseal plan` and the
 # frontend import this module).
 ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -82,6 +92,7 @@ class KvCapacity:
         """pd_role: the engine serves a PD role (its rank 0 stages full pages when tp > 1)."""
         if min(num_layers, num_kv_heads, head_dim, element_bytes, page_size, tp) < 1:
             raise ConfigError("layers, kv heads, head_dim, page_size and tp must all be >= 1")
+        check_kv_heads_split(num_kv_heads, tp)
         return cls(num_layers, math.ceil(num_kv_heads / tp), head_dim, element_bytes, page_size,
                    staging_kv_heads=num_kv_heads if pd_role and tp > 1 else 0)
 

@@ -129,3 +129,12 @@ def test_a_huge_headroom_is_a_flag_error(command: list[str], capsys: pytest.Capt
     # 1e308 x max_model_len overflowed to infinity: an OverflowError traceback, not naming the flag
     assert main([*command, "--kv-headroom", "1e308"]) == 2
     assert "kvseal: error: kv_headroom must be a number from 1.0 to 10000" in capsys.readouterr().err
+
+
+def test_plan_refuses_a_tp_the_kv_heads_cannot_be_replicated_over(capsys: pytest.CaptureFixture[str]) -> None:
+    # the engine refuses tp > KV heads unless tp is a multiple of them; plan used to print OK
+    dims = ["--num-layers", "2", "--head-dim", "128", "--kv-cache-memory", "1GiB", "--max-model-len", "10"]
+    assert main(["plan", *dims, "--num-kv-heads", "2", "--tp", "3"]) == 2
+    assert "kvseal: error: tensor_parallel_size=3 exceeds the model's 2 KV heads" in capsys.readouterr().err
+    assert main(["plan", *dims, "--num-kv-heads", "2", "--tp", "4"]) == 0  # two replicas of each head
+    assert main(["plan", *dims, "--num-kv-heads", "8", "--tp", "3"]) == 0  # split 3, 3, 2, as the engine does
