@@ -78,8 +78,9 @@ def _cmd_generate(ns: argparse.Namespace) -> int:
     from kvseal.llm import LLM
     from kvseal.types import SamplingParams
 
-    llm = LLM(**vars(engine_args_from(ns)))
+    # the request's flags are checked before the model loads
     params = SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature, seed=ns.sampling_seed)
+    llm = LLM(**vars(engine_args_from(ns)))
     if ns.chat:
         out = llm.chat([{"role": "user", "content": ns.prompt}], params)[0]
     else:

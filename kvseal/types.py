@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import hashlib
+import math
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -94,7 +95,8 @@ class SamplingParams:
         bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
         object.__setattr__(self, "logit_bias", tuple((int(t), float(b)) for t, b in bias))
         _require(self.max_tokens >= 1, "max_tokens", f"must be >= 1, got {self.max_tokens}")
-        _require(self.temperature >= 0, "temperature", f"must be >= 0, got {self.temperature}")
+        _require(math.isfinite(self.temperature) and self.temperature >= 0, "temperature",
+                 f"must be a finite number >= 0, got {self.temperature}")
         _require(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
         _require(self.top_k >= -1, "top_k", f"must be -1 (off) or >= 1, got {self.top_k}")
         _require(0 <= self.min_tokens <= self.max_tokens, "min_tokens",

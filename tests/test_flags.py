@@ -94,3 +94,12 @@ def test_pd_threads_have_a_ceiling() -> None:
     assert pd_threads("1024,1", 2) == (1024, 1)
     with pytest.raises(ConfigError, match="from 1 to 1024"):
         pd_threads("100000,1", 2)
+
+
+@pytest.mark.parametrize("temperature", ["inf", "-inf", "nan", "-1"])
+def test_generate_refuses_a_temperature_that_is_not_a_finite_number_ge_0(
+        temperature: str, capsys: pytest.CaptureFixture[str]) -> None:
+    # inf was accepted; refused before the model loads (the model path does not exist)
+    assert main(["generate", "hi", "--model", "/no/such/model", f"--temperature={temperature}"]) == 2
+    assert "kvseal: error: invalid temperature: must be a finite number >= 0" in capsys.readouterr().err
+
