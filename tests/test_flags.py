@@ -103,3 +103,8 @@ def test_generate_refuses_a_temperature_that_is_not_a_finite_number_ge_0(
     assert main(["generate", "hi", "--model", "/no/such/model", f"--temperature={temperature}"]) == 2
     assert "kvseal: error: invalid temperature: must be a finite number >= 0" in capsys.readouterr().err
 
+
+@pytest.mark.parametrize("name", ["", "  "])
+def test_serve_refuses_an_empty_served_model_name(name: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["serve", "--model", "/no/such/model", "--served-model-name", name, "--port", "0"]) == 2
+    assert "kvseal: error: --served-model-name must name the model" in capsys.readouterr().err

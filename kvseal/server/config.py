@@ -74,6 +74,9 @@ class ServerConfig:
         if self.generation_config not in ("auto", "vllm"):
             raise ConfigError(f"--generation-config must be 'auto' or 'vllm', got {self.generation_config!r}")
         self._check_audit_rotation()
+        if self.served_model_name is not None and not self.served_model_name.strip():
+            raise ConfigError(f"--served-model-name must name the model clients send, got {self.served_model_name!r}; "
+                              f"leave it out to serve under the model folder or file name")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"--port must be in [0, 65535], got {self.port}")
         if self.max_body_bytes < 1024:
