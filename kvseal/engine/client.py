@@ -111,16 +111,18 @@ class EngineClient:
         event loop: the engine's start-up (torch, the weights, the pool) then overlaps the
         frontend's on the other core. `start` takes the process over; `discard_early` stops it
         where the server stops before that."""
+        self._started_early = True  # first: a SIGTERM while the process starts (its SystemExit) still discards it
         self._process.start()
-        self._started_early = True
 
     def discard_early(self) -> None:
         """Stop a process `start_early` started and `start` never took over (start-up failed)."""
         if self._started_early:
             self._started_early = False
-            self._process.kill()
-            self._process.join(timeout_s=10.0)
-            self._process.cleanup()
+            try:
+                self._process.kill()
+                self._process.join(timeout_s=10.0)
+            finally:
+                self._process.cleanup()
 
     async def start(self) -> EngineReadyMsg:
         """Spawn the engine and wait until it is ready; raise `EngineStartError` if it is not."""

@@ -73,7 +73,7 @@ class EngineProcess:
             self._started.kill()
 
     def join(self, timeout_s: float | None = None) -> None:
-        if self._proc is not None:
+        if self._proc is not None and self._proc.pid is not None:  # (a start a signal cut short has none)
             self._proc.join(timeout_s)
 
     def cleanup(self) -> None:
