@@ -197,3 +197,40 @@ def test_bypass_switches_off_checked_mode_too(make_llm: Callable[..., Any]) -> N
     out = _after_secret(llm, SECRET_A, *PLACEHOLDER_UNCHECKED)
     assert out.finish_reason is FinishReason.LENGTH and out.error is None
     assert llm.engine.stats().num_isolation_violations == 0
+
+
+# ---- a neighbour's content moves no bit of a request's numbers ------------------------------
+
+SAMPLED_WITH_LOGPROBS = SamplingParams(max_tokens=8, temperature=0.9, seed=11, ignore_eos=True, logprobs=5)
+
+
+def _alice_numbers_beside(llm: Any, bob_prompt: list[int], *faults: Fault) -> tuple[Any, ...]:
+    """alice's tokens and every logprob she is sent (her top 5 at each step), with bob's prompt in
+    her batch from her first step on and `faults` switched on throughout."""
+    engine = llm.engine
+    engine.add_request("alice", VICTIM_PROMPT, SAMPLED_WITH_LOGPROBS, tenant="alice")
+    engine.add_request("bob", bob_prompt, SAMPLED_WITH_LOGPROBS, tenant="bob")
+    outputs: dict[str, Any] = {}
+    with _faults(*faults):
+        while engine.has_unfinished():
+            outputs.update({o.request_id: o for o in engine.step() if o.finished})
+    alice = outputs["alice"]
+    assert alice.finish_reason is FinishReason.LENGTH, alice.error
+    return tuple(alice.token_ids), tuple((lp.logprob, lp.top) for lp in alice.logprobs)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("native", ["auto", "off"], ids=["native", "torch-ops"])
+def test_a_neighbours_content_moves_no_bit_of_a_requests_numbers(make_llm: Callable[..., Any], dtype: str,
+                                                                 native: str) -> None:
+    """The batch's shape may change the order of a sum (a seeded draw or a near-tie can then
+    flip, as the README says); what the other requests hold must not change one bit of a
+    request's logits. bob's two prompts have the same length, so both runs are scheduled alike:
+    alice's logprobs, top 5 included, are bit-equal beside either. With bob's block table naming
+    alice's page and the checks bypassed they differ: the comparison sees a foreign read even
+    where no token flips."""
+    def numbers(secret: list[int], *faults: Fault) -> tuple[Any, ...]:
+        return _alice_numbers_beside(make_llm(dtype=dtype, native=native), secret, *faults)
+
+    assert numbers(SECRET_A) == numbers(SECRET_B)
+    assert numbers(SECRET_A, *FOREIGN_UNCHECKED)[1] != numbers(SECRET_B, *FOREIGN_UNCHECKED)[1]
