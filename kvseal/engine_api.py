@@ -101,6 +101,11 @@ class EngineStartError(KvsealError):
     """The engine could not load the model or refused the configuration."""
 
 
+# The end of what clients are told of an engine that stays down (past `--engine-restart-limit`):
+# retrying cannot help, so the 503 does not say "Retry later".
+RESTART_THE_SERVER = "restart the server"
+
+
 class EngineUnavailable(KvsealError):
     """No engine can take the request: gone, failed, unreachable, or the server is shutting down
     (the HTTP layer answers 503)."""
@@ -122,8 +127,9 @@ class EngineBackend(Protocol):
     on_ready_change: Callable[[EngineReadyMsg], None] | None
 
     @property
-    def pid(self) -> int | None:
-        """The (decode) engine process's id, for the logs."""
+    def engine_pids(self) -> str:
+        """The engine processes' ids, each named by its role, for the logs: "engine pid N", or in
+        PD "prefill engine pid P, decode engine pid D"."""
         ...
 
     @property

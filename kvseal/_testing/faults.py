@@ -96,6 +96,11 @@ class Fault(enum.Enum):
     # show that a rogue joining as rank 1 without the key then gets the ranks' step messages,
     # every tenant's token ids among them, and that the tag check is what stops it.
     SKIP_RANK_AUTH = "skip_rank_auth"
+    # An engine's link to a peer fails during setup with an error nothing expects, its socket left
+    # open (as a malformed CURVE key in a PrefillMsg once did: the engine loop died and the process
+    # then hung in `Context.term()` on that socket, alive and serving nothing), so a test can show
+    # that an engine whose loop dies exits non-zero, for its supervisor to restart it.
+    BREAK_PEER_LINK_SETUP = "break_peer_link_setup"
 
 _active: set[Fault] = set()
 

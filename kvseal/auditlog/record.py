@@ -21,6 +21,7 @@ class LoggedRequest(msgspec.Struct, frozen=True):
     http_status: int | None = None
     model: str | None = None
     reason: str | None = None
+    detail: str | None = None
     rejected_by: RejectedBy | None = None
     finish_reason: str | None = None
     prompt_tokens: int | None = None

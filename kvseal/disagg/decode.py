@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import socket
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 
@@ -174,16 +174,31 @@ class DecodeSteps:
     # ---- step 4: verify the commit, then run ------------------------------------------
 
     def _commit(self, msg: CommitMsg) -> None:
-        self.receiver.sender_done(msg.transfer_id)  # prefill commits only after its last write ended
-        if not self.receiver.settled(msg.transfer_id):
-            self._parked[msg.transfer_id] = msg  # verified in `tick` once the data caught up
-            return
+        """Verify a commit that names a live reservation, now or once its data caught up (parked).
+        Its identity is checked first: a commit that is not the reservation's raises its alarm and
+        touches nothing, so it can neither hold the transfer nor replace its real commit."""
         reservation = self.table.by_transfer(msg.transfer_id)
-        if reservation is None or reservation.request_id != msg.request_id or reservation.tenant != msg.tenant:
-            self._refuse_unmatched_commit(msg, reservation)
+        if not _is_named(reservation, msg):
+            self._refuse_unmatched(msg, reservation)
             return
+        self.receiver.sender_done(msg.transfer_id)  # prefill commits only after its last write ended
+        if msg.transfer_id in self._parked:
+            self._refuse_second_commit(msg)
+        elif self.receiver.settled(msg.transfer_id):
+            self._verify(reservation, msg)
+        else:
+            self._parked[msg.transfer_id] = msg  # verified in `tick` once the data caught up
+
+    def _refuse_second_commit(self, msg: CommitMsg) -> None:
+        """Prefill commits a transfer once: the first commit stays parked and decides; another is an alarm."""
+        self.counters.failures["duplicate_commit"] += 1
+        logger.error("refused a second commit for transfer %s (request %s): the first one is waiting for "
+                     "its data and stands", msg.transfer_id, msg.request_id)
+
+    def _verify(self, reservation: Reservation, msg: CommitMsg) -> None:
         expected = Expected(reservation.transfer_id, reservation.request_id, reservation.tenant,
                             reservation.num_prompt_tokens, self.engine.model_config.num_layers,
+                            self.engine.limits.vocab_size, reservation.params.logprobs,
                             reservation.num_cached_tokens)
         refusal = None if is_active(Fault.SKIP_HANDOFF_VERIFY) else verify_commit(
             expected, msg, self.receiver.landed(msg.transfer_id))
@@ -199,21 +214,23 @@ class DecodeSteps:
             return
         self._start(reservation, msg)
 
-    def _refuse_unmatched_commit(self, msg: CommitMsg, reservation: Reservation | None) -> None:
-        """Refuse a commit no live reservation matches; the reservation, if any, is not touched.
-        A late commit of a reservation released here (the client went away, an abort, an
-        expiry: its request id and tenant match) is `CANCELLED`, logged at INFO; any other, a
-        forged or stale one, is an alarm logged at ERROR."""
+    def _refuse_unmatched(self, msg: CommitMsg | TransferAbortMsg, reservation: Reservation | None) -> None:
+        """Refuse a commit or transfer abort no live reservation matches; the reservation, if any,
+        is not touched. A late one of a reservation released here (the client went away, an
+        abort, an expiry: its request id and tenant match) is `CANCELLED`, logged at INFO; any
+        other, a forged or stale one, is an alarm logged at ERROR."""
+        what = "commit" if isinstance(msg, CommitMsg) else "transfer abort"
         released = self.table.released(msg.transfer_id)
         if reservation is None and released is not None and \
                 (released.request_id, released.tenant) == (msg.request_id, msg.tenant):
+            self.receiver.sender_done(msg.transfer_id)  # prefill's own: its last write ended before it
             self.counters.failures[CANCELLED] += 1
-            logger.info("dropped a late commit for transfer %s (request %s): its reservation was already "
-                        "released (%s)", msg.transfer_id, msg.request_id, released.reason)
+            logger.info("dropped a late %s for transfer %s (request %s): its reservation was already "
+                        "released (%s)", what, msg.transfer_id, msg.request_id, released.reason)
             return
         self.counters.failures["unknown_transfer" if reservation is None else "identity_mismatch"] += 1
-        logger.error("refused a commit for transfer %s (request %s): no matching reservation",
-                     msg.transfer_id, msg.request_id)
+        logger.error("refused a %s for transfer %s (request %s): no matching reservation", what, msg.transfer_id,
+                     msg.request_id)
 
     def _scatter(self, reservation: Reservation) -> Refusal | None:
         """Tensor parallelism: every rank takes its heads of the verified KV; a rank whose own
@@ -235,7 +252,7 @@ class DecodeSteps:
         self.counters.num_transfer_bytes += landing.num_bytes if landing is not None else 0
         logprobs = None if msg.first_logprobs is None else TokenLogprobs(
             msg.first_logprobs.token_id, msg.first_logprobs.logprob, tuple(msg.first_logprobs.top))
-        generator_state = torch.frombuffer(bytearray(msg.generator_state), dtype=torch.uint8)
+        generator_state = torch.frombuffer(bytearray(msg.generator_state), dtype=torch.uint8)  # verified
         first = self.engine.add_prefilled(request_id, reservation.tenant, reservation.prompt_token_ids,
                                           reservation.params, msg.first_token, logprobs, generator_state,
                                           reservation.num_cached_tokens,
@@ -248,10 +265,11 @@ class DecodeSteps:
     # ---- every other end of a reservation ---------------------------------------------
 
     def _transfer_abort(self, msg: TransferAbortMsg) -> None:
-        self.receiver.sender_done(msg.transfer_id)  # prefill aborts only after its last write ended
         reservation = self.table.by_transfer(msg.transfer_id)
-        if reservation is None or reservation.request_id != msg.request_id or reservation.tenant != msg.tenant:
-            return  # nothing of that transfer is live here
+        if not _is_named(reservation, msg):
+            self._refuse_unmatched(msg, reservation)
+            return
+        self.receiver.sender_done(msg.transfer_id)  # prefill aborts only after its last write ended
         self.counters.failures["prefill_refused"] += 1
         if msg.code == ISOLATION_CHECK_FAILED:  # prefill's own check ended it: a failure, not a rejection
             self._end_reservation(reservation, "prefill_refused", msg.message, ISOLATION_CHECK_FAILED)
@@ -314,11 +332,12 @@ class DecodeSteps:
         (released or expired: nothing is left to verify)."""
         changed = False
         for transfer_id, msg in list(self._parked.items()):
-            if self.table.by_transfer(transfer_id) is None:
+            reservation = self.table.by_transfer(transfer_id)
+            if reservation is None:
                 del self._parked[transfer_id]
             elif self.receiver.settled(transfer_id):
                 del self._parked[transfer_id]
-                self._commit(msg)
+                self._verify(reservation, msg)
                 changed = True
         return changed
 
@@ -343,3 +362,8 @@ class DecodeSteps:
                 by_frontend.setdefault(frontend, []).append(output_to_msg(out))
         for frontend, msgs in by_frontend.items():
             self.replies.send(frontend, OutputsMsg(msgs))
+
+
+def _is_named(reservation: Reservation | None, msg: CommitMsg | TransferAbortMsg) -> TypeGuard[Reservation]:
+    """Whether `msg` is the live `reservation`'s own: its request id and tenant, not only its transfer id."""
+    return reservation is not None and (reservation.request_id, reservation.tenant) == (msg.request_id, msg.tenant)

@@ -6,6 +6,9 @@ exits): then it aborts what it holds (reservations are released under the usual 
 exits 0. A configuration it cannot honour (I2) stops it with exit status 2 before it binds.
 With `-tp N` it drives N ranks (`kvseal/parallel/`, the handoff: `parallel/handoff.py`); a rank
 that dies or hangs (`RankFailure`) ends every request it holds with an error, and it exits 1.
+Any other error that ends the loop propagates (traceback, exit status 1) once every socket is
+closed without lingering: the process never stays alive serving nothing, so a supervisor
+restarts it.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from kvseal.disagg.config import NodeConfig
 from kvseal.disagg.node import EngineNode
 from kvseal.engine.engine import LLMEngine
 from kvseal.heap import freeze_startup_heap
-from kvseal.messages.msgs import ABORT_SERVER_SHUTDOWN
+from kvseal.messages.msgs import ABORT_SERVER_SHUTDOWN, TP_RANK_LOST
 from kvseal.parallel.group import RankFailure
 
 logger = logging.getLogger("kvseal.disagg")
@@ -60,11 +63,13 @@ def serve_engine(args: EngineArgs, config: NodeConfig, should_stop: Callable[[],
         logger.error("kvseal engine (%s): a tensor-parallel rank failed: %s; aborting every request", config.role,
                      exc)
         node.engine.close()  # stops the ranks (by PID) and the grammar workers
-        node.steps.abort_all(f"a tensor-parallel rank of the {config.role} engine failed")
+        node.steps.abort_all(TP_RANK_LOST)  # clients: the plain reason; the error is logged above
         status = 1
-    finally:
-        node.close()
-        node.ctx.term()
+    finally:  # also when the loop died of an unexpected error: the process must exit, not hang
+        try:
+            node.close()
+        finally:  # closes what `close` did not (a socket an error left open), where `term()` would wait forever
+            node.ctx.destroy(linger=0)
     logger.info("kvseal engine (%s) stopped", config.role)
     return status
 

@@ -46,6 +46,7 @@ from kvseal.disagg.link_auth import secure_client
 from kvseal.disagg.link_keys import EngineEndpoint, KeyPair
 from kvseal.disagg.metrics import PdMetrics
 from kvseal.disagg.msgs import (
+    INVALID_PREFILL_MSG,
     TRANSFER_FAILED,
     EngineInfoMsg,
     HelloMsg,
@@ -118,7 +119,8 @@ class EngineLink:
         sent = cast(asyncio.Future[None], self.socket.send(encode(msg), zmq.NOBLOCK))
         error = sent.exception() if sent.done() else None
         if error is not None:
-            raise EngineUnavailable(f"the {self.role} engine at {self.address} is not connected ({error})")
+            # clients see this: the role, not the address (the log says which engine went down)
+            raise EngineUnavailable(f"the {self.role} engine is not connected")
 
 
 class EngineSupervisor(Protocol):
@@ -208,8 +210,11 @@ class PdClient:
             self._supervisor.add_metrics(registry)
 
     @property
-    def pid(self) -> int | None:
-        return next((link.info.pid for link in self.links if link.info is not None and link.role == "decode"), None)
+    def engine_pids(self) -> str:
+        return ", ".join(f"{role} engine pid{'s' if len(pids) > 1 else ''} {', '.join(pids)}"
+                         for role in ("prefill", "decode")
+                         if (pids := [str(link.info.pid) for link in self.links
+                                      if link.role == role and link.info is not None]))
 
     @property
     def is_available(self) -> bool:
@@ -374,7 +379,7 @@ class PdClient:
         if link.info is not None and link.info.instance_id != info.instance_id:
             logger.warning("the %s engine at %s restarted (%s -> %s)", link.role, link.address,
                            link.info.instance_id, info.instance_id)
-            self._engine_down(link, f"the {link.role} engine at {link.address} restarted")
+            self._engine_down(link, f"the {link.role} engine restarted")
         if not link.is_up:
             logger.info("%s engine %s is up at %s", link.role, info.instance_id, link.address)
         changed = link.info != info
@@ -444,7 +449,7 @@ class PdClient:
         if route is None or route.prefill is not link:
             return
         self._release_prefill(route)
-        if isinstance(msg, PrefillRefusedMsg) and msg.code == TRANSFER_FAILED:
+        if isinstance(msg, PrefillRefusedMsg) and msg.code in (TRANSFER_FAILED, INVALID_PREFILL_MSG):
             # Decode may never have heard of it: end the reservation there too.
             self._try_send(route.decode, AbortMsg(route.handle.request_id, route.handle.tenant, msg.message))
 
@@ -493,7 +498,7 @@ class PdClient:
                 if link.is_up and now_s - link.last_seen_s > DEAD_AFTER_S:
                     logger.error("the %s engine at %s has not answered for %.1f s: marking it down", link.role,
                                  link.address, now_s - link.last_seen_s)
-                    self._engine_down(link, f"the {link.role} engine at {link.address} stopped answering")
+                    self._engine_down(link, f"the {link.role} engine stopped answering")
             await asyncio.sleep(HEARTBEAT_S)
 
     async def _watch_connection(self, link: EngineLink) -> None:
@@ -508,7 +513,7 @@ class PdClient:
                 event = parse_monitor_message(await monitor.recv_multipart())
                 if event["event"] == zmq.EVENT_DISCONNECTED and link.is_up:
                     logger.error("the %s engine at %s disconnected: marking it down", link.role, link.address)
-                    self._engine_down(link, f"the {link.role} engine at {link.address} disconnected")
+                    self._engine_down(link, f"the {link.role} engine disconnected")
                 elif event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                     link.num_failed_handshakes = 0
                     self._try_send(link, HelloMsg(self._frontend_id))
@@ -534,7 +539,8 @@ class PdClient:
                          link.address, link.num_failed_handshakes, link.public_key.decode(), link.role)
 
     def _engine_down(self, link: EngineLink, reason: str) -> None:
-        """Fail every request that depends on `link` now; free what other engines hold for them."""
+        """Fail every request that depends on `link` now; free what other engines hold for them.
+        `reason` reaches clients: it names the role, never the address (the log line before does)."""
         link.is_up = False
         link.stats = None
         self._on_link_stats(link)

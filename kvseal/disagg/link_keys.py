@@ -25,6 +25,7 @@ from pathlib import Path
 
 import zmq
 import zmq.auth
+from zmq.utils import z85
 
 from kvseal.errors import ConfigError
 
@@ -35,12 +36,28 @@ KEY_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 KEYS_HINT = "make them with `kvseal keys generate --dir DIR NAME...`"
 
 
+def is_curve_key(key: bytes) -> bool:
+    """Whether `key` is a CURVE key in z85, the form ZMQ's key socket options take."""
+    if len(key) != Z85_KEY_LEN:
+        return False
+    try:
+        z85.decode(key)
+    except (KeyError, ValueError):  # a byte outside z85's alphabet
+        return False
+    return True
+
+
 @dataclass(frozen=True)
 class PublicKey:
-    """Someone's CURVE public key (z85, 40 bytes) and the name it goes by in logs and counts."""
+    """Someone's CURVE public key (z85, 40 bytes) and the name it goes by in logs and counts;
+    `path`: the file it was read from (named in start-up refusals), None for a key made in memory."""
 
     name: str
     key: bytes
+    path: Path | None = None
+
+    def __str__(self) -> str:
+        return str(self.path) if self.path is not None else self.name
 
     def __post_init__(self) -> None:
         if len(self.key) != Z85_KEY_LEN:
@@ -79,11 +96,26 @@ class EngineLinkKeys:
     def __post_init__(self) -> None:
         if not self.frontends:
             raise ConfigError(f"an engine needs at least one frontend key (--frontend-keys); {KEYS_HINT}")
+        _refuse_own_key(self.own, self.frontends, "--frontend-keys", "the frontends'")
+        _refuse_own_key(self.own, self.peers, "--peer-keys", "the prefill engines'")
         both = {k.key for k in self.frontends} & {k.key for k in self.peers}
         if both:
-            names = sorted(k.name for k in self.frontends if k.key in both)
+            names = sorted(str(k) for k in self.frontends if k.key in both)
             raise ConfigError(f"a key may act as a frontend or as a peer engine, not both: {', '.join(names)} "
                               f"is in --frontend-keys and --peer-keys; give each process its own key")
+
+
+def _refuse_own_key(own: KeyPair, listed: tuple[PublicKey, ...], flag: str, whose: str) -> None:
+    """An engine's own public key on its allow-list would let whoever holds the engine's secret (a
+    stolen engine key) act as that role here: a frontend one could stop the engine and push
+    prefill compute anywhere. `kvseal keys generate --dir DIR` writes every public key into one
+    folder, so naming that folder is the easy way to list it."""
+    key = next((k for k in listed if k.key == own.public), None)
+    if key is not None:
+        raise ConfigError(f"{flag}: {key} is this engine's own public key (the pair of its --link-key); an engine "
+                          f"never accepts its own key from a client. Give {flag} {whose} public keys only: their "
+                          f"files, or a folder holding nothing else (not the folder `kvseal keys generate` wrote "
+                          f"every key into)")
 
 
 @dataclass(frozen=True)
@@ -119,7 +151,7 @@ def load_public_keys(spec: str, flag: str) -> tuple[PublicKey, ...]:
         if not files:
             raise ConfigError(f"{flag}: the folder {path} holds no *{PUBLIC_SUFFIX} file; {KEYS_HINT}")
         for file in files:
-            key = PublicKey(_key_name(file), _load_certificate(file, flag)[0])
+            key = PublicKey(_key_name(file), _load_certificate(file, flag)[0], file)
             keys.setdefault(key.key, key)
     if not keys:
         raise ConfigError(f"{flag} names no key file; {KEYS_HINT}")
@@ -133,7 +165,7 @@ def load_public_key_list(spec: str, flag: str) -> tuple[PublicKey, ...]:
         if file.is_dir():
             raise ConfigError(f"{flag} takes one public key file per engine, in the order of the addresses; "
                               f"{file} is a folder")
-    return tuple(PublicKey(_key_name(f), _load_certificate(f, flag)[0]) for f in files)
+    return tuple(PublicKey(_key_name(f), _load_certificate(f, flag)[0], f) for f in files)
 
 
 def _load_certificate(path: Path, flag: str) -> tuple[bytes, bytes | None]:

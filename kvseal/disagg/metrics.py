@@ -33,20 +33,23 @@ class PdMetrics:
         self.reservations = Gauge("kvseal_pd_reservations", "Decode pages held for transfers, in reservations",
                                   labels, registry=r)
         self.pages_used = Gauge("kvseal_pd_kv_pages_used", "KV pages owned", labels, registry=r)
-        self.link_refusals = Gauge("kvseal_pd_link_refusals", "Engine link refusals (I9): CURVE handshakes from "
-                                   "keys on no allow-list (kind=handshake), and messages the sender's role may not "
-                                   "send (kind=message)", [*labels, "kind"], registry=r)
+        self.link_refusals = Gauge("kvseal_pd_link_refusals", "Engine link refusals (I9): handshakes refused "
+                                   "(kind=handshake; reason unlisted_key, not_curve, bad_crypto, protocol_error, "
+                                   "incomplete), and messages the sender's role may not send (kind=message, "
+                                   "reason=role)", [*labels, "kind", "reason"], registry=r)
         self._instance_gauges = (self.transfers, self.bytes, self.seconds, self.expired, self.reservations,
                                  self.pages_used)
         self._shown: dict[tuple[str, str], str] = {}  # (role, address) -> the instance its series are of
         self._failure_reasons: dict[str, set[str]] = {}  # instance -> reasons with a series
+        self._refusal_reasons: dict[str, set[str]] = {}  # instance -> handshake refusal reasons with a series
 
     def _forget(self, role: str, instance_id: str) -> None:
         """Remove every series of the instance `instance_id`."""
         for gauge in self._instance_gauges:
             _remove(gauge, role, instance_id)
-        for kind in ("handshake", "message"):
-            _remove(self.link_refusals, role, instance_id, kind)
+        _remove(self.link_refusals, role, instance_id, "message", "role")
+        for reason in self._refusal_reasons.pop(instance_id, set()):
+            _remove(self.link_refusals, role, instance_id, "handshake", reason)
         for reason in self._failure_reasons.pop(instance_id, set()):
             _remove(self.failures, role, instance_id, reason)
 
@@ -67,8 +70,10 @@ class PdMetrics:
         self.expired.labels(**labels).set(stats.num_reservations_expired)
         self.reservations.labels(**labels).set(stats.num_reservations)
         self.pages_used.labels(**labels).set(stats.engine.num_pages_used)
-        self.link_refusals.labels(**labels, kind="handshake").set(stats.num_refused_handshakes)
-        self.link_refusals.labels(**labels, kind="message").set(stats.num_refused_messages)
+        self.link_refusals.labels(**labels, kind="message", reason="role").set(stats.num_refused_messages)
+        for reason, count in stats.refused_handshakes.items():
+            self.link_refusals.labels(**labels, kind="handshake", reason=reason).set(count)
+            self._refusal_reasons.setdefault(stats.instance_id, set()).add(reason)
         for reason, count in stats.handoff_failures.items():
             self.failures.labels(**labels, reason=reason).set(count)
             self._failure_reasons.setdefault(stats.instance_id, set()).add(reason)

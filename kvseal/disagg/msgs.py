@@ -51,6 +51,10 @@ KVKind = Literal["k", "v"]
 HANDOFF_FAILED = "kv_handoff_failed"
 # `PrefillRefusedMsg.code` when prefill's push to decode failed (decode may not know: the frontend tells it)
 TRANSFER_FAILED = "kv_transfer_failed"
+# `PrefillRefusedMsg.code` when prefill refused a `PrefillMsg` whose fields it cannot use
+# (`prefill_check.py`); it told no decode engine: the frontend ends the reservation
+INVALID_PREFILL_MSG = "invalid_prefill_message"
+TRANSFER_KEY_BYTES = 32  # `ReservedMsg.transfer_key`
 
 
 class _Msg(msgspec.Struct, frozen=True, tag=True, forbid_unknown_fields=True):
@@ -102,8 +106,8 @@ class PdStatsMsg(_Msg, frozen=True):
     transfer_s_total: float
     handoff_failures: dict[str, int]
     num_reservations_expired: int
-    # I9: handshakes from keys on no allow-list, and messages a sender's role may not send
-    num_refused_handshakes: int
+    # I9: refused handshakes by reason (`link_auth.HANDSHAKE_REASONS`), and messages a sender's role may not send
+    refused_handshakes: dict[str, int]
     num_refused_messages: int
 
 
@@ -146,7 +150,7 @@ class ReservedMsg(_Msg, frozen=True):
     pages: list[int]  # decode's pages, in position order (cached ones first)
     page_size: int
     kv_address: str  # where the transport delivers KV for this decode engine
-    transfer_key: bytes  # the transfer's secret (32 random bytes): authenticates its KV records
+    transfer_key: bytes  # the transfer's secret (TRANSFER_KEY_BYTES random bytes): authenticates its KV records
     # Positions [0, num_cached_tokens) are read-only pages of decode's prefix cache (a hit in the
     # request's namespace; page-aligned): nothing may be written there, the transfer starts here.
     num_cached_tokens: int = 0

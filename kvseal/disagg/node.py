@@ -85,6 +85,7 @@ class EngineNode:
         try:
             router.bind(tcp_endpoint(self.config.listen))
         except zmq.ZMQError as exc:
+            self.guard.monitor.close(linger=0)
             router.close(linger=0)
             self.guard.close()
             raise ConfigError(f"cannot listen on {self.config.listen}: {exc}; give --listen an IP address of this "
@@ -98,7 +99,8 @@ class EngineNode:
             return DecodeSteps(self.engine, receiver, replies, self.config.reservation_timeout_s,
                                self.instance_id, self.handoff)
         self.transport = self._sender()
-        return PrefillSteps(self.engine, self.transport, self.links, replies, self.instance_id, self.handoff)
+        return PrefillSteps(self.engine, self.transport, self.links, replies, self.instance_id, self.config.link_keys,
+                            self.handoff)
 
     def _receiver(self) -> KVReceiver:
         if self.handoff is None:
@@ -138,5 +140,6 @@ class EngineNode:
     def close(self) -> None:
         self.transport.close()
         self.links.close()
+        self.guard.monitor.close(linger=0)
         self.router.close(linger=0)
         self.guard.close()

@@ -20,7 +20,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvseal.admission import admit
+from kvseal.disagg.link_keys import EngineLinkKeys
 from kvseal.disagg.msgs import (
+    INVALID_PREFILL_MSG,
     TRANSFER_FAILED,
     CommitMsg,
     PdMsg,
@@ -31,6 +33,7 @@ from kvseal.disagg.msgs import (
     TransferAbortMsg,
     WrittenRangeMsg,
 )
+from kvseal.disagg.prefill_check import MalformedPrefillMsg, check_handoff, check_prefill_msg
 from kvseal.disagg.role import HandoffCounters, Replies, abort_every, abort_owned
 from kvseal.disagg.transport import KVSender, PushPlan, TransportError
 from kvseal.disagg.wire import PeerLinks
@@ -68,8 +71,9 @@ class PrefillSteps:
     role: Role = "prefill"
 
     def __init__(self, engine: LLMEngine, sender: KVSender, links: PeerLinks, replies: Replies,
-                 instance_id: str, handoff: RankHandoff | None = None) -> None:
+                 instance_id: str, keys: EngineLinkKeys, handoff: RankHandoff | None = None) -> None:
         self.engine = engine
+        self.keys = keys  # a decode key a PrefillMsg names must be neither this engine's nor a frontend's
         self.sender = sender
         self.handoff = handoff  # tensor parallelism: the ranks' heads are gathered before a push
         self.links = links
@@ -106,10 +110,15 @@ class PrefillSteps:
     def _prefill(self, frontend: bytes, msg: PrefillMsg) -> None:
         job = Job(msg, frontend, time.monotonic())
         try:
+            check_prefill_msg(msg, self.keys.own.public, self.keys.frontends)  # before `_refuse` may use decode's link
             params = params_from_msg(msg.params)
             prompt = admit(msg.prompt_token_ids, params, self.engine.limits)  # I1, prefill's own limits
+            check_handoff(msg, len(prompt), self.engine.kv.page_size)
             if msg.request_id in self._compiling:
                 raise RequestRejected(f"request id {msg.request_id!r} is already in use on this prefill engine")
+        except MalformedPrefillMsg as exc:
+            self._refuse_malformed(job, exc)
+            return
         except RequestRejected as exc:
             self._refuse_rejected(job, exc)
             return
@@ -132,6 +141,16 @@ class PrefillSteps:
     def _refuse_rejected(self, job: Job, exc: RequestRejected) -> None:
         logger.warning("prefill re-check refused request %s: %s", job.msg.request_id, exc.message)
         self._refuse(job, exc.code, exc.message, exc.param, exc.http_status)
+        self._report(job)
+
+    def _refuse_malformed(self, job: Job, exc: MalformedPrefillMsg) -> None:
+        """Answer the sender only: nothing a malformed message names (decode's address and key) is
+        contacted; the frontend ends decode's reservation itself."""
+        msg = job.msg
+        logger.error("refused a malformed PrefillMsg (request %.64r): %s", msg.request_id, exc)
+        self.counters.failures[INVALID_PREFILL_MSG] += 1
+        job.result = PrefillRefusedMsg(msg.request_id, msg.transfer_id, self.instance_id, INVALID_PREFILL_MSG,
+                                       f"the prefill engine refused the handoff message: {exc}")
         self._report(job)
 
     def _start_compiled(self) -> bool:

@@ -34,11 +34,10 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvseal.disagg.msgs import TRANSFER_KEY_BYTES
 from kvseal.disagg.transport import KVReceiver, RecentlyEnded
 from kvseal.kvcache.manager import KVCacheManager
 from kvseal.types import Request, SamplingParams, namespace_of
-
-TRANSFER_KEY_BYTES = 32
 
 
 @dataclass

@@ -49,16 +49,14 @@ class RouterLink:
         self.is_stopped = False
 
     def wait(self, timeout_ms: int) -> bool:
-        """Wait for the ROUTER, or for data on the role's own sockets (taken in by its `tick`);
-        True if the ROUTER has messages."""
-        extra = self.steps.wait_sockets()
-        if not extra:
-            return bool(self.router.poll(timeout_ms, zmq.POLLIN))
-        readable, _, _ = zmq.select([self.router, *extra], [], [], timeout_ms / 1000)
-        return self.router in readable
+        """Wait for the ROUTER, its handshake monitor, or data on the role's own sockets (taken in
+        by its `tick`); True if the ROUTER has messages or the monitor a failed handshake."""
+        ours = [self.router, self.guard.monitor]
+        readable, _, _ = zmq.select([*ours, *self.steps.wait_sockets()], [], [], timeout_ms / 1000)
+        return any(socket in readable for socket in ours)
 
     def receive(self) -> bool:
-        changed = False
+        changed = self.guard.take_handshake_failures()
         while not self.is_stopped:
             try:
                 frames = self.router.recv_multipart(zmq.NOBLOCK, copy=False)
@@ -111,7 +109,7 @@ class RouterLink:
             num_transfers=c.num_transfers, num_transfer_bytes=c.num_transfer_bytes,
             transfer_s_total=c.transfer_s_total, handoff_failures=dict(c.failures),
             num_reservations_expired=c.num_reservations_expired,
-            num_refused_handshakes=self.guard.num_refused_handshakes,
+            refused_handshakes=dict(self.guard.refused_handshakes),
             num_refused_messages=self.guard.num_refused_messages,
         )
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import multiprocessing
 import time
 from multiprocessing.process import BaseProcess
 from pathlib import Path
@@ -35,7 +34,7 @@ from kvseal.disagg.engine_main import run_engine_process
 from kvseal.disagg.frontend import PdClient
 from kvseal.disagg.link_keys import EngineLinkKeys
 from kvseal.disagg.topology import PdTopology
-from kvseal.engine.supervisor import RestartPolicy, RestartTracker, describe_exit
+from kvseal.engine.supervisor import RestartPolicy, RestartTracker, describe_exit, spawn_context
 from kvseal.model_files import resolve_model_path
 from kvseal.models.loader import convert_gguf
 
@@ -81,7 +80,7 @@ class SpawnedEngines:
                     prefill_threads, self.processes[1].pid, topology.decode[0].address, decode_threads)
 
     def _spawn(self, config: NodeConfig) -> BaseProcess:
-        ctx = multiprocessing.get_context("spawn")
+        ctx = spawn_context()
         process = ctx.Process(target=run_engine_process, args=(self._args, config, self._log_level),
                               name=f"kvseal-{config.role}", daemon=False)
         process.start()
@@ -114,32 +113,38 @@ class SpawnedEngines:
         if self._is_given_up[index] or process.exitcode is None:
             return  # alive, or ended and not to be restarted
         process.join()  # reaped: no <defunct> child
-        why = (f"the {config.role} engine (pid {process.pid}) at {config.listen} exited "
-               f"({describe_exit(process.exitcode)})")
+        why = _exited(config.role, process)
+        logged = (f"the {config.role} engine (pid {process.pid}) at {config.listen} exited "
+                  f"({describe_exit(process.exitcode)})")  # the log names the process; clients get `why`
         delay_s = tracker.next_delay_s()
         if delay_s is None:
-            self._last_event[index] = f"{why}; " + (tracker.gave_up() if tracker.policy.engine_restart_limit
-                                                    else "not restarted (--engine-restart-limit 0)")
-            logger.critical("%s", self._last_event[index])
+            then = tracker.gave_up()
+            self._last_event[index] = f"{why}; {then}"
+            logger.critical("%s; %s", logged, then)
             self._is_given_up[index] = True
             return
         self._exit_why[index] = why
         self._last_event[index] = f"{why}; restarting it in {delay_s:g} s"
-        logger.error("%s (restart %d in a row, at most %d)", self._last_event[index], tracker.num_in_a_row,
-                     tracker.policy.engine_restart_limit)
+        logger.error("%s; restarting it in %g s (restart %d in a row, at most %d)", logged, delay_s,
+                     tracker.num_in_a_row, tracker.policy.engine_restart_limit)
         self._restart_at_s[index] = time.monotonic() + delay_s
 
     def why_down(self, role: str) -> str | None:
-        """The last exit or restart of the `role` engine, if it had one (the frontend asks while
-        no `role` engine answers)."""
-        return next((event for config, event in zip(self._configs, self._last_event)
-                     if config.role == role and event is not None), None)
+        """What clients are told of the `role` engine as it is now, if it ever exited (the frontend
+        asks while no `role` engine answers): no PID or address, those are in the log. An engine
+        that exited and is not reaped yet is described as exited, never by the restart before."""
+        index = next(i for i, config in enumerate(self._configs) if config.role == role)
+        process = self.processes[index]
+        is_reaped = self._restart_at_s[index] is not None or self._is_given_up[index]
+        if process.exitcode is not None and not is_reaped and not self._is_stopping:
+            return _exited(role, process)
+        return self._last_event[index]
 
     def _restart(self, index: int) -> None:
         self._restart_at_s[index] = None
         self.processes[index] = self._spawn(self._configs[index])
         self._last_event[index] = (f"{self._exit_why[index]}; restarted at {time.strftime('%H:%M:%S', time.gmtime())} "
-                                   f"UTC as pid {self.processes[index].pid}, waiting for it to answer")
+                                   f"UTC, waiting for it to answer")
         self._trackers[index].started()
         if self._restarts_total is not None:
             self._restarts_total.labels(role=self._configs[index].role).inc()
@@ -159,6 +164,11 @@ class SpawnedEngines:
                 logger.error("engine %s did not stop within %g s; killing it", process.pid, STOP_TIMEOUT_S)
                 process.kill()
                 process.join()
+
+
+def _exited(role: str, process: BaseProcess) -> str:
+    """An engine's exit, as clients are told it."""
+    return f"the {role} engine exited ({describe_exit(process.exitcode)})"
 
 
 def spawned_link_keys(topology: PdTopology) -> tuple[EngineLinkKeys, EngineLinkKeys]:

@@ -2,19 +2,29 @@
 "The handoff, as implemented").
 
 A commit is accepted only if, word for word: it names a live reservation's transfer id; its
-request id and tenant are the reservation's; its token count is the prompt length; and for
-every layer, for K and for V, the receiver's own landing records cover every prompt position
+request id and tenant are the reservation's; its token count is the prompt length; its first
+token is in the vocabulary; its logprobs are there exactly when the request asked for them, for
+that token, with as many alternatives as asked, all in the vocabulary and none above 0; its
+generator state is a CPU generator's state, of exactly that size, that the generator takes; and
+for every layer, for K and for V, the receiver's own landing records cover every prompt position
 from the end of decode's prefix-cache hit on, nothing landed before it (those are read-only
 cached pages), and the records say exactly what the commit claims. Anything else is refused
-with a reason (a metrics label) and a message for the client and the log.
+with a reason (a metrics label) and a message for the client and the log. Nothing of a commit
+is used before it passed: a peer's bad word ends its own transfer, never decode's loop.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from kvseal.disagg.msgs import CommitMsg, KVKind
 from kvseal.disagg.transport import KINDS, Landing
+from kvseal.messages.msgs import TokenLogprobsMsg
+
+# What prefill sends (`torch.Generator.get_state()` of a request's CPU generator): its size never varies.
+GENERATOR_STATE_BYTES = torch.Generator().get_state().numel()
 
 
 @dataclass(frozen=True)
@@ -32,6 +42,8 @@ class Expected:
     tenant: str
     num_prompt_tokens: int
     num_layers: int
+    vocab_size: int
+    num_logprobs: int | None  # the request's `SamplingParams.logprobs`: alternatives the first token carries
     num_cached_tokens: int = 0  # decode's prefix-cache hit: the transfer covers [this, num_prompt_tokens)
 
 
@@ -47,7 +59,50 @@ def verify_commit(expected: Expected, commit: CommitMsg, landing: Landing | None
     if commit.num_tokens != expected.num_prompt_tokens:
         return Refusal("token_count_mismatch", f"commit names {commit.num_tokens} tokens; the prompt has "
                                                f"{expected.num_prompt_tokens}")
-    return _check_coverage(expected, commit, landing)
+    return _check_sample(expected, commit) or _check_coverage(expected, commit, landing)
+
+
+def _check_sample(expected: Expected, commit: CommitMsg) -> Refusal | None:
+    """What prefill sampled: the first token, its logprobs and the generator after it."""
+    if not 0 <= commit.first_token < expected.vocab_size:
+        return Refusal("bad_first_token", f"the first token {commit.first_token} is outside the vocabulary "
+                                          f"[0, {expected.vocab_size})")
+    why = _logprobs_problem(expected, commit.first_token, commit.first_logprobs)
+    if why is not None:
+        return Refusal("bad_logprobs", why)
+    if not is_generator_state(commit.generator_state):
+        return Refusal("bad_generator_state", f"the generator state ({len(commit.generator_state)} bytes) is not "
+                                              f"a CPU generator's state of {GENERATOR_STATE_BYTES} bytes")
+    return None
+
+
+def _logprobs_problem(expected: Expected, first_token: int, logprobs: TokenLogprobsMsg | None) -> str | None:
+    if (logprobs is None) != (expected.num_logprobs is None):
+        has = "lacks" if logprobs is None else "carries"
+        return f"the request asked for logprobs={expected.num_logprobs}; the commit {has} them"
+    if logprobs is None:
+        return None
+    if logprobs.token_id != first_token:
+        return f"the logprobs are of token {logprobs.token_id}, the first token is {first_token}"
+    if len(logprobs.top) != expected.num_logprobs:
+        return f"the commit carries {len(logprobs.top)} alternatives, the request asked for {expected.num_logprobs}"
+    pairs = [(first_token, logprobs.logprob), *logprobs.top]
+    # a log-probability is at most 0 (-inf: a masked token); NaN is no number at all
+    bad = next(((t, v) for t, v in pairs if not (0 <= t < expected.vocab_size and v <= 0)), None)
+    if bad is not None:
+        return f"logprob {bad[1]} of token {bad[0]}: token ids lie in [0, {expected.vocab_size}), logprobs in [-inf, 0]"
+    return None
+
+
+def is_generator_state(state: bytes) -> bool:
+    """Whether `state` is exactly what `torch.Generator().set_state` takes (its size, and a state it accepts)."""
+    if len(state) != GENERATOR_STATE_BYTES:
+        return False
+    try:
+        torch.Generator().set_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
+    except RuntimeError:  # torch checks the mt19937 state's own consistency
+        return False
+    return True
 
 
 def _check_coverage(expected: Expected, commit: CommitMsg, landing: Landing) -> Refusal | None:

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 import zmq
 
+from kvseal._testing.faults import Fault, is_active
 from kvseal.disagg.link_auth import secure_client
 from kvseal.disagg.link_keys import KeyPair
 from kvseal.disagg.msgs import PdMsg, encode
@@ -35,10 +36,16 @@ class PeerLink:
     def __init__(self, ctx: zmq.Context, address: str, own: KeyPair, server_key: bytes) -> None:
         self.address = address
         self.socket = ctx.socket(zmq.DEALER)
-        self.socket.setsockopt(zmq.IMMEDIATE, 1)
-        self.socket.setsockopt(zmq.LINGER, LINGER_MS)
-        secure_client(self.socket, own, server_key)
-        self.socket.connect(tcp_endpoint(address))
+        if is_active(Fault.BREAK_PEER_LINK_SETUP):
+            raise RuntimeError(f"test fault: the link to {address} broke during setup, its socket left open")
+        try:
+            self.socket.setsockopt(zmq.IMMEDIATE, 1)
+            self.socket.setsockopt(zmq.LINGER, LINGER_MS)
+            secure_client(self.socket, own, server_key)
+            self.socket.connect(tcp_endpoint(address))
+        except zmq.ZMQError as exc:  # a malformed key or address: no link, and no socket left open
+            self.socket.close(linger=0)
+            raise TransportError(f"cannot link to the engine at {address}: {exc}") from exc
         self._is_failing = False  # the last send found no connection: do not wait again until one is back
 
     def send(self, msg: PdMsg, payload: Sequence[bytes | memoryview] = (),

@@ -9,6 +9,10 @@ reason other than a requested shutdown, it is reaped, every in-flight request ge
 engine. It is then started again in the same private socket folder (`kvseal.engine.supervisor`:
 backoff and a limit), with a fresh outgoing socket at a new address so nothing queued for the
 dead engine reaches the new one; the frontend serves again once the new engine says it is ready.
+A hung engine is noticed too: the process says it is alive every `HEARTBEAT_S` from a thread
+(`kvseal.engine.process`), so one the frontend has not heard from for `--engine-timeout-s` is
+stopped or frozen; it is logged at ERROR and killed by its PID (SIGKILL: a stopped process
+cannot handle anything else), and its exit is then handled as a crash's, with the hang as why.
 
 The receive loop fails closed. Every output names its tenant; one that does not match its
 request's tenant ends that request with `IsolationBreach` (and is aborted in the engine),
@@ -23,7 +27,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
+from typing import cast
 
 import msgspec
 import zmq
@@ -32,6 +38,7 @@ from prometheus_client import CollectorRegistry, Counter
 
 from kvseal.config import EngineArgs
 from kvseal.engine.launcher import EngineProcess
+from kvseal.engine.process import HEARTBEAT_S
 from kvseal.engine.supervisor import RestartPolicy, RestartTracker, describe_exit
 from kvseal.engine_api import (
     EngineGone,
@@ -47,6 +54,7 @@ from kvseal.messages.msgs import (
     ABORT_SERVER_SHUTDOWN,
     AbortMsg,
     AddRequestMsg,
+    EngineAliveMsg,
     EngineFailedMsg,
     EngineReadyMsg,
     EngineStatsMsg,
@@ -80,6 +88,9 @@ class EngineClient:
         self._tasks: list[asyncio.Task[None]] = []
         self._receive_task: asyncio.Task[None] | None = None
         self._send_task: asyncio.Task[None] | None = None
+        self._watch_task: asyncio.Task[None] | None = None
+        self._last_heard_s = 0.0  # when the engine process last sent anything (monotonic)
+        self._hung: str | None = None  # why the engine process was killed as hung, until its exit is handled
         self._ready: asyncio.Future[EngineReadyMsg] | None = None
         self._info: EngineReadyMsg | None = None  # the limits the frontend admits with
         self._engine_name = "engine"  # `engine-PID` of the process started last, for the audit
@@ -94,8 +105,8 @@ class EngineClient:
         return self._broken or self._down
 
     @property
-    def pid(self) -> int | None:
-        return self._process.pid
+    def engine_pids(self) -> str:
+        return f"engine pid {self._process.pid}"
 
     @property
     def is_available(self) -> bool:
@@ -144,7 +155,9 @@ class EngineClient:
         asyncio.get_running_loop().add_reader(self._process.sentinel, self._on_process_exit)
         self._receive_task = asyncio.create_task(self._receive_loop())
         self._send_task = asyncio.create_task(self._send_loop())
-        self._tasks += [self._receive_task, self._send_task]
+        self._last_heard_s = time.monotonic()
+        self._watch_task = asyncio.create_task(self._watch_liveness())
+        self._tasks += [self._receive_task, self._send_task, self._watch_task]
 
     def submit(self, msg: AddRequestMsg, observer: RequestObserver) -> RequestHandle:
         if not self.is_available:
@@ -221,7 +234,30 @@ class EngineClient:
             msg = await self._outbox.get()
             await self._push.send(encode(msg))
 
+    async def _watch_liveness(self) -> None:
+        """Kill an engine process silent for `--engine-timeout-s` (it exits, and `_after_exit`
+        fails its requests and restarts it). Messages waiting unread mean this loop was the slow one."""
+        timeout_s = self._restarts.policy.engine_timeout_s
+        while True:
+            await asyncio.sleep(HEARTBEAT_S)
+            silent_s = time.monotonic() - self._last_heard_s
+            if silent_s > timeout_s and not self._has_unread():
+                self._kill_hung(silent_s, timeout_s)
+                return
+
+    def _has_unread(self) -> bool:
+        return bool(cast(int, self._pull.getsockopt(zmq.EVENTS)) & zmq.POLLIN)
+
+    def _kill_hung(self, silent_s: float, timeout_s: float) -> None:
+        self._hung = (f"the engine process stopped responding (silent for {silent_s:.0f} s, --engine-timeout-s "
+                      f"{timeout_s:g}) and was killed")
+        logger.error("the engine process (pid %s) has sent nothing for %.1f s, not even its heartbeat: it is hung "
+                     "(stopped or frozen); killing it with SIGKILL and failing its %d in-flight requests",
+                     self._process.pid, silent_s, len(self._handles))
+        self._process.kill()
+
     def _receive(self, data: bytes) -> None:
+        self._last_heard_s = time.monotonic()
         try:
             msg = decode_from_engine(data)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
@@ -246,6 +282,8 @@ class EngineClient:
                 self._fail(f"{msg.error_type}: {msg.message}")
             case EngineStoppedMsg():
                 logger.info("engine stopped; %d requests were aborted", msg.num_aborted)
+            case EngineAliveMsg():
+                pass  # heard: `_receive` noted when
 
     def _route(self, event: RequestOutputMsg | RequestRejectedMsg) -> None:
         handle = self._handles.get(event.request_id)
@@ -290,18 +328,20 @@ class EngineClient:
         self._tasks.append(asyncio.create_task(self._after_exit()))
 
     async def _after_exit(self) -> None:
-        assert self._receive_task is not None and self._send_task is not None
+        assert self._receive_task is not None and self._send_task is not None and self._watch_task is not None
         self._receive_task.cancel()  # drain below instead, then stop
         self._send_task.cancel()  # what it still holds was for the dead engine
+        self._watch_task.cancel()
         await self._drain()
         self._process.join()  # reaped: no <defunct> child
         code = self._process.exitcode
+        why, self._hung = self._hung or f"the engine process exited unexpectedly ({describe_exit(code)})", None
         if self._is_shutting_down:
             if code != 0:
-                self._fail(f"the engine process exited unexpectedly ({describe_exit(code)})")
+                self._fail(why)
             self._exited.set()
             return
-        delay_s = self._failed_by_exit(f"the engine process exited unexpectedly ({describe_exit(code)})")
+        delay_s = self._failed_by_exit(why)
         self._exited.set()
         if delay_s is not None:
             await asyncio.sleep(delay_s)
@@ -314,7 +354,7 @@ class EngineClient:
         delay_s = self._restarts.next_delay_s() if self._info is not None else None
         policy = self._restarts.policy
         if delay_s is None:
-            gave_up = self._info is not None and policy.engine_restart_limit > 0
+            gave_up = self._info is not None  # else a start-up error, failed as it is
             self._fail(f"{why}; it was {self._restarts.gave_up()}" if gave_up else why)
             if gave_up:
                 logger.critical("engine unavailable until the server is restarted: %s", self._down)

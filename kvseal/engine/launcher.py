@@ -11,7 +11,6 @@ from another host. The PD engine links are TCP, reachable by any local user, hen
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import shutil
 import stat
@@ -20,6 +19,7 @@ from multiprocessing.process import BaseProcess
 
 from kvseal.config import EngineArgs
 from kvseal.engine.process import EngineAddresses, run_engine_process
+from kvseal.engine.supervisor import spawn_context
 
 
 class EngineProcess:
@@ -41,7 +41,7 @@ class EngineProcess:
         return self.addresses.to_engine
 
     def start(self) -> None:
-        ctx = multiprocessing.get_context("spawn")
+        ctx = spawn_context()
         self._proc = ctx.Process(target=run_engine_process, args=(self._args, self.addresses, self._log_level),
                                  name="kvseal-engine", daemon=True)
         self._proc.start()

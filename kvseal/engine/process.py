@@ -7,6 +7,14 @@ signal to the whole process group drains like one to the frontend), and SIGHUP (
 when the frontend process disappears (then it also removes the frontend's socket folder, which
 nothing else is left to remove). Exit status 0 after a shutdown, 1 on any failure, which it
 reports first with `EngineFailedMsg` when it still can.
+
+From its first moment to its exit a thread says `EngineAliveMsg` every `HEARTBEAT_S` on a
+socket of its own, so the frontend hears the process while it loads, idles or runs one long
+step (a big prefill on a slow host), and hears nothing once it is stopped (SIGSTOP), frozen,
+or wedged holding the interpreter lock: the frontend kills a process silent for
+`--engine-timeout-s` and restarts it as one that crashed. The heartbeat comes from a thread,
+not from the loop between steps, because no bound on one step's length would be safe on every
+host; a loop blocked off the lock (a collective waiting on a lost rank) is `--tp-timeout`'s.
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -27,7 +36,8 @@ import zmq
 from kvseal.config import EngineArgs
 from kvseal.kvcache.reserve import reserve_cpu_pool
 from kvseal.messages.codec import encode
-from kvseal.messages.msgs import EngineFailedMsg, EngineReadyMsg
+from kvseal.messages.convert import stats_to_msg
+from kvseal.messages.msgs import TP_RANK_LOST, EngineAliveMsg, EngineFailedMsg, EngineReadyMsg
 
 if TYPE_CHECKING:
     from kvseal.engine.engine import LLMEngine
@@ -36,6 +46,7 @@ logger = logging.getLogger("kvseal.engine")
 
 SEND_TIMEOUT_MS = 30_000  # a frontend that reads nothing for this long is gone: exit
 LINGER_MS = 5_000
+HEARTBEAT_S = 0.5  # how often the engine says it is alive; --engine-timeout-s must be well above it
 
 
 @dataclass(frozen=True)
@@ -58,9 +69,15 @@ def run_engine_process(args: EngineArgs, addresses: EngineAddresses, log_level: 
         tempfile.tempdir = addresses.folder  # frontend's private folder: removed with it, by whoever outlives
     ctx = zmq.Context()
     inbox, outbox = _connect(ctx, addresses)
+    stop_heartbeat = threading.Event()
+    heartbeat = threading.Thread(target=_heartbeat, args=(ctx, addresses.from_engine, stop_heartbeat),
+                                 name="kvseal-engine-heartbeat", daemon=True)
+    heartbeat.start()
     try:
         sys.exit(_serve(args, inbox, outbox))
     finally:
+        stop_heartbeat.set()
+        heartbeat.join()  # its socket is closed before the context ends
         inbox.close(linger=0)
         outbox.close(linger=LINGER_MS)
         parent = multiprocessing.parent_process()
@@ -78,6 +95,23 @@ def _connect(ctx: zmq.Context, addresses: EngineAddresses) -> tuple[zmq.Socket, 
     return inbox, outbox
 
 
+def _heartbeat(ctx: zmq.Context, address: str, stop: threading.Event) -> None:
+    """Say alive every `HEARTBEAT_S` until `stop`, on a socket of this thread's own (a ZMQ socket
+    is never shared between threads). A beat the frontend is not reading is dropped, not queued."""
+    socket = ctx.socket(zmq.PUSH)
+    try:
+        socket.setsockopt(zmq.SNDHWM, 1)
+        socket.connect(address)
+        alive = encode(EngineAliveMsg())
+        while not stop.wait(HEARTBEAT_S):
+            try:
+                socket.send(alive, zmq.NOBLOCK)
+            except zmq.Again:
+                pass
+    finally:
+        socket.close(linger=0)
+
+
 def _serve(args: EngineArgs, inbox: zmq.Socket, outbox: zmq.Socket) -> int:
     # The pool's memory first, before the imports below load torch: committing it is most of a
     # cold start (`kvseal.kvcache.reserve`); the engine adopts it or releases it.
@@ -88,6 +122,8 @@ def _serve(args: EngineArgs, inbox: zmq.Socket, outbox: zmq.Socket) -> int:
 
     try:
         engine = LLMEngine(args, pool_reservation=reservation)
+        # the pool's figures before ready: /metrics has them from start-up, not after a first request
+        outbox.send(encode(stats_to_msg(engine.stats())))
         outbox.send(encode(_ready_msg(engine)))
     except Exception as exc:  # any start-up failure is reported, typed, to the frontend
         logger.error("engine start-up failed: %s", exc)
@@ -99,9 +135,20 @@ def _serve(args: EngineArgs, inbox: zmq.Socket, outbox: zmq.Socket) -> int:
         colocated_loop(engine, inbox, outbox, parent.sentinel if parent is not None else None).run()
     except Exception as exc:
         logger.exception("engine loop failed; every in-flight request fails with it")
-        outbox.send(encode(EngineFailedMsg(type(exc).__name__, f"engine loop failed: {exc}")))
+        outbox.send(encode(EngineFailedMsg(type(exc).__name__, loop_failure(exc))))
         return 1
     return 0
+
+
+def loop_failure(exc: Exception) -> str:
+    """What the frontend tells clients (responses, stream error events, /health) of a failed
+    engine loop: a plain reason. The exception itself, with the paths, ports and PIDs it may
+    name (gloo's are all three), is in the engine's log just above."""
+    from kvseal.parallel.group import RankFailure  # loaded with the engine already
+
+    if isinstance(exc, RankFailure):
+        return TP_RANK_LOST
+    return "the engine loop failed; the details are in the server log"
 
 
 def _ready_msg(engine: LLMEngine) -> EngineReadyMsg:

@@ -71,6 +71,9 @@ ABORT_CLIENT_DISCONNECTED = "client_disconnected"
 ABORT_SERVER_SHUTDOWN = "server_shutdown"
 ABORT_KEY_REVOKED = "api_key_revoked"  # the operator removed or revoked the request's API key (abort=true)
 ABORT_MODEL_DISABLED = "model_disabled"  # the operator disabled the model (abort=true)
+# What clients are told when a tensor-parallel rank died or hung; the collective's own error (gloo's
+# source paths, ports, PIDs) stays in the engine's log.
+TP_RANK_LOST = "a tensor-parallel rank was lost; the engine stopped"
 
 
 class AbortMsg(_Msg, frozen=True):
@@ -184,7 +187,13 @@ class EngineStatsMsg(_Msg, frozen=True):
     num_grammar_compiles_cancelled: int = 0  # stopped or dropped: every waiting request left
 
 
+class EngineAliveMsg(_Msg, frozen=True):
+    """The engine process is running: sent every `kvseal.engine.process.HEARTBEAT_S` by a thread of its own, whatever
+    the loop is doing (a frontend that hears nothing for `--engine-timeout-s` kills it)."""
+
+
 ToEngineMsg = AddRequestMsg | AbortMsg | ShutdownMsg
 FromEngineMsg = (
     EngineReadyMsg | EngineFailedMsg | EngineStoppedMsg | RequestRejectedMsg | OutputsMsg | EngineStatsMsg
+    | EngineAliveMsg
 )

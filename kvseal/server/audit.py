@@ -35,6 +35,7 @@ RejectedBy = Literal["frontend", "engine"]  # which admission check refused the 
 KEY_ID_HEX_DIGITS = 12  # 48 bits: names a key among an operator's keys, useless for guessing a random one
 MAX_LOGGED_CHARS = 256  # every client-controlled string is clipped to this before it is logged
 AUDIT_UNAVAILABLE = "audit_unavailable"  # the error code, and the reason in a late record of a withheld answer
+ENGINE_UNAVAILABLE = "engine_unavailable"  # the error code, and the reason of every request an engine loss ended
 RETRY_S = 1.0  # a failing audit file is tried again at most this often
 MAX_PENDING_RECORDS = 10_000  # records kept in memory while the file fails; later ones are lost (counted)
 MAX_PENDING_BYTES = 64 * 1024 * 1024  # and their lines' bytes (with --audit-log-prompts a line holds a prompt)
@@ -72,6 +73,7 @@ class AuditRecord(msgspec.Struct, frozen=True, omit_defaults=True):
     http_status: int | None = None  # set for refusals; an admitted request answers 200
     model: str | None = None
     reason: str | None = None  # rejection code, abort reason, error or isolation check
+    detail: str | None = None  # an engine loss's words beside its reason code (how the engine ended)
     rejected_by: RejectedBy | None = None  # for outcome "rejected" at admission: the frontend or the engine
     finish_reason: str | None = None
     prompt_tokens: int | None = None
@@ -233,7 +235,7 @@ class AuditLog:
             logger.error("cannot write the audit log %s (%s): answers are withheld and new generation requests "
                          "refused with 503 %s until it can be written; retrying every %g s", self.path, exc,
                          AUDIT_UNAVAILABLE, self.retry_s, exc_info=not isinstance(exc, OSError))
-        self._failure = f"cannot write the audit log: {exc}"
+        self._failure = f"cannot write the audit log: {public_reason(exc)}"
 
     def _keep(self, record: AuditRecord | AdminRecord) -> None:
         try:
@@ -263,3 +265,11 @@ def late(record: AuditRecord | AdminRecord) -> AuditRecord | AdminRecord:
     if isinstance(record, AuditRecord) and record.outcome == "finished":
         return msgspec.structs.replace(record, outcome="error", reason=AUDIT_UNAVAILABLE, written_late=True)
     return msgspec.structs.replace(record, written_late=True)
+
+
+def public_reason(exc: Exception) -> str:
+    """Why a write failed, fit for clients and the unauthenticated /health: the operating system's
+    reason ('No space left on device') without the file's path, which stays in the server's log."""
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror
+    return type(exc).__name__

@@ -28,7 +28,7 @@ from kvseal.messages.msgs import (
     RequestOutputMsg,
     RequestRejectedMsg,
 )
-from kvseal.server.audit import AuditRecord, Outcome, RejectedBy, clip, clip_optional
+from kvseal.server.audit import ENGINE_UNAVAILABLE, AuditRecord, Outcome, RejectedBy, clip, clip_optional
 from kvseal.server.auth import ApiKey, Tenant
 from kvseal.server.choices import ChoiceGroup, choice_msgs
 from kvseal.server.endpoint import AuditPrompt
@@ -145,7 +145,8 @@ class Call:
         elif isinstance(event, RequestRejectedMsg):
             self._finish("rejected", reason=event.code, http_status=event.http_status, rejected_by="engine")
         elif isinstance(event, EngineGone):
-            self._finish("error", reason=event.message, out=self._progress)
+            # a code, as for the requests refused at the door meanwhile: `kvseal audit --reason` finds them all
+            self._finish("error", reason=ENGINE_UNAVAILABLE, detail=event.message, out=self._progress)
         elif event.finish_reason == "abort":
             self._finish("aborted", reason=event.error, out=event)
         else:
@@ -173,7 +174,8 @@ class Call:
         self.http_done()
 
     def _finish(self, outcome: Outcome, *, reason: str | None = None, http_status: int | None = None,
-                out: RequestOutputMsg | None = None, rejected_by: RejectedBy | None = None) -> None:
+                out: RequestOutputMsg | None = None, rejected_by: RejectedBy | None = None,
+                detail: str | None = None) -> None:
         if self.is_done:
             return
         self.is_done = True
@@ -187,7 +189,8 @@ class Call:
                                             out.num_cached_tokens)
             if self.tenant is not None:  # its prompt tokens were counted when it was submitted
                 self.state.rates.charge_tokens(self.state.keys.current(self.tenant), out.num_output_tokens)
-        self._is_audited = self.state.audit.write(self._record(outcome, reason, http_status, out, rejected_by))
+        self._is_audited = self.state.audit.write(self._record(outcome, reason, http_status, out, rejected_by,
+                                                                  detail))
 
     def _release_slot(self) -> None:
         if self._num_slots and self.is_done and self._is_http_done and self.tenant is not None:
@@ -195,12 +198,13 @@ class Call:
             self._num_slots = 0
 
     def _record(self, outcome: Outcome, reason: str | None, http_status: int | None,
-                out: RequestOutputMsg | None, rejected_by: RejectedBy | None) -> AuditRecord:
+                out: RequestOutputMsg | None, rejected_by: RejectedBy | None, detail: str | None) -> AuditRecord:
         return AuditRecord(
             request_id=self.request_id, endpoint=self.endpoint,
             tenant=self.tenant.name if self.tenant is not None else None, outcome=outcome,
             http_status=http_status, received_at=self._received_at, finished_at=time.time(),
-            model=clip_optional(self.model), reason=clip_optional(reason), rejected_by=rejected_by,
+            model=clip_optional(self.model), reason=clip_optional(reason), detail=clip_optional(detail),
+            rejected_by=rejected_by,
             finish_reason=out.finish_reason if out is not None else None,
             prompt_tokens=out.num_prompt_tokens if out is not None else self.num_prompt_tokens,
             output_tokens=out.num_output_tokens if out is not None else None,

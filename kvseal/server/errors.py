@@ -13,7 +13,7 @@ from typing import Any
 from starlette.responses import JSONResponse
 
 from kvseal._testing.faults import Fault, is_active
-from kvseal.engine_api import EngineGone, RequestEvent, isolation_failure
+from kvseal.engine_api import RESTART_THE_SERVER, EngineGone, RequestEvent, isolation_failure
 from kvseal.errors import RequestRejected
 from kvseal.messages.msgs import (
     ABORT_KEY_REVOKED,
@@ -22,7 +22,7 @@ from kvseal.messages.msgs import (
     RequestOutputMsg,
     RequestRejectedMsg,
 )
-from kvseal.server.audit import AUDIT_UNAVAILABLE, AuditLog
+from kvseal.server.audit import AUDIT_UNAVAILABLE, ENGINE_UNAVAILABLE, AuditLog
 from kvseal.types import ISOLATION_CHECK_FAILED
 
 
@@ -148,8 +148,10 @@ def rate_limit_never(tenant: str, kind: str, limit: int, num_requested: int) -> 
 
 
 def engine_unavailable(detail: str) -> ApiError:
-    return ApiError(503, f"The inference engine is unavailable: {detail}. Retry later.",
-                    type="service_unavailable", code="engine_unavailable")
+    """No engine can take the request; "Retry later" unless it stays down until the server restarts."""
+    advice = "" if RESTART_THE_SERVER in detail else " Retry later."
+    return ApiError(503, f"The inference engine is unavailable: {detail}.{advice}",
+                    type="service_unavailable", code=ENGINE_UNAVAILABLE)
 
 
 def audit_unavailable(audit: AuditLog) -> ApiError:
@@ -239,10 +241,16 @@ def internal_error() -> ApiError:
                     type="server_error", code="internal_error")
 
 
+def _error_status(status: int) -> int:
+    """An engine's refusal as an HTTP error status: a PD decode engine relays prefill's word, and
+    a refusal must never reach the client as a success (I6), whatever a broken peer sent."""
+    return status if 400 <= status <= 599 else 500
+
+
 def for_event(event: RequestEvent) -> ApiError | None:
     """The error a request event means for the client, or None for a successful output."""
     if isinstance(event, RequestRejectedMsg):
-        return ApiError(event.http_status, event.message, code=event.code, param=event.param)
+        return ApiError(_error_status(event.http_status), event.message, code=event.code, param=event.param)
     if isinstance(event, EngineGone):
         return engine_unavailable(event.message)
     if isolation_failure(event) is not None:

@@ -183,21 +183,21 @@ def _log_config(state: AppState) -> None:
         "host=%s port=%d api_keys=%s tenants=[%s] audit_log=%s audit_log_max_bytes=%s audit_log_max_age_s=%s "
         "audit_log_backups=%s "
         "audit_log_prompts=%s max_body_bytes=%d "
-        "shutdown_grace_s=%g header_timeout_s=%g body_timeout_s=%g engine_pid=%s",
+        "shutdown_grace_s=%g header_timeout_s=%g body_timeout_s=%g (%s)",
         state.model_name, info.architecture, info.model_path, info.max_model_len, info.kv_cache_tokens,
         info.num_pages, info.page_size, limits.max_prompt_tokens, c.host, c.port, c.api_keys_path or "(none)",
         tenants, c.audit_log_path or "(kvseal.audit logger)", c.audit_log_max_bytes or "(no size limit)",
         c.audit_log_max_age_s or "(no age limit)",
         "(all kept)" if c.audit_log_backups is None else c.audit_log_backups, c.audit_log_prompts, c.max_body_bytes,
-        c.shutdown_grace_s, c.header_timeout_s, c.body_timeout_s, info.pid,
+        c.shutdown_grace_s, c.header_timeout_s, c.body_timeout_s, state.engine.engine_pids,
     )
     logger.info("sampling defaults for omitted fields (--generation-config %s): %s", c.generation_config,
                 state.defaults.describe())
 
 
 def _log_ready(state: AppState, port: int) -> None:
-    logger.info("kvseal ready: serving %s at http://%s:%d/v1 (engine pid %d)", state.model_name,
-                state.config.host, port, state.engine_info.pid)
+    logger.info("kvseal ready: serving %s at http://%s:%d/v1 (%s)", state.model_name,
+                state.config.host, port, state.engine.engine_pids)
 
 
 async def _drain(state: AppState) -> None:

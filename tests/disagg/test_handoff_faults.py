@@ -20,7 +20,16 @@ from transports import NIXL, needs_nixl
 from kvseal import SamplingParams
 from kvseal._testing.faults import Fault, inject
 from kvseal.disagg.config import NodeConfig
-from kvseal.disagg.msgs import HANDOFF_FAILED, CommitMsg, KVBlockMsg, PrefillRefusedMsg, WrittenRangeMsg, decode
+from kvseal.disagg.msgs import (
+    HANDOFF_FAILED,
+    TRANSFER_FAILED,
+    CommitMsg,
+    KVBlockMsg,
+    PrefillRefusedMsg,
+    TransferAbortMsg,
+    WrittenRangeMsg,
+    decode,
+)
 from kvseal.disagg.nixl import ArenaPages, NixlSender, decode_address, part_sizes
 from kvseal.disagg.node import EngineNode
 from kvseal.disagg.tcp import TcpReceiver, TcpSender
@@ -28,7 +37,7 @@ from kvseal.disagg.transport import CANCELLED, PushPlan, RecentlyEnded, RunsMemo
 from kvseal.disagg.wire import PeerLinks
 from kvseal.errors import ConfigError
 from kvseal.kvcache.pool import KVPool
-from kvseal.messages.msgs import AbortMsg
+from kvseal.messages.msgs import AbortMsg, TokenLogprobsMsg
 from kvseal.models.loader import load_model
 from kvseal.types import ISOLATION_CHECK_FAILED, StructuredOutput
 
@@ -106,14 +115,18 @@ def rogue_push(pair: PdPair, handoff: Handoff, written: list[int]) -> int:
     return sender.push(plan, pair.prefill.engine.kv.pool)  # type: ignore[union-attr]
 
 
+GENERATOR_STATE = torch.Generator().get_state().numpy().tobytes()
+
+
 def rogue_commit(pair: PdPair, handoff: Handoff, num_tokens: int, written: list[int],
-                 tenant: str = "alice", transfer_id: str | None = None) -> None:
+                 tenant: str = "alice", transfer_id: str | None = None, first_token: int = 5,
+                 first_logprobs: TokenLogprobsMsg | None = None, generator_state: bytes = GENERATOR_STATE) -> None:
     r = handoff.reserved
     assert r is not None
     pair.peer_link().send(CommitMsg(
         r.transfer_id if transfer_id is None else transfer_id, handoff.request_id, tenant, num_tokens,
-        [WrittenRangeMsg(layer, 0, end) for layer, end in enumerate(written)], 5, None,
-        torch.Generator().get_state().numpy().tobytes(), "rogue"))
+        [WrittenRangeMsg(layer, 0, end) for layer, end in enumerate(written)], first_token, first_logprobs,
+        generator_state, "rogue"))
 
 
 def page_bytes(pair: PdPair, num_pages: int) -> bytes:
@@ -173,6 +186,67 @@ def test_a_forged_commit_does_not_touch_the_reservation(make_pair: Any) -> None:
     pair.pump(lambda: handoff.is_terminal, "the expiry")
     assert_refused_by_decode(handoff, "no KV arrived", HANDOFF_FAILED)
     assert pair.decode.link.stats().handoff_failures == {"identity_mismatch": 1, "expired": 1}
+    pair.assert_clean()
+
+
+# ---- what prefill sampled: every word of a commit is checked before it is used ---------------
+
+LOGPROBS = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=2)
+
+
+def logprobs_of(token_id: int, logprob: float = -0.5, top: tuple[tuple[int, float], ...] = ((5, -0.5), (6, -1.0)),
+                ) -> TokenLogprobsMsg:
+    return TokenLogprobsMsg(token_id, logprob, list(top))
+
+
+@pytest.mark.parametrize(("params", "sample", "reason", "message"), [
+    (GREEDY, lambda vocab: dict(first_token=10**9), "bad_first_token", "outside the vocabulary"),
+    (GREEDY, lambda vocab: dict(first_token=vocab), "bad_first_token", "outside the vocabulary"),
+    (GREEDY, lambda vocab: dict(first_token=-1), "bad_first_token", "outside the vocabulary"),
+    (GREEDY, lambda vocab: dict(generator_state=b""), "bad_generator_state", "(0 bytes)"),
+    (GREEDY, lambda vocab: dict(generator_state=b"\xff" * 7), "bad_generator_state", "(7 bytes)"),
+    (GREEDY, lambda vocab: dict(generator_state=GENERATOR_STATE + b"\0"), "bad_generator_state", "is not"),
+    # the right size, but no state of mt19937
+    (GREEDY, lambda vocab: dict(generator_state=bytes(len(GENERATOR_STATE))), "bad_generator_state", "is not"),
+    (GREEDY, lambda vocab: dict(first_logprobs=logprobs_of(5)), "bad_logprobs", "carries them"),
+    (LOGPROBS, lambda vocab: dict(), "bad_logprobs", "lacks them"),
+    (LOGPROBS, lambda vocab: dict(first_logprobs=logprobs_of(6)), "bad_logprobs", "the first token is 5"),
+    (LOGPROBS, lambda vocab: dict(first_logprobs=logprobs_of(5, top=((5, -0.5),))), "bad_logprobs",
+     "carries 1 alternatives"),
+    (LOGPROBS, lambda vocab: dict(first_logprobs=logprobs_of(5, top=((5, -0.5), (vocab, -1.0)))), "bad_logprobs",
+     "token ids lie in"),
+    (LOGPROBS, lambda vocab: dict(first_logprobs=logprobs_of(5, logprob=float("nan"))), "bad_logprobs", "nan"),
+    (LOGPROBS, lambda vocab: dict(first_logprobs=logprobs_of(5, logprob=0.5)), "bad_logprobs", "logprob 0.5"),
+])
+def test_decode_refuses_a_commit_whose_sample_no_sampler_made(
+        make_pair: Any, params: SamplingParams, sample: Any, reason: str, message: str) -> None:
+    """A peer lands the right KV and commits a first token, logprobs or generator state that no
+    sampler produced: refused like any failed verification (isolation_check_failed, the reason
+    counted, the pages free), and decode keeps serving. Unchecked, a token past the vocabulary
+    reached the client and failed decode's next step, and a generator state of another size
+    raised at once: either ended decode's loop, and every tenant's requests with it."""
+    pair = make_pair()
+    bystander = pair.generate_start(list(range(200, 220)), GREEDY, tenant="bob")
+    handoff = pair.reserve(PROMPT, params)
+    rogue_push(pair, handoff, [30, 30])
+    rogue_commit(pair, handoff, 30, [30, 30], **sample(pair.decode.engine.limits.vocab_size))
+    pair.pump(lambda: handoff.is_terminal, "the refusal")
+    assert_refused_by_decode(handoff, message)
+    assert pair.decode.link.stats().handoff_failures == {reason: 1}
+    pair.wait(bystander)
+    assert bystander.final.finish_reason == "length" and len(bystander.token_ids) == GREEDY.max_tokens
+    pair.assert_clean()
+
+
+def test_a_commit_with_logprobs_as_asked_runs(make_pair: Any) -> None:
+    """The control: a sample a sampler could have made passes the same checks."""
+    pair = make_pair()
+    handoff = pair.reserve(PROMPT, LOGPROBS)
+    rogue_push(pair, handoff, [30, 30])
+    rogue_commit(pair, handoff, 30, [30, 30], first_logprobs=logprobs_of(5, logprob=float("-inf")))
+    pair.pump(lambda: handoff.is_terminal, "the request")
+    assert handoff.final.finish_reason == "length" and handoff.token_ids[0] == 5
+    assert pair.decode.link.stats().handoff_failures == {}
     pair.assert_clean()
 
 
@@ -253,6 +327,85 @@ def test_a_commit_for_a_transfer_never_reserved_still_raises_the_alarm(
     assert pair.decode.link.stats().handoff_failures == {"aborted": 1, "unknown_transfer": 2}
     refusals = [r for r in caplog.records if "commit" in r.getMessage()]
     assert len(refusals) == 2 and all(r.levelno == logging.ERROR for r in refusals)
+    pair.assert_clean()
+
+
+# ---- commits and aborts that are not the reservation's own ----------------------------------
+
+def rogue_abort(pair: PdPair, handoff: Handoff, tenant: str = "alice", transfer_id: str | None = None) -> None:
+    r = handoff.reserved
+    assert r is not None
+    pair.peer_link().send(TransferAbortMsg(r.transfer_id if transfer_id is None else transfer_id,
+                                           handoff.request_id, tenant, TRANSFER_FAILED, "forged", None, 502, "rogue"))
+
+
+def failures(pair: PdPair) -> dict[str, int]:
+    return dict(pair.decode.link.stats().handoff_failures)
+
+
+@pytest.mark.parametrize("kv_transport", ["tcp", "tcp-stream"])
+def test_a_commit_under_another_tenant_raises_the_alarm_and_the_real_commit_still_completes(
+        make_pair: Any, llama_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A peer's commit for a live transfer under another tenant, sent before any KV: counted as
+    `identity_mismatch` and logged at ERROR at once, and the reservation is untouched, so the
+    real prefill's handoff completes. On tcp-stream it was parked before the identity check:
+    no alarm, and 30 s later an expiry that blamed prefill."""
+    pair = make_pair()
+    handoff = pair.reserve(PROMPT, GREEDY)
+    with caplog.at_level(logging.INFO, logger="kvseal.disagg"):
+        rogue_commit(pair, handoff, 30, [30, 30], tenant="bob")
+        pair.pump(lambda: failures(pair).get("identity_mismatch", 0) == 1, "the alarm")
+    alarms = [r for r in caplog.records if "refused a commit" in r.getMessage()]
+    assert len(alarms) == 1 and alarms[0].levelno == logging.ERROR
+    pair.to_prefill.send(pair.prefill_msg(handoff, PROMPT, GREEDY))
+    pair.wait(handoff)
+    assert handoff.token_ids == colocated(llama_dir, [PROMPT], GREEDY)[0]
+    assert failures(pair) == {"identity_mismatch": 1}
+    pair.assert_clean()
+
+
+@pytest.mark.parametrize("kv_transport", ["tcp-stream"])
+def test_the_first_parked_commit_stands_and_a_second_is_an_alarm(
+        make_pair: Any, caplog: pytest.LogCaptureFixture) -> None:
+    """Prefill commits a transfer once. Two commits held for the same data: the first decides,
+    the second is refused as `duplicate_commit` (ERROR) and replaces nothing (it did: the parked
+    commits were keyed by transfer id, so the last one won, silently)."""
+    pair = make_pair()
+    handoff = pair.reserve(PROMPT, GREEDY)
+    with caplog.at_level(logging.INFO, logger="kvseal.disagg"):
+        rogue_commit(pair, handoff, 30, [30, 30], first_token=5)  # no KV yet: held until the stream's end
+        rogue_commit(pair, handoff, 30, [30, 30], first_token=6)
+        pair.pump(lambda: failures(pair).get("duplicate_commit", 0) == 1, "the alarm")
+    alarms = [r for r in caplog.records if "second commit" in r.getMessage()]
+    assert len(alarms) == 1 and alarms[0].levelno == logging.ERROR
+    rogue_push(pair, handoff, [30, 30])
+    pair.pump(lambda: handoff.is_terminal, "the handoff")
+    assert handoff.final.finish_reason == "length" and handoff.token_ids[0] == 5
+    assert failures(pair) == {"duplicate_commit": 1}
+    pair.assert_clean()
+
+
+def test_a_transfer_abort_no_reservation_matches_raises_the_alarm(
+        make_pair: Any, caplog: pytest.LogCaptureFixture) -> None:
+    """A transfer abort for an id decode never drew is `unknown_transfer`, for a live transfer
+    under another tenant `identity_mismatch` (both ERROR, the reservation untouched); prefill's
+    own abort of a reservation decode already released is `cancelled` (INFO). Forged aborts were
+    dropped without a count or a line."""
+    pair = make_pair()
+    live, released = pair.reserve(PROMPT, GREEDY), pair.reserve(PROMPT, GREEDY)
+    pair.to_decode.send(AbortMsg(released.request_id, "alice", "client_disconnected"))
+    pair.pump(lambda: released.is_terminal, "the release")
+    with caplog.at_level(logging.INFO, logger="kvseal.disagg"):
+        rogue_abort(pair, live, transfer_id="f" * 32)
+        rogue_abort(pair, live, tenant="mallory")
+        rogue_abort(pair, released)
+        pair.pump(lambda: sum(failures(pair).values()) == 4, "the refusals")
+    assert failures(pair) == {"aborted": 1, "unknown_transfer": 1, "identity_mismatch": 1, CANCELLED: 1}
+    levels = [r.levelno for r in caplog.records if "transfer abort" in r.getMessage()]
+    assert sorted(levels) == [logging.INFO, logging.ERROR, logging.ERROR]
+    pair.to_prefill.send(pair.prefill_msg(live, PROMPT, GREEDY))  # the live reservation is intact
+    pair.wait(live)
+    assert live.final.finish_reason == "length"
     pair.assert_clean()
 
 

@@ -76,9 +76,40 @@ def engine_argv(keys: Path, role: str = "decode", link_key: str | None = None, p
     return [*argv, "--peer-keys", str(keys / "prefill.key")] if peers else argv
 
 
-def test_engine_key_flags_that_pass_reach_the_next_check(keys: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(engine_argv(keys)) == 2
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_engine_key_flags_that_pass_reach_the_next_check(keys: Path, role: str,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """The README's commands: `kvseal keys generate --dir keys frontend prefill decode`, then each
+    engine names the key files it accepts."""
+    assert main(engine_argv(keys, role, peers=role == "decode")) == 2
     assert "kvseal: error: --threads" in capsys.readouterr().err  # the keys were fine
+
+
+def test_a_folder_of_frontend_keys_only_passes(keys: Path, tmp_path: Path,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    frontends = tmp_path / "frontends"
+    assert main(["keys", "generate", "--dir", str(frontends), "frontend-a", "frontend-b"]) == 0
+    argv = engine_argv(keys, "prefill", peers=False)
+    argv[argv.index("--frontend-keys") + 1] = str(frontends)
+    assert main(argv) == 2
+    assert "kvseal: error: --threads" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("role", "flag", "spec", "own_file"), [
+    ("prefill", "--frontend-keys", "{keys}", "prefill.key"),  # the folder `keys generate` wrote all keys into
+    ("prefill", "--frontend-keys", "{keys}/frontend.key,{keys}/prefill.key", "prefill.key"),
+    ("decode", "--frontend-keys", "{keys}", "decode.key"),
+    ("decode", "--peer-keys", "{keys}/prefill.key,{keys}/decode.key", "decode.key"),
+])
+def test_an_engine_refuses_its_own_key_on_an_allow_list(keys: Path, role: str, flag: str, spec: str, own_file: str,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """Whoever stole an engine's key pair must not be able to act as a frontend (stop it, read its
+    stats, push prefill compute anywhere) or as a peer of that engine."""
+    argv = engine_argv(keys, role, peers=role == "decode")
+    argv[argv.index(flag) + 1] = spec.format(keys=keys)
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"kvseal: error: {flag}: {keys / own_file} is this engine's own public key" in err, err
 
 
 @pytest.mark.parametrize(("change", "expected"), [
@@ -101,7 +132,7 @@ def test_an_engine_refuses_keys_it_cannot_trust(keys: Path, change: str, expecte
     elif change == "decode without --peer-keys":
         argv = engine_argv(keys, peers=False)
     elif change == "prefill with --peer-keys":
-        argv = engine_argv(keys, role="prefill")
+        argv = [*engine_argv(keys, role="prefill", peers=False), "--peer-keys", str(keys / "decode.key")]
     else:
         argv = [*argv[:-2], "--peer-keys", f"{keys / 'prefill.key'},{keys / 'frontend.key'}"]
     assert main(argv) == 2
@@ -142,4 +173,4 @@ def test_public_keys_load_from_files_and_folders_once_each(keys: Path) -> None:
 def test_a_key_pair_never_shows_its_secret() -> None:
     pair = KeyPair.ephemeral("x")
     assert pair.secret.decode() not in repr(pair) and pair.secret.decode() not in repr(
-        EngineLinkKeys(pair, (pair.public_key(),)))
+        EngineLinkKeys(pair, (KeyPair.ephemeral("frontend").public_key(),)))

@@ -26,7 +26,7 @@ def client() -> Iterator[PdClient]:
 
 def _stats(instance_id: str, role: Role, num_pages_scrubbed: int, num_violations: int = 0) -> PdStatsMsg:
     engine = EngineStatsMsg(0, 0, 0, 64, 0, num_violations, num_pages_scrubbed)
-    return PdStatsMsg(instance_id, role, engine, 64, 0, 0, 0, 0.0, {}, 0, 0, 0)
+    return PdStatsMsg(instance_id, role, engine, 64, 0, 0, 0, 0.0, {}, 0, {}, 0)
 
 
 def test_pages_scrubbed_sums_engines_and_never_drops(client: PdClient) -> None:

@@ -64,6 +64,11 @@ def test_client_disconnect_during_the_handoff(pd_cluster: PdCluster) -> None:
 def test_prefill_killed_mid_transfer(pd_cluster: PdCluster) -> None:
     results = kill_during_handoffs(pd_cluster, "prefill")
     assert_errors(results)
+    # what the clients were told (the audit keeps it): the role, never the engine's address
+    ids = {r.request_id for r in results if r.status >= 500}
+    told = [a for a in pd_cluster.frontend.audit_records() if a["request_id"] in ids]
+    assert told and all(a["reason"] == "engine_unavailable" for a in told), [a["reason"] for a in told]
+    assert not any(pd_cluster.prefill.address in a.get("detail", "") for a in told), told
     assert_engines_clean(pd_cluster.decode)  # its reservations were released; decode holds nothing
     assert pd_cluster.frontend.health() == 503
     pd_cluster.prefill.start().wait_ready()  # the same address, a new instance

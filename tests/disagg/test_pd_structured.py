@@ -91,10 +91,12 @@ def test_an_abort_while_the_grammar_compiles_cancels_it_in_either_role(pair: PdP
 
     request_id = "pd-prefill-compiling"
     started = pair.handoffs[request_id] = Handoff(request_id)
+    num_pages = -(-(len(prompt) + 1) // prefill.kv.page_size)  # a well-formed message for no reservation
     pair.to_prefill.send(PrefillMsg(
-        request_id, "alice", prompt, params_to_msg(params), transfer_id="transfer-unknown",
+        request_id, "alice", prompt, params_to_msg(params), transfer_id="0" * 32,
         decode_address=pair.decode.config.listen, decode_public_key=pair.decode.config.link_keys.own.public,
-        decode_engine=pair.decode.instance_id, kv_address="unused", transfer_key=bytes(32), pages=[]))
+        decode_engine=pair.decode.instance_id, kv_address="unused", transfer_key=bytes(32),
+        pages=list(range(num_pages))))
     pair.pump(lambda: prefill.grammar_stats().num_running >= 1, "prefill's compile to start")
     pair.to_prefill.send(AbortMsg(request_id, "alice", "client_disconnected"))
     pair.pump(lambda: started.prefill_result is not None, "prefill's answer")

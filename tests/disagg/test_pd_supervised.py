@@ -5,6 +5,7 @@ new instance; the dead instance's per-engine series leave /metrics."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
@@ -19,6 +20,12 @@ import pytest
 from marker_model import marker_prompt
 from pd_servers import ENGINE_FLAGS, KEYS, Proc
 from processes import free_port, wait_for
+
+from kvseal.cli import build_parser
+from kvseal.disagg.serve import SpawnedEngines
+from kvseal.disagg.topology import PdTopology
+from kvseal.engine.supervisor import RestartPolicy
+from kvseal.engine_args import engine_args_from
 
 FLAGS = [*ENGINE_FLAGS, "--kv-cache-tokens", "1024", "--max-model-len", "512"]
 MAX_TOKENS = 6
@@ -92,6 +99,9 @@ def serves_again(server: PdServe) -> bool:
 
 @pytest.mark.parametrize("role", ["decode", "prefill"])
 def test_a_killed_engine_is_restarted_and_its_series_dropped(pd_serve: PdServe, role: str) -> None:
+    ready = wait_for(lambda: re.search(r"kvseal ready: .* \(prefill engine pid (\d+), decode engine pid (\d+)\)$",
+                                       pd_serve.log(), re.MULTILINE), "the ready line, naming both engines' pids")
+    assert [int(pid) for pid in ready.groups()] == [pd_serve.engine_pid("prefill"), pd_serve.engine_pid("decode")]
     assert serves_again(pd_serve)
     old_pid, old_instance = pd_serve.engine_pid(role), wait_for(lambda: pd_serve.instance(role), "its series")
     with ThreadPoolExecutor(max_workers=4) as pool:
@@ -102,9 +112,9 @@ def test_a_killed_engine_is_restarted_and_its_series_dropped(pd_serve: PdServe, 
     wait_for(lambda: f"restarted the {role} engine" in pd_serve.log(), "the restart")
     meanwhile = [send(pd_serve) for _ in range(3)]
     assert_own_or_error(meanwhile)
-    for _, status, text in meanwhile:  # while it loads: 503 saying what happened
-        assert status == 200 or (f"no {role} engine is reachable (the {role} engine (pid {old_pid})" in text
-                                 and "exited (killed by SIGKILL (signal 9)); restarted at " in text), text
+    for _, status, text in meanwhile:  # while it loads: 503 saying what happened (no PID, no address)
+        assert status == 200 or (f"no {role} engine is reachable (the {role} engine exited (killed by SIGKILL "
+                                 f"(signal 9)); restarted at " in text and str(old_pid) not in text), text
     wait_for(lambda: serves_again(pd_serve), "serving again", deadline_s=120)
     assert is_reaped(old_pid)
     assert re.search(rf"the {role} engine \(pid {old_pid}\) at \S+ exited \(killed by SIGKILL \(signal 9\)\); "
@@ -115,3 +125,51 @@ def test_a_killed_engine_is_restarted_and_its_series_dropped(pd_serve: PdServe, 
     assert f'kvseal_engine_restarts_total{{role="{role}"}} 1.0' in metrics
     assert pd_serve.engine_pid(role) != old_pid
     assert pd_serve.terminate() == 0
+
+
+class FakeProcess:
+    """An engine process as the supervisor sees it (pid, exit code), without an engine."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.exitcode: int | None = None
+
+    def join(self, timeout: float | None = None) -> None:
+        pass
+
+    def is_alive(self) -> bool:
+        return self.exitcode is None
+
+    def terminate(self) -> None:
+        self.exitcode = -signal.SIGTERM
+
+    kill = terminate
+
+
+def test_the_503_reason_describes_the_engine_as_it_is_now(marker_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Killed, restarted, killed again before the supervisor reaped it: the reason clients get
+    says the restarted engine exited, not that the first one did and its successor is starting;
+    and it names no PID or address (the log does)."""
+    pids = count(40001)
+    monkeypatch.setattr(SpawnedEngines, "_spawn", lambda self, config: FakeProcess(next(pids)))
+    ns = build_parser().parse_args(["serve", "--pd", "--model", str(marker_dir), *FLAGS])
+    topology = PdTopology.from_namespace(ns)
+    assert topology is not None
+    spawned = SpawnedEngines(topology, engine_args_from(ns), argparse.Namespace(**vars(ns)),
+                             RestartPolicy(engine_restart_limit=5, engine_restart_backoff_s=0))
+    first = spawned.processes[0]
+    assert spawned.why_down("prefill") is None
+    first.exitcode = -signal.SIGKILL
+    assert spawned.why_down("prefill") == "the prefill engine exited (killed by SIGKILL (signal 9))"
+    spawned._check(0)  # reaped, its restart due at once
+    spawned._check(0)  # restarted
+    second = spawned.processes[0]
+    assert second is not first and "restarted at" in (spawned.why_down("prefill") or "")
+    second.exitcode = 1
+    assert spawned.why_down("prefill") == "the prefill engine exited (exit code 1)"
+    spawned._check(0)
+    assert spawned.why_down("prefill") == "the prefill engine exited (exit code 1); restarting it in 0 s"
+    address = topology.prefill[0].address
+    for why in (spawned.why_down("prefill") or "", spawned.why_down("decode") or ""):
+        assert str(first.pid) not in why and str(second.pid) not in why and address not in why
+    spawned.stop()

@@ -32,7 +32,9 @@ def test_the_limit_counts_restarts_in_a_row(monkeypatch: pytest.MonkeyPatch) -> 
 
 
 def test_limit_zero_never_restarts() -> None:
-    assert RestartTracker(RestartPolicy(engine_restart_limit=0)).next_delay_s() is None
+    tracker = RestartTracker(RestartPolicy(engine_restart_limit=0))
+    assert tracker.next_delay_s() is None
+    assert tracker.gave_up() == "not restarted (--engine-restart-limit 0): restart the server"
 
 
 def test_exits_in_words() -> None:
@@ -42,7 +44,10 @@ def test_exits_in_words() -> None:
 
 @pytest.mark.parametrize("kwargs, flag", [({"engine_restart_limit": -1}, "--engine-restart-limit"),
                                           ({"engine_restart_backoff_s": -1.0}, "--engine-restart-backoff-s"),
-                                          ({"engine_restart_backoff_s": float("inf")}, "--engine-restart-backoff-s")])
+                                          ({"engine_restart_backoff_s": float("inf")}, "--engine-restart-backoff-s"),
+                                          ({"engine_timeout_s": 1.0}, "--engine-timeout-s"),
+                                          ({"engine_timeout_s": float("nan")}, "--engine-timeout-s"),
+                                          ({"engine_timeout_s": True}, "--engine-timeout-s")])
 def test_bad_flags_are_refused(kwargs: dict[str, float], flag: str) -> None:
     with pytest.raises(ConfigError, match=flag):
         RestartPolicy(**kwargs)  # type: ignore[arg-type]
@@ -50,6 +55,7 @@ def test_bad_flags_are_refused(kwargs: dict[str, float], flag: str) -> None:
 
 @pytest.mark.parametrize("argv, message", [
     (["serve", "--engine-restart-limit", "-1"], "--engine-restart-limit must be an integer >= 0"),
+    (["serve", "--engine-timeout-s", "0.5"], "--engine-timeout-s must be a number of seconds >= 2"),
     (["serve", "--audit-log-max-bytes", "10MiB"], "--audit-log-max-bytes rotates the audit log file: give --audit-log"),
 ])
 def test_bad_serve_flags_stop_start_up_with_one_line(argv: list[str], message: str,

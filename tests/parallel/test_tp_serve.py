@@ -24,6 +24,8 @@ from processes import process_gone, wait_for  # noqa: E402
 from server_process import ServerProcess  # noqa: E402
 from tiny_server_model import make_server_model  # noqa: E402
 
+from kvseal.messages.msgs import TP_RANK_LOST  # noqa: E402
+
 BODY = {"prompt": "w5 w6", "max_tokens": 400, "ignore_eos": True, "stream": True}
 TP_FLAGS = ["--tensor-parallel-size", "2", "--tp-timeout", "10"]
 NO_RESTART = ["--engine-restart-limit", "0"]  # these tests look at the failed state itself
@@ -41,6 +43,15 @@ def _rank_pids(server: ServerProcess) -> list[int]:
     found = wait_for(lambda: re.search(r"tensor parallel: 2 ranks \(pids \[([\d, ]+)\]\)", server.log()),
                      "the engine's tensor-parallel start-up line")
     return [int(p) for p in found.group(1).split(",")]
+
+
+def assert_plain_rank_lost(message: str, server: ServerProcess) -> None:
+    """Clients (and the unauthenticated /health) get the plain reason; gloo's error, with its
+    source paths, loopback ports and PIDs, is only in the server's log."""
+    assert TP_RANK_LOST in message, message
+    assert not re.search(r"gloo|\.cc\b|127\.0\.0\.1|:\d{4,5}\b|pid", message), message
+    assert "a tensor-parallel rank failed; stopping the ranks (pids" in server.log()
+    assert "RankFailure: rank 0: " in server.log()  # the exception, in the traceback
 
 
 def test_tp2_server_answers_like_tp1_and_fails_closed_when_a_rank_dies(tp_server: ServerProcess,
@@ -64,9 +75,11 @@ def test_tp2_server_answers_like_tp1_and_fails_closed_when_a_rank_dies(tp_server
         os.kill(rank_pid, signal.SIGKILL)
         events = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
     assert "error" in events[-1] and events[-1]["error"]["code"] == "engine_unavailable"
+    assert_plain_rank_lost(events[-1]["error"]["message"], tp_server)
     assert not any(e.get("choices", [{}])[0].get("finish_reason") for e in events[:-1])
     health = httpx.get(f"{tp_server.url}/health", timeout=10)
     assert health.status_code == 503
+    assert_plain_rank_lost(health.json()["error"]["message"], tp_server)
     assert httpx.post(f"{tp_server.base_url}/completions", json=body, timeout=60).status_code == 503
 
 
@@ -76,8 +89,9 @@ def test_a_rank_lost_while_idle_turns_health_503(tp_server: ServerProcess, how: 
     (rank_pid,) = _rank_pids(tp_server)
     assert httpx.get(f"{tp_server.url}/health", timeout=10).status_code == 200
     os.kill(rank_pid, signal.SIGKILL if how == "kill" else signal.SIGSTOP)
-    wait_for(lambda: httpx.get(f"{tp_server.url}/health", timeout=10).status_code == 503,
-             "health 503 after the rank was lost")
+    health = wait_for(lambda: (r := httpx.get(f"{tp_server.url}/health", timeout=10)).status_code == 503 and r,
+                      "health 503 after the rank was lost")
+    assert_plain_rank_lost(health.json()["error"]["message"], tp_server)
     body = {"prompt": "w5", "max_tokens": 2}
     assert httpx.post(f"{tp_server.base_url}/completions", json=body, timeout=60).status_code == 503
     wait_for(lambda: process_gone(rank_pid), "the lost rank stopped by its PID")

@@ -104,6 +104,17 @@ def test_a_missing_directory_fails_the_log_and_its_return_recovers_it(tmp_path: 
     assert [r["request_id"] for r in lines(folder / "audit.jsonl")] == ["a"]
 
 
+def test_the_failure_clients_see_names_the_reason_but_not_the_path(tmp_path: Path) -> None:
+    """The failure goes to tenants and the unauthenticated /health: the server's path stays in its log."""
+    path = tmp_path / "audit.jsonl"
+    log = AuditLog(str(path), include_prompts=False, retry_s=0.0)
+    assert log.write(record("a"))
+    path.unlink()
+    path.mkdir()  # the log's path is now a directory
+    assert not log.write(record("b"))
+    assert log.check() == "cannot write the audit log: Is a directory"
+
+
 def test_records_beyond_the_queue_are_dropped_and_counted(linked: tuple[Path, Path]) -> None:
     link, real = linked
     log = AuditLog(str(link), include_prompts=False, retry_s=0.0, max_pending=2)

@@ -29,7 +29,14 @@ from kvseal.engine.client import EngineClient
 from kvseal.engine_api import EngineGone, IsolationBreach, RequestEvent
 from kvseal.messages.codec import encode
 from kvseal.messages.convert import params_to_msg
-from kvseal.messages.msgs import AbortMsg, AddRequestMsg, EngineReadyMsg, OutputsMsg, RequestOutputMsg
+from kvseal.messages.msgs import (
+    AbortMsg,
+    AddRequestMsg,
+    EngineReadyMsg,
+    OutputsMsg,
+    RequestOutputMsg,
+    RequestRejectedMsg,
+)
 from kvseal.server import errors
 from kvseal.server.app import build_app
 from kvseal.server.audit import AuditLog
@@ -174,3 +181,13 @@ def test_a_failing_audit_log_never_reaches_the_receive_loop(tmp_path: Path) -> N
             _close(state)
 
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("status", [200, 302, 0, 700])
+def test_an_engine_refusal_with_a_status_that_is_no_error_is_a_500(status: int) -> None:
+    """A PD decode engine relays prefill's refusal, status and all: a broken or hostile peer's
+    success status must not turn a refusal into a 200 (I6)."""
+    err = errors.for_event(RequestRejectedMsg("cmpl-1", "alice", "prefill_refused", "no", None, status))
+    assert err is not None and err.status == 500 and err.code == "prefill_refused"
+    kept = errors.for_event(RequestRejectedMsg("cmpl-1", "alice", "context_length_exceeded", "long", "prompt", 400))
+    assert kept is not None and kept.status == 400

@@ -1,7 +1,8 @@
 """Supervised colocated engine: an engine killed by its PID is reaped and restarted with
 backoff; the requests it held and those sent meanwhile get errors (never a 200 with wrong
 text), then the server serves the same answers again; past the restart limit it stays down
-with a 503 that says why."""
+with a 503 that says why. A hung (SIGSTOPped) engine is noticed by its silence, killed by its
+PID and handled as one that crashed."""
 
 from __future__ import annotations
 
@@ -45,12 +46,12 @@ def is_reaped(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
-def kill_mid_stream(server: ServerProcess, pid: int) -> dict[str, object]:
-    """SIGKILL the engine while a stream runs; the stream's last event (an error)."""
+def kill_mid_stream(server: ServerProcess, pid: int, sig: signal.Signals = signal.SIGKILL) -> dict[str, object]:
+    """Send `sig` to the engine while a stream runs; the stream's last event (an error)."""
     with httpx.stream("POST", f"{server.base_url}/completions", json=LONG, timeout=60) as response:
         lines = response.iter_lines()
         next(lines)
-        os.kill(pid, signal.SIGKILL)
+        os.kill(pid, sig)
         events = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
     return events[-1]
 
@@ -90,10 +91,12 @@ def test_a_killed_engine_is_reaped_restarted_and_serves_the_same_answers(
     records = server.audit_records()
     errors = [r for r in records if r["outcome"] == "error"]
     assert errors and all(r.get("output_tokens", 0) < LONG["max_tokens"] for r in errors)  # type: ignore[operator]
-    # the audit names the engine process: the dead one's requests are one query away
+    # the audit names the engine process: the dead one's requests are one query away; their reason is
+    # the code the requests refused meanwhile have too, the exit in words beside it
     assert {r["engine"] for r in records if r["outcome"] == "finished"} == {f"engine-{old_pid}", f"engine-{new_pid}"}
+    assert "killed by SIGKILL (signal 9)" in errors[0]["detail"]
     assert main(["audit", "--audit-log", str(server.audit_path), "--engine", f"engine-{old_pid}", "--outcome",
-                 "error", "--format", "json"]) == 0
+                 "error", "--reason", "engine_unavailable", "--format", "json"]) == 0
     found = json.loads(capsys.readouterr().out)["requests"]
     assert [r["request_id"] for r in found] == [errors[0]["request_id"]]
 
@@ -108,7 +111,51 @@ def test_past_the_restart_limit_the_engine_stays_down_with_a_reason(
     os.kill(pid, signal.SIGKILL)
     wait_for(lambda: "not restarted again" in answer(server)[1], "the given-up 503")
     health = httpx.get(f"{server.url}/health", timeout=10)
-    assert health.status_code == 503 and "--engine-restart-limit 1" in health.json()["error"]["message"]
+    message = health.json()["error"]["message"]
+    assert health.status_code == 503 and "--engine-restart-limit 1" in message
+    assert "Retry later" not in message  # retrying cannot help: it says to restart the server
     assert is_reaped(pid) and len(restarted_pids(server)) == 1
     assert server.metric("kvseal_engine_up") == 0
+    assert server.terminate() == 0
+
+
+def test_a_hung_engine_is_killed_and_restarted(start_server: Callable[..., ServerProcess]) -> None:
+    server = start_server("--engine-timeout-s", "3", "--engine-restart-backoff-s", "0")
+    status, before = answer(server)
+    assert status == 200
+    old_pid = server.engine_pid
+    last = kill_mid_stream(server, old_pid, signal.SIGSTOP)  # stopped, not dead: only its silence tells
+    assert last["error"]["code"] == "engine_unavailable"  # type: ignore[index]
+    assert "the engine process stopped responding" in last["error"]["message"]  # type: ignore[index]
+    assert "--engine-timeout-s 3" in last["error"]["message"]  # type: ignore[index]
+    assert is_reaped(old_pid)
+    assert f"ERROR kvseal.server: the engine process (pid {old_pid}) has sent nothing" in server.log()
+    wait_for(lambda: answer(server)[0] == 200, "serving again")
+    assert answer(server) == (status, before)
+    assert server.metric('kvseal_engine_restarts_total{role="engine"}') == 1
+    assert restarted_pids(server)[0] != old_pid
+
+
+def test_a_hung_engine_without_restarts_leaves_the_server_unhealthy_with_a_reason(
+        start_server: Callable[..., ServerProcess]) -> None:
+    server = start_server("--engine-timeout-s", "3", "--engine-restart-limit", "0")
+    pid = server.engine_pid
+    os.kill(pid, signal.SIGSTOP)
+    health = wait_for(lambda: (h := httpx.get(f"{server.url}/health", timeout=10)).status_code == 503 and h,
+                      "/health 503")
+    assert "the engine process stopped responding" in health.json()["error"]["message"]
+    assert server.metric("kvseal_engine_up") == 0
+    wait_for(lambda: is_reaped(pid), "the hung engine killed and reaped")
+    assert server.terminate() == 0
+
+
+def test_with_restart_limit_zero_a_dead_engine_says_restart_the_server(
+        start_server: Callable[..., ServerProcess]) -> None:
+    server = start_server("--engine-restart-limit", "0")
+    os.kill(server.engine_pid, signal.SIGKILL)
+    wait_for(lambda: answer(server)[0] == 503, "the 503 of the dead engine")
+    message = httpx.get(f"{server.url}/health", timeout=10).json()["error"]["message"]
+    assert "not restarted (--engine-restart-limit 0): restart the server" in message
+    assert "Retry later" not in message
+    assert "CRITICAL" in server.log() and not restarted_pids(server)
     assert server.terminate() == 0

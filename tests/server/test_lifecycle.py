@@ -110,6 +110,8 @@ def test_the_abort_check_fails_when_an_abort_is_served_as_a_success(
 
 def test_engine_death_fails_requests_and_health(start_server: Callable[..., ServerProcess]) -> None:
     open_server = start_server("--engine-restart-limit", "0")  # restarts: tests/server/test_engine_restart.py
+    # the pool's real figures from start-up, before any request (the canary's "before the run")
+    assert open_server.metric("kvseal_kv_pages_free") > 0 and open_server.metric("kvseal_kv_pages_used") == 0
     client = client_for(open_server, "EMPTY")
     out = client.completions.create(model=open_server.model_name, prompt="w5", max_tokens=2)
     assert open_server.audit_for(out.id)["tenant"] == "default"
@@ -334,3 +336,32 @@ def test_a_host_that_does_not_resolve_stops_start_up(host: str, server_model_dir
     done = _serve("--model", str(server_model_dir), "--host", host)
     assert done.returncode == 2, done.stderr
     assert f"kvseal: error: cannot listen on {host}:" in done.stderr and "kvseal[engine]" not in done.stderr
+
+
+def _descendants(pid: int) -> dict[int, str]:
+    """Every process below `pid`: its state letter ('Z' for <defunct>), by PID."""
+    found: dict[int, str] = {}
+    parents = {pid}
+    while parents:
+        children = {}
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            with contextlib.suppress(OSError):
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+                if int(fields[1]) in parents:
+                    children[int(stat.parent.name)] = fields[0]
+        found |= children
+        parents = set(children)
+    return found
+
+
+def test_sighup_to_the_process_group_ends_no_child(start_server: Callable[..., ServerProcess]) -> None:
+    # OPERATIONS: SIGHUP may go to the whole group; the engine, multiprocessing's resource tracker
+    # and every other child must survive it (the tracker used to die, left <defunct>)
+    server = start_server(own_process_group=True)
+    assert server.proc is not None
+    before = _descendants(server.proc.pid)
+    assert len(before) >= 2 and "Z" not in before.values(), before  # the engine and the tracker at least
+    os.killpg(server.proc.pid, signal.SIGHUP)
+    wait_for(lambda: "SIGHUP" in server.log() or "keys reloaded" in server.log(), "the server's SIGHUP line")
+    assert _descendants(server.proc.pid) == before
+    assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
