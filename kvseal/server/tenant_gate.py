@@ -4,7 +4,9 @@ A request takes one slot per sequence it puts in the engine (`n`): a request wit
 is 16 requests there, and a cap that counted it as one would let a tenant at its cap fill
 the engine's whole batch. The slots are taken before the request is tokenized and given back
 exactly once, when the request reaches its terminal state (finished, rejected, aborted or
-failed).
+failed). Only tenants with a request in flight are counted: a tenant whose last slot comes back
+is forgotten, so the table holds no entry per tenant ever seen (keys are reloaded, tenants come
+and go).
 """
 
 from __future__ import annotations
@@ -33,3 +35,9 @@ class TenantGate:
     def release(self, tenant: Tenant, num_slots: int = 1) -> None:
         assert self._in_flight[tenant.name] >= num_slots, f"release without acquire for tenant {tenant.name}"
         self._in_flight[tenant.name] -= num_slots
+        if not self._in_flight[tenant.name]:
+            del self._in_flight[tenant.name]
+
+    def num_tenants_in_flight(self) -> int:
+        """Tenants holding at least one slot (the table's size)."""
+        return len(self._in_flight)
