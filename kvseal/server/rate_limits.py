@@ -18,7 +18,9 @@ again, as "1s", "6m0s", "250ms"); a 429 adds `Retry-After` (whole seconds until 
 could pass). A tenant without a limit gets no headers for it.
 
 Buckets are per tenant name and follow key reloads: a changed limit keeps the tenant's usage
-(its level clipped to the new size), a removed limit drops the bucket.
+(its level clipped to the new size), a removed limit drops the bucket. Each reload also drops the
+buckets that have refilled to their size (a new one would start the same), so tenants that
+have come and gone leave no bucket behind.
 """
 
 from __future__ import annotations
@@ -88,6 +90,17 @@ class RateLimits:
                 out[f"x-ratelimit-remaining-{kind}"] = str(bucket.remaining)
                 out[f"x-ratelimit-reset-{kind}"] = format_duration(bucket.seconds_until(bucket.capacity))
         return out
+
+    def prune(self) -> None:
+        """Drop every bucket that is full again: the tenant's next request finds it as it was."""
+        now_s = self._clock()
+        for key, bucket in list(self._buckets.items()):
+            bucket.refill(now_s)
+            if bucket.level >= bucket.capacity:
+                del self._buckets[key]
+
+    def num_buckets(self) -> int:
+        return len(self._buckets)
 
     def _take(self, tenant: Tenant, kind: Kind, amount: int) -> None:
         bucket = self._bucket(tenant, kind)

@@ -105,3 +105,22 @@ def test_a_reloaded_limit_keeps_the_usage_and_a_removed_one_drops_the_bucket() -
                                                (60.0, "1m0s"), (360.0, "6m0s"), (90.125, "1m30.125s")])
 def test_reset_durations_are_in_openais_format(seconds: float, text: str) -> None:
     assert format_duration(seconds) == text
+
+
+def test_pruning_drops_only_the_buckets_that_are_full_again() -> None:
+    clock = Clock()
+    rates = RateLimits(clock)
+    for i in range(50):  # tenants that came and went with key reloads
+        rates.take_request(Tenant(f"gone-{i}", requests_per_minute=3))
+    rates.take_prompt_tokens(ALICE, 100)
+    rates.charge_tokens(ALICE, 100)  # 80 tokens in debt: 100 s to refill
+    clock.now_s += 60
+    rates.prune()
+    assert rates.num_buckets() == 1  # alice's tokens, still refilling
+    assert rates.headers(ALICE)["x-ratelimit-remaining-tokens"] == "40"  # her debt survived the pruning
+    clock.now_s += 40
+    rates.prune()
+    assert rates.num_buckets() == 0
+    for remaining in (2, 1, 0):  # a pruned tenant starts with a full bucket, as it had
+        rates.take_request(ALICE)
+        assert rates.headers(ALICE)["x-ratelimit-remaining-requests"] == str(remaining)
