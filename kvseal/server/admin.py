@@ -14,7 +14,7 @@ no longer in the table finish, unless `abort=true`: then each ends with 401 `api
 (an error event in a stream) and is audited with that reason. A file that does not parse is
 refused whole with the reason (400 `invalid_keys_file`, or a log line for SIGHUP) and the old
 table stays. Limits (concurrency, max_tokens, rates) change with the table, for the next request.
-Rate buckets that have refilled are dropped (a new one would start the same).
+A removed tenant's `/metrics` series go with it, and rate buckets that have refilled are dropped.
 
 Disabling the model lets in-flight requests finish, or with `abort=true` ends them with 503
 `model_disabled`. Every action, a refused reload included, is one `AdminRecord` in the audit log.
@@ -86,6 +86,7 @@ def reload_keys(state: AppState, trigger: Trigger, by: ApiKey | None, *, abort: 
                        "still reloads the file")
     change = KeysChange.between(state.keys, table)
     state.keys = table
+    state.metrics.forget_tenants({t.name for t in table.tenants})
     state.rates.prune()
     valid = {k.digest for k in table.keys}
     num_aborted = _stop_calls(state, lambda c: c.key_digest not in valid, ABORT_KEY_REVOKED) if abort else 0

@@ -1,4 +1,9 @@
-"""Prometheus metrics for `/metrics`, in their own registry (one per server)."""
+"""Prometheus metrics for `/metrics`, in their own registry (one per server).
+
+Series labelled by tenant exist for the tenants of the keys file: a key reload that removes a
+tenant removes its series (`forget_tenants`), so tenants that come and go over a server's life
+leave no series behind.
+"""
 
 from __future__ import annotations
 
@@ -84,6 +89,22 @@ class ServerMetrics:
         self.model_enabled = Gauge(
             "kvseal_model_enabled", "1 while the model takes requests, 0 while the operator's kill switch is on "
             "(POST /admin/models/{id}/disable)", ["model"], registry=r)
+
+    def forget_tenants(self, kept: set[str]) -> None:
+        """Remove every tenant-labelled series of a tenant not in `kept`."""
+        for counter, label_names in self._per_tenant():
+            stale = {tuple(sample.labels[name] for name in label_names)
+                     for family in counter.collect() for sample in family.samples
+                     if sample.labels["tenant"] not in kept}
+            for label_values in stale:
+                counter.remove(*label_values)
+
+    def _per_tenant(self) -> list[tuple[Counter, tuple[str, ...]]]:
+        by_tenant = ("tenant",)
+        return [(self.requests, ("tenant", "outcome")), (self.rejections, ("tenant", "reason")),
+                (self.prompt_tokens, by_tenant), (self.completion_tokens, by_tenant),
+                (self.cached_tokens, by_tenant), (self.prefix_cache_queries, by_tenant),
+                (self.prefix_cache_hits, by_tenant)]
 
     def record_audit(self, stats: AuditStats) -> None:
         """The audit log's state (I8), as it is when /metrics is read."""

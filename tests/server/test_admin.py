@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import signal
 from collections.abc import Iterator
 from pathlib import Path
@@ -115,6 +116,25 @@ def test_a_reload_adds_and_revokes_keys_at_once(srv: ServerProcess) -> None:
     assert (record["by_tenant"], record["by_key_id"]) == ("ops", key_id("key-ops"))
     assert record["keys_removed"] == [key_id("key-alice")] and record["tenants_changed"] == ["alice", "carol"]
     assert "key-alice" not in srv.audit_path.read_text() and "key-alice" not in srv.log()
+
+
+def _tenants_in_metrics(server: ServerProcess) -> set[str]:
+    text = httpx.get(f"{server.url}/metrics", headers=ADMIN, timeout=30).text
+    return set(re.findall(r'tenant="([^"]*)"', text))
+
+
+def test_a_removed_tenant_leaves_no_series_in_metrics(srv: ServerProcess) -> None:
+    for i in range(3):  # tenants that come and go: their series must not pile up
+        write_keys(srv, KEYS | {f"key-passing-{i}": {"tenant": f"passing-{i}"}})
+        assert reload(srv).status_code == 200
+        assert complete(srv, f"key-passing-{i}").status_code == 200
+    assert "passing-2" in _tenants_in_metrics(srv)
+    write_keys(srv, KEYS)
+    assert reload(srv).status_code == 200
+    tenants = _tenants_in_metrics(srv)
+    assert not {t for t in tenants if t.startswith("passing-")}, tenants
+    assert complete(srv, "key-bob").status_code == 200
+    assert "bob" in _tenants_in_metrics(srv)
 
 
 def test_a_reload_with_abort_ends_the_revoked_keys_requests(srv: ServerProcess) -> None:

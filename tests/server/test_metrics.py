@@ -1,5 +1,5 @@
-"""`/metrics`' pages-scrubbed counter stays monotone whatever the engines' own counts do, and
-the scrub mode series names the policy the engines run (I7)."""
+"""`/metrics`' pages-scrubbed counter stays monotone whatever the engines' own counts do, the
+scrub mode series names the policy the engines run (I7), and removed tenants' series go."""
 
 from __future__ import annotations
 
@@ -43,3 +43,17 @@ def test_the_scrub_mode_series_names_one_policy() -> None:
     metrics.record_scrub_mode("off")
     metrics.record_scrub_mode("free")
     assert _snapshot(metrics).by_label("kvseal_kv_scrub_mode", "mode") == {"free": 1.0}
+
+
+def test_forgetting_tenants_removes_every_series_of_theirs_and_only_theirs() -> None:
+    metrics = ServerMetrics()
+    for tenant in ("kept", "gone-1", "gone-2"):
+        metrics.record_outcome(tenant, "finished", None)
+        metrics.record_outcome(tenant, "rejected", "concurrency_limit_exceeded")
+        metrics.record_usage(tenant, 10, 5, 4)
+        metrics.record_prefix_cache(tenant, 10, 4)
+    metrics.forget_tenants({"kept"})
+    text = metrics.render().decode()
+    assert 'tenant="gone-' not in text
+    assert text.count('tenant="kept"') == 2 * 8  # 8 series (2 of kvseal_requests), each with its _created
+    assert _snapshot(metrics).total("kvseal_prompt_tokens_total") == 10
