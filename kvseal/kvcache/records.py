@@ -28,6 +28,7 @@ when that equals `page_generation[page]`.
 from __future__ import annotations
 
 import contextlib
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Protocol
@@ -83,7 +84,14 @@ class WriteRecords:
         self.page_row = torch.full((num_pages,), FREE_ROW, dtype=torch.int64, device=dev)
         self.page_namespace = torch.full((num_pages,), -1, dtype=torch.int64, device=dev)  # of a cached page
         self.row_namespace = torch.full((8,), -1, dtype=torch.int64, device=dev)  # [num_rows]; grows with prefix
+        # A namespace has an id while a row or a cached page carries it; ids are never reused
+        # (a page of a namespace gone must never match a later one's row), so a tenant that
+        # comes and goes leaves nothing here.
         self._namespace_ids: dict[str, int] = {}
+        self._namespace_refs: dict[str, int] = {}  # rows and cached pages carrying each namespace
+        self._next_namespace_id = 0
+        self._row_namespace_of: dict[str, str] = {}  # request id -> its row's namespace
+        self._cached_namespace_of: dict[int, str] = {}  # cached page -> its namespace
         self._rows: dict[str, int] = {}
         self._num_tokens_owned: dict[str, int] = {}
         self._free_rows: list[int] = list(range(7, -1, -1))
@@ -135,13 +143,18 @@ class WriteRecords:
             raise IsolationViolation(request_id, f"request {request_id} cannot publish page {page}: it does not "
                                                  f"own it, or positions [0, {end}) are not written in every layer")
         self.page_row[page] = CACHED_ROW
-        self.page_namespace[page] = self._namespace_id(namespace)
+        self.page_namespace[page] = self._hold_namespace(namespace)
+        self._cached_namespace_of[page] = namespace
 
     def evict(self, pages: list[int]) -> None:
         """Cached `pages` leave the cache: free, nothing in them counts as written."""
         index = self._index(pages)
         self.page_row[index] = FREE_ROW
         self.page_namespace[index] = -1
+        for page in pages:
+            namespace = self._cached_namespace_of.pop(page, None)
+            if namespace is not None:
+                self._release_namespace(namespace)
         if self.track_slots:
             self._forget_slots(index)
 
@@ -157,15 +170,31 @@ class WriteRecords:
         if row is not None:
             self.prefix[:, row] = 0
             self._free_rows.append(row)
+            self._release_namespace(self._row_namespace_of.pop(request_id))
 
     def _open_row(self, request_id: str, namespace: str) -> int:
         assert request_id not in self._rows, f"request {request_id} already has a record row"
         row = self._rows[request_id] = self._new_row()
-        self.row_namespace[row] = self._namespace_id(namespace)
+        self.row_namespace[row] = self._hold_namespace(namespace)
+        self._row_namespace_of[request_id] = namespace
         return row
 
-    def _namespace_id(self, namespace: str) -> int:
-        return self._namespace_ids.setdefault(namespace, len(self._namespace_ids))
+    def _hold_namespace(self, namespace: str) -> int:
+        """The namespace's id (a new one if nothing carries it now), held once more."""
+        if namespace not in self._namespace_ids:
+            self._namespace_ids[namespace] = self._next_namespace_id
+            self._next_namespace_id += 1
+        self._namespace_refs[namespace] = self._namespace_refs.get(namespace, 0) + 1
+        return self._namespace_ids[namespace]
+
+    def _release_namespace(self, namespace: str) -> None:
+        self._namespace_refs[namespace] -= 1
+        if not self._namespace_refs[namespace]:
+            del self._namespace_refs[namespace], self._namespace_ids[namespace]
+
+    def num_namespaces(self) -> int:
+        """Namespaces a row or a cached page carries now (the size of the id table)."""
+        return len(self._namespace_ids)
 
     def _new_row(self) -> int:
         if not self._free_rows:
@@ -377,6 +406,10 @@ class WriteRecords:
             assert int(self.prefix[:, self._rows[request_id]].max()) <= owned, f"{request_id}: prefix past its pages"
         assert torch.equal(expected, self.page_row.cpu()), "a page's owner row disagrees with the allocator"
         assert torch.equal(expected_namespace, self.page_namespace.cpu()), "a cached page's namespace disagrees"
+        assert self._cached_namespace_of == cached, "cached pages' namespaces disagree with the allocator"
+        carried = Counter(self._row_namespace_of.values()) + Counter(cached.values())
+        assert self._namespace_refs == dict(carried), "a namespace's count of rows and cached pages is off"
+        assert set(self._namespace_ids) == set(carried), "a namespace id is kept that nothing carries"
 
     # --- checked mode ----------------------------------------------------------------------
 

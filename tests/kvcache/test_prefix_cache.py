@@ -173,6 +173,24 @@ def test_eviction_is_least_recently_used(make_llm: Callable[..., Any]) -> None:
     engine.check_integrity()
 
 
+def test_tenants_that_come_and_go_leave_no_namespace_in_the_records(make_llm: Callable[..., Any]) -> None:
+    """The write records name a namespace only while a row or a cached page carries it; one
+    that comes back gets a new id, so its pages can never match a row of an earlier one."""
+    engine = make_llm(kv_cache_tokens=64, max_model_len=64).engine
+    one = SamplingParams(max_tokens=1)
+    prompt = list(range(100, 117))  # 4 full pages published per tenant; 16 pages in the pool
+    for i in range(12):
+        _run(engine, f"r{i}", prompt, f"tenant-{i}", one)  # later tenants' pages evict earlier ones'
+    records = engine.kv.records
+    assert records.num_namespaces() == len(set(engine.kv.allocator.cached_namespaces().values()))
+    assert records.num_namespaces() <= 4
+    engine.kv.evict(len(engine.kv.allocator.cached_namespaces()))
+    engine.check_integrity()
+    assert records.num_namespaces() == 0
+    assert _run(engine, "back", prompt, "tenant-0", one).num_cached_tokens == 0
+    assert _run(engine, "back again", prompt, "tenant-0", one).num_cached_tokens == 16
+
+
 def test_a_preempted_request_resumes_from_its_own_published_pages(make_llm: Callable[..., Any]) -> None:
     engine = make_llm(kv_cache_tokens=48, max_model_len=48, max_num_batched_tokens=64).engine
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
