@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import math
+import numbers
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -19,6 +20,9 @@ DEFAULT_TENANT = "default"
 ISOLATION_CHECK_FAILED = "isolation_check_failed"
 SAMPLING_EPS = 1e-5
 MAX_N = 16  # most choices one request may ask for
+_INT_FIELDS = ("max_tokens", "top_k", "min_tokens", "n")
+_OPTIONAL_INT_FIELDS = ("seed", "logprobs", "truncate_prompt_tokens")
+_REAL_FIELDS = ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 
 
 def namespace_of(tenant: str) -> str:
@@ -88,12 +92,7 @@ class SamplingParams:
     structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
-        object.__setattr__(self, "stop", tuple(self.stop))
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
-        object.__setattr__(self, "logit_bias", tuple((int(t), float(b)) for t, b in bias))
+        self._check_types()
         _require(self.max_tokens >= 1, "max_tokens", f"must be >= 1, got {self.max_tokens}")
         _require(math.isfinite(self.temperature) and self.temperature >= 0, "temperature",
                  f"must be a finite number >= 0, got {self.temperature}")
@@ -108,6 +107,32 @@ class SamplingParams:
         _require(self.truncate_prompt_tokens is None or self.truncate_prompt_tokens >= 1,
                  "truncate_prompt_tokens", f"must be >= 1, got {self.truncate_prompt_tokens}")
         self._check_penalties()
+
+    def _check_types(self) -> None:
+        """Refuse values of the wrong type before they reach the sampler (where a float `top_k`
+        or `logprobs` would fail mid-step), and normalize the sequences to tuples."""
+        _require(self.max_tokens is not None, "max_tokens",
+                 "None (generate until the context is full) is not supported; give a number of tokens")
+        for name in _INT_FIELDS + _OPTIONAL_INT_FIELDS:
+            value = getattr(self, name)
+            if value is None and name in _OPTIONAL_INT_FIELDS:
+                continue
+            _require(_is_int(value), name, f"must be an integer, got {value!r}")
+            object.__setattr__(self, name, int(value))
+        for name in _REAL_FIELDS:
+            value = getattr(self, name)
+            _require(isinstance(value, numbers.Real) and not isinstance(value, bool), name,
+                     f"must be a number, got {value!r}")
+            object.__setattr__(self, name, float(value))
+        _require(self.seed is None or -2**63 <= self.seed < 2**63, "seed",
+                 f"must fit in 64 bits ([-2**63, 2**63)), got {self.seed}")
+        _require(isinstance(self.ignore_eos, bool), "ignore_eos", f"must be true or false, got {self.ignore_eos!r}")
+        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
+        object.__setattr__(self, "stop", _as_tuple(stop, "stop", "a string or a list of strings"))
+        stop_token_ids = _as_tuple(self.stop_token_ids, "stop_token_ids", "a list of token ids")
+        _require(all(_is_int(t) for t in stop_token_ids), "stop_token_ids", "every token id must be an integer")
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in stop_token_ids))
+        object.__setattr__(self, "logit_bias", _logit_bias_pairs(self.logit_bias))
 
     def _check_penalties(self) -> None:
         _require(1 <= self.n <= MAX_N, "n", f"must be between 1 and {MAX_N}, got {self.n}")
@@ -133,6 +158,25 @@ class SamplingParams:
 def _require(ok: bool, param: str, message: str) -> None:
     if not ok:
         raise InvalidParameter(f"invalid {param}: {message}", param=param)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _as_tuple(value: object, param: str, expected: str) -> tuple[Any, ...]:
+    _require(isinstance(value, (list, tuple)), param, f"must be {expected}, got {value!r}")
+    return tuple(value)  # type: ignore[arg-type]
+
+
+def _logit_bias_pairs(bias: object) -> tuple[tuple[int, float], ...]:
+    """{token id: bias} or (token id, bias) pairs -> (int, float) pairs."""
+    pairs = _as_tuple(list(bias.items()) if isinstance(bias, dict) else bias, "logit_bias",
+                      "a {token id: bias} mapping")
+    _require(all(isinstance(p, tuple | list) and len(p) == 2 and _is_int(p[0]) and isinstance(p[1], numbers.Real)
+                 and not isinstance(p[1], bool) for p in pairs),
+             "logit_bias", "every entry must map an integer token id to a number")
+    return tuple((int(t), float(b)) for t, b in pairs)
 
 
 @dataclass

@@ -55,6 +55,31 @@ def test_sampling_params_validate(kwargs: dict[str, Any], param: str) -> None:
     assert info.value.param == param and param in info.value.message
 
 
+@pytest.mark.parametrize("kwargs,param", [
+    (dict(max_tokens=None), "max_tokens"), (dict(max_tokens="4"), "max_tokens"), (dict(max_tokens=1.5), "max_tokens"),
+    (dict(top_k=2.5), "top_k"), (dict(n=2.0), "n"), (dict(n=True), "n"), (dict(min_tokens=2.5), "min_tokens"),
+    (dict(logprobs=1.5), "logprobs"), (dict(seed=1.5), "seed"), (dict(seed=2**70), "seed"),
+    (dict(truncate_prompt_tokens=2.0), "truncate_prompt_tokens"), (dict(temperature="0.5"), "temperature"),
+    (dict(top_p=None), "top_p"), (dict(ignore_eos="yes"), "ignore_eos"), (dict(stop=5), "stop"),
+    (dict(stop_token_ids=5), "stop_token_ids"), (dict(stop_token_ids=[1.5]), "stop_token_ids"),
+    (dict(stop_token_ids=["a"]), "stop_token_ids"), (dict(logit_bias=5), "logit_bias"),
+    (dict(logit_bias={"x": 1}), "logit_bias"), (dict(logit_bias={1: "x"}), "logit_bias"),
+])
+def test_sampling_params_refuse_wrong_types(kwargs: dict[str, Any], param: str) -> None:
+    """A value of the wrong type is an InvalidParameter naming the field, not a TypeError from
+    a comparison here or from the sampler mid-step (a float top_k or logprobs used to fail
+    inside `torch.topk` after the request held pages)."""
+    with pytest.raises(InvalidParameter) as info:
+        SamplingParams(**kwargs)
+    assert info.value.param == param and param in info.value.message
+
+
+def test_sampling_params_normalize_numbers() -> None:
+    params = SamplingParams(temperature=1, top_p=1, stop="x", stop_token_ids=[7], logit_bias={3: 1})
+    assert isinstance(params.temperature, float) and isinstance(params.top_p, float)
+    assert (params.stop, params.stop_token_ids, params.logit_bias) == (("x",), (7,), ((3, 1.0),))
+
+
 def test_engine_rejects_before_any_page_or_queue_entry(make_llm: Callable[..., Any]) -> None:
     llm = make_llm(kv_cache_tokens=64, max_model_len=64)
     engine = llm.engine
