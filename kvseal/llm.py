@@ -66,11 +66,19 @@ class LLM:
         return render_chat(self.engine.tokenizer, conversation)
 
     def _run(self, ids: list[str]) -> list[RequestOutput]:
+        """Step until every request of `ids` has finished. If a step raises (or the caller
+        interrupts), the call's unfinished requests are aborted, so their pages are free and
+        the next call does not inherit them."""
         results: dict[str, RequestOutput] = {}
-        while self.engine.has_unfinished():
-            for out in self.engine.step():
-                if out.finished:
-                    results[out.request_id] = out
+        try:
+            while self.engine.has_unfinished():
+                for out in self.engine.step():
+                    if out.finished:
+                        results[out.request_id] = out
+        except BaseException:
+            for request_id in ids:
+                self.engine.abort(request_id, "the offline call that submitted it failed")
+            raise
         return [results[i] for i in ids]
 
 
