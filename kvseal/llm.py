@@ -14,6 +14,8 @@ from kvseal.prompting import render_chat
 from kvseal.types import DEFAULT_TENANT, RequestOutput, SamplingParams
 
 Prompt = str | list[int]
+# vLLM's TextPrompt {"prompt": str} and TokensPrompt {"prompt_token_ids": [int]}
+PromptInput = Prompt | dict[str, Any]
 
 
 class LLM:
@@ -33,15 +35,16 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
 
-    def generate(self, prompts: Prompt | Sequence[Prompt],
+    def generate(self, prompts: PromptInput | Sequence[PromptInput],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  tenant: str = DEFAULT_TENANT) -> list[RequestOutput]:
         """Run every prompt to completion; one result per prompt, in order.
 
         Every prompt is admitted (I1) before any runs: one bad prompt rejects the call and
-        nothing is left queued.
+        nothing is left queued. A prompt is a string, a list of token ids, or vLLM's
+        `{"prompt": str}` / `{"prompt_token_ids": [int]}`.
         """
-        prompt_list = _as_prompt_list(prompts)
+        prompt_list = [_unwrap(p) for p in _as_prompt_list(prompts)]
         params = _params_per_prompt(sampling_params, len(prompt_list))
         ids = [f"offline-{next(self._ids)}" for _ in prompt_list]
         added: list[str] = []
@@ -82,13 +85,25 @@ class LLM:
         return [results[i] for i in ids]
 
 
-def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-    if isinstance(prompts, str):
+def _as_prompt_list(prompts: PromptInput | Sequence[PromptInput]) -> list[PromptInput]:
+    if isinstance(prompts, str | dict):
         return [prompts]
     items: list[Any] = list(prompts)
     if items and all(isinstance(t, int) for t in items):
         return [items]  # one prompt given as token ids
     return items
+
+
+def _unwrap(prompt: PromptInput) -> Prompt:
+    """A vLLM prompt dict -> its text or token ids; anything else is returned as given."""
+    if not isinstance(prompt, dict):
+        return prompt
+    if set(prompt) == {"prompt"}:
+        return prompt["prompt"]  # type: ignore[no-any-return]
+    if set(prompt) == {"prompt_token_ids"}:
+        return prompt["prompt_token_ids"]  # type: ignore[no-any-return]
+    raise InvalidParameter(f"a prompt dict takes exactly one of 'prompt' (text) or 'prompt_token_ids'; "
+                           f"got keys {sorted(prompt)}", param="prompt")
 
 
 def _params_per_prompt(params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from kvseal import SamplingParams
+from kvseal import InvalidParameter, SamplingParams
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
 
@@ -33,3 +33,25 @@ def test_a_failing_step_leaves_the_engine_clean_and_usable(make_llm: Callable[..
     assert llm.engine.kv.num_free_pages == free_before
     llm.engine.check_integrity()
     assert llm.generate([[5, 6, 7]], GREEDY)[0].token_ids == expected
+
+
+def test_vllm_prompt_dicts_are_the_prompts_they_hold(make_llm: Callable[..., Any]) -> None:
+    """{"prompt_token_ids": [...]} and {"prompt": "..."} (vLLM's TokensPrompt and TextPrompt) run
+    those tokens; a lone dict used to be read as the list of its keys, i.e. the text
+    "prompt_token_ids", and silently generate from that."""
+    llm = make_llm(kv_cache_tokens=64, max_model_len=64)
+    expected = [o.token_ids for o in llm.generate([[5, 6, 7], "w8 w9"], GREEDY)]
+    one = llm.generate({"prompt_token_ids": [5, 6, 7]}, GREEDY)
+    both = llm.generate([{"prompt_token_ids": [5, 6, 7]}, {"prompt": "w8 w9"}], GREEDY)
+    assert [o.token_ids for o in one] == expected[:1]
+    assert [o.prompt_token_ids for o in one] == [[5, 6, 7]]
+    assert [o.token_ids for o in both] == expected
+
+
+@pytest.mark.parametrize("prompt", [{"prompt": "w8", "prompt_token_ids": [8]}, {"multi_modal_data": {}}, {}])
+def test_other_prompt_dicts_are_refused(make_llm: Callable[..., Any], prompt: dict[str, Any]) -> None:
+    llm = make_llm(kv_cache_tokens=64, max_model_len=64)
+    with pytest.raises(InvalidParameter) as info:
+        llm.generate([[5, 6], prompt], GREEDY)
+    assert info.value.param == "prompt"
+    assert not llm.engine.has_unfinished()
