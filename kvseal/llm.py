@@ -47,16 +47,20 @@ class LLM:
         prompt_list = [_unwrap(p) for p in _as_prompt_list(prompts)]
         params = _params_per_prompt(sampling_params, len(prompt_list))
         ids = [f"offline-{next(self._ids)}" for _ in prompt_list]
+        choices = [_choices(request_id, p) for request_id, p in zip(ids, params)]
         added: list[str] = []
         try:
-            for request_id, prompt, p in zip(ids, prompt_list, params):
-                self.engine.add_request(request_id, prompt, p, tenant)
-                added.append(request_id)
+            for prompt, prompt_choices in zip(prompt_list, choices):
+                for choice_id, choice_params in prompt_choices:
+                    self.engine.add_request(choice_id, prompt, choice_params, tenant)
+                    added.append(choice_id)
         except Exception:
             for request_id in added:
                 self.engine.abort(request_id, "another prompt in the same call was rejected")
             raise
-        return self._run(ids)
+        results = self._run(added)
+        return [_merge(request_id, prompt, [results[choice_id] for choice_id, _ in prompt_choices])
+                for request_id, prompt, prompt_choices in zip(ids, prompt_list, choices)]
 
     def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
              sampling_params: SamplingParams | None = None, tenant: str = DEFAULT_TENANT) -> list[RequestOutput]:
@@ -68,7 +72,7 @@ class LLM:
     def apply_chat_template(self, conversation: list[dict[str, str]]) -> list[int]:
         return render_chat(self.engine.tokenizer, conversation)
 
-    def _run(self, ids: list[str]) -> list[RequestOutput]:
+    def _run(self, ids: list[str]) -> dict[str, RequestOutput]:
         """Step until every request of `ids` has finished. If a step raises (or the caller
         interrupts), the call's unfinished requests are aborted, so their pages are free and
         the next call does not inherit them."""
@@ -82,7 +86,7 @@ class LLM:
             for request_id in ids:
                 self.engine.abort(request_id, "the offline call that submitted it failed")
             raise
-        return [results[i] for i in ids]
+        return results
 
 
 def _as_prompt_list(prompts: PromptInput | Sequence[PromptInput]) -> list[PromptInput]:
@@ -104,6 +108,21 @@ def _unwrap(prompt: PromptInput) -> Prompt:
         return prompt["prompt_token_ids"]  # type: ignore[no-any-return]
     raise InvalidParameter(f"a prompt dict takes exactly one of 'prompt' (text) or 'prompt_token_ids'; "
                            f"got keys {sorted(prompt)}", param="prompt")
+
+
+def _choices(request_id: str, params: SamplingParams) -> list[tuple[str, SamplingParams]]:
+    """The engine requests for the `n` choices of one prompt, as the HTTP API makes them
+    (`kvseal.server.choices`): one request each, choice i of a seeded request seeded seed + i."""
+    if params.n == 1:
+        return [(request_id, params)]
+    return [(f"{request_id}-{i}", dataclasses.replace(
+        params, n=1, seed=None if params.seed is None else (params.seed + i) % 2**63)) for i in range(params.n)]
+
+
+def _merge(request_id: str, prompt: Prompt, outs: list[RequestOutput]) -> RequestOutput:
+    """The choices of one prompt as one result: choice 0's fields, every choice in `outputs`."""
+    return dataclasses.replace(outs[0], request_id=request_id, prompt=prompt if isinstance(prompt, str) else None,
+                               outputs=[out.as_completion(i) for i, out in enumerate(outs)])
 
 
 def _params_per_prompt(params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:

@@ -239,6 +239,21 @@ class TokenLogprobs:
 
 
 @dataclass(frozen=True)
+class CompletionOutput:
+    """One choice of an offline request, in vLLM's shape (`RequestOutput.outputs[index]`).
+    `cumulative_logprob` is the sum of the sampled tokens' logprobs, None unless the request
+    asked for logprobs."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: list[TokenLogprobs] | None
+    finish_reason: FinishReason | None
+    stop_reason: str | int | None
+
+
+@dataclass(frozen=True)
 class RequestOutput:
     """What one step (or a whole offline generate) reports for one request.
 
@@ -247,6 +262,10 @@ class RequestOutput:
     `num_pages_reserved` is the most KV pages the request has held so far;
     `num_kv_tokens_written` (set when finished) how many KV slots were written for it in the
     pages it held at the end.
+
+    The offline API (`LLM.generate`) also sets `prompt` (the text prompt, None for token ids)
+    and `outputs`, every choice of the request (`SamplingParams.n` of them) in vLLM's shape;
+    the other fields are choice 0's. Outputs of engine steps leave `outputs` empty.
     """
 
     request_id: str
@@ -265,10 +284,18 @@ class RequestOutput:
     num_pages_reserved: int = 0
     num_kv_tokens_written: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    prompt: str | None = None
+    outputs: list[CompletionOutput] = field(default_factory=list)
 
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    def as_completion(self, index: int) -> CompletionOutput:
+        logprobs = self.logprobs
+        cumulative = None if logprobs is None else sum(lp.logprob for lp in logprobs)
+        return CompletionOutput(index, self.text, self.token_ids, cumulative, logprobs, self.finish_reason,
+                                self.stop_reason)
 
 
 @dataclass(frozen=True)

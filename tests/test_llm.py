@@ -55,3 +55,36 @@ def test_other_prompt_dicts_are_refused(make_llm: Callable[..., Any], prompt: di
         llm.generate([[5, 6], prompt], GREEDY)
     assert info.value.param == "prompt"
     assert not llm.engine.has_unfinished()
+
+
+def test_n_choices_come_back_as_outputs(make_llm: Callable[..., Any]) -> None:
+    """SamplingParams(n=3) gives three choices in `outputs` (vLLM's shape), each seeded seed + i
+    as the HTTP API does; before, offline generate ran one choice and dropped n silently."""
+    llm = make_llm(kv_cache_tokens=256, max_model_len=64)
+    free_before = llm.engine.kv.num_free_pages
+    params = SamplingParams(n=3, max_tokens=6, seed=11, ignore_eos=True, logprobs=0)
+    [out] = llm.generate("w8 w9", params)
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    singles = [llm.generate("w8 w9", SamplingParams(max_tokens=6, seed=11 + i, ignore_eos=True))[0]
+               for i in range(3)]
+    assert [c.token_ids for c in out.outputs] == [s.token_ids for s in singles]
+    assert [c.text for c in out.outputs] == [s.text for s in singles]
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1
+    assert (out.token_ids, out.text) == (out.outputs[0].token_ids, out.outputs[0].text)
+    assert out.prompt == "w8 w9" and out.request_id.startswith("offline-") and out.finished
+    for choice in out.outputs:
+        assert choice.logprobs is not None and len(choice.logprobs) == 6
+        assert choice.cumulative_logprob == pytest.approx(sum(lp.logprob for lp in choice.logprobs))
+        assert choice.finish_reason == "length"
+    assert llm.engine.kv.num_free_pages == free_before
+
+
+def test_one_choice_is_outputs_zero(make_llm: Callable[..., Any]) -> None:
+    """`out.outputs[0].text` (how vLLM code reads a result) is the output; token prompts have
+    no prompt text; cumulative_logprob is None without logprobs, as in vLLM."""
+    llm = make_llm(kv_cache_tokens=64, max_model_len=64)
+    [out] = llm.generate([5, 6, 7], GREEDY)
+    [choice] = out.outputs
+    assert (choice.text, choice.token_ids, choice.finish_reason) == (out.text, out.token_ids, out.finish_reason)
+    assert choice.cumulative_logprob is None and choice.logprobs is None
+    assert out.prompt is None and out.prompt_token_ids == [5, 6, 7]
