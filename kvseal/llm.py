@@ -62,15 +62,24 @@ class LLM:
         return [_merge(request_id, prompt, [results[choice_id] for choice_id, _ in prompt_choices])
                 for request_id, prompt, prompt_choices in zip(ids, prompt_list, choices)]
 
-    def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
-             sampling_params: SamplingParams | None = None, tenant: str = DEFAULT_TENANT) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation (or a list of them) and generate."""
+    def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             tenant: str = DEFAULT_TENANT, *, chat_template: str | None = None,
+             add_generation_prompt: bool = True, tools: list[dict[str, Any]] | None = None) -> list[RequestOutput]:
+        """Apply the chat template (the model's, or `chat_template`) to one conversation (or a list
+        of them) and generate; `add_generation_prompt` and `tools` as in vLLM's `LLM.chat`."""
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
-        prompts: list[Prompt] = [self.apply_chat_template(c) for c in conversations]  # type: ignore[arg-type]
+        prompts: list[PromptInput] = [
+            self.apply_chat_template(c, chat_template=chat_template,  # type: ignore[arg-type]
+                                     add_generation_prompt=add_generation_prompt, tools=tools)
+            for c in conversations]
         return self.generate(prompts, sampling_params, tenant)
 
-    def apply_chat_template(self, conversation: list[dict[str, str]]) -> list[int]:
-        return render_chat(self.engine.tokenizer, conversation)
+    def apply_chat_template(self, conversation: list[dict[str, Any]], *, chat_template: str | None = None,
+                            add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> list[int]:
+        return render_chat(self.engine.tokenizer, conversation, tools, chat_template=chat_template,
+                           add_generation_prompt=add_generation_prompt)
 
     def _run(self, ids: list[str]) -> dict[str, RequestOutput]:
         """Step until every request of `ids` has finished. If a step raises (or the caller

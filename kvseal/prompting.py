@@ -17,15 +17,18 @@ def encode_text(tokenizer: Any, text: str) -> list[int]:
 
 
 def render_chat(tokenizer: Any, conversation: list[dict[str, Any]],
-                tools: list[dict[str, Any]] | None = None) -> list[int]:
-    """Apply the model's chat template with the generation prompt (and `tools`, OpenAI tool
+                tools: list[dict[str, Any]] | None = None, *, chat_template: str | None = None,
+                add_generation_prompt: bool = True) -> list[int]:
+    """Apply the model's chat template (or `chat_template`, a Jinja template given by the offline
+    caller) with the generation prompt unless told not to (and `tools`, OpenAI tool
     definitions, for templates that render them); raise `InvalidParameter` (param "messages")
-    when the model has no template or the template refuses the messages."""
-    if not getattr(tokenizer, "chat_template", None):
+    when there is no template or the template refuses the messages."""
+    if not (chat_template or getattr(tokenizer, "chat_template", None)):
         raise InvalidParameter("this model has no chat template; send a plain-text prompt instead",
                                param="messages")
     try:
-        ids = tokenizer.apply_chat_template(conversation, tools=tools, add_generation_prompt=True, tokenize=True)
+        ids = tokenizer.apply_chat_template(conversation, tools=tools, chat_template=chat_template,
+                                            add_generation_prompt=add_generation_prompt, tokenize=True)
     except Exception as exc:  # jinja2 errors and raise_exception() calls in templates
         raise InvalidParameter(f"the model's chat template cannot render these messages: {exc}",
                                param="messages") from exc

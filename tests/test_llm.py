@@ -88,3 +88,22 @@ def test_one_choice_is_outputs_zero(make_llm: Callable[..., Any]) -> None:
     assert (choice.text, choice.token_ids, choice.finish_reason) == (out.text, out.token_ids, out.finish_reason)
     assert choice.cumulative_logprob is None and choice.logprobs is None
     assert out.prompt is None and out.prompt_token_ids == [5, 6, 7]
+
+
+CONVERSATION = [{"role": "user", "content": "w10"}]
+
+
+def test_chat_takes_vllms_template_arguments(make_llm: Callable[..., Any]) -> None:
+    """`add_generation_prompt`, `chat_template` and `tools` (vLLM's LLM.chat keywords) shape the
+    prompt; before, each was a TypeError."""
+    llm = make_llm(kv_cache_tokens=64, max_model_len=64)
+    with_prompt = llm.chat(CONVERSATION, GREEDY)[0].prompt_token_ids
+    without = llm.chat(CONVERSATION, GREEDY, add_generation_prompt=False)[0].prompt_token_ids
+    assert with_prompt == without + [5]  # the tiny template's generation prompt is "w5"
+    custom = "{% for m in messages %}w7 {{ m['content'] }} {% endfor %}{% if tools %}w9{% endif %}"
+    assert llm.chat(CONVERSATION, GREEDY, chat_template=custom)[0].prompt_token_ids[-2:] == [7, 10]
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    assert llm.chat(CONVERSATION, GREEDY, chat_template=custom, tools=tools)[0].prompt_token_ids[-3:] == [7, 10, 9]
+    with pytest.raises(InvalidParameter) as info:
+        llm.chat(CONVERSATION, GREEDY, chat_template="{{ raise_exception('no') }}")
+    assert info.value.param == "messages" and not llm.engine.has_unfinished()
