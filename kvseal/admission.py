@@ -71,7 +71,7 @@ def check_context_length(num_prompt_tokens: int, max_tokens: int, limits: Admiss
 
 
 def _check_token_ids(ids: list[int], vocab_size: int) -> None:
-    bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < vocab_size), None)
+    bad = next((t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size), None)
     if bad is not None:
         raise InvalidParameter(
             f"prompt token id {bad!r} is outside the vocabulary [0, {vocab_size})", param="prompt"

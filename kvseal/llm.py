@@ -68,6 +68,9 @@ class LLM:
              add_generation_prompt: bool = True, tools: list[dict[str, Any]] | None = None) -> list[RequestOutput]:
         """Apply the chat template (the model's, or `chat_template`) to one conversation (or a list
         of them) and generate; `add_generation_prompt` and `tools` as in vLLM's `LLM.chat`."""
+        if not isinstance(messages, list):
+            raise InvalidParameter("messages must be a list of message dicts, or a list of such lists",
+                                   param="messages")
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
         prompts: list[PromptInput] = [
             self.apply_chat_template(c, chat_template=chat_template,  # type: ignore[arg-type]
@@ -101,6 +104,9 @@ class LLM:
 def _as_prompt_list(prompts: PromptInput | Sequence[PromptInput]) -> list[PromptInput]:
     if isinstance(prompts, str | dict):
         return [prompts]
+    if not isinstance(prompts, list | tuple):
+        raise InvalidParameter(f"prompts must be a string, a list of token ids, a prompt dict or a list of "
+                               f"these; got {type(prompts).__name__}", param="prompt")
     items: list[Any] = list(prompts)
     if items and all(isinstance(t, int) for t in items):
         return [items]  # one prompt given as token ids
@@ -139,7 +145,9 @@ def _params_per_prompt(params: SamplingParams | Sequence[SamplingParams] | None,
         return [SamplingParams()] * n
     if isinstance(params, SamplingParams):
         return [params] * n
-    params = list(params)
+    if not isinstance(params, list | tuple) or not all(isinstance(p, SamplingParams) for p in params):
+        raise InvalidParameter("sampling_params must be a SamplingParams or a list of them, one per prompt",
+                               param="sampling_params")
     if len(params) != n:
         raise InvalidParameter(f"got {len(params)} sampling params for {n} prompts", param="sampling_params")
-    return params
+    return list(params)

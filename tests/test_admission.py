@@ -37,7 +37,7 @@ def test_truncation_only_when_asked() -> None:
     assert admit(ids, SamplingParams(max_tokens=1, truncate_prompt_tokens=30), LIMITS) == ids[-30:]
 
 
-@pytest.mark.parametrize("prompt", [[], [512], [-1], [3, "x"]])
+@pytest.mark.parametrize("prompt", [[], [512], [-1], [3, "x"], [True, 5]])
 def test_bad_prompts_are_rejected(prompt: list[Any]) -> None:
     with pytest.raises(InvalidParameter) as info:
         admit(prompt, SamplingParams(), LIMITS)

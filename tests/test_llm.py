@@ -107,3 +107,19 @@ def test_chat_takes_vllms_template_arguments(make_llm: Callable[..., Any]) -> No
     with pytest.raises(InvalidParameter) as info:
         llm.chat(CONVERSATION, GREEDY, chat_template="{{ raise_exception('no') }}")
     assert info.value.param == "messages" and not llm.engine.has_unfinished()
+
+
+@pytest.mark.parametrize("call,param", [
+    (lambda llm: llm.generate(None, GREEDY), "prompt"),
+    (lambda llm: llm.generate(5, GREEDY), "prompt"),
+    (lambda llm: llm.generate(["w10"], {"max_tokens": 4}), "sampling_params"),
+    (lambda llm: llm.generate(["w10"], [{"max_tokens": 4}]), "sampling_params"),
+    (lambda llm: llm.chat({"role": "user", "content": "w10"}, GREEDY), "messages"),
+])
+def test_arguments_of_the_wrong_shape_are_invalid_parameters(make_llm: Callable[..., Any],
+                                                             call: Callable[[Any], Any], param: str) -> None:
+    """Not a TypeError, AttributeError or KeyError from deep inside the call."""
+    llm = make_llm(kv_cache_tokens=64, max_model_len=64)
+    with pytest.raises(InvalidParameter) as info:
+        call(llm)
+    assert info.value.param == param and not llm.engine.has_unfinished()
