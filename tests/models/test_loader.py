@@ -66,6 +66,22 @@ def test_cli_generate_prints_the_completion(llama_dir: Path, capsys: pytest.Capt
     assert rc == 0 and len(out.split()) == 3 and all(w.startswith("w") for w in out.split())
 
 
+def test_cli_generate_takes_the_sampling_flags(llama_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--stop, --min-tokens, --ignore-eos, --top-k and --top-p reach the request: greedy output
+    cut at its third word by --stop, and the same output from top-k 1 sampling."""
+    base = ["generate", "--model", str(llama_dir), "--dtype", "float32", "--kv-cache-tokens", "512", "w10 w11 w12"]
+    assert main([*base, "--max-tokens", "6", "--ignore-eos", "--min-tokens", "6"]) == 0
+    words = capsys.readouterr().out.split()
+    assert len(words) == 6
+    assert main([*base, "--max-tokens", "6", "--ignore-eos", "--stop", words[2], "--stop", "w9999"]) == 0
+    assert capsys.readouterr().out.split() == words[:words.index(words[2])]
+    assert main([*base, "--max-tokens", "6", "--ignore-eos", "--temperature", "1", "--top-k", "1",
+                 "--top-p", "0.5"]) == 0
+    assert capsys.readouterr().out.split() == words
+    assert main([*base, "--top-k", "-2"]) == 2
+    assert "invalid top_k" in capsys.readouterr().err
+
+
 def test_cli_generate_rejects_an_over_long_prompt(llama_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     rc = main(["generate", "--model", str(llama_dir), "--dtype", "float32", "--kv-cache-tokens", "64",
                "--max-model-len", "64", " ".join(f"w{i}" for i in range(10, 80))])
