@@ -30,11 +30,13 @@ def admit(prompt_token_ids: list[int], params: SamplingParams, limits: Admission
     """Return the prompt token ids to run, or raise a `RequestRejected` subclass.
 
     Truncation happens only when the request asked for it (`truncate_prompt_tokens`, which
-    keeps the last N tokens, as vLLM does); otherwise an over-long prompt is rejected.
+    keeps the last N tokens, as vLLM does; -1 keeps the last `max_prompt_tokens`); otherwise an
+    over-long prompt is rejected.
     """
     ids = list(prompt_token_ids)
-    if params.truncate_prompt_tokens is not None:
-        ids = ids[-params.truncate_prompt_tokens:]
+    keep = params.truncate_prompt_tokens
+    if keep is not None:
+        ids = ids[-(limits.max_prompt_tokens if keep == -1 else keep):]
     if not ids:
         raise InvalidParameter("the prompt is empty: send at least one token", param="prompt")
     _check_token_ids(ids, limits.vocab_size)

@@ -104,8 +104,9 @@ class SamplingParams:
                  "every stop sequence must be a non-empty string")
         _require(self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs",
                  f"must be between 0 and 20, got {self.logprobs}")
-        _require(self.truncate_prompt_tokens is None or self.truncate_prompt_tokens >= 1,
-                 "truncate_prompt_tokens", f"must be >= 1, got {self.truncate_prompt_tokens}")
+        _require(self.truncate_prompt_tokens is None or self.truncate_prompt_tokens == -1
+                 or self.truncate_prompt_tokens >= 1, "truncate_prompt_tokens",
+                 f"must be >= 1, or -1 for the most a prompt may have, got {self.truncate_prompt_tokens}")
         self._check_penalties()
 
     def _check_types(self) -> None:

@@ -37,6 +37,15 @@ def test_truncation_only_when_asked() -> None:
     assert admit(ids, SamplingParams(max_tokens=1, truncate_prompt_tokens=30), LIMITS) == ids[-30:]
 
 
+def test_truncate_minus_one_keeps_what_the_limit_admits() -> None:
+    """vLLM's truncate_prompt_tokens=-1: cut to the most a prompt may have (here the pool's 64)."""
+    ids = list(range(10, 90))
+    assert admit(ids, SamplingParams(max_tokens=1, truncate_prompt_tokens=-1), LIMITS) == ids[-64:]
+    assert admit(ids[:5], SamplingParams(max_tokens=1, truncate_prompt_tokens=-1), LIMITS) == ids[:5]
+    with pytest.raises(InvalidParameter, match="truncate_prompt_tokens"):
+        SamplingParams(truncate_prompt_tokens=-2)
+
+
 @pytest.mark.parametrize("prompt", [[], [512], [-1], [3, "x"], [True, 5]])
 def test_bad_prompts_are_rejected(prompt: list[Any]) -> None:
     with pytest.raises(InvalidParameter) as info:
