@@ -37,13 +37,15 @@ class LLM:
 
     def generate(self, prompts: PromptInput | Sequence[PromptInput],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 tenant: str = DEFAULT_TENANT) -> list[RequestOutput]:
+                 tenant: str = DEFAULT_TENANT, *, use_tqdm: bool = True) -> list[RequestOutput]:
         """Run every prompt to completion; one result per prompt, in order.
 
         Every prompt is admitted (I1) before any runs: one bad prompt rejects the call and
         nothing is left queued. A prompt is a string, a list of token ids, or vLLM's
-        `{"prompt": str}` / `{"prompt_token_ids": [int]}`.
+        `{"prompt": str}` / `{"prompt_token_ids": [int]}`. `use_tqdm` is taken for vLLM's
+        scripts, which pass it to hide vLLM's progress bar; kvseal draws none either way.
         """
+        _check_use_tqdm(use_tqdm)
         prompt_list = [_unwrap(p) for p in _as_prompt_list(prompts)]
         params = _params_per_prompt(sampling_params, len(prompt_list))
         ids = [f"offline-{next(self._ids)}" for _ in prompt_list]
@@ -65,9 +67,12 @@ class LLM:
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              tenant: str = DEFAULT_TENANT, *, chat_template: str | None = None,
-             add_generation_prompt: bool = True, tools: list[dict[str, Any]] | None = None) -> list[RequestOutput]:
+             add_generation_prompt: bool = True, tools: list[dict[str, Any]] | None = None,
+             use_tqdm: bool = True) -> list[RequestOutput]:
         """Apply the chat template (the model's, or `chat_template`) to one conversation (or a list
-        of them) and generate; `add_generation_prompt` and `tools` as in vLLM's `LLM.chat`."""
+        of them) and generate; `add_generation_prompt`, `tools` and `use_tqdm` as in vLLM's
+        `LLM.chat` (no progress bar is drawn)."""
+        _check_use_tqdm(use_tqdm)
         if not isinstance(messages, list):
             raise InvalidParameter("messages must be a list of message dicts, or a list of such lists",
                                    param="messages")
@@ -99,6 +104,11 @@ class LLM:
                 self.engine.abort(request_id, "the offline call that submitted it failed")
             raise
         return results
+
+
+def _check_use_tqdm(use_tqdm: Any) -> None:
+    if not isinstance(use_tqdm, bool):
+        raise InvalidParameter(f"use_tqdm must be true or false, got {use_tqdm!r}", param="use_tqdm")
 
 
 def _as_prompt_list(prompts: PromptInput | Sequence[PromptInput]) -> list[PromptInput]:

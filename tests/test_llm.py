@@ -123,3 +123,14 @@ def test_arguments_of_the_wrong_shape_are_invalid_parameters(make_llm: Callable[
     with pytest.raises(InvalidParameter) as info:
         call(llm)
     assert info.value.param == param and not llm.engine.has_unfinished()
+
+
+def test_use_tqdm_is_taken_as_vllm_scripts_pass_it(make_llm: Callable[..., Any]) -> None:
+    """`generate(..., use_tqdm=False)` is in most vLLM scripts; it changes nothing but display."""
+    llm = make_llm(kv_cache_tokens=64, max_model_len=64)
+    expected = llm.generate([[5, 6, 7]], GREEDY)[0].token_ids
+    assert llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)[0].token_ids == expected
+    assert llm.chat(CONVERSATION, GREEDY, use_tqdm=False)[0].finish_reason is not None
+    with pytest.raises(InvalidParameter) as info:
+        llm.generate([[5, 6, 7]], GREEDY, use_tqdm="no")
+    assert info.value.param == "use_tqdm" and not llm.engine.has_unfinished()
