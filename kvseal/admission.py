@@ -6,6 +6,7 @@ it rejects is terminal: nothing may replace, pad, queue or compute it.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from kvseal.errors import ContextLengthExceeded, InvalidParameter
@@ -41,8 +42,16 @@ def admit(prompt_token_ids: list[int], params: SamplingParams, limits: Admission
         raise InvalidParameter("the prompt is empty: send at least one token", param="prompt")
     _check_token_ids(ids, limits.vocab_size)
     _check_param_token_ids(params, limits.vocab_size)
-    check_context_length(len(ids), params.max_tokens, limits)
+    check_context_length(len(ids), 1 if params.max_tokens is None else params.max_tokens, limits)
     return ids
+
+
+def with_max_tokens(params: SamplingParams, num_prompt_tokens: int, limits: AdmissionLimits) -> SamplingParams:
+    """`params` with `max_tokens=None` resolved to the rest of the context, as vLLM does (the
+    prompt was admitted with room for at least one token)."""
+    if params.max_tokens is not None:
+        return params
+    return dataclasses.replace(params, max_tokens=limits.max_model_len - num_prompt_tokens)
 
 
 def check_context_length(num_prompt_tokens: int, max_tokens: int, limits: AdmissionLimits) -> None:

@@ -20,8 +20,8 @@ DEFAULT_TENANT = "default"
 ISOLATION_CHECK_FAILED = "isolation_check_failed"
 SAMPLING_EPS = 1e-5
 MAX_N = 16  # most choices one request may ask for
-_INT_FIELDS = ("max_tokens", "top_k", "min_tokens", "n")
-_OPTIONAL_INT_FIELDS = ("seed", "logprobs", "truncate_prompt_tokens")
+_INT_FIELDS = ("top_k", "min_tokens", "n")
+_OPTIONAL_INT_FIELDS = ("max_tokens", "seed", "logprobs", "truncate_prompt_tokens")
 _REAL_FIELDS = ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 
 
@@ -73,7 +73,7 @@ class SamplingParams:
     pairs added to the logits. `n` choices are generated from one prompt.
     """
 
-    max_tokens: int = 16
+    max_tokens: int | None = 16  # None: the rest of the context (resolved when the engine admits it)
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
@@ -93,12 +93,13 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         self._check_types()
-        _require(self.max_tokens >= 1, "max_tokens", f"must be >= 1, got {self.max_tokens}")
+        _require(self.max_tokens is None or self.max_tokens >= 1, "max_tokens",
+                 f"must be >= 1 (or None for the rest of the context), got {self.max_tokens}")
         _require(math.isfinite(self.temperature) and self.temperature >= 0, "temperature",
                  f"must be a finite number >= 0, got {self.temperature}")
         _require(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
         _require(self.top_k >= -1, "top_k", f"must be -1 (off) or >= 1, got {self.top_k}")
-        _require(0 <= self.min_tokens <= self.max_tokens, "min_tokens",
+        _require(0 <= self.min_tokens <= (math.inf if self.max_tokens is None else self.max_tokens), "min_tokens",
                  f"must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
         _require(all(isinstance(s, str) and s for s in self.stop), "stop",
                  "every stop sequence must be a non-empty string")
@@ -112,8 +113,6 @@ class SamplingParams:
     def _check_types(self) -> None:
         """Refuse values of the wrong type before they reach the sampler (where a float `top_k`
         or `logprobs` would fail mid-step), and normalize the sequences to tuples."""
-        _require(self.max_tokens is not None, "max_tokens",
-                 "None (generate until the context is full) is not supported; give a number of tokens")
         for name in _INT_FIELDS + _OPTIONAL_INT_FIELDS:
             value = getattr(self, name)
             if value is None and name in _OPTIONAL_INT_FIELDS:

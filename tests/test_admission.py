@@ -65,7 +65,7 @@ def test_sampling_params_validate(kwargs: dict[str, Any], param: str) -> None:
 
 
 @pytest.mark.parametrize("kwargs,param", [
-    (dict(max_tokens=None), "max_tokens"), (dict(max_tokens="4"), "max_tokens"), (dict(max_tokens=1.5), "max_tokens"),
+    (dict(max_tokens="4"), "max_tokens"), (dict(max_tokens=1.5), "max_tokens"),
     (dict(top_k=2.5), "top_k"), (dict(n=2.0), "n"), (dict(n=True), "n"), (dict(min_tokens=2.5), "min_tokens"),
     (dict(logprobs=1.5), "logprobs"), (dict(seed=1.5), "seed"), (dict(seed=2**70), "seed"),
     (dict(truncate_prompt_tokens=2.0), "truncate_prompt_tokens"), (dict(temperature="0.5"), "temperature"),
@@ -81,6 +81,23 @@ def test_sampling_params_refuse_wrong_types(kwargs: dict[str, Any], param: str) 
     with pytest.raises(InvalidParameter) as info:
         SamplingParams(**kwargs)
     assert info.value.param == param and param in info.value.message
+
+
+def test_max_tokens_none_is_the_rest_of_the_context(make_llm: Callable[..., Any]) -> None:
+    """vLLM's max_tokens=None: generate until the context is full (`finish_reason` length), the
+    prompt admitted with room for one token; min_tokens is checked against what is left."""
+    llm = make_llm(kv_cache_tokens=64, max_model_len=64)
+    free_before = llm.engine.kv.num_free_pages
+    params = SamplingParams(max_tokens=None, temperature=0, ignore_eos=True)
+    out = llm.generate([list(range(10, 50))], params)[0]
+    assert len(out.token_ids) == 64 - 40 and out.finish_reason == "length"
+    assert len(llm.generate([list(range(10, 73))], params)[0].token_ids) == 1
+    with pytest.raises(ContextLengthExceeded):
+        llm.generate([list(range(10, 74))], params)
+    with pytest.raises(InvalidParameter) as info:
+        llm.generate([list(range(10, 50))], SamplingParams(max_tokens=None, min_tokens=30))
+    assert info.value.param == "min_tokens"
+    assert not llm.engine.has_unfinished() and llm.engine.kv.num_free_pages == free_before
 
 
 def test_sampling_params_normalize_numbers() -> None:

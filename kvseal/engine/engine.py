@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from kvseal._testing.faults import Fault, is_active
-from kvseal.admission import AdmissionLimits, admit
+from kvseal.admission import AdmissionLimits, admit, with_max_tokens
 from kvseal.config import EngineArgs, ModelConfig
 from kvseal.engine.batch import PreparedForward, build_forward_batch, check_forward
 from kvseal.engine.gpu_memory import model_bytes, plan_gpu_pool
@@ -241,6 +241,7 @@ class LLMEngine:
         if request_id in self._outputs:
             raise InvalidParameter(f"request id {request_id!r} is already in use", param="request_id")
         token_ids = admit(self.tokenize(prompt), params, self.limits)
+        params = with_max_tokens(params, len(token_ids), self.limits)
         # Unseeded requests draw from the OS's random source: no tenant can predict or
         # replay another's samples from the engine seed and arrival order.
         seed = params.seed if params.seed is not None else secrets.randbits(63)

@@ -55,7 +55,9 @@ class OutputState:
             return
         if request.num_output_tokens >= request.params.min_tokens:
             self._check_stop(token, delta)
-        if request.finish_reason is None and request.num_output_tokens >= request.params.max_tokens:
+        max_tokens = request.params.max_tokens
+        assert max_tokens is not None, "max_tokens=None is resolved when the engine admits the request"
+        if request.finish_reason is None and request.num_output_tokens >= max_tokens:
             request.finish_reason = FinishReason.LENGTH
 
     def _check_grammar(self, token: int) -> bool:

@@ -18,6 +18,7 @@ if TYPE_CHECKING:  # the engine module loads torch and the models; this one stay
 
 
 def params_to_msg(params: SamplingParams) -> SamplingParamsMsg:
+    assert params.max_tokens is not None, "a frontend resolves max_tokens before it sends a request"
     return SamplingParamsMsg(
         max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
         seed=params.seed, stop=list(params.stop), stop_token_ids=list(params.stop_token_ids),
