@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvseal.config import EngineArgs
@@ -61,8 +61,11 @@ class LLM:
                 self.engine.abort(request_id, "another prompt in the same call was rejected")
             raise
         results = self._run(added)
-        return [_merge(request_id, prompt, [results[choice_id] for choice_id, _ in prompt_choices])
+        return [_merge(request_id, prompt, [results[choice_id] for choice_id, _ in prompt_choices], self._decode_one)
                 for request_id, prompt, prompt_choices in zip(ids, prompt_list, choices)]
+
+    def _decode_one(self, token_id: int) -> str:
+        return str(self.engine.tokenizer.decode([token_id]))
 
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -144,10 +147,10 @@ def _choices(request_id: str, params: SamplingParams) -> list[tuple[str, Samplin
         params, n=1, seed=None if params.seed is None else (params.seed + i) % 2**63)) for i in range(params.n)]
 
 
-def _merge(request_id: str, prompt: Prompt, outs: list[RequestOutput]) -> RequestOutput:
+def _merge(request_id: str, prompt: Prompt, outs: list[RequestOutput], decode: Callable[[int], str]) -> RequestOutput:
     """The choices of one prompt as one result: choice 0's fields, every choice in `outputs`."""
     return dataclasses.replace(outs[0], request_id=request_id, prompt=prompt if isinstance(prompt, str) else None,
-                               outputs=[out.as_completion(i) for i, out in enumerate(outs)])
+                               outputs=[out.as_completion(i, decode) for i, out in enumerate(outs)])
 
 
 def _params_per_prompt(params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:

@@ -7,6 +7,7 @@ import hashlib
 import math
 import numbers
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -239,16 +240,27 @@ class TokenLogprobs:
 
 
 @dataclass(frozen=True)
+class Logprob:
+    """One token's entry in a position's logprobs, in vLLM's shape: `rank` 1 is the most likely
+    token; a sampled token outside the asked-for top has no rank here (None)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass(frozen=True)
 class CompletionOutput:
     """One choice of an offline request, in vLLM's shape (`RequestOutput.outputs[index]`).
     `cumulative_logprob` is the sum of the sampled tokens' logprobs, None unless the request
-    asked for logprobs."""
+    asked for logprobs; `logprobs` has one dict per output token, as vLLM's: token id -> `Logprob`,
+    the sampled token first, then the top `SamplingParams.logprobs` tokens."""
 
     index: int
     text: str
     token_ids: list[int]
     cumulative_logprob: float | None
-    logprobs: list[TokenLogprobs] | None
+    logprobs: list[dict[int, Logprob]] | None
     finish_reason: FinishReason | None
     stop_reason: str | int | None
 
@@ -291,11 +303,20 @@ class RequestOutput:
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 
-    def as_completion(self, index: int) -> CompletionOutput:
-        logprobs = self.logprobs
-        cumulative = None if logprobs is None else sum(lp.logprob for lp in logprobs)
+    def as_completion(self, index: int, decode: Callable[[int], str]) -> CompletionOutput:
+        """This output as choice `index`; `decode` gives a token id's text (`decoded_token`)."""
+        if self.logprobs is None:
+            return CompletionOutput(index, self.text, self.token_ids, None, None, self.finish_reason, self.stop_reason)
+        cumulative = sum(lp.logprob for lp in self.logprobs)
+        logprobs = [_vllm_logprobs(lp, decode) for lp in self.logprobs]
         return CompletionOutput(index, self.text, self.token_ids, cumulative, logprobs, self.finish_reason,
                                 self.stop_reason)
+
+
+def _vllm_logprobs(lp: TokenLogprobs, decode: Callable[[int], str]) -> dict[int, Logprob]:
+    top = {token: Logprob(value, rank, decode(token)) for rank, (token, value) in enumerate(lp.top, start=1)}
+    sampled = top.pop(lp.token_id, None) or Logprob(lp.logprob, None, decode(lp.token_id))
+    return {lp.token_id: sampled, **top}
 
 
 @dataclass(frozen=True)

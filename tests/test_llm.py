@@ -74,7 +74,8 @@ def test_n_choices_come_back_as_outputs(make_llm: Callable[..., Any]) -> None:
     assert out.prompt == "w8 w9" and out.request_id.startswith("offline-") and out.finished
     for choice in out.outputs:
         assert choice.logprobs is not None and len(choice.logprobs) == 6
-        assert choice.cumulative_logprob == pytest.approx(sum(lp.logprob for lp in choice.logprobs))
+        assert choice.cumulative_logprob == pytest.approx(
+            sum(step[token].logprob for step, token in zip(choice.logprobs, choice.token_ids)))
         assert choice.finish_reason == "length"
     assert llm.engine.kv.num_free_pages == free_before
 
@@ -88,6 +89,24 @@ def test_one_choice_is_outputs_zero(make_llm: Callable[..., Any]) -> None:
     assert (choice.text, choice.token_ids, choice.finish_reason) == (out.text, out.token_ids, out.finish_reason)
     assert choice.cumulative_logprob is None and choice.logprobs is None
     assert out.prompt is None and out.prompt_token_ids == [5, 6, 7]
+
+
+def test_logprobs_come_in_vllms_shape(make_llm: Callable[..., Any]) -> None:
+    """`outputs[i].logprobs[t]` is vLLM's dict token id -> Logprob(logprob, rank, decoded_token):
+    the sampled token first, then the top k with ranks 1..k, as vLLM scripts read them
+    (`step[token_id].logprob`); the values are the engine's, the same as the top-level list."""
+    llm = make_llm(kv_cache_tokens=64, max_model_len=64)
+    [out] = llm.generate([5, 6, 7], SamplingParams(max_tokens=5, temperature=1.5, seed=3, ignore_eos=True, logprobs=2))
+    [choice] = out.outputs
+    assert out.logprobs is not None and choice.logprobs is not None and len(choice.logprobs) == 5
+    for step, token, engine_step in zip(choice.logprobs, choice.token_ids, out.logprobs):
+        assert next(iter(step)) == token and step[token].logprob == engine_step.logprob
+        top = [(t, lp.logprob) for t, lp in step.items() if lp.rank is not None]
+        assert sorted(lp.rank for lp in step.values() if lp.rank is not None) == [1, 2]
+        assert sorted(top, key=lambda pair: -pair[1]) == list(engine_step.top)
+        assert step[token].rank is None or (token, step[token].logprob) in engine_step.top
+        assert all(lp.decoded_token == llm.get_tokenizer().decode([t]) for t, lp in step.items())
+        assert len(step) == 3 - (step[token].rank is not None)
 
 
 CONVERSATION = [{"role": "user", "content": "w10"}]
