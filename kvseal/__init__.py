@@ -9,12 +9,13 @@ from kvseal.errors import (
     ModelLoadError,
     RequestRejected,
 )
-from kvseal.types import CompletionOutput, FinishReason, RequestOutput, SamplingParams
+from kvseal.types import CompletionOutput, FinishReason, Logprob, RequestOutput, SamplingParams
 from kvseal.version import __version__ as __version__
 
 __all__ = [
     "LLM", "CompletionOutput", "ConfigError", "ContextLengthExceeded", "FinishReason", "InvalidParameter",
-    "IsolationViolation", "KvsealError", "ModelLoadError", "RequestOutput", "RequestRejected", "SamplingParams",
+    "IsolationViolation", "KvsealError", "Logprob", "ModelLoadError", "RequestOutput", "RequestRejected",
+    "SamplingParams",
 ]
 
 
