@@ -40,6 +40,8 @@ class GenerateArgs:
     sampling_seed: int | None = field(default=None, metadata=flag("the request's sampling seed", type=int))
     top_p: float = field(default=1.0, metadata=flag("sample from the most likely tokens up to this probability mass"))
     top_k: int = field(default=-1, metadata=flag("sample from the k most likely tokens; -1 keeps all"))
+    min_p: float = field(default=0.0, metadata=flag(
+        "drop the tokens less likely than this times the most likely one; 0 keeps all"))
     min_tokens: int = field(default=0, metadata=flag("tokens to generate before EOS or a stop may end the output"))
     stop: list[str] | None = field(default=None, metadata=flag(
         "a string that ends the output, cut from it (repeat the flag for several)", action="append", metavar="TEXT"))
@@ -87,7 +89,8 @@ def _cmd_generate(ns: argparse.Namespace) -> int:
 
     # the request's flags are checked before the model loads
     params = SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature, seed=ns.sampling_seed,
-                            top_p=ns.top_p, top_k=ns.top_k, min_tokens=ns.min_tokens, stop=tuple(ns.stop or ()),
+                            top_p=ns.top_p, top_k=ns.top_k, min_p=ns.min_p, min_tokens=ns.min_tokens,
+                            stop=tuple(ns.stop or ()),
                             ignore_eos=ns.ignore_eos)
     llm = LLM(**vars(engine_args_from(ns)))
     if ns.chat:

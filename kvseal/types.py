@@ -23,7 +23,7 @@ SAMPLING_EPS = 1e-5
 MAX_N = 16  # most choices one request may ask for
 _INT_FIELDS = ("top_k", "min_tokens", "n")
 _OPTIONAL_INT_FIELDS = ("max_tokens", "seed", "logprobs", "truncate_prompt_tokens")
-_REAL_FIELDS = ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+_REAL_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 
 
 def namespace_of(tenant: str) -> str:
@@ -67,7 +67,8 @@ class StructuredOutput:
 class SamplingParams:
     """What a request asks of generation. Every field is honoured or rejected, never ignored.
 
-    temperature 0 means greedy. top_k <= 0 and top_p == 1 disable those filters. A seed
+    temperature 0 means greedy. top_k <= 0, top_p == 1 and min_p == 0 disable those filters
+    (min_p, as vLLM's: drop the tokens less likely than min_p times the most likely one). A seed
     makes sampling reproducible for this request regardless of what it is batched with.
     presence/frequency penalties follow OpenAI (output tokens only), repetition_penalty
     follows vLLM/transformers (prompt and output tokens); `logit_bias` is (token id, bias)
@@ -91,6 +92,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     structured: StructuredOutput | None = None
+    min_p: float = 0.0
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -100,6 +102,7 @@ class SamplingParams:
                  f"must be a finite number >= 0, got {self.temperature}")
         _require(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
         _require(self.top_k >= -1, "top_k", f"must be -1 (off) or >= 1, got {self.top_k}")
+        _require(0 <= self.min_p <= 1, "min_p", f"must be in [0, 1] (0 is off), got {self.min_p}")
         _require(0 <= self.min_tokens <= (math.inf if self.max_tokens is None else self.max_tokens), "min_tokens",
                  f"must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
         _require(all(isinstance(s, str) and s for s in self.stop), "stop",

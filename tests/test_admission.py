@@ -55,7 +55,8 @@ def test_bad_prompts_are_rejected(prompt: list[Any]) -> None:
 
 @pytest.mark.parametrize("kwargs,param", [
     (dict(max_tokens=0), "max_tokens"), (dict(temperature=-1), "temperature"), (dict(top_p=0), "top_p"),
-    (dict(top_k=-2), "top_k"), (dict(min_tokens=5, max_tokens=2), "min_tokens"), (dict(stop=[""]), "stop"),
+    (dict(top_k=-2), "top_k"), (dict(min_p=1.5), "min_p"), (dict(min_p=-0.1), "min_p"),
+    (dict(min_tokens=5, max_tokens=2), "min_tokens"), (dict(stop=[""]), "stop"),
     (dict(logprobs=21), "logprobs"), (dict(truncate_prompt_tokens=0), "truncate_prompt_tokens"),
 ])
 def test_sampling_params_validate(kwargs: dict[str, Any], param: str) -> None:
@@ -66,7 +67,8 @@ def test_sampling_params_validate(kwargs: dict[str, Any], param: str) -> None:
 
 @pytest.mark.parametrize("kwargs,param", [
     (dict(max_tokens="4"), "max_tokens"), (dict(max_tokens=1.5), "max_tokens"),
-    (dict(top_k=2.5), "top_k"), (dict(n=2.0), "n"), (dict(n=True), "n"), (dict(min_tokens=2.5), "min_tokens"),
+    (dict(top_k=2.5), "top_k"), (dict(min_p="0.1"), "min_p"),
+    (dict(n=2.0), "n"), (dict(n=True), "n"), (dict(min_tokens=2.5), "min_tokens"),
     (dict(logprobs=1.5), "logprobs"), (dict(seed=1.5), "seed"), (dict(seed=2**70), "seed"),
     (dict(truncate_prompt_tokens=2.0), "truncate_prompt_tokens"), (dict(temperature="0.5"), "temperature"),
     (dict(top_p=None), "top_p"), (dict(ignore_eos="yes"), "ignore_eos"), (dict(stop=5), "stop"),

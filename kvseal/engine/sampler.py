@@ -1,4 +1,4 @@
-"""Token sampling for a whole batch: logits processors, greedy, temperature, top-k, top-p.
+"""Token sampling for a whole batch: logits processors, greedy, temperature, top-k, min-p, top-p.
 
 Everything is tensor arithmetic over [num_requests, vocab] (or one kernel call: `Ops.argmax_rows`,
 `Ops.draw_rows`); per-request values (temperature, top_k, top_p, penalties, biases) are gathered
@@ -23,7 +23,9 @@ of probs / q with a vocabulary's worth of q ~ Exp(1) per row), whose per-row noi
 0.8 ms a row on the 49k-token vocabulary of the default model, 26 ms of a c=32 step.
 
 Logprobs are those of the processed logits (after logit_bias, the min_tokens ban and the
-penalties), before temperature, top-k and top-p.
+penalties), before temperature, top-k, min-p and top-p. The filters apply in vLLM's order:
+temperature, then min-p and top-k (they commute: neither moves the most likely token), then
+top-p over what is left.
 """
 
 from __future__ import annotations
@@ -55,8 +57,9 @@ def sample(logits: torch.Tensor, requests: list[Request], eos_token_ids: tuple[i
 
 def _choose(logits: torch.Tensor, requests: list[Request], ops: Ops) -> torch.Tensor:
     """[num_requests] int64: argmax for greedy rows; for a random row, a draw from its filtered
-    distribution. A row without top-k is always drawn by `ops.draw_rows` (temperature and top-p)
-    and one with top-k always from its filtered probabilities, whatever else the batch holds."""
+    distribution. A row without top-k or min-p is always drawn by `ops.draw_rows` (temperature
+    and top-p) and one with either always from its filtered probabilities, whatever else the
+    batch holds."""
     device = logits.device
     if all(r.params.is_greedy for r in requests):
         return ops.argmax_rows(logits)
@@ -65,8 +68,9 @@ def _choose(logits: torch.Tensor, requests: list[Request], ops: Ops) -> torch.Te
     top_p = torch.tensor([r.params.top_p for r in requests], dtype=torch.float32)
     u = torch.tensor([0.0 if r.params.is_greedy else torch.rand((), dtype=torch.float64, generator=r.generator).item()
                       for r in requests], dtype=torch.float64)
-    with_top_k = {i for i, r in enumerate(requests) if not r.params.is_greedy and r.params.top_k > 0}
-    plain = [i for i, r in enumerate(requests) if not r.params.is_greedy and i not in with_top_k]
+    filtered = {i for i, r in enumerate(requests)
+                if not r.params.is_greedy and (r.params.top_k > 0 or r.params.min_p > 0)}
+    plain = [i for i, r in enumerate(requests) if not r.params.is_greedy and i not in filtered]
     if len(plain) == len(requests):
         return ops.draw_rows(logits, temperature.to(device), top_p.to(device), u.to(device))
     tokens = ops.argmax_rows(logits)  # the greedy rows' answer; random rows are overwritten
@@ -74,16 +78,32 @@ def _choose(logits: torch.Tensor, requests: list[Request], ops: Ops) -> torch.Te
         rows = torch.tensor(plain, device=device)
         tokens[rows] = ops.draw_rows(logits[rows].contiguous(), temperature[plain].to(device),
                                      top_p[plain].to(device), u[plain].to(device))
-    if with_top_k:
-        ordered = sorted(with_top_k)
+    if filtered:
+        ordered = sorted(filtered)
         rows, chosen = torch.tensor(ordered, device=device), [requests[i] for i in ordered]
-        k = [min(r.params.top_k, logits.shape[-1]) for r in chosen]
-        scaled = _top_k(logits[rows].float() / temperature[ordered].to(device)[:, None], k)
+        vocab = logits.shape[-1]
+        k = [min(r.params.top_k, vocab) if r.params.top_k > 0 else vocab for r in chosen]
+        scaled = logits[rows].float() / temperature[ordered].to(device)[:, None]
+        cut = [j for j, n in enumerate(k) if n < vocab]
+        if len(cut) == len(k):
+            scaled = _top_k(scaled, k)
+        elif cut:  # rows with min-p alone keep every logit here
+            scaled[cut] = _top_k(scaled[cut], [k[j] for j in cut])
+        min_p = [r.params.min_p for r in chosen]
+        if any(min_p):
+            scaled = _min_p(scaled, torch.tensor(min_p, device=device))
         probs = torch.softmax(scaled, dim=-1)
         if bool((top_p[ordered] < 1).any()):
             probs = top_p_filter(probs, top_p[ordered], candidates=max(k))
         tokens[rows] = draw_from_probs(probs, u[ordered])
     return tokens
+
+
+def _min_p(scaled: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Keep, per row, the tokens whose probability is at least min_p times the row's largest:
+    a logit at least the row's largest plus log(min_p) (min_p 0 keeps every token)."""
+    floor = scaled.max(dim=-1, keepdim=True).values + torch.log(min_p)[:, None]  # log 0 = -inf keeps all
+    return scaled.masked_fill(scaled < floor, float("-inf"))
 
 
 def _top_k(scaled: torch.Tensor, k: list[int]) -> torch.Tensor:

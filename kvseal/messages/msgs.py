@@ -42,6 +42,7 @@ class SamplingParamsMsg(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
     repetition_penalty: float = 1.0
     logit_bias: list[tuple[int, float]] = []
     structured: StructuredOutputMsg | None = None
+    min_p: float = 0.0
 
 
 class TokenLogprobsMsg(msgspec.Struct, frozen=True, array_like=True):

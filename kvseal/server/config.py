@@ -61,7 +61,7 @@ class ServerConfig:
     log_level: str = "INFO"  # the top-level --log-level (every command has it)
     # "auto": the model's generation_config.json; "vllm": neutral defaults
     generation_config: str = field(default="auto", metadata=flag(
-        "defaults for omitted temperature/top_p/top_k/repetition_penalty: 'auto' takes the model's "
+        "defaults for omitted temperature/top_p/top_k/min_p/repetition_penalty: 'auto' takes the model's "
         "generation_config.json, 'vllm' neutral values", choices=("auto", "vllm")))
     # "hermes": parse <tool_call> blocks; None: requests with tools get 400
     tool_call_parser: str | None = field(default=None, metadata=flag(

@@ -1,14 +1,15 @@
 """The sampling defaults a request gets for the fields it omits (vLLM's `--generation-config`).
 
 `auto` (the default, as in vLLM): the model's `generation_config.json` values for
-`temperature`, `top_p`, `top_k` and `repetition_penalty`, where it has them; OpenAI's
+`temperature`, `top_p`, `top_k`, `min_p` and `repetition_penalty`, where it has them; OpenAI's
 neutral values for the rest. `vllm`: the neutral values only (temperature 1, top_p 1, top_k
-off, repetition_penalty 1), whatever the model ships. The resolved values are logged at
+and min_p off, repetition_penalty 1), whatever the model ships. The resolved values are logged at
 start-up; a malformed file stops start-up.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from dataclasses import dataclass, fields
@@ -29,6 +30,7 @@ class GenerationDefaults:
     top_p: float = 1.0
     top_k: int = -1
     repetition_penalty: float = 1.0
+    min_p: float = 0.0
     source: str = "neutral"  # where the values came from, for the start-up log
 
     @classmethod
@@ -53,18 +55,17 @@ class GenerationDefaults:
         try:
             defaults = cls(**_typed(values), source=str(path)).normalized()
             SamplingParams(temperature=defaults.temperature, top_p=defaults.top_p, top_k=defaults.top_k,
-                           repetition_penalty=defaults.repetition_penalty)
+                           repetition_penalty=defaults.repetition_penalty, min_p=defaults.min_p)
         except (ValueError, InvalidParameter) as exc:
             raise ConfigError(f"{path}: bad sampling default: {exc}") from exc
         return defaults
 
     def normalized(self) -> GenerationDefaults:
         """transformers' top_k=0 means "off", which is -1 here."""
-        return GenerationDefaults(self.temperature, self.top_p, self.top_k if self.top_k > 0 else -1,
-                                  self.repetition_penalty, self.source)
+        return dataclasses.replace(self, top_k=self.top_k if self.top_k > 0 else -1)
 
     def describe(self) -> str:
-        return (f"temperature={self.temperature:g} top_p={self.top_p:g} top_k={self.top_k} "
+        return (f"temperature={self.temperature:g} top_p={self.top_p:g} top_k={self.top_k} min_p={self.min_p:g} "
                 f"repetition_penalty={self.repetition_penalty:g} (from {self.source})")
 
 

@@ -39,6 +39,7 @@ def build_sampling_params(body: GenerationBody, *, max_tokens: int | None, num_p
         temperature=defaults.temperature if body.temperature is None else body.temperature,
         top_p=defaults.top_p if body.top_p is None else body.top_p,
         top_k=defaults.top_k if body.top_k is None else body.top_k,
+        min_p=defaults.min_p if body.min_p is None else body.min_p,
         seed=body.seed,
         stop=body.stop_list,
         stop_token_ids=tuple(body.stop_token_ids or ()),

@@ -234,6 +234,42 @@ def test_top_p_keeps_the_heaviest_tokens_up_to_the_mass_and_draws_only_them(back
             assert abs(counts[token].item() / 20_000 - share) < 5 * (share * (1 - share) / 20_000) ** 0.5 + 1e-9
 
 
+def test_min_p_drops_the_tokens_below_its_share_of_the_heaviest_and_draws_the_rest_by_weight(ops: Ops) -> None:
+    """vLLM's min_p: a token stays while its probability is at least min_p times the most likely
+    one's (0.40 x 0.5 = 0.20: 0.25 and 0.20 stay, 0.19 and 0.16 go); nothing dropped is ever
+    drawn and the rest follow their renormalized weights. With top-p after it, the nucleus is
+    taken from what min-p kept (0.5 of 0.85: the first two)."""
+    weights = torch.zeros(VOCAB)
+    weights[[7, 300, 301, 650, 900]] = torch.tensor([0.40, 0.25, 0.20, 0.19, 0.16]) / 1.20
+    num_rows = 4000
+    logits = weights.log()[None].repeat(num_rows, 1)
+    cases = {(0.5, 1.0): {7: 0.40, 300: 0.25, 301: 0.20}, (0.5, 0.5): {7: 0.40, 300: 0.25}, (1.0, 1.0): {7: 1.0}}
+    for (min_p, top_p), kept in cases.items():
+        requests = [_request(i, seed=100, temperature=1.0, min_p=min_p, top_p=top_p) for i in range(num_rows)]
+        counts = torch.bincount(torch.tensor([token for token, _ in sample(logits, requests, EOS, ops)]),
+                                minlength=VOCAB)
+        assert set(counts.nonzero().flatten().tolist()) == set(kept), (min_p, top_p)
+        total = sum(kept.values())
+        for token, weight in kept.items():
+            share = weight / total
+            assert abs(counts[token].item() / num_rows - share) < 5 * (share * (1 - share) / num_rows) ** 0.5 + 1e-9
+
+
+def test_min_p_zero_and_rows_beside_a_min_p_row_sample_as_without_it(ops: Ops) -> None:
+    """min_p 0 is off: the same tokens as without the field (the plain draw). A top-k row and a
+    temperature-only row draw the same tokens beside a min-p row as alone (a min-p row alone in
+    the batch leaves the others' filters as they were)."""
+    logits = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
+    for step in range(5):
+        plain = [_request(0, seed=step, temperature=0.9), _request(1, seed=step, temperature=0.7, top_k=12)]
+        zero = [_request(0, seed=step, temperature=0.9, min_p=0.0), _request(1, seed=step, temperature=0.7, top_k=12)]
+        beside = [_request(0, seed=step, temperature=0.9), _request(1, seed=step, temperature=0.7, top_k=12),
+                  _request(2, seed=step, temperature=1.0, min_p=0.3)]
+        alone = [token for token, _ in sample(logits[:2], plain, EOS, ops)]
+        assert [token for token, _ in sample(logits[:2], zero, EOS, ops)] == alone
+        assert [token for token, _ in sample(logits, beside, EOS, ops)][:2] == alone
+
+
 def test_a_row_draws_one_number_per_step_whatever_the_batch_holds(ops: Ops) -> None:
     """A seeded row's token depends on its own generator only: alone, or beside greedy rows, rows
     with top-k or top-p and other random rows, it samples the same token, and its generator has
@@ -251,7 +287,7 @@ def test_a_row_draws_one_number_per_step_whatever_the_batch_holds(ops: Ops) -> N
     assert torch.equal(alone.generator.get_state(), again.generator.get_state())
 
 
-@pytest.mark.parametrize("kind", [{}, {"top_p": 0.5}, {"top_k": 5}])
+@pytest.mark.parametrize("kind", [{}, {"top_p": 0.5}, {"top_k": 5}, {"min_p": 0.5}])
 def test_a_random_row_with_no_distribution_still_gets_a_token_of_the_vocabulary(ops: Ops,
                                                                                kind: dict[str, object]) -> None:
     """Every logit -inf (all banned), a NaN, or +inf logits (a repetition_penalty that rounds to

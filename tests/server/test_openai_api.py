@@ -112,6 +112,21 @@ def test_vllm_extensions(server: ServerProcess, alice: openai.OpenAI) -> None:
     assert out.usage is not None and out.usage.completion_tokens == 6
 
 
+def test_min_p_one_keeps_only_the_most_likely_token(server: ServerProcess, alice: openai.OpenAI) -> None:
+    """vLLM's min_p: min_p=1 keeps only tokens as likely as the most likely one, so sampling at
+    temperature 1 gives the greedy text; min_p outside [0, 1] is a 400 naming it."""
+    def text(**extra: object) -> str:
+        out = alice.completions.create(model=server.model_name, prompt=PROMPT, max_tokens=8, extra_body=extra)
+        return out.choices[0].text
+
+    greedy = text(temperature=0, ignore_eos=True)
+    assert {text(temperature=1.0, min_p=1.0, seed=s, ignore_eos=True) for s in range(3)} == {greedy}
+    for bad in (1.5, -0.1):
+        with pytest.raises(openai.BadRequestError) as info:
+            text(min_p=bad)
+        assert info.value.status_code == 400 and "min_p" in str(info.value.body)
+
+
 def test_completion_logprobs(server: ServerProcess, alice: openai.OpenAI) -> None:
     out = alice.completions.create(model=server.model_name, prompt=PROMPT, max_tokens=5, temperature=0, logprobs=2)
     lp = out.choices[0].logprobs

@@ -61,9 +61,9 @@ def test_routes_require_an_api_key(server: ServerProcess, path: str) -> None:
 
 def test_generation_defaults_resolve(tmp_path: Path) -> None:
     path = tmp_path / "generation_config.json"
-    path.write_text(json.dumps({"temperature": 0.6, "top_p": 0.9, "top_k": 0, "do_sample": True}))
+    path.write_text(json.dumps({"temperature": 0.6, "top_p": 0.9, "top_k": 0, "min_p": 0.05, "do_sample": True}))
     auto = GenerationDefaults.load("auto", tmp_path)
-    assert (auto.temperature, auto.top_p, auto.top_k, auto.repetition_penalty) == (0.6, 0.9, -1, 1.0)
+    assert (auto.temperature, auto.top_p, auto.top_k, auto.min_p, auto.repetition_penalty) == (0.6, 0.9, -1, 0.05, 1.0)
     assert GenerationDefaults.load("vllm", tmp_path).temperature == 1.0
     assert GenerationDefaults.load("auto", tmp_path / "missing").temperature == 1.0
     path.write_text(json.dumps({"temperature": -1}))
@@ -71,6 +71,9 @@ def test_generation_defaults_resolve(tmp_path: Path) -> None:
         GenerationDefaults.load("auto", tmp_path)
     path.write_text(json.dumps({"top_p": "high"}))
     with pytest.raises(ConfigError, match="top_p"):
+        GenerationDefaults.load("auto", tmp_path)
+    path.write_text(json.dumps({"min_p": 2}))
+    with pytest.raises(ConfigError, match="min_p"):
         GenerationDefaults.load("auto", tmp_path)
 
 
@@ -93,7 +96,7 @@ def greedy_server(greedy_model_dir: Path, tmp_path_factory: pytest.TempPathFacto
 
 
 def test_omitted_fields_take_the_model_defaults(greedy_server: ServerProcess, greedy_model_dir: Path) -> None:
-    assert "temperature=0 top_p=1 top_k=20 repetition_penalty=1" in greedy_server.log()
+    assert "temperature=0 top_p=1 top_k=20 min_p=0 repetition_penalty=1" in greedy_server.log()
     client = client_for(greedy_server, "key-alice")
     texts = {client.completions.create(model=greedy_server.model_name, prompt="w10 w11", max_tokens=8).choices[0].text
              for _ in range(2)}
