@@ -3,8 +3,10 @@
 Text is decoded incrementally (a few prompt tokens of context, then only new tokens), held
 back while it ends in an incomplete UTF-8 sequence, and, while stop strings are possible,
 held back by (longest stop string - 1) characters so a stream never shows part of a stop
-string that later matches. A matched stop string is cut from the text. A request with a grammar (structured output)
-finishes when its grammar is complete.
+string that later matches. A matched stop string is cut from the text, or with
+`include_stop_str_in_output` (vLLM's) kept and only what follows it cut (nothing is held back
+then: a partial match would be shown in the end anyway). A request with a grammar (structured
+output) finishes when its grammar is complete.
 """
 
 from __future__ import annotations
@@ -42,7 +44,8 @@ class OutputState:
         self.text = ""
         self._num_emitted_chars = 0
         self._num_reported_tokens = 0
-        self._holdback = max((len(s) for s in request.params.stop), default=1) - 1
+        self._holdback = (0 if request.params.include_stop_str_in_output
+                          else max((len(s) for s in request.params.stop), default=1) - 1)
 
     def append_token(self, token: int) -> None:
         """Record a sampled token; finish the request if it meets a stop condition."""
@@ -92,7 +95,7 @@ class OutputState:
         for stop in self.request.params.stop:
             index = self.text.find(stop, max(0, len(self.text) - num_new_chars - len(stop) + 1))
             if index >= 0:
-                self.text = self.text[:index]
+                self.text = self.text[:index + len(stop) if self.request.params.include_stop_str_in_output else index]
                 self.request.finish_reason, self.request.stop_reason = FinishReason.STOP, stop
                 return
 

@@ -28,7 +28,7 @@ def params_to_msg(params: SamplingParams) -> SamplingParamsMsg:
         repetition_penalty=params.repetition_penalty, logit_bias=list(params.logit_bias),
         structured=None if params.structured is None else StructuredOutputMsg(params.structured.kind,
                                                                               params.structured.schema),
-        min_p=params.min_p,
+        min_p=params.min_p, include_stop_str_in_output=params.include_stop_str_in_output,
     )
 
 
@@ -42,7 +42,7 @@ def params_from_msg(msg: SamplingParamsMsg) -> SamplingParams:
         presence_penalty=msg.presence_penalty, frequency_penalty=msg.frequency_penalty,
         repetition_penalty=msg.repetition_penalty, logit_bias=tuple(msg.logit_bias),
         structured=None if msg.structured is None else StructuredOutput(msg.structured.kind, msg.structured.schema),
-        min_p=msg.min_p,
+        min_p=msg.min_p, include_stop_str_in_output=msg.include_stop_str_in_output,
     )
 
 

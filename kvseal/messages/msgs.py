@@ -43,6 +43,7 @@ class SamplingParamsMsg(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
     logit_bias: list[tuple[int, float]] = []
     structured: StructuredOutputMsg | None = None
     min_p: float = 0.0
+    include_stop_str_in_output: bool = False
 
 
 class TokenLogprobsMsg(msgspec.Struct, frozen=True, array_like=True):

@@ -91,6 +91,7 @@ class GenerationBody(_Body):
                               Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     user: Name | None = None
     ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
     min_tokens: Annotated[int, Field(ge=0, le=INT32_MAX)] = 0
     truncate_prompt_tokens: Annotated[int, Field(ge=1, le=INT32_MAX)] | None = None
     response_format: ResponseFormat | None = None

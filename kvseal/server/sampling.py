@@ -44,6 +44,7 @@ def build_sampling_params(body: GenerationBody, *, max_tokens: int | None, num_p
         stop=body.stop_list,
         stop_token_ids=tuple(body.stop_token_ids or ()),
         ignore_eos=body.ignore_eos,
+        include_stop_str_in_output=body.include_stop_str_in_output,
         min_tokens=body.min_tokens,
         logprobs=logprobs,
         truncate_prompt_tokens=body.truncate_prompt_tokens,

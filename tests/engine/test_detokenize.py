@@ -77,3 +77,25 @@ def test_streamed_pieces_add_up_to_the_whole_text(make: Any, prompt: str, text: 
         assert "\ufffd" not in pieces[-1]  # a character split across tokens is held back whole
     pieces.append(state.report(finished=True).new_text)
     assert "".join(pieces) == tokenizer.decode(output, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_a_stop_string_is_cut_or_kept_and_what_follows_it_goes(include: bool) -> None:
+    """A matched stop string ends the text; `include_stop_str_in_output` (vLLM's) keeps it. Either
+    way, the streamed pieces add up to the final text and nothing after the match is shown."""
+    tokenizer = make_tokenizer()
+    output = tokenizer.encode("w3 w4 w5 w6 w7", add_special_tokens=False)
+    whole = tokenizer.decode(output, skip_special_tokens=True)
+    stop = "w5 w"
+    request = Request("r", "t", tokenizer.encode("w1 w2", add_special_tokens=False),
+                      SamplingParams(max_tokens=len(output), stop=(stop,), include_stop_str_in_output=include))
+    state = OutputState(request, text_decoder(tokenizer), eos_token_ids=())
+    pieces = []
+    for token in output:
+        state.append_token(token)
+        pieces.append(state.report(finished=request.finish_reason is not None).new_text)
+        if request.finish_reason is not None:
+            break
+    end = whole.index(stop) + (len(stop) if include else 0)
+    assert request.finish_reason == "stop" and request.stop_reason == stop
+    assert state.text == whole[:end] and "".join(pieces) == whole[:end]

@@ -94,6 +94,13 @@ def test_stop_string_cuts_the_text(server: ServerProcess, alice: openai.OpenAI) 
     streamed = alice.completions.create(model=server.model_name, prompt=PROMPT, max_tokens=12, temperature=0,
                                         stop=stop, stream=True)
     assert "".join(c.choices[0].text for c in streamed) == cut.choices[0].text
+    kept = {"include_stop_str_in_output": True}  # vLLM's: the stop string stays, what follows goes
+    with_stop = alice.completions.create(model=server.model_name, prompt=PROMPT, max_tokens=12, temperature=0,
+                                         stop=[stop], extra_body=kept)
+    assert with_stop.choices[0].finish_reason == "stop" and with_stop.choices[0].text == cut.choices[0].text + stop
+    streamed = alice.completions.create(model=server.model_name, prompt=PROMPT, max_tokens=12, temperature=0,
+                                        stop=stop, stream=True, extra_body=kept)
+    assert "".join(c.choices[0].text for c in streamed) == with_stop.choices[0].text
 
 
 def test_seed_makes_sampling_reproducible(server: ServerProcess, alice: openai.OpenAI) -> None:
