@@ -3,9 +3,9 @@ tests/server/test_grammar_budget.py and tests/disagg/test_pd_structured.py.
 
 Each `check_*` raises AssertionError when what it guards is broken; the tests run every check
 on a healthy server, and on a server with the breaking fault switched on, where it must fail.
-Nothing here asserts a duration: "B did not wait behind A" is B's answer arriving while both
-of A's requests are still open; "the disconnect stopped the compile" is the cancelled counter
-moving while the timeout counter does not.
+Nothing here asserts a duration: "B did not wait behind A" is B's request finishing, by the
+server's audit records, before either of A's; "the disconnect stopped the compile" is the
+cancelled counter moving while the timeout counter does not.
 """
 
 from __future__ import annotations
@@ -112,7 +112,9 @@ def error_of(response: httpx.Response) -> dict[str, Any]:
 
 def check_b_not_behind_a(server: GrammarServer) -> tuple[float, float]:
     """A sends an over-budget schema, then a huge-but-allowed one; B's small schema is
-    answered while both of A's requests are still open. Then A's over-budget one is a 400
+    answered before either of A's requests ends (the server's audit records say in which order
+    they finished: a client-side check of A's requests when B's answer arrives raced with the
+    threads that wait for them). Then A's over-budget one is a 400
     naming the limit and the flag, its big one is served, and A's next grammar compiles (the
     stopped worker was replaced). Returns B's wall time alone and while A's compile ran
     (reported, never asserted)."""
@@ -125,9 +127,10 @@ def check_b_not_behind_a(server: GrammarServer) -> tuple[float, float]:
         wait_for(lambda: server.metric("kvseal_grammar_compiles_running") >= 1, "A's compile to start")
         big = executor.submit(server.chat, "key-alice", response_format=schema_format(big_schema()), max_tokens=1)
         wait_for(lambda: _num_compiles(server) >= 2, "A's second grammar to reach the compile pool")
-        waited_s, a_ended = _b_request(server, slow, big)
-        assert not a_ended, "tenant B's grammar waited behind tenant A's"
+        waited_s, b_answer = _b_request(server, slow, big)
         slow_answer, big_answer = slow.result(), big.result()
+    finished_at = _finish_times(server, [slow_answer, big_answer, b_answer])
+    assert finished_at[2] < min(finished_at[:2]), f"tenant B's grammar waited behind tenant A's: {finished_at}"
     error = error_of(slow_answer)
     assert (error["code"], error["param"]) == ("grammar_compile_timeout", "response_format"), error
     assert f"{BUDGET_S:g} s" in error["message"] and "--grammar-compile-timeout-s" in error["message"], error
@@ -142,8 +145,8 @@ def _num_compiles(server: GrammarServer) -> float:
 
 
 def _b_request(server: GrammarServer, slow: Future[httpx.Response], big: Future[httpx.Response]
-               ) -> tuple[float, bool]:
-    """B's request: (its wall time, whether one of A's requests had ended before it)."""
+               ) -> tuple[float, httpx.Response]:
+    """B's request: (its wall time, its answer)."""
     started_s = time.monotonic()
     answer = server.chat("key-bob", timeout_s=B_DEADLINE_S, response_format=schema_format(small_schema()))
     waited_s = time.monotonic() - started_s
@@ -151,7 +154,22 @@ def _b_request(server: GrammarServer, slow: Future[httpx.Response], big: Future[
     choice = answer.json()["choices"][0]
     if choice["finish_reason"] == "stop":
         assert set(json.loads(choice["message"]["content"])) == {"ok"}
-    return waited_s, slow.done() or big.done()
+    return waited_s, answer
+
+
+def _finish_times(server: GrammarServer, answers: list[httpx.Response]) -> list[float]:
+    """When the server finished each answered request, from its audit lines (the server log
+    holds them: no --audit-log), which are written before the answer is sent."""
+    wanted = [answer.headers["x-request-id"] for answer in answers]
+    found: dict[str, float] = {}
+    for line in server.log().splitlines():
+        _, marker, record = line.partition("kvseal.audit: ")
+        if marker and record.startswith("{"):
+            fields = json.loads(record)
+            if fields.get("request_id") in wanted:
+                found[fields["request_id"]] = fields["finished_at"]
+    assert set(found) == set(wanted), f"audit lines missing for {set(wanted) - set(found)}"
+    return [found[request_id] for request_id in wanted]
 
 
 # ---- a client that leaves stops its compile ------------------------------------------------
