@@ -94,6 +94,7 @@ class SamplingParams:
     structured: StructuredOutput | None = None
     min_p: float = 0.0
     include_stop_str_in_output: bool = False  # vLLM's: keep the matched stop string in the text
+    skip_special_tokens: bool = True  # vLLM's: False puts special tokens (e.g. </s>) in the text
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -132,8 +133,8 @@ class SamplingParams:
         _require(self.seed is None or -2**63 <= self.seed < 2**63, "seed",
                  f"must fit in 64 bits ([-2**63, 2**63)), got {self.seed}")
         _require(isinstance(self.ignore_eos, bool), "ignore_eos", f"must be true or false, got {self.ignore_eos!r}")
-        _require(isinstance(self.include_stop_str_in_output, bool), "include_stop_str_in_output",
-                 f"must be true or false, got {self.include_stop_str_in_output!r}")
+        for flag in ("include_stop_str_in_output", "skip_special_tokens"):
+            _require(isinstance(getattr(self, flag), bool), flag, f"must be true or false, got {getattr(self, flag)!r}")
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop
         object.__setattr__(self, "stop", _as_tuple(stop, "stop", "a string or a list of strings"))
         stop_token_ids = _as_tuple(self.stop_token_ids, "stop_token_ids", "a list of token ids")

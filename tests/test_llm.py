@@ -153,3 +153,18 @@ def test_use_tqdm_is_taken_as_vllm_scripts_pass_it(make_llm: Callable[..., Any])
     with pytest.raises(InvalidParameter) as info:
         llm.generate([[5, 6, 7]], GREEDY, use_tqdm="no")
     assert info.value.param == "use_tqdm" and not llm.engine.has_unfinished()
+
+
+def test_skip_special_tokens_false_puts_them_in_the_text(make_llm: Callable[..., Any]) -> None:
+    """vLLM's skip_special_tokens (default true): false shows special tokens such as </s> in the
+    text; the token ids are the same either way. EOS is forced with logit_bias and ignore_eos."""
+    llm = make_llm(kv_cache_tokens=64, max_model_len=64)
+    eos = llm.get_tokenizer().eos_token_id
+    forced = dict(max_tokens=3, temperature=0, ignore_eos=True, logit_bias={eos: 100.0})
+    skipped, kept = (llm.generate([[5, 6, 7]], SamplingParams(**forced, skip_special_tokens=skip))[0]  # type: ignore[arg-type]
+                     for skip in (True, False))
+    assert skipped.token_ids == kept.token_ids == [eos] * 3
+    assert skipped.text == "" and kept.text.split() == ["</s>"] * 3
+    with pytest.raises(InvalidParameter) as info:
+        SamplingParams(skip_special_tokens="no")  # type: ignore[arg-type]
+    assert info.value.param == "skip_special_tokens"

@@ -112,7 +112,8 @@ class LLMEngine:
             free_before_weights += model_bytes(self.loaded.model)  # given on the GPU: its weights were not free
         self.model_config: ModelConfig = self.loaded.config
         self.tokenizer: Any = self.loaded.tokenizer
-        self._decode_text = text_decoder(self.tokenizer)
+        # by SamplingParams.skip_special_tokens: [False] keeps them, [True] (the default) skips them
+        self._decoders = (text_decoder(self.tokenizer, skip_special_tokens=False), text_decoder(self.tokenizer))
         if not args.is_pool_sized_by_device:  # a pool that cannot be honoured fails before the weights move
             args.resolve(self.model_config)
         model = finish_model(self.loaded.model.to(device=args.device), args.torch_dtype, args.quantization, self.ops,
@@ -250,7 +251,8 @@ class LLMEngine:
         if params.structured is not None:
             request.grammar = new_matcher(compiled_grammar if compiled_grammar is not None
                                           else self.grammars.compile_now(tenant, params.structured))
-        self._outputs[request_id] = OutputState(request, self._decode_text, self.model_config.eos_token_ids)
+        self._outputs[request_id] = OutputState(request, self._decoders[params.skip_special_tokens],
+                                                self.model_config.eos_token_ids)
         self.scheduler.add(request)
         return request
 
@@ -280,7 +282,8 @@ class LLMEngine:
         if params.structured is not None:  # the first token was sampled under the same grammar
             request.grammar = new_matcher(compiled_grammar if compiled_grammar is not None
                                           else self.grammars.compile_now(tenant, params.structured))
-        state = self._outputs[request_id] = OutputState(request, self._decode_text, self.model_config.eos_token_ids)
+        state = self._outputs[request_id] = OutputState(request, self._decoders[params.skip_special_tokens],
+                                                        self.model_config.eos_token_ids)
         self.scheduler.add_running(request)
         state.append_token(first_token)
         if first_logprobs is not None:

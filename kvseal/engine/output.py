@@ -21,20 +21,21 @@ _CONTEXT_TOKENS = 5
 GRAMMAR_REFUSED_TOKEN = "grammar_refused_token"
 
 
-def text_decoder(tokenizer: Any) -> Callable[[list[int]], str]:
-    """ids -> text with special tokens skipped, as `tokenizer.decode(ids, skip_special_tokens=True)`.
-    A Hugging Face fast tokenizer that does no clean-up of the text decodes in its Rust backend
-    directly: the same string, without the wrapper's ~5 us of Python a call (two calls a
-    token for every running request, every step)."""
+def text_decoder(tokenizer: Any, skip_special_tokens: bool = True) -> Callable[[list[int]], str]:
+    """ids -> text, as `tokenizer.decode(ids, skip_special_tokens=...)` (special tokens skipped
+    unless a request asks for them: vLLM's `skip_special_tokens=False`). A Hugging Face fast
+    tokenizer that does no clean-up of the text decodes in its Rust backend directly: the same
+    string, without the wrapper's ~5 us of Python a call (two calls a token for every running
+    request, every step)."""
     backend = getattr(tokenizer, "_tokenizer", None)
     if getattr(tokenizer, "clean_up_tokenization_spaces", True) is False and callable(getattr(backend, "decode", None)):
-        return lambda ids: backend.decode(ids, skip_special_tokens=True)  # type: ignore[union-attr]
-    return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+        return lambda ids: backend.decode(ids, skip_special_tokens=skip_special_tokens)  # type: ignore[union-attr]
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
 
 class OutputState:
     def __init__(self, request: Request, decode: Callable[[list[int]], str], eos_token_ids: tuple[int, ...]) -> None:
-        """decode: ids -> text, special tokens skipped (`text_decoder`)."""
+        """decode: ids -> text, special tokens skipped or not as the request asks (`text_decoder`)."""
         self.request = request
         self._decode = decode
         self._eos = set(eos_token_ids)

@@ -29,6 +29,7 @@ def params_to_msg(params: SamplingParams) -> SamplingParamsMsg:
         structured=None if params.structured is None else StructuredOutputMsg(params.structured.kind,
                                                                               params.structured.schema),
         min_p=params.min_p, include_stop_str_in_output=params.include_stop_str_in_output,
+        skip_special_tokens=params.skip_special_tokens,
     )
 
 
@@ -43,6 +44,7 @@ def params_from_msg(msg: SamplingParamsMsg) -> SamplingParams:
         repetition_penalty=msg.repetition_penalty, logit_bias=tuple(msg.logit_bias),
         structured=None if msg.structured is None else StructuredOutput(msg.structured.kind, msg.structured.schema),
         min_p=msg.min_p, include_stop_str_in_output=msg.include_stop_str_in_output,
+        skip_special_tokens=msg.skip_special_tokens,
     )
 
 

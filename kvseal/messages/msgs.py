@@ -44,6 +44,7 @@ class SamplingParamsMsg(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
     structured: StructuredOutputMsg | None = None
     min_p: float = 0.0
     include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
 
 
 class TokenLogprobsMsg(msgspec.Struct, frozen=True, array_like=True):

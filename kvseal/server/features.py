@@ -7,7 +7,7 @@ from pydantic import BaseModel
 # Request fields whose presence the audit log records (a field sent at all counts as used).
 FEATURE_FIELDS = (
     "n", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "stop", "stop_token_ids",
-    "seed", "logprobs", "top_logprobs", "min_tokens", "ignore_eos", "include_stop_str_in_output",
+    "seed", "logprobs", "top_logprobs", "min_tokens", "ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
     "truncate_prompt_tokens", "response_format", "tools", "tool_choice", "stream",
 )
 

@@ -92,6 +92,7 @@ class GenerationBody(_Body):
     user: Name | None = None
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
     min_tokens: Annotated[int, Field(ge=0, le=INT32_MAX)] = 0
     truncate_prompt_tokens: Annotated[int, Field(ge=1, le=INT32_MAX)] | None = None
     response_format: ResponseFormat | None = None

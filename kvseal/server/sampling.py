@@ -45,6 +45,7 @@ def build_sampling_params(body: GenerationBody, *, max_tokens: int | None, num_p
         stop_token_ids=tuple(body.stop_token_ids or ()),
         ignore_eos=body.ignore_eos,
         include_stop_str_in_output=body.include_stop_str_in_output,
+        skip_special_tokens=body.skip_special_tokens,
         min_tokens=body.min_tokens,
         logprobs=logprobs,
         truncate_prompt_tokens=body.truncate_prompt_tokens,

@@ -24,7 +24,7 @@ from kvseal.types import SamplingParams
 
 PARAMS = SamplingParams(max_tokens=7, temperature=0.5, top_p=0.9, top_k=3, seed=11, stop=("x", "yz"),
                         stop_token_ids=(4,), ignore_eos=True, min_tokens=2, logprobs=3, truncate_prompt_tokens=9,
-                        min_p=0.05, include_stop_str_in_output=True)
+                        min_p=0.05, include_stop_str_in_output=True, skip_special_tokens=False)
 OUTPUT = RequestOutputMsg("r1", "alice", [5, 6], " w5 w6", True, "stop", "yz", 3, 2, 1, 4,
                           [TokenLogprobsMsg(5, -0.5, [(5, -0.5), (9, -1.5)])], None)
 TO_ENGINE = [AddRequestMsg("r1", "alice", [1, 2, 3], params_to_msg(PARAMS)), AbortMsg("r1", "alice", "why"),

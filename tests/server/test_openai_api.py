@@ -134,6 +134,18 @@ def test_min_p_one_keeps_only_the_most_likely_token(server: ServerProcess, alice
         assert info.value.status_code == 400 and "min_p" in str(info.value.body)
 
 
+def test_skip_special_tokens_false_shows_them(server: ServerProcess, alice: openai.OpenAI) -> None:
+    """vLLM's skip_special_tokens: false puts </s> (forced here) in the text; the default skips it."""
+    forced = {"ignore_eos": True, "logit_bias": {"1": 100}}  # token 1 is the tiny tokenizer's </s>
+
+    def text(**extra: object) -> str:
+        out = alice.completions.create(model=server.model_name, prompt=PROMPT, max_tokens=2, temperature=0,
+                                       extra_body=forced | extra)
+        return out.choices[0].text
+
+    assert text() == "" and text(skip_special_tokens=False).split() == ["</s>", "</s>"]
+
+
 def test_completion_logprobs(server: ServerProcess, alice: openai.OpenAI) -> None:
     out = alice.completions.create(model=server.model_name, prompt=PROMPT, max_tokens=5, temperature=0, logprobs=2)
     lp = out.choices[0].logprobs
