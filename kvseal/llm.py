@@ -11,7 +11,7 @@ from kvseal.config import EngineArgs
 from kvseal.engine.engine import LLMEngine
 from kvseal.errors import InvalidParameter
 from kvseal.prompting import render_chat
-from kvseal.types import DEFAULT_TENANT, RequestOutput, SamplingParams
+from kvseal.types import DEFAULT_TENANT, RequestOutput, SamplingParams, choice_seed
 
 Prompt = str | list[int]
 # vLLM's TextPrompt {"prompt": str} and TokensPrompt {"prompt_token_ids": [int]}
@@ -143,8 +143,8 @@ def _choices(request_id: str, params: SamplingParams) -> list[tuple[str, Samplin
     (`kvseal.server.choices`): one request each, choice i of a seeded request seeded seed + i."""
     if params.n == 1:
         return [(request_id, params)]
-    return [(f"{request_id}-{i}", dataclasses.replace(
-        params, n=1, seed=None if params.seed is None else (params.seed + i) % 2**63)) for i in range(params.n)]
+    return [(f"{request_id}-{i}", dataclasses.replace(params, n=1, seed=choice_seed(params.seed, i)))
+            for i in range(params.n)]
 
 
 def _merge(request_id: str, prompt: Prompt, outs: list[RequestOutput], decode: Callable[[int], str]) -> RequestOutput:

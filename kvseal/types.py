@@ -21,6 +21,12 @@ DEFAULT_TENANT = "default"
 ISOLATION_CHECK_FAILED = "isolation_check_failed"
 SAMPLING_EPS = 1e-5
 MAX_N = 16  # most choices one request may ask for
+
+
+def choice_seed(seed: int | None, index: int) -> int | None:
+    """The seed of choice `index` of a request seeded `seed` (served and offline alike): seed +
+    index, so the request is reproducible and its choices differ; unseeded stays unseeded."""
+    return None if seed is None else (seed + index) % 2**63
 _INT_FIELDS = ("top_k", "min_tokens", "n")
 _OPTIONAL_INT_FIELDS = ("max_tokens", "seed", "logprobs", "truncate_prompt_tokens")
 _REAL_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")

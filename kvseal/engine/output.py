@@ -45,6 +45,8 @@ class OutputState:
         self.text = ""
         self._num_emitted_chars = 0
         self._num_reported_tokens = 0
+        assert request.params.max_tokens is not None, "max_tokens=None is resolved when the engine admits a request"
+        self._max_tokens = request.params.max_tokens
         self._holdback = (0 if request.params.include_stop_str_in_output
                           else max((len(s) for s in request.params.stop), default=1) - 1)
 
@@ -59,9 +61,7 @@ class OutputState:
             return
         if request.num_output_tokens >= request.params.min_tokens:
             self._check_stop(token, delta)
-        max_tokens = request.params.max_tokens
-        assert max_tokens is not None, "max_tokens=None is resolved when the engine admits the request"
-        if request.finish_reason is None and request.num_output_tokens >= max_tokens:
+        if request.finish_reason is None and request.num_output_tokens >= self._max_tokens:
             request.finish_reason = FinishReason.LENGTH
 
     def _check_grammar(self, token: int) -> bool:

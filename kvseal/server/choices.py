@@ -22,6 +22,7 @@ import msgspec
 
 from kvseal.engine_api import RequestEvent, RequestObserver, is_terminal
 from kvseal.messages.msgs import AddRequestMsg, RequestOutputMsg, SamplingParamsMsg
+from kvseal.types import choice_seed
 
 ChoiceEvent = tuple[int, RequestEvent]
 
@@ -36,8 +37,7 @@ def choice_msgs(msg: AddRequestMsg) -> list[AddRequestMsg]:
 
 
 def _choice_params(msg: AddRequestMsg, index: int) -> SamplingParamsMsg:
-    seed = msg.params.seed
-    return msgspec.structs.replace(msg.params, n=1, seed=None if seed is None else (seed + index) % 2**63)
+    return msgspec.structs.replace(msg.params, n=1, seed=choice_seed(msg.params.seed, index))
 
 
 class ChoiceGroup:
