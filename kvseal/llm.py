@@ -148,8 +148,10 @@ def _choices(request_id: str, params: SamplingParams) -> list[tuple[str, Samplin
 
 
 def _merge(request_id: str, prompt: Prompt, outs: list[RequestOutput], decode: Callable[[int], str]) -> RequestOutput:
-    """The choices of one prompt as one result: choice 0's fields, every choice in `outputs`."""
+    """The choices of one prompt as one result: choice 0's fields (its prompt logprobs in vLLM's
+    shape too), every choice in `outputs`."""
     return dataclasses.replace(outs[0], request_id=request_id, prompt=prompt if isinstance(prompt, str) else None,
+                               prompt_logprobs=outs[0].vllm_prompt_logprobs(decode),
                                outputs=[out.as_completion(i, decode) for i, out in enumerate(outs)])
 
 

@@ -28,7 +28,8 @@ def choice_seed(seed: int | None, index: int) -> int | None:
     index, so the request is reproducible and its choices differ; unseeded stays unseeded."""
     return None if seed is None else (seed + index) % 2**63
 _INT_FIELDS = ("top_k", "min_tokens", "n")
-_OPTIONAL_INT_FIELDS = ("max_tokens", "seed", "logprobs", "truncate_prompt_tokens")
+_OPTIONAL_INT_FIELDS = ("max_tokens", "seed", "logprobs", "prompt_logprobs", "truncate_prompt_tokens")
+MAX_LOGPROBS = 20  # most alternatives a position's logprobs may carry (vLLM's default max_logprobs)
 _REAL_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 
 
@@ -79,6 +80,11 @@ class SamplingParams:
     presence/frequency penalties follow OpenAI (output tokens only), repetition_penalty
     follows vLLM/transformers (prompt and output tokens); `logit_bias` is (token id, bias)
     pairs added to the logits. `n` choices are generated from one prompt.
+
+    `prompt_logprobs` (vLLM's): the log-probability of every prompt token after the first, with
+    that many alternatives per position (0: the prompt token's alone), from the model's raw
+    logits (no bias, penalty or temperature: they shape sampling, not the prompt). A request
+    asking for them computes its whole prompt itself (it reads no prefix-cache page).
     """
 
     max_tokens: int | None = 16  # None: the rest of the context (resolved when the engine admits it)
@@ -101,6 +107,7 @@ class SamplingParams:
     min_p: float = 0.0
     include_stop_str_in_output: bool = False  # vLLM's: keep the matched stop string in the text
     skip_special_tokens: bool = True  # vLLM's: False puts special tokens (e.g. </s>) in the text
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -115,8 +122,10 @@ class SamplingParams:
                  f"must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
         _require(all(isinstance(s, str) and s for s in self.stop), "stop",
                  "every stop sequence must be a non-empty string")
-        _require(self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs",
-                 f"must be between 0 and 20, got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            _require(value is None or 0 <= value <= MAX_LOGPROBS, name,
+                     f"must be between 0 and {MAX_LOGPROBS}, got {value}")
         _require(self.truncate_prompt_tokens is None or self.truncate_prompt_tokens == -1
                  or self.truncate_prompt_tokens >= 1, "truncate_prompt_tokens",
                  f"must be >= 1, or -1 for the most a prompt may have, got {self.truncate_prompt_tokens}")
@@ -213,6 +222,9 @@ class Request:
     page_hashes: list[bytes] = field(default_factory=list)
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # with `params.prompt_logprobs`: one entry per prompt position computed so far, None first
+    # (the first token has no context to be predicted from); None otherwise
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
     num_preemptions: int = 0
@@ -225,6 +237,14 @@ class Request:
 
     def __post_init__(self) -> None:
         self.cache_namespace = namespace_of(self.tenant)
+        if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = [None]
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Whether prompt positions are still without their logprobs: until they all have them,
+        the request computes its prompt itself (`KVCacheManager.match_prefix` finds nothing)."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_token_ids)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -245,17 +265,20 @@ class Request:
 
 @dataclass(frozen=True)
 class TokenLogprobs:
-    """Log-probability of the sampled token and of the most likely alternatives."""
+    """Log-probability of a token (sampled, or a prompt token) and of the most likely
+    alternatives; `rank` is the token's place among all tokens (1: the most likely), None where
+    it was not computed."""
 
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
+    rank: int | None = None
 
 
 @dataclass(frozen=True)
 class Logprob:
     """One token's entry in a position's logprobs, in vLLM's shape: `rank` 1 is the most likely
-    token; a sampled token outside the asked-for top has no rank here (None)."""
+    token (None where it was not computed)."""
 
     logprob: float
     rank: int | None = None
@@ -288,9 +311,13 @@ class RequestOutput:
     `num_kv_tokens_written` (set when finished) how many KV slots were written for it in the
     pages it held at the end.
 
-    The offline API (`LLM.generate`) also sets `prompt` (the text prompt, None for token ids)
-    and `outputs`, every choice of the request (`SamplingParams.n` of them) in vLLM's shape;
-    the other fields are choice 0's. Outputs of engine steps leave `outputs` empty.
+    `prompt_token_logprobs` (a request with `SamplingParams.prompt_logprobs`, from its first
+    token on) has one entry per prompt token, None for the first.
+
+    The offline API (`LLM.generate`) also sets `prompt` (the text prompt, None for token ids),
+    `prompt_logprobs` (vLLM's shape of `prompt_token_logprobs`) and `outputs`, every choice of
+    the request (`SamplingParams.n` of them) in vLLM's shape; the other fields are choice 0's.
+    Outputs of engine steps leave `outputs` empty and `prompt_logprobs` None.
     """
 
     request_id: str
@@ -309,7 +336,9 @@ class RequestOutput:
     num_pages_reserved: int = 0
     num_kv_tokens_written: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    prompt_token_logprobs: list[TokenLogprobs | None] | None = None
     prompt: str | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     outputs: list[CompletionOutput] = field(default_factory=list)
 
     @property
@@ -321,15 +350,23 @@ class RequestOutput:
         if self.logprobs is None:
             return CompletionOutput(index, self.text, self.token_ids, None, None, self.finish_reason, self.stop_reason)
         cumulative = sum(lp.logprob for lp in self.logprobs)
-        logprobs = [_vllm_logprobs(lp, decode) for lp in self.logprobs]
+        logprobs = [vllm_logprobs(lp, decode) for lp in self.logprobs]
         return CompletionOutput(index, self.text, self.token_ids, cumulative, logprobs, self.finish_reason,
                                 self.stop_reason)
 
+    def vllm_prompt_logprobs(self, decode: Callable[[int], str]) -> list[dict[int, Logprob] | None] | None:
+        """`prompt_token_logprobs` in vLLM's shape (None where the request did not ask for them)."""
+        if self.prompt_token_logprobs is None:
+            return None
+        return [None if lp is None else vllm_logprobs(lp, decode) for lp in self.prompt_token_logprobs]
 
-def _vllm_logprobs(lp: TokenLogprobs, decode: Callable[[int], str]) -> dict[int, Logprob]:
+
+def vllm_logprobs(lp: TokenLogprobs, decode: Callable[[int], str]) -> dict[int, Logprob]:
+    """One position in vLLM's shape: the position's own token first (with its rank among all
+    tokens), then the top alternatives, ranked 1..k."""
     top = {token: Logprob(value, rank, decode(token)) for rank, (token, value) in enumerate(lp.top, start=1)}
-    sampled = top.pop(lp.token_id, None) or Logprob(lp.logprob, None, decode(lp.token_id))
-    return {lp.token_id: sampled, **top}
+    own = top.pop(lp.token_id, None) or Logprob(lp.logprob, lp.rank, decode(lp.token_id))
+    return {lp.token_id: own, **top}
 
 
 @dataclass(frozen=True)

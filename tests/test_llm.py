@@ -93,20 +93,21 @@ def test_one_choice_is_outputs_zero(make_llm: Callable[..., Any]) -> None:
 
 def test_logprobs_come_in_vllms_shape(make_llm: Callable[..., Any]) -> None:
     """`outputs[i].logprobs[t]` is vLLM's dict token id -> Logprob(logprob, rank, decoded_token):
-    the sampled token first, then the top k with ranks 1..k, as vLLM scripts read them
-    (`step[token_id].logprob`); the values are the engine's, the same as the top-level list."""
+    the sampled token first, with its rank among all tokens, then the top k with ranks 1..k, as
+    vLLM scripts read them (`step[token_id].logprob`); the values are the engine's, the same as
+    the top-level list."""
     llm = make_llm(kv_cache_tokens=64, max_model_len=64)
     [out] = llm.generate([5, 6, 7], SamplingParams(max_tokens=5, temperature=1.5, seed=3, ignore_eos=True, logprobs=2))
     [choice] = out.outputs
     assert out.logprobs is not None and choice.logprobs is not None and len(choice.logprobs) == 5
     for step, token, engine_step in zip(choice.logprobs, choice.token_ids, out.logprobs):
         assert next(iter(step)) == token and step[token].logprob == engine_step.logprob
-        top = [(t, lp.logprob) for t, lp in step.items() if lp.rank is not None]
-        assert sorted(lp.rank for lp in step.values() if lp.rank is not None) == [1, 2]
+        top = [(t, lp.logprob) for t, lp in step.items() if t != token or lp.rank is not None and lp.rank <= 2]
         assert sorted(top, key=lambda pair: -pair[1]) == list(engine_step.top)
-        assert step[token].rank is None or (token, step[token].logprob) in engine_step.top
+        assert sorted(lp.rank for t, lp in step.items() if t != token) == [r for r in (1, 2) if r != step[token].rank]
+        assert step[token].rank == engine_step.rank
         assert all(lp.decoded_token == llm.get_tokenizer().decode([t]) for t, lp in step.items())
-        assert len(step) == 3 - (step[token].rank is not None)
+        assert len(step) == 3 - (step[token].rank <= 2)
 
 
 CONVERSATION = [{"role": "user", "content": "w10"}]

@@ -39,11 +39,11 @@ from kvseal.disagg.transport import CANCELLED, KVReceiver, log_refused_block
 from kvseal.disagg.verify import Expected, Refusal, verify_commit
 from kvseal.engine.engine import LLMEngine
 from kvseal.errors import RequestRejected
-from kvseal.messages.convert import output_to_msg, params_from_msg
+from kvseal.messages.convert import logprobs_from_msg, output_to_msg, params_from_msg
 from kvseal.messages.msgs import AbortMsg, OutputsMsg, RequestOutputMsg, RequestRejectedMsg
 from kvseal.parallel.handoff import RankHandoff
 from kvseal.structured.pending import PendingGrammars
-from kvseal.types import ISOLATION_CHECK_FAILED, RequestOutput, SamplingParams, TokenLogprobs
+from kvseal.types import ISOLATION_CHECK_FAILED, RequestOutput, SamplingParams
 
 logger = logging.getLogger("kvseal.disagg")
 
@@ -199,7 +199,8 @@ class DecodeSteps:
         expected = Expected(reservation.transfer_id, reservation.request_id, reservation.tenant,
                             reservation.num_prompt_tokens, self.engine.model_config.num_layers,
                             self.engine.limits.vocab_size, reservation.params.logprobs,
-                            reservation.num_cached_tokens)
+                            reservation.num_cached_tokens, reservation.params.prompt_logprobs,
+                            tuple(reservation.prompt_token_ids))
         refusal = None if is_active(Fault.SKIP_HANDOFF_VERIFY) else verify_commit(
             expected, msg, self.receiver.landed(msg.transfer_id))
         if refusal is None and self.handoff is not None:
@@ -250,13 +251,14 @@ class DecodeSteps:
         self.table.take(reservation)
         self.counters.num_transfers += 1
         self.counters.num_transfer_bytes += landing.num_bytes if landing is not None else 0
-        logprobs = None if msg.first_logprobs is None else TokenLogprobs(
-            msg.first_logprobs.token_id, msg.first_logprobs.logprob, tuple(msg.first_logprobs.top))
+        logprobs = None if msg.first_logprobs is None else logprobs_from_msg(msg.first_logprobs)
+        prompt_logprobs = None if msg.prompt_logprobs is None else [
+            None if lp is None else logprobs_from_msg(lp) for lp in msg.prompt_logprobs]
         generator_state = torch.frombuffer(bytearray(msg.generator_state), dtype=torch.uint8)  # verified
         first = self.engine.add_prefilled(request_id, reservation.tenant, reservation.prompt_token_ids,
                                           reservation.params, msg.first_token, logprobs, generator_state,
                                           reservation.num_cached_tokens,
-                                          reservation.compiled_grammar)
+                                          reservation.compiled_grammar, prompt_logprobs)
         logger.info("handoff of request %s verified: transfer %s from prefill %s to decode %s",
                     request_id, msg.transfer_id, msg.prefill_engine, self.instance_id)
         self._frontend_of[request_id] = reservation.frontend

@@ -261,6 +261,8 @@ class CommitMsg(_Msg, frozen=True):
     first_logprobs: TokenLogprobsMsg | None
     generator_state: bytes  # the request's sampler state after the first token
     prefill_engine: str
+    # the request's `prompt_logprobs`: one entry per prompt token, None first (None: not asked for)
+    prompt_logprobs: list[TokenLogprobsMsg | None] | None = None
 
 
 class TransferAbortMsg(_Msg, frozen=True):

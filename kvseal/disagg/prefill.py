@@ -39,8 +39,8 @@ from kvseal.disagg.transport import KVSender, PushPlan, TransportError
 from kvseal.disagg.wire import PeerLinks
 from kvseal.engine.engine import LLMEngine
 from kvseal.errors import RequestRejected
-from kvseal.messages.convert import params_from_msg
-from kvseal.messages.msgs import AbortMsg, TokenLogprobsMsg
+from kvseal.messages.convert import logprobs_to_msg, params_from_msg, prompt_logprobs_to_msg
+from kvseal.messages.msgs import AbortMsg
 from kvseal.parallel.handoff import RankHandoff
 from kvseal.structured.pending import PendingGrammars
 from kvseal.types import ISOLATION_CHECK_FAILED, FinishReason, Request, RequestOutput, SamplingParams
@@ -215,8 +215,9 @@ class PrefillSteps:
             num_tokens=request.num_computed_tokens,
             written=[WrittenRangeMsg(layer, start, end) for layer, end in enumerate(written)],
             first_token=request.output_token_ids[0],
-            first_logprobs=None if first is None else TokenLogprobsMsg(first.token_id, first.logprob, list(first.top)),
+            first_logprobs=None if first is None else logprobs_to_msg(first),
             generator_state=request.generator.get_state().numpy().tobytes(), prefill_engine=self.instance_id,
+            prompt_logprobs=prompt_logprobs_to_msg(request.prompt_logprobs),
         )
         self.links.get(msg.decode_address, msg.decode_public_key).send(commit)
         return num_bytes

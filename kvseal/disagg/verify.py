@@ -4,7 +4,10 @@
 A commit is accepted only if, word for word: it names a live reservation's transfer id; its
 request id and tenant are the reservation's; its token count is the prompt length; its first
 token is in the vocabulary; its logprobs are there exactly when the request asked for them, for
-that token, with as many alternatives as asked, all in the vocabulary and none above 0; its
+that token, with as many alternatives as asked, all in the vocabulary and none above 0; its prompt
+logprobs are there exactly when the request asked for them, one per prompt token (None for the
+first), each of that prompt token, with a rank in the vocabulary and as many alternatives as
+asked, checked as the first token's; its
 generator state is a CPU generator's state, of exactly that size, that the generator takes; and
 for every layer, for K and for V, the receiver's own landing records cover every prompt position
 from the end of decode's prefix-cache hit on, nothing landed before it (those are read-only
@@ -45,6 +48,8 @@ class Expected:
     vocab_size: int
     num_logprobs: int | None  # the request's `SamplingParams.logprobs`: alternatives the first token carries
     num_cached_tokens: int = 0  # decode's prefix-cache hit: the transfer covers [this, num_prompt_tokens)
+    num_prompt_logprobs: int | None = None  # the request's `SamplingParams.prompt_logprobs`
+    prompt_token_ids: tuple[int, ...] = ()  # the prompt decode reserved for (checked against prompt logprobs)
 
 
 def verify_commit(expected: Expected, commit: CommitMsg, landing: Landing | None) -> Refusal | None:
@@ -70,6 +75,9 @@ def _check_sample(expected: Expected, commit: CommitMsg) -> Refusal | None:
     why = _logprobs_problem(expected, commit.first_token, commit.first_logprobs)
     if why is not None:
         return Refusal("bad_logprobs", why)
+    why = _prompt_logprobs_problem(expected, commit.prompt_logprobs)
+    if why is not None:
+        return Refusal("bad_prompt_logprobs", why)
     if not is_generator_state(commit.generator_state):
         return Refusal("bad_generator_state", f"the generator state ({len(commit.generator_state)} bytes) is not "
                                               f"a CPU generator's state of {GENERATOR_STATE_BYTES} bytes")
@@ -80,13 +88,42 @@ def _logprobs_problem(expected: Expected, first_token: int, logprobs: TokenLogpr
     if (logprobs is None) != (expected.num_logprobs is None):
         has = "lacks" if logprobs is None else "carries"
         return f"the request asked for logprobs={expected.num_logprobs}; the commit {has} them"
-    if logprobs is None:
+    if logprobs is None or expected.num_logprobs is None:
         return None
-    if logprobs.token_id != first_token:
-        return f"the logprobs are of token {logprobs.token_id}, the first token is {first_token}"
-    if len(logprobs.top) != expected.num_logprobs:
-        return f"the commit carries {len(logprobs.top)} alternatives, the request asked for {expected.num_logprobs}"
-    pairs = [(first_token, logprobs.logprob), *logprobs.top]
+    return _position_problem(expected, first_token, logprobs, expected.num_logprobs, "the first token")
+
+
+def _prompt_logprobs_problem(expected: Expected, logprobs: list[TokenLogprobsMsg | None] | None) -> str | None:
+    wanted = expected.num_prompt_logprobs
+    if (logprobs is None) != (wanted is None):
+        has = "lacks" if logprobs is None else "carries"
+        return f"the request asked for prompt_logprobs={wanted}; the commit {has} them"
+    if logprobs is None or wanted is None:
+        return None
+    prompt = expected.prompt_token_ids
+    if len(logprobs) != len(prompt) or len(prompt) != expected.num_prompt_tokens:
+        return f"the commit carries {len(logprobs)} prompt logprobs; the prompt has {expected.num_prompt_tokens} tokens"
+    if logprobs[0] is not None:
+        return "the commit carries logprobs for the first prompt token, which has none"
+    for position, (token, lp) in enumerate(zip(prompt[1:], logprobs[1:]), start=1):
+        problem = "it has none" if lp is None else _position_problem(expected, token, lp, wanted,
+                                                                     f"prompt token {position}")
+        if problem is not None:
+            return f"prompt position {position}: {problem}"
+    return None
+
+
+def _position_problem(expected: Expected, token: int, logprobs: TokenLogprobsMsg, num_top: int,
+                      what: str) -> str | None:
+    """One position's logprobs: of `token`, `num_top` alternatives, ids in the vocabulary, values
+    in [-inf, 0], a rank (where one is sent) among the vocabulary's."""
+    if logprobs.token_id != token:
+        return f"the logprobs are of token {logprobs.token_id}, {what} is {token}"
+    if len(logprobs.top) != num_top:
+        return f"the commit carries {len(logprobs.top)} alternatives, the request asked for {num_top}"
+    if logprobs.rank is not None and not 1 <= logprobs.rank <= expected.vocab_size:
+        return f"rank {logprobs.rank} is outside [1, {expected.vocab_size}]"
+    pairs = [(token, logprobs.logprob), *logprobs.top]
     # a log-probability is at most 0 (-inf: a masked token); NaN is no number at all
     bad = next(((t, v) for t, v in pairs if not (0 <= t < expected.vocab_size and v <= 0)), None)
     if bad is not None:

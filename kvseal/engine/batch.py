@@ -16,15 +16,32 @@ from kvseal._testing.faults import Fault, is_active
 from kvseal.errors import IsolationViolation
 from kvseal.kvcache.manager import KVCacheManager
 from kvseal.kvcache.records import ForwardWrites
-from kvseal.types import ForwardBatch, ScheduledChunk
+from kvseal.types import ForwardBatch, Request, ScheduledChunk
+
+
+@dataclass(frozen=True)
+class PromptRows:
+    """Logits rows [first_row, first_row + num_rows) of a forward predict prompt tokens
+    [first_token, first_token + num_rows) of `request` (its `prompt_logprobs`)."""
+
+    request: Request
+    first_row: int
+    first_token: int
+    num_rows: int
 
 
 @dataclass(frozen=True)
 class PreparedForward:
-    """A batch and what it will write (the write records advance as the forward runs)."""
+    """A batch and what it will write (the write records advance as the forward runs).
+
+    With requests that want prompt logprobs, the forward's logits hold their prompt rows
+    (`prompt_rows`) besides one row per sampled request; `sample_rows` picks the latter, in
+    order. Without, every logits row is a sample and both are empty."""
 
     batch: ForwardBatch
     writes: ForwardWrites
+    prompt_rows: tuple[PromptRows, ...] = ()
+    sample_rows: tuple[int, ...] = ()
 
 
 def build_forward_batch(chunks: list[ScheduledChunk], kv: KVCacheManager) -> PreparedForward:
@@ -38,9 +55,13 @@ def build_forward_batch(chunks: list[ScheduledChunk], kv: KVCacheManager) -> Pre
     context_lens: list[int] = []
     query_lens: list[int] = []
     logits_indices: list[int] = []
+    prompt_rows: list[PromptRows] = []
+    sample_rows: list[int] = []
     for chunk in chunks:
         ids, start, end = _chunk_tokens(chunk)
         request_id = chunk.request.request_id
+        if chunk.request.needs_prompt_logprobs:
+            prompt_rows += _prompt_rows(chunk.request, start, end, len(input_ids), logits_indices)
         input_ids.extend(ids)
         positions.extend(range(start, end))
         new_slots.extend(kv.slot_list(request_id, start, end))
@@ -49,6 +70,7 @@ def build_forward_batch(chunks: list[ScheduledChunk], kv: KVCacheManager) -> Pre
         context_lens.append(end)
         query_lens.append(end - start)
         if chunk.is_last_chunk:
+            sample_rows.append(len(logits_indices))
             logits_indices.append(len(input_ids) - 1)
     # the token tensors go to the pool's device in one copy; the block tables stay on the host
     # (the attention plan pads and moves them once per forward, the check once per step)
@@ -58,7 +80,24 @@ def build_forward_batch(chunks: list[ScheduledChunk], kv: KVCacheManager) -> Pre
     batch = ForwardBatch(input_ids=ids, positions=pos, slot_mapping=slots, query_lens=query_lens,
                          context_lens=context_lens, block_tables=block_tables, logits_indices=sampled)
     writes = kv.plan_writes([c.request.request_id for c in chunks], starts, context_lens)
-    return PreparedForward(batch, writes)
+    if not prompt_rows:
+        return PreparedForward(batch, writes)
+    return PreparedForward(batch, writes, tuple(prompt_rows), tuple(sample_rows))
+
+
+def _prompt_rows(request: Request, start: int, end: int, first_token_row: int,
+                 logits_indices: list[int]) -> list[PromptRows]:
+    """The rows of a chunk [start, end) of `request` whose logits predict a prompt token that
+    has no logprobs yet (the row of position p predicts token p + 1), appended to
+    `logits_indices` (the chunk's tokens begin at flattened row `first_token_row`)."""
+    assert request.prompt_logprobs is not None
+    first = max(start, len(request.prompt_logprobs) - 1)
+    last = min(end, request.num_prompt_tokens - 1)
+    if first >= last:
+        return []
+    rows = PromptRows(request, len(logits_indices), first + 1, last - first)
+    logits_indices.extend(range(first_token_row + first - start, first_token_row + last - start))
+    return [rows]
 
 
 def check_forward(prepared: PreparedForward, kv: KVCacheManager) -> list[IsolationViolation]:

@@ -23,11 +23,11 @@ import torch
 from kvseal._testing.faults import Fault, is_active
 from kvseal.admission import AdmissionLimits, admit, with_max_tokens
 from kvseal.config import EngineArgs, ModelConfig
-from kvseal.engine.batch import PreparedForward, build_forward_batch, check_forward
+from kvseal.engine.batch import PreparedForward, PromptRows, build_forward_batch, check_forward
 from kvseal.engine.gpu_memory import model_bytes, plan_gpu_pool
 from kvseal.engine.model_runner import ModelRunner
 from kvseal.engine.output import OutputState, text_decoder
-from kvseal.engine.sampler import sample
+from kvseal.engine.sampler import prompt_logprobs_of, sample
 from kvseal.engine.scheduler import Scheduler
 from kvseal.errors import ConfigError, InvalidParameter, IsolationViolation
 from kvseal.kvcache.manager import KVCacheManager
@@ -259,7 +259,8 @@ class LLMEngine:
     def add_prefilled(self, request_id: str, tenant: str, prompt_token_ids: list[int], params: SamplingParams,
                       first_token: int, first_logprobs: TokenLogprobs | None,
                       generator_state: torch.Tensor, num_cached_tokens: int = 0,
-                      compiled_grammar: Any = None) -> RequestOutput:
+                      compiled_grammar: Any = None,
+                      prompt_logprobs: list[TokenLogprobs | None] | None = None) -> RequestOutput:
         """Run a request whose prompt KV is already in pages it holds, written and recorded in
         every layer (a verified PD handoff), and whose first token was sampled elsewhere.
 
@@ -269,6 +270,7 @@ class LLMEngine:
         Returns the report of the first token (finished if that token ends the request). A
         structured-output request's grammar (`compiled_grammar`, compiled off the loop by the
         caller; without one it is compiled here, blocking) is advanced by the first token.
+        `prompt_logprobs`: those prefill computed, where the request asked for them (verified).
         """
         if request_id in self._outputs:
             raise InvalidParameter(f"request id {request_id!r} is already in use", param="request_id")
@@ -277,7 +279,8 @@ class LLMEngine:
         request = Request(request_id, tenant, list(prompt_token_ids), params, num_cached_tokens=num_cached_tokens,
                           generator=generator,
                           num_computed_tokens=len(prompt_token_ids),
-                          max_num_pages=len(self.kv.allocator.pages_of(request_id)))
+                          max_num_pages=len(self.kv.allocator.pages_of(request_id)),
+                          prompt_logprobs=prompt_logprobs)
         self.kv.publish_written(request)
         if params.structured is not None:  # the first token was sampled under the same grammar
             request.grammar = new_matcher(compiled_grammar if compiled_grammar is not None
@@ -329,6 +332,9 @@ class LLMEngine:
                 return refused
             with self.kv.recording(prepared.writes):
                 logits = self.runner.run(prepared.batch).raw_logits
+        if prepared.prompt_rows:
+            self._record_prompt_logprobs(prepared.prompt_rows, logits)
+            logits = logits[list(prepared.sample_rows)]
         return refused + self._update(chunks, logits)
 
     @contextlib.contextmanager
@@ -379,6 +385,17 @@ class LLMEngine:
     def _agree(self, prepared: PreparedForward, violations: list[IsolationViolation]) -> list[IsolationViolation]:
         assert self.driver is not None
         return self.driver.agree(prepared.batch, prepared.writes, prepared.writes.starts.tolist(), violations)
+
+    @staticmethod
+    def _record_prompt_logprobs(spans: tuple[PromptRows, ...], logits: torch.Tensor) -> None:
+        """The logprobs of the prompt tokens this forward predicted, onto each request's list."""
+        for span in spans:
+            request = span.request
+            assert request.prompt_logprobs is not None and len(request.prompt_logprobs) == span.first_token, \
+                "prompt logprobs arrive in prompt order, each position once"
+            tokens = request.prompt_token_ids[span.first_token:span.first_token + span.num_rows]
+            rows = logits[span.first_row:span.first_row + span.num_rows]
+            request.prompt_logprobs += prompt_logprobs_of(rows, tokens, request.params.prompt_logprobs or 0)
 
     def _update(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> list[RequestOutput]:
         sampled = [c.request for c in chunks if c.is_last_chunk]

@@ -116,4 +116,5 @@ class OutputState:
             stop_reason=request.stop_reason, logprobs=logprobs, error=error, error_code=error_code,
             num_pages_reserved=request.max_num_pages, num_kv_tokens_written=num_kv_tokens_written,
             num_cached_tokens=request.num_cached_tokens,
+            prompt_token_logprobs=None if request.needs_prompt_logprobs else request.prompt_logprobs,
         )

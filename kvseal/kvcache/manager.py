@@ -179,8 +179,9 @@ class KVCacheManager:
         return self.allocator.can_allocate(self.num_pages_for(num_tokens) - len(hit) + num_unread)
 
     def match_prefix(self, request: Request) -> list[int]:
-        """The cached pages, in order, that the request's leading full pages hit (no side effect)."""
-        if not self.config.enable_prefix_caching:
+        """The cached pages, in order, that the request's leading full pages hit (no side effect).
+        Nothing for a request still computing its prompt logprobs: it needs every prompt position's logits."""
+        if not self.config.enable_prefix_caching or request.needs_prompt_logprobs:
             return []
         max_pages = (request.num_tokens - 1) // self.page_size
         pages: list[int] = []

@@ -11,7 +11,7 @@ from kvseal.messages.msgs import (
     StructuredOutputMsg,
     TokenLogprobsMsg,
 )
-from kvseal.types import RequestOutput, SamplingParams, StructuredOutput
+from kvseal.types import RequestOutput, SamplingParams, StructuredOutput, TokenLogprobs
 
 if TYPE_CHECKING:  # the engine module loads torch and the models; this one stays light
     from kvseal.engine.engine import EngineStats
@@ -29,7 +29,7 @@ def params_to_msg(params: SamplingParams) -> SamplingParamsMsg:
         structured=None if params.structured is None else StructuredOutputMsg(params.structured.kind,
                                                                               params.structured.schema),
         min_p=params.min_p, include_stop_str_in_output=params.include_stop_str_in_output,
-        skip_special_tokens=params.skip_special_tokens,
+        skip_special_tokens=params.skip_special_tokens, prompt_logprobs=params.prompt_logprobs,
     )
 
 
@@ -44,16 +44,32 @@ def params_from_msg(msg: SamplingParamsMsg) -> SamplingParams:
         repetition_penalty=msg.repetition_penalty, logit_bias=tuple(msg.logit_bias),
         structured=None if msg.structured is None else StructuredOutput(msg.structured.kind, msg.structured.schema),
         min_p=msg.min_p, include_stop_str_in_output=msg.include_stop_str_in_output,
-        skip_special_tokens=msg.skip_special_tokens,
+        skip_special_tokens=msg.skip_special_tokens, prompt_logprobs=msg.prompt_logprobs,
     )
 
 
+def logprobs_to_msg(lp: TokenLogprobs) -> TokenLogprobsMsg:
+    return TokenLogprobsMsg(lp.token_id, lp.logprob, list(lp.top), lp.rank)
+
+
+def logprobs_from_msg(msg: TokenLogprobsMsg) -> TokenLogprobs:
+    return TokenLogprobs(msg.token_id, msg.logprob, tuple(msg.top), msg.rank)
+
+
+def prompt_logprobs_to_msg(lps: list[TokenLogprobs | None] | None) -> list[TokenLogprobsMsg | None] | None:
+    return None if lps is None else [None if lp is None else logprobs_to_msg(lp) for lp in lps]
+
+
 def output_to_msg(out: RequestOutput) -> RequestOutputMsg:
-    """Only the increment: `new_token_ids`, `new_text` and the logprobs of the new tokens."""
+    """Only the increment: `new_token_ids`, `new_text` and the logprobs of the new tokens (the
+    prompt's logprobs with the first token)."""
     logprobs = None
+    first_new = len(out.token_ids) - len(out.new_token_ids)
     if out.logprobs is not None:
-        first_new = len(out.token_ids) - len(out.new_token_ids)
-        logprobs = [TokenLogprobsMsg(lp.token_id, lp.logprob, list(lp.top)) for lp in out.logprobs[first_new:]]
+        logprobs = [logprobs_to_msg(lp) for lp in out.logprobs[first_new:]]
+    prompt_logprobs = None
+    if out.prompt_token_logprobs is not None and first_new == 0 and out.new_token_ids:
+        prompt_logprobs = prompt_logprobs_to_msg(out.prompt_token_logprobs)
     return RequestOutputMsg(
         request_id=out.request_id, tenant=out.tenant, new_token_ids=list(out.new_token_ids),
         new_text=out.new_text, finished=out.finished,
@@ -61,7 +77,7 @@ def output_to_msg(out: RequestOutput) -> RequestOutputMsg:
         stop_reason=out.stop_reason, num_prompt_tokens=out.num_prompt_tokens,
         num_output_tokens=len(out.token_ids), num_pages_reserved=out.num_pages_reserved,
         num_kv_tokens_written=out.num_kv_tokens_written, num_cached_tokens=out.num_cached_tokens,
-        logprobs=logprobs, error=out.error, error_code=out.error_code,
+        logprobs=logprobs, error=out.error, error_code=out.error_code, prompt_logprobs=prompt_logprobs,
     )
 
 

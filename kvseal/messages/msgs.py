@@ -45,12 +45,14 @@ class SamplingParamsMsg(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
     min_p: float = 0.0
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    prompt_logprobs: int | None = None
 
 
 class TokenLogprobsMsg(msgspec.Struct, frozen=True, array_like=True):
     token_id: int
     logprob: float
     top: list[tuple[int, float]]
+    rank: int | None = None  # the token's place among all tokens (1: the most likely)
 
 
 # ---- frontend -> engine ---------------------------------------------------------------
@@ -164,6 +166,9 @@ class RequestOutputMsg(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     error: str | None = None
     error_code: str | None = None  # e.g. "isolation_check_failed" (kvseal.types.ISOLATION_CHECK_FAILED)
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (usage.prompt_tokens_details)
+    # `SamplingParams.prompt_logprobs`: one entry per prompt token (None first), sent once, with
+    # the first output token
+    prompt_logprobs: list[TokenLogprobsMsg | None] | None = None
 
 
 class OutputsMsg(_Msg, frozen=True):

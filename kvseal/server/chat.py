@@ -15,9 +15,9 @@ from kvseal.errors import InvalidParameter
 from kvseal.messages.msgs import RequestOutputMsg, TokenLogprobsMsg
 from kvseal.server.auth import Tenant
 from kvseal.server.bounds import check_tools_text
-from kvseal.server.endpoint import Prepared, ResponseIds
+from kvseal.server.endpoint import AdmittedPrompt, Prepared, ResponseIds
 from kvseal.server.generation_defaults import GenerationDefaults
-from kvseal.server.logprobs import chat_logprobs
+from kvseal.server.logprobs import chat_logprobs, vllm_prompt_logprobs
 from kvseal.server.prompts import PromptEncoder
 from kvseal.server.protocol import ChatCompletionRequest, NamedToolChoice
 from kvseal.server.sampling import build_sampling_params
@@ -45,16 +45,18 @@ class ChatEndpoint:
                                      tools.definitions)
         params = build_sampling_params(body, max_tokens=_asked_max_tokens(body), num_prompt_tokens=len(ids),
                                        limits=limits, logprobs=_logprobs(body), tenant=tenant, defaults=defaults,
-                                       max_tokens_param=_max_tokens_param(body))
+                                       max_tokens_param=_max_tokens_param(body), prompt_logprobs=body.prompt_logprobs)
         if tools.grammar is not None:
             params = dataclasses.replace(params, structured=tools.grammar)
         return Prepared(ids, params, conversation)
 
-    def formatter(self, body: ChatCompletionRequest, ids: ResponseIds, prompts: PromptEncoder) -> ChatFormatter:
+    async def formatter(self, body: ChatCompletionRequest, ids: ResponseIds, prompts: PromptEncoder,
+                        prompt: AdmittedPrompt) -> ChatFormatter:
         parses_calls = bool(body.tools) and body.tool_choice != "none" and self.tool_call_parser is not None
         is_named = isinstance(body.tool_choice, NamedToolChoice)
         return ChatFormatter(ids, body.logprobs, body.include_usage, prompts, body.n or 1,
-                             HermesToolParser() if parses_calls else None, is_named)
+                             HermesToolParser() if parses_calls else None, is_named,
+                             with_prompt_logprobs=body.prompt_logprobs is not None)
 
 
 def _asked_max_tokens(body: ChatCompletionRequest) -> int | None:
@@ -78,7 +80,7 @@ def _logprobs(body: ChatCompletionRequest) -> int | None:
 class ChatFormatter:
     def __init__(self, ids: ResponseIds, with_logprobs: bool, include_usage: bool, prompts: PromptEncoder,
                  num_choices: int = 1, tool_parser: HermesToolParser | None = None,
-                 is_named_tool: bool = False) -> None:
+                 is_named_tool: bool = False, with_prompt_logprobs: bool = False) -> None:
         self._ids = ids
         self._with_logprobs = with_logprobs
         self._include_usage = include_usage
@@ -87,6 +89,7 @@ class ChatFormatter:
         self._tool_parser = tool_parser
         self._is_named_tool = is_named_tool  # OpenAI ends a forced call with "stop", an auto one with "tool_calls"
         self._tool_streams: dict[int, ToolCallStream] = {}
+        self._with_prompt_logprobs = with_prompt_logprobs  # vLLM's: one list for the response (never streamed)
 
     def first_chunks(self) -> list[dict[str, Any]]:
         return [self._chunk(i, {"role": "assistant", "content": ""}, None, None) for i in range(self._num_choices)]
@@ -121,7 +124,11 @@ class ChatFormatter:
 
     def response(self, transcripts: list[Transcript]) -> dict[str, Any]:
         choices = [self._choice(i, t) for i, t in enumerate(transcripts)]
-        return self._envelope("chat.completion", choices) | {"usage": usage(transcripts)}
+        body = self._envelope("chat.completion", choices) | {"usage": usage(transcripts)}
+        if self._with_prompt_logprobs:
+            body["prompt_logprobs"] = vllm_prompt_logprobs(transcripts[0].prompt_logprobs or [],
+                                                           self._prompts.token_text)
+        return body
 
     def _choice(self, index: int, transcript: Transcript) -> dict[str, Any]:
         message: dict[str, Any] = {"role": "assistant", "content": transcript.text}

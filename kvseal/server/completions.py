@@ -1,15 +1,30 @@
-"""`POST /v1/completions`: prompt in, text out (OpenAI's legacy completions shape)."""
+"""`POST /v1/completions`: prompt in, text out (OpenAI's legacy completions shape).
+
+`echo` puts the prompt before each choice's text (the prompt as sent, or the admitted token ids
+decoded where they are what was sent or a prompt was truncated); with `logprobs` the prompt's
+logprobs come first too (its first token without one), as OpenAI and vLLM give them, and with
+`max_tokens` 0 the prompt alone comes back (one token is still generated, and counted, as in
+vLLM). vLLM's `prompt_logprobs` adds each choice's `prompt_logprobs` list.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from kvseal.admission import AdmissionLimits
+from kvseal.errors import InvalidParameter
 from kvseal.messages.msgs import RequestOutputMsg, TokenLogprobsMsg
 from kvseal.server.auth import Tenant
-from kvseal.server.endpoint import Prepared, ResponseIds
+from kvseal.server.endpoint import AdmittedPrompt, Prepared, ResponseIds
 from kvseal.server.generation_defaults import GenerationDefaults
-from kvseal.server.logprobs import TextOffsets, completion_logprobs
+from kvseal.server.logprobs import (
+    TextOffsets,
+    completion_logprobs,
+    echoed_prompt_logprobs,
+    joined_logprobs,
+    vllm_prompt_logprobs,
+)
 from kvseal.server.prompts import PromptEncoder
 from kvseal.server.protocol import CompletionRequest
 from kvseal.server.sampling import build_sampling_params
@@ -23,41 +38,109 @@ class CompletionsEndpoint:
 
     async def prepare(self, body: CompletionRequest, prompts: PromptEncoder, tenant: Tenant,
                       limits: AdmissionLimits, defaults: GenerationDefaults) -> Prepared:
+        if body.max_tokens == 0 and not body.echo:
+            raise InvalidParameter("max_tokens=0 asks for no output: it is allowed only with echo=true (the prompt "
+                                   "alone comes back); ask for at least 1 token", param="max_tokens")
         ids = await prompts.completion_ids(body.prompt, tenant.name, limits, body.truncate_prompt_tokens is not None)
-        params = build_sampling_params(body, max_tokens=body.max_tokens, num_prompt_tokens=len(ids), limits=limits,
-                                       logprobs=body.logprobs, tenant=tenant, defaults=defaults)
+        prompt_logprobs = body.logprobs if body.prompt_logprobs is None and body.echo else body.prompt_logprobs
+        params = build_sampling_params(body, max_tokens=1 if _echo_only(body) else body.max_tokens,
+                                       num_prompt_tokens=len(ids), limits=limits, logprobs=body.logprobs,
+                                       tenant=tenant, defaults=defaults, prompt_logprobs=prompt_logprobs)
         audit_prompt = body.prompt if isinstance(body.prompt, str) else ids
         return Prepared(ids, params, audit_prompt)
 
-    def formatter(self, body: CompletionRequest, ids: ResponseIds, prompts: PromptEncoder) -> CompletionFormatter:
-        return CompletionFormatter(ids, body.logprobs is not None, body.include_usage, prompts)
+    async def formatter(self, body: CompletionRequest, ids: ResponseIds, prompts: PromptEncoder,
+                        prompt: AdmittedPrompt) -> CompletionFormatter:
+        echo = None
+        if body.echo:
+            echo = Echo(prompt.token_ids, body.prompt if isinstance(body.prompt, str) and
+                        body.truncate_prompt_tokens is None else await prompts.decode(prompt.token_ids, prompt.tenant),
+                        _echo_only(body))
+        return CompletionFormatter(ids, body.logprobs is not None, body.include_usage, prompts, echo,
+                                   body.prompt_logprobs is not None)
+
+
+def _echo_only(body: CompletionRequest) -> bool:
+    return body.echo and body.max_tokens == 0
+
+
+@dataclass(frozen=True)
+class Echo:
+    """What an echoing request puts before each choice; `only`: nothing else (max_tokens 0)."""
+
+    token_ids: list[int]
+    text: str
+    only: bool
 
 
 class CompletionFormatter:
-    def __init__(self, ids: ResponseIds, with_logprobs: bool, include_usage: bool, prompts: PromptEncoder) -> None:
+    def __init__(self, ids: ResponseIds, with_logprobs: bool, include_usage: bool, prompts: PromptEncoder,
+                 echo: Echo | None = None, with_prompt_logprobs: bool = False) -> None:
         self._ids = ids
         self._with_logprobs = with_logprobs
         self._include_usage = include_usage
         self._prompts = prompts
+        self._echo = echo
+        self._with_prompt_logprobs = with_prompt_logprobs  # vLLM's per-choice list (never streamed)
         self._offsets: dict[int, TextOffsets] = {}  # per choice, across the whole stream
+        self._echoed: set[int] = set()  # the choices whose stream has sent the prompt
 
     def first_chunks(self) -> list[dict[str, Any]]:
         return []
 
     def delta_chunks(self, index: int, out: RequestOutputMsg) -> list[dict[str, Any]]:
-        if not (out.new_text or out.finished or (self._with_logprobs and out.new_token_ids)):
+        echo = self._echo
+        if echo is not None and index not in self._echoed and (out.new_token_ids or out.finished):
+            return self._echo_chunks(index, out, echo)
+        if (echo is not None and echo.only) or not (out.new_text or out.finished or
+                                                    (self._with_logprobs and out.new_token_ids)):
             return []
         logprobs = self._logprobs(index, out.logprobs or [])
-        chunk = self._envelope([_choice(index, out.new_text, logprobs, out.finish_reason if out.finished else None)])
-        return [chunk | {"usage": None} if self._include_usage else chunk]
+        return [self._chunk(_choice(index, out.new_text, logprobs, out.finish_reason if out.finished else None))]
+
+    def _echo_chunks(self, index: int, out: RequestOutputMsg, echo: Echo) -> list[dict[str, Any]]:
+        """A stream's first chunk of a choice: the prompt, then (unless echo only) its first output."""
+        self._echoed.add(index)
+        text, logprobs = echo.text, self._echo_logprobs(index, out.prompt_logprobs)
+        if not echo.only:
+            text += out.new_text
+            if logprobs is not None:
+                logprobs = joined_logprobs(logprobs, self._logprobs(index, out.logprobs or []) or {})
+        finish_reason = out.finish_reason if out.finished else None
+        return [self._chunk(_choice(index, text, logprobs, finish_reason))]
+
+    def _chunk(self, choice: dict[str, Any]) -> dict[str, Any]:
+        chunk = self._envelope([choice])
+        return chunk | {"usage": None} if self._include_usage else chunk
 
     def usage_chunk(self, transcripts: list[Transcript]) -> dict[str, Any]:
         return self._envelope([]) | {"usage": usage(transcripts)}
 
     def response(self, transcripts: list[Transcript]) -> dict[str, Any]:
-        choices = [_choice(i, t.text, self._logprobs(i, t.logprobs), t.finish_reason)
-                   for i, t in enumerate(transcripts)]
-        return self._envelope(choices) | {"usage": usage(transcripts)}
+        return self._envelope([self._response_choice(i, t) for i, t in enumerate(transcripts)]) | {
+            "usage": usage(transcripts)}
+
+    def _response_choice(self, index: int, transcript: Transcript) -> dict[str, Any]:
+        echo = self._echo
+        text, logprobs = transcript.text, None
+        if echo is not None:
+            logprobs = self._echo_logprobs(index, transcript.prompt_logprobs)
+            text = echo.text if echo.only else echo.text + text
+        if not (echo is not None and echo.only):
+            output = self._logprobs(index, transcript.logprobs)
+            logprobs = output if logprobs is None or output is None else joined_logprobs(logprobs, output)
+        choice = _choice(index, text, logprobs, transcript.finish_reason)
+        if self._with_prompt_logprobs:
+            choice["prompt_logprobs"] = vllm_prompt_logprobs(transcript.prompt_logprobs or [],
+                                                             self._prompts.token_text)
+        return choice
+
+    def _echo_logprobs(self, index: int, lps: list[TokenLogprobsMsg | None] | None) -> dict[str, Any] | None:
+        """The echoed prompt's logprobs (None unless the request asked for logprobs)."""
+        if not self._with_logprobs or self._echo is None:
+            return None
+        offsets = self._offsets.setdefault(index, TextOffsets(self._prompts.token_bytes))
+        return echoed_prompt_logprobs(self._echo.token_ids, lps or [], self._prompts.token_text, offsets)
 
     def _logprobs(self, index: int, lps: list[TokenLogprobsMsg]) -> dict[str, Any] | None:
         if not self._with_logprobs:

@@ -33,6 +33,14 @@ class ResponseIds:
     created: int
 
 
+@dataclass(frozen=True)
+class AdmittedPrompt:
+    """The prompt as the engine runs it (after any truncation), and the tenant it belongs to."""
+
+    token_ids: list[int]
+    tenant: str
+
+
 class Formatter(Protocol):
     """Builds one request's response bodies and stream chunks in the endpoint's shape."""
 
@@ -55,4 +63,5 @@ class Endpoint(Protocol):
     async def prepare(self, body: Any, prompts: PromptEncoder, tenant: Tenant,
                       limits: AdmissionLimits, defaults: GenerationDefaults) -> Prepared: ...
 
-    def formatter(self, body: Any, ids: ResponseIds, prompts: PromptEncoder) -> Formatter: ...
+    async def formatter(self, body: Any, ids: ResponseIds, prompts: PromptEncoder,
+                        prompt: AdmittedPrompt) -> Formatter: ...

@@ -8,7 +8,7 @@ from pydantic import BaseModel
 FEATURE_FIELDS = (
     "n", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "stop", "stop_token_ids",
     "seed", "logprobs", "top_logprobs", "min_tokens", "ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
-    "truncate_prompt_tokens", "response_format", "tools", "tool_choice", "stream",
+    "truncate_prompt_tokens", "response_format", "tools", "tool_choice", "stream", "echo", "prompt_logprobs",
 )
 
 

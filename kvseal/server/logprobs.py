@@ -52,6 +52,38 @@ def completion_logprobs(lps: list[TokenLogprobsMsg], token_text: TokenText, offs
     }
 
 
+def echoed_prompt_logprobs(prompt_token_ids: list[int], lps: list[TokenLogprobsMsg | None], token_text: TokenText,
+                           offsets: TextOffsets) -> dict[str, Any]:
+    """The prompt's part of an echoing completion's logprobs: every prompt token, the first
+    without a logprob (`None`, as OpenAI and vLLM send it), offsets from the text's start."""
+    return {
+        "tokens": [token_text(t) for t in prompt_token_ids],
+        "token_logprobs": [None if lp is None else _finite(lp.logprob) for lp in lps],
+        "top_logprobs": [None if lp is None else {token_text(t): _finite(v) for t, v in lp.top} for lp in lps],
+        "text_offset": offsets.next(prompt_token_ids),
+    }
+
+
+def joined_logprobs(first: dict[str, Any], then: dict[str, Any]) -> dict[str, Any]:
+    """Two completions-shaped logprobs one after the other (an echoed prompt's, then the output's)."""
+    return {key: first[key] + then[key] for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+
+
+def vllm_prompt_logprobs(lps: list[TokenLogprobsMsg | None], token_text: TokenText) -> list[dict[str, Any] | None]:
+    """vLLM's `prompt_logprobs`: per prompt token (None for the first), token id -> `{"logprob",
+    "rank", "decoded_token"}`, the prompt token first (its rank among all tokens), then the top
+    alternatives ranked 1..k."""
+    def position(lp: TokenLogprobsMsg) -> dict[str, Any]:
+        top = {str(t): _vllm_entry(v, rank, token_text(t)) for rank, (t, v) in enumerate(lp.top, start=1)}
+        own = top.pop(str(lp.token_id), None) or _vllm_entry(lp.logprob, lp.rank, token_text(lp.token_id))
+        return {str(lp.token_id): own, **top}
+    return [None if lp is None else position(lp) for lp in lps]
+
+
+def _vllm_entry(logprob: float, rank: int | None, text: str) -> dict[str, Any]:
+    return {"logprob": _finite(logprob), "rank": rank, "decoded_token": text}
+
+
 def chat_logprobs(lps: list[TokenLogprobsMsg], token_text: TokenText, token_bytes: TokenBytes) -> dict[str, Any]:
     """`bytes` are each token's own bytes: joined, they rebuild the content's UTF-8."""
     return {"content": [_chat_entry(lp.token_id, lp.logprob, token_text, token_bytes) | {

@@ -37,7 +37,7 @@ from kvseal.server.bounds import check_tool_call_arguments
 from kvseal.server.call import Call
 from kvseal.server.choices import ChoiceGroup
 from kvseal.server.collect import respond_when_done
-from kvseal.server.endpoint import Endpoint, Formatter, ResponseIds
+from kvseal.server.endpoint import AdmittedPrompt, Endpoint, Formatter, ResponseIds
 from kvseal.server.errors import ApiError
 from kvseal.server.features import features_used
 from kvseal.server.front_door import admit_at_the_door
@@ -107,7 +107,8 @@ async def _admit_and_submit(request: Request, state: AppState, endpoint: Endpoin
     prompt_token_ids = admit_at_the_door(prepared.prompt_token_ids, prepared.params, state.limits)  # I1
     params = await with_response_format(prepared.params, body.response_format)
     call.num_prompt_tokens = len(prompt_token_ids)
-    fmt = endpoint.formatter(body, ResponseIds(call.request_id, state.model_name, int(time.time())), state.prompts)
+    fmt = await endpoint.formatter(body, ResponseIds(call.request_id, state.model_name, int(time.time())),
+                                   state.prompts, AdmittedPrompt(prompt_token_ids, tenant.name))
     msg = AddRequestMsg(call.request_id, tenant.name, prompt_token_ids, params_to_msg(params))
     _require_audit(state)
     if call.stopped_by is not None:  # its key was revoked or the model disabled while it was prepared

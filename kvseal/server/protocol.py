@@ -1,10 +1,10 @@
 """Request bodies of the OpenAI API as kvseal accepts them (pydantic, strict, extra="forbid").
 
 A field kvseal does not implement is rejected, never ignored: undeclared fields fail with
-`extra_forbidden`, and `echo` fails for any value but false. OpenAI's `n`,
-`presence_penalty`, `frequency_penalty`, `logit_bias`, `response_format` and vLLM's extensions `ignore_eos`,
-`min_tokens`, `top_k`, `repetition_penalty`, `stop_token_ids` and `truncate_prompt_tokens`
-are honoured.
+`extra_forbidden`. OpenAI's `n`, `presence_penalty`, `frequency_penalty`, `logit_bias`,
+`response_format`, `echo` and vLLM's extensions `ignore_eos`, `min_tokens`, `top_k`,
+`repetition_penalty`, `stop_token_ids`, `truncate_prompt_tokens` and `prompt_logprobs` are
+honoured.
 
 Every list and string has a bound, so no field makes the parser, the tokenizer, the grammar
 compiler or the audit log work without limit (a bad value is a 400 naming the field and the
@@ -24,7 +24,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from kvseal.structured.schema import MAX_SCHEMA_DEPTH, MAX_TOOLS, json_depth
-from kvseal.types import MAX_N
+from kvseal.types import MAX_LOGPROBS, MAX_N
 
 INT32_MAX = 2**31 - 1
 MAX_LOGIT_BIAS = 300  # OpenAI's limit on logit_bias entries
@@ -96,6 +96,7 @@ class GenerationBody(_Body):
     min_tokens: Annotated[int, Field(ge=0, le=INT32_MAX)] = 0
     truncate_prompt_tokens: Annotated[int, Field(ge=1, le=INT32_MAX)] | None = None
     response_format: ResponseFormat | None = None
+    prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
 
     @property
     def stop_list(self) -> tuple[str, ...]:
@@ -110,15 +111,10 @@ class GenerationBody(_Body):
 
 class CompletionRequest(GenerationBody):
     prompt: str | list[int] | list[str] | list[list[int]]
-    logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
-    echo: bool = False
-
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, value: bool) -> bool:
-        if value:
-            raise ValueError("kvseal does not echo the prompt; send echo=false or omit it")
-        return value
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    echo: bool = False  # the prompt before the completion (with logprobs: the prompt's logprobs too)
+    # 0 only with echo: the prompt alone comes back, as OpenAI's and vLLM's do
+    max_tokens: Annotated[int, Field(ge=0, le=INT32_MAX)] | None = None
 
 
 class ChatTextPart(_Body):
@@ -203,5 +199,5 @@ class ChatCompletionRequest(GenerationBody):
     parallel_tool_calls: bool | None = None
     max_completion_tokens: Annotated[int, Field(ge=1, le=INT32_MAX)] | None = None
     logprobs: bool = False
-    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
 

@@ -24,15 +24,20 @@ NEUTRAL = GenerationDefaults()
 def build_sampling_params(body: GenerationBody, *, max_tokens: int | None, num_prompt_tokens: int,
                           limits: AdmissionLimits, logprobs: int | None, tenant: Tenant,
                           defaults: GenerationDefaults = NEUTRAL,
-                          max_tokens_param: str = "max_tokens") -> SamplingParams:
+                          max_tokens_param: str = "max_tokens",
+                          prompt_logprobs: int | None = None) -> SamplingParams:
     """`max_tokens` is what the client asked for, in the field `max_tokens_param` (which its
     errors name); `num_prompt_tokens` counts the prompt before any truncation the request asked
-    for; `defaults` fill the sampling fields it omitted."""
+    for; `defaults` fill the sampling fields it omitted. `prompt_logprobs`: the request's, or
+    what its endpoint derives (completions' echo with logprobs)."""
     if body.truncate_prompt_tokens is not None:
         num_prompt_tokens = min(num_prompt_tokens, body.truncate_prompt_tokens)
     check_context(num_prompt_tokens, 1 if max_tokens is None else max_tokens, limits)
     if body.stream_options is not None and not body.stream:
         raise InvalidParameter("stream_options is only allowed with stream=true", param="stream_options")
+    if body.prompt_logprobs is not None and body.stream:  # as vLLM: its stream chunks have no place for them
+        raise InvalidParameter("prompt_logprobs is not available with stream=true; send stream=false",
+                               param="prompt_logprobs")
     return SamplingParams(
         max_tokens=_max_tokens(max_tokens, max(1, limits.max_model_len - num_prompt_tokens), tenant,
                                max_tokens_param),
@@ -54,6 +59,7 @@ def build_sampling_params(body: GenerationBody, *, max_tokens: int | None, num_p
         frequency_penalty=body.frequency_penalty or 0.0,
         repetition_penalty=defaults.repetition_penalty if body.repetition_penalty is None else body.repetition_penalty,
         logit_bias=_logit_bias(body.logit_bias),
+        prompt_logprobs=prompt_logprobs,
     )
 
 

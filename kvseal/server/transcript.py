@@ -15,10 +15,13 @@ class Transcript:
         self.num_prompt_tokens = 0
         self.num_output_tokens = 0
         self.num_cached_tokens = 0
+        self.prompt_logprobs: list[TokenLogprobsMsg | None] | None = None  # sent with the first token
 
     def add(self, out: RequestOutputMsg) -> None:
         self._text_parts.append(out.new_text)
         self.logprobs.extend(out.logprobs or ())
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
         self.num_prompt_tokens = out.num_prompt_tokens
         self.num_output_tokens = out.num_output_tokens
         self.num_cached_tokens = out.num_cached_tokens

@@ -65,6 +65,28 @@ def test_seeded_sampling_continues_the_same_random_stream(pair: PdPair, llama_di
     pair.assert_clean()
 
 
+def test_prompt_logprobs_cross_the_handoff(pair: PdPair, llama_dir: Path) -> None:
+    """Prefill computes the prompt's logprobs (reading no cached page) and they reach the
+    frontend with decode's first output, equal to colocated generation's."""
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logprobs=1, prompt_logprobs=2)
+    llm = LLM(str(llama_dir), kv_cache_tokens=512, page_size=4, max_num_batched_tokens=32, dtype="float32",
+              max_model_len=256)
+    for prompt in PROMPTS[:3]:
+        [expected] = llm.generate(prompt, params)
+        handoff = pair.generate(prompt, params)
+        assert handoff.token_ids == expected.token_ids
+        first, *rest = [o for o in handoff.outputs if o.new_token_ids]
+        assert first.prompt_logprobs is not None and all(o.prompt_logprobs is None for o in rest), "sent once"
+        assert expected.prompt_token_logprobs is not None and first.prompt_logprobs[0] is None
+        assert len(first.prompt_logprobs) == len(prompt)
+        for ours, theirs in zip(first.prompt_logprobs[1:], expected.prompt_token_logprobs[1:]):
+            assert ours is not None and theirs is not None
+            assert (ours.token_id, ours.rank, [t for t, _ in ours.top]) == (theirs.token_id, theirs.rank,
+                                                                           [t for t, _ in theirs.top])
+            assert ours.logprob == pytest.approx(theirs.logprob, abs=1e-5)
+    pair.assert_clean()
+
+
 def test_first_token_that_ends_the_request(pair: PdPair, llama_dir: Path) -> None:
     params = SamplingParams(max_tokens=1, temperature=0)
     handoff = pair.generate(PROMPTS[2], params)

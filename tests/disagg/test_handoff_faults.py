@@ -120,13 +120,14 @@ GENERATOR_STATE = torch.Generator().get_state().numpy().tobytes()
 
 def rogue_commit(pair: PdPair, handoff: Handoff, num_tokens: int, written: list[int],
                  tenant: str = "alice", transfer_id: str | None = None, first_token: int = 5,
-                 first_logprobs: TokenLogprobsMsg | None = None, generator_state: bytes = GENERATOR_STATE) -> None:
+                 first_logprobs: TokenLogprobsMsg | None = None, generator_state: bytes = GENERATOR_STATE,
+                 prompt_logprobs: list[TokenLogprobsMsg | None] | None = None) -> None:
     r = handoff.reserved
     assert r is not None
     pair.peer_link().send(CommitMsg(
         r.transfer_id if transfer_id is None else transfer_id, handoff.request_id, tenant, num_tokens,
         [WrittenRangeMsg(layer, 0, end) for layer, end in enumerate(written)], first_token, first_logprobs,
-        generator_state, "rogue"))
+        generator_state, "rogue", prompt_logprobs))
 
 
 def page_bytes(pair: PdPair, num_pages: int) -> bytes:
@@ -195,8 +196,20 @@ LOGPROBS = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs
 
 
 def logprobs_of(token_id: int, logprob: float = -0.5, top: tuple[tuple[int, float], ...] = ((5, -0.5), (6, -1.0)),
-                ) -> TokenLogprobsMsg:
-    return TokenLogprobsMsg(token_id, logprob, list(top))
+                rank: int | None = None) -> TokenLogprobsMsg:
+    return TokenLogprobsMsg(token_id, logprob, list(top), rank)
+
+
+PROMPT_LOGPROBS = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, prompt_logprobs=1)
+
+
+def prompt_logprobs_of(prompt: list[int], **change: Any) -> list[TokenLogprobsMsg | None]:
+    """What a sampler makes for PROMPT_LOGPROBS (position 3 changed as `change` says)."""
+    entries: list[TokenLogprobsMsg | None] = [None]
+    for position, token in enumerate(prompt[1:], start=1):
+        fields = dict(token_id=token, logprob=-1.0, top=((7, -0.25),), rank=3)
+        entries.append(logprobs_of(**(fields | change if position == 3 else fields)))  # type: ignore[arg-type]
+    return entries
 
 
 @pytest.mark.parametrize(("params", "sample", "reason", "message"), [
@@ -217,6 +230,26 @@ def logprobs_of(token_id: int, logprob: float = -0.5, top: tuple[tuple[int, floa
      "token ids lie in"),
     (LOGPROBS, lambda vocab: dict(first_logprobs=logprobs_of(5, logprob=float("nan"))), "bad_logprobs", "nan"),
     (LOGPROBS, lambda vocab: dict(first_logprobs=logprobs_of(5, logprob=0.5)), "bad_logprobs", "logprob 0.5"),
+    (LOGPROBS, lambda vocab: dict(first_logprobs=logprobs_of(5, rank=0)), "bad_logprobs", "rank 0"),
+    (GREEDY, lambda vocab: dict(prompt_logprobs=prompt_logprobs_of(PROMPT)), "bad_prompt_logprobs", "carries them"),
+    (PROMPT_LOGPROBS, lambda vocab: dict(), "bad_prompt_logprobs", "lacks them"),
+    (PROMPT_LOGPROBS, lambda vocab: dict(prompt_logprobs=prompt_logprobs_of(PROMPT)[:-1]), "bad_prompt_logprobs",
+     "carries 29 prompt logprobs"),
+    (PROMPT_LOGPROBS, lambda vocab: dict(prompt_logprobs=[logprobs_of(PROMPT[0]), *prompt_logprobs_of(PROMPT)[1:]]),
+     "bad_prompt_logprobs", "the first prompt token"),
+    (PROMPT_LOGPROBS, lambda vocab: dict(prompt_logprobs=prompt_logprobs_of(PROMPT, token_id=PROMPT[4])),
+     "bad_prompt_logprobs", f"prompt token 3 is {PROMPT[3]}"),
+    (PROMPT_LOGPROBS, lambda vocab: dict(prompt_logprobs=prompt_logprobs_of(PROMPT, top=())),
+     "bad_prompt_logprobs", "carries 0 alternatives"),
+    (PROMPT_LOGPROBS, lambda vocab: dict(prompt_logprobs=prompt_logprobs_of(PROMPT, top=((vocab, -1.0),))),
+     "bad_prompt_logprobs", "token ids lie in"),
+    (PROMPT_LOGPROBS, lambda vocab: dict(prompt_logprobs=prompt_logprobs_of(PROMPT, logprob=float("nan"))),
+     "bad_prompt_logprobs", "nan"),
+    (PROMPT_LOGPROBS, lambda vocab: dict(prompt_logprobs=prompt_logprobs_of(PROMPT, rank=vocab + 1)),
+     "bad_prompt_logprobs", "is outside [1, "),
+    (PROMPT_LOGPROBS, lambda vocab: dict(prompt_logprobs=[*prompt_logprobs_of(PROMPT)[:5], None,
+                                                          *prompt_logprobs_of(PROMPT)[6:]]),
+     "bad_prompt_logprobs", "prompt position 5: it has none"),
 ])
 def test_decode_refuses_a_commit_whose_sample_no_sampler_made(
         make_pair: Any, params: SamplingParams, sample: Any, reason: str, message: str) -> None:
@@ -243,9 +276,22 @@ def test_a_commit_with_logprobs_as_asked_runs(make_pair: Any) -> None:
     pair = make_pair()
     handoff = pair.reserve(PROMPT, LOGPROBS)
     rogue_push(pair, handoff, [30, 30])
-    rogue_commit(pair, handoff, 30, [30, 30], first_logprobs=logprobs_of(5, logprob=float("-inf")))
+    rogue_commit(pair, handoff, 30, [30, 30], first_logprobs=logprobs_of(5, logprob=float("-inf"), rank=7))
     pair.pump(lambda: handoff.is_terminal, "the request")
     assert handoff.final.finish_reason == "length" and handoff.token_ids[0] == 5
+    assert pair.decode.link.stats().handoff_failures == {}
+    pair.assert_clean()
+
+
+def test_a_commit_with_prompt_logprobs_as_asked_runs(make_pair: Any) -> None:
+    """The control for the prompt logprobs' checks: they pass, and reach the frontend as sent."""
+    pair = make_pair()
+    handoff = pair.reserve(PROMPT, PROMPT_LOGPROBS)
+    rogue_push(pair, handoff, [30, 30])
+    sent = prompt_logprobs_of(PROMPT)
+    rogue_commit(pair, handoff, 30, [30, 30], prompt_logprobs=sent)
+    pair.pump(lambda: handoff.is_terminal, "the request")
+    assert handoff.final.finish_reason == "length" and handoff.outputs[0].prompt_logprobs == sent
     assert pair.decode.link.stats().handoff_failures == {}
     pair.assert_clean()
 

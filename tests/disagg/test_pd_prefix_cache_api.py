@@ -53,3 +53,26 @@ def test_pd_reports_the_same_tenants_hit_and_never_another_tenants(pd_cluster: P
     assert pd_cluster.frontend.metric("kvseal_prefix_cache_hits_total", tenant="alice") - hits_before \
         == 2 * cached_tokens(second)
     assert_engines_clean(pd_cluster.prefill, pd_cluster.decode)
+
+
+def test_pd_echo_with_logprobs_scores_the_whole_prompt(pd_cluster: PdCluster) -> None:
+    """Echo with logprobs and max_tokens 0 through PD: prefill computes every prompt position's
+    logprob (reading none of its cache, even with the prompt cached) and they reach the client
+    through decode's first output; the same prompt scores the same twice."""
+    prompt = marker_prompt(481, 40)
+    complete(pd_cluster, "alice", prompt)  # caches the prompt's pages on both engines
+    body = {"model": pd_cluster.frontend.model_name, "prompt": prompt, "max_tokens": 0, "echo": True,
+            "logprobs": 1, "temperature": 0}
+    scored = []
+    for _ in range(2):
+        response = httpx.post(f"{pd_cluster.frontend.url}/v1/completions", json=body,
+                              headers={"authorization": "Bearer key-alice"}, timeout=60)
+        assert response.status_code == 200, response.text
+        scored.append(response.json())
+    choice = scored[0]["choices"][0]
+    logprobs = choice["logprobs"]["token_logprobs"]
+    assert choice["text"] == prompt and len(logprobs) == scored[0]["usage"]["prompt_tokens"]
+    assert cached_tokens(scored[0]) == 0 and cached_tokens(scored[1]) == 0
+    assert logprobs[0] is None and all(isinstance(v, float) and v <= 0 for v in logprobs[1:])
+    assert scored[1]["choices"][0]["logprobs"] == choice["logprobs"]
+    assert_engines_clean(pd_cluster.prefill, pd_cluster.decode)

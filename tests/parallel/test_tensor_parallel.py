@@ -112,6 +112,24 @@ def test_tp2_prefix_caching_seeded_samples_and_logprobs(tp2: LLM, model_dirs: di
     tp2.engine.check_integrity()
 
 
+def test_tp2_prompt_logprobs_equal_tp1(tp2: LLM, model_dirs: dict[str, Path]) -> None:
+    """The prompt's rows go through every rank's forward and the gathered vocabulary like the
+    sampled rows: the same prompt logprobs under TP=2 as under TP=1 (to float32 rounding)."""
+    prompts = [list(range(300, 341)), [7, 8, 9]]
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, prompt_logprobs=2)
+    got, ref = tp2.generate(prompts, params), _llm(model_dirs["llama"]).generate(prompts, params)
+    for g, r in zip(got, ref):
+        assert g.prompt_token_logprobs is not None and r.prompt_token_logprobs is not None
+        assert g.token_ids == r.token_ids and len(g.prompt_token_logprobs) == len(r.prompt_token_logprobs)
+        pairs = list(zip(g.prompt_token_logprobs[1:], r.prompt_token_logprobs[1:]))
+        assert all(a is not None and b is not None for a, b in pairs)
+        assert [(a.token_id, a.rank, [i for i, _ in a.top]) for a, _ in pairs if a is not None] == \
+            [(b.token_id, b.rank, [i for i, _ in b.top]) for _, b in pairs if b is not None]
+        assert [a.logprob for a, _ in pairs if a is not None] == \
+            pytest.approx([b.logprob for _, b in pairs if b is not None], abs=1e-4)
+    tp2.engine.check_integrity()
+
+
 def test_tp2_structured_output_matches_tp1(tmp_path: Path) -> None:
     """Grammar-constrained JSON: the mask applies on rank 0's gathered logits, as with one rank."""
     folder = make_char_model(tmp_path / "char-llama")

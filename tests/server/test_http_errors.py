@@ -81,7 +81,9 @@ def test_underflowing_sampling_values_are_served(server: ServerProcess, extreme:
     ({"prompt": "w5", "logit_bias": {"\uff13": 1}}, "logit_bias"),  # FULLWIDTH DIGIT THREE
     ({"prompt": "w5", "stop_token_ids": [600]}, "stop_token_ids"),
     ({"prompt": "w5", "stop_token_ids": "5"}, "stop_token_ids"),
-    ({"prompt": "w5", "echo": True}, "echo"),
+    ({"prompt": "w5", "echo": "yes"}, "echo"),
+    ({"prompt": "w5", "max_tokens": -1, "echo": True}, "max_tokens"),
+    ({"prompt": "w5", "prompt_logprobs": 21}, "prompt_logprobs"),
     ({"prompt": "w5", "stop": [""]}, "stop"),
     ({"prompt": "w5", "logprobs": 21}, "logprobs"),
     ({"prompt": "w5", "stream_options": {"include_usage": True}}, "stream_options"),
