@@ -9,13 +9,21 @@ from kvseal.errors import (
     ModelLoadError,
     RequestRejected,
 )
-from kvseal.types import CompletionOutput, FinishReason, Logprob, RequestOutput, SamplingParams
+from kvseal.types import (
+    CompletionOutput,
+    FinishReason,
+    GuidedDecodingParams,
+    Logprob,
+    RequestOutput,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 from kvseal.version import __version__ as __version__
 
 __all__ = [
-    "LLM", "CompletionOutput", "ConfigError", "ContextLengthExceeded", "FinishReason", "InvalidParameter",
-    "IsolationViolation", "KvsealError", "Logprob", "ModelLoadError", "RequestOutput", "RequestRejected",
-    "SamplingParams",
+    "LLM", "CompletionOutput", "ConfigError", "ContextLengthExceeded", "FinishReason", "GuidedDecodingParams",
+    "InvalidParameter", "IsolationViolation", "KvsealError", "Logprob", "ModelLoadError", "RequestOutput",
+    "RequestRejected", "SamplingParams", "StructuredOutputsParams",
 ]
 
 

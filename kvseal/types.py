@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import hashlib
+import json as _json
 import math
 import numbers
 import time
@@ -53,21 +54,66 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
+STRUCTURED_KINDS = ("json_object", "json_schema", "tool_call", "regex", "choice", "grammar")
+
+
 @dataclass(frozen=True)
 class StructuredOutput:
     """Output constrained by a grammar while sampling: any JSON object, JSON matching `schema`
-    (a JSON Schema, as JSON text), or one Hermes tool call `<tool_call>\n{json}\n</tool_call>`
-    whose JSON matches `schema`. Compiled with xgrammar (kvseal.structured)."""
+    (a JSON Schema, as JSON text), one Hermes tool call `<tool_call>\n{json}\n</tool_call>`
+    whose JSON matches `schema`, text matching a regular expression (`schema` is the regex), one
+    of several strings (`schema` is their JSON list), or text an EBNF grammar derives (`schema`
+    is the grammar, in xgrammar's EBNF). Compiled with xgrammar (kvseal.structured)."""
 
-    kind: str  # "json_object" | "json_schema" | "tool_call"
-    schema: str | None = None
+    kind: str  # one of STRUCTURED_KINDS
+    schema: str | None = None  # the spec's text (None for json_object)
 
     def __post_init__(self) -> None:
-        _require(self.kind in ("json_object", "json_schema", "tool_call"), "response_format",
-                 f"type must be json_object or json_schema, got {self.kind!r}")
+        _require(self.kind in STRUCTURED_KINDS, "response_format",
+                 f"kind must be one of {', '.join(STRUCTURED_KINDS)}, got {self.kind!r}")
         _require((self.schema is not None) == (self.kind != "json_object"), "response_format",
-                 f"a {self.kind} grammar needs a schema" if self.kind != "json_object"
+                 f"a {self.kind} grammar needs its spec" if self.kind != "json_object"
                  else "json_object takes no schema")
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """vLLM's structured-output spec for one request (`SamplingParams(structured_outputs=...)`;
+    `GuidedDecodingParams` and `guided_decoding=` are its older names): exactly one of a JSON
+    Schema (`json`, a dict or JSON text), any JSON object (`json_object=True`), a regular
+    expression (`regex`), a list of strings to choose one of (`choice`), or an EBNF grammar
+    (`grammar`, xgrammar's dialect)."""
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def as_structured(self, param: str = "structured_outputs") -> StructuredOutput:
+        specs: dict[str, Any] = {name: value for name, value in (("json", self.json), ("regex", self.regex),
+                                                                 ("choice", self.choice), ("grammar", self.grammar))
+                                 if value is not None}
+        if self.json_object:
+            specs["json_object"] = True
+        _require(len(specs) == 1, param, f"give exactly one of json, regex, choice, grammar or json_object=True; "
+                                         f"got {sorted(specs) or 'none'}")
+        [(name, value)] = specs.items()
+        if name == "json_object":
+            return StructuredOutput("json_object")
+        if name == "json":
+            _require(isinstance(value, str | dict), param, "json must be a JSON Schema: a dict or JSON text")
+            return StructuredOutput("json_schema", value if isinstance(value, str) else _json.dumps(value))
+        if name == "choice":
+            _require(isinstance(value, list | tuple) and len(value) > 0
+                     and all(isinstance(c, str) and c for c in value), param,
+                     "choice must be a non-empty list of non-empty strings")
+            return StructuredOutput("choice", _json.dumps(list(value), ensure_ascii=False))
+        _require(isinstance(value, str) and value != "", param, f"{name} must be a non-empty string")
+        return StructuredOutput(name, value)
+
+
+GuidedDecodingParams = StructuredOutputsParams  # vLLM's earlier name
 
 
 @dataclass(frozen=True)
@@ -108,9 +154,13 @@ class SamplingParams:
     include_stop_str_in_output: bool = False  # vLLM's: keep the matched stop string in the text
     skip_special_tokens: bool = True  # vLLM's: False puts special tokens (e.g. </s>) in the text
     prompt_logprobs: int | None = None
+    # vLLM's ways to ask for `structured` (either, not both; they fill it in)
+    structured_outputs: StructuredOutputsParams | None = None
+    guided_decoding: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         self._check_types()
+        self._resolve_structured()
         _require(self.max_tokens is None or self.max_tokens >= 1, "max_tokens",
                  f"must be >= 1 (or None for the rest of the context), got {self.max_tokens}")
         _require(math.isfinite(self.temperature) and self.temperature >= 0, "temperature",
@@ -156,6 +206,22 @@ class SamplingParams:
         _require(all(_is_int(t) for t in stop_token_ids), "stop_token_ids", "every token id must be an integer")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in stop_token_ids))
         object.__setattr__(self, "logit_bias", _logit_bias_pairs(self.logit_bias))
+
+    def _resolve_structured(self) -> None:
+        """vLLM's `structured_outputs` / `guided_decoding` -> `structured` (a spec given twice,
+        differently, is refused)."""
+        given = [(name, spec) for name in ("structured_outputs", "guided_decoding")
+                 if (spec := getattr(self, name)) is not None]
+        if not given:
+            return
+        _require(len(given) == 1, "structured_outputs", "give structured_outputs or guided_decoding, not both")
+        [(name, spec)] = given
+        _require(isinstance(spec, StructuredOutputsParams), name,
+                 f"must be a StructuredOutputsParams (GuidedDecodingParams), got {type(spec).__name__}")
+        structured = spec.as_structured(name)
+        _require(self.structured is None or self.structured == structured, name,
+                 f"{name} and structured ask for different grammars")
+        object.__setattr__(self, "structured", structured)
 
     def _check_penalties(self) -> None:
         _require(1 <= self.n <= MAX_N, "n", f"must be between 1 and {MAX_N}, got {self.n}")

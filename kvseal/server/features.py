@@ -9,6 +9,7 @@ FEATURE_FIELDS = (
     "n", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "stop", "stop_token_ids",
     "seed", "logprobs", "top_logprobs", "min_tokens", "ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
     "truncate_prompt_tokens", "response_format", "tools", "tool_choice", "stream", "echo", "prompt_logprobs",
+    "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
 )
 
 

@@ -43,7 +43,7 @@ from kvseal.server.features import features_used
 from kvseal.server.front_door import admit_at_the_door
 from kvseal.server.prompts import check_token_list_before_parsing
 from kvseal.server.protocol import ChatCompletionRequest, GenerationBody
-from kvseal.server.response_format import with_response_format
+from kvseal.server.response_format import with_structured_output
 from kvseal.server.state import AppState
 from kvseal.server.streaming import EventStreamResponse
 
@@ -105,7 +105,7 @@ async def _admit_and_submit(request: Request, state: AppState, endpoint: Endpoin
     call.prompt_for_audit = prepared.prompt_for_audit
     call.num_prompt_tokens = len(prepared.prompt_token_ids)
     prompt_token_ids = admit_at_the_door(prepared.prompt_token_ids, prepared.params, state.limits)  # I1
-    params = await with_response_format(prepared.params, body.response_format)
+    params = await with_structured_output(prepared.params, body)
     call.num_prompt_tokens = len(prompt_token_ids)
     fmt = await endpoint.formatter(body, ResponseIds(call.request_id, state.model_name, int(time.time())),
                                    state.prompts, AdmittedPrompt(prompt_token_ids, tenant.name))

@@ -3,7 +3,8 @@
 A field kvseal does not implement is rejected, never ignored: undeclared fields fail with
 `extra_forbidden`. OpenAI's `n`, `presence_penalty`, `frequency_penalty`, `logit_bias`,
 `response_format`, `echo` and vLLM's extensions `ignore_eos`, `min_tokens`, `top_k`,
-`repetition_penalty`, `stop_token_ids`, `truncate_prompt_tokens` and `prompt_logprobs` are
+`repetition_penalty`, `stop_token_ids`, `truncate_prompt_tokens`, `prompt_logprobs`,
+`structured_outputs` and `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar` are
 honoured.
 
 Every list and string has a bound, so no field makes the parser, the tokenizer, the grammar
@@ -23,7 +24,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from kvseal.structured.schema import MAX_SCHEMA_DEPTH, MAX_TOOLS, json_depth
+from kvseal.structured.schema import MAX_CHOICES, MAX_SCHEMA_CHARS, MAX_SCHEMA_DEPTH, MAX_TOOLS, json_depth
 from kvseal.types import MAX_LOGPROBS, MAX_N
 
 INT32_MAX = 2**31 - 1
@@ -67,6 +68,21 @@ class ResponseFormat(_Body):
     json_schema: JsonSchemaFormat | None = None
 
 
+SpecText = Annotated[str, Field(min_length=1, max_length=MAX_SCHEMA_CHARS)]  # a regex, an EBNF grammar, ...
+JsonSchemaSpec = dict[str, Any] | SpecText  # a JSON Schema as an object or as JSON text
+ChoiceList = Annotated[list[SpecText], Field(min_length=1, max_length=MAX_CHOICES)]
+
+
+class StructuredOutputsSpec(_Body):
+    """vLLM's `structured_outputs`: exactly one of these (checked when the request is prepared)."""
+
+    json_spec: JsonSchemaSpec | None = Field(default=None, alias="json")
+    regex: SpecText | None = None
+    choice: ChoiceList | None = None
+    grammar: SpecText | None = None
+    json_object: bool | None = None
+
+
 class GenerationBody(_Body):
     """Fields both endpoints share."""
 
@@ -97,6 +113,12 @@ class GenerationBody(_Body):
     truncate_prompt_tokens: Annotated[int, Field(ge=1, le=INT32_MAX)] | None = None
     response_format: ResponseFormat | None = None
     prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    # vLLM's structured outputs, besides OpenAI's response_format: at most one spec per request
+    structured_outputs: StructuredOutputsSpec | None = None
+    guided_json: JsonSchemaSpec | None = None
+    guided_regex: SpecText | None = None
+    guided_choice: ChoiceList | None = None
+    guided_grammar: SpecText | None = None
 
     @property
     def stop_list(self) -> tuple[str, ...]:

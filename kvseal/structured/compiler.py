@@ -36,6 +36,7 @@ import threading
 import time
 import weakref
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -222,10 +223,7 @@ class _PoolCore:
         """xgrammar's description of the vocabulary, built once (reading the vocabulary takes time)."""
         with self._info_lock:
             if self._tokenizer_info is None:
-                import xgrammar
-
-                self._tokenizer_info = xgrammar.TokenizerInfo.from_huggingface(
-                    self._tokenizer, vocab_size=self.vocab_size, stop_token_ids=self._eos_token_ids or None)
+                self._tokenizer_info = grammar_vocabulary(self._tokenizer, self.vocab_size, self._eos_token_ids)
                 self._setup = WorkerSetupMsg(self._tokenizer_info.serialize_json(), self.vocab_size)
             return self._tokenizer_info
 
@@ -438,6 +436,24 @@ class CompileBudget:
         return max(min(CANCEL_CHECK_S, self._budget_s * WALL_CAP_FACTOR - self._wall_s()), 0.0)
 
 
+def grammar_vocabulary(tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int]) -> Any:
+    """xgrammar's view of the vocabulary, with every special token (BOS, UNK, chat markers, ...)
+    given no text, so no grammar allows one. xgrammar would otherwise match them as the text
+    they are written as (`<s>` spells "<s>", `<|im_end|>` is a valid JSON string's content), yet
+    the output text drops them: an answer would not be what its grammar allowed. EOS still ends
+    a grammar, as its stop token."""
+    import xgrammar
+
+    info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+                                                   stop_token_ids=list(eos_token_ids) or None)
+    special = set(tokenizer.all_special_ids) | {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
+    vocab: list[bytes | str] = [""] * vocab_size
+    for text, token_id in tokenizer.get_vocab().items():
+        if token_id < vocab_size and token_id not in special:
+            vocab[token_id] = text
+    return xgrammar.TokenizerInfo.from_vocab_and_metadata(vocab, info.dump_metadata())
+
+
 def _lower_thread_priority() -> None:
     """This thread only (Linux schedules threads as tasks; elsewhere nothing changes)."""
     try:
@@ -446,30 +462,37 @@ def _lower_thread_priority() -> None:
         pass
 
 
+# The request field each kind of grammar comes from, and what an error calls that grammar. A
+# served JSON Schema may also come from guided_json (the door names that field for its errors).
+_PARAMS = {"tool_call": "tools", "json_object": "response_format", "json_schema": "response_format",
+           "regex": "guided_regex", "choice": "guided_choice", "grammar": "guided_grammar"}
+_NAMES = {"tool_call": "the tool call grammar (from the tools' parameters)",
+          "json_object": "the response_format grammar", "json_schema": "the response_format grammar",
+          "regex": "the regex grammar (guided_regex, structured_outputs.regex)",
+          "choice": "the choice grammar (guided_choice, structured_outputs.choice)",
+          "grammar": "the EBNF grammar (guided_grammar, structured_outputs.grammar)"}
+
+
 def param_of(spec: StructuredOutput) -> str:
     """The request field a grammar came from, for the 400's `param`."""
-    return "tools" if spec.kind == "tool_call" else "response_format"
+    return _PARAMS[spec.kind]
 
 
 def compile_error(spec: StructuredOutput, problem: str) -> InvalidParameter:
-    what = "tool call" if spec.kind == "tool_call" else "response_format"
-    return InvalidParameter(f"cannot compile the {what} grammar: {problem}", param=param_of(spec))
+    return InvalidParameter(f"cannot compile {_NAMES[spec.kind]}: {problem}", param=param_of(spec))
 
 
 def timeout_error(spec: StructuredOutput, timeout_s: float) -> GrammarCompileTimeout:
-    what = "the tool call grammar (from the tools' parameters)" if spec.kind == "tool_call" else \
-        "the response_format grammar"
     return GrammarCompileTimeout(
-        f"compiling {what} took more than {timeout_s:g} s of CPU time, this server's limit "
+        f"compiling {_NAMES[spec.kind]} took more than {timeout_s:g} s of CPU time, this server's limit "
         f"(--grammar-compile-timeout-s), and was stopped. Send a smaller or simpler schema (fewer optional "
-        f"properties, less nesting).", param=param_of(spec))
+        f"properties, less nesting) or grammar.", param=param_of(spec))
 
 
 def starved_error(spec: StructuredOutput, timeout_s: float) -> GrammarCompilerUnavailable:
     """A 503, not a 400: the schema was not shown to be too costly, the host was too busy."""
-    what = "tool call" if spec.kind == "tool_call" else "response_format"
     return GrammarCompilerUnavailable(
-        f"the server is too busy to compile the {what} grammar now: its compile got too little CPU time in "
+        f"the server is too busy to compile {_NAMES[spec.kind]} now: its compile got too little CPU time in "
         f"{timeout_s * WALL_CAP_FACTOR:g} s (it may use {timeout_s:g} s of CPU time, --grammar-compile-timeout-s) "
         f"and was stopped. Retry later.")
 

@@ -5,6 +5,7 @@ compiles the grammars they accepted). Imports only xgrammar, so a worker starts 
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 ANY_OBJECT = '{"type": "object"}'  # json_object: any JSON object (OpenAI), not any JSON value
@@ -16,6 +17,12 @@ def compile_spec(compiler: Any, vocab_size: int, kind: str, schema: str | None) 
     ValueError for a grammar this vocabulary cannot even begin."""
     if kind == "tool_call":
         compiled = compiler.compile_grammar(tool_call_grammar(schema or ANY_OBJECT))
+    elif kind == "regex":
+        compiled = compiler.compile_regex(schema)
+    elif kind == "choice":
+        compiled = compiler.compile_grammar(choice_grammar(schema or "[]"))
+    elif kind == "grammar":
+        compiled = compiler.compile_grammar(schema)
     else:
         json_schema = ANY_OBJECT if kind == "json_object" else schema
         compiled = compiler.compile_json_schema(json_schema, any_whitespace=False, strict_mode=True)
@@ -41,6 +48,13 @@ def tool_call_grammar(call_schema: str) -> Any:
     return xgrammar.Grammar.concat(xgrammar.Grammar.from_ebnf('root ::= "<tool_call>\\n"'),
                                    xgrammar.Grammar.from_json_schema(call_schema, any_whitespace=False),
                                    xgrammar.Grammar.from_ebnf('root ::= "\\n</tool_call>"'))
+
+
+def choice_grammar(choices_json: str) -> str:
+    """EBNF for exactly one of the strings of a JSON list: each a quoted literal, escaped as JSON
+    strings are (xgrammar's EBNF literals take the same escapes)."""
+    choices = json.loads(choices_json)
+    return "root ::= " + " | ".join(json.dumps(choice, ensure_ascii=False) for choice in choices)
 
 
 def new_compiler(tokenizer_info: Any) -> Any:

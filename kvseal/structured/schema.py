@@ -21,6 +21,8 @@ from typing import Any
 
 from kvseal._testing.faults import Fault, is_active
 from kvseal.errors import InvalidParameter
+from kvseal.structured.grammars import choice_grammar
+from kvseal.types import StructuredOutput
 
 MAX_SCHEMA_CHARS = 64 * 1024
 MAX_SCHEMA_DEPTH = 64  # objects and arrays nested in the schema document
@@ -45,6 +47,37 @@ def check_schema(schema_json: str, where: str = "the JSON schema in response_for
         xgrammar.Grammar.from_json_schema(schema_json)
     except (RuntimeError, ValueError) as exc:
         raise InvalidParameter(f"invalid JSON schema in {where}: {describe_error(exc)}", param=param) from None
+
+
+MAX_CHOICES = 1024  # strings of one guided_choice
+
+
+def check_spec(spec: StructuredOutput, where: str, param: str) -> None:
+    """The door check on any structured-output spec a request sends (`where` names it in the
+    message, `param` in the 400): a JSON Schema as `check_schema`; a regex, a choice list or an
+    EBNF grammar within `MAX_SCHEMA_CHARS` (a choice list also within `MAX_CHOICES` strings),
+    and parsed by xgrammar, so one it cannot read is a 400 naming the problem."""
+    if spec.kind == "json_schema":
+        check_schema(spec.schema or "", where, param)
+        return
+    if spec.kind not in ("regex", "choice", "grammar") or spec.schema is None:
+        return
+    if len(spec.schema) > MAX_SCHEMA_CHARS:
+        raise InvalidParameter(f"{where} has {len(spec.schema)} characters; the limit is {MAX_SCHEMA_CHARS}",
+                               param=param)
+    if spec.kind == "choice" and (num_choices := len(json.loads(spec.schema))) > MAX_CHOICES:
+        raise InvalidParameter(f"{where} has {num_choices} strings; the limit is {MAX_CHOICES}", param=param)
+    import xgrammar
+
+    try:
+        if spec.kind == "regex":
+            xgrammar.Grammar.from_regex(spec.schema)
+        elif spec.kind == "choice":
+            xgrammar.Grammar.from_ebnf(choice_grammar(spec.schema))
+        else:
+            xgrammar.Grammar.from_ebnf(spec.schema)
+    except (RuntimeError, ValueError) as exc:
+        raise InvalidParameter(f"invalid {where}: {describe_error(exc)}", param=param) from None
 
 
 def check_schema_bounds(schema_json: str, where: str, param: str) -> None:

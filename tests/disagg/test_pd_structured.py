@@ -9,6 +9,7 @@ the grammar scenario of tests/server/test_grammar_budget.py runs here against `s
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -57,7 +58,10 @@ def pair(char_dir: Path, request: pytest.FixtureRequest) -> Iterator[PdPair]:
 
 
 @pytest.mark.parametrize("structured", [StructuredOutput("json_schema", json.dumps(SCHEMA)),
-                                        StructuredOutput("json_object")])
+                                        StructuredOutput("json_object"),
+                                        StructuredOutput("choice", json.dumps(["red", "green", "blue"])),
+                                        StructuredOutput("regex", "[0-9]{2}:[0-9]{2}"),
+                                        StructuredOutput("grammar", 'root ::= "<" [a-z] [a-z]? ">"')])
 def test_structured_output_in_pd_equals_colocated(pair: PdPair, colocated: LLM,
                                                   structured: StructuredOutput) -> None:
     params = SamplingParams(max_tokens=60, temperature=0, structured=structured)
@@ -71,8 +75,11 @@ def test_structured_output_in_pd_equals_colocated(pair: PdPair, colocated: LLM,
     if structured.kind == "json_schema":  # this one completes within max_tokens
         assert handoff.final.finish_reason == "stop"
         jsonschema.validate(json.loads(text), SCHEMA)
-    else:  # greedy json_object may run to max_tokens: every token was allowed, so a prefix of an object
+    elif structured.kind == "json_object":  # greedy may run to max_tokens: a prefix of an object, then
         assert text.startswith("{")
+    else:  # vLLM's regex, choice and EBNF grammar kinds cross the handoff as they are
+        assert handoff.final.finish_reason == "stop"
+        assert text in ("red", "green", "blue") or re.fullmatch(r"[0-9]{2}:[0-9]{2}|<[a-z]{1,2}>", text), text
     pair.assert_clean()
 
 

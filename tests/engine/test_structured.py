@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -11,15 +12,17 @@ import jsonschema
 import pytest
 from char_model import make_char_model
 
-from kvseal import LLM, SamplingParams
+from kvseal import LLM, GuidedDecodingParams, SamplingParams, StructuredOutputsParams
 from kvseal.config import EngineArgs, GrammarConfig
 from kvseal.errors import ConfigError, InvalidParameter
 from kvseal.structured.compiler import GrammarCompilerPool
 from kvseal.structured.schema import (
+    MAX_CHOICES,
     MAX_SCHEMA_CHARS,
     MAX_SCHEMA_DEPTH,
     MAX_SCHEMA_PROPERTIES,
     check_schema,
+    check_spec,
     check_tools,
     json_depth,
 )
@@ -194,3 +197,117 @@ def test_llm_takes_the_grammar_budget() -> None:
     assert EngineArgs(grammar_compile_timeout_s=2.5).grammar_config == GrammarConfig(2.5, 2)
     with pytest.raises(ConfigError, match="--grammar-compile-timeout-s"):
         LLM("unused", grammar_compile_timeout_s=-1)  # refused before any model is read
+
+
+# ---- vLLM's other structured outputs: regex, choice, EBNF grammar ------------------------------
+
+CHOICES = ["yes", "no", 'maybe "so"', "tab\there"]
+REGEX = r"[0-9]{3}-[a-z]{2,4}"
+GRAMMAR = 'root ::= "(" item ("," item)? ")"\nitem ::= [a-c] [a-c]?'
+
+
+@pytest.mark.parametrize("name", ["structured_outputs", "guided_decoding"])
+def test_regex_choice_and_grammar_outputs_match_in_a_mixed_batch(char_llm: LLM, name: str) -> None:
+    """vLLM's `StructuredOutputsParams` (and its older name, `GuidedDecodingParams` with
+    `guided_decoding=`): each sampled output matches its own spec, beside a JSON request and an
+    unconstrained one in the same batch."""
+    specs = [StructuredOutputsParams(choice=CHOICES), GuidedDecodingParams(regex=REGEX),
+             StructuredOutputsParams(grammar=GRAMMAR), StructuredOutputsParams(json=SCHEMA)]
+    outputs = []
+    for seed in range(3):
+        params = [SamplingParams(max_tokens=60, temperature=1.2, seed=seed, **{name: spec}) for spec in specs]
+        free = SamplingParams(max_tokens=12, temperature=1.0, seed=seed, ignore_eos=True)
+        outputs.append(char_llm.generate(["a", "b", "c", "d", "free"], [*params, free]))
+    for choice, regex, grammar, as_json, free_out in outputs:
+        assert all(o.finish_reason.value == "stop" for o in (choice, regex, grammar, as_json))
+        assert choice.text in CHOICES
+        assert re.fullmatch(REGEX, regex.text)
+        assert re.fullmatch(r"\([a-c]{1,2}(,[a-c]{1,2})?\)", grammar.text)
+        jsonschema.validate(json.loads(as_json.text), SCHEMA)
+        assert len(free_out.token_ids) == 12
+    assert len({o[0].text for o in outputs} | {o[1].text for o in outputs}) > 2, "sampled, not one fixed answer"
+    char_llm.engine.check_integrity()
+
+
+@pytest.mark.parametrize(("spec", "problem"), [
+    (StructuredOutputsParams(), "exactly one"),
+    (StructuredOutputsParams(regex="a", choice=["b"]), "exactly one"),
+    (StructuredOutputsParams(choice=[]), "non-empty list"),
+    (StructuredOutputsParams(choice=["a", ""]), "non-empty list"),
+    (StructuredOutputsParams(regex=""), "non-empty string"),
+    (StructuredOutputsParams(json=5), "JSON Schema"),  # type: ignore[arg-type]
+])
+def test_a_malformed_spec_is_refused_naming_it(spec: StructuredOutputsParams, problem: str) -> None:
+    with pytest.raises(InvalidParameter, match=problem) as info:
+        SamplingParams(structured_outputs=spec)
+    assert info.value.param == "structured_outputs"
+
+
+def test_two_specs_in_one_request_are_refused() -> None:
+    with pytest.raises(InvalidParameter, match="not both"):
+        SamplingParams(structured_outputs=StructuredOutputsParams(regex="a"),
+                       guided_decoding=StructuredOutputsParams(regex="a"))
+    with pytest.raises(InvalidParameter, match="different grammars"):
+        SamplingParams(structured_outputs=StructuredOutputsParams(regex="a"),
+                       structured=StructuredOutput("json_object"))
+    with pytest.raises(InvalidParameter, match="StructuredOutputsParams"):
+        SamplingParams(structured_outputs={"regex": "a"})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("spec", "param", "problem"), [
+    (StructuredOutputsParams(regex="([a-"), "guided_regex", "Unclosed"),
+    (StructuredOutputsParams(grammar="root ::= missing"), "guided_grammar", "missing"),
+])
+def test_a_spec_xgrammar_cannot_read_is_a_typed_error(char_llm: LLM, spec: StructuredOutputsParams, param: str,
+                                                      problem: str) -> None:
+    with pytest.raises(InvalidParameter, match=problem) as info:
+        char_llm.generate("x", SamplingParams(max_tokens=4, structured_outputs=spec))
+    assert info.value.param == param
+    assert not char_llm.engine.has_unfinished()
+
+
+@pytest.mark.parametrize(("spec", "problem"), [
+    (StructuredOutput("regex", "([a-"), "Unclosed"),
+    (StructuredOutput("regex", "a" * (MAX_SCHEMA_CHARS + 1)), "limit"),
+    (StructuredOutput("grammar", "root ::= missing"), "missing"),
+    (StructuredOutput("choice", json.dumps(["x"] * (MAX_CHOICES + 1))), "limit"),
+])
+def test_the_door_check_reads_every_kind(spec: StructuredOutput, problem: str) -> None:
+    with pytest.raises(InvalidParameter, match=problem) as info:
+        check_spec(spec, "guided_x", "guided_x")
+    assert info.value.param == "guided_x"
+    check_spec(StructuredOutput("choice", json.dumps(CHOICES)), "guided_choice", "guided_choice")  # a good one passes
+
+
+def test_every_kind_round_trips_through_messages() -> None:
+    from kvseal.messages.convert import params_from_msg, params_to_msg
+
+    for spec in (StructuredOutputsParams(choice=CHOICES), StructuredOutputsParams(regex=REGEX),
+                 StructuredOutputsParams(grammar=GRAMMAR)):
+        params = SamplingParams(structured_outputs=spec)
+        assert params_from_msg(params_to_msg(params)).structured == params.structured
+
+
+def allowed_first_tokens(pool: GrammarCompilerPool, spec: StructuredOutput) -> set[int]:
+    import xgrammar
+
+    mask = xgrammar.allocate_token_bitmask(1, 128)
+    xgrammar.GrammarMatcher(pool.compile_now("alice", spec)).fill_next_token_bitmask(mask, 0)
+    return {i for i in range(128) if (int(mask[0, i // 32]) >> (i % 32)) & 1}
+
+
+def test_no_grammar_allows_a_special_token(char_llm: LLM) -> None:
+    """`<s>` (BOS, id 2) is written "<s>": xgrammar, left to read the vocabulary itself, let a
+    grammar for "<" [a-z] ">" start with it, and the answer came back empty (special tokens are
+    dropped from the text). Special tokens are never a grammar's text; EOS still ends one."""
+    pool = GrammarCompilerPool(char_llm.get_tokenizer(), 128, (1,), GrammarConfig(num_workers=1))
+    try:
+        lt = 3 + 1 + ord("<") - 32  # the char model's id of "<"
+        assert allowed_first_tokens(pool, StructuredOutput("regex", "<[a-z]>")) == {lt}
+        any_string = allowed_first_tokens(pool, StructuredOutput("json_schema", '{"type": "string"}'))
+        assert any_string == {3 + 1 + ord('"') - 32}
+    finally:
+        pool.close()
+    out = char_llm.generate("x", SamplingParams(max_tokens=10, temperature=0,
+                                                structured=StructuredOutput("regex", "<[a-z]>")))[0]
+    assert re.fullmatch("<[a-z]>", out.text) and out.finish_reason.value == "stop"

@@ -8,9 +8,10 @@ the loop (a request waiting for its grammar can still be aborted, and never reac
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import httpx
 import jsonschema
@@ -93,6 +94,65 @@ def _stream_events(server: ServerProcess, path: str, body: dict) -> tuple[httpx.
         data = [line[len("data: "):] for line in response.iter_lines() if line.startswith("data: ")]
     assert data and data[-1] == "[DONE]", data
     return response, [json.loads(d) for d in data[:-1]]
+
+
+# ---- vLLM's structured outputs: guided_* and structured_outputs ----------------------------------
+
+CHOICES = ["red", "green", 'blue "sky"']
+REGEX = r"[0-9]{2}:[0-9]{2}"
+GRAMMAR = 'root ::= "<" [a-z] [a-z]? ">"'
+
+
+@pytest.mark.parametrize(("path", "fields", "check"), [
+    ("/completions", {"guided_choice": CHOICES}, lambda text: text in CHOICES),
+    ("/chat/completions", {"guided_regex": REGEX}, lambda text: re.fullmatch(REGEX, text)),
+    ("/completions", {"guided_grammar": GRAMMAR}, lambda text: re.fullmatch(r"<[a-z]{1,2}>", text)),
+    ("/chat/completions", {"guided_json": Verdict.model_json_schema()},
+     lambda text: Verdict.model_validate_json(text)),
+    ("/completions", {"structured_outputs": {"choice": CHOICES}}, lambda text: text in CHOICES),
+    ("/chat/completions", {"structured_outputs": {"regex": REGEX}}, lambda text: re.fullmatch(REGEX, text)),
+    ("/completions", {"structured_outputs": {"json": json.dumps(Verdict.model_json_schema())}},
+     lambda text: Verdict.model_validate_json(text)),
+    ("/chat/completions", {"structured_outputs": {"json_object": True}}, lambda text: isinstance(json.loads(text),
+                                                                                                dict)),
+])
+def test_vllms_structured_outputs_are_enforced(char_server: ServerProcess, path: str, fields: dict,
+                                               check: Any) -> None:
+    """Each of vLLM's ways of asking, on the endpoint its users send it to, n=3 sampled choices,
+    and streamed; the audit record names the field, never its content."""
+    prompt = {"prompt": "q"} if path == "/completions" else CHAT
+    body = prompt | fields | {"max_tokens": 80, "temperature": 1.0, "seed": 11, "n": 3}
+    response = _post(char_server, path, body)
+    assert response.status_code == 200, response.text
+    texts = [c["text"] if "text" in c else c["message"]["content"] for c in response.json()["choices"]]
+    assert all(check(text) for text in texts), texts
+    assert char_server.audit_for(response.headers["x-request-id"])["features"] == ["n", "seed", *fields]
+    _, events = _stream_events(char_server, path, body)
+    streamed = ["", "", ""]
+    for event in events:
+        for c in event["choices"]:
+            streamed[c["index"]] += c.get("text") or c.get("delta", {}).get("content") or ""
+    assert streamed == texts, "seeded: the stream gives the same answers"
+
+
+@pytest.mark.parametrize(("fields", "param", "problem"), [
+    ({"guided_regex": "([a-"}, "guided_regex", "Unclosed"),
+    ({"guided_grammar": "root ::= missing"}, "guided_grammar", "missing"),
+    ({"guided_json": {"type": "objectx"}}, "guided_json", "objectx"),
+    ({"guided_choice": []}, "guided_choice", "guided_choice"),
+    ({"guided_choice": ["a", ""]}, "guided_choice", "guided_choice"),
+    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs", "exactly one"),
+    ({"structured_outputs": {"whitespace_pattern": " "}}, "structured_outputs", "whitespace_pattern"),
+    ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice", "2 ways"),
+    ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex", "2 ways"),
+    ({"guided_regex": "a", "tools": CALL_F, "tool_choice": "required"}, "guided_regex", "tool_choice"),
+])
+def test_a_bad_or_second_structured_output_spec_is_400_naming_it(char_server: ServerProcess, fields: dict,
+                                                                 param: str, problem: str) -> None:
+    response = _post(char_server, "/chat/completions", CHAT | fields | {"max_tokens": 8})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and problem in error["message"], error
 
 
 @pytest.mark.parametrize(("path", "body", "answer"), [
