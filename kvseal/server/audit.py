@@ -89,7 +89,7 @@ class AuditRecord(msgspec.Struct, frozen=True, omit_defaults=True):
     prefill_engine: str | None = None  # PD mode: the engines that handled the request and the KV transfer id
     decode_engine: str | None = None
     transfer_id: str | None = None
-    prompt: str | list[int] | list[dict[str, Any]] | None = None
+    prompt: str | list[int] | list[str] | list[list[int]] | list[dict[str, Any]] | None = None
     written_late: bool = False  # the file failed when the request ended: written once it worked again
 
 

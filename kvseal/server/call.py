@@ -87,10 +87,10 @@ class Call:
         self.state.gate.acquire(tenant, num_choices)
         self._num_slots = num_choices
 
-    def submit(self, msg: AddRequestMsg) -> ChoiceGroup:
-        """Submit one engine request per choice (`n`); the group reports to this call."""
-        msgs = choice_msgs(msg)
-        group = ChoiceGroup(self.request_id, len(msgs), self)
+    def submit(self, prompts: list[AddRequestMsg]) -> ChoiceGroup:
+        """Submit one engine request per choice (`n` per prompt); the group reports to this call."""
+        msgs = choice_msgs(prompts)
+        group = ChoiceGroup(self.request_id, len(msgs), self, choices_per_prompt=prompts[0].params.n)
         for index, choice in enumerate(msgs):
             handle = self.state.engine.submit(choice, group.observer_for(index))
             self.engine_ids.append(choice.request_id)

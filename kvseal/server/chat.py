@@ -48,10 +48,10 @@ class ChatEndpoint:
                                        max_tokens_param=_max_tokens_param(body), prompt_logprobs=body.prompt_logprobs)
         if tools.grammar is not None:
             params = dataclasses.replace(params, structured=tools.grammar)
-        return Prepared(ids, params, conversation)
+        return Prepared([ids], [params], conversation)
 
     async def formatter(self, body: ChatCompletionRequest, ids: ResponseIds, prompts: PromptEncoder,
-                        prompt: AdmittedPrompt) -> ChatFormatter:
+                        admitted: list[AdmittedPrompt]) -> ChatFormatter:
         parses_calls = bool(body.tools) and body.tool_choice != "none" and self.tool_call_parser is not None
         is_named = isinstance(body.tool_choice, NamedToolChoice)
         return ChatFormatter(ids, body.logprobs, body.include_usage, prompts, body.n or 1,

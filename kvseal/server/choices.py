@@ -1,16 +1,18 @@
-"""`n` choices from one prompt: one engine request per choice, one request for the call.
+"""`n` choices of each prompt: one engine request per choice, one request for the call.
 
-Each choice is its own engine request (id `<request id>-<i>` when n > 1, the request id
-itself when n == 1), so each choice computes the prompt's KV itself, except the full pages it
-finds already published in the tenant's prefix cache when it is scheduled. Choice i of a
-seeded request uses seed + i, so the request is reproducible and its choices differ.
+Each choice is its own engine request (id `<request id>-<k>` for the call's choice k, the
+request id itself when the call has one choice), so each choice computes its prompt's KV
+itself, except the full pages it finds already published in the tenant's prefix cache when it
+is scheduled. A completions request may send several prompts: choice k is choice k % n of
+prompt k // n, as OpenAI orders them. Choice i of a seeded prompt uses seed + i, so the
+request is reproducible and its choices differ.
 
 The group observes every choice's handle and is the call's single view of them: it forwards
 progress, and reports one terminal event when the last choice has ended (a failure wins over
-a success; output tokens and KV pages are summed for the audit record, I8); the call's
-latency metrics follow choice 0. `events()` yields
-every choice's outputs, tagged with the choice index, in arrival order, up to the last
-terminal one.
+a success; output tokens and KV pages are summed for the audit record, I8, and so are the
+prompts' tokens, each prompt counted once); the call's latency metrics follow choice 0.
+`events()` yields every choice's outputs, tagged with the choice index, in arrival order, up
+to the last terminal one.
 """
 
 from __future__ import annotations
@@ -27,13 +29,14 @@ from kvseal.types import choice_seed
 ChoiceEvent = tuple[int, RequestEvent]
 
 
-def choice_msgs(msg: AddRequestMsg) -> list[AddRequestMsg]:
-    """The engine requests for the choices of `msg` (just `msg` when it asks for one)."""
-    n = msg.params.n
-    if n == 1:
-        return [msg]
-    return [msgspec.structs.replace(msg, request_id=f"{msg.request_id}-{i}", params=_choice_params(msg, i))
-            for i in range(n)]
+def choice_msgs(msgs: list[AddRequestMsg]) -> list[AddRequestMsg]:
+    """The engine requests for the choices of each prompt's `msgs` (one request each, all under
+    the call's request id), in the call's choice order (just the message when there is one)."""
+    n = msgs[0].params.n
+    if n == 1 and len(msgs) == 1:
+        return msgs
+    return [msgspec.structs.replace(msg, request_id=f"{msg.request_id}-{p * n + i}", params=_choice_params(msg, i))
+            for p, msg in enumerate(msgs) for i in range(n)]
 
 
 def _choice_params(msg: AddRequestMsg, index: int) -> SamplingParamsMsg:
@@ -41,9 +44,11 @@ def _choice_params(msg: AddRequestMsg, index: int) -> SamplingParamsMsg:
 
 
 class ChoiceGroup:
-    def __init__(self, request_id: str, num_choices: int, observer: RequestObserver) -> None:
+    def __init__(self, request_id: str, num_choices: int, observer: RequestObserver,
+                 choices_per_prompt: int | None = None) -> None:
         self.request_id = request_id
         self.num_choices = num_choices
+        self._per_prompt = choices_per_prompt or num_choices
         self._observer = observer
         self._queue: asyncio.Queue[ChoiceEvent] = asyncio.Queue()
         self._terminal: dict[int, RequestEvent] = {}
@@ -80,11 +85,13 @@ class ChoiceGroup:
         if failed is not None and not isinstance(failed, RequestOutputMsg):
             return failed
         last = failed if failed is not None else outputs[-1]
+        firsts = [e for e in events[::self._per_prompt] if isinstance(e, RequestOutputMsg)]  # one per prompt
         return msgspec.structs.replace(
             last, request_id=self.request_id, num_output_tokens=sum(o.num_output_tokens for o in outputs),
             num_pages_reserved=sum(o.num_pages_reserved for o in outputs),
             num_kv_tokens_written=sum(o.num_kv_tokens_written for o in outputs),
-            num_cached_tokens=outputs[0].num_cached_tokens)
+            num_prompt_tokens=sum(o.num_prompt_tokens for o in firsts),
+            num_cached_tokens=sum(o.num_cached_tokens for o in firsts))
 
 
 class _ChoiceObserver:

@@ -16,7 +16,7 @@ from kvseal.admission import AdmissionLimits
 from kvseal.errors import InvalidParameter
 from kvseal.messages.msgs import RequestOutputMsg, TokenLogprobsMsg
 from kvseal.server.auth import Tenant
-from kvseal.server.endpoint import AdmittedPrompt, Prepared, ResponseIds
+from kvseal.server.endpoint import AdmittedPrompt, AuditPrompt, Prepared, ResponseIds
 from kvseal.server.generation_defaults import GenerationDefaults
 from kvseal.server.logprobs import (
     TextOffsets,
@@ -25,7 +25,7 @@ from kvseal.server.logprobs import (
     joined_logprobs,
     vllm_prompt_logprobs,
 )
-from kvseal.server.prompts import PromptEncoder
+from kvseal.server.prompts import PromptEncoder, prompt_list
 from kvseal.server.protocol import CompletionRequest
 from kvseal.server.sampling import build_sampling_params
 from kvseal.server.transcript import Transcript, usage
@@ -41,23 +41,29 @@ class CompletionsEndpoint:
         if body.max_tokens == 0 and not body.echo:
             raise InvalidParameter("max_tokens=0 asks for no output: it is allowed only with echo=true (the prompt "
                                    "alone comes back); ask for at least 1 token", param="max_tokens")
-        ids = await prompts.completion_ids(body.prompt, tenant.name, limits, body.truncate_prompt_tokens is not None)
+        ids = await prompts.completion_prompts(body.prompt, tenant.name, limits,
+                                               body.truncate_prompt_tokens is not None)
         prompt_logprobs = body.logprobs if body.prompt_logprobs is None and body.echo else body.prompt_logprobs
-        params = build_sampling_params(body, max_tokens=1 if _echo_only(body) else body.max_tokens,
-                                       num_prompt_tokens=len(ids), limits=limits, logprobs=body.logprobs,
-                                       tenant=tenant, defaults=defaults, prompt_logprobs=prompt_logprobs)
-        audit_prompt = body.prompt if isinstance(body.prompt, str) else ids
+        params = [build_sampling_params(body, max_tokens=1 if _echo_only(body) else body.max_tokens,
+                                        num_prompt_tokens=len(one), limits=limits, logprobs=body.logprobs,
+                                        tenant=tenant, defaults=defaults, prompt_logprobs=prompt_logprobs)
+                  for one in ids]
+        texts = [p for p in prompt_list(body.prompt) if isinstance(p, str)]
+        audit_prompt: AuditPrompt = (texts[0] if isinstance(body.prompt, str) else texts) if texts else \
+            (ids[0] if len(ids) == 1 else ids)
         return Prepared(ids, params, audit_prompt)
 
     async def formatter(self, body: CompletionRequest, ids: ResponseIds, prompts: PromptEncoder,
-                        prompt: AdmittedPrompt) -> CompletionFormatter:
-        echo = None
+                        admitted: list[AdmittedPrompt]) -> CompletionFormatter:
+        echoes = []
         if body.echo:
-            echo = Echo(prompt.token_ids, body.prompt if isinstance(body.prompt, str) and
-                        body.truncate_prompt_tokens is None else await prompts.decode(prompt.token_ids, prompt.tenant),
-                        _echo_only(body))
-        return CompletionFormatter(ids, body.logprobs is not None, body.include_usage, prompts, echo,
-                                   body.prompt_logprobs is not None)
+            sent = prompt_list(body.prompt)
+            for text, prompt in zip(sent, admitted):
+                echo_text = text if isinstance(text, str) and body.truncate_prompt_tokens is None else \
+                    await prompts.decode(prompt.token_ids, prompt.tenant)
+                echoes.append(Echo(prompt.token_ids, echo_text, _echo_only(body)))
+        return CompletionFormatter(ids, body.logprobs is not None, body.include_usage, prompts, echoes,
+                                   body.prompt_logprobs is not None, body.n or 1)
 
 
 def _echo_only(body: CompletionRequest) -> bool:
@@ -74,13 +80,18 @@ class Echo:
 
 
 class CompletionFormatter:
+    """Choice `index` of a request of several prompts is choice `index % n` of prompt `index // n`
+    (OpenAI's order); each prompt's choices echo that prompt."""
+
     def __init__(self, ids: ResponseIds, with_logprobs: bool, include_usage: bool, prompts: PromptEncoder,
-                 echo: Echo | None = None, with_prompt_logprobs: bool = False) -> None:
+                 echoes: list[Echo] | None = None, with_prompt_logprobs: bool = False,
+                 choices_per_prompt: int = 1) -> None:
         self._ids = ids
         self._with_logprobs = with_logprobs
         self._include_usage = include_usage
         self._prompts = prompts
-        self._echo = echo
+        self._echoes = echoes or []
+        self._n = choices_per_prompt
         self._with_prompt_logprobs = with_prompt_logprobs  # vLLM's per-choice list (never streamed)
         self._offsets: dict[int, TextOffsets] = {}  # per choice, across the whole stream
         self._echoed: set[int] = set()  # the choices whose stream has sent the prompt
@@ -88,8 +99,11 @@ class CompletionFormatter:
     def first_chunks(self) -> list[dict[str, Any]]:
         return []
 
+    def _echo(self, index: int) -> Echo | None:
+        return self._echoes[index // self._n] if self._echoes else None
+
     def delta_chunks(self, index: int, out: RequestOutputMsg) -> list[dict[str, Any]]:
-        echo = self._echo
+        echo = self._echo(index)
         if echo is not None and index not in self._echoed and (out.new_token_ids or out.finished):
             return self._echo_chunks(index, out, echo)
         if (echo is not None and echo.only) or not (out.new_text or out.finished or
@@ -101,7 +115,7 @@ class CompletionFormatter:
     def _echo_chunks(self, index: int, out: RequestOutputMsg, echo: Echo) -> list[dict[str, Any]]:
         """A stream's first chunk of a choice: the prompt, then (unless echo only) its first output."""
         self._echoed.add(index)
-        text, logprobs = echo.text, self._echo_logprobs(index, out.prompt_logprobs)
+        text, logprobs = echo.text, self._echo_logprobs(index, echo, out.prompt_logprobs)
         if not echo.only:
             text += out.new_text
             if logprobs is not None:
@@ -114,17 +128,17 @@ class CompletionFormatter:
         return chunk | {"usage": None} if self._include_usage else chunk
 
     def usage_chunk(self, transcripts: list[Transcript]) -> dict[str, Any]:
-        return self._envelope([]) | {"usage": usage(transcripts)}
+        return self._envelope([]) | {"usage": usage(transcripts, self._n)}
 
     def response(self, transcripts: list[Transcript]) -> dict[str, Any]:
         return self._envelope([self._response_choice(i, t) for i, t in enumerate(transcripts)]) | {
-            "usage": usage(transcripts)}
+            "usage": usage(transcripts, self._n)}
 
     def _response_choice(self, index: int, transcript: Transcript) -> dict[str, Any]:
-        echo = self._echo
+        echo = self._echo(index)
         text, logprobs = transcript.text, None
         if echo is not None:
-            logprobs = self._echo_logprobs(index, transcript.prompt_logprobs)
+            logprobs = self._echo_logprobs(index, echo, transcript.prompt_logprobs)
             text = echo.text if echo.only else echo.text + text
         if not (echo is not None and echo.only):
             output = self._logprobs(index, transcript.logprobs)
@@ -135,12 +149,13 @@ class CompletionFormatter:
                                                              self._prompts.token_text)
         return choice
 
-    def _echo_logprobs(self, index: int, lps: list[TokenLogprobsMsg | None] | None) -> dict[str, Any] | None:
+    def _echo_logprobs(self, index: int, echo: Echo, lps: list[TokenLogprobsMsg | None] | None
+                       ) -> dict[str, Any] | None:
         """The echoed prompt's logprobs (None unless the request asked for logprobs)."""
-        if not self._with_logprobs or self._echo is None:
+        if not self._with_logprobs:
             return None
         offsets = self._offsets.setdefault(index, TextOffsets(self._prompts.token_bytes))
-        return echoed_prompt_logprobs(self._echo.token_ids, lps or [], self._prompts.token_text, offsets)
+        return echoed_prompt_logprobs(echo.token_ids, lps or [], self._prompts.token_text, offsets)
 
     def _logprobs(self, index: int, lps: list[TokenLogprobsMsg]) -> dict[str, Any] | None:
         if not self._with_logprobs:

@@ -14,15 +14,17 @@ from kvseal.server.protocol import GenerationBody
 from kvseal.server.transcript import Transcript
 from kvseal.types import SamplingParams
 
-AuditPrompt = str | list[int] | list[dict[str, Any]]
+AuditPrompt = str | list[int] | list[str] | list[list[int]] | list[dict[str, Any]]
 
 
 @dataclass(frozen=True)
 class Prepared:
-    """A request turned into engine terms, not yet admitted."""
+    """A request turned into engine terms, not yet admitted: per prompt (completions may send
+    several, chat sends one) its token ids and its parameters (an omitted max_tokens is the rest
+    of that prompt's context)."""
 
-    prompt_token_ids: list[int]
-    params: SamplingParams
+    prompt_token_ids: list[list[int]]
+    params: list[SamplingParams]
     prompt_for_audit: AuditPrompt
 
 
@@ -64,4 +66,4 @@ class Endpoint(Protocol):
                       limits: AdmissionLimits, defaults: GenerationDefaults) -> Prepared: ...
 
     async def formatter(self, body: Any, ids: ResponseIds, prompts: PromptEncoder,
-                        prompt: AdmittedPrompt) -> Formatter: ...
+                        admitted: list[AdmittedPrompt]) -> Formatter: ...

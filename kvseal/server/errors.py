@@ -125,8 +125,9 @@ def concurrency_limit(tenant: str, limit: int, num_slots: int) -> ApiError:
 
 def concurrency_limit_never(tenant: str, limit: int, num_slots: int) -> ApiError:
     """A request with more choices than the tenant may have in flight at all: retrying cannot help."""
-    return ApiError(429, f"Request too large for tenant '{tenant}': n={num_slots} choices count as {num_slots} "
-                         f"requests in flight, and its limit is {limit}. Ask for fewer choices, or ask the operator "
+    return ApiError(429, f"Request too large for tenant '{tenant}': its {num_slots} choices (n for each prompt) "
+                         f"count as {num_slots} requests in flight, and its limit is {limit}. Ask for fewer choices "
+                         f"or send fewer prompts, or ask the operator "
                          f"for a higher limit.", type="rate_limit_error", code="rate_limit_exceeded",
                     detail="concurrency_limit_exceeded")
 

@@ -19,6 +19,7 @@ too (abort on disconnect or shutdown) before its slot is given back.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 import uuid
@@ -41,11 +42,12 @@ from kvseal.server.endpoint import AdmittedPrompt, Endpoint, Formatter, Response
 from kvseal.server.errors import ApiError
 from kvseal.server.features import features_used
 from kvseal.server.front_door import admit_at_the_door
-from kvseal.server.prompts import check_token_list_before_parsing
-from kvseal.server.protocol import ChatCompletionRequest, GenerationBody
+from kvseal.server.prompts import check_token_list_before_parsing, prompt_list
+from kvseal.server.protocol import ChatCompletionRequest, CompletionRequest, GenerationBody
 from kvseal.server.response_format import with_structured_output
 from kvseal.server.state import AppState
 from kvseal.server.streaming import EventStreamResponse
+from kvseal.types import SamplingParams
 
 logger = logging.getLogger("kvseal.server")
 
@@ -99,22 +101,34 @@ async def _admit_and_submit(request: Request, state: AppState, endpoint: Endpoin
         raise errors.model_disabled(state.model_name)
     if isinstance(body, ChatCompletionRequest):
         check_tool_call_arguments(body.messages, state.limits, state.prompts.max_token_chars)
-    call.take_slots(tenant, body.n or 1)
+    call.take_slots(tenant, (body.n or 1) * num_prompts(body))
     state.rates.take_request(tenant)
     prepared = await endpoint.prepare(body, state.prompts, tenant, state.limits, state.defaults)
     call.prompt_for_audit = prepared.prompt_for_audit
-    call.num_prompt_tokens = len(prepared.prompt_token_ids)
-    prompt_token_ids = admit_at_the_door(prepared.prompt_token_ids, prepared.params, state.limits)  # I1
-    params = await with_structured_output(prepared.params, body)
-    call.num_prompt_tokens = len(prompt_token_ids)
+    call.num_prompt_tokens = sum(len(ids) for ids in prepared.prompt_token_ids)
+    prompts = [admit_at_the_door(ids, params, state.limits)  # I1, every prompt before any is submitted
+               for ids, params in zip(prepared.prompt_token_ids, prepared.params)]
+    call.num_prompt_tokens = sum(len(ids) for ids in prompts)
+    params = await _with_structured_output(prepared.params, body)
     fmt = await endpoint.formatter(body, ResponseIds(call.request_id, state.model_name, int(time.time())),
-                                   state.prompts, AdmittedPrompt(prompt_token_ids, tenant.name))
-    msg = AddRequestMsg(call.request_id, tenant.name, prompt_token_ids, params_to_msg(params))
+                                   state.prompts, [AdmittedPrompt(ids, tenant.name) for ids in prompts])
+    msgs = [AddRequestMsg(call.request_id, tenant.name, ids, params_to_msg(p)) for ids, p in zip(prompts, params)]
     _require_audit(state)
     if call.stopped_by is not None:  # its key was revoked or the model disabled while it was prepared
         raise errors.stopped_by_operator(call.stopped_by)
-    state.rates.take_prompt_tokens(tenant, len(prompt_token_ids))  # last: a refusal after it would waste them
-    return body, fmt, call.submit(msg)  # nothing after this line may fail before the response owns the call
+    state.rates.take_prompt_tokens(tenant, call.num_prompt_tokens)  # last: a refusal after it would waste them
+    return body, fmt, call.submit(msgs)  # nothing after this line may fail before the response owns the call
+
+
+def num_prompts(body: GenerationBody) -> int:
+    """How many prompts the request sends: each prompt's choices take the tenant's slots."""
+    return len(prompt_list(body.prompt)) if isinstance(body, CompletionRequest) else 1
+
+
+async def _with_structured_output(params: list[SamplingParams], body: GenerationBody) -> list[SamplingParams]:
+    """Every prompt's parameters with the request's structured output (its spec checked once)."""
+    first = await with_structured_output(params[0], body)
+    return [first, *(dataclasses.replace(p, structured=first.structured) for p in params[1:])]
 
 
 def _require_audit(state: AppState) -> None:

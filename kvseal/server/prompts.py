@@ -43,6 +43,7 @@ from kvseal.server.front_door import check_context, is_checking
 logger = logging.getLogger("kvseal.server")
 
 CompletionPrompt = str | list[int] | list[str] | list[list[int]]
+MAX_PROMPTS = 128  # prompts in one completions request (each is admitted, and counted, on its own)
 PRESCAN_BODY_BYTES = 64 * 1024  # bodies at least this big are pre-scanned for long token-id lists
 _BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
@@ -139,11 +140,21 @@ class PromptEncoder:
 
         return cls(AutoTokenizer.from_pretrained(tokenizer_path, local_files_only=True))
 
+    async def completion_prompts(self, prompt: CompletionPrompt, tenant: str, limits: AdmissionLimits,
+                                 may_truncate: bool) -> list[list[int]]:
+        """Token ids of each prompt of a completions request (a string, token ids, or a list of
+        up to `MAX_PROMPTS` of either), tokenized one after another in the tenant's turn; each
+        as `completion_ids`."""
+        return [await self._ids_of(one, tenant, limits, may_truncate) for one in prompt_list(prompt)]
+
     async def completion_ids(self, prompt: CompletionPrompt, tenant: str, limits: AdmissionLimits,
                              may_truncate: bool) -> list[int]:
         """Token ids of a completions prompt; `ContextLengthExceeded` before tokenizing one that
         cannot fit (unless `may_truncate`)."""
-        single = _single_prompt(prompt)
+        return await self._ids_of(_single_prompt(prompt), tenant, limits, may_truncate)
+
+    async def _ids_of(self, single: str | list[int], tenant: str, limits: AdmissionLimits,
+                      may_truncate: bool) -> list[int]:
         if isinstance(single, list):
             if not may_truncate:
                 check_context(len(single), 0, limits)
@@ -275,10 +286,14 @@ def _prescanned_fields(data: bytes) -> dict[str, msgspec.Raw] | None:
 
 
 def _token_list_length_at_most(fields: dict[str, msgspec.Raw], field: str) -> int | None:
+    """At most how many ids the longest token-id list of `field` holds: the list itself, or
+    the longest of a list of lists (several prompts, each admitted on its own)."""
     raw = bytes(fields.get(field, b""))
     if not raw.startswith(b"[") or b'"' in raw:
         return None
-    return raw.count(b",") + 1
+    if not raw[1:].lstrip().startswith(b"["):
+        return raw.count(b",") + 1
+    return max(part.lstrip(b", \t\r\n[").count(b",") + 1 for part in raw[1:].split(b"]"))
 
 
 def _tools_json(tools: list[dict[str, Any]] | None) -> str:
@@ -333,8 +348,19 @@ def _byte_level_alphabet() -> dict[int, str]:
     return alphabet
 
 
+def prompt_list(prompt: CompletionPrompt) -> list[str | list[int]]:
+    """The prompts of a completions request: a string or token ids is one; a list of strings or
+    of token-id lists is several (at most `MAX_PROMPTS`, a 400 otherwise), as OpenAI takes them."""
+    if isinstance(prompt, str) or not prompt or not all(isinstance(p, str | list) for p in prompt):
+        return [prompt]  # type: ignore[list-item]
+    if len(prompt) > MAX_PROMPTS:
+        raise InvalidParameter(f"got {len(prompt)} prompts; a request may send at most {MAX_PROMPTS}, send the "
+                               f"rest in another request", param="prompt")
+    return list(prompt)  # type: ignore[arg-type]
+
+
 def _single_prompt(prompt: CompletionPrompt) -> str | list[int]:
-    """One prompt per request: a string, token ids, or a one-element list of either."""
+    """The one prompt /tokenize takes: a string, token ids, or a one-element list of either."""
     if isinstance(prompt, str):
         return prompt
     if prompt and all(isinstance(p, str | list) for p in prompt):

@@ -34,10 +34,13 @@ class Transcript:
 
 
 
-def usage(transcripts: list[Transcript]) -> dict[str, Any]:
-    """OpenAI's usage for n choices: the prompt counted once, completion tokens summed;
-    `prompt_tokens_details.cached_tokens`: prompt tokens the first choice found in the prefix cache."""
-    num_prompt = transcripts[0].num_prompt_tokens
+def usage(transcripts: list[Transcript], choices_per_prompt: int | None = None) -> dict[str, Any]:
+    """OpenAI's usage for n choices of each prompt (`choices_per_prompt`; None: every choice is of
+    one prompt): each prompt counted once, completion tokens summed;
+    `prompt_tokens_details.cached_tokens`: prompt tokens each prompt's first choice found in the
+    prefix cache."""
+    firsts = transcripts[::choices_per_prompt or len(transcripts)]
+    num_prompt = sum(t.num_prompt_tokens for t in firsts)
     num_output = sum(t.num_output_tokens for t in transcripts)
     return {"prompt_tokens": num_prompt, "completion_tokens": num_output, "total_tokens": num_prompt + num_output,
-            "prompt_tokens_details": {"cached_tokens": transcripts[0].num_cached_tokens}}
+            "prompt_tokens_details": {"cached_tokens": sum(t.num_cached_tokens for t in firsts)}}

@@ -79,7 +79,7 @@ def _submit(state: AppState, request_id: str) -> ChoiceGroup:
     call.take_slots(ALICE, 1)
     call.http_done()
     params = params_to_msg(SamplingParams(max_tokens=4))
-    return call.submit(AddRequestMsg(request_id, ALICE.name, [5, 6], params))
+    return call.submit([AddRequestMsg(request_id, ALICE.name, [5, 6], params)])
 
 
 def _output(request_id: str, tenant: str, finished: bool) -> RequestOutputMsg:
@@ -170,7 +170,7 @@ def test_a_failing_audit_log_never_reaches_the_receive_loop(tmp_path: Path) -> N
             for call in calls:
                 call.tenant = ALICE
                 params = params_to_msg(SamplingParams(max_tokens=4))
-                call.submit(AddRequestMsg(call.request_id, ALICE.name, [5, 6], params))
+                call.submit([AddRequestMsg(call.request_id, ALICE.name, [5, 6], params)])
             state.engine._receive(encode(OutputsMsg([_output("cmpl-1", "alice", finished=True)])))
             state.engine._receive(encode(OutputsMsg([_output("cmpl-2", "alice", finished=True)])))
             assert all(call.is_done and call.is_withheld for call in calls)

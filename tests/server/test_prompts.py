@@ -150,3 +150,24 @@ def test_the_tool_count_check_fails_without_the_front_door() -> None:
         with pytest.raises(ContextLengthExceeded):
             asyncio.run(_chat_ids(encoder, TIGHT, TOOLS))
     encoder.close()
+
+
+def test_the_prescan_bounds_each_token_id_prompt_on_its_own() -> None:
+    """A big body's token-id prompts are pre-scanned one by one (each is admitted on its own):
+    two that fit pass however many ids they hold together, one that cannot fit is refused."""
+    import json
+
+    from kvseal.server.prompts import PRESCAN_BODY_BYTES, check_token_list_before_parsing
+
+    def body(*lengths: int) -> bytes:
+        prompts = [[5] * n for n in lengths]
+        data = json.dumps({"prompt": prompts if len(prompts) > 1 else prompts[0],
+                           "pad": "x" * PRESCAN_BODY_BYTES}).encode()
+        assert len(data) >= PRESCAN_BODY_BYTES
+        return data
+
+    check_token_list_before_parsing(body(500, 500, 500), LIMITS)  # 1,500 ids in all, each prompt fits
+    check_token_list_before_parsing(body(512), LIMITS)
+    for too_long in (body(513), body(10, 513), body(513, 10)):
+        with pytest.raises(ContextLengthExceeded):
+            check_token_list_before_parsing(too_long, LIMITS)
