@@ -10,7 +10,7 @@ from typing import Any
 from kvseal.config import EngineArgs
 from kvseal.engine.engine import LLMEngine
 from kvseal.errors import InvalidParameter
-from kvseal.prompting import render_chat
+from kvseal.prompting import ChatOptions, render_chat
 from kvseal.types import DEFAULT_TENANT, RequestOutput, SamplingParams, choice_seed
 
 Prompt = str | list[int]
@@ -70,11 +70,13 @@ class LLM:
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              tenant: str = DEFAULT_TENANT, *, chat_template: str | None = None,
-             add_generation_prompt: bool = True, tools: list[dict[str, Any]] | None = None,
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             chat_template_kwargs: dict[str, Any] | None = None, tools: list[dict[str, Any]] | None = None,
              use_tqdm: bool = True) -> list[RequestOutput]:
         """Apply the chat template (the model's, or `chat_template`) to one conversation (or a list
-        of them) and generate; `add_generation_prompt`, `tools` and `use_tqdm` as in vLLM's
-        `LLM.chat` (no progress bar is drawn)."""
+        of them) and generate; `add_generation_prompt`, `continue_final_message`,
+        `chat_template_kwargs`, `tools` and `use_tqdm` as in vLLM's `LLM.chat` (no progress bar is
+        drawn)."""
         _check_use_tqdm(use_tqdm)
         if not isinstance(messages, list):
             raise InvalidParameter("messages must be a list of message dicts, or a list of such lists",
@@ -82,15 +84,18 @@ class LLM:
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
         prompts: list[PromptInput] = [
             self.apply_chat_template(c, chat_template=chat_template,  # type: ignore[arg-type]
-                                     add_generation_prompt=add_generation_prompt, tools=tools)
+                                     add_generation_prompt=add_generation_prompt,
+                                     continue_final_message=continue_final_message,
+                                     chat_template_kwargs=chat_template_kwargs, tools=tools)
             for c in conversations]
         return self.generate(prompts, sampling_params, tenant)
 
     def apply_chat_template(self, conversation: list[dict[str, Any]], *, chat_template: str | None = None,
-                            add_generation_prompt: bool = True,
+                            add_generation_prompt: bool = True, continue_final_message: bool = False,
+                            chat_template_kwargs: dict[str, Any] | None = None,
                             tools: list[dict[str, Any]] | None = None) -> list[int]:
-        return render_chat(self.engine.tokenizer, conversation, tools, chat_template=chat_template,
-                           add_generation_prompt=add_generation_prompt)
+        options = ChatOptions.of(add_generation_prompt, continue_final_message, chat_template_kwargs)
+        return render_chat(self.engine.tokenizer, conversation, tools, chat_template=chat_template, options=options)
 
     def _run(self, ids: list[str]) -> dict[str, RequestOutput]:
         """Step until every request of `ids` has finished. If a step raises (or the caller

@@ -6,6 +6,8 @@ One implementation, so a prompt given to `LLM.chat` and the same messages sent t
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from kvseal.errors import InvalidParameter
@@ -16,19 +18,59 @@ def encode_text(tokenizer: Any, text: str) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=True))
 
 
+@dataclass(frozen=True)
+class ChatOptions:
+    """How a conversation is rendered besides its messages and tools (vLLM's chat fields): the
+    generation prompt, or the final (assistant) message left open for the model to continue, and
+    extra variables for the template (`chat_template_kwargs`, e.g. Qwen3's `enable_thinking`)."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    template_kwargs: tuple[tuple[str, Any], ...] = ()
+
+    @classmethod
+    def of(cls, add_generation_prompt: bool = True, continue_final_message: bool = False,
+           template_kwargs: Mapping[str, Any] | None = None) -> ChatOptions:
+        """Raise `InvalidParameter` for both a generation prompt and an open final message, or a
+        template variable that would stand for one of apply_chat_template's own arguments."""
+        if add_generation_prompt and continue_final_message:
+            raise InvalidParameter("continue_final_message leaves the last message open for the model; it cannot "
+                                   "be combined with add_generation_prompt: send add_generation_prompt=false",
+                                   param="continue_final_message")
+        kwargs = dict(template_kwargs or {})
+        reserved = sorted(set(kwargs) & RESERVED_TEMPLATE_VARIABLES)
+        if reserved:
+            raise InvalidParameter(f"chat_template_kwargs may not set {reserved}: the request's own fields do",
+                                   param="chat_template_kwargs")
+        return cls(add_generation_prompt, continue_final_message, tuple(sorted(kwargs.items())))
+
+
+DEFAULT_CHAT = ChatOptions()  # the generation prompt, no open final message, no template variables
+
+# apply_chat_template's own arguments, and the variables it passes the template itself
+RESERVED_TEMPLATE_VARIABLES = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs", "bos_token", "eos_token", "unk_token", "pad_token",
+    "raise_exception", "strftime_now",
+})
+
+
 def render_chat(tokenizer: Any, conversation: list[dict[str, Any]],
                 tools: list[dict[str, Any]] | None = None, *, chat_template: str | None = None,
-                add_generation_prompt: bool = True) -> list[int]:
+                options: ChatOptions = DEFAULT_CHAT) -> list[int]:
     """Apply the model's chat template (or `chat_template`, a Jinja template given by the offline
-    caller) with the generation prompt unless told not to (and `tools`, OpenAI tool
-    definitions, for templates that render them); raise `InvalidParameter` (param "messages")
-    when there is no template or the template refuses the messages."""
+    caller) as `options` say (and `tools`, OpenAI tool definitions, for templates that render
+    them); raise `InvalidParameter` (param "messages") when there is no template or the template
+    refuses the messages."""
     if not (chat_template or getattr(tokenizer, "chat_template", None)):
         raise InvalidParameter("this model has no chat template; send a plain-text prompt instead",
                                param="messages")
     try:
         ids = tokenizer.apply_chat_template(conversation, tools=tools, chat_template=chat_template,
-                                            add_generation_prompt=add_generation_prompt, tokenize=True)
+                                            add_generation_prompt=options.add_generation_prompt,
+                                            continue_final_message=options.continue_final_message, tokenize=True,
+                                            **dict(options.template_kwargs))
     except Exception as exc:  # jinja2 errors and raise_exception() calls in templates
         raise InvalidParameter(f"the model's chat template cannot render these messages: {exc}",
                                param="messages") from exc

@@ -21,8 +21,9 @@ from transformers import (
 
 VOCAB_SIZE = 512
 EOS_ID, BOS_ID = 1, 2
-CHAT_TEMPLATE = (
+CHAT_TEMPLATE = (  # `enable_thinking` (a template variable, as Qwen3's): rendered only when it is passed
     "{% for m in messages %}w3 {{ m['content'] }} w4 {% endfor %}{% if add_generation_prompt %}w5{% endif %}"
+    "{% if enable_thinking is defined and enable_thinking %} w6{% endif %}"
 )
 
 _COMMON = dict(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

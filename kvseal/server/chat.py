@@ -42,7 +42,7 @@ class ChatEndpoint:
             check_tools_text(tools.definitions, limits, prompts.max_token_chars)
         conversation = [m.as_template_input() for m in body.messages]
         ids = await prompts.chat_ids(conversation, tenant.name, limits, body.truncate_prompt_tokens is not None,
-                                     tools.definitions)
+                                     tools.definitions, body.chat_options)
         params = build_sampling_params(body, max_tokens=_asked_max_tokens(body), num_prompt_tokens=len(ids),
                                        limits=limits, logprobs=_logprobs(body), tenant=tenant, defaults=defaults,
                                        max_tokens_param=_max_tokens_param(body), prompt_logprobs=body.prompt_logprobs)

@@ -37,7 +37,7 @@ import msgspec
 
 from kvseal.admission import AdmissionLimits
 from kvseal.errors import ContextLengthExceeded, InvalidParameter
-from kvseal.prompting import encode_text, render_chat
+from kvseal.prompting import DEFAULT_CHAT, ChatOptions, encode_text, render_chat
 from kvseal.server.front_door import check_context, is_checking
 
 logger = logging.getLogger("kvseal.server")
@@ -165,21 +165,25 @@ class PromptEncoder:
         return await self._lane_for(num_chars, limits).run(tenant, encode_text, single)
 
     async def chat_ids(self, conversation: list[dict[str, Any]], tenant: str, limits: AdmissionLimits,
-                       may_truncate: bool, tools: list[dict[str, Any]] | None = None) -> list[int]:
+                       may_truncate: bool, tools: list[dict[str, Any]] | None = None,
+                       options: ChatOptions = DEFAULT_CHAT) -> list[int]:
         """`tools` (OpenAI tool definitions) go to the chat template, which may render them;
-        either way they count against the prompt limit (`_check_tools_fit`)."""
+        either way they count against the prompt limit (`_check_tools_fit`). The template
+        variables of `options` count with the messages' characters (a template may render them)."""
         tools_json = _tools_json(tools)
         num_tools_chars = num_visible_chars(tools_json)
-        num_chars = num_tools_chars + sum(num_visible_chars(_text_of(m)) for m in conversation)
+        num_chars = num_tools_chars + sum(num_visible_chars(_text_of(m)) for m in conversation) + \
+            num_visible_chars(json.dumps(dict(options.template_kwargs), ensure_ascii=False))
         # the template only adds tokens around the contents; truncation may cut the messages, not the tools
         self._check_chars(num_tools_chars if may_truncate else num_chars, limits)
-        ids = await self._lane_for(num_chars, limits).run(tenant, _apply_chat_template, (conversation, tools))
+        ids = await self._lane_for(num_chars, limits).run(tenant, _apply_chat_template,
+                                                          (conversation, tools, options))
         if tools:
-            await self._check_tools_fit(conversation, tools_json, tenant, limits, may_truncate)
+            await self._check_tools_fit(conversation, tools_json, tenant, limits, may_truncate, options)
         return ids
 
     async def _check_tools_fit(self, conversation: list[dict[str, Any]], tools_json: str, tenant: str,
-                               limits: AdmissionLimits, may_truncate: bool) -> None:
+                               limits: AdmissionLimits, may_truncate: bool, options: ChatOptions) -> None:
         """Tool definitions count against the prompt limit as if the template rendered them
         (as JSON) after the messages, whether it does or not: a required or named call's
         grammar is built from them, and a template that leaves them out must not make them free.
@@ -188,7 +192,7 @@ class PromptEncoder:
             return
         num_tool_tokens = len(await self._lane.run(tenant, _encode_plain, tools_json))
         num_message_tokens = 0 if may_truncate else len(
-            await self._lane.run(tenant, _apply_chat_template, (conversation, None)))
+            await self._lane.run(tenant, _apply_chat_template, (conversation, None, options)))
         limit = limits.max_prompt_tokens
         if num_message_tokens + num_tool_tokens <= limit:
             return
@@ -249,8 +253,10 @@ def _encode_plain(tokenizer: Any, text: str) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
-def _apply_chat_template(tokenizer: Any, args: tuple[list[dict[str, Any]], list[dict[str, Any]] | None]) -> list[int]:
-    return render_chat(tokenizer, *args)
+def _apply_chat_template(tokenizer: Any, args: tuple[list[dict[str, Any]], list[dict[str, Any]] | None,
+                                                     ChatOptions]) -> list[int]:
+    conversation, tools, options = args
+    return render_chat(tokenizer, conversation, tools, options=options)
 
 
 def _decode(tokenizer: Any, token_ids: list[int]) -> str:

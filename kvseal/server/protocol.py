@@ -22,8 +22,9 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
+from kvseal.prompting import ChatOptions
 from kvseal.structured.schema import MAX_CHOICES, MAX_SCHEMA_CHARS, MAX_SCHEMA_DEPTH, MAX_TOOLS, json_depth
 from kvseal.types import MAX_LOGPROBS, MAX_N
 
@@ -39,6 +40,8 @@ MAX_MESSAGES = 2048  # messages per chat request
 MAX_CONTENT_PARTS = 1024  # parts of one message's content
 MAX_DESCRIPTION_CHARS = 4096  # a tool's or a response schema's description
 MAX_ARGUMENTS_DEPTH = MAX_SCHEMA_DEPTH  # objects and arrays nested in one tool call's arguments
+MAX_TEMPLATE_KWARGS = 32  # chat_template_kwargs entries
+MAX_TEMPLATE_KWARGS_CHARS = 4096  # chat_template_kwargs as JSON
 
 Name = Annotated[str, Field(max_length=MAX_NAME_CHARS)]
 FunctionName = Annotated[str, Field(min_length=1, max_length=MAX_FUNCTION_NAME_CHARS)]
@@ -214,6 +217,19 @@ class NamedToolChoice(_Body):
     function: NamedFunction
 
 
+def _bounded_kwargs(value: dict[str, Any]) -> dict[str, Any]:
+    text = json.dumps(value, ensure_ascii=False)
+    if len(text) > MAX_TEMPLATE_KWARGS_CHARS:
+        raise ValueError(f"chat_template_kwargs has {len(text)} characters as JSON; the limit is "
+                         f"{MAX_TEMPLATE_KWARGS_CHARS}")
+    return value
+
+
+# template variables (e.g. {"enable_thinking": false}): names of identifiers, a bounded JSON object
+TemplateKwargs = Annotated[dict[Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")], Any],
+                           Field(max_length=MAX_TEMPLATE_KWARGS), AfterValidator(_bounded_kwargs)]
+
+
 class ChatCompletionRequest(GenerationBody):
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
     tools: Annotated[list[ToolDef], Field(max_length=MAX_TOOLS)] | None = None
@@ -222,4 +238,13 @@ class ChatCompletionRequest(GenerationBody):
     max_completion_tokens: Annotated[int, Field(ge=1, le=INT32_MAX)] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    # vLLM's: how the chat template renders the conversation
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: TemplateKwargs | None = None
+
+    @property
+    def chat_options(self) -> ChatOptions:
+        """Raises `InvalidParameter` for a combination the template cannot honour."""
+        return ChatOptions.of(self.add_generation_prompt, self.continue_final_message, self.chat_template_kwargs)
 

@@ -31,6 +31,7 @@ from starlette.responses import JSONResponse, Response
 from kvseal._testing.faults import Fault, is_active
 from kvseal.admission import AdmissionLimits
 from kvseal.errors import ContextLengthExceeded, InvalidParameter, RequestRejected
+from kvseal.prompting import ChatOptions
 from kvseal.server import errors
 from kvseal.server.audit import AuditRecord, Outcome, clip_optional, key_id_of
 from kvseal.server.auth import Tenant, authorization_of
@@ -38,7 +39,7 @@ from kvseal.server.body import parse_body, read_body, require_json
 from kvseal.server.bounds import check_tool_call_arguments
 from kvseal.server.errors import ApiError
 from kvseal.server.prompts import check_token_list_before_parsing, prescan_token_list
-from kvseal.server.protocol import INT32_MAX, MAX_MESSAGES, MAX_NAME_CHARS, ChatMessage, _Body
+from kvseal.server.protocol import INT32_MAX, MAX_MESSAGES, MAX_NAME_CHARS, ChatMessage, TemplateKwargs, _Body
 from kvseal.server.state import AppState
 
 logger = logging.getLogger("kvseal.server")
@@ -54,6 +55,9 @@ class TokenizeChatBody(_Body):
     model: Annotated[str, Field(max_length=MAX_NAME_CHARS)] | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
     return_token_strs: bool = False
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: TemplateKwargs | None = None
 
 
 class DetokenizeBody(_Body):
@@ -132,8 +136,9 @@ async def _tokenize(data: bytes, state: AppState, tenant: Tenant, call: TokenCal
     _check_model(body.model, state)
     if isinstance(body, TokenizeChatBody):
         check_tool_call_arguments(body.messages, state.limits, state.prompts.max_token_chars)
+        options = ChatOptions.of(body.add_generation_prompt, body.continue_final_message, body.chat_template_kwargs)
         ids = await state.prompts.chat_ids([m.as_template_input() for m in body.messages], tenant.name,
-                                           state.limits, may_truncate=False)
+                                           state.limits, may_truncate=False, options=options)
     else:
         ids = await state.prompts.completion_ids(body.prompt, tenant.name, state.limits, may_truncate=False)
     call.num_tokens = len(ids)
