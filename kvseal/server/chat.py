@@ -10,6 +10,8 @@ import asyncio
 import dataclasses
 from typing import Any
 
+import msgspec
+
 from kvseal.admission import AdmissionLimits
 from kvseal.errors import InvalidParameter
 from kvseal.messages.msgs import RequestOutputMsg, TokenLogprobsMsg
@@ -20,6 +22,7 @@ from kvseal.server.generation_defaults import GenerationDefaults
 from kvseal.server.logprobs import chat_logprobs, vllm_prompt_logprobs
 from kvseal.server.prompts import PromptEncoder
 from kvseal.server.protocol import ChatCompletionRequest, NamedToolChoice
+from kvseal.server.reasoning import ReasoningStream, prompt_opens_reasoning, split_reasoning
 from kvseal.server.sampling import build_sampling_params
 from kvseal.server.tools import HermesToolParser, ParsedToolCall, ToolCallStream, tool_setup
 from kvseal.server.transcript import Transcript, usage
@@ -31,8 +34,9 @@ class ChatEndpoint:
     id_prefix = "chatcmpl"
     body_model = ChatCompletionRequest
 
-    def __init__(self, tool_call_parser: str | None = None) -> None:
+    def __init__(self, tool_call_parser: str | None = None, reasoning_parser: str | None = None) -> None:
         self.tool_call_parser = tool_call_parser  # "hermes" or None (requests with tools are refused)
+        self.reasoning_parser = reasoning_parser  # "qwen3", "deepseek_r1" or None (no reasoning split)
 
     async def prepare(self, body: ChatCompletionRequest, prompts: PromptEncoder, tenant: Tenant,
                       limits: AdmissionLimits, defaults: GenerationDefaults) -> Prepared:
@@ -54,9 +58,16 @@ class ChatEndpoint:
                         admitted: list[AdmittedPrompt]) -> ChatFormatter:
         parses_calls = bool(body.tools) and body.tool_choice != "none" and self.tool_call_parser is not None
         is_named = isinstance(body.tool_choice, NamedToolChoice)
+        reasoning = None
+        if self.reasoning_parser is not None:  # does the prompt leave a <think> block open?
+            tail = await prompts.decode(admitted[0].token_ids[-PROMPT_TAIL_TOKENS:], admitted[0].tenant)
+            reasoning = prompt_opens_reasoning(tail)
         return ChatFormatter(ids, body.logprobs, body.include_usage, prompts, body.n or 1,
                              HermesToolParser() if parses_calls else None, is_named,
-                             with_prompt_logprobs=body.prompt_logprobs is not None)
+                             with_prompt_logprobs=body.prompt_logprobs is not None, reasoning_open=reasoning)
+
+
+PROMPT_TAIL_TOKENS = 16  # the prompt's last tokens, read for an open <think> (a marker is 1 to 7 tokens)
 
 
 def _asked_max_tokens(body: ChatCompletionRequest) -> int | None:
@@ -77,10 +88,18 @@ def _logprobs(body: ChatCompletionRequest) -> int | None:
     return (body.top_logprobs or 0) if body.logprobs else None
 
 
+def _reasoning_fields(reasoning: str) -> dict[str, str]:
+    """vLLM's `reasoning`, and `reasoning_content`, the name clients of its earlier releases read."""
+    return {"reasoning": reasoning, "reasoning_content": reasoning}
+
+
 class ChatFormatter:
     def __init__(self, ids: ResponseIds, with_logprobs: bool, include_usage: bool, prompts: PromptEncoder,
                  num_choices: int = 1, tool_parser: HermesToolParser | None = None,
-                 is_named_tool: bool = False, with_prompt_logprobs: bool = False) -> None:
+                 is_named_tool: bool = False, with_prompt_logprobs: bool = False,
+                 reasoning_open: bool | None = None) -> None:
+        """`reasoning_open`: None without a reasoning parser; else whether the prompt leaves a
+        `<think>` block open (`server/reasoning.py`)."""
         self._ids = ids
         self._with_logprobs = with_logprobs
         self._include_usage = include_usage
@@ -90,11 +109,24 @@ class ChatFormatter:
         self._is_named_tool = is_named_tool  # OpenAI ends a forced call with "stop", an auto one with "tool_calls"
         self._tool_streams: dict[int, ToolCallStream] = {}
         self._with_prompt_logprobs = with_prompt_logprobs  # vLLM's: one list for the response (never streamed)
+        self._reasoning_open = reasoning_open
+        self._reasoning_streams: dict[int, ReasoningStream] = {}
 
     def first_chunks(self) -> list[dict[str, Any]]:
         return [self._chunk(i, {"role": "assistant", "content": ""}, None, None) for i in range(self._num_choices)]
 
     def delta_chunks(self, index: int, out: RequestOutputMsg) -> list[dict[str, Any]]:
+        if self._reasoning_open is None:
+            return self._content_chunks(index, out)
+        stream = self._reasoning_streams.setdefault(index, ReasoningStream(self._reasoning_open))
+        reasoning, content = stream.feed(out.new_text)
+        if out.finished:
+            more_reasoning, more_content = stream.finish()
+            reasoning, content = reasoning + more_reasoning, content + more_content
+        chunks = [self._chunk(index, _reasoning_fields(reasoning), None, None)] if reasoning else []
+        return chunks + self._content_chunks(index, msgspec.structs.replace(out, new_text=content))
+
+    def _content_chunks(self, index: int, out: RequestOutputMsg) -> list[dict[str, Any]]:
         if self._tool_parser is not None:
             return self._tool_delta_chunks(index, out)
         if not (out.new_text or out.finished or (self._with_logprobs and out.new_token_ids)):
@@ -131,10 +163,15 @@ class ChatFormatter:
         return body
 
     def _choice(self, index: int, transcript: Transcript) -> dict[str, Any]:
-        message: dict[str, Any] = {"role": "assistant", "content": transcript.text}
+        reasoning, text = None, transcript.text
+        if self._reasoning_open is not None:
+            reasoning, text = split_reasoning(text, self._reasoning_open)
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if reasoning is not None:
+            message |= _reasoning_fields(reasoning)
         calls: list[ParsedToolCall] = []
         if self._tool_parser is not None:
-            message["content"], calls = self._tool_parser.parse(transcript.text)
+            message["content"], calls = self._tool_parser.parse(text)
             if calls:
                 message["tool_calls"] = [call.as_openai() for call in calls]
         return {"index": index, "message": message, "logprobs": self._logprobs(transcript.logprobs),

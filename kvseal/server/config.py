@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from kvseal.capacity import parse_bytes
 from kvseal.errors import ConfigError
 from kvseal.flags import add_flags, flag, values_of
+from kvseal.server.reasoning import REASONING_PARSERS
 
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
 
@@ -67,10 +68,17 @@ class ServerConfig:
     tool_call_parser: str | None = field(default=None, metadata=flag(
         "parse tool calls from the output in this format (Hermes/Qwen <tool_call> blocks); without it, requests "
         "with tools are refused", choices=("hermes",)))
+    # vLLM's: a thinking model's <think> block goes to the message's `reasoning`, the rest to `content`
+    reasoning_parser: str | None = field(default=None, metadata=flag(
+        "put a thinking model's <think>...</think> reasoning in the chat message's `reasoning` "
+        "(and `reasoning_content`) instead of its content", choices=REASONING_PARSERS))
 
     def __post_init__(self) -> None:
         if self.tool_call_parser not in (None, "hermes"):
             raise ConfigError(f"--tool-call-parser must be 'hermes', got {self.tool_call_parser!r}")
+        if self.reasoning_parser not in (None, *REASONING_PARSERS):
+            raise ConfigError(f"--reasoning-parser must be one of {', '.join(REASONING_PARSERS)}, got "
+                              f"{self.reasoning_parser!r}")
         if self.generation_config not in ("auto", "vllm"):
             raise ConfigError(f"--generation-config must be 'auto' or 'vllm', got {self.generation_config!r}")
         self._check_audit_rotation()
