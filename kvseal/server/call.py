@@ -91,11 +91,17 @@ class Call:
         """Submit one engine request per choice (`n` per prompt); the group reports to this call."""
         msgs = choice_msgs(prompts)
         group = ChoiceGroup(self.request_id, len(msgs), self, choices_per_prompt=prompts[0].params.n)
-        for index, choice in enumerate(msgs):
-            handle = self.state.engine.submit(choice, group.observer_for(index))
-            self.engine_ids.append(choice.request_id)
-            if index == 0:
-                self._route = handle.route  # the first choice's engines (and PD transfer id), for the audit
+        try:
+            for index, choice in enumerate(msgs):
+                handle = self.state.engine.submit(choice, group.observer_for(index))
+                self.engine_ids.append(choice.request_id)
+                if index == 0:
+                    self._route = handle.route  # the first choice's engines (and PD transfer id), for the audit
+        except BaseException:  # the engine went away mid-way: the choices it took end too
+            assert self.tenant is not None, "a submitted call is authenticated"
+            for engine_id in self.engine_ids:
+                self.state.engine.abort(engine_id, self.tenant.name, ENGINE_UNAVAILABLE)
+            raise
         self._is_submitted = True
         return group
 

@@ -18,6 +18,7 @@ import json
 import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import zmq
@@ -26,7 +27,7 @@ from tiny_models import make_tokenizer
 
 from kvseal.config import EngineArgs
 from kvseal.engine.client import EngineClient
-from kvseal.engine_api import EngineGone, IsolationBreach, RequestEvent
+from kvseal.engine_api import EngineGone, EngineUnavailable, IsolationBreach, RequestEvent
 from kvseal.messages.codec import encode
 from kvseal.messages.convert import params_to_msg
 from kvseal.messages.msgs import (
@@ -191,3 +192,32 @@ def test_an_engine_refusal_with_a_status_that_is_no_error_is_a_500(status: int) 
     assert err is not None and err.status == 500 and err.code == "prefill_refused"
     kept = errors.for_event(RequestRejectedMsg("cmpl-1", "alice", "context_length_exceeded", "long", "prompt", 400))
     assert kept is not None and kept.status == 400
+
+
+def test_an_engine_lost_midway_through_a_submit_ends_the_choices_it_took(tmp_path: Path) -> None:
+    """Several prompts are several engine requests: if the engine goes away after taking some,
+    those are aborted before the refusal propagates, so none runs on for nobody."""
+    state = asyncio.run(_ready_state(tmp_path))
+    try:
+        engine = state.engine
+        taken: list[str] = []
+        aborted: list[tuple[str, str]] = []
+        real_submit = engine.submit
+
+        def submit(msg: AddRequestMsg, observer: Any) -> Any:
+            if taken:
+                raise EngineUnavailable("the engine died")
+            taken.append(msg.request_id)
+            return real_submit(msg, observer)
+
+        engine.submit = submit  # type: ignore[method-assign]
+        engine.abort = lambda request_id, tenant, reason: aborted.append((request_id, reason))  # type: ignore
+        call = Call(state, "/v1/completions", "r-lost")
+        call.tenant = ALICE
+        params = params_to_msg(SamplingParams(max_tokens=4))
+        with pytest.raises(EngineUnavailable):
+            call.submit([AddRequestMsg("r-lost", ALICE.name, [5, 6], params),
+                         AddRequestMsg("r-lost", ALICE.name, [7, 8], params)])
+        assert taken == ["r-lost-0"] and aborted == [("r-lost-0", "engine_unavailable")]
+    finally:
+        _close(state)
