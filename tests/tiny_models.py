@@ -30,6 +30,17 @@ _COMMON = dict(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num
                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                eos_token_id=EOS_ID, bos_token_id=BOS_ID, tie_word_embeddings=False)
 
+# LLM() engine arguments that exercise every path of a forward on the tiny models: one batch,
+# chunked prefill, preemption (a pool too small for every prompt at once), big pages checked
+SCHEDULES = {
+    "batched": dict(kv_cache_tokens=1024, page_size=4, max_num_batched_tokens=2048, dtype="float32"),
+    "chunked": dict(kv_cache_tokens=1024, page_size=4, max_num_batched_tokens=5, dtype="float32"),
+    "preempting": dict(kv_cache_tokens=80, page_size=4, max_num_batched_tokens=64, max_model_len=80, dtype="float32"),
+    "big-pages-checked": dict(kv_cache_tokens=1024, page_size=16, max_num_batched_tokens=24, check_kv=True,
+                              dtype="float32"),
+}
+
+
 CONFIGS = {
     "llama": lambda: LlamaConfig(**_COMMON),
     "mistral": lambda: MistralConfig(**_COMMON, sliding_window=None),

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import torch
-from tiny_models import CONFIGS
+from tiny_models import CONFIGS, SCHEDULES
 from transformers import AutoModelForCausalLM
 
 from kvseal import LLM, SamplingParams
@@ -24,14 +24,6 @@ NUM_TOP = 3
 ATOL = 1e-4  # float32 on CPU: summation order only
 WITH_PROMPT_LOGPROBS = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, prompt_logprobs=NUM_TOP)
 PLAIN = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
-
-SCHEDULES = {
-    "batched": dict(kv_cache_tokens=1024, page_size=4, max_num_batched_tokens=2048, dtype="float32"),
-    "chunked": dict(kv_cache_tokens=1024, page_size=4, max_num_batched_tokens=5, dtype="float32"),
-    "preempting": dict(kv_cache_tokens=80, page_size=4, max_num_batched_tokens=64, max_model_len=80, dtype="float32"),
-    "big-pages-checked": dict(kv_cache_tokens=1024, page_size=16, max_num_batched_tokens=24, check_kv=True,
-                              dtype="float32"),
-}
 
 
 def reference_logprobs(model_dir: Path, prompt: list[int]) -> torch.Tensor:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_models import CONFIGS
+from tiny_models import CONFIGS, SCHEDULES
 from transformers import AutoModelForCausalLM
 
 from kvseal import LLM, SamplingParams
@@ -31,14 +31,6 @@ def references(tiny_model_dirs: dict[str, Path]) -> dict[str, list[tuple[list[in
 
 
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, logprobs=1)
-
-SCHEDULES = {
-    "batched": dict(kv_cache_tokens=1024, page_size=4, max_num_batched_tokens=2048, dtype="float32"),
-    "chunked": dict(kv_cache_tokens=1024, page_size=4, max_num_batched_tokens=5, dtype="float32"),
-    "preempting": dict(kv_cache_tokens=80, page_size=4, max_num_batched_tokens=64, max_model_len=80, dtype="float32"),
-    "big-pages-checked": dict(kv_cache_tokens=1024, page_size=16, max_num_batched_tokens=24, check_kv=True,
-                              dtype="float32"),
-}
 
 
 @pytest.mark.parametrize("arch", sorted(CONFIGS))
