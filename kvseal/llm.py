@@ -61,8 +61,9 @@ class LLM:
                 self.engine.abort(request_id, "another prompt in the same call was rejected")
             raise
         results = self._run(added)
-        return [_merge(request_id, prompt, [results[choice_id] for choice_id, _ in prompt_choices], self._decode_one)
-                for request_id, prompt, prompt_choices in zip(ids, prompt_list, choices)]
+        return [_merge(request_id, prompt, [results[choice_id] for choice_id, _ in prompt_choices],
+                       self._decode_one if p.detokenize else _not_decoded)
+                for request_id, prompt, prompt_choices, p in zip(ids, prompt_list, choices, params)]
 
     def _decode_one(self, token_id: int) -> str:
         return str(self.engine.tokenizer.decode([token_id]))
@@ -152,7 +153,13 @@ def _choices(request_id: str, params: SamplingParams) -> list[tuple[str, Samplin
             for i in range(params.n)]
 
 
-def _merge(request_id: str, prompt: Prompt, outs: list[RequestOutput], decode: Callable[[int], str]) -> RequestOutput:
+def _not_decoded(token_id: int) -> None:
+    """A logprob's `decoded_token` under detokenize=False (vLLM leaves it None)."""
+    return None
+
+
+def _merge(request_id: str, prompt: Prompt, outs: list[RequestOutput],
+           decode: Callable[[int], str | None]) -> RequestOutput:
     """The choices of one prompt as one result: choice 0's fields (its prompt logprobs in vLLM's
     shape too), every choice in `outputs`."""
     return dataclasses.replace(outs[0], request_id=request_id, prompt=prompt if isinstance(prompt, str) else None,

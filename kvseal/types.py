@@ -153,6 +153,7 @@ class SamplingParams:
     min_p: float = 0.0
     include_stop_str_in_output: bool = False  # vLLM's: keep the matched stop string in the text
     skip_special_tokens: bool = True  # vLLM's: False puts special tokens (e.g. </s>) in the text
+    detokenize: bool = True  # vLLM's: False returns token ids only (no text, no time spent decoding)
     prompt_logprobs: int | None = None
     # vLLM's ways to ask for `structured` (either, not both; they fill it in)
     structured_outputs: StructuredOutputsParams | None = None
@@ -172,6 +173,9 @@ class SamplingParams:
                  f"must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
         _require(all(isinstance(s, str) and s for s in self.stop), "stop",
                  "every stop sequence must be a non-empty string")
+        _require(self.detokenize or not self.stop, "detokenize",
+                 "stop strings are matched in the output text, which detokenize=False does not make; use "
+                 "stop_token_ids")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             _require(value is None or 0 <= value <= MAX_LOGPROBS, name,
@@ -198,7 +202,7 @@ class SamplingParams:
         _require(self.seed is None or -2**63 <= self.seed < 2**63, "seed",
                  f"must fit in 64 bits ([-2**63, 2**63)), got {self.seed}")
         _require(isinstance(self.ignore_eos, bool), "ignore_eos", f"must be true or false, got {self.ignore_eos!r}")
-        for flag in ("include_stop_str_in_output", "skip_special_tokens"):
+        for flag in ("include_stop_str_in_output", "skip_special_tokens", "detokenize"):
             _require(isinstance(getattr(self, flag), bool), flag, f"must be true or false, got {getattr(self, flag)!r}")
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop
         object.__setattr__(self, "stop", _as_tuple(stop, "stop", "a string or a list of strings"))
@@ -411,7 +415,7 @@ class RequestOutput:
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 
-    def as_completion(self, index: int, decode: Callable[[int], str]) -> CompletionOutput:
+    def as_completion(self, index: int, decode: Callable[[int], str | None]) -> CompletionOutput:
         """This output as choice `index`; `decode` gives a token id's text (`decoded_token`)."""
         if self.logprobs is None:
             return CompletionOutput(index, self.text, self.token_ids, None, None, self.finish_reason, self.stop_reason)
@@ -420,14 +424,14 @@ class RequestOutput:
         return CompletionOutput(index, self.text, self.token_ids, cumulative, logprobs, self.finish_reason,
                                 self.stop_reason)
 
-    def vllm_prompt_logprobs(self, decode: Callable[[int], str]) -> list[dict[int, Logprob] | None] | None:
+    def vllm_prompt_logprobs(self, decode: Callable[[int], str | None]) -> list[dict[int, Logprob] | None] | None:
         """`prompt_token_logprobs` in vLLM's shape (None where the request did not ask for them)."""
         if self.prompt_token_logprobs is None:
             return None
         return [None if lp is None else vllm_logprobs(lp, decode) for lp in self.prompt_token_logprobs]
 
 
-def vllm_logprobs(lp: TokenLogprobs, decode: Callable[[int], str]) -> dict[int, Logprob]:
+def vllm_logprobs(lp: TokenLogprobs, decode: Callable[[int], str | None]) -> dict[int, Logprob]:
     """One position in vLLM's shape: the position's own token first (with its rank among all
     tokens), then the top alternatives, ranked 1..k."""
     top = {token: Logprob(value, rank, decode(token)) for rank, (token, value) in enumerate(lp.top, start=1)}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -169,3 +170,22 @@ def test_skip_special_tokens_false_puts_them_in_the_text(make_llm: Callable[...,
     with pytest.raises(InvalidParameter) as info:
         SamplingParams(skip_special_tokens="no")  # type: ignore[arg-type]
     assert info.value.param == "skip_special_tokens"
+
+
+def test_detokenize_false_returns_token_ids_only(make_llm: Callable[..., Any]) -> None:
+    """vLLM's detokenize=False: the same tokens, no text (nothing decoded), logprobs without
+    decoded tokens; stop strings, which are matched in the text, are refused."""
+    llm = make_llm(kv_cache_tokens=64, max_model_len=64)
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, logprobs=1, prompt_logprobs=1)
+    [text] = llm.generate([5, 6, 7], params)
+    [ids] = llm.generate([5, 6, 7], dataclasses.replace(params, detokenize=False))
+    assert ids.token_ids == text.token_ids and text.text != ""
+    assert ids.text == "" and ids.outputs[0].text == ""
+    assert ids.outputs[0].logprobs is not None and ids.prompt_logprobs is not None
+    assert all(lp.decoded_token is None for step in ids.outputs[0].logprobs for lp in step.values())
+    assert all(lp.decoded_token is None for step in ids.prompt_logprobs[1:] if step for lp in step.values())
+    with pytest.raises(InvalidParameter) as info:
+        SamplingParams(detokenize=False, stop=["w5"])
+    assert info.value.param == "detokenize"
+    with pytest.raises(InvalidParameter):
+        SamplingParams(detokenize="no")  # type: ignore[arg-type]

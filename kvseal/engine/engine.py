@@ -60,6 +60,10 @@ from kvseal.types import (
 logger = logging.getLogger("kvseal")
 
 
+def _no_text(token_ids: list[int]) -> str:
+    return ""
+
+
 @dataclass(frozen=True)
 class EngineStats:
     num_running: int
@@ -251,10 +255,14 @@ class LLMEngine:
         if params.structured is not None:
             request.grammar = new_matcher(compiled_grammar if compiled_grammar is not None
                                           else self.grammars.compile_now(tenant, params.structured))
-        self._outputs[request_id] = OutputState(request, self._decoders[params.skip_special_tokens],
+        self._outputs[request_id] = OutputState(request, self._decoder_for(params),
                                                 self.model_config.eos_token_ids)
         self.scheduler.add(request)
         return request
+
+    def _decoder_for(self, params: SamplingParams) -> Callable[[list[int]], str]:
+        """The request's ids -> text: none at all with detokenize=False (vLLM's: token ids only)."""
+        return self._decoders[params.skip_special_tokens] if params.detokenize else _no_text
 
     def add_prefilled(self, request_id: str, tenant: str, prompt_token_ids: list[int], params: SamplingParams,
                       first_token: int, first_logprobs: TokenLogprobs | None,
@@ -285,7 +293,7 @@ class LLMEngine:
         if params.structured is not None:  # the first token was sampled under the same grammar
             request.grammar = new_matcher(compiled_grammar if compiled_grammar is not None
                                           else self.grammars.compile_now(tenant, params.structured))
-        state = self._outputs[request_id] = OutputState(request, self._decoders[params.skip_special_tokens],
+        state = self._outputs[request_id] = OutputState(request, self._decoder_for(params),
                                                         self.model_config.eos_token_ids)
         self.scheduler.add_running(request)
         state.append_token(first_token)

@@ -30,6 +30,7 @@ def params_to_msg(params: SamplingParams) -> SamplingParamsMsg:
                                                                               params.structured.schema),
         min_p=params.min_p, include_stop_str_in_output=params.include_stop_str_in_output,
         skip_special_tokens=params.skip_special_tokens, prompt_logprobs=params.prompt_logprobs,
+        detokenize=params.detokenize,
     )
 
 
@@ -45,6 +46,7 @@ def params_from_msg(msg: SamplingParamsMsg) -> SamplingParams:
         structured=None if msg.structured is None else StructuredOutput(msg.structured.kind, msg.structured.schema),
         min_p=msg.min_p, include_stop_str_in_output=msg.include_stop_str_in_output,
         skip_special_tokens=msg.skip_special_tokens, prompt_logprobs=msg.prompt_logprobs,
+        detokenize=msg.detokenize,
     )
 
 

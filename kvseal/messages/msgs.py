@@ -46,6 +46,7 @@ class SamplingParamsMsg(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     prompt_logprobs: int | None = None
+    detokenize: bool = True
 
 
 class TokenLogprobsMsg(msgspec.Struct, frozen=True, array_like=True):
