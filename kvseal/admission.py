@@ -91,7 +91,8 @@ def _check_token_ids(ids: list[int], vocab_size: int) -> None:
 
 def _check_param_token_ids(params: SamplingParams, vocab_size: int) -> None:
     """Token ids in sampling parameters index the logits, so they must be in the vocabulary."""
-    for param, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", [t for t, _ in params.logit_bias])):
+    for param, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", [t for t, _ in params.logit_bias]),
+                       ("allowed_token_ids", params.allowed_token_ids or ())):
         bad = next((t for t in ids if not 0 <= t < vocab_size), None)
         if bad is not None:
             raise InvalidParameter(f"{param} names token id {bad}, outside the vocabulary [0, {vocab_size})",

@@ -154,6 +154,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False  # vLLM's: keep the matched stop string in the text
     skip_special_tokens: bool = True  # vLLM's: False puts special tokens (e.g. </s>) in the text
     detokenize: bool = True  # vLLM's: False returns token ids only (no text, no time spent decoding)
+    allowed_token_ids: tuple[int, ...] | None = None  # vLLM's: sample only these tokens
     prompt_logprobs: int | None = None
     # vLLM's ways to ask for `structured` (either, not both; they fill it in)
     structured_outputs: StructuredOutputsParams | None = None
@@ -210,6 +211,11 @@ class SamplingParams:
         _require(all(_is_int(t) for t in stop_token_ids), "stop_token_ids", "every token id must be an integer")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in stop_token_ids))
         object.__setattr__(self, "logit_bias", _logit_bias_pairs(self.logit_bias))
+        if self.allowed_token_ids is not None:
+            allowed = _as_tuple(self.allowed_token_ids, "allowed_token_ids", "a list of token ids")
+            _require(len(allowed) > 0 and all(_is_int(t) and t >= 0 for t in allowed), "allowed_token_ids",
+                     "must be a non-empty list of token ids (integers >= 0)")
+            object.__setattr__(self, "allowed_token_ids", tuple(sorted({int(t) for t in allowed})))
 
     def _resolve_structured(self) -> None:
         """vLLM's `structured_outputs` / `guided_decoding` -> `structured` (a spec given twice,

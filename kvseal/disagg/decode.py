@@ -200,7 +200,7 @@ class DecodeSteps:
                             reservation.num_prompt_tokens, self.engine.model_config.num_layers,
                             self.engine.limits.vocab_size, reservation.params.logprobs,
                             reservation.num_cached_tokens, reservation.params.prompt_logprobs,
-                            tuple(reservation.prompt_token_ids))
+                            tuple(reservation.prompt_token_ids), reservation.params.allowed_token_ids)
         refusal = None if is_active(Fault.SKIP_HANDOFF_VERIFY) else verify_commit(
             expected, msg, self.receiver.landed(msg.transfer_id))
         if refusal is None and self.handoff is not None:

@@ -3,15 +3,16 @@
 
 A commit is accepted only if, word for word: it names a live reservation's transfer id; its
 request id and tenant are the reservation's; its token count is the prompt length; its first
-token is in the vocabulary; its logprobs are there exactly when the request asked for them, for
-that token, with as many alternatives as asked, all in the vocabulary and none above 0; its prompt
-logprobs are there exactly when the request asked for them, one per prompt token (None for the
-first), each of that prompt token, with a rank in the vocabulary and as many alternatives as
-asked, checked as the first token's; its
-generator state is a CPU generator's state, of exactly that size, that the generator takes; and
-for every layer, for K and for V, the receiver's own landing records cover every prompt position
-from the end of decode's prefix-cache hit on, nothing landed before it (those are read-only
-cached pages), and the records say exactly what the commit claims. Anything else is refused
+token is in the vocabulary (and among the request's allowed_token_ids, where it has them); its
+logprobs are there exactly when the request asked for them, for that token, with as many
+alternatives as asked, all in the vocabulary and none above 0; its prompt logprobs are there
+exactly when the request asked for them, one per prompt token (None for the first), each of
+that prompt token, with a rank in the vocabulary and as many alternatives as asked, checked as
+the first token's; its generator state is a CPU generator's state, of exactly that size, that
+the generator takes; and for every layer, for K and for V, the receiver's own landing records
+cover every prompt position from the end of decode's prefix-cache hit on, nothing landed before
+it (those are read-only cached pages), and the records say exactly what the commit claims.
+Anything else is refused
 with a reason (a metrics label) and a message for the client and the log. Nothing of a commit
 is used before it passed: a peer's bad word ends its own transfer, never decode's loop.
 """
@@ -50,6 +51,7 @@ class Expected:
     num_cached_tokens: int = 0  # decode's prefix-cache hit: the transfer covers [this, num_prompt_tokens)
     num_prompt_logprobs: int | None = None  # the request's `SamplingParams.prompt_logprobs`
     prompt_token_ids: tuple[int, ...] = ()  # the prompt decode reserved for (checked against prompt logprobs)
+    allowed_token_ids: tuple[int, ...] | None = None  # the request's: the first token must be one of them
 
 
 def verify_commit(expected: Expected, commit: CommitMsg, landing: Landing | None) -> Refusal | None:
@@ -72,6 +74,9 @@ def _check_sample(expected: Expected, commit: CommitMsg) -> Refusal | None:
     if not 0 <= commit.first_token < expected.vocab_size:
         return Refusal("bad_first_token", f"the first token {commit.first_token} is outside the vocabulary "
                                           f"[0, {expected.vocab_size})")
+    if expected.allowed_token_ids is not None and commit.first_token not in expected.allowed_token_ids:
+        return Refusal("bad_first_token", f"the first token {commit.first_token} is not one of the request's "
+                                          f"allowed_token_ids")
     why = _logprobs_problem(expected, commit.first_token, commit.first_logprobs)
     if why is not None:
         return Refusal("bad_logprobs", why)

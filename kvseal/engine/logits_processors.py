@@ -1,7 +1,8 @@
 """Per-request changes to the logits before sampling, applied to the whole batch at once.
 
-Order (vLLM's): grammar mask, logit_bias, the min_tokens ban on stop tokens (lifted from a
-row whose grammar allows nothing but the end: the grammar wins), then the penalties:
+Order (vLLM's): grammar mask, `allowed_token_ids` (every other token masked), logit_bias, the
+min_tokens ban on stop tokens (lifted from a row whose grammar or allowed set leaves nothing
+but the end: the restriction wins), then the penalties:
 repetition (prompt and output tokens, as transformers' and vLLM's `repetition_penalty`: a
 positive logit is divided by it, a negative one multiplied),
 frequency (minus `frequency_penalty` x the token's count in the output) and presence (minus
@@ -24,7 +25,7 @@ def changes_logits(requests: list[Request], eos_token_ids: tuple[int, ...]) -> b
     """Whether any request asks for a processor. When none does, `apply_logits_processors`
     returns its input as it is (and the sampler may skip it)."""
     return any(r.grammar is not None or r.params.logit_bias or r.params.has_penalties
-               or _banned_stop_tokens(r, eos_token_ids) for r in requests)
+               or r.params.allowed_token_ids is not None or _banned_stop_tokens(r, eos_token_ids) for r in requests)
 
 
 def apply_logits_processors(logits: torch.Tensor, requests: list[Request],
@@ -33,6 +34,7 @@ def apply_logits_processors(logits: torch.Tensor, requests: list[Request],
     if not changes_logits(requests, eos_token_ids):
         return logits
     logits = apply_grammar_masks(logits, requests)
+    logits = _keep_allowed_tokens(logits, requests)
     logits = _add_logit_bias(logits, requests)
     logits = _ban_early_stop_tokens(logits, requests, eos_token_ids)
     return apply_penalties(logits, requests)
@@ -70,6 +72,23 @@ def token_counts(sequences: list[list[int]], vocab_size: int, device: torch.devi
     return counts[:, :vocab_size]
 
 
+def _keep_allowed_tokens(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    """-inf for every token outside a row's `allowed_token_ids` (rows without one unchanged)."""
+    rows: list[int] = []
+    tokens: list[int] = []
+    for row, request in enumerate(requests):
+        allowed = request.params.allowed_token_ids
+        if allowed is not None:
+            rows.extend([row] * len(allowed))
+            tokens.extend(allowed)
+    if not rows:
+        return logits
+    keep = torch.zeros_like(logits, dtype=torch.bool)
+    keep[torch.tensor(rows, device=logits.device), torch.tensor(tokens, device=logits.device)] = True
+    restricted = torch.tensor([r.params.allowed_token_ids is not None for r in requests], device=logits.device)
+    return logits.masked_fill(restricted[:, None] & ~keep, float("-inf"))
+
+
 def _add_logit_bias(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
     rows, tokens, biases = [], [], []
     for row, request in enumerate(requests):
@@ -104,13 +123,13 @@ def _ban_early_stop_tokens(logits: torch.Tensor, requests: list[Request],
 def _unban_where_only_the_end_is_left(logits: torch.Tensor, banned_logits: torch.Tensor,
                                       requests: list[Request]) -> torch.Tensor:
     """logits, banned_logits: [num_requests, vocab], before and after the ban. A row with a
-    grammar that the ban left without any token takes its row from `logits`; every other row
-    (all rows without a grammar) is `banned_logits`' as it is. No host sync."""
-    has_grammar = [r.grammar is not None for r in requests]
-    if not any(has_grammar):
+    grammar or allowed set that the ban left without any token takes its row from `logits`;
+    every other row (all rows without a restriction) is `banned_logits`' as it is. No host sync."""
+    restricted = [r.grammar is not None or r.params.allowed_token_ids is not None for r in requests]
+    if not any(restricted):
         return banned_logits
-    grammar_rows = torch.tensor(has_grammar, device=logits.device)  # [num_requests] bool
-    emptied = torch.isneginf(banned_logits).all(dim=-1) & grammar_rows  # [num_requests] bool
+    restricted_rows = torch.tensor(restricted, device=logits.device)  # [num_requests] bool
+    emptied = torch.isneginf(banned_logits).all(dim=-1) & restricted_rows  # [num_requests] bool
     return torch.where(emptied[:, None], logits, banned_logits)
 
 

@@ -31,6 +31,7 @@ def params_to_msg(params: SamplingParams) -> SamplingParamsMsg:
         min_p=params.min_p, include_stop_str_in_output=params.include_stop_str_in_output,
         skip_special_tokens=params.skip_special_tokens, prompt_logprobs=params.prompt_logprobs,
         detokenize=params.detokenize,
+        allowed_token_ids=None if params.allowed_token_ids is None else list(params.allowed_token_ids),
     )
 
 
@@ -47,6 +48,7 @@ def params_from_msg(msg: SamplingParamsMsg) -> SamplingParams:
         min_p=msg.min_p, include_stop_str_in_output=msg.include_stop_str_in_output,
         skip_special_tokens=msg.skip_special_tokens, prompt_logprobs=msg.prompt_logprobs,
         detokenize=msg.detokenize,
+        allowed_token_ids=None if msg.allowed_token_ids is None else tuple(msg.allowed_token_ids),
     )
 
 

@@ -10,7 +10,7 @@ FEATURE_FIELDS = (
     "seed", "logprobs", "top_logprobs", "min_tokens", "ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
     "truncate_prompt_tokens", "response_format", "tools", "tool_choice", "stream", "echo", "prompt_logprobs",
     "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
-    "add_generation_prompt", "continue_final_message", "chat_template_kwargs",
+    "add_generation_prompt", "continue_final_message", "chat_template_kwargs", "allowed_token_ids",
 )
 
 

@@ -36,6 +36,7 @@ MAX_FUNCTION_NAME_CHARS = 64  # OpenAI's limit on function (and message author) 
 MAX_STOP = 16  # stop strings per request
 MAX_STOP_CHARS = 256  # characters in one stop string
 MAX_STOP_TOKEN_IDS = 64
+MAX_ALLOWED_TOKEN_IDS = 262_144  # allowed_token_ids: more than any vocabulary kvseal serves
 MAX_MESSAGES = 2048  # messages per chat request
 MAX_CONTENT_PARTS = 1024  # parts of one message's content
 MAX_DESCRIPTION_CHARS = 4096  # a tool's or a response schema's description
@@ -116,6 +117,8 @@ class GenerationBody(_Body):
     truncate_prompt_tokens: Annotated[int, Field(ge=1, le=INT32_MAX)] | None = None
     response_format: ResponseFormat | None = None
     prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    allowed_token_ids: Annotated[list[Annotated[int, Field(ge=0, le=INT32_MAX)]],
+                                 Field(min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS)] | None = None
     # vLLM's structured outputs, besides OpenAI's response_format: at most one spec per request
     structured_outputs: StructuredOutputsSpec | None = None
     guided_json: JsonSchemaSpec | None = None

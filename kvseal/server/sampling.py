@@ -60,6 +60,7 @@ def build_sampling_params(body: GenerationBody, *, max_tokens: int | None, num_p
         repetition_penalty=defaults.repetition_penalty if body.repetition_penalty is None else body.repetition_penalty,
         logit_bias=_logit_bias(body.logit_bias),
         prompt_logprobs=prompt_logprobs,
+        allowed_token_ids=None if body.allowed_token_ids is None else tuple(body.allowed_token_ids),
     )
 
 

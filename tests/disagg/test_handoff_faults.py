@@ -200,6 +200,7 @@ def logprobs_of(token_id: int, logprob: float = -0.5, top: tuple[tuple[int, floa
     return TokenLogprobsMsg(token_id, logprob, list(top), rank)
 
 
+ALLOWED = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, allowed_token_ids=[7, 8])
 PROMPT_LOGPROBS = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, prompt_logprobs=1)
 
 
@@ -216,6 +217,7 @@ def prompt_logprobs_of(prompt: list[int], **change: Any) -> list[TokenLogprobsMs
     (GREEDY, lambda vocab: dict(first_token=10**9), "bad_first_token", "outside the vocabulary"),
     (GREEDY, lambda vocab: dict(first_token=vocab), "bad_first_token", "outside the vocabulary"),
     (GREEDY, lambda vocab: dict(first_token=-1), "bad_first_token", "outside the vocabulary"),
+    (ALLOWED, lambda vocab: dict(first_token=5), "bad_first_token", "not one of the request's allowed_token_ids"),
     (GREEDY, lambda vocab: dict(generator_state=b""), "bad_generator_state", "(0 bytes)"),
     (GREEDY, lambda vocab: dict(generator_state=b"\xff" * 7), "bad_generator_state", "(7 bytes)"),
     (GREEDY, lambda vocab: dict(generator_state=GENERATOR_STATE + b"\0"), "bad_generator_state", "is not"),
@@ -1019,3 +1021,16 @@ def test_copy_pages_with_many_runs_moves_exactly_the_named_pages(dtype: torch.dt
     with pytest.raises(IndexError):
         copy_pages(target, [*target_pages[:-1], 50], source, source_pages)
     assert torch.equal(target, expected)
+
+
+def test_a_commit_with_an_allowed_first_token_runs(make_pair: Any) -> None:
+    """The control for the allowed_token_ids check: a first token from the set passes, and the
+    request goes on sampling only from it."""
+    pair = make_pair()
+    handoff = pair.reserve(PROMPT, ALLOWED)
+    rogue_push(pair, handoff, [30, 30])
+    rogue_commit(pair, handoff, 30, [30, 30], first_token=7)
+    pair.pump(lambda: handoff.is_terminal, "the request")
+    assert handoff.final.finish_reason == "length" and set(handoff.token_ids) <= {7, 8}
+    assert pair.decode.link.stats().handoff_failures == {}
+    pair.assert_clean()

@@ -143,3 +143,49 @@ def test_token_ids_outside_the_vocabulary_are_rejected_at_admission(make_llm: Ca
         with pytest.raises(InvalidParameter) as info:
             llm.engine.add_request("x", PROMPT, params)
         assert info.value.param == param
+
+
+# ---- allowed_token_ids (vLLM's): only these tokens are ever sampled ---------------------------
+
+ALLOWED = (7, 11, 13, 300)
+
+
+def test_only_allowed_tokens_are_sampled(make_llm: Any) -> None:
+    """Sampled hot (temperature 2) and greedy, beside a request without the restriction: every
+    token is one of the allowed ones, and the unrestricted request is unchanged."""
+    llm = make_llm()
+    free = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    [alone] = llm.generate([5, 6], free)
+    outs = llm.generate([[5, 6], [5, 6], [5, 6]], [
+        SamplingParams(max_tokens=12, temperature=2.0, seed=1, ignore_eos=True, allowed_token_ids=list(ALLOWED)),
+        SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, allowed_token_ids=list(ALLOWED), logprobs=2),
+        free])
+    assert all(t in ALLOWED for out in outs[:2] for t in out.token_ids)
+    assert len(set(outs[0].token_ids)) > 1, "sampled among them, not one fixed token"
+    assert outs[2].token_ids == alone.token_ids
+    assert outs[1].logprobs is not None and all(t in ALLOWED for lp in outs[1].logprobs for t, _ in lp.top)
+    llm.engine.check_integrity()
+
+
+def test_an_allowed_set_of_stop_tokens_still_has_a_token_to_sample(make_llm: Any) -> None:
+    """Only EOS allowed and min_tokens 5: the ban would leave the row no token at all (NaN); it
+    is lifted from such a row, as from a grammar's, so the request samples EOS, goes on to
+    min_tokens and ends there."""
+    llm = make_llm()
+    [out] = llm.generate([5, 6], SamplingParams(max_tokens=8, temperature=1.0, min_tokens=5, allowed_token_ids=[1]))
+    assert out.token_ids == [1] * 5 and out.finish_reason.value == "stop"
+
+
+@pytest.mark.parametrize(("value", "problem"), [([], "non-empty"), ([3, -1], "non-empty"), ([1.5], "non-empty"),
+                                                (5, "list of token ids")])
+def test_a_bad_allowed_set_is_refused(value: Any, problem: str) -> None:
+    with pytest.raises(InvalidParameter, match=problem) as info:
+        SamplingParams(allowed_token_ids=value)
+    assert info.value.param == "allowed_token_ids"
+
+
+def test_an_allowed_token_outside_the_vocabulary_is_refused_at_admission(make_llm: Any) -> None:
+    llm = make_llm()
+    with pytest.raises(InvalidParameter, match="outside the vocabulary") as info:
+        llm.generate([5, 6], SamplingParams(allowed_token_ids=[5, VOCAB * 100]))
+    assert info.value.param == "allowed_token_ids" and not llm.engine.has_unfinished()

@@ -110,3 +110,19 @@ def test_audit_records_features_used_not_content(server: ServerProcess) -> None:
     assert record["features"] == ["n", "presence_penalty", "logit_bias"]
     assert record["output_tokens"] == 4, "both choices' tokens are counted"
     assert "logit_bias" not in {k for k in record if k != "features"} and '"77"' not in json.dumps(record)
+
+
+def test_allowed_token_ids_over_http(server: ServerProcess, alice: openai.OpenAI, offline: LLM) -> None:
+    """vLLM's allowed_token_ids: every sampled token is one of them, as offline; one outside
+    the vocabulary is a 400 naming the field."""
+    allowed = [40, 41, 77]
+    out = alice.completions.create(model=server.model_name, prompt=PROMPT, max_tokens=10, temperature=1.5, seed=2,
+                                   extra_body={"allowed_token_ids": allowed})
+    words = out.choices[0].text.split()
+    assert words and all(w in ("w40", "w41", "w77") for w in words)
+    expected = offline.generate(PROMPT, SamplingParams(max_tokens=10, temperature=1.5, seed=2,
+                                                       allowed_token_ids=allowed))[0]
+    assert out.choices[0].text == expected.text
+    response = httpx.post(f"{server.base_url}/completions", json={"prompt": PROMPT, "allowed_token_ids": [40, 600]},
+                          headers={"Authorization": "Bearer key-alice"}, timeout=60)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "allowed_token_ids"
