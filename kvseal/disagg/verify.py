@@ -12,9 +12,9 @@ the first token's; its generator state is a CPU generator's state, of exactly th
 the generator takes; and for every layer, for K and for V, the receiver's own landing records
 cover every prompt position from the end of decode's prefix-cache hit on, nothing landed before
 it (those are read-only cached pages), and the records say exactly what the commit claims.
-Anything else is refused
-with a reason (a metrics label) and a message for the client and the log. Nothing of a commit
-is used before it passed: a peer's bad word ends its own transfer, never decode's loop.
+Anything else is refused with a reason (a metrics label) and a message for the client and the
+log. Nothing of a commit is used before it passed: a peer's bad word ends its own transfer,
+never decode's loop.
 """
 
 from __future__ import annotations
