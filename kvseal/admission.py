@@ -91,8 +91,10 @@ def _check_token_ids(ids: list[int], vocab_size: int) -> None:
 
 def _check_param_token_ids(params: SamplingParams, vocab_size: int) -> None:
     """Token ids in sampling parameters index the logits, so they must be in the vocabulary."""
+    gate = params.structured.reasoning if params.structured is not None else None
+    markers = () if gate is None else (gate.start_token_id, gate.end_token_id)
     for param, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", [t for t, _ in params.logit_bias]),
-                       ("allowed_token_ids", params.allowed_token_ids or ())):
+                       ("allowed_token_ids", params.allowed_token_ids or ()), ("reasoning", markers)):
         bad = next((t for t in ids if not 0 <= t < vocab_size), None)
         if bad is not None:
             raise InvalidParameter(f"{param} names token id {bad}, outside the vocabulary [0, {vocab_size})",

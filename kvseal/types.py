@@ -58,15 +58,36 @@ STRUCTURED_KINDS = ("json_object", "json_schema", "tool_call", "regex", "choice"
 
 
 @dataclass(frozen=True)
+class ReasoningGate:
+    """Where a thinking model's grammar begins: after its reasoning block (vLLM's behaviour with
+    a reasoning parser). The block is open from the first token when `open_at_start` (the prompt
+    left a `<think>` open); otherwise the first token may open it (`start_token_id`) or begin the
+    answer. While the block is open nothing is masked; the grammar takes over after
+    `end_token_id`."""
+
+    start_token_id: int
+    end_token_id: int
+    open_at_start: bool
+
+    def __post_init__(self) -> None:
+        ids = (self.start_token_id, self.end_token_id)
+        _require(all(_is_int(t) and t >= 0 for t in ids) and ids[0] != ids[1], "reasoning",
+                 f"the reasoning markers must be two different token ids, got {ids}")
+        _require(isinstance(self.open_at_start, bool), "reasoning", "open_at_start must be a bool")
+
+
+@dataclass(frozen=True)
 class StructuredOutput:
     """Output constrained by a grammar while sampling: any JSON object, JSON matching `schema`
     (a JSON Schema, as JSON text), one Hermes tool call `<tool_call>\n{json}\n</tool_call>`
     whose JSON matches `schema`, text matching a regular expression (`schema` is the regex), one
     of several strings (`schema` is their JSON list), or text an EBNF grammar derives (`schema`
-    is the grammar, in xgrammar's EBNF). Compiled with xgrammar (kvseal.structured)."""
+    is the grammar, in xgrammar's EBNF). Compiled with xgrammar (kvseal.structured). With
+    `reasoning`, the grammar constrains only what follows the reasoning block."""
 
     kind: str  # one of STRUCTURED_KINDS
     schema: str | None = None  # the spec's text (None for json_object)
+    reasoning: ReasoningGate | None = None
 
     def __post_init__(self) -> None:
         _require(self.kind in STRUCTURED_KINDS, "response_format",
@@ -74,6 +95,8 @@ class StructuredOutput:
         _require((self.schema is not None) == (self.kind != "json_object"), "response_format",
                  f"a {self.kind} grammar needs its spec" if self.kind != "json_object"
                  else "json_object takes no schema")
+        _require(self.reasoning is None or isinstance(self.reasoning, ReasoningGate), "reasoning",
+                 "must be a ReasoningGate")
 
 
 @dataclass(frozen=True)
@@ -308,7 +331,7 @@ class Request:
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
     generator: torch.Generator | None = None
-    grammar: Any = None  # an xgrammar GrammarMatcher when params.structured is set
+    grammar: Any = None  # a `structured.matching.RequestGrammar` when params.structured is set
     arrival_s: float = field(default_factory=time.monotonic)
 
     def __post_init__(self) -> None:

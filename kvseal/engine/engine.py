@@ -254,7 +254,8 @@ class LLMEngine:
         request = Request(request_id, tenant, token_ids, params, generator=generator)
         if params.structured is not None:
             request.grammar = new_matcher(compiled_grammar if compiled_grammar is not None
-                                          else self.grammars.compile_now(tenant, params.structured))
+                                          else self.grammars.compile_now(tenant, params.structured),
+                                          params.structured.reasoning)
         self._outputs[request_id] = OutputState(request, self._decoder_for(params),
                                                 self.model_config.eos_token_ids)
         self.scheduler.add(request)
@@ -292,7 +293,8 @@ class LLMEngine:
         self.kv.publish_written(request)
         if params.structured is not None:  # the first token was sampled under the same grammar
             request.grammar = new_matcher(compiled_grammar if compiled_grammar is not None
-                                          else self.grammars.compile_now(tenant, params.structured))
+                                          else self.grammars.compile_now(tenant, params.structured),
+                                          params.structured.reasoning)
         state = self._outputs[request_id] = OutputState(request, self._decoder_for(params),
                                                         self.model_config.eos_token_ids)
         self.scheduler.add_running(request)

@@ -125,7 +125,8 @@ def _unban_where_only_the_end_is_left(logits: torch.Tensor, banned_logits: torch
     """logits, banned_logits: [num_requests, vocab], before and after the ban. A row with a
     grammar or allowed set that the ban left without any token takes its row from `logits`;
     every other row (all rows without a restriction) is `banned_logits`' as it is. No host sync."""
-    restricted = [r.grammar is not None or r.params.allowed_token_ids is not None for r in requests]
+    restricted = [(r.grammar is not None and r.grammar.constrains) or r.params.allowed_token_ids is not None
+                  for r in requests]
     if not any(restricted):
         return banned_logits
     restricted_rows = torch.tensor(restricted, device=logits.device)  # [num_requests] bool

@@ -6,12 +6,13 @@ from typing import TYPE_CHECKING
 
 from kvseal.messages.msgs import (
     EngineStatsMsg,
+    ReasoningGateMsg,
     RequestOutputMsg,
     SamplingParamsMsg,
     StructuredOutputMsg,
     TokenLogprobsMsg,
 )
-from kvseal.types import RequestOutput, SamplingParams, StructuredOutput, TokenLogprobs
+from kvseal.types import ReasoningGate, RequestOutput, SamplingParams, StructuredOutput, TokenLogprobs
 
 if TYPE_CHECKING:  # the engine module loads torch and the models; this one stays light
     from kvseal.engine.engine import EngineStats
@@ -26,8 +27,7 @@ def params_to_msg(params: SamplingParams) -> SamplingParamsMsg:
         truncate_prompt_tokens=params.truncate_prompt_tokens, n=params.n,
         presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
         repetition_penalty=params.repetition_penalty, logit_bias=list(params.logit_bias),
-        structured=None if params.structured is None else StructuredOutputMsg(params.structured.kind,
-                                                                              params.structured.schema),
+        structured=None if params.structured is None else structured_to_msg(params.structured),
         min_p=params.min_p, include_stop_str_in_output=params.include_stop_str_in_output,
         skip_special_tokens=params.skip_special_tokens, prompt_logprobs=params.prompt_logprobs,
         detokenize=params.detokenize,
@@ -44,12 +44,24 @@ def params_from_msg(msg: SamplingParamsMsg) -> SamplingParams:
         truncate_prompt_tokens=msg.truncate_prompt_tokens, n=msg.n,
         presence_penalty=msg.presence_penalty, frequency_penalty=msg.frequency_penalty,
         repetition_penalty=msg.repetition_penalty, logit_bias=tuple(msg.logit_bias),
-        structured=None if msg.structured is None else StructuredOutput(msg.structured.kind, msg.structured.schema),
+        structured=None if msg.structured is None else structured_from_msg(msg.structured),
         min_p=msg.min_p, include_stop_str_in_output=msg.include_stop_str_in_output,
         skip_special_tokens=msg.skip_special_tokens, prompt_logprobs=msg.prompt_logprobs,
         detokenize=msg.detokenize,
         allowed_token_ids=None if msg.allowed_token_ids is None else tuple(msg.allowed_token_ids),
     )
+
+
+def structured_to_msg(structured: StructuredOutput) -> StructuredOutputMsg:
+    gate = structured.reasoning
+    return StructuredOutputMsg(structured.kind, structured.schema, None if gate is None else ReasoningGateMsg(
+        gate.start_token_id, gate.end_token_id, gate.open_at_start))
+
+
+def structured_from_msg(msg: StructuredOutputMsg) -> StructuredOutput:
+    gate = msg.reasoning
+    return StructuredOutput(msg.kind, msg.schema, None if gate is None else ReasoningGate(
+        gate.start_token_id, gate.end_token_id, gate.open_at_start))
 
 
 def logprobs_to_msg(lp: TokenLogprobs) -> TokenLogprobsMsg:

@@ -15,11 +15,20 @@ class _Msg(msgspec.Struct, frozen=True, tag=True, forbid_unknown_fields=True):
     pass
 
 
+class ReasoningGateMsg(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """`kvseal.types.ReasoningGate`."""
+
+    start_token_id: int
+    end_token_id: int
+    open_at_start: bool
+
+
 class StructuredOutputMsg(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """`kvseal.types.StructuredOutput`."""
 
     kind: str
     schema: str | None = None
+    reasoning: ReasoningGateMsg | None = None
 
 
 class SamplingParamsMsg(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

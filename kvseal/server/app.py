@@ -39,7 +39,7 @@ def build_app(state: AppState) -> FastAPI:
     # Host header.
     app = FastAPI(title="kvseal", version=__version__, docs_url=None, redoc_url=None, openapi_url=None,
                   redirect_slashes=False)
-    _add_generation_routes(app, state, ChatEndpoint(state.config.tool_call_parser, state.config.reasoning_parser))
+    _add_generation_routes(app, state, ChatEndpoint(state.config.tool_call_parser, state.reasoning))
     _add_info_routes(app, state)
     add_tokenize_routes(app, state)
     add_admin_routes(app, state)

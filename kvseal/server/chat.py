@@ -22,11 +22,12 @@ from kvseal.server.generation_defaults import GenerationDefaults
 from kvseal.server.logprobs import chat_logprobs, vllm_prompt_logprobs
 from kvseal.server.prompts import PromptEncoder
 from kvseal.server.protocol import ChatCompletionRequest, NamedToolChoice
-from kvseal.server.reasoning import ReasoningStream, prompt_opens_reasoning, split_reasoning
+from kvseal.server.reasoning import ReasoningMarkers, ReasoningStream, prompt_opens_reasoning, split_reasoning
 from kvseal.server.sampling import build_sampling_params
 from kvseal.server.tools import HermesToolParser, ParsedToolCall, ToolCallStream, tool_setup
 from kvseal.server.transcript import Transcript, usage
 from kvseal.structured.schema import check_tools
+from kvseal.types import ReasoningGate, SamplingParams
 
 
 class ChatEndpoint:
@@ -34,9 +35,9 @@ class ChatEndpoint:
     id_prefix = "chatcmpl"
     body_model = ChatCompletionRequest
 
-    def __init__(self, tool_call_parser: str | None = None, reasoning_parser: str | None = None) -> None:
+    def __init__(self, tool_call_parser: str | None = None, reasoning: ReasoningMarkers | None = None) -> None:
         self.tool_call_parser = tool_call_parser  # "hermes" or None (requests with tools are refused)
-        self.reasoning_parser = reasoning_parser  # "qwen3", "deepseek_r1" or None (no reasoning split)
+        self.reasoning = reasoning  # the model's <think> tokens with a reasoning parser, else None (no split)
 
     async def prepare(self, body: ChatCompletionRequest, prompts: PromptEncoder, tenant: Tenant,
                       limits: AdmissionLimits, defaults: GenerationDefaults) -> Prepared:
@@ -59,15 +60,16 @@ class ChatEndpoint:
         parses_calls = bool(body.tools) and body.tool_choice != "none" and self.tool_call_parser is not None
         is_named = isinstance(body.tool_choice, NamedToolChoice)
         reasoning = None
-        if self.reasoning_parser is not None:  # does the prompt leave a <think> block open?
+        if self.reasoning is not None:  # does the prompt leave a <think> block open?
             tail = await prompts.decode(admitted[0].token_ids[-PROMPT_TAIL_TOKENS:], admitted[0].tenant)
-            reasoning = prompt_opens_reasoning(tail)
+            markers = self.reasoning
+            reasoning = ReasoningGate(markers.start_token_id, markers.end_token_id, prompt_opens_reasoning(tail))
         return ChatFormatter(ids, body.logprobs, body.include_usage, prompts, body.n or 1,
                              HermesToolParser() if parses_calls else None, is_named,
-                             with_prompt_logprobs=body.prompt_logprobs is not None, reasoning_open=reasoning)
+                             with_prompt_logprobs=body.prompt_logprobs is not None, reasoning=reasoning)
 
 
-PROMPT_TAIL_TOKENS = 16  # the prompt's last tokens, read for an open <think> (a marker is 1 to 7 tokens)
+PROMPT_TAIL_TOKENS = 16  # the prompt's last tokens, read for an open <think>
 
 
 def _asked_max_tokens(body: ChatCompletionRequest) -> int | None:
@@ -97,9 +99,9 @@ class ChatFormatter:
     def __init__(self, ids: ResponseIds, with_logprobs: bool, include_usage: bool, prompts: PromptEncoder,
                  num_choices: int = 1, tool_parser: HermesToolParser | None = None,
                  is_named_tool: bool = False, with_prompt_logprobs: bool = False,
-                 reasoning_open: bool | None = None) -> None:
-        """`reasoning_open`: None without a reasoning parser; else whether the prompt leaves a
-        `<think>` block open (`server/reasoning.py`)."""
+                 reasoning: ReasoningGate | None = None) -> None:
+        """`reasoning`: None without a reasoning parser; else the model's markers, and whether
+        the prompt left a `<think>` block open (`server/reasoning.py`)."""
         self._ids = ids
         self._with_logprobs = with_logprobs
         self._include_usage = include_usage
@@ -109,16 +111,23 @@ class ChatFormatter:
         self._is_named_tool = is_named_tool  # OpenAI ends a forced call with "stop", an auto one with "tool_calls"
         self._tool_streams: dict[int, ToolCallStream] = {}
         self._with_prompt_logprobs = with_prompt_logprobs  # vLLM's: one list for the response (never streamed)
-        self._reasoning_open = reasoning_open
+        self._reasoning = reasoning
         self._reasoning_streams: dict[int, ReasoningStream] = {}
+
+    def engine_params(self, params: SamplingParams) -> SamplingParams:
+        """A structured output constrains the answer this formatter splits from the reasoning:
+        its grammar waits for the reasoning block's end, from the same start as the split."""
+        if self._reasoning is None or params.structured is None:
+            return params
+        return dataclasses.replace(params, structured=dataclasses.replace(params.structured, reasoning=self._reasoning))
 
     def first_chunks(self) -> list[dict[str, Any]]:
         return [self._chunk(i, {"role": "assistant", "content": ""}, None, None) for i in range(self._num_choices)]
 
     def delta_chunks(self, index: int, out: RequestOutputMsg) -> list[dict[str, Any]]:
-        if self._reasoning_open is None:
+        if self._reasoning is None:
             return self._content_chunks(index, out)
-        stream = self._reasoning_streams.setdefault(index, ReasoningStream(self._reasoning_open))
+        stream = self._reasoning_streams.setdefault(index, ReasoningStream(self._reasoning.open_at_start))
         reasoning, content = stream.feed(out.new_text)
         if out.finished:
             more_reasoning, more_content = stream.finish()
@@ -164,8 +173,8 @@ class ChatFormatter:
 
     def _choice(self, index: int, transcript: Transcript) -> dict[str, Any]:
         reasoning, text = None, transcript.text
-        if self._reasoning_open is not None:
-            reasoning, text = split_reasoning(text, self._reasoning_open)
+        if self._reasoning is not None:
+            reasoning, text = split_reasoning(text, self._reasoning.open_at_start)
         message: dict[str, Any] = {"role": "assistant", "content": text}
         if reasoning is not None:
             message |= _reasoning_fields(reasoning)

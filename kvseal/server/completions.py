@@ -29,6 +29,7 @@ from kvseal.server.prompts import PromptEncoder, prompt_list
 from kvseal.server.protocol import CompletionRequest
 from kvseal.server.sampling import build_sampling_params
 from kvseal.server.transcript import Transcript, usage
+from kvseal.types import SamplingParams
 
 
 class CompletionsEndpoint:
@@ -133,6 +134,10 @@ class CompletionFormatter:
     def response(self, transcripts: list[Transcript]) -> dict[str, Any]:
         return self._envelope([self._response_choice(i, t) for i, t in enumerate(transcripts)]) | {
             "usage": usage(transcripts, self._n)}
+
+    def engine_params(self, params: SamplingParams) -> SamplingParams:
+        """As the request gave them: a completion's text is returned whole, reasoning included."""
+        return params
 
     def _response_choice(self, index: int, transcript: Transcript) -> dict[str, Any]:
         echo = self._echo(index)

@@ -54,6 +54,10 @@ class Formatter(Protocol):
 
     def response(self, transcripts: list[Transcript]) -> dict[str, Any]: ...
 
+    def engine_params(self, params: SamplingParams) -> SamplingParams:
+        """The parameters the engine runs for a prompt, given the response this formatter will build."""
+        ...
+
 
 class Endpoint(Protocol):
     path: str

@@ -31,6 +31,7 @@ import uvicorn
 import uvloop
 
 from kvseal.engine_api import EngineBackend
+from kvseal.errors import ConfigError
 from kvseal.heap import freeze_startup_heap
 from kvseal.messages.msgs import ABORT_SERVER_SHUTDOWN
 from kvseal.server.admin import reload_keys_on_signal
@@ -42,6 +43,7 @@ from kvseal.server.files import FrontDoorFiles
 from kvseal.server.generation_defaults import GenerationDefaults
 from kvseal.server.metrics import ServerMetrics
 from kvseal.server.prompts import PromptEncoder
+from kvseal.server.reasoning import reasoning_markers
 from kvseal.server.state import AppState
 from kvseal.server.uvicorn_server import KvsealServer, protocol_with_header_timeout
 
@@ -157,8 +159,13 @@ async def _start(config: ServerConfig, engine: EngineBackend, keys: ApiKeyTable,
         return None
     info = starting.result()
     prompts = await asyncio.to_thread(PromptEncoder.load, info.tokenizer_path)
-    defaults = GenerationDefaults.load(config.generation_config, _model_dir(info.model_path))
-    state = AppState(config, engine, info, prompts, keys, metrics, audit, defaults=defaults)
+    try:
+        defaults = GenerationDefaults.load(config.generation_config, _model_dir(info.model_path))
+        reasoning = reasoning_markers(config.reasoning_parser, prompts.tokenizer)
+    except ConfigError:
+        prompts.close()
+        raise
+    state = AppState(config, engine, info, prompts, keys, metrics, audit, defaults=defaults, reasoning=reasoning)
     _log_config(state)
     return state
 

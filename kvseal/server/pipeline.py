@@ -112,7 +112,8 @@ async def _admit_and_submit(request: Request, state: AppState, endpoint: Endpoin
     params = await _with_structured_output(prepared.params, body)
     fmt = await endpoint.formatter(body, ResponseIds(call.request_id, state.model_name, int(time.time())),
                                    state.prompts, [AdmittedPrompt(ids, tenant.name) for ids in prompts])
-    msgs = [AddRequestMsg(call.request_id, tenant.name, ids, params_to_msg(p)) for ids, p in zip(prompts, params)]
+    msgs = [AddRequestMsg(call.request_id, tenant.name, ids, params_to_msg(fmt.engine_params(p)))
+            for ids, p in zip(prompts, params)]
     _require_audit(state)
     if call.stopped_by is not None:  # its key was revoked or the model disabled while it was prepared
         raise errors.stopped_by_operator(call.stopped_by)

@@ -8,12 +8,45 @@ the prompt ends inside an open `<think>` (DeepSeek-R1's template, Qwen3.5's); it
 first `</think>`, and an output cut before it is all reasoning. Otherwise (Qwen3 with
 `enable_thinking: false`, whose template closes the block in the prompt) the output is all
 content. Both parsers read the same markers, so they share this code.
+
+A structured output (response_format, guided_*, a forced tool call) constrains the answer, not
+the reasoning, as vLLM's does: the markers must be tokens of the model's vocabulary (thinking
+models have them), and the engine masks nothing until the `</think>` token
+(`types.ReasoningGate`, `structured/matching.py`).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
+from kvseal.errors import ConfigError
+
 REASONING_PARSERS = ("qwen3", "deepseek_r1")
 START, END = "<think>", "</think>"
+
+
+@dataclass(frozen=True)
+class ReasoningMarkers:
+    """The model's `<think>` and `</think>` tokens."""
+
+    start_token_id: int
+    end_token_id: int
+
+
+def reasoning_markers(parser: str | None, tokenizer: Any) -> ReasoningMarkers | None:
+    """The markers' token ids for `--reasoning-parser` (None without one). Raises ConfigError
+    where the model writes a marker in more than one token: its grammar could not tell where
+    the reasoning ends (vLLM's parsers refuse such a model at start-up too)."""
+    if parser is None:
+        return None
+    ids = [tokenizer.encode(marker, add_special_tokens=False) for marker in (START, END)]
+    for marker, marker_ids in zip((START, END), ids):
+        if len(marker_ids) != 1 or tokenizer.decode(marker_ids) != marker:  # (an unknown word reads as <unk>)
+            raise ConfigError(f"--reasoning-parser {parser} needs {START} and {END} to be tokens of the model's "
+                              f"vocabulary, as thinking models have them; this tokenizer writes {marker} as "
+                              f"{tokenizer.convert_ids_to_tokens(marker_ids)}")
+    return ReasoningMarkers(ids[0][0], ids[1][0])
 
 
 def prompt_opens_reasoning(prompt_tail: str) -> bool:

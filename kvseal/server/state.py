@@ -16,6 +16,7 @@ from kvseal.server.generation_defaults import GenerationDefaults
 from kvseal.server.metrics import ServerMetrics
 from kvseal.server.prompts import PromptEncoder
 from kvseal.server.rate_limits import RateLimits
+from kvseal.server.reasoning import ReasoningMarkers
 from kvseal.server.tenant_gate import TenantGate
 
 
@@ -42,6 +43,7 @@ class AppState:
     gate: TenantGate = field(default_factory=TenantGate)
     rates: RateLimits = field(default_factory=RateLimits)
     defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
+    reasoning: ReasoningMarkers | None = None  # the model's <think> tokens, with --reasoning-parser
     created: int = field(default_factory=lambda: int(time.time()))
     is_draining: bool = False
     live_calls: dict[str, LiveCall] = field(default_factory=dict)  # by request id

@@ -1,30 +1,79 @@
 """Per-request grammar state during generation: mask the logits, advance on each token.
 
-A request with `params.structured` carries an xgrammar `GrammarMatcher` in `request.grammar`.
-Before sampling, every such row of the batch gets its allowed-token bitmask applied (one
-bitmask tensor for the batch, one in-place kernel call); after sampling, the token is fed to
-the matcher. The request finishes (stop) once the grammar has terminated, i.e. the JSON is
-complete and a stop token was accepted.
+A request with `params.structured` carries a `RequestGrammar` in `request.grammar`: an xgrammar
+`GrammarMatcher`, and where the request asks for it (`StructuredOutput.reasoning`), the
+reasoning block the grammar waits for. Before sampling, every row of the batch whose grammar
+constrains it gets its allowed-token bitmask applied (one bitmask tensor for the batch, one
+in-place kernel call); after sampling, the token is fed to the grammar. The request finishes
+(stop) once the grammar has terminated, i.e. the JSON is complete and a stop token was accepted.
 """
 
 from __future__ import annotations
 
+import enum
 from typing import Any
 
 import torch
 
-from kvseal.types import Request
+from kvseal.types import ReasoningGate, Request
 
 
-def new_matcher(compiled_grammar: Any) -> Any:
+class Phase(enum.Enum):
+    OPENING = "opening"  # the first token: the reasoning block's start, or the answer's first token
+    REASONING = "reasoning"  # inside the block: nothing masked, nothing fed to the matcher
+    ANSWER = "answer"  # the grammar constrains every token
+
+
+class RequestGrammar:
+    """One request's grammar: its matcher, behind the reasoning block when there is a gate."""
+
+    def __init__(self, matcher: Any, gate: ReasoningGate | None = None) -> None:
+        self.matcher = matcher
+        self._gate = gate
+        self.phase = Phase.ANSWER if gate is None else Phase.REASONING if gate.open_at_start else Phase.OPENING
+
+    @property
+    def constrains(self) -> bool:
+        """Whether the next token is masked (not while the reasoning block is open)."""
+        return self.phase is not Phase.REASONING
+
+    def fill_next_token_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        """Row `row` of xgrammar's bitmask [B, ceil(V / 32)] int32: the tokens allowed next."""
+        self.matcher.fill_next_token_bitmask(bitmask, row)
+        if self.phase is Phase.OPENING:
+            assert self._gate is not None
+            word, bit = divmod(self._gate.start_token_id, 32)
+            bitmask[row, word] |= (1 << bit) if bit < 31 else -(1 << 31)  # int32: bit 31 is the sign
+
+    def accept_token(self, token: int) -> bool:
+        """Advance; False if the grammar refused the token."""
+        gate = self._gate
+        if self.phase is Phase.REASONING:
+            assert gate is not None
+            if token == gate.end_token_id:
+                self.phase = Phase.ANSWER
+            return True
+        if self.phase is Phase.OPENING:
+            assert gate is not None
+            if token == gate.start_token_id:
+                self.phase = Phase.REASONING
+                return True
+            self.phase = Phase.ANSWER
+        return bool(self.matcher.accept_token(token))
+
+    def is_terminated(self) -> bool:
+        return self.phase is Phase.ANSWER and bool(self.matcher.is_terminated())
+
+
+def new_matcher(compiled_grammar: Any, gate: ReasoningGate | None = None) -> RequestGrammar:
     import xgrammar
 
-    return xgrammar.GrammarMatcher(compiled_grammar)
+    return RequestGrammar(xgrammar.GrammarMatcher(compiled_grammar), gate)
 
 
 def apply_grammar_masks(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
     """logits: [num_requests, vocab]. Tokens a row's grammar forbids get -inf (a new tensor if any)."""
-    rows = [row for row, r in enumerate(requests) if r.grammar is not None]
+    rows = [row for row, r in enumerate(requests) if r.grammar is not None and r.grammar.constrains]
     if not rows:
         return logits
     import xgrammar

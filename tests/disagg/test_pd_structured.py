@@ -9,12 +9,13 @@ the grammar scenario of tests/server/test_grammar_budget.py runs here against `s
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
 import jsonschema
 import pytest
-from char_model import make_char_model
+from char_model import END_THINK, THINK, make_char_model
 from grammar_scenario import GrammarServer, check_b_not_behind_a, check_disconnect_cancels_the_compile
 from grammar_schemas import SLOW_SCHEMA, spec
 from pd_harness import Handoff, PdPair
@@ -27,7 +28,7 @@ from kvseal.disagg.prefill import REQUEST_ABORTED
 from kvseal.messages.convert import params_to_msg
 from kvseal.messages.msgs import AbortMsg
 from kvseal.models.loader import load_model
-from kvseal.types import StructuredOutput
+from kvseal.types import ReasoningGate, StructuredOutput
 
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0,
                                                                              "maximum": 9}},
@@ -77,6 +78,23 @@ def test_structured_output_in_pd_equals_colocated(pair: PdPair, colocated: LLM,
         assert text.startswith("{")
     else:  # vLLM's choice kind crosses the handoff as it is
         assert handoff.final.finish_reason == "stop" and text in ("red", "green", "blue"), text
+    pair.assert_clean()
+
+
+def test_a_grammar_behind_a_reasoning_block_in_pd_equals_colocated(pair: PdPair, colocated: LLM) -> None:
+    """Prefill samples `<think>` as the first token, which the regex alone forbids; decode's
+    grammar has the same gate, so it takes that token as the block's start, and the regex holds
+    after `</think>` in both roles' output alike."""
+    gate = ReasoningGate(THINK, END_THINK, open_at_start=False)
+    params = SamplingParams(max_tokens=60, temperature=1.0, seed=5, logit_bias={1: -100.0, THINK: 3.0, END_THINK: 3.0},
+                            structured=StructuredOutput("regex", "[a-z]{2}", reasoning=gate))
+    prompt = pair.decode.engine.tokenize("hello")
+    handoff = pair.generate(prompt, params)
+    assert handoff.final.finish_reason == "stop" and handoff.final.error is None, handoff.final
+    expected = colocated.generate([prompt], params)[0]
+    assert handoff.token_ids == expected.token_ids and handoff.token_ids[0] == THINK
+    reasoning, end, answer = expected.text.partition("</think>")
+    assert end and re.fullmatch("[a-z]{2}", answer), expected.text
     pair.assert_clean()
 
 

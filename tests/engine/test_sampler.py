@@ -106,6 +106,8 @@ class _Allows:
     """A grammar that allows exactly `tokens` next (xgrammar's bitmask layout: bit j of word w
     is token 32 w + j)."""
 
+    constrains = True  # (a `RequestGrammar` outside a reasoning block)
+
     def __init__(self, *tokens: int) -> None:
         self.tokens = tokens
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from collections.abc import Iterator
@@ -10,7 +11,7 @@ from typing import Any
 
 import jsonschema
 import pytest
-from char_model import make_char_model
+from char_model import END_THINK, THINK, make_char_model
 
 from kvseal import LLM, GuidedDecodingParams, SamplingParams, StructuredOutputsParams
 from kvseal.config import EngineArgs, GrammarConfig
@@ -26,7 +27,7 @@ from kvseal.structured.schema import (
     check_tools,
     json_depth,
 )
-from kvseal.types import RequestOutput, StructuredOutput
+from kvseal.types import ReasoningGate, RequestOutput, StructuredOutput
 
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "colour": {"enum": ["red", "green", "blue"]},
                                            "n": {"type": "integer", "minimum": 0, "maximum": 9}},
@@ -311,3 +312,92 @@ def test_no_grammar_allows_a_special_token(char_llm: LLM) -> None:
     out = char_llm.generate("x", SamplingParams(max_tokens=10, temperature=0,
                                                 structured=StructuredOutput("regex", "<[a-z]>")))[0]
     assert re.fullmatch("<[a-z]>", out.text) and out.finish_reason.value == "stop"
+
+
+# ---- a thinking model's grammar waits for the end of its reasoning block ------------------------
+
+NO_EOS = {1: -100.0}  # the char model's EOS: never sampled while nothing else is allowed
+
+
+def split_at_end_think(text: str) -> tuple[str, str]:
+    reasoning, marker, answer = text.partition("</think>")
+    assert marker, f"the reasoning block never ended: {text!r}"
+    return reasoning, answer
+
+
+@pytest.mark.parametrize("open_at_start", [True, False])
+def test_a_gated_grammar_constrains_only_the_answer_after_the_reasoning(char_llm: LLM, open_at_start: bool) -> None:
+    """The block (open from the prompt, or opened by the first token) is sampled unmasked; the
+    regex holds from the token after `</think>`. Without the gate the regex would hold from the
+    first token and no `</think>` could be written. Where the prompt opened no block, the first
+    token may open one or begin the answer (the seeds here do both)."""
+    gate = ReasoningGate(THINK, END_THINK, open_at_start)
+    bias = NO_EOS | {THINK: 3.0, END_THINK: 3.0}
+    params = [SamplingParams(max_tokens=80, temperature=1.0, seed=seed, logit_bias=bias,
+                             structured=StructuredOutput("regex", "[a-z]{2}", reasoning=gate)) for seed in range(6)]
+    outputs = char_llm.generate(["a", "b", "c", "d", "e", "f"], params)
+    reasonings = []
+    for out in outputs:
+        assert out.finish_reason.value == "stop", out.text
+        if not open_at_start and out.token_ids[0] != THINK:
+            assert re.fullmatch("[a-z]{2}", out.text), out.text
+            continue
+        reasoning, answer = split_at_end_think(out.text)
+        assert re.fullmatch("[a-z]{2}", answer), out.text
+        reasonings.append(reasoning.removeprefix("<think>") if not open_at_start else reasoning)
+    assert len(reasonings) >= 2, "too few of the seeds opened a block"
+    assert any(re.search("[^a-z]", r) for r in reasonings), f"the reasoning was masked: {reasonings}"
+    char_llm.engine.check_integrity()
+
+
+def test_a_gated_grammar_holds_from_the_first_token_when_no_block_opens(char_llm: LLM) -> None:
+    gate = ReasoningGate(THINK, END_THINK, open_at_start=False)
+    params = SamplingParams(max_tokens=20, temperature=1.0, seed=0, logit_bias={THINK: -100.0},
+                            structured=StructuredOutput("regex", "[a-z]{2}", reasoning=gate))
+    outs = char_llm.generate(["a", "b"], [params, dataclasses.replace(params, seed=1)])
+    assert all(re.fullmatch("[a-z]{2}", out.text) and out.finish_reason.value == "stop" for out in outs)
+
+
+def test_the_gate_masks_by_phase(char_llm: LLM) -> None:
+    """Opening: the grammar's first tokens and `<think>`; reasoning: no mask at all (not
+    constraining, so the row is skipped); answer: the grammar's, `</think>` no longer allowed."""
+    import xgrammar
+
+    from kvseal.structured.matching import new_matcher
+
+    pool = GrammarCompilerPool(char_llm.get_tokenizer(), 128, (1,), GrammarConfig(num_workers=1))
+    try:
+        compiled = pool.compile_now("alice", StructuredOutput("regex", "[a-z]{2}"))
+    finally:
+        pool.close()
+    letters = {3 + 1 + c - 32 for c in range(ord("a"), ord("z") + 1)}
+
+    def allowed(grammar: Any) -> set[int]:
+        mask = xgrammar.allocate_token_bitmask(1, 128)
+        grammar.fill_next_token_bitmask(mask, 0)
+        return {i for i in range(128) if (int(mask[0, i // 32]) >> (i % 32)) & 1}
+
+    grammar = new_matcher(compiled, ReasoningGate(THINK, END_THINK, open_at_start=False))
+    assert grammar.constrains and allowed(grammar) == letters | {THINK}
+    assert grammar.accept_token(THINK) and not grammar.constrains
+    assert grammar.accept_token(3) and grammar.accept_token(THINK) and not grammar.constrains, "anything goes"
+    assert grammar.accept_token(END_THINK) and grammar.constrains and allowed(grammar) == letters
+    assert not grammar.accept_token(END_THINK), "after the block the grammar decides"
+    late = new_matcher(compiled, ReasoningGate(THINK, END_THINK, open_at_start=True))
+    assert not late.constrains and not late.is_terminated()
+    bit31 = new_matcher(compiled, ReasoningGate(31, END_THINK, open_at_start=False))  # the int32 sign bit
+    assert allowed(bit31) == letters | {31}
+
+
+def test_a_gate_round_trips_and_is_checked_against_the_vocabulary(char_llm: LLM) -> None:
+    from kvseal.messages.convert import params_from_msg, params_to_msg
+
+    spec = StructuredOutput("json_object", reasoning=ReasoningGate(THINK, END_THINK, True))
+    params = SamplingParams(structured=spec)
+    assert params_from_msg(params_to_msg(params)) == params
+    with pytest.raises(InvalidParameter, match="reasoning"):
+        ReasoningGate(THINK, THINK, False)
+    outside = StructuredOutput("json_object", reasoning=ReasoningGate(THINK, 128, True))
+    with pytest.raises(InvalidParameter, match="token id 128, outside the vocabulary") as info:
+        char_llm.generate("x", SamplingParams(max_tokens=4, structured=outside))
+    assert info.value.param == "reasoning"

@@ -49,6 +49,16 @@ def char_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def char_server(char_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     proc = ServerProcess(char_dir, tmp_path_factory.mktemp("char-server"), keys=KEYS,
+                         extra_args=["--tool-call-parser", "hermes", "--max-model-len", "1024"])
+    proc.start()
+    yield proc
+    proc.terminate()
+
+
+@pytest.fixture(scope="module")
+def reasoning_server(char_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """The character-level model served as a thinking model: its grammars wait for `</think>`."""
+    proc = ServerProcess(char_dir, tmp_path_factory.mktemp("reasoning-server"), keys=KEYS,
                          extra_args=["--tool-call-parser", "hermes", "--reasoning-parser", "qwen3",
                                      "--max-model-len", "1024"])
     proc.start()

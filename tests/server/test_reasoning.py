@@ -1,21 +1,34 @@
 """`--reasoning-parser` (vLLM's qwen3 / deepseek_r1): a thinking model's `<think>` block goes to
 the chat message's `reasoning` (and `reasoning_content`), the rest to `content`, whole and
-streamed alike. The character-level model is held to an exact shape with `guided_regex`."""
+streamed alike; a structured output constrains only what follows the block. The
+character-level model's `<think>` tokens are steered with `logit_bias`."""
 
 from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+from char_model import END_THINK, THINK
 from hypothesis import given
 from hypothesis import strategies as st
 from server_process import ServerProcess
 
-from kvseal.server.reasoning import ReasoningStream, prompt_opens_reasoning, split_reasoning
+from kvseal.errors import ConfigError
+from kvseal.server.reasoning import (
+    ReasoningMarkers,
+    ReasoningStream,
+    prompt_opens_reasoning,
+    reasoning_markers,
+    split_reasoning,
+)
 
+EOS = 1
+SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+          "additionalProperties": False}
 CHAT = {"messages": [{"role": "user", "content": "think"}], "temperature": 1.0, "seed": 5, "max_tokens": 60}
 
 
@@ -75,25 +88,41 @@ def stream(server: ServerProcess, body: dict[str, Any]) -> tuple[str, str, list[
     return reasoning, content, calls
 
 
+OPEN_BLOCK = {"messages": [{"role": "user", "content": "think"}, {"role": "assistant", "content": "<think>"}],
+              "add_generation_prompt": False, "continue_final_message": True}  # as DeepSeek-R1's template leaves it
+NO_EOS = {str(EOS): -100}  # the grammar still ends the answer (nothing else is allowed then)
+ANY = "(?s).*"
+
+
 @pytest.mark.parametrize(("fields", "reasoning", "content"), [
-    ({"guided_regex": "<think>[a-z]{3}</think>[a-z]{2}"}, "[a-z]{3}", "[a-z]{2}"),
-    ({"guided_regex": "[a-z]{4}"}, None, "[a-z]{4}"),
-    ({"guided_regex": "<think>[a-z]{30}</think>x", "max_tokens": 12}, "[a-z]{5}", ""),  # cut while thinking
-    # the prompt leaves the block open (DeepSeek-R1's and Qwen3.5's templates do)
-    ({"messages": [{"role": "user", "content": "think"}, {"role": "assistant", "content": "<think>"}],
-      "add_generation_prompt": False, "continue_final_message": True,
-      "guided_regex": "[a-z]{3}</think>[a-z]{2}"}, "[a-z]{3}", "[a-z]{2}"),
+    # the first token opens the block, the regex holds after it
+    ({"guided_regex": "[a-z]{2}", "logit_bias": NO_EOS | {str(THINK): 3, str(END_THINK): 3}}, ANY, "[a-z]{2}"),
+    ({"guided_regex": "[a-z]{4}", "logit_bias": {str(THINK): -100}}, None, "[a-z]{4}"),  # or begins the answer
+    # the prompt leaves the block open
+    (OPEN_BLOCK | {"guided_regex": "[a-z]{2}", "logit_bias": NO_EOS | {str(END_THINK): 3}}, ANY, "[a-z]{2}"),
+    (OPEN_BLOCK | {"guided_regex": "[a-z]{2}", "max_tokens": 12, "logit_bias": {str(END_THINK): -100}},
+     ".+", ""),  # cut while thinking
+    (OPEN_BLOCK | {"logit_bias": NO_EOS | {str(END_THINK): 3},
+                   "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": SCHEMA}}},
+     ANY, "JSON"),
 ])
-def test_reasoning_is_split_from_the_content(char_server: ServerProcess, fields: dict[str, Any],
+def test_reasoning_is_split_from_the_content(reasoning_server: ServerProcess, fields: dict[str, Any],
                                              reasoning: str | None, content: str) -> None:
+    """The structured output constrains the answer only: the reasoning block before it is free,
+    so a thinking model can still think (vLLM's behaviour). Before the grammar waited for the
+    block, the prompt's open block took the whole constrained answer and the content was empty."""
     body = CHAT | fields
-    message = post(char_server, body)["choices"][0]["message"]
+    message = post(reasoning_server, body)["choices"][0]["message"]
     if reasoning is None:
         assert "reasoning" not in message and "reasoning_content" not in message
     else:
         assert re.fullmatch(reasoning, message["reasoning"]) and message["reasoning_content"] == message["reasoning"]
-    assert re.fullmatch(content, message["content"] or "")
-    streamed_reasoning, streamed_content, _ = stream(char_server, body)
+        assert "</think>" not in message["reasoning"]
+    if content == "JSON":
+        assert isinstance(json.loads(message["content"])["ok"], bool), message
+    else:
+        assert re.fullmatch(content, message["content"] or ""), message
+    streamed_reasoning, streamed_content, _ = stream(reasoning_server, body)
     assert (streamed_reasoning, streamed_content) == (message.get("reasoning") or "", message["content"] or "")
 
 
@@ -101,14 +130,35 @@ CALL_F = [{"type": "function", "function": {"name": "f", "parameters": {
     "type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["a"]}}}]
 
 
-def test_a_tool_call_after_the_reasoning_is_parsed(char_server: ServerProcess) -> None:
-    body = CHAT | {"max_tokens": 120, "tools": CALL_F,
-                   "guided_regex": '<think>[a-z]{2}</think><tool_call>\n\\{"name": "f", "arguments": \\{"a": true\\}\\}'
-                                   '\n</tool_call>'}
-    choice = post(char_server, body)["choices"][0]
-    assert re.fullmatch("[a-z]{2}", choice["message"]["reasoning"]) and choice["finish_reason"] == "tool_calls"
+def test_a_tool_call_after_the_reasoning_is_parsed(reasoning_server: ServerProcess) -> None:
+    body = CHAT | OPEN_BLOCK | {"max_tokens": 120, "tools": CALL_F, "logit_bias": NO_EOS | {str(END_THINK): 3},
+                                "guided_regex": '<tool_call>\n\\{"name": "f", "arguments": \\{"a": true\\}\\}'
+                                                '\n</tool_call>'}
+    choice = post(reasoning_server, body)["choices"][0]
+    assert choice["message"]["reasoning"] and choice["finish_reason"] == "tool_calls", choice
     [call] = choice["message"]["tool_calls"]
     assert call["function"] == {"name": "f", "arguments": '{"a": true}'}
-    reasoning, content, calls = stream(char_server, body)
+    reasoning, content, calls = stream(reasoning_server, body)
     assert reasoning == choice["message"]["reasoning"] and content == ""
     assert [c["function"] for c in calls] == [call["function"]]
+
+
+def test_a_forced_tool_call_waits_for_the_reasoning_too(reasoning_server: ServerProcess) -> None:
+    """tool_choice "required" is a grammar as well: it constrains what follows the block."""
+    body = CHAT | OPEN_BLOCK | {"max_tokens": 200, "tools": CALL_F, "tool_choice": "required",
+                                "logit_bias": NO_EOS | {str(END_THINK): 3}}
+    choice = post(reasoning_server, body)["choices"][0]
+    assert choice["message"]["reasoning"], choice
+    [call] = choice["message"]["tool_calls"]
+    assert call["function"]["name"] == "f" and isinstance(json.loads(call["function"]["arguments"])["a"], bool)
+
+
+def test_reasoning_markers_must_be_tokens_of_the_vocabulary(char_dir: Path, server_model_dir: Path) -> None:
+    """As vLLM's parsers: a model that writes `</think>` in several tokens is refused at start-up,
+    since its grammar could not tell where the reasoning ends."""
+    from transformers import AutoTokenizer
+
+    assert reasoning_markers("qwen3", AutoTokenizer.from_pretrained(char_dir)) == ReasoningMarkers(THINK, END_THINK)
+    assert reasoning_markers(None, AutoTokenizer.from_pretrained(server_model_dir)) is None
+    with pytest.raises(ConfigError, match="--reasoning-parser deepseek_r1 needs <think> and </think> to be tokens"):
+        reasoning_markers("deepseek_r1", AutoTokenizer.from_pretrained(server_model_dir))
