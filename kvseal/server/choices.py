@@ -49,6 +49,7 @@ class ChoiceGroup:
         self.request_id = request_id
         self.num_choices = num_choices
         self._per_prompt = choices_per_prompt or num_choices
+        self.num_prompt_tokens: list[int] = []  # per choice, its prompt's (set by the call that submits it)
         self._observer = observer
         self._queue: asyncio.Queue[ChoiceEvent] = asyncio.Queue()
         self._terminal: dict[int, RequestEvent] = {}

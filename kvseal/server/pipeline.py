@@ -74,7 +74,7 @@ async def handle_generation(request: Request, state: AppState, endpoint: Endpoin
         logger.exception("request %s failed before reaching the engine", call.request_id)
         return _refuse(call, errors.internal_error())
     if body.stream:
-        return EventStreamResponse(call, handle, fmt, body.include_usage)
+        return EventStreamResponse(call, handle, fmt, body.include_usage, body.include_continuous_usage)
     return await respond_when_done(request, call, handle, fmt)
 
 

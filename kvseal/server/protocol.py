@@ -56,6 +56,7 @@ class _Body(BaseModel):
 
 class StreamOptions(_Body):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: with include_usage, every chunk carries its choice's usage
 
 
 class JsonSchemaFormat(_Body):
@@ -135,6 +136,11 @@ class GenerationBody(_Body):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def include_continuous_usage(self) -> bool:
+        """vLLM's `continuous_usage_stats`: honoured with `include_usage`, as there."""
+        return self.include_usage and self.stream_options is not None and self.stream_options.continuous_usage_stats
 
 
 class CompletionRequest(GenerationBody):

@@ -36,8 +36,9 @@ class EventStreamResponse(StreamingResponse):
     """An SSE response that ends its call's HTTP side however the stream ends: completed,
     cancelled by a disconnect, or never started."""
 
-    def __init__(self, call: Call, group: ChoiceGroup, fmt: Formatter, include_usage: bool) -> None:
-        super().__init__(_events(call, group, fmt, include_usage), media_type="text/event-stream",
+    def __init__(self, call: Call, group: ChoiceGroup, fmt: Formatter, include_usage: bool,
+                 continuous_usage: bool = False) -> None:
+        super().__init__(_events(call, group, fmt, include_usage, continuous_usage), media_type="text/event-stream",
                          headers=call.response_headers() | {"cache-control": "no-cache"})
         self._call = call
 
@@ -49,10 +50,13 @@ class EventStreamResponse(StreamingResponse):
             self._call.http_done()
 
 
-async def _events(call: Call, group: ChoiceGroup, fmt: Formatter, include_usage: bool) -> AsyncIterator[bytes]:
+async def _events(call: Call, group: ChoiceGroup, fmt: Formatter, include_usage: bool,
+                  continuous_usage: bool) -> AsyncIterator[bytes]:
+    """`continuous_usage` (vLLM's `continuous_usage_stats`): every chunk of a choice carries that
+    choice's usage so far (its prompt's tokens, the tokens it has generated)."""
     transcripts = [Transcript() for _ in range(group.num_choices)]
     for chunk in fmt.first_chunks():
-        yield sse(chunk)
+        yield sse(_with_running_usage(chunk, transcripts, group) if continuous_usage else chunk)
     async for index, event in group.events():
         err = errors.for_event(event)
         if err is None and call.is_withheld:  # its audit line failed (I8): end now, never normally
@@ -64,7 +68,15 @@ async def _events(call: Call, group: ChoiceGroup, fmt: Formatter, include_usage:
         assert isinstance(event, RequestOutputMsg)
         transcripts[index].add(event)
         for delta in fmt.delta_chunks(index, event):
-            yield sse(delta)
+            yield sse(_with_running_usage(delta, transcripts, group) if continuous_usage else delta)
     if include_usage:
         yield sse(fmt.usage_chunk(transcripts))
     yield DONE
+
+
+def _with_running_usage(chunk: dict[str, Any], transcripts: list[Transcript], group: ChoiceGroup) -> dict[str, Any]:
+    [choice] = chunk["choices"]
+    index = choice["index"]
+    num_prompt, num_output = group.num_prompt_tokens[index], transcripts[index].num_output_tokens
+    return chunk | {"usage": {"prompt_tokens": num_prompt, "completion_tokens": num_output,
+                              "total_tokens": num_prompt + num_output}}

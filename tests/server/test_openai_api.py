@@ -75,6 +75,14 @@ def test_chat_equals_offline_and_stream(server: ServerProcess, alice: openai.Ope
     assert stream[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == expected.text
     assert stream[-1].usage is not None and stream[-1].usage.completion_tokens == 8
+    continuous = list(alice.chat.completions.create(
+        model=server.model_name, messages=messages, max_tokens=8, temperature=0, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}))  # type: ignore[typeddict-unknown-key]
+    prompt_tokens = stream[-1].usage.prompt_tokens
+    assert continuous[0].usage is not None and continuous[0].choices[0].delta.role == "assistant"
+    assert [(c.usage.prompt_tokens, c.usage.completion_tokens) for c in continuous[:2] if c.usage] == [
+        (prompt_tokens, 0), (prompt_tokens, 1)], "the role chunk before any token, then the first token's"
+    assert continuous[-2].usage is not None and continuous[-2].usage.completion_tokens == 8
 
 
 def test_chat_text_parts_and_max_completion_tokens(server: ServerProcess, alice: openai.OpenAI) -> None:

@@ -61,6 +61,31 @@ def test_several_prompts_stream_as_the_whole_response(server: ServerProcess, ali
     assert usage is not None and whole.usage is not None and usage.prompt_tokens == whole.usage.prompt_tokens
 
 
+def test_continuous_usage_gives_each_chunk_its_choices_usage_so_far(server: ServerProcess,
+                                                                     alice: openai.OpenAI) -> None:
+    """vLLM's `continuous_usage_stats`: every chunk of choice k carries the tokens of prompt
+    k // n and those choice k has generated so far; the last chunk is the request's usage."""
+    chunks = list(alice.completions.create(
+        model=server.model_name, prompt=PROMPTS, max_tokens=6, temperature=0.9, seed=3, n=2, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True},  # type: ignore[typeddict-unknown-key]
+        extra_body={"ignore_eos": True}))
+    *per_choice, last = chunks
+    assert last.choices == [] and last.usage is not None
+    assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (9, 36)
+    seen: dict[int, list[int]] = {}
+    for chunk in per_choice:
+        [choice] = chunk.choices
+        assert chunk.usage is not None and chunk.usage.prompt_tokens == [3, 2, 4][choice.index // 2]
+        assert chunk.usage.total_tokens == chunk.usage.prompt_tokens + chunk.usage.completion_tokens
+        seen.setdefault(choice.index, []).append(chunk.usage.completion_tokens)
+    assert sorted(seen) == list(range(6))
+    for counts in seen.values():
+        assert counts == sorted(counts) and counts[0] >= 1 and counts[-1] == 6, counts
+    without = list(alice.completions.create(model=server.model_name, prompt=PROMPTS[0], max_tokens=2, stream=True,
+                                            stream_options={"continuous_usage_stats": True}))  # type: ignore[typeddict-unknown-key]
+    assert all(c.usage is None for c in without), "as vLLM: only with include_usage"
+
+
 def test_one_audit_record_counts_every_prompt_once(server: ServerProcess) -> None:
     response = post(server, {"prompt": PROMPTS, "max_tokens": 2, "n": 2, "temperature": 0})
     assert response.status_code == 200, response.text
