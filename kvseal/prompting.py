@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvseal.errors import InvalidParameter
+from kvseal.errors import ConfigError, InvalidParameter
 
 
 def encode_text(tokenizer: Any, text: str) -> list[int]:
@@ -54,6 +54,35 @@ RESERVED_TEMPLATE_VARIABLES = frozenset({
     "return_assistant_tokens_mask", "tokenizer_kwargs", "bos_token", "eos_token", "unk_token", "pad_token",
     "raise_exception", "strftime_now",
 })
+
+
+def load_chat_template(source: str) -> str:
+    """vLLM's `--chat-template`: a file holding a Jinja chat template, or the template itself
+    (a value with `{`, `}` or a newline in it that names no file; `\n`-style escapes in it are
+    read as the characters they stand for). Raises ConfigError for a value that is neither
+    (`check_chat_template` tries the template itself once the tokenizer is loaded)."""
+    import codecs
+    from pathlib import Path
+
+    path = Path(source)
+    try:
+        template = path.read_text(encoding="utf-8")
+    except (OSError, ValueError) as exc:
+        if not any(c in source for c in "{}\n"):
+            raise ConfigError(f"--chat-template {source!r} names no readable file ({exc}) and is not a "
+                              f"template") from None
+        template = codecs.decode(source, "unicode_escape")
+    return template
+
+
+def check_chat_template(tokenizer: Any, template: str) -> None:
+    """Render one user message with `template`, as every chat request will: a ConfigError, so a
+    server never starts with a template that fails every request."""
+    try:
+        tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], chat_template=template, tokenize=False,
+                                      add_generation_prompt=True)
+    except Exception as exc:  # jinja2's syntax and rendering errors, raise_exception() in the template
+        raise ConfigError(f"--chat-template cannot render a conversation: {exc}") from None
 
 
 def render_chat(tokenizer: Any, conversation: list[dict[str, Any]],

@@ -68,6 +68,9 @@ class ServerConfig:
     tool_call_parser: str | None = field(default=None, metadata=flag(
         "parse tool calls from the output in this format (Hermes/Qwen <tool_call> blocks); without it, requests "
         "with tools are refused", choices=("hermes",)))
+    chat_template: str | None = field(default=None, metadata=flag(
+        "the chat template for /v1/chat/completions and /tokenize's messages instead of the model's: a file "
+        "holding a Jinja template, or the template itself (vLLM's --chat-template)", metavar="FILE_OR_TEMPLATE"))
     # vLLM's: a thinking model's <think> block goes to the message's `reasoning`, the rest to `content`
     reasoning_parser: str | None = field(default=None, metadata=flag(
         "put a thinking model's <think>...</think> reasoning in the chat message's `reasoning` "

@@ -36,8 +36,6 @@ from kvseal.heap import freeze_startup_heap
 from kvseal.messages.msgs import ABORT_SERVER_SHUTDOWN
 from kvseal.server.admin import reload_keys_on_signal
 from kvseal.server.app import build_app
-from kvseal.server.audit import AuditLog
-from kvseal.server.auth import ApiKeyTable
 from kvseal.server.config import ServerConfig
 from kvseal.server.files import FrontDoorFiles
 from kvseal.server.generation_defaults import GenerationDefaults
@@ -65,7 +63,7 @@ def run(config: ServerConfig, make_backend: Callable[[], EngineBackend], listene
                        "as tenant 'default'. Pass --api-keys FILE, or bind 127.0.0.1.", config.host)
         logger.warning("!" * 80)
     with _handlers_put_back(*_STOP_SIGNALS, signal.SIGHUP):
-        return uvloop.run(_serve(config, make_backend, listener, files.keys, files.audit))
+        return uvloop.run(_serve(config, make_backend, listener, files))
 
 
 @contextlib.contextmanager
@@ -82,7 +80,7 @@ def _handlers_put_back(*signals: signal.Signals) -> Iterator[None]:
 
 
 async def _serve(config: ServerConfig, make_backend: Callable[[], EngineBackend], listener: socket.socket,
-                 keys: ApiKeyTable, audit: AuditLog) -> int:
+                 files: FrontDoorFiles) -> int:
     metrics = ServerMetrics()
     loop = asyncio.get_running_loop()
     stop = _StopSignals(loop)
@@ -92,7 +90,7 @@ async def _serve(config: ServerConfig, make_backend: Callable[[], EngineBackend]
     engine.on_stats = metrics.record_stats  # the engines' summed pools and load
     engine.add_metrics(metrics.registry)
     try:
-        state = await _start(config, engine, keys, metrics, audit, stop.requested)
+        state = await _start(config, engine, files, metrics, stop.requested)
         if state is None:
             return 0  # stopped by a signal before the engine was ready
         freeze_startup_heap("frontend")
@@ -146,8 +144,8 @@ class _StopSignals:
             self._server.handle_exit(sig, None)
 
 
-async def _start(config: ServerConfig, engine: EngineBackend, keys: ApiKeyTable, metrics: ServerMetrics,
-                 audit: AuditLog, stop: asyncio.Event) -> AppState | None:
+async def _start(config: ServerConfig, engine: EngineBackend, files: FrontDoorFiles, metrics: ServerMetrics,
+                 stop: asyncio.Event) -> AppState | None:
     """Wait for the engine; a SIGTERM/SIGINT meanwhile (`stop`) stops start-up cleanly (returns None)."""
     starting = asyncio.ensure_future(engine.start())
     stopping = asyncio.ensure_future(stop.wait())
@@ -158,14 +156,15 @@ async def _start(config: ServerConfig, engine: EngineBackend, keys: ApiKeyTable,
         starting.cancel()
         return None
     info = starting.result()
-    prompts = await asyncio.to_thread(PromptEncoder.load, info.tokenizer_path)
+    prompts = await asyncio.to_thread(PromptEncoder.load, info.tokenizer_path, files.chat_template)
     try:
         defaults = GenerationDefaults.load(config.generation_config, _model_dir(info.model_path))
         reasoning = reasoning_markers(config.reasoning_parser, prompts.tokenizer)
     except ConfigError:
         prompts.close()
         raise
-    state = AppState(config, engine, info, prompts, keys, metrics, audit, defaults=defaults, reasoning=reasoning)
+    state = AppState(config, engine, info, prompts, files.keys, metrics, files.audit, defaults=defaults,
+                     reasoning=reasoning)
     _log_config(state)
     return state
 
@@ -200,6 +199,8 @@ def _log_config(state: AppState) -> None:
     )
     logger.info("sampling defaults for omitted fields (--generation-config %s): %s", c.generation_config,
                 state.defaults.describe())
+    logger.info("chat template: %s",
+                "the model's" if c.chat_template is None else f"--chat-template {c.chat_template!r}")
 
 
 def _log_ready(state: AppState, port: int) -> None:

@@ -37,7 +37,7 @@ import msgspec
 
 from kvseal.admission import AdmissionLimits
 from kvseal.errors import ContextLengthExceeded, InvalidParameter
-from kvseal.prompting import DEFAULT_CHAT, ChatOptions, encode_text, render_chat
+from kvseal.prompting import DEFAULT_CHAT, ChatOptions, check_chat_template, encode_text, render_chat
 from kvseal.server.front_door import check_context, is_checking
 
 logger = logging.getLogger("kvseal.server")
@@ -135,10 +135,16 @@ class PromptEncoder:
         self._token_texts: dict[int, str] = {}
 
     @classmethod
-    def load(cls, tokenizer_path: str) -> PromptEncoder:
+    def load(cls, tokenizer_path: str, chat_template: str | None = None) -> PromptEncoder:
+        """`chat_template` (`--chat-template`) replaces the model's; ConfigError if it cannot
+        render a conversation."""
         from transformers import AutoTokenizer
 
-        return cls(AutoTokenizer.from_pretrained(tokenizer_path, local_files_only=True))
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_path, local_files_only=True)
+        if chat_template is not None:
+            check_chat_template(tokenizer, chat_template)
+            tokenizer.chat_template = chat_template
+        return cls(tokenizer)
 
     async def completion_prompts(self, prompt: CompletionPrompt, tenant: str, limits: AdmissionLimits,
                                  may_truncate: bool) -> list[list[int]]:

@@ -11,10 +11,11 @@ from typing import Any
 
 import httpx
 import pytest
-from server_process import ServerProcess
+from server_process import KEYS, ServerProcess
 
-from kvseal.errors import InvalidParameter
+from kvseal.errors import ConfigError, InvalidParameter
 from kvseal.llm import LLM
+from kvseal.prompting import load_chat_template
 from kvseal.types import SamplingParams
 
 MESSAGES = [{"role": "user", "content": "w10 w11"}]
@@ -84,3 +85,41 @@ def test_offline_refuses_the_same(server_model_dir: Path) -> None:
     with pytest.raises(InvalidParameter) as info:
         llm.chat(MESSAGES, chat_template_kwargs={"tools": []})
     assert info.value.param == "chat_template_kwargs"
+
+
+# ---- vLLM's --chat-template: the operator's template instead of the model's ---------------------
+
+OWN_TEMPLATE = "{% for m in messages %}w7 {{ m['content'] }} w8 {% endfor %}{% if add_generation_prompt %}w9{% endif %}"
+
+
+def test_chat_template_flag_replaces_the_models_template(server_model_dir: Path, tmp_path: Path) -> None:
+    """From a file: /tokenize, chat completions and offline `LLM.chat(chat_template=...)` render
+    it alike, and the model's own template (w3 ... w4) is not used."""
+    template_file = tmp_path / "template.jinja"
+    template_file.write_text(OWN_TEMPLATE)
+    proc = ServerProcess(server_model_dir, tmp_path / "server", keys=KEYS,
+                         extra_args=["--chat-template", str(template_file)])
+    proc.start()
+    try:
+        assert tokens(proc) == [7, 10, 11, 8, 9]
+        assert tokens(proc, add_generation_prompt=False) == [7, 10, 11, 8]
+        response = post(proc, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 3, "temperature": 0})
+        assert response.status_code == 200, response.text
+        assert response.json()["usage"]["prompt_tokens"] == 5
+        assert "chat template: --chat-template" in proc.log()
+    finally:
+        proc.terminate()
+    llm = LLM(str(server_model_dir), dtype="float32", kv_cache_tokens=512, page_size=4, max_model_len=256)
+    [out] = llm.chat(MESSAGES, SamplingParams(max_tokens=3, temperature=0), chat_template=OWN_TEMPLATE)
+    assert out.prompt_token_ids == [7, 10, 11, 8, 9]
+    assert out.text == response.json()["choices"][0]["message"]["content"]
+
+
+def test_chat_template_flag_takes_a_file_or_the_template_itself(tmp_path: Path) -> None:
+    path = tmp_path / "t.jinja"
+    path.write_text(OWN_TEMPLATE)
+    assert load_chat_template(str(path)) == OWN_TEMPLATE
+    assert load_chat_template(OWN_TEMPLATE) == OWN_TEMPLATE
+    assert load_chat_template("{{ messages[0]['content'] }}\\n") == "{{ messages[0]['content'] }}\n"
+    with pytest.raises(ConfigError, match="names no readable file"):
+        load_chat_template(str(tmp_path / "missing.jinja"))

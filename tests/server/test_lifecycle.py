@@ -279,6 +279,22 @@ def test_a_bad_keys_file_stops_start_up(server_model_dir: Path, tmp_path: Path) 
     assert "kvseal[engine]" not in done.stderr, "the keys are read before any engine starts"
 
 
+def test_a_chat_template_that_names_no_file_stops_start_up_before_the_engine(server_model_dir: Path,
+                                                                            tmp_path: Path) -> None:
+    done = _serve("--model", str(server_model_dir), "--chat-template", str(tmp_path / "missing.jinja"))
+    assert done.returncode == 2 and "--chat-template" in done.stderr and "names no readable file" in done.stderr
+    assert "kvseal[engine]" not in done.stderr, "the template is read before any engine starts"
+
+
+def test_a_chat_template_that_renders_nothing_stops_start_up(server_model_dir: Path) -> None:
+    """A template that renders no conversation (an unclosed for) is found once the tokenizer is
+    loaded, and the server never serves (the reasoning parser's markers are checked there too)."""
+    done = _serve("--model", str(server_model_dir), "--dtype", "float32", "--kv-cache-tokens", "256",
+                  "--max-model-len", "128", "--chat-template", "{% for m in messages %}{{ m['content'] }}")
+    assert done.returncode == 2 and "--chat-template cannot render" in done.stderr, done.stderr[-3000:]
+    assert "kvseal ready" not in done.stderr
+
+
 def _spawned_engine(frontend_pid: int) -> int | None:
     """The frontend's engine child (multiprocessing's spawn_main; its other child is the resource
     tracker), or None while it has none."""
