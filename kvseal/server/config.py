@@ -68,6 +68,9 @@ class ServerConfig:
     tool_call_parser: str | None = field(default=None, metadata=flag(
         "parse tool calls from the output in this format (Hermes/Qwen <tool_call> blocks); without it, requests "
         "with tools are refused", choices=("hermes",)))
+    enable_auto_tool_choice: bool = field(default=False, metadata=flag(
+        "vLLM's flag, taken so its command lines run: tool_choice 'auto' is on whenever --tool-call-parser is "
+        "given; this flag without a parser is refused, as in vLLM", action="store_true"))
     chat_template: str | None = field(default=None, metadata=flag(
         "the chat template for /v1/chat/completions and /tokenize's messages instead of the model's: a file "
         "holding a Jinja template, or the template itself (vLLM's --chat-template)", metavar="FILE_OR_TEMPLATE"))
@@ -79,6 +82,9 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if self.tool_call_parser not in (None, "hermes"):
             raise ConfigError(f"--tool-call-parser must be 'hermes', got {self.tool_call_parser!r}")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ConfigError("--enable-auto-tool-choice needs --tool-call-parser (hermes): the parser is what "
+                              "reads the model's calls")
         if self.reasoning_parser not in (None, *REASONING_PARSERS):
             raise ConfigError(f"--reasoning-parser must be one of {', '.join(REASONING_PARSERS)}, got "
                               f"{self.reasoning_parser!r}")

@@ -234,3 +234,4 @@ def test_no_prefix_caching_flag_turns_it_off() -> None:
     add_engine_arguments(parser)
     assert engine_args_from(parser.parse_args([])).enable_prefix_caching
     assert not engine_args_from(parser.parse_args(["--no-prefix-caching"])).enable_prefix_caching
+    assert not engine_args_from(parser.parse_args(["--no-enable-prefix-caching"])).enable_prefix_caching  # vLLM's

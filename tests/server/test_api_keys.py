@@ -77,6 +77,9 @@ def test_server_config_refuses_bad_values() -> None:
         ServerConfig(port=70000)
     with pytest.raises(ConfigError, match="max-body-bytes"):
         ServerConfig(max_body_bytes=10)
+    with pytest.raises(ConfigError, match="--enable-auto-tool-choice needs --tool-call-parser"):
+        ServerConfig(enable_auto_tool_choice=True)
+    assert ServerConfig(enable_auto_tool_choice=True, tool_call_parser="hermes").tool_call_parser == "hermes"
 
 
 def test_admin_keys_gate_the_operator_routes(tmp_path: Path) -> None:
