@@ -321,7 +321,8 @@ class EngineArgs:
         "which is for tests)", choices=ATTENTION_BACKENDS))
     kv_headroom: float = field(default=1.0, metadata=flag(
         "the pool must hold max_model_len x this many tokens, or start-up fails (I2)"))
-    page_size: int = field(default=16, metadata=flag("tokens per KV page"))
+    page_size: int = field(default=16, metadata=flag("tokens per KV page (vLLM's --block-size)",
+                                                     aliases=("--block-size",)))
     max_num_batched_tokens: int = field(default=2048, metadata=flag(
         "token budget of one step (prefill chunks + decodes)"))
     max_num_seqs: int = field(default=256, metadata=flag("running requests at most"))

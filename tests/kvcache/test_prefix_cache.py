@@ -235,3 +235,4 @@ def test_no_prefix_caching_flag_turns_it_off() -> None:
     assert engine_args_from(parser.parse_args([])).enable_prefix_caching
     assert not engine_args_from(parser.parse_args(["--no-prefix-caching"])).enable_prefix_caching
     assert not engine_args_from(parser.parse_args(["--no-enable-prefix-caching"])).enable_prefix_caching  # vLLM's
+    assert engine_args_from(parser.parse_args(["--block-size", "32"])).page_size == 32  # vLLM's name too
