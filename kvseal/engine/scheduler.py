@@ -26,6 +26,12 @@ Each step first plans how many tokens every request gets (`_plan`), then walks t
   slots and pages last; the first that does not fit stops admission. An admitted request
   first takes the prefix-cache pages its tokens begin with (its own tenant's only, I5) and
   computes from there; a resumed preempted request finds its own published pages the same way.
+- A waiting request whose next uncached page is being computed by a running prefill of its own
+  tenant (the other choices of an `n` > 1 request, or the same system prompt sent twice at
+  once) gets no chunk until that prefill has published it: it then starts on those pages
+  instead of computing the same prefix beside it. Only the same tenant's prefills count (the
+  cache keys carry the namespace, I5), and a prefill that is preempted or ends releases the
+  requests waiting on it, so no request waits on one that will not run.
 
 Because admission (I1) bounds every request by max_model_len and start-up (I2) makes the
 pool at least that large, the oldest request can always run alone: no deadlock. It is never
@@ -94,14 +100,28 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         decodes = [r for r in self.running if num_tokens_left(r) == 1][:budget]
         has_free_seat = len(self.running) < self.config.max_num_seqs  # else no waiting request can start
-        starting = list(self.waiting) if has_free_seat else []
-        prefills = [r for r in self.running if num_tokens_left(r) > 1] + starting
+        running_prefills = [r for r in self.running if num_tokens_left(r) > 1]
+        starting = self._startable() if has_free_seat else []
+        prefills = running_prefills + starting
         # A waiting request's prefix-cache hit is not prefill work: plan only what it computes.
         num_cached = {r.request_id: len(self.kv.match_prefix(r)) * self.kv.page_size for r in starting}
         plan = {r.request_id: 1 for r in decodes}
         plan.update(share_prefill_budget(prefills, budget - len(decodes), self.config.max_prefill_chunk_tokens,
                                          num_cached, self._fair_share_caps(), self.config.attention_cost_context))
         return plan
+
+    def _startable(self) -> list[Request]:
+        """The waiting requests that may start this step, in queue order: not those whose next
+        uncached page a running prefill, or one starting before them, will publish."""
+        if not self.waiting:
+            return []
+        in_flight = self.kv.pages_in_flight([r for r in self.running if num_tokens_left(r) > 1])
+        starting = []
+        for request in self.waiting:
+            if not self.kv.waits_for_in_flight(request, in_flight):
+                starting.append(request)
+                in_flight |= self.kv.pages_in_flight([request])
+        return starting
 
     def _fair_share_caps(self) -> dict[str, int]:
         """Tenant -> the most prefill work it gets this step: while several tenants have requests

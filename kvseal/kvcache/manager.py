@@ -23,7 +23,9 @@ Prefix caching (I5, on unless `enable_prefix_caching` is off): `publish_written`
 full page of a request that every layer has written to the cache, keyed by the request's
 namespace and the chained hash of its tokens; `acquire_prefix` starts a new (or preempted)
 request on the cached pages its tokens begin with, shared read-only. Scrub and poison (I7)
-apply when a cached page is evicted, never when it goes into the cache.
+apply when a cached page is evicted, never when it goes into the cache. `pages_in_flight` and
+`waits_for_in_flight` let the scheduler start a request after a prefill of the same prefix in
+its own namespace has published it, rather than beside it.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from kvseal.errors import IsolationViolation
 from kvseal.kvcache.allocator import PageAllocator
 from kvseal.kvcache.mirror import LoggedRecords, OwnershipEvent
 from kvseal.kvcache.pool import KVPool
-from kvseal.kvcache.prefix_cache import extend_page_hashes, page_key
+from kvseal.kvcache.prefix_cache import PageKey, extend_page_hashes, page_key
 from kvseal.kvcache.records import ForwardWrites, RecordKernels, WriteRecords
 from kvseal.types import ForwardBatch, Request
 
@@ -191,6 +193,27 @@ class KVCacheManager:
                 break
             pages.append(page)
         return pages
+
+    def pages_in_flight(self, prefilling: list[Request]) -> set[PageKey]:
+        """The keys of every full page of the requests' tokens: what those running prefills
+        publish as they compute them (empty with the cache off)."""
+        if not self.config.enable_prefix_caching:
+            return set()
+        return {page_key(r.cache_namespace, page_hash) for r in prefilling
+                for page_hash in self._page_hashes(r, r.num_tokens // self.page_size)}
+
+    def waits_for_in_flight(self, request: Request, in_flight: set[PageKey]) -> bool:
+        """Whether the first page a waiting request misses in the cache is one a running prefill
+        will publish (`pages_in_flight`): then it does better to start after it than to compute
+        the same prefix beside it. Keys carry the namespace (I5): only a prefill of the
+        request's own tenant counts, so no tenant's waiting depends on another's prompts."""
+        if not in_flight:
+            return False
+        num_hit = len(self.match_prefix(request))
+        if request.needs_prompt_logprobs or num_hit >= (request.num_tokens - 1) // self.page_size:
+            return False
+        first_missed = self._page_hashes(request, num_hit + 1)[num_hit]
+        return page_key(request.cache_namespace, first_missed) in in_flight
 
     def publish_written(self, request: Request) -> None:
         """Hand every full own page of the request that is written in every layer to the cache.

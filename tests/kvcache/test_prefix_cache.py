@@ -236,3 +236,61 @@ def test_no_prefix_caching_flag_turns_it_off() -> None:
     assert not engine_args_from(parser.parse_args(["--no-prefix-caching"])).enable_prefix_caching
     assert not engine_args_from(parser.parse_args(["--no-enable-prefix-caching"])).enable_prefix_caching  # vLLM's
     assert engine_args_from(parser.parse_args(["--block-size", "32"])).page_size == 32  # vLLM's name too
+
+
+# ---- a prefix being computed is waited for, not computed twice (own tenant only) ----------------
+
+BUDGET = 128  # a step's budget takes several whole prompts: without the wait, they would all run at once
+
+def _run_together(engine: Any, requests: list[tuple[str, list[int], str]]) -> dict[str, Any]:
+    for request_id, prompt, tenant in requests:
+        engine.add_request(request_id, prompt, GREEDY, tenant=tenant)
+    finals: dict[str, Any] = {}
+    for _ in range(500):
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out
+        engine.check_integrity()
+        if len(finals) == len(requests):
+            return finals
+    raise AssertionError(f"only {sorted(finals)} finished")
+
+
+def test_the_same_prompt_sent_together_is_prefilled_once(make_llm: Callable[..., Any]) -> None:
+    """The `n` choices of one request arrive as requests with one prompt: the first computes it,
+    the others start once its pages are published and compute only the last token."""
+    engine = make_llm(max_num_batched_tokens=BUDGET).engine
+    prompt = SYSTEM + [7, 8, 9]
+    finals = _run_together(engine, [(f"a{i}", prompt, "alice") for i in range(3)])
+    assert [finals[f"a{i}"].num_cached_tokens for i in range(3)] == [0, len(SYSTEM), len(SYSTEM)]
+    alone = make_llm(enable_prefix_caching=False).generate([prompt], GREEDY)[0]
+    assert all(out.token_ids == alone.token_ids and out.error is None for out in finals.values())
+
+
+def _first_step_computes(engine: Any, first: tuple[str, str], second: tuple[str, str]) -> int:
+    """Two requests of SYSTEM + [7] added together; how many tokens the second computes in step 1."""
+    for request_id, tenant in (first, second):
+        engine.add_request(request_id, SYSTEM + [7], GREEDY, tenant=tenant)
+    engine.step()
+    return int(engine.find(second[0]).num_computed_tokens)
+
+
+def test_another_tenants_prefill_is_never_waited_for(make_llm: Callable[..., Any]) -> None:
+    """bob's start cannot depend on what alice is computing (I5): he computes beside her, while
+    alice's own second request waits for her first. Shown to fail with the namespace dropped
+    from the cache keys (test-only fault): bob then waits on alice's prefill."""
+    assert _first_step_computes(make_llm(max_num_batched_tokens=BUDGET).engine, ("a", "alice"), ("b", "bob")) > 0
+    assert _first_step_computes(make_llm(max_num_batched_tokens=BUDGET).engine, ("a", "alice"), ("a2", "alice")) == 0
+    with _faults(Fault.DROP_CACHE_NAMESPACE):
+        assert _first_step_computes(make_llm(max_num_batched_tokens=BUDGET).engine, ("a", "alice"), ("b", "bob")) == 0
+
+
+def test_a_request_waiting_on_a_prefill_that_ends_starts_at_once(make_llm: Callable[..., Any]) -> None:
+    engine = make_llm(max_num_batched_tokens=BUDGET).engine
+    assert _first_step_computes(engine, ("a1", "alice"), ("a2", "alice")) == 0
+    engine.abort("a1")
+    engine.step()
+    assert engine.find("a2").num_computed_tokens > 0, "nothing it waited on is running"
+    while engine.has_unfinished():
+        engine.step()
+    engine.check_integrity()
