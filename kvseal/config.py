@@ -293,6 +293,9 @@ class EngineArgs:
 
     model: str | None = field(default=None, metadata=flag(
         "local model folder (config.json, *.safetensors, tokenizer) or .gguf file (default: SmolLM2-135M)"))
+    tokenizer: str | None = field(default=None, metadata=flag(
+        "a local folder holding the tokenizer to use instead of the model's (vLLM's --tokenizer; e.g. the base "
+        "model's for a .gguf file); its vocabulary must fit the model's", metavar="FOLDER"))
     dtype: str = field(default="auto", metadata=flag(
         "float32, bfloat16 or float16 (bf16, fp32 ...); auto: bfloat16 on CUDA, and on CPU where it multiplies "
         "bf16 natively (AVX512-BF16 or AMX), else float32", type=dtype_arg))

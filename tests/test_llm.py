@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
+from char_model import make_char_model
+from tiny_models import make_tokenizer
 
 from kvseal import InvalidParameter, SamplingParams
+from kvseal.errors import ModelLoadError
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
 
@@ -189,3 +193,24 @@ def test_detokenize_false_returns_token_ids_only(make_llm: Callable[..., Any]) -
     assert info.value.param == "detokenize"
     with pytest.raises(InvalidParameter):
         SamplingParams(detokenize="no")  # type: ignore[arg-type]
+
+
+def test_tokenizer_replaces_the_models_own(make_llm: Callable[..., Any], llama_dir: Path, tmp_path: Path) -> None:
+    """vLLM's `tokenizer=` / `--tokenizer`: a folder whose tokenizer (here the same vocabulary with
+    another chat template) the engine, the served frontend (its ready message) and a PD frontend
+    all use instead of the model's; one whose vocabulary the model cannot hold is refused."""
+    from kvseal.disagg.serve import tokenizer_folder
+    from kvseal.engine.process import _ready_msg
+
+    folder = tmp_path / "tokenizer"
+    tokenizer = make_tokenizer()
+    tokenizer.chat_template = "{% for m in messages %}w7 {{ m['content'] }} w8 {% endfor %}w9"
+    tokenizer.save_pretrained(folder)
+    llm = make_llm(tokenizer=str(folder))
+    [out] = llm.chat([{"role": "user", "content": "w10 w11"}], SamplingParams(max_tokens=2, temperature=0))
+    assert out.prompt_token_ids == [7, 10, 11, 8, 9]
+    assert _ready_msg(llm.engine).tokenizer_path == str(folder)
+    assert tokenizer_folder(str(llama_dir), str(folder)) == str(folder)
+    assert _ready_msg(make_llm().engine).tokenizer_path == str(llama_dir)
+    with pytest.raises(ModelLoadError, match="more than the model's vocabulary"):
+        make_llm(model=str(make_char_model(tmp_path / "char")), tokenizer=str(folder), max_model_len=256)

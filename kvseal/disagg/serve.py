@@ -44,8 +44,11 @@ STOP_TIMEOUT_S = 30.0
 WATCH_INTERVAL_S = 0.1  # how often the supervisor looks for engines that ended
 
 
-def tokenizer_folder(model: str | None) -> str:
-    """The folder whose tokenizer the frontend loads (a GGUF is converted once, as engines do)."""
+def tokenizer_folder(model: str | None, tokenizer: str | None = None) -> str:
+    """The folder whose tokenizer the frontend loads: `--tokenizer`'s, else the model's (a GGUF
+    is converted once, as engines do)."""
+    if tokenizer is not None:
+        return tokenizer
     path = resolve_model_path(model)
     return str(convert_gguf(path) if path.suffix == ".gguf" else Path(path))
 
@@ -189,5 +192,5 @@ def start_pd_backend(topology: PdTopology, args: EngineArgs, ns: argparse.Namesp
         spawned.supervise()
     for endpoint in (*topology.prefill, *topology.decode):  # public keys: what an operator checks against
         logger.info("PD engine at %s must prove the public key %s", endpoint.address, endpoint.public_key.decode())
-    return PdClient(list(topology.prefill), list(topology.decode), tokenizer_folder(args.model), topology.link_key,
-                    spawned)
+    return PdClient(list(topology.prefill), list(topology.decode), tokenizer_folder(args.model, args.tokenizer),
+                    topology.link_key, spawned)

@@ -111,7 +111,8 @@ class LLMEngine:
         finally:
             if pool_reservation is not None and (pool_ahead is None or pool_ahead.reserved is not pool_reservation):
                 pool_reservation.release()
-        self.loaded = loaded or load_model(args.model, args.torch_dtype, rank=(0, tp) if tp > 1 else None)
+        self.loaded = loaded or load_model(args.model, args.torch_dtype, rank=(0, tp) if tp > 1 else None,
+                                           tokenizer_folder=args.tokenizer)
         if free_before_weights is not None and next(self.loaded.model.parameters()).device.type == "cuda":
             free_before_weights += model_bytes(self.loaded.model)  # given on the GPU: its weights were not free
         self.model_config: ModelConfig = self.loaded.config

@@ -152,12 +152,10 @@ def loop_failure(exc: Exception) -> str:
 
 
 def _ready_msg(engine: LLMEngine) -> EngineReadyMsg:
-    from kvseal.models.loader import convert_gguf
-
     path = Path(engine.loaded.path)
-    tokenizer_path = convert_gguf(path) if path.suffix == ".gguf" else path
     return EngineReadyMsg(
-        pid=os.getpid(), model_name=engine.loaded.name, model_path=str(path), tokenizer_path=str(tokenizer_path),
+        pid=os.getpid(), model_name=engine.loaded.name, model_path=str(path),
+        tokenizer_path=str(engine.loaded.tokenizer_path),
         architecture=engine.model_config.architecture, max_model_len=engine.limits.max_model_len,
         kv_cache_tokens=engine.limits.kv_cache_tokens, vocab_size=engine.limits.vocab_size,
         page_size=engine.cache_config.page_size, num_pages=engine.cache_config.num_pages,

@@ -35,6 +35,7 @@ class LoadedModel:
     tokenizer: Any
     name: str
     path: Path
+    tokenizer_path: Path  # the folder the tokenizer was loaded from (the model's, or --tokenizer)
 
 
 def plan_config(model: str | os.PathLike[str] | None) -> ModelConfig:
@@ -58,19 +59,24 @@ def folder_config(model: str | os.PathLike[str] | None) -> ModelConfig:
 
 
 def load_model(model: str | os.PathLike[str] | None, dtype: torch.dtype,
-               rank: tuple[int, int] | None = None) -> LoadedModel:
-    """The model and its tokenizer; `rank` = (rank, tp): only that tensor-parallel rank's shard
-    of the weights (`tensor_parallel.RankLayout`), `config` still the whole model's."""
+               rank: tuple[int, int] | None = None, tokenizer_folder: str | None = None) -> LoadedModel:
+    """The model and its tokenizer (the model's, or the one in `tokenizer_folder`: `--tokenizer`);
+    `rank` = (rank, tp): only that tensor-parallel rank's shard of the weights
+    (`tensor_parallel.RankLayout`), `config` still the whole model's."""
     path = resolve_model_path(model)
     folder = convert_gguf(path) if path.suffix == ".gguf" else path
     config = ModelConfig.from_hf(_load_hf_config(folder))
-    tokenizer = _load_tokenizer(folder)
+    tokenizer_path = Path(tokenizer_folder) if tokenizer_folder is not None else folder
+    tokenizer = _load_tokenizer(tokenizer_path)
+    if tokenizer_folder is not None and len(tokenizer) > config.vocab_size:  # (a model's own may add a few)
+        raise ModelLoadError(f"the tokenizer in {tokenizer_path} has {len(tokenizer)} tokens, more than the "
+                             f"model's vocabulary of {config.vocab_size}: it is not this model's tokenizer")
     extra_eos = _generation_eos(folder) + ([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])
     eos = tuple(dict.fromkeys([*config.eos_token_ids, *extra_eos]))
     config = dataclasses.replace(config, eos_token_ids=eos)
     layout = RankLayout.of(config, *rank) if rank is not None else None
     module = _build_and_load(config, folder, dtype, layout)
-    return LoadedModel(module, config, tokenizer, path.stem if path.is_file() else path.name, path)
+    return LoadedModel(module, config, tokenizer, path.stem if path.is_file() else path.name, path, tokenizer_path)
 
 
 def _load_hf_config(folder: Path) -> Any:
