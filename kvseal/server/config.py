@@ -141,3 +141,19 @@ class ServerConfig:
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     """The frontend's flags (engine flags come from `kvseal.engine_args.add_engine_arguments`)."""
     add_flags(parser, ServerConfig)
+    parser.add_argument("--api-key", action=_RefuseKeyOnCommandLine, help=argparse.SUPPRESS)
+
+
+API_KEY_ON_COMMAND_LINE = (
+    "kvseal takes API keys from a file, never from the command line, where every local user can read them "
+    "in the process list: put the key in a JSON file, {\"KEY\": {\"tenant\": \"NAME\"}}, mode 0600, and pass "
+    "--api-keys FILE (the value given was neither used nor logged)")
+
+
+class _RefuseKeyOnCommandLine(argparse.Action):
+    """vLLM's `--api-key KEY`: refused by name, before argparse would take it for an abbreviation
+    of `--api-keys` and report the key back as a file it cannot read."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object,
+                 option_string: str | None = None) -> None:
+        parser.error(API_KEY_ON_COMMAND_LINE)

@@ -6,6 +6,7 @@ check both, then start its engine process, before it loads them."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from kvseal.errors import ConfigError
@@ -25,6 +26,10 @@ class FrontDoorFiles:
     def open(cls, config: ServerConfig) -> FrontDoorFiles:
         """ConfigError for a bad keys file (its keys never echoed), an audit log that cannot be
         opened, or a --chat-template that is neither a readable file nor a template."""
+        if config.api_keys_path is None and os.environ.get("VLLM_API_KEY"):
+            raise ConfigError("VLLM_API_KEY is set, but kvseal does not read it: this server would run with no key "
+                              "at all. Put the key in a JSON file, {\"KEY\": {\"tenant\": \"NAME\"}}, mode 0600, "
+                              "and pass --api-keys FILE (or unset VLLM_API_KEY to serve without keys)")
         keys = ApiKeyTable.load(config.api_keys_path)
         chat_template = None if config.chat_template is None else load_chat_template(config.chat_template)
         try:

@@ -279,6 +279,19 @@ def test_a_bad_keys_file_stops_start_up(server_model_dir: Path, tmp_path: Path) 
     assert "kvseal[engine]" not in done.stderr, "the keys are read before any engine starts"
 
 
+def test_vllms_api_key_flag_and_variable_are_refused_never_echoed(server_model_dir: Path) -> None:
+    """`--api-key KEY` would be argparse's abbreviation of `--api-keys` (the key reported back as
+    a file it cannot read); VLLM_API_KEY, which kvseal does not read, would leave the server open.
+    Both stop start-up before any engine runs, and the key appears nowhere."""
+    done = _serve("--model", str(server_model_dir), "--api-key", "sk-secret-123")
+    assert done.returncode == 2 and "--api-keys FILE" in done.stderr and "sk-secret-123" not in done.stderr
+    env = {**os.environ, "VLLM_API_KEY": "sk-secret-456"}
+    done = subprocess.run([sys.executable, "-m", "kvseal.cli", "serve", "--port", str(free_port()), "--model",
+                           str(server_model_dir)], capture_output=True, text=True, timeout=WAIT_DEADLINE_S, env=env)
+    assert done.returncode == 2 and "VLLM_API_KEY is set, but kvseal does not read it" in done.stderr
+    assert "sk-secret-456" not in done.stderr and "kvseal[engine]" not in done.stderr
+
+
 def test_a_chat_template_that_names_no_file_stops_start_up_before_the_engine(server_model_dir: Path,
                                                                             tmp_path: Path) -> None:
     done = _serve("--model", str(server_model_dir), "--chat-template", str(tmp_path / "missing.jinja"))
