@@ -66,7 +66,8 @@ class ChatEndpoint:
             reasoning = ReasoningGate(markers.start_token_id, markers.end_token_id, prompt_opens_reasoning(tail))
         return ChatFormatter(ids, body.logprobs, body.include_usage, prompts, body.n or 1,
                              HermesToolParser() if parses_calls else None, is_named,
-                             with_prompt_logprobs=body.prompt_logprobs is not None, reasoning=reasoning)
+                             with_prompt_logprobs=body.prompt_logprobs is not None, reasoning=reasoning,
+                             include_reasoning=body.include_reasoning)
 
 
 PROMPT_TAIL_TOKENS = 16  # the prompt's last tokens, read for an open <think>
@@ -99,9 +100,10 @@ class ChatFormatter:
     def __init__(self, ids: ResponseIds, with_logprobs: bool, include_usage: bool, prompts: PromptEncoder,
                  num_choices: int = 1, tool_parser: HermesToolParser | None = None,
                  is_named_tool: bool = False, with_prompt_logprobs: bool = False,
-                 reasoning: ReasoningGate | None = None) -> None:
+                 reasoning: ReasoningGate | None = None, include_reasoning: bool = True) -> None:
         """`reasoning`: None without a reasoning parser; else the model's markers, and whether
-        the prompt left a `<think>` block open (`server/reasoning.py`)."""
+        the prompt left a `<think>` block open (`server/reasoning.py`). `include_reasoning`
+        false: the reasoning is split off as usual but not sent (vLLM's field)."""
         self._ids = ids
         self._with_logprobs = with_logprobs
         self._include_usage = include_usage
@@ -112,6 +114,7 @@ class ChatFormatter:
         self._tool_streams: dict[int, ToolCallStream] = {}
         self._with_prompt_logprobs = with_prompt_logprobs  # vLLM's: one list for the response (never streamed)
         self._reasoning = reasoning
+        self._include_reasoning = include_reasoning
         self._reasoning_streams: dict[int, ReasoningStream] = {}
 
     def engine_params(self, params: SamplingParams) -> SamplingParams:
@@ -132,7 +135,8 @@ class ChatFormatter:
         if out.finished:
             more_reasoning, more_content = stream.finish()
             reasoning, content = reasoning + more_reasoning, content + more_content
-        chunks = [self._chunk(index, _reasoning_fields(reasoning), None, None)] if reasoning else []
+        chunks = [self._chunk(index, _reasoning_fields(reasoning), None, None)] \
+            if reasoning and self._include_reasoning else []
         return chunks + self._content_chunks(index, msgspec.structs.replace(out, new_text=content))
 
     def _content_chunks(self, index: int, out: RequestOutputMsg) -> list[dict[str, Any]]:
@@ -176,7 +180,7 @@ class ChatFormatter:
         if self._reasoning is not None:
             reasoning, text = split_reasoning(text, self._reasoning.open_at_start)
         message: dict[str, Any] = {"role": "assistant", "content": text}
-        if reasoning is not None:
+        if reasoning is not None and self._include_reasoning:
             message |= _reasoning_fields(reasoning)
         calls: list[ParsedToolCall] = []
         if self._tool_parser is not None:

@@ -251,6 +251,7 @@ class ChatCompletionRequest(GenerationBody):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: TemplateKwargs | None = None
+    include_reasoning: bool = True  # vLLM's: false leaves a reasoning parser's reasoning out of the answer
 
     @property
     def chat_options(self) -> ChatOptions:

@@ -162,3 +162,14 @@ def test_reasoning_markers_must_be_tokens_of_the_vocabulary(char_dir: Path, serv
     assert reasoning_markers(None, AutoTokenizer.from_pretrained(server_model_dir)) is None
     with pytest.raises(ConfigError, match="--reasoning-parser deepseek_r1 needs <think> and </think> to be tokens"):
         reasoning_markers("deepseek_r1", AutoTokenizer.from_pretrained(server_model_dir))
+
+
+def test_include_reasoning_false_leaves_the_reasoning_out(reasoning_server: ServerProcess) -> None:
+    """vLLM's `include_reasoning: false`: the same answer, its reasoning not sent, whole or streamed."""
+    body = CHAT | OPEN_BLOCK | {"guided_regex": "[a-z]{2}", "logit_bias": NO_EOS | {str(END_THINK): 3}}
+    full = post(reasoning_server, body)["choices"][0]["message"]
+    assert full["reasoning"]
+    message = post(reasoning_server, body | {"include_reasoning": False})["choices"][0]["message"]
+    assert "reasoning" not in message and "reasoning_content" not in message
+    assert message["content"] == full["content"]
+    assert stream(reasoning_server, body | {"include_reasoning": False})[:2] == ("", full["content"])
