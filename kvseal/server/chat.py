@@ -24,7 +24,7 @@ from kvseal.server.prompts import PromptEncoder
 from kvseal.server.protocol import ChatCompletionRequest, NamedToolChoice
 from kvseal.server.reasoning import ReasoningMarkers, ReasoningStream, prompt_opens_reasoning, split_reasoning
 from kvseal.server.sampling import build_sampling_params
-from kvseal.server.tools import HermesToolParser, ParsedToolCall, ToolCallStream, tool_setup
+from kvseal.server.tools import ParsedToolCall, ToolCallStream, ToolParser, tool_parser, tool_setup
 from kvseal.server.transcript import Transcript, usage
 from kvseal.structured.schema import check_tools
 from kvseal.types import ReasoningGate, SamplingParams
@@ -36,7 +36,7 @@ class ChatEndpoint:
     body_model = ChatCompletionRequest
 
     def __init__(self, tool_call_parser: str | None = None, reasoning: ReasoningMarkers | None = None) -> None:
-        self.tool_call_parser = tool_call_parser  # "hermes" or None (requests with tools are refused)
+        self.tool_call_parser = tool_call_parser  # one of TOOL_CALL_PARSERS, or None (requests with tools refused)
         self.reasoning = reasoning  # the model's <think> tokens with a reasoning parser, else None (no split)
 
     async def prepare(self, body: ChatCompletionRequest, prompts: PromptEncoder, tenant: Tenant,
@@ -65,7 +65,8 @@ class ChatEndpoint:
             markers = self.reasoning
             reasoning = ReasoningGate(markers.start_token_id, markers.end_token_id, prompt_opens_reasoning(tail))
         return ChatFormatter(ids, body.logprobs, body.include_usage, prompts, body.n or 1,
-                             HermesToolParser() if parses_calls else None, is_named,
+                             tool_parser(self.tool_call_parser) if parses_calls and self.tool_call_parser else None,
+                             is_named,
                              with_prompt_logprobs=body.prompt_logprobs is not None, reasoning=reasoning,
                              include_reasoning=body.include_reasoning)
 
@@ -98,7 +99,7 @@ def _reasoning_fields(reasoning: str) -> dict[str, str]:
 
 class ChatFormatter:
     def __init__(self, ids: ResponseIds, with_logprobs: bool, include_usage: bool, prompts: PromptEncoder,
-                 num_choices: int = 1, tool_parser: HermesToolParser | None = None,
+                 num_choices: int = 1, tool_parser: ToolParser | None = None,
                  is_named_tool: bool = False, with_prompt_logprobs: bool = False,
                  reasoning: ReasoningGate | None = None, include_reasoning: bool = True) -> None:
         """`reasoning`: None without a reasoning parser; else the model's markers, and whether

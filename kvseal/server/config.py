@@ -13,6 +13,7 @@ from kvseal.flags import add_flags, flag, values_of
 from kvseal.server.reasoning import REASONING_PARSERS
 
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
+TOOL_CALL_PARSERS = ("hermes", "llama3_json")  # `server/tools.py`
 
 
 def _size(text: str) -> int:
@@ -64,10 +65,10 @@ class ServerConfig:
     generation_config: str = field(default="auto", metadata=flag(
         "defaults for omitted temperature/top_p/top_k/min_p/repetition_penalty: 'auto' takes the model's "
         "generation_config.json, 'vllm' neutral values", choices=("auto", "vllm")))
-    # "hermes": parse <tool_call> blocks; None: requests with tools get 400
+    # None: requests with tools get 400
     tool_call_parser: str | None = field(default=None, metadata=flag(
-        "parse tool calls from the output in this format (Hermes/Qwen <tool_call> blocks); without it, requests "
-        "with tools are refused", choices=("hermes",)))
+        "parse tool calls from the output in this format: hermes (Hermes/Qwen <tool_call> blocks), llama3_json "
+        "(Llama 3.1-3.3 JSON calls); without it, requests with tools are refused", choices=TOOL_CALL_PARSERS))
     enable_auto_tool_choice: bool = field(default=False, metadata=flag(
         "vLLM's flag, taken so its command lines run: tool_choice 'auto' is on whenever --tool-call-parser is "
         "given; this flag without a parser is refused, as in vLLM", action="store_true"))
@@ -80,11 +81,12 @@ class ServerConfig:
         "(and `reasoning_content`) instead of its content", choices=REASONING_PARSERS))
 
     def __post_init__(self) -> None:
-        if self.tool_call_parser not in (None, "hermes"):
-            raise ConfigError(f"--tool-call-parser must be 'hermes', got {self.tool_call_parser!r}")
+        if self.tool_call_parser not in (None, *TOOL_CALL_PARSERS):
+            raise ConfigError(f"--tool-call-parser must be one of {', '.join(TOOL_CALL_PARSERS)}, got "
+                              f"{self.tool_call_parser!r}")
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
-            raise ConfigError("--enable-auto-tool-choice needs --tool-call-parser (hermes): the parser is what "
-                              "reads the model's calls")
+            raise ConfigError("--enable-auto-tool-choice needs --tool-call-parser: the parser is what reads the "
+                              "model's calls")
         if self.reasoning_parser not in (None, *REASONING_PARSERS):
             raise ConfigError(f"--reasoning-parser must be one of {', '.join(REASONING_PARSERS)}, got "
                               f"{self.reasoning_parser!r}")

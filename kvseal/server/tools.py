@@ -1,14 +1,19 @@
-"""Function calling on chat completions: `tools`, `tool_choice`, and the Hermes parser.
+"""Function calling on chat completions: `tools`, `tool_choice`, and the call parsers.
 
 The tool definitions go to the model's own chat template (`apply_chat_template(tools=...)`).
-The model answers with Hermes/Qwen calls, `<tool_call>\\n{"name": ..., "arguments": {...}}\\n
-</tool_call>`, which `HermesToolParser` turns into OpenAI's `tool_calls` (as vLLM's `hermes`
-parser does); the server flag `--tool-call-parser hermes` selects it, and without it a request
-with tools is refused. `tool_choice`:
+The model answers in its family's format, which the parser `--tool-call-parser` names turns
+into OpenAI's `tool_calls` (as vLLM's parser of that name does); without the flag a request
+with tools is refused:
+- `hermes` (Hermes, Qwen): `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`
+  blocks anywhere in the text (`HermesToolParser`).
+- `llama3_json` (Llama 3.1 to 3.3): an answer that is one or more `{"name": ...,
+  "parameters": {...}}` objects (or `"arguments"`), separated by `;`, optionally after
+  `<|python_tag|>` (`Llama3JsonToolParser`); an answer that does not begin so is content.
+`tool_choice`:
 - "auto" (the default with tools): the model may call tools; calls are parsed from its text.
 - "none": tools are rendered but nothing is parsed; the text is the answer.
-- "required" / a named function: one call is enforced with the grammar (the call's JSON must
-  match one tool's — or the named tool's — parameters schema), then parsed.
+- "required" / a named function: one call, in the parser's format, is enforced with the grammar
+  (the call's JSON must match one tool's — or the named tool's — parameters schema), then parsed.
 """
 
 from __future__ import annotations
@@ -17,15 +22,16 @@ import json
 import re
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from kvseal.errors import InvalidParameter
+from kvseal.server.config import TOOL_CALL_PARSERS
 from kvseal.server.protocol import ChatCompletionRequest, NamedToolChoice
 from kvseal.types import StructuredOutput
 
-TOOL_CALL_PARSERS = ("hermes",)
 _CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 START_TAG = "<tool_call>"
+PYTHON_TAG = "<|python_tag|>"
 
 
 @dataclass(frozen=True)
@@ -39,7 +45,27 @@ class ParsedToolCall:
         return call if index is None else {"index": index} | call
 
 
+class ToolParser(Protocol):
+    def parse(self, text: str) -> tuple[str | None, list[ParsedToolCall]]:
+        """(content outside the calls, or None when there is none besides calls; the calls)."""
+        ...
+
+    def held_from(self, text: str) -> int:
+        """Where a call may begin in `text` so far: a stream shows the text before it as content
+        and holds the rest until the choice ends (len(text): nothing to hold)."""
+        ...
+
+    def forced_call(self, call_schemas: list[dict[str, Any]]) -> StructuredOutput:
+        """The grammar of exactly one call in this format, its JSON one of `call_schemas`
+        (`call_schema`'s, with this format's arguments key)."""
+        ...
+
+    arguments_key: str
+
+
 class HermesToolParser:
+    arguments_key = "arguments"
+
     def parse(self, text: str) -> tuple[str | None, list[ParsedToolCall]]:
         """(content outside the calls or None, the calls). A block that is not a JSON object with
         a string `name` is left in the content, as text, rather than guessed at."""
@@ -56,15 +82,75 @@ class HermesToolParser:
         content = "".join(kept).strip()
         return (content or None) if calls else text, calls
 
+    def held_from(self, text: str) -> int:
+        start = text.find(START_TAG)
+        return start if start >= 0 else _before_partial(text, START_TAG)
+
+    def forced_call(self, call_schemas: list[dict[str, Any]]) -> StructuredOutput:
+        return StructuredOutput("tool_call", json.dumps(_one_of(call_schemas)))
+
+
+class Llama3JsonToolParser:
+    arguments_key = "parameters"
+
+    def parse(self, text: str) -> tuple[str | None, list[ParsedToolCall]]:
+        """All calls, or none: an answer that is not wholly calls (after `<|python_tag|>`,
+        separated by `;`) is content, as it is, rather than guessed at."""
+        body = text.strip().removeprefix(PYTHON_TAG).lstrip()
+        if not body.startswith("{"):
+            return text, []
+        decoder, calls, position = json.JSONDecoder(), [], 0
+        while position < len(body):
+            try:
+                value, position = decoder.raw_decode(body, position)
+            except ValueError:
+                return text, []
+            call = _call_of(value, ("parameters", "arguments"))
+            if call is None:
+                return text, []
+            calls.append(call)
+            while position < len(body) and (body[position].isspace() or body[position] == ";"):
+                position += 1
+        return None, calls
+
+    def held_from(self, text: str) -> int:
+        start = text.lstrip()
+        if not start or start.startswith(("{", PYTHON_TAG)) or PYTHON_TAG.startswith(start):
+            return 0  # a call, or not known yet
+        return len(text)
+
+    def forced_call(self, call_schemas: list[dict[str, Any]]) -> StructuredOutput:
+        return StructuredOutput("json_schema", json.dumps(_one_of(call_schemas)))
+
+
+TOOL_PARSERS: dict[str, type[HermesToolParser] | type[Llama3JsonToolParser]] = {
+    "hermes": HermesToolParser, "llama3_json": Llama3JsonToolParser}
+assert tuple(TOOL_PARSERS) == TOOL_CALL_PARSERS
+
+
+def tool_parser(name: str) -> ToolParser:
+    return TOOL_PARSERS[name]()
+
 
 def _parse_call(body: str) -> ParsedToolCall | None:
     try:
         value = json.loads(body)
     except ValueError:
         return None
+    return _call_of(value, ("arguments",))
+
+
+def _call_of(value: Any, argument_keys: tuple[str, ...]) -> ParsedToolCall | None:
+    """A call from its JSON object: a string `name`, and its arguments under the first of
+    `argument_keys` it has (none: no arguments); None for anything else."""
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
         return None
-    return ParsedToolCall(value["name"], json.dumps(value.get("arguments", {}), ensure_ascii=False))
+    arguments: Any = next((value[key] for key in argument_keys if key in value), {})
+    return ParsedToolCall(value["name"], json.dumps(arguments, ensure_ascii=False))
+
+
+def _one_of(schemas: list[dict[str, Any]]) -> dict[str, Any]:
+    return schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
 
 
 @dataclass(frozen=True)
@@ -84,8 +170,8 @@ def tool_setup(body: ChatCompletionRequest, parser: str | None) -> ToolSetup:
             raise InvalidParameter("tool_choice needs tools; send tools or omit tool_choice", param="tool_choice")
         return ToolSetup(None, False, None)
     if parser is None:
-        raise InvalidParameter("this server does not parse tool calls; start it with --tool-call-parser hermes "
-                               "or remove tools", param="tools")
+        raise InvalidParameter(f"this server does not parse tool calls; start it with --tool-call-parser "
+                               f"({' or '.join(TOOL_CALL_PARSERS)}) or remove tools", param="tools")
     if body.response_format is not None and choice not in (None, "none", "auto"):
         raise InvalidParameter("response_format cannot be combined with a required or named tool_choice",
                                param="response_format")
@@ -96,7 +182,7 @@ def tool_setup(body: ChatCompletionRequest, parser: str | None) -> ToolSetup:
     definitions = [t.model_dump(exclude_none=True) for t in body.tools]
     if choice == "none":
         return ToolSetup(definitions, False, None)
-    grammar = _enforced_call(body, choice)
+    grammar = _enforced_call(body, choice, tool_parser(parser))
     return ToolSetup(definitions, True, grammar, _grammar_tools(body, choice) if grammar is not None else frozenset())
 
 
@@ -107,32 +193,34 @@ def _grammar_tools(body: ChatCompletionRequest, choice: Any) -> frozenset[str]:
     return frozenset(t.function.name for t in body.tools)
 
 
-def _enforced_call(body: ChatCompletionRequest, choice: Any) -> StructuredOutput | None:
+def _enforced_call(body: ChatCompletionRequest, choice: Any, parser: ToolParser) -> StructuredOutput | None:
     assert body.tools is not None
     tools = {t.function.name: t.function.parameters or {"type": "object"} for t in body.tools}
+    key = parser.arguments_key
     if isinstance(choice, NamedToolChoice):
         name = choice.function.name
         if name not in tools:
             raise InvalidParameter(f"tool_choice names function {name!r}, which is not in tools "
                                    f"({', '.join(sorted(tools))})", param="tool_choice")
-        return StructuredOutput("tool_call", json.dumps(_call_schema(name, tools[name])))
+        return parser.forced_call([call_schema(name, tools[name], key)])
     if choice == "required":
-        schemas = [_call_schema(name, params) for name, params in tools.items()]
-        return StructuredOutput("tool_call", json.dumps(schemas[0] if len(schemas) == 1 else {"anyOf": schemas}))
+        return parser.forced_call([call_schema(name, params, key) for name, params in tools.items()])
     return None
 
 
-def _call_schema(name: str, parameters: dict[str, Any]) -> dict[str, Any]:
-    return {"type": "object", "properties": {"name": {"const": name}, "arguments": parameters},
-            "required": ["name", "arguments"], "additionalProperties": False}
+def call_schema(name: str, parameters: dict[str, Any], arguments_key: str = "arguments") -> dict[str, Any]:
+    """The JSON Schema of one call's object: the function's name, and its arguments under `arguments_key`."""
+    return {"type": "object", "properties": {"name": {"const": name}, arguments_key: parameters},
+            "required": ["name", arguments_key], "additionalProperties": False}
 
 
 class ToolCallStream:
-    """One streamed choice with tool parsing: text before a `<tool_call>` streams as content;
-    from the tag on it is held, and the calls go out as `tool_calls` deltas when the choice ends
-    (each call's whole arguments in one delta, which OpenAI's clients accumulate as usual)."""
+    """One streamed choice with tool parsing: text before where a call may begin (the parser's
+    `held_from`) streams as content; from there on it is held, and the calls go out as
+    `tool_calls` deltas when the choice ends (each call's whole arguments in one delta, which
+    OpenAI's clients accumulate as usual)."""
 
-    def __init__(self, parser: HermesToolParser) -> None:
+    def __init__(self, parser: ToolParser) -> None:
         self._parser = parser
         self._text = ""
         self._num_sent = 0
@@ -140,8 +228,7 @@ class ToolCallStream:
     def content_delta(self, new_text: str) -> str:
         """The part of the text that can be shown as content now."""
         self._text += new_text
-        start = self._text.find(START_TAG)
-        safe = start if start >= 0 else _before_partial_tag(self._text)
+        safe = self._parser.held_from(self._text)
         delta = self._text[self._num_sent:max(safe, self._num_sent)]
         self._num_sent += len(delta)
         return delta
@@ -156,9 +243,9 @@ class ToolCallStream:
         return "", calls
 
 
-def _before_partial_tag(text: str) -> int:
-    """Where a possible beginning of `<tool_call>` at the end of `text` starts (len(text) if none)."""
-    for size in range(min(len(START_TAG) - 1, len(text)), 0, -1):
-        if START_TAG.startswith(text[-size:]):
+def _before_partial(text: str, tag: str) -> int:
+    """Where a possible beginning of `tag` at the end of `text` starts (len(text) if none)."""
+    for size in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-size:]):
             return len(text) - size
     return len(text)

@@ -1,4 +1,4 @@
-"""Tools and tool_choice on chat completions (Hermes parser, `--tool-call-parser hermes`).
+"""Tools and tool_choice on chat completions (`--tool-call-parser hermes`, and `llama3_json` last).
 
 The character-level tiny model's chat template renders the tools and past tool calls; a
 named or required tool_choice is enforced with the grammar, so even random weights produce a
@@ -8,15 +8,17 @@ call whose arguments validate against the tool's parameters.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
 import jsonschema
 import openai
 import pytest
-from server_process import ServerProcess, client_for
+from server_process import KEYS, ServerProcess, client_for
 
-from kvseal.server.tools import HermesToolParser, ToolCallStream
+from kvseal.server.tools import HermesToolParser, Llama3JsonToolParser, ToolCallStream
 
 WEATHER = {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}, "celsius": {"type": "boolean"}},
            "required": ["city", "celsius"], "additionalProperties": False}
@@ -135,3 +137,60 @@ def test_tool_call_stream_holds_back_a_partial_tag() -> None:
     plain = ToolCallStream(HermesToolParser())
     assert plain.content_delta("a <") == "a "
     assert plain.finish() == ("<", [])
+
+
+# ---- llama3_json (Llama 3.1-3.3): the answer is JSON calls ---------------------------------------
+
+def test_llama3_json_parser() -> None:
+    parser = Llama3JsonToolParser()
+    content, calls = parser.parse('<|python_tag|>{"name": "f", "parameters": {"a": 1}}; {"name": "g", "arguments": {}}')
+    assert content is None and [(c.name, json.loads(c.arguments)) for c in calls] == [("f", {"a": 1}), ("g", {})]
+    assert parser.parse(' {"name": "f"}')[1][0].arguments == "{}"
+    for text in ("The answer is 4.", '{"name": "f", "parameters": {}} and then text', '{"a": 1}', "{oops"):
+        assert parser.parse(text) == (text, []), "anything but calls alone is content, as it is"
+
+
+def test_llama3_json_stream_holds_what_may_be_a_call() -> None:
+    stream = ToolCallStream(Llama3JsonToolParser())
+    assert stream.content_delta("  ") == "" and stream.content_delta('{"name": "f", ') == ""
+    assert stream.content_delta('"parameters": {"a": true}}') == ""
+    assert stream.finish()[1][0].arguments == '{"a": true}'
+    tagged = ToolCallStream(Llama3JsonToolParser())
+    assert tagged.content_delta("<|python") == ""
+    plain = ToolCallStream(Llama3JsonToolParser())
+    assert plain.content_delta(" Hel") == " Hel" and plain.content_delta("lo") == "lo"
+    assert plain.finish() == ("", [])
+
+
+@pytest.fixture(scope="module")
+def llama3_server(char_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    proc = ServerProcess(char_dir, tmp_path_factory.mktemp("llama3-tools"), keys=KEYS,
+                         extra_args=["--tool-call-parser", "llama3_json", "--enable-auto-tool-choice",
+                                     "--max-model-len", "1024"])
+    proc.start()
+    yield proc
+    proc.terminate()
+
+
+def test_llama3_json_calls_forced_and_free(llama3_server: ServerProcess) -> None:
+    """tool_choice required: the grammar is one `{"name", "parameters"}` object (no Hermes tags),
+    parsed into a call; auto: a call the model writes in the Llama format (held to it here by a
+    regex) is parsed, streamed or not; an answer that is not a call stays content."""
+    client = client_for(llama3_server, "key-alice")
+    out = client.chat.completions.create(model=llama3_server.model_name, messages=MESSAGES, tools=TOOLS, n=2,
+                                         max_tokens=100, temperature=1.0, seed=1, tool_choice="required")
+    for choice in out.choices:
+        assert choice.message.tool_calls is not None and choice.finish_reason == "tool_calls", choice
+        _validate(choice.message.tool_calls[0])
+    written = '\\{"name": "get_time", "parameters": \\{"zone": "CET"\\}\\}'
+    out = client.chat.completions.create(model=llama3_server.model_name, messages=MESSAGES, tools=TOOLS,
+                                         max_tokens=100, temperature=0, extra_body={"guided_regex": written})
+    [call] = out.choices[0].message.tool_calls or []
+    assert (call.function.name, json.loads(call.function.arguments)) == ("get_time", {"zone": "CET"})
+    deltas = [d for chunk in client.chat.completions.create(
+        model=llama3_server.model_name, messages=MESSAGES, tools=TOOLS, max_tokens=100, temperature=0, stream=True,
+        extra_body={"guided_regex": written}) for c in chunk.choices for d in c.delta.tool_calls or []]
+    assert [d.function.name for d in deltas if d.function] == ["get_time"]
+    out = client.chat.completions.create(model=llama3_server.model_name, messages=MESSAGES, tools=TOOLS,
+                                         max_tokens=100, temperature=0, extra_body={"guided_regex": "It is [a-z]{3}"})
+    assert out.choices[0].message.tool_calls is None and out.choices[0].message.content.startswith("It is ")
