@@ -101,27 +101,32 @@ class Scheduler:
         decodes = [r for r in self.running if num_tokens_left(r) == 1][:budget]
         has_free_seat = len(self.running) < self.config.max_num_seqs  # else no waiting request can start
         running_prefills = [r for r in self.running if num_tokens_left(r) > 1]
-        starting = self._startable() if has_free_seat else []
-        prefills = running_prefills + starting
         # A waiting request's prefix-cache hit is not prefill work: plan only what it computes.
-        num_cached = {r.request_id: len(self.kv.match_prefix(r)) * self.kv.page_size for r in starting}
+        starting, num_cached = self._startable() if has_free_seat else ([], {})
+        prefills = running_prefills + starting
         plan = {r.request_id: 1 for r in decodes}
         plan.update(share_prefill_budget(prefills, budget - len(decodes), self.config.max_prefill_chunk_tokens,
                                          num_cached, self._fair_share_caps(), self.config.attention_cost_context))
         return plan
 
-    def _startable(self) -> list[Request]:
-        """The waiting requests that may start this step, in queue order: not those whose next
-        uncached page a running prefill, or one starting before them, will publish."""
-        if not self.waiting:
-            return []
-        in_flight = self.kv.pages_in_flight([r for r in self.running if num_tokens_left(r) > 1])
-        starting = []
+    def _startable(self) -> tuple[list[Request], dict[str, int]]:
+        """The waiting requests that may start this step, in queue order, and the tokens each
+        finds in the prefix cache: not those whose next uncached page a running prefill, or one
+        starting before them (of those the free seats can take), will publish."""
+        in_flight = self.kv.pages_in_flight([r for r in self.running if num_tokens_left(r) > 1]) \
+            if self.waiting else set()
+        num_free_seats = self.config.max_num_seqs - len(self.running)
+        starting: list[Request] = []
+        num_cached: dict[str, int] = {}
         for request in self.waiting:
-            if not self.kv.waits_for_in_flight(request, in_flight):
-                starting.append(request)
+            num_hit = len(self.kv.match_prefix(request))
+            if self.kv.waits_for_in_flight(request, num_hit, in_flight):
+                continue
+            starting.append(request)
+            num_cached[request.request_id] = num_hit * self.kv.page_size
+            if len(starting) <= num_free_seats:  # (one that cannot be admitted this step publishes nothing)
                 in_flight |= self.kv.pages_in_flight([request])
-        return starting
+        return starting, num_cached
 
     def _fair_share_caps(self) -> dict[str, int]:
         """Tenant -> the most prefill work it gets this step: while several tenants have requests

@@ -202,14 +202,14 @@ class KVCacheManager:
         return {page_key(r.cache_namespace, page_hash) for r in prefilling
                 for page_hash in self._page_hashes(r, r.num_tokens // self.page_size)}
 
-    def waits_for_in_flight(self, request: Request, in_flight: set[PageKey]) -> bool:
-        """Whether the first page a waiting request misses in the cache is one a running prefill
-        will publish (`pages_in_flight`): then it does better to start after it than to compute
-        the same prefix beside it. Keys carry the namespace (I5): only a prefill of the
-        request's own tenant counts, so no tenant's waiting depends on another's prompts."""
+    def waits_for_in_flight(self, request: Request, num_hit: int, in_flight: set[PageKey]) -> bool:
+        """Whether the first page a waiting request misses in the cache (after its `num_hit`
+        pages that hit, `match_prefix`) is one a running prefill will publish (`pages_in_flight`):
+        then it does better to start after it than to compute the same prefix beside it. Keys
+        carry the namespace (I5): only a prefill of the request's own tenant counts, so no
+        tenant's waiting depends on another's prompts."""
         if not in_flight:
             return False
-        num_hit = len(self.match_prefix(request))
         if request.needs_prompt_logprobs or num_hit >= (request.num_tokens - 1) // self.page_size:
             return False
         first_missed = self._page_hashes(request, num_hit + 1)[num_hit]
