@@ -12,6 +12,7 @@ import dataclasses
 import logging
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from kvseal.capacity import (
@@ -431,6 +432,9 @@ class EngineArgs:
             raise ConfigError(f"quantization bf16 stores a float32 model's linear weights in bfloat16; it needs "
                               f"dtype float32, got {self.dtype!r} (a bfloat16 model's weights are bfloat16 already)")
         object.__setattr__(self, "kv_headroom", check_headroom(self.kv_headroom))
+        if self.tokenizer is not None and not Path(self.tokenizer).is_dir():
+            raise ConfigError(f"--tokenizer must be a local folder holding a tokenizer (tokenizer.json or "
+                              f"tokenizer_config.json); {self.tokenizer!r} is not a folder (no model hub is read)")
         if isinstance(self.max_model_len, str) and self.max_model_len != "auto":
             raise ConfigError(f"max_model_len must be an integer or 'auto'; got {self.max_model_len!r}")
         if isinstance(self.max_model_len, int) and self.max_model_len < 1:

@@ -12,7 +12,7 @@ from char_model import make_char_model
 from tiny_models import make_tokenizer
 
 from kvseal import InvalidParameter, SamplingParams
-from kvseal.errors import ModelLoadError
+from kvseal.errors import ConfigError, ModelLoadError
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
 
@@ -212,5 +212,7 @@ def test_tokenizer_replaces_the_models_own(make_llm: Callable[..., Any], llama_d
     assert _ready_msg(llm.engine).tokenizer_path == str(folder)
     assert tokenizer_folder(str(llama_dir), str(folder)) == str(folder)
     assert _ready_msg(make_llm().engine).tokenizer_path == str(llama_dir)
+    with pytest.raises(ConfigError, match="--tokenizer must be a local folder"):
+        make_llm(tokenizer=str(tmp_path / "missing"))
     with pytest.raises(ModelLoadError, match="more than the model's vocabulary"):
         make_llm(model=str(make_char_model(tmp_path / "char")), tokenizer=str(folder), max_model_len=256)
