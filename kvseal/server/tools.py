@@ -9,6 +9,10 @@ with tools is refused:
 - `llama3_json` (Llama 3.1 to 3.3): an answer that is one or more `{"name": ...,
   "parameters": {...}}` objects (or `"arguments"`), separated by `;`, optionally after
   `<|python_tag|>` (`Llama3JsonToolParser`); an answer that does not begin so is content.
+- `mistral` (Mistral's instruct models from v0.3): an answer that is a JSON list of `{"name":
+  ..., "arguments": {...}}` objects after `[TOOL_CALLS]` (a special token, so usually not in
+  the text) (`MistralToolParser`); its call ids are nine letters and digits, the only ids
+  Mistral's chat templates take back in the history.
 `tool_choice`:
 - "auto" (the default with tools): the model may call tools; calls are parsed from its text.
 - "none": tools are rendered but nothing is parsed; the text is the answer.
@@ -18,10 +22,13 @@ with tools is refused:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
+import secrets
+import string
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from kvseal.errors import InvalidParameter
@@ -32,15 +39,25 @@ from kvseal.types import StructuredOutput
 _CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 START_TAG = "<tool_call>"
 PYTHON_TAG = "<|python_tag|>"
+MISTRAL_CALLS = "[TOOL_CALLS]"
+
+
+def _openai_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def _mistral_id() -> str:
+    return "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(9))
 
 
 @dataclass(frozen=True)
 class ParsedToolCall:
     name: str
     arguments: str  # JSON text
+    id: str = field(default_factory=_openai_id)
 
     def as_openai(self, index: int | None = None) -> dict[str, Any]:
-        call: dict[str, Any] = {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+        call: dict[str, Any] = {"id": self.id, "type": "function",
                                 "function": {"name": self.name, "arguments": self.arguments}}
         return call if index is None else {"index": index} | call
 
@@ -123,8 +140,42 @@ class Llama3JsonToolParser:
         return StructuredOutput("json_schema", json.dumps(_one_of(call_schemas)))
 
 
-TOOL_PARSERS: dict[str, type[HermesToolParser] | type[Llama3JsonToolParser]] = {
-    "hermes": HermesToolParser, "llama3_json": Llama3JsonToolParser}
+class MistralToolParser:
+    arguments_key = "arguments"
+
+    def parse(self, text: str) -> tuple[str | None, list[ParsedToolCall]]:
+        """All calls, or none: an answer that is not one JSON list of calls (after
+        `[TOOL_CALLS]`) is content, as it is."""
+        body = text.strip().removeprefix(MISTRAL_CALLS).lstrip()
+        if not body.startswith("["):
+            return text, []
+        try:
+            values = json.loads(body)
+        except ValueError:
+            return text, []
+        calls = []
+        for value in values:  # (a list: the text began with "[")
+            call = _call_of(value, ("arguments",), _mistral_id())
+            if call is None:
+                return text, []
+            calls.append(call)
+        return (None, calls) if calls else (text, [])
+
+    def held_from(self, text: str) -> int:
+        start = text.lstrip()
+        if not start or start.startswith(("[", MISTRAL_CALLS)) or MISTRAL_CALLS.startswith(start):
+            return 0  # a call list, or not known yet
+        return len(text)
+
+    def forced_call(self, call_schemas: list[dict[str, Any]]) -> StructuredOutput:
+        """A list of exactly one call (the `[TOOL_CALLS]` token before it is special: no grammar
+        writes it, and the parser does without it)."""
+        return StructuredOutput("json_schema", json.dumps({"type": "array", "items": _one_of(call_schemas),
+                                                           "minItems": 1, "maxItems": 1}))
+
+
+TOOL_PARSERS: dict[str, type[HermesToolParser] | type[Llama3JsonToolParser] | type[MistralToolParser]] = {
+    "hermes": HermesToolParser, "llama3_json": Llama3JsonToolParser, "mistral": MistralToolParser}
 assert tuple(TOOL_PARSERS) == TOOL_CALL_PARSERS
 
 
@@ -140,13 +191,14 @@ def _parse_call(body: str) -> ParsedToolCall | None:
     return _call_of(value, ("arguments",))
 
 
-def _call_of(value: Any, argument_keys: tuple[str, ...]) -> ParsedToolCall | None:
+def _call_of(value: Any, argument_keys: tuple[str, ...], call_id: str | None = None) -> ParsedToolCall | None:
     """A call from its JSON object: a string `name`, and its arguments under the first of
     `argument_keys` it has (none: no arguments); None for anything else."""
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
         return None
     arguments: Any = next((value[key] for key in argument_keys if key in value), {})
-    return ParsedToolCall(value["name"], json.dumps(arguments, ensure_ascii=False))
+    call = ParsedToolCall(value["name"], json.dumps(arguments, ensure_ascii=False))
+    return call if call_id is None else dataclasses.replace(call, id=call_id)
 
 
 def _one_of(schemas: list[dict[str, Any]]) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""Tools and tool_choice on chat completions (`--tool-call-parser hermes`, and `llama3_json` last).
+"""Tools and tool_choice on chat completions (`--tool-call-parser hermes`; `llama3_json` and `mistral` last).
 
 The character-level tiny model's chat template renders the tools and past tool calls; a
 named or required tool_choice is enforced with the grammar, so even random weights produce a
@@ -8,6 +8,7 @@ call whose arguments validate against the tool's parameters.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,7 @@ import openai
 import pytest
 from server_process import KEYS, ServerProcess, client_for
 
-from kvseal.server.tools import HermesToolParser, Llama3JsonToolParser, ToolCallStream
+from kvseal.server.tools import HermesToolParser, Llama3JsonToolParser, MistralToolParser, ToolCallStream
 
 WEATHER = {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}, "celsius": {"type": "boolean"}},
            "required": ["city", "celsius"], "additionalProperties": False}
@@ -194,3 +195,40 @@ def test_llama3_json_calls_forced_and_free(llama3_server: ServerProcess) -> None
     out = client.chat.completions.create(model=llama3_server.model_name, messages=MESSAGES, tools=TOOLS,
                                          max_tokens=100, temperature=0, extra_body={"guided_regex": "It is [a-z]{3}"})
     assert out.choices[0].message.tool_calls is None and out.choices[0].message.content.startswith("It is ")
+
+
+# ---- mistral: [TOOL_CALLS] and a JSON list of calls -----------------------------------------------
+
+def test_mistral_parser() -> None:
+    parser = MistralToolParser()
+    content, calls = parser.parse('[TOOL_CALLS] [{"name": "f", "arguments": {"a": 1}}, {"name": "g"}]')
+    assert content is None and [(c.name, json.loads(c.arguments)) for c in calls] == [("f", {"a": 1}), ("g", {})]
+    assert all(re.fullmatch("[A-Za-z0-9]{9}", c.as_openai()["id"]) for c in calls), "what its templates take"
+    assert parser.parse('[{"name": "f", "arguments": {}}]')[1][0].name == "f", "the special token is usually dropped"
+    for text in ("[1, 2]", "[]", "[see](link)", "plain", '[{"name": "f"}] and more'):
+        assert parser.parse(text) == (text, [])
+    stream = ToolCallStream(MistralToolParser())
+    assert stream.content_delta("[TOOL") == "" and stream.content_delta('_CALLS] [{"name": "f"}]') == ""
+    assert [c.name for c in stream.finish()[1]] == ["f"]
+    plain = ToolCallStream(MistralToolParser())
+    assert plain.content_delta("Sure") == "Sure"
+
+
+def test_mistral_forced_call_is_one_valid_call(char_dir: Path) -> None:
+    """The grammar a required tool_choice gets with `--tool-call-parser mistral`: a list of one
+    call, which the parser reads back, its arguments valid."""
+    from kvseal import LLM, SamplingParams
+    from kvseal.server.tools import call_schema
+
+    parser = MistralToolParser()
+    grammar = parser.forced_call([call_schema(name, PARAMS[name]) for name in PARAMS])
+    llm = LLM(str(char_dir), kv_cache_tokens=1024, page_size=4, dtype="float32", grammar_compile_workers=1)
+    try:
+        outs = llm.generate(["a", "b"], [SamplingParams(max_tokens=120, temperature=1.0, seed=s, structured=grammar)
+                                         for s in (1, 2)])
+    finally:
+        llm.engine.close()
+    for out in outs:
+        content, [call] = parser.parse(out.text)
+        assert content is None and out.finish_reason.value == "stop"
+        jsonschema.validate(json.loads(call.arguments), PARAMS[call.name])
