@@ -63,6 +63,8 @@ class ParsedToolCall:
 
 
 class ToolParser(Protocol):
+    arguments_key: str  # the key of a call's arguments in its JSON object, in this format
+
     def parse(self, text: str) -> tuple[str | None, list[ParsedToolCall]]:
         """(content outside the calls, or None when there is none besides calls; the calls)."""
         ...
@@ -76,8 +78,6 @@ class ToolParser(Protocol):
         """The grammar of exactly one call in this format, its JSON one of `call_schemas`
         (`call_schema`'s, with this format's arguments key)."""
         ...
-
-    arguments_key: str
 
 
 class HermesToolParser:
