@@ -92,6 +92,9 @@ HEARTBEAT_S = 0.5
 # host takes well over 15 s: this limit must exceed the longest step a healthy engine takes.
 DEAD_AFTER_S = 60.0
 START_TIMEOUT_S = 600.0
+# What a link's monitor reports: its handshakes (done, or refused and why) and its disconnects.
+LINK_EVENTS = (zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+               | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
 
 
 @dataclass
@@ -102,6 +105,7 @@ class EngineLink:
     address: str
     public_key: bytes  # the CURVE key the engine proves (prefill's link to decode checks it too)
     socket: zmq.asyncio.Socket
+    monitor: zmq.asyncio.Socket  # the socket's connection events, attached before it connected
     info: EngineInfoMsg | None = None
     stats: PdStatsMsg | None = None
     last_seen_s: float = 0.0
@@ -198,8 +202,11 @@ class PdClient:
         socket.setsockopt(zmq.IMMEDIATE, 1)
         socket.setsockopt(zmq.LINGER, 0)
         secure_client(socket, self._link_key, engine.public_key)
+        # Before connecting: a handshake can end (a refused key, never retried) before `start` runs,
+        # and a monitor attached after it would never hear of it.
+        monitor = socket.get_monitor_socket(LINK_EVENTS)
         socket.connect(tcp_endpoint(engine.address))
-        return EngineLink(role, engine.address, engine.public_key, socket)
+        return EngineLink(role, engine.address, engine.public_key, socket, monitor)
 
     # ---- the EngineBackend interface ------------------------------------------------------
 
@@ -307,6 +314,7 @@ class PdClient:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         for link in self.links:
+            link.monitor.close(linger=0)  # (closed already where `start` watched it: closing again is nothing)
             link.socket.close(linger=0)
         self._ctx.term()
         if self._supervisor is not None:
@@ -504,10 +512,7 @@ class PdClient:
     async def _watch_connection(self, link: EngineLink) -> None:
         """A disconnect (the engine process died or closed) marks the engine down at once; a
         completed handshake says hello at once; a failed one is logged with what to check."""
-        monitor = link.socket.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
-                                                 | zmq.EVENT_HANDSHAKE_FAILED_AUTH
-                                                 | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-                                                 | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+        monitor = link.monitor
         try:
             while True:
                 event = parse_monitor_message(await monitor.recv_multipart())

@@ -52,3 +52,46 @@ def _info(role: Role, policy: str) -> EngineInfoMsg:
 def test_the_scrub_policy_names_each_role_where_they_differ() -> None:
     assert scrub_policy([_info("prefill", "free"), _info("decode", "free")]) == "free"
     assert scrub_policy([_info("prefill", "free"), _info("decode", "off")]) == "decode=off,prefill=free"
+
+
+def test_a_key_refused_before_start_is_still_reported(caplog: pytest.LogCaptureFixture) -> None:
+    """The frontend's links connect as it is made, and an engine that refuses its key does so at
+    once, never again (ZMQ does not retry a refused key). The link's monitor is attached before it
+    connects, so `start` still reports the refusal with its fix, however long it came after:
+    with the monitor attached in `start` (as before), this failed when the refusal won the race."""
+    import zmq
+
+    from kvseal.disagg.link_auth import LinkGuard
+    from kvseal.disagg.link_keys import EngineLinkKeys, PublicKey
+    from kvseal.errors import ConfigError
+
+    ctx = zmq.Context()
+    engine_key = KeyPair.ephemeral("prefill")
+    guard = LinkGuard(ctx, EngineLinkKeys(engine_key, (PublicKey("other", KeyPair.ephemeral("other").public),)),
+                      "kvseal-test")
+    router = ctx.socket(zmq.ROUTER)
+    guard.secure_server(router)
+    address = f"127.0.0.1:{free_port()}"
+    router.bind(f"tcp://{address}")
+    pd = PdClient([EngineEndpoint(address, engine_key.public)], [], "/tokenizer", KeyPair.ephemeral("frontend"))
+
+    async def start_then_stop() -> None:
+        try:
+            await pd.start(timeout_s=1.0)
+        finally:
+            await pd.shutdown(timeout_s=0)
+
+    try:
+        for _ in range(100):  # the refusal happens before `start` runs
+            if guard.take_handshake_failures() or guard.refused_handshakes:
+                break
+            router.poll(50)
+        assert guard.refused_handshakes["unlisted_key"] >= 1
+        with caplog.at_level("ERROR", logger="kvseal.server"), pytest.raises(ConfigError, match="no answer"):
+            asyncio.run(start_then_stop())
+        assert any("refused this frontend's key" in r.getMessage() for r in caplog.records), caplog.text
+    finally:
+        guard.monitor.close(linger=0)
+        router.close(linger=0)
+        guard.close()
+        ctx.term()

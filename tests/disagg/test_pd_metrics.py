@@ -28,7 +28,7 @@ def series_of(registry: CollectorRegistry, instance_id: str) -> list[str]:
 def test_a_down_or_restarted_engines_series_are_removed() -> None:
     registry = CollectorRegistry()
     metrics = PdMetrics(registry)
-    link = EngineLink("decode", "127.0.0.1:9002", b"key", socket=None)  # type: ignore[arg-type]  # unused here
+    link = EngineLink("decode", "127.0.0.1:9002", b"key", socket=None, monitor=None)  # type: ignore[arg-type]  # unused
     link.is_up, link.stats = True, stats("decode-aaaa")
     metrics.record(link)
     assert len(series_of(registry, "decode-aaaa")) == 10  # six gauges, three refusal reasons, one failure reason
