@@ -145,13 +145,14 @@ def test_engine_death_fails_requests_and_health(start_server: Callable[..., Serv
 def test_sigterm_to_the_whole_process_group_drains_too(start_server: Callable[..., ServerProcess]) -> None:
     """systemd's KillMode=control-group, `kill -TERM -PGID`, `tini -g`: the engine gets SIGTERM
     too, ignores it, and the frontend drains as usual; meanwhile new connections get 503."""
-    # The drain lasts as long as the in-flight request: 1,000 tokens (~0.5 s on the tiny model; 300
-    # took 0.2 s), and the probes' client is made before the signal (making one costs ~0.1 s), so
-    # that a test slowed by other work on the host still asks while the server drains.
+    # The drain lasts as long as the in-flight response: 1,000 tokens with 5 logprobs each (~410 KB
+    # of events, which this test reads only after its probe got the 503), so that the server
+    # rarely finishes sending before the probe asks: without logprobs (~100 KB), a CI run under
+    # load once sent all of it, and stopped listening, before the probe's first try.
     group_server = start_server("--shutdown-grace-s", "120", "--max-model-len", "1024", own_process_group=True)
     assert group_server.proc is not None
     with (httpx.Client(timeout=30, headers={"Connection": "close"}) as probes,
-          httpx.stream("POST", f"{group_server.base_url}/completions", json=BODY | {"max_tokens": 1000},
+          httpx.stream("POST", f"{group_server.base_url}/completions", json=BODY | {"max_tokens": 1000, "logprobs": 5},
                        timeout=60) as response):
         lines = response.iter_lines()
         next(lines)
