@@ -155,7 +155,7 @@ def test_tp2_greedy_equals_tp1_on_the_default_model_with_preemption() -> None:
     (bfloat16 is pinned on the tiny models: `test_tp2_greedy_equals_tp1_in_bfloat16`)."""
     prompts = ["The capital of France is", "Write a haiku about the sea.", "1, 2, 3, 4,", "def fibonacci(n):",
                "Once upon a time"]
-    params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)  # 5 x ~40 tokens in a pool of 128
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)  # 5 x ~24 tokens (2 pages each) in 8 pages
     outs = {}
     for tp in (1, 2):
         llm = LLM(None, tensor_parallel_size=tp, dtype="float32", kv_cache_tokens=128, max_model_len=128,

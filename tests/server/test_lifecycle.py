@@ -145,19 +145,23 @@ def test_engine_death_fails_requests_and_health(start_server: Callable[..., Serv
 def test_sigterm_to_the_whole_process_group_drains_too(start_server: Callable[..., ServerProcess]) -> None:
     """systemd's KillMode=control-group, `kill -TERM -PGID`, `tini -g`: the engine gets SIGTERM
     too, ignores it, and the frontend drains as usual; meanwhile new connections get 503."""
-    # The drain lasts as long as the in-flight response: 1,000 tokens with 5 logprobs each (~410 KB
-    # of events, which this test reads only after its probe got the 503), so that the server
-    # rarely finishes sending before the probe asks: without logprobs (~100 KB), a CI run under
-    # load once sent all of it, and stopped listening, before the probe's first try.
-    group_server = start_server("--shutdown-grace-s", "120", "--max-model-len", "1024", own_process_group=True)
+    # The engine is held (SIGSTOP) from the first event until the probe got its 503, so the drain
+    # cannot end before the probe asks, however loaded the host (sizing the response for that
+    # failed under load once). A stopped process keeps the group's SIGTERM pending; it meets the
+    # engine's handler when the engine goes on.
+    group_server = start_server("--shutdown-grace-s", "120", own_process_group=True)
     assert group_server.proc is not None
+    engine_pid = group_server.engine_pid
     with (httpx.Client(timeout=30, headers={"Connection": "close"}) as probes,
-          httpx.stream("POST", f"{group_server.base_url}/completions", json=BODY | {"max_tokens": 1000, "logprobs": 5},
-                       timeout=60) as response):
+          httpx.stream("POST", f"{group_server.base_url}/completions", json=BODY, timeout=60) as response):
         lines = response.iter_lines()
         next(lines)
-        os.killpg(group_server.proc.pid, signal.SIGTERM)
-        refused = wait_for(lambda: _status_while_draining(group_server, probes), "a 503 while draining")
+        os.kill(engine_pid, signal.SIGSTOP)
+        try:
+            os.killpg(group_server.proc.pid, signal.SIGTERM)
+            refused = wait_for(lambda: _status_while_draining(group_server, probes), "a 503 while draining")
+        finally:
+            os.kill(engine_pid, signal.SIGCONT)
         rest = list(lines)
         request_id = response.headers["x-request-id"]
     assert refused == 503
@@ -201,9 +205,10 @@ def _running_and_logged(server: ServerProcess, line: str) -> bool:
 
 
 def _status_while_draining(server: ServerProcess, client: httpx.Client) -> int | None:
-    """A new connection's answer once draining began (None before: health still says 200)."""
-    response = client.post(f"{server.base_url}/completions", json={"prompt": "w5", "max_tokens": 1})
-    if response.status_code == 200:
+    """A new connection's answer once draining began (None before). The request is one the door
+    refuses (400) without the engine, which the caller holds: the shutdown check comes first."""
+    response = client.post(f"{server.base_url}/completions", json={"prompt": "w5", "max_tokens": -1})
+    if response.status_code == 400:
         return None
     assert response.json()["error"]["code"] == "engine_unavailable"
     return response.status_code
