@@ -102,19 +102,18 @@ class Scheduler:
         has_free_seat = len(self.running) < self.config.max_num_seqs  # else no waiting request can start
         running_prefills = [r for r in self.running if num_tokens_left(r) > 1]
         # A waiting request's prefix-cache hit is not prefill work: plan only what it computes.
-        starting, num_cached = self._startable() if has_free_seat else ([], {})
+        starting, num_cached = self._startable(running_prefills) if has_free_seat else ([], {})
         prefills = running_prefills + starting
         plan = {r.request_id: 1 for r in decodes}
         plan.update(share_prefill_budget(prefills, budget - len(decodes), self.config.max_prefill_chunk_tokens,
                                          num_cached, self._fair_share_caps(), self.config.attention_cost_context))
         return plan
 
-    def _startable(self) -> tuple[list[Request], dict[str, int]]:
+    def _startable(self, running_prefills: list[Request]) -> tuple[list[Request], dict[str, int]]:
         """The waiting requests that may start this step, in queue order, and the tokens each
-        finds in the prefix cache: not those whose next uncached page a running prefill, or one
-        starting before them (of those the free seats can take), will publish."""
-        in_flight = self.kv.pages_in_flight([r for r in self.running if num_tokens_left(r) > 1]) \
-            if self.waiting else set()
+        finds in the prefix cache: not those whose next uncached page one of `running_prefills`,
+        or a request starting before them (of those the free seats can take), will publish."""
+        in_flight = self.kv.pages_in_flight(running_prefills) if self.waiting else set()
         num_free_seats = self.config.max_num_seqs - len(self.running)
         starting: list[Request] = []
         num_cached: dict[str, int] = {}

@@ -90,8 +90,8 @@ class Call:
     def submit(self, prompts: list[AddRequestMsg]) -> ChoiceGroup:
         """Submit one engine request per choice (`n` per prompt); the group reports to this call."""
         msgs = choice_msgs(prompts)
-        group = ChoiceGroup(self.request_id, len(msgs), self, choices_per_prompt=prompts[0].params.n)
-        group.num_prompt_tokens = [len(msg.prompt_token_ids) for msg in msgs]
+        group = ChoiceGroup(self.request_id, [len(msg.prompt_token_ids) for msg in msgs], self,
+                            choices_per_prompt=prompts[0].params.n)
         try:
             for index, choice in enumerate(msgs):
                 handle = self.state.engine.submit(choice, group.observer_for(index))

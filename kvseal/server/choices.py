@@ -44,12 +44,13 @@ def _choice_params(msg: AddRequestMsg, index: int) -> SamplingParamsMsg:
 
 
 class ChoiceGroup:
-    def __init__(self, request_id: str, num_choices: int, observer: RequestObserver,
+    def __init__(self, request_id: str, num_prompt_tokens: list[int], observer: RequestObserver,
                  choices_per_prompt: int | None = None) -> None:
+        """`num_prompt_tokens`: per choice, its prompt's (one entry per choice)."""
         self.request_id = request_id
-        self.num_choices = num_choices
-        self._per_prompt = choices_per_prompt or num_choices
-        self.num_prompt_tokens: list[int] = []  # per choice, its prompt's (set by the call that submits it)
+        self.num_choices = len(num_prompt_tokens)
+        self._per_prompt = choices_per_prompt or self.num_choices
+        self.num_prompt_tokens = num_prompt_tokens
         self._observer = observer
         self._queue: asyncio.Queue[ChoiceEvent] = asyncio.Queue()
         self._terminal: dict[int, RequestEvent] = {}
