@@ -24,10 +24,13 @@ from kvseal.errors import ConfigError, KvsealError
 from kvseal.flags import add_flags, flag, values_of
 from kvseal.no_torch import tokenize_without_torch
 from kvseal.server import add_serve_arguments
+from kvseal.vllm_compat import add_vllm_flags, vllm_notes
 
 if TYPE_CHECKING:
     from kvseal.engine_api import EngineBackend
     from kvseal.server import ServerConfig
+
+logger = logging.getLogger("kvseal")
 
 
 @dataclass(frozen=True)
@@ -188,6 +191,8 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
 
     config = ServerConfig.from_namespace(ns)
     restart = RestartPolicy(**values_of(ns, RestartPolicy))  # bad flags stop start-up before anything runs
+    for note in vllm_notes(ns):
+        logger.info("%s", note)
     args = engine_args_from(ns) if _is_colocated(ns) else None
     # Bound before any engine starts: an address that cannot be listened on fails here, by name.
     with bind_listener(config.host, config.port) as listener:
@@ -315,6 +320,7 @@ def build_parser() -> argparse.ArgumentParser:
               RestartPolicy)
     add_flags(serve.add_argument_group("prefill/decode disaggregation"), PdServeArgs)
     add_flags(serve, NodeConfig, only=("kv_transport", "reservation_timeout_s"))  # with --pd
+    add_vllm_flags(serve)
     serve.set_defaults(func=_cmd_serve)
 
     engine = sub.add_parser("engine", help="one prefill or decode engine for a PD frontend (kvseal serve --prefill)")

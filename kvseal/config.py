@@ -346,8 +346,9 @@ class EngineArgs:
         action="store_true"))
     # reuse full KV pages of earlier prompts of the same tenant (I5)
     enable_prefix_caching: bool = field(default=True, metadata=flag(
-        "turn off the prefix cache (on by default; per tenant, I5): every prompt is prefilled in full",
-        name="--no-prefix-caching", action="store_false", aliases=("--no-enable-prefix-caching",)))
+        "the prefix cache, per tenant (I5): on by default; --no-prefix-caching (or vLLM's "
+        "--no-enable-prefix-caching) prefills every prompt in full", name="--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction, aliases=("--prefix-caching",)))
     # torch's global seed; unseeded requests draw their own from the OS, never from this
     seed: int = field(default=0, metadata=flag("torch's global seed (unseeded requests draw from the OS)"))
     # torch's intra-op CPU threads in the engine process, set before the model loads; None keeps

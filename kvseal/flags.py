@@ -10,6 +10,7 @@ defined once, where its value lives, and every command that takes it (`serve`, `
 from __future__ import annotations
 
 import argparse
+import builtins
 import dataclasses
 import sys
 from collections.abc import Callable, Collection, Sequence
@@ -26,7 +27,8 @@ class Flag:
     type: Callable[[str], Any] | None = None  # default: the default value's type (str when None)
     choices: Sequence[str] | None = None
     metavar: str | None = None
-    action: str | None = None  # "store_true" or "store_false" for switches
+    # switches: "store_true", "store_false" or argparse.BooleanOptionalAction
+    action: str | builtins.type[argparse.Action] | None = None
     aliases: tuple[str, ...] = ()  # other names, as good as `name` (vLLM's, say)
     deprecated: tuple[str, ...] = ()  # old names that still work and warn
 

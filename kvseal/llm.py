@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -12,6 +13,9 @@ from kvseal.engine.engine import LLMEngine
 from kvseal.errors import InvalidParameter
 from kvseal.prompting import ChatOptions, render_chat
 from kvseal.types import DEFAULT_TENANT, RequestOutput, SamplingParams, choice_seed
+from kvseal.vllm_compat import vllm_argument_notes
+
+logger = logging.getLogger("kvseal")
 
 Prompt = str | list[int]
 # vLLM's TextPrompt {"prompt": str} and TokensPrompt {"prompt_token_ids": [int]}
@@ -25,6 +29,8 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+        for note in vllm_argument_notes(engine_args):  # vLLM's arguments with no kvseal field: taken or refused
+            logger.info("%s", note)
         known = {f.name for f in dataclasses.fields(EngineArgs) if f.init}
         unknown = sorted(set(engine_args) - known)
         if unknown:

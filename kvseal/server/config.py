@@ -61,6 +61,10 @@ class ServerConfig:
     body_timeout_s: float = field(default=60.0, metadata=flag(
         "answer 408 when a request body has not all arrived this long after its headers"))
     log_level: str = "INFO"  # the top-level --log-level (every command has it)
+    # None: --log-level's
+    uvicorn_log_level: str | None = field(default=None, metadata=flag(
+        "the HTTP server's (uvicorn's) log level, as vLLM's flag: its access lines are INFO (default: the "
+        "top-level --log-level)", choices=("critical", "error", "warning", "info", "debug", "trace")))
     # "auto": the model's generation_config.json; "vllm": neutral defaults
     generation_config: str = field(default="auto", metadata=flag(
         "defaults for omitted temperature/top_p/top_k/min_p/repetition_penalty: 'auto' takes the model's "

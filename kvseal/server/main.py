@@ -177,7 +177,8 @@ def _model_dir(model_path: str) -> Path | None:
 def _uvicorn_config(config: ServerConfig, state: AppState) -> uvicorn.Config:
     http = protocol_with_header_timeout(config.header_timeout_s)
     return uvicorn.Config(build_app(state), host=config.host, port=config.port, loop="none", http=http,
-                          lifespan="off", log_config=None, log_level=config.log_level.lower(),
+                          lifespan="off", log_config=None,
+                          log_level=(config.uvicorn_log_level or config.log_level).lower(),
                           timeout_graceful_shutdown=math.ceil(ABORT_MARGIN_S))  # after _drain
 
 

@@ -66,6 +66,21 @@ def test_sigterm_lets_in_flight_requests_finish_then_exits_zero(start_server: Ca
     # (kvseal/kvcache/reserve.py; not where a GPU device node makes --device auto undecided)
     gpu_node = any(Path(node).exists() for node in ("/dev/nvidiactl", "/dev/kfd"))
     assert f"kv_pool_reserved_early={not gpu_node}" in log
+    assert '"POST /v1/completions HTTP/1.1" 200' in log  # uvicorn's access line, at INFO
+
+
+def test_vllms_flags_are_taken_with_a_line_each_and_uvicorns_log_level_applies(
+        start_server: Callable[..., ServerProcess]) -> None:
+    quiet_server = start_server("--uvicorn-log-level", "warning", "--trust-remote-code", "--disable-log-requests")
+    with client_for(quiet_server, "EMPTY") as client:
+        completion = client.completions.with_raw_response.create(model=quiet_server.model_name, prompt="w5",
+                                                                  max_tokens=2)
+    assert quiet_server.terminate() == 0
+    log = quiet_server.log()
+    assert "vLLM's --trust-remote-code is taken and changes nothing" in log
+    assert "vLLM's --disable-log-requests is taken and changes nothing" in log
+    assert "POST /v1/completions" not in log  # no access line at WARNING
+    assert quiet_server.audit_for(completion.headers["x-request-id"])["outcome"] == "finished"  # the audit line stays
 
 
 def _stream_then_sigterm(open_server: ServerProcess) -> tuple[list[str], str]:
