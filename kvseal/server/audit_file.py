@@ -20,6 +20,11 @@ number for good: `PATH.1` is the oldest, readers (`kvseal.auditlog.files`) read 
 order, then `PATH`. With `num_backups` set, the oldest beyond that many are deleted after a
 rotation (logged at WARNING with the file's name: evidence is never deleted silently).
 
+The file is the server user's alone: a new one (at start, after a rotation or a deletion) is
+created with mode 0600, whatever the umask, since it holds every tenant's request metadata and,
+with `--audit-log-prompts`, their prompts. A regular file found with access for other users
+(one an older kvseal made 0644) loses it, with a warning; its group bits are the operator's.
+
 One writer per file is assumed (the cut-back would race with another process appending).
 A line counts as written once the kernel accepted it; there is no fsync per line (a rotated
 file is fsynced once, before it is renamed).
@@ -31,12 +36,14 @@ import errno
 import logging
 import os
 import re
+import stat
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 _OPEN_FLAGS = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC
-_MODE = 0o666  # less the umask, as open(path, "a") does
+_MODE = 0o600  # the server user's only (the umask can only take more away)
+_OTHERS = stat.S_IRWXO
 
 logger = logging.getLogger("kvseal.audit")
 
@@ -161,9 +168,21 @@ class AuditFile:
     def _open(self) -> int:
         fd = os.open(self.path, _OPEN_FLAGS, _MODE)
         status = os.fstat(fd)
+        if stat.S_ISREG(status.st_mode) and status.st_mode & _OTHERS:
+            self._close_to_others(fd, status.st_mode)
         self._fd, self._identity = fd, (status.st_dev, status.st_ino)
         self._first_line_at = status.st_mtime if status.st_size else None
         return fd
+
+    def _close_to_others(self, fd: int, mode: int) -> None:
+        """Take other users' access away from a file found with it (a failure closes the fd and raises)."""
+        try:
+            os.fchmod(fd, stat.S_IMODE(mode) & ~_OTHERS)
+        except OSError:
+            os.close(fd)
+            raise
+        logger.warning("the audit log %s was open to other users (mode %o); it is now %o: it holds every "
+                       "tenant's request records", self.path, stat.S_IMODE(mode), stat.S_IMODE(mode) & ~_OTHERS)
 
     @staticmethod
     def _cut_back(fd: int, size: int) -> None:

@@ -141,3 +141,46 @@ def test_without_a_file_the_lines_go_to_the_logger(caplog: pytest.LogCaptureFixt
     with caplog.at_level("INFO", logger="kvseal.audit"):
         assert log.write(record("a"))
     assert json.loads(caplog.records[-1].getMessage())["request_id"] == "a"
+
+
+@pytest.fixture
+def open_umask() -> Any:
+    """umask 000: any mode the log's files get is the one the code asks for."""
+    old = os.umask(0)
+    yield
+    os.umask(old)
+
+
+def _mode(path: Path) -> int:
+    return path.stat().st_mode & 0o777
+
+
+def test_the_file_is_the_server_users_alone_at_start_after_rotation_and_after_deletion(
+        tmp_path: Path, open_umask: None) -> None:
+    """It holds every tenant's request records (and, with --audit-log-prompts, their prompts)."""
+    path = tmp_path / "audit.jsonl"
+    log = AuditLog(str(path), include_prompts=True, max_bytes=400)
+    assert log.write(record("a"))
+    assert _mode(path) == 0o600
+    for i in range(4):  # past max_bytes: rotated, and a new file made at the path
+        assert log.write(record(f"r{i}"))
+    path.unlink()
+    assert log.write(record("after-deletion"))
+    log.close()
+    files = [p for p in tmp_path.iterdir() if p.name.startswith("audit.jsonl")]
+    assert len(files) >= 3 and {_mode(p) for p in files} == {0o600}
+
+
+def test_a_file_found_open_to_other_users_loses_their_access_and_says_so(
+        tmp_path: Path, open_umask: None, caplog: pytest.LogCaptureFixture) -> None:
+    path = tmp_path / "audit.jsonl"
+    path.write_text("")
+    path.chmod(0o644)  # as kvseal made it before, under the usual umask
+    log = AuditLog(str(path), include_prompts=False)
+    with caplog.at_level("WARNING", logger="kvseal.audit"):
+        assert log.write(record("a"))
+    log.close()
+    assert _mode(path) == 0o640  # the group's read is the operator's choice
+    assert "was open to other users (mode 644); it is now 640" in caplog.text
+    assert [r["request_id"] for r in lines(path)] == ["a"]
+
