@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from kvseal.capacity import parse_bytes
 from kvseal.errors import ConfigError
 from kvseal.flags import add_flags, flag, values_of
+from kvseal.server.open_files import FDS_KEPT, check_max_connections
 from kvseal.server.reasoning import REASONING_PARSERS
 
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
@@ -56,6 +57,11 @@ class ServerConfig:
     max_body_bytes: int = field(default=DEFAULT_MAX_BODY_BYTES, metadata=flag("larger request bodies get HTTP 413"))
     shutdown_grace_s: float = field(default=30.0, metadata=flag(
         "on SIGTERM, how long in-flight requests may run before they are aborted"))
+    # None: the open-files limit (raised to the hard one at start) less FDS_KEPT
+    max_connections: int | None = field(default=None, metadata=flag(
+        "HTTP connections open at once at most; one past it is answered 503 too_many_connections and closed, so "
+        f"held connections never take the descriptors the engine links and the audit log need (default: the "
+        f"open-files limit, which start-up raises to the hard one, less {FDS_KEPT})", type=int, metavar="N"))
     header_timeout_s: float = field(default=15.0, metadata=flag(
         "close a connection whose request headers have not all arrived in this time"))
     body_timeout_s: float = field(default=60.0, metadata=flag(
@@ -110,6 +116,7 @@ class ServerConfig:
         for name, value in (("--header-timeout-s", self.header_timeout_s), ("--body-timeout-s", self.body_timeout_s)):
             if not 0 < value < math.inf:
                 raise ConfigError(f"{name} must be a number of seconds > 0, got {value}")
+        check_max_connections(self.max_connections)
 
     def _check_audit_rotation(self) -> None:
         if self.audit_log_max_bytes is not None:

@@ -155,6 +155,13 @@ def engine_unavailable(detail: str) -> ApiError:
                     type="service_unavailable", code=ENGINE_UNAVAILABLE)
 
 
+def too_many_connections(max_connections: int) -> ApiError:
+    """A connection past `--max-connections`, answered before its request is read."""
+    return ApiError(503, f"The server holds its most open connections ({max_connections}, --max-connections); "
+                         f"retry shortly, or reuse a connection (keep-alive).",
+                    type="service_unavailable", code="too_many_connections", retry_after_s=1)
+
+
 def audit_unavailable(audit: AuditLog) -> ApiError:
     """The audit log (I8) cannot be written: the server answers nothing it cannot record."""
     detail = audit.failure or "the request's line could not be written"

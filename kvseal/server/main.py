@@ -40,6 +40,7 @@ from kvseal.server.config import ServerConfig
 from kvseal.server.files import FrontDoorFiles
 from kvseal.server.generation_defaults import GenerationDefaults
 from kvseal.server.metrics import ServerMetrics
+from kvseal.server.open_files import connection_cap, raise_open_files_limit
 from kvseal.server.prompts import PromptEncoder
 from kvseal.server.reasoning import reasoning_markers
 from kvseal.server.state import AppState
@@ -97,7 +98,10 @@ async def _serve(config: ServerConfig, make_backend: Callable[[], EngineBackend]
         # An engine restarted at the same address may bring other limits: the front door uses them (I1).
         engine.on_ready_change = lambda info: setattr(state, "engine_info", info)
         loop.add_signal_handler(signal.SIGHUP, reload_keys_on_signal, state)
-        server = KvsealServer(_uvicorn_config(config, state), lambda port: _log_ready(state, port),
+        open_files = raise_open_files_limit()
+        max_connections = connection_cap(config.max_connections, open_files)
+        logger.info("max_connections=%d (open files allowed: %d)", max_connections, open_files)
+        server = KvsealServer(_uvicorn_config(config, state, max_connections), lambda port: _log_ready(state, port),
                               lambda: _drain(state))
         stop.serving(server)
         try:
@@ -174,8 +178,8 @@ def _model_dir(model_path: str) -> Path | None:
     return path if path.is_dir() else None
 
 
-def _uvicorn_config(config: ServerConfig, state: AppState) -> uvicorn.Config:
-    http = protocol_with_header_timeout(config.header_timeout_s)
+def _uvicorn_config(config: ServerConfig, state: AppState, max_connections: int) -> uvicorn.Config:
+    http = protocol_with_header_timeout(config.header_timeout_s, max_connections)
     return uvicorn.Config(build_app(state), host=config.host, port=config.port, loop="none", http=http,
                           lifespan="off", log_config=None,
                           log_level=(config.uvicorn_log_level or config.log_level).lower(),

@@ -12,6 +12,11 @@
 - A connection whose request headers have not all arrived `header_timeout_s` after it
   opened (or after its last response, on a keep-alive connection) is closed: slow clients
   cannot hold connections forever.
+- At most `max_connections` connections are open at once: one past it is answered 503
+  `too_many_connections` and closed as soon as it opens, before anything of it is read. Clients
+  holding connections open (slowly sent headers or bodies) so cost other clients new
+  connections for a while, never the file descriptors the server's engine links, audit log and
+  grammar workers need (`server.limits.open_files_limit` raises the process's limit first).
 - The HTTP parser is httptools' (C), and the frontend runs on uvloop (`server.main`), as
   vLLM's does: both cut the frontend's CPU per streamed token, which the engine's threads
   would otherwise lose on a host whose cores the frontend shares.
@@ -21,11 +26,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from collections.abc import Awaitable, Callable, Generator
 from typing import Any
 
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from kvseal.server import errors
 
 
 class KvsealServer(uvicorn.Server):
@@ -52,18 +60,24 @@ class KvsealServer(uvicorn.Server):
         yield
 
 
-def protocol_with_header_timeout(header_timeout_s: float) -> type[HttpToolsProtocol]:
+def protocol_with_header_timeout(header_timeout_s: float, max_connections: int) -> type[HttpToolsProtocol]:
     """uvicorn's httptools protocol (a C parser: measured ~20% less frontend CPU per streamed
     token than h11's), closing connections whose request headers arrive too slowly. Headers
     are awaited from the moment a connection opens, and again once a keep-alive connection's
-    response is complete with no pipelined request behind it."""
+    response is complete with no pipelined request behind it. A connection that would be open
+    beside `max_connections` others gets a 503 and is closed."""
+    refused = _refusal(max_connections)
 
     class HeaderTimeoutProtocol(HttpToolsProtocol):
         _header_timer: asyncio.TimerHandle | None = None
         _awaiting_headers = False
 
         def connection_made(self, transport: Any) -> None:  # type: ignore[override]
-            super().connection_made(transport)
+            super().connection_made(transport)  # (it joins the server's set of connections)
+            if len(self.connections) > max_connections:
+                transport.write(refused)
+                transport.close()
+                return
             self._await_headers()
 
         def on_headers_complete(self) -> None:
@@ -97,3 +111,11 @@ def protocol_with_header_timeout(header_timeout_s: float) -> type[HttpToolsProto
                 self.transport.close()
 
     return HeaderTimeoutProtocol
+
+
+def _refusal(max_connections: int) -> bytes:
+    err = errors.too_many_connections(max_connections)
+    body = json.dumps(err.body()).encode()
+    return (f"HTTP/1.1 {err.status} Service Unavailable\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(body)}\r\nretry-after: {err.retry_after_s}\r\nconnection: close\r\n\r\n"
+            ).encode() + body

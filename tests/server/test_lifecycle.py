@@ -247,6 +247,35 @@ def test_slow_clients_are_timed_out(start_server: Callable[..., ServerProcess]) 
     assert httpx.get(f"{slow_server.url}/health", timeout=10).status_code == 200
 
 
+
+def test_connections_past_the_cap_are_answered_503_and_held_ones_take_no_more(
+        start_server: Callable[..., ServerProcess]) -> None:
+    """Clients holding connections open (headers sent slowly) cost others new connections while
+    they hold them, never the file descriptors the engine links and the audit log need."""
+    capped = start_server("--max-connections", "4", "--header-timeout-s", "60")
+    assert "max_connections=4 (open files allowed: " in capped.log()
+    held = [socket.create_connection(("127.0.0.1", capped.port), timeout=WAIT_DEADLINE_S) for _ in range(4)]
+    try:
+        for sock in held:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")  # headers that never end
+        wait_for(lambda: _health_status(capped) == 503, "a connection past the cap to be refused")
+        with socket.create_connection(("127.0.0.1", capped.port), timeout=WAIT_DEADLINE_S) as extra:
+            extra.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            answer = _read_http_response(extra)
+        assert answer.startswith(b"HTTP/1.1 503") and b"retry-after: 1" in answer
+        assert json.loads(answer.partition(b"\r\n\r\n")[2])["error"]["code"] == "too_many_connections"
+    finally:
+        for sock in held:
+            sock.close()
+    wait_for(lambda: _health_status(capped) == 200, "the server to take connections again")
+    with client_for(capped, "EMPTY") as client:
+        assert client.completions.create(model=capped.model_name, prompt="w5", max_tokens=2).choices[0].text
+    assert capped.terminate() == 0
+
+
+def _health_status(server: ServerProcess) -> int:
+    return httpx.get(f"{server.url}/health", timeout=WAIT_DEADLINE_S).status_code
+
 def _read_http_response(sock: socket.socket) -> bytes:
     """One whole HTTP response (headers and a content-length body), however it is split into
     segments; bounded by the socket's timeout."""
