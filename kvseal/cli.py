@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from kvseal.auditlog.cli import add_auditlog_parsers
 from kvseal.bench.cli import add_bench_parser
 from kvseal.canary import add_canary_arguments, cmd_canary
-from kvseal.capacity import GpuMemoryPlan, KvCapacity, bytes_per_element, check_headroom, parse_bytes
+from kvseal.capacity import GpuMemoryPlan, KvCapacity, bytes_per_element, parse_bytes
 from kvseal.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineArgs, default_dtype
 from kvseal.disagg.config import EngineKeyFiles, NodeConfig, PdServeArgs, node_config_from
 from kvseal.engine.supervisor import RestartPolicy
@@ -107,7 +107,8 @@ def _cmd_generate(ns: argparse.Namespace) -> int:
 def _cmd_plan(ns: argparse.Namespace) -> int:
     if not isinstance(ns.max_model_len, int):
         raise ConfigError("plan needs --max-model-len N, the context in tokens to check the pool against")
-    check_headroom(ns.kv_headroom)  # a bad flag is a kvseal: error, not a REFUSED plan
+    # serve's own checks of these flags: a bad value is a kvseal: error (exit 2), never a plan
+    EngineArgs(**{name: getattr(ns, name) for name in PLAN_ENGINE_FLAGS})
     layers, kv_heads, head_dim, source = _plan_dims(ns)
     on_gpu = ns.device == "cuda"
     dtype = default_dtype("cuda") if on_gpu and ns.dtype == "auto" else PLAN_AUTO_DTYPE if ns.dtype == "auto" \
@@ -300,7 +301,8 @@ def _add_keys_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvseal", description=__doc__)
-    parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--log-level", default="INFO", type=str.upper,
+                        choices=("CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG"))
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="complete one prompt offline and print the text")

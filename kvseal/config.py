@@ -11,6 +11,8 @@ import argparse
 import dataclasses
 import logging
 import math
+import types
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -262,6 +264,44 @@ _DTYPE_ALIASES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "
                   "fp16": "float16", "float16": "float16", "half": "float16"}
 
 
+def check_field_types(config: Any) -> None:
+    """ConfigError naming the first init field of the dataclass `config` whose value is not of its
+    annotated type (ints, numbers, booleans, strings, literals and their unions; a bool is not a
+    number): `LLM(page_size="16")`, `enable_prefix_caching="no"` or `max_model_len=128.5` are
+    refused by name, not run as something else or failed deep inside."""
+    hints = typing.get_type_hints(type(config))
+    for field_ in dataclasses.fields(config):
+        if field_.init and not _fits(value := getattr(config, field_.name), hints[field_.name]):
+            raise ConfigError(f"{field_.name} must be {_described(hints[field_.name])}; got {value!r}")
+
+
+def _fits(value: Any, hint: Any) -> bool:
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return any(_fits(value, part) for part in typing.get_args(hint))
+    if typing.get_origin(hint) is Literal:
+        return value in typing.get_args(hint)
+    if hint is type(None):
+        return value is None
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    if hint is str:
+        return isinstance(value, str)
+    return True  # a type this check does not know: the field's own checks decide
+
+
+def _described(hint: Any) -> str:
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return " or ".join(_described(part) for part in typing.get_args(hint))
+    if typing.get_origin(hint) is Literal:
+        return " or ".join(repr(v) for v in typing.get_args(hint))
+    return {type(None): "None", bool: "true or false", int: "an integer", float: "a number",
+            str: "a string"}.get(hint, getattr(hint, "__name__", str(hint)))
+
+
 def default_dtype(device: str) -> str:
     """What `--dtype auto` means on `device`: bfloat16 on CUDA; on the CPU (and for "auto" until
     the engine decides the device) bfloat16 where the CPU multiplies it natively, else float32."""
@@ -414,6 +454,17 @@ class EngineArgs:
         "a fresh key at every start", metavar="PATH"))
 
     def __post_init__(self) -> None:
+        if type(self.dtype).__name__ == "dtype" and str(self.dtype).startswith("torch."):  # LLM(dtype=torch.bfloat16)
+            object.__setattr__(self, "dtype", str(self.dtype).removeprefix("torch."))
+        if isinstance(self.dtype, str) and self.dtype in _DTYPE_ALIASES:  # bf16, fp32, half, ... as --dtype takes
+            object.__setattr__(self, "dtype", _DTYPE_ALIASES[self.dtype])
+        check_field_types(self)
+        for name in ("page_size", "max_num_batched_tokens", "max_num_seqs"):  # checked again where each is used
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.model is not None and not self.model.strip():
+            raise ConfigError("model is empty: give a local model folder or .gguf file, or leave it out for the "
+                              "default model")
         if self.device not in DEVICES:
             raise ConfigError(f"device must be one of {', '.join(DEVICES)}; got {self.device!r} (auto: CUDA when "
                               f"torch sees a GPU, else the CPU)")

@@ -52,6 +52,7 @@ class LLM:
         scripts, which pass it to hide vLLM's progress bar; kvseal draws none either way.
         """
         _check_use_tqdm(use_tqdm)
+        _check_tenant(tenant)
         prompt_list = [_unwrap(p) for p in _as_prompt_list(prompts)]
         params = _params_per_prompt(sampling_params, len(prompt_list))
         ids = [f"offline-{next(self._ids)}" for _ in prompt_list]
@@ -62,9 +63,10 @@ class LLM:
                 for choice_id, choice_params in prompt_choices:
                     self.engine.add_request(choice_id, prompt, choice_params, tenant)
                     added.append(choice_id)
-        except Exception:
+        except BaseException:  # a rejected prompt, or an interrupt (Ctrl-C) between two of them
             for request_id in added:
-                self.engine.abort(request_id, "another prompt in the same call was rejected")
+                self.engine.abort(request_id, "another prompt in the same call was rejected, or the call was "
+                                              "interrupted")
             raise
         results = self._run(added)
         return [_merge(request_id, prompt, [results[choice_id] for choice_id, _ in prompt_choices],
@@ -126,6 +128,12 @@ def _check_use_tqdm(use_tqdm: Any) -> None:
         raise InvalidParameter(f"use_tqdm must be true or false, got {use_tqdm!r}", param="use_tqdm")
 
 
+def _check_tenant(tenant: Any) -> None:
+    if not isinstance(tenant, str) or not tenant:
+        raise InvalidParameter(f"tenant must be a non-empty string naming the tenant, got {tenant!r}",
+                               param="tenant")
+
+
 def _as_prompt_list(prompts: PromptInput | Sequence[PromptInput]) -> list[PromptInput]:
     if isinstance(prompts, str | dict):
         return [prompts]
@@ -143,8 +151,14 @@ def _unwrap(prompt: PromptInput) -> Prompt:
     if not isinstance(prompt, dict):
         return prompt
     if set(prompt) == {"prompt"}:
-        return prompt["prompt"]  # type: ignore[no-any-return]
+        if not isinstance(prompt["prompt"], str):
+            raise InvalidParameter(f"a prompt dict's 'prompt' is text; got {type(prompt['prompt']).__name__} (token "
+                                   f"ids go under 'prompt_token_ids')", param="prompt")
+        return prompt["prompt"]
     if set(prompt) == {"prompt_token_ids"}:
+        if not isinstance(prompt["prompt_token_ids"], list):
+            raise InvalidParameter(f"a prompt dict's 'prompt_token_ids' is a list of token ids; got "
+                                   f"{type(prompt['prompt_token_ids']).__name__}", param="prompt")
         return prompt["prompt_token_ids"]  # type: ignore[no-any-return]
     raise InvalidParameter(f"a prompt dict takes exactly one of 'prompt' (text) or 'prompt_token_ids'; "
                            f"got keys {sorted(prompt)}", param="prompt")

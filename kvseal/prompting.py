@@ -37,6 +37,10 @@ class ChatOptions:
             raise InvalidParameter("continue_final_message leaves the last message open for the model; it cannot "
                                    "be combined with add_generation_prompt: send add_generation_prompt=false",
                                    param="continue_final_message")
+        if template_kwargs is not None and not (isinstance(template_kwargs, Mapping)
+                                                and all(isinstance(k, str) for k in template_kwargs)):
+            raise InvalidParameter(f"chat_template_kwargs must be a mapping of template variable names to values, "
+                                   f"got {type(template_kwargs).__name__}", param="chat_template_kwargs")
         kwargs = dict(template_kwargs or {})
         reserved = sorted(set(kwargs) & RESERVED_TEMPLATE_VARIABLES)
         if reserved:

@@ -126,7 +126,13 @@ class StructuredOutputsParams:
             return StructuredOutput("json_object")
         if name == "json":
             _require(isinstance(value, str | dict), param, "json must be a JSON Schema: a dict or JSON text")
-            return StructuredOutput("json_schema", value if isinstance(value, str) else _json.dumps(value))
+            if isinstance(value, str):
+                return StructuredOutput("json_schema", value)
+            try:
+                return StructuredOutput("json_schema", _json.dumps(value))
+            except (TypeError, ValueError, RecursionError) as exc:  # a set, bytes, a circular dict ...
+                raise InvalidParameter(f"invalid {param}: json must be a JSON Schema; this dict is not JSON ({exc})",
+                                       param=param) from None
         if name == "choice":
             _require(isinstance(value, list | tuple) and len(value) > 0
                      and all(isinstance(c, str) and c for c in value), param,
@@ -245,6 +251,9 @@ class SamplingParams:
         differently, is refused)."""
         given = [(name, spec) for name in ("structured_outputs", "guided_decoding")
                  if (spec := getattr(self, name)) is not None]
+        _require(self.structured is None or isinstance(self.structured, StructuredOutput), "structured",
+                 f"must be a StructuredOutput (or give structured_outputs=StructuredOutputsParams(...)), got "
+                 f"{type(self.structured).__name__}")
         if not given:
             return
         _require(len(given) == 1, "structured_outputs", "give structured_outputs or guided_decoding, not both")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,7 @@ import pytest
 from kvseal import ConfigError
 from kvseal.capacity import KvCapacity, parse_bytes
 from kvseal.cli import main
+from kvseal.config import EngineArgs
 
 INCIDENT_DIMS = ["--num-layers", "64", "--num-kv-heads", "8", "--head-dim", "128", "--tp", "8", "--dtype", "bf16"]
 
@@ -80,6 +82,39 @@ def test_auto_clamps_context_to_pool(make_llm: Callable[..., Any]) -> None:
 def test_max_model_len_beyond_the_model_is_refused(make_llm: Callable[..., Any]) -> None:
     with pytest.raises(ConfigError, match="max_position_embeddings=256"):
         make_llm(kv_cache_tokens=1024, max_model_len=512)
+
+
+@pytest.mark.parametrize(("kwargs", "said"), [
+    (dict(page_size="16"), "page_size must be an integer; got '16'"),
+    (dict(enable_prefix_caching="no"), "enable_prefix_caching must be true or false; got 'no'"),
+    (dict(check_kv=1), "check_kv must be true or false; got 1"),
+    (dict(max_model_len=128.5), "max_model_len must be an integer or 'auto' or None; got 128.5"),
+    (dict(kv_scrub="sometimes"), "kv_scrub must be 'off' or 'free' or 'alloc'; got 'sometimes'"),
+    (dict(max_num_seqs=0), "max_num_seqs must be >= 1, got 0"),
+    (dict(model=""), "model is empty"),
+])
+def test_arguments_of_the_wrong_type_are_refused_by_name(make_llm: Callable[..., Any], kwargs: dict[str, Any],
+                                                         said: str) -> None:
+    """Not run as something else (a string "no" was a true switch, 128.5 ran as 128) or failed deep inside."""
+    with pytest.raises(ConfigError, match=re.escape(said)):
+        make_llm(**kwargs)
+
+
+def test_dtype_takes_torch_dtypes_and_the_flags_aliases() -> None:
+    import torch
+    assert EngineArgs(dtype=torch.float32).dtype == "float32"
+    assert EngineArgs(dtype="bf16").dtype == "bfloat16" and EngineArgs(dtype="half").dtype == "float16"
+
+
+@pytest.mark.parametrize("flags", [["--max-model-len", "-1"], ["--max-model-len", "0"],
+                                   ["--max-model-len", "8", "--kv-cache-tokens", "0"],
+                                   ["--max-model-len", "8", "--max-num-seqs", "0"],
+                                   ["--max-model-len", "8", "--gpu-memory-utilization", "-1"]])
+def test_plan_checks_its_flags_as_serve_does(flags: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    """A value serve refuses is a kvseal: error (exit 2) in plan too, never an OK plan or a traceback."""
+    assert main(["plan", "--num-layers", "2", "--num-kv-heads", "1", "--head-dim", "4", *flags]) == 2
+    captured = capsys.readouterr()
+    assert "kvseal: error:" in captured.err and "OK" not in captured.out
 
 
 @pytest.mark.parametrize(("kwargs", "names"), [

@@ -13,6 +13,7 @@ from tiny_models import make_tokenizer
 
 from kvseal import InvalidParameter, SamplingParams
 from kvseal.errors import ConfigError, ModelLoadError
+from kvseal.types import StructuredOutputsParams
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
 
@@ -38,6 +39,29 @@ def test_a_failing_step_leaves_the_engine_clean_and_usable(make_llm: Callable[..
     assert llm.engine.kv.num_free_pages == free_before
     llm.engine.check_integrity()
     assert llm.generate([[5, 6, 7]], GREEDY)[0].token_ids == expected
+
+
+def test_an_interrupt_between_two_prompts_leaves_nothing_queued(make_llm: Callable[..., Any],
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Ctrl-C while a batch is being queued (here as the second prompt is added) takes the
+    prompts already queued back out: before, the first stayed, and the next call ran it."""
+    llm = make_llm(kv_cache_tokens=64, max_model_len=64)
+    free_before = llm.engine.kv.num_free_pages
+    add = llm.engine.add_request
+    calls = []
+
+    def interrupted_on_the_second(*args: Any, **kwargs: Any) -> Any:
+        calls.append(args[0])
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return add(*args, **kwargs)
+
+    monkeypatch.setattr(llm.engine, "add_request", interrupted_on_the_second)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate([[5, 6, 7], [8, 9]], GREEDY)
+    assert len(calls) == 2 and not llm.engine.has_unfinished()
+    assert llm.engine.kv.num_free_pages == free_before
+    llm.engine.check_integrity()
 
 
 def test_vllm_prompt_dicts_are_the_prompts_they_hold(make_llm: Callable[..., Any]) -> None:
@@ -140,6 +164,15 @@ def test_chat_takes_vllms_template_arguments(make_llm: Callable[..., Any]) -> No
     (lambda llm: llm.generate(["w10"], {"max_tokens": 4}), "sampling_params"),
     (lambda llm: llm.generate(["w10"], [{"max_tokens": 4}]), "sampling_params"),
     (lambda llm: llm.chat({"role": "user", "content": "w10"}, GREEDY), "messages"),
+    (lambda llm: llm.chat([{"role": "user", "content": "w10"}], GREEDY, chat_template_kwargs="x"),
+     "chat_template_kwargs"),
+    (lambda llm: llm.generate(["w10"], GREEDY, tenant=None), "tenant"),
+    (lambda llm: llm.generate(["w10"], GREEDY, tenant=5), "tenant"),
+    (lambda llm: llm.generate({"prompt_token_ids": "w5 w6"}, GREEDY), "prompt"),
+    (lambda llm: llm.generate({"prompt": [5, 6]}, GREEDY), "prompt"),
+    (lambda llm: llm.generate(["w10"], SamplingParams(structured="x")), "structured"),  # type: ignore[arg-type]
+    (lambda llm: llm.generate(["w10"], SamplingParams(
+        structured_outputs=StructuredOutputsParams(json={"a": {1, 2}}))), "structured_outputs"),
 ])
 def test_arguments_of_the_wrong_shape_are_invalid_parameters(make_llm: Callable[..., Any],
                                                              call: Callable[[Any], Any], param: str) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import math
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -55,7 +56,7 @@ class AuditLogReader:
                     for number, line in enumerate(lines, 1):
                         if line.strip():
                             yield from self._decoded(decoder, line, f"{file}:{number}")
-            except (OSError, EOFError) as exc:  # unreadable, or a damaged or cut .gz
+            except (OSError, EOFError, zlib.error) as exc:  # unreadable, or a damaged or cut .gz
                 raise AuditLogError(f"cannot read the audit log file {file}: {exc}") from exc
 
     def _decoded(self, decoder: msgspec.json.Decoder[LoggedRequest], line: bytes,
@@ -86,6 +87,9 @@ def _open(file: Path) -> IO[bytes]:
         raise AuditLogError(f"cannot read the audit log file {file}: {exc}") from exc
 
 
+_FIRST_S, _LAST_S = -62_135_596_800, 253_402_300_799  # 0001-01-01 and 9999-12-31T23:59:59 UTC: datetime's range
+
+
 def parse_time(text: str) -> float:
     """Unix seconds from `text`: a number (Unix seconds) or ISO 8601 (`2026-12-05T06:00:00Z`,
     `2026-12-05 06:00`, `2026-12-05`; a time without a zone is UTC)."""
@@ -94,7 +98,7 @@ def parse_time(text: str) -> float:
     except ValueError:
         pass
     else:
-        if not math.isfinite(seconds):
+        if not math.isfinite(seconds) or not _FIRST_S <= seconds <= _LAST_S:
             raise AuditLogError(f"cannot read {text!r} as a time: give Unix seconds or ISO 8601, e.g. "
                                 f"2026-12-05T06:00:00Z")
         return seconds
@@ -110,7 +114,10 @@ def iso(seconds: float | None) -> str:
     """Unix seconds as ISO 8601 in UTC, to the millisecond ('' for None)."""
     if seconds is None:
         return ""
-    return datetime.fromtimestamp(seconds, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+    try:
+        return datetime.fromtimestamp(seconds, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+    except (OverflowError, ValueError, OSError):  # a damaged line's time, outside years 1 to 9999: shown as it is
+        return repr(seconds)
 
 
 @dataclass(frozen=True)

@@ -44,6 +44,22 @@ def test_a_damaged_gzip_file_is_an_error_naming_it(tmp_path: Path) -> None:
         list(AuditLogReader(tmp_path / "audit.jsonl").records())
 
 
+def test_a_gzip_file_with_a_damaged_body_is_an_error_naming_it(tmp_path: Path) -> None:
+    """A valid header over a corrupt deflate stream: zlib's own error, which is not an OSError."""
+    packed = bytearray(gzip.compress(line("r1", 1) * 50))
+    packed[20:30] = b"\xff" * 10
+    (tmp_path / "audit.jsonl.1.gz").write_bytes(bytes(packed))
+    with pytest.raises(AuditLogError, match=r"audit.jsonl.1.gz"):
+        list(AuditLogReader(tmp_path / "audit.jsonl").records())
+
+
+def test_times_outside_the_calendar_are_refused_or_shown_as_numbers() -> None:
+    for bad in ("1e20", "-1e20"):
+        with pytest.raises(AuditLogError, match="ISO 8601"):
+            parse_time(bad)
+    assert iso(1e20) == "1e+20"  # a damaged line's time is printed as it is, not a traceback
+
+
 def test_times_as_unix_seconds_or_iso() -> None:
     assert parse_time("1764915600") == parse_time("2025-12-05T06:20:00Z") == parse_time("2025-12-05 06:20")
     assert parse_time("2025-12-05T07:20:00+01:00") == 1764915600
