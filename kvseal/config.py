@@ -27,7 +27,7 @@ from kvseal.capacity import (
     weight_bytes,
 )
 from kvseal.errors import ConfigError, ModelLoadError
-from kvseal.flags import flag
+from kvseal.flags import flag, flag_fields, flag_name
 
 if TYPE_CHECKING:  # configuration is read without torch (the frontend, `kvseal plan`)
     import torch
@@ -272,7 +272,8 @@ def check_field_types(config: Any) -> None:
     hints = typing.get_type_hints(type(config))
     for field_ in dataclasses.fields(config):
         if field_.init and not _fits(value := getattr(config, field_.name), hints[field_.name]):
-            raise ConfigError(f"{field_.name} must be {_described(hints[field_.name])}; got {value!r}")
+            named = f"{field_.name} ({flag_name(field_)})" if field_ in flag_fields(type(config)) else field_.name
+            raise ConfigError(f"{named} must be {_described(hints[field_.name])}; got {value!r}")
 
 
 def _fits(value: Any, hint: Any) -> bool:

@@ -85,11 +85,12 @@ def test_max_model_len_beyond_the_model_is_refused(make_llm: Callable[..., Any])
 
 
 @pytest.mark.parametrize(("kwargs", "said"), [
-    (dict(page_size="16"), "page_size must be an integer; got '16'"),
-    (dict(enable_prefix_caching="no"), "enable_prefix_caching must be true or false; got 'no'"),
-    (dict(check_kv=1), "check_kv must be true or false; got 1"),
-    (dict(max_model_len=128.5), "max_model_len must be an integer or 'auto' or None; got 128.5"),
-    (dict(kv_scrub="sometimes"), "kv_scrub must be 'off' or 'free' or 'alloc'; got 'sometimes'"),
+    (dict(page_size="16"), "page_size (--page-size) must be an integer; got '16'"),
+    (dict(enable_prefix_caching="no"),
+     "enable_prefix_caching (--enable-prefix-caching) must be true or false; got 'no'"),
+    (dict(check_kv=1), "check_kv (--check-kv) must be true or false; got 1"),
+    (dict(max_model_len=128.5), "max_model_len (--max-model-len) must be an integer or 'auto' or None; got 128.5"),
+    (dict(kv_scrub="sometimes"), "kv_scrub (--kv-scrub) must be 'off' or 'free' or 'alloc'; got 'sometimes'"),
     (dict(max_num_seqs=0), "max_num_seqs must be >= 1, got 0"),
     (dict(model=""), "model is empty"),
 ])

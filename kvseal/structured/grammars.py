@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from kvseal.structured.keywords import unenforced_keyword
+
 ANY_OBJECT = '{"type": "object"}'  # json_object: any JSON object (OpenAI), not any JSON value
 
 
@@ -15,6 +17,10 @@ def compile_spec(compiler: Any, vocab_size: int, kind: str, schema: str | None) 
     """The xgrammar `CompiledGrammar` for a structured-output spec (`StructuredOutput.kind`,
     `.schema`). Raises RuntimeError or ValueError (xgrammar's) for a schema it refuses, and
     ValueError for a grammar this vocabulary cannot even begin."""
+    if kind in ("json_schema", "tool_call") and schema is not None and \
+            (unenforced := unenforced_keyword(schema)) is not None:
+        raise ValueError(f"the JSON schema uses {unenforced}, which the grammar cannot enforce while sampling; "
+                         f"remove it")
     if kind == "tool_call":
         compiled = compiler.compile_grammar(tool_call_grammar(schema or ANY_OBJECT))
     elif kind == "regex":

@@ -22,6 +22,7 @@ from typing import Any
 from kvseal._testing.faults import Fault, is_active
 from kvseal.errors import InvalidParameter
 from kvseal.structured.grammars import choice_grammar
+from kvseal.structured.keywords import unenforced_keyword
 from kvseal.types import StructuredOutput
 
 MAX_SCHEMA_CHARS = 64 * 1024
@@ -41,6 +42,9 @@ def check_schema(schema_json: str, where: str = "the JSON schema in response_for
     over a bound, or something xgrammar cannot turn into a grammar (bad JSON Schema, or a
     feature it does not support)."""
     check_schema_bounds(schema_json, where, param)
+    if (unenforced := unenforced_keyword(schema_json)) is not None:
+        raise InvalidParameter(f"{where} uses {unenforced}, which the grammar cannot enforce while sampling: the "
+                               f"output would not be held to it; remove it", param=param)
     import xgrammar
 
     try:

@@ -121,6 +121,52 @@ def test_invalid_schema_is_a_typed_error_naming_the_problem(schema: str, problem
     assert not char_llm.engine.has_unfinished()
 
 
+# Schemas with a keyword xgrammar drops or compiles into something else: (schema, an instance on
+# which its grammar and a JSON Schema validator disagree, what the refusal names)
+UNENFORCED_SCHEMAS = [
+    ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "[1, 1]", "'uniqueItems' at the top"),
+    ({"type": "integer", "not": {"const": 3}}, "3", "'not' at the top"),
+    ({"type": "integer", "if": {"minimum": 0}, "then": {"maximum": -1}}, "5", "'if' at the top"),
+    ({"type": "array", "contains": {"const": "z"}}, '["z"]', "'contains' at the top"),
+    ({"allOf": [{"type": "integer"}, {"minimum": 500}]}, "5", "'allOf' over 2 schemas at the top"),
+    ({"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+      "dependentRequired": {"a": ["b"]}}, '{"a": 1}', "'dependentRequired' at the top"),
+    ({"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+      "dependentSchemas": {"a": {"required": ["b"]}}}, '{"a": 1}', "'dependentSchemas' at the top"),
+    ({"type": "object", "properties": {"tags": {"type": "array", "uniqueItems": True}}}, '{"tags": [1]}',
+     "'uniqueItems' at /properties/tags"),
+]
+
+
+@pytest.mark.parametrize(("schema", "instance", "named"), UNENFORCED_SCHEMAS)
+def test_a_keyword_the_grammar_cannot_enforce_is_refused_not_dropped(
+        schema: dict[str, Any], instance: str, named: str, char_llm: LLM) -> None:
+    """xgrammar compiles these schemas as if the keyword were not there, or as something else:
+    output breaking the schema would come back with a 200. Refused at the door and offline."""
+    import xgrammar
+    from xgrammar.testing import _is_grammar_accept_string
+
+    grammar = xgrammar.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
+    valid = jsonschema.Draft202012Validator(schema).is_valid(json.loads(instance))
+    assert _is_grammar_accept_string(grammar, instance) != valid  # the premise: the grammar gets it wrong
+    with pytest.raises(InvalidParameter, match=re.escape(named)) as info:
+        check_schema(json.dumps(schema))
+    assert info.value.param == "response_format" and "cannot enforce" in str(info.value)
+    with pytest.raises(InvalidParameter, match=re.escape(named)):
+        char_llm.generate("x", SamplingParams(structured=StructuredOutput("json_schema", json.dumps(schema))))
+    assert not char_llm.engine.has_unfinished()
+
+
+def test_keywords_the_grammar_enforces_and_annotations_pass() -> None:
+    check_schema(json.dumps({"type": "object", "title": "T", "description": "d", "properties": {
+        "n": {"type": "integer", "multipleOf": 3, "minimum": 0, "default": 3, "examples": [3]},
+        "not": {"type": "string", "format": "password"},  # a property named "not"; an annotation format
+        "when": {"type": "string", "format": "date-time"},
+        "tags": {"type": "array", "uniqueItems": False, "items": {"allOf": [{"type": "string"}]}},
+        "pairs": {"type": "array", "prefixItems": [{"type": "integer"}], "unevaluatedItems": {"type": "string"}}},
+        "required": ["n"], "unevaluatedProperties": False}))
+
+
 def test_grammar_cache_is_per_tenant(char_llm: LLM) -> None:
     pool = GrammarCompilerPool(char_llm.get_tokenizer(), 128, (1,), GrammarConfig(num_workers=1))
     spec = StructuredOutput("json_schema", json.dumps(SCHEMA))
