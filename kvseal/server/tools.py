@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
 import secrets
 import string
@@ -96,8 +97,8 @@ class HermesToolParser:
             position = match.end()
             calls.append(call)
         kept.append(text[position:])
-        content = "".join(kept).strip()
-        return (content or None) if calls else text, calls
+        content = "".join(kept).rstrip()  # (a stream shows the start as it comes: `ToolCallStream`)
+        return (content if content.strip() else None) if calls else text, calls
 
     def held_from(self, text: str) -> int:
         start = text.find(START_TAG)
@@ -268,9 +269,11 @@ def call_schema(name: str, parameters: dict[str, Any], arguments_key: str = "arg
 
 class ToolCallStream:
     """One streamed choice with tool parsing: text before where a call may begin (the parser's
-    `held_from`) streams as content; from there on it is held, and the calls go out as
-    `tool_calls` deltas when the choice ends (each call's whole arguments in one delta, which
-    OpenAI's clients accumulate as usual)."""
+    `held_from`) streams as content, less any whitespace at its end (which the parser drops
+    before a call); from there on it is held, and the calls go out as `tool_calls` deltas when
+    the choice ends (each call's whole arguments in one delta, which OpenAI's clients accumulate
+    as usual), with the content the parser found outside them that was not sent yet. The
+    content streamed adds up to the content of the same answer unstreamed."""
 
     def __init__(self, parser: ToolParser) -> None:
         self._parser = parser
@@ -280,7 +283,7 @@ class ToolCallStream:
     def content_delta(self, new_text: str) -> str:
         """The part of the text that can be shown as content now."""
         self._text += new_text
-        safe = self._parser.held_from(self._text)
+        safe = len(self._text[:self._parser.held_from(self._text)].rstrip())
         delta = self._text[self._num_sent:max(safe, self._num_sent)]
         self._num_sent += len(delta)
         return delta
@@ -288,11 +291,11 @@ class ToolCallStream:
     def finish(self) -> tuple[str, list[ParsedToolCall]]:
         """(content not yet sent, the calls), once the choice has ended."""
         content, calls = self._parser.parse(self._text)
-        if not calls:
-            rest = self._text[self._num_sent:]
-            self._num_sent = len(self._text)
-            return rest, []
-        return "", calls
+        whole = (content or "") if calls else self._text
+        # What was sent is text before the first call, so `whole` begins with it
+        num_sent = len(os.path.commonprefix([whole, self._text[:self._num_sent]]))
+        self._num_sent = len(self._text)
+        return whole[num_sent:], calls
 
 
 def _before_partial(text: str, tag: str) -> int:

@@ -131,13 +131,42 @@ def test_hermes_parser() -> None:
 
 def test_tool_call_stream_holds_back_a_partial_tag() -> None:
     stream = ToolCallStream(HermesToolParser())
-    assert stream.content_delta("Hi <tool") == "Hi "
+    assert stream.content_delta("Hi <tool") == "Hi"  # (the space too: the parser drops it before a call)
     assert stream.content_delta('_call>\n{"name": "f", "arguments": {}}\n</tool_call>') == ""
     rest, calls = stream.finish()
     assert rest == "" and [c.name for c in calls] == ["f"]
     plain = ToolCallStream(HermesToolParser())
-    assert plain.content_delta("a <") == "a "
-    assert plain.finish() == ("<", [])
+    assert plain.content_delta("a <") == "a"
+    assert plain.finish() == (" <", [])
+
+
+CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>'
+
+
+@pytest.mark.parametrize(("parser", "text"), [
+    (HermesToolParser(), f"{CALL}\n{CALL}\nDone."),  # text after the calls: streamed, it was lost
+    (HermesToolParser(), f"Sure! {CALL}"),
+    (HermesToolParser(), f"Sure!\n\n{CALL}\n\nAnd more.\n"),
+    (HermesToolParser(), f'{CALL}\n<tool_call>\n{{"name": "add", "argu'),  # cut by max_tokens: kept as content
+    (HermesToolParser(), "  no calls at all  "),
+    (HermesToolParser(), f"  {CALL}  "),
+    (Llama3JsonToolParser(), '{"name": "f", "parameters": {}}; {"name": "g", "parameters": {"x": 1}}'),
+    (Llama3JsonToolParser(), '{"not": "a call"} and text'),
+    (Llama3JsonToolParser(), "plain text {with braces}"),
+    (MistralToolParser(), '[TOOL_CALLS] [{"name": "f", "arguments": {}}]'),
+    (MistralToolParser(), "Sure [not calls]"),
+])
+def test_streamed_content_adds_up_to_the_unstreamed_content(parser: Any, text: str) -> None:
+    """However the text arrives (here cut at every point into two pieces, and one character at a
+    time), the content a stream sends adds up to the message's content, and the calls match."""
+    content, calls = parser.parse(text)
+    cuts = [[text[:i], text[i:]] for i in range(len(text) + 1)] + [list(text)]
+    for pieces in cuts:
+        stream = ToolCallStream(parser)
+        sent = "".join(stream.content_delta(piece) for piece in pieces)
+        rest, streamed_calls = stream.finish()
+        assert sent + rest == (content or ""), pieces
+        assert [(c.name, c.arguments) for c in streamed_calls] == [(c.name, c.arguments) for c in calls]
 
 
 # ---- llama3_json (Llama 3.1-3.3): the answer is JSON calls ---------------------------------------
