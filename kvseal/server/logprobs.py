@@ -47,9 +47,17 @@ def completion_logprobs(lps: list[TokenLogprobsMsg], token_text: TokenText, offs
     return {
         "tokens": [token_text(lp.token_id) for lp in lps],
         "token_logprobs": [_finite(lp.logprob) for lp in lps],
-        "top_logprobs": [{token_text(t): _finite(v) for t, v in lp.top} for lp in lps],
+        "top_logprobs": [_legacy_top(lp, token_text) for lp in lps],
         "text_offset": offsets.next([lp.token_id for lp in lps]),
     }
+
+
+def _legacy_top(lp: TokenLogprobsMsg, token_text: TokenText) -> dict[str, float]:
+    """A position's `top_logprobs` in the legacy shape: the `logprobs` most likely tokens and,
+    as OpenAI's and vLLM's always hold it, the position's own token (up to logprobs + 1)."""
+    top = {token_text(t): _finite(v) for t, v in lp.top}
+    top.setdefault(token_text(lp.token_id), _finite(lp.logprob))
+    return top
 
 
 def echoed_prompt_logprobs(prompt_token_ids: list[int], lps: list[TokenLogprobsMsg | None], token_text: TokenText,
@@ -59,7 +67,7 @@ def echoed_prompt_logprobs(prompt_token_ids: list[int], lps: list[TokenLogprobsM
     return {
         "tokens": [token_text(t) for t in prompt_token_ids],
         "token_logprobs": [None if lp is None else _finite(lp.logprob) for lp in lps],
-        "top_logprobs": [None if lp is None else {token_text(t): _finite(v) for t, v in lp.top} for lp in lps],
+        "top_logprobs": [None if lp is None else _legacy_top(lp, token_text) for lp in lps],
         "text_offset": offsets.next(prompt_token_ids),
     }
 

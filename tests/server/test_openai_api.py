@@ -164,6 +164,12 @@ def test_completion_logprobs(server: ServerProcess, alice: openai.OpenAI) -> Non
         assert len(top) == 2 and max(top.values()) == pytest.approx(logprob)  # greedy: the best token
         assert top[token] == pytest.approx(logprob)
     assert " ".join(lp.tokens) == out.choices[0].text.strip()
+    # the position's own token is always there (OpenAI's legacy shape: up to logprobs + 1 entries)
+    sampled = alice.completions.create(model=server.model_name, prompt=PROMPT, max_tokens=5, temperature=1.5,
+                                       seed=3, logprobs=0).choices[0].logprobs
+    assert sampled is not None and sampled.tokens is not None and sampled.top_logprobs is not None
+    assert [list(top) for top in sampled.top_logprobs] == [[token] for token in sampled.tokens]
+    assert [top[token] for top, token in zip(sampled.top_logprobs, sampled.tokens)] == sampled.token_logprobs
 
 
 def test_chat_logprobs(server: ServerProcess, alice: openai.OpenAI) -> None:
