@@ -25,7 +25,7 @@ from kvseal.server.protocol import ChatCompletionRequest, NamedToolChoice
 from kvseal.server.reasoning import ReasoningMarkers, ReasoningStream, prompt_opens_reasoning, split_reasoning
 from kvseal.server.sampling import build_sampling_params
 from kvseal.server.tools import ParsedToolCall, ToolCallStream, ToolParser, tool_parser, tool_setup
-from kvseal.server.transcript import Transcript, usage
+from kvseal.server.transcript import Transcript, api_stop_reason, usage
 from kvseal.structured.schema import check_tools
 from kvseal.types import ReasoningGate, SamplingParams
 
@@ -147,7 +147,8 @@ class ChatFormatter:
             return []
         delta = {"content": out.new_text} if out.new_text else {}
         logprobs = self._logprobs(out.logprobs or [])
-        return [self._chunk(index, delta, logprobs, out.finish_reason if out.finished else None)]
+        return [self._chunk(index, delta, logprobs, out.finish_reason if out.finished else None,
+                            api_stop_reason(out) if out.finished else None)]
 
     def _tool_delta_chunks(self, index: int, out: RequestOutputMsg) -> list[dict[str, Any]]:
         assert self._tool_parser is not None
@@ -163,7 +164,8 @@ class ChatFormatter:
         if calls:
             deltas = [call.as_openai(i) for i, call in enumerate(calls)]
             chunks.append(self._chunk(index, {"tool_calls": deltas}, None, None))
-        return [*chunks, self._chunk(index, {}, None, self._finish_reason(out.finish_reason, bool(calls)))]
+        return [*chunks, self._chunk(index, {}, None, self._finish_reason(out.finish_reason, bool(calls)),
+                                     api_stop_reason(out))]
 
     def usage_chunk(self, transcripts: list[Transcript]) -> dict[str, Any]:
         return self._envelope("chat.completion.chunk", []) | {"usage": usage(transcripts)}
@@ -189,14 +191,16 @@ class ChatFormatter:
             if calls:
                 message["tool_calls"] = [call.as_openai() for call in calls]
         return {"index": index, "message": message, "logprobs": self._logprobs(transcript.logprobs),
-                "finish_reason": self._finish_reason(transcript.finish_reason, bool(calls))}
+                "finish_reason": self._finish_reason(transcript.finish_reason, bool(calls)),
+                "stop_reason": transcript.stop_reason}
 
     def _finish_reason(self, reason: str | None, has_calls: bool) -> str | None:
         return "tool_calls" if has_calls and reason == "stop" and not self._is_named_tool else reason
 
     def _chunk(self, index: int, delta: dict[str, Any], logprobs: dict[str, Any] | None,
-               finish_reason: str | None) -> dict[str, Any]:
-        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+               finish_reason: str | None, stop_reason: str | int | None = None) -> dict[str, Any]:
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason,
+                  "stop_reason": stop_reason}
         chunk = self._envelope("chat.completion.chunk", [choice])
         return chunk | {"usage": None} if self._include_usage else chunk
 

@@ -28,7 +28,7 @@ from kvseal.server.logprobs import (
 from kvseal.server.prompts import PromptEncoder, prompt_list
 from kvseal.server.protocol import CompletionRequest
 from kvseal.server.sampling import build_sampling_params
-from kvseal.server.transcript import Transcript, usage
+from kvseal.server.transcript import Transcript, api_stop_reason, usage
 from kvseal.types import SamplingParams
 
 
@@ -111,7 +111,8 @@ class CompletionFormatter:
                                                     (self._with_logprobs and out.new_token_ids)):
             return []
         logprobs = self._logprobs(index, out.logprobs or [])
-        return [self._chunk(_choice(index, out.new_text, logprobs, out.finish_reason if out.finished else None))]
+        return [self._chunk(_choice(index, out.new_text, logprobs, out.finish_reason if out.finished else None,
+                                    api_stop_reason(out) if out.finished else None))]
 
     def _echo_chunks(self, index: int, out: RequestOutputMsg, echo: Echo) -> list[dict[str, Any]]:
         """A stream's first chunk of a choice: the prompt, then (unless echo only) its first output."""
@@ -121,8 +122,9 @@ class CompletionFormatter:
             text += out.new_text
             if logprobs is not None:
                 logprobs = joined_logprobs(logprobs, self._logprobs(index, out.logprobs or []) or {})
-        finish_reason = out.finish_reason if out.finished else None
-        return [self._chunk(_choice(index, text, logprobs, finish_reason))]
+        finished = out.finished
+        return [self._chunk(_choice(index, text, logprobs, out.finish_reason if finished else None,
+                                    api_stop_reason(out) if finished else None))]
 
     def _chunk(self, choice: dict[str, Any]) -> dict[str, Any]:
         chunk = self._envelope([choice])
@@ -148,7 +150,7 @@ class CompletionFormatter:
         if not (echo is not None and echo.only):
             output = self._logprobs(index, transcript.logprobs)
             logprobs = output if logprobs is None or output is None else joined_logprobs(logprobs, output)
-        choice = _choice(index, text, logprobs, transcript.finish_reason)
+        choice = _choice(index, text, logprobs, transcript.finish_reason, transcript.stop_reason)
         if self._with_prompt_logprobs:
             choice["prompt_logprobs"] = vllm_prompt_logprobs(transcript.prompt_logprobs or [],
                                                              self._prompts.token_text)
@@ -174,5 +176,7 @@ class CompletionFormatter:
                 "choices": choices}
 
 
-def _choice(index: int, text: str, logprobs: dict[str, Any] | None, finish_reason: str | None) -> dict[str, Any]:
-    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+def _choice(index: int, text: str, logprobs: dict[str, Any] | None, finish_reason: str | None,
+            stop_reason: str | int | None) -> dict[str, Any]:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
+            "stop_reason": stop_reason}

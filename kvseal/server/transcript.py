@@ -12,6 +12,7 @@ class Transcript:
         self._text_parts: list[str] = []
         self.logprobs: list[TokenLogprobsMsg] = []
         self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None  # vLLM's: the stop string or token id that ended it
         self.num_prompt_tokens = 0
         self.num_output_tokens = 0
         self.num_cached_tokens = 0
@@ -27,6 +28,7 @@ class Transcript:
         self.num_cached_tokens = out.num_cached_tokens
         if out.finished:
             self.finish_reason = out.finish_reason
+            self.stop_reason = api_stop_reason(out)
 
     @property
     def text(self) -> str:
@@ -44,3 +46,9 @@ def usage(transcripts: list[Transcript], choices_per_prompt: int | None = None) 
     num_output = sum(t.num_output_tokens for t in transcripts)
     return {"prompt_tokens": num_prompt, "completion_tokens": num_output, "total_tokens": num_prompt + num_output,
             "prompt_tokens_details": {"cached_tokens": sum(t.num_cached_tokens for t in firsts)}}
+
+
+def api_stop_reason(out: RequestOutputMsg) -> str | int | None:
+    """vLLM's `stop_reason` of a finished choice: the stop string or stop token id that ended it;
+    None for anything else (the end-of-sequence token, the length, an abort)."""
+    return out.stop_reason if out.finish_reason == "stop" else None

@@ -99,9 +99,12 @@ def test_stop_string_cuts_the_text(server: ServerProcess, alice: openai.OpenAI) 
     cut = alice.completions.create(model=server.model_name, prompt=PROMPT, max_tokens=12, temperature=0, stop=[stop])
     assert cut.choices[0].finish_reason == "stop"
     assert cut.choices[0].text == full.choices[0].text[:full.choices[0].text.index(stop)]
-    streamed = alice.completions.create(model=server.model_name, prompt=PROMPT, max_tokens=12, temperature=0,
-                                        stop=stop, stream=True)
+    assert cut.choices[0].model_extra == {"stop_reason": stop}  # vLLM's: the stop string that ended it
+    assert full.choices[0].model_extra == {"stop_reason": None}  # (ended by its length)
+    streamed = list(alice.completions.create(model=server.model_name, prompt=PROMPT, max_tokens=12, temperature=0,
+                                             stop=stop, stream=True))
     assert "".join(c.choices[0].text for c in streamed) == cut.choices[0].text
+    assert [c.choices[0].model_extra for c in streamed][-1] == {"stop_reason": stop}
     kept = {"include_stop_str_in_output": True}  # vLLM's: the stop string stays, what follows goes
     with_stop = alice.completions.create(model=server.model_name, prompt=PROMPT, max_tokens=12, temperature=0,
                                          stop=[stop], extra_body=kept)

@@ -49,6 +49,10 @@ def test_stop_token_ids(server: ServerProcess, alice: openai.OpenAI) -> None:
                                    extra_body={"stop_token_ids": [int(stop_word[1:])]})
     assert out.choices[0].finish_reason == "stop"
     assert out.choices[0].text.split() == words[:words.index(stop_word) + 1], "up to its first occurrence"
+    assert out.choices[0].model_extra == {"stop_reason": int(stop_word[1:])}  # vLLM's: the token id that ended it
+    chat = alice.chat.completions.create(model=server.model_name, messages=[{"role": "user", "content": PROMPT}],
+                                         max_tokens=8, temperature=0, extra_body={"stop_token_ids": [0]})
+    assert chat.choices[0].model_extra == {"stop_reason": None if chat.choices[0].finish_reason == "length" else 0}
 
 
 def _n_choices(client: openai.OpenAI, server: ServerProcess, seed: int) -> list[str]:
