@@ -183,7 +183,7 @@ class ToolCall(_Body):
 
 
 class ChatMessage(_Body):
-    role: Literal["system", "user", "assistant", "tool"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]  # developer: OpenAI's newer name for system
     content: str | Annotated[list[ChatTextPart], Field(max_length=MAX_CONTENT_PARTS)] | None
     tool_calls: Annotated[list[ToolCall], Field(max_length=MAX_TOOLS)] | None = None  # an assistant turn's calls
     tool_call_id: Name | None = None  # a tool result answers this call
@@ -191,7 +191,9 @@ class ChatMessage(_Body):
 
     def as_template_input(self) -> dict[str, Any]:
         content = self.content if not isinstance(self.content, list) else "\n".join(p.text for p in self.content)
-        message: dict[str, Any] = {"role": self.role, "content": content or ""}
+        # The model's template knows "system" (OpenAI's "developer" is the same instructions by a newer name)
+        role = "system" if self.role == "developer" else self.role
+        message: dict[str, Any] = {"role": role, "content": content or ""}
         if self.tool_calls:
             message["tool_calls"] = [{"id": c.id, "type": "function", "function": {
                 "name": c.function.name, "arguments": _json_arguments(c.function.arguments)}} for c in self.tool_calls]

@@ -14,6 +14,7 @@ from server_process import KEYS, ServerProcess, client_for
 from kvseal.errors import ConfigError
 from kvseal.llm import LLM
 from kvseal.server.generation_defaults import GenerationDefaults
+from kvseal.server.protocol import ChatMessage
 from kvseal.types import SamplingParams
 
 ALICE = {"Authorization": "Bearer key-alice"}
@@ -31,6 +32,15 @@ def test_tokenize_prompt_and_chat_match_what_generation_admits(server: ServerPro
     usage = client_for(server, "key-alice").chat.completions.create(
         model=server.model_name, messages=[{"role": "user", "content": "w10"}], max_tokens=1).usage
     assert usage is not None and usage.prompt_tokens == chat["count"]
+
+
+def test_openais_developer_role_is_the_templates_system_role(server: ServerProcess) -> None:
+    """Taken (it was a 400), and rendered as the role the model's template knows."""
+    assert ChatMessage(role="developer", content="w20").as_template_input()["role"] == "system"
+    messages = [{"role": "developer", "content": "w20"}, {"role": "user", "content": "w10"}]
+    assert _post(server, "/tokenize", {"messages": messages}).status_code == 200
+    alice = client_for(server, "key-alice")
+    alice.chat.completions.create(model=server.model_name, messages=messages, max_tokens=1)  # type: ignore[arg-type]
 
 
 def test_detokenize_round_trips(server: ServerProcess) -> None:
