@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from kvseal.prompting import ChatOptions
 from kvseal.structured.schema import MAX_CHOICES, MAX_SCHEMA_CHARS, MAX_SCHEMA_DEPTH, MAX_TOOLS, json_depth
@@ -89,7 +89,14 @@ class StructuredOutputsSpec(_Body):
 
 
 class GenerationBody(_Body):
-    """Fields both endpoints share."""
+    """Fields both endpoints share. A field sent as null is taken as not sent, as OpenAI's API
+    and vLLM take it (clients and wrappers forward None for what they leave unset); an
+    unsupported field sent as null asks for nothing and passes."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_not_sent(cls, data: Any) -> Any:
+        return {key: value for key, value in data.items() if value is not None} if isinstance(data, dict) else data
 
     model: Name | None = None
     max_tokens: Annotated[int, Field(ge=1, le=INT32_MAX)] | None = None

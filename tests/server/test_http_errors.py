@@ -112,11 +112,24 @@ def test_invalid_chat_parameter_is_400_naming_it(server: ServerProcess, body: di
     assert error_of(post(server, "/chat/completions", body), 400)["param"] == param
 
 
-@pytest.mark.parametrize("field", ["tools", "suffix", "best_of"])
-def test_unsupported_field_is_rejected_not_ignored(server: ServerProcess, field: str) -> None:
-    err = error_of(post(server, "/completions", {"prompt": "w5", field: None}), 400)
+@pytest.mark.parametrize(("field", "value"), [("tools", []), ("suffix", "x"), ("best_of", 2)])
+def test_unsupported_field_is_rejected_not_ignored(server: ServerProcess, field: str, value: Any) -> None:
+    err = error_of(post(server, "/completions", {"prompt": "w5", field: value}), 400)
     assert err["code"] == "unsupported_parameter" and err["param"] == field
     assert field in err["message"]
+
+
+def test_a_field_sent_as_null_is_not_sent(server: ServerProcess, alice: openai.OpenAI) -> None:
+    """As OpenAI's API and vLLM take it: wrappers forward None for what they leave unset (an
+    unsupported field sent as null asks for nothing)."""
+    nulls = {"stream": None, "echo": None, "logprobs": None, "suffix": None, "best_of": None, "ignore_eos": None,
+             "min_tokens": None, "temperature": None, "stop": None, "n": None}
+    response = post(server, "/completions", {"prompt": "w5", "max_tokens": 2} | nulls)
+    assert response.status_code == 200 and len(response.json()["choices"]) == 1, response.text
+    chat = alice.chat.completions.create(model=server.model_name, messages=[{"role": "user", "content": "w5"}],
+                                         max_tokens=2, logprobs=None, stream=None,
+                                         extra_body={"store": None, "skip_special_tokens": None})
+    assert chat.choices[0].logprobs is None
 
 
 @pytest.mark.parametrize("content", [b'{"prompt": ', b"[1, 2]", b"null", b"\xff\xfe", b"", b'{"prompt": NaN}'])
