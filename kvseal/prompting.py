@@ -13,9 +13,10 @@ from typing import Any
 from kvseal.errors import ConfigError, InvalidParameter
 
 
-def encode_text(tokenizer: Any, text: str) -> list[int]:
-    """A plain-text prompt, with the tokenizer's special tokens (e.g. BOS) as the model expects."""
-    return list(tokenizer.encode(text, add_special_tokens=True))
+def encode_text(tokenizer: Any, text: str, add_special_tokens: bool = True) -> list[int]:
+    """A plain-text prompt, with the tokenizer's special tokens (e.g. BOS) as the model expects
+    (vLLM's `add_special_tokens`, true by default for text: false leaves them out)."""
+    return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
 
 @dataclass(frozen=True)
@@ -27,10 +28,13 @@ class ChatOptions:
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     template_kwargs: tuple[tuple[str, Any], ...] = ()
+    # vLLM's: also the tokenizer's special tokens around the rendered text (the template usually
+    # writes BOS itself, hence false by default)
+    add_special_tokens: bool = False
 
     @classmethod
     def of(cls, add_generation_prompt: bool = True, continue_final_message: bool = False,
-           template_kwargs: Mapping[str, Any] | None = None) -> ChatOptions:
+           template_kwargs: Mapping[str, Any] | None = None, add_special_tokens: bool = False) -> ChatOptions:
         """Raise `InvalidParameter` for both a generation prompt and an open final message, or a
         template variable that would stand for one of apply_chat_template's own arguments."""
         if add_generation_prompt and continue_final_message:
@@ -46,7 +50,7 @@ class ChatOptions:
         if reserved:
             raise InvalidParameter(f"chat_template_kwargs may not set {reserved}: the request's own fields do",
                                    param="chat_template_kwargs")
-        return cls(add_generation_prompt, continue_final_message, tuple(sorted(kwargs.items())))
+        return cls(add_generation_prompt, continue_final_message, tuple(sorted(kwargs.items())), add_special_tokens)
 
 
 DEFAULT_CHAT = ChatOptions()  # the generation prompt, no open final message, no template variables
@@ -102,9 +106,11 @@ def render_chat(tokenizer: Any, conversation: list[dict[str, Any]],
     try:
         ids = tokenizer.apply_chat_template(conversation, tools=tools, chat_template=chat_template,
                                             add_generation_prompt=options.add_generation_prompt,
-                                            continue_final_message=options.continue_final_message, tokenize=True,
-                                            **dict(options.template_kwargs))
+                                            continue_final_message=options.continue_final_message,
+                                            tokenize=not options.add_special_tokens, **dict(options.template_kwargs))
     except Exception as exc:  # jinja2 errors and raise_exception() calls in templates
         raise InvalidParameter(f"the model's chat template cannot render these messages: {exc}",
                                param="messages") from exc
+    if options.add_special_tokens:  # the rendered text, tokenized with the tokenizer's special tokens
+        return encode_text(tokenizer, ids)
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)

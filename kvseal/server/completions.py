@@ -43,7 +43,7 @@ class CompletionsEndpoint:
             raise InvalidParameter("max_tokens=0 asks for no output: it is allowed only with echo=true (the prompt "
                                    "alone comes back); ask for at least 1 token", param="max_tokens")
         ids = await prompts.completion_prompts(body.prompt, tenant.name, limits,
-                                               body.truncate_prompt_tokens is not None)
+                                               body.truncate_prompt_tokens is not None, body.add_special_tokens)
         prompt_logprobs = body.logprobs if body.prompt_logprobs is None and body.echo else body.prompt_logprobs
         params = [build_sampling_params(body, max_tokens=1 if _echo_only(body) else body.max_tokens,
                                         num_prompt_tokens=len(one), limits=limits, logprobs=body.logprobs,

@@ -147,20 +147,22 @@ class PromptEncoder:
         return cls(tokenizer)
 
     async def completion_prompts(self, prompt: CompletionPrompt, tenant: str, limits: AdmissionLimits,
-                                 may_truncate: bool) -> list[list[int]]:
+                                 may_truncate: bool, add_special_tokens: bool = True) -> list[list[int]]:
         """Token ids of each prompt of a completions request (a string, token ids, or a list of
         up to `MAX_PROMPTS` of either), tokenized one after another in the tenant's turn; each
         as `completion_ids`."""
-        return [await self._ids_of(one, tenant, limits, may_truncate) for one in prompt_list(prompt)]
+        return [await self._ids_of(one, tenant, limits, may_truncate, add_special_tokens)
+                for one in prompt_list(prompt)]
 
     async def completion_ids(self, prompt: CompletionPrompt, tenant: str, limits: AdmissionLimits,
-                             may_truncate: bool) -> list[int]:
-        """Token ids of a completions prompt; `ContextLengthExceeded` before tokenizing one that
-        cannot fit (unless `may_truncate`)."""
-        return await self._ids_of(_single_prompt(prompt), tenant, limits, may_truncate)
+                             may_truncate: bool, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of a completions prompt (text with the tokenizer's special tokens unless
+        `add_special_tokens` is false); `ContextLengthExceeded` before tokenizing one that cannot
+        fit (unless `may_truncate`)."""
+        return await self._ids_of(_single_prompt(prompt), tenant, limits, may_truncate, add_special_tokens)
 
     async def _ids_of(self, single: str | list[int], tenant: str, limits: AdmissionLimits,
-                      may_truncate: bool) -> list[int]:
+                      may_truncate: bool, add_special_tokens: bool = True) -> list[int]:
         if isinstance(single, list):
             if not may_truncate:
                 check_context(len(single), 0, limits)
@@ -168,7 +170,8 @@ class PromptEncoder:
         num_chars = num_visible_chars(single)
         if not may_truncate:
             self._check_chars(num_chars, limits)
-        return await self._lane_for(num_chars, limits).run(tenant, encode_text, single)
+        encode = encode_text if add_special_tokens else _encode_plain
+        return await self._lane_for(num_chars, limits).run(tenant, encode, single)
 
     async def chat_ids(self, conversation: list[dict[str, Any]], tenant: str, limits: AdmissionLimits,
                        may_truncate: bool, tools: list[dict[str, Any]] | None = None,

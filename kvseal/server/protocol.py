@@ -154,6 +154,7 @@ class CompletionRequest(GenerationBody):
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     echo: bool = False  # the prompt before the completion (with logprobs: the prompt's logprobs too)
+    add_special_tokens: bool = True  # vLLM's: the tokenizer's BOS and the like around a text prompt
     # 0 only with echo: the prompt alone comes back, as OpenAI's and vLLM's do
     max_tokens: Annotated[int, Field(ge=0, le=INT32_MAX)] | None = None
 
@@ -261,9 +262,11 @@ class ChatCompletionRequest(GenerationBody):
     continue_final_message: bool = False
     chat_template_kwargs: TemplateKwargs | None = None
     include_reasoning: bool = True  # vLLM's: false leaves a reasoning parser's reasoning out of the answer
+    add_special_tokens: bool = False  # vLLM's: also the tokenizer's around the rendered template (which writes BOS)
 
     @property
     def chat_options(self) -> ChatOptions:
         """Raises `InvalidParameter` for a combination the template cannot honour."""
-        return ChatOptions.of(self.add_generation_prompt, self.continue_final_message, self.chat_template_kwargs)
+        return ChatOptions.of(self.add_generation_prompt, self.continue_final_message, self.chat_template_kwargs,
+                              self.add_special_tokens)
 

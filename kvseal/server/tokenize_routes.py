@@ -49,6 +49,7 @@ class TokenizeCompletionBody(_Body):
     model: Annotated[str, Field(max_length=MAX_NAME_CHARS)] | None = None
     prompt: str
     return_token_strs: bool = False
+    add_special_tokens: bool = True  # vLLM's: the tokenizer's BOS and the like around the text
 
 
 class TokenizeChatBody(_Body):
@@ -58,6 +59,7 @@ class TokenizeChatBody(_Body):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: TemplateKwargs | None = None
+    add_special_tokens: bool = False  # vLLM's: the template writes them
 
 
 class DetokenizeBody(_Body):
@@ -136,11 +138,13 @@ async def _tokenize(data: bytes, state: AppState, tenant: Tenant, call: TokenCal
     _check_model(body.model, state)
     if isinstance(body, TokenizeChatBody):
         check_tool_call_arguments(body.messages, state.limits, state.prompts.max_token_chars)
-        options = ChatOptions.of(body.add_generation_prompt, body.continue_final_message, body.chat_template_kwargs)
+        options = ChatOptions.of(body.add_generation_prompt, body.continue_final_message, body.chat_template_kwargs,
+                                 body.add_special_tokens)
         ids = await state.prompts.chat_ids([m.as_template_input() for m in body.messages], tenant.name,
                                            state.limits, may_truncate=False, options=options)
     else:
-        ids = await state.prompts.completion_ids(body.prompt, tenant.name, state.limits, may_truncate=False)
+        ids = await state.prompts.completion_ids(body.prompt, tenant.name, state.limits, may_truncate=False,
+                                                 add_special_tokens=body.add_special_tokens)
     call.num_tokens = len(ids)
     token_strs = state.prompts.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
     return {"count": len(ids), "max_model_len": state.engine_info.max_model_len, "tokens": ids,

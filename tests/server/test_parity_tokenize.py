@@ -43,13 +43,24 @@ def test_openais_developer_role_is_the_templates_system_role(server: ServerProce
     alice.chat.completions.create(model=server.model_name, messages=messages, max_tokens=1)  # type: ignore[arg-type]
 
 
+def test_vllms_add_special_tokens_is_taken_on_every_route(server: ServerProcess) -> None:
+    """(What it changes is shown where the tokenizer has a BOS: tests/server/test_prompts.py.)"""
+    assert _post(server, "/tokenize", {"prompt": "w10", "add_special_tokens": False}).json()["tokens"] == [10]
+    messages = [{"role": "user", "content": "w10"}]
+    assert _post(server, "/tokenize", {"messages": messages, "add_special_tokens": True}).status_code == 200
+    for path, body in (("/v1/completions", {"prompt": "w10"}), ("/v1/chat/completions", {"messages": messages})):
+        flipped = {"add_special_tokens": path.endswith("chat/completions")}  # each route's non-default
+        response = _post(server, path, body | {"max_tokens": 1} | flipped)
+        assert response.status_code == 200, response.text
+
+
 def test_detokenize_round_trips(server: ServerProcess) -> None:
     assert _post(server, "/detokenize", {"tokens": [10, 11, 12]}).json() == {"prompt": "w10 w11 w12"}
 
 
 @pytest.mark.parametrize(("path", "body", "status", "param"), [
     ("/tokenize", {"prompt": 5}, 400, "prompt"),
-    ("/tokenize", {"prompt": "w5", "add_special_tokens": False}, 400, "add_special_tokens"),
+    ("/tokenize", {"prompt": "w5", "add_special_tokens": "no"}, 400, "add_special_tokens"),
     ("/tokenize", {"messages": []}, 400, "messages"),
     ("/detokenize", {"tokens": [600]}, 400, "tokens"),
     ("/detokenize", {"tokens": [-1]}, 400, "tokens"),

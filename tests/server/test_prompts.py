@@ -16,8 +16,10 @@ from kvseal._testing.faults import Fault, inject
 from kvseal.admission import AdmissionLimits
 from kvseal.errors import ContextLengthExceeded
 from kvseal.messages.msgs import TokenLogprobsMsg
+from kvseal.prompting import ChatOptions
 from kvseal.server.logprobs import TextOffsets, chat_logprobs, completion_logprobs
 from kvseal.server.prompts import PromptEncoder
+from kvseal.server.protocol import ChatCompletionRequest, CompletionRequest
 
 LIMITS = AdmissionLimits(max_model_len=512, kv_cache_tokens=2048, vocab_size=512)
 TEXT = "héllo 🙂 wörld 🙂🙂 ok"
@@ -171,3 +173,37 @@ def test_the_prescan_bounds_each_token_id_prompt_on_its_own() -> None:
     for too_long in (body(513), body(10, 513), body(513, 10)):
         with pytest.raises(ContextLengthExceeded):
             check_token_list_before_parsing(too_long, LIMITS)
+
+
+def _tokenizer_with_bos() -> PreTrainedTokenizerFast:
+    from tokenizers import processors
+
+    fast = make_tokenizer()
+    bos = fast.convert_tokens_to_ids("<s>")
+    fast.backend_tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A",
+                                                                          special_tokens=[("<s>", bos)])
+    return fast
+
+
+def test_add_special_tokens_as_vllm_takes_it_for_text_and_for_chat() -> None:
+    """vLLM's field: a text prompt gets the tokenizer's BOS unless it is false; a chat prompt
+    only when it is true (its template writes what it needs)."""
+    tokenizer = _tokenizer_with_bos()
+    bos = tokenizer.convert_tokens_to_ids("<s>")
+    encoder = PromptEncoder(tokenizer)
+    conversation = [{"role": "user", "content": "w10"}]
+
+    async def scenario() -> tuple[list[int], ...]:
+        return (await encoder.completion_ids("w5 w6", "t", LIMITS, may_truncate=False),
+                await encoder.completion_ids("w5 w6", "t", LIMITS, may_truncate=False, add_special_tokens=False),
+                await encoder.completion_prompts(["w5"], "t", LIMITS, False, add_special_tokens=False),  # type: ignore[arg-type]
+                await encoder.chat_ids(conversation, "t", LIMITS, may_truncate=False),
+                await encoder.chat_ids(conversation, "t", LIMITS, may_truncate=False,
+                                       options=ChatOptions.of(add_special_tokens=True)))
+
+    with_bos, without, listed, chat, chat_with_bos = asyncio.run(scenario())
+    encoder.close()
+    assert with_bos == [bos, 5, 6] and without == [5, 6] and listed == [[5]]
+    assert chat[0] != bos and chat_with_bos == [bos, *chat]
+    assert CompletionRequest.model_validate({"prompt": "x"}).add_special_tokens
+    assert not ChatCompletionRequest.model_validate({"messages": conversation}).add_special_tokens
