@@ -30,15 +30,21 @@ def choice_seed(seed: int | None, index: int) -> int | None:
     return None if seed is None else (seed + index) % 2**63
 _INT_FIELDS = ("top_k", "min_tokens", "n")
 _OPTIONAL_INT_FIELDS = ("max_tokens", "seed", "logprobs", "prompt_logprobs", "truncate_prompt_tokens")
+MAX_CACHE_SALT_CHARS = 256
 MAX_LOGPROBS = 20  # most alternatives a position's logprobs may carry (vLLM's default max_logprobs)
 _REAL_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 
 
-def namespace_of(tenant: str) -> str:
-    """The prefix-cache namespace of a tenant (I5): a framed hash over the tenant id, the only
-    way a namespace is made. Engines derive it from the request's tenant themselves; no message
-    and no caller carries one."""
+def namespace_of(tenant: str, cache_salt: str | None = None) -> str:
+    """The prefix-cache namespace of a tenant (I5): a framed hash over the tenant id, and the
+    request's `cache_salt` when it has one (vLLM's: a tenant's way to split its own cache, e.g.
+    one namespace per end user), the only way a namespace is made. Engines derive it from the
+    request's tenant and salt themselves; no message and no caller carries one. A salt only
+    divides its tenant's namespace: no salt makes another tenant's."""
     framed = b"kvseal-prefix-namespace\x00" + len(tenant).to_bytes(8, "big") + tenant.encode()
+    if cache_salt is not None:
+        salt = cache_salt.encode()
+        framed += b"\x01salt" + len(salt).to_bytes(8, "big") + salt
     return hashlib.sha256(framed).hexdigest()
 
 
@@ -185,6 +191,8 @@ class SamplingParams:
     detokenize: bool = True  # vLLM's: False returns token ids only (no text, no time spent decoding)
     allowed_token_ids: tuple[int, ...] | None = None  # vLLM's: sample only these tokens
     prompt_logprobs: int | None = None
+    # vLLM's: the request's prefix-cache namespace is its tenant's and this salt's (namespace_of)
+    cache_salt: str | None = None
     # vLLM's ways to ask for `structured` (either, not both; they fill it in)
     structured_outputs: StructuredOutputsParams | None = None
     guided_decoding: StructuredOutputsParams | None = None
@@ -214,6 +222,9 @@ class SamplingParams:
                  or self.truncate_prompt_tokens >= 1, "truncate_prompt_tokens",
                  f"must be >= 1, or -1 for the most a prompt may have, got {self.truncate_prompt_tokens}")
         self._check_penalties()
+        _require(self.cache_salt is None or (isinstance(self.cache_salt, str) and
+                                             1 <= len(self.cache_salt) <= MAX_CACHE_SALT_CHARS), "cache_salt",
+                 f"must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters, got {self.cache_salt!r}")
 
     def _check_types(self) -> None:
         """Refuse values of the wrong type before they reach the sampler (where a float `top_k`
@@ -344,7 +355,7 @@ class Request:
     arrival_s: float = field(default_factory=time.monotonic)
 
     def __post_init__(self) -> None:
-        self.cache_namespace = namespace_of(self.tenant)
+        self.cache_namespace = namespace_of(self.tenant, self.params.cache_salt)
         if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
             self.prompt_logprobs = [None]
 

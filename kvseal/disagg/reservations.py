@@ -113,7 +113,8 @@ class ReservationTable:
         r = reservation
         r.num_cached_tokens = self.kv.acquire_prefix(_probe(r))  # 0 with the cache off; the last token never hits
         # one run of consecutive pages where the pool has one: the transfer then moves a few large blocks
-        self.kv.reserve(r.request_id, r.tenant, r.num_tokens, namespace_of(r.tenant), consecutive=True)
+        self.kv.reserve(r.request_id, r.tenant, r.num_tokens, namespace_of(r.tenant, r.params.cache_salt),
+                        consecutive=True)
         r.transfer_id = secrets.token_hex(16)
         r.transfer_key = secrets.token_bytes(TRANSFER_KEY_BYTES)
         r.pages = tuple(self.kv.allocator.pages_of(r.request_id))

@@ -32,6 +32,7 @@ def params_to_msg(params: SamplingParams) -> SamplingParamsMsg:
         skip_special_tokens=params.skip_special_tokens, prompt_logprobs=params.prompt_logprobs,
         detokenize=params.detokenize,
         allowed_token_ids=None if params.allowed_token_ids is None else list(params.allowed_token_ids),
+        cache_salt=params.cache_salt,
     )
 
 
@@ -49,6 +50,7 @@ def params_from_msg(msg: SamplingParamsMsg) -> SamplingParams:
         skip_special_tokens=msg.skip_special_tokens, prompt_logprobs=msg.prompt_logprobs,
         detokenize=msg.detokenize,
         allowed_token_ids=None if msg.allowed_token_ids is None else tuple(msg.allowed_token_ids),
+        cache_salt=msg.cache_salt,
     )
 
 

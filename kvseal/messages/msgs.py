@@ -57,6 +57,7 @@ class SamplingParamsMsg(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
     prompt_logprobs: int | None = None
     detokenize: bool = True
     allowed_token_ids: list[int] | None = None
+    cache_salt: str | None = None
 
 
 class TokenLogprobsMsg(msgspec.Struct, frozen=True, array_like=True):

@@ -26,7 +26,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validat
 
 from kvseal.prompting import ChatOptions
 from kvseal.structured.schema import MAX_CHOICES, MAX_SCHEMA_CHARS, MAX_SCHEMA_DEPTH, MAX_TOOLS, json_depth
-from kvseal.types import MAX_LOGPROBS, MAX_N
+from kvseal.types import MAX_CACHE_SALT_CHARS, MAX_LOGPROBS, MAX_N
 
 INT32_MAX = 2**31 - 1
 MAX_LOGIT_BIAS = 300  # OpenAI's limit on logit_bias entries
@@ -127,6 +127,8 @@ class GenerationBody(_Body):
     prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     allowed_token_ids: Annotated[list[Annotated[int, Field(ge=0, le=INT32_MAX)]],
                                  Field(min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS)] | None = None
+    # vLLM's: this request's prefix cache is its tenant's, split by the salt (kvseal.types.namespace_of)
+    cache_salt: Annotated[str, Field(min_length=1, max_length=MAX_CACHE_SALT_CHARS)] | None = None
     # vLLM's structured outputs, besides OpenAI's response_format: at most one spec per request
     structured_outputs: StructuredOutputsSpec | None = None
     guided_json: JsonSchemaSpec | None = None

@@ -61,6 +61,7 @@ def build_sampling_params(body: GenerationBody, *, max_tokens: int | None, num_p
         logit_bias=_logit_bias(body.logit_bias),
         prompt_logprobs=prompt_logprobs,
         allowed_token_ids=None if body.allowed_token_ids is None else tuple(body.allowed_token_ids),
+        cache_salt=body.cache_salt,
     )
 
 

@@ -14,8 +14,8 @@ from pd_servers import PdCluster, assert_engines_clean
 PAGE = 4  # pd_servers.ENGINE_FLAGS
 
 
-def complete(cluster: PdCluster, tenant: str, prompt: str, stream: bool = False) -> dict[str, Any]:
-    body = {"model": cluster.frontend.model_name, "prompt": prompt, "max_tokens": 6, "temperature": 0}
+def complete(cluster: PdCluster, tenant: str, prompt: str, stream: bool = False, **extra: Any) -> dict[str, Any]:
+    body = {"model": cluster.frontend.model_name, "prompt": prompt, "max_tokens": 6, "temperature": 0} | extra
     headers = {"authorization": f"Bearer key-{tenant}"}
     url = f"{cluster.frontend.url}/v1/completions"
     if not stream:
@@ -52,6 +52,17 @@ def test_pd_reports_the_same_tenants_hit_and_never_another_tenants(pd_cluster: P
         == other["choices"][0]["text"] == " w477" * 6
     assert pd_cluster.frontend.metric("kvseal_prefix_cache_hits_total", tenant="alice") - hits_before \
         == 2 * cached_tokens(second)
+    assert_engines_clean(pd_cluster.prefill, pd_cluster.decode)
+
+
+def test_pd_a_cache_salt_splits_the_tenants_cache_on_decode(pd_cluster: PdCluster) -> None:
+    """Decode derives a reservation's namespace from its tenant and salt, as a colocated engine does."""
+    prompt = marker_prompt(481, 60)
+    assert cached_tokens(complete(pd_cluster, "alice", prompt, cache_salt="user-1")) == 0
+    assert cached_tokens(complete(pd_cluster, "alice", prompt, cache_salt="user-1")) > 0
+    assert cached_tokens(complete(pd_cluster, "alice", prompt, cache_salt="user-2")) == 0
+    assert cached_tokens(complete(pd_cluster, "alice", prompt)) == 0
+    assert cached_tokens(complete(pd_cluster, "bob", prompt, cache_salt="user-1")) == 0
     assert_engines_clean(pd_cluster.prefill, pd_cluster.decode)
 
 

@@ -4,6 +4,7 @@ preemption and aborts leave it consistent, greedy outputs equal the cache switch
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -48,6 +49,24 @@ def test_another_tenant_never_hits(make_llm: Callable[..., Any]) -> None:
     _run(engine, "a", SYSTEM + [7], "alice")
     out = _run(engine, "b", SYSTEM + [7], "bob")
     assert out.num_cached_tokens == 0 and out.error is None
+
+
+def test_a_cache_salt_splits_its_tenants_cache_and_never_joins_anothers(make_llm: Callable[..., Any]) -> None:
+    """vLLM's cache_salt: a tenant's requests with one salt share pages, with another salt (or
+    none) they do not; another tenant with the same salt still never hits (I5)."""
+    engine = make_llm().engine
+    salted = dataclasses.replace(GREEDY, cache_salt="user-1")
+    _run(engine, "s1", SYSTEM + [7], "alice", salted)
+    assert _run(engine, "s2", SYSTEM + [8], "alice", salted).num_cached_tokens == len(SYSTEM)
+    assert _run(engine, "other-salt", SYSTEM + [8], "alice",
+                dataclasses.replace(GREEDY, cache_salt="user-2")).num_cached_tokens == 0
+    assert _run(engine, "no-salt", SYSTEM + [9], "alice").num_cached_tokens == 0
+    assert _run(engine, "bob-same-salt", SYSTEM + [8], "bob", salted).num_cached_tokens == 0
+    others = (namespace_of("alice"), namespace_of("alice", "y"), namespace_of("bob", "x"))
+    assert namespace_of("alice", "x") not in others
+    # framed: the salt cannot be moved into the tenant's name, or the tenant's name into the salt
+    assert namespace_of("ab", "c") != namespace_of("a", "bc")
+    assert namespace_of("a\x01salt", None) != namespace_of("a", "")
 
 
 def _cross_tenant_cached_tokens(make_llm: Callable[..., Any], *faults: Fault) -> Any:

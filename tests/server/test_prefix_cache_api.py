@@ -48,6 +48,20 @@ def test_same_tenant_hits_another_tenant_does_not(server: ServerProcess) -> None
     assert _labeled(server, "kvseal_prefix_cache_queries_total", "bob") > 0
 
 
+def test_a_cache_salt_splits_a_tenants_cache(server: ServerProcess) -> None:
+    """vLLM's cache_salt: the same salt shares the tenant's cached pages, another salt (or none)
+    does not, and another tenant with the same salt never hits (I5)."""
+    system = _system(300)
+    assert _cached(_complete(server, ALICE, system + " w1", cache_salt="user-1")) == 0
+    assert _cached(_complete(server, ALICE, system + " w2", cache_salt="user-1")) > 0
+    assert _cached(_complete(server, ALICE, system + " w2", cache_salt="user-2")) == 0
+    assert _cached(_complete(server, ALICE, system + " w3")) == 0
+    assert _cached(_complete(server, BOB, system + " w2", cache_salt="user-1")) == 0
+    refused = httpx.post(f"{server.base_url}/completions", json={"prompt": "w5", "cache_salt": ""}, headers=ALICE,
+                         timeout=60)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "cache_salt"
+
+
 def test_cached_tokens_in_chat_and_streams(server: ServerProcess) -> None:
     system = _system(200)
     messages = [{"role": "system", "content": system}, {"role": "user", "content": "w1"}]
