@@ -459,13 +459,6 @@ class EngineArgs:
             object.__setattr__(self, "dtype", str(self.dtype).removeprefix("torch."))
         if isinstance(self.dtype, str) and self.dtype in _DTYPE_ALIASES:  # bf16, fp32, half, ... as --dtype takes
             object.__setattr__(self, "dtype", _DTYPE_ALIASES[self.dtype])
-        check_field_types(self)
-        for name in ("page_size", "max_num_batched_tokens", "max_num_seqs"):  # checked again where each is used
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.model is not None and not self.model.strip():
-            raise ConfigError("model is empty: give a local model folder or .gguf file, or leave it out for the "
-                              "default model")
         if self.device not in DEVICES:
             raise ConfigError(f"device must be one of {', '.join(DEVICES)}; got {self.device!r} (auto: CUDA when "
                               f"torch sees a GPU, else the CPU)")
@@ -485,7 +478,7 @@ class EngineArgs:
             raise ConfigError(f"quantization bf16 stores a float32 model's linear weights in bfloat16; it needs "
                               f"dtype float32, got {self.dtype!r} (a bfloat16 model's weights are bfloat16 already)")
         object.__setattr__(self, "kv_headroom", check_headroom(self.kv_headroom))
-        if self.tokenizer is not None and not Path(self.tokenizer).is_dir():
+        if self.tokenizer is not None and not (isinstance(self.tokenizer, str) and Path(self.tokenizer).is_dir()):
             raise ConfigError(f"--tokenizer must be a local folder holding a tokenizer (tokenizer.json or "
                               f"tokenizer_config.json); {self.tokenizer!r} is not a folder (no model hub is read)")
         if isinstance(self.max_model_len, str) and self.max_model_len != "auto":
@@ -534,6 +527,13 @@ class EngineArgs:
                               f"the share of the GPU's free memory the engine may use (default "
                               f"{DEFAULT_GPU_MEMORY_UTILIZATION})")
         _ = self.grammar_config  # a bad compile timeout or worker count fails here, by flag
+        check_field_types(self)  # the fields the checks above do not name (theirs say more)
+        for name in ("page_size", "max_num_batched_tokens", "max_num_seqs"):  # checked again where each is used
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.model is not None and not self.model.strip():
+            raise ConfigError("model is empty: give a local model folder or .gguf file, or leave it out for the "
+                              "default model")
 
     def on_device(self, device: str) -> EngineArgs:
         """These arguments with the device decided ("cpu" or "cuda"); a dtype given as auto is
