@@ -16,7 +16,7 @@
   `too_many_connections` and closed as soon as it opens, before anything of it is read. Clients
   holding connections open (slowly sent headers or bodies) so cost other clients new
   connections for a while, never the file descriptors the server's engine links, audit log and
-  grammar workers need (`server.limits.open_files_limit` raises the process's limit first).
+  grammar workers need (`server.open_files.raise_open_files_limit` raises the process's limit first).
 - The HTTP parser is httptools' (C), and the frontend runs on uvloop (`server.main`), as
   vLLM's does: both cut the frontend's CPU per streamed token, which the engine's threads
   would otherwise lose on a host whose cores the frontend shares.
