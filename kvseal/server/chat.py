@@ -148,7 +148,7 @@ class ChatFormatter:
         delta = {"content": out.new_text} if out.new_text else {}
         logprobs = self._logprobs(out.logprobs or [])
         return [self._chunk(index, delta, logprobs, out.finish_reason if out.finished else None,
-                            api_stop_reason(out) if out.finished else None)]
+                            api_stop_reason(out))]
 
     def _tool_delta_chunks(self, index: int, out: RequestOutputMsg) -> list[dict[str, Any]]:
         assert self._tool_parser is not None

@@ -112,7 +112,7 @@ class CompletionFormatter:
             return []
         logprobs = self._logprobs(index, out.logprobs or [])
         return [self._chunk(_choice(index, out.new_text, logprobs, out.finish_reason if out.finished else None,
-                                    api_stop_reason(out) if out.finished else None))]
+                                    api_stop_reason(out)))]
 
     def _echo_chunks(self, index: int, out: RequestOutputMsg, echo: Echo) -> list[dict[str, Any]]:
         """A stream's first chunk of a choice: the prompt, then (unless echo only) its first output."""
@@ -122,9 +122,8 @@ class CompletionFormatter:
             text += out.new_text
             if logprobs is not None:
                 logprobs = joined_logprobs(logprobs, self._logprobs(index, out.logprobs or []) or {})
-        finished = out.finished
-        return [self._chunk(_choice(index, text, logprobs, out.finish_reason if finished else None,
-                                    api_stop_reason(out) if finished else None))]
+        finish_reason = out.finish_reason if out.finished else None
+        return [self._chunk(_choice(index, text, logprobs, finish_reason, api_stop_reason(out)))]
 
     def _chunk(self, choice: dict[str, Any]) -> dict[str, Any]:
         chunk = self._envelope([choice])

@@ -49,6 +49,6 @@ def usage(transcripts: list[Transcript], choices_per_prompt: int | None = None) 
 
 
 def api_stop_reason(out: RequestOutputMsg) -> str | int | None:
-    """vLLM's `stop_reason` of a finished choice: the stop string or stop token id that ended it;
-    None for anything else (the end-of-sequence token, the length, an abort)."""
-    return out.stop_reason if out.finish_reason == "stop" else None
+    """vLLM's `stop_reason`: the stop string or stop token id that ended the choice; None for
+    anything else (not ended yet, the end-of-sequence token, the length, an abort)."""
+    return out.stop_reason if out.finished and out.finish_reason == "stop" else None
