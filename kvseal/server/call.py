@@ -62,7 +62,7 @@ class Call:
         self._received_s = time.monotonic()
         self._first_token_at: float | None = None
         self._last_token_s: float | None = None
-        self._progress: RequestOutputMsg | None = None  # the latest output, for a request the engine loses
+        self._group: ChoiceGroup | None = None  # its choices, once submitted
         self._route: dict[str, str] = {}  # PD mode: the engines and transfer id (filled in as it is routed)
 
     @property
@@ -104,6 +104,7 @@ class Call:
                 self.state.engine.abort(engine_id, self.tenant.name, ENGINE_UNAVAILABLE)
             raise
         self._is_submitted = True
+        self._group = group
         return group
 
     def rate_headers(self) -> dict[str, str]:
@@ -132,7 +133,6 @@ class Call:
     # ---- observer of the engine request (called by the engine client's router) ----
 
     def on_output(self, out: RequestOutputMsg) -> None:
-        self._progress = out
         if not out.new_token_ids:
             return
         now_s = time.monotonic()
@@ -146,18 +146,22 @@ class Call:
     def on_terminal(self, event: RequestEvent) -> None:
         breach = isolation_failure(event)
         if breach is not None:
-            self._isolation_violation(breach, event if isinstance(event, RequestOutputMsg) else self._progress)
+            self._isolation_violation(breach, event if isinstance(event, RequestOutputMsg) else self._progress())
         elif isinstance(event, IsolationBreach):
             raise AssertionError("isolation_failure() names every IsolationBreach")
         elif isinstance(event, RequestRejectedMsg):
             self._finish("rejected", reason=event.code, http_status=event.http_status, rejected_by="engine")
         elif isinstance(event, EngineGone):
             # a code, as for the requests refused at the door meanwhile: `kvseal audit --reason` finds them all
-            self._finish("error", reason=ENGINE_UNAVAILABLE, detail=event.message, out=self._progress)
+            self._finish("error", reason=ENGINE_UNAVAILABLE, detail=event.message, out=self._progress())
         elif event.finish_reason == "abort":
             self._finish("aborted", reason=event.error, out=event)
         else:
             self._finish("finished", out=event)
+
+    def _progress(self) -> RequestOutputMsg | None:
+        """What every choice has generated so far, for a request the engine loses."""
+        return self._group.progress() if self._group is not None else None
 
     def _isolation_violation(self, reason: str, out: RequestOutputMsg | None) -> None:
         """An isolation check tripped: 500 to the client, counted, audited and logged as an incident."""

@@ -10,7 +10,9 @@ request is reproducible and its choices differ.
 The group observes every choice's handle and is the call's single view of them: it forwards
 progress, and reports one terminal event when the last choice has ended (a failure wins over
 a success; output tokens and KV pages are summed for the audit record, I8, and so are the
-prompts' tokens, each prompt counted once); the call's latency metrics follow choice 0.
+prompts' tokens, each prompt counted once); the call's latency metrics follow choice 0. For a
+request the engine loses, `progress()` sums the choices' latest outputs the same way, so what
+they generated is counted however many choices there are.
 `events()` yields every choice's outputs, tagged with the choice index, in arrival order, up
 to the last terminal one.
 """
@@ -54,6 +56,7 @@ class ChoiceGroup:
         self._observer = observer
         self._queue: asyncio.Queue[ChoiceEvent] = asyncio.Queue()
         self._terminal: dict[int, RequestEvent] = {}
+        self._latest: dict[int, RequestOutputMsg] = {}  # each choice's latest output (totals so far)
 
     def observer_for(self, index: int) -> RequestObserver:
         return _ChoiceObserver(self, index)
@@ -66,7 +69,17 @@ class ChoiceGroup:
             num_ended += is_terminal(event)
             yield index, event
 
+    def progress(self) -> RequestOutputMsg | None:
+        """Every choice's latest output, summed as the final ones are: what the call has
+        generated so far (None before any output)."""
+        if not self._latest:
+            return None
+        latest = [self._latest.get(i) for i in range(self.num_choices)]
+        return self._summed([o for o in latest if o is not None], list(self._latest.values())[-1],
+                            [o for o in latest[::self._per_prompt] if o is not None])
+
     def _on_output(self, index: int, out: RequestOutputMsg) -> None:
+        self._latest[index] = out
         if index == 0:  # the call's latency metrics follow one stream, not n interleaved ones
             self._observer.on_output(out)
         if not out.finished:
@@ -74,6 +87,8 @@ class ChoiceGroup:
 
     def _on_terminal(self, index: int, event: RequestEvent) -> None:
         self._terminal[index] = event
+        if isinstance(event, RequestOutputMsg):
+            self._latest[index] = event
         self._queue.put_nowait((index, event))
         if len(self._terminal) == self.num_choices:
             self._observer.on_terminal(self._merged())
@@ -87,7 +102,12 @@ class ChoiceGroup:
         if failed is not None and not isinstance(failed, RequestOutputMsg):
             return failed
         last = failed if failed is not None else outputs[-1]
-        firsts = [e for e in events[::self._per_prompt] if isinstance(e, RequestOutputMsg)]  # one per prompt
+        return self._summed(outputs, last, [e for e in events[::self._per_prompt] if isinstance(e, RequestOutputMsg)])
+
+    def _summed(self, outputs: list[RequestOutputMsg], last: RequestOutputMsg,
+                firsts: list[RequestOutputMsg]) -> RequestOutputMsg:
+        """`last` with the call's totals: output tokens and KV pages of every choice in `outputs`,
+        prompt tokens of each prompt's first choice (`firsts`: one per prompt)."""
         return msgspec.structs.replace(
             last, request_id=self.request_id, num_output_tokens=sum(o.num_output_tokens for o in outputs),
             num_pages_reserved=sum(o.num_pages_reserved for o in outputs),

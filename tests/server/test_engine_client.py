@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 import zmq
 from starlette.testclient import TestClient
@@ -221,3 +222,30 @@ def test_an_engine_lost_midway_through_a_submit_ends_the_choices_it_took(tmp_pat
         assert taken == ["r-lost-0"] and aborted == [("r-lost-0", "engine_unavailable")]
     finally:
         _close(state)
+
+
+def test_an_engine_lost_under_n_choices_counts_every_choices_tokens(tmp_path: Path) -> None:
+    """The audit record (and the usage counters and the tokens-per-minute charge that follow it)
+    of an `n` > 1 request the engine loses counts what every choice generated, not choice 0's."""
+    async def scenario() -> None:
+        state = await _ready_state(tmp_path)
+        try:
+            call = Call(state, "/v1/completions", "r-n3")
+            call.tenant = ALICE
+            call.take_slots(ALICE, 3)
+            call.http_done()
+            params = params_to_msg(SamplingParams(max_tokens=40, n=3))
+            group = call.submit([AddRequestMsg("r-n3", ALICE.name, [5, 6], params)])
+            for index, num_tokens in enumerate([5, 4, 3]):
+                out = msgspec.structs.replace(_output(f"r-n3-{index}", "alice", finished=False),
+                                              num_output_tokens=num_tokens, num_pages_reserved=index + 1)
+                state.engine._receive(encode(OutputsMsg([out])))
+            state.engine._fail_handles("the engine died")
+            assert isinstance((await _events(group))[-1], EngineGone)
+            record = _audit(tmp_path)["r-n3"]
+            assert record["outcome"] == "error" and record["reason"] == "engine_unavailable"
+            assert (record["output_tokens"], record["pages_reserved"], record["prompt_tokens"]) == (12, 6, 2)
+        finally:
+            _close(state)
+
+    asyncio.run(scenario())
