@@ -139,6 +139,13 @@ class ApiKeyTable:
             raise errors.invalid_api_key()
         return found
 
+    def holds(self, key: ApiKey) -> bool:
+        """Whether `key` still authenticates, for its tenant: a reload may have removed, revoked or
+        moved it since a request was authenticated with it."""
+        if self._keys is None:
+            return True
+        return any(k.digest == key.digest and k.tenant.name == key.tenant.name for k in self._keys)
+
     def authenticate(self, authorization: str | None) -> Tenant:
         """The caller's tenant, or an `ApiError` 401."""
         return self.identify(authorization).tenant

@@ -57,6 +57,7 @@ class Call:
         self._is_audited = False
         self._is_http_done = False
         self._num_slots = 0  # taken against the tenant's concurrency limit
+        self._rates_taken = (0, 0)  # (requests, prompt tokens) taken from the tenant's per-minute limits
         self._is_submitted = False
         self._received_at = time.time()
         self._received_s = time.monotonic()
@@ -86,6 +87,18 @@ class Call:
         """Count against the tenant's concurrency limit, one slot per choice (raises `ApiError` 429)."""
         self.state.gate.acquire(tenant, num_choices)
         self._num_slots = num_choices
+
+    def take_request(self) -> None:
+        """Count the request against the tenant's requests per minute (raises `ApiError` 429)."""
+        assert self.tenant is not None, "an authenticated call"
+        self.state.rates.take_request(self.tenant)
+        self._rates_taken = (1, 0)
+
+    def take_prompt_tokens(self) -> None:
+        """Count its prompts' tokens against the tenant's tokens per minute (raises `ApiError` 429)."""
+        assert self.tenant is not None and self.num_prompt_tokens is not None, "an authenticated, tokenized call"
+        self.state.rates.take_prompt_tokens(self.tenant, self.num_prompt_tokens)
+        self._rates_taken = (self._rates_taken[0], self.num_prompt_tokens)
 
     def submit(self, prompts: list[AddRequestMsg]) -> ChoiceGroup:
         """Submit one engine request per choice (`n` per prompt); the group reports to this call."""
@@ -179,7 +192,13 @@ class Call:
         self.http_done()
 
     def reject(self, err: ApiError) -> None:
-        """A refusal answered with `err`; this also ends the HTTP side."""
+        """A refusal answered with `err`; this also ends the HTTP side. A refusal that is the
+        server's doing (5xx: the engine restarting, the audit log down, shutdown) gives back the
+        per-minute requests and tokens it took: nothing ran, and a client retrying it is not
+        charged twice."""
+        if err.status >= 500 and self.tenant is not None:
+            self.state.rates.give_back(self.state.keys.current(self.tenant), *self._rates_taken)
+            self._rates_taken = (0, 0)
         self._finish("rejected" if err.status < 500 else "error", reason=err.reason, http_status=err.status,
                      rejected_by="frontend" if err.status < 500 else None)
         self.http_done()

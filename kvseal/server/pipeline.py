@@ -102,7 +102,7 @@ async def _admit_and_submit(request: Request, state: AppState, endpoint: Endpoin
     if isinstance(body, ChatCompletionRequest):
         check_tool_call_arguments(body.messages, state.limits, state.prompts.max_token_chars)
     call.take_slots(tenant, (body.n or 1) * num_prompts(body))
-    state.rates.take_request(tenant)
+    call.take_request()
     prepared = await endpoint.prepare(body, state.prompts, tenant, state.limits, state.defaults)
     call.prompt_for_audit = prepared.prompt_for_audit
     call.num_prompt_tokens = sum(len(ids) for ids in prepared.prompt_token_ids)
@@ -117,7 +117,9 @@ async def _admit_and_submit(request: Request, state: AppState, endpoint: Endpoin
     _require_audit(state)
     if call.stopped_by is not None:  # its key was revoked or the model disabled while it was prepared
         raise errors.stopped_by_operator(call.stopped_by)
-    state.rates.take_prompt_tokens(tenant, call.num_prompt_tokens)  # last: a refusal after it would waste them
+    if not state.keys.holds(key):  # a reload (with or without ?abort) took its key while its body came in
+        raise errors.key_revoked()
+    call.take_prompt_tokens()  # last: a refusal after it would waste them
     return body, fmt, call.submit(msgs)  # nothing after this line may fail before the response owns the call
 
 

@@ -8,6 +8,8 @@ continuously, R per minute; `tokens_per_minute` T likewise holds T tokens (promp
 - Its prompt tokens are taken once it is tokenized and admitted (I1), right before it reaches the
   engine: with fewer left it is refused with 429 and nothing ran. A prompt larger than T can
   never pass: its 429 says so and has no Retry-After.
+- A request the server refuses for its own reasons (5xx: the engine restarting, the audit log
+  down, shutdown) gets back what it took: nothing ran.
 - Its completion tokens are taken when it ends. The bucket may then go below zero: the tenant
   waits until it has refilled, so over any long period it gets no more than T tokens a minute.
 
@@ -79,6 +81,13 @@ class RateLimits:
         bucket = self._bucket(tenant, "tokens")
         if bucket is not None:
             bucket.level -= num_tokens
+
+    def give_back(self, tenant: Tenant, num_requests: int, num_tokens: int) -> None:
+        """Return what a request took that never ran (a bucket holds no more than its size)."""
+        for kind, amount in (("requests", num_requests), ("tokens", num_tokens)):
+            bucket = self._bucket(tenant, kind)  # type: ignore[arg-type]
+            if bucket is not None and amount:
+                bucket.level = min(float(bucket.capacity), bucket.level + amount)
 
     def headers(self, tenant: Tenant) -> dict[str, str]:
         """OpenAI's x-ratelimit-* headers for the tenant's limits, as they stand now."""

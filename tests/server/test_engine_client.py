@@ -9,6 +9,8 @@ and metrics.
   error, makes the client unavailable (/health 503) and is logged at CRITICAL.
 - An audit log that cannot be written is not such an exception: routing goes on, the request
   whose line failed is withheld, and the engine stays available.
+- What reaches the engine is what is counted: every choice's tokens when the engine is lost, no
+  per-minute quota for a request the server refused itself, no request for a key a reload took.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import msgspec
 import pytest
 import zmq
@@ -57,14 +60,14 @@ READY = EngineReadyMsg(pid=1, model_name="tiny", model_path="/m", tokenizer_path
 ALICE = Tenant("alice")
 
 
-async def _ready_state(tmp_path: Path) -> AppState:
+async def _ready_state(tmp_path: Path, keys: ApiKeyTable | None = None) -> AppState:
     """An AppState around an EngineClient whose engine has 'said ready' (no process started)."""
     metrics = ServerMetrics()
     engine = EngineClient(EngineArgs(), "INFO")
     engine.on_stats = metrics.record_stats
     engine._ready = asyncio.get_running_loop().create_future()
     engine._ready.set_result(READY)
-    return AppState(ServerConfig(), engine, READY, PromptEncoder(make_tokenizer()), ApiKeyTable(), metrics,
+    return AppState(ServerConfig(), engine, READY, PromptEncoder(make_tokenizer()), keys or ApiKeyTable(), metrics,
                     AuditLog(str(tmp_path / "audit.jsonl"), include_prompts=False))
 
 
@@ -245,6 +248,64 @@ def test_an_engine_lost_under_n_choices_counts_every_choices_tokens(tmp_path: Pa
             record = _audit(tmp_path)["r-n3"]
             assert record["outcome"] == "error" and record["reason"] == "engine_unavailable"
             assert (record["output_tokens"], record["pages_reserved"], record["prompt_tokens"]) == (12, 6, 2)
+        finally:
+            _close(state)
+
+    asyncio.run(scenario())
+
+
+def _keys(tmp_path: Path, entries: dict[str, Any]) -> ApiKeyTable:
+    path = tmp_path / f"keys-{len(entries)}-{sorted(entries)[0]}.json"
+    path.write_text(json.dumps(entries))
+    return ApiKeyTable.load(str(path))
+
+
+def test_a_request_refused_while_the_engine_is_down_takes_no_per_minute_quota(tmp_path: Path) -> None:
+    """A 503 is the server's doing: the requests and prompt tokens it took go back, so a client
+    retrying through an engine restart is not refused 429 for requests that never ran."""
+    keys = _keys(tmp_path, {"key-a": {"tenant": "alice", "requests_per_minute": 2, "tokens_per_minute": 50}})
+    state = asyncio.run(_ready_state(tmp_path, keys))
+    try:
+        state.engine._fail("the engine died")
+        with TestClient(build_app(state)) as client:
+            for _ in range(3):
+                response = client.post("/v1/completions", headers={"Authorization": "Bearer key-a"},
+                                       json={"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 2})
+                assert response.status_code == 503, response.text
+                assert response.json()["error"]["code"] == "engine_unavailable"
+                assert response.headers["x-ratelimit-remaining-requests"] == "2"
+                assert response.headers["x-ratelimit-remaining-tokens"] == "50"
+    finally:
+        _close(state)
+
+
+def test_a_key_a_reload_takes_while_the_body_comes_in_starts_nothing(tmp_path: Path) -> None:
+    """A key is checked when the headers arrive; one that a reload removes (without ?abort) before
+    the body has arrived is refused 401 right before the engine, as a new request would be."""
+    before = _keys(tmp_path, {"key-a": {"tenant": "alice"}, "key-b": {"tenant": "bob"}})
+    after = _keys(tmp_path, {"key-a": {"tenant": "alice"}})
+    body = json.dumps({"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 2}).encode()
+
+    async def scenario() -> None:
+        state = await _ready_state(tmp_path, before)
+        headed = asyncio.Event()
+
+        async def slow_body() -> AsyncIterator[bytes]:
+            yield body[:5]
+            headed.set()
+            await asyncio.sleep(0.2)
+            state.keys = after  # what `reload_keys` does
+            yield body[5:]
+
+        try:
+            transport = httpx.ASGITransport(app=build_app(state))
+            async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+                response = await asyncio.wait_for(client.post("/v1/completions", content=slow_body(), headers={
+                    "Authorization": "Bearer key-b", "Content-Type": "application/json"}), timeout=10)
+            assert headed.is_set()
+            assert response.status_code == 401 and response.json()["error"]["code"] == "api_key_revoked"
+            assert state.engine.num_in_flight == 0 and state.engine._outbox.empty()
+            assert _audit(tmp_path)[response.headers["x-request-id"]]["outcome"] == "rejected"
         finally:
             _close(state)
 
