@@ -36,8 +36,8 @@ def add_auditlog_parsers(sub: argparse._SubParsersAction) -> None:  # type: igno
 
 def _add_common(parser: argparse.ArgumentParser, default_format: str) -> None:
     parser.add_argument("--audit-log", required=True, metavar="FILE",
-                        help="the file kvseal serve --audit-log wrote; its rotated files FILE.N (and FILE.N.gz) "
-                             "are read too, oldest first")
+                        help="the file kvseal serve --audit-log wrote; its rotated files FILE.N and logrotate's "
+                             "FILE-DATE (and their .gz) are read too, oldest first")
     parser.add_argument("--since", help=f"from this time (included): {WINDOW_HELP}")
     parser.add_argument("--until", help=f"to this time (excluded): {WINDOW_HELP}")
     parser.add_argument("--format", choices=FORMATS, default=default_format, help="output format")
@@ -86,7 +86,7 @@ def cmd_audit(ns: argparse.Namespace) -> int:
     if ns.affected and not window.is_bounded:
         raise AuditLogError("--affected needs a window: give --since and --until (when the fault began and "
                             "ended)")
-    reader = AuditLogReader(Path(ns.audit_log))
+    reader = open_log(Path(ns.audit_log))
     found = matching(reader.records(), window, predicate)
     # the operator's actions in the window (a key revoked, the model disabled): when a fault was
     # stopped is part of an incident's answer
@@ -151,7 +151,7 @@ def _print_affected(affected: Affected, window: TimeWindow, predicate: Predicate
 
 def cmd_usage(ns: argparse.Namespace) -> int:
     window = TimeWindow.parse(ns.since, ns.until)
-    reader = AuditLogReader(Path(ns.audit_log))
+    reader = open_log(Path(ns.audit_log))
     rows = usage_rows(usage_totals(reader.records(), window, ns.by), ns.by)
     columns = ["tenant", *(["key_id"] if ns.by == "key" else []), *COUNT_FIELDS, "rejections"]
     if ns.format == "json":
@@ -161,6 +161,15 @@ def cmd_usage(ns: argparse.Namespace) -> int:
         sys.stdout.write((table if ns.format == "table" else csv_text)(rows, columns))
     warn_skipped(reader)
     return 0
+
+
+def open_log(path: Path) -> AuditLogReader:
+    """The reader of the log at `path`, its warnings about the files chosen said first: they
+    hold even if reading then fails."""
+    reader = AuditLogReader(path)
+    for warning in reader.warnings:
+        print(f"kvseal: warning: {warning}", file=sys.stderr)
+    return reader
 
 
 def warn_skipped(reader: AuditLogReader) -> None:

@@ -13,24 +13,8 @@ from typing import IO, Any, cast
 
 import msgspec
 
+from kvseal.auditlog.logfiles import AuditLogError, log_files
 from kvseal.auditlog.record import LoggedRequest
-from kvseal.errors import KvsealError
-from kvseal.server.audit_file import rotated_files
-
-
-class AuditLogError(KvsealError):
-    """The audit log cannot be read, or a query was given a bad value."""
-
-
-def log_files(path: Path) -> list[Path]:
-    """`path`'s rotated files, oldest first, then `path` itself; AuditLogError when there are none."""
-    files = [rotated for _, rotated in rotated_files(path)]
-    if path.is_file():
-        files.append(path)
-    if not files:
-        raise AuditLogError(f"no audit log at {path} (nor rotated files {path}.N): give the path that "
-                            f"kvseal serve --audit-log was given")
-    return files
 
 
 @dataclass
@@ -44,9 +28,12 @@ class AuditLogReader:
     # the operator's actions (lines with `admin_action`: key reloads, a model disabled), as read
     admin_actions: list[dict[str, Any]] = field(default_factory=list)
     files: list[Path] = field(default_factory=list)
+    # about the files chosen (a duplicate read once, a gap, a name not read): for stderr
+    warnings: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self.files = log_files(self.path)
+        chosen = log_files(self.path)
+        self.files, self.warnings = chosen.files, chosen.warnings
 
     def records(self) -> Iterator[LoggedRequest]:
         decoder = msgspec.json.Decoder(LoggedRequest)
