@@ -16,7 +16,7 @@ the path (the age of a file found at start counts from its last write). Lines ar
 whole, so every file holds whole lines, and a crash between the rename and the next open loses
 nothing (the next line opens a new file). A file never grows past `max_bytes` unless one line
 alone is longer. Rotated files keep their
-number for good: `PATH.1` is the oldest, readers (`kvseal.auditlog.files`) read them in number
+number for good: `PATH.1` is the oldest, readers (`kvseal.auditlog.logfiles`) read them in number
 order, then `PATH`. With `num_backups` set, the oldest beyond that many are deleted after a
 rotation (logged at WARNING with the file's name: evidence is never deleted silently).
 
