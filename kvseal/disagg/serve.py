@@ -34,7 +34,7 @@ from kvseal.disagg.engine_main import run_engine_process
 from kvseal.disagg.frontend import PdClient
 from kvseal.disagg.link_keys import EngineLinkKeys
 from kvseal.disagg.topology import PdTopology
-from kvseal.engine.supervisor import RestartPolicy, RestartTracker, describe_exit, spawn_context
+from kvseal.engine.supervisor import RestartPolicy, RestartTracker, describe_exit, restarted, spawn_context
 from kvseal.model_files import resolve_model_path
 from kvseal.models.loader import convert_gguf
 
@@ -146,8 +146,7 @@ class SpawnedEngines:
     def _restart(self, index: int) -> None:
         self._restart_at_s[index] = None
         self.processes[index] = self._spawn(self._configs[index])
-        self._last_event[index] = (f"{self._exit_why[index]}; restarted at {time.strftime('%H:%M:%S', time.gmtime())} "
-                                   f"UTC, waiting for it to answer")
+        self._last_event[index] = restarted(self._exit_why[index])
         self._trackers[index].started()
         if self._restarts_total is not None:
             self._restarts_total.labels(role=self._configs[index].role).inc()

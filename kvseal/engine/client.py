@@ -39,7 +39,7 @@ from prometheus_client import CollectorRegistry, Counter
 from kvseal.config import EngineArgs
 from kvseal.engine.launcher import EngineProcess
 from kvseal.engine.process import HEARTBEAT_S
-from kvseal.engine.supervisor import RestartPolicy, RestartTracker, describe_exit
+from kvseal.engine.supervisor import RestartPolicy, RestartTracker, describe_exit, restarted
 from kvseal.engine_api import (
     EngineGone,
     EngineStartError,
@@ -97,6 +97,7 @@ class EngineClient:
         self._exited = asyncio.Event()
         self._is_shutting_down = False
         self._down: str | None = None  # why the engine cannot serve now; cleared when a restart is ready
+        self._exit_why = ""  # why the engine last exited, for what clients are told while it restarts
         self._broken: str | None = None  # the frontend's own routing failed: until the server restarts
         self._started_early = False  # the process runs, started by start_early; `start` takes it over
 
@@ -360,6 +361,7 @@ class EngineClient:
                 logger.critical("engine unavailable until the server is restarted: %s", self._down)
             return None
         self._down = None  # replaced by why, whatever the engine said before it died
+        self._exit_why = why
         self._fail(f"{why}; restarting it in {delay_s:g} s (restart {self._restarts.num_in_a_row} in a row, at most "
                    f"{policy.engine_restart_limit})")
         return delay_s
@@ -374,6 +376,7 @@ class EngineClient:
         if self._restarts_total is not None:
             self._restarts_total.labels(role="engine").inc()
         logger.warning("restarting the engine (pid %s): %s", self._process.pid, self._down)
+        self._down = restarted(self._exit_why)  # it is no longer "restarting it in N s"
         try:
             info = await self._ready
         except EngineStartError:

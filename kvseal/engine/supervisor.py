@@ -101,8 +101,14 @@ class RestartTracker:
         """Why the engine stays down (once `next_delay_s` said None): what clients and the log say."""
         if not self.policy.engine_restart_limit:
             return f"not restarted (--engine-restart-limit 0): {RESTART_THE_SERVER}"
-        return (f"restarted {self.num_in_a_row} times in a row (--engine-restart-limit "
+        times = "time" if self.num_in_a_row == 1 else "times"
+        return (f"restarted {self.num_in_a_row} {times} in a row (--engine-restart-limit "
                 f"{self.policy.engine_restart_limit}); not restarted again: {RESTART_THE_SERVER}")
+
+
+def restarted(why: str) -> str:
+    """What clients are told of an engine started again after `why`, until it answers."""
+    return f"{why}; restarted at {time.strftime('%H:%M:%S', time.gmtime())} UTC, waiting for it to answer"
 
 
 def spawn_context() -> SpawnContext:

@@ -69,3 +69,11 @@ def test_an_unreadable_size_is_the_flags_error(capsys: pytest.CaptureFixture[str
         main(["serve", "--audit-log", "a.jsonl", "--audit-log-max-bytes", "lots"])
     assert exit_info.value.code == 2
     assert "argument --audit-log-max-bytes: cannot read 'lots' as a size" in capsys.readouterr().err
+
+
+def test_one_restart_is_one_time() -> None:
+    tracker = RestartTracker(RestartPolicy(engine_restart_limit=1, engine_restart_backoff_s=1.0))
+    tracker.started()
+    assert tracker.next_delay_s() == 1.0
+    tracker.started()
+    assert tracker.next_delay_s() is None and "restarted 1 time in a row" in tracker.gave_up()

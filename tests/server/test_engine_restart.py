@@ -77,6 +77,15 @@ def test_a_killed_engine_is_reaped_restarted_and_serves_the_same_answers(
     last = kill_mid_stream(server, old_pid)
     assert last["error"]["code"] == "engine_unavailable"  # type: ignore[index]
     assert "killed by SIGKILL (signal 9)" in last["error"]["message"]  # type: ignore[index]
+    [new_pid] = wait_for(lambda: restarted_pids(server), "the restart")
+    os.kill(new_pid, signal.SIGSTOP)  # held before it is ready: what clients are told meanwhile
+    try:
+        status, text = answer(server)
+        health = httpx.get(f"{server.url}/health", timeout=10).json()["error"]["message"]
+    finally:
+        os.kill(new_pid, signal.SIGCONT)
+    assert status == 503 and text == health
+    assert re.search(r"restarted at \d\d:\d\d:\d\d UTC, waiting for it to answer\. Retry later\.$", text), text
     meanwhile: list[tuple[int, str]] = []  # while it restarts, 503 naming why; then the same answer as before
     wait_for(lambda: meanwhile.append(answer(server)) or meanwhile[-1][0] == 200, "serving again")
     assert meanwhile[-1] == (200, before), meanwhile[-3:]
@@ -86,7 +95,7 @@ def test_a_killed_engine_is_reaped_restarted_and_serves_the_same_answers(
     assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
     assert server.metric('kvseal_engine_restarts_total{role="engine"}') == 1
     assert server.metric("kvseal_engine_up") == 1
-    [new_pid] = restarted_pids(server)
+    assert restarted_pids(server) == [new_pid]
     assert new_pid != old_pid and os.path.exists(f"/proc/{new_pid}")
     records = server.audit_records()
     errors = [r for r in records if r["outcome"] == "error"]
