@@ -5,8 +5,11 @@ back while it ends in an incomplete UTF-8 sequence, and, while stop strings are 
 held back by (longest stop string - 1) characters so a stream never shows part of a stop
 string that later matches. A matched stop string is cut from the text, or with
 `include_stop_str_in_output` (vLLM's) kept and only what follows it cut (nothing is held back
-then: a partial match would be shown in the end anyway). A request with a grammar (structured
-output) finishes when its grammar is complete.
+then: a partial match would be shown in the end anyway). A request ended by a token (EOS, one of
+`stop_token_ids`, or the stop token that completes its grammar) has that token's text left out,
+as vLLM's detokenizer leaves it out, unless `include_stop_str_in_output`: it matters for a stop
+token that is not special, or any with `skip_special_tokens=False`. The token stays in the ids.
+A request with a grammar (structured output) finishes when its grammar is complete.
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ class OutputState:
         delta = self._decode_delta()
         self.text += delta
         if request.grammar is not None and self._check_grammar(token):
+            self._drop_stop_token_text(delta)
             return
         if request.num_output_tokens >= request.params.min_tokens:
             self._check_stop(token, delta)
@@ -91,6 +95,15 @@ class OutputState:
             request.finish_reason, request.stop_reason = FinishReason.STOP, None
         else:
             self._check_stop_strings(len(delta))
+            return
+        self._drop_stop_token_text(delta)
+
+    def _drop_stop_token_text(self, delta: str) -> None:
+        """The text of the token that ended the request leaves the output (it has not been
+        reported yet: it was decoded this step), unless the request asked to keep it."""
+        request = self.request
+        if request.finish_reason is FinishReason.STOP and delta and not request.params.include_stop_str_in_output:
+            self.text = self.text[:len(self.text) - len(delta)]
 
     def _check_stop_strings(self, num_new_chars: int) -> None:
         for stop in self.request.params.stop:

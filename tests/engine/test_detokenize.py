@@ -99,3 +99,30 @@ def test_a_stop_string_is_cut_or_kept_and_what_follows_it_goes(include: bool) ->
     end = whole.index(stop) + (len(stop) if include else 0)
     assert request.finish_reason == "stop" and request.stop_reason == stop
     assert state.text == whole[:end] and "".join(pieces) == whole[:end]
+
+
+@pytest.mark.parametrize("include", [False, True])
+@pytest.mark.parametrize("stop_by", ["stop_token_ids", "eos"])
+def test_the_token_that_ends_a_request_leaves_its_text_unless_asked(include: bool, stop_by: str) -> None:
+    """vLLM's detokenizer leaves out the text of a stop token (one of `stop_token_ids`, or EOS:
+    seen with `skip_special_tokens=False`) unless `include_stop_str_in_output`; its id stays.
+    The streamed pieces add up to the same text."""
+    tokenizer = make_tokenizer()
+    words = tokenizer.encode("w3 w4", add_special_tokens=False)
+    stop_id = tokenizer.eos_token_id if stop_by == "eos" else tokenizer.convert_tokens_to_ids("w5")
+    output = [*words, stop_id]
+    params = SamplingParams(max_tokens=8, include_stop_str_in_output=include, skip_special_tokens=False,
+                            stop_token_ids=(stop_id,) if stop_by == "stop_token_ids" else ())
+    prompt = tokenizer.encode("w1 w2", add_special_tokens=False)
+    request = Request("r", "t", prompt, params)
+    state = OutputState(request, text_decoder(tokenizer, skip_special_tokens=False),
+                        eos_token_ids=(tokenizer.eos_token_id,))
+    pieces = []
+    for token in output:
+        state.append_token(token)
+        pieces.append(state.report(finished=request.finish_reason is not None).new_text)
+    kept = output if include else words
+    expected = tokenizer.decode(prompt + kept, skip_special_tokens=False)[len(tokenizer.decode(prompt)):]
+    assert request.finish_reason == "stop" and request.output_token_ids == output
+    assert state.text == expected and "".join(pieces) == expected
+    assert state.text.endswith(tokenizer.convert_ids_to_tokens(stop_id)) is include

@@ -48,11 +48,40 @@ def test_stop_token_ids(server: ServerProcess, alice: openai.OpenAI) -> None:
     out = alice.completions.create(model=server.model_name, prompt=PROMPT, max_tokens=8, temperature=0,
                                    extra_body={"stop_token_ids": [int(stop_word[1:])]})
     assert out.choices[0].finish_reason == "stop"
-    assert out.choices[0].text.split() == words[:words.index(stop_word) + 1], "up to its first occurrence"
+    assert out.choices[0].text.split() == words[:words.index(stop_word)], "up to its first occurrence, left out"
     assert out.choices[0].model_extra == {"stop_reason": int(stop_word[1:])}  # vLLM's: the token id that ended it
     chat = alice.chat.completions.create(model=server.model_name, messages=[{"role": "user", "content": PROMPT}],
                                          max_tokens=8, temperature=0, extra_body={"stop_token_ids": [0]})
     assert chat.choices[0].model_extra == {"stop_reason": None if chat.choices[0].finish_reason == "length" else 0}
+
+
+def _texts(server: ServerProcess, body: dict[str, Any]) -> tuple[str, str]:
+    """The completion's text, unstreamed and streamed."""
+    url, headers = f"{server.base_url}/completions", {"Authorization": "Bearer key-alice"}
+    whole = httpx.post(url, headers=headers, json=body, timeout=60).json()["choices"][0]["text"]
+    with httpx.stream("POST", url, headers=headers, json=body | {"stream": True}, timeout=60) as response:
+        chunks = [json.loads(line[6:]) for line in response.iter_lines()
+                  if line.startswith("data: {")]
+    return whole, "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_a_stop_tokens_text_is_left_out_unless_include_stop_str_in_output(server: ServerProcess,
+                                                                          include: bool) -> None:
+    """vLLM's detokenizer leaves out the text of the token that stopped a request (one of
+    `stop_token_ids`, or EOS: visible with `skip_special_tokens: false`) unless
+    `include_stop_str_in_output`; streamed and unstreamed texts agree."""
+    full, _ = _texts(server, {"prompt": PROMPT, "max_tokens": 8, "temperature": 0})
+    words = full.split()
+    stop_word = words[2]
+    body = {"prompt": PROMPT, "max_tokens": 8, "temperature": 0, "include_stop_str_in_output": include,
+            "stop_token_ids": [int(stop_word[1:])], "skip_special_tokens": False}
+    whole, streamed = _texts(server, body)
+    assert whole == streamed and whole.split() == words[:words.index(stop_word) + include]
+    eos = {"prompt": PROMPT, "max_tokens": 4, "temperature": 0, "include_stop_str_in_output": include,
+           "logit_bias": {"1": 100}, "skip_special_tokens": False}  # token 1 is the tiny tokenizer's </s>
+    whole, streamed = _texts(server, eos)
+    assert whole == streamed and whole.split() == (["</s>"] if include else [])
 
 
 def _n_choices(client: openai.OpenAI, server: ServerProcess, seed: int) -> list[str]:
