@@ -9,6 +9,10 @@ with tools is refused:
 - `llama3_json` (Llama 3.1 to 3.3): an answer that is one or more `{"name": ...,
   "parameters": {...}}` objects (or `"arguments"`), separated by `;`, optionally after
   `<|python_tag|>` (`Llama3JsonToolParser`); an answer that does not begin so is content.
+In every format a call is a JSON object with a string `name` and an object of arguments under
+the format's key; any other object (one without arguments, such as an answer that is a JSON
+record with a `name`) is content, as in vLLM's parsers. A call naming a function that is not in
+`tools` is still a call, as vLLM's parsers return it: the client sees the name it got.
 - `mistral` (Mistral's instruct models from v0.3): an answer that is a JSON list of `{"name":
   ..., "arguments": {...}}` objects after `[TOOL_CALLS]` (a special token, so usually not in
   the text) (`MistralToolParser`); its call ids are nine letters and digits, the only ids
@@ -193,11 +197,15 @@ def _parse_call(body: str) -> ParsedToolCall | None:
 
 
 def _call_of(value: Any, argument_keys: tuple[str, ...], call_id: str | None = None) -> ParsedToolCall | None:
-    """A call from its JSON object: a string `name`, and its arguments under the first of
-    `argument_keys` it has (none: no arguments); None for anything else."""
+    """A call from its JSON object: a string `name`, and an object of arguments under the first
+    of `argument_keys` it has; None for anything else. As vLLM's parsers do, an object without
+    its arguments (`{"name": "Bob", "age": 3}`: an answer that happens to have a name) is not a
+    call: guessing empty arguments would turn the answer into a call and lose the rest of it."""
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
         return None
-    arguments: Any = next((value[key] for key in argument_keys if key in value), {})
+    arguments = next((value[key] for key in argument_keys if key in value), None)
+    if not isinstance(arguments, dict):
+        return None
     call = ParsedToolCall(value["name"], json.dumps(arguments, ensure_ascii=False))
     return call if call_id is None else dataclasses.replace(call, id=call_id)
 

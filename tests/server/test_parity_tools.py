@@ -127,6 +127,9 @@ def test_hermes_parser() -> None:
     assert parser.parse("no calls") == ("no calls", [])
     broken = "<tool_call>{oops}</tool_call>"
     assert parser.parse(broken) == (broken, []), "a block that is not a call stays text"
+    for block in ('<tool_call>{"name": "Bob", "age": 3}</tool_call>', '<tool_call>{"name": "f"}</tool_call>',
+                  '<tool_call>{"name": "f", "arguments": "{}"}</tool_call>'):
+        assert parser.parse(block) == (block, []), "as vLLM's parser: a call needs its arguments, an object"
 
 
 def test_tool_call_stream_holds_back_a_partial_tag() -> None:
@@ -153,8 +156,11 @@ CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>'
     (Llama3JsonToolParser(), '{"name": "f", "parameters": {}}; {"name": "g", "parameters": {"x": 1}}'),
     (Llama3JsonToolParser(), '{"not": "a call"} and text'),
     (Llama3JsonToolParser(), "plain text {with braces}"),
+    (Llama3JsonToolParser(), '{"name": "Bob", "age": 3}'),  # a record with a name, not a call
+    (HermesToolParser(), f'<tool_call>{{"name": "Bob"}}</tool_call> {CALL}'),
     (MistralToolParser(), '[TOOL_CALLS] [{"name": "f", "arguments": {}}]'),
     (MistralToolParser(), "Sure [not calls]"),
+    (MistralToolParser(), '[{"name": "Bob", "age": 3}]'),
 ])
 def test_streamed_content_adds_up_to_the_unstreamed_content(parser: Any, text: str) -> None:
     """However the text arrives (here cut at every point into two pieces, and one character at a
@@ -175,8 +181,8 @@ def test_llama3_json_parser() -> None:
     parser = Llama3JsonToolParser()
     content, calls = parser.parse('<|python_tag|>{"name": "f", "parameters": {"a": 1}}; {"name": "g", "arguments": {}}')
     assert content is None and [(c.name, json.loads(c.arguments)) for c in calls] == [("f", {"a": 1}), ("g", {})]
-    assert parser.parse(' {"name": "f"}')[1][0].arguments == "{}"
-    for text in ("The answer is 4.", '{"name": "f", "parameters": {}} and then text', '{"a": 1}', "{oops"):
+    for text in ("The answer is 4.", '{"name": "f", "parameters": {}} and then text', '{"a": 1}', "{oops",
+                 ' {"name": "f"}', '{"name": "Bob", "age": 3}', '{"name": "f", "parameters": [1]}'):
         assert parser.parse(text) == (text, []), "anything but calls alone is content, as it is"
 
 
@@ -226,18 +232,37 @@ def test_llama3_json_calls_forced_and_free(llama3_server: ServerProcess) -> None
     assert out.choices[0].message.tool_calls is None and out.choices[0].message.content.startswith("It is ")
 
 
+def test_an_object_without_arguments_is_content_not_a_call(llama3_server: ServerProcess) -> None:
+    """vLLM's llama3_json parser (as its hermes and mistral ones) needs a call's arguments key:
+    an answer `{"name": "Bob", "age": 3}` stays content (nothing of it lost), ends with "stop",
+    streamed or not."""
+    client = client_for(llama3_server, "key-alice")
+    answer = '{"name": "Bob", "age": 3}'
+    fields: dict[str, Any] = {"model": llama3_server.model_name, "messages": MESSAGES, "tools": TOOLS,
+                              "tool_choice": "auto", "max_tokens": 100, "temperature": 0,
+                              "extra_body": {"guided_regex": re.escape(answer)}}
+    out = client.chat.completions.create(**fields)
+    choice = out.choices[0]
+    assert (choice.message.content, choice.message.tool_calls, choice.finish_reason) == (answer, None, "stop")
+    chunks = list(client.chat.completions.create(**fields, stream=True))
+    deltas = [c.delta for chunk in chunks for c in chunk.choices]
+    assert "".join(d.content or "" for d in deltas) == answer and not any(d.tool_calls for d in deltas)
+    assert [c.finish_reason for chunk in chunks for c in chunk.choices if c.finish_reason] == ["stop"]
+
+
 # ---- mistral: [TOOL_CALLS] and a JSON list of calls -----------------------------------------------
 
 def test_mistral_parser() -> None:
     parser = MistralToolParser()
-    content, calls = parser.parse('[TOOL_CALLS] [{"name": "f", "arguments": {"a": 1}}, {"name": "g"}]')
+    content, calls = parser.parse('[TOOL_CALLS] [{"name": "f", "arguments": {"a": 1}}, {"name": "g", "arguments": {}}]')
     assert content is None and [(c.name, json.loads(c.arguments)) for c in calls] == [("f", {"a": 1}), ("g", {})]
     assert all(re.fullmatch("[A-Za-z0-9]{9}", c.as_openai()["id"]) for c in calls), "what its templates take"
     assert parser.parse('[{"name": "f", "arguments": {}}]')[1][0].name == "f", "the special token is usually dropped"
-    for text in ("[1, 2]", "[]", "[see](link)", "plain", '[{"name": "f"}] and more'):
+    for text in ("[1, 2]", "[]", "[see](link)", "plain", '[{"name": "f"}] and more', '[{"name": "f"}]',
+                 '[{"name": "f", "arguments": {}}, {"name": "Bob", "age": 3}]'):
         assert parser.parse(text) == (text, [])
     stream = ToolCallStream(MistralToolParser())
-    assert stream.content_delta("[TOOL") == "" and stream.content_delta('_CALLS] [{"name": "f"}]') == ""
+    assert stream.content_delta("[TOOL") == "" and stream.content_delta('_CALLS] [{"name": "f", "arguments": {}}]') == ""
     assert [c.name for c in stream.finish()[1]] == ["f"]
     plain = ToolCallStream(MistralToolParser())
     assert plain.content_delta("Sure") == "Sure"
