@@ -262,7 +262,8 @@ def test_mistral_parser() -> None:
                  '[{"name": "f", "arguments": {}}, {"name": "Bob", "age": 3}]'):
         assert parser.parse(text) == (text, [])
     stream = ToolCallStream(MistralToolParser())
-    assert stream.content_delta("[TOOL") == "" and stream.content_delta('_CALLS] [{"name": "f", "arguments": {}}]') == ""
+    assert stream.content_delta("[TOOL") == ""
+    assert stream.content_delta('_CALLS] [{"name": "f", "arguments": {}}]') == ""
     assert [c.name for c in stream.finish()[1]] == ["f"]
     plain = ToolCallStream(MistralToolParser())
     assert plain.content_delta("Sure") == "Sure"
