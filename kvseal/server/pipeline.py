@@ -34,7 +34,7 @@ from kvseal.messages.msgs import ABORT_CLIENT_DISCONNECTED, AddRequestMsg
 from kvseal.server import errors
 from kvseal.server.auth import authorization_of
 from kvseal.server.body import parse_body, read_body, require_json
-from kvseal.server.bounds import check_tool_call_arguments
+from kvseal.server.bounds import check_message_extras
 from kvseal.server.call import Call
 from kvseal.server.choices import ChoiceGroup
 from kvseal.server.collect import respond_when_done
@@ -100,7 +100,7 @@ async def _admit_and_submit(request: Request, state: AppState, endpoint: Endpoin
     if state.model_name in state.disabled_models:
         raise errors.model_disabled(state.model_name)
     if isinstance(body, ChatCompletionRequest):
-        check_tool_call_arguments(body.messages, state.limits, state.prompts.max_token_chars)
+        check_message_extras(body.messages, state.limits, state.prompts.max_token_chars)
     call.take_slots(tenant, (body.n or 1) * num_prompts(body))
     call.take_request()
     prepared = await endpoint.prepare(body, state.prompts, tenant, state.limits, state.defaults)

@@ -51,7 +51,17 @@ StopString = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
 
 
 class _Body(BaseModel):
+    """A field sent as null is taken as not sent, at every level of a body, as OpenAI's API and
+    vLLM take it: clients echo back what they were given with None for what was absent (the
+    `openai` client's `model_dump()` of an assistant message has `refusal`, `audio`, ... None),
+    and an unsupported field sent as null asks for nothing, so it passes."""
+
     model_config = ConfigDict(extra="forbid", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_not_sent(cls, data: Any) -> Any:
+        return {key: value for key, value in data.items() if value is not None} if isinstance(data, dict) else data
 
 
 class StreamOptions(_Body):
@@ -89,14 +99,7 @@ class StructuredOutputsSpec(_Body):
 
 
 class GenerationBody(_Body):
-    """Fields both endpoints share. A field sent as null is taken as not sent, as OpenAI's API
-    and vLLM take it (clients and wrappers forward None for what they leave unset); an
-    unsupported field sent as null asks for nothing and passes."""
-
-    @model_validator(mode="before")
-    @classmethod
-    def _null_is_not_sent(cls, data: Any) -> Any:
-        return {key: value for key, value in data.items() if value is not None} if isinstance(data, dict) else data
+    """Fields both endpoints share (a field sent as null is not sent: `_Body`)."""
 
     model: Name | None = None
     max_tokens: Annotated[int, Field(ge=1, le=INT32_MAX)] | None = None
@@ -194,12 +197,27 @@ class ToolCall(_Body):
 
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]  # developer: OpenAI's newer name for system
-    content: str | Annotated[list[ChatTextPart], Field(max_length=MAX_CONTENT_PARTS)] | None
+    # OpenAI's: required, except on an assistant turn of tool calls (or a refusal), where it may be left out
+    content: str | Annotated[list[ChatTextPart], Field(max_length=MAX_CONTENT_PARTS)] | None = None
     tool_calls: Annotated[list[ToolCall], Field(max_length=MAX_TOOLS)] | None = None  # an assistant turn's calls
     tool_call_id: Name | None = None  # a tool result answers this call
-    name: FunctionName | None = None
+    name: FunctionName | None = None  # the author's name, for a template that renders it
+    refusal: str | None = None  # an assistant turn's refusal, as OpenAI answered it (bounded: kvseal.server.bounds)
+
+    @model_validator(mode="after")
+    def _content_unless_calls(self) -> ChatMessage:
+        """OpenAI's rule: content may be left out only by an assistant turn that made tool calls
+        or refused; a message with nothing to render is a mistake worth a 400."""
+        if self.refusal is not None and self.role != "assistant":
+            raise ValueError(f"refusal is an assistant message's field, not a {self.role} message's")
+        if self.content is None and not (self.role == "assistant" and (self.tool_calls or self.refusal is not None)):
+            raise ValueError("content is required, except on an assistant message with tool_calls or a refusal")
+        return self
 
     def as_template_input(self) -> dict[str, Any]:
+        """The message as the chat template reads it. vLLM passes messages through to the
+        template, so every field a template may use is here (`name`, `refusal`), while
+        absent ones stay out; a turn without content (tool calls, a refusal) has "" as it."""
         content = self.content if not isinstance(self.content, list) else "\n".join(p.text for p in self.content)
         # The model's template knows "system" (OpenAI's "developer" is the same instructions by a newer name)
         role = "system" if self.role == "developer" else self.role
@@ -207,9 +225,8 @@ class ChatMessage(_Body):
         if self.tool_calls:
             message["tool_calls"] = [{"id": c.id, "type": "function", "function": {
                 "name": c.function.name, "arguments": _json_arguments(c.function.arguments)}} for c in self.tool_calls]
-        if self.tool_call_id is not None:
-            message["tool_call_id"] = self.tool_call_id
-        return message
+        optional = {"tool_call_id": self.tool_call_id, "name": self.name, "refusal": self.refusal}
+        return message | {key: value for key, value in optional.items() if value is not None}
 
 
 def _json_arguments(arguments: str) -> Any:

@@ -36,7 +36,7 @@ from kvseal.server import errors
 from kvseal.server.audit import AuditRecord, Outcome, clip_optional, key_id_of
 from kvseal.server.auth import Tenant, authorization_of
 from kvseal.server.body import parse_body, read_body, require_json
-from kvseal.server.bounds import check_tool_call_arguments
+from kvseal.server.bounds import check_message_extras
 from kvseal.server.errors import ApiError
 from kvseal.server.prompts import check_token_list_before_parsing, prescan_token_list
 from kvseal.server.protocol import INT32_MAX, MAX_MESSAGES, MAX_NAME_CHARS, ChatMessage, TemplateKwargs, _Body
@@ -137,7 +137,7 @@ async def _tokenize(data: bytes, state: AppState, tenant: Tenant, call: TokenCal
     call.model = body.model
     _check_model(body.model, state)
     if isinstance(body, TokenizeChatBody):
-        check_tool_call_arguments(body.messages, state.limits, state.prompts.max_token_chars)
+        check_message_extras(body.messages, state.limits, state.prompts.max_token_chars)
         options = ChatOptions.of(body.add_generation_prompt, body.continue_final_message, body.chat_template_kwargs,
                                  body.add_special_tokens)
         ids = await state.prompts.chat_ids([m.as_template_input() for m in body.messages], tenant.name,
