@@ -11,6 +11,7 @@ every tenant shares.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -19,6 +20,7 @@ from kvseal.admission import AdmissionLimits
 from kvseal.errors import InvalidParameter
 from kvseal.server.prompts import num_visible_chars
 from kvseal.server.protocol import ChatMessage
+from kvseal.structured.schema import check_tools
 
 
 def check_message_extras(messages: list[ChatMessage], limits: AdmissionLimits, max_token_chars: int) -> None:
@@ -33,6 +35,15 @@ def check_message_extras(messages: list[ChatMessage], limits: AdmissionLimits, m
     refusals = (message.refusal for message in messages if message.refusal is not None)
     _require_within("messages", "the assistant messages' refusals", sum(num_visible_chars(r) for r in refusals),
                     limit, limits)
+
+
+async def check_tool_definitions(tools: list[dict[str, Any]], grammar_tools: frozenset[str], limits: AdmissionLimits,
+                                 max_token_chars: int) -> None:
+    """Every door check on a request's tool definitions, the same for chat completions and
+    /tokenize's chat shape: each schema (off the event loop: a large one takes a while), then
+    their size against what a prompt can hold."""
+    await asyncio.to_thread(check_tools, tools, grammar_tools)
+    check_tools_text(tools, limits, max_token_chars)
 
 
 def check_tools_text(tools: list[dict[str, Any]], limits: AdmissionLimits, max_token_chars: int) -> None:

@@ -6,7 +6,6 @@ The conversation is rendered with the model's own chat template, exactly as the 
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 from typing import Any
 
@@ -16,7 +15,7 @@ from kvseal.admission import AdmissionLimits
 from kvseal.errors import InvalidParameter
 from kvseal.messages.msgs import RequestOutputMsg, TokenLogprobsMsg
 from kvseal.server.auth import Tenant
-from kvseal.server.bounds import check_tools_text
+from kvseal.server.bounds import check_tool_definitions
 from kvseal.server.endpoint import AdmittedPrompt, Prepared, ResponseIds
 from kvseal.server.generation_defaults import GenerationDefaults
 from kvseal.server.logprobs import chat_logprobs, vllm_prompt_logprobs
@@ -26,7 +25,6 @@ from kvseal.server.reasoning import ReasoningMarkers, ReasoningStream, prompt_op
 from kvseal.server.sampling import build_sampling_params
 from kvseal.server.tools import ParsedToolCall, ToolCallStream, ToolParser, tool_parser, tool_setup
 from kvseal.server.transcript import Transcript, api_stop_reason, usage
-from kvseal.structured.schema import check_tools
 from kvseal.types import ReasoningGate, SamplingParams
 
 
@@ -42,9 +40,8 @@ class ChatEndpoint:
     async def prepare(self, body: ChatCompletionRequest, prompts: PromptEncoder, tenant: Tenant,
                       limits: AdmissionLimits, defaults: GenerationDefaults) -> Prepared:
         tools = tool_setup(body, self.tool_call_parser)
-        if tools.definitions is not None:  # the door checks response_format's schema gets, off the event loop
-            await asyncio.to_thread(check_tools, tools.definitions, tools.grammar_tools)
-            check_tools_text(tools.definitions, limits, prompts.max_token_chars)
+        if tools.definitions is not None:
+            await check_tool_definitions(tools.definitions, tools.grammar_tools, limits, prompts.max_token_chars)
         conversation = [m.as_template_input() for m in body.messages]
         ids = await prompts.chat_ids(conversation, tenant.name, limits, body.truncate_prompt_tokens is not None,
                                      tools.definitions, body.chat_options)

@@ -1,7 +1,8 @@
 """`POST /tokenize` and `POST /detokenize` in vLLM's shapes, authenticated like every route.
 
 /tokenize takes `{"prompt": str}` (tokenized as /v1/completions does) or `{"messages": [...]}`
-(rendered with the chat template as /v1/chat/completions does) and answers
+(rendered with the chat template as /v1/chat/completions does, with `tools` if sent: the count
+is the chat request's `prompt_tokens`) and answers
 `{"count", "max_model_len", "tokens", "token_strs"}` (`token_strs` only with
 `return_token_strs`). /detokenize takes `{"tokens": [int]}` and answers `{"prompt": str}`.
 Neither touches the engine; both run the tokenizer on the frontend's tokenizer thread.
@@ -36,11 +37,12 @@ from kvseal.server import errors
 from kvseal.server.audit import AuditRecord, Outcome, clip_optional, key_id_of
 from kvseal.server.auth import Tenant, authorization_of
 from kvseal.server.body import parse_body, read_body, require_json
-from kvseal.server.bounds import check_message_extras
+from kvseal.server.bounds import check_message_extras, check_tool_definitions
 from kvseal.server.errors import ApiError
 from kvseal.server.prompts import check_token_list_before_parsing, prescan_token_list
-from kvseal.server.protocol import INT32_MAX, MAX_MESSAGES, MAX_NAME_CHARS, ChatMessage, TemplateKwargs, _Body
+from kvseal.server.protocol import INT32_MAX, MAX_MESSAGES, MAX_NAME_CHARS, ChatMessage, TemplateKwargs, ToolDef, _Body
 from kvseal.server.state import AppState
+from kvseal.structured.schema import MAX_TOOLS
 
 logger = logging.getLogger("kvseal.server")
 
@@ -60,6 +62,7 @@ class TokenizeChatBody(_Body):
     continue_final_message: bool = False
     chat_template_kwargs: TemplateKwargs | None = None
     add_special_tokens: bool = False  # vLLM's: the template writes them
+    tools: Annotated[list[ToolDef], Field(max_length=MAX_TOOLS)] | None = None  # rendered as on chat completions
 
 
 class DetokenizeBody(_Body):
@@ -138,10 +141,13 @@ async def _tokenize(data: bytes, state: AppState, tenant: Tenant, call: TokenCal
     _check_model(body.model, state)
     if isinstance(body, TokenizeChatBody):
         check_message_extras(body.messages, state.limits, state.prompts.max_token_chars)
+        tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+        if tools is not None:  # no call is forced here: every schema gets the bounds checks only
+            await check_tool_definitions(tools, frozenset(), state.limits, state.prompts.max_token_chars)
         options = ChatOptions.of(body.add_generation_prompt, body.continue_final_message, body.chat_template_kwargs,
                                  body.add_special_tokens)
         ids = await state.prompts.chat_ids([m.as_template_input() for m in body.messages], tenant.name,
-                                           state.limits, may_truncate=False, options=options)
+                                           state.limits, may_truncate=False, tools=tools, options=options)
     else:
         ids = await state.prompts.completion_ids(body.prompt, tenant.name, state.limits, may_truncate=False,
                                                  add_special_tokens=body.add_special_tokens)

@@ -89,6 +89,21 @@ def test_a_message_without_anything_to_render_is_400(char_server: ServerProcess,
         assert error["param"] == "messages" and words in error["message"], error
 
 
+def test_tokenize_renders_tools_as_chat_counts_them(char_server: ServerProcess) -> None:
+    """vLLM's chat-shaped /tokenize takes `tools`: the count is the chat request's prompt_tokens,
+    and a bad tool is the same 400 as on chat completions."""
+    body = {"messages": MESSAGES, "tools": TOOLS}
+    tokens = post(char_server, "/tokenize", body).json()
+    chat = post(char_server, "/v1/chat/completions", body | {"max_tokens": 1}).json()
+    assert tokens["count"] == chat["usage"]["prompt_tokens"] > post(char_server, "/tokenize",
+                                                                    {"messages": MESSAGES}).json()["count"]
+    bad = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        f"p{i}": {"type": "string"} for i in range(5001)}}}}
+    for path in ("/tokenize", "/v1/chat/completions"):
+        response = post(char_server, path, {"messages": MESSAGES, "tools": [bad]})
+        assert response.status_code == 400 and response.json()["error"]["param"] == "tools", response.text
+
+
 NAMED_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}{% if m.name %}:{{ m.name }}{% endif %}>{{ m['content'] }}"
                   "{% if m.refusal %}!{{ m.refusal }}{% endif %}{% endfor %}")
 
