@@ -11,7 +11,7 @@ FEATURE_FIELDS = (
     "truncate_prompt_tokens", "response_format", "tools", "tool_choice", "stream", "echo", "prompt_logprobs",
     "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
     "add_generation_prompt", "continue_final_message", "chat_template_kwargs", "allowed_token_ids",
-    "include_reasoning", "add_special_tokens", "cache_salt",
+    "include_reasoning", "add_special_tokens", "cache_salt", "best_of", "parallel_tool_calls", "store", "metadata",
 )
 
 

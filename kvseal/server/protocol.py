@@ -5,7 +5,8 @@ A field kvseal does not implement is rejected, never ignored: undeclared fields 
 `response_format`, `echo` and vLLM's extensions `ignore_eos`, `min_tokens`, `top_k`,
 `repetition_penalty`, `stop_token_ids`, `truncate_prompt_tokens`, `prompt_logprobs`,
 `structured_outputs` and `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar` are
-honoured.
+honoured; `best_of` equal to `n`, chat's `store: false` and `metadata` ask for nothing and are taken
+as vLLM takes them (any other `best_of`, and `store: true`, are refused).
 
 Every list and string has a bound, so no field makes the parser, the tokenizer, the grammar
 compiler or the audit log work without limit (a bad value is a 400 naming the field and the
@@ -22,7 +23,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from kvseal.prompting import ChatOptions
 from kvseal.structured.schema import MAX_CHOICES, MAX_SCHEMA_CHARS, MAX_SCHEMA_DEPTH, MAX_TOOLS, json_depth
@@ -43,6 +44,9 @@ MAX_DESCRIPTION_CHARS = 4096  # a tool's or a response schema's description
 MAX_ARGUMENTS_DEPTH = MAX_SCHEMA_DEPTH  # objects and arrays nested in one tool call's arguments
 MAX_TEMPLATE_KWARGS = 32  # chat_template_kwargs entries
 MAX_TEMPLATE_KWARGS_CHARS = 4096  # chat_template_kwargs as JSON
+MAX_METADATA = 16  # OpenAI's limits on a chat request's metadata: pairs, key and value characters
+MAX_METADATA_KEY_CHARS = 64
+MAX_METADATA_VALUE_CHARS = 512
 
 Name = Annotated[str, Field(max_length=MAX_NAME_CHARS)]
 FunctionName = Annotated[str, Field(min_length=1, max_length=MAX_FUNCTION_NAME_CHARS)]
@@ -162,6 +166,18 @@ class CompletionRequest(GenerationBody):
     add_special_tokens: bool = True  # vLLM's: the tokenizer's BOS and the like around a text prompt
     # 0 only with echo: the prompt alone comes back, as OpenAI's and vLLM's do
     max_tokens: Annotated[int, Field(ge=0, le=INT32_MAX)] | None = None
+    best_of: Annotated[int, Field(ge=1, le=MAX_N)] | None = None  # OpenAI's; only equal to n (a no-op)
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_is_n(cls, value: int, info: ValidationInfo) -> int:
+        """best_of equal to n (1 without n) asks for nothing besides the n choices, as vLLM takes
+        it; more candidates than choices, ranked on the server, is not implemented."""
+        n = info.data.get("n") or 1
+        if value != n:
+            raise ValueError(f"best_of={value} with n={n}: generating more candidates than the choices returned "
+                             f"is not implemented; send best_of equal to n, or omit it")
+        return value
 
 
 class ChatTextPart(_Body):
@@ -281,6 +297,20 @@ class ChatCompletionRequest(GenerationBody):
     continue_final_message: bool = False
     chat_template_kwargs: TemplateKwargs | None = None
     include_reasoning: bool = True  # vLLM's: false leaves a reasoning parser's reasoning out of the answer
+    # OpenAI's stored completions: kvseal stores none, so store may only be false; metadata (for
+    # stored completions) is taken and not used, as vLLM takes both
+    store: bool | None = None
+    metadata: Annotated[dict[Annotated[str, Field(max_length=MAX_METADATA_KEY_CHARS)],
+                             Annotated[str, Field(max_length=MAX_METADATA_VALUE_CHARS)]],
+                        Field(max_length=MAX_METADATA)] | None = None
+
+    @field_validator("store")
+    @classmethod
+    def _nothing_is_stored(cls, value: bool) -> bool:
+        if value:
+            raise ValueError("store=true asks to keep the completion for later retrieval; kvseal stores no "
+                             "completions. Send store=false or omit it")
+        return value
     add_special_tokens: bool = False  # vLLM's: also the tokenizer's around the rendered template (which writes BOS)
 
     @property

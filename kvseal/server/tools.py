@@ -18,7 +18,8 @@ record with a `name`) is content, as in vLLM's parsers. A call naming a function
   the text) (`MistralToolParser`); its call ids are nine letters and digits, the only ids
   Mistral's chat templates take back in the history.
 `tool_choice`:
-- "auto" (the default with tools): the model may call tools; calls are parsed from its text.
+- "auto" (the default with tools): the model may call tools; calls are parsed from its text
+  (with `parallel_tool_calls: false`, the first call only, as vLLM keeps it).
 - "none": tools are rendered but nothing is parsed; the text is the answer.
 - "required" / a named function: one call, in the parser's format, is enforced with the grammar
   (the call's JSON must match one tool's — or the named tool's — parameters schema), then parsed.
@@ -184,8 +185,30 @@ TOOL_PARSERS: dict[str, type[HermesToolParser] | type[Llama3JsonToolParser] | ty
 assert tuple(TOOL_PARSERS) == TOOL_CALL_PARSERS
 
 
-def tool_parser(name: str) -> ToolParser:
-    return TOOL_PARSERS[name]()
+class FirstCallOnly:
+    """`parallel_tool_calls: false`: the first call the model wrote, the others dropped, as
+    vLLM's server filters them (the content stays as parsed). A required or named tool_choice
+    is one call by its grammar already."""
+
+    def __init__(self, parser: ToolParser) -> None:
+        self._parser = parser
+        self.arguments_key = parser.arguments_key
+
+    def parse(self, text: str) -> tuple[str | None, list[ParsedToolCall]]:
+        content, calls = self._parser.parse(text)
+        return content, calls[:1]
+
+    def held_from(self, text: str) -> int:
+        return self._parser.held_from(text)
+
+    def forced_call(self, call_schemas: list[dict[str, Any]]) -> StructuredOutput:
+        return self._parser.forced_call(call_schemas)
+
+
+def tool_parser(name: str, parallel_calls: bool = True) -> ToolParser:
+    """The parser `--tool-call-parser` names; with `parallel_calls` false, one keeping the first call only."""
+    parser = TOOL_PARSERS[name]()
+    return parser if parallel_calls else FirstCallOnly(parser)
 
 
 def _parse_call(body: str) -> ParsedToolCall | None:
@@ -233,13 +256,10 @@ def tool_setup(body: ChatCompletionRequest, parser: str | None) -> ToolSetup:
     if parser is None:
         raise InvalidParameter(f"this server does not parse tool calls; start it with --tool-call-parser "
                                f"({' or '.join(TOOL_CALL_PARSERS)}) or remove tools", param="tools")
-    if body.response_format is not None and choice not in (None, "none", "auto"):
+    asks_format = body.response_format is not None and body.response_format.type != "text"  # text: the default
+    if asks_format and choice not in (None, "none", "auto"):
         raise InvalidParameter("response_format cannot be combined with a required or named tool_choice",
                                param="response_format")
-    if body.parallel_tool_calls is False and choice in (None, "auto"):
-        raise InvalidParameter("parallel_tool_calls=false is only honoured with tool_choice 'required' or a "
-                               "named function (exactly one call); omit it or set it to true",
-                               param="parallel_tool_calls")
     definitions = [t.model_dump(exclude_none=True) for t in body.tools]
     if choice == "none":
         return ToolSetup(definitions, False, None)

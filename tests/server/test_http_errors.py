@@ -112,11 +112,35 @@ def test_invalid_chat_parameter_is_400_naming_it(server: ServerProcess, body: di
     assert error_of(post(server, "/chat/completions", body), 400)["param"] == param
 
 
-@pytest.mark.parametrize(("field", "value"), [("tools", []), ("suffix", "x"), ("best_of", 2)])
+@pytest.mark.parametrize(("field", "value"), [("tools", []), ("suffix", "x")])
 def test_unsupported_field_is_rejected_not_ignored(server: ServerProcess, field: str, value: Any) -> None:
     err = error_of(post(server, "/completions", {"prompt": "w5", field: value}), 400)
     assert err["code"] == "unsupported_parameter" and err["param"] == field
     assert field in err["message"]
+
+
+def test_best_of_equal_to_n_is_taken_and_other_values_refused(server: ServerProcess) -> None:
+    """vLLM takes best_of equal to n (1 without n) as asking for nothing more; kvseal does not
+    rank extra candidates, so any other best_of is a 400 naming it, not ignored."""
+    for fields, num_choices in (({"best_of": 1}, 1), ({"best_of": 2, "n": 2}, 2)):
+        response = post(server, "/completions", {"prompt": "w5", "max_tokens": 2} | fields)
+        assert response.status_code == 200 and len(response.json()["choices"]) == num_choices, response.text
+    for fields in ({"best_of": 2}, {"best_of": 1, "n": 2}, {"best_of": 3, "n": 2}):
+        err = error_of(post(server, "/completions", {"prompt": "w5", "max_tokens": 2} | fields), 400)
+        assert err["param"] == "best_of" and "not implemented" in err["message"], err
+
+
+def test_store_false_and_metadata_are_taken_store_true_refused(server: ServerProcess) -> None:
+    """OpenAI's stored completions: vLLM takes store and metadata and ignores them; kvseal takes
+    store=false and metadata (nothing is stored either way) and refuses store=true, which it
+    could not honour."""
+    chat = {"messages": [{"role": "user", "content": "w5"}], "max_tokens": 2}
+    response = post(server, "/chat/completions", chat | {"store": False, "metadata": {"team": "search"}})
+    assert response.status_code == 200, response.text
+    err = error_of(post(server, "/chat/completions", chat | {"store": True}), 400)
+    assert err["param"] == "store" and "stores no completions" in err["message"]
+    err = error_of(post(server, "/chat/completions", chat | {"metadata": {f"k{i}": "v" for i in range(17)}}), 400)
+    assert err["param"] == "metadata"
 
 
 def test_a_field_sent_as_null_is_not_sent(server: ServerProcess, alice: openai.OpenAI) -> None:

@@ -100,7 +100,6 @@ def test_tool_results_in_the_history(char_server: ServerProcess, client: openai.
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools"),
-    ({"tools": TOOLS, "parallel_tool_calls": False}, "parallel_tool_calls"),
     ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
     ({"messages": [{"role": "assistant", "content": None, "tool_calls": [
         {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{not json"}}]}]}, "messages"),
@@ -110,6 +109,40 @@ def test_bad_tool_requests_are_400(char_server: ServerProcess, body: dict[str, A
                           json={"messages": MESSAGES, "max_tokens": 2} | body, timeout=30)
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param
+
+
+def _regex_of(text: str) -> str:
+    """A regex matching exactly `text` (its newlines as the regex escape `\\n`)."""
+    return "\\n".join(re.escape(line) for line in text.split("\n"))
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call(char_server: ServerProcess, client: openai.OpenAI) -> None:
+    """vLLM keeps only the first parsed call when `parallel_tool_calls` is false (tool_choice
+    auto); streamed and unstreamed answers agree, and true (or absent) keeps both."""
+    first = '<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>'
+    second = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "celsius": true}}\n</tool_call>'
+    fields: dict[str, Any] = {"model": char_server.model_name, "messages": MESSAGES, "tools": TOOLS,
+                              "max_tokens": 200, "temperature": 0}
+    for parallel, names in ((False, ["get_time"]), (True, ["get_time", "get_weather"])):
+        body = fields | {"parallel_tool_calls": parallel,
+                         "extra_body": {"guided_regex": _regex_of(f"{first}\n{second}")}}
+        choice = client.chat.completions.create(**body).choices[0]
+        assert [c.function.name for c in choice.message.tool_calls or []] == names
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        deltas = [d for chunk in client.chat.completions.create(**body, stream=True)
+                  for c in chunk.choices for d in c.delta.tool_calls or []]
+        assert [d.function.name for d in deltas if d.function] == names
+
+
+def test_a_text_response_format_beside_a_forced_call_asks_for_nothing(char_server: ServerProcess,
+                                                                      client: openai.OpenAI) -> None:
+    """response_format {"type": "text"} is the default (vLLM takes it beside any tool_choice);
+    a JSON one beside a required call is still refused (test_bad_tool_requests_are_400)."""
+    out = client.chat.completions.create(model=char_server.model_name, messages=MESSAGES, tools=TOOLS,
+                                         max_tokens=200, temperature=1.0, seed=3, tool_choice="required",
+                                         response_format={"type": "text"})
+    assert out.choices[0].message.tool_calls is not None
+    _validate(out.choices[0].message.tool_calls[0])
 
 
 def test_tools_need_the_parser_flag(server: ServerProcess) -> None:
