@@ -213,7 +213,8 @@ class ToolCall(_Body):
 
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]  # developer: OpenAI's newer name for system
-    # OpenAI's: required, except on an assistant turn of tool calls (or a refusal), where it may be left out
+    # left out (or null) renders as "", whatever the role, as vLLM takes it (kvseal always has): an
+    # assistant turn of tool calls or a refusal has none
     content: str | Annotated[list[ChatTextPart], Field(max_length=MAX_CONTENT_PARTS)] | None = None
     tool_calls: Annotated[list[ToolCall], Field(max_length=MAX_TOOLS)] | None = None  # an assistant turn's calls
     tool_call_id: Name | None = None  # a tool result answers this call
@@ -221,13 +222,10 @@ class ChatMessage(_Body):
     refusal: str | None = None  # an assistant turn's refusal, as OpenAI answered it (bounded: kvseal.server.bounds)
 
     @model_validator(mode="after")
-    def _content_unless_calls(self) -> ChatMessage:
-        """OpenAI's rule: content may be left out only by an assistant turn that made tool calls
-        or refused; a message with nothing to render is a mistake worth a 400."""
+    def _refusal_is_an_assistants(self) -> ChatMessage:
+        """A refusal is what the API answered on an assistant turn; on another role it is a mistake."""
         if self.refusal is not None and self.role != "assistant":
             raise ValueError(f"refusal is an assistant message's field, not a {self.role} message's")
-        if self.content is None and not (self.role == "assistant" and (self.tool_calls or self.refusal is not None)):
-            raise ValueError("content is required, except on an assistant message with tool_calls or a refusal")
         return self
 
     def as_template_input(self) -> dict[str, Any]:
