@@ -1,12 +1,12 @@
 """Bounds on body fields that depend on the engine's limits (the static ones are in `protocol`).
 
 The chat template renders more than the messages' contents: the tool definitions, the
-arguments of earlier tool calls and earlier refusals. The prompt pre-check (`PromptEncoder.chat_ids`) counts only
-the contents, so these are bounded here, before the template or the tokenizer sees them: each
-may have at most as many characters (besides whitespace) as a whole prompt can hold, that is
-the prompt limit (I1) times the most characters one token covers. More could never fit in the
-context; refusing it up front keeps one request from holding the tokenizer thread, which
-every tenant shares.
+arguments of earlier tool calls, earlier refusals and reasoning. The prompt pre-check
+(`PromptEncoder.chat_ids`) counts only the contents, so these are bounded here, before the
+template or the tokenizer sees them: each may have at most as many characters (besides
+whitespace) as a whole prompt can hold, that is the prompt limit (I1) times the most characters
+one token covers. More could never fit in the context; refusing it up front keeps one request
+from holding the tokenizer thread, which every tenant shares.
 """
 
 from __future__ import annotations
@@ -24,17 +24,17 @@ from kvseal.structured.schema import check_tools
 
 
 def check_message_extras(messages: list[ChatMessage], limits: AdmissionLimits, max_token_chars: int) -> None:
-    """Raise `InvalidParameter` when the messages' tool-call arguments, or their refusals, have
-    more characters than a prompt can hold (checked at the door, before the request takes a slot)."""
+    """Raise `InvalidParameter` when the messages' tool-call arguments, or their refusals and
+    reasoning, have more characters than a prompt can hold (checked at the door, before the request takes a slot)."""
     if is_active(Fault.SKIP_DOOR_CHECKS):
         return
     limit = limits.max_prompt_tokens * max_token_chars
     arguments = (call.function.arguments for message in messages for call in message.tool_calls or [])
     _require_within("messages", "the tool calls' arguments", sum(num_visible_chars(a) for a in arguments), limit,
                     limits)
-    refusals = (message.refusal for message in messages if message.refusal is not None)
-    _require_within("messages", "the assistant messages' refusals", sum(num_visible_chars(r) for r in refusals),
-                    limit, limits)
+    extras = (text for message in messages for text in (message.refusal, message.reasoning_text) if text is not None)
+    _require_within("messages", "the assistant messages' refusals and reasoning",
+                    sum(num_visible_chars(text) for text in extras), limit, limits)
 
 
 async def check_tool_definitions(tools: list[dict[str, Any]], grammar_tools: frozenset[str], limits: AdmissionLimits,

@@ -220,17 +220,30 @@ class ChatMessage(_Body):
     tool_call_id: Name | None = None  # a tool result answers this call
     name: FunctionName | None = None  # the author's name, for a template that renders it
     refusal: str | None = None  # an assistant turn's refusal, as OpenAI answered it (bounded: kvseal.server.bounds)
+    # an assistant turn's reasoning as a `--reasoning-parser` answered it (under both names), for
+    # templates that render it (Qwen3's reads `reasoning_content`); bounded as refusals are
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
     @model_validator(mode="after")
-    def _refusal_is_an_assistants(self) -> ChatMessage:
-        """A refusal is what the API answered on an assistant turn; on another role it is a mistake."""
-        if self.refusal is not None and self.role != "assistant":
-            raise ValueError(f"refusal is an assistant message's field, not a {self.role} message's")
+    def _assistant_fields(self) -> ChatMessage:
+        """A refusal and reasoning are what the API answered on an assistant turn; on another
+        role they are a mistake, as are two different reasonings for one turn."""
+        for name in ("refusal", "reasoning_content", "reasoning"):
+            if getattr(self, name) is not None and self.role != "assistant":
+                raise ValueError(f"{name} is an assistant message's field, not a {self.role} message's")
+        if None not in (self.reasoning, self.reasoning_content) and self.reasoning != self.reasoning_content:
+            raise ValueError("reasoning and reasoning_content differ: send one of them (they name the same text)")
         return self
+
+    @property
+    def reasoning_text(self) -> str | None:
+        return self.reasoning_content if self.reasoning_content is not None else self.reasoning
 
     def as_template_input(self) -> dict[str, Any]:
         """The message as the chat template reads it. vLLM passes messages through to the
-        template, so every field a template may use is here (`name`, `refusal`), while
+        template, so every field a template may use is here (`name`, `refusal`, the reasoning
+        under both its names), while
         absent ones stay out; a turn without content (tool calls, a refusal) has "" as it."""
         content = self.content if not isinstance(self.content, list) else "\n".join(p.text for p in self.content)
         # The model's template knows "system" (OpenAI's "developer" is the same instructions by a newer name)
@@ -239,7 +252,8 @@ class ChatMessage(_Body):
         if self.tool_calls:
             message["tool_calls"] = [{"id": c.id, "type": "function", "function": {
                 "name": c.function.name, "arguments": _json_arguments(c.function.arguments)}} for c in self.tool_calls]
-        optional = {"tool_call_id": self.tool_call_id, "name": self.name, "refusal": self.refusal}
+        optional = {"tool_call_id": self.tool_call_id, "name": self.name, "refusal": self.refusal,
+                    "reasoning_content": self.reasoning_text, "reasoning": self.reasoning_text}
         return message | {key: value for key, value in optional.items() if value is not None}
 
 

@@ -78,7 +78,8 @@ def assert_openapi_needs_a_key(server: ServerProcess) -> None:
 
 
 def assert_template_text_is_bounded(server: ServerProcess) -> None:
-    """Tool definitions and tool-call arguments are rendered into the prompt: no more than it holds."""
+    """Tool definitions, tool-call arguments, refusals and reasoning are rendered into the prompt:
+    no more than it holds."""
     tools = [{"type": "function", "function": {"name": f"f{i}", "parameters": {"description": BIG_TEXT[:60_000]}}}
              for i in range(2)]
     chat = {"messages": [{"role": "user", "content": "w5"}], "max_tokens": 1}
@@ -90,6 +91,10 @@ def assert_template_text_is_bounded(server: ServerProcess) -> None:
                        ("/tokenize", {"messages": messages})):
         err = error_of(post(server, path, body), 400)
         assert err["param"] == "messages" and "arguments" in err["message"], path
+    for field in ("refusal", "reasoning", "reasoning_content"):  # rendered too, for templates that read them
+        messages = [{"role": "user", "content": "w5"}, {"role": "assistant", "content": None, field: BIG_TEXT}]
+        err = error_of(post(server, "/tokenize", {"messages": messages}), 400)
+        assert err["param"] == "messages" and "refusals and reasoning" in err["message"], field
     small = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
     assert post(server, "/v1/chat/completions", chat | {"tools": small}).status_code == 200  # within the bound
 

@@ -85,10 +85,12 @@ def test_a_message_without_content_renders_as_empty_content(char_server: ServerP
 
 @pytest.mark.parametrize(("message", "words"), [
     ({"role": "user", "content": "hi", "refusal": "no"}, "assistant message's field"),
+    ({"role": "user", "content": "hi", "reasoning_content": "hm"}, "assistant message's field"),
+    ({"role": "assistant", "content": "hi", "reasoning": "a", "reasoning_content": "b"}, "differ"),
     ({"role": "assistant", "content": "hi", "function_call": {"name": "f", "arguments": "{}"}}, "function_call"),
 ])
-def test_a_message_with_a_field_its_role_cannot_have_is_400(char_server: ServerProcess, message: dict[str, Any],
-                                                     words: str) -> None:
+def test_a_message_with_a_field_its_role_cannot_have_is_400(char_server: ServerProcess,
+                                                            message: dict[str, Any], words: str) -> None:
     for path in ("/v1/chat/completions", "/tokenize"):
         response = post(char_server, path, {"messages": [message]})
         assert response.status_code == 400, response.text
@@ -112,12 +114,13 @@ def test_tokenize_renders_tools_as_chat_counts_them(char_server: ServerProcess) 
 
 
 NAMED_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}{% if m.name %}:{{ m.name }}{% endif %}>{{ m['content'] }}"
-                  "{% if m.refusal %}!{{ m.refusal }}{% endif %}{% endfor %}")
+                  "{% if m.refusal %}!{{ m.refusal }}{% endif %}"
+                  "{% if m.reasoning_content %}({{ m.reasoning_content }}){% endif %}{% endfor %}")
 
 
 @pytest.fixture(scope="module")
 def named_server(char_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    """The character-level model with a template that renders `name` and `refusal`."""
+    """The character-level model with a template that renders `name`, `refusal` and `reasoning_content`."""
     proc = ServerProcess(char_dir, tmp_path_factory.mktemp("named"), keys=KEYS,
                          extra_args=["--chat-template", NAMED_TEMPLATE, "--max-model-len", "1024"])
     proc.start()
@@ -136,3 +139,12 @@ def test_name_and_refusal_reach_the_template(named_server: ServerProcess) -> Non
     chat = post(named_server, "/v1/chat/completions", {"messages": messages, "max_tokens": 1,
                                                        "add_generation_prompt": False}).json()
     assert chat["usage"]["prompt_tokens"] == len(prompt)
+
+
+def test_an_echoed_reasoning_reaches_the_template_under_either_name(named_server: ServerProcess) -> None:
+    """The `openai` client's dump of a reasoning server's answer carries `reasoning` and
+    `reasoning_content`; templates (Qwen3's) read `reasoning_content`, which either name fills."""
+    for name in ("reasoning", "reasoning_content"):
+        messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo", name: "think"}]
+        prompt = rendered(named_server, {"messages": messages, "add_generation_prompt": False})
+        assert prompt == "<user>hi<assistant>yo(think)"
