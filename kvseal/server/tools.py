@@ -9,24 +9,32 @@ with tools is refused:
 - `llama3_json` (Llama 3.1 to 3.3): an answer that is one or more `{"name": ...,
   "parameters": {...}}` objects (or `"arguments"`), separated by `;`, optionally after
   `<|python_tag|>` (`Llama3JsonToolParser`); an answer that does not begin so is content.
-In every format a call is a JSON object with a string `name` and an object of arguments under
-the format's key; any other object (one without arguments, such as an answer that is a JSON
-record with a `name`) is content, as in vLLM's parsers. A call naming a function that is not in
-`tools` is still a call, as vLLM's parsers return it: the client sees the name it got.
 - `mistral` (Mistral's instruct models from v0.3): an answer that is a JSON list of `{"name":
   ..., "arguments": {...}}` objects after `[TOOL_CALLS]` (a special token, so usually not in
   the text) (`MistralToolParser`); its call ids are nine letters and digits, the only ids
   Mistral's chat templates take back in the history.
+- `pythonic` (Llama 3.2 and 4, and models tuned on the same format): an answer that is a Python
+  list of calls with keyword arguments of literal values, `[get_weather(city="Oslo"),
+  get_time(zone="CET")]`, optionally between Llama 4's `<|python_start|>` and `<|python_end|>`
+  (`PythonicToolParser`). It is read with Python's parser, never run.
+In every format a call has a string name and an object of arguments under the format's key;
+anything else (a JSON record that happens to have a `name`, a call with a positional argument or
+a value that is not a literal) leaves the whole answer content, as in vLLM's parsers. A call
+naming a function that is not in `tools` is still a call, as vLLM's parsers return it: the
+client sees the name it got.
 `tool_choice`:
 - "auto" (the default with tools): the model may call tools; calls are parsed from its text
   (with `parallel_tool_calls: false`, the first call only, as vLLM keeps it).
 - "none": tools are rendered but nothing is parsed; the text is the answer.
 - "required" / a named function: one call, in the parser's format, is enforced with the grammar
   (the call's JSON must match one tool's — or the named tool's — parameters schema), then parsed.
+  `pythonic` has no JSON call of its own: its enforced call is a JSON list of one `{"name": ...,
+  "arguments": {...}}` object, as vLLM enforces every format's, which its parser also reads.
 """
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import json
 import os
@@ -34,6 +42,7 @@ import re
 import secrets
 import string
 import uuid
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -46,6 +55,10 @@ _CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 START_TAG = "<tool_call>"
 PYTHON_TAG = "<|python_tag|>"
 MISTRAL_CALLS = "[TOOL_CALLS]"
+PYTHON_START, PYTHON_END = "<|python_start|>", "<|python_end|>"
+# what json raises for text that is no JSON value: RecursionError for brackets nested past its
+# depth, which a model can write (and a tenant's regex make it write)
+_NOT_JSON = (ValueError, RecursionError)
 
 
 def _openai_id() -> str:
@@ -126,7 +139,7 @@ class Llama3JsonToolParser:
         while position < len(body):
             try:
                 value, position = decoder.raw_decode(body, position)
-            except ValueError:
+            except _NOT_JSON:
                 return text, []
             call = _call_of(value, ("parameters", "arguments"))
             if call is None:
@@ -157,7 +170,7 @@ class MistralToolParser:
             return text, []
         try:
             values = json.loads(body)
-        except ValueError:
+        except _NOT_JSON:
             return text, []
         calls = []
         for value in values:  # (a list: the text began with "[")
@@ -176,12 +189,79 @@ class MistralToolParser:
     def forced_call(self, call_schemas: list[dict[str, Any]]) -> StructuredOutput:
         """A list of exactly one call (the `[TOOL_CALLS]` token before it is special: no grammar
         writes it, and the parser does without it)."""
-        return StructuredOutput("json_schema", json.dumps({"type": "array", "items": _one_of(call_schemas),
-                                                           "minItems": 1, "maxItems": 1}))
+        return _list_of_one_call(call_schemas)
 
 
-TOOL_PARSERS: dict[str, type[HermesToolParser] | type[Llama3JsonToolParser] | type[MistralToolParser]] = {
-    "hermes": HermesToolParser, "llama3_json": Llama3JsonToolParser, "mistral": MistralToolParser}
+class PythonicToolParser:
+    arguments_key = "arguments"  # of the enforced call's JSON (`forced_call`)
+
+    def parse(self, text: str) -> tuple[str | None, list[ParsedToolCall]]:
+        """All calls, or none: an answer that is not wholly one list of calls (or the enforced
+        call's JSON list) is content, as it is."""
+        body = text.strip().removeprefix(PYTHON_START).removesuffix(PYTHON_END).strip()
+        if not body.startswith("["):
+            return text, []
+        calls = _json_calls(body)
+        if calls is None:
+            calls = _python_calls(body)
+        return (None, calls) if calls else (text, [])
+
+    def held_from(self, text: str) -> int:
+        start = text.lstrip()
+        if not start or start.startswith(("[", PYTHON_START)) or PYTHON_START.startswith(start):
+            return 0  # a call list, or not known yet
+        return len(text)
+
+    def forced_call(self, call_schemas: list[dict[str, Any]]) -> StructuredOutput:
+        """A JSON list of exactly one call: a Python call's arguments have no schema a grammar
+        could hold them to, a JSON object's do."""
+        return _list_of_one_call(call_schemas)
+
+
+def _list_of_one_call(call_schemas: list[dict[str, Any]]) -> StructuredOutput:
+    return StructuredOutput("json_schema", json.dumps({"type": "array", "items": _one_of(call_schemas),
+                                                       "minItems": 1, "maxItems": 1}))
+
+
+def _json_calls(body: str) -> list[ParsedToolCall] | None:
+    """The calls of a JSON list of call objects; None when `body` is not one."""
+    try:
+        values = json.loads(body)
+    except _NOT_JSON:
+        return None
+    calls = [_call_of(value, ("arguments",)) for value in values] if isinstance(values, list) else [None]
+    return [call for call in calls if call is not None] if None not in calls else None
+
+
+def _python_calls(body: str) -> list[ParsedToolCall]:
+    """The calls of a Python list of `name(key=literal, ...)` (none when it is anything else).
+    Only parsed, never evaluated: `ast.literal_eval` reads numbers, strings, booleans, None,
+    lists, tuples and dicts, and nothing that runs."""
+    try:
+        with warnings.catch_warnings():  # a model's string with "\d" in it is no warning for the log
+            warnings.simplefilter("ignore", SyntaxWarning)
+            tree = ast.parse(body, mode="eval").body
+    except (SyntaxError, ValueError, MemoryError, RecursionError):
+        return []
+    if not isinstance(tree, ast.List):
+        return []
+    calls = []
+    for node in tree.elts:
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and not node.args
+                and all(k.arg is not None for k in node.keywords)):
+            return []  # a positional argument, **kwargs, a method: not this format
+        try:
+            arguments = {k.arg: ast.literal_eval(k.value) for k in node.keywords}
+            calls.append(ParsedToolCall(node.func.id, json.dumps(arguments, ensure_ascii=False)))
+        except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+            return []  # a value that is not a literal, or not one JSON has (a set, bytes)
+    return calls
+
+
+TOOL_PARSERS: dict[str, type[HermesToolParser] | type[Llama3JsonToolParser] | type[MistralToolParser]
+                   | type[PythonicToolParser]] = {
+    "hermes": HermesToolParser, "llama3_json": Llama3JsonToolParser, "mistral": MistralToolParser,
+    "pythonic": PythonicToolParser}
 assert tuple(TOOL_PARSERS) == TOOL_CALL_PARSERS
 
 
@@ -214,7 +294,7 @@ def tool_parser(name: str, parallel_calls: bool = True) -> ToolParser:
 def _parse_call(body: str) -> ParsedToolCall | None:
     try:
         value = json.loads(body)
-    except ValueError:
+    except _NOT_JSON:
         return None
     return _call_of(value, ("arguments",))
 

@@ -1,4 +1,5 @@
-"""Tools and tool_choice on chat completions (`--tool-call-parser hermes`; `llama3_json` and `mistral` last).
+"""Tools and tool_choice on chat completions (`--tool-call-parser hermes`; `llama3_json`, `mistral` and
+`pythonic` last).
 
 The character-level tiny model's chat template renders the tools and past tool calls; a
 named or required tool_choice is enforced with the grammar, so even random weights produce a
@@ -19,7 +20,13 @@ import openai
 import pytest
 from server_process import KEYS, ServerProcess, client_for
 
-from kvseal.server.tools import HermesToolParser, Llama3JsonToolParser, MistralToolParser, ToolCallStream
+from kvseal.server.tools import (
+    HermesToolParser,
+    Llama3JsonToolParser,
+    MistralToolParser,
+    PythonicToolParser,
+    ToolCallStream,
+)
 
 WEATHER = {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}, "celsius": {"type": "boolean"}},
            "required": ["city", "celsius"], "additionalProperties": False}
@@ -194,6 +201,10 @@ CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>'
     (MistralToolParser(), '[TOOL_CALLS] [{"name": "f", "arguments": {}}]'),
     (MistralToolParser(), "Sure [not calls]"),
     (MistralToolParser(), '[{"name": "Bob", "age": 3}]'),
+    (PythonicToolParser(), '[get_time(zone="CET"), get_weather(city="Oslo", celsius=True)]'),
+    (PythonicToolParser(), '<|python_start|>[get_time(zone="CET")]<|python_end|>'),
+    (PythonicToolParser(), "[see](the docs) first"),
+    (PythonicToolParser(), "Sure: [get_time(zone='CET')]"),
 ])
 def test_streamed_content_adds_up_to_the_unstreamed_content(parser: Any, text: str) -> None:
     """However the text arrives (here cut at every point into two pieces, and one character at a
@@ -302,14 +313,16 @@ def test_mistral_parser() -> None:
     assert plain.content_delta("Sure") == "Sure"
 
 
-def test_mistral_forced_call_is_one_valid_call(char_dir: Path) -> None:
-    """The grammar a required tool_choice gets with `--tool-call-parser mistral`: a list of one
-    call, which the parser reads back, its arguments valid."""
+def test_mistral_and_pythonic_forced_call_is_one_valid_call(char_dir: Path) -> None:
+    """The grammar a required tool_choice gets with `--tool-call-parser mistral` (and `pythonic`,
+    whose calls' Python arguments no grammar could hold to a schema): a JSON list of one call,
+    which each parser reads back, its arguments valid."""
     from kvseal import LLM, SamplingParams
     from kvseal.server.tools import call_schema
 
-    parser = MistralToolParser()
-    grammar = parser.forced_call([call_schema(name, PARAMS[name]) for name in PARAMS])
+    schemas = [call_schema(name, PARAMS[name]) for name in PARAMS]
+    grammar = MistralToolParser().forced_call(schemas)
+    assert PythonicToolParser().forced_call(schemas) == grammar
     llm = LLM(str(char_dir), kv_cache_tokens=1024, page_size=4, dtype="float32", grammar_compile_workers=1)
     try:
         outs = llm.generate(["a", "b"], [SamplingParams(max_tokens=120, temperature=1.0, seed=s, structured=grammar)
@@ -317,6 +330,66 @@ def test_mistral_forced_call_is_one_valid_call(char_dir: Path) -> None:
     finally:
         llm.engine.close()
     for out in outs:
-        content, [call] = parser.parse(out.text)
-        assert content is None and out.finish_reason.value == "stop"
-        jsonschema.validate(json.loads(call.arguments), PARAMS[call.name])
+        assert out.finish_reason.value == "stop"
+        for parser in (MistralToolParser(), PythonicToolParser()):
+            content, [call] = parser.parse(out.text)
+            assert content is None
+            jsonschema.validate(json.loads(call.arguments), PARAMS[call.name])
+
+
+# ---- pythonic (Llama 3.2 and 4): a Python list of calls -------------------------------------------
+
+def test_pythonic_parser_reads_literals_and_never_runs_anything() -> None:
+    parser = PythonicToolParser()
+    text = """[get_weather(city="Oslo", celsius=True, days=[1, 2.5], extra={"a": None}), get_time()]"""
+    content, calls = parser.parse(f"<|python_start|>{text}<|python_end|>")
+    assert content is None and [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Oslo", "celsius": True, "days": [1, 2.5], "extra": {"a": None}}), ("get_time", {})]
+    assert parser.parse("[f(a=(1, 'é'))]")[1][0].arguments == '{"a": [1, "é"]}'
+    for text in ("The answer is 4.", "[1, 2]", "[]", "[f(1)]", "[f(a=b)]", "[f(**k)]", "[m.f(a=1)]", "[f(a=1)] more",
+                 "[f(a={1, 2})]", "[f(a=b'x')]", "[f(a=true)]", "[f(a=__import__('os').system('true'))]",
+                 "[f(a=1) for f in x]", "[f(a=1)", "[" * 5000 + "]" * 5000, '[{"name": "f"}]'):
+        assert parser.parse(text) == (text, []), text
+    stream = ToolCallStream(PythonicToolParser())
+    assert stream.content_delta("<|python") == "" and stream.content_delta('_start|>[f(a="x")]') == ""
+    assert [c.name for c in stream.finish()[1]] == ["f"]
+    plain = ToolCallStream(PythonicToolParser())
+    assert plain.content_delta("Sure") == "Sure"
+
+
+def test_pythonic_calls_on_the_server(char_dir: Path, tmp_path: Path) -> None:
+    """`--tool-call-parser pythonic`: a call the model writes in the format (held to it here by
+    a regex) comes back as the same call, streamed or not; a required call is enforced."""
+    server = ServerProcess(char_dir, tmp_path, keys=KEYS, extra_args=["--tool-call-parser", "pythonic",
+                                                                      "--max-model-len", "1024"]).start()
+    try:
+        client = client_for(server, "key-alice")
+        written = re.escape('[get_time(zone="CET"), get_weather(city="Oslo", celsius=False)]')
+        fields: dict[str, Any] = {"model": server.model_name, "messages": MESSAGES, "tools": TOOLS,
+                                  "max_tokens": 100, "temperature": 0, "extra_body": {"guided_regex": written}}
+        expected = [("get_time", {"zone": "CET"}), ("get_weather", {"city": "Oslo", "celsius": False})]
+        choice = client.chat.completions.create(**fields).choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls or []] == \
+            expected
+        deltas = [d for chunk in client.chat.completions.create(**fields, stream=True) for c in chunk.choices
+                  for d in c.delta.tool_calls or []]
+        assert [(d.function.name, json.loads(d.function.arguments or "")) for d in deltas if d.function] == expected
+        out = client.chat.completions.create(model=server.model_name, messages=MESSAGES, tools=TOOLS, max_tokens=120,
+                                             temperature=1.0, seed=3, tool_choice="required")
+        [call] = out.choices[0].message.tool_calls or []
+        _validate(call)
+    finally:
+        server.terminate()
+
+
+@pytest.mark.parametrize("parser", [HermesToolParser(), Llama3JsonToolParser(), MistralToolParser(),
+                                    PythonicToolParser()], ids=lambda parser: type(parser).__name__)
+def test_brackets_nested_past_the_parsers_depth_are_content(parser: Any) -> None:
+    """A model can write (and a tenant's regex make it write) brackets deeper than Python's JSON
+    and Python parsers go: that answer is content, not an exception in the response."""
+    deep = "[" * 5000 + "]" * 5000
+    for text in (deep, '{"name": "f", "arguments": ' + deep + "}", f"<tool_call>{deep}</tool_call>",
+                 '<tool_call>{"name": "f", "arguments": {"a": ' + deep + "}}</tool_call>", f"[f(a={deep})]"):
+        content, calls = parser.parse(text)
+        assert (content, calls) == (text, []) or (isinstance(parser, HermesToolParser) and not calls)
