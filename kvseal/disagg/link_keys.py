@@ -9,6 +9,10 @@ to whoever must accept NAME), `NAME.key_secret` the public and the secret key (m
 NAME's own process reads it). `kvseal keys generate --dir DIR NAME...` writes both. A key's
 name is its file name without the suffix; engines log and count by it.
 
+Every key file read, and the folder it is in, must be writable by its owner only, and owned by
+this user or root (as OpenSSH requires of authorized_keys): whoever can write an allow-list can
+add their own key to it and become a frontend or a peer at the next restart.
+
 Public keys are not secrets: the frontend logs the engines' keys it uses. A secret key never
 leaves its file, or, for `kvseal serve --pd`, the memory of the frontend and the engine it
 spawned (handed over on multiprocessing's pipe, never in argv or the environment).
@@ -81,6 +85,10 @@ class KeyPair:
 
     def public_key(self) -> PublicKey:
         return PublicKey(self.name, self.public)
+
+
+class UnsafeKeyFile(ConfigError):
+    """A key file, or the folder it is in, that a user other than its owner may change."""
 
 
 @dataclass(frozen=True)
@@ -171,6 +179,8 @@ def load_public_key_list(spec: str, flag: str) -> tuple[PublicKey, ...]:
 def _load_certificate(path: Path, flag: str) -> tuple[bytes, bytes | None]:
     if not path.is_file():
         raise ConfigError(f"{flag}: no key file at {path}; {KEYS_HINT}")
+    for checked in (path, path.absolute().parent):
+        _refuse_unsafe(checked, f"{flag}: {path}" if checked == path else f"{flag}: the folder of {path},")
     try:
         public, secret = zmq.auth.load_certificate(path)
     except (OSError, ValueError) as exc:
@@ -178,6 +188,21 @@ def _load_certificate(path: Path, flag: str) -> tuple[bytes, bytes | None]:
     if public is None or len(public) != Z85_KEY_LEN:
         raise ConfigError(f"{flag}: {path} holds no public key; {KEYS_HINT}")
     return public, secret
+
+
+def _refuse_unsafe(path: Path, what: str) -> None:
+    """Refuse `path` (a key file or a folder) if a user other than its owner may write it, or its
+    owner is neither this user nor root: another local user could then put their own key in an
+    allow-list (or swap a key pair) without anyone noticing. The folders above are not checked."""
+    st = path.stat()
+    mode = stat.S_IMODE(st.st_mode)
+    if mode & 0o022:
+        raise UnsafeKeyFile(f"{what} {path} can be written by users other than its owner (mode {mode:o}), who "
+                            f"could put their own key there; make it writable by its owner only: chmod go-w {path}")
+    if st.st_uid not in (os.getuid(), 0):
+        raise UnsafeKeyFile(f"{what} {path} is owned by user id {st.st_uid}, neither this user ({os.getuid()}) nor "
+                            f"root, who could change the keys it holds; give it to this user: chown {os.getuid()} "
+                            f"{path}")
 
 
 def _key_name(path: Path) -> str:
@@ -190,9 +215,9 @@ def _key_name(path: Path) -> str:
 
 def generate_keys(folder: str | Path, names: list[str]) -> list[tuple[Path, Path]]:
     """Write `NAME.key` and `NAME.key_secret` (0600) for each name into `folder` (made 0700 when
-    it does not exist); never overwrites a key. The pair is made in a private temporary folder
-    inside `folder` and moved into place, so the secret is never readable by others, not even
-    for an instant. Returns the (public, secret) paths."""
+    it does not exist; refused when others may write it); never overwrites a key. The pair is
+    made in a private temporary folder inside `folder` and moved into place, so the secret is
+    never readable by others, not even for an instant. Returns the (public, secret) paths."""
     folder = Path(folder)
     for name in names:
         if not KEY_NAME.fullmatch(name):
@@ -205,6 +230,7 @@ def generate_keys(folder: str | Path, names: list[str]) -> list[tuple[Path, Path
     except OSError as exc:
         raise ConfigError(f"cannot write keys to {folder}: {exc.strerror or exc} (give a folder, or a path "
                           f"where one can be made)") from exc
+    _refuse_unsafe(folder, "kvseal keys generate: the folder")  # engines would refuse the keys in it
     taken = [p for n in names for p in (folder / f"{n}{PUBLIC_SUFFIX}", folder / f"{n}{SECRET_SUFFIX}") if p.exists()]
     if taken:
         raise ConfigError(f"{', '.join(map(str, taken))} exists already; keys are never overwritten (remove it "

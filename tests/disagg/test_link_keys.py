@@ -13,7 +13,14 @@ import pytest
 import zmq.auth
 
 from kvseal.cli import main
-from kvseal.disagg.link_keys import EngineLinkKeys, KeyPair, load_key_pair, load_public_keys
+from kvseal.disagg.link_keys import (
+    EngineLinkKeys,
+    KeyPair,
+    UnsafeKeyFile,
+    load_key_pair,
+    load_public_key_list,
+    load_public_keys,
+)
 from kvseal.errors import ConfigError
 
 
@@ -174,3 +181,59 @@ def test_a_key_pair_never_shows_its_secret() -> None:
     pair = KeyPair.ephemeral("x")
     assert pair.secret.decode() not in repr(pair) and pair.secret.decode() not in repr(
         EngineLinkKeys(pair, (KeyPair.ephemeral("frontend").public_key(),)))
+
+
+@pytest.mark.parametrize(("flag", "loosened", "mode"), [
+    ("--frontend-keys", "frontend.key", 0o666), ("--frontend-keys", "shared", 0o777),
+    ("--peer-keys", "prefill.key", 0o646), ("--link-key", "decode.key_secret", 0o620), ("--link-key", ".", 0o775)])
+def test_an_engine_refuses_key_files_other_users_may_write(keys: Path, flag: str, loosened: str, mode: int,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """Whoever can write an allow-list (the file, or the folder it is in) can add their own key
+    and be a frontend at the next restart: refused, naming the flag, the path and the fix."""
+    argv = engine_argv(keys)
+    if loosened == "shared":  # the frontend's key in a folder of its own, e.g. /srv/keys (0777)
+        (keys.parent / "shared").mkdir()
+        (keys.parent / "shared" / "frontend.key").write_bytes((keys / "frontend.key").read_bytes())
+        argv[argv.index("--frontend-keys") + 1] = str(keys.parent / "shared" / "frontend.key")
+    path = (keys.parent / "shared") if loosened == "shared" else (keys / loosened).resolve()
+    os.chmod(path, mode)
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"{flag}: " in err and f"chmod go-w {path}" in err, err
+
+
+@pytest.mark.parametrize("spec", ["frontend.key", "."])
+def test_a_group_writable_allow_list_is_refused_and_an_owner_only_one_loads(keys: Path, spec: str) -> None:
+    path = keys / spec
+    os.chmod(keys / "frontend.key", 0o664)
+    with pytest.raises(UnsafeKeyFile, match=f"chmod go-w {keys / 'frontend.key'}"):
+        load_public_keys(str(path), "--frontend-keys")
+    os.chmod(keys / "frontend.key", 0o644)
+    os.chmod(keys, 0o770)
+    with pytest.raises(UnsafeKeyFile, match=f"the folder of .* {keys} can be written"):
+        load_public_keys(str(path), "--frontend-keys")
+    os.chmod(keys, 0o755)  # readable by all is fine: public keys are not secrets
+    assert load_public_keys(str(path), "--frontend-keys")
+
+
+def test_a_frontend_refuses_engine_keys_other_users_may_write(keys: Path) -> None:
+    os.chmod(keys / "decode.key", 0o646)
+    with pytest.raises(UnsafeKeyFile, match="chmod go-w"):
+        load_public_key_list(str(keys / "decode.key"), "--decode-keys")
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="giving a file to another user needs root")
+@pytest.mark.parametrize("what", ["file", "folder"])
+def test_a_key_file_owned_by_another_user_is_refused(keys: Path, what: str) -> None:
+    os.chown(keys / "frontend.key" if what == "file" else keys, 65534, -1)
+    with pytest.raises(UnsafeKeyFile, match="owned by user id 65534"):
+        load_public_keys(str(keys / "frontend.key"), "--frontend-keys")
+
+
+def test_generate_refuses_a_folder_other_users_may_write(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    folder = tmp_path / "shared"
+    folder.mkdir()
+    os.chmod(folder, 0o777)
+    assert main(["keys", "generate", "--dir", str(folder), "frontend"]) == 2
+    assert f"chmod go-w {folder}" in capsys.readouterr().err
+    assert not list(folder.iterdir()), "nothing written"
