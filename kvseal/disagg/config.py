@@ -14,6 +14,10 @@ from kvseal.errors import ConfigError
 from kvseal.flags import flag, values_of
 
 DEFAULT_RESERVATION_TIMEOUT_S = 30.0
+# A frontend says hello every 0.5 s (`frontend.HEARTBEAT_S`); one whose connection is closed is
+# noticed within a second whatever this is, so it only bounds a connection left open with nobody
+# behind it, and must exceed the longest stall of a healthy frontend's event loop.
+DEFAULT_FRONTEND_TIMEOUT_S = 30.0
 DEFAULT_DRAIN_S = 5.0  # nixl: see NodeConfig.transfer_drain_s
 # tcp: KV frames on the ZMQ link (tcp.py); tcp-stream: KV on a plain TCP stream of its own,
 # received straight into decode's pages (stream.py); nixl: NIXL one-sided WRITEs over UCX (nixl.py)
@@ -38,6 +42,9 @@ class NodeConfig:
     reservation_timeout_s: float = field(default=DEFAULT_RESERVATION_TIMEOUT_S, metadata=flag(
         "decode releases a reservation that saw no commit after this long (`kvseal engine --role decode`, or "
         "`serve --pd`)"))
+    frontend_timeout_s: float = field(default=DEFAULT_FRONTEND_TIMEOUT_S, metadata=flag(
+        "the engine ends every request, prefill job and reservation of a frontend it has not heard from for this "
+        "long (kvseal's frontend says hello every 0.5 s); one whose connection closed is ended at once"))
     # nixl: how long decode waits, after cancelling a transfer neither NIXL nor prefill confirmed
     # over, before it releases the pages (NIXL cannot cancel a write in flight)
     transfer_drain_s: float = DEFAULT_DRAIN_S
@@ -61,6 +68,8 @@ class NodeConfig:
             raise ConfigError(f"transfer_drain_s must be >= 0, got {self.transfer_drain_s}")
         if self.reservation_timeout_s <= 0:
             raise ConfigError(f"--reservation-timeout-s must be > 0, got {self.reservation_timeout_s}")
+        if self.frontend_timeout_s <= 0:
+            raise ConfigError(f"--frontend-timeout-s must be > 0, got {self.frontend_timeout_s}")
         if self.role == "prefill" and self.link_keys.peers:
             raise ConfigError("--peer-keys applies to --role decode only: a prefill engine takes messages from "
                               "frontends only (give the prefill engines' public keys to the decode engines)")

@@ -2,7 +2,8 @@
 (docs/ARCHITECTURE.md, "Prefill/decode disaggregation").
 
 Nothing of a handed-off request runs before `verify_commit` accepted it. Every way a
-reservation can end (commit refused, prefill's abort, the frontend's abort, expiry) releases
+reservation can end (commit refused, prefill's abort, the frontend's abort or its going away,
+expiry) releases
 its pages under the reservation table's rule and reports one terminal, non-success output.
 
 Prefix cache (I5): a reservation starts on its hit in decode's cache (the namespace decode
@@ -351,6 +352,21 @@ class DecodeSteps:
             if reservation is not None:
                 self._end_reservation(reservation, "aborted", reason, None)
         self.on_outputs(abort_every(self.engine, reason))
+
+    def abort_frontend(self, frontend: bytes, reason: str) -> int:
+        """End what a gone frontend asked for: its compiling and held reservations (released
+        under the table's rule) and its running requests. Each end is still reported to it."""
+        compiling = self._compiling.cancel_matching(lambda asked: asked.frontend == frontend)
+        for _, asked in compiling:
+            self._report_unreserved(asked, reason)
+        reservations = self.table.of_frontend(frontend)
+        for reservation in reservations:
+            self.counters.failures["aborted"] += 1
+            self._end_reservation(reservation, "aborted", reason, None)
+        running = [rid for rid, owner in self._frontend_of.items() if owner == frontend]
+        outputs = [out for out in (self.engine.abort(rid, reason) for rid in running) if out is not None]
+        self.on_outputs(outputs)
+        return len(compiling) + len(reservations) + len(outputs)
 
     # ---- outputs of running handed-off requests -----------------------------------------
 

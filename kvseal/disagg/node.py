@@ -12,6 +12,7 @@ import zmq
 
 from kvseal.disagg.config import NodeConfig
 from kvseal.disagg.decode import DecodeSteps
+from kvseal.disagg.frontend_watch import FrontendWatch
 from kvseal.disagg.link_auth import LinkGuard
 from kvseal.disagg.msgs import EngineInfoMsg
 from kvseal.disagg.prefill import PrefillSteps
@@ -71,7 +72,8 @@ class EngineNode:
         self.links = PeerLinks(self.ctx, config.link_keys.own)
         replies = Replies(self.router)
         self.steps = self._steps(replies)
-        self.link = RouterLink(engine, self.steps, self.router, replies, self._info(), self.guard)
+        self.link = RouterLink(engine, self.steps, self.router, replies, self._info(), self.guard,
+                               FrontendWatch(config.frontend_timeout_s))
         self.loop = EngineLoop(engine, self.link, self.steps, IDLE_POLL_MS)
 
     def check_integrity(self) -> None:
@@ -81,6 +83,7 @@ class EngineNode:
     def _bind(self) -> zmq.Socket:
         router = self.ctx.socket(zmq.ROUTER)
         router.setsockopt(zmq.LINGER, 1000)
+        router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a reply to a closed connection fails: its frontend is gone
         self.guard.secure_server(router)  # before bind: no connection is ever plain
         try:
             router.bind(tcp_endpoint(self.config.listen))

@@ -135,6 +135,10 @@ class ReservationTable:
     def by_request(self, request_id: str) -> Reservation | None:
         return self._by_request.get(request_id)
 
+    def of_frontend(self, frontend: bytes) -> list[Reservation]:
+        """The reservations `frontend` asked for, waiting or placed, not already releasing."""
+        return [r for r in self._by_request.values() if r.frontend == frontend and r.release_reason is None]
+
     def take(self, reservation: Reservation) -> None:
         """The commit verified: the pages now belong to the running request. The receiver
         forgets the transfer (its last write landed before the commit)."""

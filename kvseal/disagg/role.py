@@ -21,6 +21,8 @@ from kvseal.engine.loop import LoopSteps
 from kvseal.messages.msgs import AbortMsg, RequestOutputMsg
 from kvseal.types import RequestOutput
 
+FRONTEND_GONE = "frontend_gone"  # the abort reason of a request whose frontend is gone (`frontend_watch.py`)
+
 
 @dataclass
 class HandoffCounters:
@@ -34,16 +36,31 @@ class HandoffCounters:
 
 
 class Replies:
-    """Sends to frontends through the engine's ROUTER, by the identity they connected with."""
+    """Sends to frontends through the engine's ROUTER, by the identity they connected with, and
+    notes the identities whose connection is closed (`frontend_watch.py`: their work ends)."""
 
     def __init__(self, router: zmq.Socket) -> None:
         self._router = router
+        self._unreachable: set[bytes] = set()
+
+    @property
+    def has_unreachable(self) -> bool:
+        return bool(self._unreachable)
 
     def send(self, frontend: bytes, msg: PdMsg) -> None:
         try:
             self._router.send_multipart([frontend, encode(msg)], zmq.NOBLOCK)
         except zmq.Again:
-            pass  # that frontend is gone or not reading: it fails the request on its side
+            pass  # that frontend is not reading: it fails the request on its side
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.EHOSTUNREACH:
+                raise
+            self._unreachable.add(frontend)  # ZMQ_ROUTER_MANDATORY: no connection has this identity any more
+
+    def take_unreachable(self) -> set[bytes]:
+        """The identities a send found closed since the last call."""
+        unreachable, self._unreachable = self._unreachable, set()
+        return unreachable
 
 
 class RoleSteps(LoopSteps, Protocol):
@@ -63,6 +80,10 @@ class RoleSteps(LoopSteps, Protocol):
     def num_reservations(self) -> int: ...
 
     def abort_all(self, reason: str) -> None: ...
+
+    def abort_frontend(self, frontend: bytes, reason: str) -> int:
+        """End everything `frontend` (a ROUTER identity) asked for; how many requests that ended."""
+        ...
 
 
 def aborted_output(request_id: str, tenant: str, num_prompt_tokens: int, num_pages: int, error: str,

@@ -3,7 +3,8 @@
 It plugs into `kvseal.engine.loop.EngineLoop` (which steps the engine and calls the role's
 `tick` and `on_outputs`): it reads every waiting frame from the ROUTER (liveness, integrity and
 shutdown here, the rest to the role's `handle`) and sends stats to the frontends that asked
-(`HelloMsg`) when something changed. An undecodable frame is dropped and logged;
+(`HelloMsg`) when something changed, and at least every `PROBE_S`. It ends the work of a
+frontend that is gone (`frontend_watch.py`). An undecodable frame is dropped and logged;
 it never reaches the engine. Every frame comes from a peer whose key the ROUTER's CURVE
 handshake accepted; a message its sender's role may not send is dropped, logged and counted
 (`LinkGuard.allows`, I9) before anything reads its fields.
@@ -16,6 +17,7 @@ import logging
 import msgspec
 import zmq
 
+from kvseal.disagg.frontend_watch import FrontendWatch
 from kvseal.disagg.link_auth import LinkGuard
 from kvseal.disagg.msgs import (
     EngineInfoMsg,
@@ -26,7 +28,7 @@ from kvseal.disagg.msgs import (
     PdStatsMsg,
     decode,
 )
-from kvseal.disagg.role import Replies, RoleSteps
+from kvseal.disagg.role import FRONTEND_GONE, Replies, RoleSteps
 from kvseal.engine.engine import LLMEngine
 from kvseal.messages.convert import stats_to_msg
 from kvseal.messages.msgs import ShutdownMsg
@@ -38,32 +40,60 @@ IDLE_POLL_MS = 50  # an idle engine still runs the role's deadlines this often
 
 class RouterLink:
     def __init__(self, engine: LLMEngine, steps: RoleSteps, router: zmq.Socket, replies: Replies,
-                 info: EngineInfoMsg, guard: LinkGuard) -> None:
+                 info: EngineInfoMsg, guard: LinkGuard, watch: FrontendWatch) -> None:
+        """`router` has ZMQ_ROUTER_MANDATORY set: a send to a closed connection is refused, not dropped."""
         self.engine = engine
         self.guard = guard
         self.steps = steps
         self.router = router
         self.replies = replies
         self.info = info
-        self._frontends: set[bytes] = set()
+        self.watch = watch
         self.is_stopped = False
 
     def wait(self, timeout_ms: int) -> bool:
         """Wait for the ROUTER, its handshake monitor, or data on the role's own sockets (taken in
-        by its `tick`); True if the ROUTER has messages or the monitor a failed handshake."""
+        by its `tick`); True if the ROUTER has messages, the monitor a failed handshake, or the
+        frontends are to be probed or one is found gone."""
+        if self.watch.is_probe_due() or self.replies.has_unreachable:
+            return True
         ours = [self.router, self.guard.monitor]
         readable, _, _ = zmq.select([*ours, *self.steps.wait_sockets()], [], [], timeout_ms / 1000)
         return any(socket in readable for socket in ours)
 
     def receive(self) -> bool:
+        """Every waiting message first, then the frontends' liveness: a frontend is judged silent
+        only after what it sent during a long engine step was read."""
         changed = self.guard.take_handshake_failures()
         while not self.is_stopped:
             try:
                 frames = self.router.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
-                return changed
+                return self._end_gone_frontends() or changed
             changed = self._on_frames(frames) or changed
         return changed
+
+    def _end_gone_frontends(self) -> bool:
+        silent = []
+        if self.watch.is_probe_due():
+            self.report_stats()  # a send to a closed connection is refused: `replies` notes it
+            silent = self.watch.probed()
+        gone = [(f, f"silent for over {self.watch.timeout_s:g} s (--frontend-timeout-s)") for f in silent]
+        gone += [(f, "its connection closed") for f in self.replies.take_unreachable()]
+        for frontend, why in gone:
+            self._end_frontend(frontend, why)
+        return bool(gone)
+
+    def _end_frontend(self, frontend: bytes, why: str) -> None:
+        """End everything of a gone frontend, in one log line. A connection that never said hello
+        and held nothing (a test's or a tool's), or one ended already, is not logged."""
+        name = self.watch.forget(frontend)
+        num_ended = self.steps.abort_frontend(frontend, FRONTEND_GONE)
+        if name is None and num_ended == 0:
+            return
+        logger.log(logging.WARNING if num_ended else logging.INFO,
+                   "frontend %s is gone (%s): ended the %d request(s) it had on this engine (running, prefill jobs, "
+                   "reservations); their pages are freed", name or "that said no hello", why, num_ended)
 
     def _on_frames(self, frames: list[zmq.Frame]) -> bool:
         """[sender, header, payload...]; the payload frames stay in ZMQ's buffers."""
@@ -79,12 +109,14 @@ class RouterLink:
             return False
         if not self.guard.allows(identity, msg):
             return True  # refused and counted: the stats changed
+        if isinstance(msg, HelloMsg):
+            self.watch.hello(sender, f"{identity} (id {msg.frontend_id})")
+        self.watch.heard(sender)
         return self._dispatch(sender, msg, payload)
 
     def _dispatch(self, sender: bytes, msg: PdMsg, payload: list[memoryview]) -> bool:
         match msg:
             case HelloMsg():
-                self._frontends.add(sender)
                 self.replies.send(sender, self.info)
                 self.replies.send(sender, self.stats())
                 return False
@@ -115,7 +147,7 @@ class RouterLink:
 
     def report_stats(self) -> None:
         stats = self.stats()
-        for frontend in self._frontends:
+        for frontend in self.watch.frontends:
             self.replies.send(frontend, stats)
 
     def integrity_report(self) -> IntegrityReportMsg:

@@ -2,13 +2,15 @@
 until the compile pool has it: nothing of them exists in the scheduler or the KV cache yet.
 
 Every way out is explicit: `take_ready` (compiled or refused: the caller goes on or answers
-the refusal), `cancel` (the request's own tenant aborted it: its compile is cancelled) and
-`cancel_all` (shutdown). A cancelled wait releases its ticket, so a compile nobody waits for
-any more is stopped (`GrammarTicket.cancel`).
+the refusal), `cancel` (the request's own tenant aborted it: its compile is cancelled),
+`cancel_matching` (a PD engine's frontend is gone) and `cancel_all` (shutdown). A cancelled
+wait releases its ticket, so a compile nobody waits for any more is stopped
+(`GrammarTicket.cancel`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
@@ -55,7 +57,12 @@ class PendingGrammars(Generic[T]):
 
     def cancel_all(self) -> list[tuple[str, T]]:
         """End every wait (shutdown); (request id, item) of each."""
-        waits, self._by_request = self._by_request, {}
-        for waiting in waits.values():
+        return self.cancel_matching(lambda item: True)
+
+    def cancel_matching(self, matches: Callable[[T], bool]) -> list[tuple[str, T]]:
+        """End the waits whose item `matches` (all those of a frontend that is gone); (request id, item) of each."""
+        ended = [request_id for request_id, waiting in self._by_request.items() if matches(waiting.item)]
+        waits = [(request_id, self._by_request.pop(request_id)) for request_id in ended]
+        for _, waiting in waits:
             waiting.ticket.cancel()
-        return [(request_id, waiting.item) for request_id, waiting in waits.items()]
+        return [(request_id, waiting.item) for request_id, waiting in waits]
