@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import ipaddress
 import logging
 import math
+import socket
 import types
 import typing
 from dataclasses import dataclass, field
@@ -559,7 +561,7 @@ class EngineArgs:
             raise ConfigError("--nnodes > 1 needs --tp-key-file: every rank proves it holds that key before it gets "
                               "any step, so a process that reaches --master-port is not a rank; make one with "
                               "`kvseal keys tp-key FILE` and copy it (mode 0600) to every node")
-        if not self.master_addr or self.master_addr in ("0.0.0.0", "::", "*"):
+        if not self.master_addr or is_wildcard(self.master_addr):
             raise ConfigError(f"--master-addr must name one address rank 0 listens on, got {self.master_addr!r}; "
                               f"a wildcard would take rank connections on every interface")
 
@@ -646,3 +648,15 @@ class EngineArgs:
                 f"set max_model_len <= {limit}"
             )
         return int(self.max_model_len)
+
+
+def is_wildcard(addr: str) -> bool:
+    """Whether `addr` is the any-address in one of the spellings the socket calls take: "0.0.0.0",
+    "::", "*", and "0", "0x0", "000.000.000.000", "::0"... (read as numbers, no name lookup)."""
+    if addr == "*":
+        return True
+    try:
+        infos = socket.getaddrinfo(addr, None, flags=socket.AI_NUMERICHOST)
+    except (socket.gaierror, UnicodeError, ValueError):
+        return False  # a host name: rank 0's listener refuses it if it names the any-address
+    return any(ipaddress.ip_address(str(info[4][0]).split("%")[0]).is_unspecified for info in infos)

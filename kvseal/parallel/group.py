@@ -20,6 +20,7 @@ proves it holds the engine's key (`tp_key.py`) to every other rank, or the group
 from __future__ import annotations
 
 import datetime
+import ipaddress
 import logging
 import socket
 from collections.abc import Callable
@@ -270,5 +271,9 @@ def listen_for_ranks(addr: str, port: int) -> socket.socket:
         listener.close()
         raise RankFailure(f"cannot listen for tensor-parallel ranks on {addr}:{port}: {exc}; pick another "
                           f"--master-port") from exc
+    if ipaddress.ip_address(listener.getsockname()[0]).is_unspecified:  # a host name that stands for it
+        listener.close()
+        raise RankFailure(f"--master-addr {addr} is the any-address: rank 0 would take rank connections on every "
+                          f"interface; name one address it listens on")
     listener.listen(128)
     return listener

@@ -19,7 +19,7 @@ from kvseal.errors import ConfigError
 from kvseal.kvcache.manager import KVCacheManager
 from kvseal.models.loader import plan_config
 from kvseal.parallel.driver import RankOptions, RankPlacement, TensorParallelDriver
-from kvseal.parallel.group import RankFailure
+from kvseal.parallel.group import RankFailure, listen_for_ranks
 from kvseal.parallel.tp_key import write_tp_key
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
@@ -82,8 +82,9 @@ def test_node_flags_are_checked() -> None:
         LLM(None, tensor_parallel_size=2, nnodes=2)
     with pytest.raises(ConfigError, match="divides"):
         LLM(None, tensor_parallel_size=3, nnodes=2, master_port=1234)
-    with pytest.raises(ConfigError, match="wildcard"):
-        LLM(None, tensor_parallel_size=2, master_addr="0.0.0.0")
+    for wildcard in ("0.0.0.0", "::", "*", "0", "0.0", "0x0", "000.000.000.000", "::0"):  # every spelling binds *
+        with pytest.raises(ConfigError, match="wildcard"):
+            LLM(None, tensor_parallel_size=2, master_addr=wildcard)
     with pytest.raises(ConfigError, match="tp-node"):
         LLM(None, tensor_parallel_size=2, nnodes=2, node_rank=1, master_port=1234, tp_key_file="unused")
     with pytest.raises(ConfigError, match="--tp-key-file"):
@@ -153,3 +154,11 @@ def test_a_tp_node_of_a_pd_role_sizes_its_pool_as_node_0_does(model: Path, tp_ke
 
     assert node_1_pages("--pd-role") == pages
     assert node_1_pages() > pages
+
+
+def test_rank_0_never_listens_on_the_any_address_whatever_names_it() -> None:
+    """Past the flag check (a host name that stands for the any-address), the bound socket itself is checked."""
+    with pytest.raises(RankFailure, match="any-address"):
+        listen_for_ranks("0", 0)
+    listener = listen_for_ranks("127.0.0.1", 0)
+    listener.close()
