@@ -25,7 +25,10 @@ worker busy.
 
 Cache (I5): keyed by tenant first, like the prefix cache's namespace: a hit can only come
 from the same tenant's earlier request, so its speed tells no tenant what another one sent.
-xgrammar's own compiler cache, which would be shared by all tenants, is switched off.
+xgrammar's own compiler cache, which would be shared by all tenants, is switched off. The
+cache holds `CACHE_ENTRIES` grammars in all; past that, the least recently used grammar of the
+tenant holding the most goes, so a tenant sending many distinct grammars evicts its own first
+and never costs another tenant, holding fewer, a recompile of its grammars.
 """
 
 from __future__ import annotations
@@ -58,7 +61,7 @@ from kvseal.types import StructuredOutput
 
 logger = logging.getLogger("kvseal.structured")
 
-CACHE_ENTRIES = 256  # compiled grammars kept, over all tenants (least recently used evicted)
+CACHE_ENTRIES = 256  # compiled grammars kept, over all tenants (evicted from the one holding the most)
 WORKER_START_S = 120.0  # importing xgrammar (and torch) on a loaded host
 CANCEL_CHECK_S = 0.02  # how often a slot waiting on its worker looks for cancellation (and its CPU time)
 # A compile waits at most this many times its CPU budget, however starved its worker: at nice 10
@@ -156,7 +159,8 @@ class _PoolCore:
         self._setup: WorkerSetupMsg | None = None
         self._info_lock = threading.Lock()
         self._lock = threading.Lock()
-        self._cache: OrderedDict[CacheKey, CompileJob] = OrderedDict()
+        self._cache: dict[str, OrderedDict[CacheKey, CompileJob]] = {}  # per tenant, least recently used first
+        self._num_cached = 0
         self._slots: list[_Slot] = []
         self._num_running = 0
         self._num_timeouts = 0
@@ -165,14 +169,17 @@ class _PoolCore:
     def compile(self, tenant: str, spec: StructuredOutput) -> GrammarTicket:
         key = (tenant, spec.kind, spec.schema)
         with self._lock:
-            job = self._cache.get(key)
+            cached = self._cache.setdefault(tenant, OrderedDict())
+            job = cached.get(key)
             if job is not None and job.error is None and not job.is_abandoned:
                 job.num_waiters += 1
-                self._cache.move_to_end(key)
+                cached.move_to_end(key)
                 return GrammarTicket(self, job)
-            job = self._cache[key] = CompileJob(tenant, spec)
-            while len(self._cache) > CACHE_ENTRIES:
-                self._cache.popitem(last=False)
+            self._num_cached += key not in cached
+            job = cached[key] = CompileJob(tenant, spec)
+            cached.move_to_end(key)
+            while self._num_cached > CACHE_ENTRIES:
+                self._evict_one(tenant)
             self.num_compiles += 1
             self._start_slots()
         if not self.queue.put(job):  # closed: nothing will compile it
@@ -254,10 +261,24 @@ class _PoolCore:
         for slot in self._slots:
             slot.start()
 
+    def _evict_one(self, adding: str) -> None:
+        """Under the lock: drop the least recently used grammar of the tenant holding the most
+        (of `adding`, the tenant whose grammar is being added, among those holding as many)."""
+        tenant = max(self._cache, key=lambda name: (len(self._cache[name]), name == adding))
+        self._cache[tenant].popitem(last=False)
+        self._drop_one(tenant)
+
     def _forget(self, job: CompileJob) -> None:
         key = (job.tenant, job.spec.kind, job.spec.schema)
-        if self._cache.get(key) is job:
-            del self._cache[key]
+        cached = self._cache.get(job.tenant)
+        if cached is not None and cached.get(key) is job:
+            del cached[key]
+            self._drop_one(job.tenant)
+
+    def _drop_one(self, tenant: str) -> None:
+        self._num_cached -= 1
+        if not self._cache[tenant]:
+            del self._cache[tenant]
 
 
 class _Slot:

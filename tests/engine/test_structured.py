@@ -16,6 +16,7 @@ from char_model import END_THINK, THINK, make_char_model
 from kvseal import LLM, GuidedDecodingParams, SamplingParams, StructuredOutputsParams
 from kvseal.config import EngineArgs, GrammarConfig
 from kvseal.errors import ConfigError, InvalidParameter
+from kvseal.structured import compiler
 from kvseal.structured.compiler import GrammarCompilerPool
 from kvseal.structured.schema import (
     MAX_CHOICES,
@@ -175,6 +176,30 @@ def test_grammar_cache_is_per_tenant(char_llm: LLM) -> None:
     assert pool.compile_now("alice", spec) is first and pool.num_compiles == 1, "same tenant: a hit"
     assert pool.compile_now("bob", spec) is not first and pool.num_compiles == 2, "another tenant: a miss"
     pool.close()
+
+
+def test_a_tenant_sending_many_grammars_evicts_its_own_not_another_tenants(
+        char_llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cache is shared by size, not by order: past its size the tenant holding the most
+    loses its least recently used grammar, so alice's flood of distinct grammars never costs
+    bob (holding one) a recompile, and her own oldest goes."""
+    monkeypatch.setattr(compiler, "CACHE_ENTRIES", 4)
+    pool = GrammarCompilerPool(char_llm.get_tokenizer(), 128, (1,), GrammarConfig(num_workers=1))
+    try:
+        def titled(title: str) -> StructuredOutput:
+            return StructuredOutput("json_schema", json.dumps(SCHEMA | {"title": title}))
+
+        bobs = pool.compile_now("bob", titled("bob"))
+        for i in range(6):
+            pool.compile_now("alice", titled(f"alice-{i}"))
+        assert pool.num_compiles == 7
+        assert pool.compile_now("bob", titled("bob")) is bobs and pool.num_compiles == 7, "bob's stayed"
+        pool.compile_now("alice", titled("alice-5"))
+        assert pool.num_compiles == 7, "alice's most recent stayed"
+        pool.compile_now("alice", titled("alice-0"))
+        assert pool.num_compiles == 8, "alice's oldest went"
+    finally:
+        pool.close()
 
 
 def test_structured_params_round_trip_through_messages(tmp_path: Path) -> None:
