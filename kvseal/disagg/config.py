@@ -18,6 +18,7 @@ DEFAULT_RESERVATION_TIMEOUT_S = 30.0
 # noticed within a second whatever this is, so it only bounds a connection left open with nobody
 # behind it, and must exceed the longest stall of a healthy frontend's event loop.
 DEFAULT_FRONTEND_TIMEOUT_S = 30.0
+MIN_FRONTEND_TIMEOUT_S = 2.0  # four heartbeats
 DEFAULT_DRAIN_S = 5.0  # nixl: see NodeConfig.transfer_drain_s
 # tcp: KV frames on the ZMQ link (tcp.py); tcp-stream: KV on a plain TCP stream of its own,
 # received straight into decode's pages (stream.py); nixl: NIXL one-sided WRITEs over UCX (nixl.py)
@@ -68,8 +69,10 @@ class NodeConfig:
             raise ConfigError(f"transfer_drain_s must be >= 0, got {self.transfer_drain_s}")
         if self.reservation_timeout_s <= 0:
             raise ConfigError(f"--reservation-timeout-s must be > 0, got {self.reservation_timeout_s}")
-        if self.frontend_timeout_s <= 0:
-            raise ConfigError(f"--frontend-timeout-s must be > 0, got {self.frontend_timeout_s}")
+        if not self.frontend_timeout_s >= MIN_FRONTEND_TIMEOUT_S:
+            raise ConfigError(f"--frontend-timeout-s must be >= {MIN_FRONTEND_TIMEOUT_S:g} (a frontend says hello "
+                              f"every 0.5 s; below a few of those a healthy one would be ended), got "
+                              f"{self.frontend_timeout_s}")
         if self.role == "prefill" and self.link_keys.peers:
             raise ConfigError("--peer-keys applies to --role decode only: a prefill engine takes messages from "
                               "frontends only (give the prefill engines' public keys to the decode engines)")

@@ -358,6 +358,7 @@ class DecodeSteps:
         under the table's rule) and its running requests. Each end is still reported to it."""
         compiling = self._compiling.cancel_matching(lambda asked: asked.frontend == frontend)
         for _, asked in compiling:
+            self.counters.failures["aborted"] += 1  # as `_abort` counts a compiling one
             self._report_unreserved(asked, reason)
         reservations = self.table.of_frontend(frontend)
         for reservation in reservations:

@@ -9,9 +9,10 @@ to whoever must accept NAME), `NAME.key_secret` the public and the secret key (m
 NAME's own process reads it). `kvseal keys generate --dir DIR NAME...` writes both. A key's
 name is its file name without the suffix; engines log and count by it.
 
-Every key file read, and the folder it is in, must be writable by its owner only, and owned by
-this user or root (as OpenSSH requires of authorized_keys): whoever can write an allow-list can
-add their own key to it and become a frontend or a peer at the next restart.
+Every key file read, and the folder it is in (a link's target and its folder too), must be
+writable by its owner only, and owned by this user or root (as OpenSSH requires of
+authorized_keys): whoever can write an allow-list can add their own key to it and become a
+frontend or a peer at the next restart.
 
 Public keys are not secrets: the frontend logs the engines' keys it uses. A secret key never
 leaves its file, or, for `kvseal serve --pd`, the memory of the frontend and the engine it
@@ -179,8 +180,9 @@ def load_public_key_list(spec: str, flag: str) -> tuple[PublicKey, ...]:
 def _load_certificate(path: Path, flag: str) -> tuple[bytes, bytes | None]:
     if not path.is_file():
         raise ConfigError(f"{flag}: no key file at {path}; {KEYS_HINT}")
-    for checked in (path, path.absolute().parent):
-        _refuse_unsafe(checked, f"{flag}: {path}" if checked == path else f"{flag}: the folder of {path},")
+    real = path.resolve()  # a link's target is what is read: its folder is the one that must be safe
+    for checked in dict.fromkeys((path, path.absolute().parent, real, real.parent)):
+        _refuse_unsafe(checked, f"{flag}: {path}" if checked in (path, real) else f"{flag}: the folder of {path},")
     try:
         public, secret = zmq.auth.load_certificate(path)
     except (OSError, ValueError) as exc:

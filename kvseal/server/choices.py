@@ -75,8 +75,11 @@ class ChoiceGroup:
         if not self._latest:
             return None
         latest = [self._latest.get(i) for i in range(self.num_choices)]
-        return self._summed([o for o in latest if o is not None], list(self._latest.values())[-1],
-                            [o for o in latest[::self._per_prompt] if o is not None])
+        per_prompt = [latest[start:start + self._per_prompt] for start in range(0, self.num_choices, self._per_prompt)]
+        firsts = [next(o for o in choices if o is not None) for choices in per_prompt if any(choices)]
+        summed = self._summed([o for o in latest if o is not None], list(self._latest.values())[-1], firsts)
+        # every prompt was submitted, whichever of its choices has output yet
+        return msgspec.structs.replace(summed, num_prompt_tokens=sum(self.num_prompt_tokens[::self._per_prompt]))
 
     def _on_output(self, index: int, out: RequestOutputMsg) -> None:
         self._latest[index] = out

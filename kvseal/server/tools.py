@@ -252,9 +252,12 @@ def _python_calls(body: str) -> list[ParsedToolCall]:
             return []  # a positional argument, **kwargs, a method: not this format
         try:
             arguments = {k.arg: ast.literal_eval(k.value) for k in node.keywords}
-            calls.append(ParsedToolCall(node.func.id, json.dumps(arguments, ensure_ascii=False)))
+            text = _arguments_json(arguments)
         except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
             return []  # a value that is not a literal, or not one JSON has (a set, bytes)
+        if text is None:
+            return []
+        calls.append(ParsedToolCall(node.func.id, text))
     return calls
 
 
@@ -309,8 +312,21 @@ def _call_of(value: Any, argument_keys: tuple[str, ...], call_id: str | None = N
     arguments = next((value[key] for key in argument_keys if key in value), None)
     if not isinstance(arguments, dict):
         return None
-    call = ParsedToolCall(value["name"], json.dumps(arguments, ensure_ascii=False))
+    text = _arguments_json(arguments)
+    if text is None:
+        return None
+    call = ParsedToolCall(value["name"], text)
     return call if call_id is None else dataclasses.replace(call, id=call_id)
+
+
+def _arguments_json(arguments: dict[Any, Any]) -> str | None:
+    """A call's arguments as strict JSON text; None for arguments no client could read back:
+    NaN or Infinity (Python's JSON reads them, strict JSON has none), or nesting past the
+    encoder's depth."""
+    try:
+        return json.dumps(arguments, ensure_ascii=False, allow_nan=False)
+    except _NOT_JSON:
+        return None
 
 
 def _one_of(schemas: list[dict[str, Any]]) -> dict[str, Any]:

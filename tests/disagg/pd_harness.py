@@ -67,6 +67,8 @@ class TestFrontend:
     """A DEALER to one engine (proving `own`, expecting `server_key`); collects everything the
     engine sends back."""
 
+    __test__ = False  # a helper, not a test class, in the modules that import it
+
     def __init__(self, ctx: zmq.Context, address: str, own: KeyPair, server_key: bytes) -> None:
         self.socket = ctx.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.LINGER, 0)

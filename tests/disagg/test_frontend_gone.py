@@ -15,15 +15,16 @@ from typing import Any
 import httpx
 import pytest
 from marker_model import marker_prompt
-from pd_harness import PdPair, TestFrontend
+from pd_harness import PdKeys, PdPair, TestFrontend
 from pd_servers import KEYS, PdEngine, PdFrontend, assert_engines_clean, engine_integrity
 from processes import wait_for
 from test_handoff import args
 
 from kvseal import SamplingParams
-from kvseal.disagg.config import DEFAULT_FRONTEND_TIMEOUT_S
+from kvseal.disagg.config import DEFAULT_FRONTEND_TIMEOUT_S, MIN_FRONTEND_TIMEOUT_S, NodeConfig
 from kvseal.disagg.msgs import HelloMsg, ReservedMsg, ReserveMsg
 from kvseal.disagg.role import FRONTEND_GONE
+from kvseal.errors import ConfigError
 from kvseal.messages.convert import params_to_msg
 from kvseal.messages.msgs import OutputsMsg
 from kvseal.models.loader import load_model
@@ -35,10 +36,10 @@ FOUND_WITHIN_S = 10.0  # well under the default --frontend-timeout-s (30 s): a c
 
 @pytest.fixture
 def pair(llama_dir: Path, request: pytest.FixtureRequest) -> Iterator[PdPair]:
-    """Engines whose --frontend-timeout-s is the test's parameter (0.5 s unless it has one)."""
+    """Engines whose --frontend-timeout-s is the test's parameter (the least it may be unless it has one)."""
     loaded = load_model(str(llama_dir), args(llama_dir).torch_dtype)
     pd = PdPair(args(llama_dir), args(llama_dir), loaded=loaded, reservation_timeout_s=120,
-                frontend_timeout_s=getattr(request, "param", 0.5))
+                frontend_timeout_s=getattr(request, "param", MIN_FRONTEND_TIMEOUT_S))
     yield pd
     pd.close()
 
@@ -95,7 +96,7 @@ def test_a_silent_frontend_is_ended_after_the_timeout_and_served_again_when_it_s
     table = pair.decode.steps.table
     pump_for(pair, lambda: table.by_request("r-stalled") is None, "release of the silent frontend's reservation",
              FOUND_WITHIN_S)
-    time.sleep(1.0)
+    time.sleep(MIN_FRONTEND_TIMEOUT_S + 0.5)
     pair.pump(lambda: True, "another turn")
     assert table.by_request(kept.request_id) is not None, "a frontend that said no hello was timed out"
     stalled.collect()
@@ -146,3 +147,11 @@ def test_engines_end_the_requests_of_a_killed_frontend(marker_dir: Path, tmp_pat
         frontend.kill()
         prefill.terminate()
         decode.terminate()
+
+
+@pytest.mark.parametrize("timeout_s", [0.0, 0.5, 1.9, float("nan")])
+def test_a_frontend_timeout_a_healthy_frontend_could_miss_is_refused(timeout_s: float) -> None:
+    """Under four heartbeats (0.5 s each) a busy but healthy frontend would lose its requests."""
+    with pytest.raises(ConfigError, match="--frontend-timeout-s must be >= 2"):
+        NodeConfig(role="decode", listen="127.0.0.1:1", frontend_timeout_s=timeout_s,
+                   link_keys=PdKeys.ephemeral().of_decode())

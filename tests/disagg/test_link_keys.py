@@ -216,6 +216,24 @@ def test_a_group_writable_allow_list_is_refused_and_an_owner_only_one_loads(keys
     assert load_public_keys(str(path), "--frontend-keys")
 
 
+@pytest.mark.parametrize("spec", ["linked.key", "."])
+def test_a_key_file_linked_into_a_folder_others_may_write_is_refused(keys: Path, tmp_path: Path, spec: str) -> None:
+    """A link in a safe folder reads its target: the target's folder is the one that must be
+    safe, or another user could rename their own key over the target."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)
+    (shared / "frontend.key").write_bytes((keys / "frontend.key").read_bytes())
+    os.chmod(shared / "frontend.key", 0o644)
+    safe = tmp_path / "safe"
+    safe.mkdir(mode=0o700)
+    (safe / "linked.key").symlink_to(shared / "frontend.key")
+    with pytest.raises(UnsafeKeyFile, match=f"{shared} can be written"):
+        load_public_keys(str(safe / spec), "--frontend-keys")
+    os.chmod(shared, 0o755)
+    assert load_public_keys(str(safe / spec), "--frontend-keys")
+
+
 def test_a_frontend_refuses_engine_keys_other_users_may_write(keys: Path) -> None:
     os.chmod(keys / "decode.key", 0o646)
     with pytest.raises(UnsafeKeyFile, match="chmod go-w"):

@@ -227,9 +227,12 @@ def test_an_engine_lost_midway_through_a_submit_ends_the_choices_it_took(tmp_pat
         _close(state)
 
 
-def test_an_engine_lost_under_n_choices_counts_every_choices_tokens(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("with_output", "expected"), [([0, 1, 2], (12, 6, 2)), ([1, 2], (7, 5, 2))])
+def test_an_engine_lost_under_n_choices_counts_every_choices_tokens(tmp_path: Path, with_output: list[int],
+                                                                    expected: tuple[int, int, int]) -> None:
     """The audit record (and the usage counters and the tokens-per-minute charge that follow it)
-    of an `n` > 1 request the engine loses counts what every choice generated, not choice 0's."""
+    of an `n` > 1 request the engine loses counts what every choice generated, not choice 0's,
+    and its prompt whichever choices had output."""
     async def scenario() -> None:
         state = await _ready_state(tmp_path)
         try:
@@ -239,7 +242,7 @@ def test_an_engine_lost_under_n_choices_counts_every_choices_tokens(tmp_path: Pa
             call.http_done()
             params = params_to_msg(SamplingParams(max_tokens=40, n=3))
             group = call.submit([AddRequestMsg("r-n3", ALICE.name, [5, 6], params)])
-            for index, num_tokens in enumerate([5, 4, 3]):
+            for index, num_tokens in [(i, [5, 4, 3][i]) for i in with_output]:
                 out = msgspec.structs.replace(_output(f"r-n3-{index}", "alice", finished=False),
                                               num_output_tokens=num_tokens, num_pages_reserved=index + 1)
                 state.engine._receive(encode(OutputsMsg([out])))
@@ -247,7 +250,7 @@ def test_an_engine_lost_under_n_choices_counts_every_choices_tokens(tmp_path: Pa
             assert isinstance((await _events(group))[-1], EngineGone)
             record = _audit(tmp_path)["r-n3"]
             assert record["outcome"] == "error" and record["reason"] == "engine_unavailable"
-            assert (record["output_tokens"], record["pages_reserved"], record["prompt_tokens"]) == (12, 6, 2)
+            assert (record["output_tokens"], record["pages_reserved"], record["prompt_tokens"]) == expected
         finally:
             _close(state)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -393,3 +394,25 @@ def test_brackets_nested_past_the_parsers_depth_are_content(parser: Any) -> None
                  '<tool_call>{"name": "f", "arguments": {"a": ' + deep + "}}</tool_call>", f"[f(a={deep})]"):
         content, calls = parser.parse(text)
         assert (content, calls) == (text, []) or (isinstance(parser, HermesToolParser) and not calls)
+
+
+def test_arguments_nested_just_within_the_decoders_depth_are_content() -> None:
+    """Arguments the JSON decoder reads but the encoder, a few frames deeper, cannot write back
+    (a window of a few depths just under the recursion limit, wherever the stack stands): every
+    depth around the limit is content or a call, never an exception."""
+    for depth in range(sys.getrecursionlimit() - 200, sys.getrecursionlimit() + 50):
+        text = '{"name": "f", "parameters": ' + '{"a": ' * depth + "1" + "}" * (depth + 1)
+        content, calls = Llama3JsonToolParser().parse(text)
+        assert (content, calls) == (text, []) or calls
+
+
+@pytest.mark.parametrize(("parser", "text"), [
+    (MistralToolParser(), '[{"name": "f", "arguments": {"x": NaN}}]'),
+    (Llama3JsonToolParser(), '{"name": "f", "parameters": {"x": Infinity}}'),
+    (HermesToolParser(), '<tool_call>{"name": "f", "arguments": {"x": -Infinity}}</tool_call>'),
+    (PythonicToolParser(), "[f(x=1e999)]"),
+])
+def test_arguments_strict_json_has_no_number_for_are_content(parser: Any, text: str) -> None:
+    """Python's JSON reads NaN and Infinity; a client's strict JSON parser (JavaScript's) would
+    refuse the arguments, so the answer stays content."""
+    assert parser.parse(text)[1] == []
