@@ -150,10 +150,7 @@ class Llama3JsonToolParser:
         return None, calls
 
     def held_from(self, text: str) -> int:
-        start = text.lstrip()
-        if not start or start.startswith(("{", PYTHON_TAG)) or PYTHON_TAG.startswith(start):
-            return 0  # a call, or not known yet
-        return len(text)
+        return _held_while_calls_may_begin(text, "{", PYTHON_TAG)
 
     def forced_call(self, call_schemas: list[dict[str, Any]]) -> StructuredOutput:
         return StructuredOutput("json_schema", json.dumps(_one_of(call_schemas)))
@@ -181,10 +178,7 @@ class MistralToolParser:
         return (None, calls) if calls else (text, [])
 
     def held_from(self, text: str) -> int:
-        start = text.lstrip()
-        if not start or start.startswith(("[", MISTRAL_CALLS)) or MISTRAL_CALLS.startswith(start):
-            return 0  # a call list, or not known yet
-        return len(text)
+        return _held_while_calls_may_begin(text, "[", MISTRAL_CALLS)
 
     def forced_call(self, call_schemas: list[dict[str, Any]]) -> StructuredOutput:
         """A list of exactly one call (the `[TOOL_CALLS]` token before it is special: no grammar
@@ -207,15 +201,21 @@ class PythonicToolParser:
         return (None, calls) if calls else (text, [])
 
     def held_from(self, text: str) -> int:
-        start = text.lstrip()
-        if not start or start.startswith(("[", PYTHON_START)) or PYTHON_START.startswith(start):
-            return 0  # a call list, or not known yet
-        return len(text)
+        return _held_while_calls_may_begin(text, "[", PYTHON_START)
 
     def forced_call(self, call_schemas: list[dict[str, Any]]) -> StructuredOutput:
         """A JSON list of exactly one call: a Python call's arguments have no schema a grammar
         could hold them to, a JSON object's do."""
         return _list_of_one_call(call_schemas)
+
+
+def _held_while_calls_may_begin(text: str, opener: str, tag: str) -> int:
+    """`held_from` of a format whose calls are the whole answer: all of it is held while it may
+    still be calls (it begins with `opener` or `tag`, or is so far a beginning of `tag`)."""
+    start = text.lstrip()
+    if not start or start.startswith((opener, tag)) or tag.startswith(start):
+        return 0
+    return len(text)
 
 
 def _list_of_one_call(call_schemas: list[dict[str, Any]]) -> StructuredOutput:
