@@ -2,8 +2,11 @@
 
 The run fails on any foreign marker in a response (a leak), any oversized prompt answered
 2xx, any 5xx (or error event inside a stream), any request without a complete answer
-(transport error, truncated stream), and, where the server reports them, any isolation check
-it tripped or pages still owned after the run drained.
+(transport error, truncated stream), any normal request refused (4xx: an answer the run could
+not see is no evidence), a run in which no response repeated its own marker (it could not
+have seen a leak), the tenancy probes' findings (`probes.py`: a server answering a made-up
+key, a key served another key's cached prompt), and, where the server reports them, any
+isolation check it tripped or pages still owned after the run drained.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from kvseal.canary.markers import MarkerIndex
+from kvseal.canary.probes import probe_reasons, probe_summary
 from kvseal.canary.runner import Outcome, RequestResult
 
 MAX_LISTED = 50  # errors listed in the JSON report (all are counted)
@@ -60,6 +64,11 @@ class Findings:
         return [r for r in self.results if r.outcome is Outcome.SERVER_ERROR]
 
     @property
+    def refused(self) -> list[RequestResult]:
+        """Normal (not oversized) requests answered 4xx: answers the run could not see."""
+        return [r for r in self.results if r.outcome is Outcome.REJECTED and not r.request.is_oversized]
+
+    @property
     def unanswered(self) -> list[RequestResult]:
         return [r for r in self.results if r.outcome in (Outcome.TRANSPORT_ERROR, Outcome.INCOMPLETE)]
 
@@ -86,9 +95,10 @@ def analyse(results: list[RequestResult]) -> Findings:
     return findings
 
 
-def verdict(findings: Findings, evidence: dict[str, Any]) -> list[str]:
+def verdict(findings: Findings, evidence: dict[str, Any], tenancy: dict[str, Any]) -> list[str]:
     """Reasons the run failed; empty means it passed."""
-    reasons = []
+    reasons = [tenancy["open_door"]] if tenancy["open_door"] else []
+    reasons += probe_reasons(tenancy["prefix_probe"])
     if findings.leaks:
         tenants = sorted({(leak.foreign_tenant, leak.tenant) for leak in findings.leaks})
         reasons.append(f"{len(findings.leaks)} foreign markers in responses (from -> to: "
@@ -100,6 +110,14 @@ def verdict(findings: Findings, evidence: dict[str, Any]) -> list[str]:
     if findings.unanswered:
         reasons.append(f"{len(findings.unanswered)} requests without a complete answer (transport error or "
                        f"truncated stream)")
+    if findings.refused:
+        codes = Counter((r.error or f"HTTP {r.status}").split(":")[0] for r in findings.refused)
+        reasons.append(f"{len(findings.refused)} normal requests refused 4xx "
+                       f"({', '.join(f'{code} x{n}' for code, n in codes.most_common(4))}): answers the run could "
+                       f"not see (check the keys file and the tenants' limits)")
+    if findings.outcomes["ok"] and not findings.num_own_echoes:
+        reasons.append(f"none of the {findings.outcomes['ok']} completed responses repeated its own marker: this "
+                       f"run could not have seen a leak (raise --max-tokens)")
     reasons += _evidence_reasons(evidence)
     return reasons
 
@@ -118,17 +136,21 @@ def _evidence_reasons(evidence: dict[str, Any]) -> list[str]:
     return reasons
 
 
-def build_report(findings: Findings, evidence: dict[str, Any], run: dict[str, Any]) -> dict[str, Any]:
-    reasons = verdict(findings, evidence)
+def build_report(findings: Findings, evidence: dict[str, Any], run: dict[str, Any],
+                 tenancy: dict[str, Any]) -> dict[str, Any]:
+    reasons = verdict(findings, evidence, tenancy)
     return {
         "verdict": {"passed": not reasons, "reasons": reasons},
         "run": run,
+        "tenancy": tenancy,
         "requests_by_outcome": dict(sorted(findings.outcomes.items())),
         "oversized_prompts": findings.oversized,
         "own_marker_echoes": {"responses": findings.num_own_echoes, "of_completed": findings.outcomes["ok"]},
         "leaks": [leak.as_dict() for leak in findings.leaks],
         "same_tenant_crossings": [leak.as_dict() for leak in findings.same_tenant_crossings],
+        "num_server_errors": len(findings.server_errors),
         "server_errors": [_error_row(r) for r in findings.server_errors[:MAX_LISTED]],
+        "refused": [_error_row(r) for r in findings.refused[:MAX_LISTED]],
         "unanswered": [_error_row(r) for r in findings.unanswered[:MAX_LISTED]],
         "server_evidence": evidence,
     }
@@ -152,7 +174,9 @@ def summary_table(report: dict[str, Any]) -> str:
                  f"{over['4xx']} / {over['2xx']} / {over['5xx']} / {over['other']}"))
     echo = report["own_marker_echoes"]
     rows.append(("completed responses repeating their own marker", f"{echo['responses']} of {echo['of_completed']}"))
-    rows.append(("5xx or stream errors", str(len(report["server_errors"]))))
+    rows.append(("5xx or stream errors", str(report["num_server_errors"])))
+    rows.append(("tenancy: a made-up key", report["tenancy"]["open_door"] or "refused"))
+    rows.append(("tenancy: prefix probe", probe_summary(report["tenancy"]["prefix_probe"])))
     rows.append(("foreign markers (leaks)", str(len(report["leaks"]))))
     rows += [(f"  {lk['request_id']} ({lk['tenant']}, server id {lk['server_request_id']})",
               f"holds {lk['foreign_request_id']}'s marker ({lk['foreign_tenant']}): {lk['matched']}")

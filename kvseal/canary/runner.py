@@ -98,7 +98,7 @@ async def _unary(client: httpx.AsyncClient, req: PlannedRequest, body: dict[str,
     resp = await client.post(req.endpoint.path, json=body, headers=headers)
     server_id = resp.headers.get(REQUEST_ID_HEADER)
     if resp.status_code >= 300:
-        return _status_outcome(resp.status_code), resp.status_code, "", server_id, _error_text(resp.text)
+        return _status_outcome(resp.status_code), resp.status_code, "", server_id, error_text(resp.text)
     try:
         payload = resp.json()
         text = "".join(_choice_text(c, req.endpoint) for c in payload.get("choices", []))
@@ -113,7 +113,7 @@ async def _stream(client: httpx.AsyncClient, req: PlannedRequest, body: dict[str
         server_id = resp.headers.get(REQUEST_ID_HEADER)
         if resp.status_code >= 300:
             raw = (await resp.aread()).decode(errors="replace")
-            return _status_outcome(resp.status_code), resp.status_code, "", server_id, _error_text(raw)
+            return _status_outcome(resp.status_code), resp.status_code, "", server_id, error_text(raw)
         pieces: list[str] = []
         num_chunks = 0
         async for line in resp.aiter_lines():
@@ -128,7 +128,7 @@ async def _stream(client: httpx.AsyncClient, req: PlannedRequest, body: dict[str
                 bad = f"unparseable event: {data[:200]}"
                 return Outcome.INCOMPLETE, resp.status_code, "".join(pieces), server_id, bad
             if "error" in event:
-                return Outcome.SERVER_ERROR, resp.status_code, "".join(pieces), server_id, _error_text(data)
+                return Outcome.SERVER_ERROR, resp.status_code, "".join(pieces), server_id, error_text(data)
             server_id = server_id or event.get("id")
             piece = "".join(_choice_text(c, req.endpoint) for c in event.get("choices", []))
             pieces.append(piece)
@@ -149,7 +149,7 @@ def _status_outcome(status: int) -> Outcome:
     return Outcome.SERVER_ERROR if status >= 500 else Outcome.REJECTED
 
 
-def _error_text(raw: str) -> str:
+def error_text(raw: str) -> str:
     """`code: message` from an OpenAI-format error body, else the raw text (shortened)."""
     try:
         err = json.loads(raw)["error"]

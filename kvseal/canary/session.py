@@ -1,4 +1,5 @@
-"""One canary run end to end: discover the target, plan, run, collect evidence, judge."""
+"""One canary run end to end: discover the target, plan, probe the tenancy, run, collect
+evidence, judge."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from tqdm import tqdm
 from kvseal.canary.config import CanaryConfig
 from kvseal.canary.evidence import evidence, scrape, scrape_after_drain
 from kvseal.canary.plan import build_plan
+from kvseal.canary.probes import open_door, prefix_probe
 from kvseal.canary.report import analyse, build_report
 from kvseal.canary.runner import RequestResult, Target, run_plan
 from kvseal.errors import ConfigError
@@ -52,6 +54,7 @@ def run_canary(config: CanaryConfig, show_progress: bool | None = None) -> dict[
     model, max_context = discover(config)
     plan = build_plan(config, max_context)
     target = Target(config.root_url, model, config.keys, config.timeout_s)
+    tenancy = {"open_door": open_door(target), "prefix_probe": prefix_probe(target, max_context)}
     before = scrape(config.root_url, config.admin_key)
     started_at = datetime.datetime.now(datetime.UTC)
     started = time.monotonic()
@@ -68,4 +71,4 @@ def run_canary(config: CanaryConfig, show_progress: bool | None = None) -> dict[
            "oversized_fraction": config.oversized_fraction, "abort_fraction": config.abort_fraction,
            "max_tokens": config.max_tokens, "seed": config.seed,
            "started_at": started_at.isoformat(timespec="seconds"), "duration_s": round(duration_s, 1)}
-    return build_report(analyse(results), evidence(before, after), run)
+    return build_report(analyse(results), evidence(before, after), run, tenancy)

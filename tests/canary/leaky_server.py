@@ -4,7 +4,10 @@ Every `leak_every`-th generation request is answered with another tenant's earli
 lower-cased and with its dashes turned into spaces (a re-tokenized form), and streamed three
 characters per chunk (so the marker is split across chunks). Every other request is answered
 with its own prompt. It keeps the ground truth: which response (by its x-request-id) carried
-which other tenant's prompt. Oversized prompts (more words than MAX_MODEL_LEN) get a 400.
+which other tenant's prompt. Oversized prompts (more words than MAX_MODEL_LEN) get a 400, a key
+it was not given a 401 (unless it is built without keys: then it has no tenants). The canary's
+prefix probe (one token each, before the run) is answered plainly and neither leaks nor is
+leaked: the leaks to catch are the marker run's.
 """
 
 from __future__ import annotations
@@ -34,9 +37,17 @@ class LeakLog:
     last_prompt_by_key: dict[str, str] = field(default_factory=dict)
 
 
-def build_app(leak_every: int, log: LeakLog) -> FastAPI:
+def build_app(leak_every: int, log: LeakLog, keys: list[str] | None) -> FastAPI:
     app = FastAPI()
     counter = itertools.count(1)
+
+    @app.middleware("http")
+    async def tenants_only(request: Request, call_next: Any) -> Response:
+        key = request.headers.get("authorization", "").removeprefix("Bearer ")
+        if keys is not None and request.url.path.startswith("/v1/") and key not in keys:
+            return JSONResponse({"error": {"message": "unknown key", "type": "invalid_request_error",
+                                           "code": "invalid_api_key", "param": None}}, status_code=401)
+        return await call_next(request)
 
     @app.get("/v1/models")
     async def models() -> Response:
@@ -50,6 +61,9 @@ def build_app(leak_every: int, log: LeakLog) -> FastAPI:
         if len(prompt.split()) > MAX_MODEL_LEN:
             return JSONResponse({"error": {"message": "too long", "type": "invalid_request_error",
                                            "code": "context_length_exceeded", "param": None}}, status_code=400)
+        if body.get("max_tokens") == 1:  # the canary's prefix probe
+            return JSONResponse({"id": "probe", "object": "x", "model": MODEL,
+                                 "choices": [{"index": 0, "finish_reason": "length", "text": "x"}]})
         n = next(counter)
         server_id = f"leaky-{n}"
         text = _answer(n, leak_every, key, prompt, server_id, log)
@@ -93,10 +107,12 @@ def _events(text: str, server_id: str, is_chat: bool) -> Iterator[bytes]:
 class LeakyServer:
     """Runs the app with uvicorn on 127.0.0.1 in a thread of the test process."""
 
-    def __init__(self, port: int, leak_every: int) -> None:
+    def __init__(self, port: int, leak_every: int, keys: list[str] | None) -> None:
+        """`keys` None: any key is taken (a server without tenants)."""
         self.log = LeakLog()
         self.port = port
-        config = uvicorn.Config(build_app(leak_every, self.log), host="127.0.0.1", port=port, log_level="warning")
+        config = uvicorn.Config(build_app(leak_every, self.log, keys), host="127.0.0.1", port=port,
+                                log_level="warning")
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, daemon=True)
 

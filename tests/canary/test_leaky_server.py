@@ -1,5 +1,6 @@
 """Negative control (a): a server that hands one tenant another tenant's prompt is caught,
-with the right request ids and both tenants; the same server without leaks passes."""
+with the right request ids and both tenants; the same server without leaks passes, unless it
+has no tenants (it takes any key) or refuses some of the canary's requests."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ FLAGS = ["--requests", "60", "--concurrency", "4", "--seed", "3"]
 
 
 def test_leaky_server_is_caught(run_canary: Callable[..., tuple[int, dict[str, Any]]]) -> None:
-    with LeakyServer(free_port(), leak_every=7) as server:
+    with LeakyServer(free_port(), leak_every=7, keys=KEYS) as server:
         # No planned aborts here: a stream dropped before the leaked marker arrives would hide it.
         status, report = run_canary(f"{server.url}/v1", KEYS, *FLAGS, "--abort-fraction", "0")
         truth = dict(server.log.leaks)
@@ -35,7 +36,7 @@ def test_leaky_server_is_caught(run_canary: Callable[..., tuple[int, dict[str, A
 
 def test_same_server_without_leaks_passes(run_canary: Callable[..., tuple[int, dict[str, Any]]]) -> None:
     """A server that is not kvseal: no evidence (reported as unavailable, not a failure)."""
-    with LeakyServer(free_port(), leak_every=0) as server:
+    with LeakyServer(free_port(), leak_every=0, keys=KEYS) as server:
         status, report = run_canary(server.url, KEYS, *FLAGS)
     assert status == 0, report["verdict"]
     assert report["leaks"] == []
@@ -43,3 +44,23 @@ def test_same_server_without_leaks_passes(run_canary: Callable[..., tuple[int, d
     assert report["requests_by_outcome"] == {"aborted": 3, "ok": 54, "rejected": 3}
     assert report["server_evidence"] == {"available": False, "reason": "GET /metrics answered 404"}
     assert report["run"]["model"] == "leaky-model" and report["run"]["max_context"] == 2048
+
+
+def test_a_server_without_tenants_fails_the_run(run_canary: Callable[..., tuple[int, dict[str, Any]]]) -> None:
+    """It answers a key it was never given: the keys are not tenants, and zero leaks proves nothing."""
+    with LeakyServer(free_port(), leak_every=0, keys=None) as server:
+        status, report = run_canary(server.url, KEYS, *FLAGS)
+    assert status == 1 and report["leaks"] == []
+    assert report["tenancy"]["open_door"] and "never given" in report["tenancy"]["open_door"]
+    assert report["verdict"]["reasons"] == [report["tenancy"]["open_door"]]
+
+
+def test_normal_requests_refused_fail_the_run(run_canary: Callable[..., tuple[int, dict[str, Any]]]) -> None:
+    """A key the server does not know: its requests are 401, answers the run never saw."""
+    with LeakyServer(free_port(), leak_every=0, keys=KEYS[:3]) as server:
+        status, report = run_canary(server.url, KEYS, *FLAGS)
+    assert status == 1 and report["refused"]
+    assert {row["tenant"] for row in report["refused"]} == {"tenant-3"}
+    reasons = report["verdict"]["reasons"]
+    assert any("normal requests refused 4xx (invalid_api_key" in reason for reason in reasons), reasons
+    assert any("prefix probe's requests were refused" in reason and "key 3: 401" in reason for reason in reasons)
