@@ -2,8 +2,9 @@
 another tenant's text, which says nothing if the keys are not distinct tenants, and cannot see
 one tenant being served another's cached prompt (the same prompt gives the same answer).
 
-- The open door: a key the canary made up must be refused. A server that answers it has no
-  tenants (kvseal without `--api-keys`): there is nothing to isolate, and the run fails.
+- The open door: a key the canary made up must be refused (a one-token completion sent with it).
+  A server that answers it has no tenants (kvseal without `--api-keys`): there is nothing to
+  isolate, and the run fails.
 - The prefix probe (I5): for each of the first few pairs of keys, key A sends a prompt no other
   request has, twice, then key B sends it. A's repeat shows the cache at work (its
   `usage.prompt_tokens_details.cached_tokens`); B must get none of it. B served A's cached
@@ -30,9 +31,10 @@ def open_door(target: Target) -> str | None:
     """Why the run cannot be evidence when the server answers a key it was never given; None
     when it refuses it."""
     made_up = f"kvseal-canary-{secrets.token_hex(16)}"
-    try:
-        resp = httpx.get(f"{target.root_url}/v1/models", headers={"authorization": f"Bearer {made_up}"},
-                         timeout=target.timeout_s)
+    body = {"model": target.model, "prompt": "Hello", "max_tokens": 1, "temperature": 0}
+    try:  # a generation, not /v1/models, which a gateway may leave open while it guards the rest
+        resp = httpx.post(f"{target.root_url}/v1/completions", json=body,
+                          headers={"authorization": f"Bearer {made_up}"}, timeout=target.timeout_s)
     except httpx.HTTPError:
         return None  # the run itself will say the server cannot be reached
     if resp.status_code == 200:
