@@ -160,25 +160,26 @@ def test_engine_death_fails_requests_and_health(start_server: Callable[..., Serv
 def test_sigterm_to_the_whole_process_group_drains_too(start_server: Callable[..., ServerProcess]) -> None:
     """systemd's KillMode=control-group, `kill -TERM -PGID`, `tini -g`: the engine gets SIGTERM
     too, ignores it, and the frontend drains as usual; meanwhile new connections get 503."""
-    # The engine is held (SIGSTOP) from the first event until the probe got its 503, so the drain
-    # cannot end before the probe asks, however loaded the host (sizing the response for that
-    # failed under load once). A stopped process keeps the group's SIGTERM pending; it meets the
-    # engine's handler when the engine goes on.
+    # The engine is held (SIGSTOP) from before the request until the probe got its 503, so the
+    # request is in flight when the drain begins and the drain cannot end before the probe asks,
+    # however loaded or idle the host (sizing the response failed under load once, and on an idle
+    # host the tiny model ran all of it before a stop sent at its first event). The stream's
+    # headers come once the request is submitted. A stopped process keeps the group's SIGTERM
+    # pending; it meets the engine's handler when the engine goes on.
     group_server = start_server("--shutdown-grace-s", "120", own_process_group=True)
     assert group_server.proc is not None
     engine_pid = group_server.engine_pid
-    with (httpx.Client(timeout=30, headers={"Connection": "close"}) as probes,
-          httpx.stream("POST", f"{group_server.base_url}/completions", json=BODY, timeout=60) as response):
-        lines = response.iter_lines()
-        next(lines)
-        os.kill(engine_pid, signal.SIGSTOP)
-        try:
+    os.kill(engine_pid, signal.SIGSTOP)
+    try:
+        with (httpx.Client(timeout=30, headers={"Connection": "close"}) as probes,
+              httpx.stream("POST", f"{group_server.base_url}/completions", json=BODY, timeout=60) as response):
             os.killpg(group_server.proc.pid, signal.SIGTERM)
             refused = wait_for(lambda: _status_while_draining(group_server, probes), "a 503 while draining")
-        finally:
             os.kill(engine_pid, signal.SIGCONT)
-        rest = list(lines)
-        request_id = response.headers["x-request-id"]
+            rest = list(response.iter_lines())
+            request_id = response.headers["x-request-id"]
+    finally:
+        os.kill(engine_pid, signal.SIGCONT)
     assert refused == 503
     assert rest[-2:] == ["data: [DONE]", ""]
     assert json.loads(rest[-4][6:])["choices"][0]["finish_reason"] == "length"
