@@ -263,16 +263,19 @@ class PrefillSteps:
         """End the jobs of a gone frontend, compiling or computing: decode is told to release
         each one's reservation, and the frontend (if it still listens) that the job failed."""
         compiling = self._compiling.cancel_matching(lambda item: item[0].frontend == frontend)
-        for _, (job, _, _) in compiling:
-            self._refuse(job, REQUEST_ABORTED, f"prefill did not complete the request: {reason}", None, 500)
-            self._report(job)
+        self._refuse_compiling(compiling, reason)
         computing = [rid for rid, job in self._jobs.items() if job.frontend == frontend]
         outputs = [out for out in (self.engine.abort(rid, reason) for rid in computing) if out is not None]
         self.on_outputs(outputs)
         return len(compiling) + len(outputs)
 
     def abort_all(self, reason: str) -> None:
-        for _, (job, _, _) in self._compiling.cancel_all():
+        self._refuse_compiling(self._compiling.cancel_all(), reason)
+        self.on_outputs(abort_every(self.engine, reason))
+
+    def _refuse_compiling(self, cancelled: list[tuple[str, tuple[Job, list[int], SamplingParams]]],
+                          reason: str) -> None:
+        """Each job whose grammar wait was cancelled fails, and decode is told to release it."""
+        for _, (job, _, _) in cancelled:
             self._refuse(job, REQUEST_ABORTED, f"prefill did not complete the request: {reason}", None, 500)
             self._report(job)
-        self.on_outputs(abort_every(self.engine, reason))

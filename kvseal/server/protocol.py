@@ -243,8 +243,8 @@ class ChatMessage(_Body):
     def as_template_input(self) -> dict[str, Any]:
         """The message as the chat template reads it. vLLM passes messages through to the
         template, so every field a template may use is here (`name`, `refusal`, the reasoning
-        under both its names), while
-        absent ones stay out; a turn without content (tool calls, a refusal) has "" as it."""
+        under both its names), while absent ones stay out; a turn without content (tool calls,
+        a refusal) has "" as it."""
         content = self.content if not isinstance(self.content, list) else "\n".join(p.text for p in self.content)
         # The model's template knows "system" (OpenAI's "developer" is the same instructions by a newer name)
         role = "system" if self.role == "developer" else self.role
