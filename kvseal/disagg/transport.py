@@ -297,6 +297,30 @@ def copy_pages(target: torch.Tensor, target_pages: list[int], source: torch.Tens
                            source_ptr + (head * num_source + source_pages[index]) * page_bytes, count * page_bytes)
 
 
+def zero_pages(target: torch.Tensor, pages: list[int]) -> None:
+    """target[:, pages] = 0, for a contiguous tensor [rows, num_pages, ...] of any dtype (rows: the
+    kv heads of one layer's K or V, or every layer's K and V heads at once, flattened).
+
+    One memset per row and run of consecutive pages (past `MAX_MEMMOVE_RUNS` runs, numpy's
+    indexed assignment instead), on this thread, for the reason `copy_pages` gives. Page ids are
+    checked before any byte is written."""
+    assert target.is_contiguous() and target.dim() >= 2
+    if not pages:
+        return
+    num_rows, num_pages = target.shape[0], target.shape[1]
+    if not (0 <= min(pages) and max(pages) < num_pages):
+        raise IndexError(f"page ids out of range: pages < {num_pages}")
+    runs = page_runs(pages)
+    if len(runs) > MAX_MEMMOVE_RUNS:
+        target.view(torch.uint8).numpy()[:, pages] = 0
+        return
+    page_bytes = target[0, 0].numel() * target.element_size()
+    target_ptr = target.data_ptr()
+    for _, first, count in runs:
+        for row in range(num_rows):
+            ctypes.memset(target_ptr + (row * num_pages + first) * page_bytes, 0, count * page_bytes)
+
+
 def _copy_scattered(target: torch.Tensor, target_pages: list[int], source: torch.Tensor,
                     source_pages: list[int]) -> None:
     """`copy_pages` for many runs (ids checked by the caller): numpy's indexed copies, one C loop,

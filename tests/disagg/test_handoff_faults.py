@@ -33,7 +33,16 @@ from kvseal.disagg.msgs import (
 from kvseal.disagg.nixl import ArenaPages, NixlSender, decode_address, part_sizes
 from kvseal.disagg.node import EngineNode
 from kvseal.disagg.tcp import TcpReceiver, TcpSender
-from kvseal.disagg.transport import CANCELLED, PushPlan, RecentlyEnded, RunsMemo, copy_pages, joint_runs
+from kvseal.disagg.transport import (
+    CANCELLED,
+    MAX_MEMMOVE_RUNS,
+    PushPlan,
+    RecentlyEnded,
+    RunsMemo,
+    copy_pages,
+    joint_runs,
+    zero_pages,
+)
 from kvseal.disagg.wire import PeerLinks
 from kvseal.errors import ConfigError
 from kvseal.kvcache.pool import KVPool
@@ -977,6 +986,23 @@ def test_copy_pages_checks_page_ids_before_moving_a_byte() -> None:
     with pytest.raises(IndexError):
         copy_pages(target, [0, 1], source, [-1, 1])
     assert torch.equal(target, before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.uint8])
+@pytest.mark.parametrize("pages", [[3, 4, 5, 6], [9, 0, 4, 5, 2], list(range(0, 2 * MAX_MEMMOVE_RUNS + 4, 2))])
+def test_zero_pages_zeroes_exactly_those_pages_of_every_row(dtype: torch.dtype, pages: list[int]) -> None:
+    """Consecutive, scattered, and more runs than it memsets one by one: torch's own indexed
+    assignment is the reference, and ids are checked before a byte is written."""
+    target = torch.randint(1, 100, (3, 2 * MAX_MEMMOVE_RUNS + 4, 4, 5)).to(dtype)
+    want = target.clone()
+    want[:, pages] = 0
+    zero_pages(target, pages)
+    assert torch.equal(target, want)
+    before = target.clone()
+    for bad in ([0, target.shape[1]], [-1, 1]):
+        with pytest.raises(IndexError):
+            zero_pages(target, bad)
+        assert torch.equal(target, before)
 
 
 @pytest.mark.parametrize(("num_layers", "num_parts"), [(30, 4), (24, 4), (5, 4), (2, 4), (1, 4), (32, 5), (7, 1)])
