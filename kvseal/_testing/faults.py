@@ -82,6 +82,16 @@ class Fault(enum.Enum):
     # so a test can show that one tenant's use then gets another tenant 429s.
     SHARED_RATE_LIMITS = "shared_rate_limits"
 
+    # Decode's NIXL receiver zeroes only the tags of the arena pages it hands to a transfer, never
+    # their KV, and gives them back as they are (the world before arena zeroing), so a test can
+    # show that a short WRITE then hands a transfer the KV an earlier transfer (another tenant's)
+    # left in its arena pages, and that released arena pages keep a tenant's KV readable.
+    SKIP_ARENA_ZEROING = "skip_arena_zeroing"
+    # Prefill's NIXL WRITE leaves out the V of layer 0 (a dropped descriptor, a sender bug) while
+    # its notification still names layer 0 as written, K and V, so a test can show what decode
+    # then imports for it: zeros, never another transfer's KV.
+    SHORT_NIXL_WRITE = "short_nixl_write"
+
     # One tensor-parallel rank stores each decoded token's K/V one slot over, within its page (a
     # kernel writing the wrong slot), so a test can show that checked mode's per-slot records on
     # that rank refuse the next read of the slot it never wrote, where the always-on check does not.

@@ -72,6 +72,7 @@ import msgspec
 import numpy as np
 import torch
 
+from kvseal._testing.faults import Fault, is_active
 from kvseal.disagg.config import DEFAULT_DRAIN_S
 from kvseal.disagg.msgs import KVKind
 from kvseal.disagg.transport import (
@@ -83,6 +84,7 @@ from kvseal.disagg.transport import (
     copy_pages,
     joint_runs,
     page_runs,
+    zero_pages,
 )
 from kvseal.errors import ConfigError
 from kvseal.kvcache.allocator import lowest_free_run
@@ -322,6 +324,7 @@ class NixlReceiver:
         self._agent = make_agent(agent_name, listen_host)
         self._arena = torch.zeros(self._layout.num_bytes, dtype=torch.uint8)
         self._tags, self._body = self._layout.tags(self._arena), self._layout.body(self._arena)
+        self._rows = self._body.flatten(0, 2)  # [layers x K/V x kv_heads, num_pages, page_size, head_dim], a view
         self._free = ArenaPages(pool.num_pages)
         self._registration = self._agent.register_memory(self._arena)
         self._peer = NixlPeerMsg(agent_name, self._agent.get_agent_metadata(), self._arena.data_ptr(),
@@ -354,9 +357,8 @@ class NixlReceiver:
     def authorize(self, transfer_id: str, pages: list[int], start: int = 0, *, key: bytes) -> None:
         old = self._arena_pages.pop(transfer_id, None)
         if old is not None:  # authorized again (a test's changed start): a fresh mapping
-            self._free.give_back(old)
-        arena = self._free.take(len(pages))
-        self._tags[arena] = 0  # a tag left by an earlier transfer never counts
+            self._give_back(old)
+        arena = self._take(len(pages))
         self._arena_pages[transfer_id] = arena
         self._pages[transfer_id] = list(pages)
         self._starts[transfer_id] = start  # [0, start): decode's cache hit, never imported into
@@ -412,8 +414,31 @@ class NixlReceiver:
         self._finished.discard(transfer_id)
         arena = self._arena_pages.pop(transfer_id, None)
         if arena is not None:  # no write of the transfer can land: its arena pages may carry another
-            self._free.give_back(arena)
+            self._give_back(arena)
         return True
+
+    def _take(self, num_pages: int) -> list[int]:
+        """Arena pages for a transfer, zeroed, tags and KV: a tag left by an earlier transfer never
+        counts, and whatever this transfer does not write (a short WRITE still notified) reads as
+        zeros, never an earlier transfer's KV, a late write of one into a free page included."""
+        arena = self._free.take(num_pages)
+        if is_active(Fault.SKIP_ARENA_ZEROING):
+            self._tags[arena] = 0
+        else:
+            self._zero(arena)
+        return arena
+
+    def _give_back(self, arena: list[int]) -> None:
+        """Zero a transfer's arena pages and free them: a holder of decode's NIXL metadata can READ
+        the arena, so no page the transfer no longer holds keeps its tenant's KV."""
+        if not is_active(Fault.SKIP_ARENA_ZEROING):
+            self._zero(arena)
+        self._free.give_back(arena)
+
+    def _zero(self, arena: list[int]) -> None:
+        """Tags and KV (every layer, K and V, every kv head) of `arena` pages to zeros."""
+        zero_pages(self._tags.unsqueeze(0), arena)
+        zero_pages(self._rows, arena)
 
     def _poll(self) -> None:
         for sender, messages in self._agent.get_new_notifs().items():
@@ -744,6 +769,8 @@ class _Writes:
         full = end // page_size if end % page_size else last  # pages [first, full) are whole
         rows = []
         for kind_index, source in enumerate((self._pool.k[layer], self._pool.v[layer])):
+            if layer == 0 and kind_index == 1 and is_active(Fault.SHORT_NIXL_WRITE):
+                continue  # a test's short WRITE: layer 0's V left out, its notification unchanged
             for head in range(self._layout.num_kv_heads):
                 rows += self._full_rows(source, layer, kind_index, head, first, full)
                 if full < last:
