@@ -7,7 +7,10 @@ contiguous block. Arena pages are decode's to hand out, apart from its pool page
 authorized transfer gets its own arena pages, the lowest run of free ones that fits when
 there is one (arena pages are held only while a transfer can land, so the arena is rarely
 fragmented even when the pool is), and the transfer's `kv_address` names them. A push is then
-one descriptor per layer, K/V and head whatever decode's pool pages are.
+one descriptor per layer, K/V and head whatever decode's pool pages are. Arena pages are zeroed,
+tags and KV, when a transfer gets them and when it gives them back (`zero_pages`): whatever a
+transfer does not write reads as zeros, never an earlier transfer's KV (a late write into a
+free page included), and no arena page a transfer no longer holds keeps its KV.
 
 Prefill WRITEs the full pages of a request straight from its registered pool when its pages
 form few runs (its own memory: it never sends its agent metadata to anyone, so no peer holds a
@@ -24,7 +27,11 @@ landed is small. Decode
 looks at the arena only on a notification: it checks the tag of every arena page the
 transfer owns, copies them into the reservation's pages (zeros past what was written) and
 records what landed; the commit still arrives over the control channel and is verified
-against those records exactly as for the TCP transport.
+against those records exactly as for the TCP transport. What decode records follows the
+notification: the tags prove only that the sender wrote each page's tag, not its KV, so a
+WRITE that leaves out part of what its notification names (a sender's bug) is not refused;
+what it left out reads as the zeros its arena pages were handed out with (that request's
+answer is wrong, and holds no other transfer's KV).
 
 Prefill's `push` returns only once every WRITE reached a terminal state (NIXL reads the
 request's pages until then, so they must not be freed earlier): past its timeout it drops the
@@ -34,7 +41,8 @@ NIXL cannot cancel a write in flight, so `cancel` is True only once no write can
 notification of the push arrived, or prefill said it is finished (its commit or abort, sent
 only after its WRITEs reached a terminal state), or, with neither, `drain_s` after the first
 cancel (a dead sender writes nothing; a stale write that lands later in a reused arena page
-fails the tag check). The transfer's arena pages are handed out again only then.
+fails the tag check, one in a free page is zeroed when the page is handed out). The
+transfer's arena pages are zeroed and handed out again only then.
 
 Everything needed to reach a decode engine travels in the transfer's `kv_address`
 (`nixl:` + base64 of `NixlPeerMsg`: agent metadata, arena address and layout, the transfer's
@@ -48,7 +56,9 @@ UCX worker opens a TCP listener on an ephemeral port (on loopback only for a loo
 `--listen`, see `make_agent`), without authentication of its own; within one host UCX moves
 the bytes with CMA. A peer that learned decode's metadata could therefore WRITE into decode's
 arena, never its pool: decode copies an arena page into a reservation only if it carries the
-transfer's keyed tag, which only a holder of the transfer key can make.
+transfer's keyed tag, which only a holder of the transfer key can make. It could READ the
+arena as well (NIXL serves one-sided READs of registered memory): the KV of transfers in
+flight, never of one that ended, whose arena pages were zeroed when given back.
 """
 
 from __future__ import annotations
