@@ -43,6 +43,7 @@ import secrets
 import string
 import uuid
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -105,22 +106,10 @@ class HermesToolParser:
     def parse(self, text: str) -> tuple[str | None, list[ParsedToolCall]]:
         """(content outside the calls or None, the calls). A block that is not a JSON object with
         a string `name` is left in the content, as text, rather than guessed at."""
-        calls, kept = [], []
-        position = 0
-        for match in _CALL.finditer(text):
-            call = _parse_call(match.group(1))
-            if call is None:
-                continue
-            kept.append(text[position:match.start()])
-            position = match.end()
-            calls.append(call)
-        kept.append(text[position:])
-        content = "".join(kept).rstrip()  # (a stream shows the start as it comes: `ToolCallStream`)
-        return (content if content.strip() else None) if calls else text, calls
+        return _block_calls(text, _parse_call)
 
     def held_from(self, text: str) -> int:
-        start = text.find(START_TAG)
-        return start if start >= 0 else _before_partial(text, START_TAG)
+        return _held_from_start_tag(text)
 
     def forced_call(self, call_schemas: list[dict[str, Any]]) -> StructuredOutput:
         return StructuredOutput("tool_call", json.dumps(_one_of(call_schemas)))
@@ -207,6 +196,31 @@ class PythonicToolParser:
         """A JSON list of exactly one call: a Python call's arguments have no schema a grammar
         could hold them to, a JSON object's do."""
         return _list_of_one_call(call_schemas)
+
+
+def _block_calls(text: str, read: Callable[[str], ParsedToolCall | None]) -> tuple[str | None, list[ParsedToolCall]]:
+    """`parse` of a format whose calls are `<tool_call>` blocks anywhere in the text: (the text
+    outside the calls or None, the calls); a block `read` makes no call of (None) is left in
+    the content, as text."""
+    calls, kept = [], []
+    position = 0
+    for match in _CALL.finditer(text):
+        call = read(match.group(1))
+        if call is None:
+            continue
+        kept.append(text[position:match.start()])
+        position = match.end()
+        calls.append(call)
+    kept.append(text[position:])
+    content = "".join(kept).rstrip()  # (a stream shows the start as it comes: `ToolCallStream`)
+    return (content if content.strip() else None) if calls else text, calls
+
+
+def _held_from_start_tag(text: str) -> int:
+    """`held_from` of a format whose calls are `<tool_call>` blocks: from the first one, or from
+    what may be the beginning of one at the end."""
+    start = text.find(START_TAG)
+    return start if start >= 0 else _before_partial(text, START_TAG)
 
 
 def _held_while_calls_may_begin(text: str, opener: str, tag: str) -> int:
