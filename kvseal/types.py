@@ -60,7 +60,7 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
-STRUCTURED_KINDS = ("json_object", "json_schema", "tool_call", "regex", "choice", "grammar")
+STRUCTURED_KINDS = ("json_object", "json_schema", "tool_call", "qwen3_coder_call", "regex", "choice", "grammar")
 
 
 @dataclass(frozen=True)
@@ -86,7 +86,8 @@ class ReasoningGate:
 class StructuredOutput:
     """Output constrained by a grammar while sampling: any JSON object, JSON matching `schema`
     (a JSON Schema, as JSON text), one Hermes tool call `<tool_call>\n{json}\n</tool_call>`
-    whose JSON matches `schema`, text matching a regular expression (`schema` is the regex), one
+    whose JSON matches `schema`, one Qwen3-Coder XML call to one of the tools of `schema` (a
+    JSON list of `{"name", "parameters"}`), text matching a regular expression (`schema` is the regex), one
     of several strings (`schema` is their JSON list), or text an EBNF grammar derives (`schema`
     is the grammar, in xgrammar's EBNF). Compiled with xgrammar (kvseal.structured). With
     `reasoning`, the grammar constrains only what follows the reasoning block."""

@@ -17,12 +17,14 @@ def compile_spec(compiler: Any, vocab_size: int, kind: str, schema: str | None) 
     """The xgrammar `CompiledGrammar` for a structured-output spec (`StructuredOutput.kind`,
     `.schema`). Raises RuntimeError or ValueError (xgrammar's) for a schema it refuses, and
     ValueError for a grammar this vocabulary cannot even begin."""
-    if kind in ("json_schema", "tool_call") and schema is not None and \
-            (unenforced := unenforced_keyword(schema)) is not None:
-        raise ValueError(f"the JSON schema uses {unenforced}, which the grammar cannot enforce while sampling; "
-                         f"remove it")
+    for held_to in _json_schemas(kind, schema):
+        if (unenforced := unenforced_keyword(held_to)) is not None:
+            raise ValueError(f"the JSON schema uses {unenforced}, which the grammar cannot enforce while sampling; "
+                             f"remove it")
     if kind == "tool_call":
         compiled = compiler.compile_grammar(tool_call_grammar(schema or ANY_OBJECT))
+    elif kind == "qwen3_coder_call":
+        compiled = compiler.compile_structural_tag(qwen3_coder_call_tag(schema or "[]"))
     elif kind == "regex":
         compiled = compiler.compile_regex(schema)
     elif kind == "choice":
@@ -34,6 +36,15 @@ def compile_spec(compiler: Any, vocab_size: int, kind: str, schema: str | None) 
         compiled = compiler.compile_json_schema(json_schema, any_whitespace=False, strict_mode=True)
     _check_can_start(compiled, vocab_size)
     return compiled
+
+
+def _json_schemas(kind: str, schema: str | None) -> list[str]:
+    """The JSON Schemas (as JSON text) a spec holds output to."""
+    if kind in ("json_schema", "tool_call") and schema is not None:
+        return [schema]
+    if kind == "qwen3_coder_call" and schema is not None:
+        return [json.dumps(tool["parameters"]) for tool in json.loads(schema)]
+    return []
 
 
 def _check_can_start(compiled: Any, vocab_size: int) -> None:
@@ -54,6 +65,22 @@ def tool_call_grammar(call_schema: str) -> Any:
     return xgrammar.Grammar.concat(xgrammar.Grammar.from_ebnf('root ::= "<tool_call>\\n"'),
                                    xgrammar.Grammar.from_json_schema(call_schema, any_whitespace=False),
                                    xgrammar.Grammar.from_ebnf('root ::= "\\n</tool_call>"'))
+
+
+def qwen3_coder_call_tag(tools_json: str) -> str:
+    """Qwen3-Coder's format, as xgrammar's structural tag: one `<tool_call>\n<function=NAME>\n`
+    block of `<parameter=KEY>VALUE</parameter>` entries (xgrammar's `qwen_xml` style: a string
+    value is the raw text, any other the JSON one) per the tool's parameters schema, for one of
+    the tools of a JSON list of `{"name", "parameters"}`. At most one whitespace character in a
+    row between the parts (the template's newlines; xgrammar's `qwen_xml` lets one around a value
+    that is not a plain string, which the parser strips): a model cannot spin on whitespace until
+    max_tokens."""
+    calls = [{"type": "tag", "begin": f"<tool_call>\n<function={tool['name']}>\n",
+              "content": {"type": "json_schema", "json_schema": tool["parameters"], "style": "qwen_xml",
+                          "max_whitespace_cnt": 1},
+              "end": "\n</function>\n</tool_call>"} for tool in json.loads(tools_json)]
+    return json.dumps({"type": "structural_tag", "format": calls[0] if len(calls) == 1 else
+                       {"type": "or", "elements": calls}}, ensure_ascii=False)
 
 
 def choice_grammar(choices_json: str) -> str:
