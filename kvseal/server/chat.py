@@ -62,7 +62,7 @@ class ChatEndpoint:
             markers = self.reasoning
             reasoning = ReasoningGate(markers.start_token_id, markers.end_token_id, prompt_opens_reasoning(tail))
         return ChatFormatter(ids, body.logprobs, body.include_usage, prompts, body.n or 1,
-                             tool_parser(self.tool_call_parser, body.parallel_tool_calls is not False)
+                             tool_parser(self.tool_call_parser, body.parallel_tool_calls is not False, body.tools)
                              if parses_calls and self.tool_call_parser else None,
                              is_named,
                              with_prompt_logprobs=body.prompt_logprobs is not None, reasoning=reasoning,

@@ -14,7 +14,7 @@ from kvseal.server.open_files import FDS_KEPT, check_max_connections
 from kvseal.server.reasoning import REASONING_PARSERS
 
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
-TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic")  # `server/tools.py`
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder")  # `server/tools.py`
 
 
 def _size(text: str) -> int:
@@ -79,7 +79,8 @@ class ServerConfig:
     tool_call_parser: str | None = field(default=None, metadata=flag(
         "parse tool calls from the output in this format: hermes (Hermes/Qwen <tool_call> blocks), llama3_json "
         "(Llama 3.1-3.3 JSON calls), mistral ([TOOL_CALLS] and a JSON list of calls), pythonic (Llama 3.2 and 4: "
-        "[name(key=value, ...)]); without it, requests with tools are refused", choices=TOOL_CALL_PARSERS))
+        "[name(key=value, ...)]), qwen3_coder (Qwen3-Coder: <tool_call> blocks of <function=name> and "
+        "<parameter=key> XML); without it, requests with tools are refused", choices=TOOL_CALL_PARSERS))
     enable_auto_tool_choice: bool = field(default=False, metadata=flag(
         "vLLM's flag, taken so its command lines run: tool_choice 'auto' is on whenever --tool-call-parser is "
         "given; this flag without a parser is refused, as in vLLM", action="store_true"))

@@ -17,6 +17,17 @@ with tools is refused:
   list of calls with keyword arguments of literal values, `[get_weather(city="Oslo"),
   get_time(zone="CET")]`, optionally between Llama 4's `<|python_start|>` and `<|python_end|>`
   (`PythonicToolParser`). It is read with Python's parser, never run.
+- `qwen3_coder` (Qwen3-Coder): `<tool_call>` blocks anywhere in the text, each one
+  `<function=NAME>` of `<parameter=KEY>\\nVALUE\\n</parameter>` entries (`Qwen3CoderToolParser`).
+  A value is raw text, typed by the request's schema for that parameter as vLLM's parser types
+  it: a string stays the text (less the template's newline at each end); an `enum` or
+  `const` value is the one its text spells; an integer, number, boolean, null, object or array
+  is read as JSON (`True` and `None` too, which the template writes for Python's values; an
+  object or array also as a Python literal, never run); a value that is not of its type, or of
+  a parameter or tool the request does not define, stays text. A block that is not one whole
+  function of parameters (cut off by max_tokens, two functions, stray text between parameters)
+  is content, as hermes takes its blocks; unlike vLLM's parser, which reads a cut call as far
+  as it goes and drops the text between and after calls.
 In every format a call has a string name and an object of arguments under the format's key;
 anything else (a JSON record that happens to have a `name`, a call with a positional argument or
 a value that is not a literal) leaves the whole answer content, as in vLLM's parsers. A call
@@ -30,6 +41,7 @@ client sees the name it got.
   (the call's JSON must match one tool's — or the named tool's — parameters schema), then parsed.
   `pythonic` has no JSON call of its own: its enforced call is a JSON list of one `{"name": ...,
   "arguments": {...}}` object, as vLLM enforces every format's, which its parser also reads.
+  `qwen3_coder`'s is one block in its own XML form (xgrammar's structural tag).
 """
 
 from __future__ import annotations
@@ -49,7 +61,7 @@ from typing import Any, Protocol
 
 from kvseal.errors import InvalidParameter
 from kvseal.server.config import TOOL_CALL_PARSERS
-from kvseal.server.protocol import ChatCompletionRequest, NamedToolChoice
+from kvseal.server.protocol import ChatCompletionRequest, NamedToolChoice, ToolDef
 from kvseal.types import StructuredOutput
 
 _CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
@@ -223,6 +235,142 @@ def _held_from_start_tag(text: str) -> int:
     return start if start >= 0 else _before_partial(text, START_TAG)
 
 
+class Qwen3CoderToolParser:
+    arguments_key = "arguments"  # of the call schemas `forced_call` reads the tools from
+
+    def __init__(self, parameters: dict[str, Any] | None = None) -> None:
+        """`parameters`: each tool's parameters schema by its name, which types the values."""
+        self._parameters = parameters or {}
+
+    def parse(self, text: str) -> tuple[str | None, list[ParsedToolCall]]:
+        """(content outside the calls or None, the calls). A block that is not one whole
+        `<function=...>` of parameters (cut off by max_tokens, or anything else) stays content."""
+        return _block_calls(text, self._read_call)
+
+    def held_from(self, text: str) -> int:
+        return _held_from_start_tag(text)
+
+    def forced_call(self, call_schemas: list[dict[str, Any]]) -> StructuredOutput:
+        """One block in this format, for one of the tools (xgrammar's structural tag, in
+        `structured/grammars.py`)."""
+        tools = [{"name": schema["properties"]["name"]["const"], "parameters": schema["properties"][self.arguments_key]}
+                 for schema in call_schemas]
+        return StructuredOutput("qwen3_coder_call", json.dumps(tools))
+
+    def _read_call(self, body: str) -> ParsedToolCall | None:
+        """The call of one block's body, `<function=NAME>` then parameters then `</function>`;
+        None when it is anything else."""
+        function = _QWEN_FUNCTION.fullmatch(body)
+        if function is None:
+            return None
+        name, inner = function.groups()
+        schema = self._parameters.get(name)
+        properties = schema.get("properties") if isinstance(schema, dict) else None
+        arguments, position = {}, 0
+        while (parameter := _QWEN_PARAMETER.match(inner, position)) is not None:
+            key, value = parameter.groups()
+            value = value.removeprefix("\n").removesuffix("\n")  # the template's newlines around it
+            arguments[key] = _typed(value, properties.get(key) if isinstance(properties, dict) else None)
+            position = parameter.end()
+        if inner[position:].strip():
+            return None  # text between the parameters: not this format
+        text = _arguments_json(arguments)
+        return None if text is None else ParsedToolCall(name, text)
+
+
+# A Qwen3-Coder block's body, and one parameter in it: its end tag may be missing before the next
+# parameter or the function's end, as vLLM's parser reads it
+_QWEN_FUNCTION = re.compile(r"<function=([^<>\n]+)>(.*)</function>", re.DOTALL)
+_QWEN_PARAMETER = re.compile(r"\s*<parameter=([^<>\n]+)>(.*?)(?:</parameter>|(?=<parameter=)|\Z)", re.DOTALL)
+_UNREAD = object()  # a value not of the type tried
+
+
+def _typed(text: str, schema: Any) -> Any:
+    """A Qwen3-Coder parameter's value by its schema: the `const` or one of the `enum` values its
+    text spells, else the first of its declared types (`type`, or those of `anyOf` / `oneOf`)
+    other than string that the text reads as, else the text itself (a string parameter, one
+    without a schema, or a value that is not of its type: the client sees what the model wrote).
+    Whitespace around the text counts only for a plain string, which may begin or end with it."""
+    if not isinstance(schema, dict):
+        return text
+    bare = text.strip()
+    members = [schema["const"]] if "const" in schema else schema.get("enum")
+    for member in members if isinstance(members, list) else []:
+        if bare == (member if isinstance(member, str) else json.dumps(member, ensure_ascii=False)):
+            return member
+    for kind in _declared_types(schema):
+        value = _read_as(kind, bare)
+        if value is not _UNREAD:
+            return value
+    # xgrammar's enforced call lets one whitespace character around a string held to a pattern,
+    # a format or a length, as a separator (`structured/grammars.py`)
+    return bare if _STRING_BOUNDS.intersection(schema) else text
+
+
+_STRING_BOUNDS = frozenset({"pattern", "format", "minLength", "maxLength"})
+
+
+def _declared_types(schema: dict[str, Any]) -> list[str]:
+    declared = schema.get("type")
+    if isinstance(declared, str):
+        return [declared]
+    if isinstance(declared, list):
+        return [kind for kind in declared if isinstance(kind, str)]
+    parts = [part for key in ("anyOf", "oneOf") if isinstance(schema.get(key), list) for part in schema[key]]
+    return [kind for part in parts if isinstance(part, dict) for kind in _declared_types(part)]
+
+
+def _read_as(kind: str, text: str) -> Any:
+    """`text` as a value of JSON Schema type `kind`; `_UNREAD` when it is none (or `kind` is
+    string, which any text is)."""
+    if kind == "boolean":
+        return {"true": True, "false": False}.get(text.lower(), _UNREAD)
+    if kind == "null":
+        return None if text.lower() in ("null", "none") else _UNREAD  # (the template writes Python's None)
+    if kind in ("integer", "number"):
+        value = _json_value(text)
+        is_number = isinstance(value, int) if kind == "integer" else isinstance(value, int | float)
+        return value if is_number and not isinstance(value, bool) else _UNREAD
+    if kind in ("object", "array"):
+        wanted = dict if kind == "object" else list
+        value = _json_value(text)
+        if not isinstance(value, wanted):
+            value = _python_literal(text)
+        return value if isinstance(value, wanted) and _is_json(value) else _UNREAD
+    return _UNREAD
+
+
+def _json_value(text: str) -> Any:
+    """The JSON value `text` is (NaN and Infinity, which strict JSON has not, refused), or `_UNREAD`."""
+    def refuse(constant: str) -> Any:
+        raise ValueError(constant)
+
+    try:
+        return json.loads(text, parse_constant=refuse)
+    except _NOT_JSON:
+        return _UNREAD
+
+
+def _is_json(value: Any) -> bool:
+    """Whether strict JSON has `value` (a Python literal may hold a set, bytes, a complex number)."""
+    try:
+        json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError, RecursionError):
+        return False
+    return True
+
+
+def _python_literal(text: str) -> Any:
+    """The Python literal `text` is (`{'a': True}`: a model may write its object so), or `_UNREAD`.
+    Only parsed, never evaluated (`ast.literal_eval`)."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", SyntaxWarning)
+            return ast.literal_eval(text)
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        return _UNREAD
+
+
 def _held_while_calls_may_begin(text: str, opener: str, tag: str) -> int:
     """`held_from` of a format whose calls are the whole answer: all of it is held while it may
     still be calls (it begins with `opener` or `tag`, or is so far a beginning of `tag`)."""
@@ -276,9 +424,9 @@ def _python_calls(body: str) -> list[ParsedToolCall]:
 
 
 TOOL_PARSERS: dict[str, type[HermesToolParser] | type[Llama3JsonToolParser] | type[MistralToolParser]
-                   | type[PythonicToolParser]] = {
+                   | type[PythonicToolParser] | type[Qwen3CoderToolParser]] = {
     "hermes": HermesToolParser, "llama3_json": Llama3JsonToolParser, "mistral": MistralToolParser,
-    "pythonic": PythonicToolParser}
+    "pythonic": PythonicToolParser, "qwen3_coder": Qwen3CoderToolParser}
 assert tuple(TOOL_PARSERS) == TOOL_CALL_PARSERS
 
 
@@ -302,10 +450,17 @@ class FirstCallOnly:
         return self._parser.forced_call(call_schemas)
 
 
-def tool_parser(name: str, parallel_calls: bool = True) -> ToolParser:
-    """The parser `--tool-call-parser` names; with `parallel_calls` false, one keeping the first call only."""
-    parser = TOOL_PARSERS[name]()
+def tool_parser(name: str, parallel_calls: bool = True, tools: list[ToolDef] | None = None) -> ToolParser:
+    """The parser `--tool-call-parser` names; with `parallel_calls` false, one keeping the first
+    call only. `tools`: the request's, whose parameters schemas type the values of a format that
+    writes them as text (qwen3_coder)."""
+    parser = Qwen3CoderToolParser(tool_parameters(tools or [])) if name == "qwen3_coder" else TOOL_PARSERS[name]()
     return parser if parallel_calls else FirstCallOnly(parser)
+
+
+def tool_parameters(tools: list[ToolDef]) -> dict[str, dict[str, Any]]:
+    """Each tool's parameters schema by its name (a tool without one takes any object)."""
+    return {t.function.name: t.function.parameters or {"type": "object"} for t in tools}
 
 
 def _parse_call(body: str) -> ParsedToolCall | None:
@@ -386,7 +541,7 @@ def _grammar_tools(body: ChatCompletionRequest, choice: Any) -> frozenset[str]:
 
 def _enforced_call(body: ChatCompletionRequest, choice: Any, parser: ToolParser) -> StructuredOutput | None:
     assert body.tools is not None
-    tools = {t.function.name: t.function.parameters or {"type": "object"} for t in body.tools}
+    tools = tool_parameters(body.tools)
     key = parser.arguments_key
     if isinstance(choice, NamedToolChoice):
         name = choice.function.name

@@ -1,5 +1,5 @@
-"""Tools and tool_choice on chat completions (`--tool-call-parser hermes`; `llama3_json`, `mistral` and
-`pythonic` last).
+"""Tools and tool_choice on chat completions (`--tool-call-parser hermes`; `llama3_json`, `mistral`,
+`pythonic` and `qwen3_coder` last).
 
 The character-level tiny model's chat template renders the tools and past tool calls; a
 named or required tool_choice is enforced with the grammar, so even random weights produce a
@@ -26,6 +26,7 @@ from kvseal.server.tools import (
     Llama3JsonToolParser,
     MistralToolParser,
     PythonicToolParser,
+    Qwen3CoderToolParser,
     ToolCallStream,
 )
 
@@ -206,6 +207,9 @@ CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>'
     (PythonicToolParser(), '<|python_start|>[get_time(zone="CET")]<|python_end|>'),
     (PythonicToolParser(), "[see](the docs) first"),
     (PythonicToolParser(), "Sure: [get_time(zone='CET')]"),
+    (Qwen3CoderToolParser(PARAMS), "Sure.\n\n<tool_call>\n<function=get_time>\n<parameter=zone>\nCET\n</parameter>\n"
+                                   "</function>\n</tool_call>\n<tool_call>\n<function=f>\n</function>\n</tool_call>"),
+    (Qwen3CoderToolParser(PARAMS), "<tool_call>\n<function=get_time>\n<parameter=zone>\nCE"),  # cut by max_tokens
 ])
 def test_streamed_content_adds_up_to_the_unstreamed_content(parser: Any, text: str) -> None:
     """However the text arrives (here cut at every point into two pieces, and one character at a
@@ -385,7 +389,8 @@ def test_pythonic_calls_on_the_server(char_dir: Path, tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("parser", [HermesToolParser(), Llama3JsonToolParser(), MistralToolParser(),
-                                    PythonicToolParser()], ids=lambda parser: type(parser).__name__)
+                                    PythonicToolParser(), Qwen3CoderToolParser()],
+                         ids=lambda parser: type(parser).__name__)
 def test_brackets_nested_past_the_parsers_depth_are_content(parser: Any) -> None:
     """A model can write (and a tenant's regex make it write) brackets deeper than Python's JSON
     and Python parsers go: that answer is content, not an exception in the response."""
@@ -416,3 +421,123 @@ def test_arguments_strict_json_has_no_number_for_are_content(parser: Any, text: 
     """Python's JSON reads NaN and Infinity; a client's strict JSON parser (JavaScript's) would
     refuse the arguments, so the answer stays content."""
     assert parser.parse(text)[1] == []
+
+
+# ---- qwen3_coder (Qwen3-Coder): <tool_call> blocks of XML-like parameters ----------------------------
+
+def _qwen_call(name: str, **values: str) -> str:
+    """A call as Qwen3-Coder's chat template writes it."""
+    parameters = "".join(f"<parameter={key}>\n{value}\n</parameter>\n" for key, value in values.items())
+    return f"<tool_call>\n<function={name}>\n{parameters}</function>\n</tool_call>"
+
+
+TYPED = {"type": "object", "properties": {
+    "city": {"type": "string"}, "days": {"type": "integer"}, "ratio": {"type": "number"},
+    "celsius": {"type": "boolean"}, "options": {"type": "object"}, "hours": {"type": "array"},
+    "limit": {"type": ["integer", "null"]}, "unit": {"enum": ["C", "F"]}, "code": {"type": "string"}}}
+
+
+def test_qwen3_coder_parser_types_values_by_the_tools_schema() -> None:
+    parser = Qwen3CoderToolParser({"get_weather": TYPED, "get_time": TIME})
+    text = "Let me check.\n\n" + _qwen_call(
+        "get_weather", city="Paris", days="3", ratio="0.5", celsius="True", options='{"a": [1, null]}',
+        hours="[9, 'noon']", limit="null", unit=" F", code="  def f():\n      return 1\n",
+        extra="3") + "\n" + _qwen_call("get_time", zone="CET")
+    content, calls = parser.parse(text)
+    assert content == "Let me check."
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Paris", "days": 3, "ratio": 0.5, "celsius": True, "options": {"a": [1, None]},
+                         "hours": [9, "noon"], "limit": None, "unit": "F",
+                         "code": "  def f():\n      return 1\n",  # only the template's newlines go
+                         "extra": "3"}),  # a parameter the schema does not name stays text
+        ("get_time", {"zone": "CET"})]
+    # a value that is not of its declared type stays the text the model wrote, as in vLLM
+    [call] = parser.parse(_qwen_call("get_weather", days="three", ratio="NaN", celsius="yes", options="[1]",
+                                     hours="[1j]", city="null"))[1]
+    assert json.loads(call.arguments) == {"days": "three", "ratio": "NaN", "celsius": "yes", "options": "[1]",
+                                          "hours": "[1j]", "city": "null"}
+    [call] = parser.parse(_qwen_call("lookup", days="3", flag="true"))[1]
+    assert (call.name, json.loads(call.arguments)) == ("lookup", {"days": "3", "flag": "true"}), \
+        "a tool not in the request is still a call (as every parser here takes it), its values text"
+    assert parser.parse("<tool_call><function=get_time><parameter=zone>UTC</function></tool_call>")[1][0].arguments \
+        == '{"zone": "UTC"}', "a missing </parameter> before the function's end, as vLLM reads it"
+
+
+def test_qwen3_coder_parser_leaves_anything_else_as_content() -> None:
+    parser = Qwen3CoderToolParser({"f": TYPED})
+    deep = "[" * 5000 + "]" * 5000
+    [call] = parser.parse(_qwen_call("f", hours=deep, options="__import__('os').system('true')"))[1]
+    assert json.loads(call.arguments) == {"hours": deep, "options": "__import__('os').system('true')"}
+    call_text = _qwen_call("f", city="Oslo")
+    for text in ("The answer is 4.", "<function=f>\n</function>", call_text[:-5], call_text.replace("</function>", ""),
+                 "<tool_call>\n<function=f>\nstray text<parameter=city>\nOslo\n</parameter>\n</function>\n</tool_call>",
+                 "<tool_call>\n<function=f>\n</function>\n<function=g>\n</function>\n</tool_call>",
+                 "<tool_call>\n<function=>\n</function>\n</tool_call>", "<tool_call>\n</tool_call>",
+                 f"<tool_call>{deep}</tool_call>"):
+        assert parser.parse(text) == (text, []), text
+    content, calls = parser.parse(f"<tool_call>\n{{\"name\": \"f\"}}\n</tool_call>\n{call_text}\nDone.")
+    assert content == '<tool_call>\n{"name": "f"}\n</tool_call>\n\nDone.' and [c.name for c in calls] == ["f"]
+    stream = ToolCallStream(Qwen3CoderToolParser())
+    assert stream.content_delta("Sure <tool") == "Sure" and stream.content_delta("_call>\n<function=f>") == ""
+    assert stream.content_delta("\n</function>\n</tool_call>") == "" and stream.finish()[1][0].name == "f"
+
+
+def test_qwen3_coder_forced_call_is_one_valid_call(char_dir: Path) -> None:
+    """The grammar a required tool_choice gets with `--tool-call-parser qwen3_coder`: one block
+    in the format itself (xgrammar's structural tag), which the parser reads back, its arguments
+    valid, a string held to a length among them."""
+    from kvseal import LLM, SamplingParams
+    from kvseal.server.tools import call_schema
+
+    note = {"type": "object", "properties": {"text": {"type": "string", "maxLength": 12}, "n": {"type": "integer"}},
+            "required": ["text", "n"], "additionalProperties": False}
+    params = PARAMS | {"note": note}
+    parser = Qwen3CoderToolParser(params)
+    grammar = parser.forced_call([call_schema(name, params[name]) for name in params])
+    llm = LLM(str(char_dir), kv_cache_tokens=2048, page_size=4, dtype="float32", grammar_compile_workers=1)
+    try:
+        outs = llm.generate(["a"] * 6, [SamplingParams(max_tokens=150, temperature=1.0, seed=s, structured=grammar)
+                                        for s in range(6)])
+    finally:
+        llm.engine.close()
+    assert {re.search("<function=([a-z_]+)>", out.text).group(1) for out in outs} == set(params)  # type: ignore[union-attr]
+    for out in outs:
+        assert out.finish_reason.value == "stop" and out.text.startswith("<tool_call>\n<function=")
+        content, [call] = parser.parse(out.text)
+        assert content is None
+        jsonschema.validate(json.loads(call.arguments), params[call.name])
+
+
+def test_qwen3_coder_calls_on_the_server(char_dir: Path, tmp_path: Path) -> None:
+    """`--tool-call-parser qwen3_coder`: calls the model writes in the format (held to it here by
+    a regex), after some content, come back as the same calls with values typed by the tools'
+    schemas, streamed or not; a required call is enforced."""
+    server = ServerProcess(char_dir, tmp_path, keys=KEYS, extra_args=["--tool-call-parser", "qwen3_coder",
+                                                                      "--max-model-len", "1024"]).start()
+    try:
+        client = client_for(server, "key-alice")
+        written = "Sure.\n" + _qwen_call("get_time", zone="CET") + "\n" + \
+            _qwen_call("get_weather", city="Oslo", celsius="false")
+        fields: dict[str, Any] = {"model": server.model_name, "messages": MESSAGES, "tools": TOOLS,
+                                  "max_tokens": 300, "temperature": 0,
+                                  "extra_body": {"guided_regex": _regex_of(written)}}
+        expected = [("get_time", {"zone": "CET"}), ("get_weather", {"city": "Oslo", "celsius": False})]
+        choice = client.chat.completions.create(**fields).choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content == "Sure."
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls or []] == \
+            expected
+        chunks = list(client.chat.completions.create(**fields, stream=True))
+        deltas = [d for chunk in chunks for c in chunk.choices for d in c.delta.tool_calls or []]
+        assert [(d.function.name, json.loads(d.function.arguments or "")) for d in deltas if d.function] == expected
+        assert "".join(c.delta.content or "" for chunk in chunks for c in chunk.choices) == "Sure."
+        cut = client.chat.completions.create(**fields | {"max_tokens": 40}).choices[0]
+        assert (cut.finish_reason, cut.message.tool_calls) == ("length", None), "a block cut off is content"
+        assert written.startswith(cut.message.content or "")
+        out = client.chat.completions.create(model=server.model_name, messages=MESSAGES, tools=TOOLS, n=2,
+                                             max_tokens=120, temperature=1.0, seed=3, tool_choice="required")
+        for choice in out.choices:
+            [call] = choice.message.tool_calls or []
+            _validate(call)
+            assert choice.finish_reason == "tool_calls"
+    finally:
+        server.terminate()
