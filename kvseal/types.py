@@ -20,6 +20,9 @@ if TYPE_CHECKING:  # the vocabulary stays importable without torch (the frontend
 DEFAULT_TENANT = "default"
 # `RequestOutput.error_code` of a request ended because an isolation check tripped (I3/I4).
 ISOLATION_CHECK_FAILED = "isolation_check_failed"
+# `RequestOutput.error_code` of a request ended because its grammar and its `allowed_token_ids`
+# left no token to sample at some step: it ends there, without a token outside either.
+NO_TOKEN_SATISFIES_CONSTRAINTS = "no_token_satisfies_constraints"
 SAMPLING_EPS = 1e-5
 MAX_N = 16  # most choices one request may ask for
 

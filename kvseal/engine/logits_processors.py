@@ -11,6 +11,10 @@ frequency (minus `frequency_penalty` x the token's count in the output) and pres
 Every step builds a few [num_requests, vocab] tensors with one scatter each; nothing loops
 over the vocabulary or does tensor arithmetic per row in Python. A batch whose requests ask
 for none of these features is returned unchanged (no copy).
+
+A grammar and `allowed_token_ids` together can leave a row no token at all (sets that share
+none, at any step); `exhausted_rows` finds those rows, checking only rows that carry both, so
+the sampler never picks a token outside either.
 """
 
 from __future__ import annotations
@@ -38,6 +42,20 @@ def apply_logits_processors(logits: torch.Tensor, requests: list[Request],
     logits = _add_logit_bias(logits, requests)
     logits = _ban_early_stop_tokens(logits, requests, eos_token_ids)
     return apply_penalties(logits, requests)
+
+
+def exhausted_rows(logits: torch.Tensor, requests: list[Request]) -> list[int]:
+    """The rows of the processed `logits` with no token left: every one -inf. Only a row with
+    both a constraining grammar and `allowed_token_ids` can get there (logit_bias is finite,
+    the min_tokens ban is lifted from a row it would empty), so only those rows are read: a
+    batch without one costs nothing and no host sync."""
+    rows = [row for row, r in enumerate(requests)
+            if r.grammar is not None and r.grammar.constrains and r.params.allowed_token_ids is not None]
+    if not rows:
+        return []
+    index = torch.tensor(rows, device=logits.device)
+    empty = torch.isneginf(logits[index]).all(dim=-1).tolist()
+    return [row for row, is_empty in zip(rows, empty) if is_empty]
 
 
 def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:

@@ -33,19 +33,20 @@ from __future__ import annotations
 
 import torch
 
-from kvseal.engine.logits_processors import apply_logits_processors, changes_logits
+from kvseal.engine.logits_processors import apply_logits_processors, changes_logits, exhausted_rows
 from kvseal.ops import Ops
 from kvseal.ops.torch_sampling import draw_from_probs, top_p_filter
 from kvseal.types import Request, TokenLogprobs
 
 
 def sample(logits: torch.Tensor, requests: list[Request], eos_token_ids: tuple[int, ...],
-           ops: Ops) -> list[tuple[int, TokenLogprobs | None]]:
+           ops: Ops) -> list[tuple[int | None, TokenLogprobs | None]]:
     """logits: [num_requests, vocab], one row per request that reached its last token, float32
     or the model's bfloat16. A batch with no processor and no logprobs reads the rows as they
     are: `ops.argmax_rows` for greedy rows, `ops.draw_rows` for random ones, both widening each
     value exactly as they read it (the same token as of the float32 widening). Everything else
-    runs on the float32 widening."""
+    runs on the float32 widening. A row whose grammar and `allowed_token_ids` leave no token
+    gets (None, None): nothing was sampled, and the caller ends that request."""
     plain = not changes_logits(requests, eos_token_ids) and all(r.params.logprobs is None for r in requests)
     if plain and all(r.params.is_greedy for r in requests):
         return [(token, None) for token in ops.argmax_rows(logits).tolist()]
@@ -53,7 +54,11 @@ def sample(logits: torch.Tensor, requests: list[Request], eos_token_ids: tuple[i
         return [(token, None) for token in _choose(logits, requests, ops).tolist()]
     logits = apply_logits_processors(logits.float(), requests, eos_token_ids)
     tokens = _choose(logits, requests, ops)
-    return list(zip(tokens.tolist(), _logprobs(logits, tokens, requests)))
+    samples: list[tuple[int | None, TokenLogprobs | None]] = list(zip(tokens.tolist(),
+                                                                       _logprobs(logits, tokens, requests)))
+    for row in exhausted_rows(logits, requests):
+        samples[row] = (None, None)
+    return samples
 
 
 def _choose(logits: torch.Tensor, requests: list[Request], ops: Ops) -> torch.Tensor:

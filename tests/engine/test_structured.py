@@ -28,7 +28,7 @@ from kvseal.structured.schema import (
     check_tools,
     json_depth,
 )
-from kvseal.types import ReasoningGate, RequestOutput, StructuredOutput
+from kvseal.types import NO_TOKEN_SATISFIES_CONSTRAINTS, ReasoningGate, RequestOutput, StructuredOutput
 
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "colour": {"enum": ["red", "green", "blue"]},
                                            "n": {"type": "integer", "minimum": 0, "maximum": 9}},
@@ -472,3 +472,30 @@ def test_a_gate_round_trips_and_is_checked_against_the_vocabulary(char_llm: LLM)
     with pytest.raises(InvalidParameter, match="token id 128, outside the vocabulary") as info:
         char_llm.generate("x", SamplingParams(max_tokens=4, structured=outside))
     assert info.value.param == "reasoning"
+
+
+def test_a_grammar_and_allowed_token_ids_sharing_no_token_end_without_one(char_llm: LLM) -> None:
+    """allowed_token_ids and a grammar whose first step shares nothing with them: the request ends
+    with no token (never one outside either), a typed error saying why; its batch neighbour runs on."""
+    sp = SamplingParams(max_tokens=10, temperature=0, allowed_token_ids=[5],
+                        structured_outputs=StructuredOutputsParams(choice=["yes"]))
+    free = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    out, neighbour = char_llm.generate(["Say:", "x"], [sp, free])
+    assert (out.token_ids, out.finish_reason.value, out.error_code) == ([], "abort", NO_TOKEN_SATISFIES_CONSTRAINTS)
+    assert "allowed_token_ids" in (out.error or "") and "grammar" in (out.error or "")
+    assert len(neighbour.token_ids) == 5 and neighbour.error is None
+    char_llm.engine.check_integrity()
+    assert char_llm.engine.stats().num_pages_used == 0
+
+
+def test_allowed_token_ids_that_run_out_midway_end_the_request_there(char_llm: LLM) -> None:
+    """The sets can part at any step: "yes" with only "y" and "e" allowed samples those two,
+    then ends at "s" with the typed error, never sampling a token outside either set."""
+    tokenizer = char_llm.get_tokenizer()
+    y, e = (tokenizer.encode(c, add_special_tokens=False)[0] for c in "ye")
+    sp = SamplingParams(max_tokens=10, temperature=0.8, seed=3, allowed_token_ids=[y, e],
+                        structured_outputs=StructuredOutputsParams(choice=["yes"]))
+    out = char_llm.generate("Say:", sp)[0]
+    assert (out.token_ids, out.finish_reason.value, out.error_code) == ([y, e], "abort",
+                                                                        NO_TOKEN_SATISFIES_CONSTRAINTS)
+    char_llm.engine.check_integrity()

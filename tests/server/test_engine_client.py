@@ -52,7 +52,7 @@ from kvseal.server.config import ServerConfig
 from kvseal.server.metrics import ServerMetrics
 from kvseal.server.prompts import PromptEncoder
 from kvseal.server.state import AppState
-from kvseal.types import SamplingParams
+from kvseal.types import NO_TOKEN_SATISFIES_CONSTRAINTS, SamplingParams
 
 READY = EngineReadyMsg(pid=1, model_name="tiny", model_path="/m", tokenizer_path="/m", architecture="llama",
                        max_model_len=64, kv_cache_tokens=256, vocab_size=512, page_size=4, num_pages=64,
@@ -196,6 +196,17 @@ def test_an_engine_refusal_with_a_status_that_is_no_error_is_a_500(status: int) 
     assert err is not None and err.status == 500 and err.code == "prefill_refused"
     kept = errors.for_event(RequestRejectedMsg("cmpl-1", "alice", "context_length_exceeded", "long", "prompt", 400))
     assert kept is not None and kept.status == 400
+
+
+def test_a_request_its_own_constraints_left_no_token_is_a_400_naming_why() -> None:
+    """The engine ends a request whose grammar and allowed_token_ids share no token: the client's
+    constraints, so a 400 with the engine's code and message (an error event once streaming),
+    not the 500 of a request the server aborted."""
+    out = RequestOutputMsg("cmpl-1", "alice", [], "", True, "abort", None, 3, 0, 1,
+                           error="no token satisfies both", error_code=NO_TOKEN_SATISFIES_CONSTRAINTS)
+    err = errors.for_event(out)
+    assert err is not None and (err.status, err.code, err.param, err.message) == (
+        400, NO_TOKEN_SATISFIES_CONSTRAINTS, "allowed_token_ids", "no token satisfies both")
 
 
 def test_an_engine_lost_midway_through_a_submit_ends_the_choices_it_took(tmp_path: Path) -> None:
