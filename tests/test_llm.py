@@ -249,3 +249,26 @@ def test_tokenizer_replaces_the_models_own(make_llm: Callable[..., Any], llama_d
         make_llm(tokenizer=str(tmp_path / "missing"))
     with pytest.raises(ModelLoadError, match="more than the model's vocabulary"):
         make_llm(model=str(make_char_model(tmp_path / "char")), tokenizer=str(folder), max_model_len=256)
+
+
+def test_no_sampling_params_means_the_models_generation_config(make_llm: Callable[..., Any], llama_dir: Path,
+                                                               tmp_path: Path) -> None:
+    """vLLM's `LLM.generate(prompts)`: the model's generation_config.json sampling defaults
+    (`get_default_sampling_params`), as `kvseal serve` applies them; `generation_config="vllm"`
+    keeps the neutral ones."""
+    import json
+    import shutil
+
+    folder = tmp_path / "with-defaults"
+    shutil.copytree(llama_dir, folder)
+    (folder / "generation_config.json").write_text(json.dumps({"temperature": 0.01, "top_k": 1, "top_p": 0.5}))
+    llm = make_llm(model=str(folder))
+    defaults = llm.get_default_sampling_params()
+    assert (defaults.temperature, defaults.top_k, defaults.top_p) == (0.01, 1, 0.5)
+    greedy = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=16))[0].token_ids
+    assert all(llm.generate([[5, 6, 7]])[0].token_ids == greedy for _ in range(3)), "top_k 1: the greedy answer"
+    assert llm.chat(CONVERSATION)[0].finish_reason is not None
+    neutral = make_llm(model=str(folder), generation_config="vllm").get_default_sampling_params()
+    assert (neutral.temperature, neutral.top_k, neutral.top_p) == (1.0, -1, 1.0)
+    with pytest.raises(ConfigError, match="generation"):
+        make_llm(model=str(folder), generation_config="nope")

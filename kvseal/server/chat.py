@@ -13,11 +13,11 @@ import msgspec
 
 from kvseal.admission import AdmissionLimits
 from kvseal.errors import InvalidParameter
+from kvseal.generation_defaults import GenerationDefaults
 from kvseal.messages.msgs import RequestOutputMsg, TokenLogprobsMsg
 from kvseal.server.auth import Tenant
 from kvseal.server.bounds import check_tool_definitions
 from kvseal.server.endpoint import AdmittedPrompt, Prepared, ResponseIds
-from kvseal.server.generation_defaults import GenerationDefaults
 from kvseal.server.logprobs import chat_logprobs, vllm_prompt_logprobs
 from kvseal.server.prompts import PromptEncoder
 from kvseal.server.protocol import ChatCompletionRequest, NamedToolChoice

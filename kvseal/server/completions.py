@@ -14,10 +14,10 @@ from typing import Any
 
 from kvseal.admission import AdmissionLimits
 from kvseal.errors import InvalidParameter
+from kvseal.generation_defaults import GenerationDefaults
 from kvseal.messages.msgs import RequestOutputMsg, TokenLogprobsMsg
 from kvseal.server.auth import Tenant
 from kvseal.server.endpoint import AdmittedPrompt, AuditPrompt, Prepared, ResponseIds
-from kvseal.server.generation_defaults import GenerationDefaults
 from kvseal.server.logprobs import (
     TextOffsets,
     completion_logprobs,

@@ -6,9 +6,9 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from kvseal.admission import AdmissionLimits
+from kvseal.generation_defaults import GenerationDefaults
 from kvseal.messages.msgs import RequestOutputMsg
 from kvseal.server.auth import Tenant
-from kvseal.server.generation_defaults import GenerationDefaults
 from kvseal.server.prompts import PromptEncoder
 from kvseal.server.protocol import GenerationBody
 from kvseal.server.transcript import Transcript

@@ -32,13 +32,13 @@ import uvloop
 
 from kvseal.engine_api import EngineBackend
 from kvseal.errors import ConfigError
+from kvseal.generation_defaults import GenerationDefaults
 from kvseal.heap import freeze_startup_heap
 from kvseal.messages.msgs import ABORT_SERVER_SHUTDOWN
 from kvseal.server.admin import reload_keys_on_signal
 from kvseal.server.app import build_app
 from kvseal.server.config import ServerConfig
 from kvseal.server.files import FrontDoorFiles
-from kvseal.server.generation_defaults import GenerationDefaults
 from kvseal.server.metrics import ServerMetrics
 from kvseal.server.open_files import connection_cap, raise_open_files_limit
 from kvseal.server.prompts import PromptEncoder

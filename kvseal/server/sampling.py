@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from kvseal.admission import AdmissionLimits
 from kvseal.errors import InvalidParameter
+from kvseal.generation_defaults import GenerationDefaults
 from kvseal.server.auth import Tenant
 from kvseal.server.front_door import check_context
-from kvseal.server.generation_defaults import GenerationDefaults
 from kvseal.server.protocol import GenerationBody
 from kvseal.types import SamplingParams
 

@@ -8,11 +8,11 @@ from typing import Protocol
 
 from kvseal.admission import AdmissionLimits
 from kvseal.engine_api import EngineBackend
+from kvseal.generation_defaults import GenerationDefaults
 from kvseal.messages.msgs import EngineReadyMsg
 from kvseal.server.audit import AuditLog
 from kvseal.server.auth import ApiKeyTable
 from kvseal.server.config import ServerConfig
-from kvseal.server.generation_defaults import GenerationDefaults
 from kvseal.server.metrics import ServerMetrics
 from kvseal.server.prompts import PromptEncoder
 from kvseal.server.rate_limits import RateLimits

@@ -12,8 +12,8 @@ import pytest
 from server_process import KEYS, ServerProcess, client_for
 
 from kvseal.errors import ConfigError
+from kvseal.generation_defaults import GenerationDefaults
 from kvseal.llm import LLM
-from kvseal.server.generation_defaults import GenerationDefaults
 from kvseal.server.protocol import ChatMessage
 from kvseal.types import SamplingParams
 

@@ -1,4 +1,5 @@
-"""The sampling defaults a request gets for the fields it omits (vLLM's `--generation-config`).
+"""The sampling defaults a request gets for the fields it omits (vLLM's `--generation-config`),
+served (`kvseal serve`) and offline (`LLM.get_default_sampling_params`) alike.
 
 `auto` (the default, as in vLLM): the model's `generation_config.json` values for
 `temperature`, `top_p`, `top_k`, `min_p` and `repetition_penalty`, where it has them; OpenAI's
@@ -11,15 +12,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import logging
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
 from kvseal.errors import ConfigError, InvalidParameter
 from kvseal.types import SamplingParams
-
-logger = logging.getLogger("kvseal.server")
 
 GENERATION_CONFIG_MODES = ("auto", "vllm")
 
@@ -54,8 +52,7 @@ class GenerationDefaults:
         values = {f.name: raw[f.name] for f in fields(cls) if f.name != "source" and raw.get(f.name) is not None}
         try:
             defaults = cls(**_typed(values), source=str(path)).normalized()
-            SamplingParams(temperature=defaults.temperature, top_p=defaults.top_p, top_k=defaults.top_k,
-                           repetition_penalty=defaults.repetition_penalty, min_p=defaults.min_p)
+            defaults.sampling_params()
         except (ValueError, InvalidParameter) as exc:
             raise ConfigError(f"{path}: bad sampling default: {exc}") from exc
         return defaults
@@ -63,6 +60,12 @@ class GenerationDefaults:
     def normalized(self) -> GenerationDefaults:
         """transformers' top_k=0 means "off", which is -1 here."""
         return dataclasses.replace(self, top_k=self.top_k if self.top_k > 0 else -1)
+
+    def sampling_params(self) -> SamplingParams:
+        """These defaults as the params of a request that sets nothing else (vLLM's
+        `LLM.get_default_sampling_params`)."""
+        return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                              repetition_penalty=self.repetition_penalty, min_p=self.min_p)
 
     def describe(self) -> str:
         return (f"temperature={self.temperature:g} top_p={self.top_p:g} top_k={self.top_k} min_p={self.min_p:g} "
