@@ -10,7 +10,7 @@ from typing import Any
 
 from kvseal.config import EngineArgs
 from kvseal.engine.engine import LLMEngine
-from kvseal.errors import InvalidParameter
+from kvseal.errors import ConfigError, InvalidParameter
 from kvseal.generation_defaults import GenerationDefaults
 from kvseal.prompting import ChatOptions, render_chat
 from kvseal.types import DEFAULT_TENANT, RequestOutput, SamplingParams, choice_seed
@@ -33,6 +33,10 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, *, generation_config: str = "auto", **engine_args: Any) -> None:
+        if "block_size" in engine_args:  # vLLM's name for the KV page (the CLI's --block-size alias)
+            _take_block_size(engine_args)
+        if "quantization" in engine_args and engine_args["quantization"] is None:  # vLLM's default value
+            engine_args["quantization"] = "none"
         for note in vllm_argument_notes(engine_args):  # vLLM's arguments with no kvseal field: taken or refused
             logger.info("%s", note)
         known = {f.name for f in dataclasses.fields(EngineArgs) if f.init}
@@ -58,15 +62,19 @@ class LLM:
 
     def generate(self, prompts: PromptInput | Sequence[PromptInput],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 tenant: str = DEFAULT_TENANT, *, use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, lora_request: Any = None, *,
+                 tenant: str = DEFAULT_TENANT) -> list[RequestOutput]:
         """Run every prompt to completion; one result per prompt, in order.
 
         Every prompt is admitted (I1) before any runs: one bad prompt rejects the call and
         nothing is left queued. A prompt is a string, a list of token ids, or vLLM's
         `{"prompt": str}` / `{"prompt_token_ids": [int]}`. `use_tqdm` is taken for vLLM's
         scripts, which pass it to hide vLLM's progress bar; kvseal draws none either way.
+        The positional order is vLLM's (prompts, sampling_params, use_tqdm, lora_request);
+        `tenant`, kvseal's own, is keyword-only.
         """
         _check_use_tqdm(use_tqdm)
+        _check_no_lora(lora_request)
         _check_tenant(tenant)
         prompt_list = [_unwrap(p) for p in _as_prompt_list(prompts)]
         params = _params_per_prompt(sampling_params if sampling_params is not None
@@ -94,15 +102,16 @@ class LLM:
 
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             tenant: str = DEFAULT_TENANT, *, chat_template: str | None = None,
+             use_tqdm: bool = True, lora_request: Any = None, chat_template: str | None = None, *,
              add_generation_prompt: bool = True, continue_final_message: bool = False,
              chat_template_kwargs: dict[str, Any] | None = None, tools: list[dict[str, Any]] | None = None,
-             use_tqdm: bool = True) -> list[RequestOutput]:
+             tenant: str = DEFAULT_TENANT) -> list[RequestOutput]:
         """Apply the chat template (the model's, or `chat_template`) to one conversation (or a list
         of them) and generate; `add_generation_prompt`, `continue_final_message`,
         `chat_template_kwargs`, `tools` and `use_tqdm` as in vLLM's `LLM.chat` (no progress bar is
-        drawn)."""
+        drawn). The first five parameters are vLLM's, in its order; `tenant` is keyword-only."""
         _check_use_tqdm(use_tqdm)
+        _check_no_lora(lora_request)
         if not isinstance(messages, list):
             raise InvalidParameter("messages must be a list of message dicts, or a list of such lists",
                                    param="messages")
@@ -113,7 +122,7 @@ class LLM:
                                      continue_final_message=continue_final_message,
                                      chat_template_kwargs=chat_template_kwargs, tools=tools)
             for c in conversations]
-        return self.generate(prompts, sampling_params, tenant)
+        return self.generate(prompts, sampling_params, tenant=tenant)
 
     def apply_chat_template(self, conversation: list[dict[str, Any]], *, chat_template: str | None = None,
                             add_generation_prompt: bool = True, continue_final_message: bool = False,
@@ -142,6 +151,22 @@ class LLM:
 def _check_use_tqdm(use_tqdm: Any) -> None:
     if not isinstance(use_tqdm, bool):
         raise InvalidParameter(f"use_tqdm must be true or false, got {use_tqdm!r}", param="use_tqdm")
+
+
+def _check_no_lora(lora_request: Any) -> None:
+    """vLLM's `lora_request`: None (its default) is taken; an adapter is refused, as `enable_lora` is."""
+    if lora_request is not None:
+        raise InvalidParameter("lora_request is not supported: kvseal serves no LoRA adapters; pass None (or "
+                               "leave it out) to generate with the base model", param="lora_request")
+
+
+def _take_block_size(engine_args: dict[str, Any]) -> None:
+    """vLLM's `block_size` is kvseal's `page_size` (the tokens of one KV page), as the CLI's
+    --block-size is; both given with different values is refused."""
+    block_size = engine_args.pop("block_size")
+    if engine_args.setdefault("page_size", block_size) != block_size:
+        raise ConfigError(f"block_size={block_size!r} and page_size={engine_args['page_size']!r} name the same "
+                          f"setting (tokens per KV page); give one of them")
 
 
 def _check_tenant(tenant: Any) -> None:

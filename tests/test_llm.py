@@ -272,3 +272,26 @@ def test_no_sampling_params_means_the_models_generation_config(make_llm: Callabl
     assert (neutral.temperature, neutral.top_k, neutral.top_p) == (1.0, -1, 1.0)
     with pytest.raises(ConfigError, match="generation"):
         make_llm(model=str(folder), generation_config="nope")
+
+
+def test_vllms_call_shapes_are_taken(make_llm: Callable[..., Any], llama_dir: Path) -> None:
+    """vLLM's positional order (prompts, sampling_params, use_tqdm, lora_request), lora_request=None,
+    block_size for page_size and quantization=None; kvseal's tenant is keyword-only, and a LoRA
+    adapter stays a named refusal."""
+    from kvseal import LLM
+
+    llm = LLM(str(llama_dir), kv_cache_tokens=64, max_model_len=64, dtype="float32", block_size=8, quantization=None)
+    assert llm.engine.cache_config.page_size == 8
+    expected = llm.generate([[5, 6, 7]], GREEDY)[0].token_ids
+    assert llm.generate([[5, 6, 7]], GREEDY, False, None)[0].token_ids == expected
+    assert llm.generate([[5, 6, 7]], GREEDY, lora_request=None, tenant="alice")[0].token_ids == expected
+    assert llm.chat(CONVERSATION, GREEDY, False, None)[0].finish_reason is not None
+    for call in (lambda: llm.generate([[5, 6, 7]], GREEDY, lora_request=object()),
+                 lambda: llm.chat(CONVERSATION, GREEDY, lora_request=object())):
+        with pytest.raises(InvalidParameter) as info:
+            call()
+        assert info.value.param == "lora_request" and "LoRA" in info.value.message
+    with pytest.raises(TypeError):
+        llm.generate([[5, 6, 7]], GREEDY, True, None, "alice")  # type: ignore[misc]
+    with pytest.raises(ConfigError, match="block_size"):
+        make_llm(page_size=4, block_size=8)
