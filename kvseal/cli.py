@@ -16,7 +16,7 @@ from kvseal.auditlog.cli import add_auditlog_parsers
 from kvseal.bench.cli import add_bench_parser
 from kvseal.canary import add_canary_arguments, cmd_canary
 from kvseal.capacity import GpuMemoryPlan, KvCapacity, bytes_per_element, parse_bytes
-from kvseal.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineArgs, default_dtype
+from kvseal.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineArgs, ModelConfig, default_dtype
 from kvseal.disagg.config import EngineKeyFiles, NodeConfig, PdServeArgs, node_config_from
 from kvseal.engine.supervisor import RestartPolicy
 from kvseal.engine_args import add_engine_arguments, engine_args_from
@@ -105,17 +105,17 @@ def _cmd_generate(ns: argparse.Namespace) -> int:
 
 
 def _cmd_plan(ns: argparse.Namespace) -> int:
-    if not isinstance(ns.max_model_len, int):
-        raise ConfigError("plan needs --max-model-len N, the context in tokens to check the pool against")
     # serve's own checks of these flags: a bad value is a kvseal: error (exit 2), never a plan
-    EngineArgs(**{name: getattr(ns, name) for name in PLAN_ENGINE_FLAGS})
-    layers, kv_heads, head_dim, source = _plan_dims(ns)
+    args = EngineArgs(**{name: getattr(ns, name) for name in PLAN_ENGINE_FLAGS})
+    model, source = _plan_model(ns)
+    layers, kv_heads, head_dim = (ns.num_layers, ns.num_kv_heads, ns.head_dim) if model is None else \
+        (model.num_layers, model.num_kv_heads, model.head_dim)
     on_gpu = ns.device == "cuda"
     dtype = default_dtype("cuda") if on_gpu and ns.dtype == "auto" else PLAN_AUTO_DTYPE if ns.dtype == "auto" \
         else ns.dtype
     cap = KvCapacity.for_dims(layers, kv_heads, head_dim, bytes_per_element(dtype), ns.page_size, ns.tp,
                               ns.pd_role and not on_gpu)
-    gpu = _plan_gpu(ns, dtype) if on_gpu and not ns.kv_cache_tokens and ns.kv_cache_memory is None else None
+    gpu = _plan_gpu(ns, model, dtype) if on_gpu and not ns.kv_cache_tokens and ns.kv_cache_memory is None else None
     if gpu is not None:
         for name, value in gpu.rows():
             print(f"{name:<33}  {value}")
@@ -128,7 +128,8 @@ def _cmd_plan(ns: argparse.Namespace) -> int:
         cap = cap.with_tokens(ns.kv_cache_tokens)
     else:
         cap = cap.with_memory(parse_bytes(ns.kv_cache_memory or DEFAULT_CPU_KV_CACHE_MEMORY))
-    needed = ns.max_model_len * ns.kv_headroom
+    max_model_len, why = _plan_max_model_len(args, model, cap)
+    needed = max_model_len * ns.kv_headroom
     per_rank = cap.num_kv_heads_per_rank
     memory = f"{cap.kv_memory_bytes:,} bytes" if cap.kv_memory_bytes is not None else "(from --kv-cache-tokens)"
     rows = [
@@ -145,46 +146,69 @@ def _cmd_plan(ns: argparse.Namespace) -> int:
             f"heads) = {cap.staging_bytes:,} bytes; with the pool {cap.num_pages * cap.page_bytes:,} bytes: "
             f"{cap.num_pages * cap.page_bytes + cap.staging_bytes:,} bytes on rank 0")]
           if cap.staging_kv_heads else []),
-        ("max_model_len x headroom", f"{ns.max_model_len:,} x {ns.kv_headroom} = {needed:,.0f} tokens"),
+        ("max_model_len", f"{max_model_len:,} ({why})"),
+        ("max_model_len x headroom", f"{max_model_len:,} x {ns.kv_headroom} = {needed:,.0f} tokens"),
     ]
     width = max(len(r[0]) for r in rows)
     for name, value in rows:
         print(f"{name:<{width}}  {value}")
     try:
-        cap.require_fits(ns.max_model_len, ns.kv_headroom)
+        cap.require_fits(max_model_len, ns.kv_headroom)
     except KvsealError as exc:
         print(f"REFUSED: {exc}")
         return 1
-    print(f"OK: the pool holds {cap.pool_tokens / ns.max_model_len:.2f} full-length requests")
+    print(f"OK: the pool holds {cap.pool_tokens / max_model_len:.2f} full-length requests")
     return 0
 
 
-def _plan_gpu(ns: argparse.Namespace, dtype: str) -> GpuMemoryPlan:
+def _plan_gpu(ns: argparse.Namespace, model: ModelConfig | None, dtype: str) -> GpuMemoryPlan:
     """The GPU pool's arithmetic of `--device cuda`, as the engine does it, from the config alone."""
-    if ns.gpu_memory is None or ns.model is None:
+    if ns.gpu_memory is None or (model is None and ns.model is None):
         raise ConfigError("plan --device cuda sizes the pool from the GPU's memory: give --gpu-memory (its free "
-                          "memory, e.g. 80GiB) and --model (the weights' size comes from its config), or size the "
-                          "pool with --kv-cache-memory or --kv-cache-tokens")
-    from kvseal.models.loader import plan_config
+                          "memory, e.g. 80GiB) and a model (--model, default serve's; the weights' size comes from "
+                          "its config) rather than --num-layers/--num-kv-heads/--head-dim alone, or size the pool "
+                          "with --kv-cache-memory or --kv-cache-tokens")
+    if model is None:  # the dimensions given, the weights still the model's
+        from kvseal.models.loader import plan_config
 
-    cfg = plan_config(ns.model)
+        model = plan_config(ns.model)
     activation = parse_bytes(ns.activation_memory) if ns.activation_memory is not None else \
-        cfg.activation_estimate(dtype, ns.max_num_batched_tokens, min(ns.max_num_seqs, ns.max_num_batched_tokens))
-    return GpuMemoryPlan(parse_bytes(ns.gpu_memory), ns.gpu_memory_utilization, cfg.weight_bytes(dtype), activation)
+        model.activation_estimate(dtype, ns.max_num_batched_tokens, min(ns.max_num_seqs, ns.max_num_batched_tokens))
+    return GpuMemoryPlan(parse_bytes(ns.gpu_memory), ns.gpu_memory_utilization, model.weight_bytes(dtype),
+                         activation)
 
 
-def _plan_dims(ns: argparse.Namespace) -> tuple[int, int, int, str]:
+def _plan_model(ns: argparse.Namespace) -> tuple[ModelConfig | None, str]:
+    """The model serve would load (--model, else the default model), from its config alone, and
+    how plan names it; None where all three dimensions are given in its place."""
     explicit = (ns.num_layers, ns.num_kv_heads, ns.head_dim)
     if all(v is not None for v in explicit):
-        return ns.num_layers, ns.num_kv_heads, ns.head_dim, "(explicit dimensions)"
-    if ns.model is None:
-        raise KvsealError("plan needs --model (a folder with config.json) or all of --num-layers, "
-                          "--num-kv-heads and --head-dim")
-    from kvseal.config import ModelConfig
+        return None, "(explicit dimensions)"
+    if ns.model is None and any(v is not None for v in explicit):
+        raise KvsealError("plan needs all of --num-layers, --num-kv-heads and --head-dim, or none of them "
+                          "(then --model's, default: the default model)")
+    from kvseal.model_files import resolve_model_path
     from kvseal.models.loader import plan_config
 
-    cfg: ModelConfig = plan_config(ns.model)
-    return cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, str(ns.model)
+    config = plan_config(ns.model)  # serve's model: the same path, the default where --model is not given
+    return config, str(ns.model) if ns.model is not None else f"{resolve_model_path(None)} (the default model)"
+
+
+def _plan_max_model_len(args: EngineArgs, model: ModelConfig | None, cap: KvCapacity) -> tuple[int, str]:
+    """max_model_len as serve resolves it (`EngineArgs.resolve_max_model_len`), and where it came from."""
+    if model is None:
+        if not isinstance(args.max_model_len, int):
+            raise ConfigError("plan with --num-layers, --num-kv-heads and --head-dim has no model to take "
+                              "max_model_len from (its default, its position limit, auto's clamp): give "
+                              "--max-model-len N, or --model in place of the dimensions")
+        return args.max_model_len, "--max-model-len"
+    resolved = args.resolve_max_model_len(model, cap)
+    if args.max_model_len is None:
+        return resolved, "the model's max_position_embeddings"
+    if args.max_model_len == "auto":
+        return resolved, (f"auto: the model allows {model.max_position_embeddings:,}, the pool holds "
+                          f"{cap.pool_tokens:,} tokens at kv_headroom {args.kv_headroom}")
+    return resolved, "--max-model-len"
 
 
 def _cmd_serve(ns: argparse.Namespace) -> int:

@@ -614,12 +614,7 @@ class EngineArgs:
         """Decide every "auto" and refuse what cannot be honoured (I2). `kv_memory_bytes`: the
         pool's bytes when the device's memory sizes it (`is_pool_sized_by_device`)."""
         capacity = self.capacity(model, kv_memory_bytes)
-        max_model_len = self._resolve_max_model_len(model, capacity)
-        if model.sliding_window is not None and max_model_len > model.sliding_window:
-            raise ConfigError(
-                f"the model uses sliding-window attention (window {model.sliding_window}) and kvseal "
-                f"attends over the full context; set max_model_len <= {model.sliding_window}"
-            )
+        max_model_len = self.resolve_max_model_len(model, capacity)
         capacity.require_fits(max_model_len, self.kv_headroom)
         # an undecided device (torch-free callers: `kvseal plan`, tests) plans for the CPU; the
         # engine decides it first (`on_device`)
@@ -630,7 +625,19 @@ class EngineArgs:
                                 model.attention_cost_context(self.dtype))
         return cache, sched
 
-    def _resolve_max_model_len(self, model: ModelConfig, capacity: KvCapacity) -> int:
+    def resolve_max_model_len(self, model: ModelConfig, capacity: KvCapacity) -> int:
+        """The context `max_model_len` means for `model` and the pool `capacity`: the model's
+        when unset, auto clamped to the pool; refused beyond the model's positions or its sliding
+        window. Torch-free: `kvseal plan` resolves it with this too."""
+        max_model_len = self._max_model_len_for(model, capacity)
+        if model.sliding_window is not None and max_model_len > model.sliding_window:
+            raise ConfigError(
+                f"the model uses sliding-window attention (window {model.sliding_window}) and kvseal "
+                f"attends over the full context; set max_model_len <= {model.sliding_window}"
+            )
+        return max_model_len
+
+    def _max_model_len_for(self, model: ModelConfig, capacity: KvCapacity) -> int:
         limit = model.max_position_embeddings
         if self.max_model_len is None:
             return limit

@@ -60,6 +60,61 @@ def test_plan_reads_config_json_without_weights(tmp_path: Path, capsys: pytest.C
     assert rc == 0 and f"{2 * 24 * 2 * 64 * 2:,}" in out
 
 
+def _config_folder(folder: Path, **extra: Any) -> Path:
+    """A model folder of config.json alone (no weights: plan reads none), 256 positions."""
+    (folder / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 100, "hidden_size": 64,
+        "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "max_position_embeddings": 256, "rms_norm_eps": 1e-6, **extra,
+    }))
+    return folder
+
+
+def test_plan_resolves_max_model_len_as_serve_does(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """No --max-model-len: the model's; auto: clamped to the pool; each printed with where it came from."""
+    model = str(_config_folder(tmp_path))
+    assert main(["plan", "--model", model, "--kv-cache-tokens", "1024"]) == 0
+    out = capsys.readouterr().out
+    assert "256 (the model's max_position_embeddings)" in out and "OK" in out
+    assert main(["plan", "--model", model, "--kv-cache-tokens", "100", "--max-model-len", "auto"]) == 0
+    out = capsys.readouterr().out  # 100 tokens are 7 pages of 16: 112 tokens, as the engine's pool
+    assert "112 (auto: the model allows 256, the pool holds 112 tokens" in out and "OK" in out
+
+
+@pytest.mark.parametrize(("extra", "flags"), [
+    ({}, ["--max-model-len", "100000"]),  # beyond the model's positions
+    ({"architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": 64}, []),
+])
+def test_plan_refuses_the_max_model_len_serve_refuses(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                      extra: dict[str, Any], flags: list[str]) -> None:
+    """The same refusal as serve's start-up, word for word, and exit 2; plan used to print OK."""
+    from kvseal.models.loader import plan_config
+
+    model = _config_folder(tmp_path, **extra)
+    args = ["--kv-cache-tokens", "200000", *flags]
+    assert main(["plan", "--model", str(model), *args]) == 2
+    captured = capsys.readouterr()
+    with pytest.raises(ConfigError) as serve:
+        EngineArgs(model=str(model), kv_cache_tokens=200000,
+                   max_model_len=int(flags[1]) if flags else None).resolve(plan_config(model))
+    assert f"kvseal: error: {serve.value}\n" in captured.err and "OK" not in captured.out
+
+
+def test_plan_plans_for_the_default_model(capsys: pytest.CaptureFixture[str]) -> None:
+    """No --model: serve's default model, as --help says; plan used to refuse."""
+    from kvseal.model_files import default_model_path
+
+    assert main(["plan", "--max-model-len", "2048", "--kv-cache-memory", "1GiB"]) == 0
+    out = capsys.readouterr().out
+    assert f"{default_model_path()} (the default model)" in out and "2,048 (--max-model-len)" in out
+
+
+def test_plan_with_dimensions_alone_needs_a_max_model_len(capsys: pytest.CaptureFixture[str]) -> None:
+    """No model to take the default from: a flag error that says what to give, never a guess."""
+    assert main(["plan", "--num-layers", "2", "--num-kv-heads", "1", "--head-dim", "4"]) == 2
+    assert "give --max-model-len N, or --model in place of the dimensions" in capsys.readouterr().err
+
+
 def test_startup_refuses_small_pool_naming_both_numbers(make_llm: Callable[..., Any]) -> None:
     with pytest.raises(ConfigError) as info:
         make_llm(kv_cache_tokens=100, max_model_len=200)
