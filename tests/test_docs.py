@@ -132,3 +132,43 @@ def test_the_architecture_diagram_draws_the_layers_contract() -> None:
     modules = {p.stem for p in (ROOT / "kvseal").glob("*.py")} | \
         {p.parent.name for p in (ROOT / "kvseal").glob("*/__init__.py")}
     assert modules - {"__init__"} - set().union(*layers) == set()
+
+
+def _engine_flag_table() -> list[str]:
+    text = _text(ROOT / "README.md")
+    start = text.index("| flag / `LLM(...)` argument |")
+    return [line for line in text[start:].split("\n\n")[0].splitlines()[2:] if line.startswith("|")]
+
+
+def readme_flag_table_problems(rows: list[str]) -> list[str]:
+    """Each flag of the README's engine table whose `LLM(...)` name is not the flag with `_` for
+    `-` and is not written in its row as `name=`."""
+    import argparse
+    import dataclasses
+
+    from kvseal.cli import build_parser
+    from kvseal.config import EngineArgs
+
+    fields = {f.name for f in dataclasses.fields(EngineArgs) if f.init}
+    [commands] = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    actions = {option: action for action in commands.choices["serve"]._actions for option in action.option_strings}
+    problems = []
+    for row in rows:
+        cell = row.split(" | ")[0]
+        for option in re.findall(r"(?<![\w-])(--[a-z][\w-]*)", cell):  # -tp: --tensor-parallel-size's alias
+            action = actions.get(option)
+            if action is None or action.dest not in fields:
+                problems.append(f"{option}: not an engine flag of kvseal serve")
+            elif action.dest != option.removeprefix("--").replace("-", "_") \
+                    and action.dest not in re.findall(r"`(\w+)=", cell) and option != "--block-size":
+                problems.append(f"{option}: LLM(...) takes {action.dest}=, the row does not say so")
+    return problems
+
+
+def test_the_readme_flag_table_says_each_llm_argument_that_is_not_the_flags_name() -> None:
+    """README: `LLM(...)` takes the flag with `_` for `-`, "except where the table says otherwise"
+    (vLLM's --block-size is --page-size's other spelling, in its row)."""
+    assert readme_flag_table_problems(_engine_flag_table()) == []
+    assert readme_flag_table_problems(["| `--tp-timeout 60` | x |", "| `--no-prefix-caching` | x |"]) == [
+        "--tp-timeout: LLM(...) takes tp_timeout_s=, the row does not say so",
+        "--no-prefix-caching: LLM(...) takes enable_prefix_caching=, the row does not say so"]
