@@ -81,6 +81,8 @@ def _add_info_routes(app: FastAPI, state: AppState) -> None:
 
     @app.get("/v1/models/{model:path}", response_model=None)
     async def retrieve_model(model: str, request: Request) -> Response:
+        if not model:  # GET /v1/models/: a trailing slash, answered as every other one (no model named '')
+            return errors.response(errors.route_not_found(clip(request.url.path), served_routes(app)))
         try:
             key = state.keys.identify(authorization_of(request.headers))
             if model != state.model_name:

@@ -251,6 +251,9 @@ def test_a_trailing_slash_is_a_404_not_a_redirect(server: ServerProcess) -> None
         assert "location" not in response.headers, path
         err = error_of(response, 404)
         assert err["code"] == "not_found", path
+    # /v1/models/{model} with no model: the path with a slash, not a model named ''
+    err = error_of(httpx.get(f"{server.url}/v1/models/", headers=ALICE, timeout=10), 404)
+    assert err["code"] == "not_found" and "GET /v1/models/{model}" in err["message"]
 
 
 def test_the_404_lists_every_served_route(server: ServerProcess) -> None:
