@@ -27,7 +27,12 @@ with tools is refused:
   a parameter or tool the request does not define, stays text. A block that is not one whole
   function of parameters (cut off by max_tokens, two functions, stray text between parameters)
   is content, as hermes takes its blocks; unlike vLLM's parser, which reads a cut call as far
-  as it goes and drops the text between and after calls.
+  as it goes and drops the text between and after calls. A string held to a length or a
+  pattern is read as the text those bounds hold for (the enforced call's grammar counts the
+  newlines and whitespace between the tags). The format cannot tell its own tags inside a
+  value from the value's end: a string holding `</parameter>`, `<parameter=`, `</function>` or
+  `</tool_call>` is cut there, as in vLLM's parser (a call so cut may come back as content).
+  An enforced call's tools may not name a parameter with `<`, `>` or a line break.
 In every format a call has a string name and an object of arguments under the format's key;
 anything else (a JSON record that happens to have a `name`, a call with a positional argument or
 a value that is not a literal) leaves the whole answer content, as in vLLM's parsers. A call
@@ -255,6 +260,15 @@ class Qwen3CoderToolParser:
         `structured/grammars.py`)."""
         tools = [{"name": schema["properties"]["name"]["const"], "parameters": schema["properties"][self.arguments_key]}
                  for schema in call_schemas]
+        for tool in tools:
+            properties = tool["parameters"].get("properties")
+            for key in properties if isinstance(properties, dict) else []:
+                if _QWEN_UNWRITABLE.search(key):
+                    raise InvalidParameter(
+                        f"tool {tool['name']!r} has a parameter named {key!r}: qwen3_coder writes a parameter's "
+                        f"name inside <parameter=...>, which cannot hold '<', '>' or a line break, so an enforced "
+                        f"call (tool_choice required or named) could not name it; rename the parameter",
+                        param="tools")
         return StructuredOutput("qwen3_coder_call", json.dumps(tools))
 
     def _read_call(self, body: str) -> ParsedToolCall | None:
@@ -268,9 +282,8 @@ class Qwen3CoderToolParser:
         properties = schema.get("properties") if isinstance(schema, dict) else None
         arguments, position = {}, 0
         while (parameter := _QWEN_PARAMETER.match(inner, position)) is not None:
-            key, value = parameter.groups()
-            value = value.removeprefix("\n").removesuffix("\n")  # the template's newlines around it
-            arguments[key] = _typed(value, properties.get(key) if isinstance(properties, dict) else None)
+            key, raw = parameter.groups()
+            arguments[key] = _typed(raw, properties.get(key) if isinstance(properties, dict) else None)
             position = parameter.end()
         if inner[position:].strip():
             return None  # text between the parameters: not this format
@@ -282,15 +295,17 @@ class Qwen3CoderToolParser:
 # parameter or the function's end, as vLLM's parser reads it
 _QWEN_FUNCTION = re.compile(r"<function=([^<>\n]+)>(.*)</function>", re.DOTALL)
 _QWEN_PARAMETER = re.compile(r"\s*<parameter=([^<>\n]+)>(.*?)(?:</parameter>|(?=<parameter=)|\Z)", re.DOTALL)
+_QWEN_UNWRITABLE = re.compile(r"[<>\n]")  # what a parameter's name in <parameter=NAME> cannot hold
 _UNREAD = object()  # a value not of the type tried
 
 
-def _typed(text: str, schema: Any) -> Any:
-    """A Qwen3-Coder parameter's value by its schema: the `const` or one of the `enum` values its
-    text spells, else the first of its declared types (`type`, or those of `anyOf` / `oneOf`)
-    other than string that the text reads as, else the text itself (a string parameter, one
-    without a schema, or a value that is not of its type: the client sees what the model wrote).
-    Whitespace around the text counts only for a plain string, which may begin or end with it."""
+def _typed(raw: str, schema: Any) -> Any:
+    """A Qwen3-Coder parameter's value by its schema, from the `raw` text between its tags: the
+    `const` or one of the `enum` values its text spells, else the first of its declared types
+    (`type`, or those of `anyOf` / `oneOf`) other than string that the text reads as, else the
+    text itself (a string parameter, one without a schema, or a value that is not of its type:
+    the client sees what the model wrote), less the template's newline at each end."""
+    text = raw.removeprefix("\n").removesuffix("\n")  # the template's newlines around it
     if not isinstance(schema, dict):
         return text
     bare = text.strip()
@@ -302,9 +317,29 @@ def _typed(text: str, schema: Any) -> Any:
         value = _read_as(kind, bare)
         if value is not _UNREAD:
             return value
-    # xgrammar's enforced call lets one whitespace character around a string held to a pattern,
-    # a format or a length, as a separator (`structured/grammars.py`)
-    return bare if _STRING_BOUNDS.intersection(schema) else text
+    if not _STRING_BOUNDS.intersection(schema):
+        return text
+    # A string held to a length or a pattern: the enforced call's grammar (xgrammar's `qwen_xml`)
+    # counts every character between the tags, newlines and the whitespace it lets in included,
+    # so the reading the bounds hold for is the one it enforced: the template's, else the raw
+    # text, else the text without the whitespace around it.
+    return next((reading for reading in (text, raw, bare) if _within_string_bounds(reading, schema)), text)
+
+
+def _within_string_bounds(text: str, schema: dict[str, Any]) -> bool:
+    """Whether `text` has the schema's minLength, maxLength and pattern (searched, as JSON Schema
+    does; a pattern Python's re cannot read is not held against it)."""
+    min_length, max_length, pattern = schema.get("minLength"), schema.get("maxLength"), schema.get("pattern")
+    if isinstance(min_length, int) and len(text) < min_length:
+        return False
+    if isinstance(max_length, int) and len(text) > max_length:
+        return False
+    if isinstance(pattern, str):
+        try:
+            return re.search(pattern, text) is not None
+        except re.error:
+            return True
+    return True
 
 
 _STRING_BOUNDS = frozenset({"pattern", "format", "minLength", "maxLength"})

@@ -541,3 +541,31 @@ def test_qwen3_coder_calls_on_the_server(char_dir: Path, tmp_path: Path) -> None
             assert choice.finish_reason == "tool_calls"
     finally:
         server.terminate()
+
+
+def test_qwen3_coder_bounded_strings_read_as_the_enforced_grammar_counted_them() -> None:
+    """The enforced call's grammar counts every character between the tags against a string's
+    length or pattern, the newlines and the whitespace it lets in too: the parser's reading of
+    such a string is one those bounds hold for, so a forced call's arguments validate."""
+    schema = {"type": "object", "properties": {"x": {"type": "string", "minLength": 3},
+                                               "y": {"type": "string", "maxLength": 5},
+                                               "z": {"type": "string", "pattern": "^[a-z]+$"}}}
+    parser = Qwen3CoderToolParser({"f": schema})
+    for written, expected in [("\na\n", "\na\n"), (" a ", " a "), ("\nab\n", "\nab\n"), ("\nabcd\n", "abcd")]:
+        [call] = parser.parse(f"<tool_call>\n<function=f>\n<parameter=x>{written}</parameter>\n</function>\n"
+                              f"</tool_call>")[1]
+        assert json.loads(call.arguments) == {"x": expected}, written
+        jsonschema.validate(json.loads(call.arguments), schema)
+    [call] = parser.parse(_qwen_call("f", y="Paris", z=" abc"))[1]
+    assert json.loads(call.arguments) == {"y": "Paris", "z": "abc"}
+
+
+def test_qwen3_coder_forced_call_refuses_a_parameter_name_the_format_cannot_write() -> None:
+    from kvseal.errors import InvalidParameter
+    from kvseal.server.tools import call_schema
+
+    for name in ("a>b", "a<b", "a\nb"):
+        with pytest.raises(InvalidParameter, match="rename the parameter") as refused:
+            Qwen3CoderToolParser().forced_call([call_schema("f", {"type": "object",
+                                                                  "properties": {name: {"type": "string"}}})])
+        assert refused.value.param == "tools"
