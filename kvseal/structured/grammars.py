@@ -43,7 +43,7 @@ def _json_schemas(kind: str, schema: str | None) -> list[str]:
     if kind in ("json_schema", "tool_call") and schema is not None:
         return [schema]
     if kind == "qwen3_coder_call" and schema is not None:
-        return [json.dumps(tool["parameters"]) for tool in json.loads(schema)]
+        return [json.dumps(tool["parameters"]) for tool in _qwen3_coder_tools(schema)]
     return []
 
 
@@ -73,14 +73,27 @@ def qwen3_coder_call_tag(tools_json: str) -> str:
     value is the raw text, any other the JSON one) per the tool's parameters schema, for one of
     the tools of a JSON list of `{"name", "parameters"}`. At most one whitespace character in a
     row between the parts (the template's newlines; xgrammar's `qwen_xml` lets one around a value
-    that is not a plain string, which the parser strips): a model cannot spin on whitespace until
-    max_tokens."""
+    that is not a plain string, which the parser reads as the string's bounds hold): a model
+    cannot spin on whitespace until max_tokens."""
     calls = [{"type": "tag", "begin": f"<tool_call>\n<function={tool['name']}>\n",
               "content": {"type": "json_schema", "json_schema": tool["parameters"], "style": "qwen_xml",
                           "max_whitespace_cnt": 1},
-              "end": "\n</function>\n</tool_call>"} for tool in json.loads(tools_json)]
+              "end": "\n</function>\n</tool_call>"} for tool in _qwen3_coder_tools(tools_json)]
     return json.dumps({"type": "structural_tag", "format": calls[0] if len(calls) == 1 else
                        {"type": "or", "elements": calls}}, ensure_ascii=False)
+
+
+def _qwen3_coder_tools(tools_json: str) -> list[dict[str, Any]]:
+    """The tools of a `qwen3_coder_call` spec; ValueError (a compile error the caller is told,
+    never a worker's crash) unless it is a non-empty JSON list of `{"name": str, "parameters":
+    {...}}` (offline callers may write the spec themselves)."""
+    tools = json.loads(tools_json)
+    if not (isinstance(tools, list) and tools and all(
+            isinstance(tool, dict) and isinstance(tool.get("name"), str) and tool["name"]
+            and isinstance(tool.get("parameters"), dict) for tool in tools)):
+        raise ValueError('a qwen3_coder_call grammar takes a non-empty JSON list of {"name": "...", '
+                         '"parameters": {...}} objects')
+    return tools
 
 
 def choice_grammar(choices_json: str) -> str:

@@ -338,6 +338,16 @@ def test_a_spec_xgrammar_cannot_read_is_a_typed_error(char_llm: LLM, spec: Struc
     assert not char_llm.engine.has_unfinished()
 
 
+@pytest.mark.parametrize("spec", ['[{"name": "f"}]', '{"a": 1}', "[]", '[{"name": 3, "parameters": {}}]'])
+def test_a_malformed_qwen3_coder_call_spec_is_a_typed_error_not_a_workers_crash(char_llm: LLM, spec: str) -> None:
+    """Offline callers may write a qwen3_coder_call spec themselves: a malformed one is refused
+    naming the shape it needs (a worker that crashed on it would say it stopped while compiling)."""
+    params = SamplingParams(max_tokens=4, structured=StructuredOutput("qwen3_coder_call", spec))
+    with pytest.raises(InvalidParameter, match="non-empty JSON list"):
+        char_llm.generate("x", params)
+    assert not char_llm.engine.has_unfinished()
+
+
 @pytest.mark.parametrize(("spec", "problem"), [
     (StructuredOutput("regex", "([a-"), "Unclosed"),
     (StructuredOutput("regex", "a" * (MAX_SCHEMA_CHARS + 1)), "limit"),
