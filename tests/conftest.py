@@ -47,7 +47,7 @@ PROCESS_MODULES = frozenset({
     "server/test_door_bounds.py", "server/test_engine_restart.py", "server/test_engine_threads.py",
     "server/test_frontend_guards.py",
     "server/test_grammar_budget.py", "server/test_isolation_events.py", "server/test_lifecycle.py",
-    "server/test_parity_default_model.py", "server/test_parity_structured.py", "server/test_parity_tokenize.py",
+    "server/test_parity_structured.py", "server/test_parity_tokenize.py",
     "server/test_prefix_cache_api.py", "server/test_quantization.py", "server/test_tenancy.py",
     "test_layering.py",
 })

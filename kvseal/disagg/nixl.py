@@ -58,7 +58,9 @@ the bytes with CMA. A peer that learned decode's metadata could therefore WRITE 
 arena, never its pool: decode copies an arena page into a reservation only if it carries the
 transfer's keyed tag, which only a holder of the transfer key can make. It could READ the
 arena as well (NIXL serves one-sided READs of registered memory): the KV of transfers in
-flight, never of one that ended, whose arena pages were zeroed when given back.
+flight, not of one that ended, whose arena pages were zeroed when given back, save a write of
+a sender so slow that decode released its transfer on the drain timeout (`cancel`) and that
+lands afterwards in the free pages, until they are zeroed again for the next transfer.
 """
 
 from __future__ import annotations

@@ -312,7 +312,7 @@ def zero_pages(target: torch.Tensor, pages: list[int]) -> None:
         raise IndexError(f"page ids out of range: pages < {num_pages}")
     runs = page_runs(pages)
     if len(runs) > MAX_MEMMOVE_RUNS:
-        target.view(torch.uint8).numpy()[:, pages] = 0
+        target.reshape(num_rows, num_pages, -1).view(torch.uint8).numpy()[:, pages] = 0  # (a view: contiguous)
         return
     page_bytes = target[0, 0].numel() * target.element_size()
     target_ptr = target.data_ptr()

@@ -990,10 +990,13 @@ def test_copy_pages_checks_page_ids_before_moving_a_byte() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.uint8])
 @pytest.mark.parametrize("pages", [[3, 4, 5, 6], [9, 0, 4, 5, 2], list(range(0, 2 * MAX_MEMMOVE_RUNS + 4, 2))])
-def test_zero_pages_zeroes_exactly_those_pages_of_every_row(dtype: torch.dtype, pages: list[int]) -> None:
-    """Consecutive, scattered, and more runs than it memsets one by one: torch's own indexed
-    assignment is the reference, and ids are checked before a byte is written."""
-    target = torch.randint(1, 100, (3, 2 * MAX_MEMMOVE_RUNS + 4, 4, 5)).to(dtype)
+@pytest.mark.parametrize("page_shape", [(4, 5), ()], ids=["pages-of-rows", "one-element-pages"])
+def test_zero_pages_zeroes_exactly_those_pages_of_every_row(dtype: torch.dtype, pages: list[int],
+                                                            page_shape: tuple[int, ...]) -> None:
+    """Consecutive, scattered, and more runs than it memsets one by one, of any dtype and page
+    shape (a 2-D tensor too): torch's own indexed assignment is the reference, and ids are
+    checked before a byte is written."""
+    target = torch.randint(1, 100, (3, 2 * MAX_MEMMOVE_RUNS + 4, *page_shape)).to(dtype)
     want = target.clone()
     want[:, pages] = 0
     zero_pages(target, pages)
