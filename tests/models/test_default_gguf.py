@@ -46,3 +46,15 @@ def test_default_model_chat_template_and_answer(llm: LLM) -> None:
                    SamplingParams(max_tokens=24, temperature=0))[0]
     assert "Paris" in out.text
     assert out.finish_reason.value in ("stop", "length")
+
+
+def test_default_model_answers_in_bfloat16() -> None:
+    """The dtype `auto` picks on CPUs with bfloat16 dot products, on the real weights (the served
+    default model's tests run in float32; the tiny models hold bfloat16 to float32 elsewhere)."""
+    llm = LLM(kv_cache_tokens=4096, max_model_len=2048, dtype="bfloat16")
+    try:
+        out = llm.chat([{"role": "user", "content": "Say hello."}], SamplingParams(max_tokens=8, temperature=0))[0]
+        assert out.text.strip() and 1 <= len(out.token_ids) <= 8
+        llm.engine.check_integrity()
+    finally:
+        llm.engine.close()
