@@ -161,7 +161,8 @@ class SamplingParams:
 
     temperature 0 means greedy. top_k <= 0, top_p == 1 and min_p == 0 disable those filters
     (min_p, as vLLM's: drop the tokens less likely than min_p times the most likely one). A seed
-    makes sampling reproducible for this request regardless of what it is batched with.
+    makes sampling reproducible for this request regardless of what it is batched with (-1, as
+    in vLLM, is no seed).
     presence/frequency penalties follow OpenAI (output tokens only), repetition_penalty
     follows vLLM/transformers (prompt and output tokens); `logit_bias` is (token id, bias)
     pairs added to the logits. `n` choices are generated from one prompt.
@@ -246,6 +247,8 @@ class SamplingParams:
             object.__setattr__(self, name, float(value))
         _require(self.seed is None or -2**63 <= self.seed < 2**63, "seed",
                  f"must fit in 64 bits ([-2**63, 2**63)), got {self.seed}")
+        if self.seed == -1:  # vLLM's: no seed
+            object.__setattr__(self, "seed", None)
         _require(isinstance(self.ignore_eos, bool), "ignore_eos", f"must be true or false, got {self.ignore_eos!r}")
         for flag in ("include_stop_str_in_output", "skip_special_tokens", "detokenize"):
             _require(isinstance(getattr(self, flag), bool), flag, f"must be true or false, got {getattr(self, flag)!r}")

@@ -66,10 +66,20 @@ class ChatEndpoint:
                              if parses_calls and self.tool_call_parser else None,
                              is_named,
                              with_prompt_logprobs=body.prompt_logprobs is not None, reasoning=reasoning,
-                             include_reasoning=body.include_reasoning)
+                             include_reasoning=body.include_reasoning, echo=_echo(body))
 
 
 PROMPT_TAIL_TOKENS = 16  # the prompt's last tokens, read for an open <think>
+
+
+def _echo(body: ChatCompletionRequest) -> str:
+    """vLLM's `echo`: the text the answer starts with, the last message's content when that
+    message is the answer's own turn (an assistant's, or any last message the template continues
+    without a generation prompt); "" otherwise."""
+    last = body.messages[-1]
+    if not body.echo or (body.add_generation_prompt and last.role != "assistant"):
+        return ""
+    return str(last.as_template_input()["content"])
 
 
 def _asked_max_tokens(body: ChatCompletionRequest) -> int | None:
@@ -99,10 +109,11 @@ class ChatFormatter:
     def __init__(self, ids: ResponseIds, with_logprobs: bool, include_usage: bool, prompts: PromptEncoder,
                  num_choices: int = 1, tool_parser: ToolParser | None = None,
                  is_named_tool: bool = False, with_prompt_logprobs: bool = False,
-                 reasoning: ReasoningGate | None = None, include_reasoning: bool = True) -> None:
+                 reasoning: ReasoningGate | None = None, include_reasoning: bool = True, echo: str = "") -> None:
         """`reasoning`: None without a reasoning parser; else the model's markers, and whether
         the prompt left a `<think>` block open (`server/reasoning.py`). `include_reasoning`
-        false: the reasoning is split off as usual but not sent (vLLM's field)."""
+        false: the reasoning is split off as usual but not sent (vLLM's field). `echo`: the text
+        every choice's content starts with (`_echo`), sent after the role in a stream."""
         self._ids = ids
         self._with_logprobs = with_logprobs
         self._include_usage = include_usage
@@ -115,6 +126,7 @@ class ChatFormatter:
         self._reasoning = reasoning
         self._include_reasoning = include_reasoning
         self._reasoning_streams: dict[int, ReasoningStream] = {}
+        self._echo = echo
 
     def engine_params(self, params: SamplingParams) -> SamplingParams:
         """A structured output constrains the answer this formatter splits from the reasoning:
@@ -124,7 +136,10 @@ class ChatFormatter:
         return dataclasses.replace(params, structured=dataclasses.replace(params.structured, reasoning=self._reasoning))
 
     def first_chunks(self) -> list[dict[str, Any]]:
-        return [self._chunk(i, {"role": "assistant", "content": ""}, None, None) for i in range(self._num_choices)]
+        chunks = [self._chunk(i, {"role": "assistant", "content": ""}, None, None) for i in range(self._num_choices)]
+        if self._echo:
+            chunks += [self._chunk(i, {"content": self._echo}, None, None) for i in range(self._num_choices)]
+        return chunks
 
     def delta_chunks(self, index: int, out: RequestOutputMsg) -> list[dict[str, Any]]:
         if self._reasoning is None:
@@ -188,6 +203,8 @@ class ChatFormatter:
             message["content"], calls = self._tool_parser.parse(text)
             if calls:
                 message["tool_calls"] = [call.as_openai() for call in calls]
+        if self._echo:
+            message["content"] = self._echo + (message["content"] or "")
         return {"index": index, "message": message, "logprobs": self._logprobs(transcript.logprobs),
                 "finish_reason": self._finish_reason(transcript.finish_reason, bool(calls)),
                 "stop_reason": transcript.stop_reason}

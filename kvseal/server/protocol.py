@@ -6,7 +6,12 @@ A field kvseal does not implement is rejected, never ignored: undeclared fields 
 `repetition_penalty`, `stop_token_ids`, `truncate_prompt_tokens`, `prompt_logprobs`,
 `structured_outputs` and `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar` are
 honoured; `best_of` equal to `n`, chat's `store: false` and `metadata` ask for nothing and are taken
-as vLLM takes them (any other `best_of`, and `store: true`, are refused).
+as vLLM takes them (any other `best_of`, and `store: true`, are refused). So are vLLM's fields at
+the value that asks for nothing (`use_beam_search: false`, `priority: 0`,
+`spaces_between_special_tokens: true`, `return_tokens_as_token_ids: false`, `return_token_ids:
+false`, `bad_words: []`, and `length_penalty`, which only beam search reads); any other value
+is refused, naming the field. As in vLLM's server, `logit_bias` values are clamped to [-100, 100],
+`seed: -1` means unseeded and `truncate_prompt_tokens: -1` the most a prompt may have.
 
 Every list and string has a bound, so no field makes the parser, the tokenizer, the grammar
 compiler or the audit log work without limit (a bad value is a 400 naming the field and the
@@ -52,6 +57,33 @@ Name = Annotated[str, Field(max_length=MAX_NAME_CHARS)]
 FunctionName = Annotated[str, Field(min_length=1, max_length=MAX_FUNCTION_NAME_CHARS)]
 Description = Annotated[str, Field(max_length=MAX_DESCRIPTION_CHARS)]
 StopString = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
+
+
+def _unseeded(seed: int) -> int | None:
+    """vLLM's seed -1: no seed."""
+    return None if seed == -1 else seed
+
+
+def _clamped_bias(bias: float) -> float:
+    """vLLM's server clamps each bias to OpenAI's range rather than refusing it."""
+    return min(100.0, max(-100.0, bias))
+
+
+def _not_zero(value: int) -> int:
+    if value == 0:
+        raise ValueError("must be >= 1 (the prompt's last tokens to keep), or -1 for the most a prompt may have")
+    return value
+
+
+# vLLM's request fields kvseal takes at the value that asks for nothing: that value, and why another is refused
+NOTHING_ASKED: dict[str, tuple[bool | int, str]] = {
+    "use_beam_search": (False, "beam search is not implemented; send false or omit it"),
+    "priority": (0, "kvseal does not schedule by priority (every tenant is served first come, first served); "
+                    "send 0 or omit it"),
+    "spaces_between_special_tokens": (True, "not implemented; send true or omit it"),
+    "return_tokens_as_token_ids": (False, "not implemented; send false or omit it"),
+    "return_token_ids": (False, "not implemented; send false or omit it"),
+}
 
 
 class _Body(BaseModel):
@@ -111,7 +143,7 @@ class GenerationBody(_Body):
     top_p: Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)] | None = None
     top_k: Annotated[int, Field(ge=-1, le=INT32_MAX)] | None = None
     min_p: Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)] | None = None
-    seed: Annotated[int, Field(ge=0, le=2**63 - 1)] | None = None
+    seed: Annotated[int, Field(ge=-2**63, le=2**63 - 1), AfterValidator(_unseeded)] | None = None
     stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -120,7 +152,7 @@ class GenerationBody(_Body):
     frequency_penalty: Annotated[float, Field(ge=-2, le=2, allow_inf_nan=False)] | None = None
     repetition_penalty: Annotated[float, Field(gt=0, le=10, allow_inf_nan=False)] | None = None
     logit_bias: Annotated[dict[Annotated[str, Field(max_length=MAX_TOKEN_ID_DIGITS)],
-                               Annotated[float, Field(ge=-100, le=100, allow_inf_nan=False)]],
+                               Annotated[float, Field(allow_inf_nan=False), AfterValidator(_clamped_bias)]],
                           Field(max_length=MAX_LOGIT_BIAS)] | None = None
     stop_token_ids: Annotated[list[Annotated[int, Field(ge=0, le=INT32_MAX)]],
                               Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
@@ -129,7 +161,8 @@ class GenerationBody(_Body):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     min_tokens: Annotated[int, Field(ge=0, le=INT32_MAX)] = 0
-    truncate_prompt_tokens: Annotated[int, Field(ge=1, le=INT32_MAX)] | None = None
+    # -1: the most a prompt may have (vLLM's)
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1, le=INT32_MAX), AfterValidator(_not_zero)] | None = None
     response_format: ResponseFormat | None = None
     prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     allowed_token_ids: Annotated[list[Annotated[int, Field(ge=0, le=INT32_MAX)]],
@@ -142,6 +175,32 @@ class GenerationBody(_Body):
     guided_regex: SpecText | None = None
     guided_choice: ChoiceList | None = None
     guided_grammar: SpecText | None = None
+    # vLLM's fields, taken at the value that asks for nothing (`_asks_for_nothing`)
+    use_beam_search: bool = False
+    length_penalty: Annotated[float, Field(allow_inf_nan=False)] = 1.0  # beam search's alone, as in vLLM
+    priority: int = 0
+    spaces_between_special_tokens: bool = True
+    return_tokens_as_token_ids: bool = False
+    return_token_ids: bool = False
+    bad_words: Annotated[list[Name], Field(max_length=MAX_STOP)] = []
+
+    @field_validator("use_beam_search", "priority", "spaces_between_special_tokens", "return_tokens_as_token_ids",
+                     "return_token_ids")
+    @classmethod
+    def _asks_for_nothing(cls, value: bool | int, info: ValidationInfo) -> bool | int:
+        """Clients that always send vLLM's defaults are served; a value that asks for what kvseal
+        does not do is refused, naming the field, never ignored."""
+        if value != NOTHING_ASKED[str(info.field_name)][0]:
+            raise ValueError(f"{info.field_name}={json.dumps(value)}: {NOTHING_ASKED[str(info.field_name)][1]}")
+        return value
+
+    @field_validator("bad_words")
+    @classmethod
+    def _no_bad_words(cls, value: list[str]) -> list[str]:
+        if value:
+            raise ValueError("bad_words is not implemented; a single-token word can be banned with "
+                             "logit_bias -100, or send an empty list")
+        return value
 
     @property
     def stop_list(self) -> tuple[str, ...]:
@@ -298,6 +357,9 @@ TemplateKwargs = Annotated[dict[Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z
 
 class ChatCompletionRequest(GenerationBody):
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
+    # vLLM's: the answer starts with the last message's content when that message is the answer's
+    # own turn (an assistant message, or any last message without add_generation_prompt)
+    echo: bool = False
     tools: Annotated[list[ToolDef], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None

@@ -30,8 +30,9 @@ def build_sampling_params(body: GenerationBody, *, max_tokens: int | None, num_p
     errors name); `num_prompt_tokens` counts the prompt before any truncation the request asked
     for; `defaults` fill the sampling fields it omitted. `prompt_logprobs`: the request's, or
     what its endpoint derives (completions' echo with logprobs)."""
-    if body.truncate_prompt_tokens is not None:
-        num_prompt_tokens = min(num_prompt_tokens, body.truncate_prompt_tokens)
+    if body.truncate_prompt_tokens is not None:  # -1: the most a prompt may have (kvseal.admission.admit)
+        keep = body.truncate_prompt_tokens
+        num_prompt_tokens = min(num_prompt_tokens, limits.max_prompt_tokens if keep == -1 else keep)
     check_context(num_prompt_tokens, 1 if max_tokens is None else max_tokens, limits)
     if body.stream_options is not None and not body.stream:
         raise InvalidParameter("stream_options is only allowed with stream=true", param="stream_options")

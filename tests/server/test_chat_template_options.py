@@ -6,6 +6,7 @@ the field. The tiny template: `w3 {content} w4` per message, `w5` as the generat
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +57,29 @@ def test_chat_completions_render_as_tokenize_and_as_offline(server: ServerProces
     assert out.prompt_token_ids == ids and out.text == body["choices"][0]["message"]["content"]
     record = server.audit_for(response.headers["x-request-id"])
     assert {"add_generation_prompt", "continue_final_message", "chat_template_kwargs"} <= set(record["features"])
+
+
+def test_echo_starts_the_answer_with_the_continued_message(server: ServerProcess) -> None:
+    """vLLM's chat `echo`: the answer's content starts with the last message's when that message
+    is the answer's turn (an assistant's; any last one without a generation prompt), streamed
+    after the role; a user's last message before a generation prompt is not echoed."""
+    fields = {"messages": OPEN, "add_generation_prompt": False, "continue_final_message": True, "max_tokens": 3,
+              "temperature": 0, "n": 2}
+    plain = post(server, "/v1/chat/completions", fields).json()["choices"]
+    echoed = post(server, "/v1/chat/completions", fields | {"echo": True}).json()["choices"]
+    assert [c["message"]["content"] for c in echoed] == ["w20 w21" + c["message"]["content"] for c in plain]
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=fields | {"echo": True, "stream": True},
+                      headers={"Authorization": "Bearer key-alice"}, timeout=60) as response:
+        lines = [line.removeprefix("data: ") for line in response.iter_lines() if line.startswith("data: {")]
+    deltas = [(c["index"], c["delta"]) for line in lines for c in json.loads(line)["choices"]]
+    assert deltas[:4] == [(0, {"role": "assistant", "content": ""}), (1, {"role": "assistant", "content": ""}),
+                          (0, {"content": "w20 w21"}), (1, {"content": "w20 w21"})], deltas[:4]
+    for index in (0, 1):
+        assert "".join(d.get("content", "") for i, d in deltas if i == index) == echoed[index]["message"]["content"]
+    asked = post(server, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 3, "temperature": 0,
+                                                  "echo": True}).json()
+    unasked = post(server, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 3, "temperature": 0}).json()
+    assert asked["choices"][0]["message"]["content"] == unasked["choices"][0]["message"]["content"]
 
 
 @pytest.mark.parametrize(("fields", "param", "problem"), [

@@ -75,11 +75,13 @@ def test_underflowing_sampling_values_are_served(server: ServerProcess, extreme:
     ({"prompt": "w5", "frequency_penalty": -3}, "frequency_penalty"),
     ({"prompt": "w5", "repetition_penalty": 0}, "repetition_penalty"),
     ({"prompt": "w5", "logit_bias": {"w5": 1}}, "logit_bias"),
-    ({"prompt": "w5", "logit_bias": {"5": 101}}, "logit_bias"),
     ({"prompt": "w5", "logit_bias": {"600": 1}}, "logit_bias"),
     ({"prompt": "w5", "logit_bias": {"\u0663": 1}}, "logit_bias"),  # ARABIC-INDIC DIGIT THREE
     ({"prompt": "w5", "logit_bias": {"\uff13": 1}}, "logit_bias"),  # FULLWIDTH DIGIT THREE
     ({"prompt": "w5", "stop_token_ids": [600]}, "stop_token_ids"),
+    ({"prompt": "w5", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+    ({"prompt": "w5", "truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
+    ({"prompt": "w5", "seed": -2**63 - 1}, "seed"),
     ({"prompt": "w5", "stop_token_ids": "5"}, "stop_token_ids"),
     ({"prompt": "w5", "echo": "yes"}, "echo"),
     ({"prompt": "w5", "max_tokens": -1, "echo": True}, "max_tokens"),
@@ -117,6 +119,47 @@ def test_unsupported_field_is_rejected_not_ignored(server: ServerProcess, field:
     err = error_of(post(server, "/completions", {"prompt": "w5", field: value}), 400)
     assert err["code"] == "unsupported_parameter" and err["param"] == field
     assert field in err["message"]
+
+
+def test_vllms_truncation_to_the_most_a_prompt_may_have(server: ServerProcess) -> None:
+    """truncate_prompt_tokens=-1 keeps the last max-prompt tokens (here the context's 512): a
+    short prompt is untouched, one that then fills the context leaves no room to answer."""
+    body = {"prompt": words(20), "max_tokens": 2, "truncate_prompt_tokens": -1}
+    response = post(server, "/completions", body)
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["prompt_tokens"] == post(server, "/completions", body | {
+        "truncate_prompt_tokens": None}).json()["usage"]["prompt_tokens"]
+    err = error_of(post(server, "/completions", body | {"prompt": words(MAX_MODEL_LEN + 50)}), 400)
+    assert err["code"] == "context_length_exceeded" and f"{MAX_MODEL_LEN + 2} tokens" in err["message"], err
+
+
+def test_vllms_clamped_logit_bias_and_unseeded_seed(server: ServerProcess) -> None:
+    """As vLLM's server: a bias past 100 is 100 (not a 400), and seed -1 is no seed."""
+    greedy = {"prompt": "w5 w6", "max_tokens": 3, "temperature": 0}
+    for bias in (150, 100):
+        response = post(server, "/completions", greedy | {"logit_bias": {"7": bias}})
+        assert response.status_code == 200, response.text
+        assert response.json()["choices"][0]["text"] == " w7 w7 w7", (bias, response.text)
+    response = post(server, "/completions", greedy | {"logit_bias": {"7": -1e9}})
+    assert response.status_code == 200 and "w7" not in response.json()["choices"][0]["text"], response.text
+    response = post(server, "/completions", {"prompt": "w5", "max_tokens": 2, "seed": -1, "n": 2})
+    assert response.status_code == 200 and len(response.json()["choices"]) == 2, response.text
+
+
+def test_vllms_fields_that_ask_for_nothing_are_taken_others_refused(server: ServerProcess) -> None:
+    """Clients that always send vLLM's defaults are served; any other value is a 400 naming the
+    field (what it asks for is not implemented), never ignored."""
+    nothing = {"use_beam_search": False, "priority": 0, "spaces_between_special_tokens": True,
+               "return_tokens_as_token_ids": False, "return_token_ids": False, "bad_words": [], "length_penalty": 0.7}
+    response = post(server, "/completions", {"prompt": "w5", "max_tokens": 2} | nothing)
+    assert response.status_code == 200, response.text
+    chat = {"messages": [{"role": "user", "content": "w5"}], "max_tokens": 2}
+    assert post(server, "/chat/completions", chat | nothing).status_code == 200
+    for field, value in (("use_beam_search", True), ("priority", 1), ("spaces_between_special_tokens", False),
+                         ("return_tokens_as_token_ids", True), ("return_token_ids", True), ("bad_words", ["w5"])):
+        for path, body in (("/completions", {"prompt": "w5", "max_tokens": 2}), ("/chat/completions", chat)):
+            err = error_of(post(server, path, body | {field: value}), 400)
+            assert err["param"] == field and "not" in err["message"], (field, err)
 
 
 def test_best_of_equal_to_n_is_taken_and_other_values_refused(server: ServerProcess) -> None:
