@@ -4,7 +4,9 @@ generation defaults (for the fields the request omits).
 The prompt is checked against the context first, so an over-long prompt always gets
 `context_length_exceeded` (never an error about a parameter derived from it). An omitted
 `max_tokens` is the rest of the context window (`max_model_len` − prompt tokens), capped
-by the tenant's `max_tokens`, as vLLM does. Raises `InvalidParameter` naming the field;
+by the model's `max_new_tokens` (generation defaults) and the tenant's `max_tokens`, as vLLM's
+`get_max_tokens` does; a request's own `max_tokens` is kept even above `max_new_tokens` (vLLM
+treats the file's value as a default, not a limit). Raises `InvalidParameter` naming the field;
 `SamplingParams` itself validates every value.
 """
 
@@ -41,7 +43,7 @@ def build_sampling_params(body: GenerationBody, *, max_tokens: int | None, num_p
                                param="prompt_logprobs")
     return SamplingParams(
         max_tokens=_max_tokens(max_tokens, max(1, limits.max_model_len - num_prompt_tokens), tenant,
-                               max_tokens_param),
+                               max_tokens_param, defaults.max_tokens),
         temperature=defaults.temperature if body.temperature is None else body.temperature,
         top_p=defaults.top_p if body.top_p is None else body.top_p,
         top_k=defaults.top_k if body.top_k is None else body.top_k,
@@ -78,10 +80,11 @@ def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
     return tuple(pairs)
 
 
-def _max_tokens(asked: int | None, remaining: int, tenant: Tenant, param: str) -> int:
+def _max_tokens(asked: int | None, remaining: int, tenant: Tenant, param: str, default: int | None) -> int:
+    """`default` (the model's max_new_tokens) stands in only for an omitted value."""
     cap = tenant.max_tokens
     if asked is None:
-        return remaining if cap is None else min(remaining, cap)
+        return min(n for n in (remaining, cap, default) if n is not None)
     if cap is not None and asked > cap:
         raise InvalidParameter(f"{param}={asked} exceeds the limit of tenant '{tenant.name}', {cap}; "
                                f"ask for at most {cap} tokens", param=param)

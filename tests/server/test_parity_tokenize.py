@@ -11,10 +11,13 @@ import httpx
 import pytest
 from server_process import KEYS, ServerProcess, client_for
 
+from kvseal.admission import AdmissionLimits
 from kvseal.errors import ConfigError
 from kvseal.generation_defaults import GenerationDefaults
 from kvseal.llm import LLM
-from kvseal.server.protocol import ChatMessage
+from kvseal.server.auth import Tenant
+from kvseal.server.protocol import ChatMessage, CompletionRequest
+from kvseal.server.sampling import build_sampling_params
 from kvseal.types import SamplingParams
 
 ALICE = {"Authorization": "Bearer key-alice"}
@@ -98,13 +101,55 @@ def test_generation_defaults_resolve(tmp_path: Path) -> None:
         GenerationDefaults.load("auto", tmp_path)
 
 
+def test_generation_defaults_take_max_new_tokens_as_a_default(tmp_path: Path) -> None:
+    """transformers' max_new_tokens is vLLM's default max_tokens (`get_diff_sampling_param`):
+    read under auto, ignored under vllm, and a bad value stops start-up naming the file."""
+    path = tmp_path / "generation_config.json"
+    path.write_text(json.dumps({"max_new_tokens": 7}))
+    auto = GenerationDefaults.load("auto", tmp_path)
+    assert auto.max_tokens == 7 and auto.sampling_params().max_tokens == 7
+    assert "max_tokens=7 (from " in auto.describe()
+    neutral = GenerationDefaults.load("vllm", tmp_path)
+    assert neutral.max_tokens is None and neutral.sampling_params().max_tokens == SamplingParams().max_tokens
+    assert "max_tokens=(rest of the context)" in neutral.describe()
+    path.write_text(json.dumps({"max_new_tokens": None, "temperature": 0.5}))
+    assert GenerationDefaults.load("auto", tmp_path).max_tokens is None
+    for bad in (-1, 0, 2.5, 100.0, True, "64"):
+        path.write_text(json.dumps({"max_new_tokens": bad}))
+        with pytest.raises(ConfigError, match=rf"{path}.*max_new_tokens must be a positive integer"):
+            GenerationDefaults.load("auto", tmp_path)
+
+
+def test_max_new_tokens_fills_only_an_omitted_max_tokens_under_the_context_and_tenant() -> None:
+    """vLLM's `get_max_tokens`: the request's own value, else the default, and either at most
+    the rest of the context; kvseal's tenant cap stays on top."""
+    defaults = GenerationDefaults(max_tokens=10)
+    limits = AdmissionLimits(max_model_len=64, kv_cache_tokens=256, vocab_size=100)
+
+    def resolved(asked: int | None, num_prompt_tokens: int = 4, tenant: Tenant | None = None) -> int | None:
+        tenant = tenant or Tenant("t")
+        body = CompletionRequest(prompt="x", max_tokens=asked)
+        return build_sampling_params(body, max_tokens=asked, num_prompt_tokens=num_prompt_tokens, limits=limits,
+                                     logprobs=None, tenant=tenant, defaults=defaults).max_tokens
+
+    assert resolved(None) == 10
+    assert resolved(30) == 30, "a request's own max_tokens wins, even above max_new_tokens"
+    assert resolved(3) == 3
+    assert resolved(None, num_prompt_tokens=58) == 6, "the rest of the context caps the default"
+    assert resolved(None, tenant=Tenant("t", max_tokens=4)) == 4
+    assert build_sampling_params(CompletionRequest(prompt="x"), max_tokens=None, num_prompt_tokens=4, limits=limits,
+                                 logprobs=None, tenant=Tenant("t")).max_tokens == 60, "no default: the rest"
+
+
 @pytest.fixture(scope="module")
 def greedy_model_dir(server_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny model, shipping a generation_config.json that makes sampling greedy."""
+    """The tiny model, shipping a generation_config.json that makes sampling greedy and caps
+    an omitted max_tokens at 3."""
     folder = tmp_path_factory.mktemp("greedy") / "tiny-greedy"
     shutil.copytree(server_model_dir, folder)
     config = json.loads((folder / "generation_config.json").read_text())
-    (folder / "generation_config.json").write_text(json.dumps(config | {"temperature": 0.0, "top_k": 20}))
+    (folder / "generation_config.json").write_text(json.dumps(config | {"temperature": 0.0, "top_k": 20,
+                                                                           "max_new_tokens": 3}))
     return folder
 
 
@@ -117,7 +162,7 @@ def greedy_server(greedy_model_dir: Path, tmp_path_factory: pytest.TempPathFacto
 
 
 def test_omitted_fields_take_the_model_defaults(greedy_server: ServerProcess, greedy_model_dir: Path) -> None:
-    assert "temperature=0 top_p=1 top_k=20 min_p=0 repetition_penalty=1" in greedy_server.log()
+    assert "temperature=0 top_p=1 top_k=20 min_p=0 repetition_penalty=1 max_tokens=3" in greedy_server.log()
     client = client_for(greedy_server, "key-alice")
     texts = {client.completions.create(model=greedy_server.model_name, prompt="w10 w11", max_tokens=8).choices[0].text
              for _ in range(2)}
@@ -126,3 +171,19 @@ def test_omitted_fields_take_the_model_defaults(greedy_server: ServerProcess, gr
     hot = client.completions.create(model=greedy_server.model_name, prompt="w10 w11", max_tokens=8,
                                     temperature=1.5, seed=1).choices[0].text
     assert hot not in texts, "a request's own temperature wins over the default"
+
+
+def test_max_new_tokens_caps_only_an_omitted_max_tokens(greedy_server: ServerProcess) -> None:
+    """The model's max_new_tokens (3) on both endpoints when the request omits max_tokens; the
+    request's own value, larger, is kept (as vLLM: a default, not a limit)."""
+    client = client_for(greedy_server, "key-alice")
+    model, long = greedy_server.model_name, {"ignore_eos": True}
+    omitted = client.completions.create(model=model, prompt="w10 w11", extra_body=long)
+    assert (omitted.usage.completion_tokens, omitted.choices[0].finish_reason) == (3, "length")
+    chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "w10"}], extra_body=long)
+    assert (chat.usage.completion_tokens, chat.choices[0].finish_reason) == (3, "length")
+    own = client.completions.create(model=model, prompt="w10 w11", max_tokens=6, extra_body=long)
+    assert own.usage.completion_tokens == 6
+    own_chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "w10"}],
+                                              max_completion_tokens=5, extra_body=long)
+    assert own_chat.usage.completion_tokens == 5
