@@ -4,11 +4,14 @@
 decoded where they are what was sent or a prompt was truncated); with `logprobs` the prompt's
 logprobs come first too (its first token without one), as OpenAI and vLLM give them, and with
 `max_tokens` 0 the prompt alone comes back (one token is still generated, and counted, as in
-vLLM). vLLM's `prompt_logprobs` adds each choice's `prompt_logprobs` list.
+vLLM). vLLM's `prompt_logprobs` adds each choice's `prompt_logprobs` list. `max_tokens` left
+out is 16, as in OpenAI's and vLLM's API (cut to the rest of the context, where vLLM refuses);
+sent as null it is the model's `max_new_tokens`, or the rest of the context.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,7 +29,7 @@ from kvseal.server.logprobs import (
     vllm_prompt_logprobs,
 )
 from kvseal.server.prompts import PromptEncoder, prompt_list
-from kvseal.server.protocol import CompletionRequest
+from kvseal.server.protocol import COMPLETION_MAX_TOKENS, CompletionRequest
 from kvseal.server.sampling import build_sampling_params
 from kvseal.server.transcript import Transcript, api_stop_reason, usage
 from kvseal.types import SamplingParams
@@ -45,7 +48,10 @@ class CompletionsEndpoint:
         ids = await prompts.completion_prompts(body.prompt, tenant.name, limits,
                                                body.truncate_prompt_tokens is not None, body.add_special_tokens)
         prompt_logprobs = body.logprobs if body.prompt_logprobs is None and body.echo else body.prompt_logprobs
-        params = [build_sampling_params(body, max_tokens=1 if _echo_only(body) else body.max_tokens,
+        sent = "max_tokens" in body.model_fields_set  # sent as null: the defaults' (max_new_tokens, or the rest)
+        if not sent:  # left out: OpenAI's and vLLM's 16, a default like max_new_tokens (the context still cuts it)
+            defaults = dataclasses.replace(defaults, max_tokens=COMPLETION_MAX_TOKENS)
+        params = [build_sampling_params(body, max_tokens=1 if _echo_only(body) else body.max_tokens if sent else None,
                                         num_prompt_tokens=len(one), limits=limits, logprobs=body.logprobs,
                                         tenant=tenant, defaults=defaults, prompt_logprobs=prompt_logprobs)
                   for one in ids]

@@ -26,7 +26,7 @@ body by --max-body-bytes.
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
@@ -52,6 +52,7 @@ MAX_TEMPLATE_KWARGS_CHARS = 4096  # chat_template_kwargs as JSON
 MAX_METADATA = 16  # OpenAI's limits on a chat request's metadata: pairs, key and value characters
 MAX_METADATA_KEY_CHARS = 64
 MAX_METADATA_VALUE_CHARS = 512
+COMPLETION_MAX_TOKENS = 16  # /v1/completions' max_tokens when left out (OpenAI's and vLLM's)
 
 Name = Annotated[str, Field(max_length=MAX_NAME_CHARS)]
 FunctionName = Annotated[str, Field(min_length=1, max_length=MAX_FUNCTION_NAME_CHARS)]
@@ -93,11 +94,14 @@ class _Body(BaseModel):
     and an unsupported field sent as null asks for nothing, so it passes."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
+    nulls_taken: ClassVar[frozenset[str]] = frozenset()  # fields whose null means something else than omitted
 
     @model_validator(mode="before")
     @classmethod
     def _null_is_not_sent(cls, data: Any) -> Any:
-        return {key: value for key, value in data.items() if value is not None} if isinstance(data, dict) else data
+        if not isinstance(data, dict):
+            return data
+        return {key: value for key, value in data.items() if value is not None or key in cls.nulls_taken}
 
 
 class StreamOptions(_Body):
@@ -219,12 +223,16 @@ class GenerationBody(_Body):
 
 
 class CompletionRequest(GenerationBody):
+    """`max_tokens` left out is 16, OpenAI's and vLLM's default for this endpoint; sent as null, it
+    is the rest of the context (or the model's `max_new_tokens`), as chat's left out is."""
+
+    nulls_taken = frozenset({"max_tokens"})
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     echo: bool = False  # the prompt before the completion (with logprobs: the prompt's logprobs too)
     add_special_tokens: bool = True  # vLLM's: the tokenizer's BOS and the like around a text prompt
     # 0 only with echo: the prompt alone comes back, as OpenAI's and vLLM's do
-    max_tokens: Annotated[int, Field(ge=0, le=INT32_MAX)] | None = None
+    max_tokens: Annotated[int, Field(ge=0, le=INT32_MAX)] | None = COMPLETION_MAX_TOKENS
     best_of: Annotated[int, Field(ge=1, le=MAX_N)] | None = None  # OpenAI's; only equal to n (a no-op)
 
     @field_validator("best_of")

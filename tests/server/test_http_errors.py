@@ -121,6 +121,26 @@ def test_unsupported_field_is_rejected_not_ignored(server: ServerProcess, field:
     assert field in err["message"]
 
 
+def test_completions_max_tokens_left_out_is_16_and_null_is_the_rest(server: ServerProcess) -> None:
+    """OpenAI's and vLLM's completions default: 16 tokens when max_tokens is left out (cut to
+    the rest of the context near its end), the rest of the context when it is sent as null.
+    Chat's left out is the rest, as vLLM's."""
+    def completion_tokens(path: str, body: dict[str, Any]) -> int:
+        response = post(server, path, body)
+        assert response.status_code == 200, response.text
+        return int(response.json()["usage"]["completion_tokens"])
+    def room(prompt: str) -> int:
+        return MAX_MODEL_LEN - int(post(server, "/completions", {"prompt": prompt, "max_tokens": 1}
+                                        ).json()["usage"]["prompt_tokens"])
+    prompt, near_end = words(MAX_MODEL_LEN - 20), words(MAX_MODEL_LEN - 9)
+    assert room(prompt) > 16 > room(near_end)
+    assert completion_tokens("/completions", {"prompt": "w5"}) == 16
+    assert completion_tokens("/completions", {"prompt": prompt, "max_tokens": None}) == room(prompt)
+    assert completion_tokens("/completions", {"prompt": near_end}) == room(near_end)
+    chat = {"messages": [{"role": "user", "content": prompt}]}
+    assert completion_tokens("/chat/completions", chat) > 16
+
+
 def test_vllms_truncation_to_the_most_a_prompt_may_have(server: ServerProcess) -> None:
     """truncate_prompt_tokens=-1 keeps the last max-prompt tokens (here the context's 512): a
     short prompt is untouched, one that then fills the context leaves no room to answer."""

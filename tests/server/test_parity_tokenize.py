@@ -174,12 +174,16 @@ def test_omitted_fields_take_the_model_defaults(greedy_server: ServerProcess, gr
 
 
 def test_max_new_tokens_caps_only_an_omitted_max_tokens(greedy_server: ServerProcess) -> None:
-    """The model's max_new_tokens (3) on both endpoints when the request omits max_tokens; the
+    """The model's max_new_tokens (3) when chat omits max_tokens, and when completions send it
+    as null; completions' omitted max_tokens is 16, their API's default, as in vLLM. The
     request's own value, larger, is kept (as vLLM: a default, not a limit)."""
     client = client_for(greedy_server, "key-alice")
     model, long = greedy_server.model_name, {"ignore_eos": True}
     omitted = client.completions.create(model=model, prompt="w10 w11", extra_body=long)
-    assert (omitted.usage.completion_tokens, omitted.choices[0].finish_reason) == (3, "length")
+    assert (omitted.usage.completion_tokens, omitted.choices[0].finish_reason) == (16, "length")
+    null = httpx.post(f"{greedy_server.base_url}/completions", headers={"Authorization": "Bearer key-alice"},
+                      json={"model": model, "prompt": "w10 w11", "max_tokens": None, **long}, timeout=60).json()
+    assert (null["usage"]["completion_tokens"], null["choices"][0]["finish_reason"]) == (3, "length"), null
     chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "w10"}], extra_body=long)
     assert (chat.usage.completion_tokens, chat.choices[0].finish_reason) == (3, "length")
     own = client.completions.create(model=model, prompt="w10 w11", max_tokens=6, extra_body=long)
