@@ -87,7 +87,7 @@ def reload_keys(state: AppState, trigger: Trigger, by: ApiKey | None, *, abort: 
     change = KeysChange.between(state.keys, table)
     state.keys = table
     state.metrics.forget_tenants({t.name for t in table.tenants})
-    state.rates.prune()
+    state.rates.follow(table.tenants)
     valid = {k.digest for k in table.keys}
     num_aborted = _stop_calls(state, lambda c: c.key_digest not in valid, ABORT_KEY_REVOKED) if abort else 0
     logger.warning("API keys reloaded from %s (%s): %d keys, %d added, %d removed, %d in-flight requests aborted; "

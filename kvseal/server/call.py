@@ -83,6 +83,14 @@ class Call:
         self.stopped_by = reason
         self.abort(reason)
 
+    def take_current_limits(self) -> Tenant:
+        """The call's tenant with the limits the key table gives it now, from here on: a reload
+        that came while the body was arriving changed them at once, for this request too (its
+        concurrency, `max_tokens` and per-minute limits are judged by the new ones)."""
+        assert self.tenant is not None, "an authenticated call"
+        self.tenant = self.state.keys.current(self.tenant)
+        return self.tenant
+
     def take_slots(self, tenant: Tenant, num_choices: int) -> None:
         """Count against the tenant's concurrency limit, one slot per choice (raises `ApiError` 429)."""
         self.state.gate.acquire(tenant, num_choices)
@@ -91,13 +99,13 @@ class Call:
     def take_request(self) -> None:
         """Count the request against the tenant's requests per minute (raises `ApiError` 429)."""
         assert self.tenant is not None, "an authenticated call"
-        self.state.rates.take_request(self.tenant)
+        self.state.rates.take_request(self.state.keys.current(self.tenant))
         self._rates_taken = (1, 0)
 
     def take_prompt_tokens(self) -> None:
         """Count its prompts' tokens against the tenant's tokens per minute (raises `ApiError` 429)."""
         assert self.tenant is not None and self.num_prompt_tokens is not None, "an authenticated, tokenized call"
-        self.state.rates.take_prompt_tokens(self.tenant, self.num_prompt_tokens)
+        self.state.rates.take_prompt_tokens(self.state.keys.current(self.tenant), self.num_prompt_tokens)
         self._rates_taken = (self._rates_taken[0], self.num_prompt_tokens)
 
     def submit(self, prompts: list[AddRequestMsg]) -> ChoiceGroup:

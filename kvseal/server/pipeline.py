@@ -11,6 +11,9 @@ log that can be written (503 `audit_unavailable`, I8) → not stopped by the ope
 (key revoked 401, model disabled 503) → tenant tokens per minute, for the prompt (429) →
 engine → stream or JSON.
 
+The tenant's limits are read again once the body is in (`Call.take_current_limits`): a keys
+reload while it arrived applies to this request too, as to any request sent after it.
+
 Nothing is sent to the engine before `admit` accepted the request; a refusal is terminal and
 leaves its audit record. Whatever happens after submission, the request ends in the engine
 too (abort on disconnect or shutdown) before its slot is given back.
@@ -87,11 +90,11 @@ async def _admit_and_submit(request: Request, state: AppState, endpoint: Endpoin
                             call: Call) -> tuple[GenerationBody, Formatter, ChoiceGroup]:
     key = state.keys.identify(authorization_of(request.headers))
     call.authenticated(key)
-    tenant = key.tenant
     if state.is_draining:
         raise errors.engine_unavailable("the server is shutting down")
     require_json(request)
     data = await read_body(request, state.config.max_body_bytes, state.config.body_timeout_s)
+    tenant = call.take_current_limits()  # a reload may have come while the body did
     check_token_list_before_parsing(data, state.limits)
     body = parse_body(endpoint.body_model, data)
     call.model, call.user, call.features = body.model, body.user, features_used(body)

@@ -19,17 +19,19 @@ left, never below 0) and `x-ratelimit-reset-{requests,tokens}` (time until the b
 again, as "1s", "6m0s", "250ms"); a 429 adds `Retry-After` (whole seconds until the request
 could pass). A tenant without a limit gets no headers for it.
 
-Buckets are per tenant name and follow key reloads: a changed limit keeps the tenant's usage
-(its level clipped to the new size), a removed limit drops the bucket. Each reload also drops the
-buckets that have refilled to their size (a new one would start the same), so tenants that
-have come and gone leave no bucket behind.
+Buckets are per tenant name and follow key reloads (`follow`, given the new table's tenants): a
+changed limit keeps the tenant's usage (its level clipped to the new size), a removed limit
+drops the bucket. Each reload also drops the buckets that have refilled to their size (a new one
+would start the same), so tenants that have come and gone leave no bucket behind. Only a reload
+changes or drops a bucket: a request that still holds its tenant as it was before a reload
+(its headers came before it) cannot take away the debt or the new size the reload gave.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -100,6 +102,24 @@ class RateLimits:
                 out[f"x-ratelimit-reset-{kind}"] = format_duration(bucket.seconds_until(bucket.capacity))
         return out
 
+    def follow(self, tenants: Iterable[Tenant]) -> None:
+        """A reload: each bucket takes its tenant's new limit, keeping its usage (the level refilled
+        to now at the old rate, then clipped to the new size); a limit the table no longer sets
+        drops its bucket. Then every bucket that is full again is dropped (`prune`)."""
+        now_s = self._clock()
+        by_name = {t.name: t for t in tenants}
+        for (name, kind), bucket in list(self._buckets.items()):
+            tenant = by_name.get(name)
+            if tenant is None:  # a removed tenant's debt stays until it has refilled
+                continue
+            capacity = _capacity(tenant, kind)
+            if capacity is None:
+                del self._buckets[(name, kind)]
+            elif capacity != bucket.capacity:
+                bucket.refill(now_s)
+                bucket.capacity, bucket.level = capacity, min(bucket.level, float(capacity))
+        self.prune()
+
     def prune(self) -> None:
         """Drop every bucket that is full again: the tenant's next request finds it as it was."""
         now_s = self._clock()
@@ -128,22 +148,24 @@ class RateLimits:
         return err
 
     def _bucket(self, tenant: Tenant, kind: Kind) -> Bucket | None:
-        """The tenant's bucket of `kind`, refilled to now; None without that limit."""
+        """The tenant's bucket of `kind`, refilled to now; None without that limit. A bucket that
+        exists keeps the size the last reload gave it (`follow`), whatever `tenant` says: a
+        caller's copy of the tenant may be older than that reload."""
         # test-only: one bucket per kind for every tenant, so one tenant's use spends another's
         key = ("", kind) if is_active(Fault.SHARED_RATE_LIMITS) else (tenant.name, kind)
-        capacity = tenant.requests_per_minute if kind == "requests" else tenant.tokens_per_minute
+        capacity = _capacity(tenant, kind)
         if capacity is None:
-            self._buckets.pop(key, None)
             return None
         now_s = self._clock()
         bucket = self._buckets.get(key)
         if bucket is None:
             bucket = self._buckets[key] = Bucket(capacity, float(capacity), now_s)
-        elif bucket.capacity != capacity:  # the keys file was reloaded with another limit
-            bucket.refill(now_s)
-            bucket.capacity, bucket.level = capacity, min(bucket.level, float(capacity))
         bucket.refill(now_s)
         return bucket
+
+
+def _capacity(tenant: Tenant, kind: Kind) -> int | None:
+    return tenant.requests_per_minute if kind == "requests" else tenant.tokens_per_minute
 
 
 def format_duration(seconds: float) -> str:

@@ -11,6 +11,8 @@ and metrics.
   whose line failed is withheld, and the engine stays available.
 - What reaches the engine is what is counted: every choice's tokens when the engine is lost, no
   per-minute quota for a request the server refused itself, no request for a key a reload took.
+- A reload while a request's body comes in applies its limits to that request, and the tenant
+  as the request first saw it never resets the tenant's per-minute buckets.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from kvseal.messages.msgs import (
     RequestRejectedMsg,
 )
 from kvseal.server import errors
+from kvseal.server.admin import reload_keys
 from kvseal.server.app import build_app
 from kvseal.server.audit import AuditLog
 from kvseal.server.auth import ApiKeyTable, Tenant
@@ -324,3 +327,80 @@ def test_a_key_a_reload_takes_while_the_body_comes_in_starts_nothing(tmp_path: P
             _close(state)
 
     asyncio.run(scenario())
+
+
+async def _post_while_the_body_comes(state: AppState, key: str, body: dict[str, Any],
+                                     meanwhile: Any) -> httpx.Response:
+    """POST `body` with `key`: its headers and first bytes first, then `meanwhile()` (a reload),
+    then the rest of the body."""
+    data = json.dumps(body).encode()
+
+    async def slow_body() -> AsyncIterator[bytes]:
+        yield data[:5]
+        await asyncio.sleep(0.2)
+        meanwhile()
+        yield data[5:]
+
+    transport = httpx.ASGITransport(app=build_app(state))
+    async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+        return await asyncio.wait_for(client.post("/v1/completions", content=slow_body(), headers={
+            "Authorization": f"Bearer {key}", "Content-Type": "application/json"}), timeout=10)
+
+
+def _reloading_state(tmp_path: Path, entries: dict[str, Any]) -> tuple[AppState, Path]:
+    """A ready state whose engine is down (nothing hangs on a request that gets past every check:
+    it is refused 503 at submission) and its keys file, for `reload_keys`."""
+    path = tmp_path / "keys.json"
+    path.write_text(json.dumps(entries))
+    state = asyncio.run(_ready_state(tmp_path, ApiKeyTable.load(str(path))))
+    state.config = ServerConfig(api_keys_path=str(path))
+    state.engine._fail("the engine is down")
+    return state, path
+
+
+def _reload_to(state: AppState, path: Path, entries: dict[str, Any]) -> Any:
+    def reload() -> None:
+        path.write_text(json.dumps(entries))
+        reload_keys(state, "http", None, abort=False)
+
+    return reload
+
+
+def test_a_reload_while_the_body_comes_in_applies_its_limits_to_that_request(tmp_path: Path) -> None:
+    """"Limits change at once": a request whose headers came before a reload that lowered its
+    tenant's `max_tokens` is judged by the new cap, as the same request sent after it is."""
+    state, path = _reloading_state(tmp_path, {"key-a": {"tenant": "alice"}})
+    try:
+        reload = _reload_to(state, path, {"key-a": {"tenant": "alice", "max_tokens": 8}})
+        body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 50}
+        response = asyncio.run(_post_while_the_body_comes(state, "key-a", body, reload))
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["param"] == "max_tokens" and "at most 8" in response.json()["error"]["message"]
+    finally:
+        _close(state)
+
+
+def test_a_request_from_before_a_reload_neither_resets_nor_escapes_the_new_token_limit(tmp_path: Path) -> None:
+    """carol had no tokens per minute; a reload gives her 200 and she spends 400 (in debt). A
+    request of hers whose headers came before that reload is refused by the new limit (429), and
+    her debt is still there afterwards: the tenant copy it started with (without the limit)
+    neither drops her bucket nor starts a full one."""
+    state, path = _reloading_state(tmp_path, {"key-c": {"tenant": "carol"}})
+    limited = {"key-c": {"tenant": "carol", "tokens_per_minute": 200}}
+
+    def reload_then_spend() -> None:
+        _reload_to(state, path, limited)()
+        state.rates.charge_tokens(state.keys.current(Tenant("carol")), 400)  # a completion of hers that ended
+
+    try:
+        body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 2}
+        response = asyncio.run(_post_while_the_body_comes(state, "key-c", body, reload_then_spend))
+        assert response.status_code == 429, response.text
+        assert response.json()["error"]["code"] == "rate_limit_exceeded"
+        assert response.headers["x-ratelimit-limit-tokens"] == "200"
+        assert response.headers["x-ratelimit-remaining-tokens"] == "0"
+        with TestClient(build_app(state)) as client:  # and the next request finds the debt as it was
+            again = client.post("/v1/completions", headers={"Authorization": "Bearer key-c"}, json=body)
+        assert again.status_code == 429 and again.headers["x-ratelimit-remaining-tokens"] == "0", again.text
+    finally:
+        _close(state)

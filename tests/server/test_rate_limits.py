@@ -90,15 +90,38 @@ def test_a_reloaded_limit_keeps_the_usage_and_a_removed_one_drops_the_bucket() -
     rates.take_request(ALICE)
     rates.take_request(ALICE)
     bigger = Tenant("alice", requests_per_minute=10)
+    rates.follow([bigger, BOB])
     assert rates.headers(bigger)["x-ratelimit-remaining-requests"] == "1"  # refills at the new rate from here
     clock.now_s += 6
     assert rates.headers(bigger)["x-ratelimit-remaining-requests"] == "2"
     smaller = Tenant("alice", requests_per_minute=1)
+    rates.follow([smaller])
     assert rates.headers(smaller)["x-ratelimit-remaining-requests"] == "1"
     unlimited = Tenant("alice")
+    rates.follow([unlimited])
     assert rates.headers(unlimited) == {}
     for _ in range(10):
         rates.take_request(unlimited)
+
+
+def test_a_tenant_as_it_was_before_a_reload_neither_drops_nor_resizes_its_bucket() -> None:
+    """A request holds its tenant as it authenticated; after a reload that set a limit (and the
+    tenant's use went into debt), that old copy must not wipe the debt or apply the old size."""
+    clock = Clock()
+    rates = RateLimits(clock)
+    before = Tenant("carol")
+    after = Tenant("carol", tokens_per_minute=200)
+    rates.follow([after])
+    rates.charge_tokens(after, 400)  # 200 tokens in debt
+    assert rates.headers(before) == {}  # the old copy has no limit: it sees none ...
+    rates.give_back(before, 1, 10)
+    rates.charge_tokens(before, 5)
+    assert rates.headers(after)["x-ratelimit-remaining-tokens"] == "0"  # ... and the debt stays
+    refused(rates.take_prompt_tokens, after, 1)
+    larger = Tenant("carol", tokens_per_minute=10**6)
+    assert rates.headers(larger)["x-ratelimit-limit-tokens"] == "200"  # nor does an old, larger limit apply
+    clock.now_s += 59
+    assert rates.headers(after)["x-ratelimit-remaining-tokens"] == "0"  # 200 of the 400 refilled by now: none left
 
 
 @pytest.mark.parametrize(("seconds", "text"), [(0.0, "0ms"), (0.25, "250ms"), (1.0, "1s"), (17.5, "17.5s"),
