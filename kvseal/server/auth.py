@@ -51,6 +51,10 @@ _HEX_DIGEST = re.compile(r"[0-9a-f]{64}")
 # one batch together. Set `max_concurrent_requests` in
 # the keys file for a tenant that needs more (a benchmark client, a batch job).
 DEFAULT_MAX_CONCURRENT_REQUESTS = 64
+# The largest limit an entry may set (each of them). Far above any real limit (a trillion tokens a
+# minute), and exact as a float: the rate buckets count in floats, and a limit float() cannot hold
+# (10**400 written out in digits is valid JSON) would fail every request of its tenant.
+MAX_LIMIT = 10**12
 
 
 @dataclass(frozen=True)
@@ -254,6 +258,7 @@ def _positive(entry: dict[str, Any], field: str, where: str) -> int | None:
     value = entry.get(field)
     if value is None:
         return None
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ConfigError(f'{where}: "{field}" must be an integer >= 1, got {value!r}')
+    if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= MAX_LIMIT:
+        shown = value if not isinstance(value, int) or value.bit_length() < 64 else f"a {len(str(value))}-digit number"
+        raise ConfigError(f'{where}: "{field}" must be an integer from 1 to {MAX_LIMIT:_}, got {shown!r}')
     return value

@@ -204,12 +204,13 @@ class Call:
         server's doing (5xx: the engine restarting, the audit log down, shutdown) gives back the
         per-minute requests and tokens it took: nothing ran, and a client retrying it is not
         charged twice."""
-        if err.status >= 500 and self.tenant is not None:
-            self.state.rates.give_back(self.state.keys.current(self.tenant), *self._rates_taken)
-            self._rates_taken = (0, 0)
         self._finish("rejected" if err.status < 500 else "error", reason=err.reason, http_status=err.status,
                      rejected_by="frontend" if err.status < 500 else None)
         self.http_done()
+        # Last: whatever giving back raises, the refusal is already audited and its slot free.
+        if err.status >= 500 and self.tenant is not None:
+            taken, self._rates_taken = self._rates_taken, (0, 0)
+            self.state.rates.give_back(self.state.keys.current(self.tenant), *taken)
 
     def _finish(self, outcome: Outcome, *, reason: str | None = None, http_status: int | None = None,
                 out: RequestOutputMsg | None = None, rejected_by: RejectedBy | None = None,
@@ -219,6 +220,14 @@ class Call:
         self.is_done = True
         self.state.live_calls.pop(self.request_id, None)
         self._release_slot()
+        try:
+            self._count(outcome, reason, out)
+        finally:  # the record is written whatever counting raised: one line per request (I8)
+            self._is_audited = self.state.audit.write(self._record(outcome, reason, http_status, out, rejected_by,
+                                                                      detail))
+
+    def _count(self, outcome: Outcome, reason: str | None, out: RequestOutputMsg | None) -> None:
+        """The metrics of the ended call, and its completion tokens against the tenant's tokens per minute."""
         tenant = self.tenant.name if self.tenant is not None else ""
         self.state.metrics.record_outcome(tenant, outcome, reason if outcome == "rejected" else None)
         if out is not None:
@@ -227,8 +236,6 @@ class Call:
                                             out.num_cached_tokens)
             if self.tenant is not None:  # its prompt tokens were counted when it was submitted
                 self.state.rates.charge_tokens(self.state.keys.current(self.tenant), out.num_output_tokens)
-        self._is_audited = self.state.audit.write(self._record(outcome, reason, http_status, out, rejected_by,
-                                                                  detail))
 
     def _release_slot(self) -> None:
         if self._num_slots and self.is_done and self._is_http_done and self.tenant is not None:

@@ -158,7 +158,8 @@ def test_abort_ends_only_the_revoked_keys_requests(srv: ServerProcess) -> None:
 
 def test_a_malformed_keys_file_is_refused_whole_and_the_old_table_stays(srv: ServerProcess) -> None:
     for content, reason in (("{not json", "cannot read"), ({"key-x": {"tenant": "x", "max_tokens": 0}}, "max_tokens"),
-                            ({"key-x": {"tenant": "x", "requests_per_minute": "many"}}, "requests_per_minute")):
+                            ({"key-x": {"tenant": "x", "requests_per_minute": "many"}}, "requests_per_minute"),
+                            ({"key-x": {"tenant": "x", "tokens_per_minute": 10**400}}, "tokens_per_minute")):
         write_keys(srv, content)
         err = error_of(reload(srv), 400)
         assert err["code"] == "invalid_keys_file" and reason in err["message"]

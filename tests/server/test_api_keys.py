@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from kvseal.errors import ConfigError
-from kvseal.server.auth import DEFAULT_MAX_CONCURRENT_REQUESTS, ApiKeyTable, Tenant
+from kvseal.server.auth import DEFAULT_MAX_CONCURRENT_REQUESTS, MAX_LIMIT, ApiKeyTable, Tenant
 from kvseal.server.config import ServerConfig
 from kvseal.server.errors import ApiError
 
@@ -53,6 +53,19 @@ def test_bad_keys_file_stops_start_up_without_echoing_keys(tmp_path: Path, conte
     with pytest.raises(ConfigError) as info:
         load(tmp_path, content)
     assert "secret-key" not in str(info.value)
+
+
+@pytest.mark.parametrize("field", ["max_concurrent_requests", "max_tokens", "requests_per_minute",
+                                   "tokens_per_minute"])
+def test_a_limit_above_the_maximum_is_refused(tmp_path: Path, field: str) -> None:
+    """A limit a float cannot hold (10**400, valid JSON as digits) failed every request of its
+    tenant with a 500 that left no audit line and kept its slot; the file is refused instead."""
+    assert load(tmp_path, {"secret-key-1": {"tenant": "a", field: MAX_LIMIT}}).keys
+    for value in (MAX_LIMIT + 1, 10**400):
+        with pytest.raises(ConfigError) as info:
+            load(tmp_path, {"secret-key-1": {"tenant": "a", field: value}})
+        assert field in str(info.value) and f"{MAX_LIMIT:_}" in str(info.value)
+        assert len(str(info.value)) < 300  # not the 400 digits
 
 
 def test_missing_keys_file(tmp_path: Path) -> None:

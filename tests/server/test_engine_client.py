@@ -54,6 +54,7 @@ from kvseal.server.choices import ChoiceEvent, ChoiceGroup
 from kvseal.server.config import ServerConfig
 from kvseal.server.metrics import ServerMetrics
 from kvseal.server.prompts import PromptEncoder
+from kvseal.server.rate_limits import RateLimits
 from kvseal.server.state import AppState
 from kvseal.types import NO_TOKEN_SATISFIES_CONSTRAINTS, SamplingParams
 
@@ -402,5 +403,32 @@ def test_a_request_from_before_a_reload_neither_resets_nor_escapes_the_new_token
         with TestClient(build_app(state)) as client:  # and the next request finds the debt as it was
             again = client.post("/v1/completions", headers={"Authorization": "Bearer key-c"}, json=body)
         assert again.status_code == 429 and again.headers["x-ratelimit-remaining-tokens"] == "0", again.text
+    finally:
+        _close(state)
+
+
+class _BrokenRates(RateLimits):
+    """Per-minute limits whose arithmetic fails, as a limit too large for a float once did."""
+
+    def _bucket(self, tenant: Tenant, kind: Any) -> Any:
+        raise OverflowError("int too large to convert to float")
+
+
+def test_a_refusal_whose_accounting_fails_is_still_audited_and_frees_its_slot(tmp_path: Path) -> None:
+    """Defence in depth for I8: an exception from the rate limits while a request is refused (here
+    every time they are asked) still leaves the request's audit line, gives back its concurrency
+    slot and forgets it as a live call, so a later `?abort=true` does not count it."""
+    keys = _keys(tmp_path, {"key-d": {"tenant": "dave", "max_concurrent_requests": 2, "tokens_per_minute": 100}})
+    state = asyncio.run(_ready_state(tmp_path, keys))
+    state.rates = _BrokenRates()
+    try:
+        with TestClient(build_app(state), raise_server_exceptions=False) as client:
+            for _ in range(3):  # more than its 2 slots: a slot kept by a failed refusal would show as a 429
+                response = client.post("/v1/completions", headers={"Authorization": "Bearer key-d"},
+                                       json={"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 2})
+                assert response.status_code == 500, response.text
+        records = list(_audit(tmp_path).values())
+        assert [(r["tenant"], r["outcome"], r["reason"]) for r in records] == [("dave", "error", "internal_error")] * 3
+        assert state.gate.num_tenants_in_flight() == 0 and not state.live_calls
     finally:
         _close(state)
