@@ -144,3 +144,26 @@ def test_filters(incident_log: tuple[Path, Log], capsys: pytest.CaptureFixture[s
     assert ids(run(capsys, *base, "--isolation-events")[0]) == []
     out, _ = run(capsys, "--audit-log", str(path), "--engine", "decode-none")
     assert out.startswith("(none)") and "0 requests in flight during [the start, the end)" in out
+
+
+FORGED_ROW = "2026-11-30T09:00:00.000Z  cmpl-forged  alice  finished  40000  312  engine-1  m  /v1/completions"
+
+
+def test_a_clients_text_cannot_forge_a_table_row(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A refused request is audited with the model name its client sent; printed raw, bob's name
+    with a newline and an ANSI escape in it made the operator's table show a row of alice's.
+    The table shows them as escapes, one record per line; JSON keeps the value exact."""
+    model = f"x\n{FORGED_ROW}\r\t\x1b[2J\x85\u202e\\n"
+    path = tmp_path / "audit.jsonl"
+    audit = AuditLog(str(path), include_prompts=False)
+    audit.write(AuditRecord(request_id="cmpl-bobs", endpoint="/v1/completions", received_at=START,
+                            finished_at=START + 0.1, tenant="bob", outcome="rejected", reason="model_not_found",
+                            http_status=404, rejected_by="frontend", model=model))
+    audit.close()
+    out, _ = run(capsys, "--audit-log", str(path), "--tenant", "bob")
+    lines = out.splitlines()
+    assert len(lines) == 3 and lines[0].startswith("received_at") and lines[2].startswith("1 requests"), out
+    assert f"x\\n{FORGED_ROW}\\r\\t\\x1b[2J\\x85\\u202e\\\\n" in lines[1]
+    assert all(ch.isprintable() for ch in out.replace("\n", ""))
+    out, _ = run(capsys, "--audit-log", str(path), "--tenant", "bob", "--format", "json")
+    assert json.loads(out)["requests"][0]["model"] == model
