@@ -9,8 +9,9 @@ file, as /metrics is): 401 without a valid key, 403 for a tenant's key. The answ
 are JSON in OpenAI's shape.
 
 A reload replaces the whole table at once: an added key works for the next request, a removed
-or revoked one is refused (401) from the next request on. Requests already in flight with a key
-no longer in the table finish, unless `abort=true`: then each ends with 401 `api_key_revoked`
+or revoked one is refused (401) from the next request on, and one moved to another tenant speaks
+for that tenant from the next request on. Requests already in flight with a key no longer in the
+table, or no longer for their tenant, finish, unless `abort=true`: then each ends with 401 `api_key_revoked`
 (an error event in a stream) and is audited with that reason. A file that does not parse is
 refused whole with the reason (400 `invalid_keys_file`, or a log line for SIGHUP) and the old
 table stays. Limits (concurrency, max_tokens, rates) change with the table, for the next request.
@@ -48,10 +49,13 @@ Trigger = Literal["http", "sighup"]
 
 @dataclass(frozen=True)
 class KeysChange:
-    """What a reload changed, keys named by `ApiKey.key_id`."""
+    """What a reload changed, keys named by `ApiKey.key_id`. A key that now speaks for another
+    tenant is neither added nor removed but moved: its requests no longer act for the tenant
+    they started as (`ApiKeyTable.holds`), which the operator must see."""
 
     keys_added: list[str]
     keys_removed: list[str]
+    keys_moved: list[dict[str, str]]  # {"key_id", "from_tenant", "to_tenant"}
     tenants_changed: list[str]  # tenants whose limits differ (added and removed tenants too)
 
     @classmethod
@@ -61,8 +65,11 @@ class KeysChange:
         old_tenants = {t.name: t for t in old.tenants}
         new_tenants = {t.name: t for t in new.tenants}
         changed = sorted(n for n in old_tenants.keys() | new_tenants.keys() if old_tenants.get(n) != new_tenants.get(n))
+        moved = sorted(({"key_id": k.key_id, "from_tenant": old_keys[d].tenant.name, "to_tenant": k.tenant.name}
+                        for d, k in new_keys.items() if d in old_keys and old_keys[d].tenant.name != k.tenant.name),
+                       key=lambda m: m["key_id"])
         return cls(sorted(k.key_id for d, k in new_keys.items() if d not in old_keys),
-                   sorted(k.key_id for d, k in old_keys.items() if d not in new_keys), changed)
+                   sorted(k.key_id for d, k in old_keys.items() if d not in new_keys), moved, changed)
 
 
 def reload_keys(state: AppState, trigger: Trigger, by: ApiKey | None, *, abort: bool) -> dict[str, Any]:
@@ -88,17 +95,24 @@ def reload_keys(state: AppState, trigger: Trigger, by: ApiKey | None, *, abort: 
     state.keys = table
     state.metrics.forget_tenants({t.name for t in table.tenants})
     state.rates.follow(table.tenants)
-    valid = {k.digest for k in table.keys}
-    num_aborted = _stop_calls(state, lambda c: c.key_digest not in valid, ABORT_KEY_REVOKED) if abort else 0
-    logger.warning("API keys reloaded from %s (%s): %d keys, %d added, %d removed, %d in-flight requests aborted; "
-                   "tenants now [%s], changed %s", path, trigger, len(table.keys), len(change.keys_added),
-                   len(change.keys_removed), num_aborted, ", ".join(t.describe() for t in table.tenants),
-                   change.tenants_changed)
+    num_aborted = _stop_calls(state, lambda c: not _still_holds(table, c), ABORT_KEY_REVOKED) if abort else 0
+    logger.warning("API keys reloaded from %s (%s): %d keys, %d added, %d removed, %d moved to another tenant, %d "
+                   "in-flight requests aborted; tenants now [%s], changed %s", path, trigger, len(table.keys),
+                   len(change.keys_added), len(change.keys_removed), len(change.keys_moved), num_aborted,
+                   ", ".join(t.describe() for t in table.tenants), change.tenants_changed)
     _audit(state, "keys_reloaded", trigger, by, keys_added=change.keys_added, keys_removed=change.keys_removed,
-           tenants_changed=change.tenants_changed, num_aborted=num_aborted)
+           keys_moved=change.keys_moved, tenants_changed=change.tenants_changed, num_aborted=num_aborted)
     return {"object": "keys.reload", "num_keys": len(table.keys), "tenants": [t.name for t in table.tenants],
-            "keys_added": change.keys_added, "keys_removed": change.keys_removed,
+            "keys_added": change.keys_added, "keys_removed": change.keys_removed, "keys_moved": change.keys_moved,
             "tenants_changed": change.tenants_changed, "num_aborted": num_aborted}
+
+
+def _still_holds(table: ApiKeyTable, call: LiveCall) -> bool:
+    """Whether the call's key still speaks for the tenant the call runs as: a key removed,
+    revoked or moved to another tenant does not (as `ApiKeyTable.holds` judges a request not yet
+    submitted)."""
+    tenant = call.tenant.name if call.tenant is not None else None
+    return any(k.digest == call.key_digest and k.tenant.name == tenant for k in table.keys)
 
 
 def reload_keys_on_signal(state: AppState) -> None:

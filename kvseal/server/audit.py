@@ -108,6 +108,7 @@ class AdminRecord(msgspec.Struct, frozen=True, omit_defaults=True):
     model: str | None = None
     keys_added: list[str] | None = None  # key ids (`ApiKey.key_id`), never keys
     keys_removed: list[str] | None = None  # removed or revoked
+    keys_moved: list[dict[str, str]] | None = None  # {"key_id", "from_tenant", "to_tenant"}: now another tenant's
     tenants_changed: list[str] | None = None  # tenants whose limits changed
     num_aborted: int | None = None  # in-flight requests ended by the action (abort=true)
     reason: str | None = None  # why a reload was refused

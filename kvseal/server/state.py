@@ -11,7 +11,7 @@ from kvseal.engine_api import EngineBackend
 from kvseal.generation_defaults import GenerationDefaults
 from kvseal.messages.msgs import EngineReadyMsg
 from kvseal.server.audit import AuditLog
-from kvseal.server.auth import ApiKeyTable
+from kvseal.server.auth import ApiKeyTable, Tenant
 from kvseal.server.config import ServerConfig
 from kvseal.server.metrics import ServerMetrics
 from kvseal.server.prompts import PromptEncoder
@@ -25,6 +25,7 @@ class LiveCall(Protocol):
 
     request_id: str
     key_digest: bytes  # of the API key it authenticated with
+    tenant: Tenant | None  # the tenant that key spoke for then
 
     def stop(self, reason: str) -> None:
         """End it for the operator: refused before it reaches the engine, aborted there after."""

@@ -149,6 +149,25 @@ def test_a_reload_with_abort_ends_the_revoked_keys_requests(srv: ServerProcess) 
     assert admin_records(srv)[-1]["num_aborted"] == 1
 
 
+def test_a_key_moved_to_another_tenant_is_reported_and_aborted_like_a_revoked_one(srv: ServerProcess) -> None:
+    """A reload that gives alice's key to bob: the answer and the audit line name the move (by
+    digest alone the key looked unchanged), and with `?abort=true` alice's stream on that key
+    ends as a revoked key's would, instead of running on as alice for a key that is now bob's."""
+    write_keys(srv, KEYS | {"key-alice": {"tenant": "bob"}})
+    rest, request_id, answer = _stream_then(srv, "key-alice", lambda: reload(srv, "?abort=true"))
+    summary = answer.json()
+    moved = [{"key_id": key_id("key-alice"), "from_tenant": "alice", "to_tenant": "bob"}]
+    assert (summary["keys_moved"], summary["keys_added"], summary["keys_removed"]) == (moved, [], []), summary
+    assert summary["num_aborted"] == 1
+    assert _events(rest)[-1]["error"]["code"] == "api_key_revoked"
+    record = srv.audit_for(request_id)
+    assert (record["outcome"], record["reason"], record["tenant"]) == ("aborted", "api_key_revoked", "alice")
+    admin_record = admin_records(srv)[-1]
+    assert admin_record["keys_moved"] == moved and admin_record["num_aborted"] == 1
+    response = complete(srv, "key-alice")
+    assert srv.audit_for(response.headers["x-request-id"])["tenant"] == "bob"  # it speaks for bob now
+
+
 def test_abort_ends_only_the_revoked_keys_requests(srv: ServerProcess) -> None:
     write_keys(srv, {k: v for k, v in KEYS.items() if k != "key-alice"})
     rest, request_id, answer = _stream_then(srv, "key-bob", lambda: reload(srv, "?abort=true"))
