@@ -259,6 +259,7 @@ def _positive(entry: dict[str, Any], field: str, where: str) -> int | None:
     if value is None:
         return None
     if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= MAX_LIMIT:
-        shown = value if not isinstance(value, int) or value.bit_length() < 64 else f"a {len(str(value))}-digit number"
-        raise ConfigError(f'{where}: "{field}" must be an integer from 1 to {MAX_LIMIT:_}, got {shown!r}')
+        shown = repr(value) if not isinstance(value, int) or value.bit_length() < 64 else \
+            f"a {len(str(value))}-digit number"
+        raise ConfigError(f'{where}: "{field}" must be an integer from 1 to {MAX_LIMIT:_}, got {shown}')
     return value
