@@ -50,14 +50,15 @@ def test_client_strings_are_bounded_in_the_audit_log(server: ServerProcess) -> N
     assert (record["model"], record["user"]) == ("m" * 256, "u" * 256)
 
 
-def test_omitted_max_tokens_is_the_rest_of_the_context(server: ServerProcess) -> None:
+def test_a_null_max_tokens_is_the_rest_of_the_context(server: ServerProcess) -> None:
+    """Completions' max_tokens sent as null (left out, it is 16: test_http_errors.py)."""
     prompt = words(MAX_MODEL_LEN - 6)
-    body = post(server, "/completions", {"prompt": prompt, "ignore_eos": True}).json()
+    body = post(server, "/completions", {"prompt": prompt, "ignore_eos": True, "max_tokens": None}).json()
     usage = body["usage"]
     assert usage["prompt_tokens"] >= MAX_MODEL_LEN - 6
     assert usage["completion_tokens"] == MAX_MODEL_LEN - usage["prompt_tokens"]
     assert body["choices"][0]["finish_reason"] == "length"
-    capped = post(server, "/completions", {"prompt": "w5", "ignore_eos": True},
+    capped = post(server, "/completions", {"prompt": "w5", "ignore_eos": True, "max_tokens": None},
                   headers={"Authorization": "Bearer key-capped"}).json()
     assert capped["usage"]["completion_tokens"] == KEYS["key-capped"]["max_tokens"]
 
