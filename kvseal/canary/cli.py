@@ -7,6 +7,7 @@ import logging
 import sys
 
 from kvseal.canary.config import CanaryConfig, load_keys
+from kvseal.canary.plan import DEFAULT_PRESSURE_TOKENS
 from kvseal.output_files import check_output_file
 
 
@@ -22,6 +23,17 @@ def add_canary_arguments(parser: argparse.ArgumentParser) -> None:
                         help="share of prompts longer than the context limit (must be answered 4xx)")
     parser.add_argument("--abort-fraction", type=float, default=d.abort_fraction,
                         help="share of requests sent as streams and dropped mid-way")
+    parser.add_argument("--n-fraction", type=float, default=d.n_fraction,
+                        help="share of the answered requests sent with n = 2 or 3 (every choice is checked)")
+    parser.add_argument("--logprobs-fraction", type=float, default=d.logprobs_fraction,
+                        help="share of the answered requests sent with logprobs and 1-5 top alternatives "
+                             "(every token string is checked)")
+    parser.add_argument("--pressure-requests", type=int, default=d.pressure_requests, metavar="N",
+                        help="after the run, send N long generations at once so a small KV pool must preempt "
+                             "(default 0: no pressure phase)")
+    parser.add_argument("--pressure-max-tokens", type=int, default=None, metavar="T",
+                        help="max_tokens of each pressure request (default: what the context leaves, "
+                             f"at most {DEFAULT_PRESSURE_TOKENS})")
     parser.add_argument("--max-context", type=int, default=None,
                         help="the server's context limit in tokens (default: max_model_len from /v1/models)")
     parser.add_argument("--seed", type=int, default=d.seed, help="seeds markers, prompts and the request mix")
@@ -39,6 +51,8 @@ def config_from(ns: argparse.Namespace) -> CanaryConfig:
     return CanaryConfig(
         base_url=ns.base_url, keys=load_keys(ns.keys), model=ns.model, num_requests=ns.requests,
         concurrency=ns.concurrency, oversized_fraction=ns.oversized_fraction, abort_fraction=ns.abort_fraction,
+        n_fraction=ns.n_fraction, logprobs_fraction=ns.logprobs_fraction, pressure_requests=ns.pressure_requests,
+        pressure_max_tokens=ns.pressure_max_tokens,
         max_context=ns.max_context, seed=ns.seed, max_tokens=ns.max_tokens, admin_key=ns.admin_key,
         timeout_s=ns.timeout, drain_timeout_s=ns.drain_timeout, report_path=ns.report,
     )

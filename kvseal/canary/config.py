@@ -20,6 +20,15 @@ class CanaryConfig:
     concurrency: int = 16
     oversized_fraction: float = 0.05
     abort_fraction: float = 0.05
+    # Shares of the answered requests (not oversized) sent with `n` in 2..3 and with logprobs
+    # (top alternatives included): response paths a leak could take besides the first choice's text.
+    n_fraction: float = 0.1
+    logprobs_fraction: float = 0.1
+    # The pressure phase, after the run: this many long generations sent at once, so a server
+    # whose KV pool cannot hold them all must preempt (take pages from a running request and
+    # give them back later). 0: no pressure phase.
+    pressure_requests: int = 0
+    pressure_max_tokens: int | None = None  # None: as many as the context limit allows
     max_context: int | None = None  # None: read `max_model_len` from /v1/models
     seed: int = 0
     max_tokens: int = 32
@@ -41,6 +50,11 @@ class CanaryConfig:
             _require(0.0 <= value <= 1.0, f"{name} must be in [0, 1], got {value}")
         _require(self.oversized_fraction + self.abort_fraction <= 1.0,
                  "--oversized-fraction + --abort-fraction must be <= 1")
+        for name, value in (("--n-fraction", self.n_fraction), ("--logprobs-fraction", self.logprobs_fraction)):
+            _require(0.0 <= value <= 1.0, f"{name} must be in [0, 1], got {value}")
+        _require(self.pressure_requests >= 0, f"--pressure-requests must be >= 0, got {self.pressure_requests}")
+        _require(self.pressure_max_tokens is None or self.pressure_max_tokens >= 1,
+                 f"--pressure-max-tokens must be >= 1, got {self.pressure_max_tokens}")
         _require(self.max_context is None or self.max_context >= 1,
                  f"--max-context must be >= 1, got {self.max_context}")
         _require(self.max_tokens >= 1, f"--max-tokens must be >= 1, got {self.max_tokens}")

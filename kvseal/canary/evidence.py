@@ -6,6 +6,11 @@ checks tripped; pages scrubbed), gauges after the drain say whether the allocato
 idle (no page still owned, every page free again). Any other OpenAI-compatible server simply
 has no such evidence, and the report says so.
 
+Preemptions are the change of `kvseal_num_preemptions` (a gauge of the engines' count since they
+started): a request whose pages were taken by the scheduler and given back later. A gauge that
+went down over the run (an engine restarted and counts from 0) says nothing about the run, so it
+is "unavailable" then, never a guess.
+
 Pages scrubbed is read with the scrub mode the server runs (`kvseal_kv_scrub_mode`): with the
 default `--kv-scrub off` it is 0 by design (a freed page keeps its KV until its next owner
 overwrites it, and the always-on checks are what keep a request from reading it).
@@ -29,6 +34,7 @@ PAGES_USED = "kvseal_kv_pages_used"
 PAGES_FREE = "kvseal_kv_pages_free"
 RUNNING = "kvseal_num_requests_running"
 WAITING = "kvseal_num_requests_waiting"
+PREEMPTIONS = "kvseal_num_preemptions"
 DRAIN_POLL_S = 0.2
 
 
@@ -108,6 +114,7 @@ def evidence(before: MetricsSnapshot, after: MetricsSnapshot) -> dict[str, Any]:
         "rejections_by_reason": _delta_by_label(before, after, REJECTIONS, "reason"),
         "isolation_violations": _delta(before, after, ISOLATION_VIOLATIONS),
         "pages_scrubbed": _delta(before, after, PAGES_SCRUBBED),
+        "preemptions": _gauge_rise(before, after, PREEMPTIONS),
         "scrub_mode": _scrub_mode(after),
         "allocator_after_run": _allocator(before, after),
     }
@@ -118,6 +125,14 @@ def _delta(before: MetricsSnapshot, after: MetricsSnapshot, name: str) -> float 
     if a is None:
         return "unavailable"
     return a - (before.total(name) or 0.0)
+
+
+def _gauge_rise(before: MetricsSnapshot, after: MetricsSnapshot, name: str) -> float | str:
+    """How much a since-start count rose over the run; 'unavailable' if it is absent or fell."""
+    a, b = after.total(name), before.total(name)
+    if a is None or b is None or a < b:
+        return "unavailable"
+    return a - b
 
 
 def _delta_by_label(before: MetricsSnapshot, after: MetricsSnapshot, name: str, label: str) -> dict[str, float] | str:

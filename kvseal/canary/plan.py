@@ -6,14 +6,21 @@ which any language model continues: a server that serves stale or foreign KV giv
 every reason to repeat another request's marker. A fraction of requests is oversized (more
 words than the context limit: every tokenizer makes at least one token of a space-separated
 word), a fraction of streams is dropped mid-way, and the rest mix both endpoints, streaming
-and not.
+and not. A fraction of the answered requests asks for `n` in 2..3 choices, and a fraction for
+logprobs with top alternatives: each choice and each token string is a path a leak could take
+besides the first choice's text. These are drawn from their own seeded stream, so a plan
+without them is the plan an older canary built from the same seed.
+
+The pressure phase (optional) comes after: long generations sent all at once, so a server whose
+KV pool cannot hold them all must preempt running requests (take their pages, give them back
+later), the path of the incident class behind kvseal's checks.
 """
 
 from __future__ import annotations
 
 import enum
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kvseal.canary.config import CanaryConfig
 from kvseal.canary.markers import Marker, MarkerFactory
@@ -24,6 +31,11 @@ FILLER_WORDS = ("the", "river", "quiet", "garden", "over", "morning", "paper", "
 MAX_FILLER_WORDS = 12
 REPEATS = 3
 OVERSIZE_MARGIN_WORDS = 64
+CHOICES = (2, 3)  # `n` of a request that asks for several choices
+MAX_TOP_LOGPROBS = 5  # completions' legacy limit (OpenAI's); chat's `top_logprobs` takes it too
+# A pressure request's default max_tokens where the context allows more: long enough to grow past
+# its first pages, short enough for the phase to end well inside --timeout on a real model.
+DEFAULT_PRESSURE_TOKENS = 1024
 
 
 class Endpoint(enum.Enum):
@@ -47,6 +59,9 @@ class PlannedRequest:
     marker: Marker
     prompt: str
     max_tokens: int
+    n: int = 1
+    logprobs: int | None = None  # top alternatives per position; None: no logprobs asked
+    is_pressure: bool = False  # sent in the pressure phase, all at once
 
 
 def tenant_name(key_index: int) -> str:
@@ -71,10 +86,36 @@ def build_plan(config: CanaryConfig, max_context: int) -> list[PlannedRequest]:
         raise ConfigError(f"the server's context limit {max_context} is below what a canary prompt needs "
                           f"({need} tokens with --max-tokens {config.max_tokens}); lower --max-tokens or check "
                           f"--max-context")
+    pressure_tokens = pressure_max_tokens(config, max_context)
     rng = random.Random(config.seed)
     markers = MarkerFactory(rng)
-    kinds = _kinds(config, rng)
-    return [_request(i, kind, config, max_context, rng, markers) for i, kind in enumerate(kinds)]
+    kinds = _kinds(config, rng) + ["pressure"] * config.pressure_requests
+    plan = [_request(i, kind, config, max_context, rng, markers) for i, kind in enumerate(kinds)]
+    plan = [replace(r, max_tokens=pressure_tokens) if r.is_pressure else r for r in plan]
+    return _with_paths(plan, config)
+
+
+def pressure_max_tokens(config: CanaryConfig, max_context: int) -> int:
+    """A pressure request's max_tokens: the flag, or the context a prompt leaves (at most
+    DEFAULT_PRESSURE_TOKENS)."""
+    room = max_context - max_prompt_chars()
+    if config.pressure_max_tokens is None:
+        return min(room, DEFAULT_PRESSURE_TOKENS)
+    if config.pressure_requests and config.pressure_max_tokens > room:
+        raise ConfigError(f"--pressure-max-tokens {config.pressure_max_tokens} does not fit the server's context "
+                          f"limit {max_context} beside a canary prompt; at most {room}")
+    return config.pressure_max_tokens
+
+
+def _with_paths(plan: list[PlannedRequest], config: CanaryConfig) -> list[PlannedRequest]:
+    """A seeded share of the answered requests gets `n` > 1, another logprobs (exact counts)."""
+    rng = random.Random(f"{config.seed}:paths")  # its own stream: the rest of the plan does not move
+    eligible = [i for i, r in enumerate(plan) if not r.is_oversized]
+    with_n = set(rng.sample(eligible, round(len(eligible) * config.n_fraction)))
+    with_logprobs = set(rng.sample(eligible, round(len(eligible) * config.logprobs_fraction)))
+    return [replace(r, n=rng.choice(CHOICES) if i in with_n else 1,
+                    logprobs=rng.randint(1, MAX_TOP_LOGPROBS) if i in with_logprobs else None)
+            for i, r in enumerate(plan)]
 
 
 def _kinds(config: CanaryConfig, rng: random.Random) -> list[str]:
@@ -94,6 +135,11 @@ def _request(index: int, kind: str, config: CanaryConfig, max_context: int, rng:
     if kind == "oversized":
         words = [rng.choice(FILLER_WORDS) for _ in range(max_context + OVERSIZE_MARGIN_WORDS)]
         prompt = prompt_for(marker, words)
+    elif kind == "pressure":  # as long as a normal prompt may be: each holds the most KV before it generates
+        words = []
+        while len(prompt_for(marker, words)) + max(len(w) for w in FILLER_WORDS) + 1 <= max_prompt_chars():
+            words.append(rng.choice(FILLER_WORDS))
+        prompt = prompt_for(marker, words)
     else:
         prompt = prompt_for(marker, [rng.choice(FILLER_WORDS) for _ in range(rng.randint(0, MAX_FILLER_WORDS))])
     is_stream = kind == "abort" or rng.random() < 0.5
@@ -101,4 +147,4 @@ def _request(index: int, kind: str, config: CanaryConfig, max_context: int, rng:
     return PlannedRequest(request_id=request_id, tenant=tenant_name(key_index), key_index=key_index,
                           endpoint=rng.choice(list(Endpoint)), is_stream=is_stream,
                           is_oversized=kind == "oversized", abort_after_chunks=abort_after, marker=marker,
-                          prompt=prompt, max_tokens=config.max_tokens)
+                          prompt=prompt, max_tokens=config.max_tokens, is_pressure=kind == "pressure")

@@ -1,6 +1,7 @@
 """Findings, verdict, summary table and JSON report of one canary run.
 
-The run fails on any foreign marker in a response (a leak), any oversized prompt answered
+The run fails on any foreign marker in a response (a leak: in any choice's text or any logprob
+token string, chosen or alternative; the report names the field), any oversized prompt answered
 2xx, any 5xx (or error event inside a stream), any request without a complete answer
 (transport error, truncated stream), any normal request refused (4xx: an answer the run could
 not see is no evidence), a run in which no response repeated its own marker (it could not
@@ -17,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvseal.canary.markers import MarkerIndex
+from kvseal.canary.markers import MarkerIndex, Sighting
 from kvseal.canary.probes import probe_reasons, probe_summary
 from kvseal.canary.runner import Outcome, RequestResult
 
@@ -33,9 +34,10 @@ class Leak:
     foreign_tenant: str
     matched: str
     is_full: bool
+    fields: tuple[str, ...]  # every response field the marker was found in (runner.ResponseFields)
 
     def as_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
+        return self.__dict__ | {"fields": list(self.fields)}
 
 
 @dataclass
@@ -80,19 +82,45 @@ def _status_class(status: int | None) -> str:
 
 
 def analyse(results: list[RequestResult]) -> Findings:
-    """Check every response for every other request's marker."""
+    """Check every field of every response for every other request's marker: one finding per
+    (response, foreign marker), naming each field it was in and its longest match."""
     index = MarkerIndex(r.request.marker for r in results)
     findings = Findings(results)
     for r in results:
-        for seen in index.find(r.text):
-            if seen.marker.request_id == r.request.request_id:
+        sightings: dict[str, list[tuple[str, Sighting]]] = {}
+        for name, texts in r.fields.items():
+            for seen in {s.marker.request_id: s for text in texts for s in index.find(text)}.values():
+                sightings.setdefault(seen.marker.request_id, []).append((name, seen))
+        for request_id, found in sightings.items():
+            if request_id == r.request.request_id:
                 findings.num_own_echoes += r.outcome is Outcome.OK
                 continue
-            leak = Leak(r.request.request_id, r.server_request_id, r.request.tenant, seen.marker.request_id,
-                        seen.marker.tenant, seen.matched, seen.is_full)
-            target = findings.leaks if seen.marker.tenant != r.request.tenant else findings.same_tenant_crossings
+            best = max((seen for _, seen in found), key=lambda seen: len(seen.matched))
+            leak = Leak(r.request.request_id, r.server_request_id, r.request.tenant, request_id, best.marker.tenant,
+                        best.matched, best.is_full, tuple(name for name, _ in found))
+            target = findings.leaks if best.marker.tenant != r.request.tenant else findings.same_tenant_crossings
             target.append(leak)
     return findings
+
+
+def paths(findings: Findings) -> dict[str, Any]:
+    """Which response paths the completed requests exercised: asked for, and actually answered
+    (a server may ignore `n` or `logprobs`; then the run did not check that path)."""
+    done = [r for r in findings.results if r.outcome is Outcome.OK]
+    several = [r for r in done if r.request.n > 1]
+    with_logprobs = [r for r in done if r.request.logprobs is not None]
+    return {
+        "n_gt_1": {"completed": len(several),
+                   "with_every_choice": sum(len(_choices(r)) >= r.request.n for r in several)},
+        "logprobs": {"completed": len(with_logprobs),
+                     "with_tokens": sum(any(".logprobs." in f and "top" not in f for f in r.fields)
+                                        for r in with_logprobs),
+                     "with_top_alternatives": sum(any("top_logprobs" in f for f in r.fields) for r in with_logprobs)},
+    }
+
+
+def _choices(r: RequestResult) -> set[str]:
+    return {name.split(".")[0] for name in r.fields if name.startswith("choices[")}
 
 
 def verdict(findings: Findings, evidence: dict[str, Any], tenancy: dict[str, Any]) -> list[str]:
@@ -101,8 +129,10 @@ def verdict(findings: Findings, evidence: dict[str, Any], tenancy: dict[str, Any
     reasons += probe_reasons(tenancy["prefix_probe"])
     if findings.leaks:
         tenants = sorted({(leak.foreign_tenant, leak.tenant) for leak in findings.leaks})
+        fields = Counter(name for leak in findings.leaks for name in leak.fields)
         reasons.append(f"{len(findings.leaks)} foreign markers in responses (from -> to: "
-                       f"{', '.join(f'{a} -> {b}' for a, b in tenants[:8])})")
+                       f"{', '.join(f'{a} -> {b}' for a, b in tenants[:8])}; in fields: "
+                       f"{', '.join(f'{name} x{n}' for name, n in fields.most_common(6))})")
     if findings.oversized["2xx"]:
         reasons.append(f"{findings.oversized['2xx']} oversized prompts answered 2xx")
     if findings.server_errors:
@@ -136,6 +166,17 @@ def _evidence_reasons(evidence: dict[str, Any]) -> list[str]:
     return reasons
 
 
+def preemptions(evidence: dict[str, Any]) -> dict[str, Any]:
+    """Whether the server reported preemptions during the run: a count, or 'unknown' and why."""
+    if not evidence.get("available"):
+        return {"server_reported": "unknown", "why_unknown": evidence.get("reason")}
+    count = evidence.get("preemptions")
+    if not isinstance(count, float):
+        return {"server_reported": "unknown", "why_unknown": "the server's /metrics has no kvseal_num_preemptions, "
+                                                             "or it went down during the run (an engine restarted)"}
+    return {"server_reported": count, "why_unknown": None}
+
+
 def build_report(findings: Findings, evidence: dict[str, Any], run: dict[str, Any],
                  tenancy: dict[str, Any]) -> dict[str, Any]:
     reasons = verdict(findings, evidence, tenancy)
@@ -143,6 +184,9 @@ def build_report(findings: Findings, evidence: dict[str, Any], run: dict[str, An
         "verdict": {"passed": not reasons, "reasons": reasons},
         "run": run,
         "tenancy": tenancy,
+        "paths": paths(findings),
+        "preemption": {"pressure_requests": sum(r.request.is_pressure for r in findings.results),
+                       **preemptions(evidence)},
         "requests_by_outcome": dict(sorted(findings.outcomes.items())),
         "oversized_prompts": findings.oversized,
         "own_marker_echoes": {"responses": findings.num_own_echoes, "of_completed": findings.outcomes["ok"]},
@@ -174,12 +218,22 @@ def summary_table(report: dict[str, Any]) -> str:
                  f"{over['4xx']} / {over['2xx']} / {over['5xx']} / {over['other']}"))
     echo = report["own_marker_echoes"]
     rows.append(("completed responses repeating their own marker", f"{echo['responses']} of {echo['of_completed']}"))
+    several, logprobs = report["paths"]["n_gt_1"], report["paths"]["logprobs"]
+    rows.append(("completed with n > 1 / all choices answered", f"{several['completed']} / "
+                                                                 f"{several['with_every_choice']}"))
+    rows.append(("completed with logprobs / tokens / top alternatives",
+                 f"{logprobs['completed']} / {logprobs['with_tokens']} / {logprobs['with_top_alternatives']}"))
+    pre = report["preemption"]
+    reported = pre["server_reported"]
+    rows.append((f"preemptions the server reported (pressure requests: {pre['pressure_requests']})",
+                 _fmt(reported) if reported != "unknown" else f"unknown: {pre['why_unknown']}"))
     rows.append(("5xx or stream errors", str(report["num_server_errors"])))
     rows.append(("tenancy: a made-up key", report["tenancy"]["open_door"] or "refused"))
     rows.append(("tenancy: prefix probe", probe_summary(report["tenancy"]["prefix_probe"])))
     rows.append(("foreign markers (leaks)", str(len(report["leaks"]))))
     rows += [(f"  {lk['request_id']} ({lk['tenant']}, server id {lk['server_request_id']})",
-              f"holds {lk['foreign_request_id']}'s marker ({lk['foreign_tenant']}): {lk['matched']}")
+              f"holds {lk['foreign_request_id']}'s marker ({lk['foreign_tenant']}): {lk['matched']} "
+              f"in {', '.join(lk['fields'])}")
              for lk in report["leaks"][:10]]
     rows.append(("same-tenant cross-request markers", str(len(report["same_tenant_crossings"]))))
     rows += _evidence_rows(report["server_evidence"])

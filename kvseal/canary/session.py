@@ -63,12 +63,18 @@ def run_canary(config: CanaryConfig, show_progress: bool | None = None) -> dict[
         def on_result(result: RequestResult) -> None:
             bar.update(1)
 
-        results = asyncio.run(run_plan(plan, target, config.concurrency, on_result))
+        main = [r for r in plan if not r.is_pressure]
+        pressure = [r for r in plan if r.is_pressure]
+        results = asyncio.run(run_plan(main, target, config.concurrency, on_result))
+        if pressure:  # all at once: more KV than a small pool holds, so the scheduler must preempt
+            results += asyncio.run(run_plan(pressure, target, len(pressure), on_result))
     duration_s = time.monotonic() - started
     after = scrape_after_drain(config.root_url, config.admin_key, config.drain_timeout_s)
     run = {"base_url": config.base_url, "model": model, "max_context": max_context,
            "num_tenants": config.num_tenants, "num_requests": len(plan), "concurrency": config.concurrency,
            "oversized_fraction": config.oversized_fraction, "abort_fraction": config.abort_fraction,
-           "max_tokens": config.max_tokens, "seed": config.seed,
+           "max_tokens": config.max_tokens, "seed": config.seed, "n_fraction": config.n_fraction,
+           "logprobs_fraction": config.logprobs_fraction, "pressure_requests": config.pressure_requests,
+           "pressure_max_tokens": max((r.max_tokens for r in plan if r.is_pressure), default=None),
            "started_at": started_at.isoformat(timespec="seconds"), "duration_s": round(duration_s, 1)}
     return build_report(analyse(results), evidence(before, after), run, tenancy)

@@ -8,6 +8,17 @@ which other tenant's prompt. Oversized prompts (more words than MAX_MODEL_LEN) g
 it was not given a 401 (unless it is built without keys: then it has no tenants). The canary's
 prefix probe (one token each, before the run) is answered plainly and neither leaks nor is
 leaked: the leaks to catch are the marker run's.
+
+`leak_in` picks the one field a leak goes into, the rest of the answer staying the request's own:
+- "text": the (only) choice's text, every `leak_every`-th request, as above;
+- "second_choice": a request asking for `n` > 1 gets that many choices, the second one leaking;
+- "logprob_token": a request asking for logprobs gets its own text, and chosen tokens that spell
+  the other tenant's prompt;
+- "top_logprob": its own text and chosen tokens, and at every position a second alternative: the
+  other tenant's prompt, three characters a position.
+Those three leak on every request that asks for the path (once another tenant has sent one), and
+never in a request that does not: a canary that never asks for `n` > 1 or logprobs, or reads only
+the first choice's text, passes them.
 """
 
 from __future__ import annotations
@@ -27,6 +38,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 MODEL = "leaky-model"
 MAX_MODEL_LEN = 2048
 CHUNK_CHARS = 3
+LEAK_FIELDS = ("text", "second_choice", "logprob_token", "top_logprob")
 
 
 @dataclass
@@ -37,7 +49,16 @@ class LeakLog:
     last_prompt_by_key: dict[str, str] = field(default_factory=dict)
 
 
-def build_app(leak_every: int, log: LeakLog, keys: list[str] | None) -> FastAPI:
+@dataclass(frozen=True)
+class Answer:
+    """One choice: its text, and the tokens and second alternatives its logprobs report."""
+
+    text: str
+    tokens: list[str]
+    alternatives: list[str]
+
+
+def build_app(leak_every: int, log: LeakLog, keys: list[str] | None, leak_in: str = "text") -> FastAPI:
     app = FastAPI()
     counter = itertools.count(1)
 
@@ -64,16 +85,19 @@ def build_app(leak_every: int, log: LeakLog, keys: list[str] | None) -> FastAPI:
         if body.get("max_tokens") == 1:  # the canary's prefix probe
             return JSONResponse({"id": "probe", "object": "x", "model": MODEL,
                                  "choices": [{"index": 0, "finish_reason": "length", "text": "x"}]})
-        n = next(counter)
-        server_id = f"leaky-{n}"
-        text = _answer(n, leak_every, key, prompt, server_id, log)
+        count = next(counter)
+        server_id = f"leaky-{count}"
+        with_logprobs = bool(body.get("logprobs")) if is_chat else body.get("logprobs") is not None
+        num_choices = int(body.get("n") or 1) if leak_in == "second_choice" else 1
+        answers = _answers(count, leak_every, leak_in, num_choices, with_logprobs, key, prompt, server_id, log)
         headers = {"x-request-id": server_id}
         if body.get("stream"):
-            return StreamingResponse(_events(text, server_id, is_chat), media_type="text/event-stream",
-                                     headers=headers)
-        choice = {"index": 0, "finish_reason": "length",
-                  **({"message": {"role": "assistant", "content": text}} if is_chat else {"text": text})}
-        return JSONResponse({"id": server_id, "object": "x", "model": MODEL, "choices": [choice]}, headers=headers)
+            return StreamingResponse(_events(answers, server_id, is_chat, with_logprobs),
+                                     media_type="text/event-stream", headers=headers)
+        choices = [{"index": i, "finish_reason": "length", **_content(a.text, is_chat, "message"),
+                    "logprobs": _logprobs(a.tokens, a.alternatives, is_chat) if with_logprobs else None}
+                   for i, a in enumerate(answers)]
+        return JSONResponse({"id": server_id, "object": "x", "model": MODEL, "choices": choices}, headers=headers)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -86,32 +110,69 @@ def build_app(leak_every: int, log: LeakLog, keys: list[str] | None) -> FastAPI:
     return app
 
 
-def _answer(n: int, leak_every: int, key: str, prompt: str, server_id: str, log: LeakLog) -> str:
+def _answers(count: int, leak_every: int, leak_in: str, num_choices: int, with_logprobs: bool, key: str,
+             prompt: str, server_id: str, log: LeakLog) -> list[Answer]:
     others = [(k, p) for k, p in log.last_prompt_by_key.items() if k != key]
     log.last_prompt_by_key[key] = prompt
-    if leak_every and n % leak_every == 0 and others:
-        source_key, source_prompt = others[-1]
-        log.leaks[server_id] = (key, source_key)
-        return "Sure! " + source_prompt.lower().replace("-", " ")
-    return prompt
+    own = Answer(prompt, _tokens(prompt), [])
+    answers = [own] * num_choices
+    asked = {"text": bool(leak_every) and count % leak_every == 0, "second_choice": num_choices > 1,
+             "logprob_token": with_logprobs, "top_logprob": with_logprobs}[leak_in]
+    if not (asked and others):
+        return answers
+    source_key, source_prompt = others[-1]
+    log.leaks[server_id] = (key, source_key)
+    foreign = "Sure! " + source_prompt.lower().replace("-", " ")
+    if leak_in == "text":
+        return [Answer(foreign, _tokens(foreign), [])]
+    if leak_in == "second_choice":
+        return [own, Answer(foreign, _tokens(foreign), []), *answers[2:]]
+    if leak_in == "logprob_token":
+        return [Answer(prompt, _tokens(foreign), [])]
+    return [Answer(prompt, own.tokens, _tokens(foreign))]
 
 
-def _events(text: str, server_id: str, is_chat: bool) -> Iterator[bytes]:
-    for i in range(0, len(text), CHUNK_CHARS):
-        piece = text[i:i + CHUNK_CHARS]
-        choice = {"index": 0, **({"delta": {"content": piece}} if is_chat else {"text": piece})}
-        yield b"data: " + json.dumps({"id": server_id, "choices": [choice]}).encode() + b"\n\n"
+def _tokens(text: str) -> list[str]:
+    return [text[i:i + CHUNK_CHARS] for i in range(0, len(text), CHUNK_CHARS)]
+
+
+def _content(text: str, is_chat: bool, part: str) -> dict[str, Any]:
+    return {part: {"role": "assistant", "content": text}} if is_chat else {"text": text}
+
+
+def _logprobs(tokens: list[str], alternatives: list[str], is_chat: bool) -> dict[str, Any]:
+    """Each position's token at -0.1 and, where there is one, a second alternative at -2.5."""
+    tops = [[(t, -0.1)] + ([(alternatives[i], -2.5)] if i < len(alternatives) else []) for i, t in enumerate(tokens)]
+    if is_chat:
+        return {"content": [{"token": t, "logprob": -0.1, "bytes": list(t.encode()),
+                             "top_logprobs": [{"token": a, "logprob": v, "bytes": list(a.encode())} for a, v in top]}
+                            for t, top in zip(tokens, tops, strict=True)]}
+    return {"tokens": tokens, "token_logprobs": [-0.1] * len(tokens), "top_logprobs": [dict(top) for top in tops]}
+
+
+def _events(answers: list[Answer], server_id: str, is_chat: bool, with_logprobs: bool) -> Iterator[bytes]:
+    """Three characters a chunk, choices interleaved; with logprobs, one token's entry a chunk."""
+    for i in range(max(max(len(_tokens(a.text)), len(a.tokens)) for a in answers)):
+        choices = []
+        for index, a in enumerate(answers):
+            piece = a.text[i * CHUNK_CHARS:(i + 1) * CHUNK_CHARS]
+            tokens, alternatives = a.tokens[i:i + 1], a.alternatives[i:i + 1]
+            if piece or tokens:
+                choices.append({"index": index, **_content(piece, is_chat, "delta"),
+                                "logprobs": _logprobs(tokens, alternatives, is_chat) if with_logprobs else None})
+        yield b"data: " + json.dumps({"id": server_id, "choices": choices}).encode() + b"\n\n"
     yield b"data: [DONE]\n\n"
 
 
 class LeakyServer:
     """Runs the app with uvicorn on 127.0.0.1 in a thread of the test process."""
 
-    def __init__(self, port: int, leak_every: int, keys: list[str] | None) -> None:
-        """`keys` None: any key is taken (a server without tenants)."""
+    def __init__(self, port: int, leak_every: int, keys: list[str] | None, leak_in: str = "text") -> None:
+        """`keys` None: any key is taken (a server without tenants); `leak_in`: one of LEAK_FIELDS."""
+        assert leak_in in LEAK_FIELDS, leak_in
         self.log = LeakLog()
         self.port = port
-        config = uvicorn.Config(build_app(leak_every, self.log, keys), host="127.0.0.1", port=port,
+        config = uvicorn.Config(build_app(leak_every, self.log, keys, leak_in), host="127.0.0.1", port=port,
                                 log_level="warning")
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, daemon=True)

@@ -32,26 +32,48 @@ def _server_keys() -> dict[str, dict[str, object]]:
     return keys
 
 
+# The fault tests send the plan their seeds always gave (one choice, no logprobs: those paths are
+# drawn from their own seeded stream, so nothing else moves): the leaks they must catch come from
+# which requests overlap in the pool, and the clean run is where n > 1 and logprobs are exercised.
+FIRST_CHOICE_ONLY = ["--n-fraction", "0", "--logprobs-fraction", "0"]
+
+
 def _admin_flags() -> list[str]:
     return ["--admin-key", ADMIN_KEY] if HAS_ADMIN_KEYS else []
 
 
+# The pressure phase against the tests' pool (8192 tokens in 32 pages of 256): 18 requests whose
+# prompts (about 180 tokens) grow by 96 generated tokens past their first page need 36 pages at
+# once, more than the pool holds, so the scheduler must preempt some of them.
+PRESSURE_FLAGS = ["--pressure-requests", "18", "--pressure-max-tokens", "96"]
+
+
 def test_clean_server_passes(copy_model_dir: Path, tmp_path: Path, run_canary: RunCanary) -> None:
-    """(d) 8 tenants x 25 requests, checks and scrub off: zero leaks, evidence consistent."""
+    """(d) 8 tenants x 25 requests, checks and scrub off, a tenth of them with n = 2..3 and a
+    tenth with logprobs, then a pressure phase that makes the engine preempt: zero leaks in any
+    choice or token string, evidence consistent, the preemptions reported."""
     with KvsealServer(copy_model_dir, tmp_path, _server_keys()) as server:
         status, report = run_canary(server.url, CANARY_KEYS, "--requests", "200", "--max-tokens", "16",
-                                    "--seed", "1", *_admin_flags())
+                                    "--seed", "1", *PRESSURE_FLAGS, *_admin_flags())
     assert status == 0, report["verdict"]
     assert report["leaks"] == [] and report["same_tenant_crossings"] == []
     assert report["oversized_prompts"] == {"4xx": 10, "2xx": 0, "5xx": 0, "other": 0}
     outcomes = report["requests_by_outcome"]
-    assert outcomes == {"aborted": 10, "ok": 180, "rejected": 10}
+    assert outcomes == {"aborted": 10, "ok": 198, "rejected": 10}
     # The run had power: every completed response repeated its own marker.
-    assert report["own_marker_echoes"] == {"responses": 180, "of_completed": 180}
+    assert report["own_marker_echoes"] == {"responses": 198, "of_completed": 198}
+    # Every choice of an n > 1 request came back, and every logprobs request carried tokens and
+    # top alternatives: the canary read those paths and found only the request's own marker there.
+    several, logprobs = report["paths"]["n_gt_1"], report["paths"]["logprobs"]
+    assert several["completed"] == several["with_every_choice"] > 0, several
+    assert logprobs["completed"] == logprobs["with_tokens"] == logprobs["with_top_alternatives"] > 0, logprobs
+    assert report["preemption"]["pressure_requests"] == 18
     evidence = report["server_evidence"]
     assert evidence["available"], evidence
+    assert isinstance(evidence["preemptions"], float) and evidence["preemptions"] > 0, evidence
+    assert report["preemption"]["server_reported"] == evidence["preemptions"]
     assert evidence["rejections_by_reason"] == {"context_length_exceeded": 10.0}
-    assert sum(evidence["requests_by_outcome"].values()) == 200
+    assert sum(evidence["requests_by_outcome"].values()) == 218
     assert evidence["allocator_after_run"]["pages_used"] == 0 and evidence["allocator_after_run"]["is_idle"]
     # The default scrub mode overwrites nothing: the count is 0 by design, and the report says so.
     assert evidence["scrub_mode"] == "off" and evidence["pages_scrubbed"] == 0
@@ -88,7 +110,8 @@ def test_placeholder_fault_fails_the_run(copy_model_dir: Path, tmp_path: Path, r
     the engine leaks silently, by 500 isolation_check_failed once it checks coverage itself."""
     with KvsealServer(copy_model_dir, tmp_path, _server_keys(), faults=["placeholder_prefill"],
                       extra_args=["--max-num-batched-tokens", "256"]) as server:
-        status, report = run_canary(server.url, CANARY_KEYS, "--requests", "64", "--seed", "2", *_admin_flags())
+        status, report = run_canary(server.url, CANARY_KEYS, "--requests", "64", "--seed", "2", *FIRST_CHOICE_ONLY,
+                                    *_admin_flags())
     assert status == 1
     caught_by_engine = [e for e in report["server_errors"] if "isolation_check_failed" in str(e["error"])]
     assert report["leaks"] or caught_by_engine, report["verdict"]
@@ -104,7 +127,8 @@ def test_foreign_page_without_checks_is_caught_by_markers(copy_model_dir: Path, 
     leak in 1 of 3 runs; at 160, every run saw 14-34 leaks."""
     with KvsealServer(copy_model_dir, tmp_path, _server_keys(), faults=["foreign_page", "bypass_kv_checks"],
                       extra_args=["--kv-scrub", "off"]) as server:
-        status, report = run_canary(server.url, CANARY_KEYS, "--requests", "160", "--seed", "3", *_admin_flags())
+        status, report = run_canary(server.url, CANARY_KEYS, "--requests", "160", "--seed", "3",
+                                    *FIRST_CHOICE_ONLY, *_admin_flags())
     assert status == 1
     assert report["leaks"], report["verdict"]
     assert any("foreign markers" in reason for reason in report["verdict"]["reasons"])
@@ -118,7 +142,7 @@ def test_a_cross_tenant_prefix_hit_is_caught_by_the_probe(copy_model_dir: Path, 
     with KvsealServer(copy_model_dir, tmp_path, _server_keys(), faults=["drop_cache_namespace", "bypass_kv_checks"],
                       ) as server:
         status, report = run_canary(server.url, CANARY_KEYS[:2], "--requests", "8", "--max-tokens", "16",
-                                    "--seed", "5", *_admin_flags())
+                                    "--seed", "5", *FIRST_CHOICE_ONLY, *_admin_flags())
     assert status == 1
     [pair] = report["tenancy"]["prefix_probe"]["pairs"]
     assert pair["own_repeat"] > 0 and pair["other_key"] > 0, pair
@@ -140,7 +164,7 @@ def test_clean_pd_server_passes_with_its_engines_pools_in_the_evidence(
     decode), so the server evidence reads a real verdict: every page of both pools free again."""
     with KvsealServer(copy_model_dir, tmp_path, _server_keys(), extra_args=["--pd"]) as server:
         status, report = run_canary(server.url, CANARY_KEYS, "--requests", "40", "--max-tokens", "16",
-                                    "--seed", "4", *_admin_flags())
+                                    "--seed", "4", *FIRST_CHOICE_ONLY, *_admin_flags())
     assert status == 0, report["verdict"]
     assert report["leaks"] == [] and report["server_errors"] == []
     evidence = report["server_evidence"]

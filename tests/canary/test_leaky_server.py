@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import pytest
 from leaky_server import LeakyServer
 from processes import free_port
 
@@ -64,3 +65,53 @@ def test_normal_requests_refused_fail_the_run(run_canary: Callable[..., tuple[in
     reasons = report["verdict"]["reasons"]
     assert any("normal requests refused 4xx (invalid_api_key" in reason for reason in reasons), reasons
     assert any("prefix probe's requests were refused" in reason and "key 3: 401" in reason for reason in reasons)
+
+
+def _is_only_where(leak_in: str, field: str) -> bool:
+    """Where else a mode's leak may show: the second choice's own logprobs; a position's top
+    alternatives, which hold its chosen token (as OpenAI's and vLLM's do). Never the first
+    choice's text."""
+    if leak_in == "second_choice":
+        return field.startswith("choices[1].")
+    if leak_in == "logprob_token":
+        return field.startswith("choices[0].logprobs.")
+    return field in LEAK_FIELD_NAMES["top_logprob"]
+
+
+# The field each leak mode puts a foreign marker in, as the report names it (by endpoint and stream).
+LEAK_FIELD_NAMES = {
+    "second_choice": {"choices[1].text", "choices[1].message.content", "choices[1].delta.content"},
+    "logprob_token": {"choices[0].logprobs.tokens", "choices[0].logprobs.content[].token"},
+    "top_logprob": {"choices[0].logprobs.top_logprobs", "choices[0].logprobs.content[].top_logprobs[].token"},
+}
+
+
+@pytest.mark.parametrize("leak_in", sorted(LEAK_FIELD_NAMES))
+def test_a_leak_outside_the_first_choices_text_is_caught_and_its_field_named(
+        leak_in: str, run_canary: Callable[..., tuple[int, dict[str, Any]]]) -> None:
+    """The server leaks only into a second choice, only into the chosen logprob tokens, or only
+    into a top alternative, and only when asked for that path: the canary's default plan asks
+    (n > 1 and logprobs on a tenth of its requests each), reads every field, and names the one
+    each leak was in. An older canary that sent n = 1 without logprobs and read the first
+    choice's text passed every one of these runs."""
+    with LeakyServer(free_port(), leak_every=0, keys=KEYS, leak_in=leak_in) as server:
+        status, report = run_canary(server.url, KEYS, *FLAGS, "--abort-fraction", "0")
+        truth = dict(server.log.leaks)
+    assert truth, f"the plan asked for the {leak_in} path, so the server leaked at least once"
+    assert status == 1
+    reported = {leak["server_request_id"]: leak for leak in report["leaks"]}
+    assert set(reported) == set(truth)
+    for server_id, (victim_key, source_key) in truth.items():
+        leak = reported[server_id]
+        assert (leak["tenant"], leak["foreign_tenant"]) == (f"tenant-{KEYS.index(victim_key)}",
+                                                            f"tenant-{KEYS.index(source_key)}")
+        assert leak["is_full"] and set(leak["fields"]) & LEAK_FIELD_NAMES[leak_in], leak
+        assert all(_is_only_where(leak_in, name) for name in leak["fields"]), leak
+    [reason] = [r for r in report["verdict"]["reasons"] if "foreign markers" in r]
+    assert "in fields: choices[" in reason
+    # Every request that asked for the path got an answer in it, so the run checked it.
+    paths = report["paths"]
+    if leak_in == "second_choice":
+        assert paths["n_gt_1"]["completed"] == paths["n_gt_1"]["with_every_choice"] > 0
+    else:
+        assert paths["logprobs"]["completed"] == paths["logprobs"]["with_tokens"] > 0

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from kvseal.canary.config import CanaryConfig, load_keys
-from kvseal.canary.plan import Endpoint, build_plan, max_prompt_chars
+from kvseal.canary.plan import FILLER_WORDS, Endpoint, build_plan, max_prompt_chars
 from kvseal.errors import ConfigError
 
 KEYS = tuple(f"k{i}" for i in range(8))
@@ -53,6 +55,10 @@ def test_refuses_a_context_too_small_for_a_prompt() -> None:
     ({"num_requests": 0}, "--requests"),
     ({"oversized_fraction": 0.7, "abort_fraction": 0.5}, "must be <= 1"),
     ({"base_url": "127.0.0.1:8000"}, "http://"),
+    ({"n_fraction": 1.5}, r"--n-fraction must be in \[0, 1\], got 1.5"),
+    ({"logprobs_fraction": -0.1}, "--logprobs-fraction must be in"),
+    ({"pressure_requests": -1}, "--pressure-requests must be >= 0"),
+    ({"pressure_max_tokens": 0}, "--pressure-max-tokens must be >= 1"),
 ])
 def test_bad_configuration_is_refused(kw: dict[str, object], message: str) -> None:
     args = {"base_url": "http://127.0.0.1:1", "keys": KEYS} | kw
@@ -67,3 +73,44 @@ def test_keys_file_must_be_a_list_of_keys(tmp_path) -> None:  # type: ignore[no-
         load_keys(str(path))
     path.write_text('["a", "b"]')
     assert load_keys(str(path)) == ("a", "b")
+
+
+def test_choices_and_logprobs_go_to_a_seeded_share_of_answered_requests() -> None:
+    plan = build_plan(_config(num_requests=400, oversized_fraction=0.1, n_fraction=0.2, logprobs_fraction=0.25),
+                      max_context=512)
+    answered = [r for r in plan if not r.is_oversized]
+    assert sum(r.n > 1 for r in plan) == round(len(answered) * 0.2)
+    assert sum(r.logprobs is not None for r in plan) == round(len(answered) * 0.25)
+    assert all(r.n == 1 and r.logprobs is None for r in plan if r.is_oversized)
+    assert {r.n for r in plan} == {1, 2, 3} and {r.logprobs for r in plan} - {None} == {1, 2, 3, 4, 5}
+    # Both endpoints, streaming and not, get each path.
+    assert {(r.endpoint, r.is_stream) for r in plan if r.n > 1} == {(e, s) for e in Endpoint for s in (True, False)}
+    assert {(r.endpoint, r.is_stream) for r in plan if r.logprobs} == {(e, s) for e in Endpoint for s in (True, False)}
+
+
+def test_without_the_new_paths_the_plan_is_the_one_the_seed_always_gave() -> None:
+    """n and logprobs are drawn from their own stream: switching them on changes nothing else."""
+    plain = build_plan(_config(seed=9, n_fraction=0.0, logprobs_fraction=0.0), 512)
+    assert all(r.n == 1 and r.logprobs is None for r in plain)
+    mixed = build_plan(_config(seed=9), 512)
+    assert [replace(r, n=1, logprobs=None) for r in mixed] == plain
+
+
+def test_pressure_requests_come_last_and_generate_what_the_context_leaves() -> None:
+    plan = build_plan(_config(num_requests=20, pressure_requests=6), max_context=512)
+    assert [r.is_pressure for r in plan] == [False] * 20 + [True] * 6
+    assert all(r.max_tokens == 512 - max_prompt_chars() and not r.is_oversized for r in plan[20:])
+    # The run before them is the plan without a pressure phase (up to which requests get n and logprobs).
+    def plain(requests: list) -> list:  # type: ignore[type-arg]
+        return [replace(r, n=1, logprobs=None) for r in requests]
+    assert plain(build_plan(_config(num_requests=20), 512)) == plain(plan[:20])
+    capped = build_plan(_config(num_requests=4, pressure_requests=2, pressure_max_tokens=100), 512)
+    assert [r.max_tokens for r in capped[4:]] == [100, 100]
+    with pytest.raises(ConfigError, match="--pressure-max-tokens 500 does not fit"):
+        build_plan(_config(pressure_requests=2, pressure_max_tokens=500), 512)
+
+
+def test_pressure_prompts_are_as_long_as_a_normal_prompt_may_be() -> None:
+    plan = build_plan(_config(num_requests=1, pressure_requests=50), max_context=512)
+    longest_word = max(len(w) for w in FILLER_WORDS)
+    assert all(max_prompt_chars() - longest_word - 1 < len(r.prompt) <= max_prompt_chars() for r in plan[1:])

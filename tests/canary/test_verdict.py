@@ -29,7 +29,8 @@ def result(index: int, outcome: Outcome, text: str, status: int = 200) -> Reques
     marker = marker_of(index)
     request = PlannedRequest(marker.request_id, marker.tenant, index % 2, Endpoint.COMPLETIONS, False, False, None,
                              marker, f"{marker.text} is my code.", 16)
-    return RequestResult(request, outcome, status, text, f"s{index}", None if status < 300 else "oops", 0.1)
+    fields = {"choices[0].text": (text,)} if text else {}
+    return RequestResult(request, outcome, status, fields, f"s{index}", None if status < 300 else "oops", 0.1)
 
 
 def report_of(results: list[RequestResult]) -> dict:
