@@ -9,7 +9,7 @@ import pytest
 from processes import free_port
 
 from kvseal.canary.evidence import MetricsSnapshot, Sample, _parse, evidence
-from kvseal.canary.report import _evidence_reasons, _evidence_rows
+from kvseal.canary.report import _evidence_reasons, _evidence_rows, preemptions
 from kvseal.cli import main
 
 BEFORE = """\
@@ -85,3 +85,23 @@ def test_unreachable_server_is_a_usage_error(tmp_path: Path, capsys: pytest.Capt
                    "--report", str(tmp_path / "r.json"), "--no-progress"])
     assert status == 2
     assert "cannot reach" in capsys.readouterr().err
+
+
+PREEMPTIONS = "# TYPE kvseal_num_preemptions gauge\nkvseal_num_preemptions {count}\n"
+
+
+@pytest.mark.parametrize(("before", "after", "reported"), [
+    (PREEMPTIONS.format(count=3.0), PREEMPTIONS.format(count=10.0), 7.0),
+    ("", PREEMPTIONS.format(count=10.0), "unknown"),  # not exported before the run: no baseline
+    (PREEMPTIONS.format(count=10.0), PREEMPTIONS.format(count=0.0), "unknown"),  # an engine restarted
+])
+def test_preemptions_are_the_gauges_rise_or_unknown(before: str, after: str, reported: float | str) -> None:
+    ev = evidence(MetricsSnapshot(_parse(BEFORE + before)), MetricsSnapshot(_parse(AFTER + after)))
+    pre = preemptions(ev)
+    assert pre["server_reported"] == reported
+    assert (pre["why_unknown"] is None) == (reported != "unknown")
+
+
+def test_preemptions_are_unknown_when_metrics_are_closed() -> None:
+    closed = evidence(MetricsSnapshot(_parse(BEFORE)), MetricsSnapshot(unavailable="GET /metrics answered 401"))
+    assert preemptions(closed) == {"server_reported": "unknown", "why_unknown": "GET /metrics answered 401"}

@@ -44,6 +44,8 @@ def test_same_server_without_leaks_passes(run_canary: Callable[..., tuple[int, d
     assert report["oversized_prompts"]["4xx"] == 3 and report["oversized_prompts"]["2xx"] == 0
     assert report["requests_by_outcome"] == {"aborted": 3, "ok": 54, "rejected": 3}
     assert report["server_evidence"] == {"available": False, "reason": "GET /metrics answered 404"}
+    assert report["preemption"] == {"pressure_requests": 0, "server_reported": "unknown",
+                                    "why_unknown": "GET /metrics answered 404"}
     assert report["run"]["model"] == "leaky-model" and report["run"]["max_context"] == 2048
 
 
