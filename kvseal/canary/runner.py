@@ -6,8 +6,8 @@ found; a planned abort closes the connection after its chunk count.
 
 What came back is kept by the field it came in (`ResponseFields`): every choice's text, its
 logprob tokens joined, and its top alternatives read rank by rank (the k-th alternative of
-every position, joined), so a marker is found wherever a leak put it and the report can say
-where.
+every position, joined), and an error's body (`error`: a refusal, or an error event in a
+stream), so a marker is found wherever a leak put it and the report can say where.
 """
 
 from __future__ import annotations
@@ -150,6 +150,8 @@ async def _send(client: httpx.AsyncClient, target: Target, req: PlannedRequest) 
     return RequestResult(req, outcome, status, fields, server_id, error, time.monotonic() - started)
 
 
+MAX_ERROR_CHARS = 65_536  # of an error body, read for markers
+
 _Answer = tuple[Outcome, int | None, dict[str, tuple[str, ...]], str | None, str | None]
 
 
@@ -158,7 +160,8 @@ async def _unary(client: httpx.AsyncClient, req: PlannedRequest, body: dict[str,
     resp = await client.post(req.endpoint.path, json=body, headers=headers)
     server_id = resp.headers.get(REQUEST_ID_HEADER)
     if resp.status_code >= 300:
-        return _status_outcome(resp.status_code), resp.status_code, {}, server_id, error_text(resp.text)
+        return _status_outcome(resp.status_code), resp.status_code, _error_field(resp.text), server_id, \
+            error_text(resp.text)
     fields = ResponseFields(req.endpoint)
     try:
         payload = resp.json()
@@ -175,7 +178,7 @@ async def _stream(client: httpx.AsyncClient, req: PlannedRequest, body: dict[str
         server_id = resp.headers.get(REQUEST_ID_HEADER)
         if resp.status_code >= 300:
             raw = (await resp.aread()).decode(errors="replace")
-            return _status_outcome(resp.status_code), resp.status_code, {}, server_id, error_text(raw)
+            return _status_outcome(resp.status_code), resp.status_code, _error_field(raw), server_id, error_text(raw)
         fields = ResponseFields(req.endpoint)
         num_chunks = 0
         async for line in resp.aiter_lines():
@@ -190,13 +193,21 @@ async def _stream(client: httpx.AsyncClient, req: PlannedRequest, body: dict[str
                 bad = f"unparseable event: {data[:200]}"
                 return Outcome.INCOMPLETE, resp.status_code, fields.texts(), server_id, bad
             if "error" in event:
-                return Outcome.SERVER_ERROR, resp.status_code, fields.texts(), server_id, error_text(data)
+                return Outcome.SERVER_ERROR, resp.status_code, fields.texts() | _error_field(data), server_id, \
+                    error_text(data)
             server_id = server_id or event.get("id")
             piece = "".join([fields.add_choice(c) for c in event.get("choices", [])])
             num_chunks += bool(piece)
             if req.abort_after_chunks is not None and num_chunks >= req.abort_after_chunks:
                 return Outcome.ABORTED, resp.status_code, fields.texts(), server_id, None
         return Outcome.INCOMPLETE, resp.status_code, fields.texts(), server_id, "stream ended without [DONE]"
+
+
+def _error_field(raw: str) -> dict[str, tuple[str, ...]]:
+    """An error's whole body (to `MAX_ERROR_CHARS`), as the field `error`: a refusal or an error
+    event is a path a leak could take too (a message quoting another tenant's prompt), and
+    `error_text` keeps only its start for the report."""
+    return {"error": (raw[:MAX_ERROR_CHARS],)} if raw else {}
 
 
 def _status_outcome(status: int) -> Outcome:

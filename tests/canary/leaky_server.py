@@ -16,7 +16,9 @@ leaked: the leaks to catch are the marker run's.
   the other tenant's prompt;
 - "top_logprob": its own text and chosen tokens, and at every position a second alternative: the
   other tenant's prompt, three characters a position.
-Those three leak on every request that asks for the path (once another tenant has sent one), and
+- "error": an oversized prompt's 400 quotes the other tenant's prompt in its message, after
+  600 characters of its own (past what a report keeps of an error).
+Those leak on every request that takes the path (once another tenant has sent one), and
 never in a request that does not: a canary that never asks for `n` > 1 or logprobs, or reads only
 the first choice's text, passes them.
 """
@@ -38,7 +40,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 MODEL = "leaky-model"
 MAX_MODEL_LEN = 2048
 CHUNK_CHARS = 3
-LEAK_FIELDS = ("text", "second_choice", "logprob_token", "top_logprob")
+LEAK_FIELDS = ("text", "second_choice", "logprob_token", "top_logprob", "error")
 
 
 @dataclass
@@ -80,8 +82,7 @@ def build_app(leak_every: int, log: LeakLog, keys: list[str] | None, leak_in: st
         body = await request.json()
         prompt = body["messages"][-1]["content"] if is_chat else body["prompt"]
         if len(prompt.split()) > MAX_MODEL_LEN:
-            return JSONResponse({"error": {"message": "too long", "type": "invalid_request_error",
-                                           "code": "context_length_exceeded", "param": None}}, status_code=400)
+            return _too_long(key, prompt, log, leak_in == "error", f"leaky-{next(counter)}")
         if body.get("max_tokens") == 1:  # the canary's prefix probe
             return JSONResponse({"id": "probe", "object": "x", "model": MODEL,
                                  "choices": [{"index": 0, "finish_reason": "length", "text": "x"}]})
@@ -108,6 +109,19 @@ def build_app(leak_every: int, log: LeakLog, keys: list[str] | None, leak_in: st
         return await generate(request, is_chat=True)
 
     return app
+
+
+def _too_long(key: str, prompt: str, log: LeakLog, leaks: bool, server_id: str) -> Response:
+    """The 400 of an oversized prompt; leaking, its message quotes another tenant's last prompt."""
+    message = "too long"
+    others = [(k, p) for k, p in log.last_prompt_by_key.items() if k != key]
+    if leaks and others:
+        source_key, source_prompt = others[-1]
+        log.leaks[server_id] = (key, source_key)
+        message = f"too long: {'x' * 600} such as {source_prompt.lower().replace('-', ' ')}"
+    return JSONResponse({"error": {"message": message, "type": "invalid_request_error",
+                                   "code": "context_length_exceeded", "param": None}}, status_code=400,
+                        headers={"x-request-id": server_id})
 
 
 def _answers(count: int, leak_every: int, leak_in: str, num_choices: int, with_logprobs: bool, key: str,

@@ -73,6 +73,8 @@ def _is_only_where(leak_in: str, field: str) -> bool:
     """Where else a mode's leak may show: the second choice's own logprobs; a position's top
     alternatives, which hold its chosen token (as OpenAI's and vLLM's do). Never the first
     choice's text."""
+    if leak_in == "error":
+        return field == "error"
     if leak_in == "second_choice":
         return field.startswith("choices[1].")
     if leak_in == "logprob_token":
@@ -85,17 +87,19 @@ LEAK_FIELD_NAMES = {
     "second_choice": {"choices[1].text", "choices[1].message.content", "choices[1].delta.content"},
     "logprob_token": {"choices[0].logprobs.tokens", "choices[0].logprobs.content[].token"},
     "top_logprob": {"choices[0].logprobs.top_logprobs", "choices[0].logprobs.content[].top_logprobs[].token"},
+    "error": {"error"},
 }
 
 
 @pytest.mark.parametrize("leak_in", sorted(LEAK_FIELD_NAMES))
 def test_a_leak_outside_the_first_choices_text_is_caught_and_its_field_named(
         leak_in: str, run_canary: Callable[..., tuple[int, dict[str, Any]]]) -> None:
-    """The server leaks only into a second choice, only into the chosen logprob tokens, or only
-    into a top alternative, and only when asked for that path: the canary's default plan asks
-    (n > 1 and logprobs on a tenth of its requests each), reads every field, and names the one
-    each leak was in. An older canary that sent n = 1 without logprobs and read the first
-    choice's text passed every one of these runs."""
+    """The server leaks only into a second choice, only into the chosen logprob tokens, only
+    into a top alternative, or only into an oversized prompt's 400, and only on that path: the
+    canary's default plan takes each (n > 1 and logprobs on a tenth of its requests each, and
+    oversized prompts), reads every field, the error's whole body too, and names the one each
+    leak was in. An older canary that sent n = 1 without logprobs and read the first choice's
+    text and no error body passed every one of these runs."""
     with LeakyServer(free_port(), leak_every=0, keys=KEYS, leak_in=leak_in) as server:
         status, report = run_canary(server.url, KEYS, *FLAGS, "--abort-fraction", "0")
         truth = dict(server.log.leaks)
@@ -110,9 +114,11 @@ def test_a_leak_outside_the_first_choices_text_is_caught_and_its_field_named(
         assert leak["is_full"] and set(leak["fields"]) & LEAK_FIELD_NAMES[leak_in], leak
         assert all(_is_only_where(leak_in, name) for name in leak["fields"]), leak
     [reason] = [r for r in report["verdict"]["reasons"] if "foreign markers" in r]
-    assert "in fields: choices[" in reason
+    assert "in fields: " in reason and next(iter(LEAK_FIELD_NAMES[leak_in])).split(".")[0] in reason, reason
     # Every request that asked for the path got an answer in it, so the run checked it.
     paths = report["paths"]
+    if leak_in == "error":
+        return
     if leak_in == "second_choice":
         assert paths["n_gt_1"]["completed"] == paths["n_gt_1"]["with_every_choice"] > 0
     else:
