@@ -39,11 +39,16 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokenizer", default=None, help="local model folder whose vocabulary the random "
                    "prompts use (default: the default model's)")
     p.add_argument("--num-prompts", type=int, default=200)
-    load = p.add_mutually_exclusive_group()
+    load = p.add_argument_group("load")
     load.add_argument("--concurrency", "--max-concurrency", dest="concurrency", type=int, default=None,
-                      help="requests in flight (default 32); --max-concurrency is vLLM's name")
+                      help="requests in flight (default 32 without --request-rate); --max-concurrency is "
+                           "vLLM's name")
     load.add_argument("--request-rate", type=float, default=None,
-                      help="Poisson arrivals at this many requests/s, no concurrency limit")
+                      help="arrivals at this many requests/s, scheduled as vLLM's client does (with "
+                           "--concurrency, also at most that many in flight; without, no limit)")
+    load.add_argument("--burstiness", type=float, default=1.0,
+                      help="with --request-rate, vLLM's: 1 (default) Poisson arrivals, below 1 burstier, "
+                           "above 1 more even, inf equal gaps")
     p.add_argument("--input-len", "--random-input-len", dest="input_len", type=int, default=256,
                    help="prompt tokens per request (--random-input-len: vLLM's name)")
     p.add_argument("--output-len", "--random-output-len", dest="output_len", type=int, default=128,
@@ -81,7 +86,7 @@ def config_from(ns: argparse.Namespace) -> ServeBenchConfig:
     from kvseal.bench.serve import ServeBenchConfig
 
     if ns.request_rate is not None:
-        shape = LoadShape(concurrency=None, request_rate=ns.request_rate)
+        shape = LoadShape(concurrency=ns.concurrency, request_rate=ns.request_rate, burstiness=ns.burstiness)
     else:
         shape = LoadShape(concurrency=32 if ns.concurrency is None else ns.concurrency, request_rate=math.inf)
     return ServeBenchConfig(

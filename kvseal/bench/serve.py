@@ -54,7 +54,9 @@ def describe(config: ServeBenchConfig) -> dict[str, Any]:
         "base_url": config.endpoint.base_url, "model_id": config.endpoint.model,
         "tokenizer_id": config.tokenizer or "(default model)", "num_prompts": config.num_prompts,
         "input_len": config.input_len, "output_len": config.output_len,
-        "request_rate": rate if math.isfinite(rate) else "inf", "max_concurrency": config.shape.concurrency,
+        "request_rate": rate if math.isfinite(rate) else "inf",
+        "burstiness": config.shape.burstiness if math.isfinite(config.shape.burstiness) else "inf",
+        "max_concurrency": config.shape.concurrency,
         "seed": config.seed, "server_pid": config.server_pid,
     }
 

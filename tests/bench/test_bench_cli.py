@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import math
+import random
 from pathlib import Path
 
 import pytest
 
 from kvseal.bench.cli import config_from
 from kvseal.bench.client import Endpoint
+from kvseal.bench.runner import LoadShape, send_times
 from kvseal.cli import build_parser, main
+from kvseal.errors import KvsealError
 
 
 def test_root_and_v1_base_urls_reach_the_same_completions_url() -> None:
@@ -64,3 +68,34 @@ def test_bench_serve_refuses_nothing_to_send_or_no_time_to_wait(flag: str, value
     argv = ["bench", "serve", "--base-url", "http://127.0.0.1:9", "--model", "m", "--tokenizer", "no-such-folder"]
     assert main([*argv, flag, value]) == 2
     assert expected in capsys.readouterr().err
+
+
+def test_request_rate_takes_vllms_burstiness_and_a_concurrency_limit_beside_it() -> None:
+    parser = build_parser()
+    both = config_from(parser.parse_args(["bench", "serve", "--base-url", "http://h:8000", "--model", "m",
+                                          "--request-rate", "4", "--max-concurrency", "2", "--burstiness", "0.5"]))
+    assert both.shape == LoadShape(concurrency=2, request_rate=4.0, burstiness=0.5)
+    rate_only = config_from(parser.parse_args(["bench", "serve", "--base-url", "http://h:8000", "--model", "m",
+                                               "--request-rate", "4"]))
+    assert rate_only.shape == LoadShape(concurrency=None, request_rate=4.0, burstiness=1.0)
+    with pytest.raises(KvsealError, match="burstiness must be > 0"):
+        LoadShape(request_rate=4.0, burstiness=0)
+
+
+@pytest.mark.parametrize("burstiness", [0.5, 1.0, 3.0])
+def test_the_send_schedule_is_vllms_the_last_send_at_n_over_the_rate(burstiness: float) -> None:
+    """vLLM's client: every request, the first too, waits a gamma gap (shape = burstiness, mean
+    1/rate); the times are scaled so the last send is at n/rate, whatever the seed."""
+    shape = LoadShape(concurrency=None, request_rate=40.0, burstiness=burstiness)
+    for seed in range(6):
+        times = send_times(24, shape, random.Random(seed))
+        assert times[-1] == pytest.approx(24 / 40.0)
+        assert 0 < times[0] and all(a <= b for a, b in zip(times, times[1:]))
+    assert send_times(24, shape, random.Random(3)) == send_times(24, shape, random.Random(3))
+    assert send_times(24, shape, random.Random(3)) != send_times(24, shape, random.Random(4))
+
+
+def test_infinite_burstiness_spaces_sends_evenly_and_an_infinite_rate_sends_at_once() -> None:
+    even = send_times(4, LoadShape(request_rate=8.0, burstiness=math.inf), random.Random(0))
+    assert even == pytest.approx([0.125, 0.25, 0.375, 0.5])
+    assert send_times(5, LoadShape(request_rate=math.inf), random.Random(0)) == [0.0] * 5
