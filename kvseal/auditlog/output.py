@@ -1,8 +1,8 @@
 """Rows out as an aligned table, CSV or JSON (the formats `kvseal usage` and `kvseal audit` share).
 
 The table is for a terminal: each cell shows its control characters as escapes (`visible`), so
-one record is one line. CSV and JSON keep every value exact (CSV quotes a value with a line
-break in it, so a CSV reader sees one field).
+one record is one line. CSV and JSON keep every value exact (CSV, with RFC 4180's CRLF rows,
+quotes a value with a CR or LF in it, so a CSV reader sees one field).
 """
 
 from __future__ import annotations
@@ -63,8 +63,11 @@ def table(rows: Sequence[dict[str, object]], columns: Sequence[str]) -> str:
 
 
 def csv_text(rows: Sequence[dict[str, object]], columns: Sequence[str]) -> str:
+    """RFC 4180's CSV, rows ended by CRLF: the csv module quotes a value holding any character of
+    the line terminator, so with CRLF a value with a lone CR (or LF) in it is quoted, and a
+    reader sees one field where a client's text put a line break."""
     out = io.StringIO()
-    writer = csv.writer(out, lineterminator="\n")
+    writer = csv.writer(out, lineterminator="\r\n")
     writer.writerow(columns)
     writer.writerows([cell(row.get(c)) for c in columns] for row in rows)
     return out.getvalue()

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from kvseal.auditlog.output import csv_text
 from kvseal.cli import main
 from kvseal.server.audit import AuditLog, AuditRecord
 from kvseal.server.audit_file import rotated_files
@@ -167,3 +168,7 @@ def test_a_clients_text_cannot_forge_a_table_row(tmp_path: Path, capsys: pytest.
     assert all(ch.isprintable() for ch in out.replace("\n", ""))
     out, _ = run(capsys, "--audit-log", str(path), "--tenant", "bob", "--format", "json")
     assert json.loads(out)["requests"][0]["model"] == model
+    out, _ = run(capsys, "--audit-log", str(path), "--tenant", "bob", "--format", "csv")
+    assert [row["model"] for row in csv.DictReader(io.StringIO(out, newline=""))] == [model]
+    lone_cr = csv_text([{"model": f"x\r{FORGED_ROW}", "n": 1}], ["model", "n"])  # no LF beside it to get it quoted
+    assert list(csv.reader(io.StringIO(lone_cr, newline=""))) == [["model", "n"], [f"x\r{FORGED_ROW}", "1"]]
