@@ -151,13 +151,15 @@ class ChatFormatter:
             reasoning, content = reasoning + more_reasoning, content + more_content
         chunks = [self._chunk(index, _reasoning_fields(reasoning), None, None)] \
             if reasoning and self._include_reasoning else []
+        if chunks and not content and not out.finished:  # the step's tokens are in the reasoning chunk
+            return chunks
         return chunks + self._content_chunks(index, msgspec.structs.replace(out, new_text=content))
 
     def _content_chunks(self, index: int, out: RequestOutputMsg) -> list[dict[str, Any]]:
         if self._tool_parser is not None:
             return self._tool_delta_chunks(index, out)
-        if not (out.new_text or out.finished or (self._with_logprobs and out.new_token_ids)):
-            return []
+        if not (out.new_text or out.finished or out.new_token_ids):  # a step's tokens whose text is held
+            return []  # back or empty get a chunk too, as vLLM's: one chunk per step that made tokens
         delta = {"content": out.new_text} if out.new_text else {}
         logprobs = self._logprobs(out.logprobs or [])
         return [self._chunk(index, delta, logprobs, out.finish_reason if out.finished else None,

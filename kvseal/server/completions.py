@@ -113,8 +113,9 @@ class CompletionFormatter:
         echo = self._echo(index)
         if echo is not None and index not in self._echoed and (out.new_token_ids or out.finished):
             return self._echo_chunks(index, out, echo)
-        if (echo is not None and echo.only) or not (out.new_text or out.finished or
-                                                    (self._with_logprobs and out.new_token_ids)):
+        # a step's tokens whose text is held back (a stop string's prefix) or empty (a special token)
+        # get a chunk too, as vLLM's: one chunk per step that made tokens
+        if (echo is not None and echo.only) or not (out.new_text or out.finished or out.new_token_ids):
             return []
         logprobs = self._logprobs(index, out.logprobs or [])
         return [self._chunk(_choice(index, out.new_text, logprobs, out.finish_reason if out.finished else None,

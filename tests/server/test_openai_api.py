@@ -157,6 +157,24 @@ def test_skip_special_tokens_false_shows_them(server: ServerProcess, alice: open
     assert text() == "" and text(skip_special_tokens=False).split() == ["</s>", "</s>"]
 
 
+@pytest.mark.parametrize("chat", [False, True])
+def test_a_token_without_text_still_gets_its_chunk(server: ServerProcess, alice: openai.OpenAI, chat: bool) -> None:
+    """As vLLM's streams: one chunk per step that made a token, even when its text is empty (a
+    skipped special token, here </s> forced past ignore_eos) or held back, so a client counting
+    chunks sees every token."""
+    forced = {"ignore_eos": True, "logit_bias": {"1": 100}}
+    if chat:
+        chunks = [c for c in alice.chat.completions.create(
+            model=server.model_name, messages=[{"role": "user", "content": PROMPT}], max_tokens=4, temperature=0,
+            stream=True, extra_body=forced) if c.choices and c.choices[0].delta.role is None]
+        assert "".join(c.choices[0].delta.content or "" for c in chunks) == ""
+    else:
+        chunks = [c for c in alice.completions.create(model=server.model_name, prompt=PROMPT, max_tokens=4,
+                                                      temperature=0, stream=True, extra_body=forced) if c.choices]
+        assert "".join(c.choices[0].text for c in chunks) == ""
+    assert len(chunks) == 4 and chunks[-1].choices[0].finish_reason == "length"
+
+
 def test_completion_logprobs(server: ServerProcess, alice: openai.OpenAI) -> None:
     out = alice.completions.create(model=server.model_name, prompt=PROMPT, max_tokens=5, temperature=0, logprobs=2)
     lp = out.choices[0].logprobs
