@@ -20,9 +20,25 @@ if TYPE_CHECKING:  # the vocabulary stays importable without torch (the frontend
 DEFAULT_TENANT = "default"
 # `RequestOutput.error_code` of a request ended because an isolation check tripped (I3/I4).
 ISOLATION_CHECK_FAILED = "isolation_check_failed"
-# `RequestOutput.error_code` of a request ended because its grammar and its `allowed_token_ids`
-# left no token to sample at some step: it ends there, without a token outside either.
+# `RequestOutput.error_code` of a request ended because its grammar (with its `allowed_token_ids`,
+# or alone, where the vocabulary cannot continue it) left no token to sample at some step: it ends
+# there, without a token outside either. The error says which (`NO_TOKEN_LEFT_*`).
 NO_TOKEN_SATISFIES_CONSTRAINTS = "no_token_satisfies_constraints"
+NO_TOKEN_LEFT_BOTH = ("no token satisfies both the request's allowed_token_ids and its structured-output grammar at "
+                      "this step; the request ended without sampling one. Allow tokens the grammar can take next, or "
+                      "drop one of the two constraints")
+NO_TOKEN_LEFT_GRAMMAR = ("no token of this model's vocabulary can continue the request's structured-output grammar at "
+                         "this step; the request ended without sampling one. The grammar asks for text this model's "
+                         "tokens cannot spell (its tokenizer has no token for some characters it requires)")
+
+
+def no_token_param(error: str | None) -> str | None:
+    """The request field a `no_token_satisfies_constraints` error names: `allowed_token_ids`
+    where it and the grammar shared no token; none where the grammar alone could not be continued
+    (it may come from response_format, tools or a guided field)."""
+    return None if error == NO_TOKEN_LEFT_GRAMMAR else "allowed_token_ids"
+
+
 SAMPLING_EPS = 1e-5
 MAX_N = 16  # most choices one request may ask for
 

@@ -50,6 +50,7 @@ from kvseal.types import (
     Request,
     RequestOutput,
     SamplingParams,
+    no_token_param,
 )
 
 logger = logging.getLogger("kvseal.disagg")
@@ -253,13 +254,13 @@ class PrefillSteps:
     def _refuse_aborted(self, job: Job, out: RequestOutput) -> None:
         """Prefill's engine aborted the request: decode and the client get the engine's cause,
         `isolation_check_failed` when prefill's own isolation check refused a forward (I3/I4),
-        `no_token_satisfies_constraints` (400) when the request's grammar and allowed_token_ids
-        left its first token nothing to be."""
+        `no_token_satisfies_constraints` (400) when the request's grammar (with its
+        allowed_token_ids, or alone) left its first token nothing to be."""
         if out.error_code == ISOLATION_CHECK_FAILED:
             self._refuse(job, ISOLATION_CHECK_FAILED, out.error or "isolation check failed in prefill", None, 500)
         elif out.error_code == NO_TOKEN_SATISFIES_CONSTRAINTS:  # the client's constraints, as in one engine
             self._refuse(job, NO_TOKEN_SATISFIES_CONSTRAINTS, out.error or "no token satisfies the constraints",
-                         "allowed_token_ids", 400)
+                         no_token_param(out.error), 400)
         else:
             self._refuse(job, REQUEST_ABORTED, f"prefill did not complete the request: {out.error or 'aborted'}",
                          None, 500)

@@ -49,6 +49,8 @@ from kvseal.structured.matching import new_matcher
 from kvseal.types import (
     DEFAULT_TENANT,
     ISOLATION_CHECK_FAILED,
+    NO_TOKEN_LEFT_BOTH,
+    NO_TOKEN_LEFT_GRAMMAR,
     NO_TOKEN_SATISFIES_CONSTRAINTS,
     FinishReason,
     Request,
@@ -59,9 +61,6 @@ from kvseal.types import (
 )
 
 logger = logging.getLogger("kvseal")
-_NO_TOKEN_LEFT = ("no token satisfies both the request's allowed_token_ids and its structured-output grammar at "
-                  "this step; the request ended without sampling one. Allow tokens the grammar can take next, or "
-                  "drop one of the two constraints")
 
 
 def _no_text(token_ids: list[int]) -> str:
@@ -420,8 +419,9 @@ class LLMEngine:
         outputs = []
         samples = sample(logits, sampled, self.model_config.eos_token_ids, self.ops)
         for request, (token, logprobs) in zip(sampled, samples):
-            if token is None:  # its grammar and allowed_token_ids left no token: it ends without one
-                outputs.append(self._finish(request, FinishReason.ABORT, error=_NO_TOKEN_LEFT,
+            if token is None:  # its grammar (and allowed_token_ids) left no token: it ends without one
+                why = NO_TOKEN_LEFT_BOTH if request.params.allowed_token_ids is not None else NO_TOKEN_LEFT_GRAMMAR
+                outputs.append(self._finish(request, FinishReason.ABORT, error=why,
                                             error_code=NO_TOKEN_SATISFIES_CONSTRAINTS))
                 continue
             state = self._outputs[request.request_id]

@@ -12,9 +12,10 @@ Every step builds a few [num_requests, vocab] tensors with one scatter each; not
 over the vocabulary or does tensor arithmetic per row in Python. A batch whose requests ask
 for none of these features is returned unchanged (no copy).
 
-A grammar and `allowed_token_ids` together can leave a row no token at all (sets that share
-none, at any step); `exhausted_rows` finds those rows, checking only rows that carry both, so
-the sampler never picks a token outside either.
+A grammar can leave a row no token at all: with `allowed_token_ids` (sets that share none, at
+any step), or alone where the vocabulary cannot spell what it requires next (a tokenizer
+without byte tokens); `exhausted_rows` finds those rows, checking only rows with a grammar, so
+the sampler never picks a token the grammar or the allowed set refuses.
 """
 
 from __future__ import annotations
@@ -45,12 +46,12 @@ def apply_logits_processors(logits: torch.Tensor, requests: list[Request],
 
 
 def exhausted_rows(logits: torch.Tensor, requests: list[Request]) -> list[int]:
-    """The rows of the processed `logits` with no token left: every one -inf. Only a row with
-    both a constraining grammar and `allowed_token_ids` can get there (logit_bias is finite,
-    the min_tokens ban is lifted from a row it would empty), so only those rows are read: a
-    batch without one costs nothing and no host sync."""
-    rows = [row for row, r in enumerate(requests)
-            if r.grammar is not None and r.grammar.constrains and r.params.allowed_token_ids is not None]
+    """The rows of the processed `logits` with no token left: every one -inf. Only a row with a
+    constraining grammar can get there (logit_bias is finite, the min_tokens ban is lifted from
+    a row it would empty, and `allowed_token_ids` is never empty), so only those rows are read:
+    a batch without one costs nothing and no host sync (a grammar row syncs each step anyway,
+    for its matcher to take the sampled token)."""
+    rows = [row for row, r in enumerate(requests) if r.grammar is not None and r.grammar.constrains]
     if not rows:
         return []
     index = torch.tensor(rows, device=logits.device)

@@ -23,7 +23,7 @@ from kvseal.messages.msgs import (
     RequestRejectedMsg,
 )
 from kvseal.server.audit import AUDIT_UNAVAILABLE, ENGINE_UNAVAILABLE, AuditLog
-from kvseal.types import ISOLATION_CHECK_FAILED, NO_TOKEN_SATISFIES_CONSTRAINTS
+from kvseal.types import ISOLATION_CHECK_FAILED, NO_TOKEN_SATISFIES_CONSTRAINTS, no_token_param
 
 
 @dataclass
@@ -268,7 +268,7 @@ def for_event(event: RequestEvent) -> ApiError | None:
         return None
     if event.error_code == NO_TOKEN_SATISFIES_CONSTRAINTS:  # the request's own constraints: the client's to fix
         return ApiError(400, event.error or "no token satisfies the request's constraints",
-                        code=NO_TOKEN_SATISFIES_CONSTRAINTS, param="allowed_token_ids")
+                        code=NO_TOKEN_SATISFIES_CONSTRAINTS, param=no_token_param(event.error))
     if event.error == ABORT_SERVER_SHUTDOWN:
         return engine_unavailable("the server is shutting down")
     if event.error in (ABORT_KEY_REVOKED, ABORT_MODEL_DISABLED):

@@ -28,7 +28,14 @@ from kvseal.structured.schema import (
     check_tools,
     json_depth,
 )
-from kvseal.types import NO_TOKEN_SATISFIES_CONSTRAINTS, ReasoningGate, RequestOutput, StructuredOutput
+from kvseal.types import (
+    NO_TOKEN_LEFT_GRAMMAR,
+    NO_TOKEN_SATISFIES_CONSTRAINTS,
+    ReasoningGate,
+    RequestOutput,
+    StructuredOutput,
+    no_token_param,
+)
 
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "colour": {"enum": ["red", "green", "blue"]},
                                            "n": {"type": "integer", "minimum": 0, "maximum": 9}},
@@ -217,6 +224,22 @@ def test_a_grammar_the_vocabulary_cannot_begin_is_refused(make_llm: Any) -> None
     with pytest.raises(InvalidParameter, match="no token that can begin") as info:
         llm.generate("w5", SamplingParams(structured=StructuredOutput("json_object")))
     assert info.value.param == "response_format" and not llm.engine.has_unfinished()
+    llm.engine.close()
+
+
+def test_a_grammar_the_vocabulary_cannot_continue_ends_the_request_with_a_typed_error(make_llm: Any) -> None:
+    """The word-level tiny model can begin "(w8 )+w9" but has no token for the space after "w8":
+    the request ends there with `no_token_satisfies_constraints`, saying the vocabulary cannot
+    continue the grammar, never with a token the grammar refused (it used to sample token 0 and
+    be aborted as an engine fault, a 500); its batch neighbour runs on."""
+    llm = make_llm()
+    regex = SamplingParams(max_tokens=8, temperature=0.7, seed=1, structured=StructuredOutput("regex", "(w8 )+w9"))
+    out, neighbour = llm.generate(["w4", "w5"], [regex, SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)])
+    assert (out.token_ids, out.finish_reason.value, out.error_code) == ([8], "abort", NO_TOKEN_SATISFIES_CONSTRAINTS)
+    assert out.error == NO_TOKEN_LEFT_GRAMMAR and no_token_param(out.error) is None
+    assert len(neighbour.token_ids) == 5 and neighbour.error is None
+    llm.engine.check_integrity()
+    assert llm.engine.stats().num_pages_used == 0
     llm.engine.close()
 
 

@@ -56,7 +56,7 @@ from kvseal.server.metrics import ServerMetrics
 from kvseal.server.prompts import PromptEncoder
 from kvseal.server.rate_limits import RateLimits
 from kvseal.server.state import AppState
-from kvseal.types import NO_TOKEN_SATISFIES_CONSTRAINTS, SamplingParams
+from kvseal.types import NO_TOKEN_LEFT_GRAMMAR, NO_TOKEN_SATISFIES_CONSTRAINTS, SamplingParams
 
 READY = EngineReadyMsg(pid=1, model_name="tiny", model_path="/m", tokenizer_path="/m", architecture="llama",
                        max_model_len=64, kv_cache_tokens=256, vocab_size=512, page_size=4, num_pages=64,
@@ -211,6 +211,9 @@ def test_a_request_its_own_constraints_left_no_token_is_a_400_naming_why() -> No
     err = errors.for_event(out)
     assert err is not None and (err.status, err.code, err.param, err.message) == (
         400, NO_TOKEN_SATISFIES_CONSTRAINTS, "allowed_token_ids", "no token satisfies both")
+    grammar_alone = msgspec.structs.replace(out, error=NO_TOKEN_LEFT_GRAMMAR)  # the vocabulary cannot continue it
+    err = errors.for_event(grammar_alone)
+    assert err is not None and (err.status, err.param, err.message) == (400, None, NO_TOKEN_LEFT_GRAMMAR)
 
 
 def test_an_engine_lost_midway_through_a_submit_ends_the_choices_it_took(tmp_path: Path) -> None:
