@@ -48,11 +48,75 @@ def _llm(model: Path, **kwargs: Any) -> LLM:
     return LLM(str(model), **{**SMALL_POOL, "tp_timeout_s": 20.0, **kwargs})
 
 
+class SharedTP2:
+    """A TP=2 engine over the tiny llama lent to one test after another (a rank process start
+    saved per test), put back as a new one would be found: every fault off on rank 1 (faults the
+    driver process holds are `inject`'s, off when its block ends), every request run out and the
+    pages checked. An engine that fails this is closed; the next test gets a new one.
+
+    torch.distributed has one default group per process, so one TP engine at a time lives here:
+    lent with other options, the engine is closed and another started, and a test that starts
+    its own TP engine gets the shared one closed first (`one_tp_engine_at_a_time`)."""
+
+    def __init__(self, model: Path) -> None:
+        self.model = model
+        self.llm: LLM | None = None
+        self.options: dict[str, Any] = {}
+
+    def lend(self, **options: Any) -> Iterator[LLM]:
+        if self.llm is not None and options != self.options:
+            self.close()
+        if self.llm is None:
+            self.llm, self.options = _llm(self.model, tensor_parallel_size=2, **options), options
+        llm = self.llm
+        yield llm
+        try:
+            assert llm.engine.driver is not None
+            for fault in Fault:
+                llm.engine.driver.inject_fault_on_rank(1, fault, active=False)
+            for _ in range(200):
+                if not llm.engine.has_unfinished():
+                    break
+                llm.engine.step()
+            assert not llm.engine.has_unfinished()
+            llm.engine.check_integrity()
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        if self.llm is not None:
+            self.llm.engine.close()
+            self.llm = None
+
+
+@pytest.fixture(scope="module")
+def shared_tp2(model_dirs: dict[str, Path]) -> Iterator[SharedTP2]:
+    shared = SharedTP2(model_dirs["llama"])
+    yield shared
+    shared.close()
+
+
+@pytest.fixture(autouse=True)
+def one_tp_engine_at_a_time(shared_tp2: SharedTP2, request: pytest.FixtureRequest) -> None:
+    if not {"tp2", "tp2_faults"} & set(request.fixturenames):
+        shared_tp2.close()
+
+
 @pytest.fixture
-def tp2(model_dirs: dict[str, Path]) -> Iterator[LLM]:
-    llm = _llm(model_dirs["llama"], tensor_parallel_size=2)
-    yield llm
-    llm.engine.close()
+def tp2(shared_tp2: SharedTP2) -> Iterator[LLM]:
+    """The tiny llama under TP=2, for tests that only generate (the default tenant, prompts no
+    other test sends)."""
+    yield from shared_tp2.lend()
+
+
+@pytest.fixture
+def tp2_faults(shared_tp2: SharedTP2) -> Iterator[LLM]:
+    """The tiny llama under TP=2 for the tests that switch faults on, with prefix caching off:
+    they repeat alice's and bob's prompts, and one test's finished prompt must not be the next
+    one's cache hit: every prefill runs in full, as on a new engine (where none of these
+    prompts was ever a hit)."""
+    yield from shared_tp2.lend(enable_prefix_caching=False)
 
 
 def _generate(llm: LLM) -> list[list[int]]:
@@ -191,77 +255,84 @@ def _refused(out: Any) -> bool:
     return out.finish_reason is FinishReason.ABORT and out.error_code == ISOLATION_CHECK_FAILED
 
 
-def test_placeholder_prefill_on_the_driver_is_refused_under_tp2(tp2: LLM) -> None:
-    tp2.engine.add_request("alice", list(range(10, 22)), GREEDY, tenant="alice")
-    tp2.engine.step()
-    tp2.engine.add_request("bob", list(range(300, 320)), GREEDY, tenant="bob")
+def test_placeholder_prefill_on_the_driver_is_refused_under_tp2(tp2_faults: LLM) -> None:
+    tp2_faults.engine.add_request("alice", list(range(10, 22)), GREEDY, tenant="alice")
+    tp2_faults.engine.step()
+    tp2_faults.engine.add_request("bob", list(range(300, 320)), GREEDY, tenant="bob")
     with inject(Fault.PLACEHOLDER_PREFILL):
-        outs = {o.request_id: o for o in tp2.engine.step()}
+        outs = {o.request_id: o for o in tp2_faults.engine.step()}
     assert _refused(outs["bob"]) and "never wrote" in outs["bob"].error
-    while tp2.engine.has_unfinished():
-        tp2.engine.step()
-    tp2.engine.check_integrity()
+    while tp2_faults.engine.has_unfinished():
+        tp2_faults.engine.step()
+    tp2_faults.engine.check_integrity()
 
 
-def test_a_placeholder_on_rank_1_only_is_refused_on_every_rank(tp2: LLM) -> None:
-    finals = _alice_then_bob(tp2, Fault.PLACEHOLDER_PREFILL)
+def test_a_placeholder_on_rank_1_only_is_refused_on_every_rank(tp2_faults: LLM) -> None:
+    finals = _alice_then_bob(tp2_faults, Fault.PLACEHOLDER_PREFILL)
     assert _refused(finals["bob"]) and "rank 1" in finals["bob"].error and "never wrote" in finals["bob"].error
     assert finals["alice"].finish_reason is FinishReason.LENGTH
-    tp2.engine.check_integrity()
+    tp2_faults.engine.check_integrity()
 
 
-def test_rank_1s_check_is_what_refuses_its_placeholder(tp2: LLM) -> None:
-    """With rank 1's checks bypassed too, the same fault goes through: its check did the refusing."""
-    finals = _alice_then_bob(tp2, Fault.PLACEHOLDER_PREFILL, Fault.BYPASS_KV_CHECKS)
+def test_rank_1s_check_is_what_refuses_its_placeholder(tp2_faults: LLM) -> None:
+    """With rank 1's checks bypassed too, the same fault goes through: its check did the refusing
+    (and no violation is counted: the shared engine's count stays where the earlier tests left it)."""
+    violations_before = tp2_faults.engine.stats().num_isolation_violations
+    finals = _alice_then_bob(tp2_faults, Fault.PLACEHOLDER_PREFILL, Fault.BYPASS_KV_CHECKS)
     assert finals["bob"].finish_reason is FinishReason.LENGTH
-    assert tp2.engine.stats().num_isolation_violations == 0
+    assert tp2_faults.engine.stats().num_isolation_violations == violations_before
 
 
-def test_a_foreign_page_on_rank_1_only_is_refused_on_every_rank(tp2: LLM) -> None:
-    driver = tp2.engine.driver
+def test_a_foreign_page_on_rank_1_only_is_refused_on_every_rank(tp2_faults: LLM) -> None:
+    driver = tp2_faults.engine.driver
     assert driver is not None
-    tp2.engine.add_request("alice", list(range(10, 22)), GREEDY, tenant="alice")
-    tp2.engine.add_request("bob", list(range(300, 320)), GREEDY, tenant="bob")
-    tp2.engine.step()
+    tp2_faults.engine.add_request("alice", list(range(10, 22)), GREEDY, tenant="alice")
+    tp2_faults.engine.add_request("bob", list(range(300, 320)), GREEDY, tenant="bob")
+    tp2_faults.engine.step()
     driver.inject_fault_on_rank(1, Fault.FOREIGN_PAGE)
-    outs = tp2.engine.step()
+    outs = tp2_faults.engine.step()
     driver.inject_fault_on_rank(1, Fault.FOREIGN_PAGE, active=False)
     refused = [o for o in outs if _refused(o)]
     assert refused and all("rank 1" in o.error and "does not own" in o.error for o in refused)
-    while tp2.engine.has_unfinished():
-        tp2.engine.step()
-    tp2.engine.check_integrity()
+    while tp2_faults.engine.has_unfinished():
+        tp2_faults.engine.step()
+    tp2_faults.engine.check_integrity()
 
 
-def test_a_coverage_bypass_on_the_driver_is_caught_by_rank_1(tp2: LLM) -> None:
+def test_a_coverage_bypass_on_the_driver_is_caught_by_rank_1(tp2_faults: LLM) -> None:
     """The driver's own check switched off and the incident's placeholder on: rank 1's records,
     advanced only by its own writes, still refuse the request."""
-    tp2.engine.add_request("alice", list(range(10, 22)), GREEDY, tenant="alice")
-    tp2.engine.step()
-    tp2.engine.add_request("bob", list(range(300, 320)), GREEDY, tenant="bob")
+    tp2_faults.engine.add_request("alice", list(range(10, 22)), GREEDY, tenant="alice")
+    tp2_faults.engine.step()
+    tp2_faults.engine.add_request("bob", list(range(300, 320)), GREEDY, tenant="bob")
     with inject(Fault.BYPASS_KV_CHECKS), inject(Fault.PLACEHOLDER_PREFILL):
-        outs = {o.request_id: o for o in tp2.engine.step()}
+        outs = {o.request_id: o for o in tp2_faults.engine.step()}
     assert _refused(outs["bob"]) and "rank 1" in outs["bob"].error
 
 
-@pytest.mark.parametrize("how", ["kill", "hang"])
-def test_a_dead_or_hung_rank_fails_the_engine_closed(model_dirs: dict[str, Path], how: str) -> None:
-    llm = _llm(model_dirs["llama"], tensor_parallel_size=2, tp_timeout_s=3.0)
-    driver = llm.engine.driver
-    assert driver is not None
-    (pid,) = driver.ranks.pids
-    llm.engine.add_request("alice", list(range(10, 22)), GREEDY, tenant="alice")
-    llm.engine.step()
-    os.kill(pid, signal.SIGKILL if how == "kill" else signal.SIGSTOP)
-    with pytest.raises(RankFailure):  # within tp_timeout_s of the hang: the collective's own bound
-        for _ in range(20):
-            llm.engine.step()
-    for _ in range(100):
-        if process_gone(pid) or os.waitpid(pid, os.WNOHANG) != (0, 0):
-            break
-        time.sleep(0.1)
-    assert driver.ranks.procs[0].poll() is not None, "the failed engine stopped its rank"
-    llm.engine.close()
+def test_a_dead_or_hung_rank_fails_the_engine_closed_and_a_new_engine_serves(model_dirs: dict[str, Path]) -> None:
+    """A killed rank, then (on a new engine, which first serves a request in full: the killed
+    engine left nothing in its way) a hung one: each fails its engine closed with RankFailure
+    within tp_timeout_s and the engine stops its rank. A third engine serves after the hang."""
+    for how in ("kill", "hang"):
+        llm = _llm(model_dirs["llama"], tensor_parallel_size=2, tp_timeout_s=3.0)
+        driver = llm.engine.driver
+        assert driver is not None
+        (pid,) = driver.ranks.pids
+        if how == "hang":  # the engine started after the killed one's failure serves
+            assert llm.generate([list(range(10, 22))], GREEDY)[0].finish_reason is FinishReason.LENGTH
+        llm.engine.add_request("alice", list(range(10, 22)), GREEDY, tenant="alice")
+        llm.engine.step()
+        os.kill(pid, signal.SIGKILL if how == "kill" else signal.SIGSTOP)
+        with pytest.raises(RankFailure):  # within tp_timeout_s of the hang: the collective's own bound
+            for _ in range(20):
+                llm.engine.step()
+        for _ in range(100):
+            if process_gone(pid) or os.waitpid(pid, os.WNOHANG) != (0, 0):
+                break
+            time.sleep(0.1)
+        assert driver.ranks.procs[0].poll() is not None, f"the failed engine stopped its rank ({how})"
+        llm.engine.close()
     again = _llm(model_dirs["llama"], tensor_parallel_size=2)
     try:
         assert again.generate([list(range(10, 22))], GREEDY)[0].finish_reason is FinishReason.LENGTH
