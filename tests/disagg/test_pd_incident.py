@@ -165,12 +165,18 @@ def test_with_the_frontend_check_off_prefill_refuses_and_decode_releases(pd_clus
 
 
 @pytest.mark.parametrize("pd_cluster", ["tcp-stream"], indirect=True)  # over nixl: test_handoff_faults.py, in-process
-def test_decode_verification_catches_the_placeholder_prefill(pd_cluster: PdCluster) -> None:
+def test_the_placeholder_prefill_is_caught_by_decode_and_by_prefills_own_check(pd_cluster: PdCluster) -> None:
     """The incident's placeholder path switched on in prefill (restarted at the same address,
-    picked up by the running frontend): decode refuses every handoff, nobody gets an answer."""
+    picked up by the running frontend), in two prefill engines one after the other:
+
+    - with prefill's own checks bypassed: decode's verification refuses every handoff, nobody
+      gets an answer;
+    - with its checks on (and --kv-scrub free there): prefill's own coverage check refuses the
+      forward, so every client gets 500 isolation_check_failed and /metrics counts the
+      violations; the pages prefill freed were scrubbed, and counted."""
     frontend = pd_cluster.frontend
-    pd_cluster.replace_prefill("placeholder_prefill,bypass_kv_checks")
     try:
+        pd_cluster.replace_prefill("placeholder_prefill,bypass_kv_checks")
         frontend.wait_healthy()
         failures_before = frontend.metric("kvseal_pd_handoff_failures", role="decode", reason="missing_kv")
         results = traffic(frontend, oversized=[])
@@ -179,19 +185,8 @@ def test_decode_verification_catches_the_placeholder_prefill(pd_cluster: PdClust
         failures = frontend.metric("kvseal_pd_handoff_failures", role="decode", reason="missing_kv")
         assert failures - failures_before == len(results)
         assert_engines_clean(pd_cluster.decode)
-    finally:
-        pd_cluster.replace_prefill("none")
-        frontend.wait_healthy()
 
-
-@pytest.mark.parametrize("pd_cluster", ["tcp-stream"], indirect=True)  # over nixl: test_handoff_faults.py, in-process
-def test_prefill_own_isolation_check_is_answered_and_counted_as_one(pd_cluster: PdCluster) -> None:
-    """The placeholder path on in prefill with its checks on (and --kv-scrub free there): prefill's
-    own coverage check refuses the forward, so every client gets 500 isolation_check_failed and
-    /metrics counts the violations; the pages prefill freed were scrubbed, and counted."""
-    frontend = pd_cluster.frontend
-    pd_cluster.replace_prefill("placeholder_prefill", flags=[*PREFILL_FLAGS, "--kv-scrub", "free"])
-    try:
+        pd_cluster.replace_prefill("placeholder_prefill", flags=[*PREFILL_FLAGS, "--kv-scrub", "free"])
         frontend.wait_healthy()
         before = scrape(frontend.url, "key-ops")
         results = [send(frontend, "alice", n) for n in (20, 90)]
