@@ -49,12 +49,62 @@ def _colocated(model: Path) -> list[list[int]]:
     return [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
 
 
+class SharedPair:
+    """A pair over the odd-split model lent to one test after another with the same sides (a
+    worker rank's start saved per test), put back as a new one would be found: every fault off
+    on the TP engine's rank 1 (faults this process holds are `inject`'s, off when its block
+    ends) and every page free. A pair that fails this is closed; the next test gets a new one.
+
+    torch.distributed has one default group per process, so one TP engine at a time lives here:
+    lent with other sides, the pair is closed and another started, and a test that starts its
+    own TP engine gets the shared one closed first (`one_tp_engine_at_a_time`)."""
+
+    def __init__(self, model: Path) -> None:
+        self.model = model
+        self.pair: PdPair | None = None
+        self.sides: tuple[int, int] = (0, 0)
+
+    def lend(self, sides: tuple[int, int]) -> Iterator[PdPair]:
+        if self.pair is not None and sides != self.sides:
+            self.close()
+        if self.pair is None:
+            self.pair = PdPair(_args(self.model, sides[0]), _args(self.model, sides[1]), kv_transport="tcp-stream")
+            self.sides = sides
+        pair = self.pair
+        yield pair
+        try:
+            for node in (pair.prefill, pair.decode):
+                if node.engine.driver is not None:
+                    for fault in Fault:
+                        node.engine.driver.inject_fault_on_rank(1, fault, active=False)
+            pair.assert_clean()
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        if self.pair is not None:
+            self.pair.close()
+            self.pair = None
+
+
+@pytest.fixture(scope="module")
+def shared_pair(odd_split_dir: Path) -> Iterator[SharedPair]:
+    shared = SharedPair(odd_split_dir)
+    yield shared
+    shared.close()
+
+
+@pytest.fixture(autouse=True)
+def one_tp_engine_at_a_time(shared_pair: SharedPair, request: pytest.FixtureRequest) -> None:
+    if "tp_pair" not in request.fixturenames:
+        shared_pair.close()
+
+
 @pytest.fixture
-def tp_pair(odd_split_dir: Path, request: pytest.FixtureRequest) -> Iterator[PdPair]:
-    prefill_tp, decode_tp = request.param
-    pair = PdPair(_args(odd_split_dir, prefill_tp), _args(odd_split_dir, decode_tp), kv_transport="tcp-stream")
-    yield pair
-    pair.close()
+def tp_pair(shared_pair: SharedPair, request: pytest.FixtureRequest) -> Iterator[PdPair]:
+    """The pair (prefill's TP, decode's TP) = `request.param`, shared by consecutive tests."""
+    yield from shared_pair.lend(request.param)
 
 
 @pytest.mark.parametrize("tp_pair", [(2, 1), (1, 2)], indirect=True, ids=["tp2-tp1", "tp1-tp2"])
@@ -62,11 +112,12 @@ def test_pd_with_tp_equals_colocated(tp_pair: PdPair, odd_split_dir: Path) -> No
     """Greedy output of PD with TP on either side or both equals the colocated engine's, the
     handoffs run side by side, and every page on both sides is free afterwards."""
     expected = _colocated(odd_split_dir)
+    violations_before = [node.engine.stats().num_isolation_violations for node in (tp_pair.prefill, tp_pair.decode)]
     handoffs = tp_pair.generate_all(PROMPTS, GREEDY)
     assert [h.token_ids for h in handoffs] == expected
     tp_pair.assert_clean()
-    for node in (tp_pair.prefill, tp_pair.decode):
-        assert node.engine.stats().num_isolation_violations == 0
+    for node, before in zip((tp_pair.prefill, tp_pair.decode), violations_before):
+        assert node.engine.stats().num_isolation_violations == before  # none here (the pair may be shared)
         if node.handoff is not None:  # nothing of any handoff stays in rank 0's staging pool
             assert all(not bool(t.any()) for t in (*node.handoff.wire.k, *node.handoff.wire.v))
 
@@ -81,12 +132,13 @@ def test_a_decode_rank_that_drops_its_shard_is_caught_on_every_layer_of_defence(
     assert driver is not None
     prompt = list(range(60, 90))
     expected = pair.generate(prompt, GREEDY).token_ids
+    missing_before = pair.decode.steps.counters.failures["missing_kv_on_rank"]
     driver.inject_fault_on_rank(1, Fault.DROP_IMPORT_SHARD)
 
     refused = pair.generate(prompt, GREEDY)
     assert refused.final.error_code == ISOLATION_CHECK_FAILED and refused.token_ids == [], refused.final
     assert "did not land on tensor-parallel rank(s) 1" in (refused.final.error or "")
-    assert pair.decode.steps.counters.failures["missing_kv_on_rank"] == 1
+    assert pair.decode.steps.counters.failures["missing_kv_on_rank"] == missing_before + 1
     with inject(Fault.SKIP_HANDOFF_VERIFY):
         stepped = pair.generate(prompt, GREEDY)
         assert stepped.final.error_code == ISOLATION_CHECK_FAILED, stepped.final
