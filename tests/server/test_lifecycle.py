@@ -1,6 +1,7 @@
 """Process lifecycle: SIGTERM drains and exits 0; a dead engine gives errors and 503, never a hang.
 
-Each test starts its own server without an API keys file (the single tenant `default`).
+Each test starts its own server without an API keys file (the single tenant `default`), but
+for the two that leave theirs as they found it (`kept_server`).
 """
 
 from __future__ import annotations
@@ -143,6 +144,12 @@ def test_engine_death_fails_requests_and_health(start_server: Callable[..., Serv
     assert "exited unexpectedly" in events[-1]["error"]["message"]
     health = httpx.get(f"{open_server.url}/health", timeout=10)
     assert health.status_code == 503 and health.json()["error"]["code"] == "engine_unavailable"
+    # with --engine-restart-limit 0 the engine stays down, and the 503 says to restart the server
+    # (retrying cannot help); the restarts themselves: tests/server/test_engine_restart.py
+    message = health.json()["error"]["message"]
+    assert "not restarted (--engine-restart-limit 0): restart the server" in message
+    assert "Retry later" not in message
+    assert "CRITICAL" in open_server.log() and "restarting the engine (pid" not in open_server.log()
     with pytest.raises(openai.InternalServerError) as info:
         client.completions.create(model=open_server.model_name, prompt="w5")
     assert info.value.status_code == 503
@@ -231,8 +238,18 @@ def _status_while_draining(server: ServerProcess, client: httpx.Client) -> int |
     return response.status_code
 
 
-def test_slow_clients_are_timed_out(start_server: Callable[..., ServerProcess]) -> None:
-    slow_server = start_server("--header-timeout-s", "1", "--body-timeout-s", "1")
+@pytest.fixture(scope="module")
+def kept_server(server_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """One server for the tests that leave it as they found it (serving, its children unchanged):
+    short header and body timeouts, and the leader of its own process group."""
+    proc = ServerProcess(server_model_dir, tmp_path_factory.mktemp("kept"), own_process_group=True,
+                         extra_args=["--header-timeout-s", "1", "--body-timeout-s", "1"]).start()
+    yield proc
+    proc.stop()
+
+
+def test_slow_clients_are_timed_out(kept_server: ServerProcess) -> None:
+    slow_server = kept_server  # --header-timeout-s 1 --body-timeout-s 1
     with socket.create_connection(("127.0.0.1", slow_server.port), timeout=WAIT_DEADLINE_S) as partial_headers:
         partial_headers.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
         assert partial_headers.recv(1024) == b""  # closed by the server, not by this test's deadline
@@ -435,10 +452,10 @@ def _descendants(pid: int) -> dict[int, str]:
     return found
 
 
-def test_sighup_to_the_process_group_ends_no_child(start_server: Callable[..., ServerProcess]) -> None:
+def test_sighup_to_the_process_group_ends_no_child(kept_server: ServerProcess) -> None:
     # OPERATIONS: SIGHUP may go to the whole group; the engine, multiprocessing's resource tracker
     # and every other child must survive it (the tracker used to die, left <defunct>)
-    server = start_server(own_process_group=True)
+    server = kept_server  # the leader of its own process group
     assert server.proc is not None
     before = _descendants(server.proc.pid)
     assert len(before) >= 2 and "Z" not in before.values(), before  # the engine and the tracker at least
