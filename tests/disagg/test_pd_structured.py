@@ -49,12 +49,46 @@ def colocated(char_dir: Path) -> Iterator[LLM]:
     llm.engine.close()
 
 
-@pytest.fixture(params=["tcp", NIXL])
-def pair(char_dir: Path, request: pytest.FixtureRequest) -> Iterator[PdPair]:
-    args = EngineArgs(model=str(char_dir), **ENGINE)  # type: ignore[arg-type]
-    pd = PdPair(args, args, loaded=load_model(str(char_dir), args.torch_dtype), kv_transport=request.param)
-    yield pd
-    pd.close()
+class SharedPair:
+    """One pair per transport lent to one test after another (two engines and their grammar
+    workers started once, not per test), put back as a new one would be found: every page free
+    and nothing held (`assert_clean`); a pair that fails this is closed, and the next test gets a
+    new one. Prefix caching is off: every test sends "hello", and one test's prompt must not be
+    the next one's cache hit (on a new pair none of them ever was)."""
+
+    def __init__(self, char_dir: Path, kv_transport: str) -> None:
+        self.char_dir, self.kv_transport = char_dir, kv_transport
+        self.pair: PdPair | None = None
+
+    def lend(self) -> Iterator[PdPair]:
+        if self.pair is None:
+            args = EngineArgs(model=str(self.char_dir), enable_prefix_caching=False, **ENGINE)  # type: ignore[arg-type]
+            self.pair = PdPair(args, args, loaded=load_model(str(self.char_dir), args.torch_dtype),
+                               kv_transport=self.kv_transport)
+        pair = self.pair
+        yield pair
+        try:
+            pair.assert_clean()
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        if self.pair is not None:
+            self.pair.close()
+            self.pair = None
+
+
+@pytest.fixture(scope="module", params=["tcp", NIXL])
+def shared_pair(char_dir: Path, request: pytest.FixtureRequest) -> Iterator[SharedPair]:
+    shared = SharedPair(char_dir, request.param)
+    yield shared
+    shared.close()
+
+
+@pytest.fixture
+def pair(shared_pair: SharedPair) -> Iterator[PdPair]:
+    yield from shared_pair.lend()
 
 
 @pytest.mark.parametrize("structured", [StructuredOutput("json_schema", json.dumps(SCHEMA)),
@@ -104,12 +138,15 @@ def test_an_abort_while_the_grammar_compiles_cancels_it_in_either_role(pair: PdP
     params = SamplingParams(max_tokens=4, temperature=0, structured=spec(SLOW_SCHEMA))
     prompt = pair.decode.engine.tokenize("hello")
     decode, prefill = pair.decode.engine, pair.prefill.engine
+    cancelled_before = {role: engine.grammar_stats().num_cancelled for role, engine in
+                        (("decode", decode), ("prefill", prefill))}  # the pair may be shared: counts as deltas
     handoff = pair.reserve(prompt, params, wait=False)
     pair.pump(lambda: decode.grammar_stats().num_running >= 1, "decode's compile to start")
     pair.to_decode.send(AbortMsg(handoff.request_id, "alice", "client_disconnected"))
     pair.pump(lambda: handoff.is_terminal, "the end of the aborted reservation request")
     assert handoff.reserved is None and handoff.final.finish_reason == "abort"
-    pair.pump(lambda: decode.grammar_stats().num_cancelled == 1, "decode's compile to be stopped")
+    pair.pump(lambda: decode.grammar_stats().num_cancelled == cancelled_before["decode"] + 1,
+              "decode's compile to be stopped")
 
     request_id = "pd-prefill-compiling"
     started = pair.handoffs[request_id] = Handoff(request_id)
@@ -123,7 +160,8 @@ def test_an_abort_while_the_grammar_compiles_cancels_it_in_either_role(pair: PdP
     pair.to_prefill.send(AbortMsg(request_id, "alice", "client_disconnected"))
     pair.pump(lambda: started.prefill_result is not None, "prefill's answer")
     assert isinstance(started.prefill_result, PrefillRefusedMsg) and started.prefill_result.code == REQUEST_ABORTED
-    pair.pump(lambda: prefill.grammar_stats().num_cancelled == 1, "prefill's compile to be stopped")
+    pair.pump(lambda: prefill.grammar_stats().num_cancelled == cancelled_before["prefill"] + 1,
+              "prefill's compile to be stopped")
     assert not prefill.has_unfinished()
     pair.assert_clean()
 
