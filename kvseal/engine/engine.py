@@ -45,7 +45,7 @@ from kvseal.parallel.tp_key import engine_secret
 from kvseal.parallel.worker import finish_model
 from kvseal.prompting import encode_text
 from kvseal.structured.compiler import GrammarCompilerPool, GrammarPoolStats
-from kvseal.structured.matching import new_matcher
+from kvseal.structured.matching import grammar_allows_a_token, new_matcher
 from kvseal.types import (
     DEFAULT_TENANT,
     ISOLATION_CHECK_FAILED,
@@ -420,7 +420,8 @@ class LLMEngine:
         samples = sample(logits, sampled, self.model_config.eos_token_ids, self.ops)
         for request, (token, logprobs) in zip(sampled, samples):
             if token is None:  # its grammar (and allowed_token_ids) left no token: it ends without one
-                why = NO_TOKEN_LEFT_BOTH if request.params.allowed_token_ids is not None else NO_TOKEN_LEFT_GRAMMAR
+                why = NO_TOKEN_LEFT_BOTH if request.params.allowed_token_ids is not None and \
+                    grammar_allows_a_token(request, logits.shape[-1]) else NO_TOKEN_LEFT_GRAMMAR
                 outputs.append(self._finish(request, FinishReason.ABORT, error=why,
                                             error_code=NO_TOKEN_SATISFIES_CONSTRAINTS))
                 continue

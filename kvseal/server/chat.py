@@ -149,10 +149,13 @@ class ChatFormatter:
         if out.finished:
             more_reasoning, more_content = stream.finish()
             reasoning, content = reasoning + more_reasoning, content + more_content
+        if reasoning and not content and not out.finished:  # the step's tokens are all reasoning: one chunk
+            logprobs = self._logprobs(out.logprobs or [])  # carries them (None without logprobs)
+            if self._include_reasoning:
+                return [self._chunk(index, _reasoning_fields(reasoning), logprobs, None)]
+            return [self._chunk(index, {}, logprobs, None)] if logprobs is not None else []
         chunks = [self._chunk(index, _reasoning_fields(reasoning), None, None)] \
             if reasoning and self._include_reasoning else []
-        if chunks and not content and not out.finished:  # the step's tokens are in the reasoning chunk
-            return chunks
         return chunks + self._content_chunks(index, msgspec.structs.replace(out, new_text=content))
 
     def _content_chunks(self, index: int, out: RequestOutputMsg) -> list[dict[str, Any]]:

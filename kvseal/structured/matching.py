@@ -88,6 +88,20 @@ def apply_grammar_masks(logits: torch.Tensor, requests: list[Request]) -> torch.
     return _apply_bitmask(logits, bitmask.to(logits.device, non_blocking=True), rows)
 
 
+def grammar_allows_a_token(request: Request, vocab_size: int) -> bool:
+    """Whether the request's grammar alone leaves any of the first `vocab_size` tokens next (its
+    mask as `apply_grammar_masks` built it this step: the matcher has not moved since). Read only
+    when a row was left with no token, to say which constraint emptied it."""
+    import xgrammar
+
+    assert request.grammar is not None
+    bitmask = xgrammar.allocate_token_bitmask(1, vocab_size)
+    request.grammar.fill_next_token_bitmask(bitmask, 0)
+    bits = torch.arange(32, dtype=torch.int32)
+    allowed = ((bitmask[0, :, None] >> bits) & 1).bool().reshape(-1)[:vocab_size]
+    return bool(allowed.any())
+
+
 def _apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> torch.Tensor:
     """xgrammar's bitmask [B, ceil(V / 32)] int32 (bit j of word w: token 32 w + j allowed) as
     torch ops on logits' device: forbidden tokens of `rows` get -inf."""

@@ -238,6 +238,9 @@ def test_a_grammar_the_vocabulary_cannot_continue_ends_the_request_with_a_typed_
     assert (out.token_ids, out.finish_reason.value, out.error_code) == ([8], "abort", NO_TOKEN_SATISFIES_CONSTRAINTS)
     assert out.error == NO_TOKEN_LEFT_GRAMMAR and no_token_param(out.error) is None
     assert len(neighbour.token_ids) == 5 and neighbour.error is None
+    everything = dataclasses.replace(regex, allowed_token_ids=tuple(range(512)))  # allowed_token_ids is no cause
+    [out] = llm.generate(["w4"], everything)
+    assert (out.token_ids, out.error_code, out.error) == ([8], NO_TOKEN_SATISFIES_CONSTRAINTS, NO_TOKEN_LEFT_GRAMMAR)
     llm.engine.check_integrity()
     assert llm.engine.stats().num_pages_used == 0
     llm.engine.close()

@@ -173,3 +173,23 @@ def test_include_reasoning_false_leaves_the_reasoning_out(reasoning_server: Serv
     assert "reasoning" not in message and "reasoning_content" not in message
     assert message["content"] == full["content"]
     assert stream(reasoning_server, body | {"include_reasoning": False})[:2] == ("", full["content"])
+
+
+@pytest.mark.parametrize("include_reasoning", [True, False])
+def test_a_streamed_answer_carries_every_tokens_logprobs_reasoning_too(reasoning_server: ServerProcess,
+                                                                      include_reasoning: bool) -> None:
+    """With logprobs, each step's chunk carries its tokens' logprobs, a step of reasoning only
+    too (its reasoning chunk, or an empty delta when the reasoning is left out): the stream
+    holds as many as the whole answer, one per generated token."""
+    body = CHAT | OPEN_BLOCK | {"guided_regex": "[a-z]{2}", "logit_bias": NO_EOS | {str(END_THINK): 3},
+                                "logprobs": True, "include_reasoning": include_reasoning}
+    whole = post(reasoning_server, body)
+    assert len(whole["choices"][0]["logprobs"]["content"]) == whole["usage"]["completion_tokens"]
+    streamed: list[dict[str, Any]] = []
+    with httpx.stream("POST", f"{reasoning_server.base_url}/chat/completions", json=body | {"stream": True},
+                      timeout=60, headers={"Authorization": "Bearer key-alice"}) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                for choice in json.loads(line[6:])["choices"]:
+                    streamed += (choice.get("logprobs") or {}).get("content") or []
+    assert streamed == whole["choices"][0]["logprobs"]["content"]
