@@ -34,6 +34,7 @@ from kvseal.server.choices import ChoiceGroup, choice_msgs
 from kvseal.server.endpoint import AuditPrompt
 from kvseal.server.errors import REQUEST_ID_HEADER, ApiError
 from kvseal.server.state import AppState
+from kvseal.types import NO_TOKEN_SATISFIES_CONSTRAINTS
 
 logger = logging.getLogger("kvseal.server")
 
@@ -175,6 +176,10 @@ class Call:
         elif isinstance(event, EngineGone):
             # a code, as for the requests refused at the door meanwhile: `kvseal audit --reason` finds them all
             self._finish("error", reason=ENGINE_UNAVAILABLE, detail=event.message, out=self._progress())
+        elif event.finish_reason == "abort" and event.error_code == NO_TOKEN_SATISFIES_CONSTRAINTS:
+            # the request's own constraints (a 400): audited by its code, as a PD prefill's refusal
+            # of the first token is, so `kvseal audit --reason` finds both
+            self._finish("aborted", reason=event.error_code, http_status=400, detail=event.error, out=event)
         elif event.finish_reason == "abort":
             self._finish("aborted", reason=event.error, out=event)
         else:

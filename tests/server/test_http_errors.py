@@ -326,3 +326,20 @@ def test_the_404_lists_every_served_route(server: ServerProcess) -> None:
                   "POST /admin/keys/reload", "POST /admin/models/{model}/disable",
                   "POST /admin/models/{model}/enable"):
         assert route in message, route
+
+
+@pytest.mark.parametrize("fields", [{"guided_regex": "(w8 )+w9"},  # the vocabulary has no token for the space
+                                    {"guided_choice": ["w9"], "allowed_token_ids": [5]}])
+def test_constraints_that_leave_no_token_are_a_400_audited_by_their_code(server: ServerProcess,
+                                                                         fields: dict[str, Any]) -> None:
+    """A grammar the vocabulary cannot continue, or one sharing no token with allowed_token_ids:
+    a 400 naming the field it can (none for a grammar alone), and one audit line with the code
+    as its reason, so `kvseal audit --reason no_token_satisfies_constraints` finds every such
+    request (a PD prefill's refusal of the first token is audited with the same code)."""
+    response = post(server, "/completions", {"prompt": "w4", "max_tokens": 8, "temperature": 0} | fields)
+    err = error_of(response, 400)
+    assert err["code"] == "no_token_satisfies_constraints"
+    assert err["param"] == ("allowed_token_ids" if "allowed_token_ids" in fields else None), err
+    record = server.audit_for(response.headers["x-request-id"])
+    assert (record["outcome"], record["reason"], record["http_status"]) == (
+        "aborted", "no_token_satisfies_constraints", 400), record
