@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -241,3 +241,36 @@ class PdPair:
             node.check_integrity()
             assert node.engine.kv.num_used_pages == 0, f"{node.config.role} still holds pages"
             assert not node.steps.held()
+
+
+class SharedPair:
+    """A pair lent to one test after another, built by `make(key)` (its engines, workers and
+    ranks started once, not per test) and put back as a new one would be found: `reset` (e.g.
+    faults off on a rank), then every page free and nothing held (`PdPair.assert_clean`). A pair
+    that fails this is closed, and the next test gets a new one; lent with another key, the pair
+    is closed and another built."""
+
+    def __init__(self, make: Callable[[Any], PdPair], reset: Callable[[PdPair], None] | None = None) -> None:
+        self._make, self._reset = make, reset
+        self.pair: PdPair | None = None
+        self._key: Any = None
+
+    def lend(self, key: Any = None) -> Iterator[PdPair]:
+        if self.pair is not None and key != self._key:
+            self.close()
+        if self.pair is None:
+            self.pair, self._key = self._make(key), key
+        pair = self.pair
+        yield pair
+        try:
+            if self._reset is not None:
+                self._reset(pair)
+            pair.assert_clean()
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        if self.pair is not None:
+            self.pair.close()
+            self.pair = None

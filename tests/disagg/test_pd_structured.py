@@ -18,7 +18,7 @@ import pytest
 from char_model import END_THINK, THINK, make_char_model
 from grammar_scenario import GrammarServer, check_b_not_behind_a, check_disconnect_cancels_the_compile
 from grammar_schemas import SLOW_SCHEMA, spec
-from pd_harness import Handoff, PdPair
+from pd_harness import Handoff, PdPair, SharedPair
 from transports import NIXL
 
 from kvseal import LLM, SamplingParams
@@ -49,39 +49,16 @@ def colocated(char_dir: Path) -> Iterator[LLM]:
     llm.engine.close()
 
 
-class SharedPair:
-    """One pair per transport lent to one test after another (two engines and their grammar
-    workers started once, not per test), put back as a new one would be found: every page free
-    and nothing held (`assert_clean`); a pair that fails this is closed, and the next test gets a
-    new one. Prefix caching is off: every test sends "hello", and one test's prompt must not be
-    the next one's cache hit (on a new pair none of them ever was)."""
-
-    def __init__(self, char_dir: Path, kv_transport: str) -> None:
-        self.char_dir, self.kv_transport = char_dir, kv_transport
-        self.pair: PdPair | None = None
-
-    def lend(self) -> Iterator[PdPair]:
-        if self.pair is None:
-            args = EngineArgs(model=str(self.char_dir), enable_prefix_caching=False, **ENGINE)  # type: ignore[arg-type]
-            self.pair = PdPair(args, args, loaded=load_model(str(self.char_dir), args.torch_dtype),
-                               kv_transport=self.kv_transport)
-        pair = self.pair
-        yield pair
-        try:
-            pair.assert_clean()
-        except BaseException:
-            self.close()
-            raise
-
-    def close(self) -> None:
-        if self.pair is not None:
-            self.pair.close()
-            self.pair = None
-
-
 @pytest.fixture(scope="module", params=["tcp", NIXL])
 def shared_pair(char_dir: Path, request: pytest.FixtureRequest) -> Iterator[SharedPair]:
-    shared = SharedPair(char_dir, request.param)
+    """One pair per transport lent to one test after another (two engines and their grammar
+    workers started once, not per test). Prefix caching is off: every test sends "hello", and one
+    test's prompt must not be the next one's cache hit (on a new pair none of them ever was)."""
+    def make(_: object) -> PdPair:
+        args = EngineArgs(model=str(char_dir), enable_prefix_caching=False, **ENGINE)  # type: ignore[arg-type]
+        return PdPair(args, args, loaded=load_model(str(char_dir), args.torch_dtype), kv_transport=request.param)
+
+    shared = SharedPair(make)
     yield shared
     shared.close()
 

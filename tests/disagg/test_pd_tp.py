@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from pd_harness import PdKeys, PdPair
+from pd_harness import PdKeys, PdPair, SharedPair
 from tiny_models import make_tiny_model
 
 from kvseal import LLM, SamplingParams
@@ -49,50 +49,28 @@ def _colocated(model: Path) -> list[list[int]]:
     return [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
 
 
-class SharedPair:
+@pytest.fixture(scope="module")
+def shared_pair(odd_split_dir: Path) -> Iterator[SharedPair]:
     """A pair over the odd-split model lent to one test after another with the same sides (a
-    worker rank's start saved per test), put back as a new one would be found: every fault off
-    on the TP engine's rank 1 (faults this process holds are `inject`'s, off when its block
-    ends) and every page free. A pair that fails this is closed; the next test gets a new one.
+    worker rank's start saved per test), every fault off on the TP engines' rank 1 when it comes
+    back (faults this process holds are `inject`'s, off when its block ends).
 
     torch.distributed has one default group per process, so one TP engine at a time lives here:
     lent with other sides, the pair is closed and another started, and a test that starts its
     own TP engine gets the shared one closed first (`one_tp_engine_at_a_time`)."""
+    def make(sides: tuple[int, int]) -> PdPair:
+        return PdPair(_args(odd_split_dir, sides[0]), _args(odd_split_dir, sides[1]), kv_transport="tcp-stream")
 
-    def __init__(self, model: Path) -> None:
-        self.model = model
-        self.pair: PdPair | None = None
-        self.sides: tuple[int, int] = (0, 0)
-
-    def lend(self, sides: tuple[int, int]) -> Iterator[PdPair]:
-        if self.pair is not None and sides != self.sides:
-            self.close()
-        if self.pair is None:
-            self.pair = PdPair(_args(self.model, sides[0]), _args(self.model, sides[1]), kv_transport="tcp-stream")
-            self.sides = sides
-        pair = self.pair
-        yield pair
-        try:
-            for node in (pair.prefill, pair.decode):
-                if node.engine.driver is not None:
-                    for fault in Fault:
-                        node.engine.driver.inject_fault_on_rank(1, fault, active=False)
-            pair.assert_clean()
-        except BaseException:
-            self.close()
-            raise
-
-    def close(self) -> None:
-        if self.pair is not None:
-            self.pair.close()
-            self.pair = None
-
-
-@pytest.fixture(scope="module")
-def shared_pair(odd_split_dir: Path) -> Iterator[SharedPair]:
-    shared = SharedPair(odd_split_dir)
+    shared = SharedPair(make, reset=_faults_off)
     yield shared
     shared.close()
+
+
+def _faults_off(pair: PdPair) -> None:
+    for node in (pair.prefill, pair.decode):
+        if node.engine.driver is not None:
+            for fault in Fault:
+                node.engine.driver.inject_fault_on_rank(1, fault, active=False)
 
 
 @pytest.fixture(autouse=True)
