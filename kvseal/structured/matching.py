@@ -97,16 +97,19 @@ def grammar_allows_a_token(request: Request, vocab_size: int) -> bool:
     assert request.grammar is not None
     bitmask = xgrammar.allocate_token_bitmask(1, vocab_size)
     request.grammar.fill_next_token_bitmask(bitmask, 0)
-    bits = torch.arange(32, dtype=torch.int32)
-    allowed = ((bitmask[0, :, None] >> bits) & 1).bool().reshape(-1)[:vocab_size]
-    return bool(allowed.any())
+    return bool(_allowed_tokens(bitmask, vocab_size).any())
+
+
+def _allowed_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """xgrammar's bitmask [B, ceil(V / 32)] int32 (bit j of word w: token 32 w + j allowed) as a
+    [B, vocab_size] bool tensor, on the bitmask's device."""
+    bits = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    return ((bitmask[:, :, None] >> bits) & 1).bool().reshape(bitmask.shape[0], -1)[:, :vocab_size]
 
 
 def _apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> torch.Tensor:
-    """xgrammar's bitmask [B, ceil(V / 32)] int32 (bit j of word w: token 32 w + j allowed) as
-    torch ops on logits' device: forbidden tokens of `rows` get -inf."""
-    bits = torch.arange(32, dtype=torch.int32, device=logits.device)
-    allowed = ((bitmask[:, :, None] >> bits) & 1).bool().reshape(bitmask.shape[0], -1)[:, :logits.shape[-1]]
+    """xgrammar's bitmask as torch ops on logits' device: forbidden tokens of `rows` get -inf."""
+    allowed = _allowed_tokens(bitmask, logits.shape[-1])
     index = torch.tensor(rows, dtype=torch.int64, device=logits.device)
     logits[index] = logits[index].masked_fill(~allowed[index], float("-inf"))
     return logits
