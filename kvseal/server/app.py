@@ -93,11 +93,31 @@ def _add_info_routes(app: FastAPI, state: AppState) -> None:
 
     @app.get("/health", response_model=None)
     async def health() -> Response:
-        if not state.engine.is_available or state.is_draining:
-            return errors.response(errors.engine_unavailable(state.engine.failure or "the server is shutting down"))
-        if state.audit.check() is not None:  # which retries a failing audit log once its back-off is over
-            return errors.response(errors.audit_unavailable(state.audit))
-        return JSONResponse({"status": "ok"})
+        return _health(state)
+
+    # vLLM's /ping (SageMaker's health check, GET or POST): the same answer as /health
+    @app.api_route("/ping", methods=["GET", "POST"], response_model=None)
+    async def ping() -> Response:
+        return _health(state)
+
+    @app.get("/version", response_model=None)
+    async def version(request: Request) -> Response:
+        try:  # any key: which release runs is for clients, not for whoever reaches the port
+            state.keys.identify(authorization_of(request.headers))
+        except ApiError as err:
+            return errors.response(err)
+        return JSONResponse({"version": __version__})
+
+    @app.get("/load", response_model=None)
+    async def load(request: Request) -> Response:
+        """vLLM's `{"server_load": N}`: the generation requests in the server now, from their
+        key's check until they end. Every tenant's together, so an admin key's alone, as
+        /metrics: a tenant must not watch another's traffic come and go."""
+        try:
+            state.keys.authenticate_admin(authorization_of(request.headers))
+        except ApiError as err:
+            return errors.response(err)
+        return JSONResponse({"server_load": len(state.live_calls)})
 
     @app.get("/metrics", response_model=None)
     async def metrics(request: Request) -> Response:
@@ -114,13 +134,32 @@ def _add_info_routes(app: FastAPI, state: AppState) -> None:
         return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
+def _health(state: AppState) -> Response:
+    if not state.engine.is_available or state.is_draining:
+        return errors.response(errors.engine_unavailable(state.engine.failure or "the server is shutting down"))
+    if state.audit.check() is not None:  # which retries a failing audit log once its back-off is over
+        return errors.response(errors.audit_unavailable(state.audit))
+    return JSONResponse({"status": "ok"})
+
+
 def _model_card(state: AppState, is_admin: bool) -> dict[str, object]:
-    """vLLM's card; an admin also sees whether the kill switch is on (`disabled`)."""
+    """vLLM's card; an admin also sees whether the kill switch is on (`disabled`). `root` is the
+    name the model was loaded under (its folder's or file's), never its path on the server."""
     card: dict[str, object] = {"id": state.model_name, "object": "model", "created": state.created,
-                               "owned_by": "kvseal", "max_model_len": state.engine_info.max_model_len}
+                               "owned_by": "kvseal", "root": state.engine_info.model_name, "parent": None,
+                               "max_model_len": state.engine_info.max_model_len,
+                               "permission": [_model_permission(state)]}
     if is_admin:
         card["disabled"] = state.model_name in state.disabled_models
     return card
+
+
+def _model_permission(state: AppState) -> dict[str, object]:
+    """vLLM's (and OpenAI's old) permission entry, for clients that read it: what a key may do."""
+    return {"id": f"modelperm-{state.model_name}", "object": "model_permission", "created": state.created,
+            "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
+            "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False, "organization": "*",
+            "group": None, "is_blocking": False}
 
 
 def served_routes(app: FastAPI) -> list[str]:

@@ -10,6 +10,7 @@ import openai
 import pytest
 from server_process import ServerProcess
 
+import kvseal
 from kvseal.llm import LLM
 from kvseal.types import SamplingParams
 
@@ -26,6 +27,27 @@ def test_models_and_health(server: ServerProcess, alice: openai.OpenAI) -> None:
     assert [m.id for m in alice.models.list()] == [server.model_name]
     assert alice.models.retrieve(server.model_name).id == server.model_name
     assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
+
+
+def test_vllm_probe_routes(server: ServerProcess) -> None:
+    """vLLM's /ping (GET and POST, no key: SageMaker's health check), /version (any key) and
+    /load (an admin key: it counts every tenant's requests), and its model card's fields."""
+    for method in ("GET", "POST"):
+        assert httpx.request(method, f"{server.url}/ping").json() == {"status": "ok"}
+    alice, ops = ({"Authorization": f"Bearer {key}"} for key in ("key-alice", "key-ops"))
+    assert httpx.get(f"{server.url}/version").status_code == 401
+    assert httpx.get(f"{server.url}/version", headers=alice).json() == {"version": kvseal.__version__}
+    assert httpx.get(f"{server.url}/load").status_code == 401
+    refused = httpx.get(f"{server.url}/load", headers=alice)
+    assert refused.status_code == 403 and refused.json()["error"]["code"] == "admin_key_required"
+    body = {"model": server.model_name, "prompt": PROMPT, "max_tokens": 400, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{server.base_url}/completions", json=body, headers=alice, timeout=60) as streaming:
+        next(streaming.iter_lines())  # under way: it counts until it ends
+        assert httpx.get(f"{server.url}/load", headers=ops).json()["server_load"] >= 1
+    card = httpx.get(f"{server.url}/v1/models", headers=alice).json()["data"][0]
+    assert card["root"] == server.model_name and card["parent"] is None
+    assert "/" not in card["root"]  # a name, never the server's path to the model
+    assert card["permission"][0]["object"] == "model_permission" and card["permission"][0]["allow_sampling"]
 
 
 def test_completion_equals_offline_engine(server: ServerProcess, alice: openai.OpenAI, offline: LLM) -> None:
