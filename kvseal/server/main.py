@@ -162,7 +162,8 @@ async def _start(config: ServerConfig, engine: EngineBackend, files: FrontDoorFi
     info = starting.result()
     prompts = await asyncio.to_thread(PromptEncoder.load, info.tokenizer_path, files.chat_template)
     try:
-        defaults = GenerationDefaults.load(config.generation_config, _model_dir(info.model_path))
+        defaults = GenerationDefaults.load(config.generation_config, _model_dir(info.model_path),
+                                           config.generation_override)
         reasoning = reasoning_markers(config.reasoning_parser, prompts.tokenizer)
     except ConfigError:
         prompts.close()
@@ -202,8 +203,8 @@ def _log_config(state: AppState) -> None:
         "(all kept)" if c.audit_log_backups is None else c.audit_log_backups, c.audit_log_prompts, c.max_body_bytes,
         c.shutdown_grace_s, c.header_timeout_s, c.body_timeout_s, state.engine.engine_pids,
     )
-    logger.info("sampling defaults for omitted fields (--generation-config %s): %s", c.generation_config,
-                state.defaults.describe())
+    logger.info("sampling defaults for omitted fields (--generation-config %s, --override-generation-config %s): %s",
+                c.generation_config, c.override_generation_config or "(none)", state.defaults.describe())
     logger.info("chat template: %s",
                 "the model's" if c.chat_template is None else f"--chat-template {c.chat_template!r}")
 

@@ -108,10 +108,10 @@ def test_generation_defaults_take_max_new_tokens_as_a_default(tmp_path: Path) ->
     path.write_text(json.dumps({"max_new_tokens": 7}))
     auto = GenerationDefaults.load("auto", tmp_path)
     assert auto.max_tokens == 7 and auto.sampling_params().max_tokens == 7
-    assert "max_tokens=7 (from " in auto.describe()
+    assert f"max_tokens=7 [file] (file {path})" in auto.describe()
     neutral = GenerationDefaults.load("vllm", tmp_path)
     assert neutral.max_tokens is None and neutral.sampling_params().max_tokens == SamplingParams().max_tokens
-    assert "max_tokens=(rest of the context)" in neutral.describe()
+    assert "max_tokens=(rest of the context) [neutral] (no file: --generation-config vllm)" in neutral.describe()
     path.write_text(json.dumps({"max_new_tokens": None, "temperature": 0.5}))
     assert GenerationDefaults.load("auto", tmp_path).max_tokens is None
     for bad in (-1, 0, 2.5, 100.0, True, "64"):
@@ -143,26 +143,32 @@ def test_max_new_tokens_fills_only_an_omitted_max_tokens_under_the_context_and_t
 
 @pytest.fixture(scope="module")
 def greedy_model_dir(server_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny model, shipping a generation_config.json that makes sampling greedy and caps
-    an omitted max_tokens at 3."""
+    """The tiny model, shipping a generation_config.json that makes sampling hot (the server's
+    override makes it greedy) and caps an omitted max_tokens at 3."""
     folder = tmp_path_factory.mktemp("greedy") / "tiny-greedy"
     shutil.copytree(server_model_dir, folder)
     config = json.loads((folder / "generation_config.json").read_text())
-    (folder / "generation_config.json").write_text(json.dumps(config | {"temperature": 0.0, "top_k": 20,
+    (folder / "generation_config.json").write_text(json.dumps(config | {"temperature": 1.5, "top_k": 20,
                                                                            "max_new_tokens": 3}))
     return folder
 
 
 @pytest.fixture(scope="module")
 def greedy_server(greedy_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    proc = ServerProcess(greedy_model_dir, tmp_path_factory.mktemp("greedy-server"), keys=KEYS)
+    proc = ServerProcess(greedy_model_dir, tmp_path_factory.mktemp("greedy-server"), keys=KEYS,
+                         extra_args=["--override-generation-config", '{"temperature": 0}'])
     proc.start()
     yield proc
     proc.terminate()
 
 
-def test_omitted_fields_take_the_model_defaults(greedy_server: ServerProcess, greedy_model_dir: Path) -> None:
-    assert "temperature=0 top_p=1 top_k=20 min_p=0 repetition_penalty=1 max_tokens=3" in greedy_server.log()
+def test_omitted_fields_take_the_override_then_the_model_defaults(greedy_server: ServerProcess,
+                                                                   greedy_model_dir: Path) -> None:
+    """The file's temperature (1.5) is overridden (0: greedy); its top_k and max_new_tokens stay,
+    and the start-up line says where each value came from."""
+    file = greedy_model_dir / "generation_config.json"
+    assert ("temperature=0 [override] top_p=1 [neutral] top_k=20 [file] min_p=0 [neutral] repetition_penalty=1 "
+            f"[neutral] max_tokens=3 [file] (file {file})") in greedy_server.log()
     client = client_for(greedy_server, "key-alice")
     texts = {client.completions.create(model=greedy_server.model_name, prompt="w10 w11", max_tokens=8).choices[0].text
              for _ in range(2)}
