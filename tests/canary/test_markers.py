@@ -50,3 +50,39 @@ def test_ordinary_text_matches_nothing() -> None:
     index = MarkerIndex(_markers(2000))
     text = "The quick brown fox jumps over the lazy dog. " * 20 + "def f(x):\n    return x * 2\n" * 5
     assert index.find(text) == []
+
+
+def _pieces(text: str, size: int = 3) -> list[str]:
+    return [text[i:i + size] for i in range(0, len(text), size)]
+
+
+def test_a_marker_spread_over_alternatives_in_any_rank_order_is_found() -> None:
+    """Each position offers its own token and alternatives; the foreign marker's pieces sit at a
+    different rank at each position, so no rank read alone holds 10 of its characters."""
+    markers = _markers(50)
+    index = MarkerIndex(markers)
+    leaked = f"sure {markers[7].text.lower().replace('-', ' ')} ok"
+    positions = []
+    for i, piece in enumerate(_pieces(leaked)):
+        others = ["the", "and", "ooo", "eau", "aie"]
+        others.insert(i % 5, piece)
+        positions.append(others)
+    for rank in range(6):
+        assert not index.find("".join(p[rank] for p in positions))
+    [seen] = index.find_on_paths(positions)
+    assert seen.marker == markers[7] and seen.is_full
+
+
+def test_paths_too_many_to_tell_from_chance_are_not_searched() -> None:
+    """One character a position with six texts each: 6**12 paths could spell any code by chance,
+    so even a real spelling is not counted; with two texts a position (4,096 paths) it is."""
+    markers = _markers(50)
+    index = MarkerIndex(markers)
+    code = markers[3].code.lower()
+    wide = [[ch, "a", "e", "i", "o", "u"] for ch in code]
+    assert index.find_on_paths(wide) == []
+    narrow = [[ch, "a"] for ch in code]
+    [seen] = index.find_on_paths(narrow)
+    assert seen.marker == markers[3]
+    # A partial marker (11 characters) on a path is never a sighting.
+    assert index.find_on_paths(narrow[:-1]) == []
