@@ -28,6 +28,12 @@ def add_canary_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--logprobs-fraction", type=float, default=d.logprobs_fraction,
                         help="share of the answered requests sent with logprobs and 1-5 top alternatives "
                              "(every token string is checked)")
+    parser.add_argument("--prompt-logprobs-fraction", type=float, default=d.prompt_logprobs_fraction,
+                        help="share of the answered, non-streamed requests sent with vLLM's prompt_logprobs "
+                             "(0 for a server without it)")
+    parser.add_argument("--echo-fraction", type=float, default=d.echo_fraction,
+                        help="share of the answered requests sent with echo (chat: vLLM's, continuing an "
+                             "assistant message; 0 for a server without it)")
     parser.add_argument("--pressure-requests", type=int, default=d.pressure_requests, metavar="N",
                         help="after the run, send N long generations at once so a small KV pool must preempt "
                              "(default 0: no pressure phase)")
@@ -51,7 +57,9 @@ def config_from(ns: argparse.Namespace) -> CanaryConfig:
     return CanaryConfig(
         base_url=ns.base_url, keys=load_keys(ns.keys), model=ns.model, num_requests=ns.requests,
         concurrency=ns.concurrency, oversized_fraction=ns.oversized_fraction, abort_fraction=ns.abort_fraction,
-        n_fraction=ns.n_fraction, logprobs_fraction=ns.logprobs_fraction, pressure_requests=ns.pressure_requests,
+        n_fraction=ns.n_fraction, logprobs_fraction=ns.logprobs_fraction,
+        prompt_logprobs_fraction=ns.prompt_logprobs_fraction, echo_fraction=ns.echo_fraction,
+        pressure_requests=ns.pressure_requests,
         pressure_max_tokens=ns.pressure_max_tokens,
         max_context=ns.max_context, seed=ns.seed, max_tokens=ns.max_tokens, admin_key=ns.admin_key,
         timeout_s=ns.timeout, drain_timeout_s=ns.drain_timeout, report_path=ns.report,

@@ -24,6 +24,11 @@ class CanaryConfig:
     # (top alternatives included): response paths a leak could take besides the first choice's text.
     n_fraction: float = 0.1
     logprobs_fraction: float = 0.1
+    # vLLM's extensions that return the request's own prompt: `prompt_logprobs` (on a share of
+    # the answered requests not streamed: no server streams them) and `echo` (completions: the
+    # prompt before the text; chat: an assistant message the answer continues, echoed first).
+    prompt_logprobs_fraction: float = 0.05
+    echo_fraction: float = 0.05
     # The pressure phase, after the run: this many long generations sent at once, so a server
     # whose KV pool cannot hold them all must preempt (take pages from a running request and
     # give them back later). 0: no pressure phase.
@@ -50,7 +55,9 @@ class CanaryConfig:
             _require(0.0 <= value <= 1.0, f"{name} must be in [0, 1], got {value}")
         _require(self.oversized_fraction + self.abort_fraction <= 1.0,
                  "--oversized-fraction + --abort-fraction must be <= 1")
-        for name, value in (("--n-fraction", self.n_fraction), ("--logprobs-fraction", self.logprobs_fraction)):
+        for name, value in (("--n-fraction", self.n_fraction), ("--logprobs-fraction", self.logprobs_fraction),
+                            ("--prompt-logprobs-fraction", self.prompt_logprobs_fraction),
+                            ("--echo-fraction", self.echo_fraction)):
             _require(0.0 <= value <= 1.0, f"{name} must be in [0, 1], got {value}")
         _require(self.pressure_requests >= 0, f"--pressure-requests must be >= 0, got {self.pressure_requests}")
         _require(self.pressure_max_tokens is None or self.pressure_max_tokens >= 1,

@@ -8,8 +8,13 @@ words than the context limit: every tokenizer makes at least one token of a spac
 word), a fraction of streams is dropped mid-way, and the rest mix both endpoints, streaming
 and not. A fraction of the answered requests asks for `n` in 2..3 choices, and a fraction for
 logprobs with top alternatives: each choice and each token string is a path a leak could take
-besides the first choice's text. These are drawn from their own seeded stream, so a plan
-without them is the plan an older canary built from the same seed.
+besides the first choice's text. A fraction asks for vLLM's `prompt_logprobs` (not streamed:
+no server streams them) and a fraction for `echo`, both of which return the request's own
+prompt: a server that returns another request's prompt there leaks. A chat request with echo
+ends in an assistant message (its marker once more) that the model continues
+(`continue_final_message`), since chat echoes only a last message of the answer's own role.
+These are drawn from their own seeded streams, so a plan without them is the plan an older
+canary built from the same seed.
 
 The pressure phase (optional) comes after: long generations sent all at once, so a server whose
 KV pool cannot hold them all must preempt running requests (take their pages, give them back
@@ -61,11 +66,18 @@ class PlannedRequest:
     max_tokens: int
     n: int = 1
     logprobs: int | None = None  # top alternatives per position; None: no logprobs asked
+    prompt_logprobs: int | None = None  # top alternatives per prompt position; None: not asked
+    is_echo: bool = False  # the answer repeats the prompt (completions) or the last message (chat) first
     is_pressure: bool = False  # sent in the pressure phase, all at once
 
 
 def tenant_name(key_index: int) -> str:
     return f"tenant-{key_index}"
+
+
+def echo_prefill(marker: Marker) -> str:
+    """The assistant message a chat request with echo ends in: the answer starts with it."""
+    return marker.text + " "
 
 
 def prompt_for(marker: Marker, filler: list[str]) -> str:
@@ -92,7 +104,7 @@ def build_plan(config: CanaryConfig, max_context: int) -> list[PlannedRequest]:
     kinds = _kinds(config, rng) + ["pressure"] * config.pressure_requests
     plan = [_request(i, kind, config, max_context, rng, markers) for i, kind in enumerate(kinds)]
     plan = [replace(r, max_tokens=pressure_tokens) if r.is_pressure else r for r in plan]
-    return _with_paths(plan, config)
+    return _with_prompt_paths(_with_paths(plan, config), config)
 
 
 def pressure_max_tokens(config: CanaryConfig, max_context: int) -> int:
@@ -115,6 +127,19 @@ def _with_paths(plan: list[PlannedRequest], config: CanaryConfig) -> list[Planne
     with_logprobs = set(rng.sample(eligible, round(len(eligible) * config.logprobs_fraction)))
     return [replace(r, n=rng.choice(CHOICES) if i in with_n else 1,
                     logprobs=rng.randint(1, MAX_TOP_LOGPROBS) if i in with_logprobs else None)
+            for i, r in enumerate(plan)]
+
+
+def _with_prompt_paths(plan: list[PlannedRequest], config: CanaryConfig) -> list[PlannedRequest]:
+    """A seeded share of the answered requests not streamed gets prompt_logprobs, a share of all
+    answered ones echo (exact counts)."""
+    rng = random.Random(f"{config.seed}:prompt-paths")  # its own stream again: older plans do not move
+    eligible = [i for i, r in enumerate(plan) if not r.is_oversized]
+    unary = [i for i in eligible if not plan[i].is_stream]
+    with_prompt_logprobs = set(rng.sample(unary, round(len(unary) * config.prompt_logprobs_fraction)))
+    with_echo = set(rng.sample(eligible, round(len(eligible) * config.echo_fraction)))
+    return [replace(r, prompt_logprobs=rng.randint(1, MAX_TOP_LOGPROBS) if i in with_prompt_logprobs else None,
+                    is_echo=i in with_echo)
             for i, r in enumerate(plan)]
 
 

@@ -1,7 +1,9 @@
 """Findings, verdict, summary table and JSON report of one canary run.
 
-The run fails on any foreign marker in a response (a leak: in any choice's text or any logprob
-token string, chosen or alternative; the report names the field), any oversized prompt answered
+The run fails on any foreign marker in a response (a leak: in any choice's text, any other
+string of its message such as reasoning or tool calls, any logprob token string or bytes,
+chosen or alternative, read rank by rank and in any rank order, or prompt_logprobs; the report
+names the field), any oversized prompt answered
 2xx, any 5xx (or error event inside a stream), any request without a complete answer
 (transport error, truncated stream), any normal request refused (4xx: an answer the run could
 not see is no evidence), a run in which no response repeated its own marker (it could not
@@ -19,10 +21,12 @@ from pathlib import Path
 from typing import Any
 
 from kvseal.canary.markers import MarkerIndex, Sighting
+from kvseal.canary.plan import Endpoint, echo_prefill
 from kvseal.canary.probes import probe_reasons, probe_summary
 from kvseal.canary.runner import Outcome, RequestResult
 
 MAX_LISTED = 50  # errors listed in the JSON report (all are counted)
+ANY_RANK = "[any rank]"  # after a field of alternatives: found on a path through them in any rank order
 
 
 @dataclass(frozen=True)
@@ -91,9 +95,12 @@ def analyse(results: list[RequestResult]) -> Findings:
         for name, texts in r.fields.items():
             for seen in {s.marker.request_id: s for text in texts for s in index.find(text)}.values():
                 sightings.setdefault(seen.marker.request_id, []).append((name, seen))
+        for name, positions in r.positions.items():
+            for seen in index.find_on_paths(positions):
+                sightings.setdefault(seen.marker.request_id, []).append((f"{name}{ANY_RANK}", seen))
         for request_id, found in sightings.items():
             if request_id == r.request.request_id:
-                findings.num_own_echoes += r.outcome is Outcome.OK
+                findings.num_own_echoes += r.outcome is Outcome.OK and _is_generated(r, [name for name, _ in found])
                 continue
             best = max((seen for _, seen in found), key=lambda seen: len(seen.matched))
             leak = Leak(r.request.request_id, r.server_request_id, r.request.tenant, request_id, best.marker.tenant,
@@ -103,12 +110,20 @@ def analyse(results: list[RequestResult]) -> Findings:
     return findings
 
 
+def _is_generated(r: RequestResult, names: list[str]) -> bool:
+    """Whether its own marker in these fields shows the model repeated it: not where the
+    server returns the prompt itself (prompt_logprobs; every field of a request with echo)."""
+    return not r.request.is_echo and any("prompt_logprobs" not in name for name in names)
+
+
 def paths(findings: Findings) -> dict[str, Any]:
     """Which response paths the completed requests exercised: asked for, and actually answered
     (a server may ignore `n` or `logprobs`; then the run did not check that path)."""
     done = [r for r in findings.results if r.outcome is Outcome.OK]
     several = [r for r in done if r.request.n > 1]
     with_logprobs = [r for r in done if r.request.logprobs is not None]
+    with_prompt_logprobs = [r for r in done if r.request.prompt_logprobs is not None]
+    with_echo = [r for r in done if r.request.is_echo]
     return {
         "n_gt_1": {"completed": len(several),
                    "with_every_choice": sum(len(_choices(r)) >= r.request.n for r in several)},
@@ -116,7 +131,25 @@ def paths(findings: Findings) -> dict[str, Any]:
                      "with_tokens": sum(any(".logprobs." in f and "top" not in f for f in r.fields)
                                         for r in with_logprobs),
                      "with_top_alternatives": sum(any("top_logprobs" in f for f in r.fields) for r in with_logprobs)},
+        "prompt_logprobs": {"completed": len(with_prompt_logprobs),
+                            "answered": sum(any("prompt_logprobs" in f for f in r.positions)
+                                            for r in with_prompt_logprobs)},
+        "echo": {"completed": len(with_echo), "answered": sum(_is_echoed(r) for r in with_echo)},
+        "reasoning_or_tool_calls": sum(any(_is_parsed_field(f) for f in r.fields) for r in done),
     }
+
+
+def _is_echoed(r: RequestResult) -> bool:
+    """Whether the first choice starts with what echo returns (the prompt; chat: the last message)."""
+    expected = r.request.prompt if r.request.endpoint is Endpoint.COMPLETIONS else echo_prefill(r.request.marker)
+    texts = [t for name in ("choices[0].text", "choices[0].message.content", "choices[0].delta.content")
+             for t in r.fields.get(name, ())]
+    return any(t.startswith(expected) for t in texts)
+
+
+def _is_parsed_field(name: str) -> bool:
+    """A field a reasoning or tool-call parser adds to a chat message."""
+    return ".reasoning" in name or ".tool_calls" in name
 
 
 def _choices(r: RequestResult) -> set[str]:
@@ -189,7 +222,9 @@ def build_report(findings: Findings, evidence: dict[str, Any], run: dict[str, An
                        **preemptions(evidence)},
         "requests_by_outcome": dict(sorted(findings.outcomes.items())),
         "oversized_prompts": findings.oversized,
-        "own_marker_echoes": {"responses": findings.num_own_echoes, "of_completed": findings.outcomes["ok"]},
+        "own_marker_echoes": {"responses": findings.num_own_echoes, "of_completed": findings.outcomes["ok"],
+                              "echo_requests_not_counted": sum(r.request.is_echo and r.outcome is Outcome.OK
+                                                               for r in findings.results)},
         "leaks": [leak.as_dict() for leak in findings.leaks],
         "same_tenant_crossings": [leak.as_dict() for leak in findings.same_tenant_crossings],
         "num_server_errors": len(findings.server_errors),
@@ -217,12 +252,20 @@ def summary_table(report: dict[str, Any]) -> str:
     rows.append(("oversized answered 4xx / 2xx / 5xx / other",
                  f"{over['4xx']} / {over['2xx']} / {over['5xx']} / {over['other']}"))
     echo = report["own_marker_echoes"]
-    rows.append(("completed responses repeating their own marker", f"{echo['responses']} of {echo['of_completed']}"))
+    rows.append(("completed responses repeating their own marker",
+                 f"{echo['responses']} of {echo['of_completed']} (echo requests not counted: "
+                 f"{echo['echo_requests_not_counted']})"))
     several, logprobs = report["paths"]["n_gt_1"], report["paths"]["logprobs"]
     rows.append(("completed with n > 1 / all choices answered", f"{several['completed']} / "
                                                                  f"{several['with_every_choice']}"))
     rows.append(("completed with logprobs / tokens / top alternatives",
                  f"{logprobs['completed']} / {logprobs['with_tokens']} / {logprobs['with_top_alternatives']}"))
+    prompt_logprobs, echoed = report["paths"]["prompt_logprobs"], report["paths"]["echo"]
+    rows.append(("completed with prompt_logprobs / answered", f"{prompt_logprobs['completed']} / "
+                                                               f"{prompt_logprobs['answered']}"))
+    rows.append(("completed with echo / echoed", f"{echoed['completed']} / {echoed['answered']}"))
+    rows.append(("completed with reasoning or tool calls (read when present)",
+                 str(report["paths"]["reasoning_or_tool_calls"])))
     pre = report["preemption"]
     reported = pre["server_reported"]
     rows.append((f"preemptions the server reported (pressure requests: {pre['pressure_requests']})",

@@ -74,7 +74,9 @@ def run_canary(config: CanaryConfig, show_progress: bool | None = None) -> dict[
            "num_tenants": config.num_tenants, "num_requests": len(plan), "concurrency": config.concurrency,
            "oversized_fraction": config.oversized_fraction, "abort_fraction": config.abort_fraction,
            "max_tokens": config.max_tokens, "seed": config.seed, "n_fraction": config.n_fraction,
-           "logprobs_fraction": config.logprobs_fraction, "pressure_requests": config.pressure_requests,
+           "logprobs_fraction": config.logprobs_fraction,
+           "prompt_logprobs_fraction": config.prompt_logprobs_fraction, "echo_fraction": config.echo_fraction,
+           "pressure_requests": config.pressure_requests,
            "pressure_max_tokens": max((r.max_tokens for r in plan if r.is_pressure), default=None),
            "started_at": started_at.isoformat(timespec="seconds"), "duration_s": round(duration_s, 1)}
     return build_report(analyse(results), evidence(before, after), run, tenancy)

@@ -32,10 +32,12 @@ def _server_keys() -> dict[str, dict[str, object]]:
     return keys
 
 
-# The fault tests send the plan their seeds always gave (one choice, no logprobs: those paths are
-# drawn from their own seeded stream, so nothing else moves): the leaks they must catch come from
-# which requests overlap in the pool, and the clean run is where n > 1 and logprobs are exercised.
-FIRST_CHOICE_ONLY = ["--n-fraction", "0", "--logprobs-fraction", "0"]
+# The fault tests send the plan their seeds always gave (one choice, no logprobs, prompt_logprobs
+# or echo: those paths are drawn from their own seeded streams, so nothing else moves): the leaks
+# they must catch come from which requests overlap in the pool, and the clean run is where the
+# other paths are exercised.
+FIRST_CHOICE_ONLY = ["--n-fraction", "0", "--logprobs-fraction", "0", "--prompt-logprobs-fraction", "0",
+                     "--echo-fraction", "0"]
 
 
 def _admin_flags() -> list[str]:
@@ -49,9 +51,11 @@ PRESSURE_FLAGS = ["--pressure-requests", "18", "--pressure-max-tokens", "96"]
 
 
 def test_clean_server_passes(copy_model_dir: Path, tmp_path: Path, run_canary: RunCanary) -> None:
-    """(d) 8 tenants x 25 requests, checks and scrub off, a tenth of them with n = 2..3 and a
-    tenth with logprobs, then a pressure phase that makes the engine preempt: zero leaks in any
-    choice or token string, evidence consistent, the preemptions reported."""
+    """(d) 8 tenants x 25 requests, checks and scrub off, a tenth of them with n = 2..3, a tenth
+    with logprobs, a twentieth with prompt_logprobs and one with echo (chat: continuing an
+    assistant message), then a pressure phase that makes the engine preempt: zero leaks in any
+    choice, token string, token bytes or prompt token, evidence consistent, the preemptions
+    reported."""
     with KvsealServer(copy_model_dir, tmp_path, _server_keys()) as server:
         status, report = run_canary(server.url, CANARY_KEYS, "--requests", "200", "--max-tokens", "16",
                                     "--seed", "1", *PRESSURE_FLAGS, *_admin_flags())
@@ -60,13 +64,20 @@ def test_clean_server_passes(copy_model_dir: Path, tmp_path: Path, run_canary: R
     assert report["oversized_prompts"] == {"4xx": 10, "2xx": 0, "5xx": 0, "other": 0}
     outcomes = report["requests_by_outcome"]
     assert outcomes == {"aborted": 10, "ok": 198, "rejected": 10}
-    # The run had power: every completed response repeated its own marker.
-    assert report["own_marker_echoes"] == {"responses": 198, "of_completed": 198}
+    # The run had power: every completed response repeated its own marker (an echo request's
+    # answer holds its prompt whatever the model does, so those are not counted).
+    echo = report["own_marker_echoes"]
+    assert echo["of_completed"] == 198 and echo["echo_requests_not_counted"] > 0, echo
+    assert echo["responses"] == 198 - echo["echo_requests_not_counted"], echo
     # Every choice of an n > 1 request came back, and every logprobs request carried tokens and
     # top alternatives: the canary read those paths and found only the request's own marker there.
     several, logprobs = report["paths"]["n_gt_1"], report["paths"]["logprobs"]
     assert several["completed"] == several["with_every_choice"] > 0, several
     assert logprobs["completed"] == logprobs["with_tokens"] == logprobs["with_top_alternatives"] > 0, logprobs
+    # kvseal serves vLLM's prompt_logprobs and echo (chat's too): each asked for came back, and was read.
+    prompt_logprobs, echoed = report["paths"]["prompt_logprobs"], report["paths"]["echo"]
+    assert prompt_logprobs["completed"] == prompt_logprobs["answered"] > 0, prompt_logprobs
+    assert echoed["completed"] == echoed["answered"] > 0, echoed
     assert report["preemption"]["pressure_requests"] == 18
     evidence = report["server_evidence"]
     assert evidence["available"], evidence

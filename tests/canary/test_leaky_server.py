@@ -71,37 +71,58 @@ def test_normal_requests_refused_fail_the_run(run_canary: Callable[..., tuple[in
 
 def _is_only_where(leak_in: str, field: str) -> bool:
     """Where else a mode's leak may show: the second choice's own logprobs; a position's top
-    alternatives, which hold its chosen token (as OpenAI's and vLLM's do). Never the first
-    choice's text."""
-    if leak_in == "error":
-        return field == "error"
+    alternatives, which hold its chosen token (as OpenAI's and vLLM's do); for echo, any field
+    of the first choice (its text, and its tokens where logprobs were asked); for bytes, the
+    search in any rank order over each position's bytes, its chosen token's among them. Never
+    the first choice's text otherwise."""
+    if leak_in == "logprob_bytes":
+        return field in LEAK_FIELD_NAMES[leak_in] | {"choices[0].logprobs.content[].top_logprobs[].bytes[any rank]"}
+    if leak_in in ("error", "prompt_logprobs", "reasoning", "tool_call"):
+        return field in LEAK_FIELD_NAMES[leak_in]
     if leak_in == "second_choice":
         return field.startswith("choices[1].")
     if leak_in == "logprob_token":
         return field.startswith("choices[0].logprobs.")
+    if leak_in == "echo":
+        return field.startswith("choices[0].")
     return field in LEAK_FIELD_NAMES["top_logprob"]
 
 
+_RANKED = {"choices[0].logprobs.top_logprobs", "choices[0].logprobs.content[].top_logprobs[].token",
+           "choices[0].logprobs.content[].top_logprobs[].bytes"}
+_PROMPT_LOGPROBS = {"prompt_logprobs[].decoded_token", "choices[0].prompt_logprobs[].decoded_token"}
 # The field each leak mode puts a foreign marker in, as the report names it (by endpoint and stream).
 LEAK_FIELD_NAMES = {
     "second_choice": {"choices[1].text", "choices[1].message.content", "choices[1].delta.content"},
     "logprob_token": {"choices[0].logprobs.tokens", "choices[0].logprobs.content[].token"},
-    "top_logprob": {"choices[0].logprobs.top_logprobs", "choices[0].logprobs.content[].top_logprobs[].token"},
+    "top_logprob": _RANKED | {f"{name}[any rank]" for name in _RANKED},
     "error": {"error"},
+    "logprob_bytes": {"choices[0].logprobs.content[].bytes"},
+    "top_logprob_shuffled": {f"{name}[any rank]" for name in _RANKED},
+    "prompt_logprobs": _PROMPT_LOGPROBS | {f"{name}[any rank]" for name in _PROMPT_LOGPROBS},
+    "echo": {"choices[0].text", "choices[0].message.content", "choices[0].delta.content"},
+    "reasoning": {"choices[0].message.reasoning_content", "choices[0].delta.reasoning_content"},
+    "tool_call": {"choices[0].message.tool_calls[0].function.arguments",
+                  "choices[0].delta.tool_calls[0].function.arguments"},
 }
+# Modes whose path the default plan takes too rarely in 60 requests to be sure of a leak.
+MODE_FLAGS = {"prompt_logprobs": ["--prompt-logprobs-fraction", "0.3"], "echo": ["--echo-fraction", "0.3"]}
 
 
 @pytest.mark.parametrize("leak_in", sorted(LEAK_FIELD_NAMES))
 def test_a_leak_outside_the_first_choices_text_is_caught_and_its_field_named(
         leak_in: str, run_canary: Callable[..., tuple[int, dict[str, Any]]]) -> None:
-    """The server leaks only into a second choice, only into the chosen logprob tokens, only
-    into a top alternative, or only into an oversized prompt's 400, and only on that path: the
-    canary's default plan takes each (n > 1 and logprobs on a tenth of its requests each, and
-    oversized prompts), reads every field, the error's whole body too, and names the one each
-    leak was in. An older canary that sent n = 1 without logprobs and read the first choice's
-    text and no error body passed every one of these runs."""
+    """The server leaks only into one path: a second choice, the chosen logprob tokens or their
+    bytes, a top alternative (at one rank, or spread over ranks by turns), prompt_logprobs, the
+    echoed prompt, reasoning, a tool call's arguments, or an oversized prompt's 400, and only on
+    that path: the canary's plan takes each (n > 1, logprobs, prompt_logprobs and echo on a share
+    of its requests, oversized prompts; reasoning and tool calls read wherever they appear),
+    reads every field, the error's whole body too, and names the one each leak was in. A canary
+    that did not ask for a path, or did not read the field (the one before bytes, prompt_logprobs,
+    echo, reasoning, tool calls and the search in any rank order passed each of those modes),
+    passes its run."""
     with LeakyServer(free_port(), leak_every=0, keys=KEYS, leak_in=leak_in) as server:
-        status, report = run_canary(server.url, KEYS, *FLAGS, "--abort-fraction", "0")
+        status, report = run_canary(server.url, KEYS, *FLAGS, "--abort-fraction", "0", *MODE_FLAGS.get(leak_in, []))
         truth = dict(server.log.leaks)
     assert truth, f"the plan asked for the {leak_in} path, so the server leaked at least once"
     assert status == 1
@@ -114,12 +135,32 @@ def test_a_leak_outside_the_first_choices_text_is_caught_and_its_field_named(
         assert leak["is_full"] and set(leak["fields"]) & LEAK_FIELD_NAMES[leak_in], leak
         assert all(_is_only_where(leak_in, name) for name in leak["fields"]), leak
     [reason] = [r for r in report["verdict"]["reasons"] if "foreign markers" in r]
-    assert "in fields: " in reason and next(iter(LEAK_FIELD_NAMES[leak_in])).split(".")[0] in reason, reason
-    # Every request that asked for the path got an answer in it, so the run checked it.
-    paths = report["paths"]
-    if leak_in == "error":
-        return
+    assert "in fields: " in reason and any(f"{name} x" in reason for name in LEAK_FIELD_NAMES[leak_in]), reason
+    _assert_the_path_was_checked(leak_in, report["paths"])
+
+
+def _assert_the_path_was_checked(leak_in: str, paths: dict[str, Any]) -> None:
+    """Every request that asked for the path got an answer in it, so the run checked it."""
     if leak_in == "second_choice":
         assert paths["n_gt_1"]["completed"] == paths["n_gt_1"]["with_every_choice"] > 0
-    else:
+    elif leak_in in ("logprob_token", "top_logprob", "logprob_bytes", "top_logprob_shuffled"):
         assert paths["logprobs"]["completed"] == paths["logprobs"]["with_tokens"] > 0
+    elif leak_in == "prompt_logprobs":
+        assert paths["prompt_logprobs"]["completed"] == paths["prompt_logprobs"]["answered"] > 0
+    elif leak_in == "echo":
+        assert paths["echo"]["completed"] > 0
+    elif leak_in in ("reasoning", "tool_call"):
+        assert paths["reasoning_or_tool_calls"] > 0
+
+
+@pytest.mark.parametrize("leak_in", ["prompt_logprobs", "echo"])
+def test_a_path_the_canary_does_not_ask_for_is_not_checked(
+        leak_in: str, run_canary: Callable[..., tuple[int, dict[str, Any]]]) -> None:
+    """With its share at 0 the canary never asks for the path, the server never leaks into it, and
+    the run passes: why the canary asks by default, and why a 0 there is a path left unchecked."""
+    off = ["--prompt-logprobs-fraction", "0", "--echo-fraction", "0"]
+    with LeakyServer(free_port(), leak_every=0, keys=KEYS, leak_in=leak_in) as server:
+        status, report = run_canary(server.url, KEYS, *FLAGS, "--abort-fraction", "0", *off)
+        truth = dict(server.log.leaks)
+    assert status == 0 and not truth and report["leaks"] == [], report["verdict"]
+    assert report["paths"][leak_in]["completed"] == 0

@@ -57,6 +57,8 @@ def test_refuses_a_context_too_small_for_a_prompt() -> None:
     ({"base_url": "127.0.0.1:8000"}, "http://"),
     ({"n_fraction": 1.5}, r"--n-fraction must be in \[0, 1\], got 1.5"),
     ({"logprobs_fraction": -0.1}, "--logprobs-fraction must be in"),
+    ({"prompt_logprobs_fraction": 2.0}, "--prompt-logprobs-fraction must be in"),
+    ({"echo_fraction": -1.0}, "--echo-fraction must be in"),
     ({"pressure_requests": -1}, "--pressure-requests must be >= 0"),
     ({"pressure_max_tokens": 0}, "--pressure-max-tokens must be >= 1"),
 ])
@@ -89,20 +91,41 @@ def test_choices_and_logprobs_go_to_a_seeded_share_of_answered_requests() -> Non
 
 
 def test_without_the_new_paths_the_plan_is_the_one_the_seed_always_gave() -> None:
-    """n and logprobs are drawn from their own stream: switching them on changes nothing else."""
-    plain = build_plan(_config(seed=9, n_fraction=0.0, logprobs_fraction=0.0), 512)
-    assert all(r.n == 1 and r.logprobs is None for r in plain)
+    """n and logprobs are drawn from their own stream, prompt_logprobs and echo from another:
+    switching them on changes nothing else, and the prompt paths move neither n nor logprobs."""
+    off = {"n_fraction": 0.0, "logprobs_fraction": 0.0, "prompt_logprobs_fraction": 0.0, "echo_fraction": 0.0}
+    plain = build_plan(_config(seed=9, **off), 512)
+    assert all(r.n == 1 and r.logprobs is None and r.prompt_logprobs is None and not r.is_echo for r in plain)
     mixed = build_plan(_config(seed=9), 512)
-    assert [replace(r, n=1, logprobs=None) for r in mixed] == plain
+    assert [replace(r, n=1, logprobs=None, prompt_logprobs=None, is_echo=False) for r in mixed] == plain
+    no_prompt_paths = build_plan(_config(seed=9, prompt_logprobs_fraction=0.0, echo_fraction=0.0), 512)
+    assert [replace(r, prompt_logprobs=None, is_echo=False) for r in mixed] == no_prompt_paths
+
+
+def test_prompt_logprobs_and_echo_go_to_a_seeded_share_of_answered_requests() -> None:
+    """prompt_logprobs only where not streamed (no server streams them); echo on both endpoints,
+    streaming and not."""
+    plan = build_plan(_config(num_requests=400, oversized_fraction=0.1, prompt_logprobs_fraction=0.2,
+                              echo_fraction=0.25), max_context=512)
+    answered = [r for r in plan if not r.is_oversized]
+    unary = [r for r in answered if not r.is_stream]
+    assert sum(r.prompt_logprobs is not None for r in plan) == round(len(unary) * 0.2)
+    assert sum(r.is_echo for r in plan) == round(len(answered) * 0.25)
+    assert all(r.prompt_logprobs is None and not r.is_echo for r in plan if r.is_oversized)
+    assert all(not r.is_stream for r in plan if r.prompt_logprobs is not None)
+    assert {r.prompt_logprobs for r in plan} - {None} == {1, 2, 3, 4, 5}
+    assert {r.endpoint for r in plan if r.prompt_logprobs} == set(Endpoint)
+    assert {(r.endpoint, r.is_stream) for r in plan if r.is_echo} == {(e, s) for e in Endpoint for s in (True, False)}
 
 
 def test_pressure_requests_come_last_and_generate_what_the_context_leaves() -> None:
     plan = build_plan(_config(num_requests=20, pressure_requests=6), max_context=512)
     assert [r.is_pressure for r in plan] == [False] * 20 + [True] * 6
     assert all(r.max_tokens == 512 - max_prompt_chars() and not r.is_oversized for r in plan[20:])
-    # The run before them is the plan without a pressure phase (up to which requests get n and logprobs).
+    # The run before them is the plan without a pressure phase (up to which requests get n, logprobs,
+    # prompt_logprobs and echo).
     def plain(requests: list) -> list:  # type: ignore[type-arg]
-        return [replace(r, n=1, logprobs=None) for r in requests]
+        return [replace(r, n=1, logprobs=None, prompt_logprobs=None, is_echo=False) for r in requests]
     assert plain(build_plan(_config(num_requests=20), 512)) == plain(plan[:20])
     capped = build_plan(_config(num_requests=4, pressure_requests=2, pressure_max_tokens=100), 512)
     assert [r.max_tokens for r in capped[4:]] == [100, 100]
