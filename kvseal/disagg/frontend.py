@@ -196,6 +196,7 @@ class PdClient:
         # Told the summed load of the engines that are up whenever one reports or goes down.
         self.on_stats: Callable[[EngineStatsMsg], None] | None = None
         self._pages_scrubbed = CumulativeTotal()  # over engine instances (a restart is a new one)
+        self._preemptions = CumulativeTotal()  # the same, for vllm:num_preemptions_total
 
     def _link(self, role: Role, engine: EngineEndpoint) -> EngineLink:
         socket = self._ctx.socket(zmq.DEALER)
@@ -356,6 +357,7 @@ class PdClient:
             case PdStatsMsg():
                 link.stats = msg
                 self._pages_scrubbed.observe(msg.instance_id, msg.engine.num_pages_scrubbed)
+                self._preemptions.observe(msg.instance_id, msg.engine.num_preemptions)
                 self._on_link_stats(link)
                 self._report_load()
             case ReservedMsg():
@@ -482,7 +484,8 @@ class PdClient:
         return EngineStatsMsg(sum(s.num_running for s in stats), sum(s.num_waiting for s in stats),
                               sum(s.num_pages_used for s in stats), sum(s.num_pages_free for s in stats),
                               sum(s.num_preemptions for s in stats), sum(s.num_isolation_violations for s in stats),
-                              self._pages_scrubbed.total, *_grammar_totals(stats))
+                              self._pages_scrubbed.total, *_grammar_totals(stats),
+                              num_preemptions_total=self._preemptions.total)
 
     def _report_load(self) -> None:
         if self.on_stats is not None:
