@@ -160,9 +160,9 @@ class Call:
         now_s = time.monotonic()
         if self._last_token_s is None:
             self._first_token_at = time.time()
-            self.state.metrics.ttft.observe(now_s - self._received_s)
+            self.state.metrics.record_first_token(now_s - self._received_s)
         else:
-            self.state.metrics.itl.observe(now_s - self._last_token_s)
+            self.state.metrics.record_inter_token(now_s - self._last_token_s)
         self._last_token_s = now_s
 
     def on_terminal(self, event: RequestEvent) -> None:
@@ -235,6 +235,9 @@ class Call:
         """The metrics of the ended call, and its completion tokens against the tenant's tokens per minute."""
         tenant = self.tenant.name if self.tenant is not None else ""
         self.state.metrics.record_outcome(tenant, outcome, reason if outcome == "rejected" else None)
+        if out is not None and outcome in ("finished", "aborted") and out.finish_reason is not None:
+            # vLLM's request_success and e2e latency: requests its engine ended, aborts included
+            self.state.metrics.record_finished(out.finish_reason, time.monotonic() - self._received_s)
         if out is not None:
             self.state.metrics.record_prefix_cache(tenant, out.num_prompt_tokens, out.num_cached_tokens)
             self.state.metrics.record_usage(tenant, out.num_prompt_tokens, out.num_output_tokens,

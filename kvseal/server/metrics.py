@@ -11,6 +11,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from kvseal.messages.msgs import EngineStatsMsg
 from kvseal.server.audit import AuditStats
+from kvseal.server.vllm_metrics import VllmMetrics
 from kvseal.totals import CumulativeTotal
 
 _LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -89,6 +90,7 @@ class ServerMetrics:
         self.model_enabled = Gauge(
             "kvseal_model_enabled", "1 while the model takes requests, 0 while the operator's kill switch is on "
             "(POST /admin/models/{id}/disable)", ["model"], registry=r)
+        self.vllm = VllmMetrics(r)  # vLLM's names, fed below by the same measurements
 
     def forget_tenants(self, kept: set[str]) -> None:
         """Remove every tenant-labelled series of a tenant not in `kept`."""
@@ -127,11 +129,27 @@ class ServerMetrics:
         self.prompt_tokens.labels(tenant=tenant).inc(num_prompt_tokens)
         self.completion_tokens.labels(tenant=tenant).inc(num_completion_tokens)
         self.cached_tokens.labels(tenant=tenant).inc(num_cached_tokens)
+        self.vllm.record_usage(num_prompt_tokens, num_completion_tokens)
 
     def record_prefix_cache(self, tenant: str, num_prompt_tokens: int, num_cached_tokens: int) -> None:
         """One request that reached the engine: its prompt tokens queried, those served from the cache hit."""
         self.prefix_cache_queries.labels(tenant=tenant).inc(num_prompt_tokens)
         self.prefix_cache_hits.labels(tenant=tenant).inc(num_cached_tokens)
+        self.vllm.record_prefix_cache(num_prompt_tokens, num_cached_tokens)
+
+    def record_first_token(self, ttft_s: float) -> None:
+        """Arrival to a request's first generated token."""
+        self.ttft.observe(ttft_s)
+        self.vllm.record_first_token(ttft_s)
+
+    def record_inter_token(self, itl_s: float) -> None:
+        """One output of a request to its next."""
+        self.itl.observe(itl_s)
+        self.vllm.record_inter_token(itl_s)
+
+    def record_finished(self, finish_reason: str, e2e_s: float) -> None:
+        """A request the engine ended (stop, length, abort), `e2e_s` after its arrival."""
+        self.vllm.record_finished(finish_reason, e2e_s)
 
     def record_stats(self, stats: EngineStatsMsg) -> None:
         self.running.set(stats.num_running)
@@ -145,6 +163,7 @@ class ServerMetrics:
         self.grammar_compiles_queued.set(stats.num_grammar_compiles_queued)
         self.grammar_compile_timeouts.set(stats.num_grammar_compile_timeouts)
         self.grammar_compiles_cancelled.set(stats.num_grammar_compiles_cancelled)
+        self.vllm.record_load(stats)
 
     def record_scrub_mode(self, mode: str) -> None:
         """The one series at 1 names the engines' scrub policy as they run now."""
@@ -156,6 +175,7 @@ class ServerMetrics:
         for gauge in (self.running, self.waiting, self.pages_used, self.pages_free, self.preemptions,
                       self.grammar_workers_ready, self.grammar_compiles_running, self.grammar_compiles_queued):
             gauge.set(0)
+        self.vllm.reset_load()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -50,6 +50,9 @@ class AppState:
     live_calls: dict[str, LiveCall] = field(default_factory=dict)  # by request id
     disabled_models: set[str] = field(default_factory=set)  # the operator's kill switch (`server.admin`)
 
+    def __post_init__(self) -> None:
+        self.metrics.vllm.name_model(self.model_name)  # vLLM's series carry it (`model_name`)
+
     @property
     def model_name(self) -> str:
         return self.config.served_model_name or self.engine_info.model_name
