@@ -18,6 +18,7 @@ from typing import Any
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from server_process import KEYS, ServerProcess
 from test_admin import reload, write_keys
 from test_http_errors import error_of
@@ -113,8 +114,22 @@ def _tenant_counters(server: ServerProcess, tenant: str) -> dict[str, float]:
     return out
 
 
+def _vllm_series(server: ServerProcess) -> dict[tuple[str, str], float]:
+    """vLLM's series by (sample name, finished_reason), every one labelled with the served model."""
+    model = httpx.get(f"{server.base_url}/models", headers={"Authorization": "Bearer key-alice"},
+                      timeout=10).json()["data"][0]["id"]
+    out = {}
+    for family in text_string_to_metric_families(server.metrics_text()):
+        for sample in family.samples:
+            if sample.name.startswith("vllm:"):
+                assert (sample.labels["model_name"], sample.labels["engine"]) == (model, "0"), sample
+                out[(sample.name, sample.labels.get("finished_reason", ""))] = sample.value
+    return out
+
+
 def test_per_tenant_token_counters_equal_the_usage_fields(quota_server: ServerProcess) -> None:
     before = {t: _tenant_counters(quota_server, t) for t in ("alice", "bob")}
+    vllm_before = _vllm_series(quota_server)
     usage: dict[str, list[dict[str, Any]]] = {"alice": [], "bob": []}
     bodies = [{"prompt": "w5 w6 w7 w8 w9 w10 w11 w12", "max_tokens": 3},
               {"prompt": "w5 w6 w7 w8 w9 w10 w11 w12", "max_tokens": 4},  # a prefix-cache hit of the first
@@ -133,6 +148,39 @@ def test_per_tenant_token_counters_equal_the_usage_fields(quota_server: ServerPr
         assert delta["kvseal_cached_tokens_total"] == sum(u["prompt_tokens_details"]["cached_tokens"]
                                                           for u in usages)
     assert sum(u["prompt_tokens_details"]["cached_tokens"] for u in usage["alice"]) > 0  # the counter moved
+    # vLLM's names, over every tenant: the same usage, one success per request (all ran to max_tokens)
+    everyone = usage["alice"] + usage["bob"]
+    vllm_after = _vllm_series(quota_server)
+    vllm_delta = {key: vllm_after[key] - vllm_before.get(key, 0.0) for key in vllm_after}
+    assert vllm_delta[("vllm:prompt_tokens_total", "")] == sum(u["prompt_tokens"] for u in everyone)
+    assert vllm_delta[("vllm:generation_tokens_total", "")] == sum(u["completion_tokens"] for u in everyone)
+    assert vllm_delta[("vllm:prefix_cache_hits_total", "")] == sum(u["prompt_tokens_details"]["cached_tokens"]
+                                                                   for u in everyone)
+    assert vllm_delta[("vllm:request_success_total", "length")] == len(everyone)
+    assert vllm_delta[("vllm:request_success_total", "stop")] == 0
+    assert vllm_delta[("vllm:e2e_request_latency_seconds_count", "")] == len(everyone)
+    assert vllm_delta[("vllm:time_to_first_token_seconds_count", "")] == len(everyone)
+
+
+def test_vllms_load_gauges_show_a_running_request_and_its_kv_pages(quota_server: ServerProcess) -> None:
+    def gauges() -> tuple[float, float]:
+        series = _vllm_series(quota_server)
+        return series[("vllm:num_requests_running", "")], series[("vllm:kv_cache_usage_perc", "")]
+
+    body = {"prompt": "w5 w6 w7", "max_tokens": 400, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{quota_server.base_url}/completions", json=body, timeout=60,
+                      headers={"Authorization": "Bearer key-alice"}) as response:
+        assert response.status_code == 200
+        next(response.iter_lines())  # it is generating
+        deadline_s = time.monotonic() + 10  # the engine reports its load after the step that changed it
+        while (seen := gauges()) == (0, 0) and time.monotonic() < deadline_s:
+            time.sleep(0.05)
+        num_running, usage = seen
+        assert num_running == 1 and 0 < usage <= 1, seen
+    deadline_s = time.monotonic() + 30  # the stream was left: the engine aborts it and frees its pages
+    while (seen := gauges()) != (0, 0) and time.monotonic() < deadline_s:
+        time.sleep(0.1)
+    assert seen == (0, 0)
 
 
 def test_rejections_are_counted_per_tenant_and_reason(quota_server: ServerProcess) -> None:
