@@ -44,6 +44,25 @@ def test_pages_scrubbed_sums_engines_and_never_drops(client: PdClient) -> None:
     assert client.load().num_pages_scrubbed == 13
 
 
+def test_preemptions_total_sums_engine_instances_and_never_drops(client: PdClient) -> None:
+    """`num_preemptions` (kvseal's gauge) is the sum of the engines up now; the total behind
+    vllm:num_preemptions_total keeps what a restarted engine had counted."""
+    def stats(instance_id: str, role: Role, num_preemptions: int) -> PdStatsMsg:
+        return PdStatsMsg(instance_id, role, EngineStatsMsg(0, 0, 0, 64, num_preemptions), 64, 0, 0, 0, 0.0, {}, 0,
+                          {}, 0)
+
+    prefill, decode = client.links
+    prefill.is_up = decode.is_up = True
+    client._on_msg(prefill, stats("prefill-1", "prefill", 3))
+    client._on_msg(decode, stats("decode-1", "decode", 5))
+    assert (client.load().num_preemptions, client.load().num_preemptions_total) == (8, 8)
+    client._engine_down(prefill, "test: the prefill engine went away")
+    assert (client.load().num_preemptions, client.load().num_preemptions_total) == (5, 8)
+    prefill.is_up = True
+    client._on_msg(prefill, stats("prefill-2", "prefill", 1))  # restarted: counts from 0 again
+    assert (client.load().num_preemptions, client.load().num_preemptions_total) == (6, 9)
+
+
 def _info(role: Role, policy: str) -> EngineInfoMsg:
     return EngineInfoMsg(role, "127.0.0.1:1", f"{role}-1", 1, "m", "/m", "llama", 64, 256, 512, 4, 64,
                          "layout", "tcp", policy)
