@@ -79,7 +79,8 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
-STRUCTURED_KINDS = ("json_object", "json_schema", "tool_call", "qwen3_coder_call", "regex", "choice", "grammar")
+STRUCTURED_KINDS = ("json_object", "json_schema", "tool_call", "tool_calls", "qwen3_coder_call", "regex", "choice",
+                    "grammar")
 
 
 @dataclass(frozen=True)
@@ -104,12 +105,13 @@ class ReasoningGate:
 @dataclass(frozen=True)
 class StructuredOutput:
     """Output constrained by a grammar while sampling: any JSON object, JSON matching `schema`
-    (a JSON Schema, as JSON text), one Hermes tool call `<tool_call>\n{json}\n</tool_call>`
-    whose JSON matches `schema`, one Qwen3-Coder XML call to one of the tools of `schema` (a
-    JSON list of `{"name", "parameters"}`), text matching a regular expression (`schema` is the regex), one
-    of several strings (`schema` is their JSON list), or text an EBNF grammar derives (`schema`
-    is the grammar, in xgrammar's EBNF). Compiled with xgrammar (kvseal.structured). With
-    `reasoning`, the grammar constrains only what follows the reasoning block."""
+    (a JSON Schema, as JSON text), one Hermes tool call `<tool_call>\n{json}\n</tool_call>` whose
+    JSON matches `schema` (`tool_calls`: one or more, a newline between), one Qwen3-Coder XML
+    call to one of the tools of `schema` (a JSON list of `{"name", "parameters"}`), text matching
+    a regular expression (`schema` is the regex), one of several strings (`schema` is their JSON
+    list), or text an EBNF grammar derives (`schema` is the grammar, in xgrammar's EBNF).
+    Compiled with xgrammar (kvseal.structured). With `reasoning`, the grammar constrains only
+    what follows the reasoning block."""
 
     kind: str  # one of STRUCTURED_KINDS
     schema: str | None = None  # the spec's text (None for json_object)

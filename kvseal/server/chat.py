@@ -171,18 +171,20 @@ class ChatFormatter:
     def _tool_delta_chunks(self, index: int, out: RequestOutputMsg) -> list[dict[str, Any]]:
         assert self._tool_parser is not None
         stream = self._tool_streams.setdefault(index, ToolCallStream(self._tool_parser))
-        content = stream.content_delta(out.new_text)
+        step = stream.feed(out.new_text)
         logprobs = self._logprobs(out.logprobs or []) if out.new_token_ids else None
-        chunks = [self._chunk(index, {"content": content}, logprobs, None)] if content or logprobs else []
+        delta: dict[str, Any] = {"content": step.content} if step.content or (logprobs and not step.calls) else {}
+        if step.calls:
+            delta["tool_calls"] = [call.as_openai() for call in step.calls]
+        chunks = [self._chunk(index, delta, logprobs, None)] if delta else []
         if not out.finished:
             return chunks
-        rest, calls = stream.finish()
+        rest, calls, has_calls = stream.finish()
         if rest:
             chunks.append(self._chunk(index, {"content": rest}, None, None))
         if calls:
-            deltas = [call.as_openai(i) for i, call in enumerate(calls)]
-            chunks.append(self._chunk(index, {"tool_calls": deltas}, None, None))
-        return [*chunks, self._chunk(index, {}, None, self._finish_reason(out.finish_reason, bool(calls)),
+            chunks.append(self._chunk(index, {"tool_calls": [call.as_openai() for call in calls]}, None, None))
+        return [*chunks, self._chunk(index, {}, None, self._finish_reason(out.finish_reason, has_calls),
                                      api_stop_reason(out))]
 
     def usage_chunk(self, transcripts: list[Transcript]) -> dict[str, Any]:

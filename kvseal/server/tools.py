@@ -42,11 +42,19 @@ client sees the name it got.
 - "auto" (the default with tools): the model may call tools; calls are parsed from its text
   (with `parallel_tool_calls: false`, the first call only, as vLLM keeps it).
 - "none": tools are rendered but nothing is parsed; the text is the answer.
-- "required" / a named function: one call, in the parser's format, is enforced with the grammar
-  (the call's JSON must match one tool's — or the named tool's — parameters schema), then parsed.
-  `pythonic` has no JSON call of its own: its enforced call is a JSON list of one `{"name": ...,
-  "arguments": {...}}` object, as vLLM enforces every format's, which its parser also reads.
+- "required": one or more calls (one with `parallel_tool_calls: false`), in the parser's format,
+  are enforced with the grammar (each call's JSON must match one tool's parameters schema), then
+  parsed, as vLLM's grammar of a list of at least one call allows; `llama3_json`'s and
+  `qwen3_coder`'s enforced grammar holds one call, their formats' several calls being no one
+  grammar value here (one call is still an answer vLLM's would allow).
+- a named function: one call, to it, enforced and parsed likewise.
+  `pythonic` has no JSON call of its own: its enforced calls are a JSON list of `{"name": ...,
+  "arguments": {...}}` objects, as vLLM enforces every format's, which its parser also reads.
   `qwen3_coder`'s is one block in its own XML form (xgrammar's structural tag).
+Streamed, a hermes call is sent as it is written (`ToolCallStream`): its name, then its arguments
+in pieces; the other formats' calls are sent whole when the choice ends (their text is a call
+only once the whole answer is read: llama3_json, mistral, pythonic; or its values are typed by
+the whole of each: qwen3_coder).
 """
 
 from __future__ import annotations
@@ -70,7 +78,7 @@ from kvseal.server.protocol import ChatCompletionRequest, NamedToolChoice, ToolD
 from kvseal.types import StructuredOutput
 
 _CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
-START_TAG = "<tool_call>"
+START_TAG, END_TAG = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
 MISTRAL_CALLS = "[TOOL_CALLS]"
 PYTHON_START, PYTHON_END = "<|python_start|>", "<|python_end|>"
@@ -101,6 +109,8 @@ class ParsedToolCall:
 
 class ToolParser(Protocol):
     arguments_key: str  # the key of a call's arguments in its JSON object, in this format
+    streams_arguments: bool  # a stream sends a call's arguments as they come (`ToolCallStream`)
+    max_calls: int | None  # the most calls `parse` returns (None: all)
 
     def parse(self, text: str) -> tuple[str | None, list[ParsedToolCall]]:
         """(content outside the calls, or None when there is none besides calls; the calls)."""
@@ -111,14 +121,18 @@ class ToolParser(Protocol):
         and holds the rest until the choice ends (len(text): nothing to hold)."""
         ...
 
-    def forced_call(self, call_schemas: list[dict[str, Any]]) -> StructuredOutput:
-        """The grammar of exactly one call in this format, its JSON one of `call_schemas`
-        (`call_schema`'s, with this format's arguments key)."""
+    def forced_call(self, call_schemas: list[dict[str, Any]], is_parallel: bool = False) -> StructuredOutput:
+        """The grammar of one call in this format, its JSON one of `call_schemas` (`call_schema`'s,
+        with this format's arguments key); with `is_parallel`, of one or more calls where the
+        format can hold several (hermes, mistral, pythonic: tool_choice required, as vLLM's list
+        of at least one call), one where it cannot (llama3_json, qwen3_coder)."""
         ...
 
 
 class HermesToolParser:
     arguments_key = "arguments"
+    streams_arguments = True
+    max_calls: int | None = None
 
     def parse(self, text: str) -> tuple[str | None, list[ParsedToolCall]]:
         """(content outside the calls or None, the calls). A block that is not a JSON object with
@@ -128,12 +142,14 @@ class HermesToolParser:
     def held_from(self, text: str) -> int:
         return _held_from_start_tag(text)
 
-    def forced_call(self, call_schemas: list[dict[str, Any]]) -> StructuredOutput:
-        return StructuredOutput("tool_call", json.dumps(_one_of(call_schemas)))
+    def forced_call(self, call_schemas: list[dict[str, Any]], is_parallel: bool = False) -> StructuredOutput:
+        return StructuredOutput("tool_calls" if is_parallel else "tool_call", json.dumps(_one_of(call_schemas)))
 
 
 class Llama3JsonToolParser:
     arguments_key = "parameters"
+    streams_arguments = False
+    max_calls: int | None = None
 
     def parse(self, text: str) -> tuple[str | None, list[ParsedToolCall]]:
         """All calls, or none: an answer that is not wholly calls (after `<|python_tag|>`,
@@ -158,12 +174,16 @@ class Llama3JsonToolParser:
     def held_from(self, text: str) -> int:
         return _held_while_calls_may_begin(text, "{", PYTHON_TAG)
 
-    def forced_call(self, call_schemas: list[dict[str, Any]]) -> StructuredOutput:
+    def forced_call(self, call_schemas: list[dict[str, Any]], is_parallel: bool = False) -> StructuredOutput:
+        """One call, parallel or not: the JSON grammar holds one value (calls joined by `;` are
+        no JSON value)."""
         return StructuredOutput("json_schema", json.dumps(_one_of(call_schemas)))
 
 
 class MistralToolParser:
     arguments_key = "arguments"
+    streams_arguments = False
+    max_calls: int | None = None
 
     def parse(self, text: str) -> tuple[str | None, list[ParsedToolCall]]:
         """All calls, or none: an answer that is not one JSON list of calls (after
@@ -186,14 +206,16 @@ class MistralToolParser:
     def held_from(self, text: str) -> int:
         return _held_while_calls_may_begin(text, "[", MISTRAL_CALLS)
 
-    def forced_call(self, call_schemas: list[dict[str, Any]]) -> StructuredOutput:
-        """A list of exactly one call (the `[TOOL_CALLS]` token before it is special: no grammar
-        writes it, and the parser does without it)."""
-        return _list_of_one_call(call_schemas)
+    def forced_call(self, call_schemas: list[dict[str, Any]], is_parallel: bool = False) -> StructuredOutput:
+        """A list of one call, or of one or more with `is_parallel` (the `[TOOL_CALLS]` token
+        before it is special: no grammar writes it, and the parser does without it)."""
+        return _list_of_calls(call_schemas, is_parallel)
 
 
 class PythonicToolParser:
     arguments_key = "arguments"  # of the enforced call's JSON (`forced_call`)
+    streams_arguments = False
+    max_calls: int | None = None
 
     def parse(self, text: str) -> tuple[str | None, list[ParsedToolCall]]:
         """All calls, or none: an answer that is not wholly one list of calls (or the enforced
@@ -209,10 +231,10 @@ class PythonicToolParser:
     def held_from(self, text: str) -> int:
         return _held_while_calls_may_begin(text, "[", PYTHON_START)
 
-    def forced_call(self, call_schemas: list[dict[str, Any]]) -> StructuredOutput:
-        """A JSON list of exactly one call: a Python call's arguments have no schema a grammar
-        could hold them to, a JSON object's do."""
-        return _list_of_one_call(call_schemas)
+    def forced_call(self, call_schemas: list[dict[str, Any]], is_parallel: bool = False) -> StructuredOutput:
+        """A JSON list of one call (one or more with `is_parallel`): a Python call's arguments have
+        no schema a grammar could hold them to, a JSON object's do."""
+        return _list_of_calls(call_schemas, is_parallel)
 
 
 def _block_calls(text: str, read: Callable[[str], ParsedToolCall | None]) -> tuple[str | None, list[ParsedToolCall]]:
@@ -242,6 +264,8 @@ def _held_from_start_tag(text: str) -> int:
 
 class Qwen3CoderToolParser:
     arguments_key = "arguments"  # of the call schemas `forced_call` reads the tools from
+    streams_arguments = False
+    max_calls: int | None = None
 
     def __init__(self, parameters: dict[str, Any] | None = None) -> None:
         """`parameters`: each tool's parameters schema by its name, which types the values."""
@@ -255,9 +279,9 @@ class Qwen3CoderToolParser:
     def held_from(self, text: str) -> int:
         return _held_from_start_tag(text)
 
-    def forced_call(self, call_schemas: list[dict[str, Any]]) -> StructuredOutput:
-        """One block in this format, for one of the tools (xgrammar's structural tag, in
-        `structured/grammars.py`)."""
+    def forced_call(self, call_schemas: list[dict[str, Any]], is_parallel: bool = False) -> StructuredOutput:
+        """One block in this format, for one of the tools, parallel or not (xgrammar's structural
+        tag, in `structured/grammars.py`)."""
         tools = [{"name": schema["properties"]["name"]["const"], "parameters": schema["properties"][self.arguments_key]}
                  for schema in call_schemas]
         for tool in tools:
@@ -415,9 +439,9 @@ def _held_while_calls_may_begin(text: str, opener: str, tag: str) -> int:
     return len(text)
 
 
-def _list_of_one_call(call_schemas: list[dict[str, Any]]) -> StructuredOutput:
-    return StructuredOutput("json_schema", json.dumps({"type": "array", "items": _one_of(call_schemas),
-                                                       "minItems": 1, "maxItems": 1}))
+def _list_of_calls(call_schemas: list[dict[str, Any]], is_parallel: bool) -> StructuredOutput:
+    length = {"minItems": 1} if is_parallel else {"minItems": 1, "maxItems": 1}
+    return StructuredOutput("json_schema", json.dumps({"type": "array", "items": _one_of(call_schemas)} | length))
 
 
 def _json_calls(body: str) -> list[ParsedToolCall] | None:
@@ -467,12 +491,14 @@ assert tuple(TOOL_PARSERS) == TOOL_CALL_PARSERS
 
 class FirstCallOnly:
     """`parallel_tool_calls: false`: the first call the model wrote, the others dropped, as
-    vLLM's server filters them (the content stays as parsed). A required or named tool_choice
-    is one call by its grammar already."""
+    vLLM's server filters them (the content stays as parsed). Its required tool_choice is one
+    call by its grammar already, as a named one is."""
 
     def __init__(self, parser: ToolParser) -> None:
         self._parser = parser
         self.arguments_key = parser.arguments_key
+        self.streams_arguments = parser.streams_arguments
+        self.max_calls: int | None = 1
 
     def parse(self, text: str) -> tuple[str | None, list[ParsedToolCall]]:
         content, calls = self._parser.parse(text)
@@ -481,8 +507,8 @@ class FirstCallOnly:
     def held_from(self, text: str) -> int:
         return self._parser.held_from(text)
 
-    def forced_call(self, call_schemas: list[dict[str, Any]]) -> StructuredOutput:
-        return self._parser.forced_call(call_schemas)
+    def forced_call(self, call_schemas: list[dict[str, Any]], is_parallel: bool = False) -> StructuredOutput:
+        return self._parser.forced_call(call_schemas)  # (one call: the first is all this keeps)
 
 
 def tool_parser(name: str, parallel_calls: bool = True, tools: list[ToolDef] | None = None) -> ToolParser:
@@ -563,7 +589,7 @@ def tool_setup(body: ChatCompletionRequest, parser: str | None) -> ToolSetup:
     definitions = [t.model_dump(exclude_none=True) for t in body.tools]
     if choice == "none":
         return ToolSetup(definitions, False, None)
-    grammar = _enforced_call(body, choice, tool_parser(parser))
+    grammar = _enforced_call(body, choice, tool_parser(parser, body.parallel_tool_calls is not False))
     return ToolSetup(definitions, True, grammar, _grammar_tools(body, choice) if grammar is not None else frozenset())
 
 
@@ -585,7 +611,7 @@ def _enforced_call(body: ChatCompletionRequest, choice: Any, parser: ToolParser)
                                    f"({', '.join(sorted(tools))})", param="tool_choice")
         return parser.forced_call([call_schema(name, tools[name], key)])
     if choice == "required":
-        return parser.forced_call([call_schema(name, params, key) for name, params in tools.items()])
+        return parser.forced_call([call_schema(name, params, key) for name, params in tools.items()], is_parallel=True)
     return None
 
 
@@ -595,35 +621,368 @@ def call_schema(name: str, parameters: dict[str, Any], arguments_key: str = "arg
             "required": ["name", arguments_key], "additionalProperties": False}
 
 
+@dataclass(frozen=True)
+class CallDelta:
+    """One entry of a streamed chunk's `tool_calls`: a call's first (its index, id, type and name,
+    with the arguments known so far) or a further piece of its arguments. A client adds up the
+    pieces of one index, as OpenAI's clients do."""
+
+    index: int
+    arguments: str
+    name: str | None = None  # set on a call's first delta only
+    id: str | None = None
+
+    def as_openai(self) -> dict[str, Any]:
+        if self.name is None:
+            return {"index": self.index, "function": {"arguments": self.arguments}}
+        return {"index": self.index, "id": self.id, "type": "function",
+                "function": {"name": self.name, "arguments": self.arguments}}
+
+
+@dataclass(frozen=True)
+class StreamStep:
+    content: str  # content to send now
+    calls: list[CallDelta]  # tool_calls entries to send now
+
+
 class ToolCallStream:
-    """One streamed choice with tool parsing: text before where a call may begin (the parser's
+    """One streamed choice with tool parsing. Text before where a call may begin (the parser's
     `held_from`) streams as content, less any whitespace at its end (which the parser drops
-    before a call); from there on it is held, and the calls go out as `tool_calls` deltas when
-    the choice ends (each call's whole arguments in one delta, which OpenAI's clients accumulate
-    as usual), with the content the parser found outside them that was not sent yet. The
-    content streamed adds up to the content of the same answer unstreamed."""
+    before a call); the text from there on is content only once the choice has ended and the
+    parser has read it all, so the content streamed adds up to the content of the same answer
+    unstreamed.
+
+    Calls: with a parser that `streams_arguments` (hermes), a `<tool_call>` block's call is sent
+    as it is written: its index, id and name once its name is read and its arguments have begun,
+    then the arguments as they come, in the text `json.dumps` gives the parsed arguments (the
+    unstreamed call's), and the rest of it when the block's `</tool_call>` comes and the parser
+    reads the call (its arguments' last `}` among it). The pieces of an index add up to the
+    unstreamed call. A block whose text turns out not to be a call after part of it was sent (cut
+    by max_tokens, broken JSON, `</tool_call>` inside a string, a key written twice) cannot be
+    taken back: its index is left as sent, arguments that are no whole JSON object, so no client
+    can take it for a call to run; its text comes as content as unstreamed, a valid call of it
+    is sent whole at the next index, and the finish reason is the unstreamed one ("tool_calls"
+    only if the answer has calls). With any other parser the calls are sent whole when the
+    choice ends."""
 
     def __init__(self, parser: ToolParser) -> None:
         self._parser = parser
         self._text = ""
-        self._num_sent = 0
+        self._num_sent = 0  # of the content
+        self._scan_from = 0  # where the next block may begin
+        self._block: _StreamedBlock | None = None  # the block being written
+        self._num_indices = 0  # handed out to calls
+        self._num_calls = 0  # calls read whole
 
-    def content_delta(self, new_text: str) -> str:
-        """The part of the text that can be shown as content now."""
+    def feed(self, new_text: str) -> StreamStep:
+        """What can be sent now, with `new_text` added to the choice's text."""
         self._text += new_text
         safe = len(self._text[:self._parser.held_from(self._text)].rstrip())
-        delta = self._text[self._num_sent:max(safe, self._num_sent)]
-        self._num_sent += len(delta)
-        return delta
+        content = self._text[self._num_sent:max(safe, self._num_sent)]
+        self._num_sent += len(content)
+        return StreamStep(content, self._call_deltas() if self._parser.streams_arguments else [])
 
-    def finish(self) -> tuple[str, list[ParsedToolCall]]:
-        """(content not yet sent, the calls), once the choice has ended."""
+    def finish(self) -> tuple[str, list[CallDelta], bool]:
+        """(content not yet sent, calls not yet sent, whether the answer has calls), once the
+        choice has ended (after the `feed` of its last text)."""
         content, calls = self._parser.parse(self._text)
         whole = (content or "") if calls else self._text
         # What was sent is text before the first call, so `whole` begins with it
         num_sent = len(os.path.commonprefix([whole, self._text[:self._num_sent]]))
         self._num_sent = len(self._text)
-        return whole[num_sent:], calls
+        if self._parser.streams_arguments:
+            return whole[num_sent:], [], bool(calls)
+        return whole[num_sent:], [CallDelta(i, c.arguments, c.name, c.id) for i, c in enumerate(calls)], bool(calls)
+
+    def _call_deltas(self) -> list[CallDelta]:
+        deltas: list[CallDelta] = []
+        while True:
+            if self._block is None:
+                if self._parser.max_calls is not None and self._num_calls >= self._parser.max_calls:
+                    return deltas  # (the parser keeps no further call)
+                start = self._text.find(START_TAG, self._scan_from)
+                if start < 0:
+                    self._scan_from = max(self._scan_from, len(self._text) - len(START_TAG) + 1)
+                    return deltas
+                self._block = _StreamedBlock(start)
+            block = self._block
+            end = self._text.find(END_TAG, block.body_start)
+            block.read(self._text, end if end >= 0 else max(block.body_start, _before_partial(self._text, END_TAG)))
+            deltas += self._arguments_delta(block)
+            if end < 0:
+                return deltas
+            deltas += self._resolve(block)
+            self._scan_from, self._block = end + len(END_TAG), None
+
+    def _arguments_delta(self, block: _StreamedBlock) -> list[CallDelta]:
+        name, arguments = block.name_and_arguments()
+        if name is None or arguments is None:
+            return []
+        if block.index is None:
+            block.index, block.id, block.num_sent = self._num_indices, _openai_id(), len(arguments)
+            self._num_indices += 1
+            return [CallDelta(block.index, arguments, name, block.id)]
+        fresh = arguments[block.num_sent:]
+        block.num_sent = len(arguments)
+        return [CallDelta(block.index, fresh)] if fresh else []
+
+    def _resolve(self, block: _StreamedBlock) -> list[CallDelta]:
+        """The rest of a block's call once its end tag is here: read as `parse` reads it (the
+        same block: the first end tag after its start); nothing when it is no call (content)."""
+        match = _CALL.match(self._text, block.start)
+        call = _parse_call(match.group(1)) if match else None
+        if call is None:
+            return []
+        self._num_calls += 1
+        sent = block.sent_arguments()
+        if block.index is not None and block.name == call.name and call.arguments.startswith(sent):
+            rest = call.arguments[len(sent):]
+            return [CallDelta(block.index, rest)] if rest else []
+        index = self._num_indices
+        self._num_indices += 1
+        return [CallDelta(index, call.arguments, call.name, call.id)]
+
+
+
+class _StreamedBlock:
+    """A hermes `<tool_call>` block being written: its body (from after the tag, whitespace
+    skipped as the parser skips it) read as canonical JSON as it comes (`CanonicalJson`)."""
+
+    def __init__(self, start: int) -> None:
+        self.start = start
+        self.body_start = start + len(START_TAG)
+        self.json = CanonicalJson()
+        self.index: int | None = None  # once its first delta is sent
+        self.id: str | None = None
+        self.name: str | None = None
+        self.num_sent = 0  # of the arguments' canonical text
+        self._num_read = 0  # of the body's text
+        self._has_begun = False  # past the whitespace before the body
+
+    def read(self, text: str, limit: int) -> None:
+        """Read the body's text up to `limit` (past it may be the end tag)."""
+        new = text[self.body_start + self._num_read:limit]
+        self._num_read += len(new)
+        if not self._has_begun:
+            new = new.lstrip()
+            self._has_begun = bool(new)
+        if new:
+            self.json.feed(new)
+
+    def name_and_arguments(self) -> tuple[str | None, str | None]:
+        """(the call's name, the canonical text of its arguments so far), each None until it is
+        known (or when the body is no call this stream can follow)."""
+        if self.json.failed or self.json.top_kind != "{":
+            return None, None
+        members = self.json.members
+        name = members.get("name")
+        if self.name is None and name is not None and name.end is not None and self.json.text[name.start] == '"':
+            self.name = json.loads(self.json.text[name.start:name.end])
+        arguments = members.get("arguments")
+        if self.name is None or arguments is None or self.json.text[arguments.start:arguments.start + 1] != "{":
+            return self.name, None
+        # Whole arguments wait for the parser's reading of the block: a call left unfinished
+        # (`ToolCallStream`) is never one a client could take for whole
+        end = arguments.end - 1 if arguments.end is not None else None
+        return self.name, self.json.text[arguments.start:end]
+
+    def sent_arguments(self) -> str:
+        arguments = self.json.members.get("arguments")
+        return "" if arguments is None else self.json.text[arguments.start:arguments.start + self.num_sent]
+
+
+@dataclass
+class Member:
+    """Where a member's value of a JSON object stands in its canonical text: from `start`, to
+    `end` once the value is whole (None until then)."""
+
+    start: int
+    end: int | None = None
+
+
+_JSON_SPACE = frozenset(" \t\n\r")
+_JSON_NUMBER = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?")
+_JSON_ESCAPES = {'"': '"', "\\": "\\", "/": "/", "b": "\b", "f": "\f", "n": "\n", "r": "\r", "t": "\t"}
+_HEX = frozenset(string.hexdigits)
+
+
+class CanonicalJson:
+    """One JSON value's canonical text, `json.dumps(json.loads(raw), ensure_ascii=False)`, as its
+    raw text comes: `feed` adds what the raw text so far settles (a string's characters as they
+    come, a number or literal once it ends), so `text` is always a beginning of the whole
+    value's. It reads JSON as json.loads does, and stops (`failed`, `text` kept as it was) at
+    anything json.loads would refuse, at NaN or Infinity (which no call's arguments may hold),
+    and at a key written twice in one object (json.loads keeps the last value in the first one's
+    place: not a continuation of the text so far). `members`: where each member of the value,
+    when it is an object, stands in `text`."""
+
+    def __init__(self) -> None:
+        self.text = ""
+        self.failed = False
+        self.top_kind = ""  # the value's first character, once read
+        self.members: dict[str, Member] = {}
+        self._stack: list[set[str] | None] = []  # per open container: an object's keys, None for an array
+        self._expect = "value"  # value, value_or_close, key, key_or_close, colon, comma_or_close, done
+        self._token = ""  # a number or literal being read
+        self._string: list[str] | None = None  # the string being read, decoded
+        self._is_key = False
+        self._escape = ""  # an escape being read, from its backslash
+        self._high_surrogate: int | None = None  # a \uD800-\uDBFF escape, paired if a low one follows
+        self._last_key = ""  # of the top object's member being read
+
+    def feed(self, raw: str) -> None:
+        for char in raw:
+            if self.failed:
+                return
+            if self._string is not None:
+                self._string_char(char)
+            elif self._token and (char.isalnum() or char in "+-."):
+                self._token += char
+            else:
+                if self._token:
+                    self._end_token()
+                if not self.failed and char not in _JSON_SPACE:
+                    self._structural(char)
+
+    def _structural(self, char: str) -> None:
+        expect = self._expect
+        if expect in ("value", "value_or_close") and char not in "]}":
+            self._begin_value(char)
+        elif expect in ("key", "key_or_close") and char == '"':
+            self._begin_string(is_key=True)
+        elif expect == "colon" and char == ":":
+            self._emit(": ")
+            self._expect = "value"
+        elif expect == "comma_or_close" and char == ",":
+            self._emit(", ")
+            self._expect = "key" if self._stack[-1] is not None else "value"
+        elif expect in ("key_or_close", "comma_or_close") and char == "}" and self._stack[-1] is not None:
+            self._close("}")
+        elif expect in ("value_or_close", "comma_or_close") and char == "]" and self._stack[-1] is None:
+            self._close("]")
+        else:
+            self.failed = True
+
+    def _begin_value(self, char: str) -> None:
+        if not self._stack:
+            self.top_kind = char
+        elif len(self._stack) == 1 and self._stack[0] is not None:
+            self.members[self._last_key].start = len(self.text)
+        if char in "{[":
+            self._emit(char)
+            self._stack.append(set() if char == "{" else None)
+            self._expect = "key_or_close" if char == "{" else "value_or_close"
+        elif char == '"':
+            self._begin_string(is_key=False)
+        elif char == "-" or char.isalnum():
+            self._token = char
+        else:
+            self.failed = True
+
+    def _close(self, char: str) -> None:
+        self._emit(char)
+        self._stack.pop()
+        self._value_done()
+
+    def _value_done(self) -> None:
+        if not self._stack:
+            self._expect = "done"
+            return
+        if len(self._stack) == 1 and self._stack[0] is not None:
+            self.members[self._last_key].end = len(self.text)
+        self._expect = "comma_or_close"
+
+    def _end_token(self) -> None:
+        token, self._token = self._token, ""
+        if token in ("true", "false", "null"):
+            self._emit(token)
+        elif _JSON_NUMBER.fullmatch(token):
+            try:  # (an integer past Python's digit limit, a float past its range: refused as json.loads / dumps do)
+                self._emit(json.dumps(json.loads(token), allow_nan=False))
+            except ValueError:
+                self.failed = True
+                return
+        else:
+            self.failed = True
+            return
+        self._value_done()
+
+    def _begin_string(self, is_key: bool) -> None:
+        self._string, self._is_key = [], is_key
+        self._emit('"')
+
+    def _string_char(self, char: str) -> None:
+        if self._escape:
+            self._escape_char(char)
+        elif char == "\\":
+            self._escape = char
+        elif char == '"':
+            self._end_string()
+        elif char < " ":
+            self.failed = True  # (json.loads is strict: no raw control character in a string)
+        else:
+            self._decoded(char)
+
+    def _escape_char(self, char: str) -> None:
+        self._escape += char
+        if len(self._escape) == 2 and char != "u":
+            decoded = _JSON_ESCAPES.get(char)
+            self._escape = ""
+            if decoded is None:
+                self.failed = True
+            else:
+                self._decoded(decoded)
+        elif len(self._escape) > 2 and char not in _HEX:
+            self.failed = True
+        elif len(self._escape) == 6:
+            unit, self._escape = int(self._escape[2:], 16), ""
+            self._code_unit(unit)
+
+    def _code_unit(self, unit: int) -> None:
+        """A \\u escape's unit: a high surrogate waits for a low one to make one character with."""
+        if self._high_surrogate is not None and 0xDC00 <= unit <= 0xDFFF:
+            high, self._high_surrogate = self._high_surrogate, None
+            self._decoded(chr(0x10000 + ((high - 0xD800) << 10) + (unit - 0xDC00)))
+        elif 0xD800 <= unit <= 0xDBFF:
+            self._flush_surrogate()
+            self._high_surrogate = unit
+        else:
+            self._decoded(chr(unit))
+
+    def _flush_surrogate(self) -> None:
+        if self._high_surrogate is not None:
+            assert self._string is not None
+            char, self._high_surrogate = chr(self._high_surrogate), None
+            self._string.append(char)
+            self._emit(json.dumps(char, ensure_ascii=False)[1:-1])
+
+    def _decoded(self, char: str) -> None:
+        assert self._string is not None
+        self._flush_surrogate()
+        self._string.append(char)
+        self._emit(json.dumps(char, ensure_ascii=False)[1:-1] if char < " " or char in '"\\' else char)
+
+    def _end_string(self) -> None:
+        assert self._string is not None
+        self._flush_surrogate()
+        value, self._string = "".join(self._string), None
+        self._emit('"')
+        if not self._is_key:
+            self._value_done()
+            return
+        keys = self._stack[-1]
+        assert keys is not None
+        if value in keys:
+            self.failed = True
+            return
+        keys.add(value)
+        if len(self._stack) == 1:
+            self._last_key = value
+            self.members[value] = Member(len(self.text))
+        self._expect = "colon"
+
+    def _emit(self, text: str) -> None:
+        self.text += text
 
 
 def _before_partial(text: str, tag: str) -> int:

@@ -485,10 +485,11 @@ def _lower_thread_priority() -> None:
 
 # The request field each kind of grammar comes from, and what an error calls that grammar. A
 # served JSON Schema may also come from guided_json (the door names that field for its errors).
-_PARAMS = {"tool_call": "tools", "qwen3_coder_call": "tools", "json_object": "response_format",
+_PARAMS = {"tool_call": "tools", "tool_calls": "tools", "qwen3_coder_call": "tools", "json_object": "response_format",
            "json_schema": "response_format", "regex": "guided_regex", "choice": "guided_choice",
            "grammar": "guided_grammar"}
 _NAMES = {"tool_call": "the tool call grammar (from the tools' parameters)",
+          "tool_calls": "the tool call grammar (from the tools' parameters)",
           "qwen3_coder_call": "the tool call grammar (from the tools' parameters)",
           "json_object": "the response_format grammar", "json_schema": "the response_format grammar",
           "regex": "the regex grammar (guided_regex, structured_outputs.regex)",

@@ -23,6 +23,8 @@ def compile_spec(compiler: Any, vocab_size: int, kind: str, schema: str | None) 
                              f"remove it")
     if kind == "tool_call":
         compiled = compiler.compile_grammar(tool_call_grammar(schema or ANY_OBJECT))
+    elif kind == "tool_calls":
+        compiled = compiler.compile_grammar(tool_calls_grammar(schema or ANY_OBJECT))
     elif kind == "qwen3_coder_call":
         compiled = compiler.compile_structural_tag(qwen3_coder_call_tag(schema or "[]"))
     elif kind == "regex":
@@ -40,7 +42,7 @@ def compile_spec(compiler: Any, vocab_size: int, kind: str, schema: str | None) 
 
 def _json_schemas(kind: str, schema: str | None) -> list[str]:
     """The JSON Schemas (as JSON text) a spec holds output to."""
-    if kind in ("json_schema", "tool_call") and schema is not None:
+    if kind in ("json_schema", "tool_call", "tool_calls") and schema is not None:
         return [schema]
     if kind == "qwen3_coder_call" and schema is not None:
         return [json.dumps(tool["parameters"]) for tool in _qwen3_coder_tools(schema)]
@@ -65,6 +67,18 @@ def tool_call_grammar(call_schema: str) -> Any:
     return xgrammar.Grammar.concat(xgrammar.Grammar.from_ebnf('root ::= "<tool_call>\\n"'),
                                    xgrammar.Grammar.from_json_schema(call_schema, any_whitespace=False),
                                    xgrammar.Grammar.from_ebnf('root ::= "\\n</tool_call>"'))
+
+
+def tool_calls_grammar(call_schema: str) -> Any:
+    """One or more of Hermes' calls (`tool_call_grammar`), a newline between two, as its chat
+    templates write parallel calls: each call's JSON per schema."""
+    import xgrammar
+
+    # The call's JSON grammar as EBNF (its rule `root`), and a rule of the calls over it
+    call = str(xgrammar.Grammar.from_json_schema(call_schema, any_whitespace=False))
+    block = '"<tool_call>\\n" root "\\n</tool_call>"'
+    calls = f'kvseal_tool_calls ::= {block} ("\\n" {block})*'
+    return xgrammar.Grammar.from_ebnf(f"{call}\n{calls}\n", root_rule_name="kvseal_tool_calls")
 
 
 def qwen3_coder_call_tag(tools_json: str) -> str:

@@ -21,13 +21,19 @@ import openai
 import pytest
 from server_process import KEYS, ServerProcess, client_for
 
+from kvseal.server.protocol import ChatCompletionRequest
 from kvseal.server.tools import (
+    CallDelta,
+    CanonicalJson,
+    FirstCallOnly,
     HermesToolParser,
     Llama3JsonToolParser,
     MistralToolParser,
     PythonicToolParser,
     Qwen3CoderToolParser,
     ToolCallStream,
+    call_schema,
+    tool_setup,
 )
 
 WEATHER = {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}, "celsius": {"type": "boolean"}},
@@ -66,7 +72,8 @@ def test_named_tool_choice_yields_a_valid_call(char_server: ServerProcess, clien
 
 def test_required_tool_choice_calls_one_of_the_tools(char_server: ServerProcess, client: openai.OpenAI) -> None:
     out = client.chat.completions.create(model=char_server.model_name, messages=MESSAGES, tools=TOOLS, n=3,
-                                         max_tokens=100, temperature=1.0, seed=1, tool_choice="required")
+                                         max_tokens=100, temperature=1.0, seed=1, tool_choice="required",
+                                         parallel_tool_calls=False)  # (one call, which the test's weights end after)
     for choice in out.choices:
         assert choice.message.tool_calls is not None and choice.finish_reason == "tool_calls"
         _validate(choice.message.tool_calls[0])
@@ -87,6 +94,106 @@ def test_streamed_tool_call_deltas_accumulate_to_a_call(char_server: ServerProce
             finish = choice.finish_reason or finish
     assert list(calls) == [0] and calls[0]["name"] == "get_weather" and finish == "stop"
     jsonschema.validate(json.loads(calls[0]["arguments"]), WEATHER)
+
+
+def _stream_calls(client: openai.OpenAI, **fields: Any) -> tuple[list[dict[str, Any]], list[Any], str | None]:
+    """(each index's call as its deltas add up, with how many argument pieces it came in; every
+    tool_calls delta in order; the finish reason) of a streamed answer."""
+    calls: dict[int, dict[str, Any]] = {}
+    deltas, finish = [], None
+    for chunk in client.chat.completions.create(**fields, stream=True):
+        for choice in chunk.choices:
+            for delta in choice.delta.tool_calls or []:
+                deltas.append(delta)
+                assert delta.function is not None
+                if delta.index not in calls:
+                    assert delta.function.name and delta.id and delta.type == "function", "the name comes first"
+                    calls[delta.index] = {"name": delta.function.name, "arguments": "", "pieces": 0}
+                else:
+                    assert delta.function.name is None and delta.id is None
+                calls[delta.index]["arguments"] += delta.function.arguments or ""
+                calls[delta.index]["pieces"] += bool(delta.function.arguments)
+            finish = choice.finish_reason or finish
+    assert list(calls) == list(range(len(calls)))
+    return [calls[index] for index in range(len(calls))], deltas, finish
+
+
+@pytest.mark.parametrize("tool_choice", ["auto", "required", "named"])
+def test_a_streamed_call_comes_in_pieces_adding_up_to_the_unstreamed_one(
+        char_server: ServerProcess, client: openai.OpenAI, tool_choice: str) -> None:
+    """As vLLM streams a call: its index, id and name first, then its arguments in pieces as the
+    model writes them, which add up to the unstreamed call's arguments (same seed, same text).
+    auto: a call the model writes (held to the format by a regex); required and named: the
+    enforced call."""
+    fields: dict[str, Any] = {"model": char_server.model_name, "messages": MESSAGES, "tools": TOOLS,
+                              "max_tokens": 200, "temperature": 1.0, "seed": 4}
+    if tool_choice == "auto":
+        written = ('Sure.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "celsius": true}}'
+                   '\n</tool_call>')
+        fields["extra_body"] = {"guided_regex": _regex_of(written)}
+    else:
+        fields["tool_choice"] = tool_choice if tool_choice == "required" else \
+            {"type": "function", "function": {"name": "get_weather"}}
+        fields["tools"] = TOOLS[:1]  # (required: one tool, so that the test's call is the one asked for)
+    choice = client.chat.completions.create(**fields).choices[0]
+    [call] = choice.message.tool_calls or []
+    streamed, deltas, finish = _stream_calls(client, **fields)
+    assert [(c["name"], c["arguments"]) for c in streamed] == [("get_weather", call.function.arguments)]
+    assert streamed[0]["pieces"] >= 2 and len(deltas) >= 3
+    assert finish == choice.finish_reason == ("stop" if tool_choice == "named" else "tool_calls")
+    _validate(call)
+
+
+def test_required_tool_choice_may_call_several_tools(char_server: ServerProcess, client: openai.OpenAI) -> None:
+    """vLLM's required grammar is a list of at least one call: kvseal's hermes one lets calls
+    follow the first (here made to, the end of text banned until max_tokens cuts one), each valid,
+    streamed as they come under indices 0, 1, ..."""
+    fields: dict[str, Any] = {"model": char_server.model_name, "messages": MESSAGES, "tools": TOOLS[1:],
+                              "tool_choice": "required", "max_tokens": 200, "temperature": 1.0, "seed": 5,
+                              "logit_bias": {"1": -100}}  # (the char model's end of text)
+    choice = client.chat.completions.create(**fields).choices[0]
+    calls = choice.message.tool_calls or []
+    assert len(calls) >= 2 and choice.finish_reason == "length", choice
+    for call in calls:
+        _validate(call)
+    streamed, _, _ = _stream_calls(client, **fields)
+    assert [(c["name"], c["arguments"]) for c in streamed[:len(calls)]] == \
+        [(c.function.name, c.function.arguments) for c in calls]
+    for cut in streamed[len(calls):]:  # the call max_tokens cut, as far as it was sent: never whole
+        with pytest.raises(json.JSONDecodeError):
+            json.loads(cut["arguments"])
+
+
+def test_required_tool_choice_without_parallel_calls_is_one_call() -> None:
+    body = ChatCompletionRequest.model_validate({"messages": MESSAGES, "tools": TOOLS, "tool_choice": "required"})
+    assert tool_setup(body, "hermes").grammar.kind == "tool_calls"  # type: ignore[union-attr]
+    assert tool_setup(body.model_copy(update={"parallel_tool_calls": False}), "hermes").grammar.kind == "tool_call"  # type: ignore[union-attr]
+    for parser in (MistralToolParser(), PythonicToolParser()):
+        schemas = [call_schema("f", WEATHER)]
+        assert json.loads(parser.forced_call(schemas).schema or "")["maxItems"] == 1
+        assert "maxItems" not in json.loads(parser.forced_call(schemas, is_parallel=True).schema or "")
+
+
+def test_a_streamed_call_that_turns_out_broken_on_the_server(char_server: ServerProcess,
+                                                              client: openai.OpenAI) -> None:
+    """A call cut by max_tokens after its arguments began: what was sent stays (arguments that
+    are no whole JSON), the text comes as content, as unstreamed, and the finish reason is the
+    unstreamed one."""
+    written = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "celsius": true}}\n</tool_call>'
+    fields: dict[str, Any] = {"model": char_server.model_name, "messages": MESSAGES, "tools": TOOLS,
+                              "max_tokens": 60, "temperature": 0, "extra_body": {"guided_regex": _regex_of(written)}}
+    choice = client.chat.completions.create(**fields).choices[0]
+    assert (choice.message.tool_calls, choice.finish_reason) == (None, "length")
+    chunks = list(client.chat.completions.create(**fields, stream=True))
+    content = "".join(c.delta.content or "" for chunk in chunks for c in chunk.choices)
+    assert content == choice.message.content and written.startswith(content)
+    [delta, *pieces] = [d for chunk in chunks for c in chunk.choices for d in c.delta.tool_calls or []]
+    assert delta.function is not None and delta.function.name == "get_weather" and delta.index == 0
+    sent = (delta.function.arguments or "") + "".join(d.function.arguments or "" for d in pieces if d.function)
+    assert content.split('"arguments": ')[1].startswith(sent) and sent
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(sent)
+    assert [c.finish_reason for chunk in chunks for c in chunk.choices if c.finish_reason] == ["length"]
 
 
 def test_tool_results_in_the_history(char_server: ServerProcess, client: openai.OpenAI) -> None:
@@ -140,7 +247,7 @@ def test_parallel_tool_calls_false_keeps_the_first_call(char_server: ServerProce
         assert choice.finish_reason == "tool_calls" and choice.message.content is None
         deltas = [d for chunk in client.chat.completions.create(**body, stream=True)
                   for c in chunk.choices for d in c.delta.tool_calls or []]
-        assert [d.function.name for d in deltas if d.function] == names
+        assert [d.function.name for d in deltas if d.function and d.function.name] == names
 
 
 def test_a_text_response_format_beside_a_forced_call_asks_for_nothing(char_server: ServerProcess,
@@ -176,13 +283,35 @@ def test_hermes_parser() -> None:
 
 def test_tool_call_stream_holds_back_a_partial_tag() -> None:
     stream = ToolCallStream(HermesToolParser())
-    assert stream.content_delta("Hi <tool") == "Hi"  # (the space too: the parser drops it before a call)
-    assert stream.content_delta('_call>\n{"name": "f", "arguments": {}}\n</tool_call>') == ""
-    rest, calls = stream.finish()
-    assert rest == "" and [c.name for c in calls] == ["f"]
+    assert stream.feed("Hi <tool").content == "Hi"  # (the space too: the parser drops it before a call)
+    assert stream.feed('_call>\n{"name": "f", "arguments": {}}\n</tool_call>').content == ""
+    rest, _, has_calls = stream.finish()
+    assert rest == "" and has_calls
     plain = ToolCallStream(HermesToolParser())
-    assert plain.content_delta("a <") == "a"
-    assert plain.finish() == (" <", [])
+    assert plain.feed("a <").content == "a"
+    assert plain.finish() == (" <", [], False)
+
+
+def _streamed(parser: Any, pieces: list[str]) -> tuple[str, list[tuple[str, str]], bool]:
+    """(the content, each index's call as its deltas add up, whether the answer has calls) of a
+    stream fed `pieces`; each index's first delta comes first, with its name."""
+    stream, content, calls = ToolCallStream(parser), "", {}
+
+    def add(deltas: list[CallDelta]) -> None:
+        for delta in deltas:
+            if delta.name is not None:
+                assert delta.index == len(calls) and delta.id, "indices are handed out in order, each with an id"
+                calls[delta.index] = (delta.name, "")
+            name, arguments = calls[delta.index]
+            calls[delta.index] = (name, arguments + delta.arguments)
+
+    for piece in pieces:
+        step = stream.feed(piece)
+        content += step.content
+        add(step.calls)
+    rest, deltas, has_calls = stream.finish()
+    add(deltas)
+    return content + rest, [calls[index] for index in range(len(calls))], has_calls
 
 
 CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>'
@@ -195,6 +324,8 @@ CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>'
     (HermesToolParser(), f'{CALL}\n<tool_call>\n{{"name": "add", "argu'),  # cut by max_tokens: kept as content
     (HermesToolParser(), "  no calls at all  "),
     (HermesToolParser(), f"  {CALL}  "),
+    (HermesToolParser(),  # arguments before the name, written as json.dumps would not write them
+     '<tool_call>{"arguments":{"b":[1,2.50,-0,1E2],"s":"\\u00e9\\ud83d\\ude00\\"\\/"},"name":"f"}</tool_call>'),
     (Llama3JsonToolParser(), '{"name": "f", "parameters": {}}; {"name": "g", "parameters": {"x": 1}}'),
     (Llama3JsonToolParser(), '{"not": "a call"} and text'),
     (Llama3JsonToolParser(), "plain text {with braces}"),
@@ -217,11 +348,74 @@ def test_streamed_content_adds_up_to_the_unstreamed_content(parser: Any, text: s
     content, calls = parser.parse(text)
     cuts = [[text[:i], text[i:]] for i in range(len(text) + 1)] + [list(text)]
     for pieces in cuts:
-        stream = ToolCallStream(parser)
-        sent = "".join(stream.content_delta(piece) for piece in pieces)
-        rest, streamed_calls = stream.finish()
-        assert sent + rest == (content or ""), pieces
-        assert [(c.name, c.arguments) for c in streamed_calls] == [(c.name, c.arguments) for c in calls]
+        streamed_content, streamed_calls, has_calls = _streamed(parser, pieces)
+        assert streamed_content == (content or ""), pieces
+        assert streamed_calls == [(c.name, c.arguments) for c in calls] and has_calls == bool(calls), pieces
+
+
+def test_a_streamed_hermes_call_comes_as_it_is_written() -> None:
+    """The name (with the id) once the arguments begin, then the arguments as they come, in the
+    text json.dumps gives them (the unstreamed call's), their last `}` when the block's end tag
+    has come and the call is read."""
+    stream = ToolCallStream(HermesToolParser())
+    fed = [stream.feed(piece) for piece in
+           ["Sure. <tool_call>\n", '{"name": "get_weather", ', '"arguments": {', '"city":"Os', 'lo", "days": 1',
+            "2, ", '"celsius": true}', "}\n</tool_", "call>"]]
+    assert "".join(step.content for step in fed) == "Sure."
+    steps = [step.calls for step in fed]
+    assert [[c.as_openai() for c in step] for step in steps[:3]] == [[], [], [
+        {"index": 0, "id": steps[2][0].id, "type": "function", "function": {"name": "get_weather", "arguments": "{"}}]]
+    assert steps[2][0].id.startswith("call_")  # type: ignore[union-attr]
+    assert [[(c.index, c.name, c.arguments) for c in step] for step in steps[3:]] == [
+        [(0, None, '"city": "Os')], [(0, None, 'lo", "days": ')], [(0, None, "12, ")], [(0, None, '"celsius": true')],
+        [], [(0, None, "}")]]
+    assert stream.finish() == ("", [], True)
+
+
+@pytest.mark.parametrize(("text", "sent"), [
+    ('<tool_call>\n{"name": "f", "arguments": {"a": "long', '{"a": "long'),  # cut by max_tokens
+    ('<tool_call>\n{"name": "f", "arguments": {"a": [1, 2}}\n</tool_call>', '{"a": [1, '),  # broken JSON
+    ('<tool_call>\n{"name": "f", "arguments": {"a": "<b></tool_call>"}}\n</tool_call>', '{"a": "<b>'),
+    ('<tool_call>\n{"name": "f", "arguments": {"a": 1}, "extra"\n</tool_call>', '{"a": 1'),
+])
+def test_a_streamed_call_that_turns_out_no_call_is_content(text: str, sent: str) -> None:
+    """A block that is no call, found so after part of its call was sent: the part stays sent (no
+    delta can take it back), never whole arguments; the text comes as content, as unstreamed,
+    and the answer, having no call, does not end with "tool_calls". (vLLM's hermes stream drops
+    the rest of such a text and ends with "tool_calls".)"""
+    content, calls = HermesToolParser().parse(text)
+    assert (content, calls) == (text, [])
+    assert _streamed(HermesToolParser(), list(text)) == (text, [("f", sent)], False)
+
+
+def test_a_call_after_one_that_turned_out_no_call_takes_the_next_index() -> None:
+    text = f'<tool_call>{{"name": "f", "arguments": {{"a": 1, "a": 2}}}}</tool_call>\n{CALL}'
+    content, calls = HermesToolParser().parse(text)
+    assert content is None and [(c.name, c.arguments) for c in calls] == [("f", '{"a": 2}'), ("add", '{"a": 1}')]
+    assert _streamed(HermesToolParser(), list(text)) == (
+        "", [("f", '{"a": 1, "a'), ("f", '{"a": 2}'), ("add", '{"a": 1}')], True), \
+        "a key written twice: json.loads keeps the last value, in the first one's place"
+    assert _streamed(FirstCallOnly(HermesToolParser()), list(text)) == (
+        "", [("f", '{"a": 1, "a'), ("f", '{"a": 2}')], True), "parallel_tool_calls false: no further call"
+
+
+def test_canonical_json_is_what_json_dumps_writes() -> None:
+    """However the raw text arrives, the canonical text so far begins the whole value's
+    `json.dumps(json.loads(raw), ensure_ascii=False)`; what json.loads refuses stops it."""
+    for raw in ['{"a":1,"b":[1,2.50,-0,1e5,true,null,{}],"c":{"d":"x\\u00e9\\n\\"q\\ud83d\\ude00\\ud83d"}}',
+                '{ "s" : "\\/\\b\\f\\t\\r", "k": [ ] , "e":{ } }', '{"x": "é😀", "y": 123456789012345678901234}']:
+        whole = json.dumps(json.loads(raw), ensure_ascii=False)
+        for cut in range(len(raw) + 1):
+            reader = CanonicalJson()
+            reader.feed(raw[:cut])
+            assert whole.startswith(reader.text), (raw, cut)
+            reader.feed(raw[cut:])
+            assert (reader.text, reader.failed) == (whole, False)
+    for raw in ['{"a": NaN}', '{"a": 1e999}', '{"a": "\x01"}', '{"a": tru}', '{"a": 01}', '{"a": "\\x"}', '{"a": 1,}',
+                '{"a": 1, "a": 2}', '{"a" 1}']:
+        reader = CanonicalJson()
+        reader.feed(raw)
+        assert reader.failed, raw
 
 
 # ---- llama3_json (Llama 3.1-3.3): the answer is JSON calls ---------------------------------------
@@ -237,14 +431,14 @@ def test_llama3_json_parser() -> None:
 
 def test_llama3_json_stream_holds_what_may_be_a_call() -> None:
     stream = ToolCallStream(Llama3JsonToolParser())
-    assert stream.content_delta("  ") == "" and stream.content_delta('{"name": "f", ') == ""
-    assert stream.content_delta('"parameters": {"a": true}}') == ""
+    assert stream.feed("  ").content == "" and stream.feed('{"name": "f", ').content == ""
+    assert stream.feed('"parameters": {"a": true}}').content == ""
     assert stream.finish()[1][0].arguments == '{"a": true}'
     tagged = ToolCallStream(Llama3JsonToolParser())
-    assert tagged.content_delta("<|python") == ""
+    assert tagged.feed("<|python").content == ""
     plain = ToolCallStream(Llama3JsonToolParser())
-    assert plain.content_delta(" Hel") == " Hel" and plain.content_delta("lo") == "lo"
-    assert plain.finish() == ("", [])
+    assert plain.feed(" Hel").content == " Hel" and plain.feed("lo").content == "lo"
+    assert plain.finish() == ("", [], False)
 
 
 @pytest.fixture(scope="module")
@@ -311,11 +505,11 @@ def test_mistral_parser() -> None:
                  '[{"name": "f", "arguments": {}}, {"name": "Bob", "age": 3}]'):
         assert parser.parse(text) == (text, [])
     stream = ToolCallStream(MistralToolParser())
-    assert stream.content_delta("[TOOL") == ""
-    assert stream.content_delta('_CALLS] [{"name": "f", "arguments": {}}]') == ""
+    assert stream.feed("[TOOL").content == ""
+    assert stream.feed('_CALLS] [{"name": "f", "arguments": {}}]').content == ""
     assert [c.name for c in stream.finish()[1]] == ["f"]
     plain = ToolCallStream(MistralToolParser())
-    assert plain.content_delta("Sure") == "Sure"
+    assert plain.feed("Sure").content == "Sure"
 
 
 def test_mistral_and_pythonic_forced_call_is_one_valid_call(char_dir: Path) -> None:
@@ -356,10 +550,10 @@ def test_pythonic_parser_reads_literals_and_never_runs_anything() -> None:
                  "[f(a=1) for f in x]", "[f(a=1)", "[" * 5000 + "]" * 5000, '[{"name": "f"}]'):
         assert parser.parse(text) == (text, []), text
     stream = ToolCallStream(PythonicToolParser())
-    assert stream.content_delta("<|python") == "" and stream.content_delta('_start|>[f(a="x")]') == ""
+    assert stream.feed("<|python").content == "" and stream.feed('_start|>[f(a="x")]').content == ""
     assert [c.name for c in stream.finish()[1]] == ["f"]
     plain = ToolCallStream(PythonicToolParser())
-    assert plain.content_delta("Sure") == "Sure"
+    assert plain.feed("Sure").content == "Sure"
 
 
 def test_pythonic_calls_on_the_server(char_dir: Path, tmp_path: Path) -> None:
@@ -381,7 +575,7 @@ def test_pythonic_calls_on_the_server(char_dir: Path, tmp_path: Path) -> None:
                   for d in c.delta.tool_calls or []]
         assert [(d.function.name, json.loads(d.function.arguments or "")) for d in deltas if d.function] == expected
         out = client.chat.completions.create(model=server.model_name, messages=MESSAGES, tools=TOOLS, max_tokens=120,
-                                             temperature=1.0, seed=3, tool_choice="required")
+                                             temperature=1.0, seed=3, tool_choice="required", parallel_tool_calls=False)
         [call] = out.choices[0].message.tool_calls or []
         _validate(call)
     finally:
@@ -478,8 +672,8 @@ def test_qwen3_coder_parser_leaves_anything_else_as_content() -> None:
     content, calls = parser.parse(f"<tool_call>\n{{\"name\": \"f\"}}\n</tool_call>\n{call_text}\nDone.")
     assert content == '<tool_call>\n{"name": "f"}\n</tool_call>\n\nDone.' and [c.name for c in calls] == ["f"]
     stream = ToolCallStream(Qwen3CoderToolParser())
-    assert stream.content_delta("Sure <tool") == "Sure" and stream.content_delta("_call>\n<function=f>") == ""
-    assert stream.content_delta("\n</function>\n</tool_call>") == "" and stream.finish()[1][0].name == "f"
+    assert stream.feed("Sure <tool").content == "Sure" and stream.feed("_call>\n<function=f>").content == ""
+    assert stream.feed("\n</function>\n</tool_call>").content == "" and stream.finish()[1][0].name == "f"
 
 
 def test_qwen3_coder_forced_call_is_one_valid_call(char_dir: Path) -> None:

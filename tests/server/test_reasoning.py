@@ -146,7 +146,7 @@ def test_a_tool_call_after_the_reasoning_is_parsed(reasoning_server: ServerProce
 def test_a_forced_tool_call_waits_for_the_reasoning_too(reasoning_server: ServerProcess) -> None:
     """tool_choice "required" is a grammar as well: it constrains what follows the block."""
     body = CHAT | OPEN_BLOCK | {"max_tokens": 200, "tools": CALL_F, "tool_choice": "required",
-                                "logit_bias": NO_EOS | {str(END_THINK): 3}}
+                                "parallel_tool_calls": False, "logit_bias": NO_EOS | {str(END_THINK): 3}}
     choice = post(reasoning_server, body)["choices"][0]
     assert choice["message"]["reasoning"], choice
     [call] = choice["message"]["tool_calls"]
