@@ -74,7 +74,7 @@ def post(server: ServerProcess, body: dict[str, Any]) -> dict[str, Any]:
 
 def stream(server: ServerProcess, body: dict[str, Any]) -> tuple[str, str, list[dict[str, Any]]]:
     reasoning = content = ""
-    calls: list[dict[str, Any]] = []
+    calls: dict[int, dict[str, Any]] = {}  # by index: a call's name comes first, its arguments in pieces
     with httpx.stream("POST", f"{server.base_url}/chat/completions", json=body | {"stream": True}, timeout=60,
                       headers={"Authorization": "Bearer key-alice"}) as response:
         for line in response.iter_lines():
@@ -84,8 +84,11 @@ def stream(server: ServerProcess, body: dict[str, Any]) -> tuple[str, str, list[
                     assert delta.get("reasoning") == delta.get("reasoning_content")
                     reasoning += delta.get("reasoning") or ""
                     content += delta.get("content") or ""
-                    calls += delta.get("tool_calls") or []
-    return reasoning, content, calls
+                    for piece in delta.get("tool_calls") or []:
+                        call = calls.setdefault(piece["index"], {"function": {"name": "", "arguments": ""}})
+                        for key in ("name", "arguments"):
+                            call["function"][key] += piece.get("function", {}).get(key) or ""
+    return reasoning, content, [calls[index] for index in sorted(calls)]
 
 
 OPEN_BLOCK = {"messages": [{"role": "user", "content": "think"}, {"role": "assistant", "content": "<think>"}],
