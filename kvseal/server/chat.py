@@ -208,8 +208,9 @@ class ChatFormatter:
         calls: list[ParsedToolCall] = []
         if self._tool_parser is not None:
             message["content"], calls = self._tool_parser.parse(text)
-            if calls:
-                message["tool_calls"] = [call.as_openai() for call in calls]
+        message["tool_calls"] = [call.as_openai() for call in calls]  # [] without calls, as vLLM's message has
+        if reasoning is not None and message["content"] == "":  # all reasoning (cut short, or nothing after it):
+            message["content"] = None  # no answer, as vLLM's reasoning parsers say
         if self._echo:
             message["content"] = self._echo + (message["content"] or "")
         return {"index": index, "message": message, "logprobs": self._logprobs(transcript.logprobs),

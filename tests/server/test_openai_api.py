@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
 import pytest
+from processes import wait_for
 from server_process import ServerProcess
 
 import kvseal
@@ -40,10 +42,14 @@ def test_vllm_probe_routes(server: ServerProcess) -> None:
     assert httpx.get(f"{server.url}/load").status_code == 401
     refused = httpx.get(f"{server.url}/load", headers=alice)
     assert refused.status_code == 403 and refused.json()["error"]["code"] == "admin_key_required"
-    body = {"model": server.model_name, "prompt": PROMPT, "max_tokens": 400, "ignore_eos": True, "stream": True}
-    with httpx.stream("POST", f"{server.base_url}/completions", json=body, headers=alice, timeout=60) as streaming:
-        next(streaming.iter_lines())  # under way: it counts until it ends
-        assert httpx.get(f"{server.url}/load", headers=ops).json()["server_load"] >= 1
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sending:
+        # a request whose body is still on its way: in the server from its key's check on
+        sending.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer key-alice\r\n"
+                        b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{")
+        wait_for(lambda: httpx.get(f"{server.url}/load", headers=ops).json()["server_load"] == 1,
+                 "the half-sent request to count")
+    wait_for(lambda: httpx.get(f"{server.url}/load", headers=ops).json()["server_load"] == 0,
+             "the abandoned request to end")
     card = httpx.get(f"{server.url}/v1/models", headers=alice).json()["data"][0]
     assert card["root"] == server.model_name and card["parent"] is None
     assert "/" not in card["root"]  # a name, never the server's path to the model

@@ -183,7 +183,7 @@ def test_a_streamed_call_that_turns_out_broken_on_the_server(char_server: Server
     fields: dict[str, Any] = {"model": char_server.model_name, "messages": MESSAGES, "tools": TOOLS,
                               "max_tokens": 60, "temperature": 0, "extra_body": {"guided_regex": _regex_of(written)}}
     choice = client.chat.completions.create(**fields).choices[0]
-    assert (choice.message.tool_calls, choice.finish_reason) == (None, "length")
+    assert (choice.message.tool_calls, choice.finish_reason) == ([], "length")
     chunks = list(client.chat.completions.create(**fields, stream=True))
     content = "".join(c.delta.content or "" for chunk in chunks for c in chunk.choices)
     assert content == choice.message.content and written.startswith(content)
@@ -204,7 +204,7 @@ def test_tool_results_in_the_history(char_server: ServerProcess, client: openai.
                {"role": "tool", "tool_call_id": "call_1", "content": "-3"}]
     out = client.chat.completions.create(model=char_server.model_name, messages=history, tools=TOOLS,
                                          max_tokens=4, temperature=0, tool_choice="none")
-    assert out.choices[0].message.tool_calls is None and out.choices[0].finish_reason == "length"
+    assert out.choices[0].message.tool_calls == [] and out.choices[0].finish_reason == "length"
     tokens = httpx.post(f"{char_server.url}/tokenize", headers={"Authorization": "Bearer key-alice"},
                         json={"messages": history, "return_token_strs": True}, timeout=30).json()
     rendered = "".join(tokens["token_strs"])
@@ -472,7 +472,7 @@ def test_llama3_json_calls_forced_and_free(llama3_server: ServerProcess) -> None
     assert [d.function.name for d in deltas if d.function] == ["get_time"]
     out = client.chat.completions.create(model=llama3_server.model_name, messages=MESSAGES, tools=TOOLS,
                                          max_tokens=100, temperature=0, extra_body={"guided_regex": "It is [a-z]{3}"})
-    assert out.choices[0].message.tool_calls is None and out.choices[0].message.content.startswith("It is ")
+    assert out.choices[0].message.tool_calls == [] and out.choices[0].message.content.startswith("It is ")
 
 
 def test_an_object_without_arguments_is_content_not_a_call(llama3_server: ServerProcess) -> None:
@@ -486,7 +486,7 @@ def test_an_object_without_arguments_is_content_not_a_call(llama3_server: Server
                               "extra_body": {"guided_regex": re.escape(answer)}}
     out = client.chat.completions.create(**fields)
     choice = out.choices[0]
-    assert (choice.message.content, choice.message.tool_calls, choice.finish_reason) == (answer, None, "stop")
+    assert (choice.message.content, choice.message.tool_calls, choice.finish_reason) == (answer, [], "stop")
     chunks = list(client.chat.completions.create(**fields, stream=True))
     deltas = [c.delta for chunk in chunks for c in chunk.choices]
     assert "".join(d.content or "" for d in deltas) == answer and not any(d.tool_calls for d in deltas)
@@ -725,7 +725,7 @@ def test_qwen3_coder_calls_on_the_server(char_dir: Path, tmp_path: Path) -> None
         assert [(d.function.name, json.loads(d.function.arguments or "")) for d in deltas if d.function] == expected
         assert "".join(c.delta.content or "" for chunk in chunks for c in chunk.choices) == "Sure."
         cut = client.chat.completions.create(**fields | {"max_tokens": 40}).choices[0]
-        assert (cut.finish_reason, cut.message.tool_calls) == ("length", None), "a block cut off is content"
+        assert (cut.finish_reason, cut.message.tool_calls) == ("length", []), "a block cut off is content"
         assert written.startswith(cut.message.content or "")
         out = client.chat.completions.create(model=server.model_name, messages=MESSAGES, tools=TOOLS, n=2,
                                              max_tokens=120, temperature=1.0, seed=3, tool_choice="required")
