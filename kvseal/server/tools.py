@@ -60,6 +60,7 @@ the whole of each: qwen3_coder).
 from __future__ import annotations
 
 import ast
+import bisect
 import dataclasses
 import json
 import os
@@ -706,7 +707,8 @@ class ToolCallStream:
                     return deltas
                 self._block = _StreamedBlock(start)
             block = self._block
-            end = self._text.find(END_TAG, block.body_start)
+            end = self._text.find(END_TAG, max(block.body_start, block.end_scan))
+            block.end_scan = len(self._text) - len(END_TAG) + 1  # no end tag wholly before this
             block.read(self._text, end if end >= 0 else max(block.body_start, _before_partial(self._text, END_TAG)))
             deltas += self._arguments_delta(block)
             if end < 0:
@@ -715,15 +717,14 @@ class ToolCallStream:
             self._scan_from, self._block = end + len(END_TAG), None
 
     def _arguments_delta(self, block: _StreamedBlock) -> list[CallDelta]:
-        name, arguments = block.name_and_arguments()
-        if name is None or arguments is None:
+        name, fresh = block.name_and_arguments()
+        if name is None or fresh is None:
             return []
+        block.num_sent += len(fresh)
         if block.index is None:
-            block.index, block.id, block.num_sent = self._num_indices, _openai_id(), len(arguments)
+            block.index, block.id = self._num_indices, _openai_id()
             self._num_indices += 1
-            return [CallDelta(block.index, arguments, name, block.id)]
-        fresh = arguments[block.num_sent:]
-        block.num_sent = len(arguments)
+            return [CallDelta(block.index, fresh, name, block.id)]
         return [CallDelta(block.index, fresh)] if fresh else []
 
     def _resolve(self, block: _StreamedBlock) -> list[CallDelta]:
@@ -756,6 +757,7 @@ class _StreamedBlock:
         self.id: str | None = None
         self.name: str | None = None
         self.num_sent = 0  # of the arguments' canonical text
+        self.end_scan = 0  # where the search for its end tag goes on from
         self._num_read = 0  # of the body's text
         self._has_begun = False  # past the whitespace before the body
 
@@ -770,25 +772,28 @@ class _StreamedBlock:
             self.json.feed(new)
 
     def name_and_arguments(self) -> tuple[str | None, str | None]:
-        """(the call's name, the canonical text of its arguments so far), each None until it is
-        known (or when the body is no call this stream can follow)."""
+        """(the call's name, the canonical text of its arguments not yet sent: past `num_sent`),
+        each None until it is known (or when the body is no call this stream can follow)."""
         if self.json.failed or self.json.top_kind != "{":
             return None, None
         members = self.json.members
         name = members.get("name")
-        if self.name is None and name is not None and name.end is not None and self.json.text[name.start] == '"':
-            self.name = json.loads(self.json.text[name.start:name.end])
+        text = self.json
+        if self.name is None and name is not None and name.end is not None and text.slice(name.start,
+                                                                                            name.start + 1) == '"':
+            self.name = json.loads(text.slice(name.start, name.end))
         arguments = members.get("arguments")
-        if self.name is None or arguments is None or self.json.text[arguments.start:arguments.start + 1] != "{":
+        if self.name is None or arguments is None or text.slice(arguments.start, arguments.start + 1) != "{":
             return self.name, None
         # Whole arguments wait for the parser's reading of the block: a call left unfinished
         # (`ToolCallStream`) is never one a client could take for whole
-        end = arguments.end - 1 if arguments.end is not None else None
-        return self.name, self.json.text[arguments.start:end]
+        end = arguments.end - 1 if arguments.end is not None else text.length
+        start = arguments.start + self.num_sent
+        return self.name, text.slice(start, end)
 
     def sent_arguments(self) -> str:
         arguments = self.json.members.get("arguments")
-        return "" if arguments is None else self.json.text[arguments.start:arguments.start + self.num_sent]
+        return "" if arguments is None else self.json.slice(arguments.start, arguments.start + self.num_sent)
 
 
 @dataclass
@@ -814,10 +819,16 @@ class CanonicalJson:
     anything json.loads would refuse, at NaN or Infinity (which no call's arguments may hold),
     and at a key written twice in one object (json.loads keeps the last value in the first one's
     place: not a continuation of the text so far). `members`: where each member of the value,
-    when it is an object, stands in `text`."""
+    when it is an object, stands in the text (`length`, `slice`).
+
+    The text is kept as the pieces it was emitted in, with their offsets: a piece of it costs
+    its own length to read (`slice`), never the whole text's, so a long call streams in time
+    linear in its length (the frontend's event loop is every tenant's)."""
 
     def __init__(self) -> None:
-        self.text = ""
+        self._pieces: list[str] = []
+        self._offsets: list[int] = []  # where each piece starts in the text
+        self.length = 0  # of the text so far
         self.failed = False
         self.top_kind = ""  # the value's first character, once read
         self.members: dict[str, Member] = {}
@@ -867,7 +878,7 @@ class CanonicalJson:
         if not self._stack:
             self.top_kind = char
         elif len(self._stack) == 1 and self._stack[0] is not None:
-            self.members[self._last_key].start = len(self.text)
+            self.members[self._last_key].start = self.length
         if char in "{[":
             self._emit(char)
             self._stack.append(set() if char == "{" else None)
@@ -889,7 +900,7 @@ class CanonicalJson:
             self._expect = "done"
             return
         if len(self._stack) == 1 and self._stack[0] is not None:
-            self.members[self._last_key].end = len(self.text)
+            self.members[self._last_key].end = self.length
         self._expect = "comma_or_close"
 
     def _end_token(self) -> None:
@@ -978,11 +989,29 @@ class CanonicalJson:
         keys.add(value)
         if len(self._stack) == 1:
             self._last_key = value
-            self.members[value] = Member(len(self.text))
+            self.members[value] = Member(self.length)
         self._expect = "colon"
 
+    @property
+    def text(self) -> str:
+        """The canonical text so far, whole (a copy of all of it: `slice` reads a piece)."""
+        return self.slice(0, self.length)
+
+    def slice(self, start: int, end: int) -> str:
+        """The text's characters from `start` to `end`, read from the pieces that hold them."""
+        if start >= end:
+            return ""
+        first = bisect.bisect_right(self._offsets, start) - 1
+        last = bisect.bisect_left(self._offsets, end)
+        joined = "".join(self._pieces[first:last])
+        base = self._offsets[first]
+        return joined[start - base:end - base]
+
     def _emit(self, text: str) -> None:
-        self.text += text
+        if text:
+            self._pieces.append(text)
+            self._offsets.append(self.length)
+            self.length += len(text)
 
 
 def _before_partial(text: str, tag: str) -> int:
