@@ -538,7 +538,7 @@ def _call_of(value: Any, argument_keys: tuple[str, ...], call_id: str | None = N
     of `argument_keys` it has; None for anything else. As vLLM's parsers do, an object without
     its arguments (`{"name": "Bob", "age": 3}`: an answer that happens to have a name) is not a
     call: guessing empty arguments would turn the answer into a call and lose the rest of it."""
-    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str) or not _is_utf8(value["name"]):
         return None
     arguments = next((value[key] for key in argument_keys if key in value), None)
     if not isinstance(arguments, dict):
@@ -552,12 +552,23 @@ def _call_of(value: Any, argument_keys: tuple[str, ...], call_id: str | None = N
 
 def _arguments_json(arguments: dict[Any, Any]) -> str | None:
     """A call's arguments as strict JSON text; None for arguments no client could read back:
-    NaN or Infinity (Python's JSON reads them, strict JSON has none), or nesting past the
-    encoder's depth."""
+    NaN or Infinity (Python's JSON reads them, strict JSON has none), nesting past the
+    encoder's depth, or a lone surrogate (a `\\ud800` escape with no pair: no UTF-8 can carry
+    it, so the answer could not be sent; the block stays content, its escape plain ASCII)."""
     try:
-        return json.dumps(arguments, ensure_ascii=False, allow_nan=False)
+        text = json.dumps(arguments, ensure_ascii=False, allow_nan=False)
     except _NOT_JSON:
         return None
+    return text if _is_utf8(text) else None
+
+
+def _is_utf8(text: str) -> bool:
+    """Whether `text` can be sent (encoded as UTF-8): not when it holds a lone surrogate."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _one_of(schemas: list[dict[str, Any]]) -> dict[str, Any]:
@@ -950,32 +961,36 @@ class CanonicalJson:
             self._code_unit(unit)
 
     def _code_unit(self, unit: int) -> None:
-        """A \\u escape's unit: a high surrogate waits for a low one to make one character with."""
+        """A \\u escape's unit: a high surrogate waits for a low one to make one character with;
+        a lone one stops the reading, as the parser refuses it (`_arguments_json`)."""
         if self._high_surrogate is not None and 0xDC00 <= unit <= 0xDFFF:
             high, self._high_surrogate = self._high_surrogate, None
             self._decoded(chr(0x10000 + ((high - 0xD800) << 10) + (unit - 0xDC00)))
         elif 0xD800 <= unit <= 0xDBFF:
             self._flush_surrogate()
             self._high_surrogate = unit
+        elif 0xDC00 <= unit <= 0xDFFF:
+            self.failed = True
         else:
             self._decoded(chr(unit))
 
     def _flush_surrogate(self) -> None:
-        if self._high_surrogate is not None:
-            assert self._string is not None
-            char, self._high_surrogate = chr(self._high_surrogate), None
-            self._string.append(char)
-            self._emit(json.dumps(char, ensure_ascii=False)[1:-1])
+        if self._high_surrogate is not None:  # a high surrogate no low one followed
+            self.failed = True
 
     def _decoded(self, char: str) -> None:
         assert self._string is not None
         self._flush_surrogate()
+        if self.failed:
+            return
         self._string.append(char)
         self._emit(json.dumps(char, ensure_ascii=False)[1:-1] if char < " " or char in '"\\' else char)
 
     def _end_string(self) -> None:
         assert self._string is not None
         self._flush_surrogate()
+        if self.failed:
+            return
         value, self._string = "".join(self._string), None
         self._emit('"')
         if not self._is_key:

@@ -402,7 +402,7 @@ def test_a_call_after_one_that_turned_out_no_call_takes_the_next_index() -> None
 def test_canonical_json_is_what_json_dumps_writes() -> None:
     """However the raw text arrives, the canonical text so far begins the whole value's
     `json.dumps(json.loads(raw), ensure_ascii=False)`; what json.loads refuses stops it."""
-    for raw in ['{"a":1,"b":[1,2.50,-0,1e5,true,null,{}],"c":{"d":"x\\u00e9\\n\\"q\\ud83d\\ude00\\ud83d"}}',
+    for raw in ['{"a":1,"b":[1,2.50,-0,1e5,true,null,{}],"c":{"d":"x\\u00e9\\n\\"q\\ud83d\\ude00"}}',
                 '{ "s" : "\\/\\b\\f\\t\\r", "k": [ ] , "e":{ } }', '{"x": "é😀", "y": 123456789012345678901234}']:
         whole = json.dumps(json.loads(raw), ensure_ascii=False)
         for cut in range(len(raw) + 1):
@@ -412,10 +412,28 @@ def test_canonical_json_is_what_json_dumps_writes() -> None:
             reader.feed(raw[cut:])
             assert (reader.text, reader.failed) == (whole, False)
     for raw in ['{"a": NaN}', '{"a": 1e999}', '{"a": "\x01"}', '{"a": tru}', '{"a": 01}', '{"a": "\\x"}', '{"a": 1,}',
-                '{"a": 1, "a": 2}', '{"a" 1}']:
+                '{"a": 1, "a": 2}', '{"a" 1}', '{"a": "\\ud83d"}', '{"a": "\\ud83dx"}', '{"a": "\\ude00"}',
+                '{"\\ud800": 1}']:  # (a lone surrogate: no UTF-8 can carry it)
         reader = CanonicalJson()
         reader.feed(raw)
         assert reader.failed, raw
+
+
+@pytest.mark.parametrize("body", ['{"name": "f", "arguments": {"note": "\\ud800x"}}',
+                                  '{"name": "\\udc00", "arguments": {}}'])
+def test_a_call_with_a_lone_surrogate_is_content_streamed_or_not(body: str) -> None:
+    """A lone surrogate escape decodes to a character no UTF-8 can carry: as a call it could not
+    be sent (it was a 500, or a stream cut without an error). It is no call: the block is
+    content, its escape plain ASCII, whole and streamed alike."""
+    text = f"<tool_call>\n{body}\n</tool_call>"
+    content, calls = HermesToolParser().parse(text)
+    assert (content, calls) == (text, [])
+    stream = ToolCallStream(HermesToolParser())
+    sent = [stream.feed(char) for char in text]
+    rest, _, has_calls = stream.finish()
+    assert not has_calls and "".join(step.content for step in sent) + rest == text
+    for piece in [d.arguments for step in sent for d in step.calls]:
+        piece.encode("utf-8")  # (raises on a lone surrogate)
 
 
 # ---- llama3_json (Llama 3.1-3.3): the answer is JSON calls ---------------------------------------
