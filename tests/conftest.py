@@ -51,8 +51,9 @@ PROCESS_MODULES = frozenset({
     "server/test_prefix_cache_api.py", "server/test_quantization.py", "server/test_tenancy.py",
     "test_layering.py",
 })
-PROCESS_TESTS = frozenset({  # in otherwise in-process modules: these start grammar workers
+PROCESS_TESTS = frozenset({  # in otherwise in-process modules: these start grammar workers or probes
     "disagg/test_handoff_faults.py::test_an_uncompilable_grammar_is_refused_by_decode_before_it_reserves",
+    "models/test_loader.py::test_reading_a_config_leaves_transformers_model_loading_unimported",  # a `python -c` probe
 })
 TESTS_DIR = Path(__file__).parent
 

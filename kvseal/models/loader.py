@@ -9,11 +9,15 @@ then loaded like any folder. Nothing is ever fetched from a hub.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
 import logging
 import os
 import shutil
+import sys
 import tempfile
+import types
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,6 +47,7 @@ def plan_config(model: str | os.PathLike[str] | None) -> ModelConfig:
     path = resolve_model_path(model)
     if path.suffix != ".gguf":
         return ModelConfig.from_hf(_load_hf_config(path))
+    _import_config_validators()
     from transformers import AutoConfig
 
     try:
@@ -80,12 +85,63 @@ def load_model(model: str | os.PathLike[str] | None, dtype: torch.dtype,
 
 
 def _load_hf_config(folder: Path) -> Any:
+    _import_config_validators()
     from transformers import AutoConfig
 
     try:
         return AutoConfig.from_pretrained(str(folder), local_files_only=True)
     except Exception as exc:  # transformers raises many types for a bad config
         raise ModelLoadError(f"cannot read {folder / 'config.json'}: {exc}") from exc
+
+
+class _DeferredActivations(Mapping[str, Any]):
+    """transformers' table of activation functions (`transformers.activations.ACT2FN`), imported
+    the first time it is read."""
+
+    @staticmethod
+    def _table() -> Mapping[str, Any]:
+        table: Mapping[str, Any] = importlib.import_module("transformers.activations").ACT2FN
+        return table
+
+    def __getitem__(self, name: str) -> Any:
+        return self._table()[name]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._table()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._table())
+
+    def __len__(self) -> int:
+        return len(self._table())
+
+
+def _import_config_validators() -> None:
+    """Import transformers' config field validators (`transformers.utils.type_validators`, which
+    LlamaConfig's module imports) without importing its activation functions with them.
+
+    The validators' module imports `ACT2FN` from `transformers.activations` when torch is
+    installed, for the one validator that checks an activation's name (`activation_fn_key`, used
+    by no architecture kvseal runs); that module imports transformers' model-loading code and,
+    through it, `torch.distributed.tensor`: about a second of CPU at every engine start for
+    modules the engine never uses. Here it is imported with `ACT2FN` a view that imports the
+    real table the first time a validator reads it, so every validator still checks what it
+    checked. Nothing is done where either module is imported already; should the validators'
+    module need anything else of `transformers.activations` (another transformers version),
+    it is imported again, as usual."""
+    validators, activations = "transformers.utils.type_validators", "transformers.activations"
+    if validators in sys.modules or activations in sys.modules:
+        return
+    stand_in = types.ModuleType(activations)
+    stand_in.ACT2FN = _DeferredActivations()  # type: ignore[attr-defined]
+    sys.modules[activations] = stand_in
+    try:
+        importlib.import_module(validators)
+    except ImportError:
+        sys.modules.pop(validators, None)
+    finally:
+        if sys.modules.get(activations) is stand_in:
+            del sys.modules[activations]
 
 
 def _load_tokenizer(folder: Path) -> Any:
@@ -182,6 +238,8 @@ def convert_gguf(path: Path) -> Path:
 
 def _write_hf_folder(path: Path, out: Path) -> None:
     from safetensors.torch import save_file
+
+    _import_config_validators()
     from transformers import AutoConfig, AutoTokenizer
 
     try:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -86,3 +88,20 @@ def test_cli_generate_rejects_an_over_long_prompt(llama_dir: Path, capsys: pytes
     rc = main(["generate", "--model", str(llama_dir), "--dtype", "float32", "--kv-cache-tokens", "64",
                "--max-model-len", "64", " ".join(f"w{i}" for i in range(10, 80))])
     assert rc == 2 and "maximum context length is 64" in capsys.readouterr().err
+
+
+def test_reading_a_config_leaves_transformers_model_loading_unimported(llama_dir: Path) -> None:
+    """An engine reads its model's config without importing transformers' activation functions
+    (and, with them, its model-loading code and torch.distributed.tensor: a second of every
+    engine start), while the config validators that check an activation's name still check it."""
+    probe = (
+        "import sys\n"
+        "from kvseal.models.loader import folder_config\n"
+        f"assert folder_config({str(llama_dir)!r}).architecture == 'LlamaForCausalLM'\n"
+        "assert 'transformers.activations' not in sys.modules, 'activations imported'\n"
+        "assert 'torch.distributed.tensor' not in sys.modules, 'torch.distributed.tensor imported'\n"
+        "from transformers.utils.type_validators import ACT2FN\n"
+        "assert 'silu' in ACT2FN and 'no-such-activation' not in ACT2FN and len(ACT2FN) > 0\n"
+    )
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
