@@ -16,6 +16,14 @@ from typing import Any
 # transformers' model classes imports triton: so the variable is set here, before any test module
 # is collected. A GPU run that wants the compiled kernels sets TRITON_INTERPRET=0 itself.
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# OpenMP threads (torch's and the native kernels', two per process: `torch.set_num_threads(2)`
+# below, `--threads` in the engines) wait for each other passively, as on a host whose cores are
+# all taken. The suite runs two workers on two cores, each with engines, ranks and servers of its
+# own: a thread spinning at a barrier (OpenMP's default, right for a host that is the engine's
+# alone) holds the core the thread it waits for needs, and a decode step of the default model
+# took ~1 s instead of ~25 ms. Read by libgomp when it loads (with torch, below, and in every
+# process the tests start, which inherit it); it changes no result, only how threads wait.
+os.environ.setdefault("OMP_WAIT_POLICY", "passive")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
