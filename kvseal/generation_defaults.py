@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -205,6 +206,8 @@ def _typed(values: Mapping[str, Any]) -> dict[str, Any]:
             continue
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise ValueError(f"{key} must be a number, got {value!r}")
+        if not math.isfinite(value):
+            raise ValueError(f"{key} must be a finite number, got {value!r}")
         if key == "top_k" and value != int(value):  # a count of tokens: 2.5 is a mistake, not 2
             raise ValueError(f"top_k must be a whole number, got {value!r}")
         typed[key] = int(value) if key == "top_k" else float(value)

@@ -64,6 +64,7 @@ def test_a_folder_without_the_file_stops_start_up(tmp_path: Path, mode: str, why
     ({"min_p": 2}, "min_p"),
     ({"top_k": [5]}, "top_k must be a number"),
     ({"top_k": 2.5}, "top_k must be a whole number"),
+    ({"top_k": float("inf")}, "top_k must be a finite number"),
     ({"max_new_tokens": 2.5}, "max_new_tokens must be a positive integer"),
     ({"max_new_tokens": 0}, "max_new_tokens must be a positive integer"),
     ({"repetition_penalty": True}, "repetition_penalty"),
