@@ -66,6 +66,7 @@ from kvseal.messages.msgs import (
     ShutdownMsg,
     ToEngineMsg,
 )
+from kvseal.totals import CumulativeTotal
 
 logger = logging.getLogger("kvseal.server")
 
@@ -79,6 +80,8 @@ class EngineClient:
         self._restarts = RestartTracker(restart or RestartPolicy(engine_restart_limit=0))
         self._restarts_total: Counter | None = None
         self.on_stats: Callable[[EngineStatsMsg], None] | None = None
+        # over engine processes (a restart starts its counts again from 0), as the PD frontend's
+        self._pages_scrubbed, self._preemptions = CumulativeTotal(), CumulativeTotal()
         self.on_ready_change: Callable[[EngineReadyMsg], None] | None = None  # one engine: its limits never change
         self._ctx = zmq.asyncio.Context()
         self._push = self._ctx.socket(zmq.PUSH)
@@ -275,7 +278,7 @@ class EngineClient:
                 self._route(msg)
             case EngineStatsMsg():
                 if self.on_stats is not None:
-                    self.on_stats(msg)
+                    self.on_stats(self._totalled(msg))
             case EngineReadyMsg():
                 if self._ready is not None and not self._ready.done():
                     self._ready.set_result(msg)
@@ -285,6 +288,16 @@ class EngineClient:
                 logger.info("engine stopped; %d requests were aborted", msg.num_aborted)
             case EngineAliveMsg():
                 pass  # heard: `_receive` noted when
+
+    def _totalled(self, stats: EngineStatsMsg) -> EngineStatsMsg:
+        """The engine's stats with its cumulative counts taken over every engine process this
+        client started: a restarted engine counts from 0 again, and a counter built on its count
+        alone would lose what the dead one had counted whenever the new one caught up."""
+        instance = str(self._process.num_starts)  # (each start is a new process)
+        self._pages_scrubbed.observe(instance, stats.num_pages_scrubbed)
+        self._preemptions.observe(instance, stats.num_preemptions)
+        return msgspec.structs.replace(stats, num_pages_scrubbed=self._pages_scrubbed.total,
+                                       num_preemptions_total=self._preemptions.total)
 
     def _route(self, event: RequestOutputMsg | RequestRejectedMsg) -> None:
         handle = self._handles.get(event.request_id)

@@ -57,6 +57,11 @@ class EngineProcess:
         return self._started.pid
 
     @property
+    def num_starts(self) -> int:
+        """Processes started so far: the one running now is the `num_starts`-th."""
+        return self._num_starts
+
+    @property
     def sentinel(self) -> int:
         """A file descriptor that becomes readable when the process ends."""
         return self._started.sentinel

@@ -205,8 +205,8 @@ class EngineStatsMsg(_Msg, frozen=True):
     num_grammar_compiles_queued: int = 0
     num_grammar_compile_timeouts: int = 0  # stopped at the time budget since the engine started
     num_grammar_compiles_cancelled: int = 0  # stopped or dropped: every waiting request left
-    # The PD frontend's sum: preemptions of every engine instance it saw, since it started (never
-    # goes back when one restarts, as `num_preemptions` does); None from one engine.
+    # The frontend's total: preemptions of every engine instance it saw, since it started (never
+    # goes back when one restarts, as `num_preemptions` does); None as an engine sends it.
     num_preemptions_total: int | None = None
 
 

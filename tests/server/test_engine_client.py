@@ -40,6 +40,7 @@ from kvseal.messages.msgs import (
     AbortMsg,
     AddRequestMsg,
     EngineReadyMsg,
+    EngineStatsMsg,
     OutputsMsg,
     RequestOutputMsg,
     RequestRejectedMsg,
@@ -435,3 +436,26 @@ def test_a_refusal_whose_accounting_fails_is_still_audited_and_frees_its_slot(tm
         assert state.gate.num_tenants_in_flight() == 0 and not state.live_calls
     finally:
         _close(state)
+
+
+async def _stats_across_a_restart(tmp_path: Path) -> tuple[float, float]:
+    state = await _ready_state(tmp_path)
+    try:
+        state.metrics.vllm.name_model("tiny")
+        engine = state.engine
+        assert isinstance(engine, EngineClient)
+        engine._on_msg(EngineStatsMsg(1, 0, 10, 10, num_preemptions=3, num_pages_scrubbed=7))
+        engine._process._num_starts += 1  # the engine died and was restarted: a new process counts from 0
+        engine._on_msg(EngineStatsMsg(4, 2, 15, 5, num_preemptions=5, num_pages_scrubbed=9))
+        registry = state.metrics.registry
+        return (registry.get_sample_value("vllm:num_preemptions_total", {"model_name": "tiny", "engine": "0"}) or 0,
+                registry.get_sample_value("kvseal_kv_pages_scrubbed_total") or 0)
+    finally:
+        _close(state)
+
+
+def test_counts_survive_an_engine_restart_that_catches_up(tmp_path: Path) -> None:
+    """A restarted engine counts its preemptions and scrubbed pages from 0 again; once its count
+    passes the dead one's last, a total kept on its count alone lost the dead one's (3 + 5 read
+    5). The client totals over its engine processes, as the PD frontend does over instances."""
+    assert asyncio.run(_stats_across_a_restart(tmp_path)) == (8, 16)
