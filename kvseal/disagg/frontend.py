@@ -233,9 +233,12 @@ class PdClient:
         if self._is_shutting_down:
             return "the server is shutting down"
         for role in ("prefill", "decode"):
-            if not any(link.is_up for link in self.links if link.role == role):
+            if not self._is_role_up(role):
                 return self._unreachable(role)
         return None
+
+    def _is_role_up(self, role: Role) -> bool:
+        return any(link.is_up for link in self.links if link.role == role)
 
     def _unreachable(self, role: Role) -> str:
         why = self._supervisor.why_down(role) if self._supervisor is not None else None
@@ -281,7 +284,11 @@ class PdClient:
         )
 
     def submit(self, msg: AddRequestMsg, observer: RequestObserver) -> RequestHandle:
+        """Reserve on the least-loaded decode engine; `EngineUnavailable` when either role has no
+        engine up (no reservation is made for a request no prefill engine could take)."""
         decode_link = self._pick("decode")
+        if not self._is_role_up("prefill"):
+            raise EngineUnavailable(self._unreachable("prefill"))
         handle = RequestHandle(msg.request_id, msg.tenant, observer)
         route = PdRoute(handle, msg, decode_link)
         decode_link.send(ReserveMsg(msg.request_id, msg.tenant, msg.prompt_token_ids, msg.params))

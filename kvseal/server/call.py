@@ -184,6 +184,20 @@ class Call:
             self._finish("aborted", reason=event.error, out=event)
         else:
             self._finish("finished", out=event)
+        if self._failed_before_any_token(event):  # last: the request is audited and its slot free
+            self._give_back_rates()
+
+    def _failed_before_any_token(self, event: RequestEvent) -> bool:
+        """The server's own failure ended the request before it generated a token: the engine
+        lost (`EngineGone`), an engine's refusal with a 5xx (a failed transfer), shutdown. A
+        client's disconnect or the request's own constraints are not the server's doing."""
+        if isinstance(event, RequestRejectedMsg):
+            return event.http_status >= 500
+        if isinstance(event, EngineGone):
+            progress = self._progress()
+            return progress is None or progress.num_output_tokens == 0
+        return (isinstance(event, RequestOutputMsg) and event.finish_reason == "abort"
+                and event.error == ABORT_SERVER_SHUTDOWN and event.num_output_tokens == 0)
 
     def _progress(self) -> RequestOutputMsg | None:
         """What every choice has generated so far, for a request the engine loses."""
@@ -212,8 +226,15 @@ class Call:
         self._finish("rejected" if err.status < 500 else "error", reason=err.reason, http_status=err.status,
                      rejected_by="frontend" if err.status < 500 else None)
         self.http_done()
-        # Last: whatever giving back raises, the refusal is already audited and its slot free.
-        if err.status >= 500 and self.tenant is not None:
+        if err.status >= 500:  # last: whatever giving back raises, the refusal is already audited and its slot free
+            self._give_back_rates()
+
+    def _give_back_rates(self) -> None:
+        """The server's own failure ended the request before it generated a token (a 5xx: the
+        engine lost or restarting, shutdown, the audit log down): the per-minute request and
+        prompt tokens it took go back, so a client retrying it is not charged for what never ran.
+        Called after `_finish`, so the refusal is audited and its slot free whatever this raises."""
+        if self.tenant is not None:
             taken, self._rates_taken = self._rates_taken, (0, 0)
             self.state.rates.give_back(self.state.keys.current(self.tenant), *taken)
 

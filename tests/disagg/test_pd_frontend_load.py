@@ -13,7 +13,10 @@ from processes import free_port
 from kvseal.disagg.frontend import PdClient, scrub_policy
 from kvseal.disagg.link_keys import EngineEndpoint, KeyPair
 from kvseal.disagg.msgs import EngineInfoMsg, PdStatsMsg, Role
-from kvseal.messages.msgs import EngineStatsMsg
+from kvseal.engine_api import EngineUnavailable, RequestEvent
+from kvseal.messages.convert import params_to_msg
+from kvseal.messages.msgs import AddRequestMsg, EngineStatsMsg, RequestOutputMsg
+from kvseal.types import SamplingParams
 
 
 @pytest.fixture
@@ -61,6 +64,28 @@ def test_preemptions_total_sums_engine_instances_and_never_drops(client: PdClien
     prefill.is_up = True
     client._on_msg(prefill, stats("prefill-2", "prefill", 1))  # restarted: counts from 0 again
     assert (client.load().num_preemptions, client.load().num_preemptions_total) == (6, 9)
+
+
+class _Unheard:
+    """An observer for a request that must never be routed."""
+
+    def on_output(self, out: RequestOutputMsg) -> None:
+        raise AssertionError(f"routed: {out}")
+
+    def on_terminal(self, event: RequestEvent) -> None:
+        raise AssertionError(f"routed: {event}")
+
+
+def test_a_request_no_prefill_engine_could_take_reserves_nothing(client: PdClient) -> None:
+    """With decode up and no prefill engine, `submit` refuses at once (the server answers 503 at
+    the door and gives back the tenant's per-minute quota) instead of reserving pages on decode
+    for a request that then fails without running."""
+    prefill, decode = client.links
+    decode.is_up = True
+    params = params_to_msg(SamplingParams(max_tokens=2))
+    with pytest.raises(EngineUnavailable, match="no prefill engine is reachable"):
+        client.submit(AddRequestMsg("r-1", "alice", [5, 6], params), _Unheard())
+    assert client.num_in_flight == 0 and decode.num_assigned == 0
 
 
 def _info(role: Role, policy: str) -> EngineInfoMsg:

@@ -301,6 +301,49 @@ def test_a_request_refused_while_the_engine_is_down_takes_no_per_minute_quota(tm
         _close(state)
 
 
+def _lose_or_refuse(state: AppState, request_id: str, how: str) -> None:
+    """End the submitted one-choice request `request_id` of alice the way `how` names."""
+    if how == "refused 502":  # an engine's own failure, relayed (a PD transfer that failed)
+        state.engine._receive(encode(RequestRejectedMsg(request_id, "alice", "transfer_failed", "failed", None, 502)))
+    elif how == "refused 400":  # the request's own fault, found by the engine
+        state.engine._receive(encode(RequestRejectedMsg(request_id, "alice", "invalid", "too long", None, 400)))
+    else:
+        if how == "lost after a token":
+            state.engine._receive(encode(OutputsMsg([_output(request_id, "alice", finished=False)])))
+        state.engine._fail_handles("no prefill engine is reachable")  # as PD's `_on_reserved` ends it
+
+
+@pytest.mark.parametrize(("how", "remaining"), [("lost before a token", ("2", "50")), ("refused 502", ("2", "50")),
+                                                 ("lost after a token", ("1", "47")), ("refused 400", ("1", "48"))])
+def test_a_request_the_server_fails_before_its_first_token_takes_no_per_minute_quota(
+        tmp_path: Path, how: str, remaining: tuple[str, str]) -> None:
+    """A request already submitted that the server's own failure ends before its first token (the
+    engine lost, `serve --pd`'s prefill engine gone after decode reserved; an engine's 5xx) gets
+    back the request and prompt tokens it took, as a 503 at the door does. One that generated a
+    token has run (its prompt and output are charged), and an engine's 4xx is the request's fault."""
+    keys = _keys(tmp_path, {"key-a": {"tenant": "alice", "requests_per_minute": 2, "tokens_per_minute": 50}})
+
+    async def scenario() -> None:
+        state = await _ready_state(tmp_path, keys)
+        try:
+            call = Call(state, "/v1/completions", "r-q")
+            call.tenant = state.keys.current(ALICE)
+            call.take_slots(call.tenant, 1)
+            call.take_request()
+            call.num_prompt_tokens = 2
+            call.take_prompt_tokens()
+            call.submit([AddRequestMsg("r-q", "alice", [5, 6], params_to_msg(SamplingParams(max_tokens=4)))])
+            _lose_or_refuse(state, "r-q", how)
+            call.http_done()
+            assert call.is_done and state.gate.num_tenants_in_flight() == 0
+            headers = call.rate_headers()
+            assert (headers["x-ratelimit-remaining-requests"], headers["x-ratelimit-remaining-tokens"]) == remaining
+        finally:
+            _close(state)
+
+    asyncio.run(scenario())
+
+
 def test_a_key_a_reload_takes_while_the_body_comes_in_starts_nothing(tmp_path: Path) -> None:
     """A key is checked when the headers arrive; one that a reload removes (without ?abort) before
     the body has arrived is refused 401 right before the engine, as a new request would be."""
