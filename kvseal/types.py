@@ -20,6 +20,10 @@ if TYPE_CHECKING:  # the vocabulary stays importable without torch (the frontend
 DEFAULT_TENANT = "default"
 # `RequestOutput.error_code` of a request ended because an isolation check tripped (I3/I4).
 ISOLATION_CHECK_FAILED = "isolation_check_failed"
+# `RequestOutput.error_code` (and a PD refusal's code) of a request its engine could not finish because
+# the engine itself was lost (a tensor-parallel rank died or hung): the client gets 503, as for a dead
+# engine process, and the audit says error, never a rejection of the request.
+ENGINE_UNAVAILABLE = "engine_unavailable"
 # `RequestOutput.error_code` of a request ended because its grammar (with its `allowed_token_ids`,
 # or alone, where the vocabulary cannot continue it) left no token to sample at some step: it ends
 # there, without a token outside either. The error says which (`NO_TOKEN_LEFT_*`).

@@ -300,9 +300,9 @@ class DecodeSteps:
         else:  # reported once the transport confirms no write can land (`tick`)
             self._pending_errors[reservation.request_id] = (error, error_code)
 
-    def _report_unreserved(self, asked: _AskedReservation, error: str) -> None:
+    def _report_unreserved(self, asked: _AskedReservation, error: str, error_code: str | None = None) -> None:
         """The end of a request aborted while its grammar compiled: it never held a page."""
-        out = aborted_output(asked.msg.request_id, asked.msg.tenant, len(asked.prompt), 0, error, None)
+        out = aborted_output(asked.msg.request_id, asked.msg.tenant, len(asked.prompt), 0, error, error_code)
         self.replies.send(asked.frontend, OutputsMsg([out]))
 
     def _report_end(self, reservation: Reservation, error: str, error_code: str | None) -> None:
@@ -344,14 +344,14 @@ class DecodeSteps:
                 changed = True
         return changed
 
-    def abort_all(self, reason: str) -> None:
+    def abort_all(self, reason: str, error_code: str | None = None) -> None:
         for _, asked in self._compiling.cancel_all():
-            self._report_unreserved(asked, reason)
+            self._report_unreserved(asked, reason, error_code)
         for request_id in list(self.table.request_ids()):
             reservation = self.table.by_request(request_id)
             if reservation is not None:
-                self._end_reservation(reservation, "aborted", reason, None)
-        self.on_outputs(abort_every(self.engine, reason))
+                self._end_reservation(reservation, "aborted", reason, error_code)
+        self.on_outputs(abort_every(self.engine, reason, error_code))
 
     def abort_frontend(self, frontend: bytes, reason: str) -> int:
         """End what a gone frontend asked for: its compiling and held reservations (released

@@ -5,7 +5,8 @@ engines until SIGTERM/SIGINT (or, when started by `kvseal serve --pd`, until its
 exits): then it aborts what it holds (reservations are released under the usual rule) and
 exits 0. A configuration it cannot honour (I2) stops it with exit status 2 before it binds.
 With `-tp N` it drives N ranks (`kvseal/parallel/`, the handoff: `parallel/handoff.py`); a rank
-that dies or hangs (`RankFailure`) ends every request it holds with an error, and it exits 1.
+that dies or hangs (`RankFailure`) ends every request it holds as lost with the engine (code
+`engine_unavailable`: the client gets 503, the audit an error), and it exits 1.
 Any other error that ends the loop propagates (traceback, exit status 1) once every socket is
 closed without lingering: the process never stays alive serving nothing, so a supervisor
 restarts it.
@@ -29,6 +30,7 @@ from kvseal.engine.engine import LLMEngine
 from kvseal.heap import freeze_startup_heap
 from kvseal.messages.msgs import ABORT_SERVER_SHUTDOWN, TP_RANK_LOST
 from kvseal.parallel.group import RankFailure
+from kvseal.types import ENGINE_UNAVAILABLE
 
 logger = logging.getLogger("kvseal.disagg")
 
@@ -60,10 +62,7 @@ def serve_engine(args: EngineArgs, config: NodeConfig, should_stop: Callable[[],
         if not node.loop.is_stopped:
             node.steps.abort_all(ABORT_SERVER_SHUTDOWN)
     except RankFailure as exc:  # fail closed: every held request ends with an error, then exit
-        logger.error("kvseal engine (%s): a tensor-parallel rank failed: %s; aborting every request", config.role,
-                     exc)
-        node.engine.close()  # stops the ranks (by PID) and the grammar workers
-        node.steps.abort_all(TP_RANK_LOST)  # clients: the plain reason; the error is logged above
+        end_on_rank_failure(node, exc)
         status = 1
     finally:  # also when the loop died of an unexpected error: the process must exit, not hang
         try:
@@ -72,6 +71,16 @@ def serve_engine(args: EngineArgs, config: NodeConfig, should_stop: Callable[[],
             node.ctx.destroy(linger=0)
     logger.info("kvseal engine (%s) stopped", config.role)
     return status
+
+
+def end_on_rank_failure(node: EngineNode, exc: RankFailure) -> None:
+    """A tensor-parallel rank died or hung: stop the ranks, and end every request the engine
+    holds as lost with it (`ENGINE_UNAVAILABLE`: clients get 503 `engine_unavailable`, the audit
+    an error, as for a dead engine process), with the plain reason; the error is logged here."""
+    logger.error("kvseal engine (%s): a tensor-parallel rank failed: %s; aborting every request", node.config.role,
+                 exc)
+    node.engine.close()  # stops the ranks (by PID) and the grammar workers
+    node.steps.abort_all(TP_RANK_LOST, ENGINE_UNAVAILABLE)
 
 
 def run_engine_process(args: EngineArgs, config: NodeConfig, log_level: str) -> None:

@@ -83,6 +83,7 @@ from kvseal.messages.msgs import (
     RequestRejectedMsg,
 )
 from kvseal.totals import CumulativeTotal
+from kvseal.types import ENGINE_UNAVAILABLE
 
 logger = logging.getLogger("kvseal.server")
 
@@ -452,14 +453,14 @@ class PdClient:
             return
         route.started_decoding = route.started_decoding or bool(out.new_token_ids)
         if is_terminal(out):
-            self._end(route, out)
+            self._end(route, _as_engine_loss(out))
         else:
             route.handle.deliver(out)
 
     def _on_terminal(self, link: EngineLink, event: RequestRejectedMsg) -> None:
         route = self._routes.get(event.request_id)
         if route is not None and route.decode is link and event.tenant == route.handle.tenant:
-            self._end(route, event)
+            self._end(route, _as_engine_loss(event))
 
     def _on_prefill_result(self, link: EngineLink, msg: PrefillDoneMsg | PrefillRefusedMsg) -> None:
         route = self._by_transfer.get(msg.transfer_id)
@@ -568,6 +569,18 @@ class PdClient:
             elif route.prefill is link and not route.started_decoding:
                 self._try_send(route.decode, AbortMsg(route.handle.request_id, route.handle.tenant, reason))
                 self._end(route, EngineGone(reason))
+
+
+def _as_engine_loss(event: RequestOutputMsg | RequestRejectedMsg) -> RequestEvent:
+    """An engine's end of a request because the engine itself was lost (a tensor-parallel rank
+    died: `ENGINE_UNAVAILABLE`, decode's own or prefill's relayed) is `EngineGone`, as when the
+    process dies: 503 `engine_unavailable`, audited as an error, never a rejection of the request
+    (what it generated so far is counted from its outputs). Any other event as it is."""
+    if isinstance(event, RequestRejectedMsg) and event.code == ENGINE_UNAVAILABLE:
+        return EngineGone(event.message)
+    if isinstance(event, RequestOutputMsg) and event.error_code == ENGINE_UNAVAILABLE:
+        return EngineGone(event.error or "the engine was lost")
+    return event
 
 
 def _grammar_totals(stats: list[EngineStatsMsg]) -> tuple[int, int, int, int, int]:

@@ -44,6 +44,7 @@ from kvseal.messages.msgs import AbortMsg
 from kvseal.parallel.handoff import RankHandoff
 from kvseal.structured.pending import PendingGrammars
 from kvseal.types import (
+    ENGINE_UNAVAILABLE,
     ISOLATION_CHECK_FAILED,
     NO_TOKEN_SATISFIES_CONSTRAINTS,
     FinishReason,
@@ -255,8 +256,12 @@ class PrefillSteps:
         """Prefill's engine aborted the request: decode and the client get the engine's cause,
         `isolation_check_failed` when prefill's own isolation check refused a forward (I3/I4),
         `no_token_satisfies_constraints` (400) when the request's grammar (with its
-        allowed_token_ids, or alone) left its first token nothing to be."""
-        if out.error_code == ISOLATION_CHECK_FAILED:
+        allowed_token_ids, or alone) left its first token nothing to be, `engine_unavailable`
+        (503) when this engine was lost (a tensor-parallel rank died): the client's answer and
+        audit are an engine loss's, never a rejection of the request."""
+        if out.error_code == ENGINE_UNAVAILABLE:
+            self._refuse(job, ENGINE_UNAVAILABLE, out.error or "the prefill engine was lost", None, 503)
+        elif out.error_code == ISOLATION_CHECK_FAILED:
             self._refuse(job, ISOLATION_CHECK_FAILED, out.error or "isolation check failed in prefill", None, 500)
         elif out.error_code == NO_TOKEN_SATISFIES_CONSTRAINTS:  # the client's constraints, as in one engine
             self._refuse(job, NO_TOKEN_SATISFIES_CONSTRAINTS, out.error or "no token satisfies the constraints",
@@ -282,13 +287,16 @@ class PrefillSteps:
         self.on_outputs(outputs)
         return len(compiling) + len(outputs)
 
-    def abort_all(self, reason: str) -> None:
-        self._refuse_compiling(self._compiling.cancel_all(), reason)
-        self.on_outputs(abort_every(self.engine, reason))
+    def abort_all(self, reason: str, error_code: str | None = None) -> None:
+        self._refuse_compiling(self._compiling.cancel_all(), reason, error_code)
+        self.on_outputs(abort_every(self.engine, reason, error_code))
 
     def _refuse_compiling(self, cancelled: list[tuple[str, tuple[Job, list[int], SamplingParams]]],
-                          reason: str) -> None:
+                          reason: str, error_code: str | None = None) -> None:
         """Each job whose grammar wait was cancelled fails, and decode is told to release it."""
         for _, (job, _, _) in cancelled:
-            self._refuse(job, REQUEST_ABORTED, f"prefill did not complete the request: {reason}", None, 500)
+            if error_code == ENGINE_UNAVAILABLE:
+                self._refuse(job, ENGINE_UNAVAILABLE, reason, None, 503)
+            else:
+                self._refuse(job, REQUEST_ABORTED, f"prefill did not complete the request: {reason}", None, 500)
             self._report(job)

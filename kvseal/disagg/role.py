@@ -79,7 +79,10 @@ class RoleSteps(LoopSteps, Protocol):
 
     def num_reservations(self) -> int: ...
 
-    def abort_all(self, reason: str) -> None: ...
+    def abort_all(self, reason: str, error_code: str | None = None) -> None:
+        """End everything the engine holds, each end reported with `reason` (and `error_code`:
+        `ENGINE_UNAVAILABLE` when the engine itself was lost, so the client gets a 503)."""
+        ...
 
     def abort_frontend(self, frontend: bytes, reason: str) -> int:
         """End everything `frontend` (a ROUTER identity) asked for; how many requests that ended."""
@@ -103,6 +106,6 @@ def abort_owned(engine: LLMEngine, msg: AbortMsg) -> list[RequestOutput]:
     return [out] if out is not None else []
 
 
-def abort_every(engine: LLMEngine, reason: str) -> list[RequestOutput]:
+def abort_every(engine: LLMEngine, reason: str, error_code: str | None = None) -> list[RequestOutput]:
     """End every queued and running request of the engine; their final outputs."""
-    return [o for o in (engine.abort(rid, reason) for rid in engine.unfinished_ids()) if o is not None]
+    return [o for o in (engine.abort(rid, reason, error_code) for rid in engine.unfinished_ids()) if o is not None]

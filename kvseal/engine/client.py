@@ -283,7 +283,8 @@ class EngineClient:
                 if self._ready is not None and not self._ready.done():
                     self._ready.set_result(msg)
             case EngineFailedMsg():
-                self._fail(f"{msg.error_type}: {msg.message}")
+                # clients get the engine's plain reason; the log and a start-up error also its type
+                self._fail(msg.message, f"{msg.error_type}: {msg.message}")
             case EngineStoppedMsg():
                 logger.info("engine stopped; %d requests were aborted", msg.num_aborted)
             case EngineAliveMsg():
@@ -319,13 +320,16 @@ class EngineClient:
         del self._handles[handle.request_id]
         handle.deliver(IsolationBreach(message))
 
-    def _fail(self, message: str) -> None:
+    def _fail(self, message: str, detail: str | None = None) -> None:
+        """The engine is unavailable: `message` is what clients and /health are told, `detail`
+        (the engine's exception type with it) what the log and a start-up error say."""
+        detail = detail or message
         if self._down is None:
             self._down = message
             if not self._is_shutting_down:
-                logger.error("engine unavailable: %s; failing %d in-flight requests", message, len(self._handles))
+                logger.error("engine unavailable: %s; failing %d in-flight requests", detail, len(self._handles))
         if self._ready is not None and not self._ready.done():
-            self._ready.set_exception(EngineStartError(message))
+            self._ready.set_exception(EngineStartError(detail))
         self._fail_handles(message)
 
     def _fail_handles(self, message: str) -> None:

@@ -309,16 +309,17 @@ class LLMEngine:
             return self._finish(request, request.finish_reason)
         return state.report(finished=False)
 
-    def abort(self, request_id: str, reason: str = "aborted") -> RequestOutput | None:
-        """End a queued or running request now; its pages are free when this returns."""
+    def abort(self, request_id: str, reason: str = "aborted", error_code: str | None = None) -> RequestOutput | None:
+        """End a queued or running request now; its pages are free when this returns. `error_code`:
+        the output's, for a cause the frontend acts on (`ENGINE_UNAVAILABLE`: the engine was lost)."""
         request = self.scheduler.find(request_id)
         if request is None:
             return None
         if is_active(Fault.ABORT_KEEPS_PAGES):
             request.finish_reason = FinishReason.ABORT
-            return self._outputs[request_id].report(finished=True, error=reason,
+            return self._outputs[request_id].report(finished=True, error=reason, error_code=error_code,
                                                     num_kv_tokens_written=self.kv.num_written_tokens(request_id))
-        return self._finish(request, FinishReason.ABORT, error=reason)
+        return self._finish(request, FinishReason.ABORT, error=reason, error_code=error_code)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0

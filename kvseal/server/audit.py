@@ -35,7 +35,6 @@ RejectedBy = Literal["frontend", "engine"]  # which admission check refused the 
 KEY_ID_HEX_DIGITS = 12  # 48 bits: names a key among an operator's keys, useless for guessing a random one
 MAX_LOGGED_CHARS = 256  # every client-controlled string is clipped to this before it is logged
 AUDIT_UNAVAILABLE = "audit_unavailable"  # the error code, and the reason in a late record of a withheld answer
-ENGINE_UNAVAILABLE = "engine_unavailable"  # the error code, and the reason of every request an engine loss ended
 RETRY_S = 1.0  # a failing audit file is tried again at most this often
 MAX_PENDING_RECORDS = 10_000  # records kept in memory while the file fails; later ones are lost (counted)
 MAX_PENDING_BYTES = 64 * 1024 * 1024  # and their lines' bytes (with --audit-log-prompts a line holds a prompt)

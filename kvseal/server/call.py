@@ -28,13 +28,13 @@ from kvseal.messages.msgs import (
     RequestOutputMsg,
     RequestRejectedMsg,
 )
-from kvseal.server.audit import ENGINE_UNAVAILABLE, AuditRecord, Outcome, RejectedBy, clip, clip_optional
+from kvseal.server.audit import AuditRecord, Outcome, RejectedBy, clip, clip_optional
 from kvseal.server.auth import ApiKey, Tenant
 from kvseal.server.choices import ChoiceGroup, choice_msgs
 from kvseal.server.endpoint import AuditPrompt
 from kvseal.server.errors import REQUEST_ID_HEADER, ApiError
 from kvseal.server.state import AppState
-from kvseal.types import NO_TOKEN_SATISFIES_CONSTRAINTS
+from kvseal.types import ENGINE_UNAVAILABLE, NO_TOKEN_SATISFIES_CONSTRAINTS
 
 logger = logging.getLogger("kvseal.server")
 

@@ -22,8 +22,8 @@ from kvseal.messages.msgs import (
     RequestOutputMsg,
     RequestRejectedMsg,
 )
-from kvseal.server.audit import AUDIT_UNAVAILABLE, ENGINE_UNAVAILABLE, AuditLog
-from kvseal.types import ISOLATION_CHECK_FAILED, NO_TOKEN_SATISFIES_CONSTRAINTS, no_token_param
+from kvseal.server.audit import AUDIT_UNAVAILABLE, AuditLog
+from kvseal.types import ENGINE_UNAVAILABLE, ISOLATION_CHECK_FAILED, NO_TOKEN_SATISFIES_CONSTRAINTS, no_token_param
 
 
 @dataclass

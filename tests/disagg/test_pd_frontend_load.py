@@ -10,13 +10,21 @@ from collections.abc import Iterator
 import pytest
 from processes import free_port
 
-from kvseal.disagg.frontend import PdClient, scrub_policy
+from kvseal.disagg.frontend import PdClient, PdRoute, scrub_policy
 from kvseal.disagg.link_keys import EngineEndpoint, KeyPair
 from kvseal.disagg.msgs import EngineInfoMsg, PdStatsMsg, Role
-from kvseal.engine_api import EngineUnavailable, RequestEvent
+from kvseal.disagg.role import aborted_output
+from kvseal.engine_api import EngineGone, EngineUnavailable, RequestEvent, RequestHandle
 from kvseal.messages.convert import params_to_msg
-from kvseal.messages.msgs import AddRequestMsg, EngineStatsMsg, RequestOutputMsg
-from kvseal.types import SamplingParams
+from kvseal.messages.msgs import (
+    TP_RANK_LOST,
+    AddRequestMsg,
+    EngineStatsMsg,
+    OutputsMsg,
+    RequestOutputMsg,
+    RequestRejectedMsg,
+)
+from kvseal.types import ENGINE_UNAVAILABLE, SamplingParams
 
 
 @pytest.fixture
@@ -86,6 +94,36 @@ def test_a_request_no_prefill_engine_could_take_reserves_nothing(client: PdClien
     with pytest.raises(EngineUnavailable, match="no prefill engine is reachable"):
         client.submit(AddRequestMsg("r-1", "alice", [5, 6], params), _Unheard())
     assert client.num_in_flight == 0 and decode.num_assigned == 0
+
+
+class _Ends:
+    """An observer that keeps the terminal event of its request."""
+
+    def __init__(self) -> None:
+        self.events: list[RequestEvent] = []
+
+    def on_output(self, out: RequestOutputMsg) -> None:
+        pass
+
+    def on_terminal(self, event: RequestEvent) -> None:
+        self.events.append(event)
+
+
+@pytest.mark.parametrize("relayed", [True, False], ids=["prefill's, relayed", "decode's own"])
+def test_an_engine_that_lost_a_rank_ends_its_requests_as_an_engine_loss(client: PdClient, relayed: bool) -> None:
+    """An engine's end of a request with code `engine_unavailable` (its tensor-parallel rank was
+    lost: prefill's refusal that decode relays, or decode's own abort output) reaches the server as
+    `EngineGone`: 503 `engine_unavailable`, audited as an error, not a rejection or an abort."""
+    prefill, decode = client.links
+    ends = _Ends()
+    handle = RequestHandle("r-1", "alice", ends)
+    client._routes["r-1"] = PdRoute(handle, AddRequestMsg("r-1", "alice", [5, 6], params_to_msg(SamplingParams())),
+                                    decode)
+    if relayed:
+        client._on_msg(decode, RequestRejectedMsg("r-1", "alice", ENGINE_UNAVAILABLE, TP_RANK_LOST, None, 503))
+    else:
+        client._on_msg(decode, OutputsMsg([aborted_output("r-1", "alice", 2, 1, TP_RANK_LOST, ENGINE_UNAVAILABLE)]))
+    assert ends.events == [EngineGone(TP_RANK_LOST)] and client.num_in_flight == 0
 
 
 def _info(role: Role, policy: str) -> EngineInfoMsg:

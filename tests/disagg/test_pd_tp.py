@@ -9,13 +9,16 @@ has one default group per process, so TP=2 on both sides runs as processes, in t
 
 from __future__ import annotations
 
+import os
 import re
-from collections.abc import Iterator
+import signal
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from pd_harness import PdKeys, PdPair, SharedPair
+from pd_harness import MAX_ITERATIONS, PdKeys, PdPair, SharedPair
+from processes import WAIT_DEADLINE_S
 from tiny_models import make_tiny_model
 
 from kvseal import LLM, SamplingParams
@@ -23,10 +26,14 @@ from kvseal._testing.faults import Fault, inject
 from kvseal.cli import main
 from kvseal.config import EngineArgs
 from kvseal.disagg.config import NodeConfig
+from kvseal.disagg.engine_main import end_on_rank_failure
+from kvseal.disagg.msgs import PrefillRefusedMsg
 from kvseal.disagg.node import EngineNode
 from kvseal.engine.engine import LLMEngine
 from kvseal.errors import ConfigError
-from kvseal.types import ISOLATION_CHECK_FAILED
+from kvseal.messages.msgs import TP_RANK_LOST
+from kvseal.parallel.group import RankFailure
+from kvseal.types import ENGINE_UNAVAILABLE, ISOLATION_CHECK_FAILED
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 PROMPTS = [list(range(10, 13)), list(range(40, 48)), list(range(100, 137)), [7]]
@@ -177,5 +184,66 @@ def test_pd_with_a_replicated_kv_head_equals_colocated(tmp_path: Path, sides: tu
     try:
         assert [h.token_ids for h in pair.generate_all(PROMPTS, GREEDY)] == _colocated(model)
         pair.assert_clean()
+    finally:
+        pair.close()
+
+
+def _until_rank_failure(pair: PdPair, node: EngineNode) -> RankFailure:
+    """Run both loops until `node`'s raises the lost rank's `RankFailure` (at its next step's collective)."""
+    try:
+        pair.pump(lambda: False, "the lost rank's failure")
+    except RankFailure as exc:
+        assert node.engine.driver is not None and node.engine.driver.failure is not None
+        return exc
+    raise AssertionError("unreachable: pump returns only by raising")
+
+
+def _pump_decode(pair: PdPair, until: Callable[[], bool], what: str) -> None:
+    """Run decode's loop alone (prefill's stopped with its ranks) until `until()`."""
+    for _ in range(MAX_ITERATIONS):
+        pair.decode.loop.run_once(idle_poll_ms=1)
+        pair._route()
+        if until():
+            return
+    raise AssertionError(f"gave up waiting for {what}")
+
+
+@pytest.mark.parametrize("lost", ["prefill", "decode"])
+def test_a_lost_rank_ends_its_engines_requests_as_an_engine_loss(odd_split_dir: Path, lost: str) -> None:
+    """A rank of the TP side killed by its PID while that engine holds a request (prefill: its
+    handoff; decode: a request it is decoding): the engine's fail-closed path (what `kvseal engine`
+    runs on `RankFailure`) ends it with code `engine_unavailable`, 503 (prefill's refusal, relayed
+    by decode as it releases the reservation; decode's own abort output), which the frontend
+    answers and audits as an engine loss: 503 `engine_unavailable`, outcome error. Before, prefill
+    refused it as `request_aborted` 500 (audited as rejected by the engine) and decode aborted it
+    as `request_aborted`. Decode's pages are all free afterwards."""
+    sides = (2, 1) if lost == "prefill" else (1, 2)
+    pair = PdPair(_args(odd_split_dir, sides[0]), _args(odd_split_dir, sides[1]), kv_transport="tcp-stream")
+    try:
+        node = pair.prefill if lost == "prefill" else pair.decode
+        assert node.engine.driver is not None
+        prompt = list(range(60, 90))
+        if lost == "prefill":
+            handoff = pair.reserve(prompt, GREEDY)
+            pair.to_prefill.send(pair.prefill_msg(handoff, prompt, GREEDY))
+        else:
+            handoff = pair.generate_start(prompt, GREEDY)
+            assert handoff.token_ids and not handoff.is_terminal
+        os.kill(node.engine.driver.ranks.pids[0], signal.SIGKILL)  # its worker rank (rank 1)
+        end_on_rank_failure(node, _until_rank_failure(pair, node))
+        if lost == "prefill":
+            _pump_decode(pair, lambda: handoff.rejected is not None, "decode's relay of prefill's refusal")
+            assert handoff.rejected is not None and isinstance(handoff.prefill_result, PrefillRefusedMsg)
+            assert (handoff.prefill_result.code, handoff.rejected.code, handoff.rejected.http_status) == (
+                ENGINE_UNAVAILABLE, ENGINE_UNAVAILABLE, 503)
+            assert handoff.rejected.message == TP_RANK_LOST
+        else:  # decode's loop stopped with its ranks: its last word is already on the way
+            while not handoff.is_terminal:
+                assert pair.to_decode.socket.poll(WAIT_DEADLINE_S * 1000), "decode's end of the request"
+                pair._route()
+            assert handoff.is_terminal and handoff.final.finish_reason == "abort"
+            assert (handoff.final.error_code, handoff.final.error) == (ENGINE_UNAVAILABLE, TP_RANK_LOST)
+        pair.decode.check_integrity()
+        assert pair.decode.engine.kv.num_used_pages == 0 and not pair.decode.steps.held()
     finally:
         pair.close()

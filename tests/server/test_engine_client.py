@@ -37,8 +37,10 @@ from kvseal.engine_api import EngineGone, EngineUnavailable, IsolationBreach, Re
 from kvseal.messages.codec import encode
 from kvseal.messages.convert import params_to_msg
 from kvseal.messages.msgs import (
+    TP_RANK_LOST,
     AbortMsg,
     AddRequestMsg,
+    EngineFailedMsg,
     EngineReadyMsg,
     EngineStatsMsg,
     OutputsMsg,
@@ -168,6 +170,25 @@ def test_a_failure_while_routing_fails_every_request_and_health(tmp_path: Path,
     with TestClient(build_app(state)) as client:
         health = client.get("/health")
     assert health.status_code == 503 and health.json()["error"]["code"] == "engine_unavailable"
+
+
+def test_a_failed_engine_loop_reaches_clients_without_its_exception_type(tmp_path: Path,
+                                                                         caplog: pytest.LogCaptureFixture) -> None:
+    """The engine's `EngineFailedMsg` (a tensor-parallel rank lost) fails its requests and /health
+    with the engine's plain reason; the exception's class name is the log's, not the clients'."""
+    async def scenario() -> tuple[AppState, list[RequestEvent]]:
+        state = await _ready_state(tmp_path)
+        group = _submit(state, "cmpl-1")
+        state.engine._receive(encode(EngineFailedMsg("RankFailure", TP_RANK_LOST)))
+        return state, await _events(group)
+
+    with caplog.at_level(logging.ERROR, logger="kvseal.server"):
+        state, events = asyncio.run(scenario())
+    try:
+        assert events == [EngineGone(TP_RANK_LOST)] and state.engine.failure == TP_RANK_LOST
+        assert any(f"RankFailure: {TP_RANK_LOST}" in r.message for r in caplog.records)
+    finally:
+        _close(state)
 
 
 def test_a_failing_audit_log_never_reaches_the_receive_loop(tmp_path: Path) -> None:
