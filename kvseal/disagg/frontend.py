@@ -113,6 +113,7 @@ class EngineLink:
     is_up: bool = False
     num_assigned: int = 0
     num_failed_handshakes: int = 0  # since the last one that succeeded (logged first, then every 100th)
+    down_reason: str | None = None  # why this frontend marked it down (clients are told), until it is up again
 
     @property
     def name(self) -> str:
@@ -132,7 +133,12 @@ class EngineSupervisor(Protocol):
     """The engines a frontend started itself and keeps running (`kvseal.disagg.serve`)."""
 
     def why_down(self, role: Role) -> str | None:
-        """What the supervisor knows of a `role` engine that is not up: exited, restarting, given up."""
+        """What the supervisor knows of a `role` engine that is not up: exited, restarting, given up,
+        restarted and not answered yet; None when it knows nothing newer than the engine's answer."""
+        ...
+
+    def answered(self, role: Role) -> None:
+        """A `role` engine introduced itself: what the supervisor said of its restart is history."""
         ...
 
     def add_metrics(self, registry: CollectorRegistry) -> None: ...
@@ -242,7 +248,13 @@ class PdClient:
         return any(link.is_up for link in self.links if link.role == role)
 
     def _unreachable(self, role: Role) -> str:
+        """What clients are told while no `role` engine is up, as things are now: the supervisor's
+        word on the process it started (exited, restarting, given up, not answered since its
+        restart), else why this frontend marked the engine down (silent since, disconnected)."""
         why = self._supervisor.why_down(role) if self._supervisor is not None else None
+        if why is None:
+            why = "; ".join(dict.fromkeys(link.down_reason for link in self.links
+                                          if link.role == role and link.down_reason is not None)) or None
         return f"no {role} engine is reachable" + (f" ({why})" if why else "")
 
     @property
@@ -400,8 +412,10 @@ class PdClient:
             self._engine_down(link, f"the {link.role} engine restarted")
         if not link.is_up:
             logger.info("%s engine %s is up at %s", link.role, info.instance_id, link.address)
+            if self._supervisor is not None:
+                self._supervisor.answered(link.role)
         changed = link.info != info
-        link.info, link.is_up = info, True
+        link.info, link.is_up, link.down_reason = info, True, None
         if changed:
             self._refresh_ready()
 
@@ -511,14 +525,21 @@ class PdClient:
     async def _heartbeat_loop(self) -> None:
         hello = HelloMsg(self._frontend_id)
         while True:
-            now_s = time.monotonic()
             for link in self.links:
                 self._try_send(link, hello)
-                if link.is_up and now_s - link.last_seen_s > DEAD_AFTER_S:
-                    logger.error("the %s engine at %s has not answered for %.1f s: marking it down", link.role,
-                                 link.address, now_s - link.last_seen_s)
-                    self._engine_down(link, f"the {link.role} engine stopped answering")
+            self._mark_silent_down(time.monotonic())
             await asyncio.sleep(HEARTBEAT_S)
+
+    def _mark_silent_down(self, now_s: float) -> None:
+        """Every engine that is up and has said nothing for `DEAD_AFTER_S` is down; its reason says
+        since when (true for as long as it stays silent, unlike a duration)."""
+        for link in self.links:
+            silent_s = now_s - link.last_seen_s
+            if link.is_up and silent_s > DEAD_AFTER_S:
+                logger.error("the %s engine at %s has not answered for %.1f s: marking it down", link.role,
+                             link.address, silent_s)
+                since = time.strftime("%H:%M:%S", time.gmtime(time.time() - silent_s))
+                self._engine_down(link, f"the {link.role} engine has not answered since {since} UTC")
 
     async def _watch_connection(self, link: EngineLink) -> None:
         """A disconnect (the engine process died or closed) marks the engine down at once; a
@@ -557,7 +578,7 @@ class PdClient:
     def _engine_down(self, link: EngineLink, reason: str) -> None:
         """Fail every request that depends on `link` now; free what other engines hold for them.
         `reason` reaches clients: it names the role, never the address (the log line before does)."""
-        link.is_up = False
+        link.is_up, link.down_reason = False, reason
         link.stats = None
         self._on_link_stats(link)
         self._report_load()

@@ -143,6 +143,14 @@ class SpawnedEngines:
             return _exited(role, process)
         return self._last_event[index]
 
+    def answered(self, role: str) -> None:
+        """The `role` engine introduced itself to the frontend: "restarted ..., waiting for it to
+        answer" is over. Should it go down again while its process lives (hung, disconnected),
+        the frontend's own reason is what clients get, not this restart's story."""
+        index = next(i for i, config in enumerate(self._configs) if config.role == role)
+        if self.processes[index].exitcode is None and self._restart_at_s[index] is None:
+            self._last_event[index] = None
+
     def _restart(self, index: int) -> None:
         self._restart_at_s[index] = None
         self.processes[index] = self._spawn(self._configs[index])

@@ -6,6 +6,7 @@ new instance; the dead instance's per-engine series leave /metrics."""
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import re
@@ -22,6 +23,8 @@ from pd_servers import ENGINE_FLAGS, KEYS, Proc
 from processes import free_port, wait_for
 
 from kvseal.cli import build_parser
+from kvseal.disagg.frontend import DEAD_AFTER_S, PdClient
+from kvseal.disagg.msgs import EngineInfoMsg, Role
 from kvseal.disagg.serve import SpawnedEngines
 from kvseal.disagg.topology import PdTopology
 from kvseal.engine.supervisor import RestartPolicy
@@ -173,3 +176,61 @@ def test_the_503_reason_describes_the_engine_as_it_is_now(marker_dir: Path, monk
     for why in (spawned.why_down("prefill") or "", spawned.why_down("decode") or ""):
         assert str(first.pid) not in why and str(second.pid) not in why and address not in why
     spawned.stop()
+
+
+def _engine_info(role: Role, address: str, instance: str) -> EngineInfoMsg:
+    return EngineInfoMsg(role, address, instance, 1, "m", "/m", "llama", 64, 256, 512, 4, 64, "layout", "tcp", "off")
+
+
+@pytest.fixture
+def supervised_client(marker_dir: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[PdClient, SpawnedEngines]]:
+    """A PD frontend over `--pd`'s supervisor, its engines processes as the supervisor sees them
+    (no engine starts): decode killed, reaped and restarted once."""
+    pids = count(41001)
+    monkeypatch.setattr(SpawnedEngines, "_spawn", lambda self, config: FakeProcess(next(pids)))
+    ns = build_parser().parse_args(["serve", "--pd", "--model", str(marker_dir), *FLAGS])
+    topology = PdTopology.from_namespace(ns)
+    assert topology is not None
+    spawned = SpawnedEngines(topology, engine_args_from(ns), argparse.Namespace(**vars(ns)),
+                             RestartPolicy(engine_restart_limit=5, engine_restart_backoff_s=0))
+    client = PdClient(list(topology.prefill), list(topology.decode), "/tokenizer", topology.link_key, spawned)
+    try:
+        prefill, decode = client.links
+        for link in (prefill, decode):
+            client._on_info(link, _engine_info(link.role, link.address, f"{link.role}-1"))
+        spawned.processes[1].exitcode = -signal.SIGKILL
+        client._engine_down(decode, "the decode engine disconnected")
+        spawned._check(1)  # reaped, its restart due at once
+        spawned._check(1)  # restarted
+        assert "restarted at" in (client.failure or "")  # the new decode engine has not answered yet
+        yield client, spawned
+    finally:
+        asyncio.run(client.shutdown(timeout_s=0))
+
+
+def test_a_restarted_engine_that_answered_is_described_by_its_own_state(
+        supervised_client: tuple[PdClient, SpawnedEngines]) -> None:
+    """Decode restarted, answered, served, then went down while its process lives (here its link
+    dropped): clients and /health are told that, not that an earlier instance was killed and this
+    one is "restarted at ..., waiting for it to answer" (the story of a restart long over)."""
+    client, spawned = supervised_client
+    decode = client.links[1]
+    client._on_info(decode, _engine_info("decode", decode.address, "decode-2"))
+    assert client.failure is None
+    client._engine_down(decode, "the decode engine disconnected")
+    assert client.failure == "no decode engine is reachable (the decode engine disconnected)"
+    spawned.processes[1].exitcode = 1  # and its process exited: said at once, before it is reaped
+    assert client.failure == "no decode engine is reachable (the decode engine exited (exit code 1))"
+
+
+def test_a_hung_engine_is_described_as_silent_since_then(supervised_client: tuple[PdClient, SpawnedEngines]) -> None:
+    """Decode restarted, answered, then fell silent (SIGSTOP): after `DEAD_AFTER_S` it is down, and
+    the reason says since when it has not answered, for as long as that lasts."""
+    client, _ = supervised_client
+    prefill, decode = client.links
+    client._on_info(decode, _engine_info("decode", decode.address, "decode-2"))
+    prefill.last_seen_s = decode.last_seen_s + DEAD_AFTER_S  # prefill answered since
+    client._mark_silent_down(decode.last_seen_s + DEAD_AFTER_S + 1)
+    assert prefill.is_up and not decode.is_up
+    assert re.fullmatch(r"no decode engine is reachable \(the decode engine has not answered since "
+                        r"\d\d:\d\d:\d\d UTC\)", client.failure or ""), client.failure
