@@ -6,6 +6,11 @@ for them. Its pool size comes from the same flags as node 0's (the model's confi
 rank 0 refuses a rank whose page count differs from its own. Its ranks prove the key in
 --tp-key-file (the same file as node 0's) before the group carries anything; without a key file,
 or with one others may read, it refuses to start.
+
+It does not rejoin by itself: once its ranks exit (one killed, or the group broken because a
+rank elsewhere or node 0's engine failed) it logs how each ended and exits, and node 0's engine,
+restarted by its own supervisor, waits for this node's ranks until its start timeout. Run it
+under a supervisor that restarts it whatever its exit status (systemd `Restart=always`).
 """
 
 from __future__ import annotations
@@ -63,4 +68,26 @@ def run_node(args: EngineArgs) -> int:
         time.sleep(POLL_S)
     if stop["signal"]:
         ranks.kill()
-    return max((p.wait() for p in ranks.procs), default=0)
+    status = max((p.wait() for p in ranks.procs), default=0)
+    ended = "; ".join(f"rank {rank} (pid {proc.pid}): {_exit_words(proc.returncode)}"
+                      for rank, proc in zip(range(first, first + args.ranks_per_node), ranks.procs))
+    if stop["signal"]:
+        logger.info("tp-node %d: stopped by %s; its ranks ended (%s)", args.node_rank,
+                    signal.Signals(stop["signal"]).name, ended)
+    else:
+        logger.error("tp-node %d: its ranks exited (%s): the tensor-parallel group is broken, and node 0's engine "
+                     "stops with it. tp-node exits (status %d) and does not rejoin by itself: run it under a "
+                     "supervisor that restarts it (systemd Restart=always), so its ranks join node 0's restarted "
+                     "engine, which waits for them until its start timeout", args.node_rank, ended, status)
+    return status
+
+
+def _exit_words(returncode: int | None) -> str:
+    """A rank process's end in words: 'exit code 1', 'killed by SIGKILL (signal 9)'."""
+    if returncode is None or returncode >= 0:
+        return f"exit code {returncode}"
+    try:
+        name = signal.Signals(-returncode).name
+    except ValueError:
+        name = "an unknown signal"
+    return f"killed by {name} (signal {-returncode})"
