@@ -621,10 +621,46 @@ def _enforced_call(body: ChatCompletionRequest, choice: Any, parser: ToolParser)
         if name not in tools:
             raise InvalidParameter(f"tool_choice names function {name!r}, which is not in tools "
                                    f"({', '.join(sorted(tools))})", param="tool_choice")
-        return parser.forced_call([call_schema(name, tools[name], key)])
-    if choice == "required":
-        return parser.forced_call([call_schema(name, params, key) for name, params in tools.items()], is_parallel=True)
-    return None
+        tools = {name: tools[name]}
+    elif choice != "required":
+        return None
+    plain, defs = _hoisted_definitions(tools)
+    grammar = parser.forced_call([call_schema(name, params, key) for name, params in plain.items()],
+                                 is_parallel=choice == "required")
+    if not defs:
+        return grammar
+    if grammar.kind == "qwen3_coder_call":  # (its tag reads each tool's parameters as they came)
+        return parser.forced_call([call_schema(name, params, key) for name, params in tools.items()],
+                                  is_parallel=choice == "required")
+    schema = json.loads(grammar.schema or "{}")
+    return dataclasses.replace(grammar, schema=json.dumps(schema | defs))
+
+
+# Where JSON Schema keeps definitions that `$ref`s name from the schema's root ("#/$defs/Item")
+_DEFINITIONS_KEYS = ("$defs", "definitions")
+
+
+def _hoisted_definitions(tools: dict[str, dict[str, Any]]) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
+    """(each tool's parameters without their definitions, the definitions of them all). A call's
+    schema holds the parameters under its `arguments`, so a `$ref` to `#/$defs/Item` (as
+    pydantic writes nested models) would look for it at the call's root: the definitions go
+    there, as vLLM gathers them. Two tools defining one name differently are refused (400), as
+    in vLLM: one grammar cannot hold both."""
+    plain: dict[str, dict[str, Any]] = {}
+    merged: dict[str, dict[str, Any]] = {}
+    for name, params in tools.items():
+        plain[name] = {k: v for k, v in params.items() if not (k in _DEFINITIONS_KEYS and isinstance(v, dict))}
+        for key in _DEFINITIONS_KEYS:
+            defs = params.get(key)
+            if not isinstance(defs, dict):
+                continue
+            into = merged.setdefault(key, {})
+            for def_name, definition in defs.items():
+                if def_name in into and into[def_name] != definition:
+                    raise InvalidParameter(f"tools define {key}/{def_name} differently (in {name!r} and another "
+                                           f"tool); give the definitions distinct names", param="tools")
+                into[def_name] = definition
+    return plain, merged
 
 
 def call_schema(name: str, parameters: dict[str, Any], arguments_key: str = "arguments") -> dict[str, Any]:

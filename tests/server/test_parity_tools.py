@@ -21,6 +21,7 @@ import openai
 import pytest
 from server_process import KEYS, ServerProcess, client_for
 
+from kvseal.errors import InvalidParameter
 from kvseal.server.protocol import ChatCompletionRequest
 from kvseal.server.tools import (
     CallDelta,
@@ -35,6 +36,7 @@ from kvseal.server.tools import (
     call_schema,
     tool_setup,
 )
+from kvseal.structured.grammars import tool_call_grammar, tool_calls_grammar
 
 WEATHER = {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}, "celsius": {"type": "boolean"}},
            "required": ["city", "celsius"], "additionalProperties": False}
@@ -773,7 +775,6 @@ def test_qwen3_coder_bounded_strings_read_as_the_enforced_grammar_counted_them()
 
 
 def test_qwen3_coder_forced_call_refuses_a_parameter_name_the_format_cannot_write() -> None:
-    from kvseal.errors import InvalidParameter
     from kvseal.server.tools import call_schema
 
     for name in ("a>b", "a<b", "a\nb"):
@@ -781,3 +782,45 @@ def test_qwen3_coder_forced_call_refuses_a_parameter_name_the_format_cannot_writ
             Qwen3CoderToolParser().forced_call([call_schema("f", {"type": "object",
                                                                   "properties": {name: {"type": "string"}}})])
         assert refused.value.param == "tools"
+
+
+NESTED = {"type": "object", "properties": {"item": {"$ref": "#/$defs/Item"}}, "required": ["item"],
+          "$defs": {"Item": {"type": "object", "properties": {"sku": {"type": "string"}}, "required": ["sku"]}}}
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "order"}}])
+@pytest.mark.parametrize("parser", ["hermes", "mistral", "pythonic", "llama3_json"])
+def test_a_forced_call_takes_parameters_with_definitions(tool_choice: Any, parser: str) -> None:
+    """Pydantic writes nested models as `$defs` its `$ref`s name from the parameters' root; in the
+    call's schema the parameters sit under `arguments`, so the definitions go to the call's root
+    (as vLLM gathers them), where the grammar and a validator find them."""
+    import xgrammar
+
+    tools = [{"type": "function", "function": {"name": "order", "parameters": NESTED}}, *TOOLS]
+    body = ChatCompletionRequest.model_validate({"messages": MESSAGES, "tools": tools, "tool_choice": tool_choice})
+    grammar = tool_setup(body, parser).grammar
+    assert grammar is not None and grammar.schema is not None
+    schema = json.loads(grammar.schema)
+    key = "parameters" if parser == "llama3_json" else "arguments"
+    call = {"name": "order", key: {"item": {"sku": "A-1"}}}
+    instance = call if grammar.kind in ("tool_call", "tool_calls") or parser == "llama3_json" else [call]
+    jsonschema.validate(instance, schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(json.loads(json.dumps(instance).replace('"sku"', '"skew"')), schema)
+    if grammar.kind == "tool_calls":
+        tool_calls_grammar(grammar.schema)
+    elif grammar.kind == "tool_call":
+        tool_call_grammar(grammar.schema)
+    else:
+        xgrammar.Grammar.from_json_schema(grammar.schema)
+
+
+def test_two_tools_defining_one_name_differently_are_refused() -> None:
+    other = json.loads(json.dumps(NESTED))
+    other["$defs"]["Item"]["required"] = []
+    tools = [{"type": "function", "function": {"name": "order", "parameters": NESTED}},
+             {"type": "function", "function": {"name": "refund", "parameters": other}}]
+    body = ChatCompletionRequest.model_validate({"messages": MESSAGES, "tools": tools, "tool_choice": "required"})
+    with pytest.raises(InvalidParameter, match=r"\$defs/Item differently") as refused:
+        tool_setup(body, "hermes")
+    assert refused.value.param == "tools"
