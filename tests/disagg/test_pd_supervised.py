@@ -149,17 +149,23 @@ class FakeProcess:
     kill = terminate
 
 
-def test_the_503_reason_describes_the_engine_as_it_is_now(marker_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Killed, restarted, killed again before the supervisor reaped it: the reason clients get
-    says the restarted engine exited, not that the first one did and its successor is starting;
-    and it names no PID or address (the log does)."""
-    pids = count(40001)
+def _fake_supervisor(marker_dir: Path, monkeypatch: pytest.MonkeyPatch,
+                     first_pid: int) -> tuple[PdTopology, SpawnedEngines]:
+    """`serve --pd`'s supervisor over processes as it sees them (`FakeProcess`: no engine starts)."""
+    pids = count(first_pid)
     monkeypatch.setattr(SpawnedEngines, "_spawn", lambda self, config: FakeProcess(next(pids)))
     ns = build_parser().parse_args(["serve", "--pd", "--model", str(marker_dir), *FLAGS])
     topology = PdTopology.from_namespace(ns)
     assert topology is not None
-    spawned = SpawnedEngines(topology, engine_args_from(ns), argparse.Namespace(**vars(ns)),
-                             RestartPolicy(engine_restart_limit=5, engine_restart_backoff_s=0))
+    return topology, SpawnedEngines(topology, engine_args_from(ns), argparse.Namespace(**vars(ns)),
+                                    RestartPolicy(engine_restart_limit=5, engine_restart_backoff_s=0))
+
+
+def test_the_503_reason_describes_the_engine_as_it_is_now(marker_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Killed, restarted, killed again before the supervisor reaped it: the reason clients get
+    says the restarted engine exited, not that the first one did and its successor is starting;
+    and it names no PID or address (the log does)."""
+    topology, spawned = _fake_supervisor(marker_dir, monkeypatch, first_pid=40001)
     first = spawned.processes[0]
     assert spawned.why_down("prefill") is None
     first.exitcode = -signal.SIGKILL
@@ -186,13 +192,7 @@ def _engine_info(role: Role, address: str, instance: str) -> EngineInfoMsg:
 def supervised_client(marker_dir: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[PdClient, SpawnedEngines]]:
     """A PD frontend over `--pd`'s supervisor, its engines processes as the supervisor sees them
     (no engine starts): decode killed, reaped and restarted once."""
-    pids = count(41001)
-    monkeypatch.setattr(SpawnedEngines, "_spawn", lambda self, config: FakeProcess(next(pids)))
-    ns = build_parser().parse_args(["serve", "--pd", "--model", str(marker_dir), *FLAGS])
-    topology = PdTopology.from_namespace(ns)
-    assert topology is not None
-    spawned = SpawnedEngines(topology, engine_args_from(ns), argparse.Namespace(**vars(ns)),
-                             RestartPolicy(engine_restart_limit=5, engine_restart_backoff_s=0))
+    topology, spawned = _fake_supervisor(marker_dir, monkeypatch, first_pid=41001)
     client = PdClient(list(topology.prefill), list(topology.decode), "/tokenizer", topology.link_key, spawned)
     try:
         prefill, decode = client.links
