@@ -28,7 +28,7 @@ from kvseal.disagg.config import NodeConfig
 from kvseal.disagg.node import EngineNode
 from kvseal.engine.engine import LLMEngine
 from kvseal.heap import freeze_startup_heap
-from kvseal.messages.msgs import ABORT_SERVER_SHUTDOWN, TP_RANK_LOST
+from kvseal.messages.msgs import TP_RANK_LOST
 from kvseal.parallel.group import RankFailure
 from kvseal.types import ENGINE_UNAVAILABLE
 
@@ -60,7 +60,7 @@ def serve_engine(args: EngineArgs, config: NodeConfig, should_stop: Callable[[],
         while not stop["signal"] and not should_stop() and node.loop.run_once():
             node.engine.check_ranks()  # a tensor-parallel rank lost while idle fails the engine now
         if not node.loop.is_stopped:
-            node.steps.abort_all(ABORT_SERVER_SHUTDOWN)
+            end_on_shutdown(node)
     except RankFailure as exc:  # fail closed: every held request ends with an error, then exit
         end_on_rank_failure(node, exc)
         status = 1
@@ -71,6 +71,14 @@ def serve_engine(args: EngineArgs, config: NodeConfig, should_stop: Callable[[],
             node.ctx.destroy(linger=0)
     logger.info("kvseal engine (%s) stopped", config.role)
     return status
+
+
+def end_on_shutdown(node: EngineNode) -> None:
+    """The engine was told to stop (SIGTERM, SIGINT, its `serve --pd` parent gone): every request
+    it holds ends as lost with the engine (`ENGINE_UNAVAILABLE`: 503 `engine_unavailable`, the
+    audit an error), which a client may retry on another engine, never as a refusal of the
+    request (prefill's used to reach clients as 500 `request_aborted`, audited as rejected)."""
+    node.steps.abort_all(f"the {node.config.role} engine is shutting down", ENGINE_UNAVAILABLE)
 
 
 def end_on_rank_failure(node: EngineNode, exc: RankFailure) -> None:

@@ -26,7 +26,7 @@ from kvseal._testing.faults import Fault, inject
 from kvseal.cli import main
 from kvseal.config import EngineArgs
 from kvseal.disagg.config import NodeConfig
-from kvseal.disagg.engine_main import end_on_rank_failure
+from kvseal.disagg.engine_main import end_on_rank_failure, end_on_shutdown
 from kvseal.disagg.msgs import PrefillRefusedMsg
 from kvseal.disagg.node import EngineNode
 from kvseal.engine.engine import LLMEngine
@@ -243,6 +243,46 @@ def test_a_lost_rank_ends_its_engines_requests_as_an_engine_loss(odd_split_dir: 
                 pair._route()
             assert handoff.is_terminal and handoff.final.finish_reason == "abort"
             assert (handoff.final.error_code, handoff.final.error) == (ENGINE_UNAVAILABLE, TP_RANK_LOST)
+        pair.decode.check_integrity()
+        assert pair.decode.engine.kv.num_used_pages == 0 and not pair.decode.steps.held()
+    finally:
+        pair.close()
+
+
+@pytest.mark.parametrize("stopped", ["prefill", "decode"])
+def test_an_engine_told_to_stop_ends_its_requests_as_an_engine_loss(odd_split_dir: Path, stopped: str) -> None:
+    """SIGTERM to a `kvseal engine` holding a request (prefill: midway through a chunked prefill;
+    decode: decoding): what it runs then (`end_on_shutdown`) ends the request as the engine's
+    loss, 503 `engine_unavailable` (prefill's refusal, relayed by decode; decode's own abort
+    output), which a client may retry elsewhere. Before, prefill's reached the client as 500
+    `request_aborted`, audited as rejected by the engine. Decode's pages are all free afterwards."""
+    pair = PdPair(_args(odd_split_dir, 1), _args(odd_split_dir, 1), kv_transport="tcp-stream")
+    try:
+        node = pair.prefill if stopped == "prefill" else pair.decode
+        prompt = list(range(10, 110))  # four prefill chunks of max_num_batched_tokens (32)
+        if stopped == "prefill":
+            handoff = pair.reserve(prompt, GREEDY)
+            pair.to_prefill.send(pair.prefill_msg(handoff, prompt, GREEDY))
+            for _ in range(MAX_ITERATIONS):
+                pair.prefill.loop.run_once(idle_poll_ms=1)
+                if pair.prefill.engine.has_unfinished():
+                    break
+            assert pair.prefill.engine.has_unfinished(), "prefill took the request"
+        else:
+            handoff = pair.generate_start(prompt, GREEDY)
+            assert handoff.token_ids and not handoff.is_terminal
+        end_on_shutdown(node)
+        if stopped == "prefill":
+            _pump_decode(pair, lambda: handoff.rejected is not None, "decode's relay of prefill's refusal")
+            assert handoff.rejected is not None
+            assert (handoff.rejected.code, handoff.rejected.http_status) == (ENGINE_UNAVAILABLE, 503)
+            assert handoff.rejected.message == "the prefill engine is shutting down"
+        else:
+            while not handoff.is_terminal:
+                assert pair.to_decode.socket.poll(WAIT_DEADLINE_S * 1000), "decode's end of the request"
+                pair._route()
+            assert (handoff.final.error_code, handoff.final.error) == (ENGINE_UNAVAILABLE,
+                                                                       "the decode engine is shutting down")
         pair.decode.check_integrity()
         assert pair.decode.engine.kv.num_used_pages == 0 and not pair.decode.steps.held()
     finally:
