@@ -59,6 +59,7 @@ class Call:
         self._is_http_done = False
         self._num_slots = 0  # taken against the tenant's concurrency limit
         self._rates_taken = (0, 0)  # (requests, prompt tokens) taken from the tenant's per-minute limits
+        self._aborted_for: str | None = None  # the reason of the first abort sent to the engine for it
         self._is_submitted = False
         self._received_at = time.time()
         self._received_s = time.monotonic()
@@ -145,6 +146,7 @@ class Call:
     def abort(self, reason: str) -> None:
         """End the request in the engine if it is still live there; a no-op otherwise."""
         if self._is_submitted and not self.is_done and self.tenant is not None:
+            self._aborted_for = self._aborted_for or reason
             for engine_id in self.engine_ids:
                 self.state.engine.abort(engine_id, self.tenant.name, reason)
 
@@ -190,10 +192,15 @@ class Call:
     def _failed_before_any_token(self, event: RequestEvent) -> bool:
         """The server's own failure ended the request before it generated a token: the engine
         lost (`EngineGone`), an engine's refusal with a 5xx (a failed transfer), shutdown. A
-        client's disconnect or the request's own constraints are not the server's doing."""
-        if isinstance(event, RequestRejectedMsg):
-            return event.http_status >= 500
-        if isinstance(event, EngineGone):
+        client's disconnect or the request's own constraints are not the server's doing: nor is
+        an engine's end that follows an abort the client's leaving (or the operator) asked for,
+        whatever its code (PD prefill reports its aborts as 500 `request_aborted`). Every choice
+        counts: one choice's failure after another generated is no failure before any token."""
+        if self._aborted_for not in (None, ABORT_SERVER_SHUTDOWN):
+            return False
+        if isinstance(event, RequestRejectedMsg | EngineGone):
+            if isinstance(event, RequestRejectedMsg) and event.http_status < 500:
+                return False
             progress = self._progress()
             return progress is None or progress.num_output_tokens == 0
         return (isinstance(event, RequestOutputMsg) and event.finish_reason == "abort"

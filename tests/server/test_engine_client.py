@@ -326,6 +326,11 @@ def _lose_or_refuse(state: AppState, request_id: str, how: str) -> None:
     """End the submitted one-choice request `request_id` of alice the way `how` names."""
     if how == "refused 502":  # an engine's own failure, relayed (a PD transfer that failed)
         state.engine._receive(encode(RequestRejectedMsg(request_id, "alice", "transfer_failed", "failed", None, 502)))
+    elif how == "client gone, then refused 500":  # PD prefill reports the abort it was sent as a 500
+        state.engine._receive(encode(RequestRejectedMsg(request_id, "alice", "request_aborted", "aborted", None, 500)))
+    elif how == "a token, then refused 502":  # one choice generated (a stream sent it), then the transfer failed
+        state.engine._receive(encode(OutputsMsg([_output(request_id, "alice", finished=False)])))
+        state.engine._receive(encode(RequestRejectedMsg(request_id, "alice", "transfer_failed", "failed", None, 502)))
     elif how == "refused 400":  # the request's own fault, found by the engine
         state.engine._receive(encode(RequestRejectedMsg(request_id, "alice", "invalid", "too long", None, 400)))
     else:
@@ -335,13 +340,17 @@ def _lose_or_refuse(state: AppState, request_id: str, how: str) -> None:
 
 
 @pytest.mark.parametrize(("how", "remaining"), [("lost before a token", ("2", "50")), ("refused 502", ("2", "50")),
-                                                 ("lost after a token", ("1", "47")), ("refused 400", ("1", "48"))])
+                                                 ("lost after a token", ("1", "47")), ("refused 400", ("1", "48")),
+                                                 ("client gone, then refused 500", ("1", "48")),
+                                                 ("a token, then refused 502", ("1", "48"))])
 def test_a_request_the_server_fails_before_its_first_token_takes_no_per_minute_quota(
         tmp_path: Path, how: str, remaining: tuple[str, str]) -> None:
     """A request already submitted that the server's own failure ends before its first token (the
     engine lost, `serve --pd`'s prefill engine gone after decode reserved; an engine's 5xx) gets
     back the request and prompt tokens it took, as a 503 at the door does. One that generated a
-    token has run (its prompt and output are charged), and an engine's 4xx is the request's fault."""
+    token has run (its prompt and output are charged), an engine's 4xx is the request's fault, and
+    an end that follows the abort a client's leaving sent (PD prefill answers it 500
+    `request_aborted`) is the client's doing: a tenant cannot send long prompts and leave for free."""
     keys = _keys(tmp_path, {"key-a": {"tenant": "alice", "requests_per_minute": 2, "tokens_per_minute": 50}})
 
     async def scenario() -> None:
@@ -354,6 +363,8 @@ def test_a_request_the_server_fails_before_its_first_token_takes_no_per_minute_q
             call.num_prompt_tokens = 2
             call.take_prompt_tokens()
             call.submit([AddRequestMsg("r-q", "alice", [5, 6], params_to_msg(SamplingParams(max_tokens=4)))])
+            if how.startswith("client gone"):
+                call.abort_on_exit()  # as the response does when the client leaves
             _lose_or_refuse(state, "r-q", how)
             call.http_done()
             assert call.is_done and state.gate.num_tenants_in_flight() == 0
