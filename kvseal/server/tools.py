@@ -69,7 +69,7 @@ import secrets
 import string
 import uuid
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -624,20 +624,45 @@ def _enforced_call(body: ChatCompletionRequest, choice: Any, parser: ToolParser)
         tools = {name: tools[name]}
     elif choice != "required":
         return None
+    is_parallel = choice == "required"
+    grammar = parser.forced_call([call_schema(name, params, key) for name, params in tools.items()], is_parallel)
+    if grammar.kind == "qwen3_coder_call":  # its tag holds each tool's parameters as a schema of their own
+        return grammar
+    _refuse_root_references(tools)
     plain, defs = _hoisted_definitions(tools)
-    grammar = parser.forced_call([call_schema(name, params, key) for name, params in plain.items()],
-                                 is_parallel=choice == "required")
     if not defs:
         return grammar
-    if grammar.kind == "qwen3_coder_call":  # (its tag reads each tool's parameters as they came)
-        return parser.forced_call([call_schema(name, params, key) for name, params in tools.items()],
-                                  is_parallel=choice == "required")
-    schema = json.loads(grammar.schema or "{}")
-    return dataclasses.replace(grammar, schema=json.dumps(schema | defs))
+    grammar = parser.forced_call([call_schema(name, params, key) for name, params in plain.items()], is_parallel)
+    return dataclasses.replace(grammar, schema=json.dumps(json.loads(grammar.schema or "{}") | defs))
 
 
 # Where JSON Schema keeps definitions that `$ref`s name from the schema's root ("#/$defs/Item")
 _DEFINITIONS_KEYS = ("$defs", "definitions")
+
+
+def _refuse_root_references(tools: dict[str, dict[str, Any]]) -> None:
+    """400 for a `$ref` to the parameters' root (`#`, a recursive tree) or into it other than by
+    its definitions (`#/properties/...`): inside a call's schema that root is the call object,
+    so the grammar would hold the model to a shape the tool's schema refuses, without a word."""
+    for name, params in tools.items():
+        for ref in _references(params):
+            if ref == "#" or (ref.startswith("#/") and not ref.startswith(("#/$defs/", "#/definitions/"))):
+                raise InvalidParameter(f"tool {name!r}: a forced call (tool_choice required or named) cannot "
+                                       f"hold $ref {ref!r}, which points into the parameters' root; put the "
+                                       f"shape it names in $defs and refer to it there", param="tools")
+
+
+def _references(schema: Any) -> Iterator[str]:
+    """Every `$ref` string anywhere in `schema`."""
+    if isinstance(schema, dict):
+        for key, value in schema.items():
+            if key == "$ref" and isinstance(value, str):
+                yield value
+            else:
+                yield from _references(value)
+    elif isinstance(schema, list):
+        for value in schema:
+            yield from _references(value)
 
 
 def _hoisted_definitions(tools: dict[str, dict[str, Any]]) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:

@@ -824,3 +824,30 @@ def test_two_tools_defining_one_name_differently_are_refused() -> None:
     with pytest.raises(InvalidParameter, match=r"\$defs/Item differently") as refused:
         tool_setup(body, "hermes")
     assert refused.value.param == "tools"
+
+
+def test_qwen3_coder_keeps_each_tools_definitions_as_they_came() -> None:
+    """Qwen3-Coder's tag holds each tool's parameters as a schema of their own: their definitions
+    stay where they are, and two tools may define one name differently there."""
+    other = json.loads(json.dumps(NESTED))
+    other["$defs"]["Item"]["required"] = []
+    tools = [{"type": "function", "function": {"name": "order", "parameters": NESTED}},
+             {"type": "function", "function": {"name": "refund", "parameters": other}}]
+    body = ChatCompletionRequest.model_validate({"messages": MESSAGES, "tools": tools, "tool_choice": "required"})
+    grammar = tool_setup(body, "qwen3_coder").grammar
+    assert grammar is not None and grammar.kind == "qwen3_coder_call"
+    assert [t["parameters"] for t in json.loads(grammar.schema or "")] == [NESTED, other]
+
+
+@pytest.mark.parametrize("ref", ["#", "#/properties/item"])
+def test_a_forced_call_refuses_a_reference_into_the_parameters_root(ref: str) -> None:
+    """In a call's schema the parameters' root is the call object: `{"$ref": "#"}` (a recursive
+    tree) would hold the model to a call inside a call, a shape the tool's own schema refuses."""
+    tree = {"type": "object", "properties": {"item": {"type": "string"}, "child": {"$ref": ref}}}
+    tools = [{"type": "function", "function": {"name": "tree", "parameters": tree}}]
+    body = ChatCompletionRequest.model_validate({"messages": MESSAGES, "tools": tools, "tool_choice": "required"})
+    with pytest.raises(InvalidParameter, match=f"cannot hold \\$ref '{re.escape(ref)}'") as refused:
+        tool_setup(body, "hermes")
+    assert refused.value.param == "tools"
+    auto = body.model_copy(update={"tool_choice": "auto"})
+    assert tool_setup(auto, "hermes").grammar is None  # nothing is enforced: the tool is taken as it is
