@@ -32,6 +32,7 @@ from kvseal.disagg.msgs import (
 )
 from kvseal.disagg.nixl import ArenaPages, NixlSender, decode_address, part_sizes
 from kvseal.disagg.node import EngineNode
+from kvseal.disagg.prefill import REQUEST_ABORTED
 from kvseal.disagg.tcp import TcpReceiver, TcpSender
 from kvseal.disagg.transport import (
     CANCELLED,
@@ -1063,3 +1064,31 @@ def test_a_commit_with_an_allowed_first_token_runs(make_pair: Any) -> None:
     assert handoff.final.finish_reason == "length" and set(handoff.token_ids) <= {7, 8}
     assert pair.decode.link.stats().handoff_failures == {}
     pair.assert_clean()
+
+
+@needs_nixl
+def test_a_nixl_reservation_the_client_left_ends_as_the_clients_abort_when_prefill_refuses_it(
+        llama_dir: Path, loaded: Any) -> None:
+    """Over NIXL decode's release of an aborted reservation waits for prefill's last word (a
+    write could still land). When that word is prefill's refusal of the request, the end the
+    frontend gets is the abort that came first (the client left), never prefill's refusal: relayed
+    as a 500 `request_aborted`, it would read as the engine's rejection (and the server's failure,
+    whose quota goes back). The refusal finds the reservation releasing and is taken as its late
+    word; the deferred error is not kept afterwards."""
+    pair = PdPair(args(llama_dir), args(llama_dir), loaded=loaded, kv_transport="nixl", transfer_drain_s=600.0)
+    try:
+        handoff = pair.reserve(PROMPT, GREEDY)
+        pair.to_decode.send(AbortMsg(handoff.request_id, "alice", "client_disconnected"))
+        pair.pump(lambda: handoff.request_id in pair.decode.steps._pending_errors, "the deferred release")
+        assert not handoff.is_terminal
+        reserved = handoff.reserved
+        assert reserved is not None
+        pair.peer_link().send(TransferAbortMsg(reserved.transfer_id, handoff.request_id, "alice", REQUEST_ABORTED,
+                                               "prefill did not complete the request", None, 500, "prefill"))
+        pair.pump(lambda: handoff.is_terminal, "the end of the request")
+        assert handoff.rejected is None
+        assert (handoff.final.finish_reason, handoff.final.error) == ("abort", "client_disconnected")
+        assert not pair.decode.steps._pending_errors
+        pair.assert_clean()
+    finally:
+        pair.close()
