@@ -68,7 +68,7 @@ def _scenario(server: ServerProcess, fault: str, stream: bool) -> dict[str, str 
     """
     if fault != "foreign_page":
         return dict([_bob(server, stream)])
-    body = {"prompt": "w300 w301 w302", "max_tokens": 200, "ignore_eos": True, "stream": True}
+    body = {"prompt": "w300 w301 w302", "max_tokens": 400, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", f"{server.base_url}/completions", json=body, timeout=60,
                       headers={"Authorization": "Bearer key-alice"}) as response:
         lines = response.iter_lines()
@@ -77,9 +77,21 @@ def _scenario(server: ServerProcess, fault: str, stream: bool) -> dict[str, str 
         return {bob_id: bob_error, response.headers["x-request-id"]: _stream_error(iter([first, *lines]))}
 
 
+def _tripping(server: ServerProcess, fault: str, stream: bool) -> dict[str, str | None]:
+    """The scenario, run again (five times at most) until a check trips, with every request of
+    every run: the foreign-page fault needs alice still generating when bob's request runs, and
+    the tiny model can decode all her tokens first (then no page of hers is there to name)."""
+    results: dict[str, str | None] = {}
+    for _ in range(5):
+        results |= _scenario(server, fault, stream)
+        if any(results.values()):
+            break
+    return results
+
+
 def test_a_tripped_isolation_check_is_an_error_everyone_sees(fault_server: tuple[str, ServerProcess]) -> None:
     fault, server = fault_server
-    plain, streamed = _scenario(server, fault, stream=False), _scenario(server, fault, stream=True)
+    plain, streamed = _tripping(server, fault, stream=False), _tripping(server, fault, stream=True)
     assert any(plain.values()) and any(streamed.values()), (plain, streamed)  # each scenario trips a check
     results = plain | streamed
     caught = [request_id for request_id, code in results.items() if code is not None]
