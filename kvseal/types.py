@@ -350,6 +350,28 @@ def _logit_bias_pairs(bias: object) -> tuple[tuple[int, float], ...]:
     return tuple((int(t), float(b)) for t, b in pairs)
 
 
+@dataclass(frozen=True)
+class RequestTiming:
+    """How long a request spent in each phase, measured by the engines on their own monotonic
+    clocks (durations only, never timestamps: no clock is compared across processes).
+
+    `queue_s`: from the engine queueing it to its first schedule; `prefill_s`: from there to its
+    first token; `decode_s`: from its first token to its last. A preemption keeps the first
+    schedule and the first token (vLLM's): the time it waits and recomputes after one counts in
+    prefill or decode, not in the queue. PD: prefill measures the first two, decode the third,
+    from its taking the handoff over; the KV transfer between them is in none.
+    """
+
+    queue_s: float
+    prefill_s: float
+    decode_s: float
+
+    @property
+    def inference_s(self) -> float:
+        """From the first schedule to the last token (vLLM's RUNNING phase)."""
+        return self.prefill_s + self.decode_s
+
+
 @dataclass
 class Request:
     """One admitted request as the engine sees it. Owned by exactly one scheduler queue.
@@ -381,7 +403,14 @@ class Request:
     stop_reason: str | int | None = None
     generator: torch.Generator | None = None
     grammar: Any = None  # a `structured.matching.RequestGrammar` when params.structured is set
+    # this engine's monotonic clock: queued here, first scheduled (kept across preemptions),
+    # first and latest token sampled (or, PD decode, taken over with its first token)
     arrival_s: float = field(default_factory=time.monotonic)
+    first_scheduled_s: float | None = None
+    first_token_s: float | None = None
+    last_token_s: float | None = None
+    # PD decode: the queue and prefill durations prefill measured (`RequestTiming.decode_s` unused)
+    prefilled_timing: RequestTiming | None = None
 
     def __post_init__(self) -> None:
         self.cache_namespace = namespace_of(self.tenant, self.params.cache_salt)
@@ -409,6 +438,23 @@ class Request:
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    def note_token(self) -> None:
+        """A token was sampled for it now (or, PD decode, its first token taken over)."""
+        self.last_token_s = time.monotonic()
+        if self.first_token_s is None:
+            self.first_token_s = self.last_token_s
+
+    def timing(self) -> RequestTiming | None:
+        """Its phases so far; None before its first token."""
+        if self.first_token_s is None or self.last_token_s is None:
+            return None
+        decode_s = self.last_token_s - self.first_token_s
+        if self.prefilled_timing is not None:
+            return RequestTiming(self.prefilled_timing.queue_s, self.prefilled_timing.prefill_s, decode_s)
+        assert self.first_scheduled_s is not None, "a request samples its first token after its first schedule"
+        return RequestTiming(self.first_scheduled_s - self.arrival_s, self.first_token_s - self.first_scheduled_s,
+                             decode_s)
 
 
 @dataclass(frozen=True)
@@ -460,7 +506,8 @@ class RequestOutput:
     pages it held at the end.
 
     `prompt_token_logprobs` (a request with `SamplingParams.prompt_logprobs`, from its first
-    token on) has one entry per prompt token, None for the first.
+    token on) has one entry per prompt token, None for the first. `timing` (set when finished,
+    for a request that had a first token) says how long it queued, prefilled and decoded.
 
     The offline API (`LLM.generate`) also sets `prompt` (the text prompt, None for token ids),
     `prompt_logprobs` (vLLM's shape of `prompt_token_logprobs`) and `outputs`, every choice of
@@ -485,6 +532,7 @@ class RequestOutput:
     num_kv_tokens_written: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     prompt_token_logprobs: list[TokenLogprobs | None] | None = None
+    timing: RequestTiming | None = None  # set when finished, for a request that had a first token
     prompt: str | None = None
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     outputs: list[CompletionOutput] = field(default_factory=list)

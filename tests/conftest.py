@@ -57,6 +57,7 @@ PROCESS_MODULES = frozenset({
     "server/test_grammar_budget.py", "server/test_isolation_events.py", "server/test_lifecycle.py",
     "server/test_parity_structured.py", "server/test_parity_tokenize.py",
     "server/test_prefix_cache_api.py", "server/test_quantization.py", "server/test_tenancy.py",
+    "server/test_vllm_request_metrics.py",
     "test_layering.py",
 })
 PROCESS_TESTS = frozenset({  # in otherwise in-process modules: these start grammar workers or probes

@@ -15,6 +15,7 @@ full pages are published (`add_prefilled`), so the tenant's next request hits th
 from __future__ import annotations
 
 import logging
+import math
 import socket
 from dataclasses import dataclass
 from typing import Any, TypeGuard
@@ -40,11 +41,11 @@ from kvseal.disagg.transport import CANCELLED, KVReceiver, log_refused_block
 from kvseal.disagg.verify import Expected, Refusal, verify_commit
 from kvseal.engine.engine import LLMEngine
 from kvseal.errors import RequestRejected
-from kvseal.messages.convert import logprobs_from_msg, output_to_msg, params_from_msg
+from kvseal.messages.convert import logprobs_from_msg, output_to_msg, params_from_msg, timing_from_msg
 from kvseal.messages.msgs import AbortMsg, OutputsMsg, RequestOutputMsg, RequestRejectedMsg
 from kvseal.parallel.handoff import RankHandoff
 from kvseal.structured.pending import PendingGrammars
-from kvseal.types import ISOLATION_CHECK_FAILED, RequestOutput, SamplingParams
+from kvseal.types import ISOLATION_CHECK_FAILED, RequestOutput, RequestTiming, SamplingParams
 
 logger = logging.getLogger("kvseal.disagg")
 
@@ -259,7 +260,8 @@ class DecodeSteps:
         first = self.engine.add_prefilled(request_id, reservation.tenant, reservation.prompt_token_ids,
                                           reservation.params, msg.first_token, logprobs, generator_state,
                                           reservation.num_cached_tokens,
-                                          reservation.compiled_grammar, prompt_logprobs)
+                                          reservation.compiled_grammar, prompt_logprobs,
+                                          _prefill_timing(msg))
         logger.info("handoff of request %s verified: transfer %s from prefill %s to decode %s",
                     request_id, msg.transfer_id, msg.prefill_engine, self.instance_id)
         self._frontend_of[request_id] = reservation.frontend
@@ -381,6 +383,15 @@ class DecodeSteps:
                 by_frontend.setdefault(frontend, []).append(output_to_msg(out))
         for frontend, msgs in by_frontend.items():
             self.replies.send(frontend, OutputsMsg(msgs))
+
+
+def _prefill_timing(msg: CommitMsg) -> RequestTiming | None:
+    """Prefill's queue and prefill durations, for /metrics only (nothing else reads them): left out
+    unless each is a finite duration of at least 0."""
+    timing = timing_from_msg(msg.prefill_timing)
+    if timing is None or not all(math.isfinite(s) and s >= 0 for s in (timing.queue_s, timing.prefill_s)):
+        return None
+    return timing
 
 
 def _is_named(reservation: Reservation | None, msg: CommitMsg | TransferAbortMsg) -> TypeGuard[Reservation]:

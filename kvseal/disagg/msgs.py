@@ -39,6 +39,7 @@ from kvseal.messages.msgs import (
     EngineStatsMsg,
     OutputsMsg,
     RequestRejectedMsg,
+    RequestTimingMsg,
     SamplingParamsMsg,
     ShutdownMsg,
     TokenLogprobsMsg,
@@ -250,7 +251,8 @@ class WrittenRangeMsg(msgspec.Struct, frozen=True, array_like=True):
 
 class CommitMsg(_Msg, frozen=True):
     """Prefill's claim: these positions of every layer were written for this transfer, and
-    this is the first sampled token. Decode verifies every word before it runs a step."""
+    this is the first sampled token. Decode verifies every word before it runs a step, but for
+    `prefill_timing`: figures for /metrics that nothing else reads, kept if they are durations."""
 
     transfer_id: str
     request_id: str
@@ -263,6 +265,9 @@ class CommitMsg(_Msg, frozen=True):
     prefill_engine: str
     # the request's `prompt_logprobs`: one entry per prompt token, None first (None: not asked for)
     prompt_logprobs: list[TokenLogprobsMsg | None] | None = None
+    # how long the request queued and prefilled on prefill (`decode_s` 0): decode reports them with
+    # its own decode time when the request ends (for /metrics, never verified: only figures)
+    prefill_timing: RequestTimingMsg | None = None
 
 
 class TransferAbortMsg(_Msg, frozen=True):

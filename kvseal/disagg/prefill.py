@@ -39,7 +39,7 @@ from kvseal.disagg.transport import KVSender, PushPlan, TransportError
 from kvseal.disagg.wire import PeerLinks
 from kvseal.engine.engine import LLMEngine
 from kvseal.errors import RequestRejected
-from kvseal.messages.convert import logprobs_to_msg, params_from_msg, prompt_logprobs_to_msg
+from kvseal.messages.convert import logprobs_to_msg, params_from_msg, prompt_logprobs_to_msg, timing_to_msg
 from kvseal.messages.msgs import AbortMsg
 from kvseal.parallel.handoff import RankHandoff
 from kvseal.structured.pending import PendingGrammars
@@ -227,6 +227,7 @@ class PrefillSteps:
             first_logprobs=None if first is None else logprobs_to_msg(first),
             generator_state=request.generator.get_state().numpy().tobytes(), prefill_engine=self.instance_id,
             prompt_logprobs=prompt_logprobs_to_msg(request.prompt_logprobs),
+            prefill_timing=timing_to_msg(request.timing()),
         )
         self.links.get(msg.decode_address, msg.decode_public_key).send(commit)
         return num_bytes

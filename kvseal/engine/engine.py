@@ -55,6 +55,7 @@ from kvseal.types import (
     FinishReason,
     Request,
     RequestOutput,
+    RequestTiming,
     SamplingParams,
     ScheduledChunk,
     TokenLogprobs,
@@ -273,7 +274,8 @@ class LLMEngine:
                       first_token: int, first_logprobs: TokenLogprobs | None,
                       generator_state: torch.Tensor, num_cached_tokens: int = 0,
                       compiled_grammar: Any = None,
-                      prompt_logprobs: list[TokenLogprobs | None] | None = None) -> RequestOutput:
+                      prompt_logprobs: list[TokenLogprobs | None] | None = None,
+                      prefill_timing: RequestTiming | None = None) -> RequestOutput:
         """Run a request whose prompt KV is already in pages it holds, written and recorded in
         every layer (a verified PD handoff), and whose first token was sampled elsewhere.
 
@@ -284,6 +286,8 @@ class LLMEngine:
         structured-output request's grammar (`compiled_grammar`, compiled off the loop by the
         caller; without one it is compiled here, blocking) is advanced by the first token.
         `prompt_logprobs`: those prefill computed, where the request asked for them (verified).
+        `prefill_timing`: how long it queued and prefilled there; its end reports them with the
+        decode time measured here from now on (without them, as decode saw it: no queue, no prefill).
         """
         if request_id in self._outputs:
             raise InvalidParameter(f"request id {request_id!r} is already in use", param="request_id")
@@ -293,7 +297,8 @@ class LLMEngine:
                           generator=generator,
                           num_computed_tokens=len(prompt_token_ids),
                           max_num_pages=len(self.kv.allocator.pages_of(request_id)),
-                          prompt_logprobs=prompt_logprobs)
+                          prompt_logprobs=prompt_logprobs, prefilled_timing=prefill_timing)
+        request.first_scheduled_s = request.arrival_s  # it runs from now on; a preemption keeps this
         self.kv.publish_written(request)
         if params.structured is not None:  # the first token was sampled under the same grammar
             request.grammar = new_matcher(compiled_grammar if compiled_grammar is not None

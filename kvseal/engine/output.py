@@ -57,6 +57,7 @@ class OutputState:
         """Record a sampled token; finish the request if it meets a stop condition."""
         request = self.request
         request.output_token_ids.append(token)
+        request.note_token()
         self._ids.append(token)
         delta = self._decode_delta()
         self.text += delta
@@ -130,4 +131,5 @@ class OutputState:
             num_pages_reserved=request.max_num_pages, num_kv_tokens_written=num_kv_tokens_written,
             num_cached_tokens=request.num_cached_tokens,
             prompt_token_logprobs=None if request.needs_prompt_logprobs else request.prompt_logprobs,
+            timing=request.timing() if finished else None,
         )

@@ -194,6 +194,8 @@ class Scheduler:
                 self.kv.free(request.request_id)  # gives the cached pages back; it holds nothing else
                 return
             self.waiting.remove(request)
+            if request.first_scheduled_s is None:  # a preempted request keeps its first (vLLM's)
+                request.first_scheduled_s = time.monotonic()
             request.num_computed_tokens = num_cached
             if request.num_preemptions == 0:
                 request.num_cached_tokens = num_cached

@@ -8,11 +8,19 @@ from kvseal.messages.msgs import (
     EngineStatsMsg,
     ReasoningGateMsg,
     RequestOutputMsg,
+    RequestTimingMsg,
     SamplingParamsMsg,
     StructuredOutputMsg,
     TokenLogprobsMsg,
 )
-from kvseal.types import ReasoningGate, RequestOutput, SamplingParams, StructuredOutput, TokenLogprobs
+from kvseal.types import (
+    ReasoningGate,
+    RequestOutput,
+    RequestTiming,
+    SamplingParams,
+    StructuredOutput,
+    TokenLogprobs,
+)
 
 if TYPE_CHECKING:  # the engine module loads torch and the models; this one stays light
     from kvseal.engine.engine import EngineStats
@@ -78,6 +86,14 @@ def prompt_logprobs_to_msg(lps: list[TokenLogprobs | None] | None) -> list[Token
     return None if lps is None else [None if lp is None else logprobs_to_msg(lp) for lp in lps]
 
 
+def timing_to_msg(timing: RequestTiming | None) -> RequestTimingMsg | None:
+    return None if timing is None else RequestTimingMsg(timing.queue_s, timing.prefill_s, timing.decode_s)
+
+
+def timing_from_msg(msg: RequestTimingMsg | None) -> RequestTiming | None:
+    return None if msg is None else RequestTiming(msg.queue_s, msg.prefill_s, msg.decode_s)
+
+
 def output_to_msg(out: RequestOutput) -> RequestOutputMsg:
     """Only the increment: `new_token_ids`, `new_text` and the logprobs of the new tokens (the
     prompt's logprobs with the first token)."""
@@ -96,6 +112,7 @@ def output_to_msg(out: RequestOutput) -> RequestOutputMsg:
         num_output_tokens=len(out.token_ids), num_pages_reserved=out.num_pages_reserved,
         num_kv_tokens_written=out.num_kv_tokens_written, num_cached_tokens=out.num_cached_tokens,
         logprobs=logprobs, error=out.error, error_code=out.error_code, prompt_logprobs=prompt_logprobs,
+        timing=timing_to_msg(out.timing),
     )
 
 

@@ -60,6 +60,14 @@ class SamplingParamsMsg(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
     cache_salt: str | None = None
 
 
+class RequestTimingMsg(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """`kvseal.types.RequestTiming`: durations in seconds, each measured on one engine's own clock."""
+
+    queue_s: float
+    prefill_s: float
+    decode_s: float
+
+
 class TokenLogprobsMsg(msgspec.Struct, frozen=True, array_like=True):
     token_id: int
     logprob: float
@@ -181,6 +189,8 @@ class RequestOutputMsg(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # `SamplingParams.prompt_logprobs`: one entry per prompt token (None first), sent once, with
     # the first output token
     prompt_logprobs: list[TokenLogprobsMsg | None] | None = None
+    # on the finished output of a request that had a first token: its phases (for /metrics)
+    timing: RequestTimingMsg | None = None
 
 
 class OutputsMsg(_Msg, frozen=True):

@@ -27,6 +27,7 @@ from kvseal.messages.msgs import (
     AddRequestMsg,
     RequestOutputMsg,
     RequestRejectedMsg,
+    SamplingParamsMsg,
 )
 from kvseal.server.audit import AuditRecord, Outcome, RejectedBy, clip, clip_optional
 from kvseal.server.auth import ApiKey, Tenant
@@ -34,6 +35,7 @@ from kvseal.server.choices import ChoiceGroup, choice_msgs
 from kvseal.server.endpoint import AuditPrompt
 from kvseal.server.errors import REQUEST_ID_HEADER, ApiError
 from kvseal.server.state import AppState
+from kvseal.server.vllm_metrics import RequestSizes
 from kvseal.types import ENGINE_UNAVAILABLE, NO_TOKEN_SATISFIES_CONSTRAINTS
 
 logger = logging.getLogger("kvseal.server")
@@ -66,6 +68,7 @@ class Call:
         self._first_token_at: float | None = None
         self._last_token_s: float | None = None
         self._group: ChoiceGroup | None = None  # its choices, once submitted
+        self._params: SamplingParamsMsg | None = None  # its first prompt's, once submitted (vLLM's n, max_tokens)
         self._route: dict[str, str] = {}  # PD mode: the engines and transfer id (filled in as it is routed)
 
     @property
@@ -128,6 +131,7 @@ class Call:
             raise
         self._is_submitted = True
         self._group = group
+        self._params = prompts[0].params
         return group
 
     def rate_headers(self) -> dict[str, str]:
@@ -264,14 +268,23 @@ class Call:
         tenant = self.tenant.name if self.tenant is not None else ""
         self.state.metrics.record_outcome(tenant, outcome, reason if outcome == "rejected" else None)
         if out is not None and outcome in ("finished", "aborted") and out.finish_reason is not None:
-            # vLLM's request_success and e2e latency: requests its engine ended, aborts included
+            # vLLM's request_success, e2e latency and per-request histograms: requests its engine ended, aborts included
             self.state.metrics.record_finished(out.finish_reason, time.monotonic() - self._received_s)
+            self._count_request(out)
         if out is not None:
             self.state.metrics.record_prefix_cache(tenant, out.num_prompt_tokens, out.num_cached_tokens)
             self.state.metrics.record_usage(tenant, out.num_prompt_tokens, out.num_output_tokens,
                                             out.num_cached_tokens)
             if self.tenant is not None:  # its prompt tokens were counted when it was submitted
                 self.state.rates.charge_tokens(self.state.keys.current(self.tenant), out.num_output_tokens)
+
+    def _count_request(self, out: RequestOutputMsg) -> None:
+        """vLLM's per-request sizes and phases of a request its engine ended."""
+        assert self._group is not None and self._params is not None, "the engine ends only submitted requests"
+        sizes = RequestSizes(num_prompt_tokens=out.num_prompt_tokens, num_generation_tokens=out.num_output_tokens,
+                             max_num_generation_tokens=self._group.max_num_output_tokens(), n=self._params.n,
+                             max_tokens=self._params.max_tokens)
+        self.state.metrics.vllm.record_request(sizes, out.timing)
 
     def _release_slot(self) -> None:
         if self._num_slots and self.is_done and self._is_http_done and self.tenant is not None:

@@ -81,6 +81,10 @@ class ChoiceGroup:
         # every prompt was submitted, whichever of its choices has output yet
         return msgspec.structs.replace(summed, num_prompt_tokens=sum(self.num_prompt_tokens[::self._per_prompt]))
 
+    def max_num_output_tokens(self) -> int:
+        """The most tokens one choice has generated so far."""
+        return max((o.num_output_tokens for o in self._latest.values()), default=0)
+
     def _on_output(self, index: int, out: RequestOutputMsg) -> None:
         self._latest[index] = out
         if index == 0:  # the call's latency metrics follow one stream, not n interleaved ones
@@ -110,9 +114,11 @@ class ChoiceGroup:
     def _summed(self, outputs: list[RequestOutputMsg], last: RequestOutputMsg,
                 firsts: list[RequestOutputMsg]) -> RequestOutputMsg:
         """`last` with the call's totals: output tokens and KV pages of every choice in `outputs`,
-        prompt tokens of each prompt's first choice (`firsts`: one per prompt)."""
+        prompt tokens of each prompt's first choice (`firsts`: one per prompt); its phases are the
+        first choice's in `outputs` (the call's latencies follow choice 0)."""
         return msgspec.structs.replace(
-            last, request_id=self.request_id, num_output_tokens=sum(o.num_output_tokens for o in outputs),
+            last, request_id=self.request_id, timing=outputs[0].timing,
+            num_output_tokens=sum(o.num_output_tokens for o in outputs),
             num_pages_reserved=sum(o.num_pages_reserved for o in outputs),
             num_kv_tokens_written=sum(o.num_kv_tokens_written for o in outputs),
             num_prompt_tokens=sum(o.num_prompt_tokens for o in firsts),

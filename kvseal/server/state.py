@@ -51,7 +51,8 @@ class AppState:
     disabled_models: set[str] = field(default_factory=set)  # the operator's kill switch (`server.admin`)
 
     def __post_init__(self) -> None:
-        self.metrics.vllm.name_model(self.model_name)  # vLLM's series carry it (`model_name`)
+        # vLLM's series carry the model's name (`model_name`); their token buckets stop at its length
+        self.metrics.vllm.name_model(self.model_name, self.engine_info.max_model_len)
 
     @property
     def model_name(self) -> str:

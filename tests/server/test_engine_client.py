@@ -516,7 +516,7 @@ def test_a_refusal_whose_accounting_fails_is_still_audited_and_frees_its_slot(tm
 async def _stats_across_a_restart(tmp_path: Path) -> tuple[float, float]:
     state = await _ready_state(tmp_path)
     try:
-        state.metrics.vllm.name_model("tiny")
+        state.metrics.vllm.name_model("tiny", READY.max_model_len)
         engine = state.engine
         assert isinstance(engine, EngineClient)
         engine._on_msg(EngineStatsMsg(1, 0, 10, 10, num_preemptions=3, num_pages_scrubbed=7))

@@ -3,11 +3,14 @@ scrub mode series names the policy the engines run (I7), and removed tenants' se
 
 from __future__ import annotations
 
+import dataclasses
+
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvseal.canary.evidence import MetricsSnapshot, _parse
-from kvseal.messages.msgs import EngineStatsMsg
+from kvseal.messages.msgs import EngineStatsMsg, RequestTimingMsg
 from kvseal.server.metrics import ServerMetrics
+from kvseal.server.vllm_metrics import RequestSizes
 from kvseal.totals import CumulativeTotal
 
 
@@ -71,21 +74,34 @@ VLLM_SERIES = {  # name: (type, extra labels), as vLLM's PrometheusStatLogger de
     "vllm:prefix_cache_queries": ("counter", ()), "vllm:prefix_cache_hits": ("counter", ()),
     "vllm:time_to_first_token_seconds": ("histogram", ()), "vllm:inter_token_latency_seconds": ("histogram", ()),
     "vllm:e2e_request_latency_seconds": ("histogram", ()),
+    "vllm:request_queue_time_seconds": ("histogram", ()), "vllm:request_prefill_time_seconds": ("histogram", ()),
+    "vllm:request_decode_time_seconds": ("histogram", ()), "vllm:request_inference_time_seconds": ("histogram", ()),
+    "vllm:request_prompt_tokens": ("histogram", ()), "vllm:request_generation_tokens": ("histogram", ()),
+    "vllm:request_params_n": ("histogram", ()), "vllm:request_params_max_tokens": ("histogram", ()),
+    "vllm:request_max_num_generation_tokens": ("histogram", ()),
 }
+REQUEST_LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                           240.0, 480.0, 960.0, 1920.0, 7680.0]
+TOKEN_BUCKETS = [1, 2, 5, 10, 20, 50]  # vLLM's build_1_2_5_buckets(max_model_len), max_model_len 64
 VLLM_BUCKETS = {  # vLLM's own lists, copied here so a change on either side shows
     "vllm:time_to_first_token_seconds": [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
                                          5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0],
     "vllm:inter_token_latency_seconds": [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
                                          7.5, 10.0, 20.0, 40.0, 80.0],
-    "vllm:e2e_request_latency_seconds": [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
-                                         60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0],
+    **dict.fromkeys(["vllm:e2e_request_latency_seconds", "vllm:request_queue_time_seconds",
+                     "vllm:request_prefill_time_seconds", "vllm:request_decode_time_seconds",
+                     "vllm:request_inference_time_seconds"], REQUEST_LATENCY_BUCKETS),
+    "vllm:request_params_n": [1, 2, 5, 10, 20],
+    **dict.fromkeys(["vllm:request_prompt_tokens", "vllm:request_generation_tokens", "vllm:request_params_max_tokens",
+                     "vllm:request_max_num_generation_tokens"], TOKEN_BUCKETS),
 }
 MODEL_LABELS = (("engine", "0"), ("model_name", "served-model"))
+MAX_MODEL_LEN = 64
 
 
 def _named() -> ServerMetrics:
     metrics = ServerMetrics()
-    metrics.vllm.name_model("served-model")
+    metrics.vllm.name_model("served-model", MAX_MODEL_LEN)
     return metrics
 
 
@@ -134,6 +150,21 @@ def test_the_vllm_series_are_fed_by_the_kvseal_measurements() -> None:
     assert dict(next(s for s in snap.samples if s.name == "vllm:prompt_tokens_total").labels) == dict(MODEL_LABELS)
 
 
+def test_a_request_is_observed_by_its_sizes_and_its_engines_phases() -> None:
+    metrics = _named()
+    sizes = RequestSizes(num_prompt_tokens=7, num_generation_tokens=9, max_num_generation_tokens=5, n=2, max_tokens=5)
+    metrics.vllm.record_request(sizes, RequestTimingMsg(queue_s=0.25, prefill_s=0.5, decode_s=2.0))
+    metrics.vllm.record_request(dataclasses.replace(sizes, n=1, max_tokens=40), None)  # ended before a token
+    snap = _snapshot(metrics)
+    assert [snap.total(f"vllm:request_{name}_sum") for name in ("prompt_tokens", "generation_tokens",
+            "max_num_generation_tokens", "params_n", "params_max_tokens")] == [14, 18, 10, 3, 45]
+    assert [snap.total(f"vllm:request_{phase}_time_seconds_count") for phase in PHASES] == [1, 1, 1, 1]
+    assert [snap.total(f"vllm:request_{phase}_time_seconds_sum") for phase in PHASES] == [0.25, 0.5, 2.0, 2.5]
+
+
+PHASES = ("queue", "prefill", "decode", "inference")
+
+
 def test_kv_cache_usage_is_the_fraction_of_pages_held_and_zero_once_the_engine_is_gone() -> None:
     metrics = _named()
     metrics.record_stats(_load(num_running=2, num_pages_used=4, num_preemptions=0))
@@ -170,6 +201,6 @@ def test_load_reported_before_the_model_is_named_is_shown_once_it_is() -> None:
     metrics = ServerMetrics()
     metrics.record_stats(_load(1, 8, 2))
     assert "vllm:num_preemptions_total" not in _snapshot(metrics).names()
-    metrics.vllm.name_model("served-model")
+    metrics.vllm.name_model("served-model", MAX_MODEL_LEN)
     snap = _snapshot(metrics)
     assert (snap.total("vllm:num_preemptions_total"), snap.total("vllm:kv_cache_usage_perc")) == (2, 0.5)
