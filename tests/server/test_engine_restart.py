@@ -142,8 +142,10 @@ def test_a_hung_engine_is_killed_and_restarted(start_server: Callable[..., Serve
     assert f"ERROR kvseal.server: the engine process (pid {old_pid}) has sent nothing" in server.log()
     wait_for(lambda: answer(server)[0] == 200, "serving again")
     assert answer(server) == (status, before)
-    assert server.metric('kvseal_engine_restarts_total{role="engine"}') == 1
-    assert restarted_pids(server)[0] != old_pid
+    # at least the one restart: on a loaded host the new engine may itself fall silent past 3 s and be
+    # restarted again, which is the same rule at work
+    assert server.metric('kvseal_engine_restarts_total{role="engine"}') >= 1
+    assert old_pid not in restarted_pids(server)
 
 
 def test_a_hung_engine_without_restarts_leaves_the_server_unhealthy_with_a_reason(
