@@ -86,6 +86,9 @@ CONNECT_TIMEOUT_S = 3.0
 SEND_TIMEOUT_S = 30.0  # one sendmsg that moves nothing for this long: the link is stalled
 IOV_PER_CALL = 512  # buffers per sendmsg (IOV_MAX is 1024 on Linux)
 MAX_CONNECTIONS = 64  # prefill engines that may hold a data connection at once
+# connections accepted per `progress`: a flood is taken in a batch at a time, and with the
+# strangers of this batch spared until the next one, at most twice MAX_CONNECTIONS are open
+MAX_ACCEPTS_PER_PROGRESS = MAX_CONNECTIONS
 READ_BUDGET_BYTES = 256 * 1024 * 1024  # per connection and `progress`: the engine loop moves on
 SCRATCH_BYTES = 1024 * 1024
 
@@ -281,6 +284,7 @@ class _Connection:
     discard: int = 0  # payload bytes still to drop
     transfer_id: str | None = None  # the last transfer a header named on this stream
     is_sealed: bool = False  # a record of it verified: its peer holds a transfer key
+    is_new: bool = True  # accepted in the `progress` running now: never closed to make room in it
 
 
 class _StreamBroken(Exception):
@@ -362,43 +366,57 @@ class StreamReceiver(OneAddress):
         return [self._listener, *(conn.sock for conn in self._connections)]
 
     def progress(self) -> None:
-        """Accept new connections, then read what is there, without blocking."""
+        """Accept new connections, then read what is there, without blocking; then make room."""
         self._accept()
         for conn in list(self._connections):
-            try:
-                self._read(conn)
-            except _StreamBroken as exc:
-                self._close(conn, str(exc), exc.refused)
-            except OSError as exc:  # reset by the peer
-                self._close(conn, str(exc) or type(exc).__name__)
+            self._take_in(conn)
+        self._make_room()
 
     def close(self) -> None:
         for conn in list(self._connections):
             self._close(conn, "closing", refused=True)
         self._listener.close()
 
+    def _take_in(self, conn: _Connection) -> None:
+        try:
+            self._read(conn)
+        except _StreamBroken as exc:
+            self._close(conn, str(exc), exc.refused)
+        except OSError as exc:  # reset by the peer
+            self._close(conn, str(exc) or type(exc).__name__)
+
     def _accept(self) -> None:
-        while True:
+        """Accept up to `MAX_ACCEPTS_PER_PROGRESS` waiting connections, each read at once: a
+        prefill's first record (sent as soon as it connects, so usually there before decode
+        accepts) verifies before the next connection is even accepted, and connections queued
+        behind it cannot push it out."""
+        for _ in range(MAX_ACCEPTS_PER_PROGRESS):
             try:
                 sock, _ = self._listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
-            if len(self._connections) >= MAX_CONNECTIONS and not self._evict_a_stranger():
-                logger.warning("refused a KV stream connection: %d open already", MAX_CONNECTIONS)
-                sock.close()
-                continue
             sock.setblocking(False)
-            self._connections.append(_Connection(sock))
+            conn = _Connection(sock)
+            self._connections.append(conn)
+            self._take_in(conn)
 
-    def _evict_a_stranger(self) -> bool:
-        """Make room by closing the oldest connection that has not sent one verified record (a
-        prefill sends one as soon as it connects): strangers cannot take every slot."""
-        stranger = next((conn for conn in self._connections if not conn.is_sealed), None)
-        if stranger is None:
-            return False
-        self.refusals["unsealed_connection"] += 1
-        self._close(stranger, "evicted: no verified record", refused=True)
-        return True
+    def _make_room(self) -> None:
+        """Keep at most `MAX_CONNECTIONS` open: close strangers (no verified record), oldest
+        first, but never one accepted in this `progress` (it may not have had the time to send its
+        first record; it is a candidate from the next one on). A verified connection is never
+        closed for a stranger: only verified ones past `MAX_CONNECTIONS`, the newest, are refused."""
+        excess = len(self._connections) - MAX_CONNECTIONS
+        strangers = [conn for conn in self._connections if not conn.is_sealed and not conn.is_new]
+        for stranger in strangers[:max(excess, 0)]:
+            self.refusals["unsealed_connection"] += 1
+            self._close(stranger, "evicted: no verified record", refused=True)
+        sealed = [conn for conn in self._connections if conn.is_sealed]
+        for conn in sealed[MAX_CONNECTIONS:]:
+            self.refusals["too_many_connections"] += 1
+            logger.warning("closed a KV stream connection: %d verified ones open already", MAX_CONNECTIONS)
+            self._close(conn, "too many verified connections", refused=True)
+        for conn in self._connections:
+            conn.is_new = False
 
     def _close(self, conn: _Connection, why: str, refused: bool = False) -> None:
         """The stream ended: a block cut short never counts, and its transfer is settled (a
