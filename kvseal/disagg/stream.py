@@ -28,6 +28,12 @@ place: a replayed or reordered record fails too. The payload itself is neither e
 authenticated (an on-path attacker who can rewrite the stream's bytes could change KV; the
 `tcp` transport, whose frames ride the CURVE link, is the encrypted choice).
 
+The listener is unauthenticated: a connection is prefill's only once a record on it verified,
+a stranger until then. Decode reads each connection as it accepts it, before the next (a prefill
+sends its first record as soon as it connects), and closes strangers to make room only after
+reading every connection and never in the `progress` that accepted them (`_make_room`): a flood
+of empty connections cannot push out a prefill's new one, nor close a verified one.
+
 Decode's receiver runs on decode's engine thread (`progress`, every loop iteration). It reads
 each header, checks it against the reservation decode authorized (the sender names positions,
 never decode's pages), and only then receives the payload with `recv_into` straight into that
