@@ -16,7 +16,7 @@ from kvseal.server.open_files import FDS_KEPT, check_max_connections
 from kvseal.server.reasoning import REASONING_PARSERS
 
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
-TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder")  # `server/tools.py`
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder")  # `server/tools/`
 
 
 def _size(text: str) -> int:
