@@ -346,13 +346,36 @@ CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>'
 ])
 def test_streamed_content_adds_up_to_the_unstreamed_content(parser: Any, text: str) -> None:
     """However the text arrives (here cut at every point into two pieces, and one character at a
-    time), the content a stream sends adds up to the message's content, and the calls match."""
+    time), the content a stream sends adds up to the message's content, and the calls match: a
+    call begun and then found no call (cut by max_tokens) is left never whole."""
     content, calls = parser.parse(text)
     cuts = [[text[:i], text[i:]] for i in range(len(text) + 1)] + [list(text)]
     for pieces in cuts:
         streamed_content, streamed_calls, has_calls = _streamed(parser, pieces)
         assert streamed_content == (content or ""), pieces
-        assert streamed_calls == [(c.name, c.arguments) for c in calls] and has_calls == bool(calls), pieces
+        assert _whole(streamed_calls) == [(c.name, c.arguments) for c in calls] and has_calls == bool(calls), pieces
+
+
+def _added_up(deltas: list[Any]) -> list[tuple[str, str]]:
+    """Each index's call as a client adds up its streamed deltas (the name on its first)."""
+    calls: dict[int, tuple[str, str]] = {}
+    for delta in deltas:
+        name, arguments = calls.get(delta.index, (delta.function.name, ""))
+        calls[delta.index] = (name, arguments + (delta.function.arguments or ""))
+    return [calls[index] for index in sorted(calls)]
+
+
+def _whole(calls: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """The calls whose arguments are a whole JSON object; the others are left a beginning of one."""
+    whole = []
+    for name, arguments in calls:
+        try:
+            json.loads(arguments)
+        except ValueError:
+            assert arguments.startswith("{"), arguments
+            continue
+        whole.append((name, arguments))
+    return whole
 
 
 def test_a_streamed_hermes_call_comes_as_it_is_written() -> None:
@@ -452,8 +475,9 @@ def test_llama3_json_parser() -> None:
 def test_llama3_json_stream_holds_what_may_be_a_call() -> None:
     stream = ToolCallStream(Llama3JsonToolParser())
     assert stream.feed("  ").content == "" and stream.feed('{"name": "f", ').content == ""
-    assert stream.feed('"parameters": {"a": true}}').content == ""
-    assert stream.finish()[1][0].arguments == '{"a": true}'
+    step = stream.feed('"parameters": {"a": true}}')
+    assert step.content == "" and [(c.index, c.name, c.arguments) for c in step.calls] == [(0, "f", '{"a": true')]
+    assert [(c.index, c.arguments) for c in stream.finish()[1]] == [(0, "}")], "the last `}` once the answer is read"
     tagged = ToolCallStream(Llama3JsonToolParser())
     assert tagged.feed("<|python").content == ""
     plain = ToolCallStream(Llama3JsonToolParser())
@@ -526,8 +550,10 @@ def test_mistral_parser() -> None:
         assert parser.parse(text) == (text, [])
     stream = ToolCallStream(MistralToolParser())
     assert stream.feed("[TOOL").content == ""
-    assert stream.feed('_CALLS] [{"name": "f", "arguments": {}}]').content == ""
-    assert [c.name for c in stream.finish()[1]] == ["f"]
+    step = stream.feed('_CALLS] [{"name": "f", "arguments": {}}]')
+    assert step.content == "" and [(c.name, c.arguments) for c in step.calls] == [("f", "{")]
+    assert re.fullmatch("[A-Za-z0-9]{9}", step.calls[0].id or ""), "Mistral's ids, streamed too"
+    assert [c.arguments for c in stream.finish()[1]] == ["}"]
     plain = ToolCallStream(MistralToolParser())
     assert plain.feed("Sure").content == "Sure"
 
@@ -570,8 +596,10 @@ def test_pythonic_parser_reads_literals_and_never_runs_anything() -> None:
                  "[f(a=1) for f in x]", "[f(a=1)", "[" * 5000 + "]" * 5000, '[{"name": "f"}]'):
         assert parser.parse(text) == (text, []), text
     stream = ToolCallStream(PythonicToolParser())
-    assert stream.feed("<|python").content == "" and stream.feed('_start|>[f(a="x")]').content == ""
-    assert [c.name for c in stream.finish()[1]] == ["f"]
+    assert stream.feed("<|python").content == ""
+    step = stream.feed('_start|>[f(a="x")]')
+    assert step.content == "" and [(c.name, c.arguments) for c in step.calls] == [("f", '{"a": "x"')]
+    assert [c.arguments for c in stream.finish()[1]] == ["}"]
     plain = ToolCallStream(PythonicToolParser())
     assert plain.feed("Sure").content == "Sure"
 
@@ -593,7 +621,7 @@ def test_pythonic_calls_on_the_server(char_dir: Path, tmp_path: Path) -> None:
             expected
         deltas = [d for chunk in client.chat.completions.create(**fields, stream=True) for c in chunk.choices
                   for d in c.delta.tool_calls or []]
-        assert [(d.function.name, json.loads(d.function.arguments or "")) for d in deltas if d.function] == expected
+        assert [(name, json.loads(arguments)) for name, arguments in _added_up(deltas)] == expected
         out = client.chat.completions.create(model=server.model_name, messages=MESSAGES, tools=TOOLS, max_tokens=120,
                                              temperature=1.0, seed=3, tool_choice="required", parallel_tool_calls=False)
         [call] = out.choices[0].message.tool_calls or []
@@ -692,8 +720,12 @@ def test_qwen3_coder_parser_leaves_anything_else_as_content() -> None:
     content, calls = parser.parse(f"<tool_call>\n{{\"name\": \"f\"}}\n</tool_call>\n{call_text}\nDone.")
     assert content == '<tool_call>\n{"name": "f"}\n</tool_call>\n\nDone.' and [c.name for c in calls] == ["f"]
     stream = ToolCallStream(Qwen3CoderToolParser())
-    assert stream.feed("Sure <tool").content == "Sure" and stream.feed("_call>\n<function=f>").content == ""
-    assert stream.feed("\n</function>\n</tool_call>").content == "" and stream.finish()[1][0].name == "f"
+    assert stream.feed("Sure <tool").content == "Sure"
+    step = stream.feed("_call>\n<function=f>")
+    assert step.content == "" and [(c.name, c.arguments) for c in step.calls] == [("f", "{")]
+    step = stream.feed("\n</function>\n</tool_call>")
+    assert step.content == "" and [(c.index, c.arguments) for c in step.calls] == [(0, "}")]
+    assert stream.finish() == ("", [], True)
 
 
 def test_qwen3_coder_forced_call_is_one_valid_call(char_dir: Path) -> None:
@@ -742,7 +774,7 @@ def test_qwen3_coder_calls_on_the_server(char_dir: Path, tmp_path: Path) -> None
             expected
         chunks = list(client.chat.completions.create(**fields, stream=True))
         deltas = [d for chunk in chunks for c in chunk.choices for d in c.delta.tool_calls or []]
-        assert [(d.function.name, json.loads(d.function.arguments or "")) for d in deltas if d.function] == expected
+        assert [(name, json.loads(arguments)) for name, arguments in _added_up(deltas)] == expected
         assert "".join(c.delta.content or "" for chunk in chunks for c in chunk.choices) == "Sure."
         cut = client.chat.completions.create(**fields | {"max_tokens": 40}).choices[0]
         assert (cut.finish_reason, cut.message.tool_calls) == ("length", []), "a block cut off is content"

@@ -61,13 +61,6 @@ def block_calls(text: str, read: Callable[[str], ParsedToolCall | None]) -> tupl
     return (content if content.strip() else None) if calls else text, calls
 
 
-def held_from_start_tag(text: str) -> int:
-    """`held_from` of a format whose calls are `<tool_call>` blocks: from the first one, or from
-    what may be the beginning of one at the end."""
-    start = text.find(START_TAG)
-    return start if start >= 0 else before_partial(text, START_TAG)
-
-
 def parse_json_call(body: str) -> ParsedToolCall | None:
     try:
         value = json.loads(body)

@@ -39,7 +39,10 @@ class CanonicalJson:
     its own length to read (`slice`), never the whole text's, so a long call streams in time
     linear in its length (the frontend's event loop is every tenant's)."""
 
-    def __init__(self) -> None:
+    def __init__(self, stops_when_whole: bool = False) -> None:
+        """`stops_when_whole`: `feed` reads no further than the value's end (text may follow it, as
+        in a list of calls); else anything but whitespace after it stops the reading."""
+        self._stops_when_whole = stops_when_whole
         self._pieces: list[str] = []
         self._offsets: list[int] = []  # where each piece starts in the text
         self.length = 0  # of the text so far
@@ -55,10 +58,16 @@ class CanonicalJson:
         self._high_surrogate: int | None = None  # a \uD800-\uDBFF escape, paired if a low one follows
         self._last_key = ""  # of the top object's member being read
 
-    def feed(self, raw: str) -> None:
-        for char in raw:
-            if self.failed:
-                return
+    @property
+    def is_whole(self) -> bool:
+        return self._expect == "done" and not self.failed
+
+    def feed(self, raw: str) -> int:
+        """Read `raw`, the raw text's next piece; returns how much of it was read: all of it, less
+        where the reading stopped (`failed`, or the value whole with `stops_when_whole`)."""
+        for num_read, char in enumerate(raw):
+            if self.failed or (self._stops_when_whole and self._expect == "done"):
+                return num_read
             if self._string is not None:
                 self._string_char(char)
             elif self._token and (char.isalnum() or char in "+-."):
@@ -68,6 +77,7 @@ class CanonicalJson:
                     self._end_token()
                 if not self.failed and char not in _JSON_SPACE:
                     self._structural(char)
+        return len(raw)
 
     def _structural(self, char: str) -> None:
         expect = self._expect

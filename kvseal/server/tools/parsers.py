@@ -20,26 +20,37 @@ from kvseal.server.tools.calls import (
     arguments_json,
     block_calls,
     call_of,
-    held_from_start_tag,
     mistral_id,
+    openai_id,
     parse_json_call,
 )
+from kvseal.server.tools.python_calls import PythonCallDraft
 from kvseal.server.tools.qwen3_coder import Qwen3CoderToolParser
+from kvseal.server.tools.readers import (
+    BlockReader,
+    CallReader,
+    JsonCallDraft,
+    JsonObjectsBody,
+    ListBody,
+    WholeAnswerReader,
+)
 from kvseal.types import StructuredOutput
 
 
 class ToolParser(Protocol):
     arguments_key: str  # the key of a call's arguments in its JSON object, in this format
-    streams_arguments: bool  # a stream sends a call's arguments as they come (`ToolCallStream`)
     max_calls: int | None  # the most calls `parse` returns (None: all)
 
     def parse(self, text: str) -> tuple[str | None, list[ParsedToolCall]]:
         """(content outside the calls, or None when there is none besides calls; the calls)."""
         ...
 
-    def held_from(self, text: str) -> int:
-        """Where a call may begin in `text` so far: a stream shows the text before it as content
-        and holds the rest until the choice ends (len(text): nothing to hold)."""
+    def call_reader(self) -> CallReader:
+        """A reader of this format's calls as the text comes, for a stream (`ToolCallStream`)."""
+        ...
+
+    def new_call_id(self) -> str:
+        """An id for a call, as this format's calls have them."""
         ...
 
     def forced_call(self, call_schemas: list[dict[str, Any]], is_parallel: bool = False) -> StructuredOutput:
@@ -52,7 +63,6 @@ class ToolParser(Protocol):
 
 class HermesToolParser:
     arguments_key = "arguments"
-    streams_arguments = True
     max_calls: int | None = None
 
     def parse(self, text: str) -> tuple[str | None, list[ParsedToolCall]]:
@@ -60,8 +70,11 @@ class HermesToolParser:
         a string `name` is left in the content, as text, rather than guessed at."""
         return block_calls(text, parse_json_call)
 
-    def held_from(self, text: str) -> int:
-        return held_from_start_tag(text)
+    def call_reader(self) -> CallReader:
+        return BlockReader(lambda: JsonCallDraft(("arguments",), stops_when_whole=False), parse_json_call)
+
+    def new_call_id(self) -> str:
+        return openai_id()
 
     def forced_call(self, call_schemas: list[dict[str, Any]], is_parallel: bool = False) -> StructuredOutput:
         return StructuredOutput("tool_calls" if is_parallel else "tool_call", json.dumps(_one_of(call_schemas)))
@@ -69,7 +82,6 @@ class HermesToolParser:
 
 class Llama3JsonToolParser:
     arguments_key = "parameters"
-    streams_arguments = False
     max_calls: int | None = None
 
     def parse(self, text: str) -> tuple[str | None, list[ParsedToolCall]]:
@@ -92,8 +104,11 @@ class Llama3JsonToolParser:
                 position += 1
         return None, calls
 
-    def held_from(self, text: str) -> int:
-        return _held_while_calls_may_begin(text, "{", PYTHON_TAG)
+    def call_reader(self) -> CallReader:
+        return WholeAnswerReader(PYTHON_TAG, "{", JsonObjectsBody())
+
+    def new_call_id(self) -> str:
+        return openai_id()
 
     def forced_call(self, call_schemas: list[dict[str, Any]], is_parallel: bool = False) -> StructuredOutput:
         """One call, parallel or not: the JSON grammar holds one value (calls joined by `;` are
@@ -103,7 +118,6 @@ class Llama3JsonToolParser:
 
 class MistralToolParser:
     arguments_key = "arguments"
-    streams_arguments = False
     max_calls: int | None = None
 
     def parse(self, text: str) -> tuple[str | None, list[ParsedToolCall]]:
@@ -124,8 +138,11 @@ class MistralToolParser:
             calls.append(call)
         return (None, calls) if calls else (text, [])
 
-    def held_from(self, text: str) -> int:
-        return _held_while_calls_may_begin(text, "[", MISTRAL_CALLS)
+    def call_reader(self) -> CallReader:
+        return WholeAnswerReader(MISTRAL_CALLS, "[", ListBody())
+
+    def new_call_id(self) -> str:
+        return mistral_id()
 
     def forced_call(self, call_schemas: list[dict[str, Any]], is_parallel: bool = False) -> StructuredOutput:
         """A list of one call, or of one or more with `is_parallel` (the `[TOOL_CALLS]` token
@@ -135,7 +152,6 @@ class MistralToolParser:
 
 class PythonicToolParser:
     arguments_key = "arguments"  # of the enforced call's JSON (`forced_call`)
-    streams_arguments = False
     max_calls: int | None = None
 
     def parse(self, text: str) -> tuple[str | None, list[ParsedToolCall]]:
@@ -149,22 +165,16 @@ class PythonicToolParser:
             calls = _python_calls(body)
         return (None, calls) if calls else (text, [])
 
-    def held_from(self, text: str) -> int:
-        return _held_while_calls_may_begin(text, "[", PYTHON_START)
+    def call_reader(self) -> CallReader:
+        return WholeAnswerReader(PYTHON_START, "[", ListBody(PythonCallDraft))
+
+    def new_call_id(self) -> str:
+        return openai_id()
 
     def forced_call(self, call_schemas: list[dict[str, Any]], is_parallel: bool = False) -> StructuredOutput:
         """A JSON list of one call (one or more with `is_parallel`): a Python call's arguments have
         no schema a grammar could hold them to, a JSON object's do."""
         return _list_of_calls(call_schemas, is_parallel)
-
-
-def _held_while_calls_may_begin(text: str, opener: str, tag: str) -> int:
-    """`held_from` of a format whose calls are the whole answer: all of it is held while it may
-    still be calls (it begins with `opener` or `tag`, or is so far a beginning of `tag`)."""
-    start = text.lstrip()
-    if not start or start.startswith((opener, tag)) or tag.startswith(start):
-        return 0
-    return len(text)
 
 
 def _list_of_calls(call_schemas: list[dict[str, Any]], is_parallel: bool) -> StructuredOutput:
@@ -225,15 +235,17 @@ class FirstCallOnly:
     def __init__(self, parser: ToolParser) -> None:
         self._parser = parser
         self.arguments_key = parser.arguments_key
-        self.streams_arguments = parser.streams_arguments
         self.max_calls: int | None = 1
 
     def parse(self, text: str) -> tuple[str | None, list[ParsedToolCall]]:
         content, calls = self._parser.parse(text)
         return content, calls[:1]
 
-    def held_from(self, text: str) -> int:
-        return self._parser.held_from(text)
+    def call_reader(self) -> CallReader:
+        return self._parser.call_reader()
+
+    def new_call_id(self) -> str:
+        return self._parser.new_call_id()
 
     def forced_call(self, call_schemas: list[dict[str, Any]], is_parallel: bool = False) -> StructuredOutput:
         return self._parser.forced_call(call_schemas)  # (one call: the first is all this keeps)

@@ -10,13 +10,21 @@ import warnings
 from typing import Any
 
 from kvseal.errors import InvalidParameter
-from kvseal.server.tools.calls import NOT_JSON, ParsedToolCall, arguments_json, block_calls, held_from_start_tag
+from kvseal.server.tools.calls import (
+    NOT_JSON,
+    ParsedToolCall,
+    arguments_json,
+    before_partial,
+    block_calls,
+    is_utf8,
+    openai_id,
+)
+from kvseal.server.tools.readers import BlockReader
 from kvseal.types import StructuredOutput
 
 
 class Qwen3CoderToolParser:
     arguments_key = "arguments"  # of the call schemas `forced_call` reads the tools from
-    streams_arguments = False
     max_calls: int | None = None
 
     def __init__(self, parameters: dict[str, Any] | None = None) -> None:
@@ -28,8 +36,11 @@ class Qwen3CoderToolParser:
         `<function=...>` of parameters (cut off by max_tokens, or anything else) stays content."""
         return block_calls(text, self._read_call)
 
-    def held_from(self, text: str) -> int:
-        return held_from_start_tag(text)
+    def call_reader(self) -> BlockReader:
+        return BlockReader(lambda: Qwen3CoderDraft(self._parameters), self._read_call)
+
+    def new_call_id(self) -> str:
+        return openai_id()
 
     def forced_call(self, call_schemas: list[dict[str, Any]], is_parallel: bool = False) -> StructuredOutput:
         """One block in this format, for one of the tools, parallel or not (xgrammar's structural
@@ -180,3 +191,112 @@ def _python_literal(text: str) -> Any:
             return ast.literal_eval(text)
     except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
         return _UNREAD
+
+
+_FUNCTION_TAG, _PARAMETER_TAG = "<function=", "<parameter="
+_PARAMETER_END, _FUNCTION_END = "</parameter>", "</function>"
+
+
+class Qwen3CoderDraft:
+    """A `<tool_call>` block's body being written (`readers.BlockReader`): its name once its
+    `<function=NAME>` has come, then each parameter once its value has ended (its
+    `</parameter>`, or the next `<parameter=`), typed as the parser types it (`_typed`: by the
+    whole value, so a value is sent whole). Anything but whitespace where the parser takes
+    none stops it; a value cut by the function's end waits for the parser's reading."""
+
+    def __init__(self, parameters: dict[str, Any]) -> None:
+        self._parameters = parameters
+        self._state = "lead"  # lead, name, parameters, key, value, stopped
+        self._tag = ""  # a tag being read (`<function=`, `<parameter=`)
+        self._name = ""
+        self._key = ""
+        self._keys: set[str] = set()
+        self._value: list[str] = []  # the value's text so far, less `_tail`
+        self._tail = ""  # the value's end that may begin a tag ending it
+        self._fresh: list[str] = []  # arguments text not yet taken
+        self._is_named = False
+
+    @property
+    def is_stopped(self) -> bool:
+        return self._state == "stopped"
+
+    @property
+    def is_whole(self) -> bool:
+        return False  # (its block's end tag ends it: the reader finds it)
+
+    def feed(self, raw: str) -> int:
+        rest = raw
+        while rest and self._state != "stopped":
+            if self._state == "value":
+                rest = self._value_text(rest)
+            else:
+                self._state = self._next_state(rest[0])
+                rest = rest[1:]
+        return len(raw)
+
+    def take(self) -> tuple[str | None, str]:
+        fresh, self._fresh = "".join(self._fresh), []
+        return (self._name if self._is_named else None), fresh
+
+    def _next_state(self, char: str) -> str:
+        state = self._state
+        if state in ("lead", "parameters") and not self._tag and char.isspace():
+            return state
+        if state in ("lead", "parameters"):
+            return self._tag_char(char, _FUNCTION_TAG if state == "lead" else _PARAMETER_TAG)
+        if char in "<\n" or (char == ">" and not (self._key if state == "key" else self._name)):
+            return "stopped"
+        if char != ">":
+            if state == "key":
+                self._key += char
+            else:
+                self._name += char
+            return state
+        if state == "name":
+            self._is_named = True
+            self._fresh.append("{")
+            return "parameters"
+        self._value, self._tail = [], ""
+        return "value"
+
+    def _tag_char(self, char: str, tag: str) -> str:
+        self._tag += char
+        if not tag.startswith(self._tag):
+            return "stopped"  # (after the parameters, `</function>`: nothing more to send)
+        if self._tag != tag:
+            return self._state
+        self._tag, self._key = "", ""
+        return "name" if tag == _FUNCTION_TAG else "key"
+
+    def _value_text(self, raw: str) -> str:
+        """Read a value's text in `raw`; the text after the value when it ends there."""
+        text = self._tail + raw
+        ends = [(position, tag) for tag in (_PARAMETER_END, _PARAMETER_TAG) if (position := text.find(tag)) >= 0]
+        if not ends:
+            keep = min(before_partial(text, _PARAMETER_END), before_partial(text, _PARAMETER_TAG))
+            self._value.append(text[:keep])
+            self._tail = text[keep:]
+            return ""
+        position, tag = min(ends)
+        self._value.append(text[:position])
+        self._state = "parameters" if tag == _PARAMETER_END else "key"
+        self._key_done("".join(self._value))
+        return text[position + len(tag):]
+
+    def _key_done(self, raw: str) -> None:
+        """Send the parameter `_key` of value `raw`, typed as the parser types it."""
+        key = self._key
+        schema = self._parameters.get(self._name)
+        properties = schema.get("properties") if isinstance(schema, dict) else None
+        value = _typed(raw, properties.get(key) if isinstance(properties, dict) else None)
+        try:
+            dumped = json.dumps(value, ensure_ascii=False, allow_nan=False)
+        except NOT_JSON:
+            dumped = ""
+        piece = f"{', ' if self._keys else ''}{json.dumps(key, ensure_ascii=False)}: {dumped}"
+        if not dumped or key in self._keys or not is_utf8(piece):  # (a key twice: the parser keeps the last value)
+            self._state = "stopped"
+            return
+        self._keys.add(key)
+        self._key = ""
+        self._fresh.append(piece)
