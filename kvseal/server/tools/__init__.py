@@ -51,10 +51,14 @@ client sees the name it got.
   `pythonic` has no JSON call of its own: its enforced calls are a JSON list of `{"name": ...,
   "arguments": {...}}` objects, as vLLM enforces every format's, which its parser also reads.
   `qwen3_coder`'s is one block in its own XML form (xgrammar's structural tag).
-Streamed, a hermes call is sent as it is written (`ToolCallStream`): its name, then its arguments
-in pieces; the other formats' calls are sent whole when the choice ends (their text is a call
-only once the whole answer is read: llama3_json, mistral, pythonic; or its values are typed by
-the whole of each: qwen3_coder).
+Streamed, every format's calls are sent as they are written (`ToolCallStream`, `readers.py`): a
+call's name once its text is certainly a call (hermes' and mistral's and llama3_json's
+`{"name": ..., "arguments": {`, pythonic's `[name(`, qwen3_coder's `<function=NAME>`), then its
+arguments in pieces adding up to the unstreamed call's (JSON as it comes; a pythonic or
+qwen3_coder argument once its value ends, as the parser types it), the last `}` once the parser
+has read the call: at the block's end (hermes, qwen3_coder), or the answer's (llama3_json,
+mistral, pythonic, whose answer is calls only if wholly calls). A call found no call after part
+of it went out is left a beginning of arguments, never whole, and its text comes as content.
 """
 
 from kvseal.server.tools.calls import ParsedToolCall
