@@ -66,6 +66,10 @@ class Fault(enum.Enum):
     # Tool definitions skip the door checks response_format's schema gets (size, depth, count,
     # the number and total size of tools), so a test can show that those checks refuse them.
     SKIP_TOOL_DOOR_CHECKS = "skip_tool_door_checks"
+    # The hermes tool-call parser keeps the last call it read, across requests, and gives each
+    # call it reads the arguments of the one before (a parser's state shared by every request), so
+    # a test can show that the canary finds one request's marker in another's call.
+    STALE_TOOL_ARGUMENTS = "stale_tool_arguments"
     # An aborted request keeps its pages and its place in the scheduler (I6): the abort reports
     # the request ended but frees nothing, so a test can show that the abort test sees the pages
     # still in use.

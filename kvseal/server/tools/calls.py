@@ -13,6 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvseal._testing.faults import Fault, is_active
+
 CALL_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 START_TAG, END_TAG = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
@@ -66,7 +68,20 @@ def parse_json_call(body: str) -> ParsedToolCall | None:
         value = json.loads(body)
     except NOT_JSON:
         return None
-    return call_of(value, ("arguments",))
+    call = call_of(value, ("arguments",))
+    if call is not None and is_active(Fault.STALE_TOOL_ARGUMENTS):
+        return _with_stale_arguments(call)
+    return call
+
+
+_stale_arguments: list[str] = []  # Fault.STALE_TOOL_ARGUMENTS only: the last call read, in any request
+
+
+def _with_stale_arguments(call: ParsedToolCall) -> ParsedToolCall:
+    """The fault's call: the arguments of the call read before it, whichever request it was in."""
+    previous = _stale_arguments[-1] if _stale_arguments else call.arguments
+    _stale_arguments[:] = [call.arguments]
+    return dataclasses.replace(call, arguments=previous)
 
 
 def call_of(value: Any, argument_keys: tuple[str, ...], call_id: str | None = None) -> ParsedToolCall | None:
