@@ -34,6 +34,10 @@ def add_canary_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--echo-fraction", type=float, default=d.echo_fraction,
                         help="share of the answered requests sent with echo (chat: vLLM's, continuing an "
                              "assistant message; 0 for a server without it)")
+    parser.add_argument("--tools-fraction", type=float, default=d.tools_fraction,
+                        help="share of the answered chat requests sent with one function tool and tool_choice "
+                             "naming it, its arguments held to the request's marker (a forced call the tool "
+                             "parser reads); left out, and the report says so, where the server refuses tools")
     parser.add_argument("--pressure-requests", type=int, default=d.pressure_requests, metavar="N",
                         help="after the run, send N long generations at once so a small KV pool must preempt "
                              "(default 0: no pressure phase)")
@@ -59,7 +63,7 @@ def config_from(ns: argparse.Namespace) -> CanaryConfig:
         concurrency=ns.concurrency, oversized_fraction=ns.oversized_fraction, abort_fraction=ns.abort_fraction,
         n_fraction=ns.n_fraction, logprobs_fraction=ns.logprobs_fraction,
         prompt_logprobs_fraction=ns.prompt_logprobs_fraction, echo_fraction=ns.echo_fraction,
-        pressure_requests=ns.pressure_requests,
+        tools_fraction=ns.tools_fraction, pressure_requests=ns.pressure_requests,
         pressure_max_tokens=ns.pressure_max_tokens,
         max_context=ns.max_context, seed=ns.seed, max_tokens=ns.max_tokens, admin_key=ns.admin_key,
         timeout_s=ns.timeout, drain_timeout_s=ns.drain_timeout, report_path=ns.report,

@@ -29,6 +29,11 @@ class CanaryConfig:
     # prompt before the text; chat: an assistant message the answer continues, echoed first).
     prompt_logprobs_fraction: float = 0.05
     echo_fraction: float = 0.05
+    # A share of the answered chat requests sent with one function tool and `tool_choice` naming
+    # it, whose parameters hold the request's marker (plan.record_code_tool): the tool-call
+    # parser's and the forced-call grammar's per-request state. Dropped where the server refuses
+    # tools (probes.tools_refusal).
+    tools_fraction: float = 0.1
     # The pressure phase, after the run: this many long generations sent at once, so a server
     # whose KV pool cannot hold them all must preempt (take pages from a running request and
     # give them back later). 0: no pressure phase.
@@ -57,7 +62,7 @@ class CanaryConfig:
                  "--oversized-fraction + --abort-fraction must be <= 1")
         for name, value in (("--n-fraction", self.n_fraction), ("--logprobs-fraction", self.logprobs_fraction),
                             ("--prompt-logprobs-fraction", self.prompt_logprobs_fraction),
-                            ("--echo-fraction", self.echo_fraction)):
+                            ("--echo-fraction", self.echo_fraction), ("--tools-fraction", self.tools_fraction)):
             _require(0.0 <= value <= 1.0, f"{name} must be in [0, 1], got {value}")
         _require(self.pressure_requests >= 0, f"--pressure-requests must be >= 0, got {self.pressure_requests}")
         _require(self.pressure_max_tokens is None or self.pressure_max_tokens >= 1,

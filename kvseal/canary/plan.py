@@ -13,6 +13,11 @@ no server streams them) and a fraction for `echo`, both of which return the requ
 prompt: a server that returns another request's prompt there leaks. A chat request with echo
 ends in an assistant message (its marker once more) that the model continues
 (`continue_final_message`), since chat echoes only a last message of the answer's own role.
+A fraction of the answered chat requests offers one function tool, `record_code`, and names it
+in `tool_choice`, so the server's grammar forces a call and its tool-call parser reads it; the
+tool's `code` parameter is held to the request's marker (`const`), so every call's arguments
+carry it whatever the model, and a call with another request's marker took it from another
+request's parser, stream or grammar state.
 These are drawn from their own seeded streams, so a plan without them is the plan an older
 canary built from the same seed.
 
@@ -26,6 +31,7 @@ from __future__ import annotations
 import enum
 import random
 from dataclasses import dataclass, replace
+from typing import Any
 
 from kvseal.canary.config import CanaryConfig
 from kvseal.canary.markers import Marker, MarkerFactory
@@ -41,6 +47,10 @@ MAX_TOP_LOGPROBS = 5  # completions' legacy limit (OpenAI's); chat's `top_logpro
 # A pressure request's default max_tokens where the context allows more: long enough to grow past
 # its first pages, short enough for the phase to end well inside --timeout on a real model.
 DEFAULT_PRESSURE_TOKENS = 1024
+TOOL_NAME = "record_code"
+# A tool request's least max_tokens: its whole forced call in any parser's format (hermes'
+# `<tool_call>` block is under 90 characters with the marker), at most one token a character.
+TOOL_CALL_MAX_TOKENS = 128
 
 
 class Endpoint(enum.Enum):
@@ -69,6 +79,7 @@ class PlannedRequest:
     prompt_logprobs: int | None = None  # top alternatives per prompt position; None: not asked
     is_echo: bool = False  # the answer repeats the prompt (completions) or the last message (chat) first
     is_pressure: bool = False  # sent in the pressure phase, all at once
+    is_tool_call: bool = False  # chat: offers `record_code_tool` and forces a call to it
 
 
 def tenant_name(key_index: int) -> str:
@@ -78,6 +89,15 @@ def tenant_name(key_index: int) -> str:
 def echo_prefill(marker: Marker) -> str:
     """The assistant message a chat request with echo ends in: the answer starts with it."""
     return marker.text + " "
+
+
+def record_code_tool(code_text: str) -> dict[str, Any]:
+    """The one function a tool request offers: its `code` is held to `code_text` (the request's
+    marker), so the forced call's grammar writes it into the arguments."""
+    code = {"type": "string", "const": code_text, "description": "the user's code"}
+    return {"type": "function", "function": {"name": TOOL_NAME, "description": "Record the user's code.",
+                                             "parameters": {"type": "object", "properties": {"code": code},
+                                                            "required": ["code"]}}}
 
 
 def prompt_for(marker: Marker, filler: list[str]) -> str:
@@ -104,7 +124,7 @@ def build_plan(config: CanaryConfig, max_context: int) -> list[PlannedRequest]:
     kinds = _kinds(config, rng) + ["pressure"] * config.pressure_requests
     plan = [_request(i, kind, config, max_context, rng, markers) for i, kind in enumerate(kinds)]
     plan = [replace(r, max_tokens=pressure_tokens) if r.is_pressure else r for r in plan]
-    return _with_prompt_paths(_with_paths(plan, config), config)
+    return _with_tool_calls(_with_prompt_paths(_with_paths(plan, config), config), config, max_context)
 
 
 def pressure_max_tokens(config: CanaryConfig, max_context: int) -> int:
@@ -141,6 +161,18 @@ def _with_prompt_paths(plan: list[PlannedRequest], config: CanaryConfig) -> list
     return [replace(r, prompt_logprobs=rng.randint(1, MAX_TOP_LOGPROBS) if i in with_prompt_logprobs else None,
                     is_echo=i in with_echo)
             for i, r in enumerate(plan)]
+
+
+def _with_tool_calls(plan: list[PlannedRequest], config: CanaryConfig, max_context: int) -> list[PlannedRequest]:
+    """A seeded share of the answered chat requests (not planned aborts, which count content
+    chunks, nor pressure) forces a call to `record_code` (exact count), with the tokens its call
+    needs where the context leaves them (a cut call is no call: the report counts those with one)."""
+    tool_tokens = min(max(config.max_tokens, TOOL_CALL_MAX_TOKENS), max_context - max_prompt_chars())
+    rng = random.Random(f"{config.seed}:tools")  # its own stream: older plans do not move
+    eligible = [i for i, r in enumerate(plan) if r.endpoint is Endpoint.CHAT and not r.is_oversized
+                and r.abort_after_chunks is None and not r.is_pressure]
+    chosen = set(rng.sample(eligible, round(len(eligible) * config.tools_fraction)))
+    return [replace(r, is_tool_call=True, max_tokens=tool_tokens) if i in chosen else r for i, r in enumerate(plan)]
 
 
 def _kinds(config: CanaryConfig, rng: random.Random) -> list[str]:

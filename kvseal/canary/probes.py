@@ -11,6 +11,10 @@ one tenant being served another's cached prompt (the same prompt gives the same 
   tokens means the two keys are one tenant, or the cache leaks across tenants: the run fails.
   Where A's repeat is not served from cache either (caching off, a server that does not report
   it), the probe says it could not test, and judges nothing.
+- Tools (before the run, where the plan has tool requests): one chat request with the canary's
+  tool and max_tokens 1. A server that refuses it for its `tools` or `tool_choice` (kvseal
+  without --tool-call-parser) parses no tool calls: the run leaves its tool requests out and the
+  report says why, rather than failing on refusals that say nothing about isolation.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ from typing import Any
 
 import httpx
 
+from kvseal.canary.markers import ALPHABET, MARKER_LEN, display
+from kvseal.canary.plan import TOOL_NAME, record_code_tool
 from kvseal.canary.runner import Target, error_text
 
 MAX_PROBED_PAIRS = 4  # key pairs (0, 1), (1, 2), ...: a few requests each, before the run
@@ -41,6 +47,32 @@ def open_door(target: Target) -> str | None:
         return ("the server answered an API key it was never given: it has no tenants to isolate (kvseal: start it "
                 "with --api-keys, one key per tenant)")
     return None
+
+
+def tools_refusal(target: Target) -> str | None:
+    """Why the run sends no tool requests: the server refused the canary's tool (a 4xx naming
+    `tools` or `tool_choice`); None when it took it, or failed otherwise (the run says how)."""
+    code = display("".join(secrets.choice(ALPHABET) for _ in range(MARKER_LEN)))
+    body = {"model": target.model, "messages": [{"role": "user", "content": f"My code is {code}."}],
+            "max_tokens": 1, "temperature": 0, "tools": [record_code_tool(code)],
+            "tool_choice": {"type": "function", "function": {"name": TOOL_NAME}}}
+    try:
+        resp = httpx.post(f"{target.root_url}/v1/chat/completions", json=body,
+                          headers={"authorization": f"Bearer {target.keys[0]}"}, timeout=target.timeout_s)
+    except httpx.HTTPError:
+        return None  # the run itself will say the server cannot be reached
+    if 400 <= resp.status_code < 500 and _error_param(resp) in ("tools", "tool_choice"):
+        return (f"the server parses no tool calls (start it with --tool-call-parser; it answered "
+                f"{resp.status_code} {error_text(resp.text)})")
+    return None
+
+
+def _error_param(resp: httpx.Response) -> str | None:
+    try:
+        param = resp.json()["error"]["param"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    return param if isinstance(param, str) else None
 
 
 def prefix_probe(target: Target, max_context: int) -> dict[str, Any]:

@@ -1,10 +1,10 @@
 """Findings, verdict, summary table and JSON report of one canary run.
 
 The run fails on any foreign marker in a response (a leak: in any choice's text, any other
-string of its message such as reasoning or tool calls, any logprob token string or bytes,
-chosen or alternative, read rank by rank and in any rank order, or prompt_logprobs; the report
-names the field), any oversized prompt answered
-2xx, any 5xx (or error event inside a stream), any request without a complete answer
+string of its message such as reasoning or tool calls, a forced call's arguments among them,
+any logprob token string or bytes, chosen or alternative, read rank by rank and in any rank
+order, or prompt_logprobs; the report names the field), any oversized prompt answered 2xx,
+any 5xx (or error event inside a stream), any request without a complete answer
 (transport error, truncated stream), any normal request refused (4xx: an answer the run could
 not see is no evidence), a run in which no response repeated its own marker (it could not
 have seen a leak), the tenancy probes' findings (`probes.py`: a server answering a made-up
@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from kvseal.canary.markers import MarkerIndex, Sighting
-from kvseal.canary.plan import Endpoint, echo_prefill
+from kvseal.canary.plan import TOOL_NAME, Endpoint, echo_prefill
 from kvseal.canary.probes import probe_reasons, probe_summary
 from kvseal.canary.runner import Outcome, RequestResult
 
@@ -112,13 +112,16 @@ def analyse(results: list[RequestResult]) -> Findings:
 
 def _is_generated(r: RequestResult, names: list[str]) -> bool:
     """Whether its own marker in these fields shows the model repeated it: not where the
-    server returns the prompt itself (prompt_logprobs; every field of a request with echo)."""
-    return not r.request.is_echo and any("prompt_logprobs" not in name for name in names)
+    server returns the prompt itself (prompt_logprobs; every field of a request with echo), nor
+    anywhere in a forced call's answer (the call, its tokens: the grammar writes the marker the
+    tool's schema holds)."""
+    return not (r.request.is_echo or r.request.is_tool_call) and any("prompt_logprobs" not in name for name in names)
 
 
-def paths(findings: Findings) -> dict[str, Any]:
+def paths(findings: Findings, tools_not_sent: str | None = None) -> dict[str, Any]:
     """Which response paths the completed requests exercised: asked for, and actually answered
-    (a server may ignore `n` or `logprobs`; then the run did not check that path)."""
+    (a server may ignore `n` or `logprobs`; then the run did not check that path).
+    `tools_not_sent`: why the run left its tool requests out (`probes.tools_refusal`)."""
     done = [r for r in findings.results if r.outcome is Outcome.OK]
     several = [r for r in done if r.request.n > 1]
     with_logprobs = [r for r in done if r.request.logprobs is not None]
@@ -136,7 +139,26 @@ def paths(findings: Findings) -> dict[str, Any]:
                                             for r in with_prompt_logprobs)},
         "echo": {"completed": len(with_echo), "answered": sum(_is_echoed(r) for r in with_echo)},
         "reasoning_or_tool_calls": sum(any(_is_parsed_field(f) for f in r.fields) for r in done),
+        "tool_calls": _tool_calls(findings, tools_not_sent),
     }
+
+
+def _tool_calls(findings: Findings, tools_not_sent: str | None) -> dict[str, Any]:
+    """Tool requests asked and completed, and those with a call to the canary's tool in every
+    choice (the parser read it); why none was sent, where none was."""
+    asked = [r for r in findings.results if r.request.is_tool_call]
+    done = [r for r in asked if r.outcome is Outcome.OK]
+    not_exercised = tools_not_sent or (None if asked else "no tool requests in the plan (--tools-fraction)")
+    return {"asked": len(asked), "completed": len(done), "with_call": sum(_has_every_call(r) for r in done),
+            "not_exercised": not_exercised}
+
+
+def _has_every_call(r: RequestResult) -> bool:
+    """Whether each of the request's choices holds a call named after the canary's tool."""
+    names = [(field, texts) for field, texts in r.fields.items()
+             if ".tool_calls[" in field and field.endswith(".function.name")]
+    return all(any(field.startswith(f"choices[{i}].") and TOOL_NAME in texts for field, texts in names)
+               for i in range(r.request.n))
 
 
 def _is_echoed(r: RequestResult) -> bool:
@@ -217,13 +239,16 @@ def build_report(findings: Findings, evidence: dict[str, Any], run: dict[str, An
         "verdict": {"passed": not reasons, "reasons": reasons},
         "run": run,
         "tenancy": tenancy,
-        "paths": paths(findings),
+        "paths": paths(findings, run.get("tools_not_sent")),
         "preemption": {"pressure_requests": sum(r.request.is_pressure for r in findings.results),
                        **preemptions(evidence)},
         "requests_by_outcome": dict(sorted(findings.outcomes.items())),
         "oversized_prompts": findings.oversized,
         "own_marker_echoes": {"responses": findings.num_own_echoes, "of_completed": findings.outcomes["ok"],
                               "echo_requests_not_counted": sum(r.request.is_echo and r.outcome is Outcome.OK
+                                                               for r in findings.results),
+                              "tool_requests_not_counted": sum(r.request.is_tool_call and not r.request.is_echo
+                                                               and r.outcome is Outcome.OK
                                                                for r in findings.results)},
         "leaks": [leak.as_dict() for leak in findings.leaks],
         "same_tenant_crossings": [leak.as_dict() for leak in findings.same_tenant_crossings],
@@ -254,7 +279,7 @@ def summary_table(report: dict[str, Any]) -> str:
     echo = report["own_marker_echoes"]
     rows.append(("completed responses repeating their own marker",
                  f"{echo['responses']} of {echo['of_completed']} (echo requests not counted: "
-                 f"{echo['echo_requests_not_counted']})"))
+                 f"{echo['echo_requests_not_counted']}, tool requests: {echo['tool_requests_not_counted']})"))
     several, logprobs = report["paths"]["n_gt_1"], report["paths"]["logprobs"]
     rows.append(("completed with n > 1 / all choices answered", f"{several['completed']} / "
                                                                  f"{several['with_every_choice']}"))
@@ -266,6 +291,9 @@ def summary_table(report: dict[str, Any]) -> str:
     rows.append(("completed with echo / echoed", f"{echoed['completed']} / {echoed['answered']}"))
     rows.append(("completed with reasoning or tool calls (read when present)",
                  str(report["paths"]["reasoning_or_tool_calls"])))
+    tools = report["paths"]["tool_calls"]
+    rows.append(("tool calls asked / completed / with a call", f"not exercised: {tools['not_exercised']}"
+                 if tools["not_exercised"] else f"{tools['asked']} / {tools['completed']} / {tools['with_call']}"))
     pre = report["preemption"]
     reported = pre["server_reported"]
     rows.append((f"preemptions the server reported (pressure requests: {pre['pressure_requests']})",

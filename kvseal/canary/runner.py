@@ -25,7 +25,7 @@ from typing import Any
 
 import httpx
 
-from kvseal.canary.plan import Endpoint, PlannedRequest, echo_prefill
+from kvseal.canary.plan import TOOL_NAME, Endpoint, PlannedRequest, echo_prefill, record_code_tool
 
 REQUEST_ID_HEADER = "x-request-id"
 MAX_ERROR_CHARS = 65_536  # of an error body, read for markers
@@ -97,6 +97,9 @@ def request_body(req: PlannedRequest, model: str) -> dict[str, Any]:
     if req.is_echo:  # chat echoes a last message of the answer's own role: one the model continues
         body["messages"].append({"role": "assistant", "content": echo_prefill(req.marker)})
         body |= {"echo": True, "add_generation_prompt": False, "continue_final_message": True}
+    if req.is_tool_call:
+        body |= {"tools": [record_code_tool(req.marker.text)],
+                 "tool_choice": {"type": "function", "function": {"name": TOOL_NAME}}}
     return body
 
 

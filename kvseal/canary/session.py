@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import datetime
 import time
+from dataclasses import replace
 from typing import Any
 
 import httpx
@@ -14,7 +15,7 @@ from tqdm import tqdm
 from kvseal.canary.config import CanaryConfig
 from kvseal.canary.evidence import evidence, scrape, scrape_after_drain
 from kvseal.canary.plan import build_plan
-from kvseal.canary.probes import open_door, prefix_probe
+from kvseal.canary.probes import open_door, prefix_probe, tools_refusal
 from kvseal.canary.report import analyse, build_report
 from kvseal.canary.runner import RequestResult, Target, run_plan
 from kvseal.errors import ConfigError
@@ -54,6 +55,9 @@ def run_canary(config: CanaryConfig, show_progress: bool | None = None) -> dict[
     model, max_context = discover(config)
     plan = build_plan(config, max_context)
     target = Target(config.root_url, model, config.keys, config.timeout_s)
+    tools_not_sent = tools_refusal(target) if any(r.is_tool_call for r in plan) else None
+    if tools_not_sent:  # the same plan without its tool requests (they are drawn from their own stream)
+        plan = build_plan(replace(config, tools_fraction=0.0), max_context)
     tenancy = {"open_door": open_door(target), "prefix_probe": prefix_probe(target, max_context)}
     before = scrape(config.root_url, config.admin_key)
     started_at = datetime.datetime.now(datetime.UTC)
@@ -76,6 +80,7 @@ def run_canary(config: CanaryConfig, show_progress: bool | None = None) -> dict[
            "max_tokens": config.max_tokens, "seed": config.seed, "n_fraction": config.n_fraction,
            "logprobs_fraction": config.logprobs_fraction,
            "prompt_logprobs_fraction": config.prompt_logprobs_fraction, "echo_fraction": config.echo_fraction,
+           "tools_fraction": config.tools_fraction, "tools_not_sent": tools_not_sent,
            "pressure_requests": config.pressure_requests,
            "pressure_max_tokens": max((r.max_tokens for r in plan if r.is_pressure), default=None),
            "started_at": started_at.isoformat(timespec="seconds"), "duration_s": round(duration_s, 1)}

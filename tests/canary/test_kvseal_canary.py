@@ -32,12 +32,14 @@ def _server_keys() -> dict[str, dict[str, object]]:
     return keys
 
 
-# The fault tests send the plan their seeds always gave (one choice, no logprobs, prompt_logprobs
-# or echo: those paths are drawn from their own seeded streams, so nothing else moves): the leaks
-# they must catch come from which requests overlap in the pool, and the clean run is where the
-# other paths are exercised.
+# The fault tests send the plan their seeds always gave (one choice, no logprobs, prompt_logprobs,
+# echo or tools: those paths are drawn from their own seeded streams, so nothing else moves): the
+# leaks they must catch come from which requests overlap in the pool, and the clean run is where
+# the other paths are exercised.
 FIRST_CHOICE_ONLY = ["--n-fraction", "0", "--logprobs-fraction", "0", "--prompt-logprobs-fraction", "0",
-                     "--echo-fraction", "0"]
+                     "--echo-fraction", "0", "--tools-fraction", "0"]
+# The server parses hermes' tool calls, so the canary's tool requests get forced calls to read.
+TOOL_PARSER = ["--tool-call-parser", "hermes"]
 
 
 def _admin_flags() -> list[str]:
@@ -53,10 +55,10 @@ PRESSURE_FLAGS = ["--pressure-requests", "18", "--pressure-max-tokens", "96"]
 def test_clean_server_passes(copy_model_dir: Path, tmp_path: Path, run_canary: RunCanary) -> None:
     """(d) 8 tenants x 25 requests, checks and scrub off, a tenth of them with n = 2..3, a tenth
     with logprobs, a twentieth with prompt_logprobs and one with echo (chat: continuing an
-    assistant message), then a pressure phase that makes the engine preempt: zero leaks in any
-    choice, token string, token bytes or prompt token, evidence consistent, the preemptions
-    reported."""
-    with KvsealServer(copy_model_dir, tmp_path, _server_keys()) as server:
+    assistant message), a tenth of the chat ones forcing a tool call (hermes), then a pressure
+    phase that makes the engine preempt: zero leaks in any choice, token string, token bytes,
+    prompt token or call, evidence consistent, the preemptions reported."""
+    with KvsealServer(copy_model_dir, tmp_path, _server_keys(), extra_args=TOOL_PARSER) as server:
         status, report = run_canary(server.url, CANARY_KEYS, "--requests", "200", "--max-tokens", "16",
                                     "--seed", "1", *PRESSURE_FLAGS, *_admin_flags())
     assert status == 0, report["verdict"]
@@ -65,10 +67,15 @@ def test_clean_server_passes(copy_model_dir: Path, tmp_path: Path, run_canary: R
     outcomes = report["requests_by_outcome"]
     assert outcomes == {"aborted": 10, "ok": 198, "rejected": 10}
     # The run had power: every completed response repeated its own marker (an echo request's
-    # answer holds its prompt whatever the model does, so those are not counted).
+    # answer holds its prompt, a forced call its marker, whatever the model does: not counted).
     echo = report["own_marker_echoes"]
     assert echo["of_completed"] == 198 and echo["echo_requests_not_counted"] > 0, echo
-    assert echo["responses"] == 198 - echo["echo_requests_not_counted"], echo
+    assert echo["tool_requests_not_counted"] > 0, echo
+    assert echo["responses"] == 198 - echo["echo_requests_not_counted"] - echo["tool_requests_not_counted"], echo
+    # Every tool request came back with a call to the canary's tool in every choice, and its
+    # arguments were read (the parser's path, streamed and not).
+    tools = report["paths"]["tool_calls"]
+    assert tools["asked"] == tools["completed"] == tools["with_call"] > 0 and tools["not_exercised"] is None, tools
     # Every choice of an n > 1 request came back, and every logprobs request carried tokens and
     # top alternatives: the canary read those paths and found only the request's own marker there.
     several, logprobs = report["paths"]["n_gt_1"], report["paths"]["logprobs"]
@@ -102,9 +109,14 @@ def test_a_scrubbing_server_reports_the_pages_it_scrubbed(copy_model_dir: Path, 
     with KvsealServer(copy_model_dir, tmp_path, _server_keys(), extra_args=["--kv-scrub", "free"]) as server:
         before = scrape(server.url, admin_key)
         status, report = run_canary(server.url, CANARY_KEYS[:2], "--requests", "16", "--max-tokens", "16",
-                                    "--seed", "2", *_admin_flags())
+                                    "--seed", "2", "--tools-fraction", "0.5", *_admin_flags())
         after = scrape(server.url, admin_key)
     assert status == 0, report["verdict"]
+    # Started without --tool-call-parser, the server refuses tools: the run leaves its tool
+    # requests out and says so, rather than failing on refusals.
+    tools = report["paths"]["tool_calls"]
+    assert tools["asked"] == 0 and "parses no tool calls" in tools["not_exercised"], tools
+    assert report["run"]["tools_not_sent"] == tools["not_exercised"]
     evidence = report["server_evidence"]
     assert evidence["scrub_mode"] == "free"
     scrubbed = evidence["pages_scrubbed"]
@@ -159,6 +171,25 @@ def test_a_cross_tenant_prefix_hit_is_caught_by_the_probe(copy_model_dir: Path, 
     assert pair["own_repeat"] > 0 and pair["other_key"] > 0, pair
     assert any("key 1 was served" in reason and "leaks across tenants" in reason
                for reason in report["verdict"]["reasons"]), report["verdict"]
+
+
+def test_a_tool_parser_that_keeps_state_across_requests_is_caught_in_the_calls(
+        copy_model_dir: Path, tmp_path: Path, run_canary: RunCanary) -> None:
+    """The hermes parser handing each call the arguments of the call it read before (another
+    request's): the canary finds foreign markers in the calls' arguments, streamed and not, and
+    names those fields. The clean run above is the same path with the fault off, and passes."""
+    with KvsealServer(copy_model_dir, tmp_path, _server_keys(), faults=["stale_tool_arguments"],
+                      extra_args=TOOL_PARSER) as server:
+        status, report = run_canary(server.url, CANARY_KEYS, "--requests", "32", "--max-tokens", "16", "--seed", "6",
+                                    *FIRST_CHOICE_ONLY, "--tools-fraction", "1", *_admin_flags())
+    assert status == 1
+    assert report["leaks"], report["verdict"]
+    _assert_leaks_well_formed(report)
+    fields = {name for leak in report["leaks"] for name in leak["fields"]}
+    assert all(".tool_calls[" in name and name.endswith(".function.arguments") for name in fields), fields
+    assert {name.split(".")[1] for name in fields} == {"message", "delta"}, fields  # unary and streamed
+    assert any("tool_calls" in reason for reason in report["verdict"]["reasons"]), report["verdict"]
+    assert report["server_errors"] == [] and report["unanswered"] == []
 
 
 def _assert_leaks_well_formed(report: dict[str, Any]) -> None:

@@ -7,7 +7,8 @@ from dataclasses import replace
 import pytest
 
 from kvseal.canary.config import CanaryConfig, load_keys
-from kvseal.canary.plan import FILLER_WORDS, Endpoint, build_plan, max_prompt_chars
+from kvseal.canary.plan import FILLER_WORDS, TOOL_CALL_MAX_TOKENS, TOOL_NAME, Endpoint, build_plan, max_prompt_chars
+from kvseal.canary.runner import request_body
 from kvseal.errors import ConfigError
 
 KEYS = tuple(f"k{i}" for i in range(8))
@@ -59,6 +60,7 @@ def test_refuses_a_context_too_small_for_a_prompt() -> None:
     ({"logprobs_fraction": -0.1}, "--logprobs-fraction must be in"),
     ({"prompt_logprobs_fraction": 2.0}, "--prompt-logprobs-fraction must be in"),
     ({"echo_fraction": -1.0}, "--echo-fraction must be in"),
+    ({"tools_fraction": 1.5}, "--tools-fraction must be in"),
     ({"pressure_requests": -1}, "--pressure-requests must be >= 0"),
     ({"pressure_max_tokens": 0}, "--pressure-max-tokens must be >= 1"),
 ])
@@ -93,13 +95,18 @@ def test_choices_and_logprobs_go_to_a_seeded_share_of_answered_requests() -> Non
 def test_without_the_new_paths_the_plan_is_the_one_the_seed_always_gave() -> None:
     """n and logprobs are drawn from their own stream, prompt_logprobs and echo from another:
     switching them on changes nothing else, and the prompt paths move neither n nor logprobs."""
-    off = {"n_fraction": 0.0, "logprobs_fraction": 0.0, "prompt_logprobs_fraction": 0.0, "echo_fraction": 0.0}
+    off = {"n_fraction": 0.0, "logprobs_fraction": 0.0, "prompt_logprobs_fraction": 0.0, "echo_fraction": 0.0,
+           "tools_fraction": 0.0}
     plain = build_plan(_config(seed=9, **off), 512)
-    assert all(r.n == 1 and r.logprobs is None and r.prompt_logprobs is None and not r.is_echo for r in plain)
+    assert all(r.n == 1 and r.logprobs is None and r.prompt_logprobs is None and not r.is_echo
+               and not r.is_tool_call for r in plain)
     mixed = build_plan(_config(seed=9), 512)
-    assert [replace(r, n=1, logprobs=None, prompt_logprobs=None, is_echo=False) for r in mixed] == plain
+    assert [replace(r, n=1, logprobs=None, prompt_logprobs=None, is_echo=False, is_tool_call=False, max_tokens=32)
+            for r in mixed] == plain
     no_prompt_paths = build_plan(_config(seed=9, prompt_logprobs_fraction=0.0, echo_fraction=0.0), 512)
     assert [replace(r, prompt_logprobs=None, is_echo=False) for r in mixed] == no_prompt_paths
+    no_tools = build_plan(_config(seed=9, tools_fraction=0.0), 512)
+    assert [replace(r, is_tool_call=False, max_tokens=32) for r in mixed] == no_tools
 
 
 def test_prompt_logprobs_and_echo_go_to_a_seeded_share_of_answered_requests() -> None:
@@ -116,6 +123,34 @@ def test_prompt_logprobs_and_echo_go_to_a_seeded_share_of_answered_requests() ->
     assert {r.prompt_logprobs for r in plan} - {None} == {1, 2, 3, 4, 5}
     assert {r.endpoint for r in plan if r.prompt_logprobs} == set(Endpoint)
     assert {(r.endpoint, r.is_stream) for r in plan if r.is_echo} == {(e, s) for e in Endpoint for s in (True, False)}
+
+
+def test_tool_calls_go_to_a_seeded_share_of_answered_chat_requests() -> None:
+    """Chat only, never oversized, a planned abort or pressure; streamed and not, beside the
+    other paths; with the tokens a whole call needs."""
+    plan = build_plan(_config(num_requests=400, oversized_fraction=0.1, abort_fraction=0.1, tools_fraction=0.3,
+                              pressure_requests=4), max_context=512)
+    eligible = [r for r in plan if r.endpoint is Endpoint.CHAT and not r.is_oversized
+                and r.abort_after_chunks is None and not r.is_pressure]
+    tools = [r for r in plan if r.is_tool_call]
+    assert len(tools) == round(len(eligible) * 0.3) and all(r in eligible for r in tools)
+    assert {r.is_stream for r in tools} == {True, False}
+    assert any(r.n > 1 for r in tools) and any(r.logprobs for r in tools) and any(r.is_echo for r in tools)
+    assert all(r.max_tokens == TOOL_CALL_MAX_TOKENS for r in tools)
+    # where the context leaves fewer tokens, a tool request gets what it leaves
+    small = build_plan(_config(num_requests=40, tools_fraction=1.0, max_tokens=8), max_context=max_prompt_chars() + 50)
+    assert {r.max_tokens for r in small if r.is_tool_call} == {50}
+
+
+def test_a_tool_request_offers_one_tool_holding_its_marker_and_forces_a_call_to_it() -> None:
+    plan = build_plan(_config(num_requests=40, tools_fraction=1.0), max_context=512)
+    request = next(r for r in plan if r.is_tool_call)
+    body = request_body(request, "m")
+    [tool] = body["tools"]
+    assert tool["function"]["name"] == TOOL_NAME == body["tool_choice"]["function"]["name"]
+    assert tool["function"]["parameters"]["properties"]["code"]["const"] == request.marker.text
+    assert body["tool_choice"]["type"] == "function" and body["max_tokens"] == TOOL_CALL_MAX_TOKENS
+    assert all("tools" not in request_body(r, "m") for r in plan if not r.is_tool_call)
 
 
 def test_pressure_requests_come_last_and_generate_what_the_context_leaves() -> None:

@@ -3,10 +3,11 @@ the summary's error count past the listed ones."""
 
 from __future__ import annotations
 
+import json
 import random
 
 from kvseal.canary.markers import Marker, MarkerFactory
-from kvseal.canary.plan import Endpoint, PlannedRequest
+from kvseal.canary.plan import TOOL_NAME, Endpoint, PlannedRequest
 from kvseal.canary.report import MAX_LISTED, analyse, build_report, summary_table
 from kvseal.canary.runner import Outcome, RequestResult
 
@@ -53,3 +54,42 @@ def test_the_summary_counts_every_server_error_not_only_the_listed_ones() -> Non
     assert len(report["server_errors"]) == MAX_LISTED and report["num_server_errors"] == MAX_LISTED + 11
     [row] = [line for line in summary_table(report).splitlines() if line.startswith("5xx or stream errors")]
     assert row.split()[-1] == str(MAX_LISTED + 11)
+
+
+def tool_result(index: int, arguments: str, is_stream: bool = False) -> RequestResult:
+    """A chat request that forced a call to the canary's tool, answered with these arguments."""
+    marker = marker_of(index)
+    request = PlannedRequest(marker.request_id, marker.tenant, index % 2, Endpoint.CHAT, is_stream, False, None,
+                             marker, f"{marker.text} is my code.", 128, is_tool_call=True)
+    call = f"choices[0].{'delta' if is_stream else 'message'}.tool_calls[0]"
+    fields = {f"{call}.function.name": (TOOL_NAME,), f"{call}.function.arguments": (arguments,)}
+    return RequestResult(request, Outcome.OK, 200, fields, f"s{index}", None, 0.1)
+
+
+def test_another_requests_marker_in_a_calls_arguments_is_a_leak_named_by_its_field() -> None:
+    seeing = [result(i, Outcome.OK, f"again {marker_of(i).text}") for i in range(2)]
+    own = tool_result(2, json.dumps({"code": marker_of(2).text}))
+    foreign = tool_result(3, json.dumps({"code": marker_of(2).text}), is_stream=True)
+    report = report_of([*seeing, own, foreign])
+    assert not report["verdict"]["passed"]
+    [leak] = report["leaks"]
+    assert (leak["request_id"], leak["foreign_request_id"]) == ("c000003", "c000002")
+    assert leak["fields"] == ["choices[0].delta.tool_calls[0].function.arguments"]
+    assert report["paths"]["tool_calls"] == {"asked": 2, "completed": 2, "with_call": 2, "not_exercised": None}
+    # a forced call's marker is the grammar's, not the model's: it is no evidence of the run's power
+    assert report["own_marker_echoes"]["responses"] == 2
+    assert report["own_marker_echoes"]["tool_requests_not_counted"] == 2
+
+
+def test_tool_calls_not_sent_are_reported_as_not_exercised() -> None:
+    results = [result(i, Outcome.OK, f"again {marker_of(i).text}") for i in range(2)]
+    why = "the server parses no tool calls (start it with --tool-call-parser; ...)"
+    report = build_report(analyse(results), NO_EVIDENCE, {"num_requests": 2, "tools_not_sent": why}, TENANCY)
+    assert report["verdict"]["passed"], report["verdict"]
+    assert report["paths"]["tool_calls"] == {"asked": 0, "completed": 0, "with_call": 0, "not_exercised": why}
+    [row] = [line for line in summary_table(report).splitlines() if line.startswith("tool calls")]
+    assert row.endswith(f"not exercised: {why}")
+    # a call cut short (no name read) is asked and completed, but has no call
+    cut = tool_result(2, "")
+    cut = RequestResult(cut.request, Outcome.OK, 200, {}, "s2", None, 0.1)
+    assert report_of([*results, cut])["paths"]["tool_calls"]["with_call"] == 0
