@@ -513,7 +513,10 @@ def test_llama3_json_calls_forced_and_free(llama3_server: ServerProcess) -> None
     deltas = [d for chunk in client.chat.completions.create(
         model=llama3_server.model_name, messages=MESSAGES, tools=TOOLS, max_tokens=100, temperature=0, stream=True,
         extra_body={"guided_regex": written}) for c in chunk.choices for d in c.delta.tool_calls or []]
-    assert [d.function.name for d in deltas if d.function] == ["get_time"]
+    # the call streams as it is written: its name once, then its arguments in pieces that add up
+    assert [d.function.name for d in deltas if d.function and d.function.name] == ["get_time"]
+    assert {d.index for d in deltas} == {0}
+    assert json.loads("".join(d.function.arguments or "" for d in deltas if d.function)) == {"zone": "CET"}
     out = client.chat.completions.create(model=llama3_server.model_name, messages=MESSAGES, tools=TOOLS,
                                          max_tokens=100, temperature=0, extra_body={"guided_regex": "It is [a-z]{3}"})
     assert out.choices[0].message.tool_calls == [] and out.choices[0].message.content.startswith("It is ")
