@@ -164,6 +164,13 @@ class EngineBackend(Protocol):
         """Abort every request in flight; each still ends with its own terminal event."""
         ...
 
+    def forget_tenant(self, tenant: str) -> int:
+        """Have every engine forget `tenant`'s prefix cache (`ForgetTenantMsg`) before any request
+        submitted after this call reaches it; the tenant's requests submitted before are closed to
+        the cache. Never blocks. Returns the engines told now (an engine that is down is told when
+        it answers again, or starts with an empty cache)."""
+        ...
+
     def add_metrics(self, registry: CollectorRegistry) -> None:
         """Register the backend's own gauges (PD: per-engine handoff figures) on /metrics."""
         ...

@@ -58,16 +58,22 @@ MAX_LOGPROBS = 20  # most alternatives a position's logprobs may carry (vLLM's d
 _REAL_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 
 
-def namespace_of(tenant: str, cache_salt: str | None = None) -> str:
+def namespace_of(tenant: str, cache_salt: str | None = None, cache_epoch: int = 0) -> str:
     """The prefix-cache namespace of a tenant (I5): a framed hash over the tenant id, and the
     request's `cache_salt` when it has one (vLLM's: a tenant's way to split its own cache, e.g.
     one namespace per end user), the only way a namespace is made. Engines derive it from the
     request's tenant and salt themselves; no message and no caller carries one. A salt only
-    divides its tenant's namespace: no salt makes another tenant's."""
+    divides its tenant's namespace: no salt makes another tenant's.
+
+    `cache_epoch`: how many times the engine had been told to forget the tenant's cache when the
+    request reached it (`KVCacheManager.forget_tenant`): a tenant name removed and added again is
+    a new namespace, so nothing the old one cached can be a hit for the new one (0: never)."""
     framed = b"kvseal-prefix-namespace\x00" + len(tenant).to_bytes(8, "big") + tenant.encode()
     if cache_salt is not None:
         salt = cache_salt.encode()
         framed += b"\x01salt" + len(salt).to_bytes(8, "big") + salt
+    if cache_epoch:
+        framed += b"\x02epoch" + cache_epoch.to_bytes(8, "big")
     return hashlib.sha256(framed).hexdigest()
 
 
@@ -380,7 +386,8 @@ class Request:
     a forward of it, or shared prefix-cache pages of its namespace; it is reset to 0 on
     preemption. `num_cached_tokens` is how many prompt tokens its first schedule found in
     the prefix cache (usage, I8); `page_hashes` the chained hashes of its full pages so far.
-    `cache_namespace` is derived from `tenant` (I5) and cannot be given.
+    `cache_namespace` is derived from `tenant` (I5) and `cache_epoch` (the tenant's cache epoch on
+    this engine when the request reached it, `KVCacheManager.cache_epoch`) and cannot be given.
     """
 
     request_id: str
@@ -411,9 +418,10 @@ class Request:
     last_token_s: float | None = None
     # PD decode: the queue and prefill durations prefill measured (`RequestTiming.decode_s` unused)
     prefilled_timing: RequestTiming | None = None
+    cache_epoch: int = 0
 
     def __post_init__(self) -> None:
-        self.cache_namespace = namespace_of(self.tenant, self.params.cache_salt)
+        self.cache_namespace = namespace_of(self.tenant, self.params.cache_salt, self.cache_epoch)
         if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
             self.prompt_logprobs = [None]
 

@@ -32,6 +32,10 @@ class Fault(enum.Enum):
     # (I5), so a test can show that the cross-tenant check sees another tenant's hit and that
     # the ownership check (I3) refuses the foreign page before a forward reads it.
     DROP_CACHE_NAMESPACE = "drop_cache_namespace"
+    # An engine told to forget a tenant's prefix cache (its name was removed from the keys)
+    # starts a new cache epoch for the name but leaves the old pages cached, so a test can show
+    # that the cache's integrity check sees a forgotten tenant's page outlive its readers.
+    FORGET_KEEPS_CACHE = "forget_keeps_cache"
     # The frontend ignores a failed audit write (I8), as it did before the audit guard: the
     # answer is sent, new requests are admitted and /health is fine, so a test can show that
     # the outage test catches a response served without its audit line.

@@ -60,6 +60,7 @@ class _AskedReservation:
     msg: ReserveMsg
     prompt: list[int]
     params: SamplingParams
+    cache_epoch: int  # the tenant's when the reservation was asked for (`LLMEngine.arrival_epoch`)
 
 
 class DecodeSteps:
@@ -126,7 +127,7 @@ class DecodeSteps:
         except RequestRejected as exc:
             self._refuse_reservation(frontend, msg, exc)
             return
-        asked = _AskedReservation(frontend, msg, prompt, params)
+        asked = _AskedReservation(frontend, msg, prompt, params, self.engine.arrival_epoch(msg.request_id, msg.tenant))
         if params.structured is not None:  # compiled off the loop; reserved once it compiled (`tick`)
             ticket = self.engine.grammars.compile(msg.tenant, params.structured)
             self._compiling.add(msg.request_id, msg.tenant, ticket, asked)
@@ -136,7 +137,7 @@ class DecodeSteps:
     def _add_reservation(self, asked: _AskedReservation, compiled_grammar: Any) -> None:
         msg = asked.msg
         self.table.add(Reservation(msg.request_id, msg.tenant, asked.prompt, asked.params, asked.frontend,
-                                   compiled_grammar=compiled_grammar))
+                                   compiled_grammar=compiled_grammar, cache_epoch=asked.cache_epoch))
         self._place_waiting()
 
     def _refuse_reservation(self, frontend: bytes, msg: ReserveMsg, exc: RequestRejected) -> None:
@@ -261,7 +262,7 @@ class DecodeSteps:
                                           reservation.params, msg.first_token, logprobs, generator_state,
                                           reservation.num_cached_tokens,
                                           reservation.compiled_grammar, prompt_logprobs,
-                                          _prefill_timing(msg))
+                                          _prefill_timing(msg), cache_epoch=reservation.cache_epoch)
         logger.info("handoff of request %s verified: transfer %s from prefill %s to decode %s",
                     request_id, msg.transfer_id, msg.prefill_engine, self.instance_id)
         self._frontend_of[request_id] = reservation.frontend

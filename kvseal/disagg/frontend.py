@@ -33,7 +33,7 @@ import logging
 import secrets
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol, cast
 
 import msgspec
@@ -78,6 +78,7 @@ from kvseal.messages.msgs import (
     AddRequestMsg,
     EngineReadyMsg,
     EngineStatsMsg,
+    ForgetTenantMsg,
     OutputsMsg,
     RequestOutputMsg,
     RequestRejectedMsg,
@@ -113,6 +114,8 @@ class EngineLink:
     is_up: bool = False
     num_assigned: int = 0
     num_failed_handshakes: int = 0  # since the last one that succeeded (logged first, then every 100th)
+    # tenants whose cache this engine must forget before it is used again (it was down when told)
+    forgets_owed: set[str] = field(default_factory=set)
     down_reason: str | None = None  # why this frontend marked it down (clients are told), until it is up again
 
     @property
@@ -323,6 +326,36 @@ class PdClient:
         for route in list(self._routes.values()):
             self.abort(route.handle.request_id, route.handle.tenant, reason)
 
+    def forget_tenant(self, tenant: str) -> int:
+        """Every engine, both roles (each keeps a prefix cache), forgets the tenant now, or, if it
+        is down, before it is used again. A prefill engine is also told which of the tenant's
+        requests are reserved and not yet sent to prefill: their `PrefillMsg` comes after this, and
+        they are the old tenant's."""
+        num_told = 0
+        for link in self.links:
+            if link.is_up:
+                num_told += self._send_forget(link, tenant)
+            else:
+                link.forgets_owed.add(tenant)
+        return num_told
+
+    def _send_forget(self, link: EngineLink, tenant: str) -> int:
+        ahead = [] if link.role == "decode" else [
+            request_id for request_id, route in self._routes.items()
+            if route.handle.tenant == tenant and route.prefill is None and not route.is_aborted]
+        try:
+            link.send(ForgetTenantMsg(tenant, ahead))
+        except EngineUnavailable:  # it went away just now: told when it answers again
+            link.forgets_owed.add(tenant)
+            return 0
+        return 1
+
+    def _pay_forgets(self, link: EngineLink) -> None:
+        """Before an engine that was down is used again: the forgets it missed, in one go."""
+        for tenant in sorted(link.forgets_owed):
+            link.forgets_owed.discard(tenant)
+            self._send_forget(link, tenant)
+
     async def shutdown(self, timeout_s: float = 10.0) -> None:
         self._is_shutting_down = True
         self.abort_all("server_shutdown")
@@ -411,6 +444,7 @@ class PdClient:
                            link.info.instance_id, info.instance_id)
             self._engine_down(link, f"the {link.role} engine restarted")
         if not link.is_up:
+            self._pay_forgets(link)  # before it is up: nothing submitted later can overtake them
             logger.info("%s engine %s is up at %s", link.role, info.instance_id, link.address)
             if self._supervisor is not None:
                 self._supervisor.answered(link.role)

@@ -50,7 +50,7 @@ from kvseal.disagg.msgs import (
     TransferAbortMsg,
 )
 from kvseal.errors import ConfigError
-from kvseal.messages.msgs import AbortMsg, ShutdownMsg
+from kvseal.messages.msgs import AbortMsg, ForgetTenantMsg, ShutdownMsg
 
 logger = logging.getLogger("kvseal.disagg")
 
@@ -58,7 +58,7 @@ LinkRole = Literal["frontend", "peer"]
 
 # What each role may send to an engine; everything else from it is refused.
 MESSAGES_OF: dict[LinkRole, tuple[type, ...]] = {
-    "frontend": (HelloMsg, IntegrityCheckMsg, ShutdownMsg, ReserveMsg, PrefillMsg, AbortMsg),
+    "frontend": (HelloMsg, IntegrityCheckMsg, ShutdownMsg, ReserveMsg, PrefillMsg, AbortMsg, ForgetTenantMsg),
     "peer": (KVBlockMsg, CommitMsg, TransferAbortMsg),
 }
 

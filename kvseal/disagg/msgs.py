@@ -37,6 +37,7 @@ import msgspec
 from kvseal.messages.msgs import (
     AbortMsg,
     EngineStatsMsg,
+    ForgetTenantMsg,
     OutputsMsg,
     RequestRejectedMsg,
     RequestTimingMsg,
@@ -293,7 +294,7 @@ PdMsg = (
     HelloMsg | EngineInfoMsg | PdStatsMsg | IntegrityCheckMsg | IntegrityReportMsg
     | ReserveMsg | ReservedMsg | ReserveRefusedMsg | PrefillMsg
     | PrefillDoneMsg | PrefillRefusedMsg | KVBlockMsg | CommitMsg | TransferAbortMsg
-    | AbortMsg | ShutdownMsg | OutputsMsg | RequestRejectedMsg
+    | AbortMsg | ForgetTenantMsg | ShutdownMsg | OutputsMsg | RequestRejectedMsg
 )
 
 _encoder = msgspec.msgpack.Encoder()

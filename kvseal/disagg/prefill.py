@@ -91,7 +91,8 @@ class PrefillSteps:
         self.counters = HandoffCounters()
         self._jobs: dict[str, Job] = {}
         # structured-output jobs whose grammar compiles off the loop (not yet in the engine)
-        self._compiling: PendingGrammars[tuple[Job, list[int], SamplingParams]] = PendingGrammars()
+        # (with the cache epoch each arrived in, `LLMEngine.arrival_epoch`)
+        self._compiling: PendingGrammars[tuple[Job, list[int], SamplingParams, int]] = PendingGrammars()
         engine.before_free = self._hand_off
 
     def held(self) -> set[str]:
@@ -131,17 +132,19 @@ class PrefillSteps:
         except RequestRejected as exc:
             self._refuse_rejected(job, exc)
             return
+        cache_epoch = self.engine.arrival_epoch(msg.request_id, msg.tenant)
         if params.structured is not None:  # compiled off the loop; started once it compiled (`tick`)
             ticket = self.engine.grammars.compile(msg.tenant, params.structured)
-            self._compiling.add(msg.request_id, msg.tenant, ticket, (job, prompt, params))
+            self._compiling.add(msg.request_id, msg.tenant, ticket, (job, prompt, params, cache_epoch))
             return
-        self._start(job, prompt, params, None)
+        self._start(job, prompt, params, None, cache_epoch)
 
-    def _start(self, job: Job, prompt: list[int], params: SamplingParams, compiled_grammar: Any) -> None:
+    def _start(self, job: Job, prompt: list[int], params: SamplingParams, compiled_grammar: Any,
+               cache_epoch: int) -> None:
         msg = job.msg
         try:
             self.engine.add_request(msg.request_id, prompt, first_token_params(params), msg.tenant,
-                                    compiled_grammar=compiled_grammar)
+                                    compiled_grammar=compiled_grammar, cache_epoch=cache_epoch)
         except RequestRejected as exc:
             self._refuse_rejected(job, exc)
             return
@@ -166,13 +169,13 @@ class PrefillSteps:
         """Start the jobs whose grammar compiled; refuse those whose grammar did not."""
         ready = self._compiling.take_ready()
         for waiting in ready:
-            job, prompt, params = waiting.item
+            job, prompt, params, cache_epoch = waiting.item
             try:
                 compiled = waiting.ticket.result()
             except RequestRejected as exc:
                 self._refuse_rejected(job, exc)
                 continue
-            self._start(job, prompt, params, compiled)
+            self._start(job, prompt, params, compiled, cache_epoch)
         return bool(ready)
 
     def _abort(self, msg: AbortMsg) -> None:
@@ -292,10 +295,10 @@ class PrefillSteps:
         self._refuse_compiling(self._compiling.cancel_all(), reason, error_code)
         self.on_outputs(abort_every(self.engine, reason, error_code))
 
-    def _refuse_compiling(self, cancelled: list[tuple[str, tuple[Job, list[int], SamplingParams]]],
+    def _refuse_compiling(self, cancelled: list[tuple[str, tuple[Job, list[int], SamplingParams, int]]],
                           reason: str, error_code: str | None = None) -> None:
         """Each job whose grammar wait was cancelled fails, and decode is told to release it."""
-        for _, (job, _, _) in cancelled:
+        for _, (job, _, _, _) in cancelled:
             if error_code == ENGINE_UNAVAILABLE:
                 self._refuse(job, ENGINE_UNAVAILABLE, reason, None, 503)
             else:

@@ -54,6 +54,7 @@ class Reservation:
     deadline_s: float = 0.0
     release_reason: str | None = None  # set once releasing: waiting for the receiver's confirmation
     compiled_grammar: Any = None  # a structured-output request's grammar, compiled before the reservation
+    cache_epoch: int = 0  # its tenant's when it was asked for: its namespace's (`KVCacheManager.cache_epoch`)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -113,8 +114,8 @@ class ReservationTable:
         r = reservation
         r.num_cached_tokens = self.kv.acquire_prefix(_probe(r))  # 0 with the cache off; the last token never hits
         # one run of consecutive pages where the pool has one: the transfer then moves a few large blocks
-        self.kv.reserve(r.request_id, r.tenant, r.num_tokens, namespace_of(r.tenant, r.params.cache_salt),
-                        consecutive=True)
+        self.kv.reserve(r.request_id, r.tenant, r.num_tokens,
+                        namespace_of(r.tenant, r.params.cache_salt, r.cache_epoch), consecutive=True)
         r.transfer_id = secrets.token_hex(16)
         r.transfer_key = secrets.token_bytes(TRANSFER_KEY_BYTES)
         r.pages = tuple(self.kv.allocator.pages_of(r.request_id))
@@ -179,4 +180,4 @@ class ReservationTable:
 def _probe(reservation: Reservation) -> Request:
     """The reservation as the prefix cache sees a new request: its prompt in its namespace."""
     r = reservation
-    return Request(r.request_id, r.tenant, r.prompt_token_ids, r.params)
+    return Request(r.request_id, r.tenant, r.prompt_token_ids, r.params, cache_epoch=r.cache_epoch)

@@ -31,7 +31,7 @@ from kvseal.disagg.msgs import (
 from kvseal.disagg.role import FRONTEND_GONE, Replies, RoleSteps
 from kvseal.engine.engine import LLMEngine
 from kvseal.messages.convert import stats_to_msg
-from kvseal.messages.msgs import ShutdownMsg
+from kvseal.messages.msgs import ForgetTenantMsg, ShutdownMsg
 
 logger = logging.getLogger("kvseal.disagg")
 
@@ -123,6 +123,9 @@ class RouterLink:
             case IntegrityCheckMsg():
                 self.replies.send(sender, self.integrity_report())
                 return False
+            case ForgetTenantMsg():  # both roles keep a prefix cache
+                self.engine.forget_tenant(msg.tenant, msg.request_ids)
+                return True
             case ShutdownMsg():
                 self.steps.abort_all(msg.reason)
                 self.is_stopped = True

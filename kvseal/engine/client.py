@@ -59,6 +59,7 @@ from kvseal.messages.msgs import (
     EngineReadyMsg,
     EngineStatsMsg,
     EngineStoppedMsg,
+    ForgetTenantMsg,
     FromEngineMsg,
     OutputsMsg,
     RequestOutputMsg,
@@ -181,6 +182,14 @@ class EngineClient:
         """Abort every in-flight request; each still ends with its own terminal output."""
         for handle in list(self._handles.values()):
             self.abort(handle.request_id, handle.tenant, reason)
+
+    def forget_tenant(self, tenant: str) -> int:
+        """Queued before anything submitted after it (one outbox, in order). An engine that is
+        restarting gets it too, or has lost its cache with its process: either way none is left."""
+        if self._is_shutting_down:
+            return 0
+        self._outbox.put_nowait(ForgetTenantMsg(tenant))
+        return 1
 
     def add_metrics(self, registry: CollectorRegistry) -> None:
         """`kvseal_engine_restarts_total`; the server's own gauges say the rest about one engine."""

@@ -23,6 +23,7 @@ from kvseal.messages.msgs import (
     AbortMsg,
     AddRequestMsg,
     EngineStoppedMsg,
+    ForgetTenantMsg,
     FromEngineMsg,
     OutputsMsg,
     RequestOutputMsg,
@@ -47,8 +48,9 @@ class ColocatedSteps:
         self.engine = engine
         self._send = send
         self.is_stopped = False
-        # structured-output requests whose grammar is compiling (not yet in the engine)
-        self._compiling: PendingGrammars[tuple[AddRequestMsg, SamplingParams]] = PendingGrammars()
+        # structured-output requests whose grammar is compiling (not yet in the engine), with the
+        # cache epoch they arrived in (`LLMEngine.arrival_epoch`)
+        self._compiling: PendingGrammars[tuple[AddRequestMsg, SamplingParams, int]] = PendingGrammars()
 
     def handle(self, msg: ToEngineMsg) -> None:
         match msg:
@@ -56,6 +58,8 @@ class ColocatedSteps:
                 self._add(msg)
             case AbortMsg():
                 self._abort(msg)
+            case ForgetTenantMsg():
+                self.engine.forget_tenant(msg.tenant, msg.request_ids)
             case ShutdownMsg():
                 self.shutdown(msg.reason)
 
@@ -66,10 +70,10 @@ class ColocatedSteps:
         self.engine.check_ranks()  # a tensor-parallel rank lost while idle fails the engine now
         ready = self._compiling.take_ready()
         for waiting in ready:
-            msg, params = waiting.item
+            msg, params, cache_epoch = waiting.item
             try:
                 self.engine.add_request(msg.request_id, msg.prompt_token_ids, params, msg.tenant,
-                                        compiled_grammar=waiting.ticket.result())
+                                        compiled_grammar=waiting.ticket.result(), cache_epoch=cache_epoch)
             except RequestRejected as exc:
                 self._reject(msg, exc)
         return bool(ready)
@@ -85,7 +89,8 @@ class ColocatedSteps:
                 if msg.request_id in self._compiling:
                     raise InvalidParameter(f"request id {msg.request_id!r} is already in use", param="request_id")
                 ticket = self.engine.grammars.compile(msg.tenant, params.structured)
-                self._compiling.add(msg.request_id, msg.tenant, ticket, (msg, params))
+                cache_epoch = self.engine.arrival_epoch(msg.request_id, msg.tenant)
+                self._compiling.add(msg.request_id, msg.tenant, ticket, (msg, params, cache_epoch))
                 return
             self.engine.add_request(msg.request_id, msg.prompt_token_ids, params, msg.tenant)
         except RequestRejected as exc:
@@ -114,7 +119,7 @@ class ColocatedSteps:
         """Abort every request (running, queued, compiling), report them, say stopped."""
         live = self.engine.unfinished_ids()
         outputs = [self._abort_one(request_id, reason) for request_id in live]
-        outputs += [_compile_aborted(msg, reason) for _, (msg, _) in self._compiling.cancel_all()]
+        outputs += [_compile_aborted(msg, reason) for _, (msg, _, _) in self._compiling.cancel_all()]
         if outputs:
             self._send(OutputsMsg(outputs))
         self._send(EngineStoppedMsg(len(outputs)))

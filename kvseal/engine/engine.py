@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import secrets
+from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -62,6 +63,8 @@ from kvseal.types import (
 )
 
 logger = logging.getLogger("kvseal")
+
+MAX_EPOCHS_AHEAD = 65_536  # request ids a forget named that have not arrived yet (`LLMEngine.forget_tenant`)
 
 
 def _no_text(token_ids: list[int]) -> str:
@@ -151,6 +154,9 @@ class LLMEngine:
         self._num_isolation_violations = 0
         self._grammars: GrammarCompilerPool | None = None
         self._grammar_config = args.grammar_config
+        # request id -> (tenant, cache epoch): requests a frontend started before it had this engine
+        # forget their tenant, whose message may arrive only after (`forget_tenant`, `arrival_epoch`)
+        self._epochs_ahead: OrderedDict[str, tuple[str, int]] = OrderedDict()
         # Called with a finishing request while it still owns its pages (finish_reason set);
         # the prefill role exports the request's KV here. None: nothing to do.
         self.before_free: Callable[[Request], None] | None = None
@@ -240,11 +246,14 @@ class LLMEngine:
             self.driver.close()
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    tenant: str = DEFAULT_TENANT, compiled_grammar: Any = None) -> Request:
+                    tenant: str = DEFAULT_TENANT, compiled_grammar: Any = None,
+                    cache_epoch: int | None = None) -> Request:
         """Admit (I1) and queue a request; raises RequestRejected before any state exists.
 
         Its prefix-cache namespace is derived from `tenant` (I5, `Request.cache_namespace`); the
-        tenant comes from an authenticated frontend (I9) or the offline caller.
+        tenant comes from an authenticated frontend (I9) or the offline caller. `cache_epoch`:
+        the tenant's (`cache_epoch`) when the request's message arrived, if it waited since
+        (a grammar compile); None: the tenant's now.
 
         A structured-output request takes its `compiled_grammar` from the caller (the engine
         loop compiles off the loop); without one it is compiled here, blocking (offline API)."""
@@ -256,7 +265,8 @@ class LLMEngine:
         # replay another's samples from the engine seed and arrival order.
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         generator = torch.Generator().manual_seed(seed)
-        request = Request(request_id, tenant, token_ids, params, generator=generator)
+        request = Request(request_id, tenant, token_ids, params, generator=generator,
+                          cache_epoch=self.arrival_epoch(request_id, tenant) if cache_epoch is None else cache_epoch)
         if params.structured is not None:
             request.grammar = new_matcher(compiled_grammar if compiled_grammar is not None
                                           else self.grammars.compile_now(tenant, params.structured),
@@ -275,7 +285,8 @@ class LLMEngine:
                       generator_state: torch.Tensor, num_cached_tokens: int = 0,
                       compiled_grammar: Any = None,
                       prompt_logprobs: list[TokenLogprobs | None] | None = None,
-                      prefill_timing: RequestTiming | None = None) -> RequestOutput:
+                      prefill_timing: RequestTiming | None = None,
+                      cache_epoch: int = 0) -> RequestOutput:
         """Run a request whose prompt KV is already in pages it holds, written and recorded in
         every layer (a verified PD handoff), and whose first token was sampled elsewhere.
 
@@ -288,6 +299,8 @@ class LLMEngine:
         `prompt_logprobs`: those prefill computed, where the request asked for them (verified).
         `prefill_timing`: how long it queued and prefilled there; its end reports them with the
         decode time measured here from now on (without them, as decode saw it: no queue, no prefill).
+        `cache_epoch`: its tenant's when its reservation was asked for (the namespace its pages
+        were reserved in).
         """
         if request_id in self._outputs:
             raise InvalidParameter(f"request id {request_id!r} is already in use", param="request_id")
@@ -297,7 +310,8 @@ class LLMEngine:
                           generator=generator,
                           num_computed_tokens=len(prompt_token_ids),
                           max_num_pages=len(self.kv.allocator.pages_of(request_id)),
-                          prompt_logprobs=prompt_logprobs, prefilled_timing=prefill_timing)
+                          prompt_logprobs=prompt_logprobs, prefilled_timing=prefill_timing,
+                          cache_epoch=cache_epoch)
         request.first_scheduled_s = request.arrival_s  # it runs from now on; a preemption keeps this
         self.kv.publish_written(request)
         if params.structured is not None:  # the first token was sampled under the same grammar
@@ -325,6 +339,35 @@ class LLMEngine:
             return self._outputs[request_id].report(finished=True, error=reason, error_code=error_code,
                                                     num_kv_tokens_written=self.kv.num_written_tokens(request_id))
         return self._finish(request, FinishReason.ABORT, error=reason, error_code=error_code)
+
+    def cache_epoch(self, tenant: str) -> int:
+        """The tenant's prefix-cache epoch here (`KVCacheManager.cache_epoch`): what a request of
+        it that arrives now takes."""
+        return self.kv.cache_epoch(tenant)
+
+    def arrival_epoch(self, request_id: str, tenant: str) -> int:
+        """The cache epoch of a request whose message arrives now: its tenant's now, or the one
+        before a forget that named it as started earlier (`forget_tenant`'s `request_ids`)."""
+        ahead = self._epochs_ahead.pop(request_id, None)
+        return ahead[1] if ahead is not None and ahead[0] == tenant else self.cache_epoch(tenant)
+
+    def forget_tenant(self, tenant: str, request_ids: Collection[str] = ()) -> int:
+        """Drop the tenant's prefix cache and close it to the tenant's requests already here
+        (`KVCacheManager.forget_tenant`), and to `request_ids`, the tenant's requests that a
+        frontend started before and whose message may arrive only later; the tenant's other
+        requests that arrive later are a new tenant's. Returns the cached pages freed now (the
+        rest leave with their last reader). The ids are remembered until their message comes,
+        at most `MAX_EPOCHS_AHEAD` of them (the oldest go first: one that never came)."""
+        before = self.cache_epoch(tenant)
+        for request_id in request_ids:
+            self._epochs_ahead[request_id] = (tenant, before)
+        while len(self._epochs_ahead) > MAX_EPOCHS_AHEAD:
+            self._epochs_ahead.popitem(last=False)
+        num_freed = len(self.kv.forget_tenant(tenant))
+        logger.warning("forgot the prefix cache of tenant %r: %d cached pages freed now, %d requests of it already "
+                       "here closed to the cache", tenant, num_freed,
+                       sum(1 for r in (*self.scheduler.running, *self.scheduler.waiting) if r.tenant == tenant))
+        return num_freed
 
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0

@@ -43,12 +43,15 @@ class PageOwner:
 
 @dataclass
 class CachedPage:
-    """A page held by the prefix cache: read-only, `num_readers` requests name it."""
+    """A page held by the prefix cache: read-only, `num_readers` requests name it. `tenant` and
+    `cache_epoch` are those of the request that published it (`KVCacheManager.forget_tenant`)."""
 
     namespace: str
     key: PageKey
     generation: int
     num_readers: int
+    tenant: str = ""
+    cache_epoch: int = 0
 
 
 def lowest_free_run(is_free: np.ndarray, num_pages: int) -> int | None:
@@ -178,11 +181,12 @@ class PageAllocator:
             self._evictable.pop(page, None)
         self._shared[request_id] = list(pages)
 
-    def publish(self, request_id: str, key: PageKey) -> int | None:
+    def publish(self, request_id: str, key: PageKey, cache_epoch: int = 0) -> int | None:
         """Hand the request's first own page to the prefix cache under `key`, in the request's
-        namespace; the request keeps reading it. Returns the page, or None if `key` is
-        already cached (the page then stays the request's own). The caller has verified that
-        the page is written completely, in every layer."""
+        namespace (`cache_epoch`: the request's, `Request.cache_epoch`); the request keeps
+        reading it. Returns the page, or None if `key` is already cached (the page then stays
+        the request's own). The caller has verified that the page is written completely, in
+        every layer."""
         pages = self._pages.get(request_id)
         if not pages or key in self._index:
             return None
@@ -190,7 +194,8 @@ class PageAllocator:
         owner = self._owner[page]
         assert owner is not None and owner.request_id == request_id, f"page {page} owner record disagrees"
         self._owner[page] = None
-        self._cached[page] = CachedPage(self._namespace[request_id], key, owner.generation, num_readers=1)
+        self._cached[page] = CachedPage(self._namespace[request_id], key, owner.generation, num_readers=1,
+                                        tenant=self._tenant[request_id], cache_epoch=cache_epoch)
         self._index[key] = page
         self._shared[request_id].append(page)
         return page
@@ -203,6 +208,17 @@ class PageAllocator:
             page, _ = self._evictable.popitem(last=False)
             del self._index[self._cached.pop(page).key]
             evicted.append(page)
+        self._free.extend(reversed(evicted))
+        return evicted
+
+    def evict_unread(self, pages: list[int]) -> list[int]:
+        """Move those of `pages` that are cached and read by no one to the free list, whatever
+        their age (the caller scrubs them, I7); pages read, own or free are left as they are.
+        Returns the pages moved."""
+        evicted = [p for p in dict.fromkeys(pages) if p in self._evictable]
+        for page in evicted:
+            del self._evictable[page]
+            del self._index[self._cached.pop(page).key]
         self._free.extend(reversed(evicted))
         return evicted
 
@@ -227,6 +243,14 @@ class PageAllocator:
 
     def cached_page(self, page: int) -> CachedPage | None:
         return self._cached.get(page)
+
+    def cached_pages_of(self, tenant: str) -> list[int]:
+        """Every cached page a request of `tenant` published (any namespace, any epoch)."""
+        return [page for page, cached in self._cached.items() if cached.tenant == tenant]
+
+    def shared_pages_of(self, request_id: str) -> list[int]:
+        """The cached pages the request reads, in position order."""
+        return list(self._shared.get(request_id, ()))
 
     def cached_namespaces(self) -> dict[int, str]:
         return {page: cached.namespace for page, cached in self._cached.items()}

@@ -26,6 +26,13 @@ request on the cached pages its tokens begin with, shared read-only. Scrub and p
 apply when a cached page is evicted, never when it goes into the cache. `pages_in_flight` and
 `waits_for_in_flight` let the scheduler start a request after a prefill of the same prefix in
 its own namespace has published it, rather than beside it.
+
+Forgetting a tenant (`forget_tenant`: its name was removed from the frontend's keys, and a
+key added later under the same name may be another customer's): every cached page a request of
+that name published, in every namespace, goes back to the free list and is scrubbed as an
+evicted page is, now if no one reads it, else when its last reader ends. Requests of the name
+that reached the engine before are closed to the cache (they neither read nor publish a page);
+requests after it carry the next `cache_epoch`, which is part of their namespace (I5).
 """
 
 from __future__ import annotations
@@ -72,6 +79,7 @@ class KVCacheManager:
         pool.observer = self.records
         self.pool = pool
         self.num_pages_scrubbed = 0  # pages overwritten by the scrub policy (I7) since start-up
+        self._cache_epochs: dict[str, int] = {}  # tenant -> times its cache was forgotten (only those ever)
         if config.check_kv:
             self.pool.fill(list(range(config.num_pages)), float("nan"))
 
@@ -121,9 +129,12 @@ class KVCacheManager:
     def free(self, request_id: str) -> list[int]:
         """Release every page of the request at once: its own pages scrubbed or poisoned per
         config, the cached pages it read left in the cache (evictable once no one reads them)."""
+        closed = [p for p in self.allocator.shared_pages_of(request_id) if self._is_forgotten(p)] \
+            if self._cache_epochs else []
         pages = self.allocator.free(request_id)
         self.records.take_back(request_id, pages)
         self._scrub(pages)
+        self._drop_unread(closed)  # a forgotten tenant's page leaves with its last reader
         return pages
 
     def evict(self, num_pages: int) -> list[int]:
@@ -136,6 +147,17 @@ class KVCacheManager:
             self.records.evict(pages)
             self._scrub(pages)
         return pages
+
+    def _drop_unread(self, pages: list[int]) -> list[int]:
+        """Those of the cached `pages` no one reads leave the cache now, scrubbed or poisoned per
+        config (I7), whatever their age. Returns them (now free)."""
+        if not pages:
+            return []
+        dropped = self.allocator.evict_unread(pages)
+        if dropped:
+            self.records.evict(dropped)
+            self._scrub(dropped)
+        return dropped
 
     def _scrub(self, pages: list[int]) -> None:
         if not pages:
@@ -157,6 +179,36 @@ class KVCacheManager:
         """The ownership changes since the last call, for the other tensor-parallel ranks
         (empty unless `mirrored`)."""
         return self.records.drain() if isinstance(self.records, LoggedRecords) else []
+
+    # --- forgetting a tenant's cache -------------------------------------------------------
+
+    def cache_epoch(self, tenant: str) -> int:
+        """How many times this engine was told to forget `tenant`'s cache (0: never). A request
+        takes the value as it reaches the engine (`Request.cache_epoch`, part of its namespace),
+        so requests of a name removed and added again never share a page."""
+        return self._cache_epochs.get(tenant, 0)
+
+    def is_cache_closed(self, request: Request) -> bool:
+        """Whether the request reached this engine before its tenant's cache was last forgotten:
+        then it neither reads nor publishes a cached page."""
+        return request.cache_epoch != self.cache_epoch(request.tenant)
+
+    def forget_tenant(self, tenant: str) -> list[int]:
+        """Drop `tenant`'s prefix cache (see the module): every cached page a request of that name
+        published, in any namespace (any cache_salt, any earlier epoch), that no one reads is free
+        and scrubbed per config when this returns; one still read leaves with its last reader
+        (`free`). The tenant's requests already here are closed to the cache from now on
+        (`is_cache_closed`); those that arrive later take the next epoch and cache as usual.
+        Returns the pages freed now."""
+        self._cache_epochs[tenant] = self.cache_epoch(tenant) + 1
+        if is_active(Fault.FORGET_KEEPS_CACHE):
+            return []  # test-only: the forgotten tenant's pages stay cached
+        return self._drop_unread(self.allocator.cached_pages_of(tenant))
+
+    def _is_forgotten(self, page: int) -> bool:
+        """Whether the page is cached by a request closed to the cache by a later forget."""
+        cached = self.allocator.cached_page(page)
+        return cached is not None and cached.cache_epoch != self.cache_epoch(cached.tenant)
 
     # --- prefix cache ----------------------------------------------------------------------
 
@@ -183,7 +235,7 @@ class KVCacheManager:
     def match_prefix(self, request: Request) -> list[int]:
         """The cached pages, in order, that the request's leading full pages hit (no side effect).
         Nothing for a request still computing its prompt logprobs: it needs every prompt position's logits."""
-        if not self.config.enable_prefix_caching or request.needs_prompt_logprobs:
+        if not self.config.enable_prefix_caching or request.needs_prompt_logprobs or self.is_cache_closed(request):
             return []
         max_pages = (request.num_tokens - 1) // self.page_size
         pages: list[int] = []
@@ -199,7 +251,7 @@ class KVCacheManager:
         publish as they compute them (empty with the cache off)."""
         if not self.config.enable_prefix_caching:
             return set()
-        return {page_key(r.cache_namespace, page_hash) for r in prefilling
+        return {page_key(r.cache_namespace, page_hash) for r in prefilling if not self.is_cache_closed(r)
                 for page_hash in self._page_hashes(r, r.num_tokens // self.page_size)}
 
     def waits_for_in_flight(self, request: Request, num_hit: int, in_flight: set[PageKey]) -> bool:
@@ -208,7 +260,7 @@ class KVCacheManager:
         then it does better to start after it than to compute the same prefix beside it. Keys
         carry the namespace (I5): only a prefill of the request's own tenant counts, so no
         tenant's waiting depends on another's prompts."""
-        if not in_flight:
+        if not in_flight or self.is_cache_closed(request):
             return False
         if request.needs_prompt_logprobs or num_hit >= (request.num_tokens - 1) // self.page_size:
             return False
@@ -225,6 +277,8 @@ class KVCacheManager:
         num_shared = self.allocator.num_shared_pages_of(request_id)
         if not self.config.enable_prefix_caching or request.num_computed_tokens < (num_shared + 1) * self.page_size:
             return
+        if self.is_cache_closed(request):
+            return  # its tenant's cache was forgotten since it arrived
         num_full = min(self.num_written_tokens(request_id), request.num_computed_tokens) // self.page_size
         num_full = min(num_full, len(self.allocator.pages_of(request_id)))
         hashes = self._page_hashes(request, num_full)
@@ -234,7 +288,7 @@ class KVCacheManager:
                 return
             self.records.publish(request_id, self.allocator.own_pages_of(request_id)[0], index,
                                  request.cache_namespace)
-            self.allocator.publish(request_id, key)
+            self.allocator.publish(request_id, key, request.cache_epoch)
 
     def _page_hashes(self, request: Request, num_pages: int) -> list[bytes]:
         if len(request.page_hashes) < num_pages:  # all_token_ids copies the tokens: only when needed
@@ -331,3 +385,7 @@ class KVCacheManager:
         holders = {r: (allocator.pages_of(r)[:allocator.num_shared_pages_of(r)], allocator.own_pages_of(r))
                    for r in allocator.owner_ids()}
         self.records.check_integrity(holders, allocator.cached_namespaces())
+        for page in allocator.cached_namespaces():
+            cached = allocator.cached_page(page)
+            assert cached is not None and (cached.num_readers > 0 or not self._is_forgotten(page)), \
+                f"cached page {page} of a forgotten tenant's cache outlived its readers"

@@ -109,6 +109,22 @@ class AbortMsg(_Msg, frozen=True):
     reason: str
 
 
+class ForgetTenantMsg(_Msg, frozen=True):
+    """Forget `tenant`'s prefix cache: the operator removed the name from the frontend's keys
+    (a key added later under it may be another customer's) or asked for it
+    (`POST /admin/tenants/{name}/forget-cache`). The engine frees every cached page of the name,
+    in every namespace, now or as its last reader ends, scrubbed as evicted pages are (I7); its
+    requests already here never read or publish a cached page again; its requests that arrive
+    after this message are a new tenant's (`KVCacheManager.forget_tenant`).
+
+    `request_ids`: requests of the tenant that the frontend started before and whose message may
+    reach this engine only after this one (PD: reserved before, sent to prefill after); they are
+    the old tenant's and are closed to the cache as those already here."""
+
+    tenant: str
+    request_ids: list[str] = []
+
+
 class ShutdownMsg(_Msg, frozen=True):
     """Abort everything still running, report it, send `EngineStoppedMsg` and exit."""
 
@@ -225,7 +241,7 @@ class EngineAliveMsg(_Msg, frozen=True):
     the loop is doing (a frontend that hears nothing for `--engine-timeout-s` kills it)."""
 
 
-ToEngineMsg = AddRequestMsg | AbortMsg | ShutdownMsg
+ToEngineMsg = AddRequestMsg | AbortMsg | ForgetTenantMsg | ShutdownMsg
 FromEngineMsg = (
     EngineReadyMsg | EngineFailedMsg | EngineStoppedMsg | RequestRejectedMsg | OutputsMsg | EngineStatsMsg
     | EngineAliveMsg

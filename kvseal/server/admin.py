@@ -3,6 +3,7 @@
     POST /admin/keys/reload[?abort=true]        re-read --api-keys (SIGHUP does the same, without abort)
     POST /admin/models/{id}/disable[?abort=true] new requests for the model get 503 model_disabled
     POST /admin/models/{id}/enable
+    POST /admin/tenants/{name}/forget-cache     every engine drops the tenant's prefix cache
 
 Each needs an admin key (an entry with `"admin": true` in the keys file; open without a keys
 file, as /metrics is): 401 without a valid key, 403 for a tenant's key. The answers and errors
@@ -16,6 +17,12 @@ table, or no longer for their tenant, finish, unless `abort=true`: then each end
 refused whole with the reason (400 `invalid_keys_file`, or a log line for SIGHUP) and the old
 table stays. Limits (concurrency, max_tokens, rates) change with the table, for the next request.
 A removed tenant's `/metrics` series go with it, and rate buckets that have refilled are dropped.
+A tenant name none of whose keys is left (removed, or every key replaced by new ones in one
+reload: the new keys may be another customer's) has its prefix cache forgotten by every engine
+(`ForgetTenantMsg`) before any request of the new table reaches one: a key added under the name
+later starts with an empty cache, and the name's requests still in flight neither read nor feed
+the cache any more (I5). Audit records and usage stay keyed by the name: the name is the
+operator's identity for records. `forget-cache` does the same for one name on demand.
 
 Disabling the model lets in-flight requests finish, or with `abort=true` ends them with 503
 `model_disabled`. Every action, a refused reload included, is one `AdminRecord` in the audit log.
@@ -45,6 +52,7 @@ from kvseal.server.state import AppState, LiveCall
 logger = logging.getLogger("kvseal.server")
 
 Trigger = Literal["http", "sighup"]
+MAX_TENANT_NAME_CHARS = 256
 
 
 @dataclass(frozen=True)
@@ -57,6 +65,8 @@ class KeysChange:
     keys_removed: list[str]
     keys_moved: list[dict[str, str]]  # {"key_id", "from_tenant", "to_tenant"}
     tenants_changed: list[str]  # tenants whose limits differ (added and removed tenants too)
+    # tenants none of whose keys speaks for them any more: their prefix cache is forgotten
+    tenants_forgotten: list[str]
 
     @classmethod
     def between(cls, old: ApiKeyTable, new: ApiKeyTable) -> KeysChange:
@@ -69,7 +79,30 @@ class KeysChange:
                         for d, k in new_keys.items() if d in old_keys and old_keys[d].tenant.name != k.tenant.name),
                        key=lambda m: m["key_id"])
         return cls(sorted(k.key_id for d, k in new_keys.items() if d not in old_keys),
-                   sorted(k.key_id for d, k in old_keys.items() if d not in new_keys), moved, changed)
+                   sorted(k.key_id for d, k in old_keys.items() if d not in new_keys), moved, changed,
+                   _tenants_without_old_keys(old, new))
+
+
+def _tenants_without_old_keys(old: ApiKeyTable, new: ApiKeyTable) -> list[str]:
+    """Tenant names that had keys in `old` none of which speaks for the name in `new`: removed,
+    or every key replaced at once. Whoever holds the name's keys now may be another customer."""
+    def keys_by_tenant(table: ApiKeyTable) -> dict[str, set[bytes]]:
+        by_name: dict[str, set[bytes]] = {}
+        for key in table.keys:
+            by_name.setdefault(key.tenant.name, set()).add(key.digest)
+        return by_name
+
+    before, after = keys_by_tenant(old), keys_by_tenant(new)
+    return sorted(name for name, digests in before.items() if not digests & after.get(name, set()))
+
+
+def forget_tenant_cache(state: AppState, tenants: list[str], reason: str) -> int:
+    """Have every engine forget each tenant's prefix cache; the engines told at once."""
+    num_told = 0
+    for tenant in tenants:
+        num_told = max(num_told, state.engine.forget_tenant(tenant))
+    state.metrics.tenant_cache_forgets.labels(reason=reason).inc(len(tenants))
+    return num_told
 
 
 def reload_keys(state: AppState, trigger: Trigger, by: ApiKey | None, *, abort: bool) -> dict[str, Any]:
@@ -93,18 +126,23 @@ def reload_keys(state: AppState, trigger: Trigger, by: ApiKey | None, *, abort: 
                        "still reloads the file")
     change = KeysChange.between(state.keys, table)
     state.keys = table
+    # in the same synchronous call as the swap: nothing submitted under the new table precedes it
+    num_told = forget_tenant_cache(state, change.tenants_forgotten, "tenant_removed")
     state.metrics.forget_tenants({t.name for t in table.tenants})
     state.rates.follow(table.tenants)
     num_aborted = _stop_calls(state, lambda c: not _still_holds(table, c), ABORT_KEY_REVOKED) if abort else 0
     logger.warning("API keys reloaded from %s (%s): %d keys, %d added, %d removed, %d moved to another tenant, %d "
-                   "in-flight requests aborted; tenants now [%s], changed %s", path, trigger, len(table.keys),
-                   len(change.keys_added), len(change.keys_removed), len(change.keys_moved), num_aborted,
-                   ", ".join(t.describe() for t in table.tenants), change.tenants_changed)
+                   "in-flight requests aborted; tenants now [%s], changed %s, prefix cache forgotten for %s", path,
+                   trigger, len(table.keys), len(change.keys_added), len(change.keys_removed), len(change.keys_moved),
+                   num_aborted, ", ".join(t.describe() for t in table.tenants), change.tenants_changed,
+                   change.tenants_forgotten)
+    forgotten = change.tenants_forgotten
     _audit(state, "keys_reloaded", trigger, by, keys_added=change.keys_added, keys_removed=change.keys_removed,
-           keys_moved=change.keys_moved, tenants_changed=change.tenants_changed, num_aborted=num_aborted)
+           keys_moved=change.keys_moved, tenants_changed=change.tenants_changed, num_aborted=num_aborted,
+           tenants_forgotten=forgotten or None, num_engines_told=num_told if forgotten else None)
     return {"object": "keys.reload", "num_keys": len(table.keys), "tenants": [t.name for t in table.tenants],
             "keys_added": change.keys_added, "keys_removed": change.keys_removed, "keys_moved": change.keys_moved,
-            "tenants_changed": change.tenants_changed, "num_aborted": num_aborted}
+            "tenants_changed": change.tenants_changed, "tenants_forgotten": forgotten, "num_aborted": num_aborted}
 
 
 def _still_holds(table: ApiKeyTable, call: LiveCall) -> bool:
@@ -139,6 +177,18 @@ def set_model_disabled(state: AppState, model: str, is_disabled: bool, by: ApiKe
     return {"id": model, "object": "model", "disabled": is_disabled, "num_aborted": num_aborted}
 
 
+def forget_cache_on_request(state: AppState, tenant: str, by: ApiKey | None) -> dict[str, Any]:
+    """`POST /admin/tenants/{name}/forget-cache`: any name, in the table or not (a name another
+    frontend, or an earlier keys file, served)."""
+    if not tenant or len(tenant) > MAX_TENANT_NAME_CHARS:
+        raise errors.invalid_tenant_name(len(tenant), MAX_TENANT_NAME_CHARS)
+    num_told = forget_tenant_cache(state, [tenant], "operator")
+    logger.warning("prefix cache of tenant %r forgotten on the operator's request (%d engines told now)", tenant,
+                   num_told)
+    _audit(state, "tenant_cache_forgotten", "http", by, tenants_forgotten=[tenant], num_engines_told=num_told)
+    return {"object": "tenant.cache_forgotten", "tenant": tenant, "num_engines_told": num_told}
+
+
 def _stop_calls(state: AppState, matches: Callable[[LiveCall], bool], reason: str) -> int:
     calls = [c for c in state.live_calls.values() if matches(c)]
     for call in calls:
@@ -158,6 +208,14 @@ def add_admin_routes(app: FastAPI, state: AppState) -> None:
         try:
             by = state.keys.authenticate_admin(authorization_of(request.headers))
             return JSONResponse(reload_keys(state, "http", by, abort=_abort_param(request)))
+        except ApiError as err:
+            return errors.response(err)
+
+    @app.post("/admin/tenants/{tenant:path}/forget-cache", response_model=None)
+    async def forget_cache(tenant: str, request: Request) -> Response:
+        try:
+            by = state.keys.authenticate_admin(authorization_of(request.headers))
+            return JSONResponse(forget_cache_on_request(state, tenant, by))
         except ApiError as err:
             return errors.response(err)
 

@@ -92,7 +92,8 @@ class AuditRecord(msgspec.Struct, frozen=True, omit_defaults=True):
     written_late: bool = False  # the file failed when the request ended: written once it worked again
 
 
-AdminAction = Literal["keys_reloaded", "keys_reload_refused", "model_disabled", "model_enabled"]
+AdminAction = Literal["keys_reloaded", "keys_reload_refused", "model_disabled", "model_enabled",
+                      "tenant_cache_forgotten"]
 
 
 class AdminRecord(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -109,6 +110,10 @@ class AdminRecord(msgspec.Struct, frozen=True, omit_defaults=True):
     keys_removed: list[str] | None = None  # removed or revoked
     keys_moved: list[dict[str, str]] | None = None  # {"key_id", "from_tenant", "to_tenant"}: now another tenant's
     tenants_changed: list[str] | None = None  # tenants whose limits changed
+    # tenants whose prefix cache the engines were told to forget: every key of the name was removed
+    # (a reload), or the operator asked (tenant_cache_forgotten, one name)
+    tenants_forgotten: list[str] | None = None
+    num_engines_told: int | None = None  # engines the forget reached at once (a down one is told when back)
     num_aborted: int | None = None  # in-flight requests ended by the action (abort=true)
     reason: str | None = None  # why a reload was refused
     written_late: bool = False

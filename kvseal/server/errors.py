@@ -216,6 +216,11 @@ def invalid_abort_param(value: str) -> ApiError:
                     param="abort")
 
 
+def invalid_tenant_name(num_chars: int, max_chars: int) -> ApiError:
+    return ApiError(400, f"The tenant name in the path has {num_chars} characters; it must have 1 to {max_chars}. "
+                         f"Name the tenant as the keys file does.", code="invalid_parameter", param="tenant")
+
+
 def abort_only_on_disable() -> ApiError:
     return ApiError(400, "'abort' applies only to disable: enabling the model ends no request. Send the enable "
                          "call without abort=true.", code="invalid_parameter", param="abort")

@@ -90,6 +90,10 @@ class ServerMetrics:
         self.model_enabled = Gauge(
             "kvseal_model_enabled", "1 while the model takes requests, 0 while the operator's kill switch is on "
             "(POST /admin/models/{id}/disable)", ["model"], registry=r)
+        self.tenant_cache_forgets = Counter(
+            "kvseal_tenant_cache_forgets", "Tenant names whose prefix cache the engines were told to forget: every "
+            "key of the name removed by a key reload (reason tenant_removed), or POST "
+            "/admin/tenants/{name}/forget-cache (reason operator)", ["reason"], registry=r)
         self.vllm = VllmMetrics(r)  # vLLM's names, fed below by the same measurements
 
     def forget_tenants(self, kept: set[str]) -> None:

@@ -283,3 +283,80 @@ def test_without_a_keys_file_there_is_nothing_to_reload_and_the_switch_is_open(s
         assert "x-ratelimit-limit-requests" not in complete(open_server, "anything").headers
     finally:
         open_server.terminate()
+
+
+# ---- a tenant name removed and added again: its prefix cache is forgotten (I5) ----------------
+
+FORGET_PROMPT = " ".join(f"w{i}" for i in range(100, 164))  # 64 words: whole pages to hit
+
+
+def _usage(server: ServerProcess, key: str, prompt: str = FORGET_PROMPT) -> dict[str, Any]:
+    response = httpx.post(f"{server.base_url}/completions",
+                          json={"prompt": prompt, "max_tokens": 1, "temperature": 0},
+                          headers={"Authorization": f"Bearer {key}"}, timeout=60)
+    assert response.status_code == 200, response.text
+    return dict(response.json()["usage"])
+
+
+def _cached_tokens(server: ServerProcess, key: str, prompt: str = FORGET_PROMPT) -> int:
+    return int(_usage(server, key, prompt)["prompt_tokens_details"]["cached_tokens"])
+
+
+def test_a_tenant_removed_and_added_again_starts_with_an_empty_cache(srv: ServerProcess) -> None:
+    """The security review's finding: a key added later under a removed tenant's name got cache
+    hits on the old tenant's prompts (cached_tokens, and TTFT). Now the name's cache is forgotten
+    by the reload that removes it; bob's cache is untouched."""
+    _cached_tokens(srv, "key-alice")
+    _cached_tokens(srv, "key-bob")
+    assert _cached_tokens(srv, "key-alice") > 0  # primed
+    without_alice = {k: v for k, v in KEYS.items() if k != "key-alice"}
+    write_keys(srv, without_alice)
+    removed = reload(srv)
+    write_keys(srv, without_alice | {"key-alice-2": {"tenant": "alice"}})
+    added = reload(srv)
+    assert removed.status_code == added.status_code == 200
+    assert _cached_tokens(srv, "key-alice-2") == 0, "the new key of the name hit the removed tenant's cache"
+    assert _cached_tokens(srv, "key-alice-2") > 0  # the new tenant caches as any other
+    assert _cached_tokens(srv, "key-bob") > 0
+    assert removed.json()["tenants_forgotten"] == ["alice"] and added.json()["tenants_forgotten"] == []
+    record = next(r for r in reversed(admin_records(srv)) if r.get("tenants_forgotten"))
+    assert record["admin_action"] == "keys_reloaded" and record["tenants_forgotten"] == ["alice"]
+    assert record["num_engines_told"] == 1
+    assert srv.metric('kvseal_tenant_cache_forgets_total{reason="tenant_removed"}') >= 1
+
+
+def test_a_stream_running_through_the_reload_does_not_feed_the_new_tenants_cache(srv: ServerProcess) -> None:
+    """Every key of alice replaced by a new one in one reload (it may be another customer's): the
+    old key's stream, not aborted, finishes, and neither its prompt nor its output is a hit for
+    the new key."""
+    write_keys(srv, {k: v for k, v in KEYS.items() if k != "key-alice"} | {"key-alice-3": {"tenant": "alice"}})
+    body = {"prompt": FORGET_PROMPT, "max_tokens": 40, "ignore_eos": True, "stream": True, "temperature": 0}
+    with httpx.stream("POST", f"{srv.base_url}/completions", json=body, headers={"Authorization": "Bearer key-alice"},
+                      timeout=60) as response:
+        lines = response.iter_lines()
+        next(lines)
+        answer = reload(srv)
+        events = _events(list(lines))
+    assert answer.status_code == 200
+    assert events[-1]["choices"][0]["finish_reason"] == "length"
+    output = "".join(e["choices"][0]["text"] for e in events)
+    first = _usage(srv, "key-alice-3")
+    assert first["prompt_tokens_details"]["cached_tokens"] == 0
+    # the new tenant's own prompt pages hit; none of the old stream's output pages does
+    longer = _usage(srv, "key-alice-3", FORGET_PROMPT + output + " w7")
+    assert longer["prompt_tokens_details"]["cached_tokens"] <= first["prompt_tokens"]
+    assert longer["prompt_tokens"] > first["prompt_tokens"] + 8
+    assert answer.json()["tenants_forgotten"] == ["alice"]  # every key of the name replaced: a new tenant
+
+
+def test_the_operator_can_forget_a_tenants_cache(srv: ServerProcess) -> None:
+    _cached_tokens(srv, "key-alice")
+    assert _cached_tokens(srv, "key-alice") > 0
+    assert error_of(admin(srv, "/admin/tenants/alice/forget-cache", {"Authorization": "Bearer key-bob"}), 403)
+    answer = admin(srv, "/admin/tenants/alice/forget-cache")
+    assert answer.status_code == 200, answer.text
+    assert answer.json() == {"object": "tenant.cache_forgotten", "tenant": "alice", "num_engines_told": 1}
+    assert _cached_tokens(srv, "key-alice") == 0
+    record = admin_records(srv)[-1]
+    assert record["admin_action"] == "tenant_cache_forgotten" and record["tenants_forgotten"] == ["alice"]
+    assert (record["by_tenant"], record["by_key_id"]) == ("ops", key_id("key-ops"))
