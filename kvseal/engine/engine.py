@@ -364,9 +364,8 @@ class LLMEngine:
         while len(self._epochs_ahead) > MAX_EPOCHS_AHEAD:
             self._epochs_ahead.popitem(last=False)
         num_freed = len(self.kv.forget_tenant(tenant))
-        logger.warning("forgot the prefix cache of tenant %r: %d cached pages freed now, %d requests of it already "
-                       "here closed to the cache", tenant, num_freed,
-                       sum(1 for r in (*self.scheduler.running, *self.scheduler.waiting) if r.tenant == tenant))
+        logger.warning("forgot the prefix cache of tenant %r: %d cached pages freed now (pages still read leave with "
+                       "their last reader); its requests here before are closed to the cache", tenant, num_freed)
         return num_freed
 
     def has_unfinished(self) -> bool:

@@ -20,7 +20,7 @@ from kvseal._testing.faults import Fault, inject
 from kvseal.disagg.msgs import HANDOFF_FAILED, CommitMsg, KVBlockMsg, PrefillDoneMsg, WrittenRangeMsg
 from kvseal.disagg.tcp import TcpSender
 from kvseal.disagg.transport import TransportError
-from kvseal.messages.msgs import AbortMsg
+from kvseal.messages.msgs import AbortMsg, ForgetTenantMsg
 from kvseal.models.loader import load_model
 from kvseal.types import ISOLATION_CHECK_FAILED
 
@@ -278,4 +278,50 @@ def test_a_reservation_that_fits_only_with_its_hit_is_placed_at_once(make_pair: 
     pair.wait(a)
     assert [a.token_ids, b.token_ids] == [cache_off(llama_dir, [a_prompt], longer)[0],
                                           cache_off(llama_dir, [b_prompt], GREEDY)[0]]
+    assert_cache_unread(pair)
+
+
+def _alice_pages(pair: PdPair) -> list[list[int]]:
+    return [node.engine.kv.allocator.cached_pages_of("alice") for node in (pair.prefill, pair.decode)]
+
+
+def _forget_alice(pair: PdPair, ahead: list[str] | None = None) -> None:
+    """As the frontend does after a reload removed alice: both engines are told."""
+    pair.to_prefill.send(ForgetTenantMsg("alice", ahead or []))
+    pair.to_decode.send(ForgetTenantMsg("alice"))
+    pair.pump(lambda: all(node.engine.cache_epoch("alice") == 1 for node in (pair.prefill, pair.decode)),
+              "both engines to forget alice")
+
+
+def test_a_forgotten_tenant_name_starts_with_an_empty_cache_in_both_roles(make_pair: Any) -> None:
+    pair = make_pair()
+    pair.generate(PROMPTS[0], GREEDY, tenant="alice")
+    pair.generate(PROMPTS[0], GREEDY, tenant="bob")
+    assert all(_alice_pages(pair))
+    bob_pages = [node.engine.kv.allocator.cached_pages_of("bob") for node in (pair.prefill, pair.decode)]
+    _forget_alice(pair)
+    assert _alice_pages(pair) == [[], []]
+    assert [node.engine.kv.allocator.cached_pages_of("bob") for node in (pair.prefill, pair.decode)] == bob_pages
+    again = pair.generate(PROMPTS[0], GREEDY, tenant="alice")
+    assert again.reserved is not None and again.reserved.num_cached_tokens == 0
+    assert again.final.num_cached_tokens == 0 and again.final.error is None
+    assert pair.generate(PROMPTS[0], GREEDY, tenant="bob").final.num_cached_tokens > 0
+    assert_cache_unread(pair)
+
+
+def test_a_handoff_reserved_before_the_forget_stays_the_old_tenants(make_pair: Any) -> None:
+    """The frontend reserved alice's request before her name was removed and sends it to prefill
+    after: decode's reservation and prefill's request (named ahead in the forget) are closed to the
+    cache, so nothing of it is cached for the name's next tenant."""
+    pair = make_pair()
+    pair.generate(PROMPTS[0], GREEDY, tenant="alice")
+    old = pair.reserve(PROMPTS[0], GREEDY, tenant="alice")
+    assert old.reserved is not None and old.reserved.num_cached_tokens > 0
+    _forget_alice(pair, ahead=[old.request_id])
+    pair.to_prefill.send(pair.prefill_msg(old, PROMPTS[0], GREEDY, "alice"))
+    pair.wait(old)
+    assert old.final.error is None and old.final.finish_reason == "length"
+    assert _alice_pages(pair) == [[], []], "a request of the forgotten tenant fed the cache"
+    again = pair.generate(PROMPTS[0], GREEDY, tenant="alice")
+    assert again.reserved is not None and again.reserved.num_cached_tokens == 0
     assert_cache_unread(pair)
