@@ -82,3 +82,43 @@ def test_kill_switch_and_revocation_in_pd_mode(tmp_path: Path) -> None:
         server.assert_running()
     finally:
         assert server.terminate() == 0
+
+
+def test_a_tenant_removed_and_added_again_starts_with_an_empty_cache_in_pd_mode(tmp_path: Path) -> None:
+    """The reload that removes alice has both engines forget her name's cache (PdClient), so a key
+    added under the name later gets no hit on her prompts; bob's cache is untouched."""
+    model = make_server_model(tmp_path / "tiny")
+    keys, audit = tmp_path / "keys.json", tmp_path / "audit.jsonl"
+    keys.write_text(json.dumps(KEYS))
+    port = free_port()
+    argv = ["serve", "--pd", "--model", str(model), "--port", str(port), "--api-keys", str(keys),
+            "--audit-log", str(audit), *FLAGS]
+    server = Proc("serve-pd", argv, tmp_path).start()
+    url = f"http://127.0.0.1:{port}"
+    prompt = " ".join(f"w{i}" for i in range(100, 164))
+
+    def cached(key: str) -> int:
+        response = httpx.post(f"{url}/v1/completions", json={"prompt": prompt, "max_tokens": 1, "temperature": 0},
+                              headers={"Authorization": f"Bearer {key}"}, timeout=60)
+        assert response.status_code == 200, response.text
+        return int(response.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+    def reload_with(table: dict[str, Any]) -> dict[str, Any]:
+        keys.write_text(json.dumps(table))
+        answer = httpx.post(f"{url}/admin/keys/reload", headers=ADMIN, timeout=30)
+        assert answer.status_code == 200, answer.text
+        return dict(answer.json())
+
+    try:
+        server.wait_until_healthy(url)
+        cached("key-alice"), cached("key-bob")
+        assert cached("key-alice") > 0 and cached("key-bob") > 0
+        without_alice = {k: v for k, v in KEYS.items() if k != "key-alice"}
+        assert reload_with(without_alice)["tenants_forgotten"] == ["alice"]
+        reload_with(without_alice | {"key-alice-2": {"tenant": "alice"}})
+        assert cached("key-alice-2") == 0, "the new key of the name hit the removed tenant's cache"
+        assert cached("key-bob") > 0
+        record = [r for r in read_jsonl(audit) if r.get("tenants_forgotten")][-1]
+        assert record["num_engines_told"] == 2  # the prefill and the decode engine
+    finally:
+        assert server.terminate() == 0
