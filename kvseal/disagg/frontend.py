@@ -400,7 +400,9 @@ class PdClient:
                 logger.critical("routing a message from %s failed; failing every request", link.address,
                                 exc_info=True)
                 for route in list(self._routes.values()):
-                    self._end(route, EngineGone("the frontend failed while routing engine messages"))
+                    reason = "the frontend failed while routing engine messages"
+                    self._try_send(route.decode, AbortMsg(route.handle.request_id, route.handle.tenant, reason))
+                    self._end(route, EngineGone(reason))
 
     def _on_msg(self, link: EngineLink, msg: PdMsg) -> None:
         link.last_seen_s = time.monotonic()
@@ -525,12 +527,18 @@ class PdClient:
             route.prefill = None
 
     def _end(self, route: PdRoute, event: RequestEvent) -> None:
+        """End the request here, once. A prefill engine that has not reported its job's end may
+        still hold it (queued, computing, about to push): it is told to abort, whatever ended the
+        request (decode's expiry or refusal, an engine down), so it computes nothing more for it
+        and frees its pages. Decode's side is its caller's: decode reported the end, or was told."""
         request_id = route.handle.request_id
         if self._routes.pop(request_id, None) is None:
             return
         route.decode.num_assigned -= 1
         if route.transfer_id is not None:
             self._by_transfer.pop(route.transfer_id, None)
+        if route.prefill is not None and route.prefill.is_up:
+            self._try_send(route.prefill, AbortMsg(request_id, route.handle.tenant, _ended_because(event)))
         self._release_prefill(route)
         route.handle.deliver(event)
 
@@ -618,9 +626,7 @@ class PdClient:
         self._report_load()
         for route in list(self._routes.values()):
             if route.decode is link:
-                if route.prefill is not None:
-                    self._try_send(route.prefill, AbortMsg(route.handle.request_id, route.handle.tenant, reason))
-                self._end(route, EngineGone(reason))
+                self._end(route, EngineGone(reason))  # which aborts it on its prefill engine
             elif route.prefill is link and not route.started_decoding:
                 self._try_send(route.decode, AbortMsg(route.handle.request_id, route.handle.tenant, reason))
                 self._end(route, EngineGone(reason))
@@ -636,6 +642,15 @@ def _as_engine_loss(event: RequestOutputMsg | RequestRejectedMsg) -> RequestEven
     if isinstance(event, RequestOutputMsg) and event.error_code == ENGINE_UNAVAILABLE:
         return EngineGone(event.error or "the engine was lost")
     return event
+
+
+def _ended_because(event: RequestEvent) -> str:
+    """The reason a prefill engine is given for the abort of a request the frontend ended."""
+    if isinstance(event, RequestOutputMsg):
+        return f"the request ended on decode: {event.error or event.finish_reason or 'ended'}"
+    if isinstance(event, RequestRejectedMsg):
+        return f"the request was refused on decode: {event.message}"
+    return f"the request ended: {event.message}"
 
 
 def _grammar_totals(stats: list[EngineStatsMsg]) -> tuple[int, int, int, int, int]:
