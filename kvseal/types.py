@@ -24,6 +24,10 @@ ISOLATION_CHECK_FAILED = "isolation_check_failed"
 # the engine itself was lost (a tensor-parallel rank died or hung): the client gets 503, as for a dead
 # engine process, and the audit says error, never a rejection of the request.
 ENGINE_UNAVAILABLE = "engine_unavailable"
+# `RequestOutput.error_code` of a PD request whose KV handoff failed on decode (its reservation saw no
+# sign of prefill within `--reservation-timeout-s`, or was released without a commit): the server's
+# failure, not the client's; the client gets 503 and the audit says error with this reason.
+HANDOFF_FAILED = "kv_handoff_failed"
 # `RequestOutput.error_code` of a request ended because its grammar (with its `allowed_token_ids`,
 # or alone, where the vocabulary cannot continue it) left no token to sample at some step: it ends
 # there, without a token outside either. The error says which (`NO_TOKEN_LEFT_*`).

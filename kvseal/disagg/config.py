@@ -14,6 +14,9 @@ from kvseal.errors import ConfigError
 from kvseal.flags import flag, values_of
 
 DEFAULT_RESERVATION_TIMEOUT_S = 30.0
+# How often a prefill engine tells decode it still holds a request (`TransferKeepaliveMsg`); far
+# below any sensible --reservation-timeout-s, which must exceed it plus prefill's longest step.
+DEFAULT_KEEPALIVE_INTERVAL_S = 1.0
 # A frontend says hello every 0.5 s (`frontend.HEARTBEAT_S`); one whose connection is closed is
 # noticed within a second whatever this is, so it only bounds a connection left open with nobody
 # behind it, and must exceed the longest stall of a healthy frontend's event loop.
@@ -41,14 +44,18 @@ class NodeConfig:
         "how prompt KV moves from prefill to decode (`kvseal engine`, on both roles, or `serve --pd`); nixl needs "
         "pip install 'kvseal[nixl]'", choices=KV_TRANSPORTS))
     reservation_timeout_s: float = field(default=DEFAULT_RESERVATION_TIMEOUT_S, metadata=flag(
-        "decode releases a reservation that saw no commit after this long (`kvseal engine --role decode`, or "
-        "`serve --pd`)"))
+        "decode releases a reservation after this long without a sign of its prefill: the deadline restarts at "
+        "every keepalive prefill sends while it holds the request (queued or computing, about every second) and "
+        "at every KV block that lands, so it catches a prefill that died, lost the request or hung in one step, "
+        "never a slow one; keep it above prefill's longest step (`kvseal engine --role decode`, or `serve --pd`)"))
     frontend_timeout_s: float = field(default=DEFAULT_FRONTEND_TIMEOUT_S, metadata=flag(
         "the engine ends every request, prefill job and reservation of a frontend it has not heard from for this "
         "long (kvseal's frontend says hello every 0.5 s); one whose connection closed is ended at once"))
     # nixl: how long decode waits, after cancelling a transfer neither NIXL nor prefill confirmed
     # over, before it releases the pages (NIXL cannot cancel a write in flight)
     transfer_drain_s: float = DEFAULT_DRAIN_S
+    # prefill: the longest gap between two `TransferKeepaliveMsg` of one held request (between engine steps)
+    keepalive_interval_s: float = DEFAULT_KEEPALIVE_INTERVAL_S
     # torch's CPU threads in this engine; None keeps torch's default (one per core). Two engines
     # on one host must split the cores: each running one thread per core oversubscribes them,
     # and torch's OpenMP workers then wait at every op's barrier for a thread that is off-CPU.
@@ -67,6 +74,8 @@ class NodeConfig:
                               "'kvseal[nixl]' (or use the built-in tcp-stream transport, the default)")
         if self.transfer_drain_s < 0:
             raise ConfigError(f"transfer_drain_s must be >= 0, got {self.transfer_drain_s}")
+        if not self.keepalive_interval_s > 0:
+            raise ConfigError(f"keepalive_interval_s must be > 0, got {self.keepalive_interval_s}")
         if self.reservation_timeout_s <= 0:
             raise ConfigError(f"--reservation-timeout-s must be > 0, got {self.reservation_timeout_s}")
         if not self.frontend_timeout_s >= MIN_FRONTEND_TIMEOUT_S:

@@ -34,6 +34,7 @@ from kvseal.disagg.msgs import (
     ReserveRefusedMsg,
     Role,
     TransferAbortMsg,
+    TransferKeepaliveMsg,
 )
 from kvseal.disagg.reservations import Reservation, ReservationTable
 from kvseal.disagg.role import HandoffCounters, Replies, abort_every, abort_owned, aborted_output
@@ -109,6 +110,8 @@ class DecodeSteps:
                 self._commit(msg)
             case TransferAbortMsg():
                 self._transfer_abort(msg)
+            case TransferKeepaliveMsg():
+                self._keepalive(msg)
             case AbortMsg():
                 self._abort(msg)
             case _:
@@ -268,6 +271,22 @@ class DecodeSteps:
         self._frontend_of[request_id] = reservation.frontend
         self.on_outputs([first])
 
+    def _keepalive(self, msg: TransferKeepaliveMsg) -> None:
+        """Prefill still holds the reservation's request: its deadline starts again. One for a
+        reservation released here lately is dropped quietly (prefill hears of the end through
+        the frontend's abort); one that names no reservation, or another's, is an alarm."""
+        reservation = self.table.by_transfer(msg.transfer_id)
+        if _is_named(reservation, msg):
+            self.table.restart_deadline(reservation)
+            return
+        released = self.table.released(msg.transfer_id)
+        if reservation is None and released is not None and \
+                (released.request_id, released.tenant) == (msg.request_id, msg.tenant):
+            return
+        self.counters.failures["unknown_transfer" if reservation is None else "identity_mismatch"] += 1
+        logger.error("refused a keepalive for transfer %s (request %s): no matching reservation", msg.transfer_id,
+                     msg.request_id)
+
     # ---- every other end of a reservation ---------------------------------------------
 
     def _transfer_abort(self, msg: TransferAbortMsg) -> None:
@@ -321,10 +340,12 @@ class DecodeSteps:
         for reservation in self.table.expired():
             self.counters.num_reservations_expired += 1
             self.counters.failures["expired"] += 1
-            logger.error("reservation of request %s (transfer %s) saw no commit within %g s; releasing it",
-                         reservation.request_id, reservation.transfer_id, self.table.timeout_s)
+            logger.error("reservation of request %s (transfer %s) heard nothing of its prefill for %g s (no "
+                         "keepalive, KV or commit); releasing it", reservation.request_id, reservation.transfer_id,
+                         self.table.timeout_s)
             self._end_reservation(reservation, "expired",
-                                  f"no KV arrived from prefill within {self.table.timeout_s:g} s", HANDOFF_FAILED)
+                                  f"no sign of the prefill engine (keepalive, KV or commit) for "
+                                  f"{self.table.timeout_s:g} s (--reservation-timeout-s)", HANDOFF_FAILED)
             changed = True
         for reservation in self.table.retry_releases():
             error, code = self._pending_errors.pop(reservation.request_id,
@@ -395,6 +416,7 @@ def _prefill_timing(msg: CommitMsg) -> RequestTiming | None:
     return timing
 
 
-def _is_named(reservation: Reservation | None, msg: CommitMsg | TransferAbortMsg) -> TypeGuard[Reservation]:
+def _is_named(reservation: Reservation | None,
+              msg: CommitMsg | TransferAbortMsg | TransferKeepaliveMsg) -> TypeGuard[Reservation]:
     """Whether `msg` is the live `reservation`'s own: its request id and tenant, not only its transfer id."""
     return reservation is not None and (reservation.request_id, reservation.tenant) == (msg.request_id, msg.tenant)

@@ -51,8 +51,10 @@ def serve_engine(args: EngineArgs, config: NodeConfig, should_stop: Callable[[],
     freeze_startup_heap(f"engine ({config.role})")
     keys = config.link_keys
     logger.info("kvseal engine ready: role=%s listening on %s (instance %s, kv transport %s, reservation "
-                "timeout %g s, torch threads %d); CURVE key %s (public %s), accepting frontends %s and peers %s",
+                "timeout %g s, keepalive every %g s, torch threads %d); CURVE key %s (public %s), accepting frontends "
+                "%s and peers %s",
                 config.role, config.listen, node.instance_id, config.kv_transport, config.reservation_timeout_s,
+                config.keepalive_interval_s,
                 torch.get_num_threads(), keys.own.name, keys.own.public.decode(),
                 ",".join(k.name for k in keys.frontends), ",".join(k.name for k in keys.peers) or "(none)")
     status = 0

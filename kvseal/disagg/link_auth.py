@@ -48,6 +48,7 @@ from kvseal.disagg.msgs import (
     PrefillMsg,
     ReserveMsg,
     TransferAbortMsg,
+    TransferKeepaliveMsg,
 )
 from kvseal.errors import ConfigError
 from kvseal.messages.msgs import AbortMsg, ForgetTenantMsg, ShutdownMsg
@@ -59,7 +60,7 @@ LinkRole = Literal["frontend", "peer"]
 # What each role may send to an engine; everything else from it is refused.
 MESSAGES_OF: dict[LinkRole, tuple[type, ...]] = {
     "frontend": (HelloMsg, IntegrityCheckMsg, ShutdownMsg, ReserveMsg, PrefillMsg, AbortMsg, ForgetTenantMsg),
-    "peer": (KVBlockMsg, CommitMsg, TransferAbortMsg),
+    "peer": (KVBlockMsg, CommitMsg, TransferKeepaliveMsg, TransferAbortMsg),
 }
 
 

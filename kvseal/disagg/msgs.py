@@ -12,6 +12,8 @@ The handoff, in order:
     frontend -> prefill   PrefillMsg          names the transfer id and decode's pages
     prefill  -> decode    KVBlockMsg ...      the TCP transport's data (tcp-stream: on its own
                                               socket, ended by KVStreamEndMsg; nixl: its WRITEs)
+    prefill  -> decode    TransferKeepaliveMsg ...  while prefill holds the request (queued,
+                                              compiling, computing): decode restarts the deadline
     prefill  -> decode    CommitMsg | TransferAbortMsg
     prefill  -> frontend  PrefillDoneMsg | PrefillRefusedMsg
     decode   -> frontend  OutputsMsg (first token only after verification) | RequestRejectedMsg
@@ -45,12 +47,11 @@ from kvseal.messages.msgs import (
     ShutdownMsg,
     TokenLogprobsMsg,
 )
+from kvseal.types import HANDOFF_FAILED as HANDOFF_FAILED  # a handoff's error_code, beside the other codes
 
 Role = Literal["prefill", "decode"]
 KVKind = Literal["k", "v"]
 
-# `RequestOutputMsg.error_code` of a request whose KV handoff failed or was refused.
-HANDOFF_FAILED = "kv_handoff_failed"
 # `PrefillRefusedMsg.code` when prefill's push to decode failed (decode may not know: the frontend tells it)
 TRANSFER_FAILED = "kv_transfer_failed"
 # `PrefillRefusedMsg.code` when prefill refused a `PrefillMsg` whose fields it cannot use
@@ -271,6 +272,21 @@ class CommitMsg(_Msg, frozen=True):
     prefill_timing: RequestTimingMsg | None = None
 
 
+class TransferKeepaliveMsg(_Msg, frozen=True):
+    """Prefill still holds this transfer's request and has not given up on it: it waits in
+    prefill's queue, its grammar compiles, or its prompt is being computed. Sent at most every
+    `NodeConfig.keepalive_interval_s` per request, between engine steps. Decode restarts the
+    reservation's deadline (`--reservation-timeout-s`) on it, as on every KV block that lands:
+    the deadline catches a prefill that stopped (died, lost the request, hung in one step),
+    not one that is slow. It names the reservation as a commit does (transfer id, request id,
+    tenant) and changes nothing else."""
+
+    transfer_id: str
+    request_id: str
+    tenant: str
+    prefill_engine: str
+
+
 class TransferAbortMsg(_Msg, frozen=True):
     """Prefill will write nothing more for this transfer and the request must not run.
 
@@ -293,7 +309,7 @@ class TransferAbortMsg(_Msg, frozen=True):
 PdMsg = (
     HelloMsg | EngineInfoMsg | PdStatsMsg | IntegrityCheckMsg | IntegrityReportMsg
     | ReserveMsg | ReservedMsg | ReserveRefusedMsg | PrefillMsg
-    | PrefillDoneMsg | PrefillRefusedMsg | KVBlockMsg | CommitMsg | TransferAbortMsg
+    | PrefillDoneMsg | PrefillRefusedMsg | KVBlockMsg | CommitMsg | TransferKeepaliveMsg | TransferAbortMsg
     | AbortMsg | ForgetTenantMsg | ShutdownMsg | OutputsMsg | RequestRejectedMsg
 )
 

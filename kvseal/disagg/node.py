@@ -103,7 +103,7 @@ class EngineNode:
                                self.instance_id, self.handoff)
         self.transport = self._sender()
         return PrefillSteps(self.engine, self.transport, self.links, replies, self.instance_id, self.config.link_keys,
-                            self.handoff)
+                            self.handoff, keepalive_interval_s=self.config.keepalive_interval_s)
 
     def _receiver(self) -> KVReceiver:
         if self.handoff is None:

@@ -5,6 +5,10 @@ A request prefill refuses is terminal here too: nothing is computed, and decode 
 one-token placeholder and transferred it). What is pushed and committed comes from prefill's
 own write records (`written_prefix`), never from what the scheduler believes it computed.
 
+Keepalive: while it holds a request (queued, its grammar compiling, computing) prefill tells
+decode so every `keepalive_interval_s`, between engine steps (`TransferKeepaliveMsg`): decode's
+reservation deadline catches a prefill that stopped, not one that is slow or busy.
+
 Prefix cache: prefill computes the whole prompt (it needs every position to sample the first
 token), starting on its own cache hit in the tenant's namespace where it has one, and pushes
 only positions from decode's hit (`PrefillMsg.num_cached_tokens`) on.
@@ -31,12 +35,13 @@ from kvseal.disagg.msgs import (
     PrefillRefusedMsg,
     Role,
     TransferAbortMsg,
+    TransferKeepaliveMsg,
     WrittenRangeMsg,
 )
 from kvseal.disagg.prefill_check import MalformedPrefillMsg, check_handoff, check_prefill_msg
 from kvseal.disagg.role import HandoffCounters, Replies, abort_every, abort_owned
 from kvseal.disagg.transport import KVSender, PushPlan, TransportError
-from kvseal.disagg.wire import PeerLinks
+from kvseal.disagg.wire import PeerLink, PeerLinks
 from kvseal.engine.engine import LLMEngine
 from kvseal.errors import RequestRejected
 from kvseal.messages.convert import logprobs_to_msg, params_from_msg, prompt_logprobs_to_msg, timing_to_msg
@@ -67,6 +72,7 @@ class Job:
     frontend: bytes
     started_s: float
     result: PrefillDoneMsg | PrefillRefusedMsg | None = None
+    keepalive_s: float = 0.0  # when decode last heard that prefill holds it (the job's start, at first)
 
 
 def first_token_params(params: SamplingParams) -> SamplingParams:
@@ -80,8 +86,10 @@ class PrefillSteps:
     role: Role = "prefill"
 
     def __init__(self, engine: LLMEngine, sender: KVSender, links: PeerLinks, replies: Replies,
-                 instance_id: str, keys: EngineLinkKeys, handoff: RankHandoff | None = None) -> None:
+                 instance_id: str, keys: EngineLinkKeys, handoff: RankHandoff | None = None, *,
+                 keepalive_interval_s: float) -> None:
         self.engine = engine
+        self.keepalive_interval_s = keepalive_interval_s
         self.keys = keys  # a decode key a PrefillMsg names must be neither this engine's nor a frontend's
         self.sender = sender
         self.handoff = handoff  # tensor parallelism: the ranks' heads are gathered before a push
@@ -118,7 +126,8 @@ class PrefillSteps:
         return True
 
     def _prefill(self, frontend: bytes, msg: PrefillMsg) -> None:
-        job = Job(msg, frontend, time.monotonic())
+        now_s = time.monotonic()
+        job = Job(msg, frontend, now_s, keepalive_s=now_s)
         try:
             check_prefill_msg(msg, self.keys.own.public, self.keys.frontends)  # before `_refuse` may use decode's link
             params = params_from_msg(msg.params)
@@ -279,7 +288,26 @@ class PrefillSteps:
         self.replies.send(job.frontend, job.result)
 
     def tick(self) -> bool:
+        self._send_keepalives(time.monotonic())
         return self._start_compiled()
+
+    def _send_keepalives(self, now_s: float) -> None:
+        """Tell decode, for each held job not heard of for `keepalive_interval_s`, that prefill still
+        holds it. Best effort: a decode not connected now gets the next one (or expires the job's
+        reservation, which is what its deadline is for)."""
+        held = [*self._jobs.values(), *(job for job, _, _ in self._compiling.items())]
+        for job in held:
+            if now_s - job.keepalive_s >= self.keepalive_interval_s and job.result is None:
+                job.keepalive_s = now_s
+                msg = job.msg
+                keepalive = TransferKeepaliveMsg(msg.transfer_id, msg.request_id, msg.tenant, self.instance_id)
+                try:
+                    self._decode_link(job).send_if_connected(keepalive)
+                except TransportError as exc:
+                    logger.debug("no keepalive for transfer %s: %s", msg.transfer_id, exc)
+
+    def _decode_link(self, job: Job) -> PeerLink:
+        return self.links.get(job.msg.decode_address, job.msg.decode_public_key)
 
     def abort_frontend(self, frontend: bytes, reason: str) -> int:
         """End the jobs of a gone frontend, compiling or computing: decode is told to release

@@ -10,7 +10,10 @@ never handed to anyone else. It leaves the table only by
   pages only once the receiver confirms no write of the transfer can still land; until then
   the reservation stays, marked releasing, and `retry_releases` asks again.
 
-A reservation that sees no commit before its deadline is expired under the same rule.
+A reservation that hears nothing of its prefill before its deadline is expired under the same
+rule. The deadline is `timeout_s` after the last sign of progress: the reservation's placing, a
+keepalive from prefill (`restart_deadline`), more KV landed (seen by `expired` at the deadline). So it catches a
+prefill that stopped (died, lost the request, hung), never one that is slow or queued.
 Reservations that cannot get pages yet wait in FIFO order (they hold nothing while waiting).
 The table remembers the last `MAX_RECENTLY_ENDED` released transfers (`released`), so decode
 tells a commit that arrives after its reservation ended (a client disconnect racing the
@@ -51,7 +54,8 @@ class Reservation:
     transfer_key: bytes = field(default=b"", repr=False)  # the transfer's secret, drawn with its id
     pages: tuple[int, ...] = ()  # the cached (shared) pages first, then the own pages
     num_cached_tokens: int = 0  # positions [0, this) are the prefix-cache hit (page-aligned)
-    deadline_s: float = 0.0
+    deadline_s: float = 0.0  # `timeout_s` after the last sign of prefill's progress
+    num_bytes_landed: int = 0  # of the transfer's KV, when the deadline last restarted
     release_reason: str | None = None  # set once releasing: waiting for the receiver's confirmation
     compiled_grammar: Any = None  # a structured-output request's grammar, compiled before the reservation
     cache_epoch: int = 0  # its tenant's when it was asked for: its namespace's (`KVCacheManager.cache_epoch`)
@@ -167,10 +171,26 @@ class ReservationTable:
         releasing = [r for r in self._by_transfer.values() if r.release_reason is not None]
         return [r for r in releasing if self.release(r, r.release_reason or "")]
 
+    def restart_deadline(self, reservation: Reservation, now_s: float | None = None) -> None:
+        """A sign that prefill still works on the transfer: the reservation has `timeout_s` again."""
+        reservation.deadline_s = (time.monotonic() if now_s is None else now_s) + self.timeout_s
+
     def expired(self, now_s: float | None = None) -> list[Reservation]:
-        """Live reservations past their deadline with no commit (the caller releases them)."""
+        """Live reservations that heard nothing of their prefill for `timeout_s` (the caller
+        releases them). One past its deadline that took in KV since its deadline last restarted
+        has `timeout_s` again: asked at the deadline only (a NIXL receiver polls to answer), so
+        the last block of a transfer that stops leaves it between one and two `timeout_s`."""
         now_s = time.monotonic() if now_s is None else now_s
-        return [r for r in self._by_transfer.values() if r.release_reason is None and r.deadline_s <= now_s]
+        due = [r for r in self._by_transfer.values() if r.release_reason is None and r.deadline_s <= now_s]
+        return [r for r in due if not self._landed_more(r, now_s)]
+
+    def _landed_more(self, reservation: Reservation, now_s: float) -> bool:
+        landed = self.receiver.landed(reservation.transfer_id)
+        if landed is None or landed.num_bytes <= reservation.num_bytes_landed:
+            return False
+        reservation.num_bytes_landed = landed.num_bytes
+        self.restart_deadline(reservation, now_s)
+        return True
 
     def _forget(self, reservation: Reservation) -> None:
         self._by_transfer.pop(reservation.transfer_id, None)

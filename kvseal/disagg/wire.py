@@ -69,6 +69,17 @@ class PeerLink:
         self._is_failing = False
         return tracker
 
+    def send_if_connected(self, msg: PdMsg) -> bool:
+        """Queue `msg` if a connection is up now; never waits, and leaves `send`'s failure state
+        alone (a message that may be skipped, a keepalive, must not make the commit skip its wait)."""
+        if not self.socket.poll(0, zmq.POLLOUT):
+            return False
+        try:
+            self.socket.send(encode(msg), zmq.NOBLOCK)
+        except zmq.Again:
+            return False
+        return True
+
     def close(self) -> None:
         self.socket.close(linger=0)
 

@@ -40,6 +40,10 @@ class PendingGrammars(Generic[T]):
         assert request_id not in self._by_request, "a request waits for one grammar"
         self._by_request[request_id] = Waiting(tenant, ticket, item)
 
+    def items(self) -> list[T]:
+        """What every wait will run, in arrival order (the table is unchanged)."""
+        return [waiting.item for waiting in self._by_request.values()]
+
     def take_ready(self) -> list[Waiting[T]]:
         """The waits whose compile has ended (compiled or refused: `ticket.result()` says), in
         arrival order; they leave the table."""

@@ -18,7 +18,7 @@ import zmq
 from processes import WAIT_DEADLINE_S, free_port
 
 from kvseal.config import EngineArgs
-from kvseal.disagg.config import DEFAULT_FRONTEND_TIMEOUT_S, NodeConfig
+from kvseal.disagg.config import DEFAULT_FRONTEND_TIMEOUT_S, DEFAULT_KEEPALIVE_INTERVAL_S, NodeConfig
 from kvseal.disagg.link_auth import secure_client
 from kvseal.disagg.link_keys import EngineLinkKeys, KeyPair
 from kvseal.disagg.msgs import (
@@ -112,13 +112,15 @@ class Handoff:
 class PdPair:
     def __init__(self, prefill_args: EngineArgs, decode_args: EngineArgs, reservation_timeout_s: float = 30.0,
                  loaded: Any = None, kv_transport: str = "tcp", transfer_drain_s: float = 5.0,
-                 frontend_timeout_s: float = DEFAULT_FRONTEND_TIMEOUT_S) -> None:
+                 frontend_timeout_s: float = DEFAULT_FRONTEND_TIMEOUT_S,
+                 keepalive_interval_s: float = DEFAULT_KEEPALIVE_INTERVAL_S) -> None:
         self.ctx = zmq.Context()  # the test's own sockets; each engine has its own context
         self.keys = keys = PdKeys.ephemeral()
         prefill_args, decode_args = (dataclasses.replace(a, pd_role=True) for a in (prefill_args, decode_args))
         self.prefill = EngineNode(LLMEngine(prefill_args, loaded),
                                   NodeConfig("prefill", f"127.0.0.1:{free_port()}", kv_transport,
-                                             frontend_timeout_s=frontend_timeout_s, link_keys=keys.of_prefill()))
+                                             frontend_timeout_s=frontend_timeout_s,
+                                             keepalive_interval_s=keepalive_interval_s, link_keys=keys.of_prefill()))
         self.decode = EngineNode(LLMEngine(decode_args, loaded),
                                  NodeConfig("decode", f"127.0.0.1:{free_port()}", kv_transport,
                                             reservation_timeout_s=reservation_timeout_s,

@@ -3,8 +3,10 @@ over KV this request's transfer did not write, and leaves both engines clean (I1
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,11 +22,14 @@ from transports import NIXL, needs_nixl
 from kvseal import SamplingParams
 from kvseal._testing.faults import Fault, inject
 from kvseal.disagg.config import NodeConfig
+from kvseal.disagg.frontend import PdClient
+from kvseal.disagg.link_keys import EngineEndpoint
 from kvseal.disagg.msgs import (
     HANDOFF_FAILED,
     TRANSFER_FAILED,
     CommitMsg,
     KVBlockMsg,
+    PrefillDoneMsg,
     PrefillRefusedMsg,
     TransferAbortMsg,
     WrittenRangeMsg,
@@ -45,9 +50,11 @@ from kvseal.disagg.transport import (
     zero_pages,
 )
 from kvseal.disagg.wire import PeerLinks
+from kvseal.engine_api import RequestEvent
 from kvseal.errors import ConfigError
 from kvseal.kvcache.pool import KVPool
-from kvseal.messages.msgs import AbortMsg, TokenLogprobsMsg
+from kvseal.messages.convert import params_to_msg
+from kvseal.messages.msgs import AbortMsg, AddRequestMsg, RequestOutputMsg, TokenLogprobsMsg
 from kvseal.models.loader import load_model
 from kvseal.types import ISOLATION_CHECK_FAILED, StructuredOutput
 
@@ -195,7 +202,7 @@ def test_a_forged_commit_does_not_touch_the_reservation(make_pair: Any) -> None:
     rogue_push(pair, handoff, [30, 30])
     rogue_commit(pair, handoff, 30, [30, 30], tenant="mallory")  # another tenant's commit
     pair.pump(lambda: handoff.is_terminal, "the expiry")
-    assert_refused_by_decode(handoff, "no KV arrived", HANDOFF_FAILED)
+    assert_refused_by_decode(handoff, "no sign of the prefill engine", HANDOFF_FAILED)
     assert pair.decode.link.stats().handoff_failures == {"identity_mismatch": 1, "expired": 1}
     pair.assert_clean()
 
@@ -518,7 +525,7 @@ def test_a_reservation_without_commit_expires_and_is_released(make_pair: Any) ->
     handoff = pair.reserve(PROMPT, GREEDY)
     assert pair.decode.engine.kv.num_used_pages == len(handoff.reserved.pages)  # type: ignore[union-attr]
     pair.pump(lambda: handoff.is_terminal, "the expiry")
-    assert_refused_by_decode(handoff, "no KV arrived from prefill", HANDOFF_FAILED)
+    assert_refused_by_decode(handoff, "no sign of the prefill engine", HANDOFF_FAILED)
     assert pair.decode.link.stats().num_reservations_expired == 1
     pair.assert_clean()
 
@@ -1092,3 +1099,115 @@ def test_a_nixl_reservation_the_client_left_ends_as_the_clients_abort_when_prefi
         pair.assert_clean()
     finally:
         pair.close()
+
+
+# ---- the reservation deadline: a prefill that stopped, never one that is slow ---------------
+
+SLOW_PROMPT = list(range(100, 160))  # 60 tokens: 15 prefill steps in chunks of 4
+SLOW_TURN_S = 0.2  # a slow prefill: this long between its steps
+
+
+def _slow_pair(make_pair: Any, reservation_timeout_s: float = 0.5) -> PdPair:
+    """A prefill of many chunked steps, keepalives every step, a short reservation deadline."""
+    pair: PdPair = make_pair(prefill=dict(max_num_batched_tokens=4), reservation_timeout_s=reservation_timeout_s,
+                             keepalive_interval_s=0.05)
+    return pair
+
+
+@TRANSPORTS
+def test_a_slow_prefill_that_keeps_working_is_not_expired(make_pair: Any) -> None:
+    """Decode's deadline restarts at each of prefill's keepalives: a prefill whose 15 steps come
+    SLOW_TURN_S apart (six reservation timeouts in all) hands off and the request runs to its end."""
+    pair = _slow_pair(make_pair)
+    handoff = pair.reserve(SLOW_PROMPT, GREEDY)
+    pair.to_prefill.send(pair.prefill_msg(handoff, SLOW_PROMPT, GREEDY))
+    for _ in range(200):
+        pair.pump(lambda: True, "one turn of both loops")
+        if handoff.prefill_result is not None or handoff.is_terminal:
+            break
+        time.sleep(SLOW_TURN_S)
+    pair.wait(handoff)
+    assert isinstance(handoff.prefill_result, PrefillDoneMsg), handoff.prefill_result
+    assert handoff.final.finish_reason == "length" and handoff.final.error is None, handoff.final
+    assert pair.decode.link.stats().num_reservations_expired == 0
+    pair.assert_clean()
+
+
+def test_a_prefill_that_stops_is_expired_though_it_held_the_request(make_pair: Any) -> None:
+    """Keepalives come only from a prefill engine whose loop runs: one that stops (hung, or its
+    host gone) after it took the request is expired, and its late push is dropped as cancelled."""
+    pair = _slow_pair(make_pair)
+    handoff = pair.reserve(SLOW_PROMPT, GREEDY)
+    pair.to_prefill.send(pair.prefill_msg(handoff, SLOW_PROMPT, GREEDY))
+    pair.pump(lambda: pair.prefill.engine.kv.num_used_pages > 0, "prefill's first step")
+    for _ in range(500):  # prefill stopped: only decode runs
+        pair.decode.loop.run_once(idle_poll_ms=10)
+        pair._route()
+        if handoff.is_terminal:
+            break
+    assert_refused_by_decode(handoff, "no sign of the prefill engine", HANDOFF_FAILED)
+    assert pair.decode.link.stats().num_reservations_expired == 1
+    pair.pump(lambda: handoff.prefill_result is not None, "prefill's late end")  # it resumes: nothing lands
+    pair.assert_clean()
+
+
+class _Ends:
+    """An observer that keeps its request's terminal event."""
+
+    def __init__(self) -> None:
+        self.events: list[RequestEvent] = []
+
+    def on_output(self, out: RequestOutputMsg) -> None:
+        pass
+
+    def on_terminal(self, event: RequestEvent) -> None:
+        self.events.append(event)
+
+
+def test_a_request_decode_ends_is_aborted_on_its_prefill_engine(make_pair: Any) -> None:
+    """The real PD frontend over both engines: decode expires a reservation whose prefill stalled
+    mid-prefill; the frontend, ending the request, tells prefill to abort it too. When prefill
+    runs again it computes nothing more and pushes nothing: its pages are free, its job refused."""
+    pair = _slow_pair(make_pair)
+
+    async def turn(with_prefill: bool = True) -> None:
+        if with_prefill:
+            pair.prefill.loop.run_once(idle_poll_ms=1)
+        pair.decode.loop.run_once(idle_poll_ms=1)
+        await asyncio.sleep(0.005)  # the frontend's tasks route what the engines sent
+
+    async def scenario() -> None:
+        client = PdClient([EngineEndpoint(pair.prefill.config.listen, pair.keys.prefill.public)],
+                          [EngineEndpoint(pair.decode.config.listen, pair.keys.decode.public)], "/tokenizer",
+                          pair.keys.frontend)
+        try:
+            starting = asyncio.create_task(client.start(timeout_s=30))
+            while not starting.done():
+                await turn()
+            starting.result()
+            ends = _Ends()
+            client.submit(AddRequestMsg("r-stall", "alice", SLOW_PROMPT, params_to_msg(GREEDY)), ends)
+            for _ in range(500):
+                await turn()
+                if pair.prefill.engine.kv.num_used_pages > 0:
+                    break  # prefill is computing it
+            for _ in range(500):  # prefill stalls; decode expires the reservation and reports it
+                await turn(with_prefill=False)
+                if ends.events:
+                    break
+            assert len(ends.events) == 1 and isinstance(ends.events[0], RequestOutputMsg), ends.events
+            assert ends.events[0].error_code == HANDOFF_FAILED
+            for _ in range(500):  # prefill runs again
+                await turn()
+                if not pair.prefill.engine.has_unfinished():
+                    break
+            stats = pair.prefill.link.stats()
+            assert stats.num_transfers == 0, "prefill finished and pushed a request the frontend had ended"
+            assert stats.handoff_failures == {REQUEST_ABORTED: 1}
+            assert pair.prefill.engine.kv.num_used_pages == 0
+        finally:
+            await client.shutdown(timeout_s=0)
+
+    asyncio.run(scenario())
+    pair.pump(lambda: not pair.decode.steps.held(), "decode's release")
+    pair.assert_clean()
