@@ -36,7 +36,7 @@ from kvseal.server.endpoint import AuditPrompt
 from kvseal.server.errors import REQUEST_ID_HEADER, ApiError
 from kvseal.server.state import AppState
 from kvseal.server.vllm_metrics import RequestSizes
-from kvseal.types import ENGINE_UNAVAILABLE, NO_TOKEN_SATISFIES_CONSTRAINTS
+from kvseal.types import ENGINE_UNAVAILABLE, HANDOFF_FAILED, NO_TOKEN_SATISFIES_CONSTRAINTS
 
 logger = logging.getLogger("kvseal.server")
 
@@ -186,6 +186,9 @@ class Call:
             # the request's own constraints (a 400): audited by its code, as a PD prefill's refusal
             # of the first token is, so `kvseal audit --reason` finds both
             self._finish("aborted", reason=event.error_code, http_status=400, detail=event.error, out=event)
+        elif event.finish_reason == "abort" and event.error_code == HANDOFF_FAILED and self._aborted_for is None:
+            # PD decode ended it (no sign of its prefill in time): the server's failure, by its code
+            self._finish("error", reason=HANDOFF_FAILED, http_status=503, detail=event.error, out=event)
         elif event.finish_reason == "abort":
             self._finish("aborted", reason=event.error, out=event)
         else:
@@ -195,14 +198,16 @@ class Call:
 
     def _failed_before_any_token(self, event: RequestEvent) -> bool:
         """The server's own failure ended the request before it generated a token: the engine
-        lost (`EngineGone`), an engine's refusal with a 5xx (a failed transfer), shutdown. A
+        lost (`EngineGone`), an engine's refusal with a 5xx (a failed transfer), a PD handoff that
+        failed on decode (`kv_handoff_failed`: its prefill gave no sign in time), shutdown. A
         client's disconnect or the request's own constraints are not the server's doing: nor is
         an engine's end that follows an abort the client's leaving (or the operator) asked for,
         whatever its code (PD prefill reports its aborts as 500 `request_aborted`). Every choice
         counts: one choice's failure after another generated is no failure before any token."""
         if self._aborted_for not in (None, ABORT_SERVER_SHUTDOWN):
             return False
-        if isinstance(event, RequestRejectedMsg | EngineGone):
+        is_handoff_failure = isinstance(event, RequestOutputMsg) and event.error_code == HANDOFF_FAILED
+        if isinstance(event, RequestRejectedMsg | EngineGone) or is_handoff_failure:
             if isinstance(event, RequestRejectedMsg) and event.http_status < 500:
                 return False
             progress = self._progress()

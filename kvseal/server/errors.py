@@ -23,7 +23,13 @@ from kvseal.messages.msgs import (
     RequestRejectedMsg,
 )
 from kvseal.server.audit import AUDIT_UNAVAILABLE, AuditLog
-from kvseal.types import ENGINE_UNAVAILABLE, ISOLATION_CHECK_FAILED, NO_TOKEN_SATISFIES_CONSTRAINTS, no_token_param
+from kvseal.types import (
+    ENGINE_UNAVAILABLE,
+    HANDOFF_FAILED,
+    ISOLATION_CHECK_FAILED,
+    NO_TOKEN_SATISFIES_CONSTRAINTS,
+    no_token_param,
+)
 
 
 @dataclass
@@ -226,6 +232,13 @@ def abort_only_on_disable() -> ApiError:
                          "call without abort=true.", code="invalid_parameter", param="abort")
 
 
+def handoff_failed(detail: str) -> ApiError:
+    """PD: decode ended the request before its first token because the KV handoff failed (its
+    prefill engine gave no sign of progress within --reservation-timeout-s): the server's failure."""
+    return ApiError(503, f"The KV handoff between the prefill and decode engines failed: {detail}. Retry the "
+                         f"request.", type="service_unavailable", code=HANDOFF_FAILED)
+
+
 def request_aborted(detail: str) -> ApiError:
     """An admitted request the engine ended early: an error, never a success (I6)."""
     return ApiError(500, f"The request was aborted by the server: {detail}", type="server_error",
@@ -274,6 +287,8 @@ def for_event(event: RequestEvent) -> ApiError | None:
     if event.error_code == NO_TOKEN_SATISFIES_CONSTRAINTS:  # the request's own constraints: the client's to fix
         return ApiError(400, event.error or "no token satisfies the request's constraints",
                         code=NO_TOKEN_SATISFIES_CONSTRAINTS, param=no_token_param(event.error))
+    if event.error_code == HANDOFF_FAILED:
+        return handoff_failed(event.error or "no reason given")
     if event.error == ABORT_SERVER_SHUTDOWN:
         return engine_unavailable("the server is shutting down")
     if event.error in (ABORT_KEY_REVOKED, ABORT_MODEL_DISABLED):

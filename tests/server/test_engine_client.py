@@ -59,7 +59,7 @@ from kvseal.server.metrics import ServerMetrics
 from kvseal.server.prompts import PromptEncoder
 from kvseal.server.rate_limits import RateLimits
 from kvseal.server.state import AppState
-from kvseal.types import NO_TOKEN_LEFT_GRAMMAR, NO_TOKEN_SATISFIES_CONSTRAINTS, SamplingParams
+from kvseal.types import HANDOFF_FAILED, NO_TOKEN_LEFT_GRAMMAR, NO_TOKEN_SATISFIES_CONSTRAINTS, SamplingParams
 
 READY = EngineReadyMsg(pid=1, model_name="tiny", model_path="/m", tokenizer_path="/m", architecture="llama",
                        max_model_len=64, kv_cache_tokens=256, vocab_size=512, page_size=4, num_pages=64,
@@ -297,6 +297,35 @@ def test_an_engine_lost_under_n_choices_counts_every_choices_tokens(tmp_path: Pa
     asyncio.run(scenario())
 
 
+def _handoff_failed(request_id: str) -> RequestOutputMsg:
+    """PD decode's end of a request whose reservation expired (or was released) before its commit."""
+    return RequestOutputMsg(request_id=request_id, tenant="alice", new_token_ids=[], new_text="", finished=True,
+                            finish_reason="abort", stop_reason=None, num_prompt_tokens=2, num_output_tokens=0,
+                            num_pages_reserved=1, error="no sign of the prefill engine for 30 s",
+                            error_code=HANDOFF_FAILED)
+
+
+def test_a_failed_pd_handoff_is_the_servers_error_with_its_code(tmp_path: Path) -> None:
+    """Decode's end of a request whose handoff failed (its prefill gave no sign in time) is the
+    server's failure: 503 `kv_handoff_failed` to the client, audited as `error` with that reason
+    (never `aborted`, the outcome of a client that left)."""
+    async def scenario() -> tuple[list[RequestEvent], Path]:
+        state = await _ready_state(tmp_path)
+        try:
+            group = _submit(state, "r-h")
+            state.engine._receive(encode(OutputsMsg([_handoff_failed("r-h")])))
+            return await _events(group), tmp_path
+        finally:
+            _close(state)
+
+    events, _ = asyncio.run(scenario())
+    error = errors.for_event(events[-1])
+    assert error is not None and (error.status, error.code) == (503, HANDOFF_FAILED), error
+    record = _audit(tmp_path)["r-h"]
+    assert (record["outcome"], record["reason"], record["http_status"]) == ("error", HANDOFF_FAILED, 503), record
+    assert record["detail"] == "no sign of the prefill engine for 30 s"
+
+
 def _keys(tmp_path: Path, entries: dict[str, Any]) -> ApiKeyTable:
     path = tmp_path / f"keys-{len(entries)}-{sorted(entries)[0]}.json"
     path.write_text(json.dumps(entries))
@@ -331,6 +360,8 @@ def _lose_or_refuse(state: AppState, request_id: str, how: str) -> None:
     elif how == "a token, then refused 502":  # one choice generated (a stream sent it), then the transfer failed
         state.engine._receive(encode(OutputsMsg([_output(request_id, "alice", finished=False)])))
         state.engine._receive(encode(RequestRejectedMsg(request_id, "alice", "transfer_failed", "failed", None, 502)))
+    elif how.endswith("handoff failed"):  # PD decode ended it: no sign of its prefill within the deadline
+        state.engine._receive(encode(OutputsMsg([_handoff_failed(request_id)])))
     elif how == "refused 400":  # the request's own fault, found by the engine
         state.engine._receive(encode(RequestRejectedMsg(request_id, "alice", "invalid", "too long", None, 400)))
     else:
@@ -342,6 +373,8 @@ def _lose_or_refuse(state: AppState, request_id: str, how: str) -> None:
 @pytest.mark.parametrize(("how", "remaining"), [("lost before a token", ("2", "50")), ("refused 502", ("2", "50")),
                                                  ("lost after a token", ("1", "47")), ("refused 400", ("1", "48")),
                                                  ("client gone, then refused 500", ("1", "48")),
+                                                 ("handoff failed", ("2", "50")),
+                                                 ("client gone, then handoff failed", ("1", "48")),
                                                  ("a token, then refused 502", ("1", "48"))])
 def test_a_request_the_server_fails_before_its_first_token_takes_no_per_minute_quota(
         tmp_path: Path, how: str, remaining: tuple[str, str]) -> None:
