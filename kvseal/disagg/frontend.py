@@ -537,7 +537,7 @@ class PdClient:
         route.decode.num_assigned -= 1
         if route.transfer_id is not None:
             self._by_transfer.pop(route.transfer_id, None)
-        if route.prefill is not None and route.prefill.is_up:
+        if route.prefill is not None and route.prefill.is_up and not route.is_aborted:  # (`abort` told it)
             self._try_send(route.prefill, AbortMsg(request_id, route.handle.tenant, _ended_because(event)))
         self._release_prefill(route)
         route.handle.deliver(event)
