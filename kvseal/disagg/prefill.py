@@ -295,7 +295,7 @@ class PrefillSteps:
         """Tell decode, for each held job not heard of for `keepalive_interval_s`, that prefill still
         holds it. Best effort: a decode not connected now gets the next one (or expires the job's
         reservation, which is what its deadline is for)."""
-        held = [*self._jobs.values(), *(job for job, _, _ in self._compiling.items())]
+        held = [*self._jobs.values(), *(item[0] for item in self._compiling.items())]
         for job in held:
             if now_s - job.keepalive_s >= self.keepalive_interval_s and job.result is None:
                 job.keepalive_s = now_s
