@@ -1211,3 +1211,4 @@ def test_a_request_decode_ends_is_aborted_on_its_prefill_engine(make_pair: Any) 
     asyncio.run(scenario())
     pair.pump(lambda: not pair.decode.steps.held(), "decode's release")
     pair.assert_clean()
+

@@ -158,3 +158,19 @@ def test_another_tenants_small_grammar_is_not_held_up_in_pd(pd_server: GrammarSe
 
 def test_a_client_that_leaves_stops_its_compile_in_pd(pd_server: GrammarServer) -> None:
     check_disconnect_cancels_the_compile(pd_server)
+
+
+def test_keepalives_cover_a_request_whose_grammar_prefill_still_compiles(char_dir: Path) -> None:
+    """Prefill keeps decode's reservation alive for a request whose grammar it still compiles, as
+    for one it computes (keepalives every turn here, so some come while the compile runs), and the
+    request runs to its end as usual."""
+    args = EngineArgs(model=str(char_dir), enable_prefix_caching=False, **ENGINE)  # type: ignore[arg-type]
+    pair = PdPair(args, args, loaded=load_model(str(char_dir), args.torch_dtype), keepalive_interval_s=0.001)
+    try:
+        params = SamplingParams(max_tokens=20, temperature=0, structured=StructuredOutput("json_schema",
+                                                                                          json.dumps(SCHEMA)))
+        handoff = pair.generate(pair.decode.engine.tokenize("hello"), params)
+        assert handoff.final.error is None and handoff.final.finish_reason in ("stop", "length"), handoff.final
+        pair.assert_clean()
+    finally:
+        pair.close()
