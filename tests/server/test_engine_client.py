@@ -326,6 +326,30 @@ def test_a_failed_pd_handoff_is_the_servers_error_with_its_code(tmp_path: Path) 
     assert record["detail"] == "no sign of the prefill engine for 30 s"
 
 
+@pytest.mark.parametrize(("status", "outcome"), [(502, "error"), (400, "rejected")])
+def test_an_engines_refusal_with_a_5xx_is_the_servers_error(tmp_path: Path, status: int, outcome: str) -> None:
+    """An engine's refusal is the request's rejection when it is a 4xx (its own limits), and the
+    server's error when it is a 5xx (a KV transfer that failed): audited as the refusals at the
+    door are, with the engine's words as the detail of an error."""
+    async def scenario() -> list[RequestEvent]:
+        state = await _ready_state(tmp_path)
+        try:
+            group = _submit(state, "r-x")
+            state.engine._receive(encode(RequestRejectedMsg("r-x", "alice", "kv_transfer_failed", "the push failed",
+                                                            None, status)))
+            return await _events(group)
+        finally:
+            _close(state)
+
+    events = asyncio.run(scenario())
+    error = errors.for_event(events[-1])
+    assert error is not None and error.status == status, error
+    record = _audit(tmp_path)["r-x"]
+    assert (record["outcome"], record["reason"], record["http_status"]) == (outcome, "kv_transfer_failed", status)
+    assert record.get("rejected_by") == (None if status >= 500 else "engine"), record
+    assert record.get("detail") == ("the push failed" if status >= 500 else None), record
+
+
 def _keys(tmp_path: Path, entries: dict[str, Any]) -> ApiKeyTable:
     path = tmp_path / f"keys-{len(entries)}-{sorted(entries)[0]}.json"
     path.write_text(json.dumps(entries))
