@@ -20,6 +20,7 @@ from kvseal.server.tools import (
     ToolCallStream,
     ToolParser,
 )
+from kvseal.server.tools.python_calls import _continues_identifier
 
 PARAMS = {"get_time": {"type": "object", "properties": {"zone": {"type": "string"}, "hours": {"type": "integer"}}}}
 
@@ -174,3 +175,16 @@ def test_a_long_call_fed_a_character_at_a_time_is_read_once() -> None:
         num_sent += sum(len(c.arguments) for c in stream.finish()[1])
         assert parser.num_chars_parsed == len(text), name
         assert num_sent == len(json.dumps({"s": long})), name
+
+
+@given(st.text(max_size=12))
+def test_an_identifier_read_a_character_at_a_time_is_what_isidentifier_says(text: str) -> None:
+    """The pythonic reader checks a name's next character alone (a long name is not read again
+    for each character): at every prefix it answers what `str.isidentifier` does."""
+    chars: list[str] = []
+    for char in text:
+        if not _continues_identifier(chars, char):
+            assert not (("".join(chars) + char).isidentifier())
+            return
+        chars.append(char)
+        assert "".join(chars).isidentifier()

@@ -51,7 +51,7 @@ class CanonicalJson:
         self.members: dict[str, Member] = {}
         self._stack: list[set[str] | None] = []  # per open container: an object's keys, None for an array
         self._expect = "value"  # value, value_or_close, key, key_or_close, colon, comma_or_close, done
-        self._token = ""  # a number or literal being read
+        self._token: list[str] = []  # a number or literal being read (its characters: no copy per one)
         self._string: list[str] | None = None  # the string being read, decoded
         self._is_key = False
         self._escape = ""  # an escape being read, from its backslash
@@ -71,7 +71,7 @@ class CanonicalJson:
             if self._string is not None:
                 self._string_char(char)
             elif self._token and (char.isalnum() or char in "+-."):
-                self._token += char
+                self._token.append(char)
             else:
                 if self._token:
                     self._end_token()
@@ -110,7 +110,7 @@ class CanonicalJson:
         elif char == '"':
             self._begin_string(is_key=False)
         elif char == "-" or char.isalnum():
-            self._token = char
+            self._token = [char]
         else:
             self.failed = True
 
@@ -128,7 +128,7 @@ class CanonicalJson:
         self._expect = "comma_or_close"
 
     def _end_token(self) -> None:
-        token, self._token = self._token, ""
+        token, self._token = "".join(self._token), []
         if token in ("true", "false", "null"):
             self._emit(token)
         elif _JSON_NUMBER.fullmatch(token):

@@ -19,13 +19,15 @@ from kvseal.server.tools.calls import NOT_JSON, is_utf8
 
 _SPACE = " \t\f\r\n"  # between tokens inside brackets (Python joins the lines there)
 _STRING_PREFIXES = frozenset({"", "r", "u", "b", "br", "rb"})  # (no f-string: its quotes nest)
+_LONGEST_PREFIX = max(len(prefix) for prefix in _STRING_PREFIXES)
 
 
 class PythonCallDraft:
     def __init__(self) -> None:
         self._state = "name"  # name, before_paren, key_or_close, key, equals, value, whole, stopped
-        self._name = ""
-        self._key = ""
+        self._name: list[str] = []  # its characters (a list: a long name costs no copy per character)
+        self._named = ""  # the name, NFKC-normalized, once its `(` came
+        self._key: list[str] = []
         self._keys: set[str] = set()
         self._value = _ValueScan()
         self._fresh: list[str] = []  # arguments text not yet taken
@@ -51,29 +53,31 @@ class PythonCallDraft:
 
     def take(self) -> tuple[str | None, str]:
         fresh, self._fresh = "".join(self._fresh), []
-        return (unicodedata.normalize("NFKC", self._name) if self._is_named else None), fresh
+        return (self._named if self._is_named else None), fresh
 
     def _next_state(self, char: str) -> str:
         state = self._state
-        if state == "name" and (self._name + char).isidentifier():
-            self._name += char
+        if state == "name" and _continues_identifier(self._name, char):
+            self._name.append(char)
             return "name"
         if state in ("name", "before_paren") and char in _SPACE:
             return "before_paren"
-        if state in ("name", "before_paren") and char == "(" and not keyword.iskeyword(self._name):
+        if state in ("name", "before_paren") and char == "(" and self._name \
+                and not keyword.iskeyword(name := "".join(self._name)):
             self._is_named = True
+            self._named = unicodedata.normalize("NFKC", name)
             self._fresh.append("{")
             return "key_or_close"
         if state in ("key_or_close", "equals") and char in _SPACE:
             return state
         if state == "key_or_close" and char == ")":
             return "whole"
-        if state in ("key_or_close", "key") and (self._key + char).isidentifier():
-            self._key += char
+        if state in ("key_or_close", "key") and _continues_identifier(self._key, char):
+            self._key.append(char)
             return "key"
         if state == "key" and char in _SPACE:
             return "equals"
-        if state in ("key", "equals") and char == "=" and not keyword.iskeyword(self._key):
+        if state in ("key", "equals") and char == "=" and not keyword.iskeyword("".join(self._key)):
             self._value = _ValueScan()
             return "value"
         return "stopped"
@@ -90,7 +94,7 @@ class PythonCallDraft:
 
     def _argument(self) -> bool:
         """Send the argument just ended; False where the parser would not read it as this one."""
-        key = unicodedata.normalize("NFKC", self._key)
+        key = unicodedata.normalize("NFKC", "".join(self._key))
         value = _literal(self._value.text())
         if value is _NOT_A_LITERAL or key in self._keys:  # (a key given twice is a syntax error)
             return False
@@ -102,9 +106,16 @@ class PythonCallDraft:
         if not is_utf8(piece):
             return False
         self._keys.add(key)
-        self._key = ""
+        self._key = []
         self._fresh.append(piece)
         return True
+
+
+def _continues_identifier(chars: list[str], char: str) -> bool:
+    """Whether `chars` + `char` is an identifier, given that `chars` is one (or empty): what
+    `str.isidentifier` answers, one character at a time (a first character may start one, any
+    other must continue one), so a long name is not read again for each character."""
+    return char.isidentifier() if not chars else ("_" + char).isidentifier()
 
 
 _NOT_A_LITERAL = object()
@@ -165,7 +176,8 @@ class _ValueScan:
             self._depth += 1
         elif char in ")]}":
             self._depth -= 1
-        self._word = self._word + char if char.isalnum() or char == "_" else ""
+        # (a word longer than any string prefix is kept at that length: it is no prefix either way)
+        self._word = (self._word + char)[:_LONGEST_PREFIX + 1] if char.isalnum() or char == "_" else ""
         self._pieces.append(char)
         return None
 

@@ -208,8 +208,9 @@ class Qwen3CoderDraft:
         self._parameters = parameters
         self._state = "lead"  # lead, name, parameters, key, value, stopped
         self._tag = ""  # a tag being read (`<function=`, `<parameter=`)
-        self._name = ""
-        self._key = ""
+        self._name: list[str] = []  # its characters, as the key's (a list: no copy per character)
+        self._key: list[str] = []
+        self._named = ""  # the name, once its `>` came
         self._keys: set[str] = set()
         self._value: list[str] = []  # the value's text so far, less `_tail`
         self._tail = ""  # the value's end that may begin a tag ending it
@@ -225,18 +226,18 @@ class Qwen3CoderDraft:
         return False  # (its block's end tag ends it: the reader finds it)
 
     def feed(self, raw: str) -> int:
-        rest = raw
-        while rest and self._state != "stopped":
+        rest, position = raw, 0
+        while position < len(rest) and self._state != "stopped":
             if self._state == "value":
-                rest = self._value_text(rest)
+                rest, position = self._value_text(rest[position:]), 0
             else:
-                self._state = self._next_state(rest[0])
-                rest = rest[1:]
+                self._state = self._next_state(rest[position])
+                position += 1
         return len(raw)
 
     def take(self) -> tuple[str | None, str]:
         fresh, self._fresh = "".join(self._fresh), []
-        return (self._name if self._is_named else None), fresh
+        return (self._named if self._is_named else None), fresh
 
     def _next_state(self, char: str) -> str:
         state = self._state
@@ -247,13 +248,11 @@ class Qwen3CoderDraft:
         if char in "<\n" or (char == ">" and not (self._key if state == "key" else self._name)):
             return "stopped"
         if char != ">":
-            if state == "key":
-                self._key += char
-            else:
-                self._name += char
+            (self._key if state == "key" else self._name).append(char)
             return state
         if state == "name":
             self._is_named = True
+            self._named = "".join(self._name)
             self._fresh.append("{")
             return "parameters"
         self._value, self._tail = [], ""
@@ -265,7 +264,7 @@ class Qwen3CoderDraft:
             return "stopped"  # (after the parameters, `</function>`: nothing more to send)
         if self._tag != tag:
             return self._state
-        self._tag, self._key = "", ""
+        self._tag, self._key = "", []
         return "name" if tag == _FUNCTION_TAG else "key"
 
     def _value_text(self, raw: str) -> str:
@@ -285,8 +284,8 @@ class Qwen3CoderDraft:
 
     def _key_done(self, raw: str) -> None:
         """Send the parameter `_key` of value `raw`, typed as the parser types it."""
-        key = self._key
-        schema = self._parameters.get(self._name)
+        key = "".join(self._key)
+        schema = self._parameters.get(self._named)
         properties = schema.get("properties") if isinstance(schema, dict) else None
         value = _typed(raw, properties.get(key) if isinstance(properties, dict) else None)
         try:
@@ -298,5 +297,5 @@ class Qwen3CoderDraft:
             self._state = "stopped"
             return
         self._keys.add(key)
-        self._key = ""
+        self._key = []
         self._fresh.append(piece)
