@@ -458,13 +458,15 @@ class Request:
             self.first_token_s = self.last_token_s
 
     def timing(self) -> RequestTiming | None:
-        """Its phases so far; None before its first token."""
+        """Its phases so far; None before its first token, or for one no scheduler ran (its
+        tokens fed by hand: the figures are for /metrics, never worth failing a request over)."""
         if self.first_token_s is None or self.last_token_s is None:
             return None
         decode_s = self.last_token_s - self.first_token_s
         if self.prefilled_timing is not None:
             return RequestTiming(self.prefilled_timing.queue_s, self.prefilled_timing.prefill_s, decode_s)
-        assert self.first_scheduled_s is not None, "a request samples its first token after its first schedule"
+        if self.first_scheduled_s is None:
+            return None
         return RequestTiming(self.first_scheduled_s - self.arrival_s, self.first_token_s - self.first_scheduled_s,
                              decode_s)
 
