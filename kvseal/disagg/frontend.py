@@ -195,6 +195,9 @@ class PdClient:
         self._supervisor = supervisor
         self._on_link_stats: Callable[[EngineLink], None] = lambda link: None  # per-engine gauges
         self._routes: dict[str, PdRoute] = {}
+        # tenants this frontend had the engines forget: a prefill engine that restarts is told again
+        # while requests reserved before the forget wait for it (`_owed_on_restart`)
+        self._forgotten: set[str] = set()
         self._by_transfer: dict[str, PdRoute] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._round_robin = itertools.count()
@@ -332,6 +335,7 @@ class PdClient:
         requests are reserved and not yet sent to prefill: their `PrefillMsg` comes after this, and
         they are the old tenant's."""
         num_told = 0
+        self._forgotten.add(tenant)
         for link in self.links:
             if link.is_up:
                 num_told += self._send_forget(link, tenant)
@@ -349,6 +353,18 @@ class PdClient:
             link.forgets_owed.add(tenant)
             return 0
         return 1
+
+    def _owed_on_restart(self, link: EngineLink) -> set[str]:
+        """The forgets a restarted prefill engine must hear again: a new process counts every
+        tenant's cache epoch from 0, so a request of a forgotten tenant reserved before its forget
+        and not yet sent to prefill would share the namespace of the name's new holder there. Told
+        again, with those requests named (`_send_forget`), it keeps them apart; a request of the new
+        holder among them is only kept off the cache."""
+        if link.role != "prefill":
+            return set()
+        return {tenant for tenant in self._forgotten if any(
+            route.handle.tenant == tenant and route.prefill is None and not route.is_aborted
+            for route in self._routes.values())}
 
     def _pay_forgets(self, link: EngineLink) -> None:
         """Before an engine that was down is used again: the forgets it missed, in one go."""
@@ -445,6 +461,7 @@ class PdClient:
             logger.warning("the %s engine at %s restarted (%s -> %s)", link.role, link.address,
                            link.info.instance_id, info.instance_id)
             self._engine_down(link, f"the {link.role} engine restarted")
+            link.forgets_owed |= self._owed_on_restart(link)
         if not link.is_up:
             self._pay_forgets(link)  # before it is up: nothing submitted later can overtake them
             logger.info("%s engine %s is up at %s", link.role, info.instance_id, link.address)

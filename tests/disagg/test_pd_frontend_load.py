@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterator
 
+import msgspec
 import pytest
 from processes import free_port
 
@@ -18,8 +19,10 @@ from kvseal.engine_api import EngineGone, EngineUnavailable, RequestEvent, Reque
 from kvseal.messages.convert import params_to_msg
 from kvseal.messages.msgs import (
     TP_RANK_LOST,
+    AbortMsg,
     AddRequestMsg,
     EngineStatsMsg,
+    ForgetTenantMsg,
     OutputsMsg,
     RequestOutputMsg,
     RequestRejectedMsg,
@@ -177,3 +180,38 @@ def test_a_key_refused_before_start_is_still_reported(caplog: pytest.LogCaptureF
         router.close(linger=0)
         guard.close()
         ctx.term()
+
+
+def test_a_restarted_prefill_engine_hears_a_forget_again_while_older_requests_wait(client: PdClient) -> None:
+    """A forget reached the prefill engine; it then restarts, so its new process counts alice's
+    cache epoch from 0 again. alice's request reserved before the forget, not yet sent to prefill,
+    must not share a namespace there with the name's next holder: the forget is sent again, with
+    that request named, before the new engine is used. Decode's restart needs none (its
+    reservations went with it), and once the request has reached prefill none is owed either."""
+    prefill, decode = client.links
+    sent: dict[str, list[object]] = {"prefill": [], "decode": []}
+    for link in (prefill, decode):
+        link.send = sent[link.role].append  # type: ignore[method-assign]
+        client._on_info(link, msgspec.structs.replace(_info(link.role, "zero"), instance_id=f"{link.role}-1"))
+    handle = RequestHandle("r-old", "alice", _Kept())
+    route = PdRoute(handle, AddRequestMsg("r-old", "alice", [5, 6], params_to_msg(SamplingParams(max_tokens=2))),
+                    decode)
+    client._routes["r-old"] = route
+    client.forget_tenant("alice")
+    assert sent["prefill"] == [ForgetTenantMsg("alice", ["r-old"])] and sent["decode"] == [ForgetTenantMsg("alice")]
+    client._on_info(prefill, msgspec.structs.replace(_info("prefill", "zero"), instance_id="prefill-2"))  # restarted
+    assert sent["prefill"][1:] == [ForgetTenantMsg("alice", ["r-old"])]
+    route.prefill = prefill  # sent on: a later restart owes nothing (and ends it)
+    client._on_info(prefill, msgspec.structs.replace(_info("prefill", "zero"), instance_id="prefill-3"))
+    assert sent["prefill"][2:] == []
+    assert sent["decode"][1:] == [AbortMsg("r-old", "alice", "the prefill engine restarted")]
+
+
+class _Kept:
+    """An observer that lets its request end."""
+
+    def on_output(self, out: RequestOutputMsg) -> None:
+        pass
+
+    def on_terminal(self, event: RequestEvent) -> None:
+        pass
