@@ -36,12 +36,27 @@ from kvseal.disagg.node import EngineNode
 from kvseal.disagg.transport import PushPlan
 from kvseal.disagg.wire import PeerLink, PeerLinks
 from kvseal.engine.engine import LLMEngine
+from kvseal.engine_api import RequestEvent
 from kvseal.messages.convert import params_to_msg
 from kvseal.messages.msgs import OutputsMsg, RequestOutputMsg, RequestRejectedMsg
 from kvseal.types import SamplingParams
 
 MAX_ITERATIONS = 2000
 _ids = itertools.count()
+
+
+class Ends:
+    """A request's observer for tests that drive the PD frontend by hand: it keeps the request's
+    terminal event and lets every output pass."""
+
+    def __init__(self) -> None:
+        self.events: list[RequestEvent] = []
+
+    def on_output(self, out: RequestOutputMsg) -> None:
+        pass
+
+    def on_terminal(self, event: RequestEvent) -> None:
+        self.events.append(event)
 
 
 @dataclass(frozen=True)

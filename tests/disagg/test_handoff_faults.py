@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 import zmq
-from pd_harness import Handoff, PdPair
+from pd_harness import Ends, Handoff, PdPair
 from processes import free_port
 from test_handoff import GREEDY, args, colocated
 from transports import NIXL, needs_nixl
@@ -50,7 +50,6 @@ from kvseal.disagg.transport import (
     zero_pages,
 )
 from kvseal.disagg.wire import PeerLinks
-from kvseal.engine_api import RequestEvent
 from kvseal.errors import ConfigError
 from kvseal.kvcache.pool import KVPool
 from kvseal.messages.convert import params_to_msg
@@ -1151,19 +1150,6 @@ def test_a_prefill_that_stops_is_expired_though_it_held_the_request(make_pair: A
     pair.assert_clean()
 
 
-class _Ends:
-    """An observer that keeps its request's terminal event."""
-
-    def __init__(self) -> None:
-        self.events: list[RequestEvent] = []
-
-    def on_output(self, out: RequestOutputMsg) -> None:
-        pass
-
-    def on_terminal(self, event: RequestEvent) -> None:
-        self.events.append(event)
-
-
 def test_a_request_decode_ends_is_aborted_on_its_prefill_engine(make_pair: Any) -> None:
     """The real PD frontend over both engines: decode expires a reservation whose prefill stalled
     mid-prefill; the frontend, ending the request, tells prefill to abort it too. When prefill
@@ -1185,7 +1171,7 @@ def test_a_request_decode_ends_is_aborted_on_its_prefill_engine(make_pair: Any) 
             while not starting.done():
                 await turn()
             starting.result()
-            ends = _Ends()
+            ends = Ends()
             client.submit(AddRequestMsg("r-stall", "alice", SLOW_PROMPT, params_to_msg(GREEDY)), ends)
             for _ in range(500):
                 await turn()

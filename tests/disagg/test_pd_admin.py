@@ -45,15 +45,20 @@ def _record(audit: Path, request_id: str) -> dict[str, Any]:
     return dict(found[0])
 
 
-def test_kill_switch_and_revocation_in_pd_mode(tmp_path: Path) -> None:
+def _serve_pd(tmp_path: Path) -> tuple[Proc, str, Path, Path, Path]:
+    """`serve --pd` on a tiny model with the keys file KEYS and an audit log: the server (started,
+    not yet healthy), its URL, the model, the keys file and the audit log."""
     model = make_server_model(tmp_path / "tiny")
     keys, audit = tmp_path / "keys.json", tmp_path / "audit.jsonl"
     keys.write_text(json.dumps(KEYS))
     port = free_port()
     argv = ["serve", "--pd", "--model", str(model), "--port", str(port), "--api-keys", str(keys),
             "--audit-log", str(audit), *FLAGS]
-    server = Proc("serve-pd", argv, tmp_path).start()
-    url = f"http://127.0.0.1:{port}"
+    return Proc("serve-pd", argv, tmp_path).start(), f"http://127.0.0.1:{port}", model, keys, audit
+
+
+def test_kill_switch_and_revocation_in_pd_mode(tmp_path: Path) -> None:
+    server, url, model, keys, audit = _serve_pd(tmp_path)
     switch = f"{url}/admin/models/{model.name}"
     try:
         server.wait_until_healthy(url)
@@ -87,14 +92,7 @@ def test_kill_switch_and_revocation_in_pd_mode(tmp_path: Path) -> None:
 def test_a_tenant_removed_and_added_again_starts_with_an_empty_cache_in_pd_mode(tmp_path: Path) -> None:
     """The reload that removes alice has both engines forget her name's cache (PdClient), so a key
     added under the name later gets no hit on her prompts; bob's cache is untouched."""
-    model = make_server_model(tmp_path / "tiny")
-    keys, audit = tmp_path / "keys.json", tmp_path / "audit.jsonl"
-    keys.write_text(json.dumps(KEYS))
-    port = free_port()
-    argv = ["serve", "--pd", "--model", str(model), "--port", str(port), "--api-keys", str(keys),
-            "--audit-log", str(audit), *FLAGS]
-    server = Proc("serve-pd", argv, tmp_path).start()
-    url = f"http://127.0.0.1:{port}"
+    server, url, _, keys, audit = _serve_pd(tmp_path)
     prompt = " ".join(f"w{i}" for i in range(100, 164))
 
     def cached(key: str) -> int:

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 
 import msgspec
 import pytest
+from pd_harness import Ends
 from processes import free_port
 
 from kvseal.disagg.frontend import PdClient, PdRoute, scrub_policy
@@ -99,26 +100,13 @@ def test_a_request_no_prefill_engine_could_take_reserves_nothing(client: PdClien
     assert client.num_in_flight == 0 and decode.num_assigned == 0
 
 
-class _Ends:
-    """An observer that keeps the terminal event of its request."""
-
-    def __init__(self) -> None:
-        self.events: list[RequestEvent] = []
-
-    def on_output(self, out: RequestOutputMsg) -> None:
-        pass
-
-    def on_terminal(self, event: RequestEvent) -> None:
-        self.events.append(event)
-
-
 @pytest.mark.parametrize("relayed", [True, False], ids=["prefill's, relayed", "decode's own"])
 def test_an_engine_that_lost_a_rank_ends_its_requests_as_an_engine_loss(client: PdClient, relayed: bool) -> None:
     """An engine's end of a request with code `engine_unavailable` (its tensor-parallel rank was
     lost: prefill's refusal that decode relays, or decode's own abort output) reaches the server as
     `EngineGone`: 503 `engine_unavailable`, audited as an error, not a rejection or an abort."""
     prefill, decode = client.links
-    ends = _Ends()
+    ends = Ends()
     handle = RequestHandle("r-1", "alice", ends)
     client._routes["r-1"] = PdRoute(handle, AddRequestMsg("r-1", "alice", [5, 6], params_to_msg(SamplingParams())),
                                     decode)
@@ -193,7 +181,7 @@ def test_a_restarted_prefill_engine_hears_a_forget_again_while_older_requests_wa
     for link in (prefill, decode):
         link.send = sent[link.role].append  # type: ignore[method-assign]
         client._on_info(link, msgspec.structs.replace(_info(link.role, "zero"), instance_id=f"{link.role}-1"))
-    handle = RequestHandle("r-old", "alice", _Kept())
+    handle = RequestHandle("r-old", "alice", Ends())
     route = PdRoute(handle, AddRequestMsg("r-old", "alice", [5, 6], params_to_msg(SamplingParams(max_tokens=2))),
                     decode)
     client._routes["r-old"] = route
@@ -206,12 +194,3 @@ def test_a_restarted_prefill_engine_hears_a_forget_again_while_older_requests_wa
     assert sent["prefill"][2:] == []
     assert sent["decode"][1:] == [AbortMsg("r-old", "alice", "the prefill engine restarted")]
 
-
-class _Kept:
-    """An observer that lets its request end."""
-
-    def on_output(self, out: RequestOutputMsg) -> None:
-        pass
-
-    def on_terminal(self, event: RequestEvent) -> None:
-        pass
