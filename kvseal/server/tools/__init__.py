@@ -29,9 +29,13 @@ with tools is refused:
   is content, as hermes takes its blocks; unlike vLLM's parser, which reads a cut call as far
   as it goes and drops the text between and after calls. A string held to a length or a
   pattern is read as the text those bounds hold for (the enforced call's grammar counts the
-  newlines and whitespace between the tags). The format cannot tell its own tags inside a
-  value from the value's end: a string holding `</parameter>`, `<parameter=`, `</function>` or
-  `</tool_call>` is cut there, as in vLLM's parser (a call so cut may come back as content).
+  newlines and whitespace between the tags). A pattern is checked in `re`'s syntax on the event
+  loop every request shares, so one request's checks get 50 ms in all (`patterns.py`): a pattern
+  too costly to check (backtracking past that, repeats unrolling past 2,000 nodes, or any once
+  the 50 ms are spent), like one `re` cannot read, is not held against a value. The format
+  cannot tell its own tags inside a value from the value's end: a string holding `</parameter>`,
+  `<parameter=`, `</function>` or `</tool_call>` is cut there, as in vLLM's parser (a call so
+  cut may come back as content).
   An enforced call's tools may not name a parameter with `<`, `>` or a line break.
 In every format a call has a string name and an object of arguments under the format's key;
 anything else (a JSON record that happens to have a `name`, a call with a positional argument or

@@ -1,5 +1,7 @@
 """Qwen3-Coder's calls: `<tool_call>` blocks of `<function=NAME>` and `<parameter=KEY>` entries,
-whose values are typed by the request's schemas (the package's docstring says how)."""
+whose values are typed by the request's schemas (the package's docstring says how). A string's
+`pattern` is checked on the shared event loop, within one request's bound (`patterns.py`: 50 ms
+of checks in all); a pattern too costly to check is not held against a value."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from kvseal.server.tools.calls import (
     is_utf8,
     openai_id,
 )
+from kvseal.server.tools.patterns import PatternChecks
 from kvseal.server.tools.readers import BlockReader
 from kvseal.types import StructuredOutput
 
@@ -27,9 +30,12 @@ class Qwen3CoderToolParser:
     arguments_key = "arguments"  # of the call schemas `forced_call` reads the tools from
     max_calls: int | None = None
 
-    def __init__(self, parameters: dict[str, Any] | None = None) -> None:
-        """`parameters`: each tool's parameters schema by its name, which types the values."""
+    def __init__(self, parameters: dict[str, Any] | None = None, patterns: PatternChecks | None = None) -> None:
+        """`parameters`: each tool's parameters schema by its name, which types the values.
+        `patterns`: the checks of strings' patterns (their budget is one request's: a parser
+        serves one request, whose streams' drafts and parses share them and so type a value alike)."""
         self._parameters = parameters or {}
+        self._patterns = patterns if patterns is not None else PatternChecks()
 
     def parse(self, text: str) -> tuple[str | None, list[ParsedToolCall]]:
         """(content outside the calls or None, the calls). A block that is not one whole
@@ -37,7 +43,7 @@ class Qwen3CoderToolParser:
         return block_calls(text, self._read_call)
 
     def call_reader(self) -> BlockReader:
-        return BlockReader(lambda: Qwen3CoderDraft(self._parameters), self._read_call)
+        return BlockReader(lambda: Qwen3CoderDraft(self._parameters, self._patterns), self._read_call)
 
     def new_call_id(self) -> str:
         return openai_id()
@@ -70,7 +76,8 @@ class Qwen3CoderToolParser:
         arguments, position = {}, 0
         while (parameter := _QWEN_PARAMETER.match(inner, position)) is not None:
             key, raw = parameter.groups()
-            arguments[key] = _typed(raw, properties.get(key) if isinstance(properties, dict) else None)
+            arguments[key] = _typed(raw, properties.get(key) if isinstance(properties, dict) else None,
+                                    self._patterns)
             position = parameter.end()
         if inner[position:].strip():
             return None  # text between the parameters: not this format
@@ -86,7 +93,7 @@ _QWEN_UNWRITABLE = re.compile(r"[<>\n]")  # what a parameter's name in <paramete
 _UNREAD = object()  # a value not of the type tried
 
 
-def _typed(raw: str, schema: Any) -> Any:
+def _typed(raw: str, schema: Any, patterns: PatternChecks) -> Any:
     """A Qwen3-Coder parameter's value by its schema, from the `raw` text between its tags: the
     `const` or one of the `enum` values its text spells, else the first of its declared types
     (`type`, or those of `anyOf` / `oneOf`) other than string that the text reads as, else the
@@ -110,23 +117,19 @@ def _typed(raw: str, schema: Any) -> Any:
     # counts every character between the tags, newlines and the whitespace it lets in included,
     # so the reading the bounds hold for is the one it enforced: the template's, else the raw
     # text, else the text without the whitespace around it.
-    return next((reading for reading in (text, raw, bare) if _within_string_bounds(reading, schema)), text)
+    readings = [reading for reading in dict.fromkeys((text, raw, bare)) if _within_lengths(reading, schema)]
+    pattern = schema.get("pattern")
+    if not isinstance(pattern, str) or readings in ([], [text]):  # (no search could change the answer)
+        return readings[0] if readings else text
+    return next((reading for reading in readings if patterns.allows(pattern, reading)), text)
 
 
-def _within_string_bounds(text: str, schema: dict[str, Any]) -> bool:
-    """Whether `text` has the schema's minLength, maxLength and pattern (searched, as JSON Schema
-    does; a pattern Python's re cannot read is not held against it)."""
-    min_length, max_length, pattern = schema.get("minLength"), schema.get("maxLength"), schema.get("pattern")
+def _within_lengths(text: str, schema: dict[str, Any]) -> bool:
+    """Whether `text` has the schema's minLength and maxLength (its pattern: `PatternChecks`)."""
+    min_length, max_length = schema.get("minLength"), schema.get("maxLength")
     if isinstance(min_length, int) and len(text) < min_length:
         return False
-    if isinstance(max_length, int) and len(text) > max_length:
-        return False
-    if isinstance(pattern, str):
-        try:
-            return re.search(pattern, text) is not None
-        except re.error:
-            return True
-    return True
+    return not (isinstance(max_length, int) and len(text) > max_length)
 
 
 _STRING_BOUNDS = frozenset({"pattern", "format", "minLength", "maxLength"})
@@ -204,8 +207,9 @@ class Qwen3CoderDraft:
     whole value, so a value is sent whole). Anything but whitespace where the parser takes
     none stops it; a value cut by the function's end waits for the parser's reading."""
 
-    def __init__(self, parameters: dict[str, Any]) -> None:
+    def __init__(self, parameters: dict[str, Any], patterns: PatternChecks) -> None:
         self._parameters = parameters
+        self._patterns = patterns
         self._state = "lead"  # lead, name, parameters, key, value, stopped
         self._tag = ""  # a tag being read (`<function=`, `<parameter=`)
         self._name: list[str] = []  # its characters, as the key's (a list: no copy per character)
@@ -287,7 +291,7 @@ class Qwen3CoderDraft:
         key = "".join(self._key)
         schema = self._parameters.get(self._named)
         properties = schema.get("properties") if isinstance(schema, dict) else None
-        value = _typed(raw, properties.get(key) if isinstance(properties, dict) else None)
+        value = _typed(raw, properties.get(key) if isinstance(properties, dict) else None, self._patterns)
         try:
             dumped = json.dumps(value, ensure_ascii=False, allow_nan=False)
         except NOT_JSON:
