@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from kvseal.server.tools import Qwen3CoderToolParser, ToolCallStream
-from kvseal.server.tools.patterns import MAX_PATTERN_SIZE, PatternChecks
+from kvseal.server.tools.patterns import MAX_PATTERN_CHARS, MAX_PATTERN_SIZE, PatternChecks
 
 ROOT = Path(__file__).resolve().parents[2]
 BACKTRACKING = "^(a|aa)+$"  # against "aaa...a!": each 4 more characters, about 6 times longer in `re`
@@ -95,6 +95,13 @@ def test_patterns_that_are_not_checked() -> None:
     assert patterns.allows("(", "x") and patterns.allows(r"\p{L}", "1")
     assert patterns.allows(f"a{{{MAX_PATTERN_SIZE + 1}}}", "c") and patterns.allows("^(?:a{1000}){1000}$", "c")
     assert not patterns.allows(f"a{{{MAX_PATTERN_SIZE}}}", "c") and not patterns.allows("^(?:a{40}){49}$", "c")
+    # longer than MAX_PATTERN_CHARS: not even parsed (a long class of escapes took 75 ms to compile)
+    def char_class(num_chars: int) -> str:
+        return "^[" + "".join(f"\\u{0x4e00 + i:04x}" for i in range(num_chars)) + "]$"
+
+    longest = char_class((MAX_PATTERN_CHARS - 4) // 6)  # 6 characters an escape, 4 around them
+    assert len(char_class((MAX_PATTERN_CHARS - 4) // 6 + 1)) > MAX_PATTERN_CHARS >= len(longest)
+    assert patterns.allows(char_class((MAX_PATTERN_CHARS - 4) // 6 + 1), "c") and not patterns.allows(longest, "c")
     assert not patterns.is_spent
 
 

@@ -7,8 +7,9 @@ event loop, which every tenant's requests share: a pattern that backtracks (`^(a
 request's checks share `PATTERN_BUDGET_S` of time, and each runs with the `regex` package, whose
 search takes a timeout (its default syntax is `re`'s). Not held against the text, as a pattern
 `re` cannot read never was: a pattern that Python's `re` cannot parse or `regex` cannot compile;
-one whose counted repeats unroll past `MAX_PATTERN_SIZE` nodes (`regex` compiles `a{n}` by
-unrolling it, `(?:a{1000}){1000}` for a second, with no timeout); one whose search outlasts what
+one longer than `MAX_PATTERN_CHARS` or whose counted repeats unroll past `MAX_PATTERN_SIZE`
+nodes (neither parsing nor compiling takes a timeout: `regex` compiles `a{n}` by unrolling it,
+`(?:a{1000}){1000}` for a second); one whose search outlasts what
 is left of the budget; and every pattern once the budget is spent. Every answer is kept for the
 request's life, so its stream (a parameter typed as its value ends) and its whole answer's parse
 type a value alike, whatever the clock did between them.
@@ -26,6 +27,9 @@ import regex
 
 PATTERN_BUDGET_S = 0.05  # of one request's pattern checks, compiles included
 MAX_PATTERN_SIZE = 2_000  # nodes a pattern's counted repeats unroll to (`regex` compiles it in 20 ms or less)
+# characters of a pattern read at all: parsing and compiling have no timeout, and a long class of
+# escapes (63k characters, within the schema's size limit) took 75 ms past the budget
+MAX_PATTERN_CHARS = 1_024
 
 
 class PatternChecks:
@@ -75,6 +79,8 @@ class PatternChecks:
 
 
 def _compiled(pattern: str) -> Any:
+    if len(pattern) > MAX_PATTERN_CHARS:
+        return None
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)  # (`[[`: a set nested in a later Python)
