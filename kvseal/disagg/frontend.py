@@ -535,8 +535,12 @@ class PdClient:
             return
         self._release_prefill(route)
         if isinstance(msg, PrefillRefusedMsg) and msg.code in (TRANSFER_FAILED, INVALID_PREFILL_MSG):
-            # Decode may never have heard of it: end the reservation there too.
+            # Decode may never have heard of it (prefill could not reach it): end the reservation
+            # there too, and the request here as what it is, the engines' failure (502, its code):
+            # decode's answer to a plain abort would read as an abort.
             self._try_send(route.decode, AbortMsg(route.handle.request_id, route.handle.tenant, msg.message))
+            self._end(route, RequestRejectedMsg(route.handle.request_id, route.handle.tenant, msg.code, msg.message,
+                                                None, 502))
 
     def _release_prefill(self, route: PdRoute) -> None:
         if route.prefill is not None:

@@ -177,10 +177,14 @@ class Call:
             self._isolation_violation(breach, event if isinstance(event, RequestOutputMsg) else self._progress())
         elif isinstance(event, IsolationBreach):
             raise AssertionError("isolation_failure() names every IsolationBreach")
-        elif isinstance(event, RequestRejectedMsg) and event.http_status >= 500:
+        elif isinstance(event, RequestRejectedMsg) and event.http_status >= 500 and self._aborted_for is None:
             # the engines' own failure (a KV transfer that failed, a prefill that broke): the server's
             # error, as a refusal at the door with a 5xx is, never the request's rejection
             self._finish("error", reason=event.code, http_status=event.http_status, detail=event.message)
+        elif isinstance(event, RequestRejectedMsg) and event.http_status >= 500:
+            # an engine's answer to the abort asked for it (PD prefill refuses what it was told to
+            # abort with a 500): the end is that abort's, as for every other engine's end after it
+            self._finish("aborted", reason=self._aborted_for, detail=event.message)
         elif isinstance(event, RequestRejectedMsg):
             self._finish("rejected", reason=event.code, http_status=event.http_status, rejected_by="engine")
         elif isinstance(event, EngineGone):

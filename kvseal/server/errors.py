@@ -287,10 +287,12 @@ def for_event(event: RequestEvent) -> ApiError | None:
     if event.error_code == NO_TOKEN_SATISFIES_CONSTRAINTS:  # the request's own constraints: the client's to fix
         return ApiError(400, event.error or "no token satisfies the request's constraints",
                         code=NO_TOKEN_SATISFIES_CONSTRAINTS, param=no_token_param(event.error))
-    if event.error_code == HANDOFF_FAILED:
-        return handoff_failed(event.error or "no reason given")
+    # the operator's and shutdown's aborts first: decode reports an abort it could only finish later
+    # (KV still landing) with the handoff's code, but the reason is theirs
     if event.error == ABORT_SERVER_SHUTDOWN:
         return engine_unavailable("the server is shutting down")
     if event.error in (ABORT_KEY_REVOKED, ABORT_MODEL_DISABLED):
         return stopped_by_operator(event.error)
+    if event.error_code == HANDOFF_FAILED:
+        return handoff_failed(event.error or "no reason given")
     return request_aborted(event.error or "no reason given")

@@ -14,7 +14,7 @@ from processes import free_port
 
 from kvseal.disagg.frontend import PdClient, PdRoute, scrub_policy
 from kvseal.disagg.link_keys import EngineEndpoint, KeyPair
-from kvseal.disagg.msgs import EngineInfoMsg, PdStatsMsg, Role
+from kvseal.disagg.msgs import TRANSFER_FAILED, EngineInfoMsg, PdStatsMsg, PrefillRefusedMsg, Role
 from kvseal.disagg.role import aborted_output
 from kvseal.engine_api import EngineGone, EngineUnavailable, RequestEvent, RequestHandle
 from kvseal.messages.convert import params_to_msg
@@ -194,3 +194,27 @@ def test_a_restarted_prefill_engine_hears_a_forget_again_while_older_requests_wa
     assert sent["prefill"][2:] == []
     assert sent["decode"][1:] == [AbortMsg("r-old", "alice", "the prefill engine restarted")]
 
+
+
+def test_a_transfer_prefill_could_not_make_is_the_engines_failure(client: PdClient) -> None:
+    """Prefill could not reach decode (its push, and so its word to decode, failed): the frontend
+    ends the reservation on decode and the request here as what it is, 502 with prefill's code,
+    not as decode's answer to a plain abort (which the server would take for an abort)."""
+    prefill, decode = client.links
+    sent: dict[str, list[object]] = {"prefill": [], "decode": []}
+    for link in (prefill, decode):
+        link.send = sent[link.role].append  # type: ignore[method-assign]
+        client._on_info(link, msgspec.structs.replace(_info(link.role, "zero"), instance_id=f"{link.role}-1"))
+    ends = Ends()
+    route = PdRoute(RequestHandle("r-t", "alice", ends),
+                    AddRequestMsg("r-t", "alice", [5, 6], params_to_msg(SamplingParams(max_tokens=2))), decode,
+                    prefill=prefill, transfer_id="t-1")
+    client._routes["r-t"] = route
+    client._by_transfer["t-1"] = route
+    prefill.num_assigned = decode.num_assigned = 1
+    client._on_prefill_result(prefill, PrefillRefusedMsg("r-t", "t-1", "prefill-1", TRANSFER_FAILED,
+                                                         "the KV transfer to decode failed: unreachable"))
+    assert sent["decode"] == [AbortMsg("r-t", "alice", "the KV transfer to decode failed: unreachable")]
+    assert ends.events == [RequestRejectedMsg("r-t", "alice", TRANSFER_FAILED,
+                                              "the KV transfer to decode failed: unreachable", None, 502)]
+    assert client.num_in_flight == 0 and prefill.num_assigned == decode.num_assigned == 0

@@ -350,6 +350,44 @@ def test_an_engines_refusal_with_a_5xx_is_the_servers_error(tmp_path: Path, stat
     assert record.get("detail") == ("the push failed" if status >= 500 else None), record
 
 
+def test_an_engines_5xx_after_the_clients_abort_is_that_abort(tmp_path: Path) -> None:
+    """PD prefill answers the abort a client's leaving caused with a 500 refusal, which decode may
+    relay before its own end: the request is audited as the client's abort, not the server's error."""
+    async def scenario() -> None:
+        state = await _ready_state(tmp_path)
+        try:
+            call = Call(state, "/v1/completions", "r-g")
+            call.tenant = ALICE
+            call.take_slots(ALICE, 1)
+            group = call.submit([AddRequestMsg("r-g", ALICE.name, [5, 6], params_to_msg(SamplingParams(max_tokens=4)))])
+            call.abort_on_exit()  # the client left
+            call.http_done()
+            state.engine._receive(encode(RequestRejectedMsg("r-g", "alice", "request_aborted", "prefill did not "
+                                                            "complete the request: client_disconnected", None, 500)))
+            await _events(group)
+        finally:
+            _close(state)
+
+    asyncio.run(scenario())
+    record = _audit(tmp_path)["r-g"]
+    assert (record["outcome"], record["reason"]) == ("aborted", "client_disconnected"), record
+
+
+def test_an_operators_abort_that_decode_ends_late_is_still_the_operators() -> None:
+    """Decode reports an abort it could only finish once KV stopped landing with the handoff's
+    code; the client still hears what stopped it (the operator's revocation, shutdown)."""
+    def ended(reason: str) -> RequestOutputMsg:
+        return RequestOutputMsg(request_id="r", tenant="alice", new_token_ids=[], new_text="", finished=True,
+                                finish_reason="abort", stop_reason=None, num_prompt_tokens=2, num_output_tokens=0,
+                                num_pages_reserved=1, error=reason, error_code=HANDOFF_FAILED)
+
+    revoked, down = errors.for_event(ended("api_key_revoked")), errors.for_event(ended("server_shutdown"))
+    assert revoked is not None and revoked.code == "api_key_revoked", revoked
+    assert down is not None and down.code == "engine_unavailable", down
+    failed = errors.for_event(ended("no sign of the prefill engine for 30 s"))
+    assert failed is not None and failed.code == HANDOFF_FAILED
+
+
 def _keys(tmp_path: Path, entries: dict[str, Any]) -> ApiKeyTable:
     path = tmp_path / f"keys-{len(entries)}-{sorted(entries)[0]}.json"
     path.write_text(json.dumps(entries))
