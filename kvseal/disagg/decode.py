@@ -348,9 +348,11 @@ class DecodeSteps:
                                   f"{self.table.timeout_s:g} s (--reservation-timeout-s)", HANDOFF_FAILED)
             changed = True
         for reservation in self.table.retry_releases():
+            # the end recorded when its release was asked for, with its own code (an abort's none); a
+            # release no end was recorded for is a failed handoff
             error, code = self._pending_errors.pop(reservation.request_id,
-                                                   (reservation.release_reason or "released", None))
-            self._report_end(reservation, error, code or HANDOFF_FAILED)
+                                                   (reservation.release_reason or "released", HANDOFF_FAILED))
+            self._report_end(reservation, error, code)
             changed = True
         return self._place_waiting() or changed
 

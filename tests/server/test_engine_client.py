@@ -86,12 +86,16 @@ def _close(state: AppState) -> None:
 
 
 def _submit(state: AppState, request_id: str) -> ChoiceGroup:
+    return _submitted(state, request_id)[1]
+
+
+def _submitted(state: AppState, request_id: str) -> tuple[Call, ChoiceGroup]:
     call = Call(state, "/v1/completions", request_id)
     call.tenant = ALICE
     call.take_slots(ALICE, 1)
     call.http_done()
     params = params_to_msg(SamplingParams(max_tokens=4))
-    return call.submit([AddRequestMsg(request_id, ALICE.name, [5, 6], params)])
+    return call, call.submit([AddRequestMsg(request_id, ALICE.name, [5, 6], params)])
 
 
 def _output(request_id: str, tenant: str, finished: bool) -> RequestOutputMsg:
@@ -297,12 +301,11 @@ def test_an_engine_lost_under_n_choices_counts_every_choices_tokens(tmp_path: Pa
     asyncio.run(scenario())
 
 
-def _handoff_failed(request_id: str) -> RequestOutputMsg:
+def _handoff_failed(request_id: str, error: str = "no sign of the prefill engine for 30 s") -> RequestOutputMsg:
     """PD decode's end of a request whose reservation expired (or was released) before its commit."""
     return RequestOutputMsg(request_id=request_id, tenant="alice", new_token_ids=[], new_text="", finished=True,
                             finish_reason="abort", stop_reason=None, num_prompt_tokens=2, num_output_tokens=0,
-                            num_pages_reserved=1, error="no sign of the prefill engine for 30 s",
-                            error_code=HANDOFF_FAILED)
+                            num_pages_reserved=1, error=error, error_code=HANDOFF_FAILED)
 
 
 def test_a_failed_pd_handoff_is_the_servers_error_with_its_code(tmp_path: Path) -> None:
@@ -356,12 +359,8 @@ def test_an_engines_5xx_after_the_clients_abort_is_that_abort(tmp_path: Path) ->
     async def scenario() -> None:
         state = await _ready_state(tmp_path)
         try:
-            call = Call(state, "/v1/completions", "r-g")
-            call.tenant = ALICE
-            call.take_slots(ALICE, 1)
-            group = call.submit([AddRequestMsg("r-g", ALICE.name, [5, 6], params_to_msg(SamplingParams(max_tokens=4)))])
+            call, group = _submitted(state, "r-g")
             call.abort_on_exit()  # the client left
-            call.http_done()
             state.engine._receive(encode(RequestRejectedMsg("r-g", "alice", "request_aborted", "prefill did not "
                                                             "complete the request: client_disconnected", None, 500)))
             await _events(group)
@@ -376,15 +375,11 @@ def test_an_engines_5xx_after_the_clients_abort_is_that_abort(tmp_path: Path) ->
 def test_an_operators_abort_that_decode_ends_late_is_still_the_operators() -> None:
     """Decode reports an abort it could only finish once KV stopped landing with the handoff's
     code; the client still hears what stopped it (the operator's revocation, shutdown)."""
-    def ended(reason: str) -> RequestOutputMsg:
-        return RequestOutputMsg(request_id="r", tenant="alice", new_token_ids=[], new_text="", finished=True,
-                                finish_reason="abort", stop_reason=None, num_prompt_tokens=2, num_output_tokens=0,
-                                num_pages_reserved=1, error=reason, error_code=HANDOFF_FAILED)
-
-    revoked, down = errors.for_event(ended("api_key_revoked")), errors.for_event(ended("server_shutdown"))
+    revoked = errors.for_event(_handoff_failed("r", "api_key_revoked"))
+    down = errors.for_event(_handoff_failed("r", "server_shutdown"))
     assert revoked is not None and revoked.code == "api_key_revoked", revoked
     assert down is not None and down.code == "engine_unavailable", down
-    failed = errors.for_event(ended("no sign of the prefill engine for 30 s"))
+    failed = errors.for_event(_handoff_failed("r"))
     assert failed is not None and failed.code == HANDOFF_FAILED
 
 
