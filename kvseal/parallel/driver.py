@@ -61,6 +61,7 @@ WORKER_MODULE = "kvseal.parallel.worker"
 JOIN_POLL_S = 0.2  # how often rank 0 looks at its ranks while the group forms
 STOP_WAIT_S = 10.0  # how long a stopping rank may take before it is killed
 FAILED_STOP_WAIT_S = 1.0  # the same after the group failed (a rank may be hung: it never reads a stop)
+RANK_WATCH_S = 0.5  # how often an idle rank 0 looks at this node's rank processes (one that exited fails the group)
 
 
 @dataclass(frozen=True)
@@ -83,6 +84,7 @@ class RankProcesses:
 
     def __init__(self, options: RankOptions, group: GroupSpec, ranks: range, key: bytes, ranks_per_node: int) -> None:
         self.procs: list[subprocess.Popen[bytes]] = []
+        self.first_rank = ranks.start
         for rank in ranks:
             spec = WorkerSpecMsg(options, rank, group.world_size, group.master_addr, group.master_port, group.timeout_s,
                                  group.store_path, ranks_per_node=ranks_per_node)
@@ -103,6 +105,16 @@ class RankProcesses:
             except subprocess.TimeoutExpired:
                 _kill_group(proc)
                 proc.wait()
+
+    def exited(self) -> RankFailure | None:
+        """The first of these ranks whose process has exited, as the group's failure; None while
+        all run. (`poll` only: a stopped rank, one on another node, is the keep-alive's to find.)"""
+        for rank, proc in enumerate(self.procs, start=self.first_rank):
+            code = proc.poll()
+            if code is not None:
+                how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+                return RankFailure(f"rank 0: tensor-parallel rank {rank} (pid {proc.pid}) {how}")
+        return None
 
     def kill(self) -> None:
         for proc in self.procs:
@@ -220,10 +232,19 @@ class TensorParallelDriver:
             raise self.failure
 
     def _keep_alive_loop(self) -> None:
+        """While the engine is idle: every RANK_WATCH_S, a rank process of this node that exited
+        fails the group at once (`/health` 503 within a second of a killed rank, not a keep-alive
+        interval later); every timeout_s / 4, a keep-alive message finds a hung rank, or one on
+        another node, within the collective's own bound."""
         interval_s = self.group.spec.timeout_s / 4
-        while not self._stopped.wait(interval_s / 2):
+        while not self._stopped.wait(min(interval_s / 2, RANK_WATCH_S)):
             with self._lock:
                 if self._stopped.is_set() or self.failure is not None or not self.group.is_open:
+                    return
+                exited = self.ranks.exited()
+                if exited is not None:
+                    logger.error("tensor-parallel rank watch: %s", exited)
+                    self.failure = exited
                     return
                 if time.monotonic() - self._last_sent < interval_s:
                     continue

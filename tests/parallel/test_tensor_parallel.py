@@ -19,7 +19,7 @@ from typing import Any
 import jsonschema
 import pytest
 from char_model import make_char_model
-from processes import process_gone
+from processes import process_gone, wait_for
 from tiny_models import make_tiny_model
 
 from kvseal import LLM, FinishReason, SamplingParams
@@ -338,6 +338,24 @@ def test_a_dead_or_hung_rank_fails_the_engine_closed_and_a_new_engine_serves(mod
         assert again.generate([list(range(10, 22))], GREEDY)[0].finish_reason is FinishReason.LENGTH
     finally:
         again.engine.close()
+
+
+def test_a_rank_killed_while_idle_fails_the_engine_before_any_keep_alive(model_dirs: dict[str, Path]) -> None:
+    """An idle engine whose local rank is killed fails at its next look at the ranks, long before
+    a keep-alive (every tp_timeout_s / 4 = 150 s here) could: `/health` turns 503 at once."""
+    llm = _llm(model_dirs["llama"], tensor_parallel_size=2, tp_timeout_s=600.0)
+    try:
+        driver = llm.engine.driver
+        assert driver is not None
+        (pid,) = driver.ranks.pids
+        os.kill(pid, signal.SIGKILL)
+        failure = wait_for(lambda: driver.failure, "the driver's rank watch", deadline_s=60)
+        assert f"tensor-parallel rank 1 (pid {pid}) was killed by signal 9" in str(failure)
+        with pytest.raises(RankFailure, match="was killed by signal 9"):
+            llm.engine.check_ranks()  # the served engine's loop calls this while idle
+        assert not driver.group.is_open
+    finally:
+        llm.engine.close()
 
 
 @pytest.mark.parametrize(("arch", "kv_heads"), [("llama_odd_split", [2, 1]), ("llama_one_kv_head", [1, 1])])
