@@ -6,8 +6,10 @@
     POST /admin/tenants/{name}/forget-cache     every engine drops the tenant's prefix cache
 
 Each needs an admin key (an entry with `"admin": true` in the keys file; open without a keys
-file, as /metrics is): 401 without a valid key, 403 for a tenant's key. The answers and errors
-are JSON in OpenAI's shape.
+file, as /metrics is): 401 without a valid key, 403 for a tenant's key. None takes a body or a
+query parameter it does not use (400: never silently ignored), and none answers a request a
+browser sends on a page's behalf (403; `admin_caller`). The answers and errors are JSON in
+OpenAI's shape.
 
 A reload replaces the whole table at once: an added key works for the next request, a removed
 or revoked one is refused (401) from the next request on, and one moved to another tenant speaks
@@ -45,14 +47,13 @@ from kvseal.errors import ConfigError
 from kvseal.messages.msgs import ABORT_KEY_REVOKED, ABORT_MODEL_DISABLED
 from kvseal.server import errors
 from kvseal.server.audit import AdminAction, AdminRecord
-from kvseal.server.auth import ApiKey, ApiKeyTable, authorization_of
+from kvseal.server.auth import MAX_TENANT_NAME_CHARS, ApiKey, ApiKeyTable, authorization_of
 from kvseal.server.errors import ApiError
 from kvseal.server.state import AppState, LiveCall
 
 logger = logging.getLogger("kvseal.server")
 
 Trigger = Literal["http", "sighup"]
-MAX_TENANT_NAME_CHARS = 256
 
 
 @dataclass(frozen=True)
@@ -202,11 +203,27 @@ def _audit(state: AppState, action: AdminAction, trigger: Trigger, by: ApiKey | 
     state.audit.write(AdminRecord(action, time.time(), trigger, by_tenant, by_key_id, **fields))
 
 
+def admin_caller(state: AppState, request: Request, params: tuple[str, ...] = ()) -> ApiKey:
+    """The admin key behind a request, after the checks every admin route makes, in this order:
+    not sent by a browser on a page's behalf (403: without a keys file the routes are open, and a
+    page could otherwise post to them with no preflight), an admin key (401/403), no body (400:
+    options are query parameters, none ignored), no query parameter but `params` (400)."""
+    if "origin" in request.headers or request.headers.get("sec-fetch-site", "none") != "none":
+        raise errors.browser_request_refused()
+    by = state.keys.authenticate_admin(authorization_of(request.headers))
+    if request.headers.get("content-length", "0") != "0" or "transfer-encoding" in request.headers:
+        raise errors.admin_body_refused()
+    unknown = sorted(set(request.query_params) - set(params))
+    if unknown:
+        raise errors.admin_params_refused(unknown, list(params))
+    return by
+
+
 def add_admin_routes(app: FastAPI, state: AppState) -> None:
     @app.post("/admin/keys/reload", response_model=None)
     async def reload(request: Request) -> Response:
         try:
-            by = state.keys.authenticate_admin(authorization_of(request.headers))
+            by = admin_caller(state, request, ("abort",))
             return JSONResponse(reload_keys(state, "http", by, abort=_abort_param(request)))
         except ApiError as err:
             return errors.response(err)
@@ -214,7 +231,7 @@ def add_admin_routes(app: FastAPI, state: AppState) -> None:
     @app.post("/admin/tenants/{tenant:path}/forget-cache", response_model=None)
     async def forget_cache(tenant: str, request: Request) -> Response:
         try:
-            by = state.keys.authenticate_admin(authorization_of(request.headers))
+            by = admin_caller(state, request)
             return JSONResponse(forget_cache_on_request(state, tenant, by))
         except ApiError as err:
             return errors.response(err)
@@ -230,7 +247,7 @@ def add_admin_routes(app: FastAPI, state: AppState) -> None:
 
 def _switch(state: AppState, request: Request, model: str, *, is_disabled: bool) -> Response:
     try:
-        by = state.keys.authenticate_admin(authorization_of(request.headers))
+        by = admin_caller(state, request, ("abort",))
         abort = _abort_param(request)
         if abort and not is_disabled:
             raise errors.abort_only_on_disable()

@@ -45,6 +45,10 @@ _HASHED_PREFIX = "sha256:"
 # tenant (refused before their key was read): a tenant of that name would share their rows.
 _RESERVED_TENANT_NAMES = ("-",)
 _HEX_DIGEST = re.compile(r"[0-9a-f]{64}")
+# The longest tenant name, in characters: the keys file's and the admin routes' one bound (a name
+# the file may hold must be one `forget-cache` takes, or a removed name's cache could not be
+# forgotten on demand after a frontend restart).
+MAX_TENANT_NAME_CHARS = 256
 # The concurrency cap of a tenant whose entry sets none, in sequences (a request with n choices
 # takes n). A quarter of the engine's default batch (`--max-num-seqs` 256): one tenant's flood
 # queues at the door (429) instead of in the engine, and four tenants at their cap still fit
@@ -245,6 +249,8 @@ def _parse_entry(entry: Any, where: str) -> Tenant:
     name = entry.get("tenant")
     if not isinstance(name, str) or not name.strip():
         raise ConfigError(f'{where}: "tenant" must be a non-empty string')
+    if len(name) > MAX_TENANT_NAME_CHARS:
+        raise ConfigError(f'{where}: "tenant" has {len(name)} characters; at most {MAX_TENANT_NAME_CHARS}')
     if not name.isprintable() or name in _RESERVED_TENANT_NAMES:
         reserved = " or ".join(map(repr, _RESERVED_TENANT_NAMES))
         raise ConfigError(f'{where}: "tenant" must be printable and not {reserved} (what `kvseal usage` and '

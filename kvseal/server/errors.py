@@ -227,6 +227,23 @@ def invalid_tenant_name(num_chars: int, max_chars: int) -> ApiError:
                          f"Name the tenant as the keys file does.", code="invalid_parameter", param="tenant")
 
 
+def admin_body_refused() -> ApiError:
+    return ApiError(400, "Admin routes take no request body: their one option goes in the query string "
+                         "(?abort=true). Send the request without a body.", code="invalid_request_body")
+
+
+def admin_params_refused(names: list[str], allowed: list[str]) -> ApiError:
+    takes = f"takes only {', '.join(repr(a) for a in allowed)}" if allowed else "takes no query parameters"
+    return ApiError(400, f"Unknown query parameters {', '.join(repr(n[:32]) for n in names[:8])}: this admin route "
+                         f"{takes}.", code="invalid_parameter", param=names[0][:32])
+
+
+def browser_request_refused() -> ApiError:
+    return ApiError(403, "Admin routes do not answer requests a web browser sends on a page's behalf (this one "
+                         "carries an Origin or Sec-Fetch-Site header): call them from a tool such as curl.",
+                    type="permission_error", code="browser_request_refused")
+
+
 def abort_only_on_disable() -> ApiError:
     return ApiError(400, "'abort' applies only to disable: enabling the model ends no request. Send the enable "
                          "call without abort=true.", code="invalid_parameter", param="abort")

@@ -178,7 +178,9 @@ def test_abort_ends_only_the_revoked_keys_requests(srv: ServerProcess) -> None:
 def test_a_malformed_keys_file_is_refused_whole_and_the_old_table_stays(srv: ServerProcess) -> None:
     for content, reason in (("{not json", "cannot read"), ({"key-x": {"tenant": "x", "max_tokens": 0}}, "max_tokens"),
                             ({"key-x": {"tenant": "x", "requests_per_minute": "many"}}, "requests_per_minute"),
-                            ({"key-x": {"tenant": "x", "tokens_per_minute": 10**400}}, "tokens_per_minute")):
+                            ({"key-x": {"tenant": "x", "tokens_per_minute": 10**400}}, "tokens_per_minute"),
+                            # longer than forget-cache takes: a name it could not forget after a restart
+                            ({"key-x": {"tenant": "x" * 257}}, "257 characters")):
         write_keys(srv, content)
         err = error_of(reload(srv), 400)
         assert err["code"] == "invalid_keys_file" and reason in err["message"]
@@ -223,6 +225,36 @@ def test_admin_routes_need_an_admin_key(srv: ServerProcess) -> None:
     # given twice, which one counts would be a guess (one operator's abort is another's no-op)
     assert "given 2 times" in error_of(reload(srv, "?abort=true&abort=false"), 400)["message"]
     assert error_of(admin(srv, "/admin/models/other/disable"), 404)["code"] == "model_not_found"
+
+
+def test_admin_routes_refuse_a_body_and_unknown_parameters_instead_of_ignoring_them(srv: ServerProcess) -> None:
+    """`{"abort": true}` as a body once answered 200 with nothing aborted: the revoked key's
+    request ran on. Options are query parameters; a body, or a parameter the route does not take
+    (a typo of abort), is refused, and nothing changes."""
+    name, num_records = srv.model_name, len(admin_records(srv))
+    for path in ("/admin/keys/reload", f"/admin/models/{name}/disable", "/admin/tenants/alice/forget-cache"):
+        response = httpx.post(f"{srv.url}{path}", json={"abort": True}, headers=ADMIN, timeout=30)
+        assert error_of(response, 400)["code"] == "invalid_request_body"
+        chunked = httpx.post(f"{srv.url}{path}", content=iter([b"x" * 1024] * 4), headers=ADMIN, timeout=30)
+        assert error_of(chunked, 400)["code"] == "invalid_request_body"
+        assert "'abrot'" in error_of(admin(srv, f"{path}?abrot=true"), 400)["message"]
+    assert "takes no query parameters" in error_of(admin(srv, "/admin/tenants/alice/forget-cache?abort=true"),
+                                                   400)["message"]
+    assert complete(srv, "key-alice").status_code == 200  # nothing was disabled
+    assert len(admin_records(srv)) == num_records  # no action was taken
+
+
+def test_a_name_as_long_as_the_keys_file_allows_can_be_forgotten(srv: ServerProcess) -> None:
+    """The keys file and forget-cache take the same names: 256 characters is the bound of both."""
+    name = "customer-" + "Z" * 247
+    write_keys(srv, KEYS | {"key-long": {"tenant": name}})
+    assert reload(srv).status_code == 200
+    prompt = " ".join(f"w{i}" for i in range(200, 264))
+    _cached_tokens(srv, "key-long", prompt)
+    assert _cached_tokens(srv, "key-long", prompt) > 0
+    answer = admin(srv, f"/admin/tenants/{name}/forget-cache")
+    assert answer.status_code == 200 and answer.json()["tenant"] == name
+    assert _cached_tokens(srv, "key-long", prompt) == 0
 
 
 def _model_card(server: ServerProcess, key: str) -> dict[str, Any]:
@@ -279,6 +311,12 @@ def test_without_a_keys_file_there_is_nothing_to_reload_and_the_switch_is_open(s
         assert _model_card(open_server, "anything")["disabled"] is True  # everyone is the operator here
         assert error_of(complete(open_server, "anything"), 503)["code"] == "model_disabled"
         assert admin(open_server, f"/admin/models/{open_server.model_name}/enable", {}).status_code == 200
+        # a web page cannot post to the open routes: a browser sends these without a preflight
+        for headers in ({"Origin": "http://evil.example", "Content-Type": "text/plain"},
+                        {"Origin": "null"}, {"Sec-Fetch-Site": "cross-site"}):
+            refused = admin(open_server, f"/admin/models/{open_server.model_name}/disable", headers)
+            assert error_of(refused, 403)["code"] == "browser_request_refused"
+        assert complete(open_server, "anything").status_code == 200
         assert complete(open_server, "anything").status_code == 200
         assert "x-ratelimit-limit-requests" not in complete(open_server, "anything").headers
     finally:
