@@ -30,7 +30,7 @@ from kvseal.types import ReasoningGate, SamplingParams
 
 class ChatEndpoint:
     path = "/v1/chat/completions"
-    id_prefix = "chatcmpl"
+    id_prefix = "chatcmpl-"
     body_model = ChatCompletionRequest
 
     def __init__(self, tool_call_parser: str | None = None, reasoning: ReasoningMarkers | None = None) -> None:

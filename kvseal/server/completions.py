@@ -37,7 +37,7 @@ from kvseal.types import SamplingParams
 
 class CompletionsEndpoint:
     path = "/v1/completions"
-    id_prefix = "cmpl"
+    id_prefix = "cmpl-"
     body_model = CompletionRequest
 
     async def prepare(self, body: CompletionRequest, prompts: PromptEncoder, tenant: Tenant,

@@ -1,4 +1,4 @@
-"""What the shared generation pipeline needs from each endpoint (completions, chat)."""
+"""What the shared generation pipeline needs from each endpoint (completions, chat, responses)."""
 
 from __future__ import annotations
 
@@ -61,7 +61,7 @@ class Formatter(Protocol):
 
 class Endpoint(Protocol):
     path: str
-    id_prefix: str
+    id_prefix: str  # its request ids' beginning, separator included ("chatcmpl-", "resp_")
 
     @property
     def body_model(self) -> type[GenerationBody]: ...

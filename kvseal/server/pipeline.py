@@ -56,7 +56,7 @@ logger = logging.getLogger("kvseal.server")
 
 
 async def handle_generation(request: Request, state: AppState, endpoint: Endpoint) -> Response:
-    call = Call(state, endpoint.path, f"{endpoint.id_prefix}-{uuid.uuid4().hex}")
+    call = Call(state, endpoint.path, f"{endpoint.id_prefix}{uuid.uuid4().hex}")
     try:
         body, fmt, handle = await _admit_and_submit(request, state, endpoint, call)
     except ApiError as err:
