@@ -6,12 +6,16 @@ error, never a normal finish. The audit line is written when the engine reports 
 before this generator sees that report, so a stream whose line failed never sends its last
 chunk. If the client goes away, the generator is cancelled and the request is aborted in the
 engine, which frees its pages at once.
+
+A formatter of typed events (`EventFormatter`: the Responses API's) has each payload sent as
+`event: <its type>` and `data:`, an error as its own error events, and no `[DONE]`: its stream
+ends with its last event, as OpenAI's and vLLM's do.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import msgspec
 from starlette.responses import StreamingResponse
@@ -22,6 +26,7 @@ from kvseal.server import errors
 from kvseal.server.call import Call
 from kvseal.server.choices import ChoiceGroup
 from kvseal.server.endpoint import Formatter
+from kvseal.server.errors import ApiError
 from kvseal.server.transcript import Transcript
 
 _encoder = msgspec.json.Encoder()
@@ -30,6 +35,17 @@ DONE = b"data: [DONE]\n\n"
 
 def sse(payload: dict[str, Any]) -> bytes:
     return b"data: " + _encoder.encode(payload) + b"\n\n"
+
+
+@runtime_checkable
+class EventFormatter(Protocol):
+    """A formatter whose stream is typed events, each payload with its `type`."""
+
+    def error_events(self, err: ApiError) -> list[dict[str, Any]]: ...
+
+
+def typed_sse(payload: dict[str, Any]) -> bytes:
+    return b"event: " + str(payload["type"]).encode() + b"\n" + sse(payload)
 
 
 class EventStreamResponse(StreamingResponse):
@@ -55,12 +71,18 @@ async def _events(call: Call, group: ChoiceGroup, fmt: Formatter, include_usage:
     """`continuous_usage` (vLLM's `continuous_usage_stats`): every chunk of a choice carries that
     choice's usage so far (its prompt's tokens, the tokens it has generated)."""
     transcripts = [Transcript() for _ in range(group.num_choices)]
+    typed = isinstance(fmt, EventFormatter)
+    encode = typed_sse if typed else sse
     for chunk in fmt.first_chunks():
-        yield sse(_with_running_usage(chunk, transcripts, group) if continuous_usage else chunk)
+        yield encode(_with_running_usage(chunk, transcripts, group) if continuous_usage else chunk)
     async for index, event in group.events():
         err = errors.for_event(event)
         if err is None and call.is_withheld:  # its audit line failed (I8): end now, never normally
             err = errors.audit_unavailable(call.state.audit)
+        if err is not None and isinstance(fmt, EventFormatter):
+            for error_event in fmt.error_events(err):
+                yield typed_sse(error_event)
+            return
         if err is not None:
             yield sse(err.body())
             yield DONE
@@ -68,10 +90,11 @@ async def _events(call: Call, group: ChoiceGroup, fmt: Formatter, include_usage:
         assert isinstance(event, RequestOutputMsg)
         transcripts[index].add(event)
         for delta in fmt.delta_chunks(index, event):
-            yield sse(_with_running_usage(delta, transcripts, group) if continuous_usage else delta)
+            yield encode(_with_running_usage(delta, transcripts, group) if continuous_usage else delta)
     if include_usage:
         yield sse(fmt.usage_chunk(transcripts))
-    yield DONE
+    if not typed:
+        yield DONE
 
 
 def _with_running_usage(chunk: dict[str, Any], transcripts: list[Transcript], group: ChoiceGroup) -> dict[str, Any]:
