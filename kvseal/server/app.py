@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 from fastapi import FastAPI
@@ -22,6 +23,8 @@ from kvseal.server.completions import CompletionsEndpoint
 from kvseal.server.errors import ApiError
 from kvseal.server.openapi import install_openapi
 from kvseal.server.pipeline import handle_generation
+from kvseal.server.responses import ResponsesEndpoint, response_not_found
+from kvseal.server.responses_body import ResponsesRequest
 from kvseal.server.state import AppState
 from kvseal.server.tokenize_routes import add_tokenize_routes
 from kvseal.version import __version__
@@ -39,12 +42,14 @@ def build_app(state: AppState) -> FastAPI:
     # Host header.
     app = FastAPI(title="kvseal", version=__version__, docs_url=None, redoc_url=None, openapi_url=None,
                   redirect_slashes=False)
-    _add_generation_routes(app, state, ChatEndpoint(state.config.tool_call_parser, state.reasoning))
+    chat = ChatEndpoint(state.config.tool_call_parser, state.reasoning)
+    _add_generation_routes(app, state, chat, ResponsesEndpoint(chat))
     _add_info_routes(app, state)
     add_tokenize_routes(app, state)
     add_admin_routes(app, state)
     _add_error_handlers(app)
-    install_openapi(app, {COMPLETIONS.path: COMPLETIONS.body_model, CHAT.path: CHAT.body_model})
+    install_openapi(app, {COMPLETIONS.path: COMPLETIONS.body_model, CHAT.path: CHAT.body_model,
+                          ResponsesEndpoint.path: ResponsesRequest})
     _add_openapi_route(app, state)
     return app
 
@@ -60,7 +65,7 @@ def _add_openapi_route(app: FastAPI, state: AppState) -> None:
         return JSONResponse(app.openapi())
 
 
-def _add_generation_routes(app: FastAPI, state: AppState, chat: ChatEndpoint) -> None:
+def _add_generation_routes(app: FastAPI, state: AppState, chat: ChatEndpoint, responses: ResponsesEndpoint) -> None:
     @app.post(COMPLETIONS.path, response_model=None)
     async def completions(request: Request) -> Response:
         return await handle_generation(request, state, COMPLETIONS)
@@ -68,6 +73,28 @@ def _add_generation_routes(app: FastAPI, state: AppState, chat: ChatEndpoint) ->
     @app.post(CHAT.path, response_model=None)
     async def chat_completions(request: Request) -> Response:
         return await handle_generation(request, state, chat)
+
+    @app.post(responses.path, response_model=None)
+    async def create_response(request: Request) -> Response:
+        return await handle_generation(request, state, responses)
+
+    # No response is stored (kvseal.server.responses), so none can be retrieved or cancelled:
+    # 404 to any key, as vLLM answers without its store
+    @app.get(responses.path + "/{response_id}", response_model=None)
+    async def retrieve_response(response_id: str, request: Request) -> Response:
+        return _no_stored_response(state, request, response_id)
+
+    @app.post(responses.path + "/{response_id}/cancel", response_model=None)
+    async def cancel_response(response_id: str, request: Request) -> Response:
+        return _no_stored_response(state, request, response_id)
+
+
+def _no_stored_response(state: AppState, request: Request, response_id: str) -> Response:
+    try:
+        state.keys.identify(authorization_of(request.headers))
+    except ApiError as err:
+        return errors.response(err)
+    return errors.response(dataclasses.replace(response_not_found(clip(response_id)), param=None))
 
 
 def _add_info_routes(app: FastAPI, state: AppState) -> None:

@@ -128,6 +128,12 @@ class ChatFormatter:
         self._reasoning_streams: dict[int, ReasoningStream] = {}
         self._echo = echo
 
+    @property
+    def reasoning_gate(self) -> ReasoningGate | None:
+        """The model's reasoning markers and whether the prompt left the block open (None
+        without a reasoning parser)."""
+        return self._reasoning
+
     def engine_params(self, params: SamplingParams) -> SamplingParams:
         """A structured output constrains the answer this formatter splits from the reasoning:
         its grammar waits for the reasoning block's end, from the same start as the split."""

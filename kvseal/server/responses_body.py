@@ -315,8 +315,16 @@ class ResponsesRequest(_Body):
     store: bool | None = None  # taken, and nothing stored (the module's docstring)
     background: bool | None = None
     previous_response_id: Name | None = None  # answered 404: no response is stored
-    truncation: Literal["auto", "disabled"] | None = None  # auto: keep the input's last tokens (vLLM's)
+    truncation: Literal["auto", "disabled"] | None = None
     cache_salt: Annotated[str, Field(min_length=1, max_length=MAX_CACHE_SALT_CHARS)] | None = None  # vLLM's
+
+    @field_validator("truncation")
+    @classmethod
+    def _no_truncation(cls, value: str) -> str:
+        if value != "disabled":
+            raise ValueError("truncation='auto' (dropping the conversation's first items to fit the context) is not "
+                             "implemented; send truncation='disabled' or omit it, and send an input that fits")
+        return value
 
     @field_validator("background")
     @classmethod
@@ -370,8 +378,6 @@ class ResponsesRequest(_Body):
                 fields[name] = getattr(self, name)
         if self.max_output_tokens is not None:
             fields["max_completion_tokens"] = self.max_output_tokens
-        if self.truncation == "auto":
-            fields["truncate_prompt_tokens"] = -1
         if self.tools is not None:
             fields["tools"] = [{"type": "function", "function": t.model_dump(exclude_none=True, exclude={"type"})}
                                for t in self.tools if isinstance(t, FunctionTool)]

@@ -10,6 +10,7 @@ from kvseal.messages.msgs import RequestOutputMsg, TokenLogprobsMsg
 class Transcript:
     def __init__(self) -> None:
         self._text_parts: list[str] = []
+        self.token_ids: list[int] = []  # the output's
         self.logprobs: list[TokenLogprobsMsg] = []
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None  # vLLM's: the stop string or token id that ended it
@@ -20,6 +21,7 @@ class Transcript:
 
     def add(self, out: RequestOutputMsg) -> None:
         self._text_parts.append(out.new_text)
+        self.token_ids.extend(out.new_token_ids)
         self.logprobs.extend(out.logprobs or ())
         if out.prompt_logprobs is not None:
             self.prompt_logprobs = out.prompt_logprobs
