@@ -11,15 +11,17 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 from typing import Any
 
 import httpx
 import jsonschema
 import openai
 import pytest
+from audit_outage import DEV_FULL, linked_audit_log, point
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from server_process import ServerProcess, client_for
+from server_process import KEYS, ServerProcess, client_for
 
 from kvseal.server.responses_body import ResponsesBody
 
@@ -364,3 +366,23 @@ def test_arbitrary_responses_bodies_get_an_answer_below_500(server: ServerProces
     response = httpx.post(f"{server.base_url}/responses", content=json.dumps(body), timeout=30,
                           headers={"Authorization": "Bearer key-fuzz", "content-type": "application/json"})
     assert response.status_code < 500, response.text
+
+
+def test_an_error_after_the_stream_began_is_its_last_event(server_model_dir: Path, tmp_path: Path) -> None:
+    """The disk fills while a stream runs: its audit line cannot be written (I8), so it never
+    finishes normally; its last event is one `error` (no response.completed, no [DONE])."""
+    link, real = linked_audit_log(tmp_path)
+    server = ServerProcess(server_model_dir, tmp_path, keys=KEYS).start()
+    try:
+        body = {"input": "w5 w6", "max_output_tokens": 3, "temperature": 0}
+        assert _post(server, body).status_code == 200
+        point(link, DEV_FULL)
+        events = _events(server, body)
+        assert events[0]["type"] == "response.created" and "response.completed" not in [e["type"] for e in events]
+        assert events[-1] | {"message": ""} == {"type": "error", "sequence_number": len(events) - 1,
+                                               "code": "audit_unavailable", "param": None, "message": ""}
+        withheld = _post(server, body)
+        assert withheld.status_code == 503 and withheld.json()["error"]["code"] == "audit_unavailable"
+        point(link, real)
+    finally:
+        assert server.terminate() == 0
