@@ -218,17 +218,26 @@ def test_keys_and_models_are_checked_and_refusals_audited(server: ServerProcess)
     ({"input": "w1", "background": True}, "background"),
     ({"input": "w1", "reasoning": {"summary": "auto"}}, "reasoning"),
     ({"input": "w1", "tool_choice": "required"}, "tool_choice"),
-    ({"input": "w1", "max_output_tokens": 100_000}, None),
-    ({"input": "w1 " * 5000}, None),
+    ({"input": "w1", "truncation": "auto"}, "truncation"),
+    ({"input": "w1", "max_output_tokens": 100_000}, "context_length_exceeded"),
+    ({"input": "w1 " * 5000}, "context_length_exceeded"),
 ])
-def test_bad_requests_are_400_in_openais_shape(server: ServerProcess, body: dict[str, Any], param: str | None) -> None:
+def test_bad_requests_are_400_in_openais_shape(server: ServerProcess, body: dict[str, Any], param: str) -> None:
+    """`param`: the field the error names, or the code of an error about the whole request."""
     response = _post(server, body)
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["message"]
-    if param is not None:
-        assert error["param"] == param
+    assert param in (error["param"], error["code"]), error
     assert server.audit_for(response.headers["x-request-id"])["outcome"] != "completed"
+
+
+def test_a_tenants_token_cap_names_max_output_tokens(server: ServerProcess) -> None:
+    capped = {"Authorization": "Bearer key-capped"}  # max_tokens 32
+    refused = _post(server, {"input": "w1", "max_output_tokens": 33}, capped)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "max_output_tokens"
+    served = _post(server, {"input": "w1"}, capped)
+    assert served.status_code == 200 and served.json()["usage"]["output_tokens"] <= 32
 
 
 def test_nothing_is_stored(server: ServerProcess) -> None:
@@ -316,6 +325,8 @@ def test_a_conversation_of_items_reads_as_chats() -> None:
         {"role": "tool", "tool_call_id": "c1", "content": "1"}, {"role": "tool", "tool_call_id": "c2", "content": "2"},
     ]
     assert body.tools is not None and body.tools[0].function.name == "get_time"
+    effort = ResponsesBody.model_validate_json(json.dumps({"input": "q", "reasoning": {"effort": "low"}}))
+    assert effort.chat_template_kwargs == {"reasoning_effort": "low"}  # as vLLM passes it to the template
     assert body.tool_choice is not None and body.max_completion_tokens == 9
 
 
