@@ -150,7 +150,7 @@ def test_a_forced_function_call_and_its_result(char_server: ServerProcess) -> No
     the next turn sends it back with its function_call_output, and reads as chat's history."""
     client = client_for(char_server, "key-alice")
     out = client.responses.create(model=char_server.model_name, input="time?", tools=TOOLS, max_output_tokens=100,
-                                  temperature=1.0, tool_choice={"type": "function", "name": "get_time"})
+                                  temperature=0, tool_choice={"type": "function", "name": "get_time"})
     [call] = [item for item in out.output if item.type == "function_call"]
     assert call.name == "get_time" and call.call_id and call.id and call.id.startswith("fc_")
     jsonschema.validate(json.loads(call.arguments), TIME)
@@ -171,7 +171,7 @@ def test_a_forced_function_call_and_its_result(char_server: ServerProcess) -> No
 
 def test_a_streamed_call_adds_up_to_its_item(char_server: ServerProcess) -> None:
     body = {"model": char_server.model_name, "input": "time?", "tools": TOOLS, "max_output_tokens": 100,
-            "temperature": 1.0, "tool_choice": "required"}
+            "temperature": 0, "tool_choice": "required", "parallel_tool_calls": False}  # one call, then the end
     events = _events(char_server, body)
     added = [e for e in events if e["type"] == "response.output_item.added"]
     assert [e["item"]["type"] for e in added] == ["function_call"]
@@ -182,11 +182,12 @@ def test_a_streamed_call_adds_up_to_its_item(char_server: ServerProcess) -> None
     assert (item["type"], item["name"], item["arguments"], item["status"]) == \
         ("function_call", "get_time", arguments, "completed")
     jsonschema.validate(json.loads(arguments), TIME)
+    assert events[-1]["response"]["parallel_tool_calls"] is False
 
 
 def test_text_format_json_schema_gives_schema_valid_json(char_server: ServerProcess) -> None:
     client = client_for(char_server, "key-alice")
-    out = client.responses.create(model=char_server.model_name, input="ok?", max_output_tokens=60, temperature=1.0,
+    out = client.responses.create(model=char_server.model_name, input="ok?", max_output_tokens=60, temperature=0,
                                   text={"format": {"type": "json_schema", "name": "answer", "schema": OK_SCHEMA}})
     assert out.status == "completed"
     jsonschema.validate(json.loads(out.output_text), OK_SCHEMA)
