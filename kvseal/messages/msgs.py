@@ -94,6 +94,8 @@ class AddRequestMsg(_Msg, frozen=True):
 # Reasons the frontend gives in `AbortMsg` / `ShutdownMsg`; they come back in the output's `error`.
 ABORT_CLIENT_DISCONNECTED = "client_disconnected"
 ABORT_SERVER_SHUTDOWN = "server_shutdown"
+# another choice of the request failed and its response ended with that error: the rest stop there
+ABORT_CHOICE_FAILED = "another_choice_failed"
 ABORT_KEY_REVOKED = "api_key_revoked"  # the operator removed or revoked the request's API key (abort=true)
 ABORT_MODEL_DISABLED = "model_disabled"  # the operator disabled the model (abort=true)
 # What clients are told when a tensor-parallel rank died or hung; the collective's own error (gloo's

@@ -22,6 +22,7 @@ import time
 
 from kvseal.engine_api import EngineGone, IsolationBreach, RequestEvent, isolation_failure
 from kvseal.messages.msgs import (
+    ABORT_CHOICE_FAILED,
     ABORT_CLIENT_DISCONNECTED,
     ABORT_SERVER_SHUTDOWN,
     AddRequestMsg,
@@ -148,9 +149,16 @@ class Call:
         self._release_slot()
 
     def abort(self, reason: str) -> None:
-        """End the request in the engine if it is still live there; a no-op otherwise."""
+        """End the request in the engine if it is still live there; a no-op otherwise. Once one of
+        its choices has failed, the response ends with that failure whoever asks: the choices
+        still running are aborted as its consequence (`ABORT_CHOICE_FAILED`), and the request's
+        end stays the failure's, never the client's leaving (its quota and audit follow it)."""
         if self._is_submitted and not self.is_done and self.tenant is not None:
-            self._aborted_for = self._aborted_for or reason
+            assert self._group is not None, "a submitted call has its choices"
+            if self._group.has_failed:
+                reason = ABORT_CHOICE_FAILED
+            else:
+                self._aborted_for = self._aborted_for or reason
             for engine_id in self.engine_ids:
                 self.state.engine.abort(engine_id, self.tenant.name, reason)
 
@@ -180,13 +188,15 @@ class Call:
         elif isinstance(event, RequestRejectedMsg) and event.http_status >= 500 and self._aborted_for is None:
             # the engines' own failure (a KV transfer that failed, a prefill that broke): the server's
             # error, as a refusal at the door with a 5xx is, never the request's rejection
-            self._finish("error", reason=event.code, http_status=event.http_status, detail=event.message)
+            self._finish("error", reason=event.code, http_status=event.http_status, detail=event.message,
+                         out=self._progress())
         elif isinstance(event, RequestRejectedMsg) and event.http_status >= 500:
             # an engine's answer to the abort asked for it (PD prefill refuses what it was told to
             # abort with a 500): the end is that abort's, as for every other engine's end after it
-            self._finish("aborted", reason=self._aborted_for, detail=event.message)
+            self._finish("aborted", reason=self._aborted_for, detail=event.message, out=self._progress())
         elif isinstance(event, RequestRejectedMsg):
-            self._finish("rejected", reason=event.code, http_status=event.http_status, rejected_by="engine")
+            self._finish("rejected", reason=event.code, http_status=event.http_status, rejected_by="engine",
+                         out=self._progress())
         elif isinstance(event, EngineGone):
             # a code, as for the requests refused at the door meanwhile: `kvseal audit --reason` finds them all
             self._finish("error", reason=ENGINE_UNAVAILABLE, detail=event.message, out=self._progress())

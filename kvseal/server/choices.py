@@ -8,11 +8,14 @@ prompt k // n, as OpenAI orders them. Choice i of a seeded prompt uses seed + i,
 request is reproducible and its choices differ.
 
 The group observes every choice's handle and is the call's single view of them: it forwards
-progress, and reports one terminal event when the last choice has ended (a failure wins over
-a success; output tokens and KV pages are summed for the audit record, I8, and so are the
-prompts' tokens, each prompt counted once); the call's latency metrics follow choice 0. For a
-request the engine loses, `progress()` sums the choices' latest outputs the same way, so what
-they generated is counted however many choices there are.
+progress, and reports one terminal event when the last choice has ended. A failure wins over
+a success, and of several failures the first to arrive: the one the response ended with (the
+others follow from it, the choices still running being aborted once it ended the response).
+Output tokens and KV pages are summed for the audit record (I8), and so are the prompts'
+tokens, each prompt counted once; the call's latency metrics follow choice 0. For a request
+that fails without an output of its own (the engine lost, an engine's refusal),
+`progress()` sums the choices' latest outputs the same way, so what they generated is counted
+however many choices there are.
 `events()` yields every choice's outputs, tagged with the choice index, in arrival order, up
 to the last terminal one.
 """
@@ -56,6 +59,7 @@ class ChoiceGroup:
         self._observer = observer
         self._queue: asyncio.Queue[ChoiceEvent] = asyncio.Queue()
         self._terminal: dict[int, RequestEvent] = {}
+        self._first_failure: RequestEvent | None = None  # the first choice's end that is no success
         self._latest: dict[int, RequestOutputMsg] = {}  # each choice's latest output (totals so far)
 
     def observer_for(self, index: int) -> RequestObserver:
@@ -69,9 +73,14 @@ class ChoiceGroup:
             num_ended += is_terminal(event)
             yield index, event
 
+    @property
+    def has_failed(self) -> bool:
+        """A choice ended in failure: the response ends with it, whatever the other choices do."""
+        return self._first_failure is not None
+
     def progress(self) -> RequestOutputMsg | None:
         """Every choice's latest output, summed as the final ones are: what the call has
-        generated so far (None before any output)."""
+        generated so far (None before any output). It is no finished output (no finish reason)."""
         if not self._latest:
             return None
         latest = [self._latest.get(i) for i in range(self.num_choices)]
@@ -79,7 +88,8 @@ class ChoiceGroup:
         firsts = [next(o for o in choices if o is not None) for choices in per_prompt if any(choices)]
         summed = self._summed([o for o in latest if o is not None], list(self._latest.values())[-1], firsts)
         # every prompt was submitted, whichever of its choices has output yet
-        return msgspec.structs.replace(summed, num_prompt_tokens=sum(self.num_prompt_tokens[::self._per_prompt]))
+        return msgspec.structs.replace(summed, num_prompt_tokens=sum(self.num_prompt_tokens[::self._per_prompt]),
+                                       finished=False, finish_reason=None, stop_reason=None)
 
     def max_num_output_tokens(self) -> int:
         """The most tokens one choice has generated so far."""
@@ -94,6 +104,8 @@ class ChoiceGroup:
 
     def _on_terminal(self, index: int, event: RequestEvent) -> None:
         self._terminal[index] = event
+        if self._first_failure is None and _is_failure(event):
+            self._first_failure = event
         if isinstance(event, RequestOutputMsg):
             self._latest[index] = event
         self._queue.put_nowait((index, event))
@@ -104,7 +116,7 @@ class ChoiceGroup:
         events = [self._terminal[i] for i in range(self.num_choices)]
         if self.num_choices == 1:
             return events[0]
-        failed = next((e for e in events if not isinstance(e, RequestOutputMsg) or e.finish_reason == "abort"), None)
+        failed = self._first_failure
         outputs = [e for e in events if isinstance(e, RequestOutputMsg)]
         if failed is not None and not isinstance(failed, RequestOutputMsg):
             return failed
@@ -123,6 +135,11 @@ class ChoiceGroup:
             num_kv_tokens_written=sum(o.num_kv_tokens_written for o in outputs),
             num_prompt_tokens=sum(o.num_prompt_tokens for o in firsts),
             num_cached_tokens=sum(o.num_cached_tokens for o in firsts))
+
+
+def _is_failure(event: RequestEvent) -> bool:
+    """A choice's end that is no success: the response answers it with an error (`errors.for_event`)."""
+    return not isinstance(event, RequestOutputMsg) or event.finish_reason == "abort"
 
 
 class _ChoiceObserver:

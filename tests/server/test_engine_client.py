@@ -432,7 +432,7 @@ def _lose_or_refuse(state: AppState, request_id: str, how: str) -> None:
                                                  ("client gone, then refused 500", ("1", "48")),
                                                  ("handoff failed", ("2", "50")),
                                                  ("client gone, then handoff failed", ("1", "48")),
-                                                 ("a token, then refused 502", ("1", "48"))])
+                                                 ("a token, then refused 502", ("1", "47"))])
 def test_a_request_the_server_fails_before_its_first_token_takes_no_per_minute_quota(
         tmp_path: Path, how: str, remaining: tuple[str, str]) -> None:
     """A request already submitted that the server's own failure ends before its first token (the
@@ -460,6 +460,84 @@ def test_a_request_the_server_fails_before_its_first_token_takes_no_per_minute_q
             assert call.is_done and state.gate.num_tenants_in_flight() == 0
             headers = call.rate_headers()
             assert (headers["x-ratelimit-remaining-requests"], headers["x-ratelimit-remaining-tokens"]) == remaining
+        finally:
+            _close(state)
+
+    asyncio.run(scenario())
+
+
+def _choice_end(request_id: str, how: str) -> bytes:
+    """The engine's end of one choice of alice's three-token prompt, the way `how` names."""
+    if how.startswith("aborted: "):  # the engine's answer to an abort: the reason it was sent
+        return encode(OutputsMsg([msgspec.structs.replace(_handoff_failed(request_id), num_prompt_tokens=3,
+                                                          error_code=None, error=how.removeprefix("aborted: "))]))
+    if how == "a token, finished":
+        return encode(OutputsMsg([msgspec.structs.replace(_output(request_id, "alice", finished=True),
+                                                          num_prompt_tokens=3)]))
+    if how == "handoff failed":
+        return encode(OutputsMsg([msgspec.structs.replace(_handoff_failed(request_id), num_prompt_tokens=3)]))
+    if how == "no token satisfies":  # the request's own constraints: the client's fault
+        return encode(OutputsMsg([msgspec.structs.replace(
+            _handoff_failed(request_id), num_prompt_tokens=3, error="no token satisfies both",
+            error_code=NO_TOKEN_SATISFIES_CONSTRAINTS)]))
+    assert how == "refused 502", how  # an engine's own failure (a PD transfer that failed)
+    return encode(RequestRejectedMsg(request_id, "alice", "transfer_failed", "the push failed", None, 502))
+
+
+async def _two_choices_one_failing(state: AppState, first: str | None, failure: str, stream: bool
+                                   ) -> tuple[httpx.Response, list[AbortMsg]]:
+    """POST an n=2 completion; the engine ends choice 0 as `first` says (None: it runs on), then
+    fails choice 1 as `failure` says, and answers every abort the frontend then sends."""
+    body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 4, "n": 2, "stream": stream}
+    transport = httpx.ASGITransport(app=build_app(state))
+    async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+        posted = asyncio.create_task(client.post("/v1/completions", json=body,
+                                                 headers={"Authorization": "Bearer key-a"}))
+        submitted: list[str] = []
+        while len(submitted) < 2:
+            msg = await asyncio.wait_for(state.engine._outbox.get(), timeout=10)
+            submitted += [msg.request_id] if isinstance(msg, AddRequestMsg) else []
+        if first is not None:
+            state.engine._receive(_choice_end(submitted[0], first))
+        state.engine._receive(_choice_end(submitted[1], failure))
+        response = await asyncio.wait_for(posted, timeout=10)
+    aborts = [m for m in (state.engine._outbox.get_nowait() for _ in range(state.engine._outbox.qsize()))
+              if isinstance(m, AbortMsg)]
+    for abort in aborts:  # as the engine does: the aborted choice ends, its pages freed
+        state.engine._receive(_choice_end(abort.request_id, f"aborted: {abort.reason}"))
+    return response, aborts
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize(("first", "failure", "status", "audited", "remaining"), [
+    (None, "refused 502", 502, ("error", "transfer_failed", 502, 0), ("2", "50")),
+    (None, "handoff failed", 503, ("error", HANDOFF_FAILED, 503, 0), ("2", "50")),
+    ("a token, finished", "refused 502", 502, ("error", "transfer_failed", 502, 1), ("1", "46")),
+    (None, "no token satisfies", 400, ("aborted", NO_TOKEN_SATISFIES_CONSTRAINTS, 400, 0), ("1", "47"))])
+def test_one_failing_choice_of_n_ends_the_request_as_that_failure(
+        tmp_path: Path, stream: bool, first: str | None, failure: str, status: int,
+        audited: tuple[str, str, int, int], remaining: tuple[str, str]) -> None:
+    """A request with `n` = 2 whose choice 1 fails is answered with that failure (a stream: its error
+    event, never a finish), the choice still running is aborted as the failure's consequence (not
+    as a client that left), and the audit and the per-minute limits say what a one-choice request
+    failing so says: the server's failure before any token gives back the request and its prompt
+    tokens; what a choice generated is charged and audited; the request's own fault (a 400) is
+    charged as it ran."""
+    keys = _keys(tmp_path, {"key-a": {"tenant": "alice", "requests_per_minute": 2, "tokens_per_minute": 50}})
+
+    async def scenario() -> None:
+        state = await _ready_state(tmp_path, keys)
+        try:
+            response, aborts = await _two_choices_one_failing(state, first, failure, stream)
+            sent = response.json() if not stream else json.loads(response.text.split("data: ")[-2])
+            assert sent["error"]["code"] == audited[1] and response.status_code == (200 if stream else status)
+            [record] = _audit(tmp_path).values()
+            assert (record["outcome"], record["reason"], record.get("http_status"),
+                    record.get("output_tokens")) == audited, record
+            headers = state.rates.headers(state.keys.current(ALICE))
+            assert (headers["x-ratelimit-remaining-requests"], headers["x-ratelimit-remaining-tokens"]) == remaining
+            assert [a.reason for a in aborts] == ([] if first else ["another_choice_failed"])
+            assert state.gate.num_tenants_in_flight() == 0
         finally:
             _close(state)
 
