@@ -64,6 +64,11 @@ class _AskedReservation:
     cache_epoch: int  # the tenant's when the reservation was asked for (`LLMEngine.arrival_epoch`)
 
 
+# the end of a request whose reservation was released: an aborted output's (error, error_code), or
+# prefill's refusal relayed as it came
+_End = tuple[str, str | None] | RequestRejectedMsg
+
+
 class DecodeSteps:
     role: Role = "decode"
 
@@ -77,8 +82,9 @@ class DecodeSteps:
         self.instance_id = instance_id
         self.counters = HandoffCounters()
         self._frontend_of: dict[str, bytes] = {}  # running handed-off request -> who gets its outputs
-        # releasing reservation -> the error (and code) its client gets once the release completes
-        self._pending_errors: dict[str, tuple[str, str | None]] = {}
+        # releasing reservation -> the end its client gets once the release completes: an aborted
+        # output's error and code, or prefill's refusal as it came
+        self._pending_errors: dict[str, _End] = {}
         # transfer -> its commit, held until the receiver took in every write made before it
         # (a transport whose data does not share the commit's connection: tcp-stream)
         self._parked: dict[str, CommitMsg] = {}
@@ -299,9 +305,11 @@ class DecodeSteps:
         if msg.code == ISOLATION_CHECK_FAILED:  # prefill's own check ended it: a failure, not a rejection
             self._end_reservation(reservation, "prefill_refused", msg.message, ISOLATION_CHECK_FAILED)
             return
+        refusal = RequestRejectedMsg(msg.request_id, msg.tenant, msg.code, msg.message, msg.param, msg.http_status)
         if self.table.release(reservation, "prefill_refused"):
-            self.replies.send(reservation.frontend, RequestRejectedMsg(msg.request_id, msg.tenant, msg.code,
-                                                                       msg.message, msg.param, msg.http_status))
+            self.replies.send(reservation.frontend, refusal)
+        else:  # reported as it came once the transport confirms no write can land (`tick`)
+            self._pending_errors[reservation.request_id] = refusal
 
     def _abort(self, msg: AbortMsg) -> None:
         asked = self._compiling.cancel(msg.request_id, msg.tenant)  # its compile is cancelled too
@@ -327,6 +335,12 @@ class DecodeSteps:
         out = aborted_output(asked.msg.request_id, asked.msg.tenant, len(asked.prompt), 0, error, error_code)
         self.replies.send(asked.frontend, OutputsMsg([out]))
 
+    def _report_pending(self, reservation: Reservation, end: _End) -> None:
+        if isinstance(end, RequestRejectedMsg):
+            self.replies.send(reservation.frontend, end)
+        else:
+            self._report_end(reservation, *end)
+
     def _report_end(self, reservation: Reservation, error: str, error_code: str | None) -> None:
         out = aborted_output(reservation.request_id, reservation.tenant, reservation.num_prompt_tokens,
                              len(reservation.pages), error, error_code)
@@ -348,11 +362,11 @@ class DecodeSteps:
                                   f"{self.table.timeout_s:g} s (--reservation-timeout-s)", HANDOFF_FAILED)
             changed = True
         for reservation in self.table.retry_releases():
-            # the end recorded when its release was asked for, with its own code (an abort's none); a
-            # release no end was recorded for is a failed handoff
-            error, code = self._pending_errors.pop(reservation.request_id,
-                                                   (reservation.release_reason or "released", HANDOFF_FAILED))
-            self._report_end(reservation, error, code)
+            # the end recorded when its release was asked for, with its own code (an abort's none,
+            # prefill's refusal its own); a release no end was recorded for is a failed handoff
+            end = self._pending_errors.pop(reservation.request_id,
+                                           (reservation.release_reason or "released", HANDOFF_FAILED))
+            self._report_pending(reservation, end)
             changed = True
         return self._place_waiting() or changed
 

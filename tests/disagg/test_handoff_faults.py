@@ -112,6 +112,33 @@ def test_prefill_refuses_what_its_pool_cannot_hold_and_decode_releases(make_pair
     pair.assert_clean()
 
 
+@TRANSPORTS
+def test_prefills_refusal_keeps_its_code_when_decodes_release_waits(make_pair: Any) -> None:
+    """A receiver may answer a release with "ask again later" (`KVReceiver.cancel` False: a write
+    could still land, as NIXL says before its completion). When the release of a reservation that
+    prefill refused waits so, the end decode reports once it is done is prefill's refusal as it
+    came (its code, status and param: the client's 400), never a failed handoff's 503."""
+    pair = make_pair(prefill=dict(kv_cache_tokens=64, max_model_len=64))
+    receiver = pair.decode.steps.table.receiver
+    cancel, num_refused = receiver.cancel, []
+
+    def cancel_later(transfer_id: str) -> bool:  # the first answer for a transfer is "not yet"
+        if transfer_id not in num_refused:
+            num_refused.append(transfer_id)
+            return False
+        return bool(cancel(transfer_id))
+
+    receiver.cancel = cancel_later
+    handoff = pair.generate(list(range(10, 110)), GREEDY)  # 100 tokens: decode admits, prefill cannot
+    assert handoff.reserved is not None and num_refused == [handoff.reserved.transfer_id]
+    assert handoff.outputs == [], "no end reported as a failed handoff"
+    assert handoff.rejected is not None, "prefill's refusal reached the frontend"
+    assert (handoff.rejected.code, handoff.rejected.http_status, handoff.rejected.param) == (
+        "context_length_exceeded", 400, "prompt")
+    assert not pair.decode.steps._pending_errors
+    pair.assert_clean()
+
+
 def test_decode_refuses_what_its_own_limit_cannot_hold(make_pair: Any) -> None:
     pair = make_pair(decode=dict(kv_cache_tokens=64, max_model_len=64))
     handoff = pair.reserve(list(range(10, 110)), GREEDY)
