@@ -84,7 +84,7 @@ from kvseal.messages.msgs import (
     RequestRejectedMsg,
 )
 from kvseal.totals import CumulativeTotal
-from kvseal.types import ENGINE_UNAVAILABLE
+from kvseal.types import ENGINE_UNAVAILABLE, HANDOFF_FAILED
 
 logger = logging.getLogger("kvseal.server")
 
@@ -162,6 +162,7 @@ class PdRoute:
     transfer_id: str | None = None
     is_aborted: bool = False
     started_decoding: bool = False
+    prefill_refusal: PrefillRefusedMsg | None = None  # prefill's own end of it, while decode has not reported
 
 
 @dataclass(frozen=True)
@@ -520,7 +521,7 @@ class PdClient:
             return
         route.started_decoding = route.started_decoding or bool(out.new_token_ids)
         if is_terminal(out):
-            self._end(route, _as_engine_loss(out))
+            self._end(route, _prefills_own(route, out) or _as_engine_loss(out))
         else:
             route.handle.deliver(out)
 
@@ -541,6 +542,8 @@ class PdClient:
             self._try_send(route.decode, AbortMsg(route.handle.request_id, route.handle.tenant, msg.message))
             self._end(route, RequestRejectedMsg(route.handle.request_id, route.handle.tenant, msg.code, msg.message,
                                                 None, 502))
+        elif isinstance(msg, PrefillRefusedMsg):  # decode relays it, unless prefill's word never reached it
+            route.prefill_refusal = msg
 
     def _release_prefill(self, route: PdRoute) -> None:
         if route.prefill is not None:
@@ -663,6 +666,18 @@ def _as_engine_loss(event: RequestOutputMsg | RequestRejectedMsg) -> RequestEven
     if isinstance(event, RequestOutputMsg) and event.error_code == ENGINE_UNAVAILABLE:
         return EngineGone(event.error or "the engine was lost")
     return event
+
+
+def _prefills_own(route: PdRoute, out: RequestOutputMsg) -> RequestRejectedMsg | None:
+    """Prefill's refusal of the request, when decode ends it as a failed handoff (it expired the
+    reservation: prefill's `TransferAbortMsg` never reached it) after prefill told this frontend
+    it refused the request itself: the client gets prefill's code and status (a 4xx for its own
+    fault), not a handoff failure to retry. None for every other end, and after an abort."""
+    refusal = route.prefill_refusal
+    if refusal is None or out.error_code != HANDOFF_FAILED or route.is_aborted:
+        return None
+    return RequestRejectedMsg(out.request_id, out.tenant, refusal.code, refusal.message, refusal.param,
+                              refusal.http_status)
 
 
 def _ended_because(event: RequestEvent) -> str:

@@ -203,13 +203,18 @@ class PrefillDoneMsg(_Msg, frozen=True):
 
 class PrefillRefusedMsg(_Msg, frozen=True):
     """Prefill did not hand off (its admission re-check refused, it was aborted, or the
-    transport failed). It sent `TransferAbortMsg` to decode; its own pages are free."""
+    transport failed). It sent `TransferAbortMsg` to decode (best effort); its own pages are
+    free. `param` and `http_status` are the refusal's, as that message carries them: the
+    frontend answers with them if its word never reached decode (decode then expires the
+    reservation, which alone would read as a failed handoff)."""
 
     request_id: str
     transfer_id: str
     prefill_engine: str
     code: str
     message: str
+    param: str | None
+    http_status: int
 
 
 # ---- prefill -> decode -------------------------------------------------------------------

@@ -171,7 +171,7 @@ class PrefillSteps:
         logger.error("refused a malformed PrefillMsg (request %.64r): %s", msg.request_id, exc)
         self.counters.failures[INVALID_PREFILL_MSG] += 1
         job.result = PrefillRefusedMsg(msg.request_id, msg.transfer_id, self.instance_id, INVALID_PREFILL_MSG,
-                                       f"the prefill engine refused the handoff message: {exc}")
+                                       f"the prefill engine refused the handoff message: {exc}", None, 502)
         self._report(job)
 
     def _start_compiled(self) -> bool:
@@ -255,7 +255,8 @@ class PrefillSteps:
         except TransportError as exc:
             logger.error("could not tell decode %s to release transfer %s: %s", msg.decode_address,
                          msg.transfer_id, exc)
-        job.result = PrefillRefusedMsg(msg.request_id, msg.transfer_id, self.instance_id, code, message)
+        job.result = PrefillRefusedMsg(msg.request_id, msg.transfer_id, self.instance_id, code, message, param,
+                                       http_status)
 
     def on_outputs(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:

@@ -28,7 +28,7 @@ from kvseal.messages.msgs import (
     RequestOutputMsg,
     RequestRejectedMsg,
 )
-from kvseal.types import ENGINE_UNAVAILABLE, SamplingParams
+from kvseal.types import ENGINE_UNAVAILABLE, HANDOFF_FAILED, SamplingParams
 
 
 @pytest.fixture
@@ -213,8 +213,52 @@ def test_a_transfer_prefill_could_not_make_is_the_engines_failure(client: PdClie
     client._by_transfer["t-1"] = route
     prefill.num_assigned = decode.num_assigned = 1
     client._on_prefill_result(prefill, PrefillRefusedMsg("r-t", "t-1", "prefill-1", TRANSFER_FAILED,
-                                                         "the KV transfer to decode failed: unreachable"))
+                                                         "the KV transfer to decode failed: unreachable", None, 502))
     assert sent["decode"] == [AbortMsg("r-t", "alice", "the KV transfer to decode failed: unreachable")]
     assert ends.events == [RequestRejectedMsg("r-t", "alice", TRANSFER_FAILED,
                                               "the KV transfer to decode failed: unreachable", None, 502)]
     assert client.num_in_flight == 0 and prefill.num_assigned == decode.num_assigned == 0
+
+
+def _routed_to_both(client: PdClient) -> tuple[Ends, dict[str, list[object]]]:
+    """Request r-t of alice, reserved on decode (transfer t-1) and sent to prefill; what each engine is sent."""
+    prefill, decode = client.links
+    sent: dict[str, list[object]] = {"prefill": [], "decode": []}
+    for link in (prefill, decode):
+        link.send = sent[link.role].append  # type: ignore[method-assign]
+        client._on_info(link, msgspec.structs.replace(_info(link.role, "zero"), instance_id=f"{link.role}-1"))
+    ends = Ends()
+    route = PdRoute(RequestHandle("r-t", "alice", ends),
+                    AddRequestMsg("r-t", "alice", [5, 6], params_to_msg(SamplingParams(max_tokens=2))), decode,
+                    prefill=prefill, transfer_id="t-1")
+    client._routes["r-t"] = route
+    client._by_transfer["t-1"] = route
+    prefill.num_assigned = decode.num_assigned = 1
+    return ends, sent
+
+
+@pytest.mark.parametrize("decode_heard", [True, False], ids=["decode relays it", "decode expired it"])
+def test_prefills_own_refusal_is_the_answer_whatever_decode_heard(client: PdClient, decode_heard: bool) -> None:
+    """Prefill refused the request with its own code (a 400). Decode relays that refusal when
+    prefill's word reached it; when it did not (prefill could not reach decode), decode expires
+    the reservation and reports a failed handoff. Either way the server gets prefill's refusal,
+    its code, status and param: the client's 400 with its OpenAI body, never a 503 to retry."""
+    prefill, decode = client.links
+    ends, sent = _routed_to_both(client)
+    client._on_msg(prefill, PrefillRefusedMsg("r-t", "t-1", "prefill-1", "context_length_exceeded", "too long",
+                                              "prompt", 400))
+    refusal = RequestRejectedMsg("r-t", "alice", "context_length_exceeded", "too long", "prompt", 400)
+    decode_end = refusal if decode_heard else OutputsMsg([aborted_output(
+        "r-t", "alice", 2, 1, "no sign of the prefill engine for 30 s", HANDOFF_FAILED)])
+    client._on_msg(decode, decode_end)
+    assert ends.events == [refusal]
+    assert sent["decode"] == [] and client.num_in_flight == 0 and prefill.num_assigned == decode.num_assigned == 0
+
+
+def test_a_failed_handoff_prefill_did_not_refuse_stays_a_failed_handoff(client: PdClient) -> None:
+    """Without a refusal from prefill (it went silent, or it pushed), decode's expiry is what it says."""
+    _, decode = client.links
+    ends, _ = _routed_to_both(client)
+    expired = aborted_output("r-t", "alice", 2, 1, "no sign of the prefill engine for 30 s", HANDOFF_FAILED)
+    client._on_msg(decode, OutputsMsg([expired]))
+    assert [getattr(e, "error_code", None) for e in ends.events] == [HANDOFF_FAILED]
