@@ -234,6 +234,25 @@ def _regex_of(text: str) -> str:
     return "\\n".join(re.escape(line) for line in text.split("\n"))
 
 
+def test_text_after_a_hermes_call_streams_as_it_is_written(char_server: ServerProcess,
+                                                             client: openai.OpenAI) -> None:
+    """What the model writes after a `</tool_call>` is sent as it comes (the character model
+    writes it a token at a time: many chunks before the last), as vLLM's hermes stream sends it,
+    and the content streamed adds up to the unstreamed message's."""
+    after = "Then the time, and more."
+    written = ('On it.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "celsius": true}}\n'
+               f"</tool_call>\n{after}")
+    fields: dict[str, Any] = {"model": char_server.model_name, "messages": MESSAGES, "tools": TOOLS,
+                              "max_tokens": 200, "temperature": 0, "extra_body": {"guided_regex": _regex_of(written)}}
+    message = client.chat.completions.create(**fields).choices[0].message
+    assert message.content == f"On it.\n\n{after}" and len(message.tool_calls or []) == 1
+    chunks = list(client.chat.completions.create(**fields, stream=True))
+    pieces = [c.delta.content for chunk in chunks for c in chunk.choices if c.delta.content]
+    assert "".join(pieces) == message.content
+    num_before = next(i for i in range(len(pieces) + 1) if "".join(pieces[:i]) == "On it.")
+    assert len(pieces) - num_before > 1, pieces  # one piece would be the text held to the answer's end
+
+
 def test_parallel_tool_calls_false_keeps_the_first_call(char_server: ServerProcess, client: openai.OpenAI) -> None:
     """vLLM keeps only the first parsed call when `parallel_tool_calls` is false (tool_choice
     auto); streamed and unstreamed answers agree, and true (or absent) keeps both."""

@@ -20,6 +20,7 @@ from kvseal.server.tools import (
     ToolCallStream,
     ToolParser,
 )
+from kvseal.server.tools.calls import CALL_BLOCK, START_TAG, before_partial
 from kvseal.server.tools.python_calls import _continues_identifier
 
 PARAMS = {"get_time": {"type": "object", "properties": {"zone": {"type": "string"}, "hours": {"type": "integer"}}}}
@@ -50,16 +51,32 @@ def _parser(name: str) -> ToolParser:
 
 def _stream(parser: ToolParser, pieces: list[str]) -> tuple[str, dict[int, dict[str, Any]], bool, int]:
     """(content, each index's name, id and arguments added up, has calls, how many indices had
-    their first delta before the choice ended)."""
+    their first delta before the choice ended). For the formats of `<tool_call>` blocks anywhere,
+    the content sent after each piece is all the text so far settles (`_settled_content`)."""
     stream, content, calls = ToolCallStream(parser), "", {}
+    text = ""
     for piece in pieces:
         step = stream.feed(piece)
         content += step.content
         _add(calls, step.calls)
+        text += piece
+        if isinstance(parser, HermesToolParser | Qwen3CoderToolParser):
+            assert content == _settled_content(parser, text), (text, content)
     num_early = len(calls)
     rest, deltas, has_calls = stream.finish()
     _add(calls, deltas)
     return content + rest, calls, has_calls, num_early
+
+
+def _settled_content(parser: ToolParser, text: str) -> str:
+    """The content of a block format's answer that `text`, its beginning, settles whatever
+    follows: the unstreamed content of the text before an open block (or a start tag's
+    beginning), less the whitespace at its end (content only if more content follows)."""
+    end_of_blocks = max((m.end() for m in CALL_BLOCK.finditer(text)), default=0)
+    open_at = text.find(START_TAG, end_of_blocks)
+    settled = text[:open_at if open_at >= 0 else before_partial(text, START_TAG)]
+    content, calls = parser.parse(settled)
+    return (content or "").rstrip() if calls else settled.rstrip()
 
 
 def _add(calls: dict[int, dict[str, Any]], deltas: list[Any]) -> None:
@@ -104,6 +121,26 @@ def test_streamed_deltas_add_up_to_the_unstreamed_message(name: str, is_first_on
     parser = FirstCallOnly(_parser(name)) if is_first_only else _parser(name)
     _check(parser, text, _cuts(text, data))
     _check(parser, text, list(text))
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.sampled_from(["hermes", "qwen3_coder"]), st.data())
+def test_block_formats_stream_text_around_their_calls_as_it_comes(name: str, data: st.DataObject) -> None:
+    """The formats whose calls are blocks anywhere: the text before, between and after the
+    blocks streams as it is written (a block that reads as no call is content once it closed),
+    not at the answer's end, and still adds up to the unstreamed content."""
+    text = "".join(data.draw(st.lists(st.sampled_from(FRAGMENTS[name]), min_size=2, max_size=8)))
+    _check(_parser(name), text, _cuts(text, data))
+
+
+def test_hermes_sends_the_text_after_a_call_before_the_answer_ends() -> None:
+    stream = ToolCallStream(HermesToolParser())
+    steps = [stream.feed(piece) for piece in ["Let me check.\n", '<tool_call>{"name": "f", "arguments": {}}',
+                                              "</tool_call>", "\nDone", " so", " far."]]
+    assert [step.content for step in steps] == ["Let me check.", "", "", "\n\nDone", " so", " far."]
+    assert stream.finish()[0] == "" and HermesToolParser().parse(
+        'Let me check.\n<tool_call>{"name": "f", "arguments": {}}</tool_call>\nDone so far.')[0] == \
+        "Let me check.\n\nDone so far."
 
 
 CALLS = {

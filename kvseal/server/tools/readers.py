@@ -67,7 +67,10 @@ class CallReader(Protocol):
     # calls are read only once the answer has ended (`ToolCallStream.finish`: the whole
     # answer is calls, or none of it is), not a block at a time
     is_whole_answer: bool
-    content_end: int  # where a call may begin: the text before it may be sent as content
+    content_end: int  # where a call may begin: the text before it, less `cuts`, may be sent as content
+    # the spans [start, end) of the text before `content_end` that the parser read as calls (not
+    # content), in the text's order; only a reader of calls anywhere in the text has any
+    cuts: list[tuple[int, int]]
 
     def read(self, new_text: str) -> list[DraftStep | DraftRead]:
         """What the text, with `new_text` added, settles about the calls."""
@@ -132,7 +135,9 @@ class JsonCallDraft:
 class BlockReader:
     """Calls in `<tool_call>` blocks anywhere in the text (hermes, qwen3_coder): a block's draft
     reads its body as it comes, and the parser reads the block (`read_call`) once its first
-    `</tool_call>` has come, as `parse` reads it (`CALL_BLOCK`)."""
+    `</tool_call>` has come, as `parse` reads it (`CALL_BLOCK`). The text outside the blocks is
+    content as it comes, up to where a block may begin; a block is content too (its text as it
+    was) once it has closed and the parser read no call in it, as `parse` leaves it."""
 
     is_whole_answer = False
 
@@ -140,12 +145,13 @@ class BlockReader:
         self._new_draft = new_draft
         self._read_call = read_call
         self.content_end = 0
+        self.cuts: list[tuple[int, int]] = []  # the blocks read as calls
         self._num_read = 0  # of the text
         self._pending = ""  # the end of the text read, which may begin the tag looked for
         self._block: list[str] | None = None  # the open block's text, from its start tag, as pieces
+        self._block_start = 0  # where the open block's start tag is in the text
         self._draft: Draft | None = None
         self._num_drafts = 0
-        self._has_block = False  # a start tag has come: content ends there
 
     def read(self, new_text: str) -> list[DraftStep | DraftRead]:
         text, start = self._pending + new_text, self._num_read - len(self._pending)
@@ -154,13 +160,11 @@ class BlockReader:
         while True:
             if self._block is None:
                 tag = text.find(START_TAG)
-                if not self._has_block:
-                    self.content_end = start + (tag if tag >= 0 else before_partial(text, START_TAG))
+                self.content_end = start + (tag if tag >= 0 else before_partial(text, START_TAG))
                 if tag < 0:
                     self._pending = text[before_partial(text, START_TAG):]
                     return steps
-                self._has_block = True
-                self._block, self._draft = [START_TAG], self._new_draft()
+                self._block, self._draft, self._block_start = [START_TAG], self._new_draft(), start + tag
                 self._num_drafts += 1
                 text, start = text[tag + len(START_TAG):], start + tag + len(START_TAG)
             end = text.find(END_TAG)
@@ -169,8 +173,12 @@ class BlockReader:
             if end < 0:
                 self._pending = text[len(body):]
                 return steps
-            steps.append(self._end_block())
+            read = self._end_block()
+            steps.append(read)
             text, start = text[end + len(END_TAG):], start + end + len(END_TAG)
+            if read.call is not None:  # a call is no content; a block read as none is, as it was
+                self.cuts.append((self._block_start, start))
+            self.content_end = start
 
     def _read_body(self, body: str) -> list[DraftStep | DraftRead]:
         assert self._block is not None and self._draft is not None
@@ -205,6 +213,7 @@ class WholeAnswerReader:
     def __init__(self, tag: str, opener: str, body: Body) -> None:
         self._tag, self._opener, self._body = tag, opener, body
         self.content_end = 0
+        self.cuts: list[tuple[int, int]] = []  # (none: calls are the whole answer or no part of it)
         self._num_read = 0
         self._lead = ""  # the text after the leading whitespace, while it may be the tag
         self._state = "lead"  # lead, after_tag, body, content (no calls may begin), done

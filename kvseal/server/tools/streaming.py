@@ -39,10 +39,12 @@ class StreamStep:
 
 class ToolCallStream:
     """One streamed choice with tool parsing. Text before where a call may begin (its reader's
-    `content_end`) streams as content, less any whitespace at its end (which the parser drops
-    before a call); the text from there on is content only once the choice has ended and the
-    parser has read it all, so the content streamed adds up to the content of the same answer
-    unstreamed.
+    `content_end`) streams as content, less the calls read before it (the reader's `cuts`: the
+    `<tool_call>` blocks of hermes and qwen3_coder, whose text around and between them streams
+    as it is written) and less any whitespace at its end (content only once more content follows:
+    the parser drops it at the answer's end); the text from there on is content only once the
+    choice has ended and the parser has read it all, so the content streamed adds up to the
+    content of the same answer unstreamed.
 
     Calls are sent as they are written (`readers.py`): a call's index, id and name once the text
     is certainly a call in the format and its arguments have begun, then the arguments as they
@@ -67,7 +69,8 @@ class ToolCallStream:
         self._unseen: list[str] = []  # the text from `_num_seen` on
         self._num_seen = 0  # of the text: up to the reader's content_end when last looked at
         self._unsent: list[str] = []  # whitespace before `_num_seen`, held in case a call follows
-        self._num_sent = 0  # of the content
+        self._sent: list[str] = []  # the content sent
+        self._num_cuts = 0  # of the reader's cuts: those before `_num_seen`, left out of the content
         self._drafts: dict[int, _SentCall] = {}  # drafts sent a part of, by the reader's number
         self._refused: set[int] = set()  # drafts that are to send nothing (past the calls kept)
         self._num_indices = 0  # handed out to calls
@@ -85,30 +88,43 @@ class ToolCallStream:
         text = "".join(self._pieces)
         content, calls = self._parser.parse(text)
         whole = (content or "") if calls else text
-        # What was sent is text before the first call, so `whole` begins with it
-        num_sent = len(os.path.commonprefix([whole, text[:self._num_sent]]))
-        self._num_sent = len(text)
+        # What was sent is the text outside the calls read, up to where a call may begin, so
+        # `whole` begins with it
+        num_sent = len(os.path.commonprefix([whole, "".join(self._sent)]))
         deltas = self._deltas([DraftRead(i, call) for i, call in enumerate(calls)]) \
             if self._reader.is_whole_answer else []
         return whole[num_sent:], deltas, bool(calls)
 
     def _content(self, new_text: str) -> str:
         """The content `new_text` lets out: the text up to the reader's `content_end`, less the
-        whitespace at its end (which goes out once text follows it)."""
+        calls read in it and the whitespace at its end (which goes out once text follows it)."""
         self._unseen.append(new_text)
         end = self._reader.content_end
         if end <= self._num_seen:
             return ""
         unseen = "".join(self._unseen)  # (text held for a call is joined here once, when let out)
-        seen, self._unseen = unseen[:end - self._num_seen], [unseen[end - self._num_seen:]]
+        seen = self._outside_calls(unseen[:end - self._num_seen])
+        self._unseen = [unseen[end - self._num_seen:]]
         self._num_seen = end
         if not seen.strip():
             self._unsent.append(seen)
             return ""
         content = "".join(self._unsent) + seen.rstrip()
         self._unsent = [seen[len(seen.rstrip()):]]
-        self._num_sent += len(content)
+        self._sent.append(content)
         return content
+
+    def _outside_calls(self, seen: str) -> str:
+        """`seen`, the text from `_num_seen` on, less the calls the reader cut from it (each cut
+        lies within it: a block's cut comes with `content_end` moving past the block)."""
+        cuts = self._reader.cuts[self._num_cuts:]
+        self._num_cuts += len(cuts)
+        kept, position = [], self._num_seen
+        for cut_start, cut_end in cuts:
+            kept.append(seen[position - self._num_seen:cut_start - self._num_seen])
+            position = cut_end
+        kept.append(seen[position - self._num_seen:])
+        return "".join(kept)
 
     def _deltas(self, events: list[DraftStep | DraftRead]) -> list[CallDelta]:
         deltas: list[CallDelta] = []
