@@ -196,8 +196,9 @@ class PdClient:
         self._supervisor = supervisor
         self._on_link_stats: Callable[[EngineLink], None] = lambda link: None  # per-engine gauges
         self._routes: dict[str, PdRoute] = {}
-        # tenants this frontend had the engines forget: a prefill engine that restarts is told again
-        # while requests reserved before the forget wait for it (`_owed_on_restart`)
+        # tenants this frontend had the engines forget while a request of theirs waited for prefill:
+        # a prefill engine that restarts is told again while such requests wait (`_owed_on_restart`);
+        # a name is dropped once none does (at most one name per request in flight)
         self._forgotten: set[str] = set()
         self._by_transfer: dict[str, PdRoute] = {}
         self._tasks: list[asyncio.Task[None]] = []
@@ -336,7 +337,8 @@ class PdClient:
         requests are reserved and not yet sent to prefill: their `PrefillMsg` comes after this, and
         they are the old tenant's."""
         num_told = 0
-        self._forgotten.add(tenant)
+        if self._waits_for_prefill(tenant):  # otherwise no restart can find a request to keep apart
+            self._forgotten.add(tenant)
         for link in self.links:
             if link.is_up:
                 num_told += self._send_forget(link, tenant)
@@ -363,9 +365,12 @@ class PdClient:
         holder among them is only kept off the cache."""
         if link.role != "prefill":
             return set()
-        return {tenant for tenant in self._forgotten if any(
-            route.handle.tenant == tenant and route.prefill is None and not route.is_aborted
-            for route in self._routes.values())}
+        return {tenant for tenant in self._forgotten if self._waits_for_prefill(tenant)}
+
+    def _waits_for_prefill(self, tenant: str) -> bool:
+        """Whether a request of `tenant` in flight is not with a prefill engine (not yet sent to one)."""
+        return any(route.handle.tenant == tenant and route.prefill is None and not route.is_aborted
+                   for route in self._routes.values())
 
     def _pay_forgets(self, link: EngineLink) -> None:
         """Before an engine that was down is used again: the forgets it missed, in one go."""
@@ -564,6 +569,8 @@ class PdClient:
         if route.prefill is not None and route.prefill.is_up and not route.is_aborted:  # (`abort` told it)
             self._try_send(route.prefill, AbortMsg(request_id, route.handle.tenant, _ended_because(event)))
         self._release_prefill(route)
+        if route.handle.tenant in self._forgotten and not self._waits_for_prefill(route.handle.tenant):
+            self._forgotten.discard(route.handle.tenant)  # no request from before its forget is left
         route.handle.deliver(event)
 
     def load(self) -> EngineStatsMsg:

@@ -196,6 +196,30 @@ def test_a_restarted_prefill_engine_hears_a_forget_again_while_older_requests_wa
 
 
 
+def test_forgotten_names_are_kept_only_while_a_request_of_theirs_waits_for_prefill(client: PdClient) -> None:
+    """The names the frontend remembers as forgotten (to tell a restarted prefill engine again)
+    are those a request reserved before the forget still waits for prefill under: a name with
+    none is not kept, and one is dropped when its last such request ends. However many names the
+    operator forgets, the frontend keeps at most one per request in flight."""
+    prefill, decode = client.links
+    sent: dict[str, list[object]] = {"prefill": [], "decode": []}
+    for link in (prefill, decode):
+        link.send = sent[link.role].append  # type: ignore[method-assign]
+        client._on_info(link, msgspec.structs.replace(_info(link.role, "zero"), instance_id=f"{link.role}-1"))
+    for number in range(100):
+        client.forget_tenant(f"gone-{number}")
+    assert client._forgotten == set()
+    ends = Ends()
+    client._routes["r-old"] = PdRoute(RequestHandle("r-old", "alice", ends), AddRequestMsg(
+        "r-old", "alice", [5, 6], params_to_msg(SamplingParams(max_tokens=2))), decode)
+    decode.num_assigned = 1
+    client.forget_tenant("alice")
+    client.forget_tenant("bob")
+    assert client._forgotten == {"alice"}
+    client._on_msg(decode, OutputsMsg([aborted_output("r-old", "alice", 2, 1, "ended", None)]))
+    assert ends.events and client._forgotten == set() and client.num_in_flight == 0
+
+
 def test_a_transfer_prefill_could_not_make_is_the_engines_failure(client: PdClient) -> None:
     """Prefill could not reach decode (its push, and so its word to decode, failed): the frontend
     ends the reservation on decode and the request here as what it is, 502 with prefill's code,
