@@ -5,12 +5,14 @@ one usage for the request, streamed as the whole response."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
 import pytest
-from server_process import ServerProcess
+from processes import wait_for
+from server_process import KEYS, MAX_MODEL_LEN, ServerProcess
 
 PROMPTS = ["w10 w11 w12", "w20 w21", "w30 w31 w32 w33"]
 
@@ -102,6 +104,29 @@ def test_one_prompt_that_cannot_fit_refuses_the_request(server: ServerProcess) -
     assert response.json()["error"]["code"] == "context_length_exceeded"
     record = server.audit_for(response.headers["x-request-id"])
     assert record["outcome"] == "rejected" and record.get("output_tokens") is None
+
+
+def test_a_prompt_the_engine_refuses_ends_the_request_as_that_refusal(server_model_dir: Path,
+                                                                      tmp_path: Path) -> None:
+    """With the front door's admission off (`Fault.SKIP_FRONT_DOOR_ADMISSION`), the engine refuses
+    the second prompt's choices while the first one's run: the client gets the 400, the running
+    choices are aborted as its consequence (no client left), the audit says the refusal with both
+    prompts' tokens and what ran, and every page is free again."""
+    unguarded = ServerProcess(server_model_dir, tmp_path, keys=KEYS, faults=["skip_front_door_admission"]).start()
+    try:
+        for stream in (False, True):
+            response = post(unguarded, {"prompt": [[5, 6, 7], [7] * (MAX_MODEL_LEN + 1)], "n": 2,
+                                        "max_tokens": 200, "ignore_eos": True, "stream": stream})
+            body = json.loads(response.text.split("data: ")[-2]) if stream else response.json()
+            assert body["error"]["code"] == "context_length_exceeded" and response.status_code == (
+                200 if stream else 400), response.text
+            record = unguarded.audit_for(response.headers["x-request-id"])
+            assert (record["outcome"], record["reason"], record.get("http_status"), record["prompt_tokens"]) == (
+                "rejected", "context_length_exceeded", 400, 3 + MAX_MODEL_LEN + 1), record
+            wait_for(lambda: unguarded.metric("kvseal_kv_pages_used") == 0, "every page free again")
+        assert "client_disconnected" not in unguarded.log()
+    finally:
+        assert unguarded.terminate() == 0
 
 
 def test_every_prompts_choices_take_the_tenants_slots(server: ServerProcess) -> None:
