@@ -290,10 +290,18 @@ def _error_status(status: int) -> int:
     return status if 400 <= status <= 599 else 500
 
 
+def _type_of(status: int) -> str:
+    """OpenAI's error type for an engine's refusal: the client's fault below 500, else the server's."""
+    if status < 500:
+        return "invalid_request_error"
+    return "service_unavailable" if status == 503 else "server_error"
+
+
 def for_event(event: RequestEvent) -> ApiError | None:
     """The error a request event means for the client, or None for a successful output."""
     if isinstance(event, RequestRejectedMsg):
-        return ApiError(_error_status(event.http_status), event.message, code=event.code, param=event.param)
+        status = _error_status(event.http_status)
+        return ApiError(status, event.message, _type_of(status), code=event.code, param=event.param)
     if isinstance(event, EngineGone):
         return engine_unavailable(event.message)
     if isolation_failure(event) is not None:

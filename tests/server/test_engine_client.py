@@ -329,8 +329,11 @@ def test_a_failed_pd_handoff_is_the_servers_error_with_its_code(tmp_path: Path) 
     assert record["detail"] == "no sign of the prefill engine for 30 s"
 
 
-@pytest.mark.parametrize(("status", "outcome"), [(502, "error"), (400, "rejected")])
-def test_an_engines_refusal_with_a_5xx_is_the_servers_error(tmp_path: Path, status: int, outcome: str) -> None:
+@pytest.mark.parametrize(("status", "outcome", "error_type"), [(502, "error", "server_error"),
+                                                               (503, "error", "service_unavailable"),
+                                                               (400, "rejected", "invalid_request_error")])
+def test_an_engines_refusal_with_a_5xx_is_the_servers_error(tmp_path: Path, status: int, outcome: str,
+                                                            error_type: str) -> None:
     """An engine's refusal is the request's rejection when it is a 4xx (its own limits), and the
     server's error when it is a 5xx (a KV transfer that failed): audited as the refusals at the
     door are, with the engine's words as the detail of an error."""
@@ -346,7 +349,7 @@ def test_an_engines_refusal_with_a_5xx_is_the_servers_error(tmp_path: Path, stat
 
     events = asyncio.run(scenario())
     error = errors.for_event(events[-1])
-    assert error is not None and error.status == status, error
+    assert error is not None and (error.status, error.body()["error"]["type"]) == (status, error_type), error
     record = _audit(tmp_path)["r-x"]
     assert (record["outcome"], record["reason"], record["http_status"]) == (outcome, "kv_transfer_failed", status)
     assert record.get("rejected_by") == (None if status >= 500 else "engine"), record
