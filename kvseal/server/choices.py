@@ -27,7 +27,7 @@ from collections.abc import AsyncIterator
 
 import msgspec
 
-from kvseal.engine_api import RequestEvent, RequestObserver, is_terminal
+from kvseal.engine_api import RequestEvent, RequestObserver, is_terminal, isolation_failure
 from kvseal.messages.msgs import AddRequestMsg, RequestOutputMsg, SamplingParamsMsg
 from kvseal.types import choice_seed
 
@@ -59,7 +59,8 @@ class ChoiceGroup:
         self._observer = observer
         self._queue: asyncio.Queue[ChoiceEvent] = asyncio.Queue()
         self._terminal: dict[int, RequestEvent] = {}
-        self._first_failure: RequestEvent | None = None  # the first choice's end that is no success
+        # the first choice end that is no success; a tripped isolation check outranks any other
+        self._first_failure: RequestEvent | None = None
         self._latest: dict[int, RequestOutputMsg] = {}  # each choice's latest output (totals so far)
 
     def observer_for(self, index: int) -> RequestObserver:
@@ -104,7 +105,7 @@ class ChoiceGroup:
 
     def _on_terminal(self, index: int, event: RequestEvent) -> None:
         self._terminal[index] = event
-        if self._first_failure is None and _is_failure(event):
+        if _is_failure(event) and (self._first_failure is None or _outranks(event, self._first_failure)):
             self._first_failure = event
         if isinstance(event, RequestOutputMsg):
             self._latest[index] = event
@@ -140,6 +141,12 @@ class ChoiceGroup:
 def _is_failure(event: RequestEvent) -> bool:
     """A choice's end that is no success: the response answers it with an error (`errors.for_event`)."""
     return not isinstance(event, RequestOutputMsg) or event.finish_reason == "abort"
+
+
+def _outranks(event: RequestEvent, first: RequestEvent) -> bool:
+    """A tripped isolation check is the request's end whenever it arrives: after another
+    choice's refusal it must still be audited, counted and logged as the breach it is."""
+    return isolation_failure(event) is not None and isolation_failure(first) is None
 
 
 class _ChoiceObserver:

@@ -59,7 +59,13 @@ from kvseal.server.metrics import ServerMetrics
 from kvseal.server.prompts import PromptEncoder
 from kvseal.server.rate_limits import RateLimits
 from kvseal.server.state import AppState
-from kvseal.types import HANDOFF_FAILED, NO_TOKEN_LEFT_GRAMMAR, NO_TOKEN_SATISFIES_CONSTRAINTS, SamplingParams
+from kvseal.types import (
+    HANDOFF_FAILED,
+    ISOLATION_CHECK_FAILED,
+    NO_TOKEN_LEFT_GRAMMAR,
+    NO_TOKEN_SATISFIES_CONSTRAINTS,
+    SamplingParams,
+)
 
 READY = EngineReadyMsg(pid=1, model_name="tiny", model_path="/m", tokenizer_path="/m", architecture="llama",
                        max_model_len=64, kv_cache_tokens=256, vocab_size=512, page_size=4, num_pages=64,
@@ -541,6 +547,38 @@ def test_one_failing_choice_of_n_ends_the_request_as_that_failure(
             assert (headers["x-ratelimit-remaining-requests"], headers["x-ratelimit-remaining-tokens"]) == remaining
             assert [a.reason for a in aborts] == ([] if first else ["another_choice_failed"])
             assert state.gate.num_tenants_in_flight() == 0
+        finally:
+            _close(state)
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("breach_first", [True, False])
+def test_a_tripped_isolation_check_of_one_choice_is_the_requests_end_whatever_came_first(
+        tmp_path: Path, breach_first: bool) -> None:
+    """n = 2: one choice refused (400), the other ended by an isolation check, in either order. The
+    breach is what the request ended as: audited as `isolation_violation`, counted, never hidden
+    behind the other choice's refusal."""
+    async def scenario() -> None:
+        state = await _ready_state(tmp_path)
+        try:
+            call = Call(state, "/v1/completions", "r")
+            call.tenant = ALICE
+            call.take_slots(ALICE, 2)
+            call.http_done()
+            call.submit([AddRequestMsg("r", ALICE.name, [5, 6], params_to_msg(SamplingParams(max_tokens=4, n=2)))])
+            refused = encode(RequestRejectedMsg(call.engine_ids[1], "alice", "context_length_exceeded", "too long",
+                                                None, 400))
+            breach = encode(OutputsMsg([RequestOutputMsg(
+                request_id=call.engine_ids[0], tenant="alice", new_token_ids=[], new_text="", finished=True,
+                finish_reason="abort", stop_reason=None, num_prompt_tokens=2, num_output_tokens=0,
+                num_pages_reserved=1, error="isolation check failed: a page of another tenant",
+                error_code=ISOLATION_CHECK_FAILED)]))
+            for message in ((breach, refused) if breach_first else (refused, breach)):
+                state.engine._receive(message)
+            await asyncio.sleep(0.05)
+            assert _audit(tmp_path)["r"]["outcome"] == "isolation_violation"
+            assert state.metrics.isolation_violations._value.get() == 1
         finally:
             _close(state)
 
