@@ -26,6 +26,7 @@ under its tenant, which kvseal does not build): `store` is taken and `false` in 
 from __future__ import annotations
 
 import dataclasses
+import json
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -252,13 +253,18 @@ class ResponsesFormatter:
             item.text += delta["reasoning"]
             events.append(self._event("response.reasoning_text.delta", item_id=item.id, output_index=item.index,
                                       content_index=0, delta=delta["reasoning"]))
+        calls = delta.get("tool_calls") or []
+        for call in calls:  # the rest of a call read in this step may come with the text after its block
+            if "id" not in call:
+                events += self._call_events(call)
         if delta.get("content"):
             item, opened = self._current("message")
             item.text += delta["content"]
             events += [*opened, self._event("response.output_text.delta", item_id=item.id, output_index=item.index,
                                             content_index=0, delta=delta["content"], logprobs=[])]
-        for call in delta.get("tool_calls") or []:
-            events += self._call_events(call)
+        for call in calls:
+            if "id" in call:
+                events += self._call_events(call)
         return events
 
     def _current(self, kind: str) -> tuple[_Item, list[dict[str, Any]]]:
@@ -302,9 +308,13 @@ class ResponsesFormatter:
         return self._close([i for i in self._stream.items if not i.done])
 
     def _close(self, items: list[_Item], status: str = "completed") -> list[dict[str, Any]]:
+        """End `items` with `status`; a function call whose arguments are no whole JSON object
+        is `incomplete` whatever the status: a draft the parser did not read as a call (cut by
+        max_output_tokens, broken, text after all) sends no closing `}` (`ToolCallStream`), and
+        no client may run it as a completed call."""
         events = []
         for item in items:
-            item.status = status
+            item.status = status if item.kind != "function_call" or _is_json_object(item.text) else "incomplete"
             if item.kind == "function_call":
                 events.append(self._event("response.function_call_arguments.done", item_id=item.id,
                                           output_index=item.index, arguments=item.text))
@@ -337,3 +347,10 @@ class ResponsesFormatter:
         event = {"type": kind, "sequence_number": self._sequence_number, **fields}
         self._sequence_number += 1
         return event
+
+
+def _is_json_object(text: str) -> bool:
+    try:
+        return isinstance(json.loads(text), dict)
+    except ValueError:
+        return False

@@ -318,6 +318,13 @@ class ResponsesRequest(_Body):
     truncation: Literal["auto", "disabled"] | None = None
     cache_salt: Annotated[str, Field(min_length=1, max_length=MAX_CACHE_SALT_CHARS)] | None = None  # vLLM's
 
+    @field_validator("input")
+    @classmethod
+    def _has_a_turn(cls, value: str | list[InputItem]) -> str | list[InputItem]:
+        if not isinstance(value, str) and all(isinstance(item, ReasoningItem) for item in value):
+            raise ValueError("the input holds only reasoning items; give at least one message or function call")
+        return value
+
     @field_validator("truncation")
     @classmethod
     def _no_truncation(cls, value: str) -> str:

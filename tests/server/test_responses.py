@@ -23,7 +23,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from server_process import KEYS, ServerProcess, client_for
 
-from kvseal.server.responses_body import ResponsesBody
+from kvseal.messages.msgs import RequestOutputMsg
+from kvseal.server.chat import ChatFormatter
+from kvseal.server.endpoint import ResponseIds
+from kvseal.server.responses import ResponsesFormatter
+from kvseal.server.responses_body import ResponsesBody, ResponsesRequest
+from kvseal.server.tools import HermesToolParser
+from kvseal.server.transcript import Transcript
 
 ALICE = {"Authorization": "Bearer key-alice"}
 TIME = {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
@@ -283,6 +289,13 @@ def test_truncation_is_disabled_only(server: ServerProcess) -> None:
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "truncation"
 
 
+def test_an_input_of_reasoning_items_alone_is_refused_naming_input(server: ServerProcess) -> None:
+    """Not chat's `messages`, a field this client never sent."""
+    refused = _post(server, {"input": [{"type": "reasoning", "summary": []}], "max_output_tokens": 2})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "input", refused.text
+    assert "reasoning items" in refused.json()["error"]["message"]
+
+
 def _success_total(server: ServerProcess) -> float:
     return sum(float(v) for v in re.findall(r"^vllm:request_success_total\{[^}]*\} (\S+)$", server.metrics_text(),
                                             re.MULTILINE))
@@ -398,3 +411,50 @@ def test_an_error_after_the_stream_began_is_its_last_event(server_model_dir: Pat
         point(link, real)
     finally:
         assert server.terminate() == 0
+
+
+
+# ---- the stream's items against the unstreamed answer, token splits a tiny model cannot make ----
+
+def _hermes_formatter() -> ResponsesFormatter:
+    ids = ResponseIds("resp_x", "m", 0)
+    chat = ChatFormatter(ids, False, False, None, 1, HermesToolParser())
+    return ResponsesFormatter(chat, ResponsesRequest.model_validate({"input": "hi"}), ids)
+
+
+def _streamed_and_unstreamed(pieces: list[str], finish_reason: str) -> tuple[list[dict[str, Any]],
+                                                                             list[dict[str, Any]]]:
+    outs = [RequestOutputMsg("r", "t", [i], piece, i == len(pieces) - 1,
+                             finish_reason if i == len(pieces) - 1 else None, None, 3, i + 1, 1)
+            for i, piece in enumerate(pieces)]
+    streaming = _hermes_formatter()
+    events = [e for out in outs for e in streaming.delta_chunks(0, out)]
+    transcript = Transcript()
+    for out in outs:
+        transcript.add(out)
+    return events, _hermes_formatter().response([transcript])["output"]
+
+
+def test_a_calls_last_arguments_arriving_with_the_text_after_its_block_are_streamed() -> None:
+    """The step that closes `</tool_call>` carries both the call's last `}` and the text after the
+    block: the call's arguments are whole in its events and in response.completed, as unstreamed."""
+    events, unstreamed = _streamed_and_unstreamed(
+        ['<tool_call>{"name": "f", "arguments": {"a": 1}}', "</tool_call>Done", "."], "stop")
+    [done] = [e for e in events if e["type"] == "response.function_call_arguments.done"]
+    assert done["arguments"] == '{"a": 1}'
+    deltas = [e["delta"] for e in events if e["type"] == "response.function_call_arguments.delta"]
+    assert "".join(deltas) == '{"a": 1}'
+    streamed = events[-1]["response"]["output"]
+    calls = [(i["name"], i["arguments"], i["status"]) for i in streamed if i["type"] == "function_call"]
+    assert calls == [(i["name"], i["arguments"], "completed") for i in unstreamed if i["type"] == "function_call"]
+
+
+def test_a_call_cut_by_max_output_tokens_is_never_a_completed_function_call() -> None:
+    """A draft the length cut leaves unread was sent as a call item (it cannot be taken back), but
+    it ends `incomplete`, its arguments no JSON object: no agent runs it. Unstreamed it is text."""
+    events, unstreamed = _streamed_and_unstreamed(
+        ['<tool_call>{"name": "f", "arguments": {"a": ', '"x', 'yz'], "length")
+    streamed = events[-1]["response"]["output"]
+    calls = [i for i in streamed if i["type"] == "function_call"]
+    assert calls and all(i["status"] == "incomplete" for i in calls), streamed
+    assert [i["type"] for i in unstreamed] == ["message"] and events[-1]["response"]["status"] == "incomplete"
