@@ -69,6 +69,39 @@ int kvseal_decode_layers(int kind, const struct kvseal_decode_step *step, const 
     return 0;
 }
 
+/* A bfloat16 loop's linear (weights at w[tiles], its bias at w[tiles + 2]): one row over the
+   layer's Q4_1 blocks (w[q4]) where it has them and the row kernel takes the call (the tiles on
+   AVX512-BF16: bit-equal, linear_q4.c), else the tiles. Returns the kernel's status (0: done). */
+static int loop_tiles(const void *const *w, int tiles, int q4, const uint16_t *x, uint16_t *y, int64_t rows,
+                      int64_t n_out, int64_t k_in, int threads) {
+    if (rows == 1 && w[q4] != NULL && kvseal_linear_q4_1_row(x, w[q4], w[tiles + 2], y, n_out, k_in, threads) == 0)
+        return 0;
+    return kvseal_linear_tiles(x, w[tiles], w[tiles + 2], y, rows, n_out, k_in, threads);
+}
+
+/* loop_tiles into y, then h += y and out = RMSNorm(h) * weight: kvseal_linear_tiles_add_norm_bf16,
+   which below 256 rows is these two calls. */
+static int loop_tiles_add_norm(const void *const *w, int tiles, int q4, const uint16_t *x, uint16_t *y, uint16_t *h,
+                               const uint16_t *weight, float eps, uint16_t *out, int64_t rows, int64_t n_out,
+                               int64_t k_in, int threads) {
+    if (rows == 1 && w[q4] != NULL && kvseal_linear_q4_1_row(x, w[q4], w[tiles + 2], y, n_out, k_in, threads) == 0) {
+        kvseal_add_rms_norm_bf16(h, y, weight, eps, out, rows, n_out, threads);
+        return 0;
+    }
+    return kvseal_linear_tiles_add_norm_bf16(x, w[tiles], w[tiles + 2], y, h, weight, eps, out, rows, n_out, k_in,
+                                             threads);
+}
+
+/* The MLP's fused gate/up + SiLU in one pass (no bias): over the Q4_1 blocks at one row where
+   they take it, else the tiles. Returns -1, computing nothing, where neither takes it. */
+static int loop_silu(const void *const *w, const uint16_t *x, uint16_t *act, int64_t rows, int64_t inter, int64_t k_in,
+                     int threads) {
+    if (rows == 1 && w[KVSEAL_Q4_GATE_UP] != NULL
+        && kvseal_linear_silu_q4_1_row(x, w[KVSEAL_Q4_GATE_UP], act, inter, k_in, threads) == 0)
+        return 0;
+    return kvseal_linear_silu_tiles(x, w[KVSEAL_W_GATE_UP], act, rows, inter, k_in, threads);
+}
+
 int kvseal_decode_layers_bf16(const struct kvseal_decode_step *step, const void *const *layers,
                               const uint16_t *final_norm, uint16_t *h, uint16_t *x, uint16_t *qkv, uint16_t *attn,
                               uint16_t *tmp, uint16_t *gate_up, uint16_t *act, const uint16_t *cos,
@@ -112,7 +145,7 @@ int kvseal_prefill_layers_bf16(const struct kvseal_decode_step *step, const void
     kvseal_add_rms_norm_bf16(h, NULL, layers[KVSEAL_INPUT_NORM], eps, x, rows, hidden, threads);
     for (int64_t l = 0; l < num_layers; l++) {
         const void *const *w = layers + l * KVSEAL_LAYER_POINTERS;
-        if (kvseal_linear_tiles(x, w[KVSEAL_W_QKV], w[KVSEAL_B_QKV], qkv, rows, width, hidden, threads)) return -2;
+        if (loop_tiles(w, KVSEAL_W_QKV, KVSEAL_Q4_QKV, x, qkv, rows, width, hidden, threads)) return -2;
         kvseal_rope_bf16(qkv, cos, signed_sin, rows, width, heads + kv_heads, head_dim, threads);
         uint16_t *k_pool = (uint16_t *)w[KVSEAL_K_POOL], *v_pool = (uint16_t *)w[KVSEAL_V_POOL];
         if (kvseal_write_slots_bf16(qkv + q_size, qkv + q_size + kv_size, width, slots, k_pool, v_pool, rows, kv_heads,
@@ -144,20 +177,18 @@ int kvseal_prefill_layers_bf16(const struct kvseal_decode_step *step, const void
             }
             n = num_sampled, hn = hs, xn = xs, an = qkv;
         }
-        if (kvseal_linear_tiles_add_norm_bf16(an, w[KVSEAL_W_O], w[KVSEAL_B_O], tmp, hn, w[KVSEAL_POST_NORM], eps, xn,
-                                              n, hidden, q_size, threads))
+        if (loop_tiles_add_norm(w, KVSEAL_W_O, KVSEAL_Q4_O, an, tmp, hn, w[KVSEAL_POST_NORM], eps, xn, n, hidden,
+                                q_size, threads))
             return -2;
-        if (w[KVSEAL_B_GATE_UP] != NULL
-            || kvseal_linear_silu_tiles(xn, w[KVSEAL_W_GATE_UP], act, n, inter, hidden, threads)) {
-            if (kvseal_linear_tiles(xn, w[KVSEAL_W_GATE_UP], w[KVSEAL_B_GATE_UP], gate_up, n, 2 * inter, hidden,
-                                    threads))
+        if (w[KVSEAL_B_GATE_UP] != NULL || loop_silu(w, xn, act, n, inter, hidden, threads)) {
+            if (loop_tiles(w, KVSEAL_W_GATE_UP, KVSEAL_Q4_GATE_UP, xn, gate_up, n, 2 * inter, hidden, threads))
                 return -2;
             kvseal_silu_mul_bf16(gate_up, act, n, inter, threads);
         }
         const uint16_t *next_norm =
             l + 1 < num_layers ? (const uint16_t *)w[KVSEAL_LAYER_POINTERS + KVSEAL_INPUT_NORM] : final_norm;
-        if (kvseal_linear_tiles_add_norm_bf16(act, w[KVSEAL_W_DOWN], w[KVSEAL_B_DOWN], tmp, hn, next_norm, eps, xn, n,
-                                              hidden, inter, threads))
+        if (loop_tiles_add_norm(w, KVSEAL_W_DOWN, KVSEAL_Q4_DOWN, act, tmp, hn, next_norm, eps, xn, n, hidden, inter,
+                                threads))
             return -2;
     }
     return 0;

@@ -135,6 +135,32 @@ int kvseal_linear_tiles_f32(const uint16_t *x, const uint16_t *packed, const flo
 int kvseal_linear_silu_tiles(const uint16_t *x, const uint16_t *packed, uint16_t *act, int64_t rows, int64_t inter,
                              int64_t k_in, int num_threads);
 
+/* ---- bfloat16 linears at one row over a GGUF's Q4_1 blocks (linear_q4.c) ---- */
+
+/* blocks: a weight [n_out, k_in] as GGUF Q4_1 blocks, [n_out][k_in / 32] of 20 bytes (float16 d,
+   float16 m, 16 bytes: q[j] in the low nibble of byte j, q[j + 16] in its high one; w = d * q +
+   m), k_in a multiple of 32 -> packed [ceil(n_out / 16)][k_in / 32] blocks of 320 bytes (16
+   features x 32 k; linear_q4.c gives the layout), zero past n_out. */
+void kvseal_pack_q4_1(const uint8_t *blocks, uint8_t *packed, int64_t n_out, int64_t k_in);
+/* y [1, n_out] = x [1, k_in] . W^T (+ bias [n_out] unless NULL), W the bfloat16 weights
+   bfloat16(d * q + m) (finite d, m) of packed blocks: bit-equal to kvseal_linear_tiles at one
+   row over those weights' tiles on the AVX512-BF16 engine. Returns 0; -1, computing nothing,
+   where the tile linears run on AMX or the build has no AVX512-BF16 (the caller runs the tiles). */
+int kvseal_linear_q4_1_row(const uint16_t *x, const uint8_t *packed, const uint16_t *bias, uint16_t *y, int64_t n_out,
+                           int64_t k_in, int num_threads);
+/* kvseal_linear_q4_1_row with the float32 sums (+ bias [n_out] float32 unless NULL) written as
+   they are, never rounded: kvseal_linear_tiles_f32's at one row, bit for bit (the tests compare
+   the sums themselves, which a rounding to bfloat16 would mostly hide). Returns as
+   kvseal_linear_q4_1_row. */
+int kvseal_linear_q4_1_row_f32(const uint16_t *x, const uint8_t *packed, const float *bias, float *y, int64_t n_out,
+                               int64_t k_in, int num_threads);
+/* act [1, inter] = silu(x W_gate^T) * (x W_up^T) over the packed blocks of the fused [2 * inter,
+   k_in] gate/up weight: bit-equal to kvseal_linear_silu_tiles at one row on the AVX512-BF16
+   engine. Returns -1, computing nothing, where kvseal_linear_q4_1_row does or inter % 16 != 0;
+   else 0. */
+int kvseal_linear_silu_q4_1_row(const uint16_t *x, const uint8_t *packed, uint16_t *act, int64_t inter, int64_t k_in,
+                                int num_threads);
+
 /* ---- fused per-layer ops (layer_ops.c) ---- */
 
 /* h [rows, dim] += delta (unless NULL), in place; out [rows, dim] = h / sqrt(mean(h^2) + eps) *
@@ -168,7 +194,9 @@ int kvseal_write_slots_bf16(const uint16_t *k_new, const uint16_t *v_new, int64_
 
 /* The pointer table of kvseal_decode_layers: KVSEAL_LAYER_POINTERS per layer, in this order.
    Weights are the linears' panels (or tiles); scales NULL but for int8 panels; biases NULL
-   where the linear has none; the norms' weights; the layer's K and V pool. */
+   where the linear has none; the norms' weights; the layer's K and V pool; a bfloat16 model's
+   linears' Q4_1 blocks (kvseal_pack_q4_1), NULL where it has none (the float32 loop reads none):
+   the bfloat16 loops multiply one row by them (kvseal_linear_q4_1_row), else by the tiles. */
 enum kvseal_layer_pointer {
     KVSEAL_W_QKV,
     KVSEAL_S_QKV,
@@ -186,6 +214,10 @@ enum kvseal_layer_pointer {
     KVSEAL_POST_NORM,
     KVSEAL_K_POOL,
     KVSEAL_V_POOL,
+    KVSEAL_Q4_QKV,
+    KVSEAL_Q4_O,
+    KVSEAL_Q4_GATE_UP,
+    KVSEAL_Q4_DOWN,
     KVSEAL_LAYER_POINTERS
 };
 

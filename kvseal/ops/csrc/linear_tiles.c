@@ -41,6 +41,7 @@
 #include <omp.h>
 
 #include "kvseal_ops.h"
+#include "tile_stores.h"
 #include "tiles.h"
 #include "vec.h"
 
@@ -59,30 +60,6 @@ void kvseal_pack_tiles(const uint16_t *w, uint16_t *packed, int64_t n_out, int64
 }
 
 #if KVSEAL_AVX512BF16
-/* rows of a 16-column float32 tile (+ bias) into bfloat16 y, nr <= 16 valid columns: one
-   vcvtneps2bf16 a row (round to nearest even; NaN stays NaN). */
-static inline __attribute__((always_inline)) void store_tile_rows(const float *c, int rows, const uint16_t *bias,
-                                                                  uint16_t *y, int64_t ldy, int64_t nr) {
-    const __mmask16 mask = (__mmask16)((1u << nr) - 1u);
-    const __m512 b =
-        bias == NULL
-            ? _mm512_setzero_ps()
-            : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, bias)), 16));
-    for (int r = 0; r < rows; r++) {
-        const __m256bh out = _mm512_cvtneps_pbh(_mm512_add_ps(_mm512_loadu_ps(c + r * 16), b));
-        _mm256_mask_storeu_epi16(y + r * ldy, mask, (__m256i)out);
-    }
-}
-
-/* store_tile_rows without the rounding: rows of the float32 tile (+ float32 bias) into float32 y. */
-static inline __attribute__((always_inline)) void store_tile_rows_f32(const float *c, int rows, const float *bias,
-                                                                      float *y, int64_t ldy, int64_t nr) {
-    const __mmask16 mask = (__mmask16)((1u << nr) - 1u);
-    const __m512 b = bias == NULL ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(mask, bias);
-    for (int r = 0; r < rows; r++)
-        _mm512_mask_storeu_ps(y + r * ldy, mask, _mm512_add_ps(_mm512_loadu_ps(c + r * 16), b));
-}
-
 /* One row block of the dot-product engine: R rows of x against panels b0 and b1 over every k,
    sums into c0 and c1 (16 floats a row). A B tile's 64-byte row is 16 outputs' (k, k + 1)
    weight pairs, exactly vdpbf16ps's operand, against x's pair broadcast. S accumulators per
@@ -187,17 +164,6 @@ struct tile_job {
     float *yf;             /* a plain linear's float32 outputs instead of y (kvseal_linear_tiles_f32), or NULL */
     const float *bias_f32; /* its bias, or NULL */
 };
-
-/* silu(gate) * up rows from a gate tile and an up tile (float32 sums), rounded as the two-pass
-   path rounds: gate and up to bfloat16 (the linear's output), silu(gate) to bfloat16, the product. */
-static inline __attribute__((always_inline)) void store_silu_rows(const float *gate, const float *up, int rows,
-                                                                  uint16_t *act, int64_t ld) {
-    const v16 one = (v16){0} + 1.0f;
-    for (int r = 0; r < rows; r++) {
-        const v16 g = round16_bf16(load16(gate + r * 16)), u = round16_bf16(load16(up + r * 16));
-        store16_bf16(act + r * ld, round16_bf16(silu_mul16(g, one)) * u);
-    }
-}
 
 /* A chunk whose tiles are computed (c[0], c[1]: panel a's row tiles; c[2], c[3]: panel b's)
    and whose outputs are not all out yet. The dot-product engine writes them at once; on AMX
