@@ -406,6 +406,14 @@ class EngineArgs:
         "the engine's kernels: auto (kvseal's native kernels, built with the C compiler ($CC, else cc) at first "
         "start and cached, or torch's ops if they cannot be built), require (the native kernels, or start-up "
         "fails with the compiler's message), off (torch's ops); default auto", choices=NATIVE_MODES))
+    # One-row steps of a bfloat16 model from a GGUF whose decoder linears are Q4_1 read those
+    # blocks (csrc/linear_q4.c: bit-equal to the bfloat16 weights' tiles); off: the bfloat16
+    # weights serve every step (the A/B of bench/).
+    gguf_q4_rows: bool = field(default=True, metadata=flag(
+        "single-row decode steps of a bfloat16 model loaded from a .gguf whose decoder linears are Q4_1 read "
+        "those blocks instead of the bfloat16 weights (the same sums, bit for bit; CPUs whose bfloat16 linears "
+        "run on AVX512-BF16 dot products, not AMX): on by default; --no-gguf-q4-rows reads the bfloat16 weights",
+        action=argparse.BooleanOptionalAction))
     # Structured output: how long one grammar may compile before the request is refused, and
     # how many worker processes compile (GrammarConfig).
     grammar_compile_timeout_s: float = field(default=DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S, metadata=flag(

@@ -34,6 +34,7 @@ from kvseal.errors import ConfigError, InvalidParameter, IsolationViolation
 from kvseal.kvcache.manager import KVCacheManager
 from kvseal.kvcache.pool import KVPool
 from kvseal.kvcache.reserve import PoolGeometry, PoolReservation
+from kvseal.models.gguf_blocks import LayerBlocks, read_q4_1_linears
 from kvseal.models.llama import CausalLM
 from kvseal.models.loader import LoadedModel, folder_config, load_model
 from kvseal.models.tensor_parallel import RankLayout
@@ -129,7 +130,7 @@ class LLMEngine:
         if not args.is_pool_sized_by_device:  # a pool that cannot be honoured fails before the weights move
             args.resolve(self.model_config)
         model = finish_model(self.loaded.model.to(device=args.device), args.torch_dtype, args.quantization, self.ops,
-                             tp)
+                             tp, self._q4_1_blocks(args))
         self.gpu_memory = None if not args.is_pool_sized_by_device or free_before_weights is None else plan_gpu_pool(
             model, free_before_weights, args.gpu_memory_utilization, args.max_num_batched_tokens,
             min(args.max_num_seqs, args.max_num_batched_tokens), args.page_size, args.torch_dtype)
@@ -161,6 +162,16 @@ class LLMEngine:
         # the prefill role exports the request's KV here. None: nothing to do.
         self.before_free: Callable[[Request], None] | None = None
         self._log_config(args)
+
+    def _q4_1_blocks(self, args: EngineArgs) -> list[LayerBlocks] | None:
+        """The GGUF's Q4_1 decoder linears for one-row steps (`--gguf-q4-rows`): read where the
+        model is a .gguf served whole, in bfloat16 on the CPU, unquantized; None elsewhere, or
+        where some decoder linear of the file is not Q4_1."""
+        path = self.loaded.path
+        if not args.gguf_q4_rows or path.suffix != ".gguf" or args.tensor_parallel_size > 1 \
+                or args.device != "cpu" or args.torch_dtype != torch.bfloat16 or args.quantization != "none":
+            return None
+        return read_q4_1_linears(path, self.loaded.config)
 
     @staticmethod
     def _pool_while_loading(args: EngineArgs, loaded: LoadedModel | None,
@@ -208,13 +219,13 @@ class LLMEngine:
             "kvseal engine: model=%s arch=%s dtype=%s max_model_len=%d kv_cache_tokens=%d (%d pages x %d) "
             "kv_bytes_per_token=%d max_num_batched_tokens=%d max_prefill_chunk_tokens=%d fair_share_tokens=%d "
             "attention_cost_context=%d max_num_seqs=%d kv_scrub=%s check_kv=%s prefix_caching=%s torch_threads=%d "
-            "native=%s ops=%s grammar_compile_timeout_s=%g grammar_compile_workers=%d device=%s (%s) kv_pool_bytes=%d "
-            "kv_pool_reserved_early=%s tensor_parallel_size=%d tp_timeout_s=%g nnodes=%d master=%s:%d",
+            "native=%s ops=%s gguf_q4_rows=%s grammar_compile_timeout_s=%g grammar_compile_workers=%d device=%s (%s) "
+            "kv_pool_bytes=%d kv_pool_reserved_early=%s tensor_parallel_size=%d tp_timeout_s=%g nnodes=%d master=%s:%d",
             self.loaded.path, self.model_config.architecture, args.dtype, s.max_model_len, c.kv_cache_tokens,
             c.num_pages, c.page_size, args.capacity(self.model_config).bytes_per_token,
             s.max_num_batched_tokens, s.max_prefill_chunk_tokens, s.fair_share_tokens, s.attention_cost_context,
             s.max_num_seqs, c.kv_scrub, c.check_kv, c.enable_prefix_caching, torch.get_num_threads(),
-            args.native, self.ops.name, args.grammar_compile_timeout_s, args.grammar_compile_workers,
+            args.native, self.ops.name, args.gguf_q4_rows, args.grammar_compile_timeout_s, args.grammar_compile_workers,
             args.device, self.device.describe(), self.kv.pool.num_bytes, self.kv.pool.reserved is not None,
             args.tensor_parallel_size, args.tp_timeout_s, args.nnodes, args.master_addr, args.master_port,
         )

@@ -273,13 +273,14 @@ def _dequantize_gguf(path: Path, config: ModelConfig) -> dict[str, torch.Tensor]
         raise ModelLoadError(f"cannot read GGUF file {path}: {exc}") from exc
     state = {}
     for tensor in reader.tensors:
-        name = _hf_name(tensor.name)
+        name = hf_name(tensor.name)
         weights = torch.from_numpy(dequantize(tensor.data, tensor.tensor_type).copy()).float()
-        state[name] = _unpermute(name, weights, config)
+        state[name] = unpermute_rows(name, weights, config)
     return state
 
 
-def _hf_name(gguf_name: str) -> str:
+def hf_name(gguf_name: str) -> str:
+    """The Hugging Face checkpoint name of a GGUF tensor (ModelLoadError for one kvseal does not know)."""
     parts = gguf_name.split(".")
     if parts[0] == "blk" and parts[2] in _GGUF_NAMES:
         return f"model.layers.{parts[1]}.{_GGUF_NAMES[parts[2]]}.{parts[3]}"
@@ -288,8 +289,9 @@ def _hf_name(gguf_name: str) -> str:
     raise ModelLoadError(f"unexpected tensor {gguf_name!r} in GGUF file")
 
 
-def _unpermute(name: str, w: torch.Tensor, config: ModelConfig) -> torch.Tensor:
-    """Undo llama.cpp's q/k row interleave (applied for Llama and Mistral checkpoints only)."""
+def unpermute_rows(name: str, w: torch.Tensor, config: ModelConfig) -> torch.Tensor:
+    """Undo llama.cpp's q/k row interleave (applied for Llama and Mistral checkpoints only) on the
+    rows (output features) of w [out, ...], whatever each row holds."""
     if config.architecture not in ("LlamaForCausalLM", "MistralForCausalLM"):
         return w
     if name.endswith("q_proj.weight"):

@@ -23,6 +23,7 @@ from collections import Counter
 import torch
 from torch import nn
 
+from kvseal.models.gguf_blocks import LayerBlocks, dequantize_rows, sample_rows
 from kvseal.models.llama import CausalLM
 from kvseal.models.quant import LAYER_LINEARS
 from kvseal.ops import Ops
@@ -30,28 +31,58 @@ from kvseal.ops import Ops
 logger = logging.getLogger("kvseal")
 
 
-def pack_model(model: CausalLM, ops: Ops, *, weight_dtype: torch.dtype | None = None) -> CausalLM:
+def pack_model(model: CausalLM, ops: Ops, *, weight_dtype: torch.dtype | None = None,
+               q4_1: list[LayerBlocks] | None = None) -> CausalLM:
     """Swap every `nn.Linear` of the decoder layers and the lm_head for `ops.linear(linear,
     weight_dtype)`, in place. Call after the model is in its final dtype; linears already
     swapped (packed, or quantized) are left as they are, so packing twice is harmless.
     weight_dtype: the model's dtype (None), or bfloat16 for a float32 model (`--quantization
-    bf16`: ConfigError where the ops cannot store them so)."""
+    bf16`: ConfigError where the ops cannot store them so). q4_1: the decoder linears' GGUF
+    Q4_1 blocks the model's bfloat16 weights were converted from (`gguf_blocks`), which the ops
+    may hold for one-row steps (`Ops.hold_q4_1`); held only where every linear's sampled rows
+    dequantize to its weight bit for bit."""
     dtype = model.model.norm.weight.dtype
     target = weight_dtype or dtype
+    if q4_1 is not None and (dtype != torch.bfloat16 or target != dtype or not _blocks_match(model, q4_1)):
+        q4_1 = None
+    held = 0
 
-    def swap(owner: nn.Module, attr: str) -> None:
+    def swap(owner: nn.Module, attr: str, blocks: torch.Tensor | None = None) -> None:
+        nonlocal held
         linear = getattr(owner, attr)
         if isinstance(linear, nn.Linear) and linear.weight.dtype == dtype:
-            setattr(owner, attr, ops.linear(linear, target))
+            packed = ops.linear(linear, target)
+            setattr(owner, attr, packed)
+            held += blocks is not None and ops.hold_q4_1(packed, blocks)
 
-    for layer in model.model.layers:
+    for index, layer in enumerate(model.model.layers):
         for owner_name, attr in LAYER_LINEARS:
-            swap(getattr(layer, owner_name), attr)
+            swap(getattr(layer, owner_name), attr, None if q4_1 is None else q4_1[index][attr])
     swap(model, "lm_head")
     kinds = Counter(type(m).__name__ for m in model.modules() if _is_linear(m))
-    logger.info("%s linears (weights stored in %s): %s", dtype, target,
-                ", ".join(f"{count} {kind}" for kind, count in sorted(kinds.items())))
+    logger.info("%s linears (weights stored in %s): %s%s", dtype, target,
+                ", ".join(f"{count} {kind}" for kind, count in sorted(kinds.items())),
+                f"; {held} also as Q4_1 blocks for one-row steps" if q4_1 is not None else "")
     return model
+
+
+def _blocks_match(model: CausalLM, q4_1: list[LayerBlocks]) -> bool:
+    """Whether every decoder linear's blocks dequantize, on a few sampled rows, to exactly its
+    bfloat16 weight (a spot check that the blocks are the ones the weights came from, rows in
+    the same order); logged where not, and then no linear holds them."""
+    if len(q4_1) != len(model.model.layers):
+        return False
+    for index, layer in enumerate(model.model.layers):
+        for owner_name, attr in LAYER_LINEARS:
+            linear, blocks = getattr(getattr(layer, owner_name), attr), q4_1[index][attr]
+            if not isinstance(linear, nn.Linear) or blocks.shape[:2] != (linear.out_features, linear.in_features // 32):
+                return False
+            rows = sample_rows(linear.out_features)
+            if not torch.equal(dequantize_rows(blocks[rows]), linear.weight.detach()[rows]):
+                logger.warning("layer %d's %s: its Q4_1 blocks do not dequantize to its weight; one-row steps "
+                               "read the bfloat16 weights", index, attr)
+                return False
+    return True
 
 
 def _is_linear(module: nn.Module) -> bool:

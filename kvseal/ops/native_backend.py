@@ -126,6 +126,15 @@ class NativeOps:
             return TileLinear(linear, self.kernels)
         return self.fallback.linear(linear, weight_dtype)
 
+    def hold_q4_1(self, linear: nn.Module, blocks: torch.Tensor) -> bool:
+        """A tile linear takes the blocks for its one-row steps (`TileLinear.hold_q4_1`) where the
+        row kernel runs: the tiles on AVX512-BF16 dot products. Not on AMX, where its sums would
+        not be the AMX tiles' bits (csrc/linear_q4.c)."""
+        if not isinstance(linear, TileLinear) or self.kernels.tile_engine != self.kernels.TILES_AVX512:
+            return False
+        linear.hold_q4_1(blocks)
+        return True
+
     def partial_sum_linear(self, linear: nn.Linear) -> nn.Module:
         """The tiles' float32 sums where the tile linears run (one copy of the weight); else a
         float32 copy over the panels."""
@@ -143,6 +152,11 @@ class NativeOps:
     def gate_up_silu(self, x: torch.Tensor, gate_up: nn.Module, inter: int) -> torch.Tensor:
         if x.dtype not in _NATIVE_DTYPES:
             return self.fallback.gate_up_silu(x, gate_up, inter)
+        if isinstance(gate_up, TileLinear) and gate_up.q4_1 is not None and gate_up.bias is None \
+                and x.dim() == 2 and x.shape[0] == 1 and x.is_contiguous():  # one row over the Q4_1 blocks
+            act = self.kernels.linear_silu_q4_1_row(x, gate_up.q4_1, inter)
+            if act is not None:
+                return act
         if isinstance(gate_up, (PanelLinear, TileLinear)):  # gate/up and SiLU in one pass where it applies
             packed = gate_up.panels if isinstance(gate_up, PanelLinear) else gate_up.tiles
             act = self.kernels.linear_silu(x, packed, gate_up.bias, inter)

@@ -66,14 +66,17 @@ class NativeDecodeLoop:
         self._bound_pool: tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]] | None = None
         self._scratch: tuple[torch.Tensor, ...] = ()  # the internal buffers of the last row count
         weights = (lib.KVSEAL_W_QKV, lib.KVSEAL_W_O, lib.KVSEAL_W_GATE_UP, lib.KVSEAL_W_DOWN)
+        blocks = (lib.KVSEAL_Q4_QKV, lib.KVSEAL_Q4_O, lib.KVSEAL_Q4_GATE_UP, lib.KVSEAL_Q4_DOWN)
         for index, layer in enumerate(stack.layers):
             base = index * self.per_layer
-            for at, linear in zip(weights, _linears(layer)):
+            for at, q4_at, linear in zip(weights, blocks, _linears(layer)):
                 assert isinstance(linear, (TileLinear, PanelLinear, Int8PanelLinear)), "for_stack checked the kinds"
                 self.table[base + at] = self._pointer(linear.tiles if isinstance(linear, TileLinear) else linear.panels)
                 scale = linear.scale if isinstance(linear, Int8PanelLinear) else None
                 self.table[base + at + 1] = self._pointer(scale)
                 self.table[base + at + 2] = self._pointer(linear.bias)
+                # a one-row step multiplies by these where the linear holds them (csrc/linear_q4.c)
+                self.table[base + q4_at] = self._pointer(linear.q4_1 if isinstance(linear, TileLinear) else None)
             self.table[base + lib.KVSEAL_INPUT_NORM] = self._pointer(layer.input_norm)
             self.table[base + lib.KVSEAL_POST_NORM] = self._pointer(layer.post_norm)
 

@@ -79,6 +79,10 @@ class TorchOps:
             or (dtype == torch.bfloat16 and onednn_bf16())
         return PackedLinear(linear) if packs else linear
 
+    def hold_q4_1(self, linear: nn.Module, blocks: torch.Tensor) -> bool:
+        """No Q4_1 kernel here: the bfloat16 weights serve every row."""
+        return False
+
     def partial_sum_linear(self, linear: nn.Linear) -> nn.Module:
         """cuBLAS's float32 output on CUDA; on the CPU a float32 copy of the weight."""
         if linear.weight.device.type == "cuda":

@@ -8,7 +8,8 @@
  * (a slot outside the pool: -1, nothing written in that layer), and *layers_written tells the
  * caller which layers to record (KVPool.write_layers_by), so the next step's isolation checks
  * see the same coverage as after the per-layer path. The bfloat16 loop reads q in place from
- * the qkv rows.
+ * the qkv rows, and multiplies a single row by a layer's Q4_1 blocks where the table has them
+ * and the row kernel takes the call (linear_q4.c: bit-equal to the tiles it stands for).
  *
  * Driven by kvseal/ops/native_decode_loop.py (NativeOps.decode_loop), which CausalLM.forward
  * calls for a step whose every row decodes one token. */

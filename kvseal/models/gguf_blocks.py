@@ -1,0 +1,65 @@
+"""A GGUF file's Q4_1 decoder linears as their blocks, for the one-row kernels (`Ops.hold_q4_1`).
+
+kvseal serves a GGUF's bfloat16 dequantization (`loader.convert_gguf`: bfloat16(float32(d) * q +
+float32(m)) for a Q4_1 block). Where every decoder linear of the file is Q4_1, a one-row step
+can read the blocks instead (under a third of the bytes) and compute the same sums
+(`csrc/linear_q4.c`). They are read once at load, memory-mapped by the gguf package's reader,
+with their rows in the order of kvseal's weights: q and k rows unpermuted as the conversion
+unpermutes them, q/k/v and gate/up concatenated as the loader packs them (`PACKED_MODULES`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kvseal.config import ModelConfig
+from kvseal.models.llama import PACKED_MODULES
+from kvseal.models.loader import hf_name, unpermute_rows
+
+Q4_1_BLOCK_BYTES = 20  # float16 d, float16 m, 32 nibbles
+_GGUF_PARTS = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
+               "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
+_LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")  # kvseal's decoder linears
+
+# layer -> kvseal's linear name (qkv_proj, o_proj, gate_up_proj, down_proj) -> [out, in / 32, 20] uint8
+LayerBlocks = dict[str, torch.Tensor]
+
+
+def read_q4_1_linears(path: Path, config: ModelConfig) -> list[LayerBlocks] | None:
+    """Each decoder layer's linears as Q4_1 blocks, or None unless the file holds every one of
+    them (q, k, v, o, gate, up, down of every layer) as Q4_1."""
+    from gguf import GGMLQuantizationType, GGUFReader
+
+    tensors = {t.name: t for t in GGUFReader(str(path)).tensors}
+    layers = []
+    for index in range(config.num_layers):
+        layer: LayerBlocks = {}
+        for linear in _LINEARS:
+            parts = []
+            for part in PACKED_MODULES.get(linear, (linear,)):
+                tensor = tensors.get(f"blk.{index}.{_GGUF_PARTS[part]}.weight")
+                if tensor is None or tensor.tensor_type != GGMLQuantizationType.Q4_1:
+                    return None
+                blocks = torch.from_numpy(np.array(tensor.data).reshape(tensor.data.shape[0], -1, Q4_1_BLOCK_BYTES))
+                parts.append(unpermute_rows(hf_name(tensor.name), blocks, config))
+            layer[linear] = torch.cat(parts).contiguous()
+        layers.append(layer)
+    return layers
+
+
+def dequantize_rows(blocks: torch.Tensor) -> torch.Tensor:
+    """Blocks [rows, in / 32, 20] uint8 -> the weights [rows, in] bfloat16 exactly as the loader's
+    conversion computes them (gguf's dequantization in float32, then the cast)."""
+    from gguf import GGMLQuantizationType, dequantize
+
+    rows = blocks.reshape(blocks.shape[0], -1).numpy()
+    return torch.from_numpy(dequantize(rows, GGMLQuantizationType.Q4_1).copy()).to(torch.bfloat16)
+
+
+def sample_rows(n_out: int, count: int = 8) -> torch.Tensor:
+    """`count` rows spread over [0, n_out), first and last among them: the rows a spot check of
+    a linear's blocks against its weight compares."""
+    return torch.linspace(0, n_out - 1, steps=min(count, n_out)).round().long().unique()
