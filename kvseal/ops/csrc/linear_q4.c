@@ -23,9 +23,10 @@
  * give a row the same sums at any row count). A build without AVX512-BF16 has no row kernels.
  *
  * Layout (kvseal_pack_q4_1). [ceil(n_out / 16)][k_in / 32] blocks of 320 bytes, each 16 features
- * x 32 k: the 16 features' d (float16), their 16 m, then 16 k-pairs of 16 bytes, byte f holding
- * feature f's q[2p] in its low nibble and q[2p + 1] in its high one (one vcvtne2ps2bf16 then
- * leaves the pair in vdpbf16ps's operand order). Features past n_out have d = m = q = 0.
+ * x 32 k: the 16 features' d (float16), their 16 m, then 16 k-pairs of 16 bytes, each byte one
+ * feature's q[2p] in its low nibble and q[2p + 1] in its high one, features 0-7 at bytes 0, 1, 4,
+ * 5, 8, 9, 12, 13 and 8-15 at the others (so that widening, an unpack and one vcvtne2ps2bf16
+ * leave the pair in vdpbf16ps's operand order). Features past n_out have d = m = q = 0.
  *
  * Measured (Zen 4, two threads, SmolLM2-135M's decoder linears at one row, interleaved rounds,
  * medians; docs/BENCHMARKS.md "What limits speed now"): see there for the numbers and commands. */
@@ -44,12 +45,17 @@
    16-31 in their high nibbles. */
 static inline int gguf_nibble(const uint8_t *qs, int k) { return k < 16 ? qs[k] & 15 : qs[k - 16] >> 4; }
 
+/* The byte of a packed k-pair that holds feature f's two nibbles: features 0-7 at bytes 0, 1, 4,
+   5, 8, 9, 12, 13, features 8-15 at the others (pair_weights' interleave puts them in order). */
+static inline int feature_byte(int f) { return f < 8 ? f / 2 * 4 + f % 2 : (f - 8) / 2 * 4 + 2 + f % 2; }
+
 /* One feature's GGUF block as feature f of a packed block. */
 static void pack_feature(const uint8_t *gguf, uint8_t *block, int f) {
     memcpy(block + 2 * f, gguf, 2);
     memcpy(block + 32 + 2 * f, gguf + 2, 2);
     for (int p = 0; p < 16; p++)
-        block[64 + 16 * p + f] = (uint8_t)(gguf_nibble(gguf + 4, 2 * p) | gguf_nibble(gguf + 4, 2 * p + 1) << 4);
+        block[64 + 16 * p + feature_byte(f)] =
+            (uint8_t)(gguf_nibble(gguf + 4, 2 * p) | gguf_nibble(gguf + 4, 2 * p + 1) << 4);
 }
 
 void kvseal_pack_q4_1(const uint8_t *blocks, uint8_t *packed, int64_t n_out, int64_t k_in) {
@@ -67,18 +73,14 @@ void kvseal_pack_q4_1(const uint8_t *blocks, uint8_t *packed, int64_t n_out, int
 #if KVSEAL_AVX512BF16
 /* The dequantization's constant vectors. */
 struct q4_constants {
-    __m512i dup_lo, dup_hi, shifts, fifteen;
-    __m128i bytes_lo, bytes_hi;
+    __m512i dup_lo, dup_hi, fifteen;
 };
 
 static struct q4_constants q4_constants(void) {
     struct q4_constants c;
     c.dup_lo = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
     c.dup_hi = _mm512_add_epi32(c.dup_lo, _mm512_set1_epi32(8));
-    c.shifts = _mm512_set_epi32(4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0);
     c.fifteen = _mm512_set1_epi32(15);
-    c.bytes_lo = _mm_set_epi8(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
-    c.bytes_hi = _mm_set_epi8(15, 15, 14, 14, 13, 13, 12, 12, 11, 11, 10, 10, 9, 9, 8, 8);
     return c;
 }
 
@@ -96,14 +98,14 @@ static inline struct q4_scales block_scales(const struct q4_constants *c, const 
 }
 
 /* k-pair p of a block: the 16 features' bfloat16 weights (k, k + 1), bfloat16(d * q + m) each,
-   in vdpbf16ps operand order (a tile row's). */
+   in vdpbf16ps operand order (a tile row's). The bytes widened to 32 bits, their low and high
+   nibbles interleaved within each 128-bit lane: bytes 0, 1, 4, 5, 8, 9, 12, 13 give features
+   0-7's pairs in order, the others features 8-15's (the packing puts them there). */
 static inline __m512bh pair_weights(const struct q4_constants *c, const uint8_t *block, int p,
                                     const struct q4_scales *s) {
-    const __m128i raw = _mm_loadu_si128((const __m128i *)(block + 64 + 16 * p));
-    const __m512i q0 = _mm512_and_si512(
-        _mm512_srlv_epi32(_mm512_cvtepu8_epi32(_mm_shuffle_epi8(raw, c->bytes_lo)), c->shifts), c->fifteen);
-    const __m512i q1 = _mm512_and_si512(
-        _mm512_srlv_epi32(_mm512_cvtepu8_epi32(_mm_shuffle_epi8(raw, c->bytes_hi)), c->shifts), c->fifteen);
+    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(block + 64 + 16 * p)));
+    const __m512i lo = _mm512_and_si512(bytes, c->fifteen), hi = _mm512_srli_epi32(bytes, 4);
+    const __m512i q0 = _mm512_unpacklo_epi32(lo, hi), q1 = _mm512_unpackhi_epi32(lo, hi);
     return _mm512_cvtne2ps_pbh(_mm512_fmadd_ps(s->d1, _mm512_cvtepi32_ps(q1), s->m1),
                                _mm512_fmadd_ps(s->d0, _mm512_cvtepi32_ps(q0), s->m0));
 }
