@@ -114,6 +114,22 @@ def test_row_sums_equal_the_tile_sums(bias: bool, n_out: int, k_in: int, tile_en
 
 
 @needs_tiles
+@pytest.mark.parametrize("threads", [1, 3, 5])
+def test_every_panel_is_computed_once_for_any_thread_count(threads: int) -> None:
+    """The threads claim short runs of panels from a shared counter: every output is written
+    (bit-equal to the tiles' sums) whatever the thread count."""
+    k = kernels()
+    n_out, k_in = 1000, 64
+    blocks = q4_1_blocks(n_out, k_in, seed=threads)
+    tiles, packed = k.pack_tiles(dequantize_rows(blocks)), k.pack_q4_1(blocks)
+    x = row(k_in, seed=threads)
+    want = k.linear_tiles_f32(x, tiles, None, n_out)
+    got = torch.full((1, n_out), float("nan"))
+    assert k.lib.kvseal_linear_q4_1_row_f32(k.ptr(x), k.ptr(packed), k.NULL, k.ptr(got), n_out, k_in, threads) == 0
+    assert torch.equal(got, want)
+
+
+@needs_tiles
 @pytest.mark.parametrize("inter, k_in", [(32, 64), (1536, 576)])
 def test_row_silu_equals_the_fused_tile_silu(inter: int, k_in: int, tile_engine: str) -> None:  # noqa: F811
     k = kernels()

@@ -158,20 +158,41 @@ static inline void q4_step(const struct q4_job *j, const struct q4_constants *c,
     else store_tile_rows(sums, 1, j->bias == NULL ? NULL : j->bias + i * 16, j->y + i * 16, j->n_out, nr);
 }
 
-/* The job's steps split evenly over the threads, each prefetching into L2 the weights of the
-   step two ahead of the one it works on (bench/q4_dequant.c's one-row pass). */
+/* The step d after step i in a thread's stream: the rest of its run (to end), then the run it
+   claimed next ([next, next_end)); -1 past both. */
+static inline int64_t stream_ahead(int64_t i, int64_t d, int64_t end, int64_t next, int64_t next_end) {
+    if (i + d < end) return i + d;
+    const int64_t at = next + (i + d - end);
+    return at < next_end ? at : -1;
+}
+
+/* The job's steps handed to the threads in short runs from a shared counter as they come free
+   (about 8 a thread, as the tile linears hand out their pairs), each thread claiming its next
+   run before it works on the one in hand and prefetching into L2 the weights of the step two
+   ahead in its own stream. An even static split (bench/q4_dequant.c's) left the other thread
+   waiting at the end of each linear whenever the frontend took a core: this kernel is bound by
+   its arithmetic, not its bytes. */
 static void q4_run(const struct q4_job *j, int64_t steps, int num_threads) {
     const int64_t panel_bytes = j->k_in / 32 * Q4_BLOCK_BYTES;
+    const int64_t run = steps / (8 * num_threads) > 1 ? steps / (8 * num_threads) : 1;
+    int64_t handed_out = 0;
 #pragma omp parallel num_threads(num_threads)
     {
         const struct q4_constants c = q4_constants();
-#pragma omp for schedule(static)
-        for (int64_t i = 0; i < steps; i++) {
-            for (int64_t at = 0; i + 2 < steps && at < panel_bytes; at += 64) {
-                __builtin_prefetch(j->packed + (i + 2) * panel_bytes + at, 0, 2);
-                if (j->half > 0) __builtin_prefetch(j->packed + (i + 2 + j->half) * panel_bytes + at, 0, 2);
+        int64_t first = __atomic_fetch_add(&handed_out, run, __ATOMIC_RELAXED);
+        while (first < steps) {
+            const int64_t next = __atomic_fetch_add(&handed_out, run, __ATOMIC_RELAXED);
+            const int64_t end = first + run < steps ? first + run : steps;
+            const int64_t next_end = next + run < steps ? next + run : steps;
+            for (int64_t i = first; i < end; i++) {
+                const int64_t ahead = stream_ahead(i, 2, end, next, next_end);
+                for (int64_t at = 0; ahead >= 0 && at < panel_bytes; at += 64) {
+                    __builtin_prefetch(j->packed + ahead * panel_bytes + at, 0, 2);
+                    if (j->half > 0) __builtin_prefetch(j->packed + (ahead + j->half) * panel_bytes + at, 0, 2);
+                }
+                q4_step(j, &c, i);
             }
-            q4_step(j, &c, i);
+            first = next;
         }
     }
 }
