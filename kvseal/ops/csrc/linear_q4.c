@@ -28,8 +28,11 @@
  * 5, 8, 9, 12, 13 and 8-15 at the others (so that widening, an unpack and one vcvtne2ps2bf16
  * leave the pair in vdpbf16ps's operand order). Features past n_out have d = m = q = 0.
  *
- * Measured (Zen 4, two threads, SmolLM2-135M's decoder linears at one row, interleaved rounds,
- * medians; docs/BENCHMARKS.md "What limits speed now"): see there for the numbers and commands. */
+ * Measured (Zen 4, two threads, 2026-12-07; bench/q4_rows_ab.py, interleaved passes, medians):
+ * SmolLM2-135M's 120 decoder linears at one row 4.90-4.99 ms over 66 MB of blocks against
+ * 6.19-6.29 ms over 212 MB of tiles; the engine's c=1 decode step 0.90x; served c=1 (the
+ * frontend sharing the two cores) no gain beyond the noise (docs/BENCHMARKS.md, "What limits
+ * speed now"). */
 
 #include <omp.h>
 
