@@ -77,12 +77,12 @@ def write_tiny_q4_1_gguf(path: Path, seed: int = 0) -> Path:
     _add_byte_tokenizer(writer)
 
     def linear(name: str, n_out: int, k_in: int, n_head: int | None = None) -> None:
-        w = rng.normal(0, 0.08, (n_out, k_in)).astype(np.float32)
+        w = rng.normal(0, 0.25, (n_out, k_in)).astype(np.float32)
         w = _permute(w, n_head) if n_head is not None else w
         writer.add_tensor(name, gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q4_1),
                           raw_dtype=gguf.GGMLQuantizationType.Q4_1)
 
-    writer.add_tensor("token_embd.weight", rng.normal(0, 0.5, (VOCAB, HIDDEN)).astype(np.float32))
+    writer.add_tensor("token_embd.weight", rng.normal(0, 0.05, (VOCAB, HIDDEN)).astype(np.float32))
     writer.add_tensor("output_norm.weight", (1 + rng.normal(0, 0.1, HIDDEN)).astype(np.float32))
     for i in range(LAYERS):
         for norm in ("attn_norm", "ffn_norm"):
