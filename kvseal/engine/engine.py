@@ -169,7 +169,8 @@ class LLMEngine:
         where some decoder linear of the file is not Q4_1."""
         path = self.loaded.path
         if not args.gguf_q4_rows or path.suffix != ".gguf" or args.tensor_parallel_size > 1 \
-                or args.device != "cpu" or args.torch_dtype != torch.bfloat16 or args.quantization != "none":
+                or args.device != "cpu" or args.torch_dtype != torch.bfloat16 or args.quantization != "none" \
+                or not self.ops.takes_q4_1():
             return None
         return read_q4_1_linears(path, self.loaded.config)
 

@@ -10,16 +10,22 @@ unpermutes them, q/k/v and gate/up concatenated as the loader packs them (`PACKE
 
 from __future__ import annotations
 
+import logging
+import os
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from kvseal.config import ModelConfig
+from kvseal.model_files import gguf_cache_dir
 from kvseal.models.llama import PACKED_MODULES
 from kvseal.models.loader import hf_name, unpermute_rows
 
+logger = logging.getLogger("kvseal")
+
 Q4_1_BLOCK_BYTES = 20  # float16 d, float16 m, 32 nibbles
+BLOCKS_FILE = "q4_1.blocks"  # safetensors, beside the converted folder's weights, never one of them (`*.safetensors`)
 _GGUF_PARTS = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
                "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
 _LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")  # kvseal's decoder linears
@@ -30,7 +36,46 @@ LayerBlocks = dict[str, torch.Tensor]
 
 def read_q4_1_linears(path: Path, config: ModelConfig) -> list[LayerBlocks] | None:
     """Each decoder layer's linears as Q4_1 blocks, or None unless the file holds every one of
-    them (q, k, v, o, gate, up, down of every layer) as Q4_1."""
+    them (q, k, v, o, gate, up, down of every layer) as Q4_1. Kept beside the file's converted
+    folder (`BLOCKS_FILE`) the first time: the gguf package's reader parses the whole file's
+    metadata, its tokenizer's arrays too (~2 s of start-up for the default model), a
+    safetensors file of the blocks alone loads in a fraction of that."""
+    cached = gguf_cache_dir(path) / BLOCKS_FILE
+    if cached.exists():
+        try:
+            return _load_blocks(cached, config.num_layers)
+        except Exception as exc:  # a cache file damaged or from another layout: read the GGUF again
+            logger.warning("cannot read %s (%s); reading the GGUF's blocks again", cached, exc)
+    layers = _read_gguf_blocks(path, config)
+    _keep_blocks(cached, layers)
+    return layers
+
+
+def _load_blocks(cached: Path, num_layers: int) -> list[LayerBlocks] | None:
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(cached))
+    if not tensors:  # the file's decoder linears are not all Q4_1
+        return None
+    return [{linear: tensors[f"{index}.{linear}"] for linear in _LINEARS} for index in range(num_layers)]
+
+
+def _keep_blocks(cached: Path, layers: list[LayerBlocks] | None) -> None:
+    """Write the blocks (none: an empty file) beside the converted folder, whole or not at all."""
+    from safetensors.torch import save_file
+
+    tensors = {f"{index}.{linear}": blocks for index, layer in enumerate(layers or []) for linear, blocks in
+               layer.items()}
+    tmp = cached.with_name(f".{cached.name}.{os.getpid()}.tmp")
+    try:
+        save_file(tensors, str(tmp))
+        os.replace(tmp, cached)
+    except OSError as exc:  # a read-only or full cache: the blocks are read from the GGUF at every start
+        logger.warning("cannot keep the Q4_1 blocks in %s (%s)", cached, exc)
+        tmp.unlink(missing_ok=True)
+
+
+def _read_gguf_blocks(path: Path, config: ModelConfig) -> list[LayerBlocks] | None:
     from gguf import GGMLQuantizationType, GGUFReader
 
     tensors = {t.name: t for t in GGUFReader(str(path)).tensors}

@@ -181,6 +181,9 @@ class Ops(Protocol):
         linear itself where nothing faster applies. ConfigError where this backend cannot store
         weights in `weight_dtype`."""
 
+    def takes_q4_1(self) -> bool:
+        """Whether `hold_q4_1` can hold blocks at all here (so a caller reads none it would drop)."""
+
     def hold_q4_1(self, linear: nn.Module, blocks: torch.Tensor) -> bool:
         """Give `linear` (a module `linear()` returned) its weight a second time, as the GGUF Q4_1
         blocks [out, in / 32, 20] uint8 it was dequantized from (bfloat16(d * q + m), bit for bit:

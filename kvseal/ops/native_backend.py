@@ -126,11 +126,15 @@ class NativeOps:
             return TileLinear(linear, self.kernels)
         return self.fallback.linear(linear, weight_dtype)
 
+    def takes_q4_1(self) -> bool:
+        """Where the row kernel runs: the tiles on AVX512-BF16 dot products. Not on AMX, where its
+        sums would not be the AMX tiles' bits (csrc/linear_q4.c), nor without AVX512-BF16."""
+        return self.kernels.tile_engine == self.kernels.TILES_AVX512
+
     def hold_q4_1(self, linear: nn.Module, blocks: torch.Tensor) -> bool:
-        """A tile linear takes the blocks for its one-row steps (`TileLinear.hold_q4_1`) where the
-        row kernel runs: the tiles on AVX512-BF16 dot products. Not on AMX, where its sums would
-        not be the AMX tiles' bits (csrc/linear_q4.c)."""
-        if not isinstance(linear, TileLinear) or self.kernels.tile_engine != self.kernels.TILES_AVX512:
+        """A tile linear takes the blocks for its one-row steps (`TileLinear.hold_q4_1`) where
+        `takes_q4_1`."""
+        if not isinstance(linear, TileLinear) or not self.takes_q4_1():
             return False
         linear.hold_q4_1(blocks)
         return True

@@ -167,3 +167,28 @@ def test_the_blocks_read_back_as_the_conversions_weights(tiny_gguf: Path) -> Non
                             ("mlp", "down_proj")):
             weight = getattr(getattr(layer, owner), attr).weight
             assert torch.equal(dequantize_rows(layer_blocks[attr]), weight)
+
+
+def test_the_blocks_are_kept_beside_the_converted_folder_and_read_from_there(
+        tiny_gguf: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GGUF is parsed for its blocks once (the reader parses the tokenizer's arrays too: ~2 s
+    of every start for the default model); later starts load the kept blocks, the same bytes."""
+    from kvseal.models import gguf_blocks
+    from kvseal.models.loader import load_model
+
+    config = load_model(tiny_gguf, torch.bfloat16).config
+    kept = gguf_cache_dir(tiny_gguf) / gguf_blocks.BLOCKS_FILE
+    kept.unlink(missing_ok=True)
+    first = gguf_blocks.read_q4_1_linears(tiny_gguf, config)
+    assert first is not None and kept.exists()
+
+    def no_gguf(path: Path, config: Any) -> None:
+        raise AssertionError("the GGUF was parsed again")
+
+    monkeypatch.setattr(gguf_blocks, "_read_gguf_blocks", no_gguf)
+    again = gguf_blocks.read_q4_1_linears(tiny_gguf, config)
+    assert again is not None
+    assert all(torch.equal(a[name], b[name]) for a, b in zip(first, again) for name in a)
+    kept.write_bytes(b"damaged")  # a damaged file: the GGUF is read again (here: refused), never trusted
+    with pytest.raises(AssertionError, match="parsed again"):
+        gguf_blocks.read_q4_1_linears(tiny_gguf, config)
