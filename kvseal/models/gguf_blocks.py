@@ -10,6 +10,7 @@ unpermutes them, q/k/v and gate/up concatenated as the loader packs them (`PACKE
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 from pathlib import Path
@@ -25,6 +26,7 @@ from kvseal.models.loader import hf_name, unpermute_rows
 logger = logging.getLogger("kvseal")
 
 Q4_1_BLOCK_BYTES = 20  # float16 d, float16 m, 32 nibbles
+_BLOCKS_FORMAT = "kvseal-q4_1-blocks-1"  # what a kept file says it is (another layout: read the GGUF again)
 BLOCKS_FILE = "q4_1.blocks"  # safetensors, beside the converted folder's weights, never one of them (`*.safetensors`)
 _GGUF_PARTS = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
                "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
@@ -52,27 +54,53 @@ def read_q4_1_linears(path: Path, config: ModelConfig) -> list[LayerBlocks] | No
 
 
 def _load_blocks(cached: Path, num_layers: int) -> list[LayerBlocks] | None:
-    from safetensors.torch import load_file
+    """The kept blocks, or ValueError where the file is not exactly what `_keep_blocks` wrote:
+    another layout, or bytes changed since (its digest), so a damaged file is never computed with."""
+    from safetensors import safe_open
 
-    tensors = load_file(str(cached))
-    if not tensors:  # the file's decoder linears are not all Q4_1
+    with safe_open(str(cached), framework="pt") as kept:
+        meta = kept.metadata() or {}
+        tensors = {name: kept.get_tensor(name) for name in kept.keys()}
+    if meta.get("format") != _BLOCKS_FORMAT:
+        raise ValueError(f"not a {_BLOCKS_FORMAT} file")
+    if meta.get("sha256") != _digest(tensors):
+        raise ValueError("its blocks do not match the digest written with them")
+    if meta.get("all_q4_1") != "yes":
         return None
-    return [{linear: tensors[f"{index}.{linear}"] for linear in _LINEARS} for index in range(num_layers)]
+    layers = [{linear: tensors[f"{index}.{linear}"] for linear in _LINEARS} for index in range(num_layers)]
+    if any(b.dtype != torch.uint8 or b.dim() != 3 or b.shape[2] != Q4_1_BLOCK_BYTES or not b.is_contiguous()
+           for layer in layers for b in layer.values()):
+        raise ValueError("its tensors are not Q4_1 blocks [out, in / 32, 20] uint8")
+    return layers
 
 
 def _keep_blocks(cached: Path, layers: list[LayerBlocks] | None) -> None:
-    """Write the blocks (none: an empty file) beside the converted folder, whole or not at all."""
+    """Write the blocks (none: no tensor) beside the converted folder, with their digest, whole
+    or not at all; where the cache cannot be written, say so and go on (the GGUF is read again
+    at the next start)."""
     from safetensors.torch import save_file
 
     tensors = {f"{index}.{linear}": blocks for index, layer in enumerate(layers or []) for linear, blocks in
                layer.items()}
+    meta = {"format": _BLOCKS_FORMAT, "all_q4_1": "yes" if layers else "no", "sha256": _digest(tensors)}
     tmp = cached.with_name(f".{cached.name}.{os.getpid()}.tmp")
     try:
-        save_file(tensors, str(tmp))
+        save_file(tensors, str(tmp), metadata=meta)
         os.replace(tmp, cached)
-    except OSError as exc:  # a read-only or full cache: the blocks are read from the GGUF at every start
-        logger.warning("cannot keep the Q4_1 blocks in %s (%s)", cached, exc)
+    except Exception as exc:  # read-only or full (safetensors raises its own error type, no OSError)
+        logger.warning("cannot keep the Q4_1 blocks in %s (%s); they are read from the GGUF at each start",
+                       cached, exc)
         tmp.unlink(missing_ok=True)
+
+
+def _digest(tensors: dict[str, torch.Tensor]) -> str:
+    """SHA-256 over the tensors' names, shapes, dtypes and bytes, in name order (~0.1 s for 66 MB)."""
+    digest = hashlib.sha256()
+    for name in sorted(tensors):
+        tensor = tensors[name].contiguous()
+        digest.update(f"{name}|{tuple(tensor.shape)}|{tensor.dtype}|".encode())
+        digest.update(tensor.reshape(-1).view(torch.uint8).numpy())  # the bytes, whatever the dtype
+    return digest.hexdigest()
 
 
 def _read_gguf_blocks(path: Path, config: ModelConfig) -> list[LayerBlocks] | None:

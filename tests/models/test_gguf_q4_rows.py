@@ -192,3 +192,51 @@ def test_the_blocks_are_kept_beside_the_converted_folder_and_read_from_there(
     kept.write_bytes(b"damaged")  # a damaged file: the GGUF is read again (here: refused), never trusted
     with pytest.raises(AssertionError, match="parsed again"):
         gguf_blocks.read_q4_1_linears(tiny_gguf, config)
+
+
+def _kept_file(tiny_gguf: Path) -> tuple[Path, Any, Any]:
+    from kvseal.models import gguf_blocks
+    from kvseal.models.loader import load_model
+
+    config = load_model(tiny_gguf, torch.bfloat16).config
+    kept = gguf_cache_dir(tiny_gguf) / gguf_blocks.BLOCKS_FILE
+    kept.unlink(missing_ok=True)
+    assert gguf_blocks.read_q4_1_linears(tiny_gguf, config) is not None and kept.exists()
+    return kept, config, gguf_blocks
+
+
+def test_a_kept_file_changed_anywhere_or_in_another_layout_is_replaced_from_the_gguf(tiny_gguf: Path) -> None:
+    """One changed scale in a row the start-up spot check does not sample would change outputs:
+    the digest written with the blocks refuses it; so are int8 tensors of the same bytes and a
+    file of another format. Each time the GGUF is read again and the file written anew."""
+    from safetensors.torch import load_file, save_file
+
+    kept, config, gguf_blocks = _kept_file(tiny_gguf)
+    first = gguf_blocks.read_q4_1_linears(tiny_gguf, config)
+    meta = {"format": "kvseal-q4_1-blocks-1", "all_q4_1": "yes"}
+    damaged = load_file(str(kept))
+    damaged["0.o_proj"][5, 0, 1] ^= 0x40  # row 5's scale: not among the sampled rows
+    as_int8 = {name: t.view(torch.int8) for name, t in load_file(str(kept)).items()}
+    for tensors, metadata in ((damaged, meta | {"sha256": "0" * 64}), (as_int8, meta | {"sha256": "0" * 64}),
+                              (load_file(str(kept)), {"format": "another-1"})):
+        save_file(tensors, str(kept), metadata=metadata)
+        again = gguf_blocks.read_q4_1_linears(tiny_gguf, config)
+        assert again is not None and all(torch.equal(a[n], b[n]) for a, b in zip(first, again) for n in a)
+        assert gguf_blocks._load_blocks(kept, config.num_layers) is not None  # written anew
+
+
+def test_a_cache_that_cannot_be_written_leaves_the_blocks_read_from_the_gguf(
+        tiny_gguf: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A read-only or full cache (safetensors raises its own error, no OSError) is said in the log;
+    the engine starts with the blocks read from the GGUF."""
+    from safetensors import SafetensorError
+
+    kept, config, gguf_blocks = _kept_file(tiny_gguf)
+    kept.unlink()
+
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise SafetensorError("Error while serializing: I/O error: Read-only file system (os error 30)")
+
+    monkeypatch.setattr("safetensors.torch.save_file", refuse)
+    assert gguf_blocks.read_q4_1_linears(tiny_gguf, config) is not None
+    assert not kept.exists()
