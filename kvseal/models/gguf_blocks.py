@@ -99,7 +99,7 @@ def _digest(tensors: dict[str, torch.Tensor]) -> str:
     for name in sorted(tensors):
         tensor = tensors[name].contiguous()
         digest.update(f"{name}|{tuple(tensor.shape)}|{tensor.dtype}|".encode())
-        digest.update(tensor.reshape(-1).view(torch.uint8).numpy())  # the bytes, whatever the dtype
+        digest.update(tensor.reshape(-1).view(torch.uint8).numpy().data)  # the bytes, whatever the dtype
     return digest.hexdigest()
 
 
