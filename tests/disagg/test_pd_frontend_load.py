@@ -224,18 +224,8 @@ def test_a_transfer_prefill_could_not_make_is_the_engines_failure(client: PdClie
     """Prefill could not reach decode (its push, and so its word to decode, failed): the frontend
     ends the reservation on decode and the request here as what it is, 502 with prefill's code,
     not as decode's answer to a plain abort (which the server would take for an abort)."""
+    ends, sent = _routed_to_both(client)
     prefill, decode = client.links
-    sent: dict[str, list[object]] = {"prefill": [], "decode": []}
-    for link in (prefill, decode):
-        link.send = sent[link.role].append  # type: ignore[method-assign]
-        client._on_info(link, msgspec.structs.replace(_info(link.role, "zero"), instance_id=f"{link.role}-1"))
-    ends = Ends()
-    route = PdRoute(RequestHandle("r-t", "alice", ends),
-                    AddRequestMsg("r-t", "alice", [5, 6], params_to_msg(SamplingParams(max_tokens=2))), decode,
-                    prefill=prefill, transfer_id="t-1")
-    client._routes["r-t"] = route
-    client._by_transfer["t-1"] = route
-    prefill.num_assigned = decode.num_assigned = 1
     client._on_prefill_result(prefill, PrefillRefusedMsg("r-t", "t-1", "prefill-1", TRANSFER_FAILED,
                                                          "the KV transfer to decode failed: unreachable", None, 502))
     assert sent["decode"] == [AbortMsg("r-t", "alice", "the KV transfer to decode failed: unreachable")]
