@@ -10,7 +10,8 @@ request is reproducible and its choices differ.
 The group observes every choice's handle and is the call's single view of them: it forwards
 progress, and reports one terminal event when the last choice has ended. A failure wins over
 a success, and of several failures the first to arrive: the one the response ended with (the
-others follow from it, the choices still running being aborted once it ended the response).
+others follow from it, the choices still running being aborted once it ended the response),
+but a tripped isolation check whenever it arrives (the breach is audited and counted as one).
 Output tokens and KV pages are summed for the audit record (I8), and so are the prompts'
 tokens, each prompt counted once; the call's latency metrics follow choice 0. For a request
 that fails without an output of its own (the engine lost, an engine's refusal),
