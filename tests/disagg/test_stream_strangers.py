@@ -12,13 +12,11 @@ from __future__ import annotations
 
 import select
 import socket
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import torch
 from pd_harness import MAX_ITERATIONS, PdPair
-from test_handoff import GREEDY, args
+from test_handoff import GREEDY
 from test_handoff_faults import PROMPT
 from test_stream_faults import (
     KEY,
@@ -29,13 +27,13 @@ from test_stream_faults import (
     make_pool,
     plan,
     receiver,  # noqa: F401 (a fixture)
+    stream_pair,  # noqa: F401 (a fixture)
     take_in,
 )
 
 from kvseal.disagg.msgs import KVBlockMsg, KVStreamEndMsg
 from kvseal.disagg.stream import MAX_CONNECTIONS, StreamReceiver, StreamSender, split_address
 from kvseal.disagg.transport import KINDS
-from kvseal.models.loader import load_model
 
 MAX_QUEUED = 100  # strangers queued at once: under the listener's backlog (128), so no connect waits
 
@@ -122,15 +120,8 @@ def test_a_sender_whose_first_record_comes_after_decode_accepted_it_is_not_pushe
 # ---- the whole handoff, in one process ------------------------------------------------------
 
 
-@pytest.fixture
-def stream_pair(llama_dir: Path) -> Iterator[PdPair]:
-    loaded = load_model(str(llama_dir), args(llama_dir).torch_dtype)
-    pair = PdPair(args(llama_dir), args(llama_dir), loaded=loaded, kv_transport="tcp-stream")
-    yield pair
-    pair.close()
-
-
-def test_a_handoff_completes_when_strangers_queue_behind_prefills_new_connection(stream_pair: PdPair) -> None:
+def test_a_handoff_completes_when_strangers_queue_behind_prefills_new_connection(
+        stream_pair: PdPair) -> None:  # noqa: F811 (the fixture, imported above)
     """The reviewer's flood, made exact: prefill opens its first connection to decode and
     pushes; before decode's loop runs, more than `MAX_CONNECTIONS` empty connections queue
     behind it. The request completes (before, decode closed prefill's connection unread and the
