@@ -11,7 +11,9 @@
 #
 # Usage: bench/peers/compare.sh OUT_DIR
 # Env:   SERVERS        servers in order (default "kvseal vllm-best"; also vllm-bind, vllm-default,
-#                       kvseal-bf16w; vllm-best is vLLM's documented CPU configuration, see start_vllm.sh)
+#                       kvseal-bf16w, kvseal-gguf: the default GGUF itself, whose bfloat16
+#                       export (OUT_DIR/model) the others serve; vllm-best is vLLM's documented
+#                       CPU configuration, see start_vllm.sh)
 #        CLIENTS        load generators, each run on every point (default "kvseal vllm"): kvseal's
 #                       `kvseal bench serve` (random token-id prompts) and `vllm bench serve`
 #                       (vllm_bench_serve.py: vLLM's random dataset, sent as text)

@@ -12,12 +12,20 @@ start_server() {
     # float32 model, linear weights stored in bf16 (float32 arithmetic): export the model with DTYPE=float32
     kvseal-bf16w) EXTRA_ARGS="--quantization bf16 ${EXTRA_ARGS:-}" DTYPE=float32 \
                     setsid "$PEERS_DIR/start_kvseal.sh" "$model_dir" "$port" >"$log" 2>&1 & ;;
+    # the default model's GGUF itself (MODEL_DIR is its bfloat16 export, the same numbers): the
+    # engine also holds its Q4_1 blocks for one-row steps where the host runs them (AVX512-BF16)
+    kvseal-gguf) setsid "$PEERS_DIR/start_kvseal.sh" "$(default_gguf)" "$port" >"$log" 2>&1 & ;;
     vllm-best) setsid "$PEERS_DIR/start_vllm.sh" "$model_dir" "$port" best >"$log" 2>&1 & ;;
     vllm-bind) setsid "$PEERS_DIR/start_vllm.sh" "$model_dir" "$port" bind >"$log" 2>&1 & ;;
     vllm-default) setsid "$PEERS_DIR/start_vllm.sh" "$model_dir" "$port" default >"$log" 2>&1 & ;;
-    *) echo "unknown server $name (kvseal, kvseal-bf16w, vllm-best, vllm-bind, vllm-default)" >&2; return 2 ;;
+    *) echo "unknown server $name (kvseal, kvseal-bf16w, kvseal-gguf, vllm-best, vllm-bind, vllm-default)" >&2; return 2 ;;
   esac
   echo $!
+}
+
+# default_gguf -> the GGUF file `kvseal serve` serves when no model is named
+default_gguf() {
+  python -c "from kvseal.model_files import resolve_model_path; print(resolve_model_path(None))"
 }
 
 # wait_ready PID PORT: poll /health until 200; fail if the server exits or READY_TIMEOUT_S passes
