@@ -11,8 +11,8 @@ name is its file name without the suffix; engines log and count by it.
 
 Every key file read, and the folder it is in (a link's target and its folder too), must be
 writable by its owner only, and owned by this user or root (as OpenSSH requires of
-authorized_keys): whoever can write an allow-list can add their own key to it and become a
-frontend or a peer at the next restart.
+authorized_keys; `owner_only.refuse_unsafe`): whoever can write an allow-list can add their own
+key to it and become a frontend or a peer at the next restart.
 
 Public keys are not secrets: the frontend logs the engines' keys it uses. A secret key never
 leaves its file, or, for `kvseal serve --pd`, the memory of the frontend and the engine it
@@ -33,11 +33,13 @@ import zmq.auth
 from zmq.utils import z85
 
 from kvseal.errors import ConfigError
+from kvseal.owner_only import refuse_unsafe
 
 PUBLIC_SUFFIX = ".key"
 SECRET_SUFFIX = ".key_secret"
 Z85_KEY_LEN = 40  # a CURVE key, z85-encoded
 KEY_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+KEY_STAKE = "put their own key in an allow-list, or swap a key pair"  # what `refuse_unsafe` guards here
 KEYS_HINT = "make them with `kvseal keys generate --dir DIR NAME...`"
 
 
@@ -86,10 +88,6 @@ class KeyPair:
 
     def public_key(self) -> PublicKey:
         return PublicKey(self.name, self.public)
-
-
-class UnsafeKeyFile(ConfigError):
-    """A key file, or the folder it is in, that a user other than its owner may change."""
 
 
 @dataclass(frozen=True)
@@ -182,7 +180,8 @@ def _load_certificate(path: Path, flag: str) -> tuple[bytes, bytes | None]:
         raise ConfigError(f"{flag}: no key file at {path}; {KEYS_HINT}")
     real = path.resolve()  # a link's target is what is read: its folder is the one that must be safe
     for checked in dict.fromkeys((path, path.absolute().parent, real, real.parent)):
-        _refuse_unsafe(checked, f"{flag}: {path}" if checked in (path, real) else f"{flag}: the folder of {path},")
+        refuse_unsafe(checked, f"{flag}: {path}" if checked in (path, real) else f"{flag}: the folder of {path},",
+                      KEY_STAKE)
     try:
         public, secret = zmq.auth.load_certificate(path)
     except (OSError, ValueError) as exc:
@@ -190,21 +189,6 @@ def _load_certificate(path: Path, flag: str) -> tuple[bytes, bytes | None]:
     if public is None or len(public) != Z85_KEY_LEN:
         raise ConfigError(f"{flag}: {path} holds no public key; {KEYS_HINT}")
     return public, secret
-
-
-def _refuse_unsafe(path: Path, what: str) -> None:
-    """Refuse `path` (a key file or a folder) if a user other than its owner may write it, or its
-    owner is neither this user nor root: another local user could then put their own key in an
-    allow-list (or swap a key pair) without anyone noticing. The folders above are not checked."""
-    st = path.stat()
-    mode = stat.S_IMODE(st.st_mode)
-    if mode & 0o022:
-        raise UnsafeKeyFile(f"{what} {path} can be written by users other than its owner (mode {mode:o}), who "
-                            f"could put their own key there; make it writable by its owner only: chmod go-w {path}")
-    if st.st_uid not in (os.getuid(), 0):
-        raise UnsafeKeyFile(f"{what} {path} is owned by user id {st.st_uid}, neither this user ({os.getuid()}) nor "
-                            f"root, who could change the keys it holds; give it to this user: chown {os.getuid()} "
-                            f"{path}")
 
 
 def _key_name(path: Path) -> str:
@@ -232,7 +216,7 @@ def generate_keys(folder: str | Path, names: list[str]) -> list[tuple[Path, Path
     except OSError as exc:
         raise ConfigError(f"cannot write keys to {folder}: {exc.strerror or exc} (give a folder, or a path "
                           f"where one can be made)") from exc
-    _refuse_unsafe(folder, "kvseal keys generate: the folder")  # engines would refuse the keys in it
+    refuse_unsafe(folder, "kvseal keys generate: the folder", KEY_STAKE)  # engines would refuse the keys in it
     taken = [p for n in names for p in (folder / f"{n}{PUBLIC_SUFFIX}", folder / f"{n}{SECRET_SUFFIX}") if p.exists()]
     if taken:
         raise ConfigError(f"{', '.join(map(str, taken))} exists already; keys are never overwritten (remove it "

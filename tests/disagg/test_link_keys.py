@@ -16,12 +16,12 @@ from kvseal.cli import main
 from kvseal.disagg.link_keys import (
     EngineLinkKeys,
     KeyPair,
-    UnsafeKeyFile,
     load_key_pair,
     load_public_key_list,
     load_public_keys,
 )
 from kvseal.errors import ConfigError
+from kvseal.owner_only import UnsafeFile
 
 
 @pytest.fixture
@@ -206,11 +206,11 @@ def test_an_engine_refuses_key_files_other_users_may_write(keys: Path, flag: str
 def test_a_group_writable_allow_list_is_refused_and_an_owner_only_one_loads(keys: Path, spec: str) -> None:
     path = keys / spec
     os.chmod(keys / "frontend.key", 0o664)
-    with pytest.raises(UnsafeKeyFile, match=f"chmod go-w {keys / 'frontend.key'}"):
+    with pytest.raises(UnsafeFile, match=f"chmod go-w {keys / 'frontend.key'}"):
         load_public_keys(str(path), "--frontend-keys")
     os.chmod(keys / "frontend.key", 0o644)
     os.chmod(keys, 0o770)
-    with pytest.raises(UnsafeKeyFile, match=f"the folder of .* {keys} can be written"):
+    with pytest.raises(UnsafeFile, match=f"the folder of .* {keys} can be written"):
         load_public_keys(str(path), "--frontend-keys")
     os.chmod(keys, 0o755)  # readable by all is fine: public keys are not secrets
     assert load_public_keys(str(path), "--frontend-keys")
@@ -228,7 +228,7 @@ def test_a_key_file_linked_into_a_folder_others_may_write_is_refused(keys: Path,
     safe = tmp_path / "safe"
     safe.mkdir(mode=0o700)
     (safe / "linked.key").symlink_to(shared / "frontend.key")
-    with pytest.raises(UnsafeKeyFile, match=f"{shared} can be written"):
+    with pytest.raises(UnsafeFile, match=f"{shared} can be written"):
         load_public_keys(str(safe / spec), "--frontend-keys")
     os.chmod(shared, 0o755)
     assert load_public_keys(str(safe / spec), "--frontend-keys")
@@ -236,7 +236,7 @@ def test_a_key_file_linked_into_a_folder_others_may_write_is_refused(keys: Path,
 
 def test_a_frontend_refuses_engine_keys_other_users_may_write(keys: Path) -> None:
     os.chmod(keys / "decode.key", 0o646)
-    with pytest.raises(UnsafeKeyFile, match="chmod go-w"):
+    with pytest.raises(UnsafeFile, match="chmod go-w"):
         load_public_key_list(str(keys / "decode.key"), "--decode-keys")
 
 
@@ -244,7 +244,7 @@ def test_a_frontend_refuses_engine_keys_other_users_may_write(keys: Path) -> Non
 @pytest.mark.parametrize("what", ["file", "folder"])
 def test_a_key_file_owned_by_another_user_is_refused(keys: Path, what: str) -> None:
     os.chown(keys / "frontend.key" if what == "file" else keys, 65534, -1)
-    with pytest.raises(UnsafeKeyFile, match="owned by user id 65534"):
+    with pytest.raises(UnsafeFile, match="owned by user id 65534"):
         load_public_keys(str(keys / "frontend.key"), "--frontend-keys")
 
 
