@@ -2,13 +2,16 @@
 
 A Hugging Face folder needs config.json, *.safetensors and tokenizer files. A GGUF file is
 converted once (weights dequantized with the `gguf` package, config and tokenizer with its
-chat template read from the GGUF metadata) into a Hugging Face folder under the user's cache,
-then loaded like any folder. Nothing is ever fetched from a hub.
+chat template read from the GGUF metadata) into a Hugging Face folder under the user's cache
+(`model_files`: what the cache trusts), then loaded like any folder. Nothing is ever fetched
+from a hub.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import errno
 import importlib
 import json
 import logging
@@ -26,7 +29,14 @@ import torch
 
 from kvseal.config import ModelConfig
 from kvseal.errors import ModelLoadError
-from kvseal.model_files import gguf_cache_dir, resolve_model_path
+from kvseal.model_files import (
+    GgufSource,
+    conversion_problem,
+    gguf_cache_dir,
+    older_conversions,
+    resolve_model_path,
+    stamp_conversion,
+)
 from kvseal.models.llama import PACKED_MODULES, CausalLM
 from kvseal.models.tensor_parallel import RankLayout
 
@@ -218,22 +228,59 @@ def _read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
 
 
 def convert_gguf(path: Path) -> Path:
-    """Convert a GGUF file to a cached Hugging Face folder (once per file version)."""
-    cache = gguf_cache_dir(path)
-    if (cache / "model.safetensors").exists():
-        return cache
-    logger.info("converting %s to a Hugging Face folder in %s (once)", path, cache)
-    cache.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=cache.parent))
+    """The Hugging Face folder of a GGUF file: its conversion in the cache (`gguf_cache_dir`),
+    made here where it is missing or must not be used (`conversion_problem`: another user may
+    change it, it was not made from this very file, it is incomplete), once per version of the
+    file. Where two processes convert the same file at once, the slower uses the folder the
+    faster finished."""
+    source = GgufSource.of(path)
+    folder = gguf_cache_dir(path)
+    problem = conversion_problem(folder, source)
+    if problem is None:
+        return folder
+    if folder.exists():
+        logger.warning("the converted folder %s is not used (%s): %s is converted again", folder, problem, path)
+    else:
+        logger.info("converting %s to a Hugging Face folder in %s (once)", path, folder)
+    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".converting-"))  # 0700
     try:
         _write_hf_folder(path, tmp)
-        tmp.rename(cache)
-    except FileExistsError:  # another process converted it first
-        shutil.rmtree(tmp, ignore_errors=True)
-    except Exception:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return cache
+        stamp_conversion(tmp, source)
+        _install(tmp, folder, source)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # nothing left where it became `folder`
+    for older in older_conversions(folder, source):
+        _remove_folder(older)
+    return folder
+
+
+def _install(tmp: Path, folder: Path, source: GgufSource) -> None:
+    """Rename the finished conversion `tmp` to `folder`. A folder there already (renaming onto a
+    folder that is not empty fails with ENOTEMPTY, or EEXIST) is kept where `conversion_problem`
+    accepts it: another process converted the same file meanwhile. Otherwise it is removed and
+    the rename tried again."""
+    for _ in range(3):
+        try:
+            tmp.rename(folder)
+            return
+        except OSError as exc:
+            if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                raise
+        if conversion_problem(folder, source) is None:
+            return
+        _remove_folder(folder)
+    raise ModelLoadError(f"cannot put the conversion of {source.path} at {folder}: a folder that is not its "
+                         f"conversion keeps appearing there; stop whatever writes {folder.parent}, or set "
+                         f"XDG_CACHE_HOME to a folder only this user may write")
+
+
+def _remove_folder(folder: Path) -> None:
+    """Remove `folder`, renamed aside first so that no start sees it half removed; what cannot be
+    removed (another user's files) stays aside, as a hidden `.removed-*` folder."""
+    aside = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".removed-"))
+    with contextlib.suppress(FileNotFoundError):  # removed meanwhile by another process
+        folder.rename(aside / folder.name)
+    shutil.rmtree(aside, ignore_errors=True)
 
 
 def _write_hf_folder(path: Path, out: Path) -> None:
