@@ -21,10 +21,19 @@ has already loaded, so the kernels' threads are torch's threads (torch is import
 The compiler is `$CC` if set, else `cc` (else `gcc`); `BuildConfig.describe()` says which and
 why, and the engine logs it at start-up. A failed build raises `NativeBuildError` with the
 compiler's own message.
+
+**What the cache trusts.** Every kvseal process imports the built file, so whoever could write
+it could run their own code in the server. It is held to the rule of key files (`owner_only`):
+the folders from the cache's top down to the build's own are made 0700 where missing, and a
+folder on the way or a built file that another user may change, or that is owned by neither
+this user nor root, is not used: such a file is built again in its place, and where a folder
+is like that the kernels are built into a private temporary folder of this process (again at
+every start), with a warning naming the fix.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import hashlib
 import importlib.util
@@ -34,6 +43,7 @@ import os
 import platform
 import re
 import shutil
+import stat
 import subprocess
 import sys
 import sysconfig
@@ -48,6 +58,8 @@ from types import ModuleType
 import cffi
 import torch  # noqa: F401  (loaded first: its libgomp is the one the kernels link)
 
+from kvseal.owner_only import UnsafeFile, make_owner_only_folders, refuse_unsafe
+
 logger = logging.getLogger("kvseal")
 
 CSRC = Path(__file__).resolve().parent / "csrc"
@@ -59,6 +71,7 @@ POSITION_INDEPENDENT = ("-fPIC", "-fvisibility=hidden")
 # finding fatal.
 SANITIZE = ("-fsanitize=address,undefined", "-fno-sanitize-recover=undefined", "-fno-omit-frame-pointer", "-g")
 _STDERR_TAIL = 6000  # characters of the compiler's message kept in an error
+_STAKE = "run their own code in every kvseal process that loads the kernels"  # what `refuse_unsafe` guards
 
 
 class NativeBuildError(RuntimeError):
@@ -120,15 +133,20 @@ def build(config: BuildConfig) -> tuple[Path, str, float]:
     version = compiler_version(config.compiler)
     sources = sorted(p for p in config.csrc.iterdir() if p.suffix in (".c", ".h"))
     key = _cache_key(config, version, sources)
-    directory = config.cache_root / key
-    path = directory / f"_kvseal_ops_{key}{sysconfig.get_config_var('EXT_SUFFIX')}"
+    name = f"_kvseal_ops_{key}{sysconfig.get_config_var('EXT_SUFFIX')}"
+    directory = _build_folder(config.cache_root, key)
+    path = directory / name
     if path.exists():
-        return path, version, 0.0
+        try:
+            refuse_unsafe(path, "the built kernels", _STAKE)
+            return path, version, 0.0
+        except UnsafeFile as unsafe:  # never loaded: built again in its place (the folder is this user's alone)
+            logger.warning("%s; they are built again", unsafe)
     started = time.perf_counter()
-    directory.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=directory) as tmp:
         built = Path(tmp) / path.name
         _compile(config, path.stem.split(".")[0], Path(tmp), built)
+        os.chmod(built, stat.S_IMODE(built.stat().st_mode) & ~0o022)  # the linker wrote it with the umask's mode
         os.replace(built, path)  # atomic: a concurrent builder sees the whole file or none
     return path, version, time.perf_counter() - started
 
@@ -233,6 +251,38 @@ def _cache_key(config: BuildConfig, version: str, sources: list[Path]) -> str:
     for source in sources:
         digest.update(source.name.encode() + b"\0" + source.read_bytes() + b"\0")
     return digest.hexdigest()[:16]
+
+
+# cache root -> this process's private stand-in, where the cache may not be used
+_private_roots: dict[Path, Path] = {}
+
+
+def _build_folder(cache_root: Path, key: str) -> Path:
+    """The folder a build with `key` goes in: `cache_root / key`, the folders from the cache's top
+    (`$XDG_CACHE_HOME` where `cache_root` is under it) down to it made 0700 where missing and
+    checked (`owner_only`); where that fails, a folder in this process's private stand-in."""
+    home = _cache_home()
+    top = home if cache_root.is_relative_to(home) else cache_root
+    try:
+        make_owner_only_folders(top, cache_root / key, "the native kernels' cache folder", _STAKE)
+        return cache_root / key
+    except (OSError, UnsafeFile) as exc:
+        folder = _private_folder(cache_root, exc) / key
+        folder.mkdir(mode=0o700, exist_ok=True)
+        return folder
+
+
+def _private_folder(cache_root: Path, why: Exception) -> Path:
+    """This process's stand-in for `cache_root`: made (0700) and warned about at the first call,
+    removed when the process exits."""
+    if cache_root not in _private_roots:
+        _private_roots[cache_root] = Path(tempfile.mkdtemp(prefix="kvseal-native-"))
+        atexit.register(shutil.rmtree, _private_roots[cache_root], ignore_errors=True)
+        logger.warning("the native kernels' cache %s is not used: %s. The kernels are built into %s instead, for "
+                       "this process only (again at every start): make the cache this user's alone, or set "
+                       "XDG_CACHE_HOME to a folder only this user may write", cache_root, why,
+                       _private_roots[cache_root])
+    return _private_roots[cache_root]
 
 
 def _cache_home() -> Path:
