@@ -208,11 +208,21 @@ class Call:
             # PD decode ended it (no sign of its prefill in time): the server's failure, by its code
             self._finish("error", reason=HANDOFF_FAILED, http_status=503, detail=event.error, out=event)
         elif event.finish_reason == "abort":
-            self._finish("aborted", reason=event.error, out=event)
+            reason, detail = self._abort_reason(event)
+            self._finish("aborted", reason=reason, detail=detail, out=event)
         else:
             self._finish("finished", out=event)
         if self._failed_before_any_token(event):  # last: the request is audited and its slot free
             self._give_back_rates()
+
+    def _abort_reason(self, event: RequestOutputMsg) -> tuple[str | None, str | None]:
+        """The audit's reason (a code) for an engine's aborted end: the abort this call asked for,
+        whatever words the engine ended it with (PD decode may end it with a later abort's, or with
+        its own expiry's sentence, once KV stopped landing), those words then kept as the detail;
+        without one, the engine's own reason (`frontend_gone`, `server_shutdown`, ...)."""
+        if self._aborted_for is None or event.error == self._aborted_for:
+            return event.error, None
+        return self._aborted_for, event.error
 
     def _failed_before_any_token(self, event: RequestEvent) -> bool:
         """The server's own failure ended the request before it generated a token: the engine

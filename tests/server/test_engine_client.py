@@ -381,6 +381,31 @@ def test_an_engines_5xx_after_the_clients_abort_is_that_abort(tmp_path: Path) ->
     assert (record["outcome"], record["reason"]) == ("aborted", "client_disconnected"), record
 
 
+@pytest.mark.parametrize(("error", "error_code"), [
+    ("the request ended before its reservation", None),  # a later abort's words (PD decode, before the fix)
+    ("no sign of the prefill engine for 30 s", HANDOFF_FAILED),  # decode's expiry, racing the client's abort
+])
+def test_an_engines_end_after_the_clients_abort_is_audited_as_that_abort(tmp_path: Path, error: str,
+                                                                         error_code: str | None) -> None:
+    """The client left and the engine ended the request in other words than the abort's: the audit's
+    reason is the abort's code (`kvseal audit --reason client_disconnected` finds it), never a
+    sentence; the engine's words are the detail."""
+    async def scenario() -> None:
+        state = await _ready_state(tmp_path)
+        try:
+            call, group = _submitted(state, "r-w")
+            call.abort_on_exit()  # the client left
+            ended = msgspec.structs.replace(_handoff_failed("r-w", error), error_code=error_code)
+            state.engine._receive(encode(OutputsMsg([ended])))
+            await _events(group)
+        finally:
+            _close(state)
+
+    asyncio.run(scenario())
+    record = _audit(tmp_path)["r-w"]
+    assert (record["outcome"], record["reason"], record["detail"]) == ("aborted", "client_disconnected", error)
+
+
 def test_an_operators_abort_that_decode_ends_late_is_still_the_operators() -> None:
     """Decode reports an abort it could only finish once KV stopped landing with the handoff's
     code; the client still hears what stopped it (the operator's revocation, shutdown)."""
