@@ -26,6 +26,7 @@ from kvseal._testing.faults import Fault, is_active
 from kvseal.admission import admit
 from kvseal.disagg.msgs import (
     HANDOFF_FAILED,
+    AbortUnsentMsg,
     CommitMsg,
     KVBlockMsg,
     PdMsg,
@@ -118,8 +119,8 @@ class DecodeSteps:
                 self._transfer_abort(msg)
             case TransferKeepaliveMsg():
                 self._keepalive(msg)
-            case AbortMsg():
-                self._abort(msg)
+            case AbortMsg() | AbortUnsentMsg():
+                self._abort(sender, msg)
             case _:
                 return False
         return True
@@ -311,18 +312,25 @@ class DecodeSteps:
         else:  # reported as it came once the transport confirms no write can land (`tick`)
             self._pending_errors[reservation.request_id] = refusal
 
-    def _abort(self, msg: AbortMsg) -> None:
+    def _abort(self, frontend: bytes, msg: AbortMsg | AbortUnsentMsg) -> None:
+        """End the request `msg` names, if its tenant's: compiling, reserved or running. A
+        reservation already releasing keeps the end it was first given (the client hears why
+        it was stopped, not a later abort's words); `AbortUnsentMsg` from the frontend that asked
+        for it frees it at once, as no prefill engine holds its transfer."""
         asked = self._compiling.cancel(msg.request_id, msg.tenant)  # its compile is cancelled too
         if asked is not None:
             self.counters.failures["aborted"] += 1
             self._report_unreserved(asked, msg.reason)
             return
         reservation = self.table.by_request(msg.request_id)
-        if reservation is not None and reservation.tenant == msg.tenant:
+        if reservation is None or reservation.tenant != msg.tenant:
+            self.on_outputs(abort_owned(self.engine, msg))
+            return
+        if isinstance(msg, AbortUnsentMsg) and reservation.frontend == frontend:
+            self.receiver.sender_done(reservation.transfer_id)  # no sender exists: nothing will write it
+        if reservation.release_reason is None:
             self.counters.failures["aborted"] += 1
             self._end_reservation(reservation, "aborted", msg.reason, None)
-            return
-        self.on_outputs(abort_owned(self.engine, msg))
 
     def _end_reservation(self, reservation: Reservation, reason: str, error: str, error_code: str | None) -> None:
         if self.table.release(reservation, reason):

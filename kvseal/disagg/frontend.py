@@ -3,7 +3,9 @@ is, over running prefill and decode engines.
 
 Per request: ReserveMsg to the least-loaded decode engine; on `ReservedMsg`, PrefillMsg to
 the least-loaded prefill engine; then decode's outputs (first token only after decode
-verified the handoff) go to the request's handle. Every path ends the handle exactly once.
+verified the handoff) go to the request's handle. Every path ends the handle exactly once. A
+request that ends before its PrefillMsg left is ended on decode with `AbortUnsentMsg` (no prefill
+engine holds its transfer: decode frees the pages at once), after that with `AbortMsg`.
 
 Admission (I1) uses the smallest `max_model_len` and pool of every engine (each reports them
 in `EngineInfoMsg`); start-up warns when they differ and refuses engines whose KV layout or
@@ -47,7 +49,9 @@ from kvseal.disagg.link_keys import EngineEndpoint, KeyPair
 from kvseal.disagg.metrics import PdMetrics
 from kvseal.disagg.msgs import (
     INVALID_PREFILL_MSG,
+    RESERVATION_UNCLAIMED,
     TRANSFER_FAILED,
+    AbortUnsentMsg,
     EngineInfoMsg,
     HelloMsg,
     PdMsg,
@@ -163,6 +167,13 @@ class PdRoute:
     is_aborted: bool = False
     started_decoding: bool = False
     prefill_refusal: PrefillRefusedMsg | None = None  # prefill's own end of it, while decode has not reported
+
+    @property
+    def is_prefill_asked(self) -> bool:
+        """Whether a PrefillMsg for it may have left this frontend: one is sent the moment decode's
+        reservation (its transfer id) is taken here, never before; until then only decode and
+        this frontend know the transfer."""
+        return self.transfer_id is not None
 
 
 @dataclass(frozen=True)
@@ -323,9 +334,18 @@ class PdClient:
         if route is None or route.handle.tenant != tenant:
             return
         route.is_aborted = True
-        for link in (route.decode, route.prefill):
-            if link is not None and link.is_up:
-                self._try_send(link, AbortMsg(request_id, tenant, reason))
+        if route.decode.is_up:
+            self._abort_on_decode(route, reason)
+        if route.prefill is not None and route.prefill.is_up:
+            self._try_send(route.prefill, AbortMsg(request_id, tenant, reason))
+
+    def _abort_on_decode(self, route: PdRoute, reason: str) -> None:
+        """Tell the request's decode engine to end it. Before a PrefillMsg could leave for it (and
+        none does after this: the request is aborted or ended here) that is `AbortUnsentMsg`, so
+        decode frees its reservation at once: no prefill engine has the transfer to write."""
+        request_id, tenant = route.handle.request_id, route.handle.tenant
+        abort = AbortMsg if route.is_prefill_asked else AbortUnsentMsg
+        self._try_send(route.decode, abort(request_id, tenant, reason))
 
     def abort_all(self, reason: str) -> None:
         for route in list(self._routes.values()):
@@ -423,7 +443,7 @@ class PdClient:
                                 exc_info=True)
                 for route in list(self._routes.values()):
                     reason = "the frontend failed while routing engine messages"
-                    self._try_send(route.decode, AbortMsg(route.handle.request_id, route.handle.tenant, reason))
+                    self._abort_on_decode(route, reason)
                     self._end(route, EngineGone(reason))
 
     def _on_msg(self, link: EngineLink, msg: PdMsg) -> None:
@@ -494,7 +514,9 @@ class PdClient:
     def _on_reserved(self, link: EngineLink, msg: ReservedMsg) -> None:
         route = self._routes.get(msg.request_id)
         if route is None or route.decode is not link or route.is_aborted:
-            self._try_send(link, AbortMsg(msg.request_id, msg.tenant, "the request ended before its reservation"))
+            # no PrefillMsg names this transfer, nor ever will: decode frees it at once (an abort
+            # that reached it first keeps its end)
+            self._try_send(link, AbortUnsentMsg(msg.request_id, msg.tenant, RESERVATION_UNCLAIMED))
             return
         route.transfer_id = msg.transfer_id
         route.handle.route["transfer_id"] = msg.transfer_id
@@ -505,8 +527,8 @@ class PdClient:
             prefill.send(PrefillMsg(p.request_id, p.tenant, p.prompt_token_ids, p.params, msg.transfer_id,
                                     link.address, link.public_key, link.name, msg.kv_address, msg.transfer_key,
                                     msg.pages, msg.num_cached_tokens))
-        except EngineUnavailable as exc:
-            self._try_send(link, AbortMsg(msg.request_id, msg.tenant, str(exc)))
+        except EngineUnavailable as exc:  # not sent: no prefill engine has the transfer
+            self._try_send(link, AbortUnsentMsg(msg.request_id, msg.tenant, str(exc)))
             self._end(route, EngineGone(str(exc)))
             return
         prefill.num_assigned += 1

@@ -40,6 +40,7 @@ from zmq.utils.monitor import recv_monitor_message
 from kvseal._testing.faults import Fault, is_active
 from kvseal.disagg.link_keys import EngineLinkKeys, KeyPair
 from kvseal.disagg.msgs import (
+    AbortUnsentMsg,
     CommitMsg,
     HelloMsg,
     IntegrityCheckMsg,
@@ -59,7 +60,8 @@ LinkRole = Literal["frontend", "peer"]
 
 # What each role may send to an engine; everything else from it is refused.
 MESSAGES_OF: dict[LinkRole, tuple[type, ...]] = {
-    "frontend": (HelloMsg, IntegrityCheckMsg, ShutdownMsg, ReserveMsg, PrefillMsg, AbortMsg, ForgetTenantMsg),
+    "frontend": (HelloMsg, IntegrityCheckMsg, ShutdownMsg, ReserveMsg, PrefillMsg, AbortMsg, AbortUnsentMsg,
+                 ForgetTenantMsg),
     "peer": (KVBlockMsg, CommitMsg, TransferKeepaliveMsg, TransferAbortMsg),
 }
 

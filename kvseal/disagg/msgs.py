@@ -9,6 +9,8 @@ The handoff, in order:
 
     frontend -> decode    ReserveMsg          decode re-admits (I1), holds pages "receiving"
     decode   -> frontend  ReservedMsg | ReserveRefusedMsg
+    frontend -> decode    AbortUnsentMsg      instead of what follows, once the request ends before
+                                              the frontend sent PrefillMsg: decode frees at once
     frontend -> prefill   PrefillMsg          names the transfer id and decode's pages
     prefill  -> decode    KVBlockMsg ...      the TCP transport's data (tcp-stream: on its own
                                               socket, ended by KVStreamEndMsg; nixl: its WRITEs)
@@ -170,6 +172,25 @@ class ReserveRefusedMsg(_Msg, frozen=True):
     http_status: int
 
 
+class AbortUnsentMsg(_Msg, frozen=True):
+    """End a request the frontend never sent to a prefill engine, and never will (no
+    `PrefillMsg` for it left the frontend): its transfer key went only to that frontend, so
+    nothing can write the transfer, and decode frees the reservation at once, without waiting
+    for writes (NIXL: `NodeConfig.transfer_drain_s`). Otherwise `AbortMsg`'s meaning; decode
+    takes this word only from the frontend that asked for the reservation, and treats it as a
+    plain `AbortMsg` from any other."""
+
+    request_id: str
+    tenant: str
+    reason: str
+
+
+# `AbortUnsentMsg.reason` for a reservation no request at the frontend awaits (the frontend ended
+# or aborted the request before the reservation came back): decode keeps any earlier end of it,
+# and its report of this one reaches no client
+RESERVATION_UNCLAIMED = "reservation_unclaimed"
+
+
 # ---- frontend -> prefill -----------------------------------------------------------------
 
 
@@ -313,7 +334,7 @@ class TransferAbortMsg(_Msg, frozen=True):
 
 PdMsg = (
     HelloMsg | EngineInfoMsg | PdStatsMsg | IntegrityCheckMsg | IntegrityReportMsg
-    | ReserveMsg | ReservedMsg | ReserveRefusedMsg | PrefillMsg
+    | ReserveMsg | ReservedMsg | ReserveRefusedMsg | AbortUnsentMsg | PrefillMsg
     | PrefillDoneMsg | PrefillRefusedMsg | KVBlockMsg | CommitMsg | TransferKeepaliveMsg | TransferAbortMsg
     | AbortMsg | ForgetTenantMsg | ShutdownMsg | OutputsMsg | RequestRejectedMsg
 )

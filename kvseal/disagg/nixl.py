@@ -39,8 +39,9 @@ connection to the peer and keeps waiting (blocking rather than freeing pages und
 
 NIXL cannot cancel a write in flight, so `cancel` is True only once no write can land: every
 notification of the push arrived, or prefill said it is finished (its commit or abort, sent
-only after its WRITEs reached a terminal state), or, with neither, `drain_s` after the first
-cancel (a dead sender writes nothing; a stale write that lands later in a reused arena page
+only after its WRITEs reached a terminal state), or the frontend said it never gave the
+transfer to a prefill engine (`sender_done` either way), or, with none of these, `drain_s`
+after the first cancel (a dead sender writes nothing; a stale write that lands later in a reused arena page
 fails the tag check, one in a free page is zeroed when the page is handed out). The
 transfer's arena pages are zeroed and handed out again only then.
 
@@ -348,7 +349,7 @@ class NixlReceiver:
         self._landed: dict[str, Landing] = {}
         self._parts: dict[str, set[int]] = {}  # the parts whose notification arrived
         self._notified: set[str] = set()  # every part's notification arrived: nothing of the transfer can land
-        self._finished: set[str] = set()  # the sender said it wrote all it will (commit or abort)
+        self._finished: set[str] = set()  # nothing more will be written: prefill's commit or abort, or no sender
         self._cancelling: dict[str, float] = {}  # cancelled, unconfirmed -> when first cancelled
         self._refused: set[str] = set()  # a WRITE of the transfer was refused: nothing more of it is imported
         self.num_refused = 0  # transfers refused

@@ -15,7 +15,7 @@ from typing import Protocol
 
 import zmq
 
-from kvseal.disagg.msgs import PdMsg, Role, encode
+from kvseal.disagg.msgs import AbortUnsentMsg, PdMsg, Role, encode
 from kvseal.engine.engine import LLMEngine
 from kvseal.engine.loop import LoopSteps
 from kvseal.messages.msgs import AbortMsg, RequestOutputMsg
@@ -97,7 +97,7 @@ def aborted_output(request_id: str, tenant: str, num_prompt_tokens: int, num_pag
                             num_output_tokens=0, num_pages_reserved=num_pages, error=error, error_code=error_code)
 
 
-def abort_owned(engine: LLMEngine, msg: AbortMsg) -> list[RequestOutput]:
+def abort_owned(engine: LLMEngine, msg: AbortMsg | AbortUnsentMsg) -> list[RequestOutput]:
     """End the engine's request `msg` names, only if `msg.tenant` owns it; its final output (or none)."""
     request = engine.find(msg.request_id)
     if request is None or request.tenant != msg.tenant:

@@ -192,7 +192,9 @@ class KVReceiver(Protocol):
         ...
 
     def sender_done(self, transfer_id: str) -> None:
-        """Prefill sent its commit or abort, which it does only once its writes are terminal."""
+        """No write of `transfer_id` is still to come: prefill sent its commit or abort, which it
+        does only once its writes are terminal, or the frontend says no prefill engine was ever
+        given the transfer (`AbortUnsentMsg`)."""
         ...
 
     def settled(self, transfer_id: str) -> bool:

@@ -23,6 +23,7 @@ from test_handoff import GREEDY, args
 from kvseal._testing.faults import Fault, inject
 from kvseal.disagg.link_keys import KeyPair
 from kvseal.disagg.msgs import (
+    AbortUnsentMsg,
     CommitMsg,
     EngineInfoMsg,
     HelloMsg,
@@ -72,7 +73,7 @@ def probe(prompt: list[int] = SECRET_PROMPT, request_id: str = "rogue-1") -> Res
 
 def frontend_msgs() -> list[PdMsg]:
     return [HelloMsg("rogue"), IntegrityCheckMsg(), probe(), AbortMsg("rogue-1", "alice", "rogue"),
-            ShutdownMsg("rogue")]
+            AbortUnsentMsg("rogue-1", "alice", "rogue"), ShutdownMsg("rogue")]
 
 
 def pump_turns(pair: PdPair, num_turns: int = 100) -> None:

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 import zmq
-from pd_harness import Ends, Handoff, PdPair
+from pd_harness import Ends, Handoff, PdPair, TestFrontend
 from processes import free_port
 from test_handoff import GREEDY, args, colocated
 from transports import NIXL, needs_nixl
@@ -26,7 +26,9 @@ from kvseal.disagg.frontend import PdClient
 from kvseal.disagg.link_keys import EngineEndpoint
 from kvseal.disagg.msgs import (
     HANDOFF_FAILED,
+    RESERVATION_UNCLAIMED,
     TRANSFER_FAILED,
+    AbortUnsentMsg,
     CommitMsg,
     KVBlockMsg,
     PrefillDoneMsg,
@@ -80,7 +82,7 @@ def make_pair(llama_dir: Path, loaded: Any, kv_transport: str) -> Iterator[Any]:
 
     def make(prefill: dict[str, Any] | None = None, decode: dict[str, Any] | None = None, **kw: Any) -> PdPair:
         pairs.append(PdPair(args(llama_dir, **(prefill or {})), args(llama_dir, **(decode or {})), loaded=loaded,
-                            kv_transport=kv_transport, transfer_drain_s=0.5, **kw))
+                            kv_transport=kv_transport, **({"transfer_drain_s": 0.5} | kw)))
         return pairs[-1]
 
     yield make
@@ -399,6 +401,76 @@ def test_late_kv_and_commit_of_an_aborted_reservation_are_refused_as_cancelled(
     late = [r for r in caplog.records if transfer_id in r.getMessage()]
     assert len(late) == num_late and all(r.levelno == logging.INFO for r in late), [r.getMessage() for r in late]
     assert handoff.token_ids == []
+    pair.assert_clean()
+
+
+# the drain of a NIXL release that hears nothing of prefill: far past every bounded wait here, so
+# a reservation freed within one was freed by the frontend's word that no prefill engine has it
+NEVER_DRAINED_S = 600.0
+
+
+@TRANSPORTS
+def test_a_reservation_prefill_was_never_asked_for_is_freed_at_once(make_pair: Any) -> None:
+    """The client left before the frontend sent `PrefillMsg` (before decode's `ReservedMsg` came
+    back): the frontend's `AbortUnsentMsg` says no prefill engine has the transfer, so decode frees
+    the reservation at once, over NIXL too, whose release otherwise waits for writes that might
+    still land. A write and commit that come anyway are refused as after any release: nothing of
+    them lands, they count as `cancelled`."""
+    pair = make_pair(transfer_drain_s=NEVER_DRAINED_S)
+    handoff = pair.reserve(PROMPT, GREEDY)
+    pair.to_decode.send(AbortUnsentMsg(handoff.request_id, "alice", "client_disconnected"))
+    pair.pump(lambda: handoff.is_terminal, "the release")
+    assert (handoff.final.finish_reason, handoff.final.error) == ("abort", "client_disconnected")
+    assert pair.decode.engine.kv.num_used_pages == 0 and pair.decode.steps.num_reservations() == 0
+    pool = pair.decode.engine.kv.pool
+    before = [t.clone() for t in pool.k + pool.v]
+    rogue_push(pair, handoff, [30, 30])
+    rogue_commit(pair, handoff, 30, [30, 30])
+    # NIXL's late WRITE lands in free arena pages, never imported; the other transports count each block
+    num_late = 1 if pair.decode.config.kv_transport == "nixl" else 2 * NUM_LAYERS + 1
+    pair.pump(lambda: failures(pair).get(CANCELLED, 0) == num_late, "the late blocks and commit")
+    assert failures(pair) == {"aborted": 1, CANCELLED: num_late}
+    assert all(torch.equal(a, b) for a, b in zip(before, pool.k + pool.v)), "a late write landed"
+    assert handoff.token_ids == []
+    pair.assert_clean()
+
+
+@pytest.mark.parametrize("kv_transport", [NIXL])
+def test_a_reservation_already_releasing_keeps_its_first_end(make_pair: Any) -> None:
+    """Over NIXL a plain abort leaves the reservation releasing (a write may still land). A later
+    abort does not replace its end: the frontend's `AbortUnsentMsg` for the `ReservedMsg` that came
+    back after the client left frees it at once, and the end reported is the client's leaving,
+    counted once."""
+    pair = make_pair(transfer_drain_s=NEVER_DRAINED_S)
+    handoff = pair.reserve(PROMPT, GREEDY)
+    pair.to_decode.send(AbortMsg(handoff.request_id, "alice", "client_disconnected"))
+    pair.pump(lambda: handoff.request_id in pair.decode.steps._pending_errors, "the deferred release")
+    pair.to_decode.send(AbortUnsentMsg(handoff.request_id, "alice", RESERVATION_UNCLAIMED))
+    pair.pump(lambda: handoff.is_terminal, "the release")
+    assert (handoff.final.finish_reason, handoff.final.error) == ("abort", "client_disconnected")
+    assert failures(pair) == {"aborted": 1}
+    pair.assert_clean()
+
+
+@pytest.mark.parametrize("kv_transport", [NIXL])
+def test_only_the_frontend_that_reserved_can_say_prefill_was_never_asked(make_pair: Any) -> None:
+    """Another frontend's `AbortUnsentMsg` is a plain abort: it cannot know what the reserving
+    frontend sent to prefill, so over NIXL the release still waits for prefill's word (here its
+    transfer abort), and the end is that abort's."""
+    pair = make_pair(transfer_drain_s=NEVER_DRAINED_S)
+    handoff = pair.reserve(PROMPT, GREEDY)
+    other = TestFrontend(pair.ctx, pair.decode.config.listen, pair.keys.frontend, pair.keys.decode.public)
+    try:
+        other.send(AbortUnsentMsg(handoff.request_id, "alice", "client_disconnected"))
+        pair.pump(lambda: handoff.request_id in pair.decode.steps._pending_errors, "the deferred release")
+        for _ in range(50):
+            pair.decode.loop.run_once(idle_poll_ms=1)
+        assert not handoff.is_terminal and pair.decode.engine.kv.num_used_pages > 0
+        rogue_abort(pair, handoff)  # prefill's last word: nothing more of the transfer will land
+        pair.pump(lambda: handoff.is_terminal, "the release")
+        assert handoff.final.error == "client_disconnected"
+    finally:
+        other.socket.close(linger=0)
     pair.assert_clean()
 
 

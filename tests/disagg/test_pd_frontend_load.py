@@ -14,7 +14,17 @@ from processes import free_port
 
 from kvseal.disagg.frontend import PdClient, PdRoute, scrub_policy
 from kvseal.disagg.link_keys import EngineEndpoint, KeyPair
-from kvseal.disagg.msgs import TRANSFER_FAILED, EngineInfoMsg, PdStatsMsg, PrefillRefusedMsg, Role
+from kvseal.disagg.msgs import (
+    RESERVATION_UNCLAIMED,
+    TRANSFER_FAILED,
+    AbortUnsentMsg,
+    EngineInfoMsg,
+    PdStatsMsg,
+    PrefillMsg,
+    PrefillRefusedMsg,
+    ReservedMsg,
+    Role,
+)
 from kvseal.disagg.role import aborted_output
 from kvseal.engine_api import EngineGone, EngineUnavailable, RequestEvent, RequestHandle
 from kvseal.messages.convert import params_to_msg
@@ -232,6 +242,32 @@ def test_a_transfer_prefill_could_not_make_is_the_engines_failure(client: PdClie
     assert ends.events == [RequestRejectedMsg("r-t", "alice", TRANSFER_FAILED,
                                               "the KV transfer to decode failed: unreachable", None, 502)]
     assert client.num_in_flight == 0 and prefill.num_assigned == decode.num_assigned == 0
+
+
+def test_an_abort_before_prefill_was_asked_tells_decode_so(client: PdClient) -> None:
+    """The client leaves before the frontend sent PrefillMsg: decode is told `AbortUnsentMsg` (it
+    frees the reservation at once, no prefill engine having the transfer), the reservation that
+    comes back afterwards is not sent to prefill, and decode hears of it as unclaimed. Once
+    PrefillMsg went, an abort is the plain `AbortMsg` to both engines (decode waits for prefill's
+    last word before it frees the pages)."""
+    prefill, decode = client.links
+    sent: dict[str, list[object]] = {"prefill": [], "decode": []}
+    for link in (prefill, decode):
+        link.send = sent[link.role].append  # type: ignore[method-assign]
+        client._on_info(link, msgspec.structs.replace(_info(link.role, "zero"), instance_id=f"{link.role}-1"))
+    params = params_to_msg(SamplingParams(max_tokens=2))
+    reserved = {}
+    for request_id in ("r-early", "r-late"):
+        client.submit(AddRequestMsg(request_id, "alice", [5, 6], params), Ends())
+        reserved[request_id] = ReservedMsg(request_id, "alice", f"t-{request_id}", [0], 4, "nixl:x", bytes(32))
+    client._on_msg(decode, reserved["r-late"])
+    client.abort("r-early", "alice", "client_disconnected")
+    client.abort("r-late", "alice", "client_disconnected")
+    client._on_msg(decode, reserved["r-early"])
+    assert [type(m) for m in sent["prefill"]] == [PrefillMsg, AbortMsg]  # r-late's only
+    assert sent["decode"][2:] == [AbortUnsentMsg("r-early", "alice", "client_disconnected"),
+                                  AbortMsg("r-late", "alice", "client_disconnected"),
+                                  AbortUnsentMsg("r-early", "alice", RESERVATION_UNCLAIMED)]
 
 
 def _routed_to_both(client: PdClient) -> tuple[Ends, dict[str, list[object]]]:
