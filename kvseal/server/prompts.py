@@ -10,9 +10,9 @@ Tokenization is bounded and fair:
   longer than `max_prompt_tokens` is too long as it is. Big bodies are pre-scanned for an
   over-long token-id list before the full JSON parse (which holds the GIL while it builds
   every int).
-- Tokenization runs off the event loop in two lanes, each one worker thread fed by per-tenant
-  queues served round-robin (the second with its own copy of the tokenizer, made on first
-  use: a fast tokenizer is not safe to encode with from two threads at once). Prompts within
+- Tokenization runs off the event loop in two lanes (`fair_lane.FairLane`), each one worker
+  thread fed by per-tenant queues served round-robin (the second with its own copy of the
+  tokenizer, made on first use: a fast tokenizer is not safe to encode with from two threads at once). Prompts within
   the bound above go to the first lane, where a tenant with a long queue delays another
   tenant's prompt by at most the one job already running, and that job is bounded. Prompts
   over the bound, which only a request asking for truncation gets past the door
@@ -22,15 +22,11 @@ Tokenization is bounded and fair:
 
 from __future__ import annotations
 
-import asyncio
 import copy
 import json
 import logging
 import re
-from collections import deque
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -38,6 +34,7 @@ import msgspec
 from kvseal.admission import AdmissionLimits
 from kvseal.errors import ContextLengthExceeded, InvalidParameter
 from kvseal.prompting import DEFAULT_CHAT, ChatOptions, check_chat_template, encode_text, render_chat
+from kvseal.server.fair_lane import FairLane
 from kvseal.server.front_door import check_context, is_checking
 
 logger = logging.getLogger("kvseal.server")
@@ -48,69 +45,17 @@ PRESCAN_BODY_BYTES = 64 * 1024  # bodies at least this big are pre-scanned for l
 _BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
-@dataclass
-class _Job:
-    fn: Callable[[Any, Any], Any]  # (the lane's tokenizer, arg)
-    arg: Any
-    done: asyncio.Future[Any]
-
-
-class _FairQueue:
-    """Jobs per tenant; `get` takes the next tenant in line and sends it to the back."""
-
-    def __init__(self) -> None:
-        self._by_tenant: dict[str, deque[_Job]] = {}  # insertion order is the line
-        self._has_jobs = asyncio.Event()
-
-    def put(self, tenant: str, job: _Job) -> None:
-        self._by_tenant.setdefault(tenant, deque()).append(job)
-        self._has_jobs.set()
-
-    async def get(self) -> _Job:
-        while not self._by_tenant:
-            self._has_jobs.clear()
-            await self._has_jobs.wait()
-        tenant = next(iter(self._by_tenant))
-        jobs = self._by_tenant.pop(tenant)
-        job = jobs.popleft()
-        if jobs:
-            self._by_tenant[tenant] = jobs
-        return job
-
-
 class _Lane:
-    """One tokenizer thread fed by a `_FairQueue` (started on first use, in the event loop). With
-    `own_copy`, the thread copies the tokenizer before its first job and uses only that copy."""
+    """A `FairLane` of tokenizer jobs, `fn(tokenizer, arg)`. With `own_copy`, the lane's thread
+    copies the tokenizer before its first job and uses only that copy."""
 
     def __init__(self, tokenizer: Any, name: str, own_copy: bool = False) -> None:
         self._source = tokenizer
         self._tokenizer = None if own_copy else tokenizer
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
-        self._queue: _FairQueue | None = None
-        self._serving: asyncio.Task[None] | None = None
+        self._lane = FairLane(name)
 
     async def run(self, tenant: str, fn: Callable[[Any, Any], Any], arg: Any) -> Any:
-        if self._queue is None:
-            self._queue = _FairQueue()
-            self._serving = asyncio.create_task(self._serve(self._queue))
-        job = _Job(fn, arg, asyncio.get_running_loop().create_future())
-        self._queue.put(tenant, job)
-        return await job.done
-
-    async def _serve(self, queue: _FairQueue) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            job = await queue.get()
-            if job.done.done():  # its request was cancelled while it waited
-                continue
-            try:
-                result = await loop.run_in_executor(self._worker, self._call, job.fn, job.arg)
-            except Exception as exc:  # InvalidParameter from a template, or a tokenizer failure
-                if not job.done.done():
-                    job.done.set_exception(exc)
-                continue
-            if not job.done.done():
-                job.done.set_result(result)
+        return await self._lane.run(tenant, self._call, fn, arg)
 
     def _call(self, fn: Callable[[Any, Any], Any], arg: Any) -> Any:
         """In the lane's thread."""
@@ -120,9 +65,7 @@ class _Lane:
 
     def close(self) -> None:
         """Stop the worker; jobs still queued are cancelled."""
-        if self._serving is not None:
-            self._serving.cancel()
-        self._worker.shutdown(wait=False, cancel_futures=True)
+        self._lane.close()
 
 
 class PromptEncoder:

@@ -1,0 +1,86 @@
+"""One worker thread that every tenant shares, serving them in turns.
+
+A job is a function call that would hold the event loop too long if it ran there (tokenizing
+a prompt, parsing a big body). The lane runs one job at a time on its thread; waiting jobs sit
+in per-tenant queues served round-robin, so a tenant with many jobs queued delays another
+tenant's job by at most the one job already running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass
+class _Job:
+    fn: Callable[..., Any]
+    args: tuple[Any, ...]
+    done: asyncio.Future[Any]
+
+
+class FairQueue:
+    """Jobs per tenant; `get` takes the next tenant in line and sends it to the back."""
+
+    def __init__(self) -> None:
+        self._by_tenant: dict[str, deque[_Job]] = {}  # insertion order is the line
+        self._has_jobs = asyncio.Event()
+
+    def put(self, tenant: str, job: _Job) -> None:
+        self._by_tenant.setdefault(tenant, deque()).append(job)
+        self._has_jobs.set()
+
+    async def get(self) -> _Job:
+        while not self._by_tenant:
+            self._has_jobs.clear()
+            await self._has_jobs.wait()
+        tenant = next(iter(self._by_tenant))
+        jobs = self._by_tenant.pop(tenant)
+        job = jobs.popleft()
+        if jobs:
+            self._by_tenant[tenant] = jobs
+        return job
+
+
+class FairLane:
+    """One thread fed by a `FairQueue` (started on first use, in the event loop). A job whose
+    caller stopped waiting (its request cancelled) before its turn is skipped."""
+
+    def __init__(self, name: str) -> None:
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+        self._queue: FairQueue | None = None
+        self._serving: asyncio.Task[None] | None = None
+
+    async def run(self, tenant: str, fn: Callable[..., Any], *args: Any) -> Any:
+        """`fn(*args)` on the lane's thread, in the tenant's turn; its result or its exception."""
+        if self._queue is None:
+            self._queue = FairQueue()
+            self._serving = asyncio.create_task(self._serve(self._queue))
+        job = _Job(fn, args, asyncio.get_running_loop().create_future())
+        self._queue.put(tenant, job)
+        return await job.done
+
+    async def _serve(self, queue: FairQueue) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            job = await queue.get()
+            if job.done.done():  # its request was cancelled while it waited
+                continue
+            try:
+                result = await loop.run_in_executor(self._worker, job.fn, *job.args)
+            except Exception as exc:  # the job's own error (a refused body, a template's error), the caller's
+                if not job.done.done():
+                    job.done.set_exception(exc)
+                continue
+            if not job.done.done():
+                job.done.set_result(result)
+
+    def close(self) -> None:
+        """Stop the worker; jobs still queued are cancelled."""
+        if self._serving is not None:
+            self._serving.cancel()
+        self._worker.shutdown(wait=False, cancel_futures=True)
