@@ -65,19 +65,22 @@ class FairLane:
         return await job.done
 
     async def _serve(self, queue: FairQueue) -> None:
-        loop = asyncio.get_running_loop()
         while True:
             job = await queue.get()
-            if job.done.done():  # its request was cancelled while it waited
-                continue
-            try:
-                result = await loop.run_in_executor(self._worker, job.fn, *job.args)
-            except Exception as exc:  # the job's own error (a refused body, a template's error), the caller's
-                if not job.done.done():
-                    job.done.set_exception(exc)
-                continue
+            if not job.done.done():  # else its request was cancelled while it waited
+                await self._run(job)
+
+    async def _run(self, job: _Job) -> None:
+        """The job's result or exception to its caller; the lane keeps neither once it is handed
+        over (a parsed body may be big)."""
+        try:
+            result = await asyncio.get_running_loop().run_in_executor(self._worker, job.fn, *job.args)
+        except Exception as exc:  # the job's own error (a refused body, a template's error), the caller's
             if not job.done.done():
-                job.done.set_result(result)
+                job.done.set_exception(exc)
+            return
+        if not job.done.done():
+            job.done.set_result(result)
 
     def close(self) -> None:
         """Stop the worker; jobs still queued are cancelled."""
