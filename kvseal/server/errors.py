@@ -111,6 +111,12 @@ def body_timeout(timeout_s: float) -> ApiError:
                          f"(the operator sets the limit with --body-timeout-s).", code="request_timeout")
 
 
+def body_too_complex(what: str, limit: int) -> ApiError:
+    return ApiError(400, f"The request body holds {what}; a request may hold at most {limit}. Send a smaller one "
+                         f"(a long conversation: join adjacent text parts into one, or split it across requests).",
+                    code="body_too_complex")
+
+
 def invalid_json(detail: str) -> ApiError:
     return ApiError(400, f"We could not parse the JSON body of your request ({detail}). Send a JSON object.",
                     code="invalid_json")

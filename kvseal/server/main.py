@@ -108,6 +108,7 @@ async def _serve(config: ServerConfig, make_backend: Callable[[], EngineBackend]
             await server.serve(sockets=[listener])
         finally:
             state.prompts.close()
+            state.bodies.close()
         return 0
     finally:
         stop.stopping_engines()  # from here to the event loop's close

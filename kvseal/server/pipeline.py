@@ -2,14 +2,14 @@
 
 API key → tenant (401) → not shutting down (503) → JSON content type (415) → body within
 its size (413) and time (408) → a token-id list that cannot fit (400, pre-scanned before the
-full parse) → valid body, every field within its bound (400) → served model (404) → model not
-disabled by the operator (503 `model_disabled`) → chat: tool definitions and tool-call
-arguments that a prompt could hold (400) → tenant concurrency slot (429) → tenant requests
-per minute (429) → a prompt that cannot fit (400, before tokenizing) → tokenize (fair across
-tenants) → `admit` with the engine's limits (I1, 400 `context_length_exceeded`) → an audit
-log that can be written (503 `audit_unavailable`, I8) → not stopped by the operator meanwhile
-(key revoked 401, model disabled 503) → tenant tokens per minute, for the prompt (429) →
-engine → stream or JSON.
+full parse) → valid body, every field within its bound (400; a big body parsed off the event
+loop, fair across tenants: `body.BodyParser`) → served model (404) → model not disabled by the
+operator (503 `model_disabled`) → chat: tool definitions and tool-call arguments that a prompt
+could hold (400) → tenant concurrency slot (429) → tenant requests per minute (429) → a prompt
+that cannot fit (400, before tokenizing) → tokenize (fair across tenants) → `admit` with the
+engine's limits (I1, 400 `context_length_exceeded`) → an audit log that can be written (503
+`audit_unavailable`, I8) → not stopped by the operator meanwhile (key revoked 401, model
+disabled 503) → tenant tokens per minute, for the prompt (429) → engine → stream or JSON.
 
 The tenant's limits are read again once the body is in (`Call.take_current_limits`): a keys
 reload while it arrived applies to this request too, as to any request sent after it.
@@ -36,7 +36,7 @@ from kvseal.messages.convert import params_to_msg
 from kvseal.messages.msgs import ABORT_CLIENT_DISCONNECTED, AddRequestMsg
 from kvseal.server import errors
 from kvseal.server.auth import authorization_of
-from kvseal.server.body import parse_body, read_body, require_json
+from kvseal.server.body import read_body, require_json
 from kvseal.server.bounds import check_message_extras
 from kvseal.server.call import Call
 from kvseal.server.choices import ChoiceGroup
@@ -96,7 +96,7 @@ async def _admit_and_submit(request: Request, state: AppState, endpoint: Endpoin
     data = await read_body(request, state.config.max_body_bytes, state.config.body_timeout_s)
     tenant = call.take_current_limits()  # a reload may have come while the body did
     check_token_list_before_parsing(data, state.limits)
-    body = parse_body(endpoint.body_model, data)
+    body = await state.bodies.parse(endpoint.body_model, data, tenant.name)
     call.model, call.user, call.features = body.model, body.user, features_used(body)
     if body.model is not None and body.model != state.model_name:
         raise errors.model_not_found(body.model, state.model_name)

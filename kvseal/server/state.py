@@ -12,6 +12,7 @@ from kvseal.generation_defaults import GenerationDefaults
 from kvseal.messages.msgs import EngineReadyMsg
 from kvseal.server.audit import AuditLog
 from kvseal.server.auth import ApiKeyTable, Tenant
+from kvseal.server.body import BodyParser
 from kvseal.server.config import ServerConfig
 from kvseal.server.metrics import ServerMetrics
 from kvseal.server.prompts import PromptEncoder
@@ -43,6 +44,7 @@ class AppState:
     audit: AuditLog
     gate: TenantGate = field(default_factory=TenantGate)
     rates: RateLimits = field(default_factory=RateLimits)
+    bodies: BodyParser = field(default_factory=BodyParser)  # big ones off the event loop, in tenants' turns
     defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
     reasoning: ReasoningMarkers | None = None  # the model's <think> tokens, with --reasoning-parser
     created: int = field(default_factory=lambda: int(time.time()))

@@ -136,7 +136,7 @@ def _refuse(state: AppState, call: TokenCall, err: ApiError) -> Response:
 async def _tokenize(data: bytes, state: AppState, tenant: Tenant, call: TokenCall) -> dict[str, Any]:
     """A prompt that cannot fit the context is refused before tokenizing, as on the generation
     routes: tokenizing it would only let one tenant stall the tokenizer for every other."""
-    body = _tokenize_body(data)
+    body = await state.bodies.run(_tokenize_body, data, tenant.name)
     call.model = body.model
     _check_model(body.model, state)
     if isinstance(body, TokenizeChatBody):
@@ -172,7 +172,7 @@ def _tokenize_body(data: bytes) -> TokenizeCompletionBody | TokenizeChatBody:
 
 async def _detokenize(data: bytes, state: AppState, tenant: Tenant, call: TokenCall) -> dict[str, Any]:
     _check_num_ids(call, prescan_token_list(data, "tokens"), state.limits)  # before parsing a big body
-    body = parse_body(DetokenizeBody, data)
+    body = await state.bodies.parse(DetokenizeBody, data, tenant.name)
     call.model = body.model
     _check_num_ids(call, len(body.tokens), state.limits)
     _check_model(body.model, state)
