@@ -1,15 +1,20 @@
 """The one path every generation request takes, in this order:
 
-API key → tenant (401) → not shutting down (503) → JSON content type (415) → body within
-its size (413) and time (408) → a token-id list that cannot fit (400, pre-scanned before the
-full parse) → valid body, every field within its bound (400; a big body parsed off the event
-loop, fair across tenants: `body.BodyParser`) → served model (404) → model not disabled by the
-operator (503 `model_disabled`) → chat: tool definitions and tool-call arguments that a prompt
-could hold (400) → tenant concurrency slot (429) → tenant requests per minute (429) → a prompt
+API key → tenant (401) → not shutting down (503) → tenant requests per minute (429) → JSON
+content type (415) → body within its size (413) and time (408) → a token-id list that cannot
+fit (400, pre-scanned before the full parse) → valid body, every field within its bound (400;
+a big body parsed off the event loop, fair across tenants: `body.BodyParser`) → served model
+(404) → model not disabled by the operator (503 `model_disabled`) → chat: tool definitions and
+tool-call arguments that a prompt could hold (400) → tenant concurrency slot (429) → a prompt
 that cannot fit (400, before tokenizing) → tokenize (fair across tenants) → `admit` with the
 engine's limits (I1, 400 `context_length_exceeded`) → an audit log that can be written (503
 `audit_unavailable`, I8) → not stopped by the operator meanwhile (key revoked 401, model
 disabled 503) → tenant tokens per minute, for the prompt (429) → engine → stream or JSON.
+
+Every authenticated request counts against its tenant's requests per minute as it arrives,
+before its body is read, as OpenAI counts requests (refused ones too): a tenant cannot make the
+server read and parse bodies without limit by sending ones it knows will be refused. Only the
+server's own refusals (5xx) give the request back (`Call.reject`).
 
 The tenant's limits are read again once the body is in (`Call.take_current_limits`): a keys
 reload while it arrived applies to this request too, as to any request sent after it.
@@ -92,6 +97,7 @@ async def _admit_and_submit(request: Request, state: AppState, endpoint: Endpoin
     call.authenticated(key)
     if state.is_draining:
         raise errors.engine_unavailable("the server is shutting down")
+    call.take_request()
     require_json(request)
     data = await read_body(request, state.config.max_body_bytes, state.config.body_timeout_s)
     tenant = call.take_current_limits()  # a reload may have come while the body did
@@ -105,7 +111,6 @@ async def _admit_and_submit(request: Request, state: AppState, endpoint: Endpoin
     if isinstance(body, ChatCompletionRequest):
         check_message_extras(body.messages, state.limits, state.prompts.max_token_chars)
     call.take_slots(tenant, (body.n or 1) * num_prompts(body))
-    call.take_request()
     prepared = await endpoint.prepare(body, state.prompts, tenant, state.limits, state.defaults)
     call.prompt_for_audit = prepared.prompt_for_audit
     call.num_prompt_tokens = sum(len(ids) for ids in prepared.prompt_token_ids)

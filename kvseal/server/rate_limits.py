@@ -3,8 +3,9 @@
 A tenant with `requests_per_minute` R (keys file) has a bucket of R requests that refills
 continuously, R per minute; `tokens_per_minute` T likewise holds T tokens (prompt + completion).
 
-- A request takes one request when it is admitted (after its concurrency slot, before it is
-  tokenized): with less than one left it is refused, 429 `rate_limit_exceeded`.
+- A request takes one request as it arrives, once its key is known and before its body is read
+  (`server.pipeline`): with less than one left it is refused, 429 `rate_limit_exceeded`. A
+  request later refused for its body or its concurrency keeps it taken, as OpenAI counts them.
 - Its prompt tokens are taken once it is tokenized and admitted (I1), right before it reaches the
   engine: with fewer left it is refused with 429 and nothing ran. A prompt larger than T can
   never pass: its 429 says so and has no Retry-After.

@@ -1,6 +1,7 @@
 """The request body, in-process (no engine process): a big body is parsed off the event loop, so
 /health and another tenant's request are answered while it is; a body holding too many JSON
-containers or members is refused before it is parsed."""
+containers or members is refused before it is parsed; and every request counts against its
+tenant's requests per minute, a refused body too."""
 
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ from kvseal.server.state import AppState
 READY = EngineReadyMsg(pid=1, model_name="tiny", model_path="/m", tokenizer_path="/m", architecture="llama",
                        max_model_len=64, kv_cache_tokens=256, vocab_size=512, page_size=4, num_pages=64,
                        kv_scrub_policy="off")
-KEYS = {"key-a": {"tenant": "alice"}, "key-b": {"tenant": "bob"}}
+KEYS = {"key-a": {"tenant": "alice"}, "key-b": {"tenant": "bob"}, "key-r": {"tenant": "rita", "requests_per_minute": 1}}
 WAIT_S = 10  # bounds every wait: a test that would hang fails instead
 
 
@@ -120,6 +121,29 @@ def test_health_and_another_tenant_are_answered_while_a_big_body_is_parsed(tmp_p
     assert health.status_code == 200 and small.status_code == 400, small.text
     assert was_held, "/health and bob's request were answered only after alice's parse stopped holding"
     assert big.status_code == 400 and big.json()["error"]["param"] == "zzz", big.text
+
+
+def test_a_refused_body_counts_against_the_tenants_requests_per_minute(tmp_path: Path) -> None:
+    """rita may send one request a minute. Her first is refused for its body (400); it counted
+    as it arrived, so her second is refused 429 before its body is read, audited as such, as
+    OpenAI counts requests (refused ones too)."""
+    async def scenario() -> list[httpx.Response]:
+        state = await _ready_state(tmp_path)
+        try:
+            transport = httpx.ASGITransport(app=build_app(state))
+            async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=WAIT_S) as client:
+                return [await client.post("/v1/responses", headers={"Authorization": "Bearer key-r"},
+                                          json={"input": "hi", "zzz": 1}) for _ in range(2)]
+        finally:
+            _close(state)
+
+    first, second = asyncio.run(scenario())
+    assert first.status_code == 400 and first.json()["error"]["param"] == "zzz", first.text
+    assert first.headers["x-ratelimit-remaining-requests"] == "0"
+    assert second.status_code == 429 and second.json()["error"]["code"] == "rate_limit_exceeded", second.text
+    records = _audit(tmp_path)
+    assert [(r["tenant"], r["http_status"], r["reason"]) for r in records] == [
+        ("rita", 400, "unsupported_parameter"), ("rita", 429, "requests_per_minute_exceeded")]
 
 
 def _refusal(data: bytes) -> str:
