@@ -19,22 +19,22 @@ from kvseal._testing.faults import Fault, is_active
 from kvseal.admission import AdmissionLimits
 from kvseal.errors import InvalidParameter
 from kvseal.server.prompts import num_visible_chars
-from kvseal.server.protocol import ChatMessage
+from kvseal.server.protocol import CHAT_NAMES, ChatMessage, ConversationNames
 from kvseal.structured.schema import check_tools
 
 
-def check_message_extras(messages: list[ChatMessage], limits: AdmissionLimits, max_token_chars: int) -> None:
+def check_message_extras(messages: list[ChatMessage], limits: AdmissionLimits, max_token_chars: int,
+                         names: ConversationNames = CHAT_NAMES) -> None:
     """Raise `InvalidParameter` when the messages' tool-call arguments, or their refusals and
-    reasoning, have more characters than a prompt can hold (checked at the door, before the request takes a slot)."""
+    reasoning, have more characters than a prompt can hold (checked at the door, before the
+    request takes a slot); the error names them as `names` says (the API the client used)."""
     if is_active(Fault.SKIP_DOOR_CHECKS):
         return
     limit = limits.max_prompt_tokens * max_token_chars
     arguments = (call.function.arguments for message in messages for call in message.tool_calls or [])
-    _require_within("messages", "the tool calls' arguments", sum(num_visible_chars(a) for a in arguments), limit,
-                    limits)
+    _require_within(names.param, names.tool_calls, sum(num_visible_chars(a) for a in arguments), limit, limits)
     extras = (text for message in messages for text in (message.refusal, message.reasoning_text) if text is not None)
-    _require_within("messages", "the assistant messages' refusals and reasoning",
-                    sum(num_visible_chars(text) for text in extras), limit, limits)
+    _require_within(names.param, names.extras, sum(num_visible_chars(text) for text in extras), limit, limits)
 
 
 async def check_tool_definitions(tools: list[dict[str, Any]], grammar_tools: frozenset[str], limits: AdmissionLimits,

@@ -109,7 +109,7 @@ async def _admit_and_submit(request: Request, state: AppState, endpoint: Endpoin
     if state.model_name in state.disabled_models:
         raise errors.model_disabled(state.model_name)
     if isinstance(body, ChatCompletionRequest):
-        check_message_extras(body.messages, state.limits, state.prompts.max_token_chars)
+        check_message_extras(body.messages, state.limits, state.prompts.max_token_chars, body.conversation_names)
     call.take_slots(tenant, (body.n or 1) * num_prompts(body))
     prepared = await endpoint.prepare(body, state.prompts, tenant, state.limits, state.defaults)
     call.prompt_for_audit = prepared.prompt_for_audit

@@ -26,6 +26,7 @@ body by --max-body-bytes.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
@@ -350,6 +351,20 @@ class NamedToolChoice(_Body):
     function: NamedFunction
 
 
+@dataclass(frozen=True)
+class ConversationNames:
+    """How an error about the conversation as a whole names it, in the words of the API the
+    client used: chat's `messages`, or the Responses API's `input`."""
+
+    param: str
+    tool_calls: str  # the turns' calls, all together
+    extras: str  # the assistant turns' refusals and reasoning, all together
+
+
+CHAT_NAMES = ConversationNames("messages", "the tool calls' arguments",
+                               "the assistant messages' refusals and reasoning")
+
+
 def _bounded_kwargs(value: dict[str, Any]) -> dict[str, Any]:
     text = json.dumps(value, ensure_ascii=False)
     if len(text) > MAX_TEMPLATE_KWARGS_CHARS:
@@ -364,6 +379,7 @@ TemplateKwargs = Annotated[dict[Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z
 
 
 class ChatCompletionRequest(GenerationBody):
+    conversation_names: ClassVar[ConversationNames] = CHAT_NAMES  # how errors name `messages`
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
     # vLLM's: the answer starts with the last message's content when that message is the answer's
     # own turn (an assistant message, or any last message without add_generation_prompt)

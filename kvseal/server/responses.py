@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvseal.admission import AdmissionLimits
+from kvseal.errors import InvalidParameter
 from kvseal.generation_defaults import GenerationDefaults
 from kvseal.messages.msgs import RequestOutputMsg
 from kvseal.server.auth import Tenant
@@ -70,8 +71,13 @@ class ResponsesEndpoint:
         if tools.definitions is not None:
             await check_tool_definitions(tools.definitions, tools.grammar_tools, limits, prompts.max_token_chars)
         conversation = [m.as_template_input() for m in body.messages]
-        ids = await prompts.chat_ids(conversation, tenant.name, limits, body.truncate_prompt_tokens is not None,
-                                     tools.definitions, body.chat_options)
+        try:
+            ids = await prompts.chat_ids(conversation, tenant.name, limits, body.truncate_prompt_tokens is not None,
+                                         tools.definitions, body.chat_options)
+        except InvalidParameter as exc:  # the template refused the conversation: here it is `input`
+            if exc.param == "messages":
+                exc.param = "input"
+            raise
         params = build_sampling_params(body, max_tokens=body.max_completion_tokens, num_prompt_tokens=len(ids),
                                        limits=limits, logprobs=None, tenant=tenant, defaults=defaults,
                                        max_tokens_param="max_output_tokens")

@@ -29,6 +29,7 @@ from typing import Annotated, Any, ClassVar, Literal, Self
 
 from pydantic import Discriminator, Field, PrivateAttr, Tag, field_validator, model_validator
 
+from kvseal.errors import InvalidParameter
 from kvseal.server.protocol import (
     INT32_MAX,
     MAX_CONTENT_PARTS,
@@ -38,6 +39,7 @@ from kvseal.server.protocol import (
     MAX_METADATA_KEY_CHARS,
     MAX_METADATA_VALUE_CHARS,
     ChatCompletionRequest,
+    ConversationNames,
     Description,
     FunctionCall,
     FunctionName,
@@ -343,41 +345,68 @@ class ResponsesRequest(_Body):
 
     def conversation(self) -> list[dict[str, Any]]:
         """`instructions` and `input` as chat messages (`ChatMessage`'s fields)."""
-        messages: list[dict[str, Any]] = []
+        return [message for _, message in self._turns()]
+
+    def _turns(self) -> list[tuple[int | None, dict[str, Any]]]:
+        """Each chat message with the index of the input item it begins at (None: `instructions`,
+        or `input` as a string)."""
+        turns: list[tuple[int | None, dict[str, Any]]] = []
         if self.instructions is not None:
-            messages.append({"role": "system", "content": self.instructions})
+            turns.append((None, {"role": "system", "content": self.instructions}))
         if isinstance(self.input, str):
-            return [*messages, {"role": "user", "content": self.input}]
+            return [*turns, (None, {"role": "user", "content": self.input})]
         reasoning: str | None = None  # from reasoning items, for the next assistant turn
-        for item in self.input:
+        for index, item in enumerate(self.input):
             if isinstance(item, ReasoningItem):
                 reasoning = item.text() if reasoning is None else f"{reasoning}\n{item.text()}"
                 continue
             if isinstance(item, FunctionCallOutputItem):
-                messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.text()})
+                turns.append((index, {"role": "tool", "tool_call_id": item.call_id, "content": item.text()}))
             elif isinstance(item, FunctionCallItem):
                 call = {"id": item.call_id, "type": "function",
                         "function": {"name": item.name, "arguments": item.arguments}}
-                if messages and messages[-1]["role"] == "assistant":  # one turn's calls, in one message
-                    messages[-1].setdefault("tool_calls", []).append(call)
+                if turns and turns[-1][1]["role"] == "assistant":  # one turn's calls, in one message
+                    turns[-1][1].setdefault("tool_calls", []).append(call)
                 else:
-                    messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+                    turns.append((index, {"role": "assistant", "content": None, "tool_calls": [call]}))
             else:
                 assert isinstance(item, MessageItem)
                 message: dict[str, Any] = {"role": item.role, "content": item.text()}
                 if item.refusal() is not None:
                     message["refusal"] = item.refusal()
-                messages.append(message)
-            if reasoning is not None and messages[-1]["role"] == "assistant":
-                earlier = messages[-1].get("reasoning")
-                messages[-1]["reasoning"] = reasoning if earlier is None else f"{earlier}\n{reasoning}"
+                turns.append((index, message))
+            last = turns[-1][1]
+            if reasoning is not None and last["role"] == "assistant":
+                earlier = last.get("reasoning")
+                last["reasoning"] = reasoning if earlier is None else f"{earlier}\n{reasoning}"
                 reasoning = None
-        return messages
+        return turns
+
+    def _check_turns(self, turns: list[tuple[int | None, dict[str, Any]]]) -> None:
+        """Raise `InvalidParameter` naming `input` when the items together make a conversation
+        over chat's limits, which each item alone is within: `instructions` is one message more
+        than the items, and consecutive function_call items are one assistant turn's calls."""
+        if len(turns) > MAX_MESSAGES:
+            raise InvalidParameter(
+                f"Invalid value for 'input': its items and instructions make {len(turns)} messages (instructions "
+                f"one, each message or function_call_output item one, consecutive function_call items one); a "
+                f"request may have at most {MAX_MESSAGES}. Send fewer input items.", param="input")
+        for index, message in turns:
+            num_calls = len(message.get("tool_calls", []))
+            if num_calls > MAX_TOOLS:
+                raise InvalidParameter(
+                    f"Invalid value for 'input': the assistant turn that begins at input.{index} has {num_calls} "
+                    f"function_call items (consecutive function_call items, and an assistant message item before "
+                    f"them, are one turn); a turn may have at most {MAX_TOOLS} calls. Send fewer calls in a row.",
+                    param="input")
 
     def chat_fields(self) -> dict[str, Any]:
         """The chat completion request this one is, with only the fields it set (so the audit
-        log's features are the ones the client used)."""
-        fields: dict[str, Any] = {"messages": self.conversation()}
+        log's features are the ones the client used). Raises `InvalidParameter` naming `input`
+        for a conversation over chat's limits (`_check_turns`)."""
+        turns = self._turns()
+        self._check_turns(turns)
+        fields: dict[str, Any] = {"messages": [message for _, message in turns]}
         sent = self.model_fields_set
         for name in ("model", "temperature", "top_p", "stream", "parallel_tool_calls", "user", "metadata",
                      "cache_salt"):
@@ -411,6 +440,8 @@ class ResponsesBody(ChatCompletionRequest):
     keeping the request (`responses`). Parsed from the Responses JSON: its errors name the
     Responses fields."""
 
+    conversation_names: ClassVar[ConversationNames] = ConversationNames(
+        "input", "the function_call items' arguments", "the assistant message items' refusals and the reasoning items")
     _responses: ResponsesRequest | None = PrivateAttr(default=None)
 
     @classmethod

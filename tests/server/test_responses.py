@@ -23,9 +23,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from server_process import KEYS, ServerProcess, client_for
 
+from kvseal.admission import AdmissionLimits
+from kvseal.errors import InvalidParameter, RequestRejected
 from kvseal.messages.msgs import RequestOutputMsg
+from kvseal.server.body import parse_body
+from kvseal.server.bounds import check_message_extras
 from kvseal.server.chat import ChatFormatter
 from kvseal.server.endpoint import ResponseIds
+from kvseal.server.errors import ApiError
 from kvseal.server.responses import ResponsesFormatter
 from kvseal.server.responses_body import ResponsesBody, ResponsesRequest
 from kvseal.server.tools import HermesToolParser
@@ -458,3 +463,52 @@ def test_a_call_cut_by_max_output_tokens_is_never_a_completed_function_call() ->
     calls = [i for i in streamed if i["type"] == "function_call"]
     assert calls and all(i["status"] == "incomplete" for i in calls), streamed
     assert [i["type"] for i in unstreamed] == ["message"] and events[-1]["response"]["status"] == "incomplete"
+
+
+def _refused(body: dict[str, Any]) -> tuple[str | None, str]:
+    """The param and message a Responses body is refused with, whichever check refuses it."""
+    try:
+        parse_body(ResponsesBody, json.dumps(body).encode())
+    except ApiError as err:
+        return err.param, err.message
+    except RequestRejected as exc:
+        return exc.param, exc.message
+    raise AssertionError("the body was taken")
+
+
+def _call(index: int) -> dict[str, Any]:
+    return {"type": "function_call", "call_id": f"c{index}", "name": "f", "arguments": "{}"}
+
+
+def test_instructions_past_the_message_limit_are_refused_naming_input() -> None:
+    """Each item is within its bound; instructions are one message more than 2,048 items."""
+    assert _refused({"instructions": "be brief", "input": [{"role": "user", "content": "x"}] * 2048}) == (
+        "input", "Invalid value for 'input': its items and instructions make 2049 messages (instructions one, each "
+                 "message or function_call_output item one, consecutive function_call items one); a request may "
+                 "have at most 2048. Send fewer input items.")
+    ResponsesBody.model_validate_json(json.dumps({"input": [{"role": "user", "content": "x"}] * 2048}))
+
+
+@pytest.mark.parametrize(("items", "begins_at"), [
+    ([_call(i) for i in range(129)], 0),
+    ([{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}, *[_call(i) for i in range(129)]], 1),
+    ([*[_call(i) for i in range(64)], {"type": "reasoning", "summary": []}, *[_call(i) for i in range(65)]], 0),
+])
+def test_one_turns_calls_past_the_limit_are_refused_naming_input(items: list[Any], begins_at: int) -> None:
+    """Consecutive function_call items (a reasoning item between them does not end the turn, an
+    assistant message item before them begins it) are one assistant turn's calls: at most 128."""
+    assert _refused({"input": [*items, {"role": "user", "content": "x"}]}) == (
+        "input", f"Invalid value for 'input': the assistant turn that begins at input.{begins_at} has 129 "
+                 f"function_call items (consecutive function_call items, and an assistant message item before "
+                 f"them, are one turn); a turn may have at most 128 calls. Send fewer calls in a row.")
+    ResponsesBody.model_validate_json(json.dumps({"input": items[:-1]}))  # one call fewer is taken
+
+
+def test_the_calls_arguments_past_what_a_prompt_holds_are_refused_naming_input() -> None:
+    body = ResponsesBody.model_validate_json(json.dumps({"input": [
+        {"type": "function_call", "call_id": "c", "name": "f", "arguments": json.dumps({"a": "x" * 100})}]}))
+    limits = AdmissionLimits(max_model_len=16, kv_cache_tokens=64, vocab_size=512)
+    with pytest.raises(InvalidParameter) as refused:
+        check_message_extras(body.messages, limits, max_token_chars=4, names=body.conversation_names)
+    assert refused.value.param == "input"
+    assert refused.value.message.startswith("the function_call items' arguments have 108 characters")
