@@ -26,6 +26,8 @@ from kvseal.models.loader import hf_name, unpermute_rows
 logger = logging.getLogger("kvseal")
 
 Q4_1_BLOCK_BYTES = 20  # float16 d, float16 m, 32 nibbles
+Q8_0_BLOCK_BYTES = 34  # float16 d, 32 int8
+_BLOCK_TYPES = {Q4_1_BLOCK_BYTES: "Q4_1", Q8_0_BLOCK_BYTES: "Q8_0"}  # a block's bytes -> its GGML type's name
 _BLOCKS_FORMAT = "kvseal-q4_1-blocks-1"  # what a kept file says it is (another layout: read the GGUF again)
 BLOCKS_FILE = "q4_1.blocks"  # safetensors, beside the converted folder's weights, never one of them (`*.safetensors`)
 _GGUF_PARTS = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
@@ -124,12 +126,14 @@ def _read_gguf_blocks(path: Path, config: ModelConfig) -> list[LayerBlocks] | No
 
 
 def dequantize_rows(blocks: torch.Tensor) -> torch.Tensor:
-    """Blocks [rows, in / 32, 20] uint8 -> the weights [rows, in] bfloat16 exactly as the loader's
-    conversion computes them (gguf's dequantization in float32, then the cast)."""
+    """Q4_1 or Q8_0 blocks [rows, in / 32, 20 or 34] uint8 -> the weights [rows, in] bfloat16
+    exactly as the loader's conversion computes them (gguf's dequantization in float32, then the
+    cast)."""
     from gguf import GGMLQuantizationType, dequantize
 
+    kind = GGMLQuantizationType[_BLOCK_TYPES[blocks.shape[2]]]
     rows = blocks.reshape(blocks.shape[0], -1).numpy()
-    return torch.from_numpy(dequantize(rows, GGMLQuantizationType.Q4_1).copy()).to(torch.bfloat16)
+    return torch.from_numpy(dequantize(rows, kind).copy()).to(torch.bfloat16)
 
 
 def sample_rows(n_out: int, count: int = 8) -> torch.Tensor:

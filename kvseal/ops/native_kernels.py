@@ -23,6 +23,8 @@ _ROW_DTYPES = (torch.float32, torch.bfloat16)
 TILE_K_MULTIPLE = 32  # the tile linears' input width must be a multiple of this (one tile's k-step)
 Q4_1_BLOCK_BYTES = 20  # a GGUF Q4_1 block: float16 d and m, 32 nibbles
 Q4_1_PACKED_BYTES = 320  # a packed block: 16 features x 32 k (`kvseal_pack_q4_1`)
+Q8_0_BLOCK_BYTES = 34  # a GGUF Q8_0 block: float16 d, 32 int8 q
+Q8_0_PACKED_BYTES = 544  # a packed block: 16 features x 32 k (`kvseal_pack_q8_0`)
 
 
 @dataclass(frozen=True)
@@ -284,13 +286,23 @@ class NativeKernels:
         """blocks: a weight [N, K] as GGUF Q4_1 blocks, [N, K / 32, 20] uint8 -> the row kernels'
         blocks, [ceil(N / 16), K / 32, 320] uint8 (a new tensor; `kvseal_pack_q4_1` gives the
         layout)."""
-        if blocks.dtype != torch.uint8 or blocks.dim() != 3 or blocks.shape[2] != Q4_1_BLOCK_BYTES:
-            raise TypeError(f"Q4_1 blocks are [N, K / 32, {Q4_1_BLOCK_BYTES}] uint8, got {blocks.dtype} "
+        return self._pack_blocks(blocks, "Q4_1", Q4_1_BLOCK_BYTES, Q4_1_PACKED_BYTES, self.lib.kvseal_pack_q4_1)
+
+    def pack_q8_0(self, blocks: torch.Tensor) -> torch.Tensor:
+        """blocks: a weight [N, K] as GGUF Q8_0 blocks, [N, K / 32, 34] uint8 -> the row kernel's
+        blocks, [ceil(N / 16), K / 32, 544] uint8 (a new tensor; `kvseal_pack_q8_0` gives the
+        layout)."""
+        return self._pack_blocks(blocks, "Q8_0", Q8_0_BLOCK_BYTES, Q8_0_PACKED_BYTES, self.lib.kvseal_pack_q8_0)
+
+    def _pack_blocks(self, blocks: torch.Tensor, kind: str, block_bytes: int, packed_bytes: int,
+                     pack: Any) -> torch.Tensor:
+        if blocks.dtype != torch.uint8 or blocks.dim() != 3 or blocks.shape[2] != block_bytes:
+            raise TypeError(f"{kind} blocks are [N, K / 32, {block_bytes}] uint8, got {blocks.dtype} "
                             f"{tuple(blocks.shape)}")
         blocks = blocks.contiguous()
         n_out, k_in = blocks.shape[0], blocks.shape[1] * TILE_K_MULTIPLE
-        packed = huge_empty(((n_out + 15) // 16, blocks.shape[1], Q4_1_PACKED_BYTES), torch.uint8)
-        self.lib.kvseal_pack_q4_1(self.ptr(blocks), self.ptr(packed), n_out, k_in)
+        packed = huge_empty(((n_out + 15) // 16, blocks.shape[1], packed_bytes), torch.uint8)
+        pack(self.ptr(blocks), self.ptr(packed), n_out, k_in)
         return packed
 
     def linear_q4_1_row(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
@@ -299,32 +311,44 @@ class NativeKernels:
         the blocks' bfloat16 weights: bit-equal to `linear_tiles` over W's tiles on the AVX512-BF16
         engine. None where the kernel declines (the tiles run on AMX, or the build has no
         AVX512-BF16): the caller runs the tiles."""
-        k_in = self._q4_1_width(x, packed, -(-n_out // 16))
+        k_in = self._row_width(x, packed, -(-n_out // 16), "Q4_1", Q4_1_PACKED_BYTES)
+        return self._row_linear(self.lib.kvseal_linear_q4_1_row, x, packed, bias, n_out, k_in)
+
+    def linear_q8_0_row(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+                        n_out: int) -> torch.Tensor | None:
+        """x: [1, K] bfloat16; packed from `pack_q8_0` -> [1, n_out] bfloat16 = x W^T (+ bias), W
+        the blocks' bfloat16 weights: bit-equal to `linear_tiles` over W's tiles on the AVX512-BF16
+        engine. None where the kernel declines (as `linear_q4_1_row`): the caller runs the tiles."""
+        k_in = self._row_width(x, packed, -(-n_out // 16), "Q8_0", Q8_0_PACKED_BYTES)
+        return self._row_linear(self.lib.kvseal_linear_q8_0_row, x, packed, bias, n_out, k_in)
+
+    def _row_linear(self, kernel: Any, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n_out: int,
+                    k_in: int) -> torch.Tensor | None:
         if bias is not None and (bias.dtype != torch.bfloat16 or bias.shape != (n_out,) or not bias.is_contiguous()):
-            raise TypeError("the Q4_1 row linear takes a contiguous bfloat16 [n_out] bias")
+            raise TypeError("a row linear over blocks takes a contiguous bfloat16 [n_out] bias")
         out = torch.empty((1, n_out), dtype=torch.bfloat16)
-        status = self.lib.kvseal_linear_q4_1_row(self.ptr(x), self.ptr(packed), self.ptr(bias), self.ptr(out), n_out,
-                                                 k_in, torch.get_num_threads())
+        status = kernel(self.ptr(x), self.ptr(packed), self.ptr(bias), self.ptr(out), n_out, k_in,
+                        torch.get_num_threads())
         return out if status == 0 else None
 
     def linear_silu_q4_1_row(self, x: torch.Tensor, packed: torch.Tensor, inter: int) -> torch.Tensor | None:
         """silu(x W_gate^T) * (x W_up^T) [1, inter] over the packed blocks of the fused [2 * inter,
         K] gate/up weight: bit-equal to `linear_silu` over its tiles on the AVX512-BF16 engine.
         None where the kernel declines (as `linear_q4_1_row`, or inter not a multiple of 16)."""
-        k_in = self._q4_1_width(x, packed, -(-2 * inter // 16))
+        k_in = self._row_width(x, packed, -(-2 * inter // 16), "Q4_1", Q4_1_PACKED_BYTES)
         out = torch.empty((1, inter), dtype=torch.bfloat16)
         status = self.lib.kvseal_linear_silu_q4_1_row(self.ptr(x), self.ptr(packed), self.ptr(out), inter, k_in,
                                                       torch.get_num_threads())
         return out if status == 0 else None
 
     @staticmethod
-    def _q4_1_width(x: torch.Tensor, packed: torch.Tensor, panels: int) -> int:
+    def _row_width(x: torch.Tensor, packed: torch.Tensor, panels: int, kind: str, packed_bytes: int) -> int:
         """K of a row kernel's call, checked: x one contiguous bfloat16 row of width K, packed
-        [panels, K / 32, 320] uint8."""
+        [panels, K / 32, packed_bytes] uint8."""
         k_in = packed.shape[1] * TILE_K_MULTIPLE
-        if packed.dtype != torch.uint8 or packed.shape != (panels, k_in // TILE_K_MULTIPLE, Q4_1_PACKED_BYTES) \
+        if packed.dtype != torch.uint8 or packed.shape != (panels, k_in // TILE_K_MULTIPLE, packed_bytes) \
                 or not packed.is_contiguous():
-            raise TypeError(f"expected packed Q4_1 blocks [{panels}, K / 32, {Q4_1_PACKED_BYTES}] uint8")
+            raise TypeError(f"expected packed {kind} blocks [{panels}, K / 32, {packed_bytes}] uint8")
         if x.dtype != torch.bfloat16 or x.shape != (1, k_in) or not x.is_contiguous():
             raise TypeError(f"expected one contiguous bfloat16 row [1, {k_in}], got {x.dtype} {tuple(x.shape)}")
         return k_in

@@ -161,6 +161,24 @@ int kvseal_linear_q4_1_row_f32(const uint16_t *x, const uint8_t *packed, const f
 int kvseal_linear_silu_q4_1_row(const uint16_t *x, const uint8_t *packed, uint16_t *act, int64_t inter, int64_t k_in,
                                 int num_threads);
 
+/* ---- bfloat16 linears at one row over a GGUF's Q8_0 blocks (linear_q8.c): the lm_head ---- */
+
+/* blocks: a weight [n_out, k_in] as GGUF Q8_0 blocks, [n_out][k_in / 32] of 34 bytes (float16 d,
+   32 int8 q; w = d * q), k_in a multiple of 32 -> packed [ceil(n_out / 16)][k_in / 32] blocks of
+   544 bytes (16 features x 32 k; linear_q8.c gives the layout), zero past n_out. */
+void kvseal_pack_q8_0(const uint8_t *blocks, uint8_t *packed, int64_t n_out, int64_t k_in);
+/* y [1, n_out] = x [1, k_in] . W^T (+ bias [n_out] unless NULL), W the bfloat16 weights
+   bfloat16(d * q) (finite d) of packed blocks: bit-equal to kvseal_linear_tiles at one row over
+   those weights' tiles on the AVX512-BF16 engine. Returns 0; -1, computing nothing, where the tile
+   linears run on AMX or the build has no AVX512-BF16 (the caller runs the tiles). */
+int kvseal_linear_q8_0_row(const uint16_t *x, const uint8_t *packed, const uint16_t *bias, uint16_t *y, int64_t n_out,
+                           int64_t k_in, int num_threads);
+/* kvseal_linear_q8_0_row with the float32 sums (+ bias [n_out] float32 unless NULL) written as
+   they are, never rounded: kvseal_linear_tiles_f32's at one row, bit for bit. Returns as
+   kvseal_linear_q8_0_row. */
+int kvseal_linear_q8_0_row_f32(const uint16_t *x, const uint8_t *packed, const float *bias, float *y, int64_t n_out,
+                               int64_t k_in, int num_threads);
+
 /* ---- fused per-layer ops (layer_ops.c) ---- */
 
 /* h [rows, dim] += delta (unless NULL), in place; out [rows, dim] = h / sqrt(mean(h^2) + eps) *
