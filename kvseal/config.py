@@ -406,14 +406,17 @@ class EngineArgs:
         "the engine's kernels: auto (kvseal's native kernels, built with the C compiler ($CC, else cc) at first "
         "start and cached, or torch's ops if they cannot be built), require (the native kernels, or start-up "
         "fails with the compiler's message), off (torch's ops); default auto", choices=NATIVE_MODES))
-    # One-row steps of a bfloat16 model from a GGUF whose decoder linears are Q4_1 read those
-    # blocks (csrc/linear_q4.c: bit-equal to the bfloat16 weights' tiles); off: the bfloat16
-    # weights serve every step (the A/B of bench/).
+    # One-row steps of a bfloat16 model from a GGUF read the file's blocks where it holds them
+    # so: the decoder linears' where every one is Q4_1 (csrc/linear_q4.c), the lm_head's where it
+    # is Q8_0 (csrc/linear_q8.c), each on its own; bit-equal to the bfloat16 weights' tiles. Off:
+    # the bfloat16 weights serve every step (the A/B of bench/). Named when it was Q4_1 alone;
+    # --gguf-block-rows says what it covers now.
     gguf_q4_rows: bool = field(default=True, metadata=flag(
-        "single-row decode steps of a bfloat16 model loaded from a .gguf whose decoder linears are Q4_1 read "
-        "those blocks instead of the bfloat16 weights (the same sums, bit for bit; CPUs whose bfloat16 linears "
-        "run on AVX512-BF16 dot products, not AMX): on by default; --no-gguf-q4-rows reads the bfloat16 weights",
-        action=argparse.BooleanOptionalAction))
+        "single-row decode steps of a bfloat16 model loaded from a .gguf read the file's quantized blocks instead "
+        "of the bfloat16 weights: the decoder linears' where all of them are Q4_1, the lm_head's where it is Q8_0 "
+        "(the same sums, bit for bit; CPUs whose bfloat16 linears run on AVX512-BF16 dot products, not AMX): on by "
+        "default; --no-gguf-q4-rows (or --no-gguf-block-rows) reads the bfloat16 weights for both",
+        action=argparse.BooleanOptionalAction, aliases=("--gguf-block-rows",)))
     # Structured output: how long one grammar may compile before the request is refused, and
     # how many worker processes compile (GrammarConfig).
     grammar_compile_timeout_s: float = field(default=DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S, metadata=flag(

@@ -34,7 +34,7 @@ from kvseal.errors import ConfigError, InvalidParameter, IsolationViolation
 from kvseal.kvcache.manager import KVCacheManager
 from kvseal.kvcache.pool import KVPool
 from kvseal.kvcache.reserve import PoolGeometry, PoolReservation
-from kvseal.models.gguf_blocks import LayerBlocks, read_q4_1_linears
+from kvseal.models.gguf_blocks import GgufBlocks, read_gguf_blocks
 from kvseal.models.llama import CausalLM
 from kvseal.models.loader import LoadedModel, folder_config, load_model
 from kvseal.models.tensor_parallel import RankLayout
@@ -130,7 +130,7 @@ class LLMEngine:
         if not args.is_pool_sized_by_device:  # a pool that cannot be honoured fails before the weights move
             args.resolve(self.model_config)
         model = finish_model(self.loaded.model.to(device=args.device), args.torch_dtype, args.quantization, self.ops,
-                             tp, self._q4_1_blocks(args))
+                             tp, self._gguf_blocks(args))
         self.gpu_memory = None if not args.is_pool_sized_by_device or free_before_weights is None else plan_gpu_pool(
             model, free_before_weights, args.gpu_memory_utilization, args.max_num_batched_tokens,
             min(args.max_num_seqs, args.max_num_batched_tokens), args.page_size, args.torch_dtype)
@@ -163,16 +163,17 @@ class LLMEngine:
         self.before_free: Callable[[Request], None] | None = None
         self._log_config(args)
 
-    def _q4_1_blocks(self, args: EngineArgs) -> list[LayerBlocks] | None:
-        """The GGUF's Q4_1 decoder linears for one-row steps (`--gguf-q4-rows`): read where the
-        model is a .gguf served whole, in bfloat16 on the CPU, unquantized; None elsewhere, or
-        where some decoder linear of the file is not Q4_1."""
+    def _gguf_blocks(self, args: EngineArgs) -> GgufBlocks | None:
+        """The GGUF's blocks for one-row steps (`--gguf-q4-rows`: its Q4_1 decoder linears, its
+        Q8_0 lm_head): read where the model is a .gguf served whole, in bfloat16 on the CPU,
+        unquantized; None elsewhere, or where the file holds neither."""
         path = self.loaded.path
         if not args.gguf_q4_rows or path.suffix != ".gguf" or args.tensor_parallel_size > 1 \
                 or args.device != "cpu" or args.torch_dtype != torch.bfloat16 or args.quantization != "none" \
-                or not self.ops.takes_q4_1():
+                or not self.ops.takes_gguf_blocks():
             return None
-        return read_q4_1_linears(path, self.loaded.config)
+        blocks = read_gguf_blocks(path, self.loaded.config)
+        return None if blocks.is_empty else blocks
 
     @staticmethod
     def _pool_while_loading(args: EngineArgs, loaded: LoadedModel | None,

@@ -23,50 +23,66 @@ from collections import Counter
 import torch
 from torch import nn
 
-from kvseal.models.gguf_blocks import LayerBlocks, dequantize_rows, sample_rows
+from kvseal.models.gguf_blocks import GgufBlocks, LayerBlocks, dequantize_rows, sample_rows
 from kvseal.models.llama import CausalLM
 from kvseal.models.quant import LAYER_LINEARS
 from kvseal.ops import Ops
 
 logger = logging.getLogger("kvseal")
+_HEAD_SAMPLED_ROWS = 64  # rows of the lm_head's blocks checked against its weight before they are held
 
 
 def pack_model(model: CausalLM, ops: Ops, *, weight_dtype: torch.dtype | None = None,
-               q4_1: list[LayerBlocks] | None = None) -> CausalLM:
+               blocks: GgufBlocks | None = None) -> CausalLM:
     """Swap every `nn.Linear` of the decoder layers and the lm_head for `ops.linear(linear,
     weight_dtype)`, in place. Call after the model is in its final dtype; linears already
     swapped (packed, or quantized) are left as they are, so packing twice is harmless.
     weight_dtype: the model's dtype (None), or bfloat16 for a float32 model (`--quantization
-    bf16`: ConfigError where the ops cannot store them so). q4_1: the decoder linears' GGUF
-    Q4_1 blocks the model's bfloat16 weights were converted from (`gguf_blocks`), which the ops
-    may hold for one-row steps (`Ops.hold_q4_1`); held only where every linear's sampled rows
-    dequantize to its weight bit for bit."""
+    bf16`: ConfigError where the ops cannot store them so). blocks: the GGUF blocks the model's
+    bfloat16 weights were converted from (`gguf_blocks`: the decoder linears' Q4_1, the lm_head's
+    Q8_0), which the ops may hold for one-row steps (`Ops.hold_q4_1`, `Ops.hold_q8_0`); each part
+    held only where its sampled rows dequantize to the weights bit for bit (every decoder linear's,
+    for the Q4_1 part)."""
     dtype = model.model.norm.weight.dtype
     target = weight_dtype or dtype
-    if q4_1 is not None and (dtype != torch.bfloat16 or target != dtype or not _blocks_match(model, q4_1)):
-        q4_1 = None
-    held = 0
+    q4_1, q8_0 = _matching_blocks(model, blocks) if target == dtype == torch.bfloat16 else (None, None)
+    held_q4_1 = 0
 
-    def swap(owner: nn.Module, attr: str, blocks: torch.Tensor | None = None) -> None:
-        nonlocal held
+    def swap(owner: nn.Module, attr: str) -> nn.Module | None:
         linear = getattr(owner, attr)
-        if isinstance(linear, nn.Linear) and linear.weight.dtype == dtype:
-            packed = ops.linear(linear, target)
-            setattr(owner, attr, packed)
-            held += blocks is not None and ops.hold_q4_1(packed, blocks)
+        if not (isinstance(linear, nn.Linear) and linear.weight.dtype == dtype):
+            return None
+        packed = ops.linear(linear, target)
+        setattr(owner, attr, packed)
+        return packed
 
     for index, layer in enumerate(model.model.layers):
         for owner_name, attr in LAYER_LINEARS:
-            swap(getattr(layer, owner_name), attr, None if q4_1 is None else q4_1[index][attr])
-    swap(model, "lm_head")
+            packed = swap(getattr(layer, owner_name), attr)
+            held_q4_1 += packed is not None and q4_1 is not None and ops.hold_q4_1(packed, q4_1[index][attr])
+    head = swap(model, "lm_head")
+    held_q8_0 = head is not None and q8_0 is not None and ops.hold_q8_0(head, q8_0)
     kinds = Counter(type(m).__name__ for m in model.modules() if _is_linear(m))
-    logger.info("%s linears (weights stored in %s): %s%s", dtype, target,
+    logger.info("%s linears (weights stored in %s): %s%s%s", dtype, target,
                 ", ".join(f"{count} {kind}" for kind, count in sorted(kinds.items())),
-                f"; {held} also as Q4_1 blocks for one-row steps" if q4_1 is not None else "")
+                f"; {held_q4_1} also as Q4_1 blocks for one-row steps" if q4_1 is not None else "",
+                f"; the lm_head also as Q8_0 blocks for one-row steps: {'yes' if held_q8_0 else 'no'}"
+                if q8_0 is not None else "")
     return model
 
 
-def _blocks_match(model: CausalLM, q4_1: list[LayerBlocks]) -> bool:
+def _matching_blocks(model: CausalLM, blocks: GgufBlocks | None) -> tuple[list[LayerBlocks] | None,
+                                                                           torch.Tensor | None]:
+    """The parts of `blocks` (the decoder linears' Q4_1, the lm_head's Q8_0) that pass their spot
+    check against the model's bfloat16 weights, each on its own; None for the others."""
+    if blocks is None:
+        return None, None
+    q4_1 = blocks.layers if blocks.layers is not None and _layers_match(model, blocks.layers) else None
+    q8_0 = blocks.head if blocks.head is not None and _head_matches(model, blocks.head) else None
+    return q4_1, q8_0
+
+
+def _layers_match(model: CausalLM, q4_1: list[LayerBlocks]) -> bool:
     """Whether every decoder linear's blocks dequantize, on a few sampled rows, to exactly its
     bfloat16 weight (a spot check that the blocks are the ones the weights came from, rows in
     the same order); logged where not, and then no linear holds them."""
@@ -74,14 +90,26 @@ def _blocks_match(model: CausalLM, q4_1: list[LayerBlocks]) -> bool:
         return False
     for index, layer in enumerate(model.model.layers):
         for owner_name, attr in LAYER_LINEARS:
-            linear, blocks = getattr(getattr(layer, owner_name), attr), q4_1[index][attr]
-            if not isinstance(linear, nn.Linear) or blocks.shape[:2] != (linear.out_features, linear.in_features // 32):
+            if not _blocks_match(getattr(getattr(layer, owner_name), attr), q4_1[index][attr],
+                                 f"layer {index}'s {attr}"):
                 return False
-            rows = sample_rows(linear.out_features)
-            if not torch.equal(dequantize_rows(blocks[rows]), linear.weight.detach()[rows]):
-                logger.warning("layer %d's %s: its Q4_1 blocks do not dequantize to its weight; one-row steps "
-                               "read the bfloat16 weights", index, attr)
-                return False
+    return True
+
+
+def _head_matches(model: CausalLM, q8_0: torch.Tensor) -> bool:
+    """`_layers_match` for the lm_head's Q8_0 blocks, on more sampled rows (one linear, and the
+    largest)."""
+    return _blocks_match(model.lm_head, q8_0, "the lm_head", _HEAD_SAMPLED_ROWS)
+
+
+def _blocks_match(linear: nn.Module, blocks: torch.Tensor, name: str, count: int = 8) -> bool:
+    if not isinstance(linear, nn.Linear) or blocks.shape[:2] != (linear.out_features, linear.in_features // 32):
+        return False
+    rows = sample_rows(linear.out_features, count)
+    if not torch.equal(dequantize_rows(blocks[rows]), linear.weight.detach()[rows]):
+        logger.warning("%s: its GGUF blocks do not dequantize to its weight; one-row steps read the bfloat16 "
+                       "weights", name)
+        return False
     return True
 
 

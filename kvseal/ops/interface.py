@@ -181,14 +181,19 @@ class Ops(Protocol):
         linear itself where nothing faster applies. ConfigError where this backend cannot store
         weights in `weight_dtype`."""
 
-    def takes_q4_1(self) -> bool:
-        """Whether `hold_q4_1` can hold blocks at all here (so a caller reads none it would drop)."""
+    def takes_gguf_blocks(self) -> bool:
+        """Whether `hold_q4_1` and `hold_q8_0` can hold blocks at all here (so a caller reads none
+        it would drop)."""
 
     def hold_q4_1(self, linear: nn.Module, blocks: torch.Tensor) -> bool:
         """Give `linear` (a module `linear()` returned) its weight a second time, as the GGUF Q4_1
         blocks [out, in / 32, 20] uint8 it was dequantized from (bfloat16(d * q + m), bit for bit:
         the caller vouches), for steps of one row, whose outputs stay bit-equal to its own. False,
         holding nothing, where the backend has no such kernel for it."""
+
+    def hold_q8_0(self, linear: nn.Module, blocks: torch.Tensor) -> bool:
+        """`hold_q4_1` for GGUF Q8_0 blocks [out, in / 32, 34] uint8 (bfloat16(d * q)): the
+        lm_head's."""
 
     def partial_sum_linear(self, linear: nn.Linear) -> nn.Module:
         """A module for `linear` (bfloat16 or float16) whose output is its float32 sums, never

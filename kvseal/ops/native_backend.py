@@ -126,17 +126,24 @@ class NativeOps:
             return TileLinear(linear, self.kernels)
         return self.fallback.linear(linear, weight_dtype)
 
-    def takes_q4_1(self) -> bool:
-        """Where the row kernel runs: the tiles on AVX512-BF16 dot products. Not on AMX, where its
+    def takes_gguf_blocks(self) -> bool:
+        """Where the row kernels run: the tiles on AVX512-BF16 dot products. Not on AMX, where their
         sums would not be the AMX tiles' bits (csrc/linear_q4.c), nor without AVX512-BF16."""
         return self.kernels.tile_engine == self.kernels.TILES_AVX512
 
     def hold_q4_1(self, linear: nn.Module, blocks: torch.Tensor) -> bool:
         """A tile linear takes the blocks for its one-row steps (`TileLinear.hold_q4_1`) where
-        `takes_q4_1`."""
-        if not isinstance(linear, TileLinear) or not self.takes_q4_1():
+        `takes_gguf_blocks`."""
+        if not isinstance(linear, TileLinear) or not self.takes_gguf_blocks():
             return False
         linear.hold_q4_1(blocks)
+        return True
+
+    def hold_q8_0(self, linear: nn.Module, blocks: torch.Tensor) -> bool:
+        """As `hold_q4_1` (`TileLinear.hold_q8_0`)."""
+        if not isinstance(linear, TileLinear) or not self.takes_gguf_blocks():
+            return False
+        linear.hold_q8_0(blocks)
         return True
 
     def partial_sum_linear(self, linear: nn.Linear) -> nn.Module:

@@ -59,35 +59,55 @@ class _TileWeights(nn.Module):
 class TileLinear(_TileWeights):
     """`nn.Linear` (bfloat16) whose weight is held in AMX's tile layout for kvseal's C kernel
     (`NativeKernels.linear_tiles`, on AMX or AVX512-BF16): bfloat16 in and out, float32 sums,
-    any row count. With `q4_1` (`hold_q4_1`), a single row is multiplied by the GGUF Q4_1 blocks
-    its weight was dequantized from where the row kernel runs (`linear_q4_1_row`: bit-equal to the
-    tiles on AVX512-BF16, a third of their bytes); the decode loop reads the same blocks."""
+    any row count. With `q4_1` (`hold_q4_1`: a decoder linear) or `q8_0` (`hold_q8_0`: the
+    lm_head), a single row is multiplied by the GGUF blocks its weight was dequantized from where
+    the row kernel runs (`linear_q4_1_row`, `linear_q8_0_row`: bit-equal to the tiles on
+    AVX512-BF16, a third or about half of their bytes); the decode loop reads the same Q4_1
+    blocks."""
 
     q4_1: torch.Tensor | None
+    q8_0: torch.Tensor | None
 
     def __init__(self, linear: nn.Linear, kernels: NativeKernels) -> None:
         super().__init__(linear, kernels, torch.bfloat16)
         self.register_buffer("q4_1", None)
+        self.register_buffer("q8_0", None)
 
     def hold_q4_1(self, blocks: torch.Tensor) -> None:
         """Also hold the weight as blocks [out_features, in_features / 32, 20] uint8 (GGUF Q4_1),
         packed for the row kernel. The caller vouches that they dequantize to exactly this
         linear's weight (the loader's conversion: bfloat16(float32(d) * q + float32(m)))."""
+        self._check_blocks(blocks, "Q4_1")
+        self.q4_1, self.q8_0 = self.kernels.pack_q4_1(blocks), None
+
+    def hold_q8_0(self, blocks: torch.Tensor) -> None:
+        """`hold_q4_1` for blocks [out_features, in_features / 32, 34] uint8 (GGUF Q8_0; the
+        loader's conversion: bfloat16(float32(d) * q))."""
+        self._check_blocks(blocks, "Q8_0")
+        self.q4_1, self.q8_0 = None, self.kernels.pack_q8_0(blocks)
+
+    def _check_blocks(self, blocks: torch.Tensor, kind: str) -> None:
         if blocks.shape[:2] != (self.out_features, self.in_features // 32):
-            raise TypeError(f"Q4_1 blocks {tuple(blocks.shape)} are not a [{self.out_features}, "
+            raise TypeError(f"{kind} blocks {tuple(blocks.shape)} are not a [{self.out_features}, "
                             f"{self.in_features}] weight's")
-        self.q4_1 = self.kernels.pack_q4_1(blocks)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., in_features] bfloat16 -> [..., out_features]
-        if self.q4_1 is not None and x.dim() == 2 and x.shape[0] == 1 and x.is_contiguous():
-            y = self.kernels.linear_q4_1_row(x, self.q4_1, self.bias, self.out_features)
-            if y is not None:
-                return y
+        if x.dim() == 2 and x.shape[0] == 1 and x.is_contiguous() and (y := self._row(x)) is not None:
+            return y
         return self.kernels.linear_tiles(x, self.tiles, self.bias, self.out_features)
+
+    def _row(self, x: torch.Tensor) -> torch.Tensor | None:
+        """One row over the blocks held; None where none are or the row kernel declines."""
+        if self.q4_1 is not None:
+            return self.kernels.linear_q4_1_row(x, self.q4_1, self.bias, self.out_features)
+        if self.q8_0 is not None:
+            return self.kernels.linear_q8_0_row(x, self.q8_0, self.bias, self.out_features)
+        return None
 
     def extra_repr(self) -> str:
         blocks = ", Q4_1 blocks for one row" if self.q4_1 is not None else ""
+        blocks += ", Q8_0 blocks for one row" if self.q8_0 is not None else ""
         return f"in_features={self.in_features}, out_features={self.out_features}, tiles{blocks}"
 
 

@@ -79,11 +79,15 @@ class TorchOps:
             or (dtype == torch.bfloat16 and onednn_bf16())
         return PackedLinear(linear) if packs else linear
 
-    def takes_q4_1(self) -> bool:
+    def takes_gguf_blocks(self) -> bool:
         return False
 
     def hold_q4_1(self, linear: nn.Module, blocks: torch.Tensor) -> bool:
         """No Q4_1 kernel here: the bfloat16 weights serve every row."""
+        return False
+
+    def hold_q8_0(self, linear: nn.Module, blocks: torch.Tensor) -> bool:
+        """No Q8_0 kernel here: the bfloat16 weights serve every row."""
         return False
 
     def partial_sum_linear(self, linear: nn.Linear) -> nn.Module:

@@ -25,7 +25,7 @@ from kvseal.errors import ConfigError, IsolationViolation
 from kvseal.kvcache.mirror import replay
 from kvseal.kvcache.pool import KVPool
 from kvseal.kvcache.records import ForwardWrites, WriteRecords
-from kvseal.models.gguf_blocks import LayerBlocks
+from kvseal.models.gguf_blocks import GgufBlocks
 from kvseal.models.llama import CausalLM
 from kvseal.models.loader import load_model
 from kvseal.models.packed import pack_model
@@ -60,18 +60,19 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 def finish_model(model: CausalLM, dtype: torch.dtype, quantization: str, ops: Ops, tp: int = 1,
-                 q4_1: list[LayerBlocks] | None = None) -> CausalLM:
+                 blocks: GgufBlocks | None = None) -> CausalLM:
     """The loaded model (or shard of `tp` ranks) in its final form for `ops`: cast, quantized or
     packed; a shard's row-parallel linears keep float32 partial sums (`WidePartialLinear`) unless
-    int8-quantized (the int8 kernels round their output to the model's dtype). q4_1: the whole
-    model's GGUF Q4_1 blocks for one-row steps (`pack_model`), never a shard's."""
-    assert q4_1 is None or tp == 1, "a shard's linears are slices of the blocks' rows"
+    int8-quantized (the int8 kernels round their output to the model's dtype). blocks: the whole
+    model's GGUF blocks for one-row steps (`pack_model`), never a shard's."""
+    assert blocks is None or tp == 1, "a shard's linears are slices of the blocks' rows"
     model = model.to(dtype)
     if tp > 1 and quantization == "none" and (wide := widen_row_parallel(model, ops)):
         logger.info("tensor parallel: %d row-parallel linears sum their partials in float32", wide)
     model = quantize_model(model, quantization, ops)
     if quantization != "int8":
-        model = pack_model(model, ops, weight_dtype=torch.bfloat16 if quantization == "bf16" else None, q4_1=q4_1)
+        model = pack_model(model, ops, weight_dtype=torch.bfloat16 if quantization == "bf16" else None,
+                           blocks=blocks)
     model.use_ops(ops)
     return model
 

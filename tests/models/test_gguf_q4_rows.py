@@ -1,23 +1,29 @@
-"""One-row decode steps over a GGUF's Q4_1 blocks (`--gguf-q4-rows`, `csrc/linear_q4.c`): a tiny
-random llama written as a Q4_1 GGUF with the gguf package's writer (its tokenizer the default
-model's), and the default model itself, generate the same tokens with the same logprobs, bit for
-bit, with the blocks and without them (the bfloat16 weights' tiles), at batch size 1.
+"""One-row decode steps over a GGUF's blocks (`--gguf-q4-rows`: the decoder linears' Q4_1 blocks,
+`csrc/linear_q4.c`, and the lm_head's Q8_0 blocks, `csrc/linear_q8.c`): tiny random llamas written as
+GGUFs with the gguf package's writer (their tokenizer a byte-level one of the test's), and the
+default model itself, generate the same tokens with the same logprobs, bit for bit, with the blocks
+and without them (the bfloat16 weights' tiles), at batch size 1. The tiny files: Q4_1 linears with
+a float32 head, with a tied Q8_0 head (a vocabulary that is not a multiple of 16), float32 linears
+with a Q8_0 head (the head's blocks are taken on their own), and an untied Q8_0 `output.weight`.
 
 On the AVX512-BF16 engine the tests also check that the blocks were held and read (the decode
-loop's table points at them); on AMX, that they were not held (the row kernels decline there), so
-both runs read the tiles; without tile linears, that the model loads and answers either way."""
+loop's table points at the Q4_1 ones); on AMX, that they were not held (the row kernels decline
+there), so both runs read the tiles; without tile linears, that the model loads and answers either
+way."""
 
 from __future__ import annotations
 
 import shutil
 from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
-from built_kernels import KERNELS
+from built_kernels import KERNELS, native_ops
 
 from kvseal import LLM, SamplingParams
 from kvseal.model_files import default_model_path, gguf_cache_dir
@@ -25,6 +31,7 @@ from kvseal.ops.native_linears import TileLinear
 
 HIDDEN, HEADS, KV_HEADS, INTER, LAYERS, VOCAB = 64, 2, 1, 96, 2, 320
 STEPS = 6
+PROMPTS = [[1, 100, 200, 300], [5, 6, 7]]
 
 
 def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -44,24 +51,35 @@ def _byte_symbols() -> list[str]:
     return [symbols[b] for b in range(256)]
 
 
-def _add_byte_tokenizer(writer: Any) -> None:
+def _add_byte_tokenizer(writer: Any, vocab: int) -> None:
     """A small byte-level BPE tokenizer (no merges): a token per byte, two special tokens, the rest
     of the vocabulary unused words."""
     import gguf
 
     tokens = ["<|endoftext|>", "<|im_start|>", *_byte_symbols()]
-    tokens += [f"unused{i}" for i in range(VOCAB - len(tokens))]
+    tokens += [f"unused{i}" for i in range(vocab - len(tokens))]
     writer.add_tokenizer_model("gpt2")
     writer.add_token_list(tokens)
-    writer.add_token_types([gguf.TokenType.CONTROL] * 2 + [gguf.TokenType.NORMAL] * (VOCAB - 2))
+    writer.add_token_types([gguf.TokenType.CONTROL] * 2 + [gguf.TokenType.NORMAL] * (vocab - 2))
     writer.add_token_merges([])
-    writer.add_token_scores([0.0] * VOCAB)
+    writer.add_token_scores([0.0] * vocab)
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(0)
 
 
-def write_tiny_q4_1_gguf(path: Path, seed: int = 0) -> Path:
-    """A random 2-layer llama whose decoder linears are Q4_1 (norms and the tied embedding float32)."""
+@dataclass(frozen=True)
+class TinyGguf:
+    """What a tiny GGUF holds: its decoder linears' type, its head's (the tied embedding table's,
+    or with `untied` an `output.weight` of that type beside a float32 table) and its vocabulary."""
+
+    linears: str = "Q4_1"  # or "F32"
+    head: str = "F32"  # or "Q8_0"
+    untied: bool = False
+    vocab: int = VOCAB
+
+
+def write_tiny_gguf(path: Path, tiny: TinyGguf = TinyGguf(), seed: int = 0) -> Path:
+    """A random 2-layer llama of `tiny`'s types (norms float32)."""
     import gguf
 
     rng = np.random.default_rng(seed)
@@ -69,20 +87,28 @@ def write_tiny_q4_1_gguf(path: Path, seed: int = 0) -> Path:
     head_dim = HIDDEN // HEADS
     for name, value in (("block_count", LAYERS), ("context_length", 256), ("embedding_length", HIDDEN),
                         ("feed_forward_length", INTER), ("attention.head_count", HEADS),
-                        ("attention.head_count_kv", KV_HEADS), ("vocab_size", VOCAB),
+                        ("attention.head_count_kv", KV_HEADS), ("vocab_size", tiny.vocab),
                         ("rope.dimension_count", head_dim)):
         writer.add_uint32(f"llama.{name}", value)
     writer.add_float32("llama.rope.freq_base", 10000.0)
     writer.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
-    _add_byte_tokenizer(writer)
+    _add_byte_tokenizer(writer, tiny.vocab)
+
+    def add(name: str, w: np.ndarray, kind: str) -> None:
+        if kind == "F32":
+            writer.add_tensor(name, w)
+            return
+        quant = gguf.GGMLQuantizationType[kind]
+        writer.add_tensor(name, gguf.quants.quantize(w, quant), raw_dtype=quant)
 
     def linear(name: str, n_out: int, k_in: int, n_head: int | None = None) -> None:
         w = rng.normal(0, 0.25, (n_out, k_in)).astype(np.float32)
-        w = _permute(w, n_head) if n_head is not None else w
-        writer.add_tensor(name, gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q4_1),
-                          raw_dtype=gguf.GGMLQuantizationType.Q4_1)
+        add(name, _permute(w, n_head) if n_head is not None else w, tiny.linears)
 
-    writer.add_tensor("token_embd.weight", rng.normal(0, 0.05, (VOCAB, HIDDEN)).astype(np.float32))
+    table = rng.normal(0, 0.05, (tiny.vocab, HIDDEN)).astype(np.float32)
+    add("token_embd.weight", table, "F32" if tiny.untied else tiny.head)
+    if tiny.untied:
+        add("output.weight", rng.normal(0, 0.05, (tiny.vocab, HIDDEN)).astype(np.float32), tiny.head)
     writer.add_tensor("output_norm.weight", (1 + rng.normal(0, 0.1, HIDDEN)).astype(np.float32))
     for i in range(LAYERS):
         for norm in ("attn_norm", "ffn_norm"):
@@ -108,65 +134,107 @@ def rows_engine() -> str:
     return "amx" if KERNELS.tile_engine == KERNELS.TILES_AMX else "avx512"
 
 
-def generate(model: str, prompts: list[list[int]], q4_rows: bool,
-             steps: int) -> tuple[list[list[int]], list[list[float]], int]:
-    """Greedy tokens and their logprobs, each prompt alone (batch size 1), and how many decoder
-    linears held Q4_1 blocks."""
+@dataclass(frozen=True)
+class Generated:
+    tokens: list[list[int]]
+    logprobs: list[list[float]]
+    held_q4_1: int  # decoder linears that held Q4_1 blocks
+    held_q8_0: bool  # whether the lm_head held Q8_0 blocks
+
+
+def generate(model: str, prompts: list[list[int]], q4_rows: bool, steps: int) -> Generated:
+    """Greedy tokens and their logprobs, each prompt alone (batch size 1), and which linears held
+    blocks."""
     llm = LLM(model=model, dtype="bfloat16", gguf_q4_rows=q4_rows, kv_cache_tokens=512, max_model_len=256,
               max_num_seqs=1)
     try:
         params = SamplingParams(max_tokens=steps, temperature=0, ignore_eos=True, logprobs=3)
         outs = [llm.generate([{"prompt_token_ids": p}], params)[0] for p in prompts]  # type: ignore[list-item]
-        held = sum(1 for m in llm.engine.runner.model.modules() if isinstance(m, TileLinear) and m.q4_1 is not None)
+        model_ = llm.engine.runner.model
+        held = sum(1 for m in model_.modules() if isinstance(m, TileLinear) and m.q4_1 is not None)
+        head = model_.lm_head
         llm.engine.check_integrity()
     finally:
         llm.engine.close()
-    return [o.token_ids for o in outs], [[lp.logprob for lp in o.logprobs] for o in outs], held
+    return Generated([o.token_ids for o in outs], [[lp.logprob for lp in o.logprobs] for o in outs], held,
+                     isinstance(head, TileLinear) and head.q8_0 is not None)
 
 
-def check_equal_both_ways(model: str, prompts: list[list[int]], num_linears: int, steps: int) -> None:
-    tokens_on, logprobs_on, held_on = generate(model, prompts, True, steps)
-    tokens_off, logprobs_off, held_off = generate(model, prompts, False, steps)
-    assert held_off == 0
-    assert held_on == (num_linears if rows_engine() == "avx512" else 0)
-    assert tokens_on == tokens_off
-    assert logprobs_on == logprobs_off  # bit for bit: float equality of every logprob
+def check_equal_both_ways(model: str, prompts: list[list[int]], num_q4_1: int, steps: int,
+                          q8_0_head: bool = False) -> None:
+    """The same tokens and logprobs with the blocks and without, and the blocks held (on the
+    AVX512-BF16 engine: num_q4_1 decoder linears', and the head's where `q8_0_head`) or not."""
+    on, off = generate(model, prompts, True, steps), generate(model, prompts, False, steps)
+    assert off.held_q4_1 == 0 and not off.held_q8_0
+    rows_run = rows_engine() == "avx512"
+    assert on.held_q4_1 == (num_q4_1 if rows_run else 0)
+    assert on.held_q8_0 == (q8_0_head and rows_run)
+    assert on.tokens == off.tokens
+    assert on.logprobs == off.logprobs  # bit for bit: float equality of every logprob
 
 
-@pytest.fixture(scope="module")
-def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """The tiny Q4_1 GGUF, and its converted folder in the user's cache removed afterwards."""
-    path = write_tiny_q4_1_gguf(tmp_path_factory.mktemp("gguf") / "tiny.Q4_1.gguf")
+@contextmanager
+def tiny_file(directory: Path, tiny: TinyGguf) -> Iterator[Path]:
+    """A tiny GGUF, and its converted folder in the user's cache removed afterwards."""
+    path = write_tiny_gguf(directory / f"tiny.{tiny.linears}.{tiny.head}{'.untied' if tiny.untied else ''}.gguf",
+                           tiny)
     try:
         yield path
     finally:
         shutil.rmtree(gguf_cache_dir(path), ignore_errors=True)
 
 
-def test_a_tiny_q4_1_gguf_decodes_the_same_with_and_without_its_blocks(tiny_gguf: Path) -> None:
-    prompts = [[1, 100, 200, 300], [5, 6, 7]]
-    check_equal_both_ways(str(tiny_gguf), prompts, 4 * LAYERS, STEPS)
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The tiny GGUF of Q4_1 linears and a Q8_0 head tied to the embedding table, 333 outputs (a
+    last panel of 13)."""
+    with tiny_file(tmp_path_factory.mktemp("gguf"), TinyGguf(head="Q8_0", vocab=333)) as path:
+        yield path
+
+
+def test_a_tiny_gguf_decodes_the_same_with_and_without_its_blocks(tiny_gguf: Path) -> None:
+    check_equal_both_ways(str(tiny_gguf), PROMPTS, 4 * LAYERS, STEPS, q8_0_head=True)
+
+
+@pytest.mark.parametrize("tiny", [TinyGguf(), TinyGguf(linears="F32", head="Q8_0"),
+                                  TinyGguf(head="Q8_0", untied=True, vocab=333)],
+                         ids=["float32-head", "float32-linears", "untied-head"])
+def test_each_kind_of_blocks_is_taken_on_its_own(tmp_path: Path, tiny: TinyGguf) -> None:
+    """The Q4_1 linears' blocks with a float32 head; the Q8_0 head's without Q4_1 linears (float32
+    ones); and the head's from an untied `output.weight`."""
+    with tiny_file(tmp_path, tiny) as path:
+        check_equal_both_ways(str(path), PROMPTS, 4 * LAYERS if tiny.linears == "Q4_1" else 0, STEPS,
+                              q8_0_head=tiny.head == "Q8_0")
 
 
 @pytest.mark.slow
 def test_the_default_model_decodes_the_same_with_and_without_its_blocks() -> None:
-    check_equal_both_ways(str(default_model_path()), [[1, 504, 3458, 282, 4649, 314]], 4 * 30, 8)
+    """Its 120 Q4_1 decoder linears and its tied Q8_0 head."""
+    check_equal_both_ways(str(default_model_path()), [[1, 504, 3458, 282, 4649, 314]], 4 * 30, 8, q8_0_head=True)
+
+
+def same_blocks(a: Any, b: Any) -> bool:
+    """Whether two `GgufBlocks` hold the same bytes."""
+    layers_equal = all(torch.equal(x[n], y[n]) for x, y in zip(a.layers, b.layers) for n in x)
+    return len(a.layers) == len(b.layers) and layers_equal and torch.equal(a.head, b.head)
 
 
 def test_the_blocks_read_back_as_the_conversions_weights(tiny_gguf: Path) -> None:
-    """read_q4_1_linears' rows are the loaded model's rows (q/k unpermuted, q/k/v and gate/up
-    fused in the model's order): every row dequantizes to the converted bfloat16 weight."""
-    from kvseal.models.gguf_blocks import dequantize_rows, read_q4_1_linears
+    """read_gguf_blocks' rows are the loaded model's rows (q/k unpermuted, q/k/v and gate/up
+    fused in the model's order; the head's in the vocabulary's): every row dequantizes to the
+    converted bfloat16 weight."""
+    from kvseal.models.gguf_blocks import dequantize_rows, read_gguf_blocks
     from kvseal.models.loader import load_model
 
     loaded = load_model(tiny_gguf, torch.bfloat16)
-    blocks = read_q4_1_linears(tiny_gguf, loaded.config)
-    assert blocks is not None and len(blocks) == LAYERS
-    for layer, layer_blocks in zip(loaded.model.model.layers, blocks):
+    blocks = read_gguf_blocks(tiny_gguf, loaded.config)
+    assert blocks.layers is not None and len(blocks.layers) == LAYERS and blocks.head is not None
+    for layer, layer_blocks in zip(loaded.model.model.layers, blocks.layers):
         for owner, attr in (("self_attn", "qkv_proj"), ("self_attn", "o_proj"), ("mlp", "gate_up_proj"),
                             ("mlp", "down_proj")):
             weight = getattr(getattr(layer, owner), attr).weight
             assert torch.equal(dequantize_rows(layer_blocks[attr]), weight)
+    assert torch.equal(dequantize_rows(blocks.head), loaded.model.lm_head.weight)
 
 
 def test_the_blocks_are_kept_beside_the_converted_folder_and_read_from_there(
@@ -179,19 +247,17 @@ def test_the_blocks_are_kept_beside_the_converted_folder_and_read_from_there(
     config = load_model(tiny_gguf, torch.bfloat16).config
     kept = gguf_cache_dir(tiny_gguf) / gguf_blocks.BLOCKS_FILE
     kept.unlink(missing_ok=True)
-    first = gguf_blocks.read_q4_1_linears(tiny_gguf, config)
-    assert first is not None and kept.exists()
+    first = gguf_blocks.read_gguf_blocks(tiny_gguf, config)
+    assert first.layers is not None and first.head is not None and kept.exists()
 
     def no_gguf(path: Path, config: Any) -> None:
         raise AssertionError("the GGUF was parsed again")
 
     monkeypatch.setattr(gguf_blocks, "_read_gguf_blocks", no_gguf)
-    again = gguf_blocks.read_q4_1_linears(tiny_gguf, config)
-    assert again is not None
-    assert all(torch.equal(a[name], b[name]) for a, b in zip(first, again) for name in a)
+    assert same_blocks(first, gguf_blocks.read_gguf_blocks(tiny_gguf, config))
     kept.write_bytes(b"damaged")  # a damaged file: the GGUF is read again (here: refused), never trusted
     with pytest.raises(AssertionError, match="parsed again"):
-        gguf_blocks.read_q4_1_linears(tiny_gguf, config)
+        gguf_blocks.read_gguf_blocks(tiny_gguf, config)
 
 
 def _kept_file(tiny_gguf: Path) -> tuple[Path, Any, Any]:
@@ -201,7 +267,7 @@ def _kept_file(tiny_gguf: Path) -> tuple[Path, Any, Any]:
     config = load_model(tiny_gguf, torch.bfloat16).config
     kept = gguf_cache_dir(tiny_gguf) / gguf_blocks.BLOCKS_FILE
     kept.unlink(missing_ok=True)
-    assert gguf_blocks.read_q4_1_linears(tiny_gguf, config) is not None and kept.exists()
+    assert not gguf_blocks.read_gguf_blocks(tiny_gguf, config).is_empty and kept.exists()
     return kept, config, gguf_blocks
 
 
@@ -212,17 +278,35 @@ def test_a_kept_file_changed_anywhere_or_in_another_layout_is_replaced_from_the_
     from safetensors.torch import load_file, save_file
 
     kept, config, gguf_blocks = _kept_file(tiny_gguf)
-    first = gguf_blocks.read_q4_1_linears(tiny_gguf, config)
-    meta = {"format": "kvseal-q4_1-blocks-1", "all_q4_1": "yes"}
-    damaged = load_file(str(kept))
+    first = gguf_blocks.read_gguf_blocks(tiny_gguf, config)
+    meta = {"format": gguf_blocks._BLOCKS_FORMAT, "all_q4_1": "yes", "q8_0_head": "yes"}
+    damaged, damaged_head = load_file(str(kept)), load_file(str(kept))
     damaged["0.o_proj"][5, 0, 1] ^= 0x40  # row 5's scale: not among the sampled rows
+    damaged_head["lm_head"][7, 1, 1] ^= 0x40  # row 7's scale: not among the sampled rows either
     as_int8 = {name: t.view(torch.int8) for name, t in load_file(str(kept)).items()}
-    for tensors, metadata in ((damaged, meta | {"sha256": "0" * 64}), (as_int8, meta | {"sha256": "0" * 64}),
+    for tensors, metadata in ((damaged, meta | {"sha256": "0" * 64}),
+                              (damaged_head, meta | {"sha256": gguf_blocks._digest(load_file(str(kept)))}),
+                              (as_int8, meta | {"sha256": "0" * 64}),
                               (load_file(str(kept)), {"format": "another-1"})):
         save_file(tensors, str(kept), metadata=metadata)
-        again = gguf_blocks.read_q4_1_linears(tiny_gguf, config)
-        assert again is not None and all(torch.equal(a[n], b[n]) for a, b in zip(first, again) for n in a)
-        assert gguf_blocks._load_blocks(kept, config.num_layers) is not None  # written anew
+        assert same_blocks(first, gguf_blocks.read_gguf_blocks(tiny_gguf, config))
+        assert not gguf_blocks._load_blocks(kept, config.num_layers).is_empty  # written anew
+
+
+def test_a_kept_file_of_the_q4_1_only_format_is_read_again_with_the_head(tiny_gguf: Path) -> None:
+    """A file an older kvseal kept (format -1: the Q4_1 linears alone, its digest right) is not
+    taken for a file without a head: the GGUF is read again, the head with it, and the file
+    replaced."""
+    from safetensors.torch import load_file, save_file
+
+    kept, config, gguf_blocks = _kept_file(tiny_gguf)
+    first = gguf_blocks.read_gguf_blocks(tiny_gguf, config)
+    linears = {name: t for name, t in load_file(str(kept)).items() if name != "lm_head"}
+    save_file(linears, str(kept), metadata={"format": "kvseal-q4_1-blocks-1", "all_q4_1": "yes",
+                                            "sha256": gguf_blocks._digest(linears)})
+    again = gguf_blocks.read_gguf_blocks(tiny_gguf, config)
+    assert again.head is not None and same_blocks(first, again)
+    assert gguf_blocks._load_blocks(kept, config.num_layers).head is not None  # written anew, with the head
 
 
 def test_a_cache_that_cannot_be_written_leaves_the_blocks_read_from_the_gguf(
@@ -238,5 +322,35 @@ def test_a_cache_that_cannot_be_written_leaves_the_blocks_read_from_the_gguf(
         raise SafetensorError("Error while serializing: I/O error: Read-only file system (os error 30)")
 
     monkeypatch.setattr("safetensors.torch.save_file", refuse)
-    assert gguf_blocks.read_q4_1_linears(tiny_gguf, config) is not None
+    assert not gguf_blocks.read_gguf_blocks(tiny_gguf, config).is_empty
     assert not kept.exists()
+
+
+@pytest.mark.parametrize("damaged", ["head", "linears"])
+def test_blocks_that_do_not_dequantize_to_the_weights_are_not_held(tiny_gguf: Path, damaged: str) -> None:
+    """The spot check before the blocks are held (sampled rows, the first among them): a part one
+    of whose sampled rows is not the weight's is not held; the other part still is."""
+    from kvseal.models.gguf_blocks import GgufBlocks, read_gguf_blocks
+    from kvseal.models.loader import load_model
+    from kvseal.parallel.worker import finish_model
+
+    if KERNELS is None:
+        pytest.skip("no C compiler: the native kernels are not built")
+    loaded = load_model(tiny_gguf, torch.bfloat16)
+    blocks = read_gguf_blocks(tiny_gguf, loaded.config)
+    assert blocks.layers is not None and blocks.head is not None
+    if damaged == "head":
+        head = blocks.head.clone()
+        head[0, 0, 2] ^= 1  # row 0's first q: one more or one less
+        blocks = GgufBlocks(blocks.layers, head)
+    else:
+        layers = [dict(layer) for layer in blocks.layers]
+        layers[1]["down_proj"] = layers[1]["down_proj"].clone()
+        layers[1]["down_proj"][0, 0, 4] ^= 1  # row 0's first nibble
+        blocks = GgufBlocks(layers, blocks.head)
+    model = finish_model(loaded.model, torch.bfloat16, "none", native_ops(), 1, blocks)
+    rows_run = rows_engine() == "avx512"
+    held_q4_1 = sum(1 for m in model.modules() if isinstance(m, TileLinear) and m.q4_1 is not None)
+    assert held_q4_1 == (4 * LAYERS if rows_run and damaged != "linears" else 0)
+    head_held = isinstance(model.lm_head, TileLinear) and model.lm_head.q8_0 is not None
+    assert head_held == (rows_run and damaged != "head")
