@@ -31,9 +31,8 @@
  *
  * Measured (Zen 4, two threads, 2026-12-07; bench/q4_rows_ab.py, interleaved passes, medians):
  * SmolLM2-135M's 120 decoder linears at one row 4.90-4.99 ms over 66 MB of blocks against
- * 6.19-6.29 ms over 212 MB of tiles; the engine's c=1 decode step 0.90x; served c=1 (the
- * frontend sharing the two cores) no gain beyond the noise (docs/BENCHMARKS.md, "What limits
- * speed now"). */
+ * 6.19-6.29 ms over 212 MB of tiles; the engine's c=1 decode step 0.90x; served c=1 1.13x the
+ * output throughput, one server at a time (docs/BENCHMARKS.md, "What limits speed now"). */
 
 #include "kvseal_ops.h"
 #include "row_blocks.h"

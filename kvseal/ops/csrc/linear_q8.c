@@ -24,7 +24,12 @@
  * at bytes 2f, 2f + 1 of pair p (so that widening each half and one vcvtne2ps2bf16 leave the pair
  * in vdpbf16ps's operand order). Features past n_out have d = q = 0.
  *
- * Measured: see kvseal_linear_q8_0_row's entry in docs/BENCHMARKS.md ("What limits speed now"). */
+ * Measured (Zen 4, two threads, 2026-12-07; bench/q4_rows_ab.py, interleaved passes, medians; the
+ * host shared): SmolLM2-135M's lm_head at one row, out of cache, 1.29-1.41 ms over 30.1 MB of
+ * blocks against 1.46-2.05 ms over 56.6 MB of tiles (0.69-0.95x; bound by the dequantization's
+ * arithmetic, the tiles by memory); the engine's c=1 decode step 0.94-0.99x the step with the
+ * Q4_1 blocks alone; served c=1 1.04x the output throughput (docs/BENCHMARKS.md, "What limits
+ * speed now"). */
 
 #include "kvseal_ops.h"
 #include "row_blocks.h"
