@@ -23,7 +23,8 @@ ROOT = Path(__file__).resolve().parents[2]
 # the kernel-level tests (an engine builds its own, unsanitized, kernels), the decode loop on
 # the tests' kernels in an engine, and the write records' kernels
 KERNEL_TESTS = ["tests/ops/test_decode_attention.py", "tests/ops/test_prefill_attention.py",
-                "tests/ops/test_layer_ops.py", "tests/ops/test_linears.py",
+                "tests/ops/test_layer_ops.py", "tests/ops/test_linears.py", "tests/ops/test_linear_q4.py",
+                "tests/ops/test_linear_q8.py",
                 "tests/ops/test_decode_loop.py::test_the_test_kernels_loop_equals_their_per_layer_ops",
                 "tests/kvcache/test_record_kernels.py",
                 "tests/engine/test_sampler.py::test_the_native_draw_agrees_with_torchs_and_reads_bfloat16_as_its_widening"]
