@@ -17,11 +17,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_gguf_q4_rows import write_tiny_q4_1_gguf
+from test_gguf_q4_rows import write_tiny_gguf
 
 from kvseal.model_files import gguf_cache_dir
 from kvseal.models import loader
-from kvseal.models.gguf_blocks import BLOCKS_FILE, read_q4_1_linears
+from kvseal.models.gguf_blocks import BLOCKS_FILE, read_gguf_blocks
 from kvseal.models.loader import convert_gguf, folder_config
 
 
@@ -36,7 +36,7 @@ def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 @pytest.fixture
 def gguf(tmp_path: Path) -> Path:
-    return write_tiny_q4_1_gguf(tmp_path / "tiny.Q4_1.gguf", seed=0)
+    return write_tiny_gguf(tmp_path / "tiny.Q4_1.gguf", seed=0)
 
 
 @pytest.fixture
@@ -87,14 +87,14 @@ def test_a_gguf_replaced_in_place_with_the_same_size_and_mtime_is_converted_agai
     too, written in place); only its ctime tells."""
     first = convert_gguf(gguf)
     before = gguf.stat()
-    other = write_tiny_q4_1_gguf(tmp_path / "other.gguf", seed=1)
+    other = write_tiny_gguf(tmp_path / "other.gguf", seed=1)
     assert other.stat().st_size == before.st_size
     gguf.write_bytes(other.read_bytes())
     os.utime(gguf, ns=(before.st_atime_ns, before.st_mtime_ns))
     assert (gguf.stat().st_size, gguf.stat().st_mtime_ns, gguf.stat().st_ino) == \
         (before.st_size, before.st_mtime_ns, before.st_ino)
     second = convert_gguf(gguf)
-    assert is_genuine(second, gguf) and not is_genuine(second, write_tiny_q4_1_gguf(tmp_path / "old.gguf", seed=0))
+    assert is_genuine(second, gguf) and not is_genuine(second, write_tiny_gguf(tmp_path / "old.gguf", seed=0))
     assert second != first and not first.exists(), "the older conversion of the same path is removed"
 
 
@@ -160,12 +160,12 @@ def test_a_cache_that_cannot_be_made_still_loads(cache: Path, gguf: Path, caplog
 
 
 def test_the_cache_is_made_owner_only_whatever_the_umask(cache: Path, gguf: Path, open_umask: None) -> None:
-    """And what kvseal writes there later (the kept Q4_1 blocks) does not make the next start
+    """And what kvseal writes there later (the kept GGUF blocks) does not make the next start
     convert again."""
     folder = convert_gguf(gguf)
     for made in (cache, cache / "kvseal", cache / "kvseal" / "gguf", folder):
         assert stat.S_IMODE(made.stat().st_mode) == 0o700, made
-    assert read_q4_1_linears(gguf, folder_config(str(gguf))) is not None and (folder / BLOCKS_FILE).exists()
+    assert read_gguf_blocks(gguf, folder_config(str(gguf))).layers is not None and (folder / BLOCKS_FILE).exists()
     assert not [f for f in folder.rglob("*") if writable_by_others(f)]
     assert convert_gguf(gguf) == folder and (folder / BLOCKS_FILE).exists()  # used at the next start
 
