@@ -29,7 +29,8 @@ from kvseal.errors import ModelLoadError
 from kvseal.owner_only import UnsafeFile, make_owner_only_folders, refuse_unsafe
 
 __all__ = ["DEFAULT_MODEL_FILE", "DEFAULT_MODEL_PACKAGE", "SOURCE_FILE", "GgufSource", "conversion_problem",
-           "default_model_path", "gguf_cache_dir", "older_conversions", "resolve_model_path", "stamp_conversion"]
+           "default_model_path", "gguf_cache_dir", "older_conversions", "private_gguf_dir", "resolve_model_path",
+           "stamp_conversion"]
 
 logger = logging.getLogger("kvseal")
 
@@ -111,15 +112,28 @@ def gguf_cache_dir(path: Path) -> Path:
     """The folder the GGUF file at `path` is converted to (`loader.convert_gguf`) and its kept
     blocks are read from: `$XDG_CACHE_HOME/kvseal/gguf/<GgufSource key>`, the folders on the way
     made 0700 where missing. Where the cache cannot be used (a folder on the way that another user
-    may change, or that cannot be made), a private temporary folder of this process instead, with
-    a warning naming the fix: the model still loads, converted at every start."""
+    may change, or that cannot be made, or a conversion found it cannot be written:
+    `private_gguf_dir`), a private temporary folder of this process instead, with a warning naming
+    the fix: the model still loads, converted at every start."""
+    root = _cache_root()
+    if root not in _private_roots:
+        try:
+            make_owner_only_folders(root.parent.parent, root, "the GGUF conversion cache's folder", _CACHE_STAKE)
+        except (OSError, UnsafeFile) as exc:
+            _private_root(root, exc)
+    return _private_roots.get(root, root) / GgufSource.of(path).key
+
+
+def private_gguf_dir(path: Path, why: Exception) -> Path:
+    """Give up the cache for this process (a conversion could not be written there: a read-only
+    mount, a full disk) and say so: `gguf_cache_dir` answers the private folder from now on."""
+    _private_root(_cache_root(), why)
+    return gguf_cache_dir(path)
+
+
+def _cache_root() -> Path:
     home = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    root = home / "kvseal" / "gguf"
-    try:
-        make_owner_only_folders(home, root, "the GGUF conversion cache's folder", _CACHE_STAKE)
-    except (OSError, UnsafeFile) as exc:
-        root = _private_root(root, exc)
-    return root / GgufSource.of(path).key
+    return home / "kvseal" / "gguf"
 
 
 def _private_root(root: Path, why: Exception) -> Path:

@@ -44,15 +44,28 @@ def load_tokenizer(path: str | None) -> Any:
 
 
 def _default_model_folder() -> Path:
-    """The default model's converted folder; made (once) in a child process if missing, since the
-    conversion dequantizes weights with torch and the bench process keeps torch out."""
-    from kvseal.model_files import default_model_path, gguf_cache_dir
+    from kvseal.model_files import default_model_path
 
-    folder = gguf_cache_dir(default_model_path())
-    if not folder.exists():
-        convert = "from kvseal.model_files import default_model_path as d; from kvseal.models.loader import " \
-                  "convert_gguf; convert_gguf(d())"
-        subprocess.run([sys.executable, "-c", convert], check=True)
+    return converted_folder(default_model_path())
+
+
+def converted_folder(path: Path) -> Path:
+    """The GGUF file's converted folder; made (once) in a child process where it is missing or not
+    to be used (`conversion_problem`), since the conversion dequantizes weights with torch and the
+    bench process keeps torch out. The child converts into the folder this process names, so that
+    where the cache is not used (`gguf_cache_dir`'s private folder) the conversion lands in this
+    process's folder, not in the child's, which goes when the child exits."""
+    from kvseal.model_files import GgufSource, conversion_problem, gguf_cache_dir
+
+    folder = gguf_cache_dir(path)
+    if conversion_problem(folder, GgufSource.of(path)) is not None:
+        convert = "import sys; from pathlib import Path; from kvseal.models.loader import convert_gguf; " \
+                  "convert_gguf(Path(sys.argv[1]), into=Path(sys.argv[2]))"
+        subprocess.run([sys.executable, "-c", convert, str(path), str(folder)], check=True)
+        problem = conversion_problem(folder, GgufSource.of(path))
+        if problem is not None:
+            raise KvsealError(f"the conversion of {path} cannot be used: {problem}; pass --tokenizer with a local "
+                              f"model folder")
     return folder
 
 

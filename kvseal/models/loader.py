@@ -34,6 +34,7 @@ from kvseal.model_files import (
     conversion_problem,
     gguf_cache_dir,
     older_conversions,
+    private_gguf_dir,
     resolve_model_path,
     stamp_conversion,
 )
@@ -227,14 +228,16 @@ def _read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def convert_gguf(path: Path) -> Path:
+def convert_gguf(path: Path, into: Path | None = None) -> Path:
     """The Hugging Face folder of a GGUF file: its conversion in the cache (`gguf_cache_dir`),
     made here where it is missing or must not be used (`conversion_problem`: another user may
     change it, it was not made from this very file, it is incomplete), once per version of the
     file. Where two processes convert the same file at once, the slower uses the folder the
-    faster finished."""
+    faster finished. Where the cache cannot be written, into a private folder of this process
+    (`private_gguf_dir`). `into`: the folder to use instead of the cache's (another process's
+    private folder, which this one's would not be)."""
     source = GgufSource.of(path)
-    folder = gguf_cache_dir(path)
+    folder = gguf_cache_dir(path) if into is None else into
     problem = conversion_problem(folder, source)
     if problem is None:
         return folder
@@ -242,7 +245,11 @@ def convert_gguf(path: Path) -> Path:
         logger.warning("the converted folder %s is not used (%s): %s is converted again", folder, problem, path)
     else:
         logger.info("converting %s to a Hugging Face folder in %s (once)", path, folder)
-    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".converting-"))  # 0700
+    try:
+        tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".converting-"))  # 0700
+    except OSError as exc:  # the cache can be read but not written: a read-only mount, another user's
+        folder = private_gguf_dir(path, exc)
+        tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".converting-"))
     try:
         _write_hf_folder(path, tmp)
         stamp_conversion(tmp, source)

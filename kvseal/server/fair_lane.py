@@ -45,6 +45,12 @@ class FairQueue:
             self._by_tenant[tenant] = jobs
         return job
 
+    def take_all(self) -> list[_Job]:
+        """Every job still waiting, the queue left empty."""
+        jobs = [job for queued in self._by_tenant.values() for job in queued]
+        self._by_tenant.clear()
+        return jobs
+
 
 class FairLane:
     """One thread fed by a `FairQueue` (started on first use, in the event loop). A job whose
@@ -54,6 +60,7 @@ class FairLane:
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
         self._queue: FairQueue | None = None
         self._serving: asyncio.Task[None] | None = None
+        self._running: _Job | None = None
 
     async def run(self, tenant: str, fn: Callable[..., Any], *args: Any) -> Any:
         """`fn(*args)` on the lane's thread, in the tenant's turn; its result or its exception."""
@@ -68,7 +75,9 @@ class FairLane:
         while True:
             job = await queue.get()
             if not job.done.done():  # else its request was cancelled while it waited
+                self._running = job
                 await self._run(job)
+                self._running = None
 
     async def _run(self, job: _Job) -> None:
         """The job's result or exception to its caller; the lane keeps neither once it is handed
@@ -83,7 +92,13 @@ class FairLane:
             job.done.set_result(result)
 
     def close(self) -> None:
-        """Stop the worker; jobs still queued are cancelled."""
+        """Stop the worker (on the event loop's thread): the job running and every job still
+        queued are cancelled, so their callers stop waiting (the running call itself finishes on
+        the thread, its result dropped)."""
         if self._serving is not None:
             self._serving.cancel()
+        waiting = ([] if self._queue is None else self._queue.take_all()) + \
+            ([] if self._running is None else [self._running])
+        for job in waiting:
+            job.done.cancel()
         self._worker.shutdown(wait=False, cancel_futures=True)

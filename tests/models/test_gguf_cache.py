@@ -8,6 +8,7 @@ float32 in the GGUF, copied as it is by the conversion."""
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import stat
@@ -19,6 +20,7 @@ import numpy as np
 import pytest
 from test_gguf_q4_rows import write_tiny_gguf
 
+from kvseal.bench.dataset import converted_folder
 from kvseal.model_files import gguf_cache_dir
 from kvseal.models import loader
 from kvseal.models.gguf_blocks import BLOCKS_FILE, read_gguf_blocks
@@ -157,6 +159,40 @@ def test_a_cache_that_cannot_be_made_still_loads(cache: Path, gguf: Path, caplog
         folder = convert_gguf(gguf)
     assert is_genuine(folder, gguf) and not folder.is_relative_to(cache)
     assert str(cache) in caplog.text
+
+
+def test_a_cache_that_cannot_be_written_still_loads(cache: Path, gguf: Path, monkeypatch: pytest.MonkeyPatch,
+                                                    caplog: pytest.LogCaptureFixture) -> None:
+    """A cache that passes the owner rule but cannot take a new conversion (a read-only mount of a
+    baked cache, after the GGUF was copied with `cp -a`: another inode, another key): the model is
+    converted into a private folder, and the kept blocks are looked for there too."""
+    convert_gguf(gguf)
+    copied = gguf.with_name("copied.gguf")
+    copied.write_bytes(gguf.read_bytes())
+    copied.replace(gguf)  # the same bytes under a new inode: converted again
+    made = tempfile.mkdtemp
+
+    def read_only_cache(*args: object, **kwargs: object) -> str:
+        if Path(str(kwargs.get("dir", ""))).is_relative_to(cache):
+            raise OSError(errno.EROFS, "Read-only file system", str(kwargs["dir"]))
+        return made(*args, **kwargs)  # type: ignore[call-overload, no-any-return]
+
+    monkeypatch.setattr(tempfile, "mkdtemp", read_only_cache)
+    with caplog.at_level(logging.WARNING, logger="kvseal"):
+        folder = convert_gguf(gguf)
+    assert is_genuine(folder, gguf) and not folder.is_relative_to(cache)
+    assert gguf_cache_dir(gguf) == folder, "the kept blocks are looked for in the same private folder"
+    assert "Read-only file system" in caplog.text and "XDG_CACHE_HOME" in caplog.text
+
+
+def test_the_bench_finds_a_conversion_where_the_cache_is_not_used(cache: Path, gguf: Path) -> None:
+    """The bench keeps torch out of its process and has a child convert: into the bench's own
+    private folder, not the child's (which goes when the child exits)."""
+    gguf_cache_dir(gguf)  # makes the cache's folders
+    os.chmod(cache, 0o777)
+    folder = converted_folder(gguf)
+    assert not folder.is_relative_to(cache) and is_genuine(folder, gguf)
+    assert (folder / "config.json").is_file()
 
 
 def test_the_cache_is_made_owner_only_whatever_the_umask(cache: Path, gguf: Path, open_umask: None) -> None:
