@@ -178,15 +178,27 @@ def stamp_conversion(folder: Path, source: GgufSource) -> None:
 
 
 def older_conversions(folder: Path, source: GgufSource) -> list[Path]:
-    """The folders beside `folder` converted from another version of the same file (same path,
-    another source): a new conversion replaces them, so the cache holds one folder per GGUF path.
-    Hidden ones (conversions under way, removals) are not counted."""
+    """The folders beside `folder` converted from other versions of the same file (same path,
+    another source), all but the newest of them: a new conversion removes these, so the cache
+    holds at most two folders per GGUF path, this version's and the last other one. That one is
+    kept because hosts or containers sharing one cache may each hold their own copy of the file
+    at the same path (another inode, so another source): were each start to remove the other's
+    folder, they would convert by turns at every start, and could remove a folder the other is
+    loading. Hidden ones (conversions under way, removals) are not counted."""
     older = []
     for other in folder.parent.iterdir():
         stamp = _stamp(other) if other != folder and not other.name.startswith(".") else None
         if stamp is not None and stamp.get("path") == source.path and stamp != source.as_json():
             older.append(other)
-    return older
+    return sorted(older, key=_stamped_at)[:-1]
+
+
+def _stamped_at(folder: Path) -> int:
+    """When the folder's conversion was finished (its stamp written); 0 where it is gone meanwhile."""
+    try:
+        return (folder / SOURCE_FILE).stat().st_mtime_ns
+    except OSError:
+        return 0
 
 
 def _stamp(folder: Path) -> dict[str, object] | None:

@@ -8,6 +8,7 @@ float32 in the GGUF, copied as it is by the conversion."""
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import logging
 import os
@@ -21,7 +22,7 @@ import pytest
 from test_gguf_q4_rows import write_tiny_gguf
 
 from kvseal.bench.dataset import converted_folder
-from kvseal.model_files import gguf_cache_dir
+from kvseal.model_files import GgufSource, gguf_cache_dir
 from kvseal.models import loader
 from kvseal.models.gguf_blocks import BLOCKS_FILE, read_gguf_blocks
 from kvseal.models.loader import convert_gguf, folder_config
@@ -97,7 +98,34 @@ def test_a_gguf_replaced_in_place_with_the_same_size_and_mtime_is_converted_agai
         (before.st_size, before.st_mtime_ns, before.st_ino)
     second = convert_gguf(gguf)
     assert is_genuine(second, gguf) and not is_genuine(second, write_tiny_gguf(tmp_path / "old.gguf", seed=0))
-    assert second != first and not first.exists(), "the older conversion of the same path is removed"
+    assert second != first
+
+
+def test_two_copies_of_a_file_at_one_path_keep_a_folder_each_and_a_third_version_removes_the_oldest(
+        cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Containers sharing one cache, each with its own copy of the GGUF at the same path (its own
+    inode and ctime: another source). Each container's file is one of the files here, seen at
+    one shared path: after one conversion each, their starts by turns use their own folders and
+    convert nothing again; a third version removes the oldest folder."""
+    shared = "/models/model.gguf"
+    real_of = GgufSource.of.__func__  # type: ignore[attr-defined]
+
+    def seen_at_the_shared_path(cls: type[GgufSource], path: Path) -> GgufSource:
+        return dataclasses.replace(real_of(cls, path), path=shared)
+
+    monkeypatch.setattr(GgufSource, "of", classmethod(seen_at_the_shared_path))
+    a, b, c = (write_tiny_gguf(tmp_path / f"{name}.gguf", seed=seed) for name, seed in (("a", 0), ("b", 1), ("c", 2)))
+    folder_a = convert_gguf(a)
+    folder_b = convert_gguf(b)
+    assert folder_a != folder_b and folder_a.exists() and is_genuine(folder_b, b)
+    write = loader._write_hf_folder
+    converted: list[Path] = []
+    monkeypatch.setattr(loader, "_write_hf_folder", lambda path, out: converted.append(path))
+    assert (convert_gguf(a), convert_gguf(b), convert_gguf(a)) == (folder_a, folder_b, folder_a)
+    assert not converted, "a start by turns converted again"
+    monkeypatch.setattr(loader, "_write_hf_folder", write)
+    folder_c = convert_gguf(c)
+    assert is_genuine(folder_c, c) and folder_b.exists() and not folder_a.exists(), "the oldest one goes"
 
 
 def test_a_folder_that_does_not_name_its_file_is_converted_again(cache: Path, gguf: Path) -> None:
