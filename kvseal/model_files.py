@@ -12,21 +12,18 @@ was made from (`SOURCE_FILE`) and is used only for that very file (`GgufSource`)
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
 import hashlib
 import importlib.metadata
 import json
 import logging
 import os
-import shutil
 import stat
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from kvseal.errors import ModelLoadError
-from kvseal.owner_only import UnsafeFile, make_owner_only_folders, refuse_unsafe
+from kvseal.owner_only import UnsafeFile, give_up_cache, make_owner_only_folders, refuse_unsafe, stand_in
 
 __all__ = ["DEFAULT_MODEL_FILE", "DEFAULT_MODEL_PACKAGE", "SOURCE_FILE", "GgufSource", "conversion_problem",
            "default_model_path", "gguf_cache_dir", "older_conversions", "private_gguf_dir", "resolve_model_path",
@@ -76,9 +73,6 @@ def resolve_model_path(model: str | os.PathLike[str] | None) -> Path:
 
 SOURCE_FILE = "kvseal_gguf_source.json"  # in a converted folder: the GgufSource it was made from
 _CACHE_STAKE = "change the weights every tenant is served"  # what another user who could write the cache could do
-# cache root -> this process's private stand-in, where the cache cannot be used (one per process, so that the
-# conversion and the kept blocks are found in the same folder)
-_private_roots: dict[Path, Path] = {}
 
 
 @dataclass(frozen=True)
@@ -116,36 +110,28 @@ def gguf_cache_dir(path: Path) -> Path:
     `private_gguf_dir`), a private temporary folder of this process instead, with a warning naming
     the fix: the model still loads, converted at every start."""
     root = _cache_root()
-    if root not in _private_roots:
+    if stand_in(root) is None:  # once given up, the same stand-in for the conversion and the kept blocks
         try:
             make_owner_only_folders(root.parent.parent, root, "the GGUF conversion cache's folder", _CACHE_STAKE)
         except (OSError, UnsafeFile) as exc:
-            _private_root(root, exc)
-    return _private_roots.get(root, root) / GgufSource.of(path).key
+            _give_up(root, exc)
+    return (stand_in(root) or root) / GgufSource.of(path).key
 
 
 def private_gguf_dir(path: Path, why: Exception) -> Path:
     """Give up the cache for this process (a conversion could not be written there: a read-only
     mount, a full disk) and say so: `gguf_cache_dir` answers the private folder from now on."""
-    _private_root(_cache_root(), why)
+    _give_up(_cache_root(), why)
     return gguf_cache_dir(path)
+
+
+def _give_up(root: Path, why: Exception) -> None:
+    give_up_cache(root, why, "the GGUF conversion cache", "GGUF files are converted into", "kvseal-gguf-")
 
 
 def _cache_root() -> Path:
     home = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     return home / "kvseal" / "gguf"
-
-
-def _private_root(root: Path, why: Exception) -> Path:
-    """This process's stand-in for the cache folder `root`: made (0700) and warned about at the
-    first call, removed when the process exits."""
-    if root not in _private_roots:
-        _private_roots[root] = Path(tempfile.mkdtemp(prefix="kvseal-gguf-"))
-        atexit.register(shutil.rmtree, _private_roots[root], ignore_errors=True)
-        logger.warning("the GGUF conversion cache %s is not used: %s. GGUF files are converted into %s instead, "
-                       "for this process only (again at every start): make the cache this user's alone, or set "
-                       "XDG_CACHE_HOME to a folder only this user may write", root, why, _private_roots[root])
-    return _private_roots[root]
 
 
 def conversion_problem(folder: Path, source: GgufSource) -> str | None:

@@ -2,21 +2,31 @@
 
 A file or folder passes when no user but its owner may write it (no group or other write bit)
 and its owner is this user or root, as OpenSSH requires of `authorized_keys`. Engine link key
-files and their folders (`disagg.link_keys`) and the GGUF conversion cache (`model_files`) are
-held to it: another local user who could write either could change what every tenant is served
-(an allow-list, the weights) without anyone noticing.
+files and their folders (`disagg.link_keys`), the GGUF conversion cache (`model_files`) and the
+native kernels' build cache (`ops.native_build`) are held to it: another local user who could
+write one could change what every tenant is served (an allow-list, the weights, the code)
+without anyone noticing. A cache that breaks it is given up for a private stand-in of the
+process (`give_up_cache`), the same for both caches.
 """
 
 from __future__ import annotations
 
+import atexit
 import errno
+import logging
 import os
+import shutil
 import stat
+import tempfile
 from pathlib import Path
 
 from kvseal.errors import ConfigError
 
-__all__ = ["UnsafeFile", "make_owner_only_folders", "refuse_unsafe"]
+__all__ = ["UnsafeFile", "give_up_cache", "make_owner_only_folders", "refuse_unsafe", "stand_in"]
+
+logger = logging.getLogger("kvseal")
+# a cache folder this process gave up -> its private stand-in (`give_up_cache`)
+_stand_ins: dict[Path, Path] = {}
 
 
 class UnsafeFile(ConfigError):
@@ -53,3 +63,22 @@ def make_owner_only_folders(top: Path, bottom: Path, what: str, stake: str) -> N
             if not folder.is_dir():
                 raise NotADirectoryError(errno.ENOTDIR, "a file where a folder must be", str(folder)) from None
         refuse_unsafe(folder, what, stake)
+
+
+def give_up_cache(cache: Path, why: Exception, what: str, instead: str, prefix: str) -> Path:
+    """Stop using the cache folder `cache` in this process (it, or a folder above it, breaks the
+    rule or cannot be made or written): its private stand-in, a folder made (0700) in the
+    temporary folder at the first call, with a warning naming `what` the cache is, why, what is
+    done `instead` in the stand-in and the fix, and removed when the process exits."""
+    if cache not in _stand_ins:
+        _stand_ins[cache] = Path(tempfile.mkdtemp(prefix=prefix))
+        atexit.register(shutil.rmtree, _stand_ins[cache], ignore_errors=True)
+        logger.warning("%s %s is not used: %s. %s %s instead, for this process only (again at every start): make "
+                       "the cache this user's alone, or set XDG_CACHE_HOME to a folder only this user may write",
+                       what, cache, why, instead, _stand_ins[cache])
+    return _stand_ins[cache]
+
+
+def stand_in(cache: Path) -> Path | None:
+    """The private stand-in of a cache folder this process gave up (`give_up_cache`), else None."""
+    return _stand_ins.get(cache)

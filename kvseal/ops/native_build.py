@@ -33,7 +33,6 @@ every start), with a warning naming the fix.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import hashlib
 import importlib.util
@@ -58,7 +57,7 @@ from types import ModuleType
 import cffi
 import torch  # noqa: F401  (loaded first: its libgomp is the one the kernels link)
 
-from kvseal.owner_only import UnsafeFile, make_owner_only_folders, refuse_unsafe
+from kvseal.owner_only import UnsafeFile, give_up_cache, make_owner_only_folders, refuse_unsafe
 
 logger = logging.getLogger("kvseal")
 
@@ -253,10 +252,6 @@ def _cache_key(config: BuildConfig, version: str, sources: list[Path]) -> str:
     return digest.hexdigest()[:16]
 
 
-# cache root -> this process's private stand-in, where the cache may not be used
-_private_roots: dict[Path, Path] = {}
-
-
 def _build_folder(cache_root: Path, key: str) -> Path:
     """The folder a build with `key` goes in: `cache_root / key`, the folders from the cache's top
     (`$XDG_CACHE_HOME` where `cache_root` is under it) down to it made 0700 where missing and
@@ -267,22 +262,10 @@ def _build_folder(cache_root: Path, key: str) -> Path:
         make_owner_only_folders(top, cache_root / key, "the native kernels' cache folder", _STAKE)
         return cache_root / key
     except (OSError, UnsafeFile) as exc:
-        folder = _private_folder(cache_root, exc) / key
+        folder = give_up_cache(cache_root, exc, "the native kernels' cache", "The kernels are built into",
+                               "kvseal-native-") / key
         folder.mkdir(mode=0o700, exist_ok=True)
         return folder
-
-
-def _private_folder(cache_root: Path, why: Exception) -> Path:
-    """This process's stand-in for `cache_root`: made (0700) and warned about at the first call,
-    removed when the process exits."""
-    if cache_root not in _private_roots:
-        _private_roots[cache_root] = Path(tempfile.mkdtemp(prefix="kvseal-native-"))
-        atexit.register(shutil.rmtree, _private_roots[cache_root], ignore_errors=True)
-        logger.warning("the native kernels' cache %s is not used: %s. The kernels are built into %s instead, for "
-                       "this process only (again at every start): make the cache this user's alone, or set "
-                       "XDG_CACHE_HOME to a folder only this user may write", cache_root, why,
-                       _private_roots[cache_root])
-    return _private_roots[cache_root]
 
 
 def _cache_home() -> Path:

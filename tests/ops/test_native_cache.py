@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from kvseal.ops import native_build
+from kvseal import owner_only
 from kvseal.ops.native_build import HEADER, BuildConfig, build
 
 
@@ -34,7 +34,7 @@ def config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[BuildCon
     home.mkdir(mode=0o700)
     monkeypatch.setenv("XDG_CACHE_HOME", str(home))
     private: dict[Path, Path] = {}
-    monkeypatch.setattr(native_build, "_private_roots", private)
+    monkeypatch.setattr(owner_only, "_stand_ins", private)
     yield replace(BuildConfig.from_environment(), flags=("-O0", "-fopenmp"), csrc=csrc,
                   cache_root=home / "kvseal" / "native")
     for folder in private.values():
